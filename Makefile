@@ -1,0 +1,22 @@
+# dspec developer entry points.  `make test` is the README's (and CI's) test command.
+PY ?= python3
+PIP = $(PY) -m pip
+
+.PHONY: install test test-fast bench-cpu clean
+
+install:
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r requirements-dev.txt
+	$(PIP) install -q --no-build-isolation -e .
+
+test: install
+	$(PY) -m pytest -q tests
+
+test-fast:
+	$(PY) -m pytest -q -x tests
+
+bench-cpu:
+	for b in bench/bench_*.py; do $(PY) $$b --device cpu --quick || exit 1; done
+
+clean:
+	rm -rf build dist *.egg-info dspec/_C*.so

@@ -1,0 +1,13 @@
+"""dspec: fused kernels for speculative decoding with diffusion language models.
+
+Importing dspec needs neither a GPU, nvcc nor Triton; kernels load lazily.
+"""
+from ._validate import config
+from .ops import (boundary_posterior, expected_accept_length, mass_candidates,
+                  rejection_boundaries, token_stats, topk_tokens)
+from .types import TokenStats
+
+__version__ = "0.1.0"
+
+__all__ = ["TokenStats", "boundary_posterior", "config", "expected_accept_length",
+           "mass_candidates", "rejection_boundaries", "token_stats", "topk_tokens"]

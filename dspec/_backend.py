@@ -1,0 +1,93 @@
+"""Backend selection shared by every public op.
+
+Order of precedence: the op's ``backend=`` argument, then the ``DSPEC_BACKEND``
+environment variable (read at call time), then ``"auto"``.
+
+``auto`` picks, for CUDA tensors, the fastest backend built for the op (CUDA kernel in
+``dspec._C``, else Triton, else torch); for CPU tensors, the C++ CPU code of ``dspec._C``
+when the op has one, else torch.  ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1``
+(that is how CI runs the Triton kernels).  ``"cpp"`` names the C++ CPU code in ``dspec._C``
+explicitly; it is an addition to the four names of DESIGN.md.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton", "cuda", "cpp")
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def extension():
+    """The compiled ``dspec._C`` module, or None when it was not built."""
+    return _load_extension()
+
+
+@functools.lru_cache(maxsize=None)
+def _load_extension():
+    try:
+        from dspec import _C  # noqa: PLC0415
+    except ImportError:
+        return None
+    return _C
+
+
+def cpp_available() -> bool:
+    return extension() is not None
+
+
+def cuda_available() -> bool:
+    ext = extension()
+    return ext is not None and bool(getattr(ext, "with_cuda", False))
+
+
+def _backend_ready(name: str) -> bool:
+    return {
+        "torch": True,
+        "triton": triton_available(),
+        "cuda": cuda_available(),
+        "cpp": cpp_available(),
+    }[name]
+
+
+def resolve(op: str, backend: str | None, device: torch.device, provided: tuple[str, ...]) -> str:
+    """Return the backend that will run ``op`` on tensors living on ``device``.
+
+    ``provided`` lists the backends the op implements.  Raises ``ValueError`` for an unknown
+    name, a backend the op lacks, a backend not built/installed here, or a device mismatch.
+    """
+    requested = backend if backend is not None else os.environ.get("DSPEC_BACKEND", "auto")
+    requested = (requested or "auto").lower()
+    if requested not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {requested!r}")
+    on_cuda = device.type == "cuda"
+    if requested == "auto":
+        order = ("cuda", "triton", "torch") if on_cuda else ("cpp", "torch")
+        for name in order:
+            if name in provided and _backend_ready(name):
+                return name
+        return "torch"
+    if requested not in provided:
+        raise ValueError(f"{op}: no {requested!r} backend; available: {provided}")
+    if not _backend_ready(requested):
+        raise ValueError(f"{op}: backend {requested!r} is not available in this install "
+                         "(dspec._C not built, built without CUDA, or triton missing)")
+    if requested == "cuda" and not on_cuda:
+        raise ValueError(f"{op}: backend 'cuda' needs CUDA tensors, got device {device}")
+    if requested == "cpp" and device.type != "cpu":
+        raise ValueError(f"{op}: backend 'cpp' needs CPU tensors, got device {device}")
+    if requested == "triton" and not on_cuda and not triton_interpret():
+        raise ValueError(f"{op}: backend 'triton' on {device} tensors needs TRITON_INTERPRET=1 "
+                         "set before dspec's Triton kernels are imported")
+    return requested

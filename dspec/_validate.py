@@ -1,0 +1,81 @@
+"""Input checks shared by the public ops: every failure is a ValueError naming the argument."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+class _Config:
+    """Library-wide switches.
+
+    ``validate_values``: checks that read tensor contents (id ranges, probabilities in
+    [0, 1]) need a device-to-host copy.  They run by default, are skipped automatically while
+    a CUDA graph is being captured, and can be turned off for sync-free engine loops.
+    """
+
+    validate_values: bool = True
+
+
+config = _Config()
+
+
+def value_checks_enabled(t: torch.Tensor) -> bool:
+    if not config.validate_values:
+        return False
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def tensor(name: str, t, *, min_dim: int | None = None, dim: int | None = None,
+           dtypes=None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(t.shape)}")
+    if min_dim is not None and t.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    return t
+
+
+def logits(name: str, t) -> torch.Tensor:
+    tensor(name, t, min_dim=1, dtypes=FLOAT_DTYPES)
+    if t.shape[-1] == 0:
+        raise ValueError(f"{name} has an empty vocabulary (last dimension is 0)")
+    return t
+
+
+def temperature(value) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"temperature must be a positive finite number, got {value!r}") from None
+    if not (value > 0.0 and math.isfinite(value)):
+        raise ValueError(f"temperature must be a positive finite number, got {value!r}")
+    return value
+
+
+def positive_int(name: str, value, *, upper: int | None = None, upper_name: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    if upper is not None and value > upper:
+        raise ValueError(f"{name} must be <= {upper_name} ({upper}), got {value}")
+    return value
+
+
+def probabilities(name: str, t: torch.Tensor) -> None:
+    """Values in [0, 1] (NaN rejected too); skipped when value checks are off."""
+    if t.numel() and value_checks_enabled(t):
+        bad = ~((t >= 0) & (t <= 1))
+        if bool(bad.any()):
+            raise ValueError(f"{name} must hold probabilities in [0, 1]; found "
+                             f"{int(bad.sum())} value(s) outside, e.g. {t[bad].flatten()[0].item()}")

@@ -1,0 +1,7 @@
+"""Public wrappers: validate inputs, pick a backend, call it."""
+from .token_stats import token_stats
+from .topk import topk_tokens, mass_candidates
+from .boundary import boundary_posterior, rejection_boundaries, expected_accept_length
+
+__all__ = ["token_stats", "topk_tokens", "mass_candidates", "boundary_posterior",
+           "rejection_boundaries", "expected_accept_length"]

@@ -1,0 +1,81 @@
+"""Acceptance-boundary scores from per-draft confidences (D2SD re-anchoring, S2D2 routing)."""
+from __future__ import annotations
+
+import torch
+
+from .. import _backend, _validate
+from ..reference import boundary as _reference
+
+_PROVIDED = ("torch", "triton")
+
+
+def _conf(conf) -> torch.Tensor:
+    _validate.tensor("conf", conf, dim=2, dtypes=_validate.FLOAT_DTYPES)
+    _validate.probabilities("conf", conf)
+    return conf
+
+
+def boundary_posterior(conf: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """Probability that exactly i drafts are accepted, for i = 0..L.
+
+    Parameters
+    ----------
+    conf : Tensor [B, L], float, values in [0, 1]: the chance each draft is accepted given
+        the earlier ones were (e.g. ``token_stats(...).prob`` of the drafter).
+
+    Returns
+    -------
+    r : float32 [B, L + 1] with ``r[:, i] = prod(conf[:, :i]) * (1 - conf[:, i])`` for i < L
+        and ``r[:, L] = prod(conf)``; computed in log space.
+
+    Example
+    -------
+    >>> import torch, dspec
+    >>> dspec.boundary_posterior(torch.tensor([[0.5, 0.5]])).tolist()
+    [[0.5, 0.25, 0.25]]
+    """
+    _conf(conf)
+    if _backend.resolve("boundary_posterior", backend, conf.device, _PROVIDED) == "torch":
+        return _reference.boundary_posterior(conf)
+    from ..kernels.boundary import boundary_triton
+    return boundary_triton(conf, want_r=True)[0]
+
+
+def rejection_boundaries(conf: torch.Tensor, k: int, *, backend: str | None = None):
+    """The k most likely rejection points: prefix lengths i in [0, L-1] with the largest r_i.
+
+    Returns
+    -------
+    lengths : int64 [B, k], largest r first, ties to the smaller i (ranked in log space, so
+        boundaries whose r underflows to 0 are still ordered).
+    r : float32 [B, k], their posterior probabilities.
+
+    Example
+    -------
+    >>> import torch, dspec
+    >>> dspec.rejection_boundaries(torch.tensor([[0.9, 0.5, 0.9]]), 2)[0].tolist()
+    [[1, 0]]
+    """
+    _conf(conf)
+    k = _validate.positive_int("k", k, upper=conf.shape[1], upper_name="L")
+    if _backend.resolve("rejection_boundaries", backend, conf.device, _PROVIDED) == "torch":
+        return _reference.rejection_boundaries(conf, k)
+    from ..kernels.boundary import boundary_triton
+    _, lengths, r, _ = boundary_triton(conf, k)
+    return lengths, r
+
+
+def expected_accept_length(conf: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """Expected number of accepted drafts, ``sum_{i=1..L} prod_{j<=i} conf_j``: float32 [B].
+
+    Example
+    -------
+    >>> import torch, dspec
+    >>> dspec.expected_accept_length(torch.tensor([[0.5, 0.5]])).tolist()
+    [0.75]
+    """
+    _conf(conf)
+    if _backend.resolve("expected_accept_length", backend, conf.device, _PROVIDED) == "torch":
+        return _reference.expected_accept_length(conf)
+    from ..kernels.boundary import boundary_triton
+    return boundary_triton(conf, want_expected=True)[3]

@@ -1,0 +1,76 @@
+"""token_stats: one read of the logits gives argmax, its probability, margin, entropy, lse."""
+from __future__ import annotations
+
+import torch
+
+from .. import _backend, _validate
+from ..reference.token_stats import token_stats as _token_stats_reference
+from ..types import TokenStats
+
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_CUDA_TILE = 4096  # elements one CUDA block streams per step (512 threads x 8)
+
+
+def token_stats(logits: torch.Tensor, *, temperature: float = 1.0,
+                backend: str | None = None) -> TokenStats:
+    """Per-row statistics of ``softmax(logits / temperature)`` from a single pass.
+
+    Parameters
+    ----------
+    logits : Tensor [..., V], float32 / float16 / bfloat16
+        Any leading shape; the last dimension is the vocabulary.
+    temperature : float
+        Positive and finite.  The maximum is subtracted before the division, so tiny
+        temperatures do not overflow.
+    backend : "auto" | "torch" | "triton" | "cuda" | "cpp", optional
+        Defaults to ``$DSPEC_BACKEND`` or "auto".
+
+    Returns
+    -------
+    TokenStats(token, prob, margin, entropy, lse), each of shape ``logits.shape[:-1]``:
+    token int64 (argmax, lowest id on ties); prob, margin (top-1 minus top-2 probability),
+    entropy (nats) and lse (natural log) float32.  A row with a NaN, a +inf, or only -inf
+    has token -1 and NaN prob/margin/entropy; its lse is NaN, +inf or -inf respectively.
+
+    Example
+    -------
+    >>> import torch, dspec
+    >>> s = dspec.token_stats(torch.tensor([[2.0, 1.0, 0.0]]))
+    >>> s.token.tolist(), round(s.prob.item(), 4)
+    ([0], 0.6652)
+    """
+    _validate.logits("logits", logits)
+    temperature = _validate.temperature(temperature)
+    name = _backend.resolve("token_stats", backend, logits.device, ("torch", "triton", "cuda", "cpp"))
+    if name == "torch":
+        return _token_stats_reference(logits, temperature)
+    if name == "triton":
+        from ..kernels.token_stats import token_stats_triton
+        return TokenStats(*token_stats_triton(logits, temperature))
+    return TokenStats(*_token_stats_ext(logits, temperature, cuda=name == "cuda"))
+
+
+def _token_stats_ext(logits: torch.Tensor, temperature: float, *, cuda: bool):
+    ext = _backend.extension()
+    lead = logits.shape[:-1]
+    x = logits.reshape(-1, logits.shape[-1])
+    if x.stride(-1) != 1 or x.data_ptr() % 16:
+        x = x.contiguous()
+    rows, vocab = x.shape
+    dev = x.device
+    token = torch.empty(rows, dtype=torch.int64, device=dev)
+    prob, margin, entropy, lse = (torch.empty(rows, dtype=torch.float32, device=dev) for _ in range(4))
+    if rows:
+        splits, workspace, stream = 1, 0, 0
+        if cuda:
+            from ..kernels._utils import vocab_splits
+            splits = vocab_splits(rows, vocab, _CUDA_TILE, dev, min_tiles_per_split=2)
+            if splits > 1:
+                ws = torch.empty(ext.token_stats_workspace_bytes(rows, splits), dtype=torch.uint8, device=dev)
+                workspace = ws.data_ptr()
+            stream = torch.cuda.current_stream(dev).cuda_stream
+        ext.token_stats(x.data_ptr(), _DTYPE_CODE[x.dtype], rows, vocab, x.stride(0),
+                        1.0 / temperature, token.data_ptr(), prob.data_ptr(), margin.data_ptr(),
+                        entropy.data_ptr(), lse.data_ptr(), "cuda" if cuda else "cpu",
+                        stream, splits, workspace)
+    return tuple(t.reshape(lead) for t in (token, prob, margin, entropy, lse))

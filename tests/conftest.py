@@ -1,0 +1,53 @@
+"""Shared test setup.
+
+Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors; the variable
+must be set before any @triton.jit function is defined, hence here, at collection time.
+With a GPU every test also runs on CUDA for the triton and cuda backends.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from dspec import _backend  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def backends_for(device: str, provided=("torch", "triton", "cuda", "cpp")):
+    """(device, backend) pairs that can run here for an op providing ``provided``."""
+    out = []
+    for name in provided:
+        if name == "torch":
+            out.append((device, name))
+        elif name == "triton" and _backend.triton_available() and (
+                device == "cuda" or _backend.triton_interpret()):
+            out.append((device, name))
+        elif name == "cuda" and device == "cuda" and _backend.cuda_available():
+            out.append((device, name))
+        elif name == "cpp" and device == "cpu" and _backend.cpp_available():
+            out.append((device, name))
+    return out
+
+
+def device_backends(provided=("torch", "triton", "cuda", "cpp"), skip_torch=False):
+    pairs = [p for d in DEVICES for p in backends_for(d, provided)]
+    if skip_torch:
+        pairs = [p for p in pairs if p[1] != "torch"]
+    return pytest.mark.parametrize("device,backend", pairs, ids=[f"{d}-{b}" for d, b in pairs])
+
+
+def assert_close_nan(actual, expected, *, rtol, atol, name=""):
+    """allclose that treats NaN == NaN and matching infinities as equal, with a useful message."""
+    assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (name, actual.dtype, expected.dtype)
+    a, e = actual.cpu(), expected.cpu()
+    ok = torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True)
+    if not bool(ok.all()):
+        idx = (~ok).nonzero()[0].tolist()
+        raise AssertionError(f"{name}: {int((~ok).sum())} mismatches, first at {idx}: "
+                             f"got {a[tuple(idx)].item()} expected {e[tuple(idx)].item()}")
