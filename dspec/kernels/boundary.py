@@ -40,8 +40,8 @@ def _boundary_kernel(conf_ptr, conf_stride, batch, length, r_ptr, len_ptr, rtop_
     log_r = exclusive + tl.where(has_conf, _log1p_neg(conf), 0.0)
     in_range = slots[None, :] <= length
     if WANT_R:
-        out = rows.to(tl.int64)[:, None] * (length + 1) + slots[None, :]
-        tl.store(r_ptr + out, tl.exp(log_r), mask=row_ok[:, None] & in_range)
+        r_at = rows.to(tl.int64)[:, None] * (length + 1) + slots[None, :]
+        tl.store(r_ptr + r_at, tl.exp(log_r), mask=row_ok[:, None] & in_range)
     if WANT_EXP:
         inclusive = tl.cumsum(tl.log(conf), 1)
         tl.store(exp_ptr + rows, tl.sum(tl.where(has_conf, tl.exp(inclusive), 0.0), 1), mask=row_ok)
@@ -54,9 +54,9 @@ def _boundary_kernel(conf_ptr, conf_stride, batch, length, r_ptr, len_ptr, rtop_
             top = tl.max(cand, 1)
             pick = tl.min(tl.where(avail & (cand == top[:, None]), slots[None, :], LP), 1)
             avail = avail & (slots[None, :] != pick[:, None])
-            out = rows.to(tl.int64) * K + t
-            tl.store(len_ptr + out, pick.to(tl.int64), mask=row_ok)
-            tl.store(rtop_ptr + out, tl.exp(top), mask=row_ok)
+            top_at = rows.to(tl.int64) * K + t
+            tl.store(len_ptr + top_at, pick.to(tl.int64), mask=row_ok)
+            tl.store(rtop_ptr + top_at, tl.exp(top), mask=row_ok)
 
 
 def boundary_triton(conf: torch.Tensor, k: int = 0, *, want_r: bool = False,

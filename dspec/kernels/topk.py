@@ -18,7 +18,9 @@ import triton.language as tl
 
 from ._utils import as_rows, next_pow2, vocab_splits
 
-_KEY_MIN = -(2 ** 63)
+# Python-side constexprs: the literal -9223372036854775808 would parse as -(2**63 as uint64).
+_KEY_MIN: tl.constexpr = tl.constexpr(-(2 ** 63))
+_KEY_MAX: tl.constexpr = tl.constexpr(2 ** 63 - 1)
 
 
 @triton.jit
@@ -48,9 +50,9 @@ def _insert(best, key, slots, K: tl.constexpr, KP: tl.constexpr):
     # shifted[j] = best[j - 1], through a KP x KP selection (no cross-lane shuffle in Triton)
     src = tl.arange(0, KP)
     pick = src[None, :] == (slots[:, None] - 1)
-    shifted = tl.max(tl.where(pick, best[None, :], -9223372036854775808), 1)
+    shifted = tl.max(tl.where(pick, best[None, :], _KEY_MIN), 1)
     out = tl.where(slots < pos, best, tl.where(slots == pos, key, shifted))
-    return tl.where(slots < K, out, -9223372036854775808)
+    return tl.where(slots < K, out, _KEY_MIN)
 
 
 @triton.jit
@@ -99,7 +101,7 @@ def _topk_kernel(logits_ptr, row_stride, vocab, cols_per_split, inv_t, tau,
     lo = split * cols_per_split
     hi = tl.minimum(lo + cols_per_split, vocab)
 
-    best = tl.full([KP], -9223372036854775808, tl.int64)
+    best = tl.full([KP], _KEY_MIN, tl.int64)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
     nan_count = tl.zeros([BLOCK], tl.int32)
@@ -117,12 +119,12 @@ def _topk_kernel(logits_ptr, row_stride, vocab, cols_per_split, inv_t, tau,
         s = tl.where(live, tl.where(gt, s * e + 1.0, s + e), s)
         m = tl.maximum(m, x)
         # top-K: insert only the keys that beat the current K-th best
-        keys = tl.where(inside, _to_key(x, cols), -9223372036854775808)
-        kth = tl.min(tl.where(slots < K, best, 9223372036854775807), 0)
+        keys = tl.where(inside, _to_key(x, cols), _KEY_MIN)
+        kth = tl.min(tl.where(slots < K, best, _KEY_MAX), 0)
         n_new = tl.minimum(tl.sum((keys > kth).to(tl.int32), 0), K)
         for _ in range(n_new):
             top = tl.max(keys, 0)
-            keys = tl.where(keys == top, -9223372036854775808, keys)
+            keys = tl.where(keys == top, _KEY_MIN, keys)
             best = _insert(best, top, slots, K, KP)
 
     big_m, s_tot = _merge_softmax(m, s, inv_t)
@@ -149,15 +151,15 @@ def _topk_merge_kernel(part_key_ptr, part_f_ptr, inv_t, tau, token_ptr, val_ptr,
     ok = sp < NUM_SPLITS
     slot = row * NUM_SPLITS + sp
     keys = tl.load(part_key_ptr + slot[:, None] * KP + slots[None, :], mask=ok[:, None],
-                   other=-9223372036854775808)
+                   other=_KEY_MIN)
     m = tl.load(part_f_ptr + slot * 3 + 0, mask=ok, other=float("-inf"))
     s = tl.load(part_f_ptr + slot * 3 + 1, mask=ok, other=0.0)
     nan_tot = tl.sum(tl.load(part_f_ptr + slot * 3 + 2, mask=ok, other=0.0), 0)
     big_m, s_tot = _merge_softmax(m, s, inv_t)
-    best = tl.full([KP], -9223372036854775808, tl.int64)
+    best = tl.full([KP], _KEY_MIN, tl.int64)
     for t in range(K):  # extraction in order: the buffer comes out sorted
         top = tl.max(tl.max(keys, 1), 0)
-        keys = tl.where(keys == top, -9223372036854775808, keys)
+        keys = tl.where(keys == top, _KEY_MIN, keys)
         best = tl.where(slots == t, top, best)
     _finalize(row, best, slots, big_m, s_tot, nan_tot, inv_t, tau,
               token_ptr, val_ptr, count_ptr, K, MASS)
