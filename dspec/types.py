@@ -18,3 +18,26 @@ class TokenStats(NamedTuple):
     margin: torch.Tensor
     entropy: torch.Tensor
     lse: torch.Tensor
+
+
+class VerifyOutput(NamedTuple):
+    """Result of chain verification.
+
+    num_accepted: int64 [B]; tokens: int64 [B, L + 1], the accepted drafts, then the one
+    drawn (corrected or bonus) token, then -1.
+    """
+
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+
+
+class TreeVerifyOutput(NamedTuple):
+    """Result of tree verification.
+
+    num_accepted: int64 [B]; path: int64 [B, N], accepted node indices (root excluded), then
+    -1; tokens: int64 [B, N], their tokens, then the final drawn token, then -1.
+    """
+
+    num_accepted: torch.Tensor
+    path: torch.Tensor
+    tokens: torch.Tensor

@@ -13,7 +13,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dspec.kernels import boundary, token_stats, topk  # noqa: E402
+from dspec.kernels import boundary, token_stats, topk, verify  # noqa: E402
 
 F32, I32, I64 = "*fp32", "*i32", "*i64"
 
@@ -46,6 +46,36 @@ def cases():
                dict(conf_ptr=dt, conf_stride="i64", batch="i32", length="i32", r_ptr=F32,
                     len_ptr=I64, rtop_ptr=F32, exp_ptr=F32),
                dict(K=4, ROWS=16, LP=128, WANT_R=True, WANT_TOP=True, WANT_EXP=True), 2)
+
+
+    spec = dict(spec_row_ptr=I64, spec_qrow_ptr=I64, spec_mode_ptr=I32, spec_nex_ptr=I32,
+                spec_excl_ptr=I64)
+    for dt in ("*fp32", "*bf16"):
+        for greedy, has_q in ((True, False), (False, False), (False, True)):
+            yield (verify._chain_accept_kernel,
+                   dict(draft_ptr=I64, draft_stride="i64", ndraft_ptr=I64, logits_ptr=dt,
+                        vocab="i32", argmax_ptr=I64, prob_ptr=F32, q_ptr=dt, q_stride_b="i64",
+                        q_stride_l="i64", coins_ptr=F32, length="i32", inv_t="fp32",
+                        num_ptr=I64, out_ptr=I64, **spec, spec_pos_ptr=I64),
+                   dict(LP=32, GREEDY=greedy, HAS_Q=has_q), 1)
+        for greedy in (True, False):
+            yield (verify._tree_walk_kernel,
+                   dict(tok_ptr=I64, par_ptr=I64, nodes="i32", logits_ptr=dt, vocab="i32",
+                        argmax_ptr=I64, prob_ptr=F32, coins_ptr=F32, inv_t="fp32", num_ptr=I64,
+                        path_ptr=I64, out_ptr=I64, spec_row_ptr=I64, spec_mode_ptr=I32,
+                        spec_nex_ptr=I32, spec_excl_ptr=I64, spec_pos_ptr=I64),
+                   dict(EP=64, GREEDY=greedy), 1)
+        for has_q in (False, True):
+            draw = dict(logits_ptr=dt, vocab="i32", argmax_ptr=I64, prob_ptr=F32, q_ptr=dt,
+                        inv_t="fp32", **spec)
+            yield (verify._draw_tiles_kernel,
+                   dict(draw, tile_w_ptr=F32, tile_p_ptr=F32, num_tiles="i32",
+                        tiles_per_split="i32"),
+                   dict(BLOCK=1024, EP=64, HAS_Q=has_q), 4)
+            yield (verify._draw_pick_kernel,
+                   dict(draw, spec_pos_ptr=I64, tile_w_ptr=F32, tile_p_ptr=F32, num_tiles="i32",
+                        uniforms_ptr=F32, out_ptr=I64),
+                   dict(BLOCK=1024, TP=256, EP=64, HAS_Q=has_q), 4)
 
 
 def main(archs):

@@ -1,0 +1,221 @@
+"""verify_chain and verify_tree: fused acceptance with residual resampling."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _backend, _validate
+from ..reference import verify as _reference
+from ..types import TreeVerifyOutput, VerifyOutput
+
+_PROVIDED = ("torch", "triton")
+
+
+def _same_device(device: torch.device, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} like the logits")
+
+
+def _temperature(value) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"temperature must be a number (<= 0 for greedy), got {value!r}") from None
+    if math.isnan(value) or value == math.inf:
+        raise ValueError(f"temperature must be finite (<= 0 for greedy), got {value!r}")
+    return value
+
+
+def _uniforms(name: str, t, shape: tuple, device) -> torch.Tensor:
+    _validate.tensor(name, t, dim=len(shape), dtypes=_validate.FLOAT_DTYPES)
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like the logits")
+    if t.numel() and _validate.value_checks_enabled(t):
+        bad = ~((t >= 0) & (t < 1))
+        if bool(bad.any()):
+            raise ValueError(f"{name} must hold uniforms in [0, 1); found {int(bad.sum())} outside")
+    return t.float()
+
+
+def _randomness(generator, coins, uniforms, coin_shape, batch, device):
+    if coins is None:
+        coins = torch.rand(coin_shape, generator=generator, device=device)
+    else:
+        coins = _uniforms("coins", coins, coin_shape, device)
+    if uniforms is None:
+        uniforms = torch.rand((batch,), generator=generator, device=device)
+    else:
+        uniforms = _uniforms("sample_uniforms", uniforms, (batch,), device)
+    return coins, uniforms
+
+
+def _ids_in_vocab(name: str, ids: torch.Tensor, used: torch.Tensor, vocab: int) -> None:
+    if ids.numel() and _validate.value_checks_enabled(ids):
+        bad = used & ((ids < 0) | (ids >= vocab))
+        if bool(bad.any()):
+            at = bad.nonzero()[0].tolist()
+            raise ValueError(f"{name} holds ids outside the vocabulary [0, {vocab}): "
+                             f"{int(ids[tuple(at)])} at {at}")
+
+
+def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, draft_probs=None,
+                 num_drafts=None, temperature: float = 0.0, coins=None, sample_uniforms=None,
+                 generator: torch.Generator | None = None,
+                 backend: str | None = None) -> VerifyOutput:
+    """Verify a chain of drafted tokens against the target's logits in one fused pass.
+
+    Parameters
+    ----------
+    draft_tokens : int32/int64 [B, L]
+    target_logits : float32/float16/bfloat16 [B, L + 1, V]; row i is the target's
+        distribution for the token after i accepted drafts (row L gives the bonus token).
+    draft_probs : float [B, L, V], optional. The drafter's distributions; one-hot on the
+        draft tokens when None.
+    num_drafts : int [B], optional. Row b uses its first ``num_drafts[b]`` (<= L) drafts.
+    temperature : float. <= 0 is greedy (exact argmax matching); > 0 samples from
+        ``softmax(target_logits / temperature)`` with speculative acceptance
+        ``coins * q(x) < p(x)`` and residual resampling from ``max(p - q, 0)``.
+    coins : float32 [B, L] in [0, 1), sample_uniforms : float32 [B] in [0, 1), optional.
+        With both given the result is a pure function of the inputs; otherwise they are
+        drawn on the device from ``generator`` (no host synchronisation).
+
+    Returns
+    -------
+    VerifyOutput(num_accepted int64 [B], tokens int64 [B, L + 1]): the accepted drafts, the
+    one drawn token, then -1.  A target row with NaN/+inf (or only -inf) stops the row there
+    with final token -1.
+
+    Example
+    -------
+    >>> import torch, dspec
+    >>> logits = torch.full((1, 3, 5), -10.0); logits[0, 0, 2] = logits[0, 1, 4] = logits[0, 2, 1] = 10.0
+    >>> dspec.verify_chain(torch.tensor([[2, 3]]), logits).tokens.tolist()
+    [[2, 4, -1]]
+    """
+    _validate.tensor("draft_tokens", draft_tokens, dim=2, dtypes=_validate.ID_DTYPES)
+    _validate.tensor("target_logits", target_logits, dim=3, dtypes=_validate.FLOAT_DTYPES)
+    batch, length = draft_tokens.shape
+    vocab = target_logits.shape[-1]
+    if tuple(target_logits.shape[:2]) != (batch, length + 1):
+        raise ValueError(f"target_logits must have shape [B, L + 1, V] = [{batch}, {length + 1}, V] "
+                         f"for draft_tokens [{batch}, {length}], got {list(target_logits.shape)}")
+    if vocab == 0:
+        raise ValueError("target_logits has an empty vocabulary (last dimension is 0)")
+    device = target_logits.device
+    _same_device(device, draft_tokens=draft_tokens, draft_probs=draft_probs, num_drafts=num_drafts)
+    if draft_probs is not None:
+        _validate.tensor("draft_probs", draft_probs, dim=3, dtypes=_validate.FLOAT_DTYPES)
+        if tuple(draft_probs.shape) != (batch, length, vocab):
+            raise ValueError(f"draft_probs must have shape [B, L, V] = [{batch}, {length}, {vocab}], "
+                             f"got {list(draft_probs.shape)}")
+    if num_drafts is not None:
+        _validate.tensor("num_drafts", num_drafts, dim=1, dtypes=_validate.ID_DTYPES)
+        if num_drafts.shape[0] != batch:
+            raise ValueError(f"num_drafts must have shape [B] = [{batch}], got {list(num_drafts.shape)}")
+        if batch and _validate.value_checks_enabled(num_drafts):
+            lo, hi = int(num_drafts.min()), int(num_drafts.max())
+            if lo < 0 or hi > length:
+                raise ValueError(f"num_drafts must lie in [0, L] = [0, {length}], got values in [{lo}, {hi}]")
+    temperature = _temperature(temperature)
+    used = torch.arange(length, device=device)[None, :] < (
+        num_drafts[:, None] if num_drafts is not None else length)
+    _ids_in_vocab("draft_tokens", draft_tokens, used, vocab)
+    if temperature > 0:
+        coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, length),
+                                             batch, device)
+    name = _backend.resolve("verify_chain", backend, device, _PROVIDED)
+    if name == "torch":
+        return _reference.verify_chain(draft_tokens, target_logits, draft_probs=draft_probs,
+                                       num_drafts=num_drafts, temperature=temperature,
+                                       coins=coins, sample_uniforms=sample_uniforms)
+    from ..kernels.verify import verify_chain_triton
+    return verify_chain_triton(draft_tokens, target_logits, draft_probs, num_drafts, temperature,
+                               coins, sample_uniforms)
+
+
+def _check_tree(parents: torch.Tensor) -> None:
+    """Node 0 is the root (-1); node i >= 1 has a parent in [0, i) that is not padding, or is padding (-1)."""
+    if not parents.numel() or not _validate.value_checks_enabled(parents):
+        return
+    par = parents.long()
+    if bool((par[:, 0] != -1).any()):
+        b = int((par[:, 0] != -1).nonzero()[0])
+        raise ValueError(f"parents[{b}, 0] must be -1 (node 0 is the root), got {int(par[b, 0])}")
+    idx = torch.arange(par.shape[1], device=par.device)
+    bad = (par[:, 1:] < -1) | (par[:, 1:] >= idx[None, 1:])
+    if bool(bad.any()):
+        b, i = bad.nonzero()[0].tolist()
+        raise ValueError(f"parents is not a topologically ordered tree: parents[{b}, {i + 1}] = "
+                         f"{int(par[b, i + 1])}, expected -1 or a value in [0, {i + 1})")
+    padding = par == -1
+    padding[:, 0] = False
+    parent_is_padding = padding.gather(1, par.clamp(min=0)) & (par >= 0)
+    if bool(parent_is_padding.any()):
+        b, i = parent_is_padding.nonzero()[0].tolist()
+        raise ValueError(f"parents[{b}, {i}] = {int(par[b, i])} points at a padding node (-1 parent)")
+
+
+def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor, *,
+                temperature: float = 0.0, coins=None, sample_uniforms=None,
+                generator: torch.Generator | None = None,
+                backend: str | None = None) -> TreeVerifyOutput:
+    """Verify a token tree (e.g. D2SD's K+1 branches) and return the accepted path.
+
+    Parameters
+    ----------
+    tokens : int32/int64 [B, N]; node 0 is the root (the last committed token).
+    parents : int32/int64 [B, N]; ``parents[b, 0] = -1``; for i >= 1 a parent in [0, i), or
+        -1 for an unused padding node (which may not have children).
+    target_logits : float [B, N, V]; row i is the target's distribution after node i.
+    temperature : float; <= 0 greedy: follow the lowest-index child equal to the argmax.
+        > 0: at node u siblings are tried in index order with ``coins[b, c] < w(tok_c) /
+        sum(w)``, w starting at ``softmax(logits[u] / T)`` and losing each rejected token;
+        the final token is drawn from the remaining w (from p at an accepted leaf).
+    coins : float32 [B, N] (entry c is node c's coin), sample_uniforms : float32 [B].
+
+    Returns
+    -------
+    TreeVerifyOutput(num_accepted [B], path [B, N], tokens [B, N]), int64: accepted node
+    indices (root excluded) then -1; their tokens, the final token, then -1.
+
+    Example
+    -------
+    >>> import torch, dspec
+    >>> logits = torch.zeros(1, 3, 4); logits[0, 0, 3] = logits[0, 2, 1] = 9.0
+    >>> out = dspec.verify_tree(torch.tensor([[0, 2, 3]]), torch.tensor([[-1, 0, 0]]), logits)
+    >>> out.path.tolist(), out.tokens.tolist()
+    ([[2, -1, -1]], [[3, 1, -1]])
+    """
+    _validate.tensor("tokens", tokens, dim=2, dtypes=_validate.ID_DTYPES)
+    _validate.tensor("parents", parents, dim=2, dtypes=_validate.ID_DTYPES)
+    _validate.tensor("target_logits", target_logits, dim=3, dtypes=_validate.FLOAT_DTYPES)
+    batch, nodes = tokens.shape
+    if nodes == 0:
+        raise ValueError("tokens must hold at least the root node (N >= 1)")
+    if tuple(parents.shape) != (batch, nodes):
+        raise ValueError(f"parents must have the shape of tokens [{batch}, {nodes}], got {list(parents.shape)}")
+    if tuple(target_logits.shape[:2]) != (batch, nodes):
+        raise ValueError(f"target_logits must have shape [B, N, V] = [{batch}, {nodes}, V], "
+                         f"got {list(target_logits.shape)}")
+    vocab = target_logits.shape[-1]
+    if vocab == 0:
+        raise ValueError("target_logits has an empty vocabulary (last dimension is 0)")
+    device = target_logits.device
+    _same_device(device, tokens=tokens, parents=parents)
+    _check_tree(parents)
+    used = parents >= 0
+    _ids_in_vocab("tokens", tokens, used, vocab)
+    temperature = _temperature(temperature)
+    if temperature > 0:
+        coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, nodes),
+                                             batch, device)
+    name = _backend.resolve("verify_tree", backend, device, _PROVIDED)
+    if name == "torch":
+        return _reference.verify_tree(tokens, parents, target_logits, temperature=temperature,
+                                      coins=coins, sample_uniforms=sample_uniforms)
+    from ..kernels.verify import verify_tree_triton
+    return verify_tree_triton(tokens, parents, target_logits, temperature, coins, sample_uniforms)

@@ -1,0 +1,131 @@
+"""Reference verify_chain and verify_tree (DESIGN.md "Verification").
+
+Probabilities are ``p = exp((logit - max) / T) / sum`` in float32, the same formula every
+backend uses.  A draw from weights ``w`` with uniform ``u`` is the smallest id v with
+``cumsum(w)[v] > u * sum(w)`` (the largest id with ``w > 0`` if rounding leaves none).
+
+Invalid positions: a target row holding a NaN or +inf, or only -inf, has no distribution.
+Verification stops there: the draft at that position is rejected and the final token is -1
+(greedy: the argmax is -1, which matches no draft).  NaN in ``draft_probs`` likewise
+rejects and gives -1.  Nothing crashes; the -1 is the documented signal.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..types import TreeVerifyOutput, VerifyOutput
+from .token_stats import token_stats
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / T) in float32 via the shared formula; invalid rows become NaN."""
+    x = logits.float()
+    m = x.amax(-1, keepdim=True)
+    e = torch.exp((x - m) * (1.0 / temperature))
+    return e / e.sum(-1, keepdim=True)
+
+
+def draw(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row-wise draw from weights w [R, V] with uniforms u [R].
+
+    The smallest v with ``cumsum(w)[v] > u * sum(w)``; the largest v with ``w > 0`` when
+    rounding leaves none; -1 when ``sum(w)`` is 0 or not finite.
+    """
+    total = w.sum(-1)
+    above = torch.cumsum(w, -1) > (u.float() * total)[:, None]
+    first = above.int().argmax(-1)
+    vocab = torch.arange(w.shape[-1], device=w.device)
+    last_nonzero = torch.where(w > 0, vocab, -1).amax(-1)
+    out = torch.where(above.any(-1), first, last_nonzero)
+    return torch.where(torch.isfinite(total) & (total > 0), out, torch.full_like(out, -1))
+
+
+def _residual_or_p(w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Residual weights, or p itself where the residual is all zero (a valid, empty residual)."""
+    total = w.sum(-1, keepdim=True)
+    return torch.where((total > 0) | ~torch.isfinite(total), w, p)
+
+
+def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, draft_probs=None,
+                 num_drafts=None, temperature: float = 0.0, coins=None,
+                 sample_uniforms=None) -> VerifyOutput:
+    batch, length = draft_tokens.shape
+    dev = draft_tokens.device
+    x = draft_tokens.long()
+    n = (torch.full((batch,), length, dtype=torch.int64, device=dev) if num_drafts is None
+         else num_drafts.long())
+    pos = torch.arange(length + 1, device=dev)
+    in_draft = pos[None, :length] < n[:, None]
+    rows = torch.arange(batch, device=dev)
+    if temperature <= 0:
+        argmax = token_stats(target_logits).token  # -1 at invalid positions
+        ok = (x == argmax[:, :length]) & in_draft
+        num_accepted = ok.long().cumprod(-1).sum(-1)
+        final = argmax[rows, num_accepted]
+    else:
+        p = _probs(target_logits, temperature)
+        p_x = p[:, :length].gather(-1, x[..., None])[..., 0]
+        q_x = (torch.ones_like(p_x) if draft_probs is None
+               else draft_probs.float().gather(-1, x[..., None])[..., 0])
+        ok = (coins.float() * q_x < p_x) & in_draft
+        num_accepted = ok.long().cumprod(-1).sum(-1)
+        j = num_accepted
+        p_j = p[rows, j]
+        rejected = (j < n)[:, None]
+        if draft_probs is None:  # one-hot q: the residual is p without the rejected token
+            x_j = x[rows, j.clamp(max=length - 1)] if length else j
+            w = p_j.scatter(-1, x_j[:, None], 0.0)
+        else:
+            q_j = draft_probs.float()[rows, j.clamp(max=max(length - 1, 0))]
+            w = torch.clamp(p_j - q_j, min=0.0)
+        w = torch.where(rejected, _residual_or_p(w, p_j), p_j)
+        final = draw(w, sample_uniforms)
+    tokens = torch.where(pos[None, :] < num_accepted[:, None],
+                         torch.cat([x, x.new_full((batch, 1), -1)], -1), -1)
+    tokens[rows, num_accepted] = final
+    return VerifyOutput(num_accepted, tokens)
+
+
+def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor, *,
+                temperature: float = 0.0, coins=None, sample_uniforms=None) -> TreeVerifyOutput:
+    """Walk every row's tree in one forward sweep over node indices.
+
+    Children have larger indices than their parent, so scanning c = 1..N-1 in order visits
+    the current node's children in index order and, after a move, the new node's children.
+    """
+    batch, nodes = tokens.shape
+    dev = tokens.device
+    tok = tokens.long()
+    par = parents.long()
+    rows = torch.arange(batch, device=dev)
+    greedy = temperature <= 0
+    if greedy:
+        argmax = token_stats(target_logits).token
+    else:
+        p = _probs(target_logits, temperature)
+        w = p[:, 0].clone()
+    node = torch.zeros(batch, dtype=torch.int64, device=dev)
+    depth = torch.zeros(batch, dtype=torch.int64, device=dev)
+    path = torch.full((batch, nodes), -1, dtype=torch.int64, device=dev)
+    out = torch.full((batch, nodes), -1, dtype=torch.int64, device=dev)
+    for c in range(1, nodes):
+        child = par[:, c] == node
+        t = tok[:, c]
+        if greedy:
+            move = child & (t == argmax[rows, node])
+        else:
+            w_t = w.gather(-1, t.clamp(min=0)[:, None])[:, 0]
+            move = child & (coins[:, c].float() < w_t / w.sum(-1))
+            reject = child & ~move
+            w = torch.where(reject[:, None], w.scatter(-1, t.clamp(min=0)[:, None], 0.0), w)
+            w = torch.where(move[:, None], p[:, c], w)
+        path[rows[move], depth[move]] = c
+        out[rows[move], depth[move]] = t[move]
+        node = torch.where(move, c, node)
+        depth = depth + move.long()
+    if greedy:
+        final = argmax[rows, node]
+    else:
+        final = draw(_residual_or_p(w, p[rows, node]), sample_uniforms)
+    out[rows, depth] = final
+    return TreeVerifyOutput(depth, path, out)
