@@ -4,10 +4,12 @@ Importing dspec needs neither a GPU, nvcc nor Triton; kernels load lazily.
 """
 from ._validate import config
 from .ops import (boundary_posterior, expected_accept_length, mass_candidates,
-                  rejection_boundaries, token_stats, topk_tokens)
-from .types import TokenStats
+                  rejection_boundaries, token_stats, topk_tokens, verify_chain,
+                  verify_tree)
+from .types import TokenStats, TreeVerifyOutput, VerifyOutput
 
 __version__ = "0.1.0"
 
-__all__ = ["TokenStats", "boundary_posterior", "config", "expected_accept_length",
-           "mass_candidates", "rejection_boundaries", "token_stats", "topk_tokens"]
+__all__ = ["TokenStats", "TreeVerifyOutput", "VerifyOutput", "boundary_posterior", "config",
+           "expected_accept_length", "mass_candidates", "rejection_boundaries", "token_stats",
+           "topk_tokens", "verify_chain", "verify_tree"]
