@@ -35,8 +35,9 @@ def _merge_lanes(m1, i1, m2, s, a, inv_t):
     d = (m1 - big_m) * inv_t
     live = m1 > float("-inf")
     c = tl.where(live, tl.exp(d), 0.0)
-    s_tot = tl.sum(tl.where(live, s * c, 0.0), 0)
-    a_tot = tl.sum(tl.where(live, c * (a + d * s), 0.0), 0)
+    s_tot = tl.sum(tl.where(c > 0.0, s * c, 0.0), 0)
+    # c == 0 also when d overflows to -inf (huge logits or tiny T): 0 * -inf would be NaN
+    a_tot = tl.sum(tl.where(c > 0.0, c * (a + d * s), 0.0), 0)
     return big_m, idx, runner, s_tot, a_tot
 
 
@@ -89,7 +90,7 @@ def _token_stats_kernel(logits_ptr, row_stride, vocab, cols_per_split, inv_t,
         diff = tl.where(gt, m1 - x, x - m1) * inv_t
         e = tl.where(live, tl.exp(diff), 0.0)
         s_gt = s * e + 1.0
-        a_gt = tl.where(m1 > float("-inf"), e * (a + diff * s), 0.0)
+        a_gt = tl.where(e > 0.0, e * (a + diff * s), 0.0)  # e == 0: old state negligible
         s_le = s + e
         a_le = a + tl.where(e > 0.0, e * diff, 0.0)
         s = tl.where(live, tl.where(gt, s_gt, s_le), s)

@@ -1,6 +1,8 @@
 """token_stats: one read of the logits gives argmax, its probability, margin, entropy, lse."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import _backend, _validate
@@ -8,7 +10,6 @@ from ..reference.token_stats import token_stats as _token_stats_reference
 from ..types import TokenStats
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_CUDA_TILE = 4096  # elements one CUDA block streams per step (512 threads x 8)
 
 
 def token_stats(logits: torch.Tensor, *, temperature: float = 1.0,
@@ -64,13 +65,14 @@ def _token_stats_ext(logits: torch.Tensor, temperature: float, *, cuda: bool):
         splits, workspace, stream = 1, 0, 0
         if cuda:
             from ..kernels._utils import vocab_splits
-            splits = vocab_splits(rows, vocab, _CUDA_TILE, dev, min_tiles_per_split=2)
+            splits = vocab_splits(rows, vocab, ext.token_stats_tile, dev, min_tiles_per_split=2)
             if splits > 1:
                 ws = torch.empty(ext.token_stats_workspace_bytes(rows, splits), dtype=torch.uint8, device=dev)
                 workspace = ws.data_ptr()
             stream = torch.cuda.current_stream(dev).cuda_stream
-        ext.token_stats(x.data_ptr(), _DTYPE_CODE[x.dtype], rows, vocab, x.stride(0),
-                        1.0 / temperature, token.data_ptr(), prob.data_ptr(), margin.data_ptr(),
-                        entropy.data_ptr(), lse.data_ptr(), "cuda" if cuda else "cpu",
-                        stream, splits, workspace)
+        with torch.cuda.device(dev) if cuda else contextlib.nullcontext():  # launch on x's GPU
+            ext.token_stats(x.data_ptr(), _DTYPE_CODE[x.dtype], rows, vocab, x.stride(0),
+                            1.0 / temperature, token.data_ptr(), prob.data_ptr(), margin.data_ptr(),
+                            entropy.data_ptr(), lse.data_ptr(), "cuda" if cuda else "cpu",
+                            stream, splits, workspace)
     return tuple(t.reshape(lead) for t in (token, prob, margin, entropy, lse))

@@ -1,0 +1,196 @@
+// pybind11 bindings of dspec._C.  No CUDA header here: CUDA work is behind the plain C++
+// functions of dspec.h, defined in the .cu files (only when built with DSPEC_WITH_CUDA).
+//
+// Tensors cross the boundary as integers (tensor.data_ptr()); the module never imports
+// torch and touches no GPU at import.  Every argument is validated before any work starts;
+// bad arguments raise ValueError (std::invalid_argument) naming the argument.
+#include <pybind11/pybind11.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "dspec.h"
+
+#ifndef DSPEC_VERSION
+#define DSPEC_VERSION "0.0.0"
+#endif
+#ifndef DSPEC_CUDA_ARCHS
+#define DSPEC_CUDA_ARCHS ""
+#endif
+#ifndef DSPEC_CUDA_VERSION
+#define DSPEC_CUDA_VERSION ""
+#endif
+#ifndef DSPEC_CXX_COMPILER
+#define DSPEC_CXX_COMPILER ""
+#endif
+#ifndef DSPEC_BUILD_TYPE
+#define DSPEC_BUILD_TYPE ""
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+#ifdef DSPEC_WITH_CUDA
+constexpr bool kWithCuda = true;
+#else
+constexpr bool kWithCuda = false;
+#endif
+
+[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument("dspec._C.token_stats: " + msg); }
+
+void check_ptr(std::int64_t ptr, const char* name, std::int64_t align) {
+  if (ptr == 0) fail(std::string(name) + " is a null pointer");
+  if (ptr < 0) fail(std::string(name) + " must be a non-negative address, got " + std::to_string(ptr));
+  if (ptr % align != 0) {
+    fail(std::string(name) + " must be " + std::to_string(align) + "-byte aligned, got " + std::to_string(ptr));
+  }
+}
+
+std::int64_t element_size(int dtype) { return dtype == dspec::kFloat32 ? 4 : 2; }
+
+std::int64_t workspace_bytes(std::int64_t rows, std::int64_t num_splits) {
+  if (rows < 0) {
+    throw std::invalid_argument("dspec._C.token_stats_workspace_bytes: rows must be >= 0, got " +
+                                std::to_string(rows));
+  }
+  if (num_splits < 1) {
+    throw std::invalid_argument("dspec._C.token_stats_workspace_bytes: num_splits must be >= 1, got " +
+                                std::to_string(num_splits));
+  }
+  if (num_splits > 1 && rows > std::numeric_limits<std::int64_t>::max() / dspec::kTokenStatsPartialBytes / num_splits) {
+    throw std::invalid_argument("dspec._C.token_stats_workspace_bytes: rows * num_splits is too large");
+  }
+  return dspec::token_stats_workspace_bytes(rows, num_splits);
+}
+
+void token_stats(std::int64_t logits_ptr, int dtype, std::int64_t rows, std::int64_t vocab, std::int64_t row_stride,
+                 double inv_temperature, std::int64_t token_ptr, std::int64_t prob_ptr, std::int64_t margin_ptr,
+                 std::int64_t entropy_ptr, std::int64_t lse_ptr, const std::string& device, std::int64_t stream,
+                 std::int64_t num_splits, std::int64_t workspace_ptr) {
+  // ---- validation: nothing is read or written before all of it passes ----
+  const bool on_cuda = device == "cuda";
+  if (!on_cuda && device != "cpu") fail("device must be 'cpu' or 'cuda', got '" + device + "'");
+  if (on_cuda && !kWithCuda) throw std::invalid_argument("dspec._C was built without CUDA");
+  if (dtype != dspec::kFloat32 && dtype != dspec::kFloat16 && dtype != dspec::kBFloat16) {
+    fail("dtype must be 0 (float32), 1 (float16) or 2 (bfloat16), got " + std::to_string(dtype));
+  }
+  if (rows < 0) fail("rows must be >= 0, got " + std::to_string(rows));
+  if (vocab < 1) fail("vocab must be >= 1, got " + std::to_string(vocab));
+  if (vocab > std::numeric_limits<std::int32_t>::max()) {
+    fail("vocab must be < 2^31 (ids are int32 inside the kernels), got " + std::to_string(vocab));
+  }
+  // A single row never steps by row_stride, so any non-negative stride is accepted there
+  // (torch reports odd strides for size-1 dimensions).
+  if (row_stride < 0 || (rows > 1 && row_stride < vocab)) {
+    fail("row_stride must be >= vocab (" + std::to_string(vocab) + "), got " + std::to_string(row_stride));
+  }
+  if (rows > 1 && (rows - 1) > (std::numeric_limits<std::int64_t>::max() - vocab) / row_stride) {
+    fail("rows * row_stride overflows int64");
+  }
+  const float inv_t = static_cast<float>(inv_temperature);
+  if (!(std::isfinite(inv_temperature) && inv_temperature > 0.0 && std::isfinite(inv_t) && inv_t > 0.0f)) {
+    fail("inv_temperature must be a positive finite number (as float32), got " + std::to_string(inv_temperature));
+  }
+  if (num_splits < 1) fail("num_splits must be >= 1, got " + std::to_string(num_splits));
+  if (num_splits > std::numeric_limits<std::int32_t>::max()) {
+    fail("num_splits must be < 2^31, got " + std::to_string(num_splits));
+  }
+  if (on_cuda && rows > std::numeric_limits<std::int32_t>::max() / num_splits) {
+    fail("rows * num_splits must be < 2^31 (CUDA grid size), got rows=" + std::to_string(rows) +
+         " num_splits=" + std::to_string(num_splits));
+  }
+  if (num_splits > 1 && rows > std::numeric_limits<std::int64_t>::max() / dspec::kTokenStatsPartialBytes / num_splits) {
+    fail("rows * num_splits is too large");
+  }
+  if (rows > 0) {  // empty tensors may report data_ptr() == 0
+    check_ptr(logits_ptr, "logits_ptr", element_size(dtype));
+    check_ptr(token_ptr, "token_ptr", 8);
+    check_ptr(prob_ptr, "prob_ptr", 4);
+    check_ptr(margin_ptr, "margin_ptr", 4);
+    check_ptr(entropy_ptr, "entropy_ptr", 4);
+    check_ptr(lse_ptr, "lse_ptr", 4);
+    if (num_splits > 1) {
+      if (workspace_ptr == 0) {
+        fail("workspace_ptr is a null pointer; num_splits > 1 needs token_stats_workspace_bytes(rows, num_splits) "
+             "bytes of workspace");
+      }
+      check_ptr(workspace_ptr, "workspace_ptr", 4);
+    }
+  }
+  if (rows == 0) return;
+
+  dspec::TokenStatsArgs a;
+  a.logits = reinterpret_cast<const void*>(static_cast<std::intptr_t>(logits_ptr));
+  a.dtype = dtype;
+  a.rows = rows;
+  a.vocab = vocab;
+  a.row_stride = row_stride;
+  a.inv_t = inv_t;
+  a.token = reinterpret_cast<std::int64_t*>(static_cast<std::intptr_t>(token_ptr));
+  a.prob = reinterpret_cast<float*>(static_cast<std::intptr_t>(prob_ptr));
+  a.margin = reinterpret_cast<float*>(static_cast<std::intptr_t>(margin_ptr));
+  a.entropy = reinterpret_cast<float*>(static_cast<std::intptr_t>(entropy_ptr));
+  a.lse = reinterpret_cast<float*>(static_cast<std::intptr_t>(lse_ptr));
+  a.num_splits = num_splits;
+  a.workspace = reinterpret_cast<void*>(static_cast<std::intptr_t>(workspace_ptr));
+
+  py::gil_scoped_release no_gil;
+  if (on_cuda) {
+#ifdef DSPEC_WITH_CUDA
+    dspec::token_stats_cuda(a, stream);
+#endif
+  } else {
+    (void)stream;
+    dspec::token_stats_cpu(a);
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() =
+      "dspec compiled kernels (C++ CPU code and, when built with nvcc, CUDA kernels).\n"
+      "Tensors are passed as integer addresses (tensor.data_ptr()); importing this module\n"
+      "never imports torch nor touches a GPU.";
+
+  m.attr("with_cuda") = py::bool_(kWithCuda);
+  m.attr("cuda_archs") = py::str(DSPEC_CUDA_ARCHS);
+  m.attr("__version__") = py::str(DSPEC_VERSION);
+  m.attr("token_stats_tile") = py::int_(dspec::kTokenStatsTile);
+  m.attr("token_stats_threads") = py::int_(dspec::kTokenStatsThreads);
+  m.attr("DTYPE_FLOAT32") = py::int_(static_cast<int>(dspec::kFloat32));
+  m.attr("DTYPE_FLOAT16") = py::int_(static_cast<int>(dspec::kFloat16));
+  m.attr("DTYPE_BFLOAT16") = py::int_(static_cast<int>(dspec::kBFloat16));
+
+  py::dict info;
+  info["version"] = DSPEC_VERSION;
+  info["with_cuda"] = kWithCuda;
+  info["cuda_archs"] = DSPEC_CUDA_ARCHS;
+  info["cuda_version"] = DSPEC_CUDA_VERSION;
+  info["cxx_compiler"] = DSPEC_CXX_COMPILER;
+  info["build_type"] = DSPEC_BUILD_TYPE;
+  info["cudart"] = kWithCuda ? "static" : "";
+  m.attr("build_info") = info;
+
+  m.def("token_stats", &token_stats, py::arg("logits_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("vocab"),
+        py::arg("row_stride"), py::arg("inv_temperature"), py::arg("token_ptr"), py::arg("prob_ptr"),
+        py::arg("margin_ptr"), py::arg("entropy_ptr"), py::arg("lse_ptr"), py::arg("device"),
+        py::arg("stream") = 0, py::arg("num_splits") = 1, py::arg("workspace_ptr") = 0,
+        R"doc(Per-row argmax, its probability, top-1 minus top-2 probability, entropy and logsumexp.
+
+logits_ptr: rows x vocab logits, unit stride along vocab, row_stride elements between rows;
+dtype: 0 float32, 1 float16, 2 bfloat16.  Outputs (rows each): token int64, prob, margin,
+entropy, lse float32.  device "cpu" runs the C++ code (GIL released, std::thread for large
+inputs); device "cuda" launches on `stream` (a cudaStream_t as an int) on the current CUDA
+device.  num_splits > 1 (CUDA) splits each row's vocabulary over num_splits blocks and needs
+workspace_ptr with token_stats_workspace_bytes(rows, num_splits) bytes; the CPU code
+validates but otherwise ignores num_splits / workspace_ptr.  rows == 0 is a no-op.
+Raises ValueError for a bad argument, RuntimeError when a CUDA launch fails.)doc");
+
+  m.def("token_stats_workspace_bytes", &workspace_bytes, py::arg("rows"), py::arg("num_splits"),
+        "Bytes of workspace token_stats needs for num_splits > 1 (rows * num_splits * 24), else 0.");
+}

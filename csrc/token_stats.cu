@@ -1,0 +1,294 @@
+// token_stats CUDA kernels: argmax, top-1 / top-2 probability, entropy and logsumexp of
+// each row of logits in one read.
+//
+// grid.x = rows * num_splits; block (row, split) streams columns
+// [split * cols_per_split, min((split + 1) * cols_per_split, vocab)) of its row.  Every
+// thread keeps the online state of dspec::ts (dspec.h) over the columns it owns, in
+// increasing column order: 16-byte vector loads (4 fp32 / 8 fp16 or bf16) from the first
+// 16-byte aligned column on, a scalar head before it and a scalar tail after the last whole
+// vector.  States are merged with __shfl_xor_sync inside a warp, then across warps in
+// shared memory.  With one split the block writes the outputs; otherwise it writes its
+// partial state to the workspace and token_stats_merge_kernel (one warp per row) merges the
+// splits of each row and writes the outputs.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "dspec.h"
+
+namespace dspec {
+namespace {
+
+using ts::State;
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+#define DSPEC_HDI __host__ __device__ __forceinline__
+
+DSPEC_HDI float u32_as_float(unsigned u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+// Read-only 16-byte load (the logits are read once).
+DSPEC_HDI uint4 load16(const uint4* p) {
+#if defined(__CUDA_ARCH__)
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
+
+template <int DT>
+struct Ld;
+template <>
+struct Ld<kFloat32> {
+  using T = float;
+  static constexpr int kVec = 4;
+  static DSPEC_HDI float cvt(T v) { return v; }
+};
+template <>
+struct Ld<kFloat16> {
+  using T = std::uint16_t;
+  static constexpr int kVec = 8;
+  static DSPEC_HDI float cvt(T v) { return __half2float(__ushort_as_half(v)); }
+};
+template <>
+struct Ld<kBFloat16> {
+  using T = std::uint16_t;
+  static constexpr int kVec = 8;
+  static DSPEC_HDI float cvt(T v) { return u32_as_float(static_cast<unsigned>(v) << 16); }
+};
+
+// Fold the kVec elements of one 16-byte vector (first column col0) into st, in order.
+template <int DT>
+DSPEC_HDI void update_vec(State& st, const uint4& raw, std::int32_t col0, float inv_t) {
+  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+  if constexpr (DT == kFloat32) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) ts::update(st, u32_as_float(w[k]), col0 + k, inv_t);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      ts::update(st, Ld<DT>::cvt(static_cast<std::uint16_t>(w[k] & 0xffffu)), col0 + 2 * k, inv_t);
+      ts::update(st, Ld<DT>::cvt(static_cast<std::uint16_t>(w[k] >> 16)), col0 + 2 * k + 1, inv_t);
+    }
+  }
+}
+
+// The state of thread tid of a THREADS-thread block over columns [lo, hi) of the row that
+// starts at row_base, in increasing column order: a scalar head up to the first 16-byte
+// boundary (fewer than kVec elements, thread t takes head element t), whole 16-byte vectors
+// (thread t takes vectors t, t + THREADS, ...; UNROLL loads in flight), then a scalar tail
+// (fewer than kVec elements, thread t takes tail element t).  Host-callable so the mapping
+// can be checked without a GPU.
+template <int DT, int THREADS, int UNROLL>
+DSPEC_HDI State thread_scan(const void* row_base, std::int64_t lo, std::int64_t hi, int tid, float inv_t) {
+  using L = Ld<DT>;
+  using T = typename L::T;
+  constexpr int kVec = L::kVec;
+  static_assert(kVec <= THREADS, "head and tail need one thread per element");
+  State st = ts::identity();
+  if (lo >= hi) return st;
+  const T* p = static_cast<const T*>(row_base) + lo;
+  const std::int64_t n = hi - lo;
+  const auto addr = reinterpret_cast<std::uintptr_t>(p);
+  // elements before the first 16-byte boundary (all of them if p is not element aligned)
+  std::int64_t head = (addr % sizeof(T)) ? n : static_cast<std::int64_t>(((16u - (addr & 15u)) & 15u) / sizeof(T));
+  head = head < n ? head : n;
+  if (tid < head) ts::update(st, L::cvt(p[tid]), static_cast<std::int32_t>(lo + tid), inv_t);
+
+  const std::int64_t n_vec = (n - head) / kVec;
+  const uint4* v = reinterpret_cast<const uint4*>(p + head);
+  const std::int64_t col_v = lo + head;  // column of v[0]
+  std::int64_t i = tid;
+  for (; i + (UNROLL - 1) * THREADS < n_vec; i += UNROLL * THREADS) {
+    uint4 raw[UNROLL];
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k) raw[k] = load16(v + i + k * THREADS);
+#pragma unroll
+    for (int k = 0; k < UNROLL; ++k)
+      update_vec<DT>(st, raw[k], static_cast<std::int32_t>(col_v + (i + k * THREADS) * kVec), inv_t);
+  }
+  for (; i < n_vec; i += THREADS) update_vec<DT>(st, load16(v + i), static_cast<std::int32_t>(col_v + i * kVec), inv_t);
+
+  const std::int64_t tail = head + n_vec * kVec;  // fewer than kVec elements left
+  if (tail + tid < n) ts::update(st, L::cvt(p[tail + tid]), static_cast<std::int32_t>(lo + tail + tid), inv_t);
+  return st;
+}
+
+// Columns [lo, hi) of split `split` (cols_per_split is a whole number of tiles).
+DSPEC_HDI void split_range(std::int64_t vocab, std::int64_t cols_per_split, std::int64_t split, std::int64_t& lo,
+                           std::int64_t& hi) {
+  lo = split * cols_per_split;
+  hi = lo + cols_per_split < vocab ? lo + cols_per_split : vocab;
+}
+
+inline std::int64_t cols_per_split_for(std::int64_t vocab, std::int64_t num_splits) {
+  const std::int64_t tiles = (vocab + kTokenStatsTile - 1) / kTokenStatsTile;
+  return (tiles + num_splits - 1) / num_splits * kTokenStatsTile;
+}
+
+__device__ __forceinline__ State shfl_xor(const State& s, int offset) {
+  State o;
+  o.m1 = __shfl_xor_sync(kFullMask, s.m1, offset);
+  o.m2 = __shfl_xor_sync(kFullMask, s.m2, offset);
+  o.s = __shfl_xor_sync(kFullMask, s.s, offset);
+  o.a = __shfl_xor_sync(kFullMask, s.a, offset);
+  o.i1 = __shfl_xor_sync(kFullMask, s.i1, offset);
+  o.nan = __shfl_xor_sync(kFullMask, s.nan, offset);
+  return o;
+}
+
+// Every lane ends with the same merged state (merge is symmetric).
+__device__ __forceinline__ State warp_reduce(State s, float inv_t) {
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset >>= 1) s = ts::merge(s, shfl_xor(s, offset), inv_t);
+  return s;
+}
+
+__device__ __forceinline__ void write_outputs(std::int64_t row, const State& st, float inv_t,
+                                              std::int64_t* __restrict__ token, float* __restrict__ prob,
+                                              float* __restrict__ margin, float* __restrict__ entropy,
+                                              float* __restrict__ lse) {
+  const ts::Result r = ts::finalize(st, inv_t);
+  token[row] = r.token;
+  prob[row] = r.prob;
+  margin[row] = r.margin;
+  entropy[row] = r.entropy;
+  lse[row] = r.lse;
+}
+
+template <int DT, int THREADS, int UNROLL>
+__global__ void __launch_bounds__(THREADS)
+    token_stats_kernel(const void* __restrict__ logits, std::int64_t row_stride, std::int64_t vocab,
+                       std::int64_t cols_per_split, int num_splits, float inv_t, float* __restrict__ part_f,
+                       int* __restrict__ part_i, std::int64_t* __restrict__ token, float* __restrict__ prob,
+                       float* __restrict__ margin, float* __restrict__ entropy, float* __restrict__ lse) {
+  constexpr int kWarps = THREADS / 32;
+  static_assert(THREADS % 32 == 0 && kWarps <= 32, "THREADS must be a multiple of 32, at most 1024");
+
+  const std::int64_t block = blockIdx.x;
+  const std::int64_t row = block / num_splits;
+  const std::int64_t split = block - row * num_splits;
+  const int tid = threadIdx.x;
+  std::int64_t lo, hi;
+  split_range(vocab, cols_per_split, split, lo, hi);
+  State st = thread_scan<DT, THREADS, UNROLL>(static_cast<const typename Ld<DT>::T*>(logits) + row * row_stride, lo,
+                                              hi, tid, inv_t);
+
+  st = warp_reduce(st, inv_t);
+  __shared__ State smem[kWarps];
+  const int warp = tid / 32, lane = tid % 32;
+  if (lane == 0) smem[warp] = st;
+  __syncthreads();
+  if (warp != 0) return;
+  st = lane < kWarps ? smem[lane] : ts::identity();
+  st = warp_reduce(st, inv_t);
+  if (lane != 0) return;
+
+  if (num_splits == 1) {
+    write_outputs(row, st, inv_t, token, prob, margin, entropy, lse);
+  } else {
+    const std::int64_t slot = block;  // == row * num_splits + split
+    part_f[slot * 4 + 0] = st.m1;
+    part_f[slot * 4 + 1] = st.m2;
+    part_f[slot * 4 + 2] = st.s;
+    part_f[slot * 4 + 3] = st.a;
+    part_i[slot * 2 + 0] = st.i1;
+    part_i[slot * 2 + 1] = st.nan;
+  }
+}
+
+// One warp per row: merges the num_splits partial states of the row and writes the outputs.
+template <int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    token_stats_merge_kernel(const float* __restrict__ part_f, const int* __restrict__ part_i, std::int64_t rows,
+                             int num_splits, float inv_t, std::int64_t* __restrict__ token,
+                             float* __restrict__ prob, float* __restrict__ margin, float* __restrict__ entropy,
+                             float* __restrict__ lse) {
+  const int lane = threadIdx.x % 32;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * WARPS + threadIdx.x / 32;
+  if (row >= rows) return;  // whole warps leave together
+  State st = ts::identity();
+  for (int s = lane; s < num_splits; s += 32) {
+    const std::int64_t slot = row * num_splits + s;
+    State o;
+    o.m1 = part_f[slot * 4 + 0];
+    o.m2 = part_f[slot * 4 + 1];
+    o.s = part_f[slot * 4 + 2];
+    o.a = part_f[slot * 4 + 3];
+    o.i1 = part_i[slot * 2 + 0];
+    o.nan = part_i[slot * 2 + 1];
+    st = ts::merge(st, o, inv_t);
+  }
+  st = warp_reduce(st, inv_t);
+  if (lane == 0) write_outputs(row, st, inv_t, token, prob, margin, entropy, lse);
+}
+
+constexpr int kMergeWarps = 4;
+
+template <int DT>
+void launch(const TokenStatsArgs& a, cudaStream_t stream) {
+  constexpr int kThreads = kTokenStatsThreads;
+  // 32 bytes in flight per thread and step for 16-bit logits, 64 for fp32 (4 x uint4).
+  constexpr int kUnroll = DT == kFloat32 ? 4 : 2;
+  static_assert(kTokenStatsTile == kThreads * 8, "tile = threads x 8 elements");
+  const std::int64_t cols_per_split = cols_per_split_for(a.vocab, a.num_splits);
+  const int num_splits = static_cast<int>(a.num_splits);
+  float* part_f = nullptr;
+  int* part_i = nullptr;
+  if (num_splits > 1) {
+    part_f = static_cast<float*>(a.workspace);
+    part_i = reinterpret_cast<int*>(part_f + a.rows * a.num_splits * 4);
+  }
+  const unsigned grid = static_cast<unsigned>(a.rows * a.num_splits);
+  token_stats_kernel<DT, kThreads, kUnroll><<<grid, kThreads, 0, stream>>>(
+      a.logits, a.row_stride, a.vocab, cols_per_split, num_splits, a.inv_t, part_f, part_i, a.token, a.prob,
+      a.margin, a.entropy, a.lse);
+  if (num_splits > 1) {
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) {
+      throw std::runtime_error(std::string("dspec._C.token_stats: CUDA launch failed: ") + cudaGetErrorString(err));
+    }
+    const unsigned merge_grid = static_cast<unsigned>((a.rows + kMergeWarps - 1) / kMergeWarps);
+    token_stats_merge_kernel<kMergeWarps><<<merge_grid, kMergeWarps * 32, 0, stream>>>(
+        part_f, part_i, a.rows, num_splits, a.inv_t, a.token, a.prob, a.margin, a.entropy, a.lse);
+  }
+}
+
+}  // namespace
+
+void token_stats_cuda(const TokenStatsArgs& args, std::int64_t stream_handle) {
+  if (args.rows <= 0) return;
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(static_cast<std::intptr_t>(stream_handle));
+  switch (args.dtype) {
+    case kFloat32:
+      launch<kFloat32>(args, stream);
+      break;
+    case kFloat16:
+      launch<kFloat16>(args, stream);
+      break;
+    case kBFloat16:
+      launch<kBFloat16>(args, stream);
+      break;
+    default:
+      throw std::invalid_argument("dspec._C.token_stats: unknown dtype code");
+  }
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("dspec._C.token_stats: CUDA launch failed: ") + cudaGetErrorString(err));
+  }
+}
+
+}  // namespace dspec

@@ -1,0 +1,321 @@
+// token_stats on the CPU: the same online algorithm as the CUDA / Triton kernels.
+//
+// Each row (or column chunk of a row) is scanned by kLanes interleaved lanes
+// (lane l owns columns l, l + kLanes, ...), each with its own online state (float sums,
+// flushed into a double-precision state every kRoundsPerFlush rounds); chunks of one row
+// are merged in column order.  The lane loop is branch-free (own exp, own fp16 decoding)
+// so the compiler vectorises it; on x86-64 it is also compiled for AVX2+FMA.  Large inputs
+// (rows * vocab >= 2^18) are spread over std::thread workers (no OpenMP; at most
+// $DSPEC_CPU_THREADS or hardware_concurrency() of them); the caller releases the GIL.
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "dspec.h"
+
+namespace dspec {
+namespace {
+
+#define DSPEC_CPU_INLINE inline __attribute__((always_inline))
+
+constexpr int kLanes = 16;
+using State = ts::StateT<double>;  // float max / exps, double sums (see dspec.h)
+// Below this many elements a call runs on the calling thread alone.
+constexpr std::int64_t kParallelThreshold = std::int64_t(1) << 18;
+// Each worker gets at least this many elements.
+constexpr std::int64_t kMinElementsPerThread = std::int64_t(1) << 16;
+
+DSPEC_CPU_INLINE float bits_to_float(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+DSPEC_CPU_INLINE std::uint32_t float_to_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+// IEEE binary16 -> binary32 by hand, branch-free so that loops over it vectorise:
+// normals re-biased, subnormals as mant * 2^-24 (integer -> float, exact, immune to
+// denormals-are-zero), +-0, +-inf and NaNs (payload kept, made quiet).
+DSPEC_CPU_INLINE float half_to_float(std::uint16_t h) {
+  const std::uint32_t u = h;
+  const std::uint32_t sign = (u & 0x8000u) << 16;
+  const std::uint32_t exp = u & 0x7c00u;
+  const std::uint32_t mant = u & 0x03ffu;
+  const float normal = bits_to_float(((u & 0x7fffu) << 13) + ((127u - 15u) << 23));
+  const float subnormal = static_cast<float>(static_cast<std::int32_t>(mant)) * 5.9604644775390625e-08f;
+  const float special = bits_to_float(0x7f800000u | (mant << 13) | (mant ? 0x00400000u : 0u));
+  const float mag = exp == 0 ? subnormal : (exp == 0x7c00u ? special : normal);
+  return bits_to_float(float_to_bits(mag) | sign);
+}
+
+DSPEC_CPU_INLINE float bf16_to_float(std::uint16_t h) { return bits_to_float(static_cast<std::uint32_t>(h) << 16); }
+
+template <int DT>
+struct Loader;
+template <>
+struct Loader<kFloat32> {
+  using T = float;
+  static DSPEC_CPU_INLINE float get(T v) { return v; }
+};
+template <>
+struct Loader<kFloat16> {
+  using T = std::uint16_t;
+  static DSPEC_CPU_INLINE float get(T v) { return half_to_float(v); }
+};
+template <>
+struct Loader<kBFloat16> {
+  using T = std::uint16_t;
+  static DSPEC_CPU_INLINE float get(T v) { return bf16_to_float(v); }
+};
+
+// exp(x) for x <= 0 (the only arguments the algorithm produces; -inf and NaN give 0).
+// Branch-free so that the lane loop vectorises: Cody-Waite reduction by ln 2 and the
+// degree-6 polynomial of Cephes' expf (about 1 ulp on [-87, 0]); results below 2^-126
+// (x < ~-87.3) are 0, which no sum of at least one exp(0) = 1 term can notice.
+DSPEC_CPU_INLINE float exp_nonpos(float x) {
+  float xc = x > -88.0f ? x : -88.0f;  // NaN and -inf -> -88 -> 0
+  xc = xc < 0.0f ? xc : 0.0f;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (xc * 1.44269504088896341f + shifter) - shifter;
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float q = 1.9875691500e-4f;
+  q = q * r + 1.3981999507e-3f;
+  q = q * r + 8.3334519073e-3f;
+  q = q * r + 4.1665795894e-2f;
+  q = q * r + 1.6666665459e-1f;
+  q = q * r + 5.0000001201e-1f;
+  const float poly = q * r * r + r + 1.0f;
+  const std::int32_t ni = static_cast<std::int32_t>(n);  // in [-127, 0]
+  const float scale = bits_to_float(static_cast<std::uint32_t>(ni + 127) << 23);  // 2^n, 0 for n = -127
+  return poly * scale;
+}
+
+// kLanes interleaved online states (structure of arrays, float sums).  Every
+// kRoundsPerFlush rounds (kLanes columns each) they are merged into a double-precision
+// running state and reset, so a float sum never folds more than kRoundsPerFlush terms.
+constexpr int kRoundsPerFlush = 256;
+
+struct alignas(64) Lanes {
+  float m1[kLanes];
+  float m2[kLanes];
+  float s[kLanes];
+  float a[kLanes];
+  std::int32_t i1[kLanes];
+  std::int32_t nan[kLanes];
+};
+
+DSPEC_CPU_INLINE void reset(Lanes& L) {
+  for (int l = 0; l < kLanes; ++l) {
+    L.m1[l] = -INFINITY;
+    L.m2[l] = -INFINITY;
+    L.s[l] = 0.0f;
+    L.a[l] = 0.0f;
+    L.i1[l] = INT32_MAX;
+    L.nan[l] = 0;
+  }
+}
+
+// Fold one round: columns col0 + l for l < kLanes; xv holds their values (-inf padding past
+// the end of the range).  Same arithmetic as dspec::ts::update, lane by lane.
+DSPEC_CPU_INLINE void fold_round(Lanes& L, const float* xv, std::int32_t col0, float inv_t) {
+  for (int l = 0; l < kLanes; ++l) {
+    float x = xv[l];
+    const bool is_nan = x != x;
+    L.nan[l] += is_nan ? 1 : 0;
+    x = is_nan ? -INFINITY : x;
+    const float m1 = L.m1[l], s = L.s[l], a = L.a[l];
+    const bool live = x > -INFINITY;
+    const bool gt = x > m1;
+    const float diff = (gt ? m1 - x : x - m1) * inv_t;
+    const float ex = exp_nonpos(diff);
+    const float e = live ? ex : 0.0f;
+    const float s_gt = s * e + 1.0f;
+    const float a_gt = e > 0.0f ? e * (a + diff * s) : 0.0f;
+    const float s_le = s + e;
+    const float a_le = a + (e > 0.0f ? e * diff : 0.0f);
+    L.s[l] = live ? (gt ? s_gt : s_le) : s;
+    L.a[l] = live ? (gt ? a_gt : a_le) : a;
+    L.m2[l] = gt ? m1 : (L.m2[l] > x ? L.m2[l] : x);
+    L.i1[l] = gt ? col0 + l : L.i1[l];
+    L.m1[l] = gt ? x : m1;
+  }
+}
+
+DSPEC_CPU_INLINE void flush(Lanes& L, State& run, float inv_t) {
+  for (int l = 0; l < kLanes; ++l) {
+    State st;
+    st.m1 = L.m1[l];
+    st.m2 = L.m2[l];
+    st.s = L.s[l];
+    st.a = L.a[l];
+    st.i1 = L.i1[l];
+    st.nan = L.nan[l];
+    run = ts::merge(run, st, inv_t);
+  }
+  reset(L);
+}
+
+// State of columns [lo, hi) of the row starting at p.
+template <int DT>
+DSPEC_CPU_INLINE State scan_impl(const typename Loader<DT>::T* p, std::int64_t lo, std::int64_t hi, float inv_t) {
+  using Ld = Loader<DT>;
+  State run = ts::identity<double>();
+  Lanes L;
+  reset(L);
+  alignas(64) float xv[kLanes];
+  std::int64_t j = lo;
+  while (j + kLanes <= hi) {
+    const std::int64_t rounds = std::min<std::int64_t>(kRoundsPerFlush, (hi - j) / kLanes);
+    for (std::int64_t r = 0; r < rounds; ++r, j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) xv[l] = Ld::get(p[j + l]);
+      fold_round(L, xv, static_cast<std::int32_t>(j), inv_t);
+    }
+    flush(L, run, inv_t);
+  }
+  if (j < hi) {
+    for (int l = 0; l < kLanes; ++l) xv[l] = j + l < hi ? Ld::get(p[j + l]) : -INFINITY;
+    fold_round(L, xv, static_cast<std::int32_t>(j), inv_t);
+    flush(L, run, inv_t);
+  }
+  return run;
+}
+
+// One entry point per dtype, compiled for AVX2+FMA and baseline x86-64 (picked at load
+// time by the ifunc resolver) where the compiler supports it.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__ELF__)
+#define DSPEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define DSPEC_CPU_CLONES
+#endif
+
+DSPEC_CPU_CLONES State scan_f32(const void* p, std::int64_t lo, std::int64_t hi, float inv_t) {
+  return scan_impl<kFloat32>(static_cast<const float*>(p), lo, hi, inv_t);
+}
+DSPEC_CPU_CLONES State scan_f16(const void* p, std::int64_t lo, std::int64_t hi, float inv_t) {
+  return scan_impl<kFloat16>(static_cast<const std::uint16_t*>(p), lo, hi, inv_t);
+}
+DSPEC_CPU_CLONES State scan_bf16(const void* p, std::int64_t lo, std::int64_t hi, float inv_t) {
+  return scan_impl<kBFloat16>(static_cast<const std::uint16_t*>(p), lo, hi, inv_t);
+}
+
+template <int DT>
+State scan(const typename Loader<DT>::T* p, std::int64_t lo, std::int64_t hi, float inv_t) {
+  if constexpr (DT == kFloat32) {
+    return scan_f32(p, lo, hi, inv_t);
+  } else if constexpr (DT == kFloat16) {
+    return scan_f16(p, lo, hi, inv_t);
+  } else {
+    return scan_bf16(p, lo, hi, inv_t);
+  }
+}
+
+inline void write_row(const TokenStatsArgs& a, std::int64_t row, const State& st) {
+  const ts::Result r = ts::finalize(st, a.inv_t);
+  a.token[row] = r.token;
+  a.prob[row] = r.prob;
+  a.margin[row] = r.margin;
+  a.entropy[row] = r.entropy;
+  a.lse[row] = r.lse;
+}
+
+unsigned max_threads() {
+  if (const char* env = std::getenv("DSPEC_CPU_THREADS")) {
+    const long n = std::strtol(env, nullptr, 10);
+    if (n >= 1) return static_cast<unsigned>(std::min<long>(n, 1024));
+  }
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1u : hw;
+}
+
+// Runs fn(t) for t in [0, n) on n - 1 new threads plus the calling one.  If a thread
+// cannot be started, its share runs on the calling thread.
+template <class Fn>
+void parallel_for(int n, Fn fn) {
+  std::vector<std::thread> workers;
+  workers.reserve(static_cast<std::size_t>(n));
+  std::vector<int> inline_ids;
+  for (int t = 1; t < n; ++t) {
+    try {
+      workers.emplace_back(fn, t);
+    } catch (const std::system_error&) {
+      inline_ids.push_back(t);
+    }
+  }
+  fn(0);
+  for (int t : inline_ids) fn(t);
+  for (auto& w : workers) w.join();
+}
+
+template <int DT>
+void run(const TokenStatsArgs& a) {
+  using T = typename Loader<DT>::T;
+  const T* logits = static_cast<const T*>(a.logits);
+  const std::int64_t rows = a.rows, vocab = a.vocab;
+  const std::int64_t work = rows * vocab;  // no overflow: validated by the bindings
+
+  std::int64_t threads = 1;
+  if (work >= kParallelThreshold) {
+    threads = std::min<std::int64_t>(max_threads(), std::max<std::int64_t>(1, work / kMinElementsPerThread));
+  }
+  if (threads <= 1) {
+    for (std::int64_t r = 0; r < rows; ++r) write_row(a, r, scan<DT>(logits + r * a.row_stride, 0, vocab, a.inv_t));
+    return;
+  }
+
+  // Work units: (row, chunk).  With fewer rows than threads, rows are cut into column
+  // chunks (multiples of kLanes) so every thread gets work.
+  std::int64_t chunks = rows >= threads ? 1 : (threads + rows - 1) / rows;
+  std::int64_t chunk_cols = (vocab + chunks - 1) / chunks;
+  chunk_cols = (chunk_cols + kLanes - 1) / kLanes * kLanes;
+  chunks = (vocab + chunk_cols - 1) / chunk_cols;
+  const std::int64_t units = rows * chunks;
+  threads = std::min(threads, units);
+
+  std::vector<State> partial(static_cast<std::size_t>(units));
+  const float inv_t = a.inv_t;
+  const std::int64_t row_stride = a.row_stride;
+  parallel_for(static_cast<int>(threads), [&](int t) {
+    const std::int64_t u0 = units * t / threads, u1 = units * (t + 1) / threads;
+    for (std::int64_t u = u0; u < u1; ++u) {
+      const std::int64_t r = u / chunks, c = u % chunks;
+      const std::int64_t lo = c * chunk_cols, hi = std::min(vocab, lo + chunk_cols);
+      partial[static_cast<std::size_t>(u)] = scan<DT>(logits + r * row_stride, lo, hi, inv_t);
+    }
+  });
+  for (std::int64_t r = 0; r < rows; ++r) {
+    State st = partial[static_cast<std::size_t>(r * chunks)];
+    for (std::int64_t c = 1; c < chunks; ++c) st = ts::merge(st, partial[static_cast<std::size_t>(r * chunks + c)], inv_t);
+    write_row(a, r, st);
+  }
+}
+
+}  // namespace
+
+void token_stats_cpu(const TokenStatsArgs& args) {
+  if (args.rows <= 0) return;
+  switch (args.dtype) {
+    case kFloat32:
+      run<kFloat32>(args);
+      break;
+    case kFloat16:
+      run<kFloat16>(args);
+      break;
+    case kBFloat16:
+      run<kBFloat16>(args);
+      break;
+    default:
+      break;  // unreachable: validated by the bindings
+  }
+}
+
+}  // namespace dspec
