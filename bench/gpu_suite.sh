@@ -9,7 +9,7 @@
 #   tests.log     pytest output
 #   summary.md    markdown tables (bench/summarize.py)
 #   results.json  every bench's JSON combined (raw per-rep timings dropped)
-#   token_stats.png, topk.png, boundary.png
+#   token_stats.png, verify.png, boundary.png, topk.png   (8 files in all: the limit)
 # Steps keep going after a failure; failures are listed at the end and the exit status is
 # the number of failed steps.  Every step runs under `timeout`, clipped so that the whole
 # suite ends within SUITE_BUDGET seconds (default 540).
@@ -20,7 +20,8 @@
 #   SKIP_BUILD=1 SKIP_TESTS=1 SKIP_BENCH=1   skip a part
 #   TEST_ARGS="..."       extra pytest args (default: -x)
 #   BENCH_ARGS="..."      extra args for every bench_*.py (e.g. --quick, --reps 10)
-#   BENCHES="token_stats boundary topk"      which benches, in order
+#   BENCHES="token_stats verify boundary topk"   which benches, in order (verify comes
+#                         second: its headline has targets; topk may be cut by the budget)
 #   BENCH_DEVICE=cuda     device for the benches (cpu: dry-run this script on a CPU box)
 set -u -o pipefail
 
@@ -84,6 +85,11 @@ try:
     print("triton", triton.__version__)
 except Exception as exc:
     print("triton missing:", exc)
+try:
+    import flashinfer
+    print("flashinfer", getattr(flashinfer, "__version__", "?"))
+except Exception as exc:
+    print("flashinfer unavailable (bench_verify skips its anchor):", exc)
 EOF
 git -C "$REPO" rev-parse HEAD 2>/dev/null || echo "(no git commit)"
 
@@ -132,10 +138,11 @@ fi
 
 # ---- benchmarks -------------------------------------------------------------------------
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
-  BENCHES=${BENCHES:-token_stats boundary topk}
+  BENCHES=${BENCHES:-token_stats verify boundary topk}
   for b in $BENCHES; do
     case $b in
       token_stats) cap=170; reserve=110 ;;
+      verify)      cap=170; reserve=100 ;;
       boundary)    cap=70;  reserve=90 ;;
       *)           cap=170; reserve=25 ;;
     esac

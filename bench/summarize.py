@@ -6,7 +6,10 @@ Reads every ``DIR/*.json`` written by a ``bench_*.py`` script (``results.json`` 
 skipped), then writes into OUT_DIR (default DIR):
 
 * ``summary.md``: environment, the token_stats headline (1024 x 151936 bf16: % of copy
-  bandwidth, speedup over the PyTorch chain, against the >= 80 % / >= 3x targets), then one
+  bandwidth, speedup over the PyTorch chain, against the >= 80 % / >= 3x targets), the
+  verify headline (verify_chain B=64 L=16 V=151936 T=1 with draft_probs: >= 1.5x faster
+  than flashinfer softmax + chain_speculative_sampling and <= 1.5x the roofline time,
+  PASS / FAIL / not-measured; see bench_verify.py), then one
   compact table per bench (one line per op / case / dtype: median µs per backend, and for
   the fastest dspec kernel backend its GB/s, % of copy bandwidth and speedups), then every
   row in long form (op, shape, backend, median µs, GB/s, % copy BW, speedup vs torch).
@@ -24,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-BACKEND_ORDER = ["torch", common.ANCHOR, "triton", "cuda", "cpp"]
+BACKEND_ORDER = ["torch", common.ANCHOR, "torch_plain", "flashinfer", "triton", "cuda", "cpp"]
 KERNEL_BACKENDS = ("triton", "cuda", "cpp")
 HEADLINE = {"op": "token_stats", "rows": 1024, "V": 151936, "dtype": "bf16"}
 
@@ -86,6 +89,31 @@ def headline(benches: dict) -> list[str]:
     return out
 
 
+def verify_headline(benches: dict, markdown: bool = True) -> list[str]:
+    """The verify headline with PASS / FAIL / not-measured (logic lives in bench_verify.py)."""
+    data = benches.get("verify")
+    if not data:
+        return []
+    try:
+        import bench_verify  # noqa: PLC0415 - same folder (sys.path set above)
+    except Exception as exc:  # noqa: BLE001
+        return [f"(verify headline unavailable: cannot import bench_verify: {exc!r})", ""]
+    lines = bench_verify.headline_lines(data, markdown=markdown)
+    fi = data.get("env", {}).get("flashinfer")
+    err = data.get("env", {}).get("flashinfer_error")
+    note = f"flashinfer: {fi}" + (f"; error: {err}" if err else "")
+    return lines + ([note, ""] if markdown else [note])
+
+
+# extra per-row columns some benches add (shown when any row of the bench has them)
+EXTRA_COLS = [("x_roofline", "x roofline", 2), ("speedup_vs_plain", "x vs plain", 2),
+              ("speedup_vs_flashinfer", "x vs flashinfer", 2), ("mean_accepted", "mean acc", 2)]
+
+
+def _extra_cols(rows: list[dict]) -> list[tuple]:
+    return [c for c in EXTRA_COLS if any(r.get(c[0]) is not None for r in rows)]
+
+
 def compact(data: dict) -> list[str]:
     """One line per (op, case, dtype): µs per backend + the best kernel backend's numbers."""
     rows = data["results"]
@@ -94,8 +122,10 @@ def compact(data: dict) -> list[str]:
         groups.setdefault((r["op"], r["case"], r["dtype"]), {})[r["backend"]] = r
     present = [b for b in BACKEND_ORDER if any(b in g for g in groups.values())]
     present += sorted({b for g in groups.values() for b in g} - set(present))
+    extra = _extra_cols(rows)
     header = ["op", "shape", "dtype"] + [f"{b} µs" for b in present] + \
-             ["best", "GB/s", "% copy BW", "x vs torch", "x vs chain", "checks"]
+             ["best", "GB/s", "% copy BW", "x vs torch", "x vs chain"] + [c[1] for c in extra] + \
+             ["checks"]
     lines = []
     for (op, case, dtype), by_backend in groups.items():
         kernels = [by_backend[b] for b in KERNEL_BACKENDS if b in by_backend]
@@ -106,18 +136,21 @@ def compact(data: dict) -> list[str]:
         lines.append([op, case, dtype] + [_f(by_backend[b]["median_us"]) if b in by_backend else "-"
                                           for b in present] +
                      [best["backend"], _f(best["GB_s"]), _f(best["pct_of_copy_bw"]),
-                      _f(best.get("speedup_vs_torch"), 2), _f(best.get("speedup_vs_chain"), 2),
-                      "; ".join(bad) if bad else "ok"])
+                      _f(best.get("speedup_vs_torch"), 2), _f(best.get("speedup_vs_chain"), 2)] +
+                     [_f(best.get(c[0]), c[2]) for c in extra] +
+                     ["; ".join(bad) if bad else "ok"])
     return [_md_table(header, lines), ""]
 
 
 def long_table(data: dict) -> list[str]:
+    extra = _extra_cols(data["results"])
     header = ["op", "shape", "dtype", "backend", "median µs", "p20", "p80", "GB/s", "% copy BW",
-              "x vs torch", "x vs chain", "check"]
+              "x vs torch", "x vs chain"] + [c[1] for c in extra] + ["check"]
     lines = [[r["op"], r["case"], r["dtype"], r["backend"], _f(r["median_us"]), _f(r["p20_us"]),
               _f(r["p80_us"]), _f(r["GB_s"]), _f(r["pct_of_copy_bw"]),
-              _f(r.get("speedup_vs_torch"), 2), _f(r.get("speedup_vs_chain"), 2),
-              r.get("check") or "-"] for r in data["results"]]
+              _f(r.get("speedup_vs_torch"), 2), _f(r.get("speedup_vs_chain"), 2)] +
+             [_f(r.get(c[0]), c[2]) for c in extra] +
+             [r.get("check") or "-"] for r in data["results"]]
     return [_md_table(header, lines), ""]
 
 
@@ -136,6 +169,7 @@ def render(benches: dict) -> str:
            "- GB/s = roofline bytes (one read of the input + the outputs) / median time; "
            "speedups are torch-reference (or chain) median / this median.", ""]
     out += headline(benches)
+    out += verify_headline(benches)
     for name, data in benches.items():
         status = "" if data.get("complete") else " — INCOMPLETE (run stopped early)"
         out += [f"## {name}{status}", "",
@@ -177,7 +211,8 @@ def main(argv=None) -> int:
         for name, data in benches.items():
             if not data["results"]:
                 continue
-            kw = {"metric": "median_us", "panel_keys": ("op",)} if name == "boundary" else {}
+            kw = {"metric": "median_us", "panel_keys": ("op",)} if name == "boundary" else \
+                {"panel_keys": ("op", "mode")} if name == "verify" else {}
             try:
                 common.plot_results(data, out / f"{name}.png", **kw)
             except Exception as exc:  # noqa: BLE001
@@ -186,6 +221,8 @@ def main(argv=None) -> int:
         print(text)
     else:
         print("\n".join(headline(benches)) or "(no token_stats headline case in these results)")
+        if "verify" in benches:
+            print("\n".join(verify_headline(benches, markdown=False)))
         for name, data in benches.items():
             n_bad = sum(1 for r in data["results"] if r.get("check") not in (None, "ok"))
             print(f"{name}: {len(data['results'])} rows, complete={data.get('complete')}, "
