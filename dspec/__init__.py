@@ -3,13 +3,14 @@
 Importing dspec needs neither a GPU, nvcc nor Triton; kernels load lazily.
 """
 from ._validate import config
-from .ops import (boundary_posterior, expected_accept_length, mass_candidates,
-                  rejection_boundaries, token_stats, topk_tokens, verify_chain,
-                  verify_tree)
+from .ops import (boundary_posterior, cascade_attention, expected_accept_length,
+                  mass_candidates, merge_states, rejection_boundaries, token_stats, topk_tokens,
+                  verify_chain, verify_tree)
 from .types import TokenStats, TreeVerifyOutput, VerifyOutput
 
 __version__ = "0.1.0"
 
-__all__ = ["TokenStats", "TreeVerifyOutput", "VerifyOutput", "boundary_posterior", "config",
-           "expected_accept_length", "mass_candidates", "rejection_boundaries", "token_stats",
-           "topk_tokens", "verify_chain", "verify_tree"]
+__all__ = ["TokenStats", "TreeVerifyOutput", "VerifyOutput", "boundary_posterior",
+           "cascade_attention", "config", "expected_accept_length", "mass_candidates",
+           "merge_states", "rejection_boundaries", "token_stats", "topk_tokens", "verify_chain",
+           "verify_tree"]

@@ -13,7 +13,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dspec.kernels import boundary, token_stats, topk, verify  # noqa: E402
+from dspec.kernels import (boundary, cascade_attention, pack_mask, token_stats, topk,  # noqa: E402
+                           tree_mask, verify)
 
 F32, I32, I64 = "*fp32", "*i32", "*i64"
 
@@ -76,6 +77,44 @@ def cases():
                    dict(draw, spec_pos_ptr=I64, tile_w_ptr=F32, tile_p_ptr=F32, num_tiles="i32",
                         uniforms_ptr=F32, out_ptr=I64),
                    dict(BLOCK=1024, TP=256, EP=64, HAS_Q=has_q), 4)
+    # attention kernels are the slow ones to compile: bf16 (tensor cores) and fp32 (upcast)
+    for dt in ("*bf16", "*fp32"):
+        for splits, prefix, has_mask in ((1, True, True), (4, True, True)):
+            for head_dim in (64, 128):
+                yield (cascade_attention._cascade_kernel,
+                       dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, pk_ptr=dt, pv_ptr=dt, indptr_ptr=I32,
+                            mask_ptr=I32, out_ptr=dt, lse_ptr=F32, part_o_ptr=F32,
+                            part_lse_ptr=F32, n="i32", num_kv_heads="i32", group="i32",
+                            scale_log2="fp32", chunk="i32", sq_b="i32", sq_n="i32", sq_h="i32",
+                            sk_b="i32", sk_n="i32", sk_h="i32", sv_b="i32", sv_n="i32",
+                            sv_h="i32", spk_t="i32", spk_h="i32", spv_t="i32", spv_h="i32",
+                            sm_b="i32", sm_n="i32"),
+                       dict(HEAD_DIM=head_dim, D_PAD=head_dim, BLOCK_M=64, BLOCK_N=64,
+                            NUM_SPLITS=splits, SUFFIX_PART=splits if splits > 1 else 0,
+                            HAS_PREFIX=prefix, HAS_MASK=has_mask, WRITE_LSE=True,
+                            UPCAST=dt == "*fp32"), 4)
+        yield (cascade_attention._merge_parts_kernel,
+               dict(part_o_ptr=F32, part_lse_ptr=F32, out_ptr=dt, lse_ptr=F32, num_rows="i32"),
+               dict(HEAD_DIM=128, D_PAD=128, PARTS=5, BLOCK_R=16, WRITE_LSE=True), 4)
+        yield (cascade_attention._merge_states_kernel,
+               dict(oa_ptr=dt, la_ptr=F32, ob_ptr=dt, lb_ptr=F32, out_ptr=dt, lse_ptr=F32,
+                    num_rows="i32"),
+               dict(HEAD_DIM=80, D_PAD=128, BLOCK_R=16), 4)
+
+    for rows, words in ((16, 8), (128, 1)):
+        yield (pack_mask._pack_mask_kernel,
+               dict(mask_ptr="*u8", mask_stride="i64", rows="i32", num_keys="i32",
+                    num_words="i32", words_ptr=I32),
+               dict(ROWS=rows, WORDS=words), 4)
+    yield (pack_mask._unpack_mask_kernel,
+           dict(words_ptr=I32, words_stride="i64", rows="i32", num_keys="i32", out_ptr="*u8"),
+           dict(ROWS=16, KEYS=256), 4)
+    for par in (I32, I64):
+        for np_, wp, rounds, warps in ((256, 8, 8, 4), (64, 2, 6, 1), (1, 1, 0, 1)):
+            yield (tree_mask._tree_mask_kernel,
+                   dict(par_ptr=par, par_stride="i64", nodes="i32", num_words="i32",
+                        words_ptr=I32, depth_ptr=I64),
+                   dict(NP=np_, WP=wp, ROUNDS=rounds), warps)
 
 
 def main(archs):

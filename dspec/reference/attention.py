@@ -1,0 +1,72 @@
+"""Reference cascade_attention and merge_states.
+
+Explicit masked softmax over [prefix keys | suffix keys] per request, in float32 (float64
+when the inputs are float64: the tests' oracle).  Query (b, i) sees every prefix row of its
+request and the suffix keys j whose mask bit (i, j) is set.  A query that sees no key gets
+out = 0 and lse = -inf.  lse is the natural-log logsumexp of the scaled scores.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def unpack_words(words: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Packed int32 words [..., Q, W] -> bool [..., Q, num_keys] (bit j of word w = key 32w + j)."""
+    bits = torch.arange(32, device=words.device, dtype=torch.int64)
+    dense = (words.long()[..., None] >> bits) & 1
+    return dense.reshape(*words.shape[:-1], -1)[..., :num_keys].bool()
+
+
+def pack_words(dense: torch.Tensor) -> torch.Tensor:
+    """bool [..., Q, K] -> int32 words [..., Q, ceil(K/32)] (inverse of unpack_words)."""
+    num_keys = dense.shape[-1]
+    words = (num_keys + 31) // 32
+    padded = torch.nn.functional.pad(dense.long(), (0, words * 32 - num_keys))
+    bits = torch.arange(32, device=dense.device, dtype=torch.int64)
+    packed = (padded.reshape(*dense.shape[:-1], words, 32) << bits).sum(-1)  # in [0, 2^32)
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+
+
+def cascade_attention(q, k, v, mask=None, *, prefix_k=None, prefix_v=None, prefix_indptr=None,
+                      sm_scale=None, return_lse=False):
+    batch, n, hq, d = q.shape
+    hkv = k.shape[2]
+    group = hq // hkv
+    scale = sm_scale if sm_scale is not None else d ** -0.5
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dense = None
+    if mask is not None:
+        dense = unpack_words(mask, n) if mask.dtype != torch.bool else mask
+        if dense.dim() == 2:
+            dense = dense.expand(batch, n, n)
+    out = torch.empty(batch, n, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, n, hq, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        keys, values = k[b], v[b]
+        visible = torch.ones(n, n, dtype=torch.bool, device=q.device) if dense is None else dense[b]
+        if prefix_k is not None:
+            lo, hi = int(prefix_indptr[b]), int(prefix_indptr[b + 1])
+            keys = torch.cat([prefix_k[lo:hi], keys])
+            values = torch.cat([prefix_v[lo:hi], values])
+            visible = torch.cat([torch.ones(n, hi - lo, dtype=torch.bool, device=q.device), visible], 1)
+        keys = keys.to(acc).repeat_interleave(group, dim=1)      # [S, Hq, D]
+        values = values.to(acc).repeat_interleave(group, dim=1)
+        scores = torch.einsum("nhd,shd->hns", q[b].to(acc), keys) * scale
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        row_lse = torch.logsumexp(scores, -1)                     # [Hq, N]; -inf when empty
+        probs = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
+        out[b] = torch.einsum("hns,shd->nhd", probs, values).to(q.dtype)
+        lse[b] = row_lse.t().float()
+    return (out, lse) if return_lse else out
+
+
+def merge_states(o_a, lse_a, o_b, lse_b):
+    la, lb = lse_a.float(), lse_b.float()
+    m = torch.maximum(la, lb)
+    empty = m == float("-inf")
+    m_safe = torch.where(empty, torch.zeros_like(m), m)
+    wa, wb = torch.exp(la - m_safe), torch.exp(lb - m_safe)
+    total = wa + wb
+    o = (wa[..., None] * o_a.float() + wb[..., None] * o_b.float()) / torch.where(empty, 1.0, total)[..., None]
+    lse = torch.where(empty, m, m_safe + torch.log(total))
+    return o.to(o_a.dtype), lse
