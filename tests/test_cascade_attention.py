@@ -202,3 +202,42 @@ def test_merge_bad_input():
         dspec.merge_states(torch.zeros(2, 4), torch.zeros(2), torch.zeros(2, 4), torch.zeros(3))
     with pytest.raises(ValueError, match="lse_a must have dtype"):
         dspec.merge_states(torch.zeros(2, 4), torch.zeros(2).half(), torch.zeros(2, 4), torch.zeros(2))
+
+
+@device_backends(PROVIDED)
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_paged_prefix_equals_ragged(device, backend, page_size):
+    """The paged layout (page table + lengths) gives the ragged layout's result."""
+    q, k, v, words, pk, pv, indptr = make_case(3, 6, 4, 2, 32, [13, 0, 30], torch.float32, page_size)
+    lens = (indptr[1:] - indptr[:-1]).int()
+    max_pages = -(-int(lens.max()) // page_size)
+    num_pages = 3 * max_pages + 2
+    g = torch.Generator().manual_seed(1)
+    cache_k = torch.randn(num_pages, page_size, 2, 32, generator=g)
+    cache_v = torch.randn(num_pages, page_size, 2, 32, generator=g)
+    table = torch.randperm(num_pages, generator=g)[:3 * max_pages].reshape(3, max_pages).int()
+    for b in range(3):  # scatter each request's rows into its (shuffled) pages
+        t = torch.arange(int(lens[b]))
+        cache_k[table[b].long()[t // page_size], t % page_size] = pk[int(indptr[b]) + t]
+        cache_v[table[b].long()[t // page_size], t % page_size] = pv[int(indptr[b]) + t]
+    dev = lambda t: t.to(device)  # noqa: E731
+    paged = dspec.cascade_attention(dev(q), dev(k), dev(v), dev(words), prefix_k=dev(cache_k),
+                                    prefix_v=dev(cache_v), prefix_page_table=dev(table),
+                                    prefix_lens=dev(lens), return_lse=True, backend=backend)
+    check_against_oracle(*paged, (q, k, v, words, pk, pv, indptr), torch.float32)
+
+
+def test_paged_bad_input():
+    q, k, v, words, *_ = make_case(1, 3, 2, 2, 16, [0], torch.float32, 0)
+    cache = torch.zeros(4, 8, 2, 16)
+    table = torch.tensor([[0, 5]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="is not a page"):
+        dspec.cascade_attention(q, k, v, prefix_k=cache, prefix_v=cache, prefix_page_table=table,
+                                prefix_lens=torch.tensor([12], dtype=torch.int32))
+    with pytest.raises(ValueError, match="prefix_lens must lie"):
+        dspec.cascade_attention(q, k, v, prefix_k=cache, prefix_v=cache, prefix_page_table=table,
+                                prefix_lens=torch.tensor([17], dtype=torch.int32))
+    with pytest.raises(ValueError, match="either prefix_indptr"):
+        dspec.cascade_attention(q, k, v, prefix_k=cache, prefix_v=cache, prefix_page_table=table,
+                                prefix_lens=torch.tensor([3], dtype=torch.int32),
+                                prefix_indptr=torch.tensor([0, 3]))

@@ -53,15 +53,15 @@ def _attend(q, k_tile, v_tile, visible, m_i, l_i, acc, scale_log2, UPCAST: tl.co
 # request b.  Fused (parts == 1): whole prefix, then the suffix.  Split: part < NUM_SPLITS is
 # one prefix chunk, part == NUM_SPLITS the suffix; partial (o, lse) go to the workspace.
 @triton.jit
-def _cascade_kernel(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, indptr_ptr, mask_ptr,
+def _cascade_kernel(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, indptr_ptr, table_ptr, mask_ptr,
                     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
                     n, num_kv_heads, group, scale_log2, chunk,
                     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
-                    spk_t, spk_h, spv_t, spv_h, sm_b, sm_n,
+                    spk_page, spk_t, spk_h, spv_page, spv_t, spv_h, s_table, sm_b, sm_n,
                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SUFFIX_PART: tl.constexpr,
-                    HAS_PREFIX: tl.constexpr, HAS_MASK: tl.constexpr, WRITE_LSE: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    HAS_PREFIX: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
+                    WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr):
     mb = tl.program_id(0)
     kvh = tl.program_id(1) % num_kv_heads
     part = tl.program_id(1) // num_kv_heads
@@ -87,8 +87,12 @@ def _cascade_kernel(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, indptr_ptr, mask_ptr,
     # fused: one part (0) does prefix and suffix; split: parts 0..S-1 prefix, S the suffix
     if HAS_PREFIX:
         if part < NUM_SPLITS:
-            p_lo = tl.load(indptr_ptr + b)
-            p_hi = tl.load(indptr_ptr + b + 1)
+            if PAGE_SIZE > 0:  # paged: logical rows 0..len, indptr_ptr holds the lengths
+                p_lo = tl.load(indptr_ptr + b) * 0
+                p_hi = tl.load(indptr_ptr + b)
+            else:              # ragged: rows indptr[b]..indptr[b + 1] of prefix_k
+                p_lo = tl.load(indptr_ptr + b)
+                p_hi = tl.load(indptr_ptr + b + 1)
             if NUM_SPLITS > 1:
                 p_lo = tl.minimum(p_lo + part * chunk, p_hi)
                 p_hi = tl.minimum(p_lo + chunk, p_hi)
@@ -96,8 +100,15 @@ def _cascade_kernel(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, indptr_ptr, mask_ptr,
                 t = (start + keys).to(tl.int64)
                 t_ok = t < p_hi
                 kv_mask = t_ok[:, None] & d_ok[None, :]
-                k_tile = tl.load(pk_ptr + t[:, None] * spk_t + kvh * spk_h + d[None, :], mask=kv_mask, other=0.0)
-                v_tile = tl.load(pv_ptr + t[:, None] * spv_t + kvh * spv_h + d[None, :], mask=kv_mask, other=0.0)
+                if PAGE_SIZE > 0:
+                    page = tl.load(table_ptr + b * s_table + t // PAGE_SIZE, mask=t_ok, other=0).to(tl.int64)
+                    k_rows = page * spk_page + (t % PAGE_SIZE) * spk_t
+                    v_rows = page * spv_page + (t % PAGE_SIZE) * spv_t
+                else:
+                    k_rows = t * spk_t
+                    v_rows = t * spv_t
+                k_tile = tl.load(pk_ptr + k_rows[:, None] + kvh * spk_h + d[None, :], mask=kv_mask, other=0.0)
+                v_tile = tl.load(pv_ptr + v_rows[:, None] + kvh * spv_h + d[None, :], mask=kv_mask, other=0.0)
                 visible = row_ok[:, None] & t_ok[None, :]
                 m_i, l_i, acc = _attend(q, k_tile, v_tile, visible, m_i, l_i, acc, scale_log2, UPCAST)
     if part == SUFFIX_PART:
@@ -195,8 +206,10 @@ def choose_splits(batch, m_blocks, num_kv_heads, max_prefix, block_n, device, mi
 
 
 def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, sm_scale,
-                             return_lse, *, max_prefix_len=None, num_splits=None,
-                             block_m=None, block_n=None):
+                             return_lse, *, prefix_page_table=None, prefix_lens=None,
+                             max_prefix_len=None, num_splits=None, block_m=None, block_n=None):
+    """Ragged prefix (prefix_k [T, Hkv, D] + prefix_indptr) or paged prefix (prefix_k
+    [pages, page_size, Hkv, D] + prefix_page_table [B, max_pages] + prefix_lens [B])."""
     batch, n, hq, head_dim = q.shape
     hkv = k.shape[2]
     group = hq // hkv
@@ -208,17 +221,21 @@ def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, s
     d_pad = max(16, next_pow2(head_dim))
     m_blocks = triton.cdiv(n * group, block_m)
     has_prefix = prefix_k is not None
-    if has_prefix and num_splits is None:
-        if max_prefix_len is None:
-            capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    paged = prefix_page_table is not None
+    if has_prefix and max_prefix_len is None:
+        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if paged:  # an upper bound without reading the lengths when capturing
+            max_prefix_len = (prefix_page_table.shape[1] * prefix_k.shape[1] if capturing
+                              else int(prefix_lens.max()) if batch else 0)
+        else:
             max_prefix_len = (prefix_k.shape[0] if capturing or batch == 1
                               else int((prefix_indptr[1:] - prefix_indptr[:-1]).max()))
+    if has_prefix and num_splits is None:
         num_splits = choose_splits(batch, m_blocks, hkv, max_prefix_len, block_n, dev)
     num_splits = num_splits if has_prefix else 1
     chunk = 0
     if num_splits > 1:
-        span = max_prefix_len if max_prefix_len is not None else prefix_k.shape[0]
-        chunk = triton.cdiv(triton.cdiv(max(span, 1), num_splits), block_n) * block_n
+        chunk = triton.cdiv(triton.cdiv(max(max_prefix_len, 1), num_splits), block_n) * block_n
 
     out = torch.empty(batch, n, hq, head_dim, dtype=q.dtype, device=dev)
     lse = torch.empty(batch, n, hq, dtype=torch.float32, device=dev)
@@ -237,16 +254,26 @@ def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, s
         mask, sm_b, sm_n = lse, 0, 0
     pk = prefix_k if has_prefix else k
     pv = prefix_v if has_prefix else v
-    indptr = prefix_indptr if has_prefix else lse
+    if paged:  # [pages, page_size, Hkv, D]
+        indptr, table = prefix_lens, prefix_page_table
+        pk_strides = (pk.stride(0), pk.stride(1), pk.stride(2))
+        pv_strides = (pv.stride(0), pv.stride(1), pv.stride(2))
+        page_size, s_table = prefix_k.shape[1], table.stride(0)
+    else:      # [T, Hkv, D]
+        indptr, table = (prefix_indptr if has_prefix else lse), lse
+        pk_strides = (0, pk.stride(0), pk.stride(1))
+        pv_strides = (0, pv.stride(0), pv.stride(1))
+        page_size, s_table = 0, 0
     grid = (m_blocks, hkv * parts, batch)
     _cascade_kernel[grid](
-        q, k, v, pk, pv, indptr, mask, out, lse, part_o, part_lse,
+        q, k, v, pk, pv, indptr, table, mask, out, lse, part_o, part_lse,
         n, hkv, group, (sm_scale if sm_scale is not None else head_dim ** -0.5) * _LOG2E, chunk,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        pk.stride(0), pk.stride(1), pv.stride(0), pv.stride(1), sm_b, sm_n,
+        *pk_strides, *pv_strides, s_table, sm_b, sm_n,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, SUFFIX_PART=parts - 1, HAS_PREFIX=has_prefix, HAS_MASK=mask is not lse,
+        NUM_SPLITS=num_splits, SUFFIX_PART=parts - 1, HAS_PREFIX=has_prefix,
+        PAGE_SIZE=page_size, HAS_MASK=mask is not lse,
         WRITE_LSE=return_lse or parts > 1, UPCAST=upcast,
         num_warps=4 if not interp else 1, num_stages=2)
     if parts > 1:

@@ -32,8 +32,8 @@ def _check_mask(mask, batch: int, n: int, device) -> torch.Tensor | None:
 
 def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *,
                       prefix_k=None, prefix_v=None, prefix_indptr=None, sm_scale=None,
-                      return_lse: bool = False, max_prefix_len: int | None = None,
-                      backend: str | None = None):
+                      return_lse: bool = False, prefix_page_table=None, prefix_lens=None,
+                      max_prefix_len: int | None = None, backend: str | None = None):
     """Attention of N suffix queries over a shared (ragged) prefix plus a masked suffix.
 
     Parameters
@@ -48,6 +48,10 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
     prefix_k, prefix_v : [T, Hkv, D], every request's prefix back to back; prefix_indptr :
         int [B + 1], request b owns rows ``prefix_indptr[b]:prefix_indptr[b + 1]`` (length 0
         allowed).  Every suffix query sees all of its request's prefix.
+    prefix_page_table, prefix_lens : the paged layout engines use, instead of
+        ``prefix_indptr``: prefix_k / prefix_v [num_pages, page_size, Hkv, D], the int32
+        page table [B, max_pages] (request b's logical row t lives in page
+        ``table[b, t // page_size]`` at slot ``t % page_size``) and the lengths [B].
     sm_scale : float, default ``1 / sqrt(D)``.
     return_lse : also return the natural-log logsumexp of the scaled scores [B, N, Hq] float32.
     max_prefix_len : optional upper bound of the prefix lengths; lets the kernel size its
@@ -84,41 +88,93 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device} like q")
     mask = _check_mask(mask, batch, n, device)
-    if (prefix_k is None) != (prefix_v is None) or (prefix_k is None) != (prefix_indptr is None):
-        raise ValueError("prefix_k, prefix_v and prefix_indptr must be given together")
-    if prefix_k is not None:
-        _validate.tensor("prefix_k", prefix_k, dim=3, dtypes=(q.dtype,))
-        _validate.tensor("prefix_v", prefix_v, dim=3, dtypes=(q.dtype,))
-        _validate.tensor("prefix_indptr", prefix_indptr, dim=1, dtypes=_validate.ID_DTYPES)
-        if prefix_k.shape != prefix_v.shape or prefix_k.shape[1:] != (hkv, head_dim):
-            raise ValueError(f"prefix_k and prefix_v must have shape [T, Hkv, D] = [T, {hkv}, {head_dim}], "
-                             f"got {list(prefix_k.shape)} and {list(prefix_v.shape)}")
-        if prefix_indptr.shape[0] != batch + 1:
-            raise ValueError(f"prefix_indptr must have B + 1 = {batch + 1} entries, got {prefix_indptr.shape[0]}")
-        for name, t in (("prefix_k", prefix_k), ("prefix_v", prefix_v), ("prefix_indptr", prefix_indptr)):
-            if t.device != device:
-                raise ValueError(f"{name} is on {t.device}, expected {device} like q")
-        if _validate.value_checks_enabled(prefix_indptr):
-            ip = prefix_indptr.long()
-            if int(ip[0]) != 0 or bool((ip[1:] < ip[:-1]).any()) or int(ip[-1]) > prefix_k.shape[0]:
-                raise ValueError(f"prefix_indptr must start at 0, never decrease and end at most at "
-                                 f"T = {prefix_k.shape[0]}; got {ip.tolist()[:16]}")
-        if prefix_k.stride(-1) != 1 or prefix_v.stride(-1) != 1:
-            prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
+    paged = prefix_page_table is not None or prefix_lens is not None
+    if paged:
+        _check_paged_prefix(prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens,
+                            batch, hkv, head_dim, q.dtype, device)
+    else:
+        prefix_k, prefix_v = _check_ragged_prefix(prefix_k, prefix_v, prefix_indptr, batch, hkv,
+                                                  head_dim, q.dtype, device)
     if sm_scale is not None:
         sm_scale = float(sm_scale)
     name = _backend.resolve("cascade_attention", backend, device, ("torch", "triton"))
     if name == "triton" and q.dtype == torch.float64:
         raise ValueError("cascade_attention: the Triton kernel takes float32/float16/bfloat16, got float64")
     if name == "torch":
+        if paged:
+            prefix_k, prefix_v, prefix_indptr = _reference.gather_pages(
+                prefix_k, prefix_v, prefix_page_table, prefix_lens)
         return _reference.cascade_attention(q, k, v, mask, prefix_k=prefix_k, prefix_v=prefix_v,
                                             prefix_indptr=prefix_indptr, sm_scale=sm_scale,
                                             return_lse=return_lse)
     from ..kernels.cascade_attention import cascade_attention_triton
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v,
-                                    None if prefix_indptr is None else prefix_indptr.contiguous(),
-                                    sm_scale, return_lse, max_prefix_len=max_prefix_len)
+    return cascade_attention_triton(
+        q, k, v, mask, prefix_k, prefix_v,
+        None if prefix_indptr is None else prefix_indptr.contiguous(), sm_scale, return_lse,
+        prefix_page_table=None if not paged else prefix_page_table.contiguous(),
+        prefix_lens=None if not paged else prefix_lens.contiguous(), max_prefix_len=max_prefix_len)
+
+
+def _same_device(device, **tensors):
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} like q")
+
+
+def _check_ragged_prefix(prefix_k, prefix_v, prefix_indptr, batch, hkv, head_dim, dtype, device):
+    if (prefix_k is None) != (prefix_v is None) or (prefix_k is None) != (prefix_indptr is None):
+        raise ValueError("prefix_k, prefix_v and prefix_indptr must be given together")
+    if prefix_k is None:
+        return None, None
+    _validate.tensor("prefix_k", prefix_k, dim=3, dtypes=(dtype,))
+    _validate.tensor("prefix_v", prefix_v, dim=3, dtypes=(dtype,))
+    _validate.tensor("prefix_indptr", prefix_indptr, dim=1, dtypes=_validate.ID_DTYPES)
+    if prefix_k.shape != prefix_v.shape or prefix_k.shape[1:] != (hkv, head_dim):
+        raise ValueError(f"prefix_k and prefix_v must have shape [T, Hkv, D] = [T, {hkv}, {head_dim}], "
+                         f"got {list(prefix_k.shape)} and {list(prefix_v.shape)}")
+    if prefix_indptr.shape[0] != batch + 1:
+        raise ValueError(f"prefix_indptr must have B + 1 = {batch + 1} entries, got {prefix_indptr.shape[0]}")
+    _same_device(device, prefix_k=prefix_k, prefix_v=prefix_v, prefix_indptr=prefix_indptr)
+    if _validate.value_checks_enabled(prefix_indptr):
+        ip = prefix_indptr.long()
+        if int(ip[0]) != 0 or bool((ip[1:] < ip[:-1]).any()) or int(ip[-1]) > prefix_k.shape[0]:
+            raise ValueError(f"prefix_indptr must start at 0, never decrease and end at most at "
+                             f"T = {prefix_k.shape[0]}; got {ip.tolist()[:16]}")
+    if prefix_k.stride(-1) != 1 or prefix_v.stride(-1) != 1:
+        prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
+    return prefix_k, prefix_v
+
+
+def _check_paged_prefix(prefix_k, prefix_v, prefix_indptr, table, lens, batch, hkv, head_dim,
+                        dtype, device):
+    if prefix_indptr is not None:
+        raise ValueError("give either prefix_indptr (ragged) or prefix_page_table + prefix_lens (paged)")
+    if prefix_k is None or prefix_v is None or table is None or lens is None:
+        raise ValueError("a paged prefix needs prefix_k, prefix_v, prefix_page_table and prefix_lens")
+    _validate.tensor("prefix_k", prefix_k, dim=4, dtypes=(dtype,))
+    _validate.tensor("prefix_v", prefix_v, dim=4, dtypes=(dtype,))
+    _validate.tensor("prefix_page_table", table, dim=2, dtypes=(torch.int32,))
+    _validate.tensor("prefix_lens", lens, dim=1, dtypes=(torch.int32,))
+    if prefix_k.shape != prefix_v.shape or prefix_k.shape[2:] != (hkv, head_dim):
+        raise ValueError(f"paged prefix_k and prefix_v must have shape [pages, page_size, Hkv, D] = "
+                         f"[P, S, {hkv}, {head_dim}], got {list(prefix_k.shape)} and {list(prefix_v.shape)}")
+    if prefix_k.stride(-1) != 1 or prefix_v.stride(-1) != 1:
+        raise ValueError("paged prefix_k / prefix_v must be contiguous along D")
+    if table.shape[0] != batch or lens.shape[0] != batch:
+        raise ValueError(f"prefix_page_table [B, max_pages] and prefix_lens [B] need B = {batch}, "
+                         f"got {list(table.shape)} and {list(lens.shape)}")
+    _same_device(device, prefix_k=prefix_k, prefix_v=prefix_v, prefix_page_table=table, prefix_lens=lens)
+    if batch and _validate.value_checks_enabled(lens):
+        page_size, pages = prefix_k.shape[1], prefix_k.shape[0]
+        if bool((lens < 0).any()) or int(lens.max()) > table.shape[1] * page_size:
+            raise ValueError(f"prefix_lens must lie in [0, max_pages * page_size] = "
+                             f"[0, {table.shape[1] * page_size}], got {lens.tolist()[:16]}")
+        used = torch.arange(table.shape[1], device=device)[None, :] * page_size < lens[:, None]
+        bad = used & ((table < 0) | (table >= pages))
+        if bool(bad.any()):
+            b, i = bad.nonzero()[0].tolist()
+            raise ValueError(f"prefix_page_table[{b}, {i}] = {int(table[b, i])} is not a page in [0, {pages})")
 
 
 def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,

@@ -60,6 +60,20 @@ def cascade_attention(q, k, v, mask=None, *, prefix_k=None, prefix_v=None, prefi
     return (out, lse) if return_lse else out
 
 
+def gather_pages(prefix_k, prefix_v, page_table, lens):
+    """Paged prefix [pages, page_size, Hkv, D] -> the ragged layout (rows back to back + indptr)."""
+    page_size = prefix_k.shape[1]
+    rows_k, rows_v, indptr = [], [], [0]
+    for b in range(page_table.shape[0]):
+        t = torch.arange(int(lens[b]), device=prefix_k.device)
+        pages = page_table[b].long()[t // page_size]
+        rows_k.append(prefix_k[pages, t % page_size])
+        rows_v.append(prefix_v[pages, t % page_size])
+        indptr.append(indptr[-1] + int(lens[b]))
+    return (torch.cat(rows_k), torch.cat(rows_v),
+            torch.tensor(indptr, dtype=torch.int64, device=prefix_k.device))
+
+
 def merge_states(o_a, lse_a, o_b, lse_b):
     la, lb = lse_a.float(), lse_b.float()
     m = torch.maximum(la, lb)
