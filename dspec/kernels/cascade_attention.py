@@ -216,8 +216,18 @@ def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, s
     dev = q.device
     upcast = triton_interpret() or q.dtype == torch.float32
     interp = triton_interpret()
-    block_m = block_m or (16 if interp else (64 if n * group <= 64 else 128))
-    block_n = block_n or (16 if interp else 64)
+    # tiles: 16-bit inputs use tensor cores with 64/128-row query blocks; float32 (upcast)
+    # tiles are twice the bytes, so smaller key tiles keep shared memory under ~100 KB
+    # (measured ahead of time for sm_90: fp32 d128 64x64 would take 180 KB).
+    if interp:
+        default_m, default_n, warps = 16, 16, 1
+    elif upcast:
+        default_m, default_n, warps = 64, 32, 4
+    else:
+        default_m, default_n = (64, 64) if n * group <= 64 else (128, 64)
+        warps = 4 if default_m == 64 else 8
+    block_m = block_m or default_m
+    block_n = block_n or default_n
     d_pad = max(16, next_pow2(head_dim))
     m_blocks = triton.cdiv(n * group, block_m)
     has_prefix = prefix_k is not None
@@ -274,8 +284,7 @@ def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, s
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, SUFFIX_PART=parts - 1, HAS_PREFIX=has_prefix,
         PAGE_SIZE=page_size, HAS_MASK=mask is not lse,
-        WRITE_LSE=return_lse or parts > 1, UPCAST=upcast,
-        num_warps=4 if not interp else 1, num_stages=2)
+        WRITE_LSE=return_lse or parts > 1, UPCAST=upcast, num_warps=warps, num_stages=2)
     if parts > 1:
         rows = batch * n * hq
         block_r = 16
