@@ -9,7 +9,8 @@
 #   tests.log     pytest output
 #   summary.md    markdown tables (bench/summarize.py)
 #   results.json  every bench's JSON combined (raw per-rep timings dropped)
-#   token_stats.png, verify.png, boundary.png, topk.png   (8 files in all: the limit)
+#   token_stats.png, verify.png, cascade_attention.png, topk.png   (8 files in all: the
+#                 limit; boundary is launch-bound, its numbers are in summary.md, no PNG)
 # Steps keep going after a failure; failures are listed at the end and the exit status is
 # the number of failed steps.  Every step runs under `timeout`, clipped so that the whole
 # suite ends within SUITE_BUDGET seconds (default 540).
@@ -20,8 +21,11 @@
 #   SKIP_BUILD=1 SKIP_TESTS=1 SKIP_BENCH=1   skip a part
 #   TEST_ARGS="..."       extra pytest args (default: -x)
 #   BENCH_ARGS="..."      extra args for every bench_*.py (e.g. --quick, --reps 10)
-#   BENCHES="token_stats verify boundary topk"   which benches, in order (verify comes
-#                         second: its headline has targets; topk may be cut by the budget)
+#   BENCHES="token_stats verify cascade_attention boundary topk"   which benches, in order
+#                         (verify and cascade_attention come early: their headlines have
+#                         targets; boundary / topk may be cut by the budget)
+#   PLOTS="token_stats,verify,cascade_attention,topk"   benches that get a PNG (PLOTS=all:
+#                         every bench, which can exceed the 8 files the device returns)
 #   BENCH_DEVICE=cuda     device for the benches (cpu: dry-run this script on a CPU box)
 set -u -o pipefail
 
@@ -89,7 +93,7 @@ try:
     import flashinfer
     print("flashinfer", getattr(flashinfer, "__version__", "?"))
 except Exception as exc:
-    print("flashinfer unavailable (bench_verify skips its anchor):", exc)
+    print("flashinfer unavailable (bench_verify / bench_cascade_attention skip it):", exc)
 EOF
 git -C "$REPO" rev-parse HEAD 2>/dev/null || echo "(no git commit)"
 
@@ -138,20 +142,25 @@ fi
 
 # ---- benchmarks -------------------------------------------------------------------------
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
-  BENCHES=${BENCHES:-token_stats verify boundary topk}
+  BENCHES=${BENCHES:-token_stats verify cascade_attention boundary topk}
   for b in $BENCHES; do
+    # reserve: seconds kept for the steps after this one (later benches + summarize)
     case $b in
-      token_stats) cap=170; reserve=110 ;;
-      verify)      cap=170; reserve=100 ;;
-      boundary)    cap=70;  reserve=90 ;;
-      *)           cap=170; reserve=25 ;;
+      token_stats)       cap=170; reserve=160 ;;
+      verify)            cap=170; reserve=120 ;;
+      cascade_attention) cap=170; reserve=70 ;;
+      boundary)          cap=70;  reserve=45 ;;
+      *)                 cap=170; reserve=25 ;;
     esac
     # shellcheck disable=SC2086
     step "bench_$b" $cap $reserve "$PY" bench/bench_$b.py --device "${BENCH_DEVICE:-cuda}" --out "$STAGE" \
       --no-plot ${BENCH_ARGS:-}
   done
   # JSON + PNGs from the staging dir, flat into OUT_DIR
-  step summarize 60 0 "$PY" bench/summarize.py "$STAGE" --out "$OUT_DIR"
+  PLOTS=${PLOTS:-token_stats,verify,cascade_attention,topk}
+  plot_arg=(--plots "$PLOTS")
+  [ "$PLOTS" = all ] && plot_arg=()
+  step summarize 60 0 "$PY" bench/summarize.py "$STAGE" --out "$OUT_DIR" ${plot_arg[@]+"${plot_arg[@]}"}
 fi
 
 echo

@@ -1,6 +1,6 @@
 """Summarise bench JSON files: summary.md, one combined results.json, and a PNG per bench.
 
-    python bench/summarize.py DIR [--out OUT_DIR] [--no-plots] [--print]
+    python bench/summarize.py DIR [--out OUT_DIR] [--no-plots] [--plots a,b] [--print]
 
 Reads every ``DIR/*.json`` written by a ``bench_*.py`` script (``results.json`` itself is
 skipped), then writes into OUT_DIR (default DIR):
@@ -9,12 +9,15 @@ skipped), then writes into OUT_DIR (default DIR):
   bandwidth, speedup over the PyTorch chain, against the >= 80 % / >= 3x targets), the
   verify headline (verify_chain B=64 L=16 V=151936 T=1 with draft_probs: >= 1.5x faster
   than flashinfer softmax + chain_speculative_sampling and <= 1.5x the roofline time,
-  PASS / FAIL / not-measured; see bench_verify.py), then one
+  PASS / FAIL / not-measured; see bench_verify.py), the cascade_attention headline (triton
+  <= 1.3x the roofline at prefix >= 4096 and never slower than the best SDPA / flashinfer
+  baseline, PASS / FAIL / not-measured, plus its fused-vs-split table and the skipped
+  cases; see bench_cascade_attention.py), then one
   compact table per bench (one line per op / case / dtype: median µs per backend, and for
   the fastest dspec kernel backend its GB/s, % of copy bandwidth and speedups), then every
   row in long form (op, shape, backend, median µs, GB/s, % copy BW, speedup vs torch).
 * ``results.json``: ``{"benches": {name: <the bench JSON without raw timings>}}``.
-* ``<bench>.png`` per bench (unless --no-plots).
+* ``<bench>.png`` per bench (unless --no-plots; ``--plots a,b`` limits them to those benches).
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-BACKEND_ORDER = ["torch", common.ANCHOR, "torch_plain", "flashinfer", "triton", "cuda", "cpp"]
+BACKEND_ORDER = ["torch", common.ANCHOR, "torch_plain", "sdpa_dense", "sdpa_branch", "flashinfer",
+                 "flashinfer_mask", "flashinfer_cascade", "triton", "triton_fused", "cuda", "cpp"]
 KERNEL_BACKENDS = ("triton", "cuda", "cpp")
 HEADLINE = {"op": "token_stats", "rows": 1024, "V": 151936, "dtype": "bf16"}
 
@@ -105,9 +109,39 @@ def verify_headline(benches: dict, markdown: bool = True) -> list[str]:
     return lines + ([note, ""] if markdown else [note])
 
 
+def cascade_headline(benches: dict, markdown: bool = True) -> list[str]:
+    """cascade_attention: headline verdicts, fused-vs-split table, skipped cases (logic in
+    bench_cascade_attention.py)."""
+    data = benches.get("cascade_attention")
+    if not data:
+        return []
+    try:
+        import bench_cascade_attention as bca  # noqa: PLC0415 - same folder
+    except Exception as exc:  # noqa: BLE001
+        return [f"(cascade_attention headline unavailable: cannot import its bench: {exc!r})", ""]
+    lines = bca.headline_lines(data, markdown=markdown)
+    lines += ([""] if not markdown else []) + bca.fused_split_lines(data, markdown=markdown)
+    skipped = data.get("skipped") or []
+    if skipped:
+        if markdown:
+            lines += [f"cascade_attention skipped ({len(skipped)}):", ""] + \
+                [f"- {s['case']} {s['backend']}: {s['reason']}" for s in skipped] + [""]
+        else:
+            lines.append(f"cascade_attention: {len(skipped)} skipped (see summary.md)")
+    return lines
+
+
+# plot_results arguments per bench (default: GB/s, one panel per (op, dtype))
+PLOT_KWARGS = {"boundary": {"metric": "median_us", "panel_keys": ("op",)},
+               "verify": {"panel_keys": ("op", "mode")},
+               "cascade_attention": {"metric": "median_us", "panel_keys": ("heads", "prefix")}}
+
+
 # extra per-row columns some benches add (shown when any row of the bench has them)
 EXTRA_COLS = [("x_roofline", "x roofline", 2), ("speedup_vs_plain", "x vs plain", 2),
-              ("speedup_vs_flashinfer", "x vs flashinfer", 2), ("mean_accepted", "mean acc", 2)]
+              ("speedup_vs_flashinfer", "x vs flashinfer", 2), ("mean_accepted", "mean acc", 2),
+              ("tflops", "TFLOP/s", 1), ("speedup_vs_best_baseline", "x vs best baseline", 2),
+              ("num_splits", "splits", 0)]
 
 
 def _extra_cols(rows: list[dict]) -> list[tuple]:
@@ -170,6 +204,7 @@ def render(benches: dict) -> str:
            "speedups are torch-reference (or chain) median / this median.", ""]
     out += headline(benches)
     out += verify_headline(benches)
+    out += cascade_headline(benches)
     for name, data in benches.items():
         status = "" if data.get("complete") else " — INCOMPLETE (run stopped early)"
         out += [f"## {name}{status}", "",
@@ -192,6 +227,8 @@ def main(argv=None) -> int:
     p.add_argument("dir", type=Path, help="directory holding the bench_*.py JSON files")
     p.add_argument("--out", type=Path, default=None, help="where to write (default: DIR)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--plots", default=None,
+                   help="comma-separated benches to draw a PNG for (default: every bench)")
     p.add_argument("--print", action="store_true", help="print the whole summary.md")
     args = p.parse_args(argv)
     out = args.out or args.dir
@@ -207,12 +244,12 @@ def main(argv=None) -> int:
                                        for r in data["results"]]}
             for name, data in benches.items()}
     common.write_json(out / "results.json", {"benches": slim})
+    plots = None if args.plots is None else {b.strip() for b in args.plots.split(",") if b.strip()}
     if not args.no_plots:
         for name, data in benches.items():
-            if not data["results"]:
+            if not data["results"] or (plots is not None and name not in plots):
                 continue
-            kw = {"metric": "median_us", "panel_keys": ("op",)} if name == "boundary" else \
-                {"panel_keys": ("op", "mode")} if name == "verify" else {}
+            kw = PLOT_KWARGS.get(name, {})
             try:
                 common.plot_results(data, out / f"{name}.png", **kw)
             except Exception as exc:  # noqa: BLE001
@@ -223,6 +260,8 @@ def main(argv=None) -> int:
         print("\n".join(headline(benches)) or "(no token_stats headline case in these results)")
         if "verify" in benches:
             print("\n".join(verify_headline(benches, markdown=False)))
+        if "cascade_attention" in benches:
+            print("\n".join(cascade_headline(benches, markdown=False)))
         for name, data in benches.items():
             n_bad = sum(1 for r in data["results"] if r.get("check") not in (None, "ok"))
             print(f"{name}: {len(data['results'])} rows, complete={data.get('complete')}, "
