@@ -13,6 +13,9 @@
 #include <string>
 
 #include "dspec.h"
+#include "attention_bindings.h"
+#include "masks_bindings.h"
+#include "verify_bindings.h"
 
 #ifndef DSPEC_VERSION
 #define DSPEC_VERSION "0.0.0"
@@ -193,4 +196,8 @@ Raises ValueError for a bad argument, RuntimeError when a CUDA launch fails.)doc
 
   m.def("token_stats_workspace_bytes", &workspace_bytes, py::arg("rows"), py::arg("num_splits"),
         "Bytes of workspace token_stats needs for num_splits > 1 (rows * num_splits * 24), else 0.");
+
+  dspec::register_masks(m);  // csrc/masks_bindings.cpp
+  dspec::register_verify(m);  // csrc/verify_bindings.cpp
+  dspec::register_attention(m);  // csrc/attention_bindings.cpp
 }

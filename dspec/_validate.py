@@ -79,3 +79,29 @@ def probabilities(name: str, t: torch.Tensor) -> None:
         if bool(bad.any()):
             raise ValueError(f"{name} must hold probabilities in [0, 1]; found "
                              f"{int(bad.sum())} value(s) outside, e.g. {t[bad].flatten()[0].item()}")
+
+
+def tree_parents(parents: torch.Tensor, name: str = "parents") -> None:
+    """Rows of ``parents`` [B, N] are topologically ordered trees (as verify_tree takes them).
+
+    Node 0 is the root (-1); node i >= 1 has a parent in [0, i) that is not itself padding,
+    or is padding (-1).  Reads values: skipped when value checks are off.
+    """
+    if not parents.numel() or not value_checks_enabled(parents):
+        return
+    par = parents.long()
+    if bool((par[:, 0] != -1).any()):
+        b = int((par[:, 0] != -1).nonzero()[0])
+        raise ValueError(f"{name}[{b}, 0] must be -1 (node 0 is the root), got {int(par[b, 0])}")
+    idx = torch.arange(par.shape[1], device=par.device)
+    bad = (par[:, 1:] < -1) | (par[:, 1:] >= idx[None, 1:])
+    if bool(bad.any()):
+        b, i = bad.nonzero()[0].tolist()
+        raise ValueError(f"{name} is not a topologically ordered tree: {name}[{b}, {i + 1}] = "
+                         f"{int(par[b, i + 1])}, expected -1 or a value in [0, {i + 1})")
+    padding = par == -1
+    padding[:, 0] = False
+    parent_is_padding = padding.gather(1, par.clamp(min=0)) & (par >= 0)
+    if bool(parent_is_padding.any()):
+        b, i = parent_is_padding.nonzero()[0].tolist()
+        raise ValueError(f"{name}[{b}, {i}] = {int(par[b, i])} points at a padding node (-1 parent)")

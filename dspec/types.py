@@ -41,3 +41,15 @@ class TreeVerifyOutput(NamedTuple):
     num_accepted: torch.Tensor
     path: torch.Tensor
     tokens: torch.Tensor
+
+
+class TreeMask(NamedTuple):
+    """Result of tree_mask.
+
+    words: int32 [B, N, ceil(N / 32)], node i's ancestors and itself as packed mask bits
+    (see dspec.pack_mask); depth: int64 [B, N], edges to the root (0 at the root and at
+    padding nodes).
+    """
+
+    words: torch.Tensor
+    depth: torch.Tensor

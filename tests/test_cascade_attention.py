@@ -134,7 +134,7 @@ def test_dense_bool_mask_is_packed():
 
 
 # -------------------------------------------------------------------------- merge_states
-@device_backends(PROVIDED)
+@device_backends(("torch", "triton", "cuda", "cpp"))
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
 def test_merge_states_matches_reference(device, backend, dtype, atol):
     g = torch.Generator().manual_seed(0)
@@ -193,6 +193,18 @@ def test_bad_input(mutate, match):
     mutate(a)
     with pytest.raises(ValueError, match=match):
         dspec.cascade_attention(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("mask"), **a)
+
+
+def test_merge_many_heads_and_odd_head_dim():
+    """Any number of heads (flashinfer's MergeState fails above 1024 threads per block)."""
+    g = torch.Generator().manual_seed(3)
+    o_a, o_b = torch.randn(2, 3, 2048, 33, generator=g), torch.randn(2, 3, 2048, 33, generator=g)
+    l_a, l_b = torch.randn(2, 3, 2048, generator=g), torch.randn(2, 3, 2048, generator=g)
+    exp = reference.merge_states(o_a, l_a, o_b, l_b)
+    for _, backend in backends_for("cpu", ("torch", "cpp")):
+        got = dspec.merge_states(o_a, l_a, o_b, l_b, backend=backend)
+        torch.testing.assert_close(got[0], exp[0])
+        torch.testing.assert_close(got[1], exp[1])
 
 
 def test_merge_bad_input():

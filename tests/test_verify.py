@@ -8,7 +8,7 @@ import dspec
 from dspec.reference import verify as reference
 from conftest import DEVICES, backends_for, device_backends
 
-PROVIDED = ("torch", "triton")
+PROVIDED = ("torch", "triton", "cuda", "cpp")
 LOGIT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -318,7 +318,7 @@ def _chain_verifier(backend):
 
 
 def _frequency_pairs():
-    pairs = [("cpu", "torch")]
+    pairs = [("cpu", "torch")] + [p for p in backends_for("cpu", ("cpp",))]  # C++: fast enough
     if "cuda" in DEVICES:
         pairs += [p for p in backends_for("cuda", PROVIDED)]
     return pytest.mark.parametrize("device,backend", pairs, ids=[f"{d}-{b}" for d, b in pairs])

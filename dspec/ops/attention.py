@@ -1,6 +1,8 @@
 """cascade_attention and merge_states: shared-prefix attention under a packed suffix mask."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import _backend, _validate
@@ -210,8 +212,28 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
     for name, t in (("o_b", o_b), ("lse_a", lse_a), ("lse_b", lse_b)):
         if t.device != o_a.device:
             raise ValueError(f"{name} is on {t.device}, expected {o_a.device} like o_a")
-    name = _backend.resolve("merge_states", backend, o_a.device, ("torch", "triton"))
+    name = _backend.resolve("merge_states", backend, o_a.device, ("torch", "triton", "cuda", "cpp"))
     if name == "torch":
         return _reference.merge_states(o_a, lse_a, o_b, lse_b)
-    from ..kernels.cascade_attention import merge_states_triton
-    return merge_states_triton(o_a, lse_a, o_b, lse_b)
+    if name == "triton":
+        from ..kernels.cascade_attention import merge_states_triton
+        return merge_states_triton(o_a, lse_a, o_b, lse_b)
+    return _merge_states_ext(o_a, lse_a, o_b, lse_b, cuda=name == "cuda")
+
+
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _merge_states_ext(o_a, lse_a, o_b, lse_b, *, cuda: bool):
+    head_dim = o_a.shape[-1]
+    rows = lse_a.numel()
+    oa, ob = (t.reshape(rows, head_dim).contiguous() for t in (o_a, o_b))
+    la, lb = (t.reshape(rows).contiguous() for t in (lse_a, lse_b))
+    out = torch.empty_like(oa)
+    lse = torch.empty(rows, dtype=torch.float32, device=o_a.device)
+    stream = torch.cuda.current_stream(o_a.device).cuda_stream if cuda else 0
+    with torch.cuda.device(o_a.device) if cuda else contextlib.nullcontext():
+        _backend.extension().merge_states(
+            oa.data_ptr(), la.data_ptr(), ob.data_ptr(), lb.data_ptr(), out.data_ptr(),
+            lse.data_ptr(), _DTYPE_CODE[oa.dtype], rows, head_dim, "cuda" if cuda else "cpu", stream)
+    return out.reshape(o_a.shape), lse.reshape(lse_a.shape)

@@ -9,7 +9,7 @@ from .. import _backend, _validate
 from ..reference import verify as _reference
 from ..types import TreeVerifyOutput, VerifyOutput
 
-_PROVIDED = ("torch", "triton")
+_PROVIDED = ("torch", "triton", "cuda", "cpp")
 
 
 def _same_device(device: torch.device, **tensors) -> None:
@@ -132,6 +132,10 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
         return _reference.verify_chain(draft_tokens, target_logits, draft_probs=draft_probs,
                                        num_drafts=num_drafts, temperature=temperature,
                                        coins=coins, sample_uniforms=sample_uniforms)
+    if name in ("cuda", "cpp"):
+        from ._verify_ext import verify_chain_ext
+        return verify_chain_ext(draft_tokens, target_logits, draft_probs, num_drafts, temperature,
+                                coins, sample_uniforms, cuda=name == "cuda")
     from ..kernels.verify import verify_chain_triton
     return verify_chain_triton(draft_tokens, target_logits, draft_probs, num_drafts, temperature,
                                coins, sample_uniforms)
@@ -139,24 +143,7 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
 
 def _check_tree(parents: torch.Tensor) -> None:
     """Node 0 is the root (-1); node i >= 1 has a parent in [0, i) that is not padding, or is padding (-1)."""
-    if not parents.numel() or not _validate.value_checks_enabled(parents):
-        return
-    par = parents.long()
-    if bool((par[:, 0] != -1).any()):
-        b = int((par[:, 0] != -1).nonzero()[0])
-        raise ValueError(f"parents[{b}, 0] must be -1 (node 0 is the root), got {int(par[b, 0])}")
-    idx = torch.arange(par.shape[1], device=par.device)
-    bad = (par[:, 1:] < -1) | (par[:, 1:] >= idx[None, 1:])
-    if bool(bad.any()):
-        b, i = bad.nonzero()[0].tolist()
-        raise ValueError(f"parents is not a topologically ordered tree: parents[{b}, {i + 1}] = "
-                         f"{int(par[b, i + 1])}, expected -1 or a value in [0, {i + 1})")
-    padding = par == -1
-    padding[:, 0] = False
-    parent_is_padding = padding.gather(1, par.clamp(min=0)) & (par >= 0)
-    if bool(parent_is_padding.any()):
-        b, i = parent_is_padding.nonzero()[0].tolist()
-        raise ValueError(f"parents[{b}, {i}] = {int(par[b, i])} points at a padding node (-1 parent)")
+    _validate.tree_parents(parents, "parents")
 
 
 def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor, *,
@@ -217,5 +204,9 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     if name == "torch":
         return _reference.verify_tree(tokens, parents, target_logits, temperature=temperature,
                                       coins=coins, sample_uniforms=sample_uniforms)
+    if name in ("cuda", "cpp"):
+        from ._verify_ext import verify_tree_ext
+        return verify_tree_ext(tokens, parents, target_logits, temperature, coins, sample_uniforms,
+                               cuda=name == "cuda")
     from ..kernels.verify import verify_tree_triton
     return verify_tree_triton(tokens, parents, target_logits, temperature, coins, sample_uniforms)

@@ -1,0 +1,97 @@
+// Element conversions shared by the C++ CPU code and the CUDA kernels: IEEE binary16 and
+// bfloat16 bit patterns <-> float.  Plain C++17 plus device fast paths; branch-free on the
+// host so that loops over them vectorise.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "dspec.h"  // DSPEC_HD, dtype codes
+
+namespace dspec {
+namespace dt {
+
+DSPEC_HD float f32_from_bits(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+DSPEC_HD std::uint32_t bits_from_f32(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+// binary16 -> binary32, exact: normals re-biased, subnormals as mant * 2^-24 (integer ->
+// float, immune to denormals-are-zero), +-0, +-inf, NaNs (payload kept, made quiet).
+DSPEC_HD float half_to_float(std::uint16_t h) {
+  const std::uint32_t u = h;
+  const std::uint32_t sign = (u & 0x8000u) << 16;
+  const std::uint32_t exp = u & 0x7c00u;
+  const std::uint32_t mant = u & 0x03ffu;
+  const float normal = f32_from_bits(((u & 0x7fffu) << 13) + ((127u - 15u) << 23));
+  const float subnormal = static_cast<float>(static_cast<std::int32_t>(mant)) * 5.9604644775390625e-08f;
+  const float special = f32_from_bits(0x7f800000u | (mant << 13) | (mant ? 0x00400000u : 0u));
+  const float mag = exp == 0 ? subnormal : (exp == 0x7c00u ? special : normal);
+  return f32_from_bits(bits_from_f32(mag) | sign);
+}
+
+DSPEC_HD float bf16_to_float(std::uint16_t h) { return f32_from_bits(static_cast<std::uint32_t>(h) << 16); }
+
+// binary32 -> bfloat16, round to nearest even; NaN stays a (quiet) NaN.
+DSPEC_HD std::uint16_t float_to_bf16(float f) {
+  const std::uint32_t u = bits_from_f32(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// binary32 -> binary16, round to nearest even, with subnormals, overflow to inf and NaN.
+DSPEC_HD std::uint16_t float_to_half(float f) {
+  const std::uint32_t u = bits_from_f32(f);
+  const std::uint16_t sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
+  const std::uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);   // NaN
+  if (a >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds past 65504
+  if (a < 0x38800000u) {  // below the smallest normal half: scale into the subnormal grid
+    const float mag = f32_from_bits(a) * 16777216.0f;  // * 2^24, exact
+    // round half to even on the integer grid of 2^-24 steps
+    const float r = mag + 12582912.0f - 12582912.0f;   // 1.5 * 2^23 trick (RNE in float)
+    return static_cast<std::uint16_t>(sign | static_cast<std::uint16_t>(r));
+  }
+  const std::uint32_t rounded = a + 0xfffu + ((a >> 13) & 1u);  // RNE on the dropped 13 bits
+  return static_cast<std::uint16_t>(sign | ((rounded - (112u << 23)) >> 13));
+}
+
+template <int DT>
+DSPEC_HD float load(const void* base, std::int64_t idx) {
+  if constexpr (DT == kFloat32) {
+    return static_cast<const float*>(base)[idx];
+  } else if constexpr (DT == kFloat16) {
+    return half_to_float(static_cast<const std::uint16_t*>(base)[idx]);
+  } else {
+    return bf16_to_float(static_cast<const std::uint16_t*>(base)[idx]);
+  }
+}
+
+template <int DT>
+DSPEC_HD void store(void* base, std::int64_t idx, float v) {
+  if constexpr (DT == kFloat32) {
+    static_cast<float*>(base)[idx] = v;
+  } else if constexpr (DT == kFloat16) {
+    static_cast<std::uint16_t*>(base)[idx] = float_to_half(v);
+  } else {
+    static_cast<std::uint16_t*>(base)[idx] = float_to_bf16(v);
+  }
+}
+
+}  // namespace dt
+}  // namespace dspec

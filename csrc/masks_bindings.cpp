@@ -1,0 +1,205 @@
+// pybind11 registrations of the masks ops in dspec._C (see masks.h for the layout):
+//   pack_mask, unpack_mask, tree_mask, and the constants tree_mask_max_nodes,
+//   INDEX_INT32 / INDEX_INT64.
+// Tensors cross as integer addresses (tensor.data_ptr()).  Every argument is validated
+// before anything is read or written; a bad one raises ValueError naming it.
+#include "masks_bindings.h"
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "masks.h"
+
+namespace py = pybind11;
+
+namespace dspec {
+namespace {
+
+#ifdef DSPEC_WITH_CUDA
+constexpr bool kMasksWithCuda = true;
+#else
+constexpr bool kMasksWithCuda = false;
+#endif
+
+constexpr std::int64_t kI64Max = std::numeric_limits<std::int64_t>::max();
+
+struct Checker {
+  const char* op;
+  [[noreturn]] void fail(const std::string& msg) const {
+    throw std::invalid_argument(std::string("dspec._C.") + op + ": " + msg);
+  }
+  void ptr(std::int64_t p, const char* name, std::int64_t align) const {
+    if (p == 0) fail(std::string(name) + " is a null pointer");
+    if (p < 0) fail(std::string(name) + " must be a non-negative address, got " + std::to_string(p));
+    if (p % align != 0) {
+      fail(std::string(name) + " must be " + std::to_string(align) + "-byte aligned, got " + std::to_string(p));
+    }
+  }
+  bool device(const std::string& d) const {
+    const bool on_cuda = d == "cuda";
+    if (!on_cuda && d != "cpu") fail("device must be 'cpu' or 'cuda', got '" + d + "'");
+    if (on_cuda && !kMasksWithCuda) throw std::invalid_argument("dspec._C was built without CUDA");
+    return on_cuda;
+  }
+  void non_negative(std::int64_t v, const char* name) const {
+    if (v < 0) fail(std::string(name) + " must be >= 0, got " + std::to_string(v));
+  }
+  // rows x cols elements with row_stride between rows fit in int64 (and the stride covers a row)
+  void rows_stride(std::int64_t rows, std::int64_t cols, std::int64_t row_stride) const {
+    // A single row never steps by row_stride (torch reports odd strides for size-1 dims).
+    if (row_stride < 0 || (rows > 1 && row_stride < cols)) {
+      fail("row_stride must be >= " + std::to_string(cols) + ", got " + std::to_string(row_stride));
+    }
+    if (rows > 1 && (rows - 1) > (kI64Max - cols) / row_stride) fail("rows * row_stride overflows int64");
+  }
+  void product(std::int64_t a, std::int64_t b, const char* what) const {
+    if (a > 0 && b > kI64Max / a) fail(std::string(what) + " overflows int64");
+  }
+};
+
+void pack_mask(std::int64_t mask_ptr, std::int64_t rows, std::int64_t num_keys, std::int64_t row_stride,
+               std::int64_t words_ptr, const std::string& device, std::int64_t stream) {
+  const Checker c{"pack_mask"};
+  const bool on_cuda = c.device(device);
+  c.non_negative(rows, "rows");
+  c.non_negative(num_keys, "num_keys");
+  c.rows_stride(rows, num_keys, row_stride);
+  c.product(rows, mask_words(num_keys) * 4, "rows * num_words * 4");
+  if (rows == 0 || num_keys == 0) return;  // empty tensors may report data_ptr() == 0
+  c.ptr(mask_ptr, "mask_ptr", 1);
+  c.ptr(words_ptr, "words_ptr", 4);
+  PackMaskArgs a;
+  a.mask = reinterpret_cast<const std::uint8_t*>(static_cast<std::intptr_t>(mask_ptr));
+  a.rows = rows;
+  a.num_keys = num_keys;
+  a.row_stride = row_stride;
+  a.words = reinterpret_cast<std::int32_t*>(static_cast<std::intptr_t>(words_ptr));
+  py::gil_scoped_release no_gil;
+  if (on_cuda) {
+#ifdef DSPEC_WITH_CUDA
+    pack_mask_cuda(a, stream);
+#endif
+  } else {
+    (void)stream;
+    pack_mask_cpu(a);
+  }
+}
+
+void unpack_mask(std::int64_t words_ptr, std::int64_t rows, std::int64_t num_words, std::int64_t row_stride,
+                 std::int64_t num_keys, std::int64_t out_ptr, const std::string& device, std::int64_t stream) {
+  const Checker c{"unpack_mask"};
+  const bool on_cuda = c.device(device);
+  c.non_negative(rows, "rows");
+  c.non_negative(num_words, "num_words");
+  c.non_negative(num_keys, "num_keys");
+  if (num_words > kI64Max / 32 || num_keys > 32 * num_words) {
+    c.fail("num_keys must be <= 32 * num_words (" + std::to_string(num_words) + " words), got " +
+           std::to_string(num_keys));
+  }
+  c.rows_stride(rows, num_words, row_stride);
+  c.product(rows, num_keys, "rows * num_keys");
+  if (rows == 0 || num_keys == 0) return;
+  c.ptr(words_ptr, "words_ptr", 4);
+  c.ptr(out_ptr, "out_ptr", 1);
+  UnpackMaskArgs a;
+  a.words = reinterpret_cast<const std::int32_t*>(static_cast<std::intptr_t>(words_ptr));
+  a.rows = rows;
+  a.num_words = num_words;
+  a.row_stride = row_stride;
+  a.num_keys = num_keys;
+  a.out = reinterpret_cast<std::uint8_t*>(static_cast<std::intptr_t>(out_ptr));
+  py::gil_scoped_release no_gil;
+  if (on_cuda) {
+#ifdef DSPEC_WITH_CUDA
+    unpack_mask_cuda(a, stream);
+#endif
+  } else {
+    (void)stream;
+    unpack_mask_cpu(a);
+  }
+}
+
+void tree_mask(std::int64_t parents_ptr, int dtype, std::int64_t batch, std::int64_t nodes,
+               std::int64_t row_stride, std::int64_t words_ptr, std::int64_t depth_ptr, const std::string& device,
+               std::int64_t stream) {
+  const Checker c{"tree_mask"};
+  const bool on_cuda = c.device(device);
+  if (dtype != kIndexInt32 && dtype != kIndexInt64) {
+    c.fail("dtype must be 0 (int32) or 1 (int64), got " + std::to_string(dtype));
+  }
+  c.non_negative(batch, "batch");
+  if (nodes < 1) c.fail("nodes must be >= 1 (node 0 is the root), got " + std::to_string(nodes));
+  if (on_cuda && nodes > kTreeMaskMaxNodes) {
+    c.fail("nodes must be <= " + std::to_string(kTreeMaskMaxNodes) + " on CUDA, got " + std::to_string(nodes));
+  }
+  if (on_cuda && batch > std::numeric_limits<std::int32_t>::max()) {
+    c.fail("batch must be < 2^31 (CUDA grid size), got " + std::to_string(batch));
+  }
+  c.rows_stride(batch, nodes, row_stride);
+  c.product(nodes, mask_words(nodes) * 4, "nodes * num_words * 4");
+  c.product(batch, nodes * mask_words(nodes) * 4, "batch * nodes * num_words * 4");
+  if (batch == 0) return;
+  c.ptr(parents_ptr, "parents_ptr", dtype == kIndexInt32 ? 4 : 8);
+  c.ptr(words_ptr, "words_ptr", 4);
+  c.ptr(depth_ptr, "depth_ptr", 8);
+  TreeMaskArgs a;
+  a.parents = reinterpret_cast<const void*>(static_cast<std::intptr_t>(parents_ptr));
+  a.dtype = dtype;
+  a.batch = batch;
+  a.nodes = nodes;
+  a.row_stride = row_stride;
+  a.words = reinterpret_cast<std::int32_t*>(static_cast<std::intptr_t>(words_ptr));
+  a.depth = reinterpret_cast<std::int64_t*>(static_cast<std::intptr_t>(depth_ptr));
+  py::gil_scoped_release no_gil;
+  if (on_cuda) {
+#ifdef DSPEC_WITH_CUDA
+    tree_mask_cuda(a, stream);
+#endif
+  } else {
+    (void)stream;
+    tree_mask_cpu(a);
+  }
+}
+
+}  // namespace
+
+void register_masks(py::module_& m) {
+  m.attr("tree_mask_max_nodes") = py::int_(kTreeMaskMaxNodes);
+  m.attr("INDEX_INT32") = py::int_(static_cast<int>(kIndexInt32));
+  m.attr("INDEX_INT64") = py::int_(static_cast<int>(kIndexInt64));
+
+  m.def("pack_mask", &pack_mask, py::arg("mask_ptr"), py::arg("rows"), py::arg("num_keys"), py::arg("row_stride"),
+        py::arg("words_ptr"), py::arg("device"), py::arg("stream") = 0,
+        R"doc(Pack a boolean mask into 32-bit words.
+
+mask_ptr: rows x num_keys bytes (torch.bool; non-zero is set), unit stride along keys,
+row_stride bytes between rows.  words_ptr: rows x ceil(num_keys / 32) int32, contiguous;
+bit j of word w is key 32 w + j, bits past num_keys are 0.  device "cpu" or "cuda" (launch
+on `stream` on the current device).  rows == 0 or num_keys == 0 is a no-op.)doc");
+
+  m.def("unpack_mask", &unpack_mask, py::arg("words_ptr"), py::arg("rows"), py::arg("num_words"),
+        py::arg("row_stride"), py::arg("num_keys"), py::arg("out_ptr"), py::arg("device"), py::arg("stream") = 0,
+        R"doc(Unpack 32-bit mask words into bytes (0 / 1).
+
+words_ptr: rows x num_words int32, unit stride, row_stride elements between rows;
+num_keys <= 32 * num_words (later bits are ignored).  out_ptr: rows x num_keys bytes,
+contiguous.  rows == 0 or num_keys == 0 is a no-op.)doc");
+
+  m.def("tree_mask", &tree_mask, py::arg("parents_ptr"), py::arg("dtype"), py::arg("batch"), py::arg("nodes"),
+        py::arg("row_stride"), py::arg("words_ptr"), py::arg("depth_ptr"), py::arg("device"),
+        py::arg("stream") = 0,
+        R"doc(Ancestor masks and depths of token trees.
+
+parents_ptr: batch x nodes parents (dtype 0 int32, 1 int64), unit stride, row_stride
+elements between rows; node 0 is the root; a parent outside [0, i) counts as -1 (padding:
+sees only itself, depth 0).  words_ptr: batch x nodes x ceil(nodes / 32) int32 (node i's
+row has the bits of i and its ancestors); depth_ptr: batch x nodes int64.  CUDA takes
+nodes <= tree_mask_max_nodes (pointer jumping, one block per tree); the CPU code scans the
+nodes in index order and takes any count.  batch == 0 is a no-op.)doc");
+}
+
+}  // namespace dspec

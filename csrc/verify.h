@@ -1,0 +1,431 @@
+// dspec._C verify_chain / verify_tree: declarations, workspace layout and the per-row /
+// per-element math shared by the C++ CPU code (verify_cpu.cpp) and the CUDA kernels
+// (verify.cu).  Plain C++17 like dspec.h (no pybind11; cuda_fp16.h only under nvcc).
+//
+// The design mirrors dspec/kernels/verify.py (the Triton kernels):
+//   1. token_stats (dspec.h) over every target row [B * P, V] (P = L + 1 or N): argmax
+//      (-1 for an invalid row) and prob = 1 / S, so p(v) = exp((logit_v - logit_argmax) *
+//      inv_t) * prob is one load away for any v.
+//   2. accept: chain (every position: greedy x == argmax, sampling coin * q(x) < p(x); the
+//      first failure j is the row's length) or tree (a scalar walk over the nodes in index
+//      order).  Writes num_accepted, the accepted tokens (and the tree path) and, when
+//      sampling, a draw spec: target row, q row offset, mode, excluded tokens, output slot.
+//   3. draw: per-tile sums of the draw weights w (and of p, the fallback for an empty
+//      residual), then a pick: the first tile whose running sum passes u * total, then the
+//      first token inside it.
+// Every function below is __host__ __device__ so the CPU code and the kernels evaluate
+// literally the same float32 expressions for p, the residual, the acceptance tests and the
+// tree walk.  (Sums differ: the kernels reduce in float32 trees as Triton does, the CPU code
+// accumulates in double.)
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "dspec.h"
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
+
+namespace dspec {
+
+// dtype codes of token ids (draft tokens, tree tokens, parents).
+enum IdTypeCode : int { kInt32 = 0, kInt64 = 1 };
+
+// Draw spec modes (as MODE_* in dspec/kernels/verify.py).
+enum DrawMode : int { kModeP = 0, kModeExclude = 1, kModeResidualQ = 2 };
+
+// CUDA geometry.  Accept kernels: one warp per row, kVerifyAcceptWarps rows per block.
+// Draw kernels: kVerifyDrawThreads threads; thread t of a tile owns the draw_vec(dtype)
+// consecutive columns tile_start + t * vec (one 16-byte load of logits), so a tile is
+// kVerifyDrawThreads * 16 bytes of logits: 1024 float32 or 2048 float16 / bfloat16 columns.
+// The CPU code uses the same tiles.
+constexpr int kVerifyAcceptWarps = 4;
+constexpr int kVerifyDrawThreads = 256;
+
+DSPEC_HD int draw_vec(int dtype) { return dtype == kFloat32 ? 4 : 8; }
+DSPEC_HD std::int64_t draw_tile(int dtype) { return std::int64_t(kVerifyDrawThreads) * draw_vec(dtype); }
+DSPEC_HD std::int64_t draw_num_tiles(std::int64_t vocab, int dtype) {
+  return (vocab + draw_tile(dtype) - 1) / draw_tile(dtype);
+}
+
+// Arguments common to both ops (all validated by bindings.cpp before any launch).
+struct VerifyCommon {
+  const void* logits = nullptr;  // rows = batch * positions rows of vocab, unit stride along vocab
+  int dtype = kFloat32;
+  std::int64_t batch = 0;
+  std::int64_t positions = 0;  // chain: L + 1; tree: N
+  std::int64_t vocab = 0;
+  std::int64_t row_stride = 0;
+  bool greedy = true;
+  float inv_t = 1.0f;              // 1 / temperature (1 when greedy)
+  const float* coins = nullptr;    // [B, L] (chain) / [B, N] (tree), contiguous; sampling only
+  const float* uniforms = nullptr; // [B]; sampling only
+  std::int64_t ts_splits = 1;      // token_stats vocabulary splits (CUDA)
+  std::int64_t draw_splits = 1;    // blocks per row of the draw tile sums (CUDA)
+  void* workspace = nullptr;       // verify_layout(...).bytes bytes, 16-byte aligned
+};
+
+struct VerifyChainArgs : VerifyCommon {
+  const void* drafts = nullptr;  // [B, L] contiguous, id dtype draft_dtype
+  int draft_dtype = kInt64;
+  const std::int64_t* num_drafts = nullptr;  // [B] or null (= L); values clamped to [0, L]
+  const void* q = nullptr;                   // draft_probs or null (one-hot drafts)
+  int q_dtype = kFloat32;
+  std::int64_t q_stride_b = 0;  // elements; unit stride along vocab
+  std::int64_t q_stride_l = 0;
+  std::int64_t* num_accepted = nullptr;  // [B]
+  std::int64_t* tokens = nullptr;        // [B, L + 1]
+};
+
+struct VerifyTreeArgs : VerifyCommon {
+  const void* tokens = nullptr;   // [B, N] contiguous
+  int token_dtype = kInt64;
+  const void* parents = nullptr;  // [B, N] contiguous
+  int parent_dtype = kInt64;
+  std::int64_t* num_accepted = nullptr;  // [B]
+  std::int64_t* path = nullptr;          // [B, N]
+  std::int64_t* out = nullptr;           // [B, N]
+};
+
+// ---- workspace ------------------------------------------------------------------------
+// Byte offsets of the workspace sections (each 256-byte aligned); section sizes are 0 where
+// unused (greedy: no spec, no tiles).  excl_cap: excluded-token slots per row (1 for a
+// chain, N for a tree).  Arguments assumed validated (no overflow: see bindings.cpp).
+struct VerifyLayout {
+  std::int64_t argmax, prob, margin, entropy, lse, ts_partial;
+  std::int64_t spec_row, spec_qrow, spec_pos, spec_mode, spec_nex, spec_excl;
+  std::int64_t tile_w, tile_p;
+  std::int64_t num_tiles, excl_cap;
+  std::int64_t bytes;
+};
+
+inline VerifyLayout verify_layout(std::int64_t batch, std::int64_t positions, std::int64_t vocab, int dtype,
+                                  std::int64_t excl_cap, bool sampling, std::int64_t ts_splits) {
+  VerifyLayout l{};
+  const std::int64_t rows = batch * positions;
+  std::int64_t at = 0;
+  auto take = [&](std::int64_t bytes) {
+    const std::int64_t off = at;
+    at += (bytes + 255) / 256 * 256;
+    return off;
+  };
+  l.argmax = take(rows * 8);
+  l.prob = take(rows * 4);
+  l.margin = take(rows * 4);
+  l.entropy = take(rows * 4);
+  l.lse = take(rows * 4);
+  l.ts_partial = take(token_stats_workspace_bytes(rows, ts_splits));
+  l.excl_cap = excl_cap;
+  l.num_tiles = draw_num_tiles(vocab, dtype);
+  const std::int64_t b = sampling ? batch : 0;
+  l.spec_row = take(b * 8);
+  l.spec_qrow = take(b * 8);
+  l.spec_pos = take(b * 8);
+  l.spec_mode = take(b * 4);
+  l.spec_nex = take(b * 4);
+  l.spec_excl = take(b * excl_cap * 8);
+  l.tile_w = take(b * l.num_tiles * 4);
+  l.tile_p = take(b * l.num_tiles * 4);
+  l.bytes = at;
+  return l;
+}
+
+// Typed views of a workspace.
+struct VerifyWork {
+  std::int64_t* argmax;
+  float* prob;
+  float* margin;
+  float* entropy;
+  float* lse;
+  void* ts_partial;
+  std::int64_t* spec_row;
+  std::int64_t* spec_qrow;
+  std::int64_t* spec_pos;
+  std::int32_t* spec_mode;
+  std::int32_t* spec_nex;
+  std::int64_t* spec_excl;
+  float* tile_w;
+  float* tile_p;
+  std::int64_t num_tiles;
+  std::int64_t excl_cap;
+};
+
+inline VerifyWork verify_work(void* workspace, const VerifyLayout& l) {
+  char* base = static_cast<char*>(workspace);
+  VerifyWork w;
+  w.argmax = reinterpret_cast<std::int64_t*>(base + l.argmax);
+  w.prob = reinterpret_cast<float*>(base + l.prob);
+  w.margin = reinterpret_cast<float*>(base + l.margin);
+  w.entropy = reinterpret_cast<float*>(base + l.entropy);
+  w.lse = reinterpret_cast<float*>(base + l.lse);
+  w.ts_partial = base + l.ts_partial;
+  w.spec_row = reinterpret_cast<std::int64_t*>(base + l.spec_row);
+  w.spec_qrow = reinterpret_cast<std::int64_t*>(base + l.spec_qrow);
+  w.spec_pos = reinterpret_cast<std::int64_t*>(base + l.spec_pos);
+  w.spec_mode = reinterpret_cast<std::int32_t*>(base + l.spec_mode);
+  w.spec_nex = reinterpret_cast<std::int32_t*>(base + l.spec_nex);
+  w.spec_excl = reinterpret_cast<std::int64_t*>(base + l.spec_excl);
+  w.tile_w = reinterpret_cast<float*>(base + l.tile_w);
+  w.tile_p = reinterpret_cast<float*>(base + l.tile_p);
+  w.num_tiles = l.num_tiles;
+  w.excl_cap = l.excl_cap;
+  return w;
+}
+
+// Stage-1 token_stats arguments over all target rows, writing into the workspace.
+inline TokenStatsArgs verify_token_stats_args(const VerifyCommon& a, const VerifyWork& w) {
+  TokenStatsArgs ts;
+  ts.logits = a.logits;
+  ts.dtype = a.dtype;
+  ts.rows = a.batch * a.positions;
+  ts.vocab = a.vocab;
+  ts.row_stride = a.row_stride;
+  ts.inv_t = a.inv_t;
+  ts.token = w.argmax;
+  ts.prob = w.prob;
+  ts.margin = w.margin;
+  ts.entropy = w.entropy;
+  ts.lse = w.lse;
+  ts.num_splits = a.ts_splits;
+  ts.workspace = w.ts_partial;
+  return ts;
+}
+
+// All assume validated arguments and batch >= 1.
+void verify_chain_cpu(const VerifyChainArgs& args);
+void verify_tree_cpu(const VerifyTreeArgs& args);
+// Launch on `stream` (a cudaStream_t as an integer) on the current device; no host sync, no
+// allocation.  Throw std::runtime_error when a launch fails.  Only with DSPEC_WITH_CUDA.
+void verify_chain_cuda(const VerifyChainArgs& args, std::int64_t stream);
+void verify_tree_cuda(const VerifyTreeArgs& args, std::int64_t stream);
+
+namespace vf {
+
+// ---- loads ------------------------------------------------------------------------------
+DSPEC_HD float f32_from_bits(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+// IEEE binary16 -> binary32 (exact).
+DSPEC_HD float half_bits_to_float(std::uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1fu;
+  const std::uint32_t mant = h & 0x03ffu;
+  float mag;
+  if (exp == 0) {
+    mag = static_cast<float>(mant) * 5.9604644775390625e-08f;  // subnormal or zero: mant * 2^-24
+  } else if (exp == 0x1f) {
+    mag = f32_from_bits(0x7f800000u | (mant << 13) | (mant ? 0x00400000u : 0u));  // inf / quiet NaN
+  } else {
+    mag = f32_from_bits(((exp + 112u) << 23) | (mant << 13));
+  }
+  std::uint32_t u;
+  std::memcpy(&u, &mag, sizeof(u));
+  return f32_from_bits(u | sign);
+#endif
+}
+
+DSPEC_HD float bf16_bits_to_float(std::uint16_t h) { return f32_from_bits(static_cast<std::uint32_t>(h) << 16); }
+
+template <int DT>
+DSPEC_HD float load_as_float(const void* base, std::int64_t idx) {
+  if constexpr (DT == kFloat32) {
+    return static_cast<const float*>(base)[idx];
+  } else if constexpr (DT == kFloat16) {
+    return half_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
+  } else {
+    return bf16_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
+  }
+}
+
+DSPEC_HD float load_float(const void* base, int dtype, std::int64_t idx) {
+  return dtype == kFloat32 ? load_as_float<kFloat32>(base, idx)
+                           : (dtype == kFloat16 ? load_as_float<kFloat16>(base, idx)
+                                                : load_as_float<kBFloat16>(base, idx));
+}
+
+DSPEC_HD std::int64_t load_id(const void* base, int dtype, std::int64_t idx) {
+  return dtype == kInt32 ? static_cast<std::int64_t>(static_cast<const std::int32_t*>(base)[idx])
+                         : static_cast<const std::int64_t*>(base)[idx];
+}
+
+// ---- probabilities ----------------------------------------------------------------------
+// a * b rounded (never contracted into an FMA with a following add / subtract by nvcc).
+DSPEC_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+// The target's distribution at one row: the argmax logit and 1 / S, prob NaN for an invalid
+// row (argmax -1), so every p of that row is NaN.
+struct RowDist {
+  float top_logit;
+  float prob;
+};
+
+DSPEC_HD RowDist row_dist(const VerifyCommon& a, const std::int64_t* argmax, const float* prob, std::int64_t row) {
+  const std::int64_t top = argmax[row];
+  RowDist d;
+  d.top_logit = load_float(a.logits, a.dtype, row * a.row_stride + (top > 0 ? top : 0));
+  d.prob = top >= 0 ? prob[row] : NAN;
+  return d;
+}
+
+// p(v) = exp((logit_v - logit_argmax) * inv_t) * (1 / S), float32 as in the Triton kernels.
+DSPEC_HD float target_p(float logit, const RowDist& d, float inv_t) {
+  return mul_rn(expf(mul_rn(logit - d.top_logit, inv_t)), d.prob);
+}
+
+// max(p - q, 0) with NaN kept (a NaN in q poisons the draw: token -1, as the reference).
+DSPEC_HD float residual(float p, float q) {
+  const float r = p - q;
+  return r < 0.0f ? 0.0f : r;
+}
+
+// ---- chain ------------------------------------------------------------------------------
+DSPEC_HD std::int64_t chain_num_drafts(const VerifyChainArgs& a, std::int64_t b) {
+  const std::int64_t length = a.positions - 1;
+  if (a.num_drafts == nullptr) return length;
+  const std::int64_t n = a.num_drafts[b];
+  return n < 0 ? 0 : (n > length ? length : n);
+}
+
+// Is draft i (< n) of row b, token x, accepted?  Greedy: x == argmax.  Sampling:
+// coin * q(x) < p(x) with q(x) = draft_probs[b, i, x] (1 without draft_probs).  An id
+// outside [0, V) (possible only with value checks off) is never read and never accepted.
+DSPEC_HD bool chain_accepts(const VerifyChainArgs& a, const std::int64_t* argmax, const float* prob, std::int64_t b,
+                            std::int64_t i, std::int64_t x) {
+  const std::int64_t row = b * a.positions + i;
+  if (a.greedy) return x == argmax[row];
+  if (x < 0 || x >= a.vocab) return false;
+  const RowDist d = row_dist(a, argmax, prob, row);
+  const float p_x = target_p(load_float(a.logits, a.dtype, row * a.row_stride + x), d, a.inv_t);
+  const float q_x = a.q != nullptr ? load_float(a.q, a.q_dtype, b * a.q_stride_b + i * a.q_stride_l + x) : 1.0f;
+  const float coin = a.coins[b * (a.positions - 1) + i];
+  return coin * q_x < p_x;
+}
+
+// ---- tree -------------------------------------------------------------------------------
+// What the walk needs to know about node c, all independent of the walk's state: its parent
+// (-1 unless in [0, c)), token, coin, p(token) under its parent's distribution (sampling),
+// and whether its token is its parent's argmax (greedy).
+struct TreeNode {
+  std::int64_t parent;
+  std::int64_t token;
+  float p;
+  float coin;
+  bool match;
+};
+
+DSPEC_HD TreeNode tree_node(const VerifyTreeArgs& a, const std::int64_t* argmax, const float* prob, std::int64_t b,
+                            std::int64_t c) {
+  const std::int64_t base = b * a.positions;
+  TreeNode nd;
+  nd.parent = load_id(a.parents, a.parent_dtype, base + c);
+  nd.token = load_id(a.tokens, a.token_dtype, base + c);
+  nd.p = 0.0f;
+  nd.coin = 1.0f;
+  nd.match = false;
+  if (nd.parent < 0 || nd.parent >= c) {  // padding (or malformed): never anyone's child
+    nd.parent = -1;
+    return nd;
+  }
+  const std::int64_t prow = base + nd.parent;
+  if (a.greedy) {
+    nd.match = nd.token == argmax[prow];
+    return nd;
+  }
+  nd.coin = a.coins[base + c];
+  if (nd.token >= 0 && nd.token < a.vocab) {
+    const RowDist d = row_dist(a, argmax, prob, prow);
+    nd.p = target_p(load_float(a.logits, a.dtype, prow * a.row_stride + nd.token), d, a.inv_t);
+  }
+  return nd;
+}
+
+// State of one row's walk: the current node, the accepted depth, and at the current node
+// the number of excluded (rejected, distinct) sibling tokens and their probability mass.
+struct TreeWalk {
+  std::int64_t node;
+  std::int64_t depth;
+  std::int32_t nex;
+  float removed;
+};
+
+DSPEC_HD TreeWalk tree_walk_start() {
+  TreeWalk s;
+  s.node = 0;
+  s.depth = 0;
+  s.nex = 0;
+  s.removed = 0.0f;
+  return s;
+}
+
+DSPEC_HD bool tree_seen(const std::int64_t* excl, std::int32_t nex, std::int64_t token) {
+  bool seen = false;
+  for (std::int32_t k = 0; k < nex; ++k) seen = seen || excl[k] == token;
+  return seen;
+}
+
+// One step of the walk at node index c (as _tree_walk_kernel).  Greedy: move to c iff it is
+// a child of the current node holding the current argmax.  Sampling: w = 0 for a token
+// already excluded at this node, else p; move iff coin < w / (1 - removed); a rejected new
+// token is excluded (drop = true: the caller stores nd.token at excl[s.nex - 1]) and its p
+// joins `removed`.  A move resets the excluded list.  Returns whether it moved (then
+// s.depth - 1 is the path slot of c).
+DSPEC_HD bool tree_step(TreeWalk& s, std::int64_t c, const TreeNode& nd, bool greedy, bool seen, bool& drop) {
+  drop = false;
+  if (nd.parent != s.node) return false;
+  bool move;
+  if (greedy) {
+    move = nd.match;
+  } else {
+    const float w = seen ? 0.0f : nd.p;
+    move = nd.coin < w / (1.0f - s.removed);
+    drop = !move && !seen;
+    if (drop) {
+      s.removed = s.removed + nd.p;
+      s.nex += 1;
+    }
+  }
+  if (move) {
+    s.node = c;
+    s.depth += 1;
+    s.nex = 0;
+    s.removed = 0.0f;
+  }
+  return move;
+}
+
+// ---- draw -------------------------------------------------------------------------------
+// One column's weights: p, and w = the residual max(p - q, 0) in mode 2, else p; 0 for an
+// excluded token.  (Mode 1 excludes tokens, mode 2 subtracts q; never both.)
+DSPEC_HD void draw_weights(float logit, float q, bool excluded, int mode, const RowDist& d, float inv_t, float& w,
+                           float& p) {
+  p = target_p(logit, d, inv_t);
+  w = mode == kModeResidualQ ? residual(p, q) : p;
+  w = excluded ? 0.0f : w;
+}
+
+// The residual is used unless its total is exactly 0 (an empty residual: draw from p); a NaN
+// total stays (token -1).
+DSPEC_HD bool draw_use_p(float total_w) { return !(total_w > 0.0f) && total_w == total_w; }
+DSPEC_HD bool draw_use_p(double total_w) { return !(total_w > 0.0) && total_w == total_w; }
+
+}  // namespace vf
+}  // namespace dspec

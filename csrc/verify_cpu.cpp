@@ -1,0 +1,273 @@
+// verify_chain / verify_tree on the CPU: the design of the CUDA / Triton kernels, run
+// sequentially per row (rows spread over std::thread workers for large inputs).
+//
+// Stage 1 is token_stats_cpu over every target row (argmax, 1 / S).  Then each row, on its
+// own: the acceptance (dspec::vf::chain_accepts / the tree walk of dspec::vf::tree_step,
+// the same float32 expressions as the kernels) and, when sampling, the draw: per-tile sums
+// of the weights (float32 elements, double sums), the first tile whose running sum passes
+// u * total (else the last tile with a nonzero sum), then the first token inside it whose
+// running sum passes (else the last token with w > 0).  The draw spec stays in registers
+// (the workspace's spec / tile sections are not used on the CPU).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_parallel.h"
+#include "dspec.h"
+#include "verify.h"
+
+namespace dspec {
+namespace {
+
+// Below this many elements of work a call runs on the calling thread alone.
+constexpr std::int64_t kParallelThreshold = std::int64_t(1) << 18;
+constexpr std::int64_t kMinWorkPerThread = std::int64_t(1) << 16;
+
+struct Scratch {
+  std::vector<double> tw, tp;           // per-tile sums of w and p
+  std::vector<std::int64_t> excl;       // tree: excluded tokens at the current node
+  std::vector<std::int64_t> excl_sorted;
+};
+
+struct CpuDrawSpec {
+  std::int64_t row = 0;        // target row
+  int mode = kModeP;
+  const void* q_row = nullptr;  // draft_probs row (mode 2)
+  int q_dtype = kFloat32;
+  const std::int64_t* excl = nullptr;  // excluded tokens (mode 1)
+  std::int32_t nex = 0;
+};
+
+// Weights of columns [lo, hi) of the draw row; `k` walks the sorted excluded tokens.
+template <int DT, class Fn>
+inline void for_columns(const VerifyCommon& a, const CpuDrawSpec& sp, const vf::RowDist& d,
+                        const std::vector<std::int64_t>& ex, std::int64_t lo, std::int64_t hi, Fn fn) {
+  std::size_t k = static_cast<std::size_t>(std::lower_bound(ex.begin(), ex.end(), lo) - ex.begin());
+  const std::int64_t row_off = sp.row * a.row_stride;
+  const bool with_q = sp.mode == kModeResidualQ && sp.q_row != nullptr;
+  for (std::int64_t col = lo; col < hi; ++col) {
+    while (k < ex.size() && ex[k] < col) ++k;
+    const bool excluded = k < ex.size() && ex[k] == col;
+    const float q = with_q ? vf::load_float(sp.q_row, sp.q_dtype, col) : 0.0f;
+    float w, p;
+    vf::draw_weights(vf::load_as_float<DT>(a.logits, row_off + col), q, excluded, sp.mode, d, a.inv_t, w, p);
+    if (!fn(col, w, p)) return;
+  }
+}
+
+// The drawn token (-1 when the weights are empty or not finite).
+template <int DT>
+std::int64_t draw_row(const VerifyCommon& a, const VerifyWork& wk, const CpuDrawSpec& sp, float u, Scratch& s) {
+  const vf::RowDist d = vf::row_dist(a, wk.argmax, wk.prob, sp.row);
+  const std::int64_t vocab = a.vocab;
+  const std::int64_t tile = draw_tile(DT);
+  const std::int64_t num_tiles = draw_num_tiles(vocab, DT);
+
+  auto& ex = s.excl_sorted;
+  ex.clear();
+  if (sp.mode == kModeExclude) {
+    for (std::int32_t k = 0; k < sp.nex; ++k) {
+      if (sp.excl[k] >= 0 && sp.excl[k] < vocab) ex.push_back(sp.excl[k]);
+    }
+    std::sort(ex.begin(), ex.end());
+  }
+
+  s.tw.assign(static_cast<std::size_t>(num_tiles), 0.0);
+  s.tp.assign(static_cast<std::size_t>(num_tiles), 0.0);
+  for (std::int64_t t = 0; t < num_tiles; ++t) {
+    double sw = 0.0, spp = 0.0;
+    for_columns<DT>(a, sp, d, ex, t * tile, std::min(vocab, (t + 1) * tile), [&](std::int64_t, float w, float p) {
+      sw += w;
+      spp += p;
+      return true;
+    });
+    s.tw[static_cast<std::size_t>(t)] = sw;
+    s.tp[static_cast<std::size_t>(t)] = spp;
+  }
+  double total_w = 0.0, total_p = 0.0;
+  for (std::int64_t t = 0; t < num_tiles; ++t) {
+    total_w += s.tw[static_cast<std::size_t>(t)];
+    total_p += s.tp[static_cast<std::size_t>(t)];
+  }
+  const bool use_p = vf::draw_use_p(total_w);
+  const std::vector<double>& ts = use_p ? s.tp : s.tw;
+  // The total and the target u * total are float32 (as the reference's float sum and
+  // product); running sums are double and compared after rounding to float32 (as the
+  // reference's cumsum, accumulated in double and stored as float32).
+  const float total = static_cast<float>(use_p ? total_p : total_w);
+  if (!(total > 0.0f && total < INFINITY)) return -1;
+  const float target = u * total;
+
+  // the tile where the running sum passes the target (else the last nonzero tile)
+  std::int64_t tile_at = -1, last_nonzero = -1;
+  double cum = 0.0, before = 0.0, before_last_nonzero = 0.0;
+  for (std::int64_t t = 0; t < num_tiles; ++t) {
+    const double v = ts[static_cast<std::size_t>(t)];
+    if (v > 0.0) {
+      last_nonzero = t;
+      before_last_nonzero = cum;
+    }
+    const double next = cum + v;
+    if (static_cast<float>(next) > target) {
+      tile_at = t;
+      before = cum;
+      break;
+    }
+    cum = next;
+  }
+  if (tile_at < 0) {
+    tile_at = last_nonzero;
+    before = before_last_nonzero;
+  }
+  if (tile_at < 0) return -1;
+
+  // the token inside it (else the tile's last token with a nonzero weight)
+  std::int64_t hit = -1, last = -1;
+  double running = before;
+  for_columns<DT>(a, sp, d, ex, tile_at * tile, std::min(vocab, (tile_at + 1) * tile),
+                  [&](std::int64_t col, float w, float p) {
+                    const float v = use_p ? p : w;
+                    if (v > 0.0f) last = col;
+                    running += v;
+                    if (static_cast<float>(running) > target) {
+                      hit = col;
+                      return false;
+                    }
+                    return true;
+                  });
+  return hit >= 0 ? hit : last;
+}
+
+template <int DT>
+void chain_row(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_t b, Scratch& s) {
+  const std::int64_t positions = a.positions, length = positions - 1;
+  const std::int64_t n = vf::chain_num_drafts(a, b);
+  std::int64_t j = n;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t x = vf::load_id(a.drafts, a.draft_dtype, b * length + i);
+    if (!vf::chain_accepts(a, wk.argmax, wk.prob, b, i, x)) {
+      j = i;
+      break;
+    }
+  }
+  std::int64_t* out = a.tokens + b * positions;
+  for (std::int64_t i = 0; i < positions; ++i) out[i] = i < j ? vf::load_id(a.drafts, a.draft_dtype, b * length + i) : -1;
+  a.num_accepted[b] = j;
+  if (a.greedy) {
+    out[j] = wk.argmax[b * positions + j];
+    return;
+  }
+  const bool rejected = j < n;
+  std::int64_t x_j = rejected ? vf::load_id(a.drafts, a.draft_dtype, b * length + j) : -1;
+  CpuDrawSpec sp;
+  sp.row = b * positions + j;
+  sp.mode = rejected ? (a.q != nullptr ? kModeResidualQ : kModeExclude) : kModeP;
+  if (sp.mode == kModeResidualQ) {
+    sp.q_dtype = a.q_dtype;
+    sp.q_row = static_cast<const char*>(a.q) +
+               (b * a.q_stride_b + j * a.q_stride_l) * (a.q_dtype == kFloat32 ? 4 : 2);
+  }
+  sp.excl = &x_j;
+  sp.nex = sp.mode == kModeExclude ? 1 : 0;
+  out[j] = draw_row<DT>(a, wk, sp, a.uniforms[b], s);
+}
+
+template <int DT>
+void tree_row(const VerifyTreeArgs& a, const VerifyWork& wk, std::int64_t b, Scratch& s) {
+  const std::int64_t nodes = a.positions, base = b * nodes;
+  std::int64_t* path = a.path + base;
+  std::int64_t* out = a.out + base;
+  for (std::int64_t d = 0; d < nodes; ++d) path[d] = out[d] = -1;
+  s.excl.assign(static_cast<std::size_t>(nodes), -1);
+  vf::TreeWalk st = vf::tree_walk_start();
+  for (std::int64_t c = 1; c < nodes; ++c) {
+    // cheap pre-check (tree_node is pure: skipping non-children changes nothing)
+    if (vf::load_id(a.parents, a.parent_dtype, base + c) != st.node) continue;
+    const vf::TreeNode nd = vf::tree_node(a, wk.argmax, wk.prob, b, c);
+    const bool seen = !a.greedy && vf::tree_seen(s.excl.data(), st.nex, nd.token);
+    bool drop;
+    const bool move = vf::tree_step(st, c, nd, a.greedy, seen, drop);
+    if (drop) s.excl[static_cast<std::size_t>(st.nex - 1)] = nd.token;
+    if (move) {
+      path[st.depth - 1] = c;
+      out[st.depth - 1] = nd.token;
+    }
+  }
+  a.num_accepted[b] = st.depth;
+  if (a.greedy) {
+    out[st.depth] = wk.argmax[base + st.node];
+    return;
+  }
+  CpuDrawSpec sp;
+  sp.row = base + st.node;
+  sp.mode = st.nex > 0 ? kModeExclude : kModeP;
+  sp.excl = s.excl.data();
+  sp.nex = st.nex;
+  out[st.depth] = draw_row<DT>(a, wk, sp, a.uniforms[b], s);
+}
+
+// Runs row_fn(b, scratch) for every row, on several threads when the work is large.
+template <class RowFn>
+void for_rows(std::int64_t batch, std::int64_t work_per_row, RowFn row_fn) {
+  const std::int64_t work = batch * std::max<std::int64_t>(work_per_row, 1);
+  std::int64_t threads = 1;
+  if (work >= kParallelThreshold) {
+    threads = std::min<std::int64_t>(cpu::max_threads(), std::max<std::int64_t>(1, work / kMinWorkPerThread));
+    threads = std::min(threads, batch);
+  }
+  if (threads <= 1) {
+    Scratch s;
+    for (std::int64_t b = 0; b < batch; ++b) row_fn(b, s);
+    return;
+  }
+  cpu::parallel_for(static_cast<int>(threads), [&](int t) {
+    Scratch s;
+    const std::int64_t b0 = batch * t / threads, b1 = batch * (t + 1) / threads;
+    for (std::int64_t b = b0; b < b1; ++b) row_fn(b, s);
+  });
+}
+
+template <class Args>
+VerifyWork stage1(const Args& a, std::int64_t excl_cap) {
+  const VerifyLayout l = verify_layout(a.batch, a.positions, a.vocab, a.dtype, excl_cap, !a.greedy, a.ts_splits);
+  const VerifyWork wk = verify_work(a.workspace, l);
+  token_stats_cpu(verify_token_stats_args(a, wk));
+  return wk;
+}
+
+template <int DT>
+void chain_rows(const VerifyChainArgs& a, const VerifyWork& wk) {
+  for_rows(a.batch, a.greedy ? a.positions : a.vocab + a.positions,
+           [&](std::int64_t b, Scratch& s) { chain_row<DT>(a, wk, b, s); });
+}
+
+template <int DT>
+void tree_rows(const VerifyTreeArgs& a, const VerifyWork& wk) {
+  for_rows(a.batch, a.greedy ? a.positions : a.vocab + a.positions,
+           [&](std::int64_t b, Scratch& s) { tree_row<DT>(a, wk, b, s); });
+}
+
+}  // namespace
+
+void verify_chain_cpu(const VerifyChainArgs& a) {
+  if (a.batch <= 0) return;
+  const VerifyWork wk = stage1(a, 1);
+  switch (a.dtype) {
+    case kFloat32: chain_rows<kFloat32>(a, wk); break;
+    case kFloat16: chain_rows<kFloat16>(a, wk); break;
+    default: chain_rows<kBFloat16>(a, wk); break;
+  }
+}
+
+void verify_tree_cpu(const VerifyTreeArgs& a) {
+  if (a.batch <= 0) return;
+  const VerifyWork wk = stage1(a, a.positions);
+  switch (a.dtype) {
+    case kFloat32: tree_rows<kFloat32>(a, wk); break;
+    case kFloat16: tree_rows<kFloat16>(a, wk); break;
+    default: tree_rows<kBFloat16>(a, wk); break;
+  }
+}
+
+}  // namespace dspec
