@@ -4,7 +4,7 @@ Work per case: B requests, each with its own prefix of P cached KV rows (``prefi
 [T, Hkv, D]`` back to back, ``prefix_indptr``) and N suffix tokens under a *tree* mask:
 K + 1 = 4 branches of N/4 tokens that share nothing but the prefix (block-diagonal causal
 within each branch).  The dense bool [N, N] tree mask is packed once, outside the timing,
-with ``dspec.reference.attention.pack_words`` and passed as int32 words [B, N, ceil(N/32)]
+with ``dspec.pack_mask`` and passed as int32 words [B, N, ceil(N/32)]
 (one tree per request, here all equal).  bf16 on GPU, fp32 on CPU.
 
 Variants (backend names):
@@ -144,9 +144,9 @@ def make_inputs(c: dict, dtype, device, seed: int) -> dict:
     def rnd(*shape):
         return torch.randn(*shape, generator=g, device=device, dtype=dtype)
 
+    import dspec
     tree = tree_mask_dense(n, device)
-    from dspec.reference.attention import pack_words
-    words = pack_words(tree)[None].expand(b, n, -1).contiguous()  # one tree per request
+    words = dspec.pack_mask(tree)[None].expand(b, n, -1).contiguous()  # one tree per request
     return {"q": rnd(b, n, hq, d), "k": rnd(b, n, hkv, d), "v": rnd(b, n, hkv, d),
             "pk": rnd(total, hkv, d), "pv": rnd(total, hkv, d),
             "indptr": indptr.to(device), "indptr_host": indptr.tolist(), "tree": tree,
@@ -425,7 +425,7 @@ def main(argv=None) -> int:
         "variants": list(variants), "dtype": dname, "reps": reps, "warmup": warmup, "flush_l2": flush,
         "suffix_mask": f"tree: {BRANCHES} branches of N/{BRANCHES} tokens sharing only the prefix "
                        "(block-diagonal causal); dense bool [N, N] packed with "
-                       "dspec.reference.attention.pack_words outside the timing, passed to dspec "
+                       "dspec.pack_mask outside the timing, passed to dspec "
                        "as int32 words [B, N, ceil(N/32)] (one tree per request)",
         "dspec_args": "max_prefix_len=P_max passed (no host sync); split variant num_splits="
                       f"{args.splits}",

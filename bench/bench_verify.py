@@ -14,9 +14,10 @@ of how those are used), and ``dspec.config.validate_values`` is off (no host syn
 
 Backends:
   torch        the dspec reference (backend="torch"), also the speedup baseline
-  torch_plain  ANCHOR, not dspec: the straightforward PyTorch implementation (this file:
-               ``plain_chain`` / ``plain_tree``): softmax over every position in float32,
-               gather, compare, residual max(p - q, 0) for every position, torch.multinomial
+  torch_plain  ANCHOR, not dspec: the straightforward PyTorch chain implementation (this
+               file, ``plain_chain``): softmax over every position in float32, gather,
+               compare, residual max(p - q, 0) for every position, torch.multinomial.  For
+               trees the dspec reference (a plain vectorised walk) plays this part.
   triton       the fused dspec kernels (CUDA; on CPU only with TRITON_INTERPRET=1)
   flashinfer   ANCHOR, CUDA only, when ``import flashinfer`` works: torch.softmax of the
                target logits (/T) to float32 probs + draft_probs.float() +
@@ -108,54 +109,6 @@ def plain_chain(draft_tokens, target_logits, draft_probs, temperature, coins, ge
     return n, tokens
 
 
-def plain_tree(tokens, parents, target_logits, temperature, coins, generator=None):
-    """Tree verification the straightforward way: softmax of every node in float32, then a
-    walk over the nodes in index order (vectorised over the batch, no host sync); at T > 0
-    rejected siblings are zeroed out of the current node's distribution and the final token
-    comes from ``torch.multinomial``.  Returns (num_accepted, path, tokens)."""
-    batch, nodes = tokens.shape
-    dev = tokens.device
-    tok = tokens.long()
-    par = parents.long()
-    rows = torch.arange(batch, device=dev)
-    greedy = temperature <= 0
-    if greedy:
-        target = target_logits.argmax(-1)                                 # [B, N]
-    else:
-        p = torch.softmax(target_logits.float() / temperature, dim=-1)   # [B, N, V] fp32
-        w = p[:, 0].clone()
-    node = torch.zeros(batch, dtype=torch.int64, device=dev)
-    depth = torch.zeros(batch, dtype=torch.int64, device=dev)
-    path = torch.full((batch, nodes), -1, dtype=torch.int64, device=dev)
-    out = torch.full((batch, nodes), -1, dtype=torch.int64, device=dev)
-    for c in range(1, nodes):
-        child = par[:, c] == node
-        t = tok[:, c]
-        if greedy:
-            move = child & (t == target[rows, node])
-        else:
-            w_t = w.gather(1, t[:, None])[:, 0]
-            move = child & (coins[:, c] < w_t / w.sum(-1))
-            reject = child & ~move
-            w = torch.where(reject[:, None], w.scatter(1, t[:, None], 0.0), w)
-            w = torch.where(move[:, None], p[:, c], w)
-        path[rows, depth] = torch.where(move, c, path[rows, depth])
-        out[rows, depth] = torch.where(move, t, out[rows, depth])
-        node = torch.where(move, c, node)
-        depth = depth + move.long()
-    if greedy:
-        final = target[rows, node]
-    else:
-        total = w.sum(-1, keepdim=True)
-        w = torch.where((total > 0) & torch.isfinite(total), w, p[rows, node])
-        final = torch.multinomial(w / w.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
-    out[rows, depth] = final
-    return depth, path, out
-
-
-# --------------------------------------------------------------------------------------
-# flashinfer anchor (CUDA only, optional)
-# --------------------------------------------------------------------------------------
 def load_flashinfer(device: str):
     """(module, None) or (None, "flashinfer unavailable: <reason>")."""
     if device != "cuda":
@@ -406,12 +359,11 @@ def main(argv=None) -> int:
                             drafts, logits, draft_probs=q, temperature=temperature, coins=c_arg,
                             sample_uniforms=u_arg, backend=name))
                 else:
-                    if name == PLAIN:
-                        fns[name] = (lambda: plain_tree(tree_tok, parents, logits, temperature, c_arg))
-                    else:
-                        fns[name] = (lambda name=name: dspec.verify_tree(
-                            tree_tok, parents, logits, temperature=temperature, coins=c_arg,
-                            sample_uniforms=u_arg, backend=name))
+                    if name == PLAIN:  # the dspec reference is already the plain tree walk
+                        continue
+                    fns[name] = (lambda name=name: dspec.verify_tree(
+                        tree_tok, parents, logits, temperature=temperature, coins=c_arg,
+                        sample_uniforms=u_arg, backend=name))
             ref = None if args.no_check else reference()
             out_rows = []
             for name, fn in fns.items():

@@ -5,6 +5,7 @@ import torch
 import dspec
 from dspec import _backend
 from dspec.reference import attention as reference
+from dspec.reference import pack_mask as pack_reference
 from conftest import backends_for, device_backends
 
 PROVIDED = ("torch", "triton")
@@ -35,7 +36,7 @@ def make_case(batch, n, hq, hkv, d, prefix_lens, dtype, seed, mask_kind="random"
         dense = None
     if dense is not None and n > 2:
         dense[:, 1] = False  # suffix query 1 sees no suffix key (only its prefix, if any)
-    words = None if dense is None else reference.pack_words(dense)
+    words = None if dense is None else pack_reference.pack_mask(dense)
     cast = (lambda t: t.to(dtype))
     return cast(q), cast(k), cast(v), words, cast(pk), cast(pv), indptr
 
@@ -125,7 +126,7 @@ def test_triton_split_prefix_equals_fused(splits):
 
 def test_dense_bool_mask_is_packed():
     q, k, v, words, pk, pv, indptr = make_case(2, 40, 2, 1, 16, [3, 4], torch.float32, 4)
-    dense = reference.unpack_words(words, 40)
+    dense = pack_reference.unpack_mask(words, 40)
     a = dspec.cascade_attention(q, k, v, dense, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr)
     b = dspec.cascade_attention(q, k, v, words, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr)
     assert torch.equal(a, b)

@@ -7,6 +7,7 @@ import torch
 
 from .. import _backend, _validate
 from ..reference import attention as _reference
+from ..reference import pack_mask as _pack_reference
 
 _ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REFERENCE_DTYPES = _ATTN_DTYPES + (torch.float64,)
@@ -22,7 +23,7 @@ def _check_mask(mask, batch: int, n: int, device) -> torch.Tensor | None:
         if mask.shape[-2:] != (n, n) or mask.dim() not in (2, 3):
             raise ValueError(f"a dense mask must have shape [N, N] or [B, N, N] = [{batch}, {n}, {n}], "
                              f"got {list(mask.shape)}")
-        mask = _reference.pack_words(mask)
+        mask = _pack_reference.pack_mask(mask)
     words = (n + 31) // 32
     if mask.dim() not in (2, 3) or mask.shape[-2:] != (n, words) or (mask.dim() == 3 and mask.shape[0] != batch):
         raise ValueError(f"mask must hold packed words of shape [N, ceil(N/32)] or [B, N, ceil(N/32)] = "

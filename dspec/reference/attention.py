@@ -9,22 +9,7 @@ from __future__ import annotations
 
 import torch
 
-
-def unpack_words(words: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """Packed int32 words [..., Q, W] -> bool [..., Q, num_keys] (bit j of word w = key 32w + j)."""
-    bits = torch.arange(32, device=words.device, dtype=torch.int64)
-    dense = (words.long()[..., None] >> bits) & 1
-    return dense.reshape(*words.shape[:-1], -1)[..., :num_keys].bool()
-
-
-def pack_words(dense: torch.Tensor) -> torch.Tensor:
-    """bool [..., Q, K] -> int32 words [..., Q, ceil(K/32)] (inverse of unpack_words)."""
-    num_keys = dense.shape[-1]
-    words = (num_keys + 31) // 32
-    padded = torch.nn.functional.pad(dense.long(), (0, words * 32 - num_keys))
-    bits = torch.arange(32, device=dense.device, dtype=torch.int64)
-    packed = (padded.reshape(*dense.shape[:-1], words, 32) << bits).sum(-1)  # in [0, 2^32)
-    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+from .pack_mask import unpack_mask
 
 
 def cascade_attention(q, k, v, mask=None, *, prefix_k=None, prefix_v=None, prefix_indptr=None,
@@ -36,7 +21,7 @@ def cascade_attention(q, k, v, mask=None, *, prefix_k=None, prefix_v=None, prefi
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dense = None
     if mask is not None:
-        dense = unpack_words(mask, n) if mask.dtype != torch.bool else mask
+        dense = unpack_mask(mask, n) if mask.dtype != torch.bool else mask
         if dense.dim() == 2:
             dense = dense.expand(batch, n, n)
     out = torch.empty(batch, n, hq, d, dtype=q.dtype, device=q.device)
