@@ -9,6 +9,9 @@ import pytest
 
 def test_triton_kernels_compile_for_gpu_targets():
     pytest.importorskip("triton")
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the other tests compile and run every kernel for real")
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import ASTSource  # noqa: F401
