@@ -7,6 +7,7 @@ PIP = $(PY) -m pip
 install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -r requirements-dev.txt
+	$(PIP) install -q --no-deps -r requirements-nodeps.txt
 	$(PIP) install -q --no-build-isolation -e .
 
 test: install

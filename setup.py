@@ -147,7 +147,8 @@ setup(
     ext_modules=[CMakeExtension("dspec._C", sourcedir=str(ROOT))],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
-    install_requires=["numpy", "tqdm"],
+    # gguf: pure Python, converts the embedded SmolLM2 GGUF; safetensors + tokenizers: dspec.models
+    install_requires=["numpy", "tqdm", "gguf>=0.17.1", "safetensors", "tokenizers"],
     extras_require={"test": ["pytest"]},
     zip_safe=False,
 )

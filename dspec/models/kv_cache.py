@@ -1,0 +1,368 @@
+"""Per-request prefix KV cache, ragged across the batch, exact.
+
+Storage is one padded buffer per K and V, ``[layers, B, capacity, Hkv, D]``, with the
+committed length of every request (host-side, ``lengths``).  Row t < lengths[b] of request
+b holds the key/value (keys after RoPE) of its t-th committed token; rows past the length
+are garbage and never read.  ``prefix(layer)`` hands a layer's prefix to
+``dspec.cascade_attention`` in either layout it takes:
+
+- ``"ragged"``: ``prefix_k/prefix_v [T, Hkv, D]`` back to back + ``prefix_indptr [B + 1]``
+  (one gather of the committed rows per layer; a view when B = 1);
+- ``"paged"``: the buffer itself as ``[pages = B, page_size = capacity, Hkv, D]`` with the
+  page table ``[[0], [1], ...]`` and the lengths: zero-copy, what GPUs use.
+
+``"auto"`` picks ragged on CPU (the torch reference gathers pages anyway) and paged on CUDA.
+
+Commit (``append``) copies a chosen subset of a forward's suffix rows, per request and in
+the given order, behind the request's committed rows: the accepted path of a tree, the
+accepted prefix of a chain, a whole block.  ``rollback`` / ``crop`` only move lengths.
+Nothing is recomputed or approximated: a committed row is bit-for-bit the suffix row.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_LAYOUTS = ("auto", "ragged", "paged")
+
+
+class SuffixKV:
+    """The keys (after RoPE) and values a forward computed for its suffix tokens.
+
+    keys[l], values[l]: [B, N, Hkv, D], one pair per layer.
+    """
+
+    __slots__ = ("keys", "values")
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys = keys
+        self.values = values
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, N, Hkv, D)."""
+        return tuple(self.keys[0].shape)
+
+    def __repr__(self) -> str:
+        return f"SuffixKV(layers={self.num_layers}, shape={list(self.shape) if self.keys else None})"
+
+
+class KVCache:
+    """Prefix KV cache for a batch of requests with ragged lengths.
+
+    Parameters
+    ----------
+    num_layers, batch_size, num_kv_heads, head_dim : the model's shape and the batch.
+    dtype, device : those of the model's keys/values.
+    capacity : rows reserved per request up front (grows by doubling when exceeded).
+    layout : "auto" | "ragged" | "paged", how ``prefix()`` hands rows to cascade_attention.
+
+    Use ``Model.new_cache(batch_size)`` to get one shaped for a model.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, *,
+                 dtype=torch.float32, device="cpu", capacity: int = 0, layout: str = "auto"):
+        for name, value in (("num_layers", num_layers), ("batch_size", batch_size),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
+        if layout not in _LAYOUTS:
+            raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.layout = layout
+        cap = _round_capacity(capacity) if capacity else 0
+        self.k = torch.empty(num_layers, batch_size, cap, num_kv_heads, head_dim, dtype=dtype, device=self.device)
+        self.v = torch.empty_like(self.k)
+        self._lengths = torch.zeros(batch_size, dtype=torch.int64)
+        self._views = {}
+
+    # ---------------------------------------------------------------------------- state
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Committed tokens per request, int64 [B] on the CPU (a copy)."""
+        return self._lengths.clone()
+
+    @property
+    def max_length(self) -> int:
+        return int(self._lengths.max()) if self.batch_size else 0
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    def __repr__(self) -> str:
+        return (f"KVCache(layers={self.num_layers}, batch={self.batch_size}, lengths="
+                f"{self._lengths.tolist()}, capacity={self.capacity}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, dtype={self.dtype}, layout={self.resolved_layout})")
+
+    @property
+    def resolved_layout(self) -> str:
+        if self.layout != "auto":
+            return self.layout
+        return "paged" if self.device.type == "cuda" else "ragged"
+
+    def _changed(self) -> None:
+        self._views = {}
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for ``capacity`` rows per request (never shrinks)."""
+        if capacity <= self.capacity:
+            return
+        cap = max(_round_capacity(capacity), 2 * self.capacity)
+        shape = (self.num_layers, self.batch_size, cap, self.num_kv_heads, self.head_dim)
+        k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        v = torch.empty_like(k)
+        used = self.max_length
+        if used:
+            k[:, :, :used] = self.k[:, :, :used]
+            v[:, :, :used] = self.v[:, :, :used]
+        self.k, self.v = k, v
+        self._changed()
+
+    # --------------------------------------------------------------------------- commit
+
+    def append(self, suffix_kv: SuffixKV, keep=None, *, counts=None) -> torch.Tensor:
+        """Commit suffix rows behind each request's prefix; returns the rows added per request.
+
+        suffix_kv : the ``suffix_kv`` of a forward whose plan used this cache (its N tokens
+            sat at positions lengths[b] + ... when computed; committing keeps those keys).
+        keep : which suffix positions to commit, per request, in order:
+            - None: all N (with ``counts``: the first counts[b]);
+            - int tensor [B, K] (or [K] for every request) of suffix indices, -1 = unused
+              slot (e.g. ``[0] + verify_tree(...).path`` for the root and accepted path);
+            - bool tensor [B, N] (or [N]): the True positions, in increasing order;
+            - a list of B sequences of indices (ragged).
+        counts : int [B] (or an int): commit the first counts[b] suffix positions of request b
+            (the accepted prefix of a chain, the valid part of a right-padded row).
+        """
+        if not isinstance(suffix_kv, SuffixKV):
+            raise ValueError(f"suffix_kv must be a SuffixKV (a forward's output.suffix_kv), "
+                             f"got {type(suffix_kv).__name__}")
+        if suffix_kv.num_layers != self.num_layers or len(suffix_kv.values) != self.num_layers:
+            raise ValueError(f"suffix_kv has {suffix_kv.num_layers} layers, the cache {self.num_layers}")
+        batch, n, hkv, d = suffix_kv.shape
+        if batch != self.batch_size or hkv != self.num_kv_heads or d != self.head_dim:
+            raise ValueError(f"suffix_kv has shape [B, N, Hkv, D] = {[batch, n, hkv, d]}, the cache "
+                             f"expects B = {self.batch_size}, Hkv = {self.num_kv_heads}, D = {self.head_dim}")
+        for t in suffix_kv.keys + suffix_kv.values:
+            if t.shape != (batch, n, hkv, d) or t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(f"suffix_kv holds a {t.dtype} {list(t.shape)} tensor on {t.device}; the "
+                                 f"cache expects {self.dtype} [{batch}, {n}, {hkv}, {d}] on {self.device}")
+        index = _keep_index(keep, counts, batch, n)                       # [B, K] int64, CPU
+        valid = index >= 0
+        added = valid.sum(1)
+        if int(added.sum()) == 0:
+            return added
+        new_len = self._lengths + added
+        self.reserve(int(new_len.max()))
+        cap = self.capacity
+        rank = valid.cumsum(1) - 1
+        rows = torch.arange(batch)[:, None].expand_as(index)
+        dst = (rows * cap + self._lengths[:, None] + rank)[valid].to(self.device)
+        src = (rows * n + index)[valid].to(self.device)
+        for layer in range(self.num_layers):
+            for buf, new in ((self.k, suffix_kv.keys[layer]), (self.v, suffix_kv.values[layer])):
+                flat = buf[layer].view(batch * cap, hkv, d)
+                flat.index_copy_(0, dst, new.reshape(batch * n, hkv, d).index_select(0, src))
+        self._lengths = new_len
+        self._changed()
+        return added
+
+    def rollback(self, b: int, n: int) -> None:
+        """Drop the last ``n`` committed tokens of request ``b``."""
+        b = self._request(b)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n > int(self._lengths[b]):
+            raise ValueError(f"n must be an int in [0, {int(self._lengths[b])}] (request {b}'s length), got {n!r}")
+        self._lengths[b] -= n
+        self._changed()
+
+    def crop(self, lengths) -> None:
+        """Cut every request to ``lengths`` (an int for all, or B ints), each <= its length."""
+        if isinstance(lengths, int) and not isinstance(lengths, bool):
+            new = torch.minimum(self._lengths, torch.tensor(lengths))
+            if lengths < 0:
+                raise ValueError(f"lengths must be >= 0, got {lengths}")
+        else:
+            new = _int_vector("lengths", lengths, self.batch_size)
+            if bool((new < 0).any()) or bool((new > self._lengths).any()):
+                raise ValueError(f"lengths must lie in [0, current length] per request; current "
+                                 f"{self._lengths.tolist()}, got {new.tolist()}")
+        self._lengths = new.clone()
+        self._changed()
+
+    def reset(self) -> None:
+        """Forget every committed token (keeps the memory)."""
+        self._lengths.zero_()
+        self._changed()
+
+    def select(self, indices) -> "KVCache":
+        """A cache holding only the requests ``indices`` (in that order), e.g. the unfinished."""
+        idx = _int_vector("indices", indices, None)
+        if idx.numel() == 0 or bool((idx < 0).any()) or bool((idx >= self.batch_size).any()):
+            raise ValueError(f"indices must be a non-empty list of requests in [0, {self.batch_size}), "
+                             f"got {idx.tolist()}")
+        out = KVCache.__new__(KVCache)
+        out.__dict__.update(self.__dict__)
+        dev = idx.to(self.device)
+        out.k = self.k.index_select(1, dev)
+        out.v = self.v.index_select(1, dev)
+        out._lengths = self._lengths[idx].clone()
+        out._views = {}
+        return out
+
+    def clone(self) -> "KVCache":
+        return self.select(list(range(self.batch_size)))
+
+    # --------------------------------------------------------------------------- reading
+
+    def get(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request b's committed keys and values of one layer, [length, Hkv, D] views."""
+        b = self._request(b)
+        n = int(self._lengths[b])
+        return self.k[layer, b, :n], self.v[layer, b, :n]
+
+    def prefix(self, layer: int) -> dict:
+        """``cascade_attention`` keyword arguments for this layer's prefix ({} when empty)."""
+        if self.max_length == 0:
+            return {}
+        if self.resolved_layout == "paged":
+            table, lens = self._view("paged", self._paged_meta)
+            return dict(prefix_k=self.k[layer], prefix_v=self.v[layer], prefix_page_table=table,
+                        prefix_lens=lens, max_prefix_len=self.max_length)
+        index, indptr = self._view("ragged", self._ragged_meta)
+        if index is None:                                   # B = 1: a view
+            n = int(self._lengths[0])
+            return dict(prefix_k=self.k[layer, 0, :n], prefix_v=self.v[layer, 0, :n], prefix_indptr=indptr)
+        flat_k = self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
+        return dict(prefix_k=flat_k.index_select(0, index), prefix_v=flat_v.index_select(0, index),
+                    prefix_indptr=indptr)
+
+    def _view(self, key, make):
+        if key not in self._views:
+            self._views[key] = make()
+        return self._views[key]
+
+    def _paged_meta(self):
+        table = torch.arange(self.batch_size, dtype=torch.int32, device=self.device)[:, None].contiguous()
+        return table, self._lengths.to(device=self.device, dtype=torch.int32)
+
+    def _ragged_meta(self):
+        indptr = torch.zeros(self.batch_size + 1, dtype=torch.int64)
+        indptr[1:] = self._lengths.cumsum(0)
+        if self.batch_size == 1:
+            return None, indptr.to(self.device)
+        t = torch.arange(self.capacity)
+        rows = (torch.arange(self.batch_size)[:, None] * self.capacity + t)[t[None, :] < self._lengths[:, None]]
+        return rows.to(self.device), indptr.to(self.device)
+
+    def _request(self, b) -> int:
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.batch_size:
+            raise ValueError(f"b must be a request index in [0, {self.batch_size}), got {b!r}")
+        return b
+
+
+def _round_capacity(n: int) -> int:
+    return max(16, (n + 15) // 16 * 16)
+
+
+def _int_vector(name: str, values, size: int | None) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.is_floating_point() or values.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor or a list of ints, got "
+                             f"{values.dtype} {list(values.shape)}")
+        out = values.detach().to("cpu", torch.int64)
+    else:
+        if not isinstance(values, Sequence) or isinstance(values, (str, bytes)) or \
+                any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+            raise ValueError(f"{name} must be a list of ints or a 1-D integer tensor, got {values!r}")
+        out = torch.tensor(list(values), dtype=torch.int64)
+    if size is not None and out.numel() != size:
+        raise ValueError(f"{name} must have {size} entries (one per request), got {out.numel()}")
+    return out
+
+
+def _keep_index(keep, counts, batch: int, n: int) -> torch.Tensor:
+    """Normalise ``keep`` / ``counts`` to suffix indices [B, K] int64 on the CPU, -1 = none."""
+    if counts is not None:
+        if keep is not None:
+            raise ValueError("give keep or counts, not both")
+        if isinstance(counts, int) and not isinstance(counts, bool):
+            c = torch.full((batch,), counts, dtype=torch.int64)
+        else:
+            c = _int_vector("counts", counts, batch)
+        if bool((c < 0).any()) or bool((c > n).any()):
+            raise ValueError(f"counts must lie in [0, N = {n}], got {c.tolist()}")
+        ar = torch.arange(n)
+        return torch.where(ar[None, :] < c[:, None], ar[None, :], -1)
+    if keep is None:
+        return torch.arange(n).expand(batch, n)
+    if isinstance(keep, torch.Tensor):
+        keep = keep.detach().cpu()
+        if keep.dtype == torch.bool:
+            if keep.dim() == 1:
+                keep = keep.expand(batch, -1)
+            if keep.shape != (batch, n):
+                raise ValueError(f"a bool keep mask must have shape [N] or [B, N] = [{batch}, {n}], "
+                                 f"got {list(keep.shape)}")
+            ar = torch.arange(n).expand(batch, n)
+            # stable order: True positions first, in increasing index order
+            order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+            return torch.where(torch.gather(keep, 1, order), torch.gather(ar, 1, order), -1)
+        if keep.is_floating_point():
+            raise ValueError(f"keep must hold integer indices or bools, got {keep.dtype}")
+        keep = keep.to(torch.int64)
+        if keep.dim() == 1:
+            keep = keep.expand(batch, -1)
+        if keep.dim() != 2 or keep.shape[0] != batch:
+            raise ValueError(f"keep indices must have shape [K] or [B, K] with B = {batch}, got {list(keep.shape)}")
+        index = keep
+    elif isinstance(keep, Sequence) and not isinstance(keep, (str, bytes)):
+        if len(keep) != batch:
+            raise ValueError(f"keep as a list needs one sequence of indices per request ({batch}), got {len(keep)}")
+        rows = []
+        for b, row in enumerate(keep):
+            if isinstance(row, torch.Tensor):
+                row = row.tolist()
+            if not isinstance(row, Sequence) or any(isinstance(i, bool) or not isinstance(i, int) for i in row):
+                raise ValueError(f"keep[{b}] must be a sequence of ints, got {row!r}")
+            rows.append(list(row))
+        width = max((len(r) for r in rows), default=0)
+        index = torch.full((batch, width), -1, dtype=torch.int64)
+        for b, row in enumerate(rows):
+            if row:
+                index[b, :len(row)] = torch.tensor(row, dtype=torch.int64)
+    else:
+        raise ValueError(f"keep must be None, an index/bool tensor or a list of index lists, got "
+                         f"{type(keep).__name__}")
+    if bool(((index < -1) | (index >= n)).any()):
+        raise ValueError(f"keep indices must lie in [0, N = {n}) (or -1 for an unused slot), "
+                         f"got {index.tolist()[:4]}")
+    valid = index >= 0
+    # unused slots (-1) must come after every used one, and a row must not repeat an index
+    if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+        raise ValueError("keep: -1 (unused) slots must come after the used ones in every row")
+    if index.shape[1] > 1:
+        s = torch.sort(torch.where(valid, index, -1 - torch.arange(index.shape[1])[None]), dim=1).values
+        if bool((s[:, 1:] == s[:, :-1]).any()):
+            raise ValueError("keep: a request lists the same suffix index twice")
+    return index

@@ -1,0 +1,141 @@
+"""Attention plans: what one model forward computes.
+
+A plan is DESIGN.md's one shape: a shared prefix (the KV cache, seen by every suffix token)
+plus a suffix of N new tokens under a packed mask.
+
+- ``tokens`` [B, N]: the suffix token ids;
+- ``positions`` [B, N]: their absolute positions (RoPE), e.g. ``cache.lengths[:, None] +
+  dspec.masks.*(...).positions``;
+- ``mask``: packed int32 words [N, ceil(N/32)] (shared) or [B, N, ceil(N/32)], bit j of row
+  i lets suffix token i see suffix token j (``dspec.pack_mask`` layout); None = every
+  suffix token sees every suffix token;
+- ``cache``: the ``KVCache`` holding the prefix, or None for no prefix;
+- ``lengths`` (optional) [B]: valid suffix tokens per request when rows are right-padded;
+  ``logits="last"`` and ``KVCache.append(..., counts=plan.lengths)`` use it.
+
+``AttentionPlan.sequences`` builds the plan of a right-padded ragged batch under a model's
+own attention (causal, bidirectional or block-causal), padding excluded.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.masks import pack_mask
+from .kv_cache import KVCache
+
+
+@dataclass
+class AttentionPlan:
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor | None = None
+    cache: KVCache | None = None
+    lengths: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+    @classmethod
+    def from_offsets(cls, tokens, offsets, mask=None, cache: KVCache | None = None, *,
+                     lengths=None) -> "AttentionPlan":
+        """A plan whose positions are offsets from each request's prefix end
+        (``dspec.masks`` builders return such offsets): position = cache length + offset."""
+        tokens = _as_ids("tokens", tokens)
+        offsets = torch.as_tensor(offsets, device=tokens.device)
+        if offsets.dim() == 1:
+            offsets = offsets.expand(tokens.shape[0], -1)
+        base = torch.zeros(tokens.shape[0], dtype=torch.int64) if cache is None else cache.lengths
+        positions = base.to(tokens.device)[:, None] + offsets.to(torch.int64)
+        return cls(tokens, positions, mask, cache, lengths)
+
+    @classmethod
+    def sequences(cls, seqs, *, attention: str = "causal", block_size: int | None = None,
+                  cache: KVCache | None = None, pad_id: int = 0, device=None) -> "AttentionPlan":
+        """The plan of a batch of token sequences (ragged: right-padded with ``pad_id``)
+        appended after each request's cached prefix, under ``attention``:
+
+        - "causal": token i sees tokens j <= i;
+        - "bidirectional": every valid token sees every valid token;
+        - "block_causal": blocks of ``block_size`` aligned on absolute positions
+          (position // block_size); a token sees its own block and earlier ones.
+
+        Padding tokens see only themselves and no one sees them.  A ``Model`` passes its own
+        attention kind with ``model.plan(seqs, cache)``.
+        """
+        if attention not in ("causal", "bidirectional", "block_causal"):
+            raise ValueError(f"attention must be 'causal', 'bidirectional' or 'block_causal', got {attention!r}")
+        if attention == "block_causal" and (not isinstance(block_size, int) or block_size < 1):
+            raise ValueError(f"block_causal attention needs block_size >= 1, got {block_size!r}")
+        tokens, lengths = _pad(seqs, pad_id, device)
+        batch, n = tokens.shape
+        if cache is not None and cache.batch_size != batch:
+            raise ValueError(f"cache holds {cache.batch_size} requests, seqs {batch}")
+        dev = tokens.device
+        base = torch.zeros(batch, dtype=torch.int64) if cache is None else cache.lengths
+        ar = torch.arange(n, device=dev)
+        positions = base.to(dev)[:, None] + ar
+        valid = ar[None, :] < lengths.to(dev)[:, None]                        # [B, N]
+        if attention == "causal":
+            dense = (ar[None, :] <= ar[:, None]).expand(batch, n, n)
+        elif attention == "bidirectional":
+            dense = torch.ones(batch, n, n, dtype=torch.bool, device=dev)
+        else:
+            blk = positions // block_size
+            dense = blk[:, None, :] <= blk[:, :, None]
+        dense = dense & valid[:, None, :] & valid[:, :, None]
+        dense = dense | (torch.eye(n, dtype=torch.bool, device=dev)[None] & ~valid[:, :, None])
+        if bool(valid.all()):
+            if attention == "bidirectional":
+                mask = None
+            elif attention == "causal" or bool((dense == dense[:1]).all()):
+                mask = pack_mask(dense[0])
+            else:
+                mask = pack_mask(dense)
+        else:
+            mask = pack_mask(dense)
+        return cls(tokens, positions, mask, cache, lengths)
+
+
+def _as_ids(name, t) -> torch.Tensor:
+    t = torch.as_tensor(t)
+    if t.dim() == 1:
+        t = t[None]
+    if t.dim() != 2 or t.is_floating_point() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be integer token ids of shape [B, N], got {t.dtype} {list(t.shape)}")
+    return t.to(torch.int64)
+
+
+def _pad(seqs, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A list of id sequences (or a [B, N] / [N] tensor) -> right-padded [B, N] + lengths [B]."""
+    if isinstance(seqs, torch.Tensor):
+        t = _as_ids("seqs", seqs)
+        if device is not None:
+            t = t.to(device)
+        return t, torch.full((t.shape[0],), t.shape[1], dtype=torch.int64)
+    if not isinstance(seqs, Sequence) or isinstance(seqs, (str, bytes)) or not seqs:
+        raise ValueError("seqs must be a non-empty list of token-id sequences or a [B, N] tensor")
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in seqs):
+        seqs = [seqs]
+    rows = []
+    for b, s in enumerate(seqs):
+        if isinstance(s, torch.Tensor):
+            s = s.tolist()
+        if not isinstance(s, Sequence) or any(isinstance(x, bool) or not isinstance(x, int) for x in s):
+            raise ValueError(f"seqs[{b}] must be a sequence of int token ids, got {s!r}")
+        if not s:
+            raise ValueError(f"seqs[{b}] is empty")
+        rows.append(list(s))
+    n = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), n), int(pad_id), dtype=torch.int64)
+    for b, r in enumerate(rows):
+        tokens[b, :len(r)] = torch.tensor(r, dtype=torch.int64)
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    return tokens.to(device) if device is not None else tokens, lengths

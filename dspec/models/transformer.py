@@ -1,0 +1,378 @@
+"""The lean transformer: Llama / Qwen2 / Qwen3 blocks that run attention plans.
+
+One block: ``x += o_proj(attn(rope(q_norm?(q_proj(n1(x)))), rope(k_norm?(k_proj(.))),
+v_proj(.)))``, then ``x += down(silu(gate(n2(x))) * up(n2(x)))``; RMSNorm in float32,
+RoPE in float32 by absolute position (default / linear / llama3 frequencies), GQA, Qwen2's
+q/k/v bias, Qwen3's per-head q/k RMSNorm, tied or separate output embedding.  Every layer's
+attention is one ``dspec.cascade_attention`` call: the suffix under the plan's packed mask
+plus the request's cached prefix.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import _validate
+from ..ops.attention import cascade_attention
+from .config import ModelConfig
+from .kv_cache import KVCache, SuffixKV
+from .plan import AttentionPlan
+
+
+class Output(NamedTuple):
+    """Result of ``Model.forward``.
+
+    logits : [B, N, V] (or [B, K, V] for selected positions; None when not asked), float in
+        the model's dtype.  For a ``shifted`` model logits[:, i] predict token i + 1.
+    hidden : None, or the requested hidden states in the order asked, each [B, N, hidden]:
+        index 0 = the embeddings, i in 1..L-1 = the output of layer i, L = the final
+        (normed) output, as transformers' ``output_hidden_states``.
+    suffix_kv : the suffix's keys (after RoPE) and values per layer, for ``KVCache.append``.
+    """
+
+    logits: torch.Tensor | None
+    hidden: list[torch.Tensor] | None
+    suffix_kv: SuffixKV | None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """RoPE inverse frequencies [D/2] float32, with linear or llama3 scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / d))
+    s = cfg.rope_scaling
+    if not s:
+        return inv
+    if s["rope_type"] == "linear":
+        return inv / s["factor"]
+    # llama3: long wavelengths divided by factor, short kept, smooth in between
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rot = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rot * sin).to(x.dtype)
+
+
+class Model(nn.Module):
+    """A loaded checkpoint: the lean transformer plus what describes it.
+
+    Attributes: ``config`` (ModelConfig), ``family``, ``tokenizer`` (or None),
+    ``mask_token_id`` (None for causal LMs), ``shifted`` (Dream-style right-shifted
+    logits), ``attention`` ("causal" | "bidirectional" | "block_causal"), ``block_size``
+    (block-causal families), ``eos_token_ids``.
+
+    ``forward(plan)`` runs an ``AttentionPlan``; ``new_cache(B)`` makes a matching
+    ``KVCache``; ``plan(seqs, cache)`` builds the plan of a ragged batch under the model's
+    own attention.
+    """
+
+    def __init__(self, config: ModelConfig, *, tokenizer=None, device="cpu", dtype=torch.float32,
+                 _meta: bool = False):
+        super().__init__()
+        self.config = config
+        self.tokenizer = tokenizer
+        self.name_or_path = None
+        with torch.device("meta" if _meta else device):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = None if config.tie_word_embeddings else \
+                nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if not _meta:
+            self.to(dtype=dtype)
+        self._inv_freq = {}     # float32 RoPE frequencies per device (not a buffer: .to(bf16) must not touch them)
+
+    # ------------------------------------------------------------------------ description
+
+    @property
+    def family(self) -> str:
+        return self.config.family
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.config.mask_token_id
+
+    @property
+    def shifted(self) -> bool:
+        return self.config.shifted
+
+    @property
+    def attention(self) -> str:
+        return self.config.attention
+
+    @property
+    def block_causal(self) -> bool:
+        return self.config.attention == "block_causal"
+
+    @property
+    def block_size(self) -> int | None:
+        return self.config.block_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"family={c.family}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}/"
+                f"{c.num_kv_heads}x{c.head_dim}, vocab={c.vocab_size}, attention={c.attention}, "
+                f"shifted={c.shifted}, mask_token_id={c.mask_token_id}")
+
+    @torch.no_grad()
+    def init_random_(self, std: float = 0.02, *, seed: int | None = None) -> "Model":
+        """Normal(0, std) weights, zero biases, unit norms (tests, training from scratch)."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return self
+
+    # ------------------------------------------------------------------------- helpers
+
+    def new_cache(self, batch_size: int, *, capacity: int = 0, layout: str = "auto") -> KVCache:
+        """An empty KVCache shaped for this model."""
+        c = self.config
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, dtype=self.dtype,
+                       device=self.device, capacity=capacity, layout=layout)
+
+    def plan(self, seqs, cache: KVCache | None = None, *, attention: str | None = None) -> AttentionPlan:
+        """The plan of token sequences (ragged, right-padded) after ``cache``'s prefixes,
+        under the model's own attention (or ``attention``)."""
+        pad = self.config.pad_token_id
+        pad = pad if pad is not None and 0 <= pad < self.config.vocab_size else 0
+        return AttentionPlan.sequences(seqs, attention=attention or self.config.attention,
+                                       block_size=self.config.block_size, cache=cache, pad_id=pad,
+                                       device=self.device)
+
+    # ------------------------------------------------------------------------- forward
+
+    def forward(self, plan: AttentionPlan, *, logits="all", hidden_states: Sequence[int] | None = None,
+                return_kv: bool = True, backend: str | None = None) -> Output:
+        """Run one attention plan.
+
+        logits : "all" (default) for [B, N, V]; "last" for [B, 1, V] at each request's last
+            valid suffix token (``plan.lengths`` - 1, else N - 1); an int tensor of suffix
+            indices [K] or [B, K] for [B, K, V]; None / False to skip the LM head.
+        hidden_states : indices into (embeddings, layer 1 .. L-1 outputs, final normed
+            output), as transformers' ``output_hidden_states``; negative indices count from
+            the end.  Returned in ``Output.hidden`` in the order asked.
+        return_kv : keep the suffix keys/values (``Output.suffix_kv``) for committing.
+        backend : cascade_attention's backend (default: ``DSPEC_BACKEND`` / auto).
+        """
+        tokens, positions, mask, cache = self._check_plan(plan)
+        cfg = self.config
+        batch, n = tokens.shape
+        want = self._hidden_indices(hidden_states)
+        recorded = {}
+
+        x = self.embed_tokens(tokens)
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
+        if 0 in want:
+            recorded[0] = x
+        freqs = positions.to(torch.float32)[..., None] * self._rope(x.device)       # [B, N, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        cos, sin = emb.cos(), emb.sin()
+
+        keys, values = [], []
+        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(batch, n, hq, d)
+            k = attn.k_proj(h).view(batch, n, hkv, d)
+            v = attn.v_proj(h).view(batch, n, hkv, d)
+            if attn.q_norm is not None:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            prefix = cache.prefix(i) if cache is not None else {}
+            o = cascade_attention(q, k, v, mask, backend=backend, **prefix)
+            x = x + attn.o_proj(o.reshape(batch, n, hq * d))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i + 1 in want and i + 1 < cfg.num_layers:
+                recorded[i + 1] = x
+            if return_kv:
+                keys.append(k)
+                values.append(v)
+        x = self.norm(x)
+        if cfg.num_layers in want:
+            recorded[cfg.num_layers] = x
+
+        out_logits = None
+        if logits is not None and logits is not False:
+            sel = self._select(x, logits, plan, batch, n)
+            out_logits = F.linear(sel, self.output_weight)
+            if cfg.logit_scale != 1.0:
+                out_logits = out_logits * cfg.logit_scale
+        hidden = None
+        if hidden_states is not None:
+            hidden = [recorded[j] for j in self._hidden_order(hidden_states)]
+        return Output(out_logits, hidden, SuffixKV(keys, values) if return_kv else None)
+
+    # ------------------------------------------------------------------------- checks
+
+    def _rope(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._inv_freq:
+            self._inv_freq[key] = rope_inv_freq(self.config).to(device)
+        return self._inv_freq[key]
+
+    def _hidden_order(self, hidden_states) -> list[int]:
+        total = self.config.num_layers + 1
+        if isinstance(hidden_states, int):
+            hidden_states = [hidden_states]
+        out = []
+        for j in hidden_states:
+            if isinstance(j, bool) or not isinstance(j, int) or not -total <= j < total:
+                raise ValueError(f"hidden_states must hold ints in [-{total}, {total}) (0 = embeddings, "
+                                 f"{total - 1} = final normed output), got {j!r}")
+            out.append(j % total)
+        return out
+
+    def _hidden_indices(self, hidden_states) -> set[int]:
+        return set() if hidden_states is None else set(self._hidden_order(hidden_states))
+
+    def _select(self, x, logits, plan, batch, n):
+        if isinstance(logits, str):
+            if logits == "all":
+                return x
+            if logits == "last":
+                if plan.lengths is not None:
+                    last = torch.as_tensor(plan.lengths, device=x.device).to(torch.int64) - 1
+                else:
+                    last = torch.full((batch,), n - 1, dtype=torch.int64, device=x.device)
+                return x[torch.arange(batch, device=x.device), last][:, None]
+            raise ValueError(f"logits must be 'all', 'last', None or an index tensor, got {logits!r}")
+        if logits is True:
+            return x
+        idx = torch.as_tensor(logits, device=x.device)
+        if idx.is_floating_point() or idx.dtype == torch.bool or idx.dim() not in (1, 2):
+            raise ValueError(f"logits as indices must be an int tensor [K] or [B, K], got "
+                             f"{idx.dtype} {list(idx.shape)}")
+        idx = idx.to(torch.int64)
+        if idx.dim() == 1:
+            idx = idx.expand(batch, -1)
+        if idx.shape[0] != batch:
+            raise ValueError(f"logits indices must have B = {batch} rows, got {list(idx.shape)}")
+        if idx.numel() and _validate.value_checks_enabled(idx) and bool(((idx < 0) | (idx >= n)).any()):
+            raise ValueError(f"logits indices must lie in [0, N = {n})")
+        return torch.gather(x, 1, idx[..., None].expand(-1, -1, x.shape[-1]))
+
+    def _check_plan(self, plan):
+        if not isinstance(plan, AttentionPlan):
+            raise ValueError(f"plan must be an AttentionPlan, got {type(plan).__name__}")
+        cfg = self.config
+        dev = self.device
+        tokens, positions = plan.tokens, plan.positions
+        _validate.tensor("plan.tokens", tokens, dim=2, dtypes=_validate.ID_DTYPES)
+        _validate.tensor("plan.positions", positions, dim=2, dtypes=_validate.ID_DTYPES)
+        if positions.shape != tokens.shape:
+            raise ValueError(f"plan.positions must have the shape of plan.tokens {list(tokens.shape)}, "
+                             f"got {list(positions.shape)}")
+        if tokens.shape[1] == 0:
+            raise ValueError("plan.tokens has no suffix token (N = 0)")
+        for name, t in (("plan.tokens", tokens), ("plan.positions", positions)):
+            if t.device != dev:
+                raise ValueError(f"{name} is on {t.device}, the model on {dev}")
+        if _validate.value_checks_enabled(tokens):
+            if bool(((tokens < 0) | (tokens >= cfg.vocab_size)).any()):
+                raise ValueError(f"plan.tokens must lie in [0, vocab_size = {cfg.vocab_size})")
+            if bool((positions < 0).any()):
+                raise ValueError("plan.positions must be >= 0")
+        mask = plan.mask
+        if mask is not None and mask.device != dev:
+            raise ValueError(f"plan.mask is on {mask.device}, the model on {dev}")
+        cache = plan.cache
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise ValueError(f"plan.cache must be a KVCache or None, got {type(cache).__name__}")
+            if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+                raise ValueError(f"plan.cache has layers/kv_heads/head_dim = {cache.num_layers}/"
+                                 f"{cache.num_kv_heads}/{cache.head_dim}, the model "
+                                 f"{cfg.num_layers}/{cfg.num_kv_heads}/{cfg.head_dim}")
+            if cache.batch_size != tokens.shape[0]:
+                raise ValueError(f"plan.cache holds {cache.batch_size} requests, plan.tokens {tokens.shape[0]}")
+            if cache.dtype != self.dtype or cache.device != dev:
+                raise ValueError(f"plan.cache is {cache.dtype} on {cache.device}, the model {self.dtype} on {dev}")
+        return tokens.long(), positions, mask, cache
