@@ -5,9 +5,9 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
-#include <stdexcept>
 #include <string>
 
+#include "checks.h"
 #include "merge_states.h"
 
 namespace py = pybind11;
@@ -15,40 +15,30 @@ namespace py = pybind11;
 namespace dspec {
 namespace {
 
-[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument("dspec._C.merge_states: " + msg); }
-
-void check_ptr(std::int64_t p, const char* name, std::int64_t align) {
-  if (p <= 0) fail(std::string(name) + " must be a non-null address");
-  if (p % align) fail(std::string(name) + " must be " + std::to_string(align) + "-byte aligned");
-}
-
 void merge_states(std::int64_t o_a, std::int64_t lse_a, std::int64_t o_b, std::int64_t lse_b,
                   std::int64_t out, std::int64_t lse_out, int dtype, std::int64_t rows,
                   std::int64_t head_dim, const std::string& device, std::int64_t stream) {
-  if (dtype != kFloat32 && dtype != kFloat16 && dtype != kBFloat16) fail("dtype code must be 0, 1 or 2");
-  if (rows < 0) fail("rows must be >= 0");
-  if (head_dim < 1) fail("head_dim must be >= 1");
-  if (rows > 0 && head_dim > INT64_MAX / rows) fail("rows * head_dim overflows int64");
-  const bool cuda = device == "cuda";
-  if (!cuda && device != "cpu") fail("device must be 'cpu' or 'cuda', got '" + device + "'");
-#ifndef DSPEC_WITH_CUDA
-  if (cuda) throw std::invalid_argument("dspec._C was built without CUDA");
-#endif
+  const Checker c{"merge_states"};
+  c.float_dtype(dtype, "dtype");
+  c.at_least(rows, 0, "rows");
+  c.at_least(head_dim, 1, "head_dim");
+  c.product(rows, head_dim, "rows * head_dim");
+  const bool cuda = c.device(device);
   if (rows == 0) return;
-  const std::int64_t item = dtype == kFloat32 ? 4 : 2;
-  check_ptr(o_a, "o_a", item);
-  check_ptr(o_b, "o_b", item);
-  check_ptr(out, "out", item);
-  check_ptr(lse_a, "lse_a", 4);
-  check_ptr(lse_b, "lse_b", 4);
-  check_ptr(lse_out, "lse_out", 4);
+  const std::int64_t item = element_size(dtype);
+  c.ptr(o_a, "o_a", item);
+  c.ptr(o_b, "o_b", item);
+  c.ptr(out, "out", item);
+  c.ptr(lse_a, "lse_a", 4);
+  c.ptr(lse_b, "lse_b", 4);
+  c.ptr(lse_out, "lse_out", 4);
   MergeStatesArgs args;
-  args.o_a = reinterpret_cast<const void*>(o_a);
-  args.lse_a = reinterpret_cast<const float*>(lse_a);
-  args.o_b = reinterpret_cast<const void*>(o_b);
-  args.lse_b = reinterpret_cast<const float*>(lse_b);
-  args.out = reinterpret_cast<void*>(out);
-  args.lse_out = reinterpret_cast<float*>(lse_out);
+  args.o_a = as_ptr<const void>(o_a);
+  args.lse_a = as_ptr<const float>(lse_a);
+  args.o_b = as_ptr<const void>(o_b);
+  args.lse_b = as_ptr<const float>(lse_b);
+  args.out = as_ptr<void>(out);
+  args.lse_out = as_ptr<float>(lse_out);
   args.dtype = dtype;
   args.rows = rows;
   args.head_dim = head_dim;

@@ -8,10 +8,9 @@
 
 #include <cmath>
 #include <cstdint>
-#include <limits>
-#include <stdexcept>
 #include <string>
 
+#include "checks.h"
 #include "dspec.h"
 #include "attention_bindings.h"
 #include "masks_bindings.h"
@@ -37,36 +36,21 @@ namespace py = pybind11;
 
 namespace {
 
-#ifdef DSPEC_WITH_CUDA
-constexpr bool kWithCuda = true;
-#else
-constexpr bool kWithCuda = false;
-#endif
+using dspec::as_ptr;
+using dspec::Checker;
 
-[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument("dspec._C.token_stats: " + msg); }
-
-void check_ptr(std::int64_t ptr, const char* name, std::int64_t align) {
-  if (ptr == 0) fail(std::string(name) + " is a null pointer");
-  if (ptr < 0) fail(std::string(name) + " must be a non-negative address, got " + std::to_string(ptr));
-  if (ptr % align != 0) {
-    fail(std::string(name) + " must be " + std::to_string(align) + "-byte aligned, got " + std::to_string(ptr));
+// The workspace of num_splits > 1 fits in int64.
+void check_workspace_rows(const Checker& c, std::int64_t rows, std::int64_t num_splits) {
+  if (num_splits > 1 && rows > dspec::kI64Max / dspec::kTokenStatsPartialBytes / num_splits) {
+    c.fail("rows * num_splits is too large");
   }
 }
 
-std::int64_t element_size(int dtype) { return dtype == dspec::kFloat32 ? 4 : 2; }
-
 std::int64_t workspace_bytes(std::int64_t rows, std::int64_t num_splits) {
-  if (rows < 0) {
-    throw std::invalid_argument("dspec._C.token_stats_workspace_bytes: rows must be >= 0, got " +
-                                std::to_string(rows));
-  }
-  if (num_splits < 1) {
-    throw std::invalid_argument("dspec._C.token_stats_workspace_bytes: num_splits must be >= 1, got " +
-                                std::to_string(num_splits));
-  }
-  if (num_splits > 1 && rows > std::numeric_limits<std::int64_t>::max() / dspec::kTokenStatsPartialBytes / num_splits) {
-    throw std::invalid_argument("dspec._C.token_stats_workspace_bytes: rows * num_splits is too large");
-  }
+  const Checker c{"token_stats_workspace_bytes"};
+  c.at_least(rows, 0, "rows");
+  c.at_least(num_splits, 1, "num_splits");
+  check_workspace_rows(c, rows, num_splits);
   return dspec::token_stats_workspace_bytes(rows, num_splits);
 }
 
@@ -75,81 +59,53 @@ void token_stats(std::int64_t logits_ptr, int dtype, std::int64_t rows, std::int
                  std::int64_t entropy_ptr, std::int64_t lse_ptr, const std::string& device, std::int64_t stream,
                  std::int64_t num_splits, std::int64_t workspace_ptr) {
   // ---- validation: nothing is read or written before all of it passes ----
-  const bool on_cuda = device == "cuda";
-  if (!on_cuda && device != "cpu") fail("device must be 'cpu' or 'cuda', got '" + device + "'");
-  if (on_cuda && !kWithCuda) throw std::invalid_argument("dspec._C was built without CUDA");
-  if (dtype != dspec::kFloat32 && dtype != dspec::kFloat16 && dtype != dspec::kBFloat16) {
-    fail("dtype must be 0 (float32), 1 (float16) or 2 (bfloat16), got " + std::to_string(dtype));
-  }
-  if (rows < 0) fail("rows must be >= 0, got " + std::to_string(rows));
-  if (vocab < 1) fail("vocab must be >= 1, got " + std::to_string(vocab));
-  if (vocab > std::numeric_limits<std::int32_t>::max()) {
-    fail("vocab must be < 2^31 (ids are int32 inside the kernels), got " + std::to_string(vocab));
-  }
-  // A single row never steps by row_stride, so any non-negative stride is accepted there
-  // (torch reports odd strides for size-1 dimensions).
-  if (row_stride < 0 || (rows > 1 && row_stride < vocab)) {
-    fail("row_stride must be >= vocab (" + std::to_string(vocab) + "), got " + std::to_string(row_stride));
-  }
-  if (rows > 1 && (rows - 1) > (std::numeric_limits<std::int64_t>::max() - vocab) / row_stride) {
-    fail("rows * row_stride overflows int64");
-  }
+  const Checker c{"token_stats"};
+  const bool on_cuda = c.device(device);
+  c.float_dtype(dtype, "dtype");
+  c.at_least(rows, 0, "rows");
+  c.vocab(vocab);
+  c.rows_stride(rows, vocab, row_stride, "vocab");
   const float inv_t = static_cast<float>(inv_temperature);
   if (!(std::isfinite(inv_temperature) && inv_temperature > 0.0 && std::isfinite(inv_t) && inv_t > 0.0f)) {
-    fail("inv_temperature must be a positive finite number (as float32), got " + std::to_string(inv_temperature));
+    c.fail("inv_temperature must be a positive finite number (as float32), got " + std::to_string(inv_temperature));
   }
-  if (num_splits < 1) fail("num_splits must be >= 1, got " + std::to_string(num_splits));
-  if (num_splits > std::numeric_limits<std::int32_t>::max()) {
-    fail("num_splits must be < 2^31, got " + std::to_string(num_splits));
+  c.at_least(num_splits, 1, "num_splits");
+  if (num_splits > dspec::kI32Max) c.fail("num_splits must be < 2^31, got " + std::to_string(num_splits));
+  if (on_cuda && rows > dspec::kI32Max / num_splits) {
+    c.fail("rows * num_splits must be < 2^31 (CUDA grid size), got rows=" + std::to_string(rows) +
+           " num_splits=" + std::to_string(num_splits));
   }
-  if (on_cuda && rows > std::numeric_limits<std::int32_t>::max() / num_splits) {
-    fail("rows * num_splits must be < 2^31 (CUDA grid size), got rows=" + std::to_string(rows) +
-         " num_splits=" + std::to_string(num_splits));
-  }
-  if (num_splits > 1 && rows > std::numeric_limits<std::int64_t>::max() / dspec::kTokenStatsPartialBytes / num_splits) {
-    fail("rows * num_splits is too large");
-  }
-  if (rows > 0) {  // empty tensors may report data_ptr() == 0
-    check_ptr(logits_ptr, "logits_ptr", element_size(dtype));
-    check_ptr(token_ptr, "token_ptr", 8);
-    check_ptr(prob_ptr, "prob_ptr", 4);
-    check_ptr(margin_ptr, "margin_ptr", 4);
-    check_ptr(entropy_ptr, "entropy_ptr", 4);
-    check_ptr(lse_ptr, "lse_ptr", 4);
-    if (num_splits > 1) {
-      if (workspace_ptr == 0) {
-        fail("workspace_ptr is a null pointer; num_splits > 1 needs token_stats_workspace_bytes(rows, num_splits) "
+  check_workspace_rows(c, rows, num_splits);
+  if (rows == 0) return;  // empty tensors may report data_ptr() == 0
+  c.ptr(logits_ptr, "logits_ptr", dspec::element_size(dtype));
+  c.ptr(token_ptr, "token_ptr", 8);
+  c.ptr(prob_ptr, "prob_ptr", 4);
+  c.ptr(margin_ptr, "margin_ptr", 4);
+  c.ptr(entropy_ptr, "entropy_ptr", 4);
+  c.ptr(lse_ptr, "lse_ptr", 4);
+  if (num_splits > 1) {
+    if (workspace_ptr == 0) {
+      c.fail("workspace_ptr is a null pointer; num_splits > 1 needs token_stats_workspace_bytes(rows, num_splits) "
              "bytes of workspace");
-      }
-      check_ptr(workspace_ptr, "workspace_ptr", 4);
     }
+    c.ptr(workspace_ptr, "workspace_ptr", 4);
   }
-  if (rows == 0) return;
 
   dspec::TokenStatsArgs a;
-  a.logits = reinterpret_cast<const void*>(static_cast<std::intptr_t>(logits_ptr));
+  a.logits = as_ptr<const void>(logits_ptr);
   a.dtype = dtype;
   a.rows = rows;
   a.vocab = vocab;
   a.row_stride = row_stride;
   a.inv_t = inv_t;
-  a.token = reinterpret_cast<std::int64_t*>(static_cast<std::intptr_t>(token_ptr));
-  a.prob = reinterpret_cast<float*>(static_cast<std::intptr_t>(prob_ptr));
-  a.margin = reinterpret_cast<float*>(static_cast<std::intptr_t>(margin_ptr));
-  a.entropy = reinterpret_cast<float*>(static_cast<std::intptr_t>(entropy_ptr));
-  a.lse = reinterpret_cast<float*>(static_cast<std::intptr_t>(lse_ptr));
+  a.token = as_ptr<std::int64_t>(token_ptr);
+  a.prob = as_ptr<float>(prob_ptr);
+  a.margin = as_ptr<float>(margin_ptr);
+  a.entropy = as_ptr<float>(entropy_ptr);
+  a.lse = as_ptr<float>(lse_ptr);
   a.num_splits = num_splits;
-  a.workspace = reinterpret_cast<void*>(static_cast<std::intptr_t>(workspace_ptr));
-
-  py::gil_scoped_release no_gil;
-  if (on_cuda) {
-#ifdef DSPEC_WITH_CUDA
-    dspec::token_stats_cuda(a, stream);
-#endif
-  } else {
-    (void)stream;
-    dspec::token_stats_cpu(a);
-  }
+  a.workspace = as_ptr<void>(workspace_ptr);
+  dspec::run_op(on_cuda, a, stream, dspec::token_stats_cpu, DSPEC_IF_CUDA(dspec::token_stats_cuda));
 }
 
 }  // namespace
@@ -160,7 +116,7 @@ PYBIND11_MODULE(_C, m) {
       "Tensors are passed as integer addresses (tensor.data_ptr()); importing this module\n"
       "never imports torch nor touches a GPU.";
 
-  m.attr("with_cuda") = py::bool_(kWithCuda);
+  m.attr("with_cuda") = py::bool_(dspec::kWithCuda);
   m.attr("cuda_archs") = py::str(DSPEC_CUDA_ARCHS);
   m.attr("__version__") = py::str(DSPEC_VERSION);
   m.attr("token_stats_tile") = py::int_(dspec::kTokenStatsTile);
@@ -171,12 +127,12 @@ PYBIND11_MODULE(_C, m) {
 
   py::dict info;
   info["version"] = DSPEC_VERSION;
-  info["with_cuda"] = kWithCuda;
+  info["with_cuda"] = dspec::kWithCuda;
   info["cuda_archs"] = DSPEC_CUDA_ARCHS;
   info["cuda_version"] = DSPEC_CUDA_VERSION;
   info["cxx_compiler"] = DSPEC_CXX_COMPILER;
   info["build_type"] = DSPEC_BUILD_TYPE;
-  info["cudart"] = kWithCuda ? "static" : "";
+  info["cudart"] = dspec::kWithCuda ? "static" : "";
   m.attr("build_info") = info;
 
   m.def("token_stats", &token_stats, py::arg("logits_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("vocab"),

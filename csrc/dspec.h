@@ -19,6 +19,9 @@ namespace dspec {
 
 // dtype codes of the logits (raw IEEE half / bfloat16 bit patterns for the 16-bit ones).
 enum DTypeCode : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// dtype codes of token ids and indices (draft tokens, tree tokens, parents; the masks ops'
+// kIndexInt32 / kIndexInt64 of masks.h are the same codes).
+enum IdTypeCode : int { kInt32 = 0, kInt64 = 1 };
 
 // CUDA launch geometry of token_stats.  A vocabulary split covers a whole number of tiles
 // of kTokenStatsTile columns (512 threads x 8 elements): cols_per_split =

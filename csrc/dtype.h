@@ -1,17 +1,33 @@
 // Element conversions shared by the C++ CPU code and the CUDA kernels: IEEE binary16 and
-// bfloat16 bit patterns <-> float.  Plain C++17 plus device fast paths; branch-free on the
-// host so that loops over them vectorise.
+// bfloat16 bit patterns <-> float, and typed loads / stores by dtype code (dspec.h).
+// Plain C++17 plus device fast paths (cuda_fp16.h only under nvcc); branch-free on the host
+// and always inlined there, so that the CPU hot loops over them (token_stats_cpu.cpp)
+// vectorise.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
-#include "dspec.h"  // DSPEC_HD, dtype codes
+#include "dspec.h"  // dtype codes
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#define DSPEC_DT_INLINE __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+#define DSPEC_DT_INLINE inline __attribute__((always_inline))
+#else
+#define DSPEC_DT_INLINE inline
+#endif
 
 namespace dspec {
 namespace dt {
 
-DSPEC_HD float f32_from_bits(std::uint32_t u) {
+// Storage type of one element: float, or the raw uint16 bit pattern of a 16-bit float.
+template <int DT>
+using elem_t = std::conditional_t<DT == kFloat32, float, std::uint16_t>;
+
+DSPEC_DT_INLINE float f32_from_bits(std::uint32_t u) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(u);
 #else
@@ -21,7 +37,7 @@ DSPEC_HD float f32_from_bits(std::uint32_t u) {
 #endif
 }
 
-DSPEC_HD std::uint32_t bits_from_f32(float f) {
+DSPEC_DT_INLINE std::uint32_t bits_from_f32(float f) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(f);
 #else
@@ -33,7 +49,10 @@ DSPEC_HD std::uint32_t bits_from_f32(float f) {
 
 // binary16 -> binary32, exact: normals re-biased, subnormals as mant * 2^-24 (integer ->
 // float, immune to denormals-are-zero), +-0, +-inf, NaNs (payload kept, made quiet).
-DSPEC_HD float half_to_float(std::uint16_t h) {
+DSPEC_DT_INLINE float half_to_float(std::uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
   const std::uint32_t u = h;
   const std::uint32_t sign = (u & 0x8000u) << 16;
   const std::uint32_t exp = u & 0x7c00u;
@@ -43,19 +62,20 @@ DSPEC_HD float half_to_float(std::uint16_t h) {
   const float special = f32_from_bits(0x7f800000u | (mant << 13) | (mant ? 0x00400000u : 0u));
   const float mag = exp == 0 ? subnormal : (exp == 0x7c00u ? special : normal);
   return f32_from_bits(bits_from_f32(mag) | sign);
+#endif
 }
 
-DSPEC_HD float bf16_to_float(std::uint16_t h) { return f32_from_bits(static_cast<std::uint32_t>(h) << 16); }
+DSPEC_DT_INLINE float bf16_to_float(std::uint16_t h) { return f32_from_bits(static_cast<std::uint32_t>(h) << 16); }
 
 // binary32 -> bfloat16, round to nearest even; NaN stays a (quiet) NaN.
-DSPEC_HD std::uint16_t float_to_bf16(float f) {
+DSPEC_DT_INLINE std::uint16_t float_to_bf16(float f) {
   const std::uint32_t u = bits_from_f32(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);
   return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 // binary32 -> binary16, round to nearest even, with subnormals, overflow to inf and NaN.
-DSPEC_HD std::uint16_t float_to_half(float f) {
+DSPEC_DT_INLINE std::uint16_t float_to_half(float f) {
   const std::uint32_t u = bits_from_f32(f);
   const std::uint16_t sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
   const std::uint32_t a = u & 0x7fffffffu;
@@ -71,19 +91,31 @@ DSPEC_HD std::uint16_t float_to_half(float f) {
   return static_cast<std::uint16_t>(sign | ((rounded - (112u << 23)) >> 13));
 }
 
+// One stored element of dtype DT as a float.
 template <int DT>
-DSPEC_HD float load(const void* base, std::int64_t idx) {
+DSPEC_DT_INLINE float to_float(elem_t<DT> v) {
   if constexpr (DT == kFloat32) {
-    return static_cast<const float*>(base)[idx];
+    return v;
   } else if constexpr (DT == kFloat16) {
-    return half_to_float(static_cast<const std::uint16_t*>(base)[idx]);
+    return half_to_float(v);
   } else {
-    return bf16_to_float(static_cast<const std::uint16_t*>(base)[idx]);
+    return bf16_to_float(v);
   }
 }
 
 template <int DT>
-DSPEC_HD void store(void* base, std::int64_t idx, float v) {
+DSPEC_DT_INLINE float load(const void* base, std::int64_t idx) {
+  return to_float<DT>(static_cast<const elem_t<DT>*>(base)[idx]);
+}
+
+// load<DT> with the dtype code known only at run time.
+DSPEC_DT_INLINE float load(const void* base, int dtype, std::int64_t idx) {
+  return dtype == kFloat32 ? load<kFloat32>(base, idx)
+                           : (dtype == kFloat16 ? load<kFloat16>(base, idx) : load<kBFloat16>(base, idx));
+}
+
+template <int DT>
+DSPEC_DT_INLINE void store(void* base, std::int64_t idx, float v) {
   if constexpr (DT == kFloat32) {
     static_cast<float*>(base)[idx] = v;
   } else if constexpr (DT == kFloat16) {

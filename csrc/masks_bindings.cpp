@@ -8,10 +8,9 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
-#include <limits>
-#include <stdexcept>
 #include <string>
 
+#include "checks.h"
 #include "masks.h"
 
 namespace py = pybind11;
@@ -19,83 +18,35 @@ namespace py = pybind11;
 namespace dspec {
 namespace {
 
-#ifdef DSPEC_WITH_CUDA
-constexpr bool kMasksWithCuda = true;
-#else
-constexpr bool kMasksWithCuda = false;
-#endif
-
-constexpr std::int64_t kI64Max = std::numeric_limits<std::int64_t>::max();
-
-struct Checker {
-  const char* op;
-  [[noreturn]] void fail(const std::string& msg) const {
-    throw std::invalid_argument(std::string("dspec._C.") + op + ": " + msg);
-  }
-  void ptr(std::int64_t p, const char* name, std::int64_t align) const {
-    if (p == 0) fail(std::string(name) + " is a null pointer");
-    if (p < 0) fail(std::string(name) + " must be a non-negative address, got " + std::to_string(p));
-    if (p % align != 0) {
-      fail(std::string(name) + " must be " + std::to_string(align) + "-byte aligned, got " + std::to_string(p));
-    }
-  }
-  bool device(const std::string& d) const {
-    const bool on_cuda = d == "cuda";
-    if (!on_cuda && d != "cpu") fail("device must be 'cpu' or 'cuda', got '" + d + "'");
-    if (on_cuda && !kMasksWithCuda) throw std::invalid_argument("dspec._C was built without CUDA");
-    return on_cuda;
-  }
-  void non_negative(std::int64_t v, const char* name) const {
-    if (v < 0) fail(std::string(name) + " must be >= 0, got " + std::to_string(v));
-  }
-  // rows x cols elements with row_stride between rows fit in int64 (and the stride covers a row)
-  void rows_stride(std::int64_t rows, std::int64_t cols, std::int64_t row_stride) const {
-    // A single row never steps by row_stride (torch reports odd strides for size-1 dims).
-    if (row_stride < 0 || (rows > 1 && row_stride < cols)) {
-      fail("row_stride must be >= " + std::to_string(cols) + ", got " + std::to_string(row_stride));
-    }
-    if (rows > 1 && (rows - 1) > (kI64Max - cols) / row_stride) fail("rows * row_stride overflows int64");
-  }
-  void product(std::int64_t a, std::int64_t b, const char* what) const {
-    if (a > 0 && b > kI64Max / a) fail(std::string(what) + " overflows int64");
-  }
-};
+static_assert(int{kIndexInt32} == int{kInt32} && int{kIndexInt64} == int{kInt64}, "index dtype codes are id dtype codes");
 
 void pack_mask(std::int64_t mask_ptr, std::int64_t rows, std::int64_t num_keys, std::int64_t row_stride,
                std::int64_t words_ptr, const std::string& device, std::int64_t stream) {
   const Checker c{"pack_mask"};
   const bool on_cuda = c.device(device);
-  c.non_negative(rows, "rows");
-  c.non_negative(num_keys, "num_keys");
+  c.at_least(rows, 0, "rows");
+  c.at_least(num_keys, 0, "num_keys");
   c.rows_stride(rows, num_keys, row_stride);
   c.product(rows, mask_words(num_keys) * 4, "rows * num_words * 4");
   if (rows == 0 || num_keys == 0) return;  // empty tensors may report data_ptr() == 0
   c.ptr(mask_ptr, "mask_ptr", 1);
   c.ptr(words_ptr, "words_ptr", 4);
   PackMaskArgs a;
-  a.mask = reinterpret_cast<const std::uint8_t*>(static_cast<std::intptr_t>(mask_ptr));
+  a.mask = as_ptr<const std::uint8_t>(mask_ptr);
   a.rows = rows;
   a.num_keys = num_keys;
   a.row_stride = row_stride;
-  a.words = reinterpret_cast<std::int32_t*>(static_cast<std::intptr_t>(words_ptr));
-  py::gil_scoped_release no_gil;
-  if (on_cuda) {
-#ifdef DSPEC_WITH_CUDA
-    pack_mask_cuda(a, stream);
-#endif
-  } else {
-    (void)stream;
-    pack_mask_cpu(a);
-  }
+  a.words = as_ptr<std::int32_t>(words_ptr);
+  run_op(on_cuda, a, stream, pack_mask_cpu, DSPEC_IF_CUDA(pack_mask_cuda));
 }
 
 void unpack_mask(std::int64_t words_ptr, std::int64_t rows, std::int64_t num_words, std::int64_t row_stride,
                  std::int64_t num_keys, std::int64_t out_ptr, const std::string& device, std::int64_t stream) {
   const Checker c{"unpack_mask"};
   const bool on_cuda = c.device(device);
-  c.non_negative(rows, "rows");
-  c.non_negative(num_words, "num_words");
-  c.non_negative(num_keys, "num_keys");
+  c.at_least(rows, 0, "rows");
+  c.at_least(num_words, 0, "num_words");
+  c.at_least(num_keys, 0, "num_keys");
   if (num_words > kI64Max / 32 || num_keys > 32 * num_words) {
     c.fail("num_keys must be <= 32 * num_words (" + std::to_string(num_words) + " words), got " +
            std::to_string(num_keys));
@@ -106,21 +57,13 @@ void unpack_mask(std::int64_t words_ptr, std::int64_t rows, std::int64_t num_wor
   c.ptr(words_ptr, "words_ptr", 4);
   c.ptr(out_ptr, "out_ptr", 1);
   UnpackMaskArgs a;
-  a.words = reinterpret_cast<const std::int32_t*>(static_cast<std::intptr_t>(words_ptr));
+  a.words = as_ptr<const std::int32_t>(words_ptr);
   a.rows = rows;
   a.num_words = num_words;
   a.row_stride = row_stride;
   a.num_keys = num_keys;
-  a.out = reinterpret_cast<std::uint8_t*>(static_cast<std::intptr_t>(out_ptr));
-  py::gil_scoped_release no_gil;
-  if (on_cuda) {
-#ifdef DSPEC_WITH_CUDA
-    unpack_mask_cuda(a, stream);
-#endif
-  } else {
-    (void)stream;
-    unpack_mask_cpu(a);
-  }
+  a.out = as_ptr<std::uint8_t>(out_ptr);
+  run_op(on_cuda, a, stream, unpack_mask_cpu, DSPEC_IF_CUDA(unpack_mask_cuda));
 }
 
 void tree_mask(std::int64_t parents_ptr, int dtype, std::int64_t batch, std::int64_t nodes,
@@ -128,41 +71,29 @@ void tree_mask(std::int64_t parents_ptr, int dtype, std::int64_t batch, std::int
                std::int64_t stream) {
   const Checker c{"tree_mask"};
   const bool on_cuda = c.device(device);
-  if (dtype != kIndexInt32 && dtype != kIndexInt64) {
-    c.fail("dtype must be 0 (int32) or 1 (int64), got " + std::to_string(dtype));
-  }
-  c.non_negative(batch, "batch");
+  c.id_dtype(dtype, "dtype");
+  c.at_least(batch, 0, "batch");
   if (nodes < 1) c.fail("nodes must be >= 1 (node 0 is the root), got " + std::to_string(nodes));
   if (on_cuda && nodes > kTreeMaskMaxNodes) {
     c.fail("nodes must be <= " + std::to_string(kTreeMaskMaxNodes) + " on CUDA, got " + std::to_string(nodes));
   }
-  if (on_cuda && batch > std::numeric_limits<std::int32_t>::max()) {
-    c.fail("batch must be < 2^31 (CUDA grid size), got " + std::to_string(batch));
-  }
+  if (on_cuda && batch > kI32Max) c.fail("batch must be < 2^31 (CUDA grid size), got " + std::to_string(batch));
   c.rows_stride(batch, nodes, row_stride);
   c.product(nodes, mask_words(nodes) * 4, "nodes * num_words * 4");
   c.product(batch, nodes * mask_words(nodes) * 4, "batch * nodes * num_words * 4");
   if (batch == 0) return;
-  c.ptr(parents_ptr, "parents_ptr", dtype == kIndexInt32 ? 4 : 8);
+  c.ptr(parents_ptr, "parents_ptr", id_size(dtype));
   c.ptr(words_ptr, "words_ptr", 4);
   c.ptr(depth_ptr, "depth_ptr", 8);
   TreeMaskArgs a;
-  a.parents = reinterpret_cast<const void*>(static_cast<std::intptr_t>(parents_ptr));
+  a.parents = as_ptr<const void>(parents_ptr);
   a.dtype = dtype;
   a.batch = batch;
   a.nodes = nodes;
   a.row_stride = row_stride;
-  a.words = reinterpret_cast<std::int32_t*>(static_cast<std::intptr_t>(words_ptr));
-  a.depth = reinterpret_cast<std::int64_t*>(static_cast<std::intptr_t>(depth_ptr));
-  py::gil_scoped_release no_gil;
-  if (on_cuda) {
-#ifdef DSPEC_WITH_CUDA
-    tree_mask_cuda(a, stream);
-#endif
-  } else {
-    (void)stream;
-    tree_mask_cpu(a);
-  }
+  a.words = as_ptr<std::int32_t>(words_ptr);
+  a.depth = as_ptr<std::int64_t>(depth_ptr);
+  run_op(on_cuda, a, stream, tree_mask_cpu, DSPEC_IF_CUDA(tree_mask_cuda));
 }
 
 }  // namespace

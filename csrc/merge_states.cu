@@ -3,12 +3,10 @@
 // kernels that give a block one row per thread).  Each thread recomputes its row's two
 // weights from the two lse values (8 bytes, cached) and streams 4 elements of o_a and o_b.
 // grid.x = ceil(rows * ceil(D / 4) / 256), block = 256.
-#include <cuda_runtime.h>
-
 #include <cstdint>
 #include <stdexcept>
-#include <string>
 
+#include "cuda_launch.h"
 #include "dtype.h"
 #include "merge_states.h"
 
@@ -43,15 +41,14 @@ void merge_states_cuda(const MergeStatesArgs& args, std::int64_t stream) {
   const std::int64_t chunks = (args.head_dim + kVec - 1) / kVec;
   const std::int64_t blocks = (args.rows * chunks + kThreads - 1) / kThreads;
   if (blocks > 2147483647LL) throw std::invalid_argument("merge_states: rows * head_dim too large for one launch");
-  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const cudaStream_t s = as_stream(stream);
   const dim3 grid(static_cast<unsigned>(blocks));
   switch (args.dtype) {
     case kFloat16: merge_states_kernel<kFloat16><<<grid, kThreads, 0, s>>>(args, chunks); break;
     case kBFloat16: merge_states_kernel<kBFloat16><<<grid, kThreads, 0, s>>>(args, chunks); break;
     default: merge_states_kernel<kFloat32><<<grid, kThreads, 0, s>>>(args, chunks); break;
   }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) throw std::runtime_error(std::string("merge_states launch failed: ") + cudaGetErrorString(err));
+  check_launch("merge_states");
 }
 
 }  // namespace dspec

@@ -7,18 +7,11 @@
 //
 // DSPEC_CUDA_SIM: tests/cuda_sim compiles this file as plain C++ with its host simulator of
 // blocks, warps, ballots and barriers (tests/cuda_sim/masks_sim.cpp), so the kernels and
-// launchers run without a GPU; kernels are launched through DSPEC_MASKS_LAUNCH for that.
-#if defined(DSPEC_CUDA_SIM)
-#include "cuda_sim.h"
-#define DSPEC_MASKS_LAUNCH(kernel, grid, block, stream, ...) ::dspec_sim::launch((grid), (block), kernel, __VA_ARGS__)
-#else
-#include <cuda_runtime.h>
-#define DSPEC_MASKS_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
-#endif
+// launchers run without a GPU; kernels are launched through DSPEC_LAUNCH (cuda_launch.h).
+#include "cuda_launch.h"
 
 #include <cstdint>
 #include <stdexcept>
-#include <string>
 
 #include "masks.h"
 
@@ -59,13 +52,6 @@ __global__ void unpack_mask_kernel(const std::int32_t* __restrict__ words, std::
   }
 }
 
-void check_launch(const char* op) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("dspec._C.") + op + ": CUDA launch failed: " + cudaGetErrorString(err));
-  }
-}
-
 unsigned blocks_for(std::int64_t work_items, std::int64_t per_block) {
   std::int64_t blocks = (work_items + per_block - 1) / per_block;
   if (blocks > kMaxBlocks) blocks = kMaxBlocks;
@@ -77,17 +63,17 @@ unsigned blocks_for(std::int64_t work_items, std::int64_t per_block) {
 void pack_mask_cuda(const PackMaskArgs& a, std::int64_t stream_handle) {
   const std::int64_t num_words = mask_words(a.num_keys);
   if (a.rows <= 0 || num_words <= 0) return;
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(static_cast<std::intptr_t>(stream_handle));
-  DSPEC_MASKS_LAUNCH(pack_mask_kernel, blocks_for(a.rows * num_words, kThreads / 32), kThreads, stream, a.mask,
-                     a.rows, a.num_keys, a.row_stride, num_words, a.words);
+  const cudaStream_t stream = as_stream(stream_handle);
+  DSPEC_LAUNCH(pack_mask_kernel, blocks_for(a.rows * num_words, kThreads / 32), kThreads, stream, a.mask,
+               a.rows, a.num_keys, a.row_stride, num_words, a.words);
   check_launch("pack_mask");
 }
 
 void unpack_mask_cuda(const UnpackMaskArgs& a, std::int64_t stream_handle) {
   if (a.rows <= 0 || a.num_keys <= 0) return;
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(static_cast<std::intptr_t>(stream_handle));
-  DSPEC_MASKS_LAUNCH(unpack_mask_kernel, blocks_for(a.rows * a.num_keys, kThreads), kThreads, stream, a.words,
-                     a.rows, a.row_stride, a.num_keys, a.out);
+  const cudaStream_t stream = as_stream(stream_handle);
+  DSPEC_LAUNCH(unpack_mask_kernel, blocks_for(a.rows * a.num_keys, kThreads), kThreads, stream, a.words,
+               a.rows, a.row_stride, a.num_keys, a.out);
   check_launch("unpack_mask");
 }
 

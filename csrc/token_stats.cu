@@ -10,16 +10,12 @@
 // shared memory.  With one split the block writes the outputs; otherwise it writes its
 // partial state to the workspace and token_stats_merge_kernel (one warp per row) merges the
 // splits of each row and writes the outputs.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <cstdint>
-#include <cstring>
 #include <stdexcept>
-#include <string>
 
+#include "cuda_launch.h"
 #include "dspec.h"
+#include "dtype.h"
 
 namespace dspec {
 namespace {
@@ -30,16 +26,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 #define DSPEC_HDI __host__ __device__ __forceinline__
 
-DSPEC_HDI float u32_as_float(unsigned u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  memcpy(&f, &u, sizeof(f));
-  return f;
-#endif
-}
-
 // Read-only 16-byte load (the logits are read once).
 DSPEC_HDI uint4 load16(const uint4* p) {
 #if defined(__CUDA_ARCH__)
@@ -49,39 +35,18 @@ DSPEC_HDI uint4 load16(const uint4* p) {
 #endif
 }
 
-template <int DT>
-struct Ld;
-template <>
-struct Ld<kFloat32> {
-  using T = float;
-  static constexpr int kVec = 4;
-  static DSPEC_HDI float cvt(T v) { return v; }
-};
-template <>
-struct Ld<kFloat16> {
-  using T = std::uint16_t;
-  static constexpr int kVec = 8;
-  static DSPEC_HDI float cvt(T v) { return __half2float(__ushort_as_half(v)); }
-};
-template <>
-struct Ld<kBFloat16> {
-  using T = std::uint16_t;
-  static constexpr int kVec = 8;
-  static DSPEC_HDI float cvt(T v) { return u32_as_float(static_cast<unsigned>(v) << 16); }
-};
-
 // Fold the kVec elements of one 16-byte vector (first column col0) into st, in order.
 template <int DT>
 DSPEC_HDI void update_vec(State& st, const uint4& raw, std::int32_t col0, float inv_t) {
   const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
   if constexpr (DT == kFloat32) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) ts::update(st, u32_as_float(w[k]), col0 + k, inv_t);
+    for (int k = 0; k < 4; ++k) ts::update(st, dt::f32_from_bits(w[k]), col0 + k, inv_t);
   } else {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      ts::update(st, Ld<DT>::cvt(static_cast<std::uint16_t>(w[k] & 0xffffu)), col0 + 2 * k, inv_t);
-      ts::update(st, Ld<DT>::cvt(static_cast<std::uint16_t>(w[k] >> 16)), col0 + 2 * k + 1, inv_t);
+      ts::update(st, dt::to_float<DT>(static_cast<std::uint16_t>(w[k] & 0xffffu)), col0 + 2 * k, inv_t);
+      ts::update(st, dt::to_float<DT>(static_cast<std::uint16_t>(w[k] >> 16)), col0 + 2 * k + 1, inv_t);
     }
   }
 }
@@ -94,9 +59,8 @@ DSPEC_HDI void update_vec(State& st, const uint4& raw, std::int32_t col0, float 
 // can be checked without a GPU.
 template <int DT, int THREADS, int UNROLL>
 DSPEC_HDI State thread_scan(const void* row_base, std::int64_t lo, std::int64_t hi, int tid, float inv_t) {
-  using L = Ld<DT>;
-  using T = typename L::T;
-  constexpr int kVec = L::kVec;
+  using T = dt::elem_t<DT>;
+  constexpr int kVec = static_cast<int>(16 / sizeof(T));  // per 16-byte vector: 4 fp32, 8 fp16 / bf16
   static_assert(kVec <= THREADS, "head and tail need one thread per element");
   State st = ts::identity();
   if (lo >= hi) return st;
@@ -106,7 +70,7 @@ DSPEC_HDI State thread_scan(const void* row_base, std::int64_t lo, std::int64_t 
   // elements before the first 16-byte boundary (all of them if p is not element aligned)
   std::int64_t head = (addr % sizeof(T)) ? n : static_cast<std::int64_t>(((16u - (addr & 15u)) & 15u) / sizeof(T));
   head = head < n ? head : n;
-  if (tid < head) ts::update(st, L::cvt(p[tid]), static_cast<std::int32_t>(lo + tid), inv_t);
+  if (tid < head) ts::update(st, dt::to_float<DT>(p[tid]), static_cast<std::int32_t>(lo + tid), inv_t);
 
   const std::int64_t n_vec = (n - head) / kVec;
   const uint4* v = reinterpret_cast<const uint4*>(p + head);
@@ -123,7 +87,9 @@ DSPEC_HDI State thread_scan(const void* row_base, std::int64_t lo, std::int64_t 
   for (; i < n_vec; i += THREADS) update_vec<DT>(st, load16(v + i), static_cast<std::int32_t>(col_v + i * kVec), inv_t);
 
   const std::int64_t tail = head + n_vec * kVec;  // fewer than kVec elements left
-  if (tail + tid < n) ts::update(st, L::cvt(p[tail + tid]), static_cast<std::int32_t>(lo + tail + tid), inv_t);
+  if (tail + tid < n) {
+    ts::update(st, dt::to_float<DT>(p[tail + tid]), static_cast<std::int32_t>(lo + tail + tid), inv_t);
+  }
   return st;
 }
 
@@ -184,7 +150,7 @@ __global__ void __launch_bounds__(THREADS)
   const int tid = threadIdx.x;
   std::int64_t lo, hi;
   split_range(vocab, cols_per_split, split, lo, hi);
-  State st = thread_scan<DT, THREADS, UNROLL>(static_cast<const typename Ld<DT>::T*>(logits) + row * row_stride, lo,
+  State st = thread_scan<DT, THREADS, UNROLL>(static_cast<const dt::elem_t<DT>*>(logits) + row * row_stride, lo,
                                               hi, tid, inv_t);
 
   st = warp_reduce(st, inv_t);
@@ -257,10 +223,7 @@ void launch(const TokenStatsArgs& a, cudaStream_t stream) {
       a.logits, a.row_stride, a.vocab, cols_per_split, num_splits, a.inv_t, part_f, part_i, a.token, a.prob,
       a.margin, a.entropy, a.lse);
   if (num_splits > 1) {
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) {
-      throw std::runtime_error(std::string("dspec._C.token_stats: CUDA launch failed: ") + cudaGetErrorString(err));
-    }
+    check_launch("token_stats");
     const unsigned merge_grid = static_cast<unsigned>((a.rows + kMergeWarps - 1) / kMergeWarps);
     token_stats_merge_kernel<kMergeWarps><<<merge_grid, kMergeWarps * 32, 0, stream>>>(
         part_f, part_i, a.rows, num_splits, a.inv_t, a.token, a.prob, a.margin, a.entropy, a.lse);
@@ -271,7 +234,7 @@ void launch(const TokenStatsArgs& a, cudaStream_t stream) {
 
 void token_stats_cuda(const TokenStatsArgs& args, std::int64_t stream_handle) {
   if (args.rows <= 0) return;
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(static_cast<std::intptr_t>(stream_handle));
+  const cudaStream_t stream = as_stream(stream_handle);
   switch (args.dtype) {
     case kFloat32:
       launch<kFloat32>(args, stream);
@@ -285,10 +248,7 @@ void token_stats_cuda(const TokenStatsArgs& args, std::int64_t stream_handle) {
     default:
       throw std::invalid_argument("dspec._C.token_stats: unknown dtype code");
   }
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("dspec._C.token_stats: CUDA launch failed: ") + cudaGetErrorString(err));
-  }
+  check_launch("token_stats");
 }
 
 }  // namespace dspec

@@ -3,14 +3,13 @@
 // Each row (or column chunk of a row) is scanned by kLanes interleaved lanes
 // (lane l owns columns l, l + kLanes, ...), each with its own online state (float sums,
 // flushed into a double-precision state every kRoundsPerFlush rounds); chunks of one row
-// are merged in column order.  The lane loop is branch-free (own exp, own fp16 decoding)
+// are merged in column order.  The lane loop is branch-free (own exp, dtype.h decoding)
 // so the compiler vectorises it; on x86-64 it is also compiled for AVX2+FMA.  Large inputs
 // (rows * vocab >= 2^18) are spread over std::thread workers (no OpenMP; at most
 // $DSPEC_CPU_THREADS or hardware_concurrency() of them); the caller releases the GIL.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <exception>
 #include <system_error>
 #include <thread>
@@ -18,6 +17,7 @@
 
 #include "cpu_parallel.h"
 #include "dspec.h"
+#include "dtype.h"
 
 namespace dspec {
 namespace {
@@ -30,53 +30,6 @@ using State = ts::StateT<double>;  // float max / exps, double sums (see dspec.h
 constexpr std::int64_t kParallelThreshold = std::int64_t(1) << 18;
 // Each worker gets at least this many elements.
 constexpr std::int64_t kMinElementsPerThread = std::int64_t(1) << 16;
-
-DSPEC_CPU_INLINE float bits_to_float(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-DSPEC_CPU_INLINE std::uint32_t float_to_bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-
-// IEEE binary16 -> binary32 by hand, branch-free so that loops over it vectorise:
-// normals re-biased, subnormals as mant * 2^-24 (integer -> float, exact, immune to
-// denormals-are-zero), +-0, +-inf and NaNs (payload kept, made quiet).
-DSPEC_CPU_INLINE float half_to_float(std::uint16_t h) {
-  const std::uint32_t u = h;
-  const std::uint32_t sign = (u & 0x8000u) << 16;
-  const std::uint32_t exp = u & 0x7c00u;
-  const std::uint32_t mant = u & 0x03ffu;
-  const float normal = bits_to_float(((u & 0x7fffu) << 13) + ((127u - 15u) << 23));
-  const float subnormal = static_cast<float>(static_cast<std::int32_t>(mant)) * 5.9604644775390625e-08f;
-  const float special = bits_to_float(0x7f800000u | (mant << 13) | (mant ? 0x00400000u : 0u));
-  const float mag = exp == 0 ? subnormal : (exp == 0x7c00u ? special : normal);
-  return bits_to_float(float_to_bits(mag) | sign);
-}
-
-DSPEC_CPU_INLINE float bf16_to_float(std::uint16_t h) { return bits_to_float(static_cast<std::uint32_t>(h) << 16); }
-
-template <int DT>
-struct Loader;
-template <>
-struct Loader<kFloat32> {
-  using T = float;
-  static DSPEC_CPU_INLINE float get(T v) { return v; }
-};
-template <>
-struct Loader<kFloat16> {
-  using T = std::uint16_t;
-  static DSPEC_CPU_INLINE float get(T v) { return half_to_float(v); }
-};
-template <>
-struct Loader<kBFloat16> {
-  using T = std::uint16_t;
-  static DSPEC_CPU_INLINE float get(T v) { return bf16_to_float(v); }
-};
 
 // exp(x) for x <= 0 (the only arguments the algorithm produces; -inf and NaN give 0).
 // Branch-free so that the lane loop vectorises: Cody-Waite reduction by ln 2 and the
@@ -97,7 +50,7 @@ DSPEC_CPU_INLINE float exp_nonpos(float x) {
   q = q * r + 5.0000001201e-1f;
   const float poly = q * r * r + r + 1.0f;
   const std::int32_t ni = static_cast<std::int32_t>(n);  // in [-127, 0]
-  const float scale = bits_to_float(static_cast<std::uint32_t>(ni + 127) << 23);  // 2^n, 0 for n = -127
+  const float scale = dt::f32_from_bits(static_cast<std::uint32_t>(ni + 127) << 23);  // 2^n, 0 for n = -127
   return poly * scale;
 }
 
@@ -168,9 +121,8 @@ DSPEC_CPU_INLINE void flush(Lanes& L, State& run, float inv_t) {
 
 // State of columns [lo, hi) of the row starting at p.
 template <int DT>
-DSPEC_CPU_INLINE State scan_impl(const typename Loader<DT>::T* p, std::int64_t lo, std::int64_t hi, float inv_t) {
-  using Ld = Loader<DT>;
-  State run = ts::identity<double>();
+DSPEC_CPU_INLINE State scan_impl(const dt::elem_t<DT>* p, std::int64_t lo, std::int64_t hi, float inv_t) {
+    State run = ts::identity<double>();
   Lanes L;
   reset(L);
   alignas(64) float xv[kLanes];
@@ -178,13 +130,13 @@ DSPEC_CPU_INLINE State scan_impl(const typename Loader<DT>::T* p, std::int64_t l
   while (j + kLanes <= hi) {
     const std::int64_t rounds = std::min<std::int64_t>(kRoundsPerFlush, (hi - j) / kLanes);
     for (std::int64_t r = 0; r < rounds; ++r, j += kLanes) {
-      for (int l = 0; l < kLanes; ++l) xv[l] = Ld::get(p[j + l]);
+      for (int l = 0; l < kLanes; ++l) xv[l] = dt::to_float<DT>(p[j + l]);
       fold_round(L, xv, static_cast<std::int32_t>(j), inv_t);
     }
     flush(L, run, inv_t);
   }
   if (j < hi) {
-    for (int l = 0; l < kLanes; ++l) xv[l] = j + l < hi ? Ld::get(p[j + l]) : -INFINITY;
+    for (int l = 0; l < kLanes; ++l) xv[l] = j + l < hi ? dt::to_float<DT>(p[j + l]) : -INFINITY;
     fold_round(L, xv, static_cast<std::int32_t>(j), inv_t);
     flush(L, run, inv_t);
   }
@@ -210,7 +162,7 @@ DSPEC_CPU_CLONES State scan_bf16(const void* p, std::int64_t lo, std::int64_t hi
 }
 
 template <int DT>
-State scan(const typename Loader<DT>::T* p, std::int64_t lo, std::int64_t hi, float inv_t) {
+State scan(const dt::elem_t<DT>* p, std::int64_t lo, std::int64_t hi, float inv_t) {
   if constexpr (DT == kFloat32) {
     return scan_f32(p, lo, hi, inv_t);
   } else if constexpr (DT == kFloat16) {
@@ -234,7 +186,7 @@ using cpu::parallel_for;
 
 template <int DT>
 void run(const TokenStatsArgs& a) {
-  using T = typename Loader<DT>::T;
+  using T = dt::elem_t<DT>;
   const T* logits = static_cast<const T*>(a.logits);
   const std::int64_t rows = a.rows, vocab = a.vocab;
   const std::int64_t work = rows * vocab;  // no overflow: validated by the bindings

@@ -12,18 +12,11 @@
 //
 // DSPEC_CUDA_SIM: tests/cuda_sim compiles this file as plain C++ with its host simulator of
 // blocks, warps, ballots and barriers (tests/cuda_sim/masks_sim.cpp), so the kernels and
-// launchers run without a GPU; kernels are launched through DSPEC_MASKS_LAUNCH for that.
-#if defined(DSPEC_CUDA_SIM)
-#include "cuda_sim.h"
-#define DSPEC_MASKS_LAUNCH(kernel, grid, block, stream, ...) ::dspec_sim::launch((grid), (block), kernel, __VA_ARGS__)
-#else
-#include <cuda_runtime.h>
-#define DSPEC_MASKS_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
-#endif
+// launchers run without a GPU; kernels are launched through DSPEC_LAUNCH (cuda_launch.h).
+#include "cuda_launch.h"
 
 #include <cstdint>
 #include <stdexcept>
-#include <string>
 
 #include "masks.h"
 
@@ -82,7 +75,7 @@ __global__ void __launch_bounds__(kMaxNodes) tree_mask_kernel(const IdxT* __rest
 void tree_mask_cuda(const TreeMaskArgs& a, std::int64_t stream_handle) {
   if (a.batch <= 0 || a.nodes <= 0) return;
   if (a.nodes > kMaxNodes) throw std::invalid_argument("dspec._C.tree_mask: nodes must be <= 256 on CUDA");
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(static_cast<std::intptr_t>(stream_handle));
+  const cudaStream_t stream = as_stream(stream_handle);
   const int nodes = static_cast<int>(a.nodes);
   const int num_words = static_cast<int>(mask_words(a.nodes));
   int rounds = 0;
@@ -90,18 +83,15 @@ void tree_mask_cuda(const TreeMaskArgs& a, std::int64_t stream_handle) {
   const int threads = ((nodes + 31) / 32) * 32;
   const unsigned grid = static_cast<unsigned>(a.batch);
   if (a.dtype == kIndexInt32) {
-    DSPEC_MASKS_LAUNCH(tree_mask_kernel<std::int32_t>, grid, threads, stream,
-                       static_cast<const std::int32_t*>(a.parents), a.row_stride, nodes, num_words, rounds, a.words,
-                       a.depth);
+    DSPEC_LAUNCH(tree_mask_kernel<std::int32_t>, grid, threads, stream,
+                 static_cast<const std::int32_t*>(a.parents), a.row_stride, nodes, num_words, rounds, a.words,
+                 a.depth);
   } else {
-    DSPEC_MASKS_LAUNCH(tree_mask_kernel<std::int64_t>, grid, threads, stream,
-                       static_cast<const std::int64_t*>(a.parents), a.row_stride, nodes, num_words, rounds, a.words,
-                       a.depth);
+    DSPEC_LAUNCH(tree_mask_kernel<std::int64_t>, grid, threads, stream,
+                 static_cast<const std::int64_t*>(a.parents), a.row_stride, nodes, num_words, rounds, a.words,
+                 a.depth);
   }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("dspec._C.tree_mask: CUDA launch failed: ") + cudaGetErrorString(err));
-  }
+  check_launch("tree_mask");
 }
 
 }  // namespace dspec

@@ -26,16 +26,9 @@
 //
 // DSPEC_CUDA_SIM: tests/cuda_sim compiles this file as plain C++ with a host simulator of
 // blocks, warps, shuffles and barriers (tests/cuda_sim/cuda_sim.h) to run these kernels,
-// launchers included, without a GPU.  Kernels are launched through DSPEC_LAUNCH for that.
-#if defined(DSPEC_CUDA_SIM)
-#include "cuda_sim.h"
-#define DSPEC_LAUNCH(kernel, grid, block, stream, ...) ::dspec_sim::launch((grid), (block), kernel, __VA_ARGS__)
-#else
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#define DSPEC_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
-#endif
+// launchers included, without a GPU.  Kernels are launched through DSPEC_LAUNCH
+// (cuda_launch.h) for that.
+#include "cuda_launch.h"
 
 #include <climits>
 #include <cstdint>
@@ -43,6 +36,7 @@
 #include <string>
 
 #include "dspec.h"
+#include "dtype.h"
 #include "verify.h"
 
 namespace dspec {
@@ -52,14 +46,6 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kDrawWarps = kVerifyDrawThreads / 32;
 constexpr int kExclShared = 64;  // excluded tokens cached in shared memory per draw block
 static_assert(kVerifyDrawThreads % 32 == 0 && kDrawWarps <= 32, "draw block: whole warps, at most 1024 threads");
-
-void check_launch(const char* op, const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("dspec._C.") + op + ": CUDA launch of " + what +
-                             " failed: " + cudaGetErrorString(err));
-  }
-}
 
 // ---- accept ---------------------------------------------------------------------------------
 
@@ -239,20 +225,11 @@ __device__ __forceinline__ float block_exclusive_scan(float v, float& total, flo
 
 // ---- draw -------------------------------------------------------------------------------
 
-template <int DT>
-struct Elem {
-  using T = std::uint16_t;
-};
-template <>
-struct Elem<kFloat32> {
-  using T = float;
-};
-
 // Logits of columns col0 .. col0 + VEC - 1 (VEC * sizeof(T) = 16 bytes); -inf past the row.
 template <int DT, int VEC>
 __device__ __forceinline__ void load_group(const char* row_ptr, std::int64_t col0, std::int64_t vocab, bool aligned,
                                            float (&l)[VEC]) {
-  using T = typename Elem<DT>::T;
+  using T = dt::elem_t<DT>;
   static_assert(VEC * sizeof(T) == 16, "one 16-byte vector per thread");
   if (aligned && col0 + VEC <= vocab) {
     const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row_ptr + col0 * static_cast<std::int64_t>(sizeof(T))));
@@ -264,13 +241,13 @@ __device__ __forceinline__ void load_group(const char* row_ptr, std::int64_t col
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const auto lo = static_cast<std::uint16_t>(u[k] & 0xffffu), hi = static_cast<std::uint16_t>(u[k] >> 16);
-        l[2 * k] = DT == kFloat16 ? vf::half_bits_to_float(lo) : vf::bf16_bits_to_float(lo);
-        l[2 * k + 1] = DT == kFloat16 ? vf::half_bits_to_float(hi) : vf::bf16_bits_to_float(hi);
+        l[2 * k] = dt::to_float<DT>(lo);
+        l[2 * k + 1] = dt::to_float<DT>(hi);
       }
     }
   } else {
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) l[k] = col0 + k < vocab ? vf::load_as_float<DT>(row_ptr, col0 + k) : -INFINITY;
+    for (int k = 0; k < VEC; ++k) l[k] = col0 + k < vocab ? dt::load<DT>(row_ptr, col0 + k) : -INFINITY;
   }
 }
 
@@ -289,7 +266,7 @@ struct DrawRow {
 template <int DT>
 __device__ __forceinline__ DrawRow draw_row(const VerifyCommon& a, const void* q, int q_dtype, const VerifyWork& w,
                                             std::int64_t b, std::int64_t* s_excl) {
-  using T = typename Elem<DT>::T;
+  using T = dt::elem_t<DT>;
   DrawRow r;
   const std::int64_t row = w.spec_row[b];
   r.row_ptr = static_cast<const char*>(a.logits) + row * a.row_stride * static_cast<std::int64_t>(sizeof(T));
@@ -322,7 +299,7 @@ __device__ __forceinline__ void group_weights(const DrawRow& r, const std::int64
   for (int k = 0; k < VEC; ++k) {
     const std::int64_t col = col0 + k;
     const bool in_row = col < vocab;
-    const float q = (r.q_row != nullptr && in_row) ? vf::load_float(r.q_row, r.q_dtype, col) : 0.0f;
+    const float q = (r.q_row != nullptr && in_row) ? dt::load(r.q_row, r.q_dtype, col) : 0.0f;
     float wk, pk;
     vf::draw_weights(l[k], q, ((excluded >> k) & 1u) != 0u, r.mode, r.d, inv_t, wk, pk);
     wv[k] = in_row ? wk : 0.0f;
@@ -335,7 +312,7 @@ template <int DT>
 __global__ void __launch_bounds__(kVerifyDrawThreads)
     draw_tiles_kernel(const VerifyCommon a, const void* q, int q_dtype, const VerifyWork w, int splits,
                       std::int64_t tiles_per_split) {
-  constexpr int VEC = 16 / sizeof(typename Elem<DT>::T);
+  constexpr int VEC = 16 / sizeof(dt::elem_t<DT>);
   constexpr std::int64_t TILE = std::int64_t(kVerifyDrawThreads) * VEC;
   __shared__ std::int64_t s_excl[kExclShared];
   __shared__ float s_red[2][kDrawWarps];
@@ -366,7 +343,7 @@ __global__ void __launch_bounds__(kVerifyDrawThreads)
 template <int DT>
 __global__ void __launch_bounds__(kVerifyDrawThreads)
     draw_pick_kernel(const VerifyCommon a, const void* q, int q_dtype, const VerifyWork w, std::int64_t* out) {
-  constexpr int VEC = 16 / sizeof(typename Elem<DT>::T);
+  constexpr int VEC = 16 / sizeof(dt::elem_t<DT>);
   constexpr std::int64_t TILE = std::int64_t(kVerifyDrawThreads) * VEC;
   __shared__ std::int64_t s_excl[kExclShared];
   __shared__ float s_red[2][kDrawWarps];
@@ -484,8 +461,6 @@ void draw_any(const VerifyCommon& a, const void* q, int q_dtype, const VerifyWor
     default: throw std::invalid_argument(std::string("dspec._C.") + op + ": unknown dtype code");
   }
 }
-
-cudaStream_t as_stream(std::int64_t handle) { return reinterpret_cast<cudaStream_t>(static_cast<std::intptr_t>(handle)); }
 
 unsigned accept_grid(std::int64_t batch) {
   return static_cast<unsigned>((batch + kVerifyAcceptWarps - 1) / kVerifyAcceptWarps);

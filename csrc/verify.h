@@ -21,18 +21,11 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "dspec.h"
-
-#if defined(__CUDACC__)
-#include <cuda_fp16.h>
-#endif
+#include "dtype.h"
 
 namespace dspec {
-
-// dtype codes of token ids (draft tokens, tree tokens, parents).
-enum IdTypeCode : int { kInt32 = 0, kInt64 = 1 };
 
 // Draw spec modes (as MODE_* in dspec/kernels/verify.py).
 enum DrawMode : int { kModeP = 0, kModeExclude = 1, kModeResidualQ = 2 };
@@ -204,58 +197,7 @@ void verify_tree_cuda(const VerifyTreeArgs& args, std::int64_t stream);
 
 namespace vf {
 
-// ---- loads ------------------------------------------------------------------------------
-DSPEC_HD float f32_from_bits(std::uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-#endif
-}
-
-// IEEE binary16 -> binary32 (exact).
-DSPEC_HD float half_bits_to_float(std::uint16_t h) {
-#if defined(__CUDA_ARCH__)
-  return __half2float(__ushort_as_half(h));
-#else
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const std::uint32_t exp = (h >> 10) & 0x1fu;
-  const std::uint32_t mant = h & 0x03ffu;
-  float mag;
-  if (exp == 0) {
-    mag = static_cast<float>(mant) * 5.9604644775390625e-08f;  // subnormal or zero: mant * 2^-24
-  } else if (exp == 0x1f) {
-    mag = f32_from_bits(0x7f800000u | (mant << 13) | (mant ? 0x00400000u : 0u));  // inf / quiet NaN
-  } else {
-    mag = f32_from_bits(((exp + 112u) << 23) | (mant << 13));
-  }
-  std::uint32_t u;
-  std::memcpy(&u, &mag, sizeof(u));
-  return f32_from_bits(u | sign);
-#endif
-}
-
-DSPEC_HD float bf16_bits_to_float(std::uint16_t h) { return f32_from_bits(static_cast<std::uint32_t>(h) << 16); }
-
-template <int DT>
-DSPEC_HD float load_as_float(const void* base, std::int64_t idx) {
-  if constexpr (DT == kFloat32) {
-    return static_cast<const float*>(base)[idx];
-  } else if constexpr (DT == kFloat16) {
-    return half_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
-  } else {
-    return bf16_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
-  }
-}
-
-DSPEC_HD float load_float(const void* base, int dtype, std::int64_t idx) {
-  return dtype == kFloat32 ? load_as_float<kFloat32>(base, idx)
-                           : (dtype == kFloat16 ? load_as_float<kFloat16>(base, idx)
-                                                : load_as_float<kBFloat16>(base, idx));
-}
-
+// ---- loads (elements: dtype.h) --------------------------------------------------------
 DSPEC_HD std::int64_t load_id(const void* base, int dtype, std::int64_t idx) {
   return dtype == kInt32 ? static_cast<std::int64_t>(static_cast<const std::int32_t*>(base)[idx])
                          : static_cast<const std::int64_t*>(base)[idx];
@@ -281,7 +223,7 @@ struct RowDist {
 DSPEC_HD RowDist row_dist(const VerifyCommon& a, const std::int64_t* argmax, const float* prob, std::int64_t row) {
   const std::int64_t top = argmax[row];
   RowDist d;
-  d.top_logit = load_float(a.logits, a.dtype, row * a.row_stride + (top > 0 ? top : 0));
+  d.top_logit = dt::load(a.logits, a.dtype, row * a.row_stride + (top > 0 ? top : 0));
   d.prob = top >= 0 ? prob[row] : NAN;
   return d;
 }
@@ -314,8 +256,8 @@ DSPEC_HD bool chain_accepts(const VerifyChainArgs& a, const std::int64_t* argmax
   if (a.greedy) return x == argmax[row];
   if (x < 0 || x >= a.vocab) return false;
   const RowDist d = row_dist(a, argmax, prob, row);
-  const float p_x = target_p(load_float(a.logits, a.dtype, row * a.row_stride + x), d, a.inv_t);
-  const float q_x = a.q != nullptr ? load_float(a.q, a.q_dtype, b * a.q_stride_b + i * a.q_stride_l + x) : 1.0f;
+  const float p_x = target_p(dt::load(a.logits, a.dtype, row * a.row_stride + x), d, a.inv_t);
+  const float q_x = a.q != nullptr ? dt::load(a.q, a.q_dtype, b * a.q_stride_b + i * a.q_stride_l + x) : 1.0f;
   const float coin = a.coins[b * (a.positions - 1) + i];
   return coin * q_x < p_x;
 }
@@ -353,7 +295,7 @@ DSPEC_HD TreeNode tree_node(const VerifyTreeArgs& a, const std::int64_t* argmax,
   nd.coin = a.coins[base + c];
   if (nd.token >= 0 && nd.token < a.vocab) {
     const RowDist d = row_dist(a, argmax, prob, prow);
-    nd.p = target_p(load_float(a.logits, a.dtype, prow * a.row_stride + nd.token), d, a.inv_t);
+    nd.p = target_p(dt::load(a.logits, a.dtype, prow * a.row_stride + nd.token), d, a.inv_t);
   }
   return nd;
 }

@@ -11,10 +11,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
-#include <stdexcept>
 #include <string>
 
+#include "checks.h"
 #include "dspec.h"
 #include "verify.h"
 
@@ -22,39 +21,6 @@ namespace py = pybind11;
 
 namespace dspec {
 namespace {
-
-#ifdef DSPEC_WITH_CUDA
-constexpr bool kWithCuda = true;
-#else
-constexpr bool kWithCuda = false;
-#endif
-
-std::int64_t element_size(int dtype) { return dtype == kFloat32 ? 4 : 2; }
-
-struct Check {
-  std::string op;
-  [[noreturn]] void fail(const std::string& msg) const { throw std::invalid_argument("dspec._C." + op + ": " + msg); }
-  void ptr(std::int64_t p, const std::string& name, std::int64_t align) const {
-    if (p == 0) fail(name + " is a null pointer");
-    if (p < 0) fail(name + " must be a non-negative address, got " + std::to_string(p));
-    if (p % align != 0) fail(name + " must be " + std::to_string(align) + "-byte aligned, got " + std::to_string(p));
-  }
-  void optional_ptr(std::int64_t p, const std::string& name, std::int64_t align) const {
-    if (p != 0) ptr(p, name, align);
-  }
-  void float_dtype(int code, const std::string& name) const {
-    if (code != dspec::kFloat32 && code != dspec::kFloat16 && code != dspec::kBFloat16) {
-      fail(name + " must be 0 (float32), 1 (float16) or 2 (bfloat16), got " + std::to_string(code));
-    }
-  }
-  void id_dtype(int code, const std::string& name) const {
-    if (code != dspec::kInt32 && code != dspec::kInt64) {
-      fail(name + " must be 0 (int32) or 1 (int64), got " + std::to_string(code));
-    }
-  }
-};
-
-std::int64_t id_size(int code) { return code == dspec::kInt32 ? 4 : 8; }
 
 std::string op_workspace_hint(const std::string& op) {
   return "_C." + op + "_workspace_bytes(batch, " + (op == "verify_tree" ? "nodes" : "length") +
@@ -66,36 +32,34 @@ std::int64_t checked_layout_bytes(std::int64_t batch, std::int64_t positions, st
                                   std::int64_t excl_cap, bool sampling, std::int64_t ts_splits) {
   using u128 = unsigned __int128;
   const u128 rows = static_cast<u128>(batch) * static_cast<u128>(positions);
-  const u128 tiles = static_cast<u128>(dspec::draw_num_tiles(vocab, dtype));
+  const u128 tiles = static_cast<u128>(draw_num_tiles(vocab, dtype));
   u128 bound = rows * 24 + rows * static_cast<u128>(ts_splits) * 24 + 16 * 256;
   if (sampling) bound += static_cast<u128>(batch) * (32 + 8 * static_cast<u128>(excl_cap) + 8 * tiles);
   if (bound >= (static_cast<u128>(1) << 62)) return -1;
-  return dspec::verify_layout(batch, positions, vocab, dtype, excl_cap, sampling, ts_splits).bytes;
+  return verify_layout(batch, positions, vocab, dtype, excl_cap, sampling, ts_splits).bytes;
 }
 
-// Validation shared by both ops; fills the common arguments.  excl_cap: 1 (chain) or N.
-void validate_common(const Check& ck, const std::string& device, std::int64_t logits_ptr, int dtype,
+// A number of blocks per row (CUDA): in [1, 2^31).
+void check_splits(const Checker& ck, std::int64_t splits, const char* name) {
+  if (splits < 1 || splits > kI32Max) {
+    ck.fail(std::string(name) + " must be in [1, 2^31), got " + std::to_string(splits));
+  }
+}
+
+// Validation shared by both ops; fills the common arguments and returns whether the op runs
+// on CUDA.  excl_cap: 1 (chain) or N.
+bool validate_common(const Checker& ck, const std::string& device, std::int64_t logits_ptr, int dtype,
                      std::int64_t batch, std::int64_t positions, std::int64_t vocab, std::int64_t row_stride,
                      double temperature, std::int64_t coins_ptr, std::int64_t num_coins, std::int64_t uniforms_ptr,
                      std::int64_t ts_splits, std::int64_t draw_splits, std::int64_t workspace_ptr,
-                     std::int64_t workspace_bytes, std::int64_t excl_cap, dspec::VerifyCommon& c) {
-  const bool on_cuda = device == "cuda";
-  if (!on_cuda && device != "cpu") ck.fail("device must be 'cpu' or 'cuda', got '" + device + "'");
-  if (on_cuda && !kWithCuda) throw std::invalid_argument("dspec._C was built without CUDA");
+                     std::int64_t workspace_bytes, std::int64_t excl_cap, VerifyCommon& c) {
+  const bool on_cuda = ck.device(device);
   ck.float_dtype(dtype, "dtype");
-  if (batch < 0) ck.fail("batch must be >= 0, got " + std::to_string(batch));
-  if (vocab < 1) ck.fail("vocab must be >= 1, got " + std::to_string(vocab));
-  if (vocab > std::numeric_limits<std::int32_t>::max()) {
-    ck.fail("vocab must be < 2^31 (ids are int32 inside the kernels), got " + std::to_string(vocab));
-  }
-  if (batch > 0 && positions > std::numeric_limits<std::int64_t>::max() / batch) ck.fail("batch * positions overflows int64");
+  ck.at_least(batch, 0, "batch");
+  ck.vocab(vocab);
+  ck.product(batch, positions, "batch * positions");
   const std::int64_t rows = batch * positions;
-  if (row_stride < 0 || (rows > 1 && row_stride < vocab)) {
-    ck.fail("row_stride must be >= vocab (" + std::to_string(vocab) + "), got " + std::to_string(row_stride));
-  }
-  if (rows > 1 && (rows - 1) > (std::numeric_limits<std::int64_t>::max() - vocab) / row_stride) {
-    ck.fail("rows * row_stride overflows int64");
-  }
+  ck.rows_stride(rows, vocab, row_stride, "vocab");
   if (std::isnan(temperature) || temperature == INFINITY) {
     ck.fail("temperature must be finite (<= 0 for greedy), got " + std::to_string(temperature));
   }
@@ -108,17 +72,12 @@ void validate_common(const Check& ck, const std::string& device, std::int64_t lo
               std::to_string(temperature));
     }
   }
-  if (ts_splits < 1 || ts_splits > std::numeric_limits<std::int32_t>::max()) {
-    ck.fail("ts_splits must be in [1, 2^31), got " + std::to_string(ts_splits));
-  }
-  if (draw_splits < 1 || draw_splits > std::numeric_limits<std::int32_t>::max()) {
-    ck.fail("draw_splits must be in [1, 2^31), got " + std::to_string(draw_splits));
-  }
-  const std::int64_t tiles = dspec::draw_num_tiles(vocab, dtype);
+  check_splits(ck, ts_splits, "ts_splits");
+  check_splits(ck, draw_splits, "draw_splits");
+  const std::int64_t tiles = draw_num_tiles(vocab, dtype);
   if (on_cuda) {
-    constexpr std::int64_t kGrid = std::numeric_limits<std::int32_t>::max();
-    if (rows > kGrid / ts_splits) ck.fail("batch * positions * ts_splits must be < 2^31 (CUDA grid size)");
-    if (batch > kGrid / std::min(draw_splits, tiles)) ck.fail("batch * draw_splits must be < 2^31 (CUDA grid size)");
+    if (rows > kI32Max / ts_splits) ck.fail("batch * positions * ts_splits must be < 2^31 (CUDA grid size)");
+    if (batch > kI32Max / std::min(draw_splits, tiles)) ck.fail("batch * draw_splits must be < 2^31 (CUDA grid size)");
   }
   const std::int64_t need = checked_layout_bytes(batch, positions, vocab, dtype, excl_cap, !greedy, ts_splits);
   if (need < 0) ck.fail("the workspace would be too large (batch, positions, vocab or ts_splits too large)");
@@ -138,7 +97,7 @@ void validate_common(const Check& ck, const std::string& device, std::int64_t lo
       ck.ptr(uniforms_ptr, "uniforms_ptr", 4);
     }
   }
-  c.logits = reinterpret_cast<const void*>(static_cast<std::intptr_t>(logits_ptr));
+  c.logits = as_ptr<const void>(logits_ptr);
   c.dtype = dtype;
   c.batch = batch;
   c.positions = positions;
@@ -146,16 +105,12 @@ void validate_common(const Check& ck, const std::string& device, std::int64_t lo
   c.row_stride = row_stride;
   c.greedy = greedy;
   c.inv_t = inv_t;
-  c.coins = greedy ? nullptr : reinterpret_cast<const float*>(static_cast<std::intptr_t>(coins_ptr));
-  c.uniforms = greedy ? nullptr : reinterpret_cast<const float*>(static_cast<std::intptr_t>(uniforms_ptr));
+  c.coins = greedy ? nullptr : as_ptr<const float>(coins_ptr);
+  c.uniforms = greedy ? nullptr : as_ptr<const float>(uniforms_ptr);
   c.ts_splits = ts_splits;  // the CPU ignores it, but the workspace layout depends on it
   c.draw_splits = std::min(draw_splits, tiles);
-  c.workspace = reinterpret_cast<void*>(static_cast<std::intptr_t>(workspace_ptr));
-}
-
-template <class T>
-T* as_ptr(std::int64_t p) {
-  return reinterpret_cast<T*>(static_cast<std::intptr_t>(p));
+  c.workspace = as_ptr<void>(workspace_ptr);
+  return on_cuda;
 }
 
 void verify_chain(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::int64_t length, std::int64_t vocab,
@@ -164,16 +119,17 @@ void verify_chain(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::i
                   std::int64_t coins_ptr, std::int64_t uniforms_ptr, double temperature, std::int64_t num_accepted_ptr,
                   std::int64_t tokens_ptr, const std::string& device, std::int64_t stream, std::int64_t ts_splits,
                   std::int64_t draw_splits, std::int64_t workspace_ptr, std::int64_t workspace_bytes) {
-  const Check ck{"verify_chain"};
+  const Checker ck{"verify_chain"};
   // ---- validation: nothing is read or written before all of it passes ----
-  if (length < 0) ck.fail("length must be >= 0, got " + std::to_string(length));
-  if (length == std::numeric_limits<std::int64_t>::max()) ck.fail("length is too large");
+  ck.at_least(length, 0, "length");
+  if (length == kI64Max) ck.fail("length is too large");
   ck.id_dtype(draft_dtype, "draft_dtype");
   if (q_ptr != 0) ck.float_dtype(q_dtype, "q_dtype");
-  dspec::VerifyChainArgs a;
-  if (batch > 0 && length > std::numeric_limits<std::int64_t>::max() / batch) ck.fail("batch * length overflows int64");
-  validate_common(ck, device, logits_ptr, dtype, batch, length + 1, vocab, row_stride, temperature, coins_ptr,
-                  batch * length, uniforms_ptr, ts_splits, draw_splits, workspace_ptr, workspace_bytes, 1, a);
+  VerifyChainArgs a;
+  ck.product(batch, length, "batch * length");
+  const bool on_cuda =
+      validate_common(ck, device, logits_ptr, dtype, batch, length + 1, vocab, row_stride, temperature, coins_ptr,
+                      batch * length, uniforms_ptr, ts_splits, draw_splits, workspace_ptr, workspace_bytes, 1, a);
   if (q_ptr != 0) {
     if (q_stride_b < 0 || q_stride_l < 0) {
       ck.fail("q_stride_b and q_stride_l must be >= 0, got " + std::to_string(q_stride_b) + ", " +
@@ -186,14 +142,12 @@ void verify_chain(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::i
       if (extent >= (static_cast<u128>(1) << 62)) ck.fail("draft_probs offsets overflow int64 (q strides too large)");
     }
   }
-  if (batch > 0) {
-    if (length > 0) ck.ptr(drafts_ptr, "drafts_ptr", id_size(draft_dtype));
-    ck.optional_ptr(num_drafts_ptr, "num_drafts_ptr", 8);
-    if (length > 0) ck.optional_ptr(q_ptr, "q_ptr", element_size(q_dtype));
-    ck.ptr(num_accepted_ptr, "num_accepted_ptr", 8);
-    ck.ptr(tokens_ptr, "tokens_ptr", 8);
-  }
   if (batch == 0) return;
+  if (length > 0) ck.ptr(drafts_ptr, "drafts_ptr", id_size(draft_dtype));
+  ck.optional_ptr(num_drafts_ptr, "num_drafts_ptr", 8);
+  if (length > 0) ck.optional_ptr(q_ptr, "q_ptr", element_size(q_dtype));
+  ck.ptr(num_accepted_ptr, "num_accepted_ptr", 8);
+  ck.ptr(tokens_ptr, "tokens_ptr", 8);
 
   a.drafts = as_ptr<const void>(drafts_ptr);
   a.draft_dtype = draft_dtype;
@@ -204,16 +158,7 @@ void verify_chain(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::i
   a.q_stride_l = q_stride_l;
   a.num_accepted = as_ptr<std::int64_t>(num_accepted_ptr);
   a.tokens = as_ptr<std::int64_t>(tokens_ptr);
-
-  py::gil_scoped_release no_gil;
-  if (device == "cuda") {
-#ifdef DSPEC_WITH_CUDA
-    dspec::verify_chain_cuda(a, stream);
-#endif
-  } else {
-    (void)stream;
-    dspec::verify_chain_cpu(a);
-  }
+  run_op(on_cuda, a, stream, verify_chain_cpu, DSPEC_IF_CUDA(verify_chain_cuda));
 }
 
 void verify_tree(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::int64_t nodes, std::int64_t vocab,
@@ -222,22 +167,21 @@ void verify_tree(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::in
                  std::int64_t num_accepted_ptr, std::int64_t path_ptr, std::int64_t out_ptr, const std::string& device,
                  std::int64_t stream, std::int64_t ts_splits, std::int64_t draw_splits, std::int64_t workspace_ptr,
                  std::int64_t workspace_bytes) {
-  const Check ck{"verify_tree"};
+  const Checker ck{"verify_tree"};
   if (nodes < 1) ck.fail("nodes must be >= 1 (node 0 is the root), got " + std::to_string(nodes));
   ck.id_dtype(token_dtype, "token_dtype");
   ck.id_dtype(parent_dtype, "parent_dtype");
-  dspec::VerifyTreeArgs a;
-  if (batch > 0 && nodes > std::numeric_limits<std::int64_t>::max() / batch) ck.fail("batch * nodes overflows int64");
-  validate_common(ck, device, logits_ptr, dtype, batch, nodes, vocab, row_stride, temperature, coins_ptr,
-                  batch * nodes, uniforms_ptr, ts_splits, draw_splits, workspace_ptr, workspace_bytes, nodes, a);
-  if (batch > 0) {
-    ck.ptr(tokens_ptr, "tokens_ptr", id_size(token_dtype));
-    ck.ptr(parents_ptr, "parents_ptr", id_size(parent_dtype));
-    ck.ptr(num_accepted_ptr, "num_accepted_ptr", 8);
-    ck.ptr(path_ptr, "path_ptr", 8);
-    ck.ptr(out_ptr, "out_ptr", 8);
-  }
+  VerifyTreeArgs a;
+  ck.product(batch, nodes, "batch * nodes");
+  const bool on_cuda =
+      validate_common(ck, device, logits_ptr, dtype, batch, nodes, vocab, row_stride, temperature, coins_ptr,
+                      batch * nodes, uniforms_ptr, ts_splits, draw_splits, workspace_ptr, workspace_bytes, nodes, a);
   if (batch == 0) return;
+  ck.ptr(tokens_ptr, "tokens_ptr", id_size(token_dtype));
+  ck.ptr(parents_ptr, "parents_ptr", id_size(parent_dtype));
+  ck.ptr(num_accepted_ptr, "num_accepted_ptr", 8);
+  ck.ptr(path_ptr, "path_ptr", 8);
+  ck.ptr(out_ptr, "out_ptr", 8);
 
   a.tokens = as_ptr<const void>(tokens_ptr);
   a.token_dtype = token_dtype;
@@ -246,29 +190,17 @@ void verify_tree(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::in
   a.num_accepted = as_ptr<std::int64_t>(num_accepted_ptr);
   a.path = as_ptr<std::int64_t>(path_ptr);
   a.out = as_ptr<std::int64_t>(out_ptr);
-
-  py::gil_scoped_release no_gil;
-  if (device == "cuda") {
-#ifdef DSPEC_WITH_CUDA
-    dspec::verify_tree_cuda(a, stream);
-#endif
-  } else {
-    (void)stream;
-    dspec::verify_tree_cpu(a);
-  }
+  run_op(on_cuda, a, stream, verify_tree_cpu, DSPEC_IF_CUDA(verify_tree_cuda));
 }
 
-std::int64_t verify_workspace_bytes(const Check& ck, std::int64_t batch, std::int64_t positions, std::int64_t vocab,
-                                    int dtype, bool sampling, std::int64_t ts_splits, std::int64_t excl_cap) {
-  if (batch < 0) ck.fail("batch must be >= 0, got " + std::to_string(batch));
-  if (vocab < 1 || vocab > std::numeric_limits<std::int32_t>::max()) {
-    ck.fail("vocab must be in [1, 2^31), got " + std::to_string(vocab));
-  }
+std::int64_t verify_workspace_bytes(const Checker& ck, std::int64_t batch, std::int64_t positions,
+                                    std::int64_t vocab, int dtype, bool sampling, std::int64_t ts_splits,
+                                    std::int64_t excl_cap) {
+  ck.at_least(batch, 0, "batch");
+  if (vocab < 1 || vocab > kI32Max) ck.fail("vocab must be in [1, 2^31), got " + std::to_string(vocab));
   ck.float_dtype(dtype, "dtype");
-  if (ts_splits < 1 || ts_splits > std::numeric_limits<std::int32_t>::max()) {
-    ck.fail("ts_splits must be in [1, 2^31), got " + std::to_string(ts_splits));
-  }
-  if (batch > 0 && positions > std::numeric_limits<std::int64_t>::max() / batch) ck.fail("batch * positions overflows int64");
+  check_splits(ck, ts_splits, "ts_splits");
+  ck.product(batch, positions, "batch * positions");
   const std::int64_t need = checked_layout_bytes(batch, positions, vocab, dtype, excl_cap, sampling, ts_splits);
   if (need < 0) ck.fail("the workspace would be too large");
   return need;
@@ -276,20 +208,17 @@ std::int64_t verify_workspace_bytes(const Check& ck, std::int64_t batch, std::in
 
 std::int64_t verify_chain_workspace_bytes(std::int64_t batch, std::int64_t length, std::int64_t vocab, int dtype,
                                           bool sampling, std::int64_t ts_splits) {
-  const Check ck{"verify_chain_workspace_bytes"};
-  if (length < 0 || length == std::numeric_limits<std::int64_t>::max()) {
-    ck.fail("length must be >= 0, got " + std::to_string(length));
-  }
+  const Checker ck{"verify_chain_workspace_bytes"};
+  if (length < 0 || length == kI64Max) ck.fail("length must be >= 0, got " + std::to_string(length));
   return verify_workspace_bytes(ck, batch, length + 1, vocab, dtype, sampling, ts_splits, 1);
 }
 
 std::int64_t verify_tree_workspace_bytes(std::int64_t batch, std::int64_t nodes, std::int64_t vocab, int dtype,
                                          bool sampling, std::int64_t ts_splits) {
-  const Check ck{"verify_tree_workspace_bytes"};
-  if (nodes < 1) ck.fail("nodes must be >= 1, got " + std::to_string(nodes));
+  const Checker ck{"verify_tree_workspace_bytes"};
+  ck.at_least(nodes, 1, "nodes");
   return verify_workspace_bytes(ck, batch, nodes, vocab, dtype, sampling, ts_splits, nodes);
 }
-
 
 }  // namespace
 
@@ -299,7 +228,7 @@ void register_verify(py::module_& m) {
   m.attr("verify_draw_threads") = py::int_(dspec::kVerifyDrawThreads);
   m.def(
       "verify_draw_tile", [](int dtype) {
-        Check{"verify_draw_tile"}.float_dtype(dtype, "dtype");
+        Checker{"verify_draw_tile"}.float_dtype(dtype, "dtype");
         return dspec::draw_tile(dtype);
       },
       py::arg("dtype"), "Vocabulary columns per tile of the verify draw for a logits dtype code (1024 or 2048).");

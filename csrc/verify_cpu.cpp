@@ -49,9 +49,9 @@ inline void for_columns(const VerifyCommon& a, const CpuDrawSpec& sp, const vf::
   for (std::int64_t col = lo; col < hi; ++col) {
     while (k < ex.size() && ex[k] < col) ++k;
     const bool excluded = k < ex.size() && ex[k] == col;
-    const float q = with_q ? vf::load_float(sp.q_row, sp.q_dtype, col) : 0.0f;
+    const float q = with_q ? dt::load(sp.q_row, sp.q_dtype, col) : 0.0f;
     float w, p;
-    vf::draw_weights(vf::load_as_float<DT>(a.logits, row_off + col), q, excluded, sp.mode, d, a.inv_t, w, p);
+    vf::draw_weights(dt::load<DT>(a.logits, row_off + col), q, excluded, sp.mode, d, a.inv_t, w, p);
     if (!fn(col, w, p)) return;
   }
 }
