@@ -2,13 +2,17 @@
 PY ?= python3
 PIP = $(PY) -m pip
 
-.PHONY: install test test-fast bench-cpu clean
+.PHONY: install demo test test-fast bench-cpu clean
 
 install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -r requirements-dev.txt
 	$(PIP) install -q --no-deps -r requirements-nodeps.txt
 	$(PIP) install -q --no-build-isolation -e .
+
+# README's first command: install, then decode with the embedded default model (SmolLM2-135M)
+demo: install
+	$(PY) -m dspec generate --prompt "What is the capital of France?" --max-new-tokens 32
 
 test: install
 	$(PY) -m pytest -q tests

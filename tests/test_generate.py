@@ -63,8 +63,7 @@ def test_sampling_is_reproducible_and_uses_the_shared_sampler(tiny):
 def test_stops_after_eos(tmp_path):
     model = dspec.load(write_checkpoint(tmp_path, "llama", seed=3))
     free = dspec.generate(model, [5, 17], method="ar", max_new_tokens=6)
-    eos = free.tokens[2]
-    model.config.__dict__  # the config is frozen: stop on the third token via eos_ids instead
+    eos = free.tokens[2]  # make the third generated token an EOS
     from dspec.decode.ar import decode_ar
     tokens, stats = decode_ar(model, [[5, 17]], max_new_tokens=6, eos_ids=(eos,))
     assert tokens[0] == free.tokens[:3] and stats["nfe"]["target"] == 3
