@@ -34,14 +34,16 @@ def cascade_attention(q, k, v, mask=None, *, prefix_k=None, prefix_v=None, prefi
             keys = torch.cat([prefix_k[lo:hi], keys])
             values = torch.cat([prefix_v[lo:hi], values])
             visible = torch.cat([torch.ones(n, hi - lo, dtype=torch.bool, device=q.device), visible], 1)
-        keys = keys.to(acc).repeat_interleave(group, dim=1)      # [S, Hq, D]
-        values = values.to(acc).repeat_interleave(group, dim=1)
-        scores = torch.einsum("nhd,shd->hns", q[b].to(acc), keys) * scale
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        row_lse = torch.logsumexp(scores, -1)                     # [Hq, N]; -inf when empty
+        # GQA without copying K/V per query head: the rows of a KV head's matmul are the
+        # (head-in-group, token) pairs of its query heads
+        qg = q[b].to(acc).view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+        scores = torch.matmul(qg, keys.to(acc).permute(1, 2, 0)) * scale   # [Hkv, G*N, S]
+        scores = scores.masked_fill(~visible.repeat(group, 1)[None], float("-inf"))
+        row_lse = torch.logsumexp(scores, -1)                     # [Hkv, G*N]; -inf when empty
         probs = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
-        out[b] = torch.einsum("hns,shd->nhd", probs, values).to(q.dtype)
-        lse[b] = row_lse.t().float()
+        o = torch.matmul(probs, values.to(acc).transpose(0, 1))   # [Hkv, G*N, D]
+        out[b] = o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
+        lse[b] = row_lse.view(hkv, group, n).permute(2, 0, 1).reshape(n, hq).float()
     return (out, lse) if return_lse else out
 
 
