@@ -7,10 +7,13 @@ from typing import NamedTuple
 import torch
 
 from .ar import decode_ar
+from .diffusion import decode_diffusion
 
-METHODS = {"ar": decode_ar}
-# DESIGN.md's methods that later work adds: diffusion, ssd, spiffy, s2d2, diffuspec, dflash, d2sd
-PLANNED = ("diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd")
+METHODS = {"ar": decode_ar, "diffusion": decode_diffusion}
+# DESIGN.md's methods that later work adds
+PLANNED = ("ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd")
+# the options each method takes (DESIGN.md's common names)
+OPTIONS = {"ar": (), "diffusion": ("block_size", "tokens_per_step", "threshold")}
 
 
 class Generation(NamedTuple):
@@ -61,8 +64,9 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if drafter is not None:
         raise ValueError(f"method {method!r} takes no drafter")
-    if options:
-        raise ValueError(f"method {method!r} takes no options {sorted(options)}")
+    unknown = sorted(set(options) - set(OPTIONS[method]))
+    if unknown:
+        raise ValueError(f"method {method!r} does not take {unknown}; it takes {list(OPTIONS[method])}")
     batched = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
     prompts = [_prompt_ids(model, p) for p in (prompt if batched else [prompt])]
     generator = None
@@ -76,7 +80,7 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
     start = time.perf_counter()
     tokens, stats = METHODS[method](model, prompts, max_new_tokens=max_new_tokens,
                                     temperature=temperature, generator=generator,
-                                    eos_ids=model.eos_token_ids, progress=bar)
+                                    eos_ids=model.eos_token_ids, progress=bar, **options)
     wall = time.perf_counter() - start
     if bar is not None:
         bar.close()
