@@ -11,6 +11,7 @@ explicitly; it is an addition to the four names of DESIGN.md.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -59,6 +60,27 @@ def _backend_ready(name: str) -> bool:
         "cuda": cuda_available(),
         "cpp": cpp_available(),
     }[name]
+
+
+# dtype codes of dspec._C's launchers (csrc/dspec.h)
+FLOAT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+ID_CODE = {torch.int32: 0, torch.int64: 1}
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., C] -> [rows, C] with a unit stride along C (a copy only when needed)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def launch_context(device: torch.device, cuda: bool):
+    """dspec._C launches on the current device: make it ``device`` for the call."""
+    return torch.cuda.device(device) if cuda else contextlib.nullcontext()
+
+
+def cuda_stream(device: torch.device, cuda: bool) -> int:
+    """The current stream of ``device`` as the integer dspec._C takes (0 on the CPU)."""
+    return torch.cuda.current_stream(device).cuda_stream if cuda else 0
 
 
 def resolve(op: str, backend: str | None, device: torch.device, provided: tuple[str, ...]) -> str:

@@ -45,6 +45,13 @@ def tensor(name: str, t, *, min_dim: int | None = None, dim: int | None = None,
     return t
 
 
+def same_device(device: torch.device, like: str, **tensors) -> None:
+    """Every given tensor (None skipped) lives on ``device``, the device of ``like``."""
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} like {like}")
+
+
 def logits(name: str, t) -> torch.Tensor:
     tensor(name, t, min_dim=1, dtypes=FLOAT_DTYPES)
     if t.shape[-1] == 0:

@@ -6,6 +6,8 @@ import functools
 import torch
 import triton
 
+from .._backend import as_rows  # noqa: F401  (re-exported for the kernels)
+
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
@@ -33,11 +35,3 @@ def vocab_splits(rows: int, vocab: int, block: int, device: torch.device,
     tiles = -(-vocab // block)
     want = -(-2 * parallel_units(device) // max(rows, 1))
     return max(1, min(want, tiles // min_tiles_per_split))
-
-
-def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., V] -> [rows, V] with a unit stride along V (a copy only when needed)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return x2

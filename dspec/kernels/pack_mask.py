@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import next_pow2
+from ._utils import as_rows, next_pow2
 
 
 @triton.jit
@@ -56,13 +56,6 @@ def _unpack_mask_kernel(words_ptr, words_stride, rows, num_keys, out_ptr,
     tl.store(out_ptr + r64 * num_keys + k[None, :], bit.to(tl.uint8), mask=ok)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return x2
-
-
 def pack_mask_triton(mask: torch.Tensor) -> torch.Tensor:
     """bool [..., Q, K] -> int32 [..., Q, ceil(K / 32)]."""
     keys = mask.shape[-1]
@@ -70,7 +63,7 @@ def pack_mask_triton(mask: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*mask.shape[:-1], num_words, dtype=torch.int32, device=mask.device)
     if out.numel() == 0:
         return out
-    m = _rows(mask).view(torch.uint8)
+    m = as_rows(mask).view(torch.uint8)
     rows = m.shape[0]
     words = min(next_pow2(num_words), 8)
     block_rows = max(1, min(next_pow2(rows), 4096 // (words * 32)))
@@ -85,7 +78,7 @@ def unpack_mask_triton(words: torch.Tensor, num_keys: int) -> torch.Tensor:
     out = torch.empty(*words.shape[:-1], num_keys, dtype=torch.bool, device=words.device)
     if out.numel() == 0:
         return out
-    w = _rows(words)
+    w = as_rows(words)
     rows = w.shape[0]
     keys = min(next_pow2(num_keys), 256)
     block_rows = max(1, min(next_pow2(rows), 4096 // keys))

@@ -8,22 +8,10 @@ itself allocates nothing and never synchronises with the host (CUDA-graph safe).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .. import _backend
 from ..types import TreeVerifyOutput, VerifyOutput
-
-_FLOAT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_ID_CODE = {torch.int32: 0, torch.int64: 1}
-
-
-def _rows(logits: torch.Tensor) -> torch.Tensor:
-    """[B, P, V] -> [B * P, V] with unit stride along V (a copy only when needed)."""
-    x = logits.reshape(-1, logits.shape[-1])
-    return x if x.stride(-1) == 1 else x.contiguous()
-
 
 def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
@@ -36,7 +24,7 @@ def _launch_config(ext, rows: int, batch: int, vocab: int, dtype_code: int, dev:
     from ..kernels._utils import vocab_splits
     ts_splits = vocab_splits(rows, vocab, ext.token_stats_tile, dev, min_tiles_per_split=2)
     draw_splits = vocab_splits(batch, vocab, ext.verify_draw_tile(dtype_code), dev, min_tiles_per_split=2)
-    return ts_splits, draw_splits, torch.cuda.current_stream(dev).cuda_stream
+    return ts_splits, draw_splits, _backend.cuda_stream(dev, True)
 
 
 def _workspace(nbytes: int, dev: torch.device) -> torch.Tensor:
@@ -53,8 +41,8 @@ def verify_chain_ext(draft_tokens, target_logits, draft_probs, num_drafts, tempe
     out = torch.empty(batch, length + 1, dtype=torch.int64, device=dev)
     if batch == 0:
         return VerifyOutput(num, out)
-    logits = _rows(target_logits)
-    code = _FLOAT_CODE[logits.dtype]
+    logits = _backend.as_rows(target_logits)
+    code = _backend.FLOAT_CODE[logits.dtype]
     sampling = temperature > 0
     drafts = draft_tokens.contiguous()
     ndraft = None if num_drafts is None else num_drafts.to(torch.int64).contiguous()
@@ -65,11 +53,11 @@ def verify_chain_ext(draft_tokens, target_logits, draft_probs, num_drafts, tempe
     uniforms_t = sample_uniforms.float().contiguous() if sampling else None
     ts_splits, draw_splits, stream = _launch_config(ext, batch * (length + 1), batch, vocab, code, dev, cuda)
     ws = _workspace(ext.verify_chain_workspace_bytes(batch, length, vocab, code, sampling, ts_splits), dev)
-    with torch.cuda.device(dev) if cuda else contextlib.nullcontext():  # launch on the logits' GPU
+    with _backend.launch_context(dev, cuda):  # launch on the logits' GPU
         ext.verify_chain(
             logits.data_ptr(), code, batch, length, vocab, logits.stride(0),
-            _ptr(drafts), _ID_CODE[drafts.dtype], _ptr(ndraft),
-            _ptr(q), _FLOAT_CODE[q.dtype] if q is not None else 0,
+            _ptr(drafts), _backend.ID_CODE[drafts.dtype], _ptr(ndraft),
+            _ptr(q), _backend.FLOAT_CODE[q.dtype] if q is not None else 0,
             q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
             _ptr(coins_t), _ptr(uniforms_t), float(temperature), num.data_ptr(), out.data_ptr(),
             "cuda" if cuda else "cpu", stream, ts_splits, draw_splits, ws.data_ptr(), ws.numel())
@@ -87,8 +75,8 @@ def verify_tree_ext(tokens, parents, target_logits, temperature, coins, sample_u
     out = torch.empty(batch, nodes, dtype=torch.int64, device=dev)
     if batch == 0:
         return TreeVerifyOutput(num, path, out)
-    logits = _rows(target_logits)
-    code = _FLOAT_CODE[logits.dtype]
+    logits = _backend.as_rows(target_logits)
+    code = _backend.FLOAT_CODE[logits.dtype]
     sampling = temperature > 0
     tok = tokens.contiguous()
     par = parents.contiguous()
@@ -96,10 +84,10 @@ def verify_tree_ext(tokens, parents, target_logits, temperature, coins, sample_u
     uniforms_t = sample_uniforms.float().contiguous() if sampling else None
     ts_splits, draw_splits, stream = _launch_config(ext, batch * nodes, batch, vocab, code, dev, cuda)
     ws = _workspace(ext.verify_tree_workspace_bytes(batch, nodes, vocab, code, sampling, ts_splits), dev)
-    with torch.cuda.device(dev) if cuda else contextlib.nullcontext():
+    with _backend.launch_context(dev, cuda):
         ext.verify_tree(
             logits.data_ptr(), code, batch, nodes, vocab, logits.stride(0),
-            tok.data_ptr(), _ID_CODE[tok.dtype], par.data_ptr(), _ID_CODE[par.dtype],
+            tok.data_ptr(), _backend.ID_CODE[tok.dtype], par.data_ptr(), _backend.ID_CODE[par.dtype],
             _ptr(coins_t), _ptr(uniforms_t), float(temperature), num.data_ptr(), path.data_ptr(),
             out.data_ptr(), "cuda" if cuda else "cpu", stream, ts_splits, draw_splits, ws.data_ptr(),
             ws.numel())

@@ -1,8 +1,6 @@
 """cascade_attention and merge_states: shared-prefix attention under a packed suffix mask."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .. import _backend, _validate
@@ -17,8 +15,7 @@ def _check_mask(mask, batch: int, n: int, device) -> torch.Tensor | None:
     if mask is None:
         return None
     _validate.tensor("mask", mask, dtypes=(torch.int32, torch.bool))
-    if mask.device != device:
-        raise ValueError(f"mask is on {mask.device}, expected {device} like q")
+    _validate.same_device(device, "q", mask=mask)
     if mask.dtype == torch.bool:
         if mask.shape[-2:] != (n, n) or mask.dim() not in (2, 3):
             raise ValueError(f"a dense mask must have shape [N, N] or [B, N, N] = [{batch}, {n}, {n}], "
@@ -87,9 +84,7 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
     hkv = k.shape[2]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"the query heads ({hq}) must be a multiple of the KV heads ({hkv})")
-    for name, t in (("k", k), ("v", v)):
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, expected {device} like q")
+    _validate.same_device(device, "q", k=k, v=v)
     mask = _check_mask(mask, batch, n, device)
     paged = prefix_page_table is not None or prefix_lens is not None
     if paged:
@@ -119,12 +114,6 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
         prefix_lens=None if not paged else prefix_lens.contiguous(), max_prefix_len=max_prefix_len)
 
 
-def _same_device(device, **tensors):
-    for name, t in tensors.items():
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, expected {device} like q")
-
-
 def _check_ragged_prefix(prefix_k, prefix_v, prefix_indptr, batch, hkv, head_dim, dtype, device):
     if (prefix_k is None) != (prefix_v is None) or (prefix_k is None) != (prefix_indptr is None):
         raise ValueError("prefix_k, prefix_v and prefix_indptr must be given together")
@@ -138,7 +127,7 @@ def _check_ragged_prefix(prefix_k, prefix_v, prefix_indptr, batch, hkv, head_dim
                          f"got {list(prefix_k.shape)} and {list(prefix_v.shape)}")
     if prefix_indptr.shape[0] != batch + 1:
         raise ValueError(f"prefix_indptr must have B + 1 = {batch + 1} entries, got {prefix_indptr.shape[0]}")
-    _same_device(device, prefix_k=prefix_k, prefix_v=prefix_v, prefix_indptr=prefix_indptr)
+    _validate.same_device(device, "q", prefix_k=prefix_k, prefix_v=prefix_v, prefix_indptr=prefix_indptr)
     if _validate.value_checks_enabled(prefix_indptr):
         ip = prefix_indptr.long()
         if int(ip[0]) != 0 or bool((ip[1:] < ip[:-1]).any()) or int(ip[-1]) > prefix_k.shape[0]:
@@ -167,7 +156,8 @@ def _check_paged_prefix(prefix_k, prefix_v, prefix_indptr, table, lens, batch, h
     if table.shape[0] != batch or lens.shape[0] != batch:
         raise ValueError(f"prefix_page_table [B, max_pages] and prefix_lens [B] need B = {batch}, "
                          f"got {list(table.shape)} and {list(lens.shape)}")
-    _same_device(device, prefix_k=prefix_k, prefix_v=prefix_v, prefix_page_table=table, prefix_lens=lens)
+    _validate.same_device(device, "q", prefix_k=prefix_k, prefix_v=prefix_v, prefix_page_table=table,
+                          prefix_lens=lens)
     if batch and _validate.value_checks_enabled(lens):
         page_size, pages = prefix_k.shape[1], prefix_k.shape[0]
         if bool((lens < 0).any()) or int(lens.max()) > table.shape[1] * page_size:
@@ -210,9 +200,7 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         if t.shape != o_a.shape[:-1]:
             raise ValueError(f"{name} must have shape o.shape[:-1] = {list(o_a.shape[:-1])}, got {list(t.shape)}")
-    for name, t in (("o_b", o_b), ("lse_a", lse_a), ("lse_b", lse_b)):
-        if t.device != o_a.device:
-            raise ValueError(f"{name} is on {t.device}, expected {o_a.device} like o_a")
+    _validate.same_device(o_a.device, "o_a", o_b=o_b, lse_a=lse_a, lse_b=lse_b)
     name = _backend.resolve("merge_states", backend, o_a.device, ("torch", "triton", "cuda", "cpp"))
     if name == "torch":
         return _reference.merge_states(o_a, lse_a, o_b, lse_b)
@@ -222,9 +210,6 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
     return _merge_states_ext(o_a, lse_a, o_b, lse_b, cuda=name == "cuda")
 
 
-_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
 def _merge_states_ext(o_a, lse_a, o_b, lse_b, *, cuda: bool):
     head_dim = o_a.shape[-1]
     rows = lse_a.numel()
@@ -232,9 +217,9 @@ def _merge_states_ext(o_a, lse_a, o_b, lse_b, *, cuda: bool):
     la, lb = (t.reshape(rows).contiguous() for t in (lse_a, lse_b))
     out = torch.empty_like(oa)
     lse = torch.empty(rows, dtype=torch.float32, device=o_a.device)
-    stream = torch.cuda.current_stream(o_a.device).cuda_stream if cuda else 0
-    with torch.cuda.device(o_a.device) if cuda else contextlib.nullcontext():
+    stream = _backend.cuda_stream(o_a.device, cuda)
+    with _backend.launch_context(o_a.device, cuda):
         _backend.extension().merge_states(
             oa.data_ptr(), la.data_ptr(), ob.data_ptr(), lb.data_ptr(), out.data_ptr(),
-            lse.data_ptr(), _DTYPE_CODE[oa.dtype], rows, head_dim, "cuda" if cuda else "cpu", stream)
+            lse.data_ptr(), _backend.FLOAT_CODE[oa.dtype], rows, head_dim, "cuda" if cuda else "cpu", stream)
     return out.reshape(o_a.shape), lse.reshape(lse_a.shape)

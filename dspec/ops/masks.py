@@ -6,7 +6,6 @@ key ``32 w + j``; bits past the last key are 0.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -20,23 +19,6 @@ _PROVIDED = ("torch", "triton", "cuda", "cpp")
 # The triton and cuda kernels keep one tree in one program / block (pointer jumping in
 # registers / shared memory); the torch and cpp backends take any N.
 TREE_MASK_MAX_NODES = 256
-_INDEX_CODE = {torch.int32: 0, torch.int64: 1}
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., C] -> [rows, C] with unit stride along C (a copy only when needed)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return x2
-
-
-def _launch_context(t: torch.Tensor, cuda: bool):
-    return torch.cuda.device(t.device) if cuda else contextlib.nullcontext()
-
-
-def _stream(t: torch.Tensor, cuda: bool) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream if cuda else 0
 
 
 def pack_mask(mask: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
@@ -71,11 +53,11 @@ def pack_mask(mask: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
     out = torch.empty(*mask.shape[:-1], _ref_pack.num_words(keys), dtype=torch.int32,
                       device=mask.device)
     if out.numel():
-        m = _rows(mask)
-        with _launch_context(m, cuda):
+        m = _backend.as_rows(mask)
+        with _backend.launch_context(m.device, cuda):
             _backend.extension().pack_mask(m.data_ptr(), m.shape[0], keys, m.stride(0),
                                            out.data_ptr(), "cuda" if cuda else "cpu",
-                                           _stream(m, cuda))
+                                           _backend.cuda_stream(m.device, cuda))
     return out
 
 
@@ -113,11 +95,11 @@ def unpack_mask(words: torch.Tensor, num_keys: int, *, backend: str | None = Non
     cuda = name == "cuda"
     out = torch.empty(*words.shape[:-1], num_keys, dtype=torch.bool, device=words.device)
     if out.numel():
-        w = _rows(words)
-        with _launch_context(w, cuda):
+        w = _backend.as_rows(words)
+        with _backend.launch_context(w.device, cuda):
             _backend.extension().unpack_mask(w.data_ptr(), w.shape[0], w.shape[1], w.stride(0),
                                              num_keys, out.data_ptr(), "cuda" if cuda else "cpu",
-                                             _stream(w, cuda))
+                                             _backend.cuda_stream(w.device, cuda))
     return out
 
 
@@ -176,8 +158,8 @@ def tree_mask(parents: torch.Tensor, *, backend: str | None = None) -> TreeMask:
     depth = torch.empty(batch, nodes, dtype=torch.int64, device=parents.device)
     if batch:
         par = parents if parents.stride(-1) == 1 else parents.contiguous()
-        with _launch_context(par, cuda):
-            _backend.extension().tree_mask(par.data_ptr(), _INDEX_CODE[par.dtype], batch, nodes,
+        with _backend.launch_context(par.device, cuda):
+            _backend.extension().tree_mask(par.data_ptr(), _backend.ID_CODE[par.dtype], batch, nodes,
                                            par.stride(0), words.data_ptr(), depth.data_ptr(),
-                                           "cuda" if cuda else "cpu", _stream(par, cuda))
+                                           "cuda" if cuda else "cpu", _backend.cuda_stream(par.device, cuda))
     return TreeMask(words, depth)

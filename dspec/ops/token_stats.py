@@ -1,15 +1,12 @@
 """token_stats: one read of the logits gives argmax, its probability, margin, entropy, lse."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .. import _backend, _validate
 from ..reference.token_stats import token_stats as _token_stats_reference
 from ..types import TokenStats
 
-_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def token_stats(logits: torch.Tensor, *, temperature: float = 1.0,
@@ -54,9 +51,7 @@ def token_stats(logits: torch.Tensor, *, temperature: float = 1.0,
 def _token_stats_ext(logits: torch.Tensor, temperature: float, *, cuda: bool):
     ext = _backend.extension()
     lead = logits.shape[:-1]
-    x = logits.reshape(-1, logits.shape[-1])
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = _backend.as_rows(logits)
     rows, vocab = x.shape
     dev = x.device
     token = torch.empty(rows, dtype=torch.int64, device=dev)
@@ -69,9 +64,9 @@ def _token_stats_ext(logits: torch.Tensor, temperature: float, *, cuda: bool):
             if splits > 1:
                 ws = torch.empty(ext.token_stats_workspace_bytes(rows, splits), dtype=torch.uint8, device=dev)
                 workspace = ws.data_ptr()
-            stream = torch.cuda.current_stream(dev).cuda_stream
-        with torch.cuda.device(dev) if cuda else contextlib.nullcontext():  # launch on x's GPU
-            ext.token_stats(x.data_ptr(), _DTYPE_CODE[x.dtype], rows, vocab, x.stride(0),
+            stream = _backend.cuda_stream(dev, True)
+        with _backend.launch_context(dev, cuda):  # launch on x's GPU
+            ext.token_stats(x.data_ptr(), _backend.FLOAT_CODE[x.dtype], rows, vocab, x.stride(0),
                             1.0 / temperature, token.data_ptr(), prob.data_ptr(), margin.data_ptr(),
                             entropy.data_ptr(), lse.data_ptr(), "cuda" if cuda else "cpu",
                             stream, splits, workspace)

@@ -12,12 +12,6 @@ from ..types import TreeVerifyOutput, VerifyOutput
 _PROVIDED = ("torch", "triton", "cuda", "cpp")
 
 
-def _same_device(device: torch.device, **tensors) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.device != device:
-            raise ValueError(f"{name} is on {t.device}, expected {device} like the logits")
-
-
 def _temperature(value) -> float:
     try:
         value = float(value)
@@ -32,8 +26,7 @@ def _uniforms(name: str, t, shape: tuple, device) -> torch.Tensor:
     _validate.tensor(name, t, dim=len(shape), dtypes=_validate.FLOAT_DTYPES)
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device} like the logits")
+    _validate.same_device(device, "the logits", **{name: t})
     if t.numel() and _validate.value_checks_enabled(t):
         bad = ~((t >= 0) & (t < 1))
         if bool(bad.any()):
@@ -106,7 +99,8 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
     if vocab == 0:
         raise ValueError("target_logits has an empty vocabulary (last dimension is 0)")
     device = target_logits.device
-    _same_device(device, draft_tokens=draft_tokens, draft_probs=draft_probs, num_drafts=num_drafts)
+    _validate.same_device(device, "the logits", draft_tokens=draft_tokens, draft_probs=draft_probs,
+                          num_drafts=num_drafts)
     if draft_probs is not None:
         _validate.tensor("draft_probs", draft_probs, dim=3, dtypes=_validate.FLOAT_DTYPES)
         if tuple(draft_probs.shape) != (batch, length, vocab):
@@ -192,7 +186,7 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     if vocab == 0:
         raise ValueError("target_logits has an empty vocabulary (last dimension is 0)")
     device = target_logits.device
-    _same_device(device, tokens=tokens, parents=parents)
+    _validate.same_device(device, "the logits", tokens=tokens, parents=parents)
     _check_tree(parents)
     used = parents >= 0
     _ids_in_vocab("tokens", tokens, used, vocab)
