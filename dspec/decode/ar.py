@@ -38,3 +38,8 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         forwards += 1
         token = next_tokens(out.logits[:, -1], temperature, generator)
     return generated, {"nfe": {"target": forwards}, "mean_accepted": 1.0}
+
+
+OPTIONS = ()
+DRAFTER = False
+decode = decode_ar

@@ -128,3 +128,8 @@ def decode_diffusion(model, prompts: list[list[int]], *, max_new_tokens: int,
     return generated, {"nfe": {"target": forwards},
                        "mean_accepted": sum(len(g) for g in generated) / batch / steps,
                        "block_size": bs, "schedule": "threshold" if threshold is not None else "static"}
+
+
+OPTIONS = ("block_size", "tokens_per_step", "threshold")
+DRAFTER = False
+decode = decode_diffusion

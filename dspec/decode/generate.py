@@ -1,19 +1,72 @@
 """``dspec.generate``: one entry point for every decoding method."""
 from __future__ import annotations
 
+import importlib
 import time
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
-from .ar import decode_ar
-from .diffusion import decode_diffusion
+# DESIGN.md's methods, each one module of dspec.decode with the same name.  A method module
+# defines
+#   OPTIONS: tuple[str, ...]   the keyword options it takes (DESIGN.md's common names first)
+#   DRAFTER: bool              whether it takes ``drafter=`` (None: the shipped default)
+#   decode(model, prompts, *, max_new_tokens, temperature, generator, eos_ids, progress,
+#          [drafter,] **options) -> (tokens: list[list[int]], stats: dict)
+# where ``prompts`` are lists of ids (a batch), ``generator`` is None when greedy,
+# ``progress`` a tqdm bar (or None) to advance by generated tokens per request, and stats
+# hold at least ``nfe`` ({model role: forwards}) and ``mean_accepted``.
+ALL_METHODS = ("ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd")
 
-METHODS = {"ar": decode_ar, "diffusion": decode_diffusion}
-# DESIGN.md's methods that later work adds
-PLANNED = ("ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd")
-# the options each method takes (DESIGN.md's common names)
-OPTIONS = {"ar": (), "diffusion": ("block_size", "tokens_per_step", "threshold")}
+
+def method_module(method: str) -> ModuleType:
+    """The module implementing ``method``; ValueError when unknown or not built yet."""
+    if method not in ALL_METHODS:
+        raise ValueError(f"unknown method {method!r}; available: {list(available_methods())}")
+    try:
+        return importlib.import_module(f"{__package__}.{method}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__}.{method}":
+            raise
+        raise ValueError(f"method {method!r} is not implemented yet; available: "
+                         f"{list(available_methods())}") from None
+
+
+def available_methods() -> tuple[str, ...]:
+    """The methods of ALL_METHODS that this installation implements, in DESIGN.md order."""
+    found = []
+    for m in ALL_METHODS:
+        try:
+            importlib.import_module(f"{__package__}.{m}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__package__}.{m}":
+                raise
+            continue
+        found.append(m)
+    return tuple(found)
+
+
+class _Methods:
+    """Read-only mapping name -> decode function over the implemented methods."""
+
+    def __iter__(self):
+        return iter(available_methods())
+
+    def __contains__(self, name) -> bool:
+        return name in available_methods()
+
+    def __getitem__(self, name):
+        return method_module(name).decode
+
+    def __len__(self) -> int:
+        return len(available_methods())
+
+    def keys(self):
+        return available_methods()
+
+
+METHODS = _Methods()
 
 
 class Generation(NamedTuple):
@@ -56,17 +109,17 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
     >>> model = dspec.load("smollm2-135m")                                   # doctest: +SKIP
     >>> dspec.generate(model, "def add(a, b):", method="ar", max_new_tokens=16).text  # doctest: +SKIP
     """
-    if method not in METHODS:
-        if method in PLANNED:
-            raise ValueError(f"method {method!r} is not implemented yet; available: {sorted(METHODS)}")
-        raise ValueError(f"unknown method {method!r}; available: {sorted(METHODS)}")
+    module = method_module(method)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if drafter is not None:
+    takes_drafter = getattr(module, "DRAFTER", False)
+    if drafter is not None and not takes_drafter:
         raise ValueError(f"method {method!r} takes no drafter")
-    unknown = sorted(set(options) - set(OPTIONS[method]))
+    unknown = sorted(set(options) - set(module.OPTIONS))
     if unknown:
-        raise ValueError(f"method {method!r} does not take {unknown}; it takes {list(OPTIONS[method])}")
+        raise ValueError(f"method {method!r} does not take {unknown}; it takes {list(module.OPTIONS)}")
+    if takes_drafter:
+        options["drafter"] = drafter
     batched = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
     prompts = [_prompt_ids(model, p) for p in (prompt if batched else [prompt])]
     generator = None
@@ -78,7 +131,7 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
         from tqdm.auto import tqdm
         bar = tqdm(total=max_new_tokens, desc=f"{method} decode", unit="tok")
     start = time.perf_counter()
-    tokens, stats = METHODS[method](model, prompts, max_new_tokens=max_new_tokens,
+    tokens, stats = module.decode(model, prompts, max_new_tokens=max_new_tokens,
                                     temperature=temperature, generator=generator,
                                     eos_ids=model.eos_token_ids, progress=bar, **options)
     wall = time.perf_counter() - start
