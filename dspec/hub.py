@@ -43,7 +43,9 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
         return load_checkpoint(path, device=device, dtype=dtype)
     name = os.fspath(name_or_path)
     if name in SHIPPED:
-        return load_checkpoint(SHIPPED[name](), device=device, dtype=dtype)
+        model = load_checkpoint(SHIPPED[name](), device=device, dtype=dtype)
+        model.shipped_name = name      # drafters dspec ships are looked up by this name
+        return model
     if name in PLANNED:
         raise ValueError(f"{name!r} is a planned dspec model that is not shipped yet; "
                          f"available: {sorted(SHIPPED)} or a checkpoint directory")

@@ -135,6 +135,7 @@ class Model(nn.Module):
         self.config = config
         self.tokenizer = tokenizer
         self.name_or_path = None
+        self.shipped_name = None       # set by dspec.load for a shipped model ("tiny-ar", ...)
         with torch.device("meta" if _meta else device):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
