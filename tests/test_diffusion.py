@@ -87,3 +87,113 @@ def test_bad_options(model, tmp_path):
     causal = dspec.load(write_checkpoint(tmp_path, "llama", seed=1))
     with pytest.raises(ValueError, match="masked-diffusion model"):
         dspec.generate(causal, [1, 2], method="diffusion", max_new_tokens=2)
+
+
+# ------------------------------------------------------------------ bidirectional models
+@pytest.fixture(scope="module", params=["llada", "dream"])
+def bidir(request, tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=5)
+    return dspec.load(path)
+
+
+def naive_semi_ar(model, prompt, max_new_tokens, block_size, eos_ids=None):
+    """LLaDA's semi-autoregressive sampler, one token per step, spelled out: the whole
+    region (max_new_tokens rounded up to blocks, counted from the prompt end) is decoded
+    block after block, every step forwards the whole sequence, and the output is cut after
+    the first EOS at the very end (no early stop)."""
+    eos_ids = model.eos_token_ids if eos_ids is None else eos_ids
+    mask = model.mask_token_id
+    region = -(-max_new_tokens // block_size) * block_size
+    seq = list(prompt) + [mask] * region
+    p = len(prompt)
+    for k in range(region // block_size):
+        lo = p + k * block_size
+        for _ in range(block_size):
+            logits = model(model.plan([seq]), logits="all").logits[0].float()
+            if model.shifted:                        # Dream: position i predicts i + 1
+                logits = torch.cat([logits[:1], logits[:-1]])
+            logits[:, mask] = float("-inf")
+            conf, tok = torch.softmax(logits, -1).max(-1)
+            todo = [j for j in range(lo, lo + block_size) if seq[j] == mask]
+            j = max(todo, key=lambda j: (float(conf[j]), -j))
+            seq[j] = int(tok[j])
+        assert mask not in seq[lo:lo + block_size]
+    out = seq[p:p + max_new_tokens]
+    for i, t in enumerate(out):
+        if t in eos_ids:
+            return out[:i + 1]
+    return out
+
+
+@pytest.mark.parametrize("prompt,max_new,block", [([5, 17, 42], 8, 4), ([5, 17, 42, 9, 11, 3, 8], 10, 4),
+                                                  ([7, 8], 6, 3)])
+def test_bidirectional_one_token_per_step_equals_naive(bidir, prompt, max_new, block):
+    got = dspec.generate(bidir, prompt, method="diffusion", max_new_tokens=max_new, block_size=block)
+    assert got.tokens == naive_semi_ar(bidir, prompt, max_new, block)
+    assert got.stats["attention"] == "bidirectional"
+    assert got.stats["gen_length"] == -(-max_new // block) * block
+    assert bidir.mask_token_id not in got.tokens
+    # one forward per unmasked slot; the last block's slots past max_new_tokens only while
+    # they come before the last slot the output needs
+    assert max_new <= got.stats["nfe"]["target"] <= got.stats["gen_length"]
+
+
+def test_bidirectional_eos_stops_early_with_the_same_output(bidir):
+    from dspec.decode.diffusion import decode_diffusion
+    prompt = [5, 17, 42, 9]
+    free = dspec.generate(bidir, prompt, method="diffusion", max_new_tokens=12, block_size=4)
+    eos = free.tokens[5]                                   # make the sixth token an EOS
+    tokens, stats = decode_diffusion(bidir, [prompt], max_new_tokens=12, eos_ids=(eos,), block_size=4)
+    expect = naive_semi_ar(bidir, prompt, 12, 4, eos_ids=(eos,))
+    assert tokens[0] == expect and tokens[0][-1] == eos and len(expect) <= 6
+    # the output is decided once its slots are: the third block is never decoded
+    assert stats["nfe"]["target"] < free.stats["nfe"]["target"]
+
+
+def test_bidirectional_batch_equals_single_runs(bidir):
+    prompts = [[5, 17, 42, 9, 11], [7], [100, 2, 33, 4]]
+    for opts in (dict(), dict(tokens_per_step=2), dict(threshold=0.2)):
+        kw = dict(method="diffusion", max_new_tokens=9, block_size=4, **opts)
+        batch = dspec.generate(bidir, prompts, **kw)
+        singles = [dspec.generate(bidir, p, **kw) for p in prompts]
+        assert [g.tokens for g in batch] == [g.tokens for g in singles], opts
+        # a request leaves the batch when done: its forwards are its single run's
+        assert batch[0].stats["request_forwards"] == [g.stats["nfe"]["target"] for g in singles]
+
+
+def test_bidirectional_schedules(bidir):
+    prompt = [5, 17, 42, 9]
+    one = dspec.generate(bidir, prompt, method="diffusion", max_new_tokens=8, block_size=4)
+    two = dspec.generate(bidir, prompt, method="diffusion", max_new_tokens=8, block_size=4,
+                         tokens_per_step=2)
+    everything = dspec.generate(bidir, prompt, method="diffusion", max_new_tokens=8, block_size=4,
+                                threshold=1e-9)        # every slot passes: one step per block
+    nothing = dspec.generate(bidir, prompt, method="diffusion", max_new_tokens=8, block_size=4,
+                             threshold=1.0)            # none passes: the most confident one per step
+    assert (one.stats["nfe"]["target"], two.stats["nfe"]["target"]) == (8, 4)
+    assert everything.stats["nfe"]["target"] == 2 and everything.stats["schedule"] == "threshold"
+    assert nothing.tokens == one.tokens and nothing.stats["nfe"]["target"] == 8
+    assert len(one.tokens) == len(two.tokens) == len(everything.tokens) == 8
+    # threshold 1e-9 takes every slot from the first step's predictions of the block
+    first = bidir(bidir.plan([prompt + [bidir.mask_token_id] * 8]), logits="all").logits[0].float()
+    if bidir.shifted:
+        first = torch.cat([first[:1], first[:-1]])
+    first[:, bidir.mask_token_id] = float("-inf")
+    assert everything.tokens[:4] == first[4:8].argmax(-1).tolist()
+
+
+def test_bidirectional_default_block_and_sampling(bidir):
+    g = dspec.generate(bidir, [5, 6], method="diffusion", max_new_tokens=5)
+    assert g.stats["block_size"] == 32 and g.stats["gen_length"] == 32 and len(g.tokens) == 5
+    kw = dict(method="diffusion", max_new_tokens=6, block_size=3, temperature=0.8, seed=3)
+    a, b = dspec.generate(bidir, [5, 6], **kw), dspec.generate(bidir, [5, 6], **kw)
+    assert a.tokens == b.tokens and bidir.mask_token_id not in a.tokens
+
+
+def test_bidirectional_bad_options(bidir):
+    for kw, match in ((dict(block_size=0), "block_size"), (dict(tokens_per_step=0), "tokens_per_step"),
+                      (dict(threshold=0.0), "threshold"), (dict(threshold=True), "threshold"),
+                      (dict(tokens_per_step=2, threshold=0.5), "not both"),
+                      (dict(block_size=2.0), "block_size")):
+        with pytest.raises(ValueError, match=match):
+            dspec.generate(bidir, [1, 2], method="diffusion", max_new_tokens=2, **kw)

@@ -1,24 +1,60 @@
-"""Block-diffusion decoding (SDAR / Fast-dLLM v2 style) with an exact KV cache.
+"""Block diffusion decoding for masked-diffusion LMs: block-causal models with an exact KV
+cache, and fully bidirectional models (LLaDA, Dream) by semi-autoregressive sampling.
 
-Blocks are aligned on absolute positions (``position // block_size``, as the model's own
-block-causal attention).  The prompt's complete blocks are committed to the cache in one
-prefill forward; its tail shares the first generated block with [MASK] slots.  Every step
-forwards the current block (bidirectional within it, the whole cached prefix before it),
-predicts every masked slot and unmasks some of them:
+Both paths share the step rule.  Every step predicts every still-masked slot of the current
+block and unmasks some of them:
 
 - static schedule: the ``tokens_per_step`` most confident masked slots (1 = one token per
-  step, the lossless reference of SSD and Spiffy);
+  step, the lossless reference of SSD and Spiffy; the last step of a block takes what is
+  left);
 - dynamic schedule (``threshold``, Fast-dLLM): every masked slot whose confidence reaches
   the threshold, and at least the single most confident one.
 
 Confidence is the probability of the chosen token (the argmax when greedy; the sampled
 token when ``temperature > 0``, drawn by the shared sampler).  Ties go to the lower slot.
-A complete block is forwarded once more with its final tokens so the committed KV is
-exactly that of the finished text.  Right-shifted models (Fast-dLLM v2, Dream) predict slot j
-from the logits of slot j - 1 (slot 0 from the last committed position).
+Right-shifted models (Fast-dLLM v2, Dream) predict slot j from the logits of slot j - 1.
 
-A batch runs block by block in lockstep; a request whose block is complete waits (its rows
-are recomputed but unchanged), so a batch gives exactly what single runs give.
+**Block-causal models** (SDAR, Fast-dLLM v2).  Blocks are aligned on absolute positions
+(``position // block_size``, as the model's own block-causal attention).  The prompt's
+complete blocks are committed to the cache in one prefill forward; its tail shares the first
+generated block with [MASK] slots.  Every step forwards the current block (bidirectional
+within it, the whole cached prefix before it).  A complete block is forwarded once more with
+its final tokens so the committed KV is exactly that of the finished text; a right-shifted
+model's slot 0 is predicted from the last committed position.  A batch runs block by block
+in lockstep; a request whose block is complete waits (its rows are recomputed but
+unchanged), so a batch gives exactly what single runs give.
+
+**Bidirectional models** (LLaDA, Dream).  Every position attends to every other one, so a
+committed token's keys change whenever any [MASK] after it is filled: there is no exact KV
+cache, and every step forwards the whole sequence, as in LLaDA's semi-autoregressive
+sampler (Nie et al. 2025, "Large Language Diffusion Models", Sec. 2.4 / Appendix B):
+
+- the sequence is the prompt followed by a *generation region* of
+  ``ceil(max_new_tokens / block_size) * block_size`` [MASK] slots (LLaDA samples a fixed
+  generation length that is a whole number of blocks; the region is ``max_new_tokens``
+  rounded up to whole blocks);
+- blocks are counted **from the end of the prompt** (block k holds region slots
+  ``[k * block_size, (k + 1) * block_size)``), as LLaDA does, not on absolute positions;
+- blocks are unmasked left to right; slots of later blocks stay [MASK] (and are seen as
+  such by the model) until their block is current;
+- the [MASK] id is never chosen (its logit is set to -inf before the choice), since an
+  unmasked slot holding it would read as masked;
+- EOS: LLaDA fills the rest of the region with EOS once it has decided to stop; the output
+  is the region cut after its first EOS, and at ``max_new_tokens``.  A request stops as
+  soon as that output is decided, i.e. every slot up to its first unmasked EOS (or up to
+  ``max_new_tokens``) is unmasked: later steps cannot change those slots, so the result is
+  exactly that of sampling the whole region, with fewer forwards.
+- ``block_size`` defaults to the model's own, else 32 (LLaDA's semi-autoregressive
+  evaluation setting).
+
+A ragged batch is right-padded by ``model.plan`` (padding sees only itself and no token sees
+it, positions are per request), so each request's logits are those of its own single run;
+requests advance independently (each in its own block) and a finished request leaves the
+batch, so a batch gives exactly what single runs give (greedy).
+
+Host syncs: the block-causal path reads the block state once per step; the bidirectional
+path reads one flag vector per step (which requests are still running), to shrink the batch
+and stop -- the step itself (choice, confidence, ranking, unmasking) is on-device.
 """
 from __future__ import annotations
 
@@ -28,6 +64,9 @@ from ..masks import block_diffusion
 from ..models import AttentionPlan
 from .sampling import next_tokens
 
+#: block size used for a bidirectional model when neither the call nor the model gives one
+DEFAULT_BIDIRECTIONAL_BLOCK_SIZE = 32
+
 
 def _confidence(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     t = temperature if temperature > 0 else 1.0
@@ -35,27 +74,73 @@ def _confidence(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) 
     return logp.gather(-1, tokens[..., None])[..., 0].exp()
 
 
+def _schedule(block_size, tokens_per_step, threshold, default_block_size) -> tuple[int, int]:
+    """Validate the options; returns (block size, tokens per static step)."""
+    bs = block_size if block_size is not None else default_block_size
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {bs!r}"
+                         + ("" if block_size is not None else " (the model gives no default: pass block_size)"))
+    if threshold is not None and tokens_per_step is not None:
+        raise ValueError("give tokens_per_step (static schedule) or threshold (dynamic), not both")
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                  or not 0.0 < float(threshold) <= 1.0):
+        raise ValueError(f"threshold must be a number in (0, 1], got {threshold!r}")
+    per_step = tokens_per_step if tokens_per_step is not None else 1
+    if isinstance(per_step, bool) or not isinstance(per_step, int) or per_step < 1:
+        raise ValueError(f"tokens_per_step must be an int >= 1, got {per_step!r}")
+    return bs, per_step
+
+
 @torch.no_grad()
 def decode_diffusion(model, prompts: list[list[int]], *, max_new_tokens: int,
                      temperature: float = 0.0, generator: torch.Generator | None = None,
                      eos_ids=(), progress=None, block_size: int | None = None,
                      tokens_per_step: int | None = None, threshold: float | None = None):
+    """Block diffusion decoding of a ragged batch; returns (tokens per request, stats).
+
+    Parameters
+    ----------
+    model : a masked-diffusion ``Model`` (``model.mask_token_id`` set) whose attention is
+        ``"block_causal"`` (SDAR, Fast-dLLM v2) or ``"bidirectional"`` (LLaDA, Dream).
+    prompts : B lists of prompt token ids (ragged).
+    max_new_tokens : generated tokens per request at most (EOS included).
+    temperature, generator : <= 0 greedy; else sampling with the shared sampler.
+    eos_ids : ids that end a request (kept in its output).
+    progress : a tqdm bar advanced by generated tokens per request, or None.
+    block_size : denoising block length (default: the model's; 32 for bidirectional
+        models without one).
+    tokens_per_step : static schedule, slots unmasked per step (default 1).
+    threshold : dynamic schedule in (0, 1] (exclusive with ``tokens_per_step``).
+
+    Returns
+    -------
+    tokens : B lists of generated ids (prompt excluded, up to and including the first EOS).
+    stats : ``nfe`` ({"target": batched model forwards}), ``mean_accepted`` (generated
+        tokens per request per model forward of that request; prefill and block commits
+        included), ``block_size``, ``schedule`` ("static" | "threshold"), ``attention``;
+        for bidirectional models also ``gen_length`` (the region length) and
+        ``request_forwards`` (forwards each request took part in).
+    """
     if model.mask_token_id is None:
         raise ValueError(f"method 'diffusion' needs a masked-diffusion model; {model.family!r} has no mask token")
+    if model.attention == "bidirectional":
+        bs, per_step = _schedule(block_size, tokens_per_step, threshold,
+                                 model.block_size or DEFAULT_BIDIRECTIONAL_BLOCK_SIZE)
+        return _decode_bidirectional(model, prompts, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, generator=generator, eos_ids=eos_ids,
+                                     progress=progress, bs=bs, per_step=per_step, threshold=threshold)
     if model.attention != "block_causal":
-        raise ValueError(f"method 'diffusion' runs block-causal models (SDAR, Fast-dLLM v2) with an exact "
-                         f"KV cache; {model.family!r} attends {model.attention!r}, which is not supported yet")
-    bs = block_size or model.block_size
-    if not isinstance(bs, int) or bs < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {bs!r}")
-    if threshold is not None and tokens_per_step is not None:
-        raise ValueError("give tokens_per_step (static schedule) or threshold (dynamic), not both")
-    if threshold is not None and not 0.0 < float(threshold) <= 1.0:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
-    per_step = tokens_per_step if tokens_per_step is not None else 1
-    if isinstance(per_step, bool) or not isinstance(per_step, int) or per_step < 1:
-        raise ValueError(f"tokens_per_step must be an int >= 1, got {per_step!r}")
+        raise ValueError(f"method 'diffusion' runs block-causal (SDAR, Fast-dLLM v2) or bidirectional "
+                         f"(LLaDA, Dream) models; {model.family!r} attends {model.attention!r}")
+    bs, per_step = _schedule(block_size, tokens_per_step, threshold, model.block_size)
+    return _decode_block_causal(model, prompts, max_new_tokens=max_new_tokens,
+                                temperature=temperature, generator=generator, eos_ids=eos_ids,
+                                progress=progress, bs=bs, per_step=per_step, threshold=threshold)
 
+
+def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generator, eos_ids,
+                         progress, bs, per_step, threshold):
+    """Block-causal models with an exact KV cache (see the module docstring)."""
     dev = model.device
     batch = len(prompts)
     mask_id = model.mask_token_id
@@ -127,7 +212,93 @@ def decode_diffusion(model, prompts: list[list[int]], *, max_new_tokens: int,
     # mean_accepted: new tokens per model forward (prefill and block commits included)
     return generated, {"nfe": {"target": forwards},
                        "mean_accepted": sum(len(g) for g in generated) / batch / steps,
-                       "block_size": bs, "schedule": "threshold" if threshold is not None else "static"}
+                       "block_size": bs, "schedule": "threshold" if threshold is not None else "static",
+                       "attention": "block_causal"}
+
+
+def _decode_bidirectional(model, prompts, *, max_new_tokens, temperature, generator, eos_ids,
+                          progress, bs, per_step, threshold):
+    """Bidirectional models, LLaDA's semi-autoregressive sampler (see the module docstring)."""
+    dev = model.device
+    batch = len(prompts)
+    mask_id = model.mask_token_id
+    num_blocks = -(-max_new_tokens // bs)
+    region = num_blocks * bs                                   # generation region length
+    plen = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=dev)
+    canvas = model.plan([list(p) + [mask_id] * region for p in prompts]).tokens.clone()  # [B, N]
+    undecided = torch.ones(batch, region, dtype=torch.bool, device=dev)   # region slot still [MASK]
+    block = torch.zeros(batch, dtype=torch.int64, device=dev)             # current block per request
+    eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=dev)
+    slots = torch.arange(bs, device=dev)
+    region_slots = torch.arange(region, device=dev)
+    shift = 1 if model.shifted else 0
+    forwards = 0
+    request_forwards = torch.zeros(batch, dtype=torch.int64, device=dev)
+    decided_out = torch.zeros(batch, dtype=torch.int64, device=dev)       # for the progress bar
+
+    rows = torch.arange(batch, device=dev)                      # requests still running
+    plan = model.plan([list(p) + [mask_id] * region for p in prompts])
+    while rows.numel():
+        n_rows = rows.numel()
+        tokens = canvas[rows, : plan.tokens.shape[1]]
+        first = plen[rows] + block[rows] * bs                   # current block's first position
+        pos = first[:, None] + slots                            # [A, bs] canvas columns
+        # only the current block's logits (a right-shifted model reads each slot's left neighbour)
+        out = model(AttentionPlan(tokens, plan.positions, plan.mask, None, plan.lengths),
+                    logits=pos - shift, return_kv=False)
+        forwards += 1
+        request_forwards[rows] += 1
+        logits = out.logits.float()
+        logits[..., mask_id] = float("-inf")                    # never "unmask" to [MASK]
+        choice = next_tokens(logits.reshape(n_rows * bs, -1), temperature, generator).view(n_rows, bs)
+        conf = _confidence(logits, choice, temperature)
+        region_pos = block[rows, None] * bs + slots             # [A, bs] region slots
+        masked = undecided[rows].gather(1, region_pos)
+        conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
+        order = torch.sort(conf, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(1, order, slots.expand(n_rows, -1))
+        if threshold is not None:
+            pick = masked & ((conf >= threshold) | (rank == 0))
+        else:
+            pick = masked & (rank < per_step)
+        current = tokens.gather(1, pos)
+        canvas[rows[:, None], pos] = torch.where(pick, choice, current)
+        still = masked & ~pick
+        undecided[rows[:, None], region_pos] = still
+        block[rows] += (~still.any(1)).to(torch.int64)          # a complete block hands over
+
+        # a request is done once its output is decided: every slot up to its first unmasked
+        # EOS (or up to max_new_tokens) unmasked
+        und = undecided[rows]
+        gen = canvas[rows[:, None], plen[rows, None] + region_slots]
+        leading = torch.cumprod((~und).to(torch.int64), 1).sum(1)           # unmasked prefix length
+        is_eos = torch.isin(gen, eos) & ~und
+        first_eos = torch.where(is_eos.any(1), is_eos.to(torch.int64).argmax(1), region)
+        end = torch.clamp(first_eos + 1, max=max_new_tokens)
+        done = leading >= end
+        if progress is not None:
+            now = torch.minimum(leading, end)
+            progress.update(float((now - decided_out[rows]).sum()) / batch)
+            decided_out[rows] = now
+        if bool(done.any()):                                    # the one host sync per step
+            rows = rows[~done]
+            if rows.numel():
+                plan = model.plan([canvas[b, : int(plen[b]) + region].tolist() for b in rows.tolist()])
+    generated = []
+    for b in range(batch):
+        gen = canvas[b, int(plen[b]): int(plen[b]) + max_new_tokens].tolist()
+        for i, t in enumerate(gen):
+            if t in eos_ids:
+                gen = gen[: i + 1]
+                break
+        generated.append(gen)
+    total_request_forwards = max(int(request_forwards.sum()), 1)
+    # mean_accepted: new tokens per request forward (every forward is a full-sequence step)
+    return generated, {"nfe": {"target": forwards},
+                       "mean_accepted": sum(len(g) for g in generated) / total_request_forwards,
+                       "block_size": bs, "schedule": "threshold" if threshold is not None else "static",
+                       "attention": "bidirectional", "gen_length": region,
+                       "request_forwards": request_forwards.tolist()}
 
 
 OPTIONS = ("block_size", "tokens_per_step", "threshold")
