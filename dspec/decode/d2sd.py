@@ -1,0 +1,177 @@
+"""D2SD: DFlash's first draft plus K re-drafts at its likely rejection points, verified as
+one prefix tree in one target forward.
+
+Per cycle, for every unfinished request (ragged batch, per-request acceptance):
+
+1. **first draft** -- one DFlash forward over ``[anchor, MASK x (gamma-1)]``: drafts
+   ``d_1 .. d_L`` (L = gamma - 1, the drafter's argmax) and their confidences
+   ``c_i = q_i(d_i)`` (at the decoding temperature, 1 when greedy).
+2. **boundaries** -- ``dspec.rejection_boundaries(c, K)``: the K prefix lengths n_k in
+   [0, L-1] most likely to be exactly where the target stops accepting
+   (``r_n = prod_{i<=n} c_i * (1 - c_{n+1})``).
+3. **re-draft** -- ONE forward of the variable-prefix drafter (VP-drafter) over the K
+   blocks ``[anchor, d_1 .. d_{n_k}, MASK ...]`` side by side (``dspec.masks.ssd_copies``
+   mask: each block bidirectional within itself, none across; every block reads the
+   request's drafter context once).  Branch k keeps ``d_1 .. d_{n_k}`` and continues with
+   the VP-drafter's argmax, the rejected token ``d_{n_k + 1}`` excluded at the first
+   re-drafted slot (the branch exists for the case where it is rejected).
+   ``branches="resample"`` is the naive control: K branches drawn independently from the
+   first draft's distribution q (temperature T, 1 when greedy), no second forward.
+4. **verify** -- the K+1 branches merged as one prefix tree (``dspec.masks.d2sd_branches``
+   / ``prefix_tree``: shared prefixes are one set of nodes), one target forward over the
+   tree (``cascade_attention`` under the tree mask, the committed prefix read once for all
+   nodes), ``dspec.verify_tree`` (greedy: equals ``ar``; sampling: lossless for any
+   siblings).
+5. **commit** -- the root and the accepted path: ``KVCache.append(keep=[0] + path)`` in the
+   target cache and the drafter context caches; the drawn token is the next anchor.
+
+Host work: one sync per cycle for the draft tokens and boundaries (the prefix tree is built
+on the host from <= (K+1)(gamma-1) tokens per request) and one for the accepted path, like
+DFlash's.  ``stats`` adds ``k``, ``branches``, ``tree_nodes`` (mean nodes per request per
+cycle, root included) and ``tree_s`` (host tree construction).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..masks import d2sd_branches, prefix_tree, ssd_copies
+from ..models import AttentionPlan
+from ..models.dflash import MASK, resolve_drafter
+from ..ops import rejection_boundaries, token_stats, verify_tree
+from .dflash import SpeculativeRun, _sync, check_draft_len, draft_block, sample_from
+
+BRANCH_MODES = ("vp", "resample")
+
+
+def redraft(vp_drafter, context, anchor, first, lengths, positions, gamma):
+    """One VP-drafter forward re-drafting K branches per request.
+
+    anchor [B], first [B, L] (the first draft), lengths [B, K] (prefix lengths in [0, L-1]),
+    positions [B, gamma] (the block's absolute positions) -> branches [B, K, L]: branch k
+    is ``first[:n_k]`` followed by the VP-drafter's argmax at slots n_k+1 .. L, where slot
+    n_k + 1 never repeats the rejected ``first[n_k]``.
+    """
+    batch, k = lengths.shape
+    dev = first.device
+    slot = torch.arange(1, gamma, device=dev)                                  # draft slots 1..L
+    given = slot[None, None, :] <= lengths[..., None]                           # [B, K, L]
+    block = torch.where(given, first[:, None, :], torch.full_like(given, MASK, dtype=torch.int64))
+    block = torch.cat([anchor[:, None, None].expand(batch, k, 1), block], 2)   # [B, K, gamma]
+    sm = ssd_copies(gamma, k, device=dev)
+    logits = vp_drafter(block.reshape(batch, k * gamma), positions.repeat(1, k), context,
+                        mask=sm.words).float().view(batch, k, gamma, -1)[:, :, 1:]
+    # the branch exists because d_{n+1} may be rejected: never propose it again there
+    first_redrafted = slot[None, None, :] == lengths[..., None] + 1
+    rejected = first.gather(1, lengths.clamp_max(first.shape[1] - 1))           # [B, K]
+    ban = torch.zeros_like(logits, dtype=torch.bool)
+    ban.scatter_(3, rejected[..., None, None].expand(batch, k, gamma - 1, 1), True)
+    logits = logits.masked_fill(ban & first_redrafted[..., None], float("-inf"))
+    return torch.where(given, first[:, None, :], token_stats(logits).token)
+
+
+@torch.no_grad()
+def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
+                draft_len: int | None = None, k: int = 2, branches: str = "vp"):
+    """D2SD speculative decoding of a ragged batch with an AR target.
+
+    Parameters
+    ----------
+    model : the AR target (causal attention).
+    prompts, max_new_tokens, temperature, generator, eos_ids, progress : as ``dspec.generate``.
+    drafter : None (the drafters dspec ships for ``model``), a dict ``{"dflash": d,
+        "vp": d}`` of BlockDrafters / directories / shipped names, or a single "dflash"
+        drafter for ``branches="resample"`` (which needs no VP-drafter).
+    draft_len : gamma, block size including the anchor (default: the DFlash drafter's).
+    k : K, re-drafted branches (1 <= K <= gamma - 1); the tree holds K + 1 branches.
+    branches : "vp" (D2SD) or "resample" (K branches sampled from the first draft's q).
+
+    Returns
+    -------
+    (tokens per request, stats): ``nfe`` {"target", "drafter" (first drafts), "vp_drafter"
+    (re-drafts)}, ``mean_accepted`` = tokens committed per request per verification forward
+    (accepted path + the drawn token, averaged over (request, cycle) pairs), ``draft_s``
+    (both drafter forwards and the boundary scoring), ``tree_s``, ``verify_s``, ``k``,
+    ``branches``, ``draft_len``, ``tree_nodes``.
+    """
+    if model.attention != "causal":
+        raise ValueError(f"method 'd2sd' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
+    if branches not in BRANCH_MODES:
+        raise ValueError(f"branches must be one of {BRANCH_MODES}, got {branches!r}")
+    if isinstance(drafter, dict):
+        unknown = set(drafter) - {"dflash", "vp"}
+        if unknown:
+            raise ValueError(f"drafter as a dict takes keys 'dflash' and 'vp', got {sorted(unknown)}")
+        first_drafter = resolve_drafter(drafter.get("dflash"), model, "dflash")
+        vp = drafter.get("vp")
+    else:
+        first_drafter = resolve_drafter(drafter, model, "dflash")
+        vp = None
+    gamma = check_draft_len(draft_len, first_drafter)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= gamma - 1:
+        raise ValueError(f"k must be an int in [1, draft_len - 1 = {gamma - 1}], got {k!r}")
+    roles = {"drafter": first_drafter}
+    if branches == "vp":
+        roles["vp_drafter"] = resolve_drafter(vp, model, "vp")
+    run = SpeculativeRun(model, roles, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                         progress=progress)
+    run.time["tree_s"] = 0.0
+    dev = model.device
+    offsets = torch.arange(gamma, device=dev)
+    resample_gen = generator
+    if branches == "resample" and generator is None:
+        # greedy decoding still needs random branches: a fixed private stream, reproducible
+        resample_gen = torch.Generator(device=dev).manual_seed(0)
+    nodes_total = 0
+    live = run.start(temperature, generator)
+    while live:
+        t0 = time.perf_counter()
+        positions = run.lengths[:, None] + offsets
+        logits = draft_block(first_drafter, run.contexts["drafter"], run.anchor, positions, gamma)
+        run.nfe["drafter"] += 1
+        stats = token_stats(logits, temperature=temperature if temperature > 0 else 1.0)
+        first = stats.token                                                     # [B, L]
+        if branches == "vp":
+            lengths, _ = rejection_boundaries(stats.prob, k)
+            alt = redraft(roles["vp_drafter"], run.contexts["vp_drafter"], run.anchor, first, lengths,
+                          positions, gamma)
+            run.nfe["vp_drafter"] += 1
+        else:
+            q = torch.softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+            u = torch.rand((q.shape[0], k, q.shape[1]), generator=resample_gen, device=dev)
+            alt = sample_from(q[:, None].expand(-1, k, -1, -1), u)
+            lengths = torch.zeros(q.shape[0], k, dtype=torch.int64, device=dev)
+        host = torch.cat([run.anchor[:, None], first, lengths, alt.flatten(1)], 1).cpu().tolist()
+        _sync(dev)
+        t1 = time.perf_counter()
+        anchors = [h[0] for h in host]
+        firsts = [h[1:gamma] for h in host]
+        prefix = [h[gamma:gamma + k] for h in host]
+        redrafts = [[h[gamma + k + j * (gamma - 1) + n: gamma + k + (j + 1) * (gamma - 1)]
+                     for j, n in enumerate(p)] for h, p in zip(host, prefix)]
+        tree = d2sd_branches(anchors, firsts, prefix, redrafts, device=dev)
+        t2 = time.perf_counter()
+        nodes_total += int((tree.parents >= 0).sum()) + len(anchors)
+        tree_pos = run.lengths[:, None] + tree.positions
+        out = model(AttentionPlan(tree.tokens, tree_pos, tree.words, run.cache), hidden_states=run.layer_ids)
+        run.nfe["target"] += 1
+        ver = verify_tree(tree.tokens, tree.parents, out.logits, temperature=temperature, generator=generator)
+        host_v = run.fetch(ver.num_accepted, ver.tokens)
+        path = ver.path.cpu()
+        keep = torch.cat([torch.zeros(path.shape[0], 1, dtype=torch.int64), path], 1)
+        run.commit(out, tree_pos, keep=keep)
+        live = run.finish_cycle(host_v)
+        _sync(dev)
+        t3 = time.perf_counter()
+        run.time["draft_s"] += t1 - t0
+        run.time["tree_s"] += t2 - t1
+        run.time["verify_s"] += t3 - t2
+    return run.generated, run.stats(k=k, branches=branches, draft_len=gamma,
+                                    tree_nodes=nodes_total / run.cycles if run.cycles else 0.0)
+
+
+OPTIONS = ("draft_len", "k", "branches")
+DRAFTER = True
+decode = decode_d2sd

@@ -1,0 +1,250 @@
+"""DFlash: a block drafter conditioned on the target's hidden states, verified as a chain.
+
+Per cycle, for every unfinished request of the batch (ragged: each at its own length):
+
+1. **draft** -- one drafter forward over ``[anchor, MASK x (gamma-1)]`` at positions
+   ``p .. p+gamma-1`` (p = committed length; the anchor is the last committed token, not
+   yet run by the target), attending to the drafter-side context cache (the projected
+   target hidden states of positions < p).  Greedy: the drafts are the drafter's argmax;
+   temperature T > 0: they are drawn from ``q = softmax(drafter logits / T)``.
+2. **verify** -- one target forward of ``[anchor, d_1 .. d_{gamma-1}]`` (causal, after the
+   target KV cache) returning the logits and the hidden states at the drafter's
+   ``target_layer_ids``; ``dspec.verify_chain(drafts, logits, draft_probs=q)`` accepts a
+   prefix and draws the next token (greedy: exact argmax matching, so the output equals
+   ``ar`` token for token; sampling: lossless speculative sampling).
+3. **commit** -- the anchor and the accepted drafts: their target KV
+   (``KVCache.append(counts=1 + accepted)``) and their projected features in the drafter
+   context cache; the drawn token is the next anchor.
+
+Host syncs: one per cycle (the accepted counts and tokens come back to the host to extend
+the outputs and to set the caches' host-side lengths); the draft and verify forwards
+themselves have none.  A request leaves the batch (``KVCache.select``) after its EOS or
+``max_new_tokens``; rows never interact, so a batch decodes exactly as single requests.
+
+``draft_len`` is gamma, the block size including the anchor: a cycle drafts
+``gamma - 1`` tokens and commits between 1 and gamma.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..masks import causal
+from ..models import AttentionPlan
+from ..models.dflash import MASK, BlockDrafter, resolve_drafter
+from ..ops import token_stats, verify_chain
+from .sampling import next_tokens
+
+
+def _sync(device: torch.device) -> None:
+    # the draft / verify time split needs the device work finished (CUDA only)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: probs [..., V] (rows need not be normalised), uniforms [...] in
+    [0, 1) -> the smallest id v with ``cumsum(probs)[v] > u * sum(probs)`` (int64 [...]),
+    the rule ``verify_chain`` uses for its own draws."""
+    c = probs.float().cumsum(-1)
+    target = (uniforms.float() * c[..., -1])[..., None]
+    idx = torch.searchsorted(c.contiguous(), target.contiguous(), right=True)[..., 0]
+    return idx.clamp_max(probs.shape[-1] - 1)
+
+
+def check_draft_len(draft_len, drafter: BlockDrafter, name: str = "draft_len") -> int:
+    gamma = drafter.block_size if draft_len is None else draft_len
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 2:
+        raise ValueError(f"{name} must be an int >= 2 (the anchor plus at least one draft), got {draft_len!r}")
+    return gamma
+
+
+class SpeculativeRun:
+    """The state both DFlash and D2SD keep per batch: target KV cache, one drafter context
+    cache per drafter, the anchors, the outputs and the counters.
+
+    ``rows`` maps the live batch rows to request indices; finished requests are dropped
+    from every cache after each commit.
+    """
+
+    def __init__(self, model, drafters: dict, prompts, *, max_new_tokens, eos_ids, progress):
+        self.model = model
+        self.drafters = drafters                        # role -> BlockDrafter
+        ids = []
+        for d in drafters.values():
+            ids += [i for i in d.target_layer_ids if i not in ids]
+        self.layer_ids = ids
+        self.pick = {role: [ids.index(i) for i in d.target_layer_ids] for role, d in drafters.items()}
+        self.max_new_tokens = max_new_tokens
+        self.eos = set(int(e) for e in eos_ids)
+        self.progress = progress
+        self.generated = [[] for _ in prompts]
+        self.rows = list(range(len(prompts)))
+        self.nfe = {"target": 0, **{role: 0 for role in drafters}}
+        self.cycles = 0                # verification forwards x live requests
+        self.committed = 0             # tokens those forwards produced (accepted + 1 each)
+        self.verify_forwards = 0
+        self.time = {"draft_s": 0.0, "verify_s": 0.0}
+        dev = model.device
+        batch = len(prompts)
+        self.cache = model.new_cache(batch)
+        self.contexts = {role: d.new_cache(batch) for role, d in drafters.items()}
+        plan = model.plan(prompts, self.cache)
+        out = model(plan, logits="last", hidden_states=self.layer_ids)
+        self.nfe["target"] += 1
+        self.cache.append(out.suffix_kv, counts=plan.lengths)
+        self._commit_context(out.hidden, plan.positions, counts=plan.lengths)
+        self.anchor = None
+        self._first_logits = out.logits[:, -1]
+        self.device = dev
+
+    def start(self, temperature, generator) -> bool:
+        """Pick the first token from the prefill logits; False when every request is done."""
+        first = next_tokens(self._first_logits, temperature, generator)
+        self._first_logits = None
+        return self._extend(first[:, None].cpu().tolist(), [1] * len(self.rows), first)
+
+    # ------------------------------------------------------------------ per cycle
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Committed length per live row (= the anchor's position), int64 [B] on device."""
+        return self.cache.lengths.to(self.device)
+
+    def _commit_context(self, hidden, positions, *, counts=None, keep=None):
+        for role, drafter in self.drafters.items():
+            kv = drafter.context_kv([hidden[j] for j in self.pick[role]], positions)
+            self.contexts[role].append(kv, keep, counts=counts)
+
+    def commit(self, out, positions, *, counts=None, keep=None) -> None:
+        """Commit a verification forward's rows (target KV + drafter context)."""
+        self.cache.append(out.suffix_kv, keep, counts=counts)
+        self._commit_context(out.hidden, positions, counts=counts, keep=keep)
+
+    def fetch(self, num_accepted: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The cycle's one host sync: [B, 1 + W] int64 on the CPU, column 0 the accepted
+        counts, then the verify output's tokens."""
+        return torch.cat([num_accepted[:, None].to(torch.int64), tokens], 1).cpu()
+
+    def finish_cycle(self, host: torch.Tensor) -> bool:
+        """Extend the outputs with each row's accepted drafts + drawn token (``host`` from
+        :meth:`fetch`); the drawn token becomes the anchor.  False when all are done."""
+        n = host[:, 0] + 1
+        self.cycles += len(self.rows)
+        self.verify_forwards += 1
+        self.committed += int(n.sum())
+        anchor = host[:, 1:].gather(1, host[:, :1])[:, 0].to(self.device)
+        return self._extend(host[:, 1:].tolist(), n.tolist(), anchor)
+
+    def _extend(self, rows, counts, anchor) -> bool:
+        keep = []
+        for r, (row, c) in enumerate(zip(rows, counts)):
+            req = self.rows[r]
+            out = self.generated[req]
+            before = len(out)
+            done = False
+            for t in row[:c]:
+                out.append(int(t))
+                if int(t) in self.eos or len(out) >= self.max_new_tokens:
+                    done = True
+                    break
+            if self.progress is not None:
+                self.progress.update((len(out) - before) / len(self.generated))
+            if not done:
+                keep.append(r)
+        if not keep:
+            return False
+        if len(keep) < len(self.rows):
+            self.cache = self.cache.select(keep)
+            self.contexts = {role: c.select(keep) for role, c in self.contexts.items()}
+            idx = torch.tensor(keep, device=anchor.device)
+            anchor = anchor.index_select(0, idx)
+            self.rows = [self.rows[r] for r in keep]
+        self.anchor = anchor
+        return True
+
+    def stats(self, **extra) -> dict:
+        s = {"nfe": dict(self.nfe),
+             "mean_accepted": self.committed / self.cycles if self.cycles else 0.0,
+             "verify_forwards": self.verify_forwards, "cycles": self.cycles, **self.time}
+        s.update(extra)
+        return s
+
+
+def draft_block(drafter: BlockDrafter, context, anchor: torch.Tensor, positions: torch.Tensor,
+                gamma: int) -> torch.Tensor:
+    """One DFlash forward: ``[anchor, MASK x (gamma-1)]`` -> drafter logits of the gamma-1
+    drafted slots [B, gamma-1, V] (float32)."""
+    batch = anchor.shape[0]
+    block = torch.full((batch, gamma), MASK, dtype=torch.int64, device=anchor.device)
+    block[:, 0] = anchor
+    return drafter(block, positions, context)[:, 1:].float()
+
+
+@torch.no_grad()
+def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                  generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
+                  draft_len: int | None = None):
+    """DFlash speculative decoding of a ragged batch with an AR target.
+
+    Parameters
+    ----------
+    model : the AR target (``dspec.models.Model``, causal attention).
+    prompts : B lists of token ids.
+    max_new_tokens, temperature, generator, eos_ids, progress : as ``dspec.generate``.
+    drafter : a :class:`~dspec.models.dflash.BlockDrafter` of kind "dflash", a drafter
+        directory or shipped name, or None for the one dspec ships for ``model``.
+    draft_len : gamma, the block size including the anchor (default: the drafter's
+        training block size); each cycle drafts gamma - 1 tokens.
+
+    Returns
+    -------
+    (tokens per request, stats) with stats ``nfe`` {"target": forwards incl. the prefill,
+    "drafter": drafter forwards}, ``mean_accepted`` = tokens committed per request per
+    verification forward (accepted drafts + the drawn token, averaged over every
+    (request, cycle) pair; 1.0 = no draft ever accepted; at most gamma), ``draft_s`` /
+    ``verify_s`` (wall time of the drafter forwards / target forwards + verification +
+    commit), ``draft_len``, ``verify_forwards``, ``cycles``.
+    """
+    if model.attention != "causal":
+        raise ValueError(f"method 'dflash' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
+    drafter = resolve_drafter(drafter, model, "dflash")
+    gamma = check_draft_len(draft_len, drafter)
+    run = SpeculativeRun(model, {"drafter": drafter}, prompts, max_new_tokens=max_new_tokens,
+                         eos_ids=eos_ids, progress=progress)
+    dev = model.device
+    offsets = torch.arange(gamma, device=dev)
+    chain = causal(gamma, device=dev).words
+    live = run.start(temperature, generator)
+    while live:
+        t0 = time.perf_counter()
+        positions = run.lengths[:, None] + offsets
+        logits = draft_block(drafter, run.contexts["drafter"], run.anchor, positions, gamma)
+        run.nfe["drafter"] += 1
+        if temperature > 0:
+            q = torch.softmax(logits / temperature, dim=-1)
+            u = torch.rand(q.shape[:-1], generator=generator, device=dev)
+            drafts = sample_from(q, u)
+        else:
+            q = None
+            drafts = token_stats(logits).token
+        _sync(dev)
+        t1 = time.perf_counter()
+        suffix = torch.cat([run.anchor[:, None], drafts], 1)
+        out = model(AttentionPlan(suffix, positions, chain, run.cache), hidden_states=run.layer_ids)
+        run.nfe["target"] += 1
+        ver = verify_chain(drafts, out.logits, draft_probs=q, temperature=temperature, generator=generator)
+        host = run.fetch(ver.num_accepted, ver.tokens)
+        run.commit(out, positions, counts=host[:, 0] + 1)
+        live = run.finish_cycle(host)
+        _sync(dev)
+        t2 = time.perf_counter()
+        run.time["draft_s"] += t1 - t0
+        run.time["verify_s"] += t2 - t1
+    return [g for g in run.generated], run.stats(draft_len=gamma)
+
+
+OPTIONS = ("draft_len",)
+DRAFTER = True
+decode = decode_dflash

@@ -1,0 +1,514 @@
+"""Block drafters conditioned on an AR target's hidden states: DFlash and D2SD's VP-drafter.
+
+A :class:`BlockDrafter` drafts a block of ``gamma`` slots in one forward: slot 0 holds the
+*anchor* (the last committed token, which the target has not run yet), slots ``1 ..
+gamma-1`` hold either a learned mask embedding (DFlash: draft them all) or, for D2SD's
+variable-prefix drafter (VP-drafter), the first ``i`` of them hold tokens of an earlier
+draft and only the rest are masked ("re-draft from a prefix of i drafts").  Slot j predicts
+the token at position ``anchor + j``.
+
+Conditioning (DFlash): the target's hidden states at ``target_layer_ids`` of every
+committed position (those before the anchor) are concatenated, projected by one linear
+layer to the hidden size and normed; every drafter layer projects them with its own k/v
+projections into extra *context* keys / values (RoPE at the committed positions) in front
+of the block.  Block slots attend to all context positions of their request and to every
+slot of their block (bidirectional).  During decoding the context keys / values live in a
+:class:`~dspec.models.KVCache` (the drafter-side context cache): each committed position is
+projected once, and every drafter forward is one ``dspec.cascade_attention`` per layer over
+that prefix plus the block.
+
+The drafter reuses the target's token embedding and output head (frozen, never stored in
+the drafter file); it owns the context projection, the mask embedding, 1-2 transformer
+layers and a final norm.  Files: a directory with ``config.json``, ``model.safetensors``
+and a model card ``README.md``; :func:`load_drafter` checks it fits the target.
+
+    >>> drafter = BlockDrafter.for_target(target, num_layers=1, block_size=8)  # doctest: +SKIP
+    >>> drafter.save("my-drafter")                                           # doctest: +SKIP
+    >>> drafter = load_drafter("my-drafter", target)                         # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.attention import cascade_attention
+from .kv_cache import KVCache, SuffixKV
+from .transformer import MLP, RMSNorm, _rotate
+
+#: token id meaning "this block slot is masked" in :meth:`BlockDrafter.forward` inputs.
+MASK = -1
+KINDS = ("dflash", "vp")
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
+
+
+@dataclass
+class DrafterConfig:
+    """Shape of a block drafter and what it was built for.
+
+    kind : "dflash" (first drafts: anchor + masks) or "vp" (re-drafts from a prefix).
+    hidden_size, vocab_size : the target's (the drafter reads its embeddings / head).
+    target_layer_ids : hidden-state indices of the target fed to the context projection
+        (``Model.forward(hidden_states=...)`` convention: 0 = embeddings, L = final normed).
+    target_num_layers : the target's depth (layer ids are validated against it).
+    block_size : gamma, the slots of one drafted block (anchor included) it was trained on.
+    num_layers, num_heads, num_kv_heads, head_dim, intermediate_size : the drafter's layers.
+    rope_theta, rms_norm_eps : RoPE base and norm epsilon (the target's by default).
+    target : the shipped target name (e.g. "tiny-ar") or a free description.
+    """
+
+    kind: str
+    hidden_size: int
+    vocab_size: int
+    target_layer_ids: list
+    target_num_layers: int
+    block_size: int
+    num_layers: int = 1
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 256
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    target: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> "DrafterConfig":
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("hidden_size", "vocab_size", "target_num_layers", "block_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (an anchor and at least one draft), got {self.block_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE), got {self.head_dim}")
+        ids = self.target_layer_ids
+        if not isinstance(ids, (list, tuple)) or not ids or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= self.target_num_layers for i in ids):
+            raise ValueError(f"target_layer_ids must be a non-empty list of ints in [0, "
+                             f"{self.target_num_layers}], got {ids!r}")
+        self.target_layer_ids = list(ids)
+        return self
+
+
+def default_layer_ids(num_layers: int, count: int = 3) -> list[int]:
+    """``count`` target hidden-state indices spread evenly over layers 1 .. L-1 (shallow to
+    deep, DFlash's choice), or 1 .. L for a target of fewer layers than ``count``."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    hi = num_layers - 1 if num_layers > count else num_layers
+    if hi <= count:
+        return list(range(1, hi + 1))
+    return sorted({round(1 + k * (hi - 1) / (count - 1)) for k in range(count)})
+
+
+class DrafterLayer(nn.Module):
+    """A pre-norm transformer layer whose keys / values also come from the context."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        mlp_cfg = type("C", (), dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                                     mlp_bias=False))
+        self.mlp = MLP(mlp_cfg)
+
+
+class BlockDrafter(nn.Module):
+    """DFlash / VP block drafter (see the module docstring).
+
+    Parameters
+    ----------
+    config : DrafterConfig.
+    target : the target ``dspec.models.Model`` whose embeddings and output head are used
+        (held by reference, not a submodule: not trained, not saved).
+    """
+
+    def __init__(self, config: DrafterConfig, target=None, *, device=None, dtype=None):
+        super().__init__()
+        self.config = config.validate()
+        c = config
+        with torch.device(device or "cpu"):
+            self.context_proj = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+            self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
+            self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_layers))
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if dtype is not None:
+            self.to(dtype=dtype)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
+        self._inv_freq_cpu = inv
+        self._inv_freq = {}
+        self._target = None
+        if target is not None:
+            self.bind(target)
+
+    # ----------------------------------------------------------------------- building
+
+    @classmethod
+    def for_target(cls, target, *, kind: str = "dflash", num_layers: int = 1, block_size: int = 16,
+                   target_layer_ids=None, num_heads=None, num_kv_heads=None, head_dim=None,
+                   intermediate_size=None, seed: int | None = 0, std: float = 0.02) -> "BlockDrafter":
+        """A randomly initialised drafter shaped for ``target`` (heads / MLP width default to
+        the target's), on the target's device and dtype."""
+        tc = target.config
+        cfg = DrafterConfig(
+            kind=kind, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
+            target_layer_ids=list(target_layer_ids) if target_layer_ids is not None
+            else default_layer_ids(tc.num_layers),
+            target_num_layers=tc.num_layers, block_size=block_size, num_layers=num_layers,
+            num_heads=num_heads or tc.num_heads, num_kv_heads=num_kv_heads or tc.num_kv_heads,
+            head_dim=head_dim or tc.head_dim, intermediate_size=intermediate_size or tc.intermediate_size,
+            rope_theta=float(tc.rope_theta), rms_norm_eps=float(tc.rms_norm_eps),
+            target=getattr(target, "shipped_name", None) or getattr(target, "name_or_path", None)
+            and str(target.name_or_path))
+        drafter = cls(cfg, device=target.device)
+        drafter.init_random_(std=std, seed=seed)
+        drafter.to(dtype=target.dtype)
+        drafter.bind(target)
+        return drafter
+
+    @torch.no_grad()
+    def init_random_(self, std: float = 0.02, *, seed: int | None = None) -> "BlockDrafter":
+        """Normal(0, std) matrices, unit norms; the mask embedding ~ Normal(0, std)."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return self
+
+    def bind(self, target) -> "BlockDrafter":
+        """Attach ``target`` (its embeddings / head are used); ValueError when it does not fit."""
+        check_compatible(self.config, target)
+        object.__setattr__(self, "_target", target)     # a reference, not a submodule
+        return self
+
+    @property
+    def target(self):
+        if self._target is None:
+            raise ValueError("this drafter is not bound to a target: call drafter.bind(target)")
+        return self._target
+
+    @property
+    def device(self) -> torch.device:
+        return self.mask_embedding.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.mask_embedding.dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.config.target_layer_ids)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"kind={c.kind}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}/"
+                f"{c.num_kv_heads}x{c.head_dim}, block_size={c.block_size}, "
+                f"target_layer_ids={c.target_layer_ids}, target={c.target!r}")
+
+    # ----------------------------------------------------------------------- pieces
+
+    def _rope(self, positions: torch.Tensor):
+        key = str(positions.device)
+        if key not in self._inv_freq:
+            self._inv_freq[key] = self._inv_freq_cpu.to(positions.device)
+        freqs = positions.to(torch.float32)[..., None] * self._inv_freq[key]
+        emb = torch.cat((freqs, freqs), dim=-1)[..., None, :]
+        return emb.cos(), emb.sin()
+
+    def target_features(self, hidden: list[torch.Tensor]) -> torch.Tensor:
+        """The target's hidden states (``Output.hidden``, in ``target_layer_ids`` order,
+        each [B, N, H]) -> projected, normed context features [B, N, H]."""
+        if len(hidden) != len(self.config.target_layer_ids):
+            raise ValueError(f"hidden must hold {len(self.config.target_layer_ids)} tensors (one per "
+                             f"target layer id), got {len(hidden)}")
+        x = torch.cat([h.to(self.dtype) for h in hidden], dim=-1)
+        return self.context_norm(self.context_proj(x))
+
+    def _context_kv(self, layer: DrafterLayer, features: torch.Tensor, cos, sin):
+        b, t, _ = features.shape
+        c = self.config
+        k = layer.k_proj(features).view(b, t, c.num_kv_heads, c.head_dim)
+        v = layer.v_proj(features).view(b, t, c.num_kv_heads, c.head_dim)
+        return _rotate(k, cos, sin), v
+
+    def context_kv(self, hidden: list[torch.Tensor], positions: torch.Tensor) -> SuffixKV:
+        """Per-layer context keys (RoPE at ``positions`` [B, N]) and values of target hidden
+        states [B, N, H] each, for ``KVCache.append`` into :meth:`new_cache`."""
+        features = self.target_features(hidden)
+        cos, sin = self._rope(positions)
+        keys, values = [], []
+        for layer in self.layers:
+            k, v = self._context_kv(layer, features, cos, sin)
+            keys.append(k)
+            values.append(v)
+        return SuffixKV(keys, values)
+
+    def new_cache(self, batch_size: int, *, capacity: int = 0) -> KVCache:
+        """An empty drafter-side context cache (projected target features as K/V per layer)."""
+        c = self.config
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, dtype=self.dtype,
+                       device=self.device, capacity=capacity)
+
+    def embed_block(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Block ids [B, N] (``MASK`` = -1 for a masked slot) -> input embeddings [B, N, H]."""
+        target = self.target
+        masked = tokens < 0
+        x = target.embed_tokens(tokens.clamp_min(0)).to(self.dtype)
+        scale = target.config.embed_scale
+        if scale != 1.0:
+            x = x * scale
+        return torch.where(masked[..., None], self.mask_embedding.to(x.dtype), x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm + the target's output head -> logits [..., V]."""
+        target = self.target
+        w = target.output_weight
+        logits = F.linear(self.norm(x).to(w.dtype), w)
+        scale = target.config.logit_scale
+        return logits * scale if scale != 1.0 else logits
+
+    # ----------------------------------------------------------------------- forwards
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, *,
+                mask=None, backend: str | None = None) -> torch.Tensor:
+        """Draft blocks after each request's cached context (decoding path).
+
+        Parameters
+        ----------
+        tokens : int [B, N], the block slots (``MASK`` = -1 where the drafter must fill
+            in); N may hold several blocks side by side when ``mask`` separates them.
+        positions : int [B, N], absolute positions (the anchor of a block sits at the
+            context length).
+        cache : the drafter context cache (:meth:`new_cache`), B requests.
+        mask : packed suffix words [N, W] / [B, N, W] (``dspec.masks``), None =
+            bidirectional over all N slots (one block).
+
+        Returns
+        -------
+        logits [B, N, V]: row j is the drafter's distribution of the token *at* slot j's
+        position (row 0, the anchor's, is not a prediction).
+        """
+        if tokens.dim() != 2 or positions.shape != tokens.shape:
+            raise ValueError(f"tokens and positions must both be [B, N], got {list(tokens.shape)} "
+                             f"and {list(positions.shape)}")
+        if not isinstance(cache, KVCache) or cache.batch_size != tokens.shape[0]:
+            raise ValueError("cache must be this drafter's KVCache (new_cache) with one row per request")
+        c = self.config
+        b, n = tokens.shape
+        x = self.embed_block(tokens)
+        cos, sin = self._rope(positions)
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            q = _rotate(layer.q_proj(h).view(b, n, c.num_heads, c.head_dim), cos, sin)
+            k = _rotate(layer.k_proj(h).view(b, n, c.num_kv_heads, c.head_dim), cos, sin)
+            v = layer.v_proj(h).view(b, n, c.num_kv_heads, c.head_dim)
+            o = cascade_attention(q, k, v, mask, backend=backend, **cache.prefix(i))
+            x = x + layer.o_proj(o.reshape(b, n, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.head(x)
+
+    def forward_train(self, context_hidden: list[torch.Tensor], blocks: torch.Tensor,
+                      starts: torch.Tensor, *, context_length: torch.Tensor | None = None) -> torch.Tensor:
+        """Many blocks per sequence against the full context, differentiable (training path).
+
+        Parameters
+        ----------
+        context_hidden : the target's hidden states of whole sequences, ``target_layer_ids``
+            order, each [B, T, H] (position t = row t).
+        blocks : int [B, M, G], M blocks of G slots per sequence (``MASK`` = -1 masked).
+        starts : int [B, M], the anchor position of each block: block m sees context rows
+            t < starts[b, m] (and t < context_length[b]) and its own G slots.
+        context_length : int [B] valid rows per sequence (default T).
+
+        Returns
+        -------
+        logits [B, M, G, V] (the same function as :meth:`forward` on the same inputs).
+        """
+        c = self.config
+        bsz, m, g = blocks.shape
+        t = context_hidden[0].shape[1]
+        features = self.target_features(context_hidden)                   # [B, T, H]
+        ctx_pos = torch.arange(t, device=features.device).expand(bsz, t)
+        cos_c, sin_c = self._rope(ctx_pos)
+        pos = (starts[..., None] + torch.arange(g, device=blocks.device)).reshape(bsz, m * g)
+        cos_b, sin_b = self._rope(pos)
+        # visibility [B, M*G, T + M*G]: context before the anchor, own block bidirectional
+        block_of = torch.arange(m * g, device=blocks.device) // g
+        limit = starts if context_length is None else torch.minimum(starts, context_length[:, None])
+        see_ctx = torch.arange(t, device=blocks.device)[None, None, :] < limit.repeat_interleave(g, 1)[..., None]
+        see_blk = (block_of[:, None] == block_of[None, :]).expand(bsz, -1, -1)
+        allowed = torch.cat([see_ctx, see_blk], dim=-1)[:, None]          # [B, 1, Q, K]
+        x = self.embed_block(blocks.reshape(bsz, m * g))
+        rep = c.num_heads // c.num_kv_heads
+        for layer in self.layers:
+            kc, vc = self._context_kv(layer, features, cos_c, sin_c)
+            h = layer.input_layernorm(x)
+            q = _rotate(layer.q_proj(h).view(bsz, m * g, c.num_heads, c.head_dim), cos_b, sin_b)
+            kb = _rotate(layer.k_proj(h).view(bsz, m * g, c.num_kv_heads, c.head_dim), cos_b, sin_b)
+            vb = layer.v_proj(h).view(bsz, m * g, c.num_kv_heads, c.head_dim)
+            k = torch.cat([kc, kb], 1).repeat_interleave(rep, 2)
+            v = torch.cat([vc, vb], 1).repeat_interleave(rep, 2)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=allowed)
+            x = x + layer.o_proj(o.transpose(1, 2).reshape(bsz, m * g, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.head(x).view(bsz, m, g, -1)
+
+    # ----------------------------------------------------------------------- files
+
+    def save(self, path: str | os.PathLike, *, card: str | None = None) -> Path:
+        """Write ``config.json``, ``model.safetensors`` (drafter weights only) and a model
+        card ``README.md`` (``card``, or a generated one) into directory ``path``."""
+        from safetensors.torch import save_file
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "dspec": "block_drafter"})
+        if card is None and not (out / "README.md").exists():
+            c = self.config
+            card = (f"# dspec {c.kind} block drafter\n\nTarget: {c.target}; layers {c.num_layers}; block size "
+                    f"{c.block_size}; target hidden states {c.target_layer_ids}.\n")
+        if card is not None:
+            (out / "README.md").write_text(card)
+        return out
+
+
+def check_compatible(config: DrafterConfig, target) -> None:
+    """ValueError unless ``target`` has the drafter's hidden size, vocabulary and layers."""
+    tc = getattr(target, "config", None)
+    if tc is None or not hasattr(target, "embed_tokens"):
+        raise ValueError(f"target must be a dspec.models.Model, got {type(target).__name__}")
+    if getattr(tc, "attention", "causal") != "causal":
+        raise ValueError(f"block drafters serve causal (AR) targets; the target attends {tc.attention!r}")
+    if tc.hidden_size != config.hidden_size:
+        raise ValueError(f"drafter hidden_size {config.hidden_size} does not match the target's {tc.hidden_size}")
+    if tc.vocab_size != config.vocab_size:
+        raise ValueError(f"drafter vocab_size {config.vocab_size} does not match the target's {tc.vocab_size}")
+    if tc.num_layers != config.target_num_layers:
+        raise ValueError(f"drafter was built for a {config.target_num_layers}-layer target, this target has "
+                         f"{tc.num_layers} layers")
+    bad = [i for i in config.target_layer_ids if not 0 <= i <= tc.num_layers]
+    if bad:
+        raise ValueError(f"drafter target_layer_ids {bad} do not exist in a {tc.num_layers}-layer target")
+
+
+def shipped_drafter_path(target_name: str, kind: str) -> Path:
+    """Where dspec ships the ``kind`` drafter of shipped target ``target_name``."""
+    return ASSETS / f"{target_name}-{kind}"
+
+
+def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, dtype=None) -> BlockDrafter:
+    """Load a drafter directory (or a shipped drafter name such as ``"tiny-ar-dflash"``) and
+    bind it to ``target``.
+
+    Raises ValueError when the directory is missing or incomplete, when ``kind`` is given
+    and differs from the file's, or when the drafter does not fit the target (hidden size,
+    vocabulary, target depth / layer ids).  Weights go to the target's device and dtype
+    unless ``device`` / ``dtype`` say otherwise.
+    """
+    from safetensors.torch import load_file
+    if isinstance(path_or_name, BlockDrafter):
+        drafter = path_or_name
+        if kind is not None and drafter.config.kind != kind:
+            raise ValueError(f"drafter is a {drafter.config.kind!r} drafter, expected {kind!r}")
+        return drafter.bind(target)
+    path = Path(os.fspath(path_or_name)).expanduser()
+    if not path.is_dir():
+        shipped = ASSETS / os.fspath(path_or_name)
+        if shipped.is_dir():
+            path = shipped
+        else:
+            names = sorted(p.name for p in ASSETS.iterdir() if p.is_dir()) if ASSETS.is_dir() else []
+            raise ValueError(f"drafter {os.fspath(path_or_name)!r} is neither a directory nor a shipped "
+                             f"drafter ({names})")
+    for f in ("config.json", "model.safetensors"):
+        if not (path / f).is_file():
+            raise ValueError(f"drafter directory {path} has no {f}")
+    raw = json.loads((path / "config.json").read_text())
+    try:
+        cfg = DrafterConfig(**raw)
+    except TypeError as e:
+        raise ValueError(f"{path / 'config.json'} is not a drafter config: {e}") from None
+    cfg.validate()
+    if kind is not None and cfg.kind != kind:
+        raise ValueError(f"{path} holds a {cfg.kind!r} drafter, expected {kind!r}")
+    check_compatible(cfg, target)
+    drafter = BlockDrafter(cfg, device="meta")
+    state = load_file(str(path / "model.safetensors"))
+    expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if expected != got:
+        missing = sorted(set(expected) - set(got))
+        extra = sorted(set(got) - set(expected))
+        wrong = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
+        raise ValueError(f"{path / 'model.safetensors'} does not match its config: missing {missing[:4]}, "
+                         f"unexpected {extra[:4]}, wrong shapes {wrong[:4]}")
+    drafter = drafter.to_empty(device=device or target.device)
+    drafter.load_state_dict(state)
+    drafter.to(dtype=dtype or target.dtype)
+    drafter._inv_freq = {}
+    drafter.eval()
+    return drafter.bind(target)
+
+
+def resolve_drafter(drafter, target, kind: str) -> BlockDrafter:
+    """``drafter`` as given to a decode method: a BlockDrafter, a path / shipped name, or
+    None for the drafter dspec ships for ``target`` (looked up by ``target.shipped_name``)."""
+    if drafter is not None:
+        return load_drafter(drafter, target, kind=kind)
+    name = getattr(target, "shipped_name", None)
+    if name is None:
+        raise ValueError(f"drafter=None needs a shipped target (dspec.load('tiny-ar'), ...); this target "
+                         f"is a checkpoint directory: pass drafter= a {kind!r} drafter directory or a "
+                         f"BlockDrafter (train one with `python -m dspec.train."
+                         f"{'dflash' if kind == 'dflash' else 'vp_drafter'}`)")
+    path = shipped_drafter_path(name, kind)
+    if not path.is_dir():
+        plan = (" GPU-trained drafters for smollm2-135m are the plan of issue 9 (CPU training is too slow "
+                "to ship a useful one)" if name == "smollm2-135m" else "")
+        raise ValueError(f"dspec ships no {kind!r} drafter for target {name!r} yet;{plan} pass drafter= a "
+                         f"drafter directory (python -m dspec.train.{'dflash' if kind == 'dflash' else 'vp_drafter'} "
+                         f"--target {name} --out DIR)")
+    return load_drafter(path, target, kind=kind)
+
+
+def block_loss_weights(block_size: int, prefix_length, decay: float, *, device=None) -> torch.Tensor:
+    """Exponentially decayed cross-entropy weights of a block's slots.
+
+    Slot j (1 <= j < G) of a block whose first ``i = prefix_length`` drafts are given
+    gets weight ``exp(-(j - i - 1) / decay)`` when j > i (distance from the last given
+    token: the first re-drafted slot weighs 1) and 0 otherwise (slot 0 = the anchor and
+    the given prefix are not predicted).  ``prefix_length`` int or int tensor [...] ->
+    weights [..., G] float32.  DFlash's first-draft loss is the case i = 0.
+    """
+    if not (isinstance(decay, (int, float)) and decay > 0 and math.isfinite(decay)):
+        raise ValueError(f"decay must be a positive finite number, got {decay!r}")
+    i = torch.as_tensor(prefix_length, device=device)
+    j = torch.arange(block_size, device=i.device)
+    dist = (j - i[..., None] - 1).to(torch.float32)
+    return torch.where(dist >= 0, torch.exp(-dist / decay), torch.zeros_like(dist))
