@@ -1,0 +1,451 @@
+"""Lossless self-speculative decoding for block-causal dLLMs: the engine of ``ssd`` and ``spiffy``.
+
+The reference is ``diffusion`` with one token per step (block-causal path): at a *state*
+(the current block's tokens, [MASK] where undecided, the committed prefix in the KV cache)
+the model forwards the block; every masked slot gets a choice (argmax, or a draw of the
+shared sampler) and a confidence (the choice's probability); the *step* unmasks the most
+confident masked slot (ties to the lower slot).  A complete block is forwarded once more to
+commit its KV (its last logits are the carry of right-shifted models), then the next block
+starts all-[MASK].
+
+Self-speculation walks that same sequence of states several steps per forward.  A state S
+whose logits are known (from the previous forward) gives:
+
+- its exact step (slot ranked 0, its choice): node ``(0, 0)``, the *root* c0 = S + step(S);
+- candidate steps ``(i, j)``: the slot of confidence rank i at S (among S's masked slots)
+  set to its j-th candidate token at S (j = 0: S's choice; j >= 1: S's most likely tokens
+  other than the choice, in order).
+
+A *draft graph* (a DAG) holds states c0 + a set of candidate steps; node ``{(0,0), a, b}``
+is a child of ``{(0,0), a}`` and of ``{(0,0), b}`` when both are in the graph (multi-parent).
+SSD's graph is the chain {(0,0)}, {(0,0),(1,0)}, ... (plus, with ``mixed_order``, the
+swapped siblings c_k + (k+2, 0), which reach c_{k+2} when two drafts come out of order);
+Spiffy's graph is calibrated offline (:mod:`dspec.decode.spiffy_graph`) and pruned online.
+
+One forward evaluates every kept node as its own copy of the block (bidirectional within
+itself, seeing only the committed prefix: :func:`dspec.masks.ssd_copies`), plus -- when a
+kept node completes the block -- the next block's all-[MASK] first state attached to that
+*anchor* node (it sees the anchor copy as its preceding block, as the model's block-causal
+attention would see the committed block).  Verification walks the graph from the root: at
+node u (an exact state, its logits computed in this forward) the reference's real step is
+computed exactly as ``diffusion`` computes it (argmax, or a fresh draw of the shared
+sampler); if u has a kept child whose added step equals it, that child is the exact next
+state and the walk moves on; else it stops at u.  Stopping at u costs nothing: u's logits
+are known, so u is the next round's S (its step is the next round's root: no extra draft
+forward).  Reaching the anchor moves on to the next block's first state, and the anchor
+copy's KV (bit-for-bit the keys/values of a commit forward of that block, up to float
+summation order) and last logits (the carry) are committed.
+
+Sampling (temperature > 0): each verified node's step is a fresh draw with the shared
+sampler (a token per masked slot from softmax(logits / T), then the most confident slot),
+independent of the drafts; the child is accepted only when that draw equals its step.  So
+every committed step is drawn from the reference's own conditional distribution at the
+true state, and the output has exactly the distribution of one-token-per-step sampling
+diffusion (the draws differ from ``diffusion``'s own, the distribution does not).
+
+Batch: every request keeps its own state, graph walk, block position and cache length;
+rows advance by different amounts and leave the batch when done.
+
+Host syncs per round: one small read before the forward (how many copies to forward and
+whether a next-block state is needed: forwarding the worst case instead would avoid it at
+the price of compute) and one after it (accepted steps and committed blocks, for the
+output lists, EOS and the cache commit, whose index lives on the host).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..masks import ssd_copies
+from ..models import AttentionPlan
+from ..ops import topk_tokens
+from ..ops.masks import pack_mask
+from .sampling import next_tokens
+
+Step = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class DraftGraph:
+    """A draft graph over candidate steps ``(i, j)`` (position rank, candidate rank).
+
+    nodes : tuple of nodes, each a sorted tuple of distinct-``i`` steps containing
+        ``(0, 0)``; node 0 is the root ``((0, 0),)``; parents come before children.
+    Edges are implied: node b is a child of node a when b = a + one step.
+    """
+
+    nodes: tuple[tuple[Step, ...], ...]
+    counts: tuple[int, ...] | None = None
+    _cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    def __post_init__(self):
+        nodes = self.nodes
+        if not nodes or tuple(nodes[0]) != ((0, 0),):
+            raise ValueError("nodes[0] must be the root ((0, 0),)")
+        seen = {}
+        for n, node in enumerate(nodes):
+            node = tuple(tuple(int(x) for x in s) for s in node)
+            if any(len(s) != 2 or s[0] < 0 or s[1] < 0 for s in node):
+                raise ValueError(f"nodes[{n}] must hold (i, j) steps with i, j >= 0, got {node}")
+            ranks = [s[0] for s in node]
+            if len(set(ranks)) != len(ranks) or (0, 0) not in node:
+                raise ValueError(f"nodes[{n}] must contain (0, 0) and distinct position ranks, got {node}")
+            key = frozenset(node)
+            if key in seen:
+                raise ValueError(f"nodes[{n}] repeats nodes[{seen[key]}]")
+            if n and not any(key - {s} in seen for s in key if s != (0, 0)):
+                raise ValueError(f"nodes[{n}] = {node} has no parent among the nodes before it")
+            seen[key] = n
+        if self.counts is not None and len(self.counts) != len(nodes):
+            raise ValueError("counts must have one entry per node")
+
+    # ------------------------------------------------------------------ derived tables
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def max_rank(self) -> int:
+        """1 + the largest position rank used."""
+        return 1 + max(s[0] for node in self.nodes for s in node)
+
+    @property
+    def num_candidates(self) -> int:
+        """1 + the largest candidate rank used (J)."""
+        return 1 + max(s[1] for node in self.nodes for s in node)
+
+    @property
+    def depth(self) -> int:
+        """Longest path from the root, in edges."""
+        return max(len(node) for node in self.nodes) - 1
+
+    def parents(self) -> list[list[int]]:
+        index = {frozenset(node): n for n, node in enumerate(self.nodes)}
+        return [[index[frozenset(node) - {s}] for s in node if s != (0, 0) and frozenset(node) - {s} in index]
+                for node in self.nodes]
+
+    def tables(self, device) -> dict:
+        """Tensors the engine needs, cached per device.
+
+        assign [M, I]: candidate rank j of position rank i in the node, or -1;
+        size [M]: steps in the node; top_rank [M]: its largest position rank;
+        next_node [M, I, J]: the child reached by adding step (i, j), or -1.
+        """
+        key = str(device)
+        if key in self._cache:
+            return self._cache[key]
+        m, big_i, big_j = self.num_nodes, self.max_rank, self.num_candidates
+        assign = torch.full((m, big_i), -1, dtype=torch.int64)
+        nxt = torch.full((m, big_i, big_j), -1, dtype=torch.int64)
+        index = {frozenset(node): n for n, node in enumerate(self.nodes)}
+        for n, node in enumerate(self.nodes):
+            for i, j in node:
+                assign[n, i] = j
+            for s in node:
+                if s != (0, 0):
+                    parent = index.get(frozenset(node) - {s})
+                    if parent is not None:
+                        nxt[parent, s[0], s[1]] = n
+        size = torch.tensor([len(node) for node in self.nodes], dtype=torch.int64)
+        top = torch.tensor([max(i for i, _ in node) for node in self.nodes], dtype=torch.int64)
+        out = {k: v.to(device) for k, v in
+               dict(assign=assign, size=size, top_rank=top, next_node=nxt).items()}
+        out["parents"] = self.parents()
+        self._cache[key] = out
+        return out
+
+
+def chain_graph(draft_len: int, mixed_order: bool = False) -> DraftGraph:
+    """SSD's graph: c_k = {(0,0), ..., (k,0)} for k = 0..draft_len; with ``mixed_order`` also
+    s_k = c_k + (k+2, 0) for k = 0..draft_len-2, the state after two drafts came out of order
+    (c_k -> s_k -> c_{k+2}: a node verifies its grandchild)."""
+    chain = [tuple((i, 0) for i in range(k + 1)) for k in range(draft_len + 1)]
+    nodes = [chain[0]]
+    for k in range(1, draft_len + 1):
+        if mixed_order and k >= 2:
+            nodes.append(chain[k - 2] + ((k, 0),))        # s_{k-2}: a parent of c_k
+        nodes.append(chain[k])
+    return DraftGraph(tuple(nodes))
+
+
+def confidence(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Probability of ``tokens`` under softmax(logits / T) (T = 1 when greedy), diffusion's rule."""
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    return logp.gather(-1, tokens[..., None])[..., 0].exp()
+
+
+def candidates(logits: torch.Tensor, choice: torch.Tensor, num: int, temperature: float):
+    """Candidate tokens per slot: the choice, then the most likely other tokens.
+
+    logits [..., V], choice [...] -> (tokens [..., num], log-probabilities [..., num]).
+    """
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    if num == 1:
+        return choice[..., None], logp.gather(-1, choice[..., None])
+    top, _ = topk_tokens(logits.float(), min(num, logits.shape[-1]))
+    is_choice = top == choice[..., None]
+    # drop the choice from the top list (stable: keeps probability order), put it first
+    rest = top.gather(-1, torch.sort(is_choice.to(torch.int8), dim=-1, stable=True).indices)
+    cand = torch.cat([choice[..., None], rest[..., : num - 1]], -1)
+    return cand, logp.gather(-1, cand)
+
+
+@dataclass
+class SelfSpecStats:
+    rounds: int = 0
+    steps: int = 0
+    verify_rows: int = 0
+    drafts: int = 0
+    accepted_drafts: int = 0
+    histogram: dict = field(default_factory=dict)
+    nodes_forwarded: int = 0
+
+
+def check_common(model, method: str, block_size):
+    if model.mask_token_id is None:
+        raise ValueError(f"method {method!r} needs a masked-diffusion model; {model.family!r} has no mask token")
+    if model.attention != "block_causal":
+        raise ValueError(f"method {method!r} runs block-causal models (SDAR, Fast-dLLM v2) with an exact "
+                         f"KV cache; {model.family!r} attends {model.attention!r}")
+    bs = block_size if block_size is not None else model.block_size
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {bs!r}")
+    return bs
+
+
+@torch.no_grad()
+def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int | None,
+                            max_new_tokens: int, temperature: float, generator, eos_ids,
+                            progress, block_size: int, trace=None):
+    """Run the engine (see the module docstring); returns (tokens per request, stats dict).
+
+    Parameters
+    ----------
+    graph : the draft graph (node 0 is the root, always forwarded).
+    prune_to : keep at most this many non-root nodes per request and round, chosen by the
+        geometric mean of their steps' candidate probabilities at S (monotone along paths,
+        so the kept set is connected); None keeps every node that fits the block.
+    trace : optional callable(event dict) for calibration (per round, on the host).
+    """
+    dev = model.device
+    bs = block_size
+    batch = len(prompts)
+    mask_id = model.mask_token_id
+    vocab = model.config.vocab_size
+    tab = graph.tables(dev)
+    num_nodes, big_j = graph.num_nodes, graph.num_candidates
+    ranks_used = min(graph.max_rank, bs)
+    slots = torch.arange(bs, device=dev)
+    node_ids = torch.arange(num_nodes, device=dev)
+    eos = set(int(e) for e in eos_ids)
+
+    cache = model.new_cache(batch)
+    plen = torch.tensor([len(p) for p in prompts], device=dev)
+    start = (plen // bs) * bs
+    carry = torch.zeros(batch, vocab, device=dev)
+    forwards = 0
+    full = [p[: int(s)] for p, s in zip(prompts, start.tolist())]
+    if any(full):
+        out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache), logits="last")
+        cache.append(out.suffix_kv, counts=[len(f) for f in full])
+        carry = out.logits[:, -1].float()
+        forwards += 1
+
+    # per-request state (rows = requests still running)
+    tokens = torch.full((batch, bs), mask_id, dtype=torch.int64, device=dev)
+    for b, p in enumerate(prompts):
+        tail = p[int(start[b]):]
+        if tail:
+            tokens[b, : len(tail)] = torch.tensor(tail, device=dev)
+    masked = (start[:, None] + slots) >= plen[:, None]
+    known = torch.zeros(batch, dtype=torch.bool, device=dev)
+    choice = torch.zeros(batch, bs, dtype=torch.int64, device=dev)
+    conf = torch.full((batch, bs), -1.0, device=dev)
+    cand = torch.zeros(batch, bs, big_j, dtype=torch.int64, device=dev)
+    cand_logp = torch.zeros(batch, bs, big_j, device=dev)
+    rows = list(range(batch))
+    generated = [[] for _ in range(batch)]
+    st = SelfSpecStats()
+
+    while rows:
+        a_rows = len(rows)
+        conf_m = torch.where(masked, conf, torch.full_like(conf, -1.0))
+        order = torch.sort(conf_m, dim=-1, descending=True, stable=True).indices       # [A, bs]
+        rank = torch.empty_like(order).scatter_(1, order, slots.expand(a_rows, -1))
+        mcount = masked.sum(1)
+        cand_r = cand.gather(1, order[..., None].expand(-1, -1, big_j))                # by rank
+        logp_r = cand_logp.gather(1, order[..., None].expand(-1, -1, big_j))
+        node_tokens = tokens[:, None, :].expand(a_rows, num_nodes, bs)
+        filled = torch.zeros(a_rows, num_nodes, bs, dtype=torch.bool, device=dev)
+        logp_sum = torch.zeros(a_rows, num_nodes, device=dev)
+        for i in range(ranks_used):
+            j = tab["assign"][:, i]
+            has = j >= 0
+            jc = j.clamp(min=0)
+            put = has[None, :, None] & (slots[None, None, :] == order[:, i, None, None])
+            node_tokens = torch.where(put, cand_r[:, i, :][:, jc][:, :, None], node_tokens)
+            filled |= put
+            logp_sum = logp_sum + torch.where(has[None], logp_r[:, i, :][:, jc], 0.0)
+        # a row whose logits are unknown forwards its state itself as node 0
+        node_tokens = torch.where(known[:, None, None], node_tokens, tokens[:, None, :])
+        filled &= known[:, None, None]
+        node_masked = masked[:, None, :] & ~filled
+        fits = (tab["top_rank"] < bs)[None] & (tab["top_rank"][None] < mcount[:, None])
+        valid = torch.where(known[:, None], fits, node_ids[None] == 0)
+        complete = valid & known[:, None] & (tab["size"][None] == mcount[:, None])
+
+        # online pruning: geometric-mean probability, made monotone along paths
+        score = torch.where(valid, logp_sum / tab["size"][None].float(), float("-inf"))
+        if prune_to is not None and prune_to < num_nodes - 1:
+            closed = score.clone()
+            closed[:, 0] = float("inf")
+            for n in range(1, num_nodes):
+                par = tab["parents"][n]
+                best = closed[:, par].max(1).values
+                closed[:, n] = torch.minimum(score[:, n], best)
+            top = torch.sort(closed, dim=1, descending=True, stable=True).indices[:, : prune_to + 1]
+            kept = torch.zeros_like(valid).scatter_(1, top, True) & valid
+        else:
+            closed = score
+            kept = valid
+        anchor_ok = complete & kept
+        has_anchor = anchor_ok.any(1)
+        anchor = torch.where(anchor_ok, closed, float("-inf")).argmax(1)                # first best
+        num_kept = kept.sum(1)
+        info = torch.stack([num_kept.max(), has_anchor.any().to(torch.int64)]).tolist()  # host sync 1
+        copies, need_next = int(info[0]), bool(info[1])
+
+        # lay the kept nodes out as copies (kept first, node order)
+        copy_node = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices[:, :copies]
+        node_copy = torch.full((a_rows, num_nodes), -1, dtype=torch.int64, device=dev)
+        node_copy.scatter_(1, copy_node, torch.arange(copies, device=dev).expand(a_rows, -1))
+        node_copy = torch.where(kept, node_copy, -1)
+        suffix = node_tokens.gather(1, copy_node[..., None].expand(-1, -1, bs))         # [A, K, bs]
+        cmasked = node_masked.gather(1, copy_node[..., None].expand(-1, -1, bs))
+        segments = copies + int(need_next)
+        dense = ssd_copies(bs, segments, device=dev).dense().expand(a_rows, -1, -1).clone()
+        offsets = slots.repeat(segments)
+        anchor_copy = node_copy.gather(1, anchor[:, None])[:, 0].clamp(min=0)
+        if need_next:
+            suffix = torch.cat([suffix, torch.full((a_rows, 1, bs), mask_id, dtype=torch.int64, device=dev)], 1)
+            cmasked = torch.cat([cmasked, torch.ones(a_rows, 1, bs, dtype=torch.bool, device=dev)], 1)
+            offsets = offsets.clone()
+            offsets[copies * bs:] += bs
+            # the next block's state sees its anchor copy as the committed block before it
+            key_copy = torch.arange(segments * bs, device=dev) // bs
+            sees = (key_copy[None] == anchor_copy[:, None]) & has_anchor[:, None]        # [A, N]
+            dense[:, copies * bs:, :] |= sees[:, None, :]
+        base = cache.lengths.to(dev)
+        plan = AttentionPlan(suffix.reshape(a_rows, segments * bs), base[:, None] + offsets,
+                             pack_mask(dense), cache)
+        out = model(plan, return_kv=True)
+        forwards += 1
+        raw = out.logits.float().view(a_rows, segments, bs, vocab)
+        if model.shifted:
+            first = carry[:, None, :].expand(a_rows, segments, vocab)
+            if need_next:
+                last_of_anchor = raw[torch.arange(a_rows, device=dev), anchor_copy, bs - 1]
+                first = torch.cat([first[:, :copies], last_of_anchor[:, None]], 1)
+            logits = torch.cat([first[:, :, None], raw[:, :, :-1]], 2)
+        else:
+            logits = raw
+        c_choice = next_tokens(logits.reshape(-1, vocab), temperature, generator).view(a_rows, segments, bs)
+        c_conf = confidence(logits, c_choice, temperature)
+        c_conf = torch.where(cmasked, c_conf, torch.full_like(c_conf, -1.0))
+        step_slot = c_conf.argmax(-1)                                    # first max: lower slot
+        step_tok = c_choice.gather(-1, step_slot[..., None])[..., 0]
+
+        # walk the graph from the root along the real steps
+        u = torch.zeros(a_rows, dtype=torch.int64, device=dev)
+        for _ in range(graph.depth):
+            c = node_copy.gather(1, u[:, None])[:, 0].clamp(min=0)
+            slot = step_slot.gather(1, c[:, None])[:, 0]
+            tok = step_tok.gather(1, c[:, None])[:, 0]
+            i = rank.gather(1, slot[:, None])[:, 0]
+            hit = cand.gather(1, slot[:, None, None].expand(-1, 1, big_j))[:, 0] == tok[:, None]
+            j = torch.where(hit.any(1), hit.to(torch.int8).argmax(1), -1)
+            ok = (i < graph.max_rank) & (j >= 0) & known & ~complete.gather(1, u[:, None])[:, 0]
+            nxt = tab["next_node"][u, i.clamp(max=graph.max_rank - 1), j.clamp(min=0)]
+            ok &= nxt >= 0
+            ok &= kept.gather(1, nxt.clamp(min=0)[:, None])[:, 0]
+            u = torch.where(ok, nxt, u)
+        final_copy = node_copy.gather(1, u[:, None])[:, 0]
+        done_block = complete.gather(1, u[:, None])[:, 0]
+        went_next = done_block & (u == anchor) & has_anchor
+        steps = torch.where(known, tab["size"][u], 0)
+
+        # next state
+        src = torch.where(went_next, copies, final_copy)
+        pick = src[:, None, None]
+        new_tokens = node_tokens.gather(1, u[:, None, None].expand(-1, 1, bs))[:, 0]
+        new_masked = node_masked.gather(1, u[:, None, None].expand(-1, 1, bs))[:, 0]
+        block_tokens = new_tokens
+        new_tokens = torch.where(done_block[:, None], mask_id, new_tokens)
+        new_masked = new_masked | done_block[:, None]
+        choice = c_choice.gather(1, pick.expand(-1, 1, bs))[:, 0]
+        conf = c_conf.gather(1, pick.expand(-1, 1, bs))[:, 0]
+        src_logits = logits.gather(1, pick[..., None].expand(-1, 1, bs, vocab))[:, 0]
+        cand, cand_logp = candidates(src_logits, choice, big_j, temperature)
+        conf = torch.where(new_masked, conf, torch.full_like(conf, -1.0))
+        new_known = ~done_block | went_next
+        # commit complete blocks: the KV and last logits of their copy
+        commit_copy = final_copy.clamp(min=0)
+        new_carry = raw[torch.arange(a_rows, device=dev), commit_copy, bs - 1]
+        carry = torch.where(done_block[:, None], new_carry, carry)
+
+        host = torch.cat([done_block[:, None].to(torch.int64), steps[:, None], block_tokens,
+                          num_kept[:, None]], 1).tolist()                          # host sync 2
+        if trace is not None:
+            trace(dict(rows=list(rows), known=known.tolist(), tokens=tokens.tolist(),
+                       order=order.tolist(), cand=cand_r.tolist(), host=host))
+        keep = torch.where(done_block[:, None], commit_copy[:, None] * bs + slots, -1)
+        if any(h[0] for h in host):
+            cache.append(out.suffix_kv, keep=keep.cpu())
+        tokens, masked, known = new_tokens, new_masked, new_known
+
+        finished = []
+        block_start = base.tolist()
+        for a, b in enumerate(rows):
+            commit, n_steps, kept_here = host[a][0], host[a][1], host[a][-1]
+            st.nodes_forwarded += kept_here
+            if n_steps:                       # a verification round of a state with logits
+                st.verify_rows += 1
+                st.steps += n_steps
+                st.histogram[n_steps] = st.histogram.get(n_steps, 0) + 1
+                st.drafts += kept_here - 1
+                st.accepted_drafts += n_steps - 1
+                if progress is not None:
+                    progress.update(n_steps / batch)
+            if not commit:
+                continue
+            for slot_i, t in enumerate(host[a][2:2 + bs]):
+                if block_start[a] + slot_i < len(prompts[b]):
+                    continue                  # the prompt's tail
+                if len(generated[b]) == max_new_tokens:
+                    break
+                generated[b].append(int(t))
+                if t in eos:
+                    break
+            if len(generated[b]) >= max_new_tokens or (generated[b] and generated[b][-1] in eos):
+                finished.append(a)
+        st.rounds += 1
+        if finished:
+            stay = [a for a in range(a_rows) if a not in set(finished)]
+            rows = [rows[a] for a in stay]
+            if not rows:
+                break
+            idx = torch.tensor(stay, device=dev)
+            cache = cache.select(stay)
+            tokens, masked, known, choice, conf = (t[idx] for t in (tokens, masked, known, choice, conf))
+            cand, cand_logp, carry = cand[idx], cand_logp[idx], carry[idx]
+
+    stats = {"nfe": {"target": forwards},
+             "mean_accepted": st.steps / max(st.verify_rows, 1),
+             "accepted_hist": dict(sorted(st.histogram.items())),
+             "drafts": st.drafts, "accepted_drafts": st.accepted_drafts,
+             "rounds": st.rounds, "block_size": bs}
+    return generated, stats

@@ -1,0 +1,78 @@
+"""Method ``ssd``: lossless self-speculative decoding (SSD) for block-causal dLLMs.
+
+Equal to ``diffusion`` with one token per step (greedy: the same tokens; sampling: the same
+distribution), in fewer forwards.  One forward both verifies the previous round's drafts
+and drafts the next ones:
+
+- at a state S with known logits, the masked slots of the current block are ordered by the
+  one-token-per-step rule (confidence of S's choice, descending, ties to the lower slot);
+  the first is S's exact step (the root c0), the next ``draft_len`` are drafts with S's
+  choices: the chain c0, c1 = c0 + draft 1, ..., the states the diffusion would visit if the
+  drafts were right;
+- the chain is verified as ONE suffix of block copies (:func:`dspec.masks.ssd_copies`: each
+  copy bidirectional within itself, all sharing the cached prefix, which is read once);
+- when the chain completes the block, the next block's first (all-[MASK]) state rides in
+  the same forward, attending to the completed copy: the commit forward of the reference
+  (which a one-step run spends once per block) is merged into the verification forward, and
+  the next block's first drafts come with it;
+- accept down the chain while each state's real step (most confident masked slot and its
+  token, the reference rule) equals the next draft; the last accepted state's own step is
+  the next round's root (every round commits >= 1 step) and its logits are the next round's
+  drafts: no separate draft forward;
+- ``mixed_order``: the chain also carries c_k + draft (k + 2), so a node verifies its
+  grandchild c_{k+2} when two drafts come out of order (lossless: the swapped state is
+  itself forwarded and verified).
+
+NFE: 1 prefill (the prompt's complete blocks), then one forward per round; the first round
+only forwards the first block's state (its logits are needed to draft).  A one-step run
+takes 1 prefill + per block (masked slots + 1 commit) forwards.
+
+Host syncs: two small reads per round (copies to forward; accepted steps / committed
+blocks), see :mod:`dspec.decode._selfspec`.
+"""
+from __future__ import annotations
+
+from ._selfspec import chain_graph, check_common, decode_self_speculative
+
+OPTIONS = ("block_size", "draft_len", "mixed_order")
+DRAFTER = False
+
+
+def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, generator=None,
+           eos_ids=(), progress=None, block_size: int | None = None, draft_len: int | None = None,
+           mixed_order: bool = False):
+    """SSD decoding of a ragged batch; returns (tokens per request, stats).
+
+    Parameters
+    ----------
+    model : a block-causal masked-diffusion ``Model`` (SDAR, Fast-dLLM v2).
+    prompts : B lists of prompt token ids (ragged).
+    max_new_tokens, temperature, generator, eos_ids, progress : as ``diffusion``.
+    block_size : int >= 1, default the model's.
+    draft_len : int >= 1, drafted steps per round after the exact root step (the
+        verification suffix holds draft_len + 1 block copies, + 1 next-block copy when the
+        chain completes the block); default ``block_size - 1`` (at least 1): a whole block
+        can be verified in one forward.
+    mixed_order : bool, also verify the swapped-pair states (up to draft_len - 1 more copies).
+
+    Returns
+    -------
+    tokens : B lists of generated ids.
+    stats : ``nfe`` ({"target": forwards}), ``mean_accepted`` (denoising steps -- tokens --
+        committed per verification round of a request: every round of a request whose
+        state had logits; >= 1), ``accepted_hist`` ({steps per round: rounds}), ``drafts``
+        (draft states forwarded), ``accepted_drafts``, ``rounds``, ``block_size``,
+        ``draft_len``, ``mixed_order``.
+    """
+    bs = check_common(model, "ssd", block_size)
+    n = draft_len if draft_len is not None else max(1, bs - 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"draft_len must be an int >= 1, got {draft_len!r}")
+    if not isinstance(mixed_order, bool):
+        raise ValueError(f"mixed_order must be a bool, got {mixed_order!r}")
+    tokens, stats = decode_self_speculative(
+        model, prompts, graph=chain_graph(n, mixed_order), prune_to=None,
+        max_new_tokens=max_new_tokens, temperature=temperature, generator=generator,
+        eos_ids=eos_ids, progress=progress, block_size=bs)
+    stats.update(draft_len=n, mixed_order=mixed_order)
+    return tokens, stats
