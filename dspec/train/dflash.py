@@ -1,0 +1,614 @@
+"""Training recipe of the DFlash block drafter (and, with a prefix prior, of D2SD's VP-drafter).
+
+Data: **target-generated responses**.  Prompts come from ``dspec.tasks`` (arithmetic
+problems, the starts of standard-library files, ShareGPT turns; an instruct target with a
+ChatML tokenizer gets them in its chat template) and the target itself continues each one
+with dspec's ``ar`` (greedy for most, sampled at T = 1 for the rest), so the drafter learns
+the distribution it must predict at decoding time.  The sequences are generated once and
+stored in the output directory (``data.pt``, reused on resume); a fixed tenth is held out.
+
+Objective (one optimizer step): for B sequences, one no-grad target forward gives the hidden
+states at the drafter's ``target_layer_ids``; M anchor positions p per sequence are drawn in
+the response (p >= prompt length, as in decoding where the first anchor is the first
+generated token); block m is ``[x_p, x_{p+1} .. x_{p+i}, MASK ...]`` of G slots, where i =
+0 for DFlash and i ~ the truncated geometric prefix prior for the VP-drafter
+(:func:`dspec.train.vp_drafter.prefix_prior`); it sees the target features of positions
+< p.  Loss: cross-entropy of slot j against x_{p+j} for j > i, weighted by
+``exp(-(j - i - 1) / decay)`` (:func:`dspec.models.dflash.block_loss_weights`: the first
+drafted slot weighs 1, later ones less, as a later slot only counts when all before it are
+accepted), normalised by the weight sum; slots past the sequence end weigh 0.
+
+Optimisation: AdamW, linear warmup + cosine decay, gradient clipping; bf16 autocast on CUDA;
+a time budget (``--minutes``) fixes the total step count after a few measured steps;
+checkpoints (``checkpoint.pt``: drafter, optimizer, step, schedule, log) every
+``checkpoint_every_s`` and at the end, and ``--resume`` continues the same schedule
+(batches and anchors are seeded by (seed, step)).  tqdm progress; ``train_log.json`` and
+``loss_curve.png``.  The final drafter directory (``OUT/drafter``: config.json,
+model.safetensors, README.md model card with data, steps, wall time, held-out loss and the
+measured acceptance length) loads with :func:`dspec.models.dflash.load_drafter`.
+
+CLI::
+
+    python -m dspec.train.dflash --target tiny-ar --out runs/tiny-ar-dflash --minutes 12
+    python -m dspec.train.vp_drafter --target tiny-ar --out runs/tiny-ar-vp --minutes 12
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..models.dflash import MASK, BlockDrafter, DrafterConfig, block_loss_weights
+
+CHECKPOINT = "checkpoint.pt"
+DATA = "data.pt"
+LOG_JSON = "train_log.json"
+LOSS_PNG = "loss_curve.png"
+PROMPT_SOURCES = ("arithmetic", "stdlib", "sharegpt")
+
+
+# ------------------------------------------------------------------------------ config
+
+@dataclass
+class DrafterTrainConfig:
+    """Recipe settings.
+
+    kind : "dflash" or "vp".
+    block_size : G, slots per block (anchor included); 16 at scale, 8 for tiny targets.
+    num_layers : drafter depth (1-2); target_layer_ids : None = evenly spread default.
+    batch_size : sequences per step; anchors_per_seq : blocks M drawn per sequence.
+    lr, min_lr, warmup_steps, max_steps, weight_decay, grad_clip : AdamW + cosine schedule.
+    loss_decay : the decay of the slot weights exp(-(j - i - 1) / decay) (None: G / 2).
+    prefix_accept : VP prefix prior parameter a, P(i) proportional to a^i on [0, G-2].
+    num_prompts, prompt_tokens, response_tokens, sampled_fraction, gen_batch : data
+        generation (prompts, max prompt length, tokens generated per prompt, fraction of
+        responses sampled at T = 1, batch of the ``ar`` generation).
+    sources : prompt sources (``PROMPT_SOURCES``) and their weights.
+    heldout_fraction : fraction of sequences held out.
+    eval_every : steps between held-out evaluations; checkpoint_every_s : seconds.
+    autocast : "auto" (bf16 on CUDA), "bf16" or "none".
+    """
+
+    kind: str = "dflash"
+    block_size: int = 16
+    num_layers: int = 1
+    target_layer_ids: list | None = None
+    batch_size: int = 16
+    anchors_per_seq: int = 8
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 30
+    max_steps: int = 20000
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    loss_decay: float | None = None
+    prefix_accept: float = 0.7
+    num_prompts: int = 2048
+    prompt_tokens: int = 48
+    response_tokens: int = 64
+    sampled_fraction: float = 0.25
+    gen_batch: int = 64
+    sources: dict = field(default_factory=lambda: {"arithmetic": 0.3, "stdlib": 0.4, "sharegpt": 0.3})
+    heldout_fraction: float = 0.1
+    eval_every: int = 100
+    checkpoint_every_s: float = 120.0
+    autocast: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("dflash", "vp"):
+            raise ValueError(f"kind must be 'dflash' or 'vp', got {self.kind!r}")
+        for name in ("block_size", "num_layers", "batch_size", "anchors_per_seq", "max_steps",
+                     "num_prompts", "prompt_tokens", "response_tokens", "gen_batch", "eval_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if not 0 < self.prefix_accept < 1:
+            raise ValueError(f"prefix_accept must lie in (0, 1), got {self.prefix_accept}")
+        if not 0 <= self.sampled_fraction <= 1 or not 0 < self.heldout_fraction < 1:
+            raise ValueError("sampled_fraction must lie in [0, 1] and heldout_fraction in (0, 1)")
+        if self.autocast not in ("auto", "bf16", "none"):
+            raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
+        bad = set(self.sources) - set(PROMPT_SOURCES)
+        if bad or not self.sources or sum(self.sources.values()) <= 0:
+            raise ValueError(f"sources must map some of {PROMPT_SOURCES} to weights, got {self.sources!r}")
+
+    @property
+    def decay(self) -> float:
+        return float(self.loss_decay) if self.loss_decay else self.block_size / 2
+
+
+def lr_at(step: int, cfg: DrafterTrainConfig, total: int) -> float:
+    """Linear warmup to ``lr`` then cosine decay to ``min_lr`` at ``total`` steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+# -------------------------------------------------------------------------------- data
+
+def _chat(tokenizer, text: str) -> str:
+    if tokenizer.token_to_id("<|im_start|>") is not None:
+        return f"<|im_start|>user\n{text.strip()}<|im_end|>\n<|im_start|>assistant\n"
+    return text
+
+
+def make_prompts(target, cfg: DrafterTrainConfig) -> list[list[int]]:
+    """``cfg.num_prompts`` prompt token lists drawn from ``cfg.sources`` (deterministic in
+    ``cfg.seed``); arithmetic problems use training seeds (>= 1000), text sources are cut
+    at a line start and truncated to ``cfg.prompt_tokens`` tokens."""
+    from .. import tasks
+    tok = target.tokenizer
+    if tok is None:
+        raise ValueError("the target has no tokenizer: pass prompts as token ids (generate_sequences)")
+    rng = random.Random(cfg.seed)
+    total = sum(cfg.sources.values())
+    counts = {s: int(round(cfg.num_prompts * w / total)) for s, w in cfg.sources.items()}
+    texts: list[str] = []
+    if counts.get("arithmetic"):
+        texts += [p.prompt for p in tasks.arithmetic(counts["arithmetic"], seed=1000 + cfg.seed)]
+    if counts.get("stdlib"):
+        files = tasks.stdlib_sources()
+        for _ in range(counts["stdlib"]):
+            src = files[rng.randrange(len(files))].read_text(encoding="utf-8", errors="replace")
+            lines = src.splitlines(keepends=True)
+            start = rng.randrange(max(1, len(lines) - 8)) if lines else 0
+            texts.append("".join(lines[start:start + 12]) or "import os\n")
+    if counts.get("sharegpt"):
+        turns = []
+        for t in tasks.sharegpt_texts(max_conversations=4 * counts["sharegpt"], roles=("human",)):
+            turns.append(t)
+        rng.shuffle(turns)
+        texts += [_chat(tok, t[:600]) for t in turns[:counts["sharegpt"]]]
+    rng.shuffle(texts)
+    prompts = []
+    for t in texts:
+        ids = tok.encode(t)[: cfg.prompt_tokens]
+        if ids:
+            prompts.append(ids)
+    return prompts
+
+
+@torch.no_grad()
+def generate_sequences(target, prompts: list[list[int]], cfg: DrafterTrainConfig, *, progress: bool = True):
+    """Continue every prompt with the target (``ar``): greedy, or sampled at T = 1 for a
+    ``cfg.sampled_fraction`` share.  Returns a list of (token ids, prompt length)."""
+    from ..decode.ar import decode_ar
+    from tqdm.auto import tqdm
+    out = []
+    gen = torch.Generator(device=target.device).manual_seed(cfg.seed)
+    n_sampled = int(round(len(prompts) * cfg.sampled_fraction))
+    bar = tqdm(total=len(prompts), desc="generating responses", unit="seq", disable=not progress)
+    for start in range(0, len(prompts), cfg.gen_batch):
+        chunk = prompts[start:start + cfg.gen_batch]
+        sampled = start >= len(prompts) - n_sampled
+        tokens, _ = decode_ar(target, chunk, max_new_tokens=cfg.response_tokens,
+                              temperature=1.0 if sampled else 0.0, generator=gen if sampled else None,
+                              eos_ids=target.eos_token_ids)
+        for p, t in zip(chunk, tokens):
+            if len(t) >= 2:
+                out.append((list(p) + list(t), len(p)))
+        bar.update(len(chunk))
+    bar.close()
+    return out
+
+
+# ---------------------------------------------------------------------------- batches
+
+def pad_sequences(seqs, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[(ids, prompt_len)] -> tokens [B, T] (right-padded with 0), lengths [B], prompt_lens [B]."""
+    t = max(len(s) for s, _ in seqs)
+    tokens = torch.zeros(len(seqs), t, dtype=torch.int64)
+    for b, (s, _) in enumerate(seqs):
+        tokens[b, :len(s)] = torch.tensor(s)
+    lengths = torch.tensor([len(s) for s, _ in seqs])
+    plens = torch.tensor([p for _, p in seqs])
+    return tokens.to(device), lengths.to(device), plens.to(device)
+
+
+def make_blocks(tokens, lengths, prompt_lens, *, block_size: int, anchors: int, prefix_lengths=None,
+                generator: torch.Generator | None = None):
+    """Draw ``anchors`` anchor positions per sequence in [prompt_len, length - 2] and build
+    the training blocks.
+
+    Returns blocks [B, M, G] (slot 0 the anchor token, slots 1..i the given prefix, MASK
+    after), labels [B, M, G] (x_{p+j}, 0 past the end), valid [B, M, G] (label exists),
+    starts [B, M] (the anchor positions), prefix [B, M] (i; zeros without
+    ``prefix_lengths``, an int tensor [B, M] sampled by the caller).
+    """
+    bsz, t = tokens.shape
+    dev = tokens.device
+    lo = prompt_lens.clamp_max(lengths - 2).clamp_min(0)
+    span = (lengths - 1 - lo).clamp_min(1)
+    u = torch.rand(bsz, anchors, generator=generator).to(dev)
+    starts = lo[:, None] + (u * span[:, None]).long().clamp_max(span[:, None] - 1)
+    j = torch.arange(block_size, device=dev)
+    pos = starts[..., None] + j                                              # [B, M, G]
+    valid = pos < lengths[:, None, None]
+    gathered = tokens.gather(1, pos.clamp_max(t - 1).view(bsz, -1)).view(bsz, anchors, block_size)
+    labels = torch.where(valid, gathered, torch.zeros_like(gathered))
+    prefix = torch.zeros(bsz, anchors, dtype=torch.int64, device=dev) if prefix_lengths is None \
+        else prefix_lengths.to(dev)
+    given = (j <= prefix[..., None]) & valid
+    blocks = torch.where(given, labels, torch.full_like(labels, MASK))
+    valid = valid & (j > prefix[..., None])
+    return blocks, labels, valid, starts, prefix
+
+
+def block_loss(drafter: BlockDrafter, target, tokens, lengths, blocks, labels, valid, starts, prefix,
+               decay: float):
+    """Weighted cross-entropy of a batch of blocks (the recipe's objective) -> (loss, weight sum)."""
+    with torch.no_grad():
+        plan = target.plan(tokens)
+        out = target(plan, logits=None, hidden_states=drafter.target_layer_ids, return_kv=False)
+    logits = drafter.forward_train(out.hidden, blocks, starts, context_length=lengths)
+    w = block_loss_weights(blocks.shape[-1], prefix, decay) * valid
+    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(w)
+    total = w.sum()
+    return (ce * w).sum() / total.clamp_min(1e-6), total
+
+
+# ---------------------------------------------------------------------------- trainer
+
+class DrafterTrainer:
+    """Trains one block drafter for one target (see the module docstring).
+
+    Parameters
+    ----------
+    target : the AR target (frozen).
+    cfg : DrafterTrainConfig.
+    out_dir : where data, checkpoints, logs and the final drafter go.
+    sequences : optional pre-generated [(ids, prompt_len)] (otherwise generated or read
+        from ``out_dir/data.pt``).
+    prefix_sampler : callable(generator, shape) -> prefix lengths int64 (the VP prior);
+        None for DFlash (i = 0).
+    """
+
+    def __init__(self, target, cfg: DrafterTrainConfig, out_dir, *, sequences=None, prefix_sampler=None,
+                 progress: bool = True):
+        self.target = target.requires_grad_(False).eval()
+        self.cfg = cfg
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.progress = progress
+        self.prefix_sampler = prefix_sampler
+        self.device = target.device
+        self.drafter = BlockDrafter.for_target(target, kind=cfg.kind, num_layers=cfg.num_layers,
+                                               block_size=cfg.block_size,
+                                               target_layer_ids=cfg.target_layer_ids, seed=cfg.seed)
+        self.drafter.float().train()
+        self.data_info = {}
+        self.sequences = self._data(sequences)
+        n_held = max(1, int(len(self.sequences) * cfg.heldout_fraction))
+        order = list(range(len(self.sequences)))
+        random.Random(cfg.seed + 17).shuffle(order)
+        self.heldout = [self.sequences[i] for i in order[:n_held]]
+        self.train_set = [self.sequences[i] for i in order[n_held:]] or self.heldout
+        decay_params = [p for n, p in self.drafter.named_parameters() if p.dim() >= 2]
+        other = [p for n, p in self.drafter.named_parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay_params, "weight_decay": cfg.weight_decay},
+                                      {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        self.step = 0
+        self.total_steps = None
+        self.log: list[dict] = []
+        self.evals: list[dict] = []
+        self.wall_s = 0.0
+
+    # ------------------------------------------------------------------ data
+    def _data(self, sequences):
+        path = self.out / DATA
+        if sequences is not None:
+            self.data_info = {"source": "given", "sequences": len(sequences)}
+            return [(list(s), int(p)) for s, p in sequences]
+        if path.is_file():
+            blob = torch.load(path, weights_only=False)
+            self.data_info = blob["info"]
+            return blob["sequences"]
+        t0 = time.perf_counter()
+        prompts = make_prompts(self.target, self.cfg)
+        seqs = generate_sequences(self.target, prompts, self.cfg, progress=self.progress)
+        if not seqs:
+            raise ValueError("the target generated no usable responses (all shorter than 2 tokens)")
+        self.data_info = {"source": "target-generated (dspec ar)", "prompts": len(prompts),
+                          "sequences": len(seqs), "sources": dict(self.cfg.sources),
+                          "tokens": sum(len(s) for s, _ in seqs),
+                          "response_tokens": sum(len(s) - p for s, p in seqs),
+                          "sampled_fraction": self.cfg.sampled_fraction,
+                          "generation_s": round(time.perf_counter() - t0, 1)}
+        torch.save({"sequences": seqs, "info": self.data_info}, path)
+        return seqs
+
+    def _gen(self, step: int, salt: int = 0) -> torch.Generator:
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 7919 + salt)
+
+    def batch(self, step: int, sequences=None, *, salt: int = 0):
+        """Step ``step``'s sequences and blocks (a pure function of (seed, step))."""
+        seqs = sequences if sequences is not None else self.train_set
+        g = self._gen(step, salt)
+        if sequences is None:
+            idx = torch.randint(len(seqs), (self.cfg.batch_size,), generator=g).tolist()
+            rows = [seqs[i] for i in idx]
+        else:
+            rows = seqs
+        tokens, lengths, plens = pad_sequences(rows, self.device)
+        prefix = None
+        if self.prefix_sampler is not None:
+            prefix = self.prefix_sampler(g, (len(rows), self.cfg.anchors_per_seq))
+        return (tokens, lengths) + make_blocks(tokens, lengths, plens, block_size=self.cfg.block_size,
+                                               anchors=self.cfg.anchors_per_seq, prefix_lengths=prefix,
+                                               generator=g)
+
+    # ------------------------------------------------------------------ steps
+    def _autocast(self):
+        on = self.cfg.autocast == "bf16" or (self.cfg.autocast == "auto" and self.device.type == "cuda")
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=on)
+
+    def train_step(self) -> float:
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg, self.total_steps or cfg.max_steps)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        tokens, lengths, blocks, labels, valid, starts, prefix = self.batch(self.step)
+        with self._autocast():
+            loss, _ = block_loss(self.drafter, self.target, tokens, lengths, blocks, labels, valid, starts,
+                                 prefix, cfg.decay)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        value = float(loss.detach())
+        self.log.append({"step": self.step, "loss": value, "lr": lr})
+        return value
+
+    @torch.no_grad()
+    def evaluate(self, max_sequences: int = 64) -> float:
+        """Held-out weighted loss over fixed anchors (seeded, identical across calls)."""
+        self.drafter.eval()
+        total, weight = 0.0, 0.0
+        held = self.heldout[:max_sequences]
+        for start in range(0, len(held), self.cfg.batch_size):
+            tokens, lengths, blocks, labels, valid, starts, prefix = self.batch(
+                start, held[start:start + self.cfg.batch_size], salt=99991)
+            with self._autocast():
+                loss, w = block_loss(self.drafter, self.target, tokens, lengths, blocks, labels, valid,
+                                     starts, prefix, self.cfg.decay)
+            total += float(loss) * float(w)
+            weight += float(w)
+        self.drafter.train()
+        value = total / max(weight, 1e-6)
+        self.evals.append({"step": self.step, "heldout_loss": value})
+        return value
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        return {"drafter": self.drafter.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
+                "total_steps": self.total_steps, "log": self.log, "evals": self.evals,
+                "wall_s": self.wall_s, "cfg": asdict(self.cfg)}
+
+    def save_checkpoint(self) -> Path:
+        path = self.out / CHECKPOINT
+        tmp = path.with_suffix(".tmp")
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+        self.write_log()
+        return path
+
+    def resume(self) -> bool:
+        """Load ``checkpoint.pt`` when present; True if it did."""
+        path = self.out / CHECKPOINT
+        if not path.is_file():
+            return False
+        state = torch.load(path, weights_only=False, map_location=self.device)
+        self.drafter.load_state_dict(state["drafter"])
+        self.opt.load_state_dict(state["opt"])
+        self.step, self.total_steps = state["step"], state["total_steps"]
+        self.log, self.evals, self.wall_s = state["log"], state["evals"], state["wall_s"]
+        return True
+
+    def write_log(self) -> None:
+        (self.out / LOG_JSON).write_text(json.dumps(
+            {"config": asdict(self.cfg), "data": self.data_info, "step": self.step,
+             "total_steps": self.total_steps, "wall_s": self.wall_s, "train": self.log,
+             "heldout": self.evals}, indent=1))
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:                       # plots are optional
+            return
+        fig, ax = plt.subplots(figsize=(6, 4))
+        if self.log:
+            ax.plot([r["step"] for r in self.log], [r["loss"] for r in self.log], lw=0.8, label="train")
+        if self.evals:
+            ax.plot([r["step"] for r in self.evals], [r["heldout_loss"] for r in self.evals], "o-", label="held-out")
+        ax.set_xlabel("step")
+        ax.set_ylabel("weighted block cross-entropy (nats)")
+        ax.set_title(f"{self.cfg.kind} drafter, block {self.cfg.block_size}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(self.out / LOSS_PNG, dpi=100)
+        plt.close(fig)
+
+    # ------------------------------------------------------------------ loop
+    def train(self, *, minutes: float | None = None, max_steps: int | None = None) -> dict:
+        """Train until ``max_steps`` (default cfg.max_steps) or the time budget; a budget
+        fixes the schedule's length after 10 measured steps (kept on resume)."""
+        from tqdm.auto import tqdm
+        cap = max_steps or self.cfg.max_steps
+        if self.total_steps is None and minutes is None:
+            self.total_steps = cap
+        budget = None if minutes is None else minutes * 60.0
+        bar = tqdm(total=self.total_steps or cap, initial=self.step, desc=f"train {self.cfg.kind} drafter",
+                   unit="step", disable=not self.progress)
+        start = time.perf_counter()
+        last_ckpt = start
+        measured_from = None
+        while self.step < (self.total_steps or cap):
+            loss = self.train_step()
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            now = time.perf_counter()
+            if self.total_steps is None:
+                if measured_from is None and self.step >= 3:
+                    measured_from = (self.step, now)
+                elif measured_from is not None and self.step >= measured_from[0] + 10:
+                    per_step = (now - measured_from[1]) / (self.step - measured_from[0])
+                    left = budget - (now - start)
+                    self.total_steps = max(self.step + 1, min(cap, self.step + int(left * 0.97 / per_step)))
+                    bar.total = self.total_steps
+                    bar.refresh()
+            if self.step % self.cfg.eval_every == 0:
+                self.evaluate()
+            if now - last_ckpt > self.cfg.checkpoint_every_s:
+                self.wall_s += now - last_ckpt
+                last_ckpt = now
+                self.save_checkpoint()
+        bar.close()
+        self.wall_s += time.perf_counter() - last_ckpt
+        if not self.evals or self.evals[-1]["step"] != self.step:
+            self.evaluate()
+        self.save_checkpoint()
+        return {"step": self.step, "heldout_loss": self.evals[-1]["heldout_loss"], "wall_s": self.wall_s}
+
+
+# ------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def measure_acceptance(target, drafters: dict, prompts: list[list[int]], *, max_new_tokens: int = 48,
+                       draft_len: int | None = None, k: int = 2) -> dict:
+    """Mean accepted length (greedy) of dflash and, with a "vp" drafter, d2sd (K = ``k``) and
+    the resample control on ``prompts``; also checks the outputs equal ``ar``."""
+    from ..decode import ar, d2sd, dflash
+    ref, _ = ar.decode(target, prompts, max_new_tokens=max_new_tokens, eos_ids=target.eos_token_ids)
+    res = {"prompts": len(prompts), "max_new_tokens": max_new_tokens}
+    toks, s = dflash.decode(target, prompts, max_new_tokens=max_new_tokens, eos_ids=target.eos_token_ids,
+                            drafter=drafters["dflash"], draft_len=draft_len)
+    res["dflash"] = {"mean_accepted": s["mean_accepted"], "equals_ar": toks == ref}
+    if "vp" in drafters:
+        for mode in ("vp", "resample"):
+            toks, s = d2sd.decode(target, prompts, max_new_tokens=max_new_tokens, eos_ids=target.eos_token_ids,
+                                  drafter={"dflash": drafters["dflash"], "vp": drafters["vp"]},
+                                  draft_len=draft_len, k=k, branches=mode)
+            res[f"d2sd_{mode}_k{k}"] = {"mean_accepted": s["mean_accepted"], "equals_ar": toks == ref}
+    return res
+
+
+def model_card(trainer: DrafterTrainer, result: dict, acceptance: dict | None, target_name: str) -> str:
+    c, d = trainer.cfg, trainer.drafter.config
+    params = sum(p.numel() for p in trainer.drafter.parameters())
+    lines = [f"# {target_name}-{c.kind}: dspec {'DFlash' if c.kind == 'dflash' else 'D2SD VP'} block drafter",
+             "",
+             f"- target: `{target_name}` ({trainer.target.config.num_layers} layers, hidden "
+             f"{d.hidden_size}, vocab {d.vocab_size}); conditioned on target hidden states {d.target_layer_ids}",
+             f"- drafter: {d.num_layers} layer(s), {d.num_heads}/{d.num_kv_heads} heads x {d.head_dim}, "
+             f"MLP {d.intermediate_size}; {params:,} parameters (the target's embeddings and output head "
+             f"are reused, not stored); block size {d.block_size}",
+             f"- data: {json.dumps(trainer.data_info)}",
+             f"- objective: exponentially decayed block cross-entropy, decay {c.decay}"
+             + (f"; prefix length ~ truncated geometric prior a = {c.prefix_accept}" if c.kind == "vp" else ""),
+             f"- training: {result['step']} steps of {c.batch_size} sequences x {c.anchors_per_seq} blocks, "
+             f"AdamW lr {c.lr} -> {c.min_lr}, wall time {result['wall_s'] / 60:.1f} min on "
+             f"{trainer.device.type} ({torch.get_num_threads()} threads)",
+             f"- held-out loss: {result['heldout_loss']:.4f} nats (weighted, {len(trainer.heldout)} held-out sequences)"]
+    if acceptance:
+        lines.append(f"- acceptance (greedy, held-out prompts, mean tokens committed per target forward): "
+                     f"{json.dumps(acceptance)}")
+    lines += ["", "Made by `python -m dspec.train." + ("dflash" if c.kind == "dflash" else "vp_drafter")
+              + f" --target {target_name}`; load with `dspec.models.dflash.load_drafter(path, target)`.",
+              "A tiny CPU-trained drafter is for correctness and plumbing, not for speed claims.", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+def tiny_defaults(cfg: DrafterTrainConfig, target) -> DrafterTrainConfig:
+    """Smaller blocks and data for a tiny target on a CPU."""
+    if target.config.hidden_size <= 256:
+        cfg.block_size = min(cfg.block_size, 8)
+        cfg.num_prompts = min(cfg.num_prompts, 1024)
+        cfg.response_tokens = min(cfg.response_tokens, 48)
+    return cfg
+
+
+def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dict:
+    name = "dflash" if kind == "dflash" else "vp_drafter"
+    ap = argparse.ArgumentParser(prog=f"python -m dspec.train.{name}",
+                                 description=f"Train a {kind} block drafter for an AR target.")
+    ap.add_argument("--target", required=True, help="shipped target name (tiny-ar, smollm2-135m) or checkpoint dir")
+    ap.add_argument("--out", required=True, help="output directory (data, checkpoints, logs, drafter/)")
+    ap.add_argument("--minutes", type=float, default=None, help="time budget (fixes the schedule length)")
+    ap.add_argument("--max-steps", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=None, help="16 at scale; 8 by default for tiny targets")
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--response-tokens", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    ap.add_argument("--dflash-drafter", default=None,
+                    help="(vp) a DFlash drafter directory for the acceptance measurement")
+    ap.add_argument("--ship", default=None, help="also copy the final drafter directory here")
+    args = ap.parse_args(argv)
+    import shutil
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from ..hub import load
+    target = load(args.target, device=args.device)
+    cfg = DrafterTrainConfig(kind=kind, num_layers=args.layers, seed=args.seed)
+    cfg = tiny_defaults(cfg, target)
+    for attr, val in (("block_size", args.block_size), ("batch_size", args.batch_size),
+                      ("num_prompts", args.num_prompts), ("response_tokens", args.response_tokens),
+                      ("lr", args.lr)):
+        if val is not None:
+            setattr(cfg, attr, val)
+    cfg.__post_init__()
+    out = Path(args.out)
+    if (out / CHECKPOINT).exists() and not args.resume:
+        raise SystemExit(f"{out / CHECKPOINT} exists: pass --resume to continue or choose another --out")
+    sampler = prefix_sampler_factory(cfg) if prefix_sampler_factory else None
+    trainer = DrafterTrainer(target, cfg, out, prefix_sampler=sampler)
+    if args.resume:
+        trainer.resume()
+    result = trainer.train(minutes=args.minutes, max_steps=args.max_steps)
+    target_name = getattr(target, "shipped_name", None) or str(args.target)
+    drafter = trainer.drafter.to(dtype=target.dtype).eval()
+    drafters = {kind: drafter}
+    if kind == "vp":
+        from ..models.dflash import resolve_drafter
+        try:
+            drafters["dflash"] = resolve_drafter(args.dflash_drafter, target, "dflash")
+        except ValueError:
+            drafters = None
+    acceptance = None
+    if drafters is not None and "dflash" in drafters:
+        held_prompts = [s[:p] for s, p in trainer.heldout[:8]]
+        acceptance = measure_acceptance(target, drafters, held_prompts, max_new_tokens=cfg.response_tokens,
+                                        k=2)
+    card = model_card(trainer, result, acceptance, target_name)
+    path = drafter.save(out / "drafter", card=card)
+    result.update(drafter=str(path), acceptance=acceptance)
+    if args.ship:
+        shutil.copytree(path, args.ship, dirs_exist_ok=True)
+        result["shipped"] = args.ship
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
