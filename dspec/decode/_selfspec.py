@@ -220,7 +220,7 @@ def check_common(model, method: str, block_size):
 @torch.no_grad()
 def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int | None,
                             max_new_tokens: int, temperature: float, generator, eos_ids,
-                            progress, block_size: int, trace=None):
+                            progress, block_size: int, trace=None, num_candidates: int = 1):
     """Run the engine (see the module docstring); returns (tokens per request, stats dict).
 
     Parameters
@@ -229,7 +229,10 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
     prune_to : keep at most this many non-root nodes per request and round, chosen by the
         geometric mean of their steps' candidate probabilities at S (monotone along paths,
         so the kept set is connected); None keeps every node that fits the block.
-    trace : optional callable(event dict) for calibration (per round, on the host).
+    trace : optional callable(event dict) for calibration (per round, on the host): rows
+        (request ids), known, tokens / order (of each state S), cand (S's candidates by
+        position rank), host (per row: committed flag, steps, block tokens, nodes).
+    num_candidates : candidates kept per slot (at least the graph's J), for ``trace``.
     """
     dev = model.device
     bs = block_size
@@ -237,7 +240,7 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
     mask_id = model.mask_token_id
     vocab = model.config.vocab_size
     tab = graph.tables(dev)
-    num_nodes, big_j = graph.num_nodes, graph.num_candidates
+    num_nodes, big_j = graph.num_nodes, max(graph.num_candidates, num_candidates)
     ranks_used = min(graph.max_rank, bs)
     slots = torch.arange(bs, device=dev)
     node_ids = torch.arange(num_nodes, device=dev)
@@ -368,8 +371,10 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
             i = rank.gather(1, slot[:, None])[:, 0]
             hit = cand.gather(1, slot[:, None, None].expand(-1, 1, big_j))[:, 0] == tok[:, None]
             j = torch.where(hit.any(1), hit.to(torch.int8).argmax(1), -1)
-            ok = (i < graph.max_rank) & (j >= 0) & known & ~complete.gather(1, u[:, None])[:, 0]
-            nxt = tab["next_node"][u, i.clamp(max=graph.max_rank - 1), j.clamp(min=0)]
+            ok = (i < graph.max_rank) & (j >= 0) & (j < graph.num_candidates) & known
+            ok &= ~complete.gather(1, u[:, None])[:, 0]
+            nxt = tab["next_node"][u, i.clamp(max=graph.max_rank - 1),
+                                   j.clamp(min=0, max=graph.num_candidates - 1)]
             ok &= nxt >= 0
             ok &= kept.gather(1, nxt.clamp(min=0)[:, None])[:, 0]
             u = torch.where(ok, nxt, u)
