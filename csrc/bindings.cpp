@@ -13,6 +13,7 @@
 #include "checks.h"
 #include "dspec.h"
 #include "attention_bindings.h"
+#include "diffuspec_search_bindings.h"
 #include "masks_bindings.h"
 #include "verify_bindings.h"
 
@@ -156,4 +157,5 @@ Raises ValueError for a bad argument, RuntimeError when a CUDA launch fails.)doc
   dspec::register_masks(m);  // csrc/masks_bindings.cpp
   dspec::register_verify(m);  // csrc/verify_bindings.cpp
   dspec::register_attention(m);  // csrc/attention_bindings.cpp
+  dspec::register_diffuspec_search(m);  // csrc/diffuspec_search_bindings.cpp
 }
