@@ -442,9 +442,11 @@ class DrafterTrainer:
         plt.close(fig)
 
     # ------------------------------------------------------------------ loop
-    def train(self, *, minutes: float | None = None, max_steps: int | None = None) -> dict:
+    def train(self, *, minutes: float | None = None, max_steps: int | None = None,
+              steps: int | None = None) -> dict:
         """Train until ``max_steps`` (default cfg.max_steps) or the time budget; a budget
-        fixes the schedule's length after 10 measured steps (kept on resume)."""
+        fixes the schedule's length after 10 measured steps (kept on resume).  ``steps``
+        stops this call after that many steps (the schedule is unchanged: resume later)."""
         from tqdm.auto import tqdm
         cap = max_steps or self.cfg.max_steps
         if self.total_steps is None and minutes is None:
@@ -455,7 +457,8 @@ class DrafterTrainer:
         start = time.perf_counter()
         last_ckpt = start
         measured_from = None
-        while self.step < (self.total_steps or cap):
+        stop = None if steps is None else self.step + steps
+        while self.step < (self.total_steps or cap) and (stop is None or self.step < stop):
             loss = self.train_step()
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
@@ -560,6 +563,7 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    ap.add_argument("--data", default=None, help="reuse the generated sequences of another run (its data.pt)")
     ap.add_argument("--dflash-drafter", default=None,
                     help="(vp) a DFlash drafter directory for the acceptance measurement")
     ap.add_argument("--ship", default=None, help="also copy the final drafter directory here")
@@ -582,6 +586,10 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     if (out / CHECKPOINT).exists() and not args.resume:
         raise SystemExit(f"{out / CHECKPOINT} exists: pass --resume to continue or choose another --out")
     sampler = prefix_sampler_factory(cfg) if prefix_sampler_factory else None
+    if args.data and not (out / DATA).is_file():
+        blob = torch.load(args.data, weights_only=False)
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(blob, out / DATA)            # the run's own copy: resume and the card see it
     trainer = DrafterTrainer(target, cfg, out, prefix_sampler=sampler)
     if args.resume:
         trainer.resume()

@@ -1,0 +1,133 @@
+"""D2SD: branch construction, prefix-tree dedup, greedy == ar (K in {1, 2, 4}), batch ==
+singles, the resample control, lossless sampling.
+
+The oracle-ish drafters of ``test_dflash`` make acceptance non-trivial: the first drafter
+is wrong (and less confident) at every ``wrong_every``-th position, the VP-drafter always
+proposes the target's greedy path, so re-drafting at the right boundary recovers what the
+first draft lost.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dspec
+from dspec.decode import d2sd
+from dspec.models.dflash import BlockDrafter
+
+from test_dflash import (PROMPTS, OracleDrafter, _second_token_marginal, ar_tokens, chi_square_ok,
+                         one_thread, oracle_pair, peaked, target)  # noqa: F401 (fixtures)
+
+
+def drafters(model, prompts, n, gamma, wrong_every=4):
+    first = oracle_pair(model, prompts, n, block_size=gamma, wrong_every=wrong_every)
+    vp = oracle_pair(model, prompts, n, kind="vp", block_size=gamma)
+    return {"dflash": first, "vp": vp}
+
+
+class FixedVP(BlockDrafter):
+    """Every slot's favourite token is ``favourite``, the second favourite ``second``."""
+
+    def __init__(self, target, gamma, favourite, second):
+        base = BlockDrafter.for_target(target, kind="vp", block_size=gamma)
+        super().__init__(base.config, target)
+        self.favourite, self.second = favourite, second
+
+    def forward(self, tokens, positions, cache, *, mask=None, backend=None):
+        logits = torch.zeros(*tokens.shape, self.config.vocab_size)
+        logits[..., self.favourite] = 5.0
+        logits[..., self.second] = 4.0
+        return logits
+
+
+def test_redraft_branches(target):
+    gamma = 5
+    vp = FixedVP(target, gamma, favourite=30, second=31)
+    cache = vp.new_cache(1)
+    first = torch.tensor([[30, 40, 30, 50]])
+    lengths = torch.tensor([[0, 2, 3]])
+    pos = torch.arange(gamma)[None]
+    out = d2sd.redraft(vp, cache, torch.tensor([7]), first, lengths, pos, gamma)
+    # branch k keeps first[:n_k]; slot n_k+1 never repeats the rejected first[n_k]
+    assert out.tolist() == [[[31, 30, 30, 30], [30, 40, 31, 30], [30, 40, 30, 30]]]
+
+
+def test_prefix_tree_dedup():
+    tree = dspec.masks.d2sd_branches(9, [1, 2, 3], [1, 0], [[2, 4], [1, 2, 3]])
+    # branches [1 2 3], [1 2 4], [1 2 3]: 1 and 2 shared, the third branch is the first
+    assert tree.tokens.tolist() == [9, 1, 2, 3, 4]
+    assert tree.parents.tolist() == [-1, 0, 1, 2, 2]
+    assert tree.leaf_of_branch.tolist() == [3, 4, 3]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_equals_ar(target, k):
+    n, gamma = 20, 6
+    ref = ar_tokens(target, PROMPTS, n)
+    ds = drafters(target, PROMPTS, n, gamma)
+    outs = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=ds, k=k) for p in PROMPTS]
+    assert [o.tokens for o in outs] == ref
+    s = outs[0].stats
+    assert s["k"] == k and s["branches"] == "vp" and s["draft_len"] == gamma
+    assert s["nfe"]["target"] == s["verify_forwards"] + 1
+    assert s["nfe"]["drafter"] == s["nfe"]["vp_drafter"] == s["verify_forwards"]
+    assert 1 + gamma - 1 <= s["tree_nodes"] <= 1 + (k + 1) * (gamma - 1)
+    # the VP re-drafts fix the first draft's planted errors: more accepted than DFlash
+    dfl = dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=n, drafter=ds["dflash"])
+    assert s["mean_accepted"] > dfl.stats["mean_accepted"]
+
+
+def test_random_drafters_equal_ar(target):
+    n = 12
+    first = BlockDrafter.for_target(target, block_size=4, seed=1)
+    vp = BlockDrafter.for_target(target, kind="vp", block_size=4, seed=2)
+    got = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter={"dflash": first, "vp": vp}, k=3)
+           for p in PROMPTS]
+    assert [g.tokens for g in got] == ar_tokens(target, PROMPTS, n)
+
+
+def test_resample_control_equals_ar(target):
+    n, gamma = 16, 5
+    ds = drafters(target, PROMPTS, n, gamma)
+    outs = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds["dflash"], k=2,
+                          branches="resample")
+    assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
+    s = outs[0].stats
+    assert "vp_drafter" not in s["nfe"] and s["branches"] == "resample"
+
+
+def test_batch_equals_singles(target):
+    n, gamma = 16, 5
+    ds = drafters(target, PROMPTS, n, gamma, wrong_every=3)
+    singles = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=ds, k=2) for p in PROMPTS]
+    batch = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2)
+    assert [g.tokens for g in batch] == [g.tokens for g in singles] == ar_tokens(target, PROMPTS, n)
+    assert batch[0].stats["cycles"] == sum(g.stats["cycles"] for g in singles)
+
+
+def test_bad_options(target):
+    ds = drafters(target, PROMPTS[:1], 4, 4)
+    with pytest.raises(ValueError, match="k must"):
+        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, k=4)
+    with pytest.raises(ValueError, match="branches"):
+        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, branches="tree")
+    with pytest.raises(ValueError, match="keys"):
+        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter={"first": ds["dflash"]})
+    with pytest.raises(ValueError, match="'vp'"):
+        # a DFlash drafter where the VP-drafter belongs
+        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4,
+                       drafter={"dflash": ds["dflash"], "vp": ds["dflash"]})
+
+
+@pytest.mark.parametrize("branches", ["vp", "resample"])
+def test_sampling_preserves_target_distribution(peaked, branches):
+    prompt = [5, 6, 7]
+    probs = _second_token_marginal(peaked, prompt, 1.0)
+    ds = drafters(peaked, [prompt], 6, 4, wrong_every=3)
+    drafter = ds if branches == "vp" else ds["dflash"]
+    out = dspec.generate(peaked, [prompt] * 1500, method="d2sd", max_new_tokens=3, drafter=drafter,
+                         temperature=1.0, seed=0, k=2, branches=branches)
+    counts = torch.bincount(torch.tensor([g.tokens[1] for g in out]), minlength=peaked.config.vocab_size)
+    stat, limit = chi_square_ok(counts, probs)
+    assert stat < limit, (stat, limit)
+    assert out[0].stats["mean_accepted"] > 1.0

@@ -1,0 +1,288 @@
+"""DFlash: the block drafter (shapes, files, compatibility) and the decode method (greedy ==
+ar, batch == singles, lossless sampling).
+
+Random drafters are almost never accepted, so the method tests also use an *oracle-ish*
+drafter (:class:`OracleDrafter`): it proposes the target's own greedy continuation, except
+at every ``wrong_every``-th absolute position where it proposes a wrong token with lower
+confidence; acceptance lengths between 1 and gamma are then exercised.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import dspec
+from dspec.models.dflash import (MASK, BlockDrafter, DrafterConfig, block_loss_weights,
+                                 default_layer_ids, load_drafter)
+
+from tiny_checkpoints import write_checkpoint
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny matrices: one thread avoids OpenMP spin-waits on a shared 2-core machine (10x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    write_checkpoint(path, "qwen3", seed=0)
+    return dspec.load(path)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    write_checkpoint(path, "llama", seed=1)
+    return dspec.load(path)
+
+
+def ar_tokens(model, prompts, n):
+    return [dspec.generate(model, p, method="ar", max_new_tokens=n).tokens for p in prompts]
+
+
+class OracleDrafter(BlockDrafter):
+    """Proposes the reference continuation (``refs``: prompt + ar output per request) with
+    confidence ``e^strong`` vs 1 for every other token; at absolute positions divisible by
+    ``wrong_every`` it proposes ref + 1 with a weaker logit (so D2SD's boundaries find
+    it).  A row is matched to the reference whose token at the anchor position equals the
+    anchor (the first one on ties; an unmatched row gets reference 0: a bad proposal only
+    lowers acceptance, never correctness)."""
+
+    def __init__(self, target, refs, *, kind="dflash", block_size=4, wrong_every=0, strong=6.0, weak=2.0):
+        base = BlockDrafter.for_target(target, kind=kind, block_size=block_size)
+        super().__init__(base.config, target)
+        self.load_state_dict(base.state_dict())
+        width = max(len(r) for r in refs) + 64
+        table = torch.zeros(len(refs), width, dtype=torch.int64)
+        for i, r in enumerate(refs):
+            table[i, :len(r)] = torch.tensor(r)
+        self.refs = table
+        self.wrong_every, self.strong, self.weak = wrong_every, strong, weak
+        self.calls = 0
+
+    def forward(self, tokens, positions, cache, *, mask=None, backend=None):
+        self.calls += 1
+        vocab = self.config.vocab_size
+        b, n = tokens.shape
+        pos = positions.clamp_max(self.refs.shape[1] - 1)
+        anchor_pos = pos[:, :1]                                       # every block starts at the anchor
+        match = self.refs[:, anchor_pos[:, 0]].T == tokens[:, :1]     # [B, R]
+        row = torch.where(match.any(1), match.int().argmax(1), 0)
+        want = self.refs[row[:, None], pos]                           # [B, N]
+        wrong = torch.zeros_like(want, dtype=torch.bool)
+        if self.wrong_every:
+            wrong = (positions % self.wrong_every == 0) & (positions > anchor_pos)
+        want = torch.where(wrong, (want + 1) % vocab, want)
+        logits = torch.zeros(b, n, vocab)
+        value = torch.where(wrong, torch.tensor(self.weak), torch.tensor(self.strong))
+        logits.scatter_(2, want[..., None], value[..., None])
+        return logits
+
+
+def oracle_pair(model, prompts, n, **kw):
+    ref = ar_tokens(model, prompts, n + 8)
+    refs = [p + r for p, r in zip(prompts, ref)]
+    return OracleDrafter(model, refs, **kw)
+
+
+# ----------------------------------------------------------------------------- drafter
+
+def test_default_layer_ids():
+    assert default_layer_ids(2) == [1, 2]
+    assert default_layer_ids(30) == [1, 15, 29]
+    assert default_layer_ids(4, 3) == [1, 2, 3]
+    with pytest.raises(ValueError):
+        default_layer_ids(0)
+
+
+def test_drafter_shapes(target):
+    d = BlockDrafter.for_target(target, block_size=4, num_layers=2)
+    assert d.target_layer_ids == [1, 2]
+    out = target(target.plan([PROMPTS[0], PROMPTS[1]]), hidden_states=d.target_layer_ids)
+    cache = d.new_cache(2)
+    kv = d.context_kv(out.hidden, torch.arange(5).expand(2, 5))
+    assert kv.shape == (2, 5, d.config.num_kv_heads, d.config.head_dim) and kv.num_layers == 2
+    cache.append(kv, counts=[5, 2])
+    block = torch.tensor([[7, MASK, MASK, MASK], [3, MASK, MASK, MASK]])
+    pos = torch.tensor([[5, 6, 7, 8], [2, 3, 4, 5]])
+    logits = d(block, pos, cache)
+    assert logits.shape == (2, 4, target.config.vocab_size)
+    # the training path computes the same function
+    lt = d.forward_train(out.hidden, block[:, None], pos[:, :1], context_length=torch.tensor([5, 2]))
+    torch.testing.assert_close(lt[:, 0], logits, atol=1e-5, rtol=1e-5)
+    # the mask embedding is used: a real token in a slot changes that slot's logits
+    block2 = block.clone()
+    block2[:, 2] = 9
+    assert not torch.allclose(d(block2, pos, cache)[:, 2], logits[:, 2])
+
+
+def test_save_load_round_trip(target, tmp_path):
+    d = BlockDrafter.for_target(target, block_size=6, seed=5)
+    d.save(tmp_path / "dr")
+    assert {p.name for p in (tmp_path / "dr").iterdir()} == {"config.json", "model.safetensors", "README.md"}
+    cfg = json.loads((tmp_path / "dr" / "config.json").read_text())
+    assert cfg["block_size"] == 6 and cfg["kind"] == "dflash"
+    e = load_drafter(tmp_path / "dr", target)
+    for (k1, v1), (k2, v2) in zip(d.state_dict().items(), e.state_dict().items()):
+        assert k1 == k2 and torch.equal(v1, v2)
+    # the target's weights are not stored
+    from safetensors.torch import load_file
+    assert not any("embed" in k or "lm_head" in k for k in load_file(str(tmp_path / "dr" / "model.safetensors"))
+                   if k != "mask_embedding")
+    with pytest.raises(ValueError, match="expected 'vp'"):
+        load_drafter(tmp_path / "dr", target, kind="vp")
+
+
+def test_compatibility_errors(target, llama, tmp_path):
+    d = BlockDrafter.for_target(target, block_size=4)
+    d.save(tmp_path / "dr")
+    cfg = json.loads((tmp_path / "dr" / "config.json").read_text())
+    for key, value, msg in (("hidden_size", 32, "hidden_size"), ("vocab_size", 99, "vocab_size"),
+                            ("target_num_layers", 5, "5-layer target")):
+        bad = dict(cfg, **{key: value})
+        (tmp_path / "dr" / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=msg):
+            load_drafter(tmp_path / "dr", target)
+    (tmp_path / "dr" / "config.json").write_text(json.dumps(dict(cfg, target_layer_ids=[1, 7])))
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        load_drafter(tmp_path / "dr", target)
+    with pytest.raises(ValueError, match="neither a directory"):
+        load_drafter(tmp_path / "nope", target)
+    with pytest.raises(ValueError, match="not bound"):
+        BlockDrafter(DrafterConfig(**cfg)).target
+    # a drafter for another target of the same shape loads; a different shape does not
+    if llama.config.hidden_size != target.config.hidden_size:
+        with pytest.raises(ValueError):
+            d.bind(llama)
+    with pytest.raises(ValueError, match="shipped target"):
+        dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4)
+    with pytest.raises(ValueError, match="draft_len"):
+        dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4, drafter=d, draft_len=1)
+
+
+def test_loss_weights_formula():
+    w = block_loss_weights(5, torch.tensor([0, 2]), 2.0)
+    expect = torch.tensor([[0, 1, math.exp(-0.5), math.exp(-1), math.exp(-1.5)],
+                           [0, 0, 0, 1, math.exp(-0.5)]], dtype=torch.float32)
+    torch.testing.assert_close(w, expect)
+
+
+# ------------------------------------------------------------------------------ decode
+
+@pytest.mark.parametrize("family", ["target", "llama"])
+def test_greedy_random_drafter_equals_ar(family, request):
+    model = request.getfixturevalue(family)
+    d = BlockDrafter.for_target(model, block_size=4, seed=2)
+    ref = ar_tokens(model, PROMPTS, 12)
+    got = [dspec.generate(model, p, method="dflash", max_new_tokens=12, drafter=d).tokens for p in PROMPTS]
+    assert got == ref
+
+
+@pytest.mark.parametrize("gamma", [2, 4, 7])
+def test_greedy_oracle_equals_ar_with_acceptance(target, gamma):
+    n = 20
+    ref = ar_tokens(target, PROMPTS, n)
+    d = oracle_pair(target, PROMPTS, n, block_size=gamma, wrong_every=5)
+    outs = [dspec.generate(target, p, method="dflash", max_new_tokens=n, drafter=d) for p in PROMPTS]
+    assert [o.tokens for o in outs] == ref
+    s = outs[0].stats
+    assert 1.0 < s["mean_accepted"] <= gamma
+    assert s["nfe"]["target"] == s["verify_forwards"] + 1 == s["nfe"]["drafter"] + 1
+    assert s["nfe"]["target"] < n + 1
+    assert s["draft_s"] > 0 and s["verify_s"] > 0
+    if gamma >= 4:
+        assert s["mean_accepted"] > 2.0
+
+
+def test_batch_ragged_equals_singles(target):
+    n = 16
+    d = oracle_pair(target, PROMPTS, n, block_size=5, wrong_every=4)
+    singles = [dspec.generate(target, p, method="dflash", max_new_tokens=n, drafter=d) for p in PROMPTS]
+    batch = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d)
+    assert [g.tokens for g in batch] == [g.tokens for g in singles] == ar_tokens(target, PROMPTS, n)
+    # per-request acceptance: the batch's committed tokens = the sum of the singles'
+    cycles = sum(g.stats["cycles"] for g in singles)
+    assert batch[0].stats["cycles"] == cycles
+    assert batch[0].stats["mean_accepted"] == pytest.approx(
+        sum(g.stats["mean_accepted"] * g.stats["cycles"] for g in singles) / cycles)
+
+
+def test_eos_and_max_new_tokens(target):
+    ref = ar_tokens(target, PROMPTS[:1], 30)[0]
+    eos = ref[7]
+    d = oracle_pair(target, PROMPTS[:1], 30, block_size=6)
+    from dspec.decode import dflash
+    toks, _ = dflash.decode(target, PROMPTS[:1], max_new_tokens=30, eos_ids=(eos,), drafter=d)
+    assert toks[0] == ref[:ref.index(eos) + 1]
+    for n in (1, 2, 5):
+        toks, _ = dflash.decode(target, PROMPTS[:1], max_new_tokens=n, drafter=d)
+        assert toks[0] == ref[:n]
+
+
+def _second_token_marginal(model, prompt, temperature):
+    """Exact P(second generated token) under the target at ``temperature``."""
+    with torch.no_grad():
+        out = model(model.plan([prompt]), logits="last")
+        p1 = torch.softmax(out.logits[0, -1].double() / temperature, -1)
+        seqs = [prompt + [t] for t in range(model.config.vocab_size)]
+        out2 = model(model.plan(seqs), logits="last")
+        p2 = torch.softmax(out2.logits[:, -1].double() / temperature, -1)
+    return p1 @ p2
+
+
+def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """Pearson chi-square over bins with expected count >= 5 (the rest pooled); returns
+    (statistic, a lenient threshold df + 6 sqrt(2 df))."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    return stat, df + 6 * math.sqrt(2 * df)
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory):
+    """A target with sharper next-token distributions (a larger output head), so a few
+    thousand samples resolve its marginals."""
+    path = tmp_path_factory.mktemp("peaked")
+    write_checkpoint(path, "llama", seed=3)
+    model = dspec.load(path)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(5.0)
+    return model
+
+
+def test_sampling_preserves_target_distribution(peaked):
+    prompt = [5, 6, 7]
+    temperature = 1.0
+    probs = _second_token_marginal(peaked, prompt, temperature)
+    d = oracle_pair(peaked, [prompt], 6, block_size=4)     # q: the greedy path, ~0.7 confident
+    rows = 1500
+    out = dspec.generate(peaked, [prompt] * rows, method="dflash", max_new_tokens=3, drafter=d,
+                         temperature=temperature, seed=0)
+    second = torch.tensor([g.tokens[1] for g in out])
+    counts = torch.bincount(second, minlength=peaked.config.vocab_size)
+    stat, limit = chi_square_ok(counts, probs)
+    assert stat < limit, (stat, limit)
+    s = out[0].stats
+    assert 1.0 < s["mean_accepted"] < 4.0           # some drafts accepted, some rejected
+    # the same seed gives the same samples
+    again = dspec.generate(peaked, [prompt] * 8, method="dflash", max_new_tokens=3, drafter=d,
+                           temperature=temperature, seed=1)
+    again2 = dspec.generate(peaked, [prompt] * 8, method="dflash", max_new_tokens=3, drafter=d,
+                            temperature=temperature, seed=1)
+    assert [g.tokens for g in again] == [g.tokens for g in again2]
