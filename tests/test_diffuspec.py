@@ -1,0 +1,193 @@
+"""method "diffuspec": a block-diffusion drafter for an AR target, lossless.
+
+Tiny random pairs that share one tokenizer: a right-shifted Fast-dLLM v2 drafter with the
+weights of its Qwen2 target (attention and MLP outputs damped so the two agree often and
+drafts do get accepted), and a non-shifted SDAR drafter for a Qwen3 target.
+"""
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import dspec
+from dspec.decode.diffuspec import AdaptiveDraftLength
+from dspec.decode.ngram import ngram_from_model
+from tiny_checkpoints import write_checkpoint
+
+PROMPTS = [[5, 9, 11, 4, 7], [8], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+NEW = 14
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is faster than two fighting over a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def damp(scale):
+    def hook(w):
+        for k in w:
+            if k.endswith(("o_proj.weight", "down_proj.weight")):
+                w[k] = w[k] * scale
+        return w
+    return hook
+
+
+def make_pair(root, target_family, drafter_family, *, seed=3, scale=0.3, **shape):
+    t = write_checkpoint(root / "target", target_family, seed=seed, weights_hook=damp(scale), **shape)
+    d = write_checkpoint(root / "drafter", drafter_family, seed=seed, weights_hook=damp(scale), **shape)
+    for f in ("tokenizer.json", "tokenizer_config.json"):       # one tokenizer for both
+        shutil.copy(d / f, t / f)
+    return dspec.load(t), dspec.load(d)
+
+
+@pytest.fixture(scope="module", params=[("qwen2", "fast_dllm_v2"), ("qwen3", "sdar")], ids=["shifted", "plain"])
+def pair(request, tmp_path_factory):
+    target, drafter = make_pair(tmp_path_factory.mktemp(request.param[1]), *request.param)
+    lm = ngram_from_model(target, num_sequences=16, length=24)
+    ar = [dspec.generate(target, p, method="ar", max_new_tokens=NEW).tokens for p in PROMPTS]
+    return target, drafter, lm, ar
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(cps=False, adaptive=False, draft_len=4),
+                                  dict(adaptive=False, draft_len=3, beam=2, lam=0.7)],
+                         ids=["cps+adl", "plain", "cps-fixed"])
+def test_greedy_equals_ar_batch_and_single(pair, opts):
+    target, drafter, lm, ar = pair
+    batch = dspec.generate(target, PROMPTS, method="diffuspec", max_new_tokens=NEW, drafter=drafter, ngram=lm,
+                           **opts)
+    assert [g.tokens for g in batch] == ar
+    single = dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=NEW, drafter=drafter,
+                            ngram=lm, **opts)
+    assert single.tokens == ar[0]
+    s = batch[0].stats
+    assert s["nfe"]["target"] >= 1 and s["nfe"]["drafter"] >= 1
+    assert s["nfe"]["target"] <= NEW + 1
+    for key in ("time_draft_s", "time_search_s", "time_verify_s", "mean_draft_len", "mean_accepted"):
+        assert s[key] >= 0
+    if target.family == "qwen2":               # the damped shifted pair agrees often
+        assert s["mean_accepted"] > 1.2
+
+
+def test_eos_stops_like_ar(tmp_path):
+    # a target whose argmax is EOS after a few tokens: make EOS likely by its output bias
+    def hook(w):
+        w = damp(0.3)(w)
+        w["lm_head.weight"][2] *= 3.0
+        return w
+    t = write_checkpoint(tmp_path / "t", "qwen2", seed=7, weights_hook=hook)
+    d = write_checkpoint(tmp_path / "d", "fast_dllm_v2", seed=7, weights_hook=hook)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(d / f, t / f)
+    target, drafter = dspec.load(t), dspec.load(d)
+    prompts = [[i, i + 3] for i in range(4, 40, 6)]
+    ar = [dspec.generate(target, p, method="ar", max_new_tokens=12).tokens for p in prompts]
+    assert any(2 in a for a in ar), "the test needs an EOS inside the budget"
+    got = dspec.generate(target, prompts, method="diffuspec", max_new_tokens=12, drafter=drafter, lam=1.0)
+    assert [g.tokens for g in got] == ar
+
+
+def exact_two_token_distribution(target, prompt, T):
+    """P(first two generated tokens) of the target at temperature T (EOS stops: (eos, -1))."""
+    V = target.config.vocab_size
+    eos = set(target.eos_token_ids)
+    logits = target(target.plan([prompt]), logits="last").logits[0, -1].float()
+    p1 = torch.softmax(logits / T, -1).double()
+    seqs = [prompt + [a] for a in range(V)]
+    p2 = torch.softmax(target(target.plan(seqs), logits="last").logits[:, -1].float() / T, -1).double()
+    dist = {}
+    for a in range(V):
+        if a in eos:
+            dist[(a, -1)] = float(p1[a])
+        else:
+            for b in range(V):
+                dist[(a, b)] = float(p1[a] * p2[a, b])
+    return dist
+
+
+@pytest.mark.parametrize("cps", [True, False])
+def test_sampling_preserves_the_target_distribution(tmp_path, cps):
+    target, drafter = make_pair(tmp_path, "qwen2", "fast_dllm_v2", seed=11, scale=0.5, vocab=10)
+    prompt = [5, 7, 4]
+    T = 1.0
+    exact = exact_two_token_distribution(target, prompt, T)
+    lm = ngram_from_model(target, num_sequences=10, length=12)
+    n = 2000
+    # 3 new tokens: the first cycle drafts 2 (the budget minus the verify's own token)
+    gens = dspec.generate(target, [prompt] * n, method="diffuspec", max_new_tokens=3, drafter=drafter, ngram=lm,
+                          temperature=T, seed=0, cps=cps, adaptive=False, draft_len=2, tau=0.9)
+    assert gens[0].stats["mean_accepted_drafts"] > 0.3      # drafts were really accepted
+    assert gens[0].stats["mean_draft_len"] > 1.0
+    counts = {}
+    for g in gens:
+        key = (g.tokens[0], g.tokens[1] if len(g.tokens) > 1 else -1)
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(exact)
+    # chi-square over the cells with expected count >= 5 (the rest pooled)
+    chi, dof, pooled_e, pooled_o = 0.0, -1, 0.0, 0
+    for key, p in exact.items():
+        e, o = n * p, counts.get(key, 0)
+        if e >= 5:
+            chi += (o - e) ** 2 / e
+            dof += 1
+        else:
+            pooled_e += e
+            pooled_o += o
+    if pooled_e > 0:
+        chi += (pooled_o - pooled_e) ** 2 / pooled_e
+        dof += 1
+    # p < 1e-4 would fail: the chi-square quantile, by the Wilson-Hilferty approximation
+    z = 3.72
+    limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi < limit, (chi, limit, dof)
+
+
+def test_adaptive_draft_length_controller():
+    c = AdaptiveDraftLength(3, k_min=20, k_max=30, delta=10, rho=0.5)
+    assert c.k.tolist() == [30, 30, 30]
+    k = c.update([30, 30, 25], [30, 2, 25])            # full, partial, full (EOS-shortened)
+    assert k.tolist() == [30, 20, 30]                  # grow / ceil(2) + 10 = 12 -> k_min / 25 + 10 -> k_max
+    k = c.update([30, 20, 30], [5, 20, 14])
+    # ema_acc: 0.5*30 + 0.5*5 = 17.5 -> 28 ; full: ema_gen 0.5*30+0.5*20 = 25 -> 30 (clip) ;
+    # ema_acc 0.5*25 + 0.5*14 = 19.5 -> 30
+    assert k.tolist() == [28, 30, 30]
+    c.select([0, 2])
+    assert c.k.tolist() == [28, 30]
+    c2 = AdaptiveDraftLength(1, k_min=2, k_max=8, delta=1, rho=0.0)
+    assert c2.update([8], [0]).tolist() == [2] and c2.update([2], [2]).tolist() == [3]
+    for kw in (dict(k_min=0, k_max=4), dict(k_min=5, k_max=4), dict(k_min=1, k_max=4, delta=-1),
+               dict(k_min=1, k_max=4, rho=1.0)):
+        full = dict(delta=1, rho=0.5) | kw
+        with pytest.raises(ValueError):
+            AdaptiveDraftLength(1, **full)
+    with pytest.raises(ValueError, match="accepted"):
+        AdaptiveDraftLength(1, k_min=1, k_max=4, delta=1, rho=0.5).update([2], [3])
+
+
+def test_drafter_checks(pair, tmp_path):
+    target, drafter, lm, _ = pair
+    with pytest.raises(ValueError, match="needs drafter"):
+        dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=4)
+    target.shipped_name = "smollm2-135m"
+    try:
+        with pytest.raises(ValueError, match="no DiffuSpec drafter ships for 'smollm2-135m'"):
+            dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=4)
+    finally:
+        target.shipped_name = None
+    with pytest.raises(ValueError, match="block-diffusion"):
+        dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=4, drafter=target)
+    with pytest.raises(ValueError, match="autoregressive target"):
+        dspec.generate(drafter, PROMPTS[0], method="diffuspec", max_new_tokens=4, drafter=drafter)
+    other = dspec.load(write_checkpoint(tmp_path / "other", "sdar", seed=1))   # its own tokenizer
+    if target.tokenizer.inner.get_vocab() != other.tokenizer.inner.get_vocab():
+        with pytest.raises(ValueError, match="tokenizer"):
+            dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=4, drafter=other)
+    for bad in (dict(tau=0.0), dict(lam=2.0), dict(beam=0), dict(draft_len=0), dict(cps="yes"),
+                dict(k_min=5, k_max=3), dict(ngram=3)):
+        with pytest.raises(ValueError):
+            dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=4, drafter=drafter, **bad)
