@@ -559,6 +559,8 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--response-tokens", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--sources", default=None,
+                    help="prompt sources and weights, e.g. arithmetic=0.3,stdlib=0.4,sharegpt=0.3")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -581,7 +583,15 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
                       ("lr", args.lr)):
         if val is not None:
             setattr(cfg, attr, val)
-    cfg.__post_init__()
+    if args.sources:
+        try:
+            cfg.sources = {k: float(v) for k, v in (item.split("=") for item in args.sources.split(","))}
+        except ValueError:
+            raise SystemExit(f"--sources must look like arithmetic=0.3,stdlib=0.7, got {args.sources!r}")
+    try:
+        cfg.__post_init__()
+    except ValueError as e:
+        raise SystemExit(str(e))
     out = Path(args.out)
     if (out / CHECKPOINT).exists() and not args.resume:
         raise SystemExit(f"{out / CHECKPOINT} exists: pass --resume to continue or choose another --out")
