@@ -1,0 +1,509 @@
+"""S2D2: self-speculative decoding for block-diffusion models (Han et al., 2026).
+
+A block-diffusion model drafts in diffusion mode and verifies itself in block-size-1
+(autoregressive) mode.  Each sequence of the batch runs its own little state machine; one
+model forward per iteration serves the whole batch, every row with its own suffix layout
+under a per-row packed mask (DESIGN.md's one attention shape):
+
+``draft``
+    the usual diffusion step on the current block (bidirectional within it, the committed
+    prefix from the KV cache): drafts ``x_i`` and draft distributions ``q_i`` for every
+    masked slot (position-aligned models such as SDAR predict slot i from slot i; right-
+    shifted ones such as Fast-dLLM v2 from slot i - 1, slot 0 from the last committed
+    position).  The row's router (:mod:`dspec.decode.routing`) then decides:
+
+    - verify: the first contiguous masked span of the block (from the first masked slot
+      to the first unmasked one, the block end, or ``draft_len`` slots) goes to ``verify``;
+    - fall back: confidence-threshold decoding (Fast-dLLM dynamic schedule, exactly the
+      ``diffusion`` method's ``threshold`` rule) commits the slots whose confidence reaches
+      ``threshold`` (at least the most confident one).
+
+``verify``
+    the block-size-1 view of the span: the block's tokens before the span (``u`` of them)
+    and the L drafts as one token-causal chain, and, for position-aligned models, L + 1
+    [MASK] copies at slots ``s .. s + L`` (the 2L mask of :func:`dspec.masks.s2d2_two_l`
+    plus the chain's leading context and one bonus copy): copy j sees the context, drafts
+    ``0 .. j-1`` and itself, so its logits are ``p_AR(x_{s+j} | x_{<s+j})``, exactly those
+    of running the model with block size 1 (the committed blocks as cached).  Right-shifted
+    models need no copies: in the plain causal view the logits of slot i - 1 predict slot i.
+    ``dspec.verify_chain`` then accepts draft j with probability ``min(1, p_j(x_j) /
+    q_j(x_j))`` (greedy: while the draft equals the AR argmax), resamples from
+    ``max(p - q, 0)`` at the first rejection, or draws a bonus token from ``p_L`` when all
+    are accepted and slot ``s + L`` is still masked inside the block.  The accepted drafts
+    and the drawn token are committed into the block; decoding continues on the rest.
+
+``commit``
+    a complete block is forwarded once more with its final tokens and its KV appended to
+    the cache (exact, as in ``diffusion``); its last logits become the right-shifted
+    model's prediction for the next block's slot 0.
+
+Rows in different states share a forward: the suffix is as wide as the widest row (a
+block, ``u + 2L + 1`` for a position-aligned verification, ``u + L`` for a right-shifted
+one), narrower rows are padded with tokens that see only themselves, and the LM head runs on
+``block_size + 1`` gathered rows per sequence only.  So a batch costs one forward per
+iteration whatever its rows do, and a sequence's tokens are those of its single run.
+
+Losslessness: for the verified slots, the committed tokens are exact samples of the
+block-size-1 distribution given everything before them (drafts are sampled from the very
+``q`` given to the verifier).  With policy ``always`` and greedy decoding every token is
+the AR argmax, so the output is that of block-size-1 greedy decoding of the model over the
+block-mode KV of the finished blocks (:func:`block_size_one_greedy` in the tests),
+whatever ``draft_len`` or ``threshold``.  With policy ``never`` it is exactly the
+``diffusion`` method with the same ``threshold``, greedy or sampled (same forwards, same
+random draws).
+
+Host synchronisation: one small read per iteration (each row's state and suffix width, to
+size the suffix), plus the token lists of a finished block; the drafting, routing,
+verification and commit arithmetic is vectorised over the batch on the device.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from ..models import AttentionPlan
+from ..ops import pack_mask, token_stats, verify_chain
+from .diffusion import _confidence
+from .routing import ESTIMATORS, POLICIES, RoutingFeatures, make_router, span_score
+from .sampling import next_tokens
+
+OPTIONS = ("block_size", "threshold", "policy", "min_span", "score_threshold", "hysteresis",
+           "ucb_c", "estimator", "draft_len")
+DRAFTER = False
+
+DRAFT, VERIFY, COMMIT, DONE = 0, 1, 2, 3
+
+DEFAULTS = {"threshold": 0.9, "policy": "score_dynamic", "min_span": 2, "score_threshold": 1.0,
+            "hysteresis": (1.5, 0.75), "ucb_c": 1.0, "estimator": "product"}
+# which option tunes which policy (giving one to another policy is a mistake worth a ValueError)
+_POLICY_OPTION = {"min_span": "min_span", "score_threshold": ("score", "score_dynamic"),
+                  "hysteresis": "hysteresis", "ucb_c": "ucb"}
+
+
+# ------------------------------------------------------------------------------- options
+
+
+def _real(name, value, lo=None, hi=None, *, lo_open=False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    v = float(value)
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value!r}")
+    return v
+
+
+def _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
+                   ucb_c, estimator, draft_len) -> dict:
+    if model.mask_token_id is None:
+        raise ValueError(f"method 's2d2' needs a masked-diffusion model; {model.family!r} has no mask token")
+    if model.attention != "block_causal":
+        raise ValueError(f"method 's2d2' runs block-causal models (SDAR, Fast-dLLM v2) with an exact KV "
+                         f"cache; {model.family!r} attends {model.attention!r}, which is not supported")
+    bs = block_size if block_size is not None else model.block_size
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {bs!r}")
+    if policy is None:
+        policy = DEFAULTS["policy"]
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    given = {"min_span": min_span, "score_threshold": score_threshold, "hysteresis": hysteresis,
+             "ucb_c": ucb_c}
+    for opt, value in given.items():
+        owners = _POLICY_OPTION[opt]
+        owners = owners if isinstance(owners, tuple) else (owners,)
+        if value is not None and policy not in owners:
+            raise ValueError(f"{opt} tunes policy {' / '.join(map(repr, owners))}, not {policy!r}")
+    threshold = _real("threshold", DEFAULTS["threshold"] if threshold is None else threshold, 0.0, 1.0,
+                      lo_open=True)
+    if draft_len is None:
+        draft_len = bs
+    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
+        raise ValueError(f"draft_len must be an int >= 1, got {draft_len!r}")
+    draft_len = min(draft_len, bs)
+    min_span = DEFAULTS["min_span"] if min_span is None else min_span
+    if isinstance(min_span, bool) or not isinstance(min_span, int) or min_span < 1:
+        raise ValueError(f"min_span must be an int >= 1, got {min_span!r}")
+    score_threshold = _real("score_threshold", DEFAULTS["score_threshold"] if score_threshold is None
+                            else score_threshold)
+    hysteresis = DEFAULTS["hysteresis"] if hysteresis is None else hysteresis
+    if isinstance(hysteresis, (str, bytes)) or not hasattr(hysteresis, "__len__") or len(hysteresis) != 2:
+        raise ValueError(f"hysteresis must be a pair (on, off) of numbers, got {hysteresis!r}")
+    on = _real("hysteresis[0] (on)", hysteresis[0])
+    off = _real("hysteresis[1] (off)", hysteresis[1])
+    if off > on:
+        raise ValueError(f"hysteresis must be (on, off) with on >= off, got {tuple(hysteresis)!r}")
+    ucb_c = _real("ucb_c", DEFAULTS["ucb_c"] if ucb_c is None else ucb_c, 0.0)
+    estimator = DEFAULTS["estimator"] if estimator is None else estimator
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    return dict(block_size=bs, threshold=threshold, policy=policy, min_span=min_span,
+                score_threshold=score_threshold, hysteresis=(on, off), ucb_c=ucb_c,
+                estimator=estimator, draft_len=draft_len)
+
+
+# ------------------------------------------------------------------------------- the plan
+
+
+def two_l_dense(context: int, span: int, copies: int | None = None) -> torch.Tensor:
+    """The dense position-aligned verification mask with a leading causal context.
+
+    Rows/keys: ``context`` block tokens before the span, the ``span`` drafts (together one
+    token-causal chain), then ``copies`` (default ``span``) [MASK] copies at the slots of
+    drafts 0, 1, ...; copy j sees the context, drafts ``0 .. j-1`` and itself.  With
+    ``context = 0`` and ``copies = span`` this is :func:`dspec.masks.s2d2_two_l`.
+    """
+    copies = span if copies is None else copies
+    chain = context + span
+    n = chain + copies
+    idx = torch.arange(n)
+    q, k = idx[:, None], idx[None, :]
+    chain_part = (q < chain) & (k <= q)
+    copy_part = (q >= chain) & ((k < context + (q - chain)) | (k == q))
+    return chain_part | copy_part
+
+
+def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_start, *, bs, shifted,
+                mask_id, width):
+    """Per-row suffix tokens [B, W], positions [B, W] and dense mask [B, W, W] (see module doc)."""
+    dev = tokens.device
+    idx = torch.arange(width, device=dev)
+    verify = phase == VERIFY
+    block_rows = (phase == DRAFT) | (phase == COMMIT)
+    chain_len = torch.where(block_rows, bs, torch.where(verify, span_start + span_len, 0))
+    n_copies = torch.where(verify & (not shifted), span_len + 1, 0)
+    q, k = idx[None, :, None], idx[None, None, :]
+    cl, nc = chain_len[:, None, None], n_copies[:, None, None]
+    s = span_start[:, None, None]
+    q_chain, k_chain = q < cl, k < cl
+    q_copy = (q >= cl) & (q < cl + nc)
+    chain_part = q_chain & k_chain & (block_rows[:, None, None] | (k <= q))
+    copy_part = q_copy & ((k < s + (q - cl)) | (k == q))
+    dense = chain_part | copy_part | ((k == q) & ~(q_chain | q_copy))
+    slot = torch.where(idx[None] < chain_len[:, None], idx[None], span_start[:, None] + idx[None] - chain_len[:, None])
+    slot = slot.clamp(0, bs)
+    source = torch.where(verify[:, None], drafts_in_block, tokens)
+    suffix_tokens = source.gather(1, idx[None].clamp(max=bs - 1).expand(len(phase), -1))
+    suffix_tokens = torch.where(idx[None] < chain_len[:, None], suffix_tokens, mask_id)
+    return suffix_tokens, block_start[:, None] + slot, dense
+
+
+def _logit_rows(phase, span_start, span_len, *, bs, shifted):
+    """Suffix indices [B, bs + 1] whose logits each row needs (see module doc)."""
+    dev = phase.device
+    j = torch.arange(bs + 1, device=dev)[None]
+    block = j.clamp(max=bs - 1)
+    chain = (span_start + span_len)[:, None]
+    if shifted:
+        ver = (span_start[:, None] - 1 + j).clamp(min=0)
+        ver = torch.minimum(ver, (chain - 1).clamp(min=0))
+    else:
+        ver = torch.minimum(chain + j, chain + span_len[:, None])
+    block = torch.where((phase == DONE)[:, None], 0, block)          # a finished row: one padding token
+    return torch.where((phase == VERIFY)[:, None], ver, block.expand(len(phase), -1))
+
+
+def ar_view_logits(model, cache, block_tokens, block_start, span_start, span_len, *, carry=None):
+    """Block-size-1 (AR) logits of each row's span from one verification forward.
+
+    Parameters
+    ----------
+    model : a block-causal masked-diffusion ``Model``.
+    cache : its ``KVCache`` holding each row's committed blocks.
+    block_tokens : int64 [B, S], the current block (S = block size) with the drafts in
+        place; slots before ``span_start`` are the context.
+    block_start : int64 [B], absolute position of slot 0 (= ``cache.lengths``).
+    span_start, span_len : int64 [B], the span ``[s, s + L)`` (s + L <= S, L >= 1).
+    carry : float [B, V], right-shifted models only: the logits of the last committed
+        position (they predict slot 0).
+
+    Returns
+    -------
+    float32 [B, S + 1, V]: row j < L + 1 is ``p(x_{s+j} | block tokens before s + j)`` in
+    block-size-1 mode (row L predicts slot s + L, the bonus); rows past L are filler.
+    """
+    dev = model.device
+    batch, bs = block_tokens.shape
+    phase = torch.full((batch,), VERIFY, dtype=torch.int64, device=dev)
+    width = int((span_start + (span_len if model.shifted else 2 * span_len + 1)).max())
+    tokens, positions, dense = _row_layout(phase, block_tokens, block_tokens, span_start, span_len,
+                                           block_start.to(dev), bs=bs, shifted=model.shifted,
+                                           mask_id=model.mask_token_id, width=width)
+    rows = _logit_rows(phase, span_start, span_len, bs=bs, shifted=model.shifted)
+    out = model(AttentionPlan(tokens, positions, pack_mask(dense), cache), logits=rows, return_kv=False)
+    logits = out.logits.float()
+    if model.shifted:
+        first = torch.where((span_start == 0)[:, None], carry.float(), logits[:, 0])
+        logits = torch.cat([first[:, None], logits[:, 1:]], 1)
+    return logits
+
+
+def accept_span(tokens, masked, drafts, target_logits, span_start, span_len, *, draft_probs=None,
+                temperature=0.0, coins=None, sample_uniforms=None, generator=None):
+    """Speculative acceptance of each row's span and its commit into the block.
+
+    Parameters
+    ----------
+    tokens : int64 [B, S], the block (S slots); masked : bool [B, S], its masked slots.
+    drafts : int64 [B, L'] (L' <= S), each row's span drafts, left-aligned.
+    target_logits : float [B, L' + 1, V], the block-size-1 logits of slots s .. s + L'.
+    span_start : int64 [B]; span_len : int64 [B] (0 = the row verifies nothing).
+    draft_probs : float [B, L', V], the drafter's q rows (None: one-hot on the drafts).
+    temperature, coins [B, L'], sample_uniforms [B], generator : as ``dspec.verify_chain``.
+
+    Returns
+    -------
+    (tokens, masked, committed [B], accepted [B]): the accepted drafts and then the drawn
+    token go to slots s, s + 1, ...: the residual sample at the first rejection, or the
+    bonus sample from ``p_L`` when all L drafts pass and slot ``s + L`` is still masked in
+    the block (at the block end or before an unmasked slot there is no bonus: that slot is
+    not the span's to fill).  committed = accepted + (1 if a token was drawn and used).
+    """
+    batch, slots_n = tokens.shape
+    res = verify_chain(drafts, target_logits, draft_probs=draft_probs, num_drafts=span_len,
+                       temperature=temperature, coins=coins, sample_uniforms=sample_uniforms,
+                       generator=generator)
+    acc = res.num_accepted
+    active = span_len > 0
+    after = (span_start + span_len).clamp(max=slots_n - 1)
+    bonus_ok = (span_start + span_len < slots_n) & masked.gather(1, after[:, None])[:, 0]
+    committed = torch.where(active, acc + ((acc < span_len) | bonus_ok).long(), 0)
+    rel = torch.arange(slots_n, device=tokens.device)[None] - span_start[:, None]
+    write = (rel >= 0) & (rel < committed[:, None])
+    new = res.tokens.gather(1, rel.clamp(0, res.tokens.shape[1] - 1))
+    return torch.where(write, new, tokens), masked & ~write, committed, torch.where(active, acc, 0)
+
+
+# ------------------------------------------------------------------------------- decode
+
+
+@torch.no_grad()
+def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None, eos_ids=(), progress=None,
+                block_size: int | None = None, threshold: float | None = None, policy: str | None = None,
+                min_span: int | None = None, score_threshold: float | None = None, hysteresis=None,
+                ucb_c: float | None = None, estimator: str | None = None, draft_len: int | None = None):
+    """S2D2 decoding of a ragged batch; returns (tokens per request, stats).
+
+    Parameters
+    ----------
+    block_size : int, default the model's.
+    threshold : float in (0, 1], default 0.9: the confidence-threshold fallback (as
+        ``diffusion``'s dynamic schedule).
+    policy : one of ``dspec.decode.routing.POLICIES``, default ``"score_dynamic"``.
+    min_span : int >= 1 (policy ``min_span``, default 2).
+    score_threshold : float (policies ``score`` / ``score_dynamic``, default 1.0).
+    hysteresis : (on, off), on >= off (policy ``hysteresis``, default (1.5, 0.75)).
+    ucb_c : float >= 0, the UCB exploration constant (policy ``ucb``, default 1.0).
+    estimator : "product" | "margin" | "entropy", the accepted-length estimate the
+        score-based policies route on (default "product").
+    draft_len : int >= 1, the most drafts one verification checks (default and cap: the
+        block size).
+
+    Stats
+    -----
+    nfe {"target": forwards} (prefill, block commits, drafting and verification forwards;
+    one forward serves the whole batch); mean_accepted = tokens committed per verification
+    of one sequence (accepted drafts + the resampled / bonus token), 0.0 when nothing was
+    verified; verify_rate = verifications / routing decisions; acceptance_rate = accepted
+    drafts / verified drafts; accepted_hist[n] = verifications that accepted n drafts;
+    tokens_per_forward; forwards_with (forwards that drafted / verified / committed for at
+    least one sequence); router (per-policy counters).
+    """
+    opt = _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
+                         ucb_c, estimator, draft_len)
+    bs, thr, L_max = opt["block_size"], opt["threshold"], opt["draft_len"]
+    shifted = bool(model.shifted)
+    dev = model.device
+    batch = len(prompts)
+    mask_id = model.mask_token_id
+    vocab = model.config.vocab_size
+    router = make_router(opt["policy"], batch, dev, min_span=opt["min_span"],
+                         score_threshold=opt["score_threshold"], hysteresis=opt["hysteresis"],
+                         ucb_c=opt["ucb_c"], max_score=float(L_max))
+
+    # prefill: the prompts' complete blocks, as ``diffusion`` commits them
+    cache = model.new_cache(batch)
+    plen_list = [len(p) for p in prompts]
+    plen = torch.tensor(plen_list, device=dev)
+    prompt_pad = torch.full((batch, max(plen_list)), mask_id, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        prompt_pad[b, :len(p)] = torch.tensor(p, dtype=torch.int64)
+    prompt_pad = prompt_pad.to(dev)
+    carry = torch.zeros(batch, vocab, device=dev)
+    forwards = 0
+    full = [p[: (n // bs) * bs] for p, n in zip(prompts, plen_list)]
+    if any(full):
+        out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache), logits="last")
+        cache.append(out.suffix_kv, counts=[len(f) for f in full])
+        carry = out.logits[:, -1].float()
+        forwards += 1
+
+    slots = torch.arange(bs, device=dev)
+    block_start = cache.lengths.to(dev)
+
+    def fresh_block(start):
+        pos = start[:, None] + slots
+        tail = prompt_pad.gather(1, pos.clamp(max=prompt_pad.shape[1] - 1))
+        is_prompt = pos < plen[:, None]
+        return torch.where(is_prompt, tail, mask_id), ~is_prompt
+
+    tokens, masked = fresh_block(block_start)
+    phase = torch.full((batch,), DRAFT, dtype=torch.int64, device=dev)
+    drafts = torch.zeros(batch, bs, dtype=torch.int64, device=dev)      # span drafts, left-aligned
+    draft_probs = None                                                  # [B, bs, V] when sampling
+    span_start = torch.zeros(batch, dtype=torch.int64, device=dev)
+    span_len = torch.zeros(batch, dtype=torch.int64, device=dev)
+    generated = [[] for _ in range(batch)]
+    eos = set(eos_ids)
+    hist = torch.zeros(L_max + 1, dtype=torch.int64, device=dev)
+    kinds = {"draft": 0, "verify": 0, "commit": 0}
+    stats_dev = torch.zeros(4, dtype=torch.int64, device=dev)   # verifications, committed, accepted, drafted
+
+    while True:
+        # the one host read per iteration: row states and the suffix width they need
+        width_row = torch.where(phase == VERIFY,
+                                span_start + (span_len if shifted else 2 * span_len + 1),
+                                torch.where(phase == DONE, 1, bs))
+        host = torch.stack([phase, width_row]).tolist()
+        phases, width = host[0], max(host[1])
+        if all(p == DONE for p in phases):
+            break
+        has = {k: any(p == v for p in phases) for k, v in (("draft", DRAFT), ("verify", VERIFY),
+                                                             ("commit", COMMIT))}
+        in_block = tokens.clone()
+        if has["verify"]:
+            rel = slots[None] - span_start[:, None]
+            in_span = (rel >= 0) & (rel < span_len[:, None])
+            in_block = torch.where(in_span, drafts.gather(1, rel.clamp(0, bs - 1)), tokens)
+        suffix, positions, dense = _row_layout(phase, tokens, in_block, span_start, span_len, block_start,
+                                               bs=bs, shifted=shifted, mask_id=mask_id, width=width)
+        rows = _logit_rows(phase, span_start, span_len, bs=bs, shifted=shifted)
+        all_block = all(p in (DRAFT, COMMIT) for p in phases)
+        # a batch of plain blocks uses diffusion's own shared mask (same arithmetic as 'diffusion')
+        mask_words = pack_mask(dense[0]) if all_block else pack_mask(dense)
+        out = model(AttentionPlan(suffix, positions, mask_words, cache), logits=rows,
+                    return_kv=has["commit"])
+        forwards += 1
+        for k in kinds:
+            kinds[k] += has[k]
+        logits = out.logits.float()                                      # [B, bs + 1, V]
+        is_draft, is_verify, is_commit = phase == DRAFT, phase == VERIFY, phase == COMMIT
+        next_phase = phase.clone()
+
+        # ---------------------------------------------------------------- verification
+        if has["verify"]:
+            target = logits
+            if shifted:
+                first = torch.where((span_start == 0)[:, None], carry, logits[:, 0])
+                target = torch.cat([first[:, None], logits[:, 1:]], 1)
+            num = torch.where(is_verify, span_len, 0)
+            tokens, masked, committed, acc = accept_span(
+                tokens, masked, drafts, target, span_start, num,
+                draft_probs=draft_probs if temperature > 0 else None, temperature=temperature,
+                generator=generator)
+            router.observe(is_verify, True, committed, 2)
+            hist += torch.bincount(torch.where(is_verify, acc, L_max + 1), minlength=L_max + 2)[:L_max + 1]
+            stats_dev += torch.stack([is_verify.sum(), committed.sum(), torch.where(is_verify, acc, 0).sum(),
+                                      num.sum()])
+            if progress is not None:
+                progress.update(float(committed.sum()) / batch)
+            next_phase = torch.where(is_verify, torch.where(masked.any(1), DRAFT, COMMIT), next_phase)
+
+        # ---------------------------------------------------------------- drafting
+        if has["draft"]:
+            block_logits = logits[:, :bs]
+            if shifted:
+                block_logits = torch.cat([carry[:, None], block_logits[:, :-1]], 1)
+            choice = next_tokens(block_logits.reshape(batch * bs, -1), temperature, generator).view(batch, bs)
+            conf = _confidence(block_logits, choice, temperature)
+            active = is_draft & masked.any(1)
+            # fallback: diffusion's threshold rule (ties to the lower slot)
+            conf_m = torch.where(masked, conf, torch.full_like(conf, -1.0))
+            order = torch.sort(conf_m, dim=-1, descending=True, stable=True).indices
+            rank = torch.empty_like(order).scatter_(1, order, slots.expand(batch, -1))
+            pick = masked & ((conf_m >= thr) | (rank == 0)) & is_draft[:, None]
+            # the first contiguous masked span, capped at draft_len
+            first = torch.where(masked.any(1), masked.long().argmax(1), 0)
+            rel = slots[None] - first[:, None]
+            run = masked.gather(1, (first[:, None] + slots[None]).clamp(max=bs - 1)) \
+                & (first[:, None] + slots[None] < bs)
+            length = run.long().cumprod(1).sum(1).clamp(max=L_max)
+            if opt["policy"] in ("always", "never", "min_span"):
+                score = length.float()           # not used by these policies: no scoring pass
+            else:
+                tstats = token_stats(block_logits, temperature=temperature if temperature > 0 else 1.0)
+                score = span_score(tstats, conf, first, length, opt["estimator"])
+            verify = router.decide(RoutingFeatures(active, length, score, pick.sum(1)))
+            fall = active & ~verify
+            tokens = torch.where(pick & fall[:, None], choice, tokens)
+            masked = masked & ~(pick & fall[:, None])
+            router.observe(fall, False, pick.sum(1), 1)
+            if progress is not None:
+                progress.update(float((pick & fall[:, None]).sum()) / batch)
+            # verifying rows keep their span drafts (and q rows when sampling), left-aligned
+            src = (first[:, None] + slots[None]).clamp(max=bs - 1)
+            drafts = torch.where(verify[:, None], choice.gather(1, src), drafts)
+            if temperature > 0 and opt["policy"] != "never":
+                q = torch.softmax(block_logits / temperature, dim=-1)
+                q = q.gather(1, src[..., None].expand(-1, -1, vocab))
+                draft_probs = q if draft_probs is None else torch.where(verify[:, None, None], q, draft_probs)
+            span_start = torch.where(verify, first, span_start)
+            span_len = torch.where(verify, length, span_len)
+            next_phase = torch.where(is_draft, torch.where(verify, VERIFY,
+                                                           torch.where(masked.any(1), DRAFT, COMMIT)),
+                                     next_phase)
+
+        # ---------------------------------------------------------------- commit
+        if has["commit"]:
+            counts = [bs if p == COMMIT else 0 for p in phases]
+            cache.append(out.suffix_kv, counts=counts)
+            carry = torch.where(is_commit[:, None], logits[:, bs - 1], carry)
+            block_host = tokens.tolist()
+            start_host = block_start.tolist()
+            done_rows = []
+            for b, p in enumerate(phases):
+                if p != COMMIT:
+                    continue
+                for t, pos in zip(block_host[b], range(start_host[b], start_host[b] + bs)):
+                    if pos < plen_list[b]:
+                        continue
+                    if len(generated[b]) == max_new_tokens:
+                        break
+                    generated[b].append(t)
+                    if t in eos:
+                        break
+                if (generated[b] and generated[b][-1] in eos) or len(generated[b]) >= max_new_tokens:
+                    done_rows.append(b)
+            done = torch.zeros(batch, dtype=torch.bool)
+            done[done_rows] = True
+            done = done.to(dev)
+            block_start = torch.where(is_commit, block_start + bs, block_start)
+            new_tokens, new_masked = fresh_block(block_start)
+            tokens = torch.where(is_commit[:, None], new_tokens, tokens)
+            masked = torch.where(is_commit[:, None], new_masked, masked)
+            next_phase = torch.where(is_commit, torch.where(done, DONE, DRAFT), next_phase)
+        phase = next_phase
+
+    n_verify, n_committed_by_verify, n_accepted, n_drafted = stats_dev.tolist()
+    decisions = router.stats()["decisions"]
+    total = sum(len(g) for g in generated)
+    return generated, {
+        "nfe": {"target": forwards},
+        "mean_accepted": n_committed_by_verify / n_verify if n_verify else 0.0,
+        "verifications": n_verify,
+        "verify_rate": n_verify / decisions if decisions else 0.0,
+        "acceptance_rate": n_accepted / n_drafted if n_drafted else 0.0,
+        "accepted_hist": hist.tolist(),
+        "tokens_per_forward": total / batch / max(forwards, 1),
+        "forwards_with": kinds,
+        "router": router.stats(),
+        "block_size": bs, "threshold": thr, "draft_len": L_max, "policy": opt["policy"],
+        "estimator": opt["estimator"],
+    }
+
+
+decode = decode_s2d2
