@@ -82,8 +82,9 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     model : the AR target (causal attention).
     prompts, max_new_tokens, temperature, generator, eos_ids, progress : as ``dspec.generate``.
     drafter : None (the drafters dspec ships for ``model``), a dict ``{"dflash": d,
-        "vp": d}`` of BlockDrafters / directories / shipped names, or a single "dflash"
-        drafter for ``branches="resample"`` (which needs no VP-drafter).
+        "vp": d}`` or a pair ``(dflash, vp)`` of BlockDrafters / directories / shipped
+        names (a string "DFLASH_DIR,VP_DIR" from the CLI), or a single "dflash" drafter
+        (the VP-drafter is then the shipped one; ``branches="resample"`` needs none).
     draft_len : gamma, block size including the anchor (default: the DFlash drafter's).
     k : K, re-drafted branches (1 <= K <= gamma - 1); the tree holds K + 1 branches.
     branches : "vp" (D2SD) or "resample" (K branches sampled from the first draft's q).
@@ -100,6 +101,12 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         raise ValueError(f"method 'd2sd' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
     if branches not in BRANCH_MODES:
         raise ValueError(f"branches must be one of {BRANCH_MODES}, got {branches!r}")
+    if isinstance(drafter, str) and "," in drafter:            # the CLI's --drafter DFLASH,VP
+        drafter = tuple(drafter.split(","))
+    if isinstance(drafter, (tuple, list)):
+        if len(drafter) != 2:
+            raise ValueError(f"drafter as a sequence must be (dflash drafter, vp drafter), got {len(drafter)} items")
+        drafter = {"dflash": drafter[0], "vp": drafter[1]}
     if isinstance(drafter, dict):
         unknown = set(drafter) - {"dflash", "vp"}
         if unknown:
