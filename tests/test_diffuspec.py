@@ -55,7 +55,7 @@ def pair(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(cps=False, adaptive=False, draft_len=4),
-                                  dict(adaptive=False, draft_len=3, beam=2, lam=0.7)],
+                                  dict(draft_len=3, beam=2, lam=0.7)],
                          ids=["cps+adl", "plain", "cps-fixed"])
 def test_greedy_equals_ar_batch_and_single(pair, opts):
     target, drafter, lm, ar = pair
@@ -68,6 +68,9 @@ def test_greedy_equals_ar_batch_and_single(pair, opts):
     s = batch[0].stats
     assert s["nfe"]["target"] >= 1 and s["nfe"]["drafter"] >= 1
     assert s["nfe"]["target"] <= NEW + 1
+    assert s["adaptive"] == ("draft_len" not in opts)        # an explicit draft_len alone is fixed
+    if not s["adaptive"]:
+        assert s["mean_draft_len"] <= opts["draft_len"]
     for key in ("time_draft_s", "time_search_s", "time_verify_s", "mean_draft_len", "mean_accepted"):
         assert s[key] >= 0
     if target.family == "qwen2":               # the damped shifted pair agrees often
@@ -158,6 +161,7 @@ def test_adaptive_draft_length_controller():
     assert k.tolist() == [28, 30, 30]
     c.select([0, 2])
     assert c.k.tolist() == [28, 30]
+    assert AdaptiveDraftLength(2, k_min=4, k_max=8, delta=1, rho=0.5, k_init=2).k.tolist() == [4, 4]
     c2 = AdaptiveDraftLength(1, k_min=2, k_max=8, delta=1, rho=0.0)
     assert c2.update([8], [0]).tolist() == [2] and c2.update([2], [2]).tolist() == [3]
     for kw in (dict(k_min=0, k_max=4), dict(k_min=5, k_max=4), dict(k_min=1, k_max=4, delta=-1),

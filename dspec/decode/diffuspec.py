@@ -44,7 +44,8 @@ Adaptive draft length (``adaptive=True``, per request, :class:`AdaptiveDraftLeng
 (factor ``rho``) of the generated path length and the accepted length; after a cycle whose
 draft was fully accepted the next length is ``ceil(EMA_generated) + delta`` (grow), otherwise
 ``ceil(EMA_accepted) + delta``; clipped to ``[k_min, k_max]``.  The first draft has ``k_max``
-slots.  Without ADL every draft has ``draft_len`` slots.  Drafts never exceed the request's
+slots (``draft_len`` when given).  Without ADL every draft has ``draft_len`` slots (an
+explicit ``draft_len`` alone turns ADL off).  Drafts never exceed the request's
 remaining budget minus one (the verify adds a token).
 
 Host synchronisation: the search runs on the CPU (the lattice is copied once per cycle) and
@@ -81,15 +82,17 @@ class AdaptiveDraftLength:
     ``k_next = clip(ceil(ema_gen) + delta if the whole draft was accepted else ceil(ema_acc) +
     delta, k_min, k_max)`` with ``ema <- rho * ema + (1 - rho) * observed`` for the generated
     path length (the draft actually proposed, after the EOS / budget cut) and the accepted
-    length.  The first draft length is ``k_max``; the EMAs start at the first observation.
+    length.  The first draft length is ``k_init`` clipped to [k_min, k_max] (default
+    ``k_max``); the EMAs start at the first observation.
 
     Parameters
     ----------
     batch_size : int, k_min, k_max : int with 1 <= k_min <= k_max, delta : int >= 0,
-    rho : float in [0, 1).
+    rho : float in [0, 1), k_init : int >= 1 or None.
     """
 
-    def __init__(self, batch_size: int, *, k_min: int, k_max: int, delta: int, rho: float):
+    def __init__(self, batch_size: int, *, k_min: int, k_max: int, delta: int, rho: float,
+                 k_init: int | None = None):
         _int_option("k_min", k_min, 1)
         _int_option("k_max", k_max, 1)
         _int_option("delta", delta, 0)
@@ -100,7 +103,10 @@ class AdaptiveDraftLength:
         self.k_min, self.k_max, self.delta, self.rho = k_min, k_max, delta, float(rho)
         self.ema_gen = torch.full((batch_size,), float("nan"), dtype=torch.float64)
         self.ema_acc = torch.full((batch_size,), float("nan"), dtype=torch.float64)
-        self.k = torch.full((batch_size,), k_max, dtype=torch.int64)
+        if k_init is not None:
+            _int_option("k_init", k_init, 1)
+        first = k_max if k_init is None else min(max(k_init, k_min), k_max)
+        self.k = torch.full((batch_size,), first, dtype=torch.int64)
 
     def update(self, generated, accepted) -> torch.Tensor:
         """Record one cycle (int [B] generated and accepted lengths); returns the next k [B]."""
@@ -191,7 +197,8 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
                      delta: int | None = None, rho: float | None = None, ngram=None):
     """DiffuSpec decoding of a ragged batch; returns (tokens per request, stats).
 
-    Options (defaults: the paper's): ``draft_len`` (k when ``adaptive`` is False, 20),
+    Options (defaults: the paper's): ``draft_len`` (k when ``adaptive`` is False, 20; given
+    alone it turns ADL off; with ``adaptive=True`` it is the first draft's length),
     ``adaptive`` (ADL, True), ``cps`` (path search, True), ``beam`` (3), ``tau`` (0.8),
     ``max_candidates`` (M_max, 15), ``lam`` (0.5), ``k_min`` / ``k_max`` (20 / 30), ``delta``
     (10), ``rho`` (0.5), ``ngram`` (the causal proxy: an ``NgramLM``, a path to a saved one,
@@ -206,6 +213,8 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     verification, commits).
     """
     opts = dict(DEFAULTS)
+    if adaptive is None and draft_len is not None:
+        adaptive = False                      # an explicit draft_len asks for a fixed length
     for k, v in dict(draft_len=draft_len, adaptive=adaptive, cps=cps, beam=beam, tau=tau,
                      max_candidates=max_candidates, lam=lam, k_min=k_min, k_max=k_max, delta=delta,
                      rho=rho).items():
@@ -226,7 +235,7 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     controller = None
     if opts["adaptive"]:
         controller = AdaptiveDraftLength(batch, k_min=opts["k_min"], k_max=opts["k_max"], delta=opts["delta"],
-                                         rho=opts["rho"])
+                                         rho=opts["rho"], k_init=draft_len)
     drafter = resolve_drafter(model, drafter)
     lm = None
     if opts["cps"] and lam_v < 1.0:
@@ -292,8 +301,11 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
             pending = [history[r][d_start[i]:] for i, r in enumerate(active)]
             seqs = [pnd + [mask_id] * kk or [mask_id] for pnd, kk in zip(pending, k)]
             shift = 1 if drafter.shifted else 0
-            idx = torch.tensor([[min(len(p) - shift + j, len(s) - 1) for j in range(kmax)]
-                                for p, s in zip(pending, seqs)], device=dev)
+            plen = torch.tensor([len(p) for p in pending])
+            slen = torch.tensor([len(s) for s in seqs])
+            # logits row of draft slot j: the slot itself (or the one before, shifted); rows past
+            # a request's k only pad the batch (clamped into its sequence, ignored)
+            idx = torch.minimum(plen[:, None] - shift + torch.arange(kmax), slen[:, None] - 1).to(dev)
             out = drafter(drafter.plan(seqs, dcache), logits=idx)
             d_fwd += 1
             commit = [((d_start[i] + len(p)) // bs) * bs - d_start[i] for i, p in enumerate(pending)]
