@@ -33,6 +33,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -125,9 +126,8 @@ class DrafterLayer(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
         self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=False)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        mlp_cfg = type("C", (), dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                                     mlp_bias=False))
-        self.mlp = MLP(mlp_cfg)
+        self.mlp = MLP(SimpleNamespace(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                                       mlp_bias=False))
 
 
 class BlockDrafter(nn.Module):
