@@ -354,18 +354,16 @@ def _tokenizer_fingerprint(tokenizer) -> str:
 
 
 def corpus_texts(corpus: str, max_chars: int) -> list[str]:
-    """Up to ``max_chars`` characters of documents of a :data:`CORPORA` source."""
-    from .. import tasks
+    """Up to about ``max_chars`` characters of training documents of a :data:`CORPORA`
+    source: ``dspec.train.data.documents(corpus, "train")``, the documents dspec's own tiny
+    models are trained on (their held-out documents and arithmetic problems excluded, so an
+    evaluation on them never sees its answers in the proxy)."""
+    from ..train.data import documents
     if corpus not in CORPORA:
         raise ValueError(f"corpus must be one of {CORPORA}, got {corpus!r}")
-    if corpus == "arithmetic":
-        it = (p.prompt + p.answer for p in tasks.arithmetic(max(max_chars // 16, 1), seed=1000))
-    elif corpus == "stdlib":
-        it = (f.read_text(encoding="utf-8", errors="replace") for f in tasks.stdlib_sources())
-    else:
-        it = tasks.sharegpt_texts()
     out, seen = [], 0
-    for text in it:
+    for text in documents(corpus, "train", max_chars=max_chars,
+                          arithmetic_problems=max(max_chars // 20, 1)):
         if seen >= max_chars:
             break
         out.append(text)
@@ -392,7 +390,7 @@ def default_ngram(model, *, corpora=CORPORA, max_chars: int = 1_500_000, method:
         if c not in CORPORA:
             raise ValueError(f"corpora must be drawn from {CORPORA}, got {c!r}")
     key = hashlib.sha256(json.dumps([_tokenizer_fingerprint(model.tokenizer), corpora, max_chars, method,
-                                     model.config.vocab_size, FORMAT_VERSION]).encode()).hexdigest()[:20]
+                                     model.config.vocab_size, FORMAT_VERSION, "train-docs"]).encode()).hexdigest()[:20]
     path = cache_dir() / f"{key}.npz"
     if path.is_file() and not rebuild:
         return NgramLM.load(path)
