@@ -1,0 +1,209 @@
+"""method "ssd": lossless self-speculative decoding against one-token-per-step diffusion."""
+import pytest
+import torch
+
+import dspec
+from dspec.decode._selfspec import chain_graph
+from dspec.models import AttentionPlan
+from tiny_checkpoints import write_checkpoint
+
+
+def weak_context(weights):
+    """Scale the residual branches down: predictions depend less on the other slots, so
+    drafts are often right and acceptance paths longer than 1 are exercised."""
+    for name in weights:
+        if "o_proj" in name or "down_proj" in name:
+            weights[name] = weights[name] * 0.3
+
+
+def tiny(tmp_path_factory, family, **kw):
+    path = tmp_path_factory.mktemp(f"{family}_ssd")
+    return dspec.load(write_checkpoint(path, family, seed=5, vocab=64, **kw))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: intra-op threads only add overhead (10x on a loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=["sdar", "fast_dllm_v2"])
+def model(request, tmp_path_factory):
+    return tiny(tmp_path_factory, request.param, weights_hook=weak_context)
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+def exact_first_block(model, prompt, temperature):
+    """P[a, b]: the exact law of the first generated block (block_size 2, both slots
+    masked: len(prompt) even) under one-token-per-step sampling diffusion.
+
+    The first step draws a token per slot and unmasks the more confident one (ties: slot 0):
+    P(slot 0 first with a) = p0(a) P(p1(X1) <= p0(a)), P(slot 1 first with b) =
+    p1(b) P(p0(X0) < p1(b)); the second step draws the other slot given the first.
+    """
+    vocab, mask = model.config.vocab_size, model.mask_token_id
+
+    def probs(states):                       # [R, 2] block states -> [R, 2, V]
+        rows = states.shape[0]
+        cache = model.new_cache(rows)
+        out = model(model.plan([prompt] * rows, cache), logits="last")
+        cache.append(out.suffix_kv)
+        pos = cache.lengths[:, None] + torch.arange(2)
+        logits = model(AttentionPlan(states, pos, None, cache), return_kv=False).logits.float()
+        if model.shifted:
+            logits = torch.cat([out.logits[:, -1:].float(), logits[:, :-1]], 1)
+        return torch.softmax(logits / temperature, -1).double()
+
+    p0, p1 = probs(torch.tensor([[mask, mask]]))[0]
+    first0 = p0 * ((p1[None, :] <= p0[:, None]).double() * p1[None, :]).sum(1)
+    first1 = p1 * ((p0[None, :] < p1[:, None]).double() * p0[None, :]).sum(1)
+    ids = torch.arange(vocab)
+    after0 = probs(torch.stack([ids, torch.full_like(ids, mask)], 1))[:, 1]     # [a, b]
+    after1 = probs(torch.stack([torch.full_like(ids, mask), ids], 1))[:, 0]     # [b, a]
+    law = first0[:, None] * after0 + (first1[:, None] * after1).T
+    for eos in model.eos_token_ids:        # the output stops at an EOS in slot 0: pool its row
+        row = law[eos].sum()
+        law[eos] = 0.0
+        law[eos, 0] = row
+    return law
+
+
+def chi2_pvalue(counts, expected_probs, min_expected=5.0):
+    """Pearson chi-square goodness of fit; cells expecting < min_expected are pooled."""
+    exp = expected_probs * counts.sum()
+    big = exp >= min_expected
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([exp[big], exp[~big].sum()[None]])
+    stat = ((obs - exp) ** 2 / exp.clamp(min=1e-12)).sum()
+    df = torch.tensor(float(big.sum()), dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+def sample_first_block(model, prompt, n, temperature, **kw):
+    counts = torch.zeros(model.config.vocab_size, model.config.vocab_size, dtype=torch.float64)
+    accepted = 0
+    gens = dspec.generate(model, [prompt] * n, max_new_tokens=2, block_size=2,
+                          temperature=temperature, seed=11, **kw)
+    for g in gens:
+        counts[g.tokens[0], g.tokens[1] if len(g.tokens) > 1 else 0] += 1
+    accepted = gens[0].stats.get("accepted_drafts", 0)
+    return counts, accepted
+
+
+def capture_caches(model, monkeypatch):
+    made = []
+    original = model.new_cache
+
+    def new_cache(*args, **kw):
+        cache = original(*args, **kw)
+        made.append(cache)
+        return cache
+
+    monkeypatch.setattr(model, "new_cache", new_cache, raising=False)
+    return made
+
+
+# ---------------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 16])
+def test_greedy_equals_one_token_per_step(model, block_size):
+    for prompt in ([5, 17, 42], [5, 17, 42, 9, 11, 3, 8, 2, 7]):
+        ref = dspec.generate(model, prompt, method="diffusion", max_new_tokens=9, block_size=block_size)
+        for mixed in (False, True):
+            got = dspec.generate(model, prompt, method="ssd", max_new_tokens=9, block_size=block_size,
+                                 mixed_order=mixed)
+            assert got.tokens == ref.tokens, (block_size, prompt, mixed)
+            # the commit forward is merged into verification: never more forwards
+            assert got.stats["nfe"]["target"] <= ref.stats["nfe"]["target"]
+
+
+def test_batch_of_3_ragged_equals_singles_and_accepts_more_than_one(model):
+    prompts = [[5, 17, 42, 9, 11], [7], [60, 2, 33, 4, 9, 9, 1]]
+    kw = dict(max_new_tokens=10, block_size=4)
+    ref = dspec.generate(model, prompts, method="diffusion", **kw)
+    batch = dspec.generate(model, prompts, method="ssd", draft_len=3, **kw)
+    singles = [dspec.generate(model, p, method="ssd", draft_len=3, **kw) for p in prompts]
+    assert [g.tokens for g in batch] == [g.tokens for g in ref]
+    assert [g.tokens for g in singles] == [g.tokens for g in ref]
+    stats = batch[0].stats
+    assert stats["mean_accepted"] > 1.0
+    assert max(stats["accepted_hist"]) > 1
+    assert stats["nfe"]["target"] < ref[0].stats["nfe"]["target"]
+    assert sum(stats["accepted_hist"].values()) >= 1 and stats["drafts"] >= stats["accepted_drafts"] > 0
+
+
+def test_mixed_order_is_used_and_lossless(tmp_path_factory):
+    plain = mixed = 0
+    for family in ("sdar", "fast_dllm_v2"):
+        m = tiny(tmp_path_factory, family)
+        for prompt in ([5, 17, 42], [9, 4, 4, 12, 30]):
+            ref = dspec.generate(m, prompt, method="diffusion", max_new_tokens=8, block_size=3)
+            a = dspec.generate(m, prompt, method="ssd", max_new_tokens=8, block_size=3, draft_len=2)
+            b = dspec.generate(m, prompt, method="ssd", max_new_tokens=8, block_size=3, draft_len=2,
+                               mixed_order=True)
+            assert a.tokens == b.tokens == ref.tokens
+            plain += a.stats["nfe"]["target"]
+            mixed += b.stats["nfe"]["target"]
+    assert mixed < plain          # some rounds took a swapped pair (c_k -> s_k -> c_{k+2})
+
+
+def test_chain_graph_shape():
+    g = chain_graph(3, mixed_order=True)
+    assert g.nodes[0] == ((0, 0),)
+    assert ((0, 0), (1, 0), (2, 0), (3, 0)) in g.nodes and ((0, 0), (2, 0)) in g.nodes
+    parents = g.parents()
+    c2 = g.nodes.index(((0, 0), (1, 0), (2, 0)))
+    assert len(parents[c2]) == 2            # from c1 and from the swapped s0
+    assert chain_graph(2).num_nodes == 3
+
+
+def test_committed_kv_equals_one_step_run(model, monkeypatch):
+    made = capture_caches(model, monkeypatch)
+    prompt = [5, 17, 42, 9, 11]
+    ref = dspec.generate(model, prompt, method="diffusion", max_new_tokens=8, block_size=4)
+    ref_cache = made[-1]
+    got = dspec.generate(model, prompt, method="ssd", max_new_tokens=8, block_size=4)
+    cache = made[-1]
+    assert got.tokens == ref.tokens
+    assert cache.lengths.tolist() == ref_cache.lengths.tolist()
+    n = int(cache.lengths[0])
+    for layer in range(model.config.num_layers):
+        k, v = cache.get(layer, 0)
+        rk, rv = ref_cache.get(layer, 0)
+        torch.testing.assert_close(k[:n], rk[:n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v[:n], rv[:n], rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_matches_one_step_distribution(tmp_path_factory):
+    m = tiny(tmp_path_factory, "sdar")
+    prompt, temperature = [5, 17], 0.5
+    exact = exact_first_block(m, prompt, temperature)
+    counts, accepted = sample_first_block(m, prompt, 600, temperature, method="ssd")
+    assert accepted > 0                                  # drafts were accepted under sampling
+    assert chi2_pvalue(counts, exact) > 1e-3
+
+
+def test_sampling_reproducible(model):
+    kw = dict(method="ssd", max_new_tokens=6, block_size=2, temperature=0.8, seed=3)
+    a = dspec.generate(model, [[5, 6], [7, 8, 9]], **kw)
+    b = dspec.generate(model, [[5, 6], [7, 8, 9]], **kw)
+    assert [g.tokens for g in a] == [g.tokens for g in b]
+
+
+def test_bad_options(model, tmp_path):
+    for bad in (0, -1, 2.5, True, "3"):
+        with pytest.raises(ValueError, match="draft_len"):
+            dspec.generate(model, [1, 2], method="ssd", max_new_tokens=2, draft_len=bad)
+    with pytest.raises(ValueError, match="mixed_order"):
+        dspec.generate(model, [1, 2], method="ssd", max_new_tokens=2, mixed_order="yes")
+    with pytest.raises(ValueError, match="block_size"):
+        dspec.generate(model, [1, 2], method="ssd", max_new_tokens=2, block_size=0)
+    with pytest.raises(ValueError, match="does not take"):
+        dspec.generate(model, [1, 2], method="ssd", max_new_tokens=2, tokens_per_step=2)
+    causal = dspec.load(write_checkpoint(tmp_path, "llama", seed=1))
+    with pytest.raises(ValueError, match="masked-diffusion"):
+        dspec.generate(causal, [1, 2], method="ssd", max_new_tokens=2)
