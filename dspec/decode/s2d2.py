@@ -130,6 +130,11 @@ def _check_options(model, block_size, threshold, policy, min_span, score_thresho
     score_threshold = _real("score_threshold", DEFAULTS["score_threshold"] if score_threshold is None
                             else score_threshold)
     hysteresis = DEFAULTS["hysteresis"] if hysteresis is None else hysteresis
+    if isinstance(hysteresis, str):              # the CLI's --option hysteresis=1.5,0.75
+        try:
+            hysteresis = tuple(float(x) for x in hysteresis.split(","))
+        except ValueError:
+            raise ValueError(f"hysteresis must be 'on,off' numbers, got {hysteresis!r}") from None
     if isinstance(hysteresis, (str, bytes)) or not hasattr(hysteresis, "__len__") or len(hysteresis) != 2:
         raise ValueError(f"hysteresis must be a pair (on, off) of numbers, got {hysteresis!r}")
     on = _real("hysteresis[0] (on)", hysteresis[0])
@@ -296,7 +301,8 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     policy : one of ``dspec.decode.routing.POLICIES``, default ``"score_dynamic"``.
     min_span : int >= 1 (policy ``min_span``, default 2).
     score_threshold : float (policies ``score`` / ``score_dynamic``, default 1.0).
-    hysteresis : (on, off), on >= off (policy ``hysteresis``, default (1.5, 0.75)).
+    hysteresis : (on, off) with on >= off, or the string "on,off" (policy ``hysteresis``,
+        default (1.5, 0.75)).
     ucb_c : float >= 0, the UCB exploration constant (policy ``ucb``, default 1.0).
     estimator : "product" | "margin" | "entropy", the accepted-length estimate the
         score-based policies route on (default "product").
