@@ -100,8 +100,8 @@ CONFIGS: tuple[Config, ...] = (
     Config("s2d2", "s2d2", "dllm", expand="policies"),
     Config("diffuspec", "diffuspec", "target"),
     Config("diffuspec-noCPS-noADL", "diffuspec", "target",
-           {"cps": Option(("cps", "use_cps", "causal_search", "path_search"), False),
-            "adl": Option(("adl", "use_adl", "adaptive_length", "adaptive_draft_len"), False)}),
+           {"cps": Option(("cps", "path_search"), False),
+            "adl": Option(("adaptive", "adl", "adaptive_draft_len"), False)}),
     Config("dflash", "dflash", "target"),
     *(Config(f"d2sd-K{k}", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), k)})
       for k in (1, 2, 4)),
@@ -661,10 +661,11 @@ def plot(payload: dict, path: Path) -> Path:
                     xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("completion tokens / s")
     ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.05, 1.05)
     ax.set_title("accuracy vs speed (checkable set)" if acc else "no checkable prompt set", fontsize=10)
     ax.grid(True, alpha=0.3)
     env, cfg = payload["env"], payload["config"]
-    fig.suptitle(f"dspec e2e: dllm {cfg['dllm']}, target {cfg['target']} on {env['device_name']} "
+    fig.suptitle(f"dspec e2e: dllm {Path(str(cfg['dllm'])).name}, target {Path(str(cfg['target'])).name} on {env['device_name']} "
                  f"({env['torch_threads']} threads, loadavg {env.get('loadavg_start')}); "
                  f"{cfg['prompts_per_set']} prompts/set x {cfg['max_new_tokens']} tok, batch "
                  f"{cfg['batch']}, T={cfg['temperature']}, {env['date']}", fontsize=9)
