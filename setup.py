@@ -144,6 +144,9 @@ setup(
     long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["dspec", "dspec.*"]),
+    # shipped models, model cards and other data under dspec/assets (also in MANIFEST.in)
+    package_data={"dspec": ["assets/**/*"]},
+    include_package_data=True,
     ext_modules=[CMakeExtension("dspec._C", sourcedir=str(ROOT))],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",

