@@ -140,6 +140,11 @@ def test_greedy_always_equals_block_size_one_decoding(model, block_size, draft_l
         assert st["verify_rate"] == 1.0
         assert sum(st["accepted_hist"]) == st["verifications"] > 0
         assert 1.0 <= st["mean_accepted"] <= draft_len + 1
+        # one sequence: every forward is the prefill, a drafting, a verifying or a commit one,
+        # and every drafting forward is followed by a verification (policy always)
+        kinds = st["forwards_with"]
+        assert st["nfe"]["target"] == (len(prompt) >= block_size) + sum(kinds.values())
+        assert kinds["draft"] == kinds["verify"] == st["verifications"]
 
 
 @pytest.mark.parametrize("policy,extra", [("always", {}), ("min_span", {"min_span": 3}),
@@ -293,10 +298,12 @@ def test_simple_policies():
     assert _router("never").decide(f).tolist() == [False, False, False]
     assert _router("min_span", min_span=3).decide(f).tolist() == [False, True, False]
     assert _router("score", score_threshold=1.0).decide(f).tolist() == [False, True, False]
-    # dynamic: score + 1 - fallback >= 0.5 -> [0.2, -1.0, 2.5]
-    assert _router("score_dynamic", score_threshold=0.5).decide(f).tolist() == [False, False, False]
-    f2 = _features([2, 2], [0.6, 2.0], [1, 2])         # gains 0.6, 1.0
-    assert _router("score_dynamic", batch=2, score_threshold=0.5).decide(f2).tolist() == [True, True]
+    # dynamic: (score + 1) / 2 >= t * fallback: rates [0.6, 1.0, 1.75] vs t * [1, 3, 1]
+    assert _router("score_dynamic", score_threshold=0.5).decide(f).tolist() == [True, False, False]
+    assert _router("score_dynamic", score_threshold=0.7).decide(f).tolist() == [False, False, False]
+    f2 = _features([2, 2], [1.0, 3.0], [1, 2])         # rates 1.0, 2.0 vs fallbacks 1, 2
+    assert _router("score_dynamic", batch=2, score_threshold=1.0).decide(f2).tolist() == [True, True]
+    assert _router("score_dynamic", batch=2, score_threshold=1.01).decide(f2).tolist() == [False, False]
     r = _router("always")
     r.decide(f)
     assert r.stats()["decisions"] == 2 and r.stats()["verify_decisions"] == 2

@@ -14,11 +14,12 @@ Policies (``make_router(policy, ...)``):
 - ``"min_span"``: verify when the first masked span holds at least ``min_span`` slots;
 - ``"score"``: static threshold, verify when the estimated number of accepted drafts
   ``score >= score_threshold``;
-- ``"score_dynamic"``: verify when the estimated gain over the fallback clears the
-  threshold: ``score + 1 - fallback_tokens >= score_threshold`` (a verification commits
-  about ``score + 1`` tokens; the fallback would commit ``fallback_tokens`` right now, for
-  one forward less), so the bar rises when the draft is already confident enough for the
-  threshold rule;
+- ``"score_dynamic"``: a cost-aware threshold that moves with the fallback: verify when
+  the verification's expected tokens per forward beat the fallback's by the factor
+  ``score_threshold``: ``(score + 1) / 2 >= score_threshold * fallback_tokens`` (a
+  verification commits about ``score + 1`` tokens for two forwards, the drafting one and
+  its own; the fallback commits ``fallback_tokens`` for the drafting forward alone), so
+  the bar rises when the draft is already confident enough for the threshold rule;
 - ``"hysteresis"``: per-sequence on/off state; off -> on when ``score >= on``, on -> off
   when ``score < off`` (``on >= off``), so one noisy step does not flip the mode;
 - ``"ucb"``: a UCB1 contextual bandit with two arms (fallback, verify) per context bin of
@@ -159,7 +160,7 @@ class MinSpanRouter(Router):
 
 
 class ScoreRouter(Router):
-    """Static (``score >= t``) or dynamic (``score + 1 - fallback_tokens >= t``) threshold."""
+    """Static (``score >= t``) or dynamic (``(score + 1) / 2 >= t * fallback_tokens``) threshold."""
 
     def __init__(self, batch_size, device, score_threshold: float, dynamic: bool):
         super().__init__(batch_size, device)
@@ -169,8 +170,8 @@ class ScoreRouter(Router):
 
     def _decide(self, f):
         if self.dynamic:
-            gain = f.score + 1.0 - f.fallback_tokens.to(f.score.dtype)
-            return gain >= self.score_threshold
+            verify_rate = (f.score + 1.0) / 2.0               # tokens per forward when verifying
+            return verify_rate >= self.score_threshold * f.fallback_tokens.to(f.score.dtype)
         return f.score >= self.score_threshold
 
 

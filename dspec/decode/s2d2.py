@@ -300,7 +300,9 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         ``diffusion``'s dynamic schedule).
     policy : one of ``dspec.decode.routing.POLICIES``, default ``"score_dynamic"``.
     min_span : int >= 1 (policy ``min_span``, default 2).
-    score_threshold : float (policies ``score`` / ``score_dynamic``, default 1.0).
+    score_threshold : float (policies ``score``: the least estimated accepted length;
+        ``score_dynamic``: the factor by which verifying's expected tokens per forward must
+        beat the fallback's; default 1.0).
     hysteresis : (on, off) with on >= off, or the string "on,off" (policy ``hysteresis``,
         default (1.5, 0.75)).
     ucb_c : float >= 0, the UCB exploration constant (policy ``ucb``, default 1.0).
