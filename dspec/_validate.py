@@ -14,7 +14,8 @@ class _Config:
 
     ``validate_values``: checks that read tensor contents (id ranges, probabilities in
     [0, 1]) need a device-to-host copy.  They run by default, are skipped automatically while
-    a CUDA graph is being captured, and can be turned off for sync-free engine loops.
+    a CUDA graph is being captured or ``torch.compile`` is tracing (FakeTensors have no
+    values), and can be turned off for sync-free engine loops.
     """
 
     validate_values: bool = True
@@ -24,7 +25,8 @@ config = _Config()
 
 
 def value_checks_enabled(t: torch.Tensor) -> bool:
-    if not config.validate_values:
+    """Whether checks that read ``t``'s values (a host synchronisation) may run now."""
+    if not config.validate_values or torch.compiler.is_compiling():
         return False
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         return False

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _backend, _validate
+from .. import _backend, _library, _validate
 from ..reference import attention as _reference
 from ..reference import pack_mask as _pack_reference
 
@@ -95,9 +95,25 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
                                                   head_dim, q.dtype, device)
     if sm_scale is not None:
         sm_scale = float(sm_scale)
-    name = _backend.resolve("cascade_attention", backend, device, ("torch", "triton"))
+    name = _library.resolve("cascade_attention", backend, device, ("torch", "triton"))
     if name == "triton" and q.dtype == torch.float64:
         raise ValueError("cascade_attention: the Triton kernel takes float32/float16/bfloat16, got float64")
+    if max_prefix_len is not None and (isinstance(max_prefix_len, bool) or not isinstance(max_prefix_len, int)
+                                       or max_prefix_len < 0):
+        raise ValueError(f"max_prefix_len must be None or an int >= 0, got {max_prefix_len!r}")
+    args = (q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens,
+            sm_scale, bool(return_lse), max_prefix_len, name)
+    if _library.needs_autograd(q, k, v, prefix_k, prefix_v):
+        return _cascade_attention_impl(*args)
+    out, lse = _library.cascade_attention(*args)
+    return (out, lse) if return_lse else out
+
+
+def _cascade_attention_impl(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table,
+                            prefix_lens, sm_scale, return_lse, max_prefix_len, name):
+    """Body of the ``dspec::cascade_attention`` custom op: run backend ``name`` on checked
+    inputs; returns ``out`` or ``(out, lse)`` as ``return_lse`` asks."""
+    paged = prefix_page_table is not None
     if name == "torch":
         if paged:
             prefix_k, prefix_v, prefix_indptr = _reference.gather_pages(
@@ -201,7 +217,14 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
         if t.shape != o_a.shape[:-1]:
             raise ValueError(f"{name} must have shape o.shape[:-1] = {list(o_a.shape[:-1])}, got {list(t.shape)}")
     _validate.same_device(o_a.device, "o_a", o_b=o_b, lse_a=lse_a, lse_b=lse_b)
-    name = _backend.resolve("merge_states", backend, o_a.device, ("torch", "triton", "cuda", "cpp"))
+    name = _library.resolve("merge_states", backend, o_a.device, ("torch", "triton", "cuda", "cpp"))
+    if _library.needs_autograd(o_a, lse_a, o_b, lse_b):
+        return _merge_states_impl(o_a, lse_a, o_b, lse_b, name)
+    return _library.merge_states(o_a, lse_a, o_b, lse_b, name)
+
+
+def _merge_states_impl(o_a, lse_a, o_b, lse_b, name):
+    """Body of the ``dspec::merge_states`` custom op: run backend ``name``."""
     if name == "torch":
         return _reference.merge_states(o_a, lse_a, o_b, lse_b)
     if name == "triton":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _backend, _validate
+from .. import _library, _validate
 from ..reference import boundary as _reference
 
 _PROVIDED = ("torch", "triton")
@@ -35,7 +35,15 @@ def boundary_posterior(conf: torch.Tensor, *, backend: str | None = None) -> tor
     [[0.5, 0.25, 0.25]]
     """
     _conf(conf)
-    if _backend.resolve("boundary_posterior", backend, conf.device, _PROVIDED) == "torch":
+    name = _library.resolve("boundary_posterior", backend, conf.device, _PROVIDED)
+    if _library.needs_autograd(conf):
+        return _boundary_posterior_impl(conf, name)
+    return _library.boundary_posterior(conf, name)
+
+
+def _boundary_posterior_impl(conf: torch.Tensor, name: str) -> torch.Tensor:
+    """Body of the ``dspec::boundary_posterior`` custom op: run backend ``name``."""
+    if name == "torch":
         return _reference.boundary_posterior(conf)
     from ..kernels.boundary import boundary_triton
     return boundary_triton(conf, want_r=True)[0]
@@ -58,8 +66,16 @@ def rejection_boundaries(conf: torch.Tensor, k: int, *, backend: str | None = No
     """
     _conf(conf)
     k = _validate.positive_int("k", k, upper=conf.shape[1], upper_name="L")
-    if _backend.resolve("rejection_boundaries", backend, conf.device, _PROVIDED) == "torch":
-        return _reference.rejection_boundaries(conf, k)
+    name = _library.resolve("rejection_boundaries", backend, conf.device, _PROVIDED)
+    if _library.needs_autograd(conf):
+        return _rejection_boundaries_impl(conf, k, name)
+    return _library.rejection_boundaries(conf, k, name)
+
+
+def _rejection_boundaries_impl(conf: torch.Tensor, k: int, name: str):
+    """Body of the ``dspec::rejection_boundaries`` custom op: run backend ``name``."""
+    if name == "torch":
+        return tuple(_reference.rejection_boundaries(conf, k))
     from ..kernels.boundary import boundary_triton
     _, lengths, r, _ = boundary_triton(conf, k)
     return lengths, r
@@ -75,7 +91,15 @@ def expected_accept_length(conf: torch.Tensor, *, backend: str | None = None) ->
     [0.75]
     """
     _conf(conf)
-    if _backend.resolve("expected_accept_length", backend, conf.device, _PROVIDED) == "torch":
+    name = _library.resolve("expected_accept_length", backend, conf.device, _PROVIDED)
+    if _library.needs_autograd(conf):
+        return _expected_accept_length_impl(conf, name)
+    return _library.expected_accept_length(conf, name)
+
+
+def _expected_accept_length_impl(conf: torch.Tensor, name: str) -> torch.Tensor:
+    """Body of the ``dspec::expected_accept_length`` custom op: run backend ``name``."""
+    if name == "torch":
         return _reference.expected_accept_length(conf)
     from ..kernels.boundary import boundary_triton
     return boundary_triton(conf, want_expected=True)[3]

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from .. import _backend, _validate
+from .. import _backend, _library, _validate
 from ..reference import pack_mask as _ref_pack
 from ..reference import tree_mask as _ref_tree
 from ..types import TreeMask
@@ -42,7 +42,12 @@ def pack_mask(mask: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
     [[5], [6]]
     """
     _validate.tensor("mask", mask, min_dim=1, dtypes=(torch.bool,))
-    name = _backend.resolve("pack_mask", backend, mask.device, _PROVIDED)
+    name = _library.resolve("pack_mask", backend, mask.device, _PROVIDED)
+    return _library.pack_mask(mask, name)
+
+
+def _pack_mask_impl(mask: torch.Tensor, name: str) -> torch.Tensor:
+    """Body of the ``dspec::pack_mask`` custom op: run backend ``name``."""
     if name == "torch":
         return _ref_pack.pack_mask(mask)
     if name == "triton":
@@ -86,7 +91,12 @@ def unpack_mask(words: torch.Tensor, num_keys: int, *, backend: str | None = Non
     if not 0 <= num_keys <= capacity:
         raise ValueError(f"num_keys must lie in [0, 32 * W] = [0, {capacity}] for words with "
                          f"W = {words.shape[-1]}, got {num_keys}")
-    name = _backend.resolve("unpack_mask", backend, words.device, _PROVIDED)
+    name = _library.resolve("unpack_mask", backend, words.device, _PROVIDED)
+    return _library.unpack_mask(words, num_keys, name)
+
+
+def _unpack_mask_impl(words: torch.Tensor, num_keys: int, name: str) -> torch.Tensor:
+    """Body of the ``dspec::unpack_mask`` custom op: run backend ``name``."""
     if name == "torch":
         return _ref_pack.unpack_mask(words, num_keys)
     if name == "triton":
@@ -140,18 +150,24 @@ def tree_mask(parents: torch.Tensor, *, backend: str | None = None) -> TreeMask:
     if nodes == 0:
         raise ValueError("parents must hold at least the root node (N >= 1)")
     _validate.tree_parents(parents, "parents")
-    name = _backend.resolve("tree_mask", backend, parents.device, _PROVIDED)
+    name = _library.resolve("tree_mask", backend, parents.device, _PROVIDED)
     if nodes > TREE_MASK_MAX_NODES and name in ("triton", "cuda"):
         if _requested(backend) != "auto":
             raise ValueError(f"tree_mask: the {name!r} backend takes N <= {TREE_MASK_MAX_NODES} "
                              f"nodes, got parents with N = {nodes}; use backend='torch' (or "
                              "'cpp' on CPU tensors)")
         name = "torch"
+    return TreeMask(*_library.tree_mask(parents, name))
+
+
+def _tree_mask_impl(parents: torch.Tensor, name: str):
+    """Body of the ``dspec::tree_mask`` custom op: run backend ``name``."""
     if name == "torch":
-        return TreeMask(*_ref_tree.tree_mask(parents))
+        return tuple(_ref_tree.tree_mask(parents))
     if name == "triton":
         from ..kernels.tree_mask import tree_mask_triton
-        return TreeMask(*tree_mask_triton(parents))
+        return tuple(tree_mask_triton(parents))
+    batch, nodes = parents.shape
     cuda = name == "cuda"
     words = torch.empty(batch, nodes, _ref_pack.num_words(nodes), dtype=torch.int32,
                         device=parents.device)
@@ -162,4 +178,4 @@ def tree_mask(parents: torch.Tensor, *, backend: str | None = None) -> TreeMask:
             _backend.extension().tree_mask(par.data_ptr(), _backend.ID_CODE[par.dtype], batch, nodes,
                                            par.stride(0), words.data_ptr(), depth.data_ptr(),
                                            "cuda" if cuda else "cpu", _backend.cuda_stream(par.device, cuda))
-    return TreeMask(words, depth)
+    return words, depth

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _backend, _validate
+from .. import _backend, _library, _validate
 from ..reference.token_stats import token_stats as _token_stats_reference
 from ..types import TokenStats
 
@@ -39,13 +39,20 @@ def token_stats(logits: torch.Tensor, *, temperature: float = 1.0,
     """
     _validate.logits("logits", logits)
     temperature = _validate.temperature(temperature)
-    name = _backend.resolve("token_stats", backend, logits.device, ("torch", "triton", "cuda", "cpp"))
+    name = _library.resolve("token_stats", backend, logits.device, ("torch", "triton", "cuda", "cpp"))
+    if _library.needs_autograd(logits):
+        return TokenStats(*_token_stats_impl(logits, temperature, name))
+    return TokenStats(*_library.token_stats(logits, temperature, name))
+
+
+def _token_stats_impl(logits: torch.Tensor, temperature: float, name: str):
+    """Run the resolved backend ``name`` (the body of the ``dspec::token_stats`` custom op)."""
     if name == "torch":
-        return _token_stats_reference(logits, temperature)
+        return tuple(_token_stats_reference(logits, temperature))
     if name == "triton":
         from ..kernels.token_stats import token_stats_triton
-        return TokenStats(*token_stats_triton(logits, temperature))
-    return TokenStats(*_token_stats_ext(logits, temperature, cuda=name == "cuda"))
+        return tuple(token_stats_triton(logits, temperature))
+    return _token_stats_ext(logits, temperature, cuda=name == "cuda")
 
 
 def _token_stats_ext(logits: torch.Tensor, temperature: float, *, cuda: bool):

@@ -5,14 +5,14 @@ import math
 
 import torch
 
-from .. import _backend, _validate
+from .. import _library, _validate
 from ..reference import topk as _reference
 
 TRITON_MAX_K = 32
 
 
 def _pick(op: str, logits: torch.Tensor, k: int, backend: str | None) -> str:
-    name = _backend.resolve(op, backend, logits.device, ("torch", "triton"))
+    name = _library.resolve(op, backend, logits.device, ("torch", "triton"))
     if name == "triton" and k > TRITON_MAX_K:
         explicit = (backend or "").lower() == "triton"
         if explicit:
@@ -48,10 +48,18 @@ def topk_tokens(logits: torch.Tensor, k: int, *, temperature: float = 1.0,
     _validate.logits("logits", logits)
     k = _validate.positive_int("k", k, upper=logits.shape[-1], upper_name="V")
     temperature = _validate.temperature(temperature)
-    if _pick("topk_tokens", logits, k, backend) == "torch":
-        return _reference.topk_tokens(logits, k, temperature)
+    name = _pick("topk_tokens", logits, k, backend)
+    if _library.needs_autograd(logits):
+        return _topk_tokens_impl(logits, k, temperature, name)
+    return _library.topk_tokens(logits, k, temperature, name)
+
+
+def _topk_tokens_impl(logits: torch.Tensor, k: int, temperature: float, name: str):
+    """Body of the ``dspec::topk_tokens`` custom op: run backend ``name``."""
+    if name == "torch":
+        return tuple(_reference.topk_tokens(logits, k, temperature))
     from ..kernels.topk import topk_tokens_triton
-    return topk_tokens_triton(logits, k, temperature)
+    return tuple(topk_tokens_triton(logits, k, temperature))
 
 
 def mass_candidates(logits: torch.Tensor, tau: float, max_m: int, *, temperature: float = 1.0,
@@ -85,7 +93,15 @@ def mass_candidates(logits: torch.Tensor, tau: float, max_m: int, *, temperature
     if not (0.0 < tau <= 1.0) or math.isnan(tau):
         raise ValueError(f"tau must be in (0, 1], got {tau!r}")
     temperature = _validate.temperature(temperature)
-    if _pick("mass_candidates", logits, max_m, backend) == "torch":
-        return _reference.mass_candidates(logits, tau, max_m, temperature)
+    name = _pick("mass_candidates", logits, max_m, backend)
+    if _library.needs_autograd(logits):
+        return _mass_candidates_impl(logits, tau, max_m, temperature, name)
+    return _library.mass_candidates(logits, tau, max_m, temperature, name)
+
+
+def _mass_candidates_impl(logits: torch.Tensor, tau: float, max_m: int, temperature: float, name: str):
+    """Body of the ``dspec::mass_candidates`` custom op: run backend ``name``."""
+    if name == "torch":
+        return tuple(_reference.mass_candidates(logits, tau, max_m, temperature))
     from ..kernels.topk import mass_candidates_triton
-    return mass_candidates_triton(logits, tau, max_m, temperature)
+    return tuple(mass_candidates_triton(logits, tau, max_m, temperature))

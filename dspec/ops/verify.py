@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from .. import _backend, _validate
+from .. import _library, _validate
 from ..reference import verify as _reference
 from ..types import TreeVerifyOutput, VerifyOutput
 
@@ -46,9 +46,11 @@ def _randomness(generator, coins, uniforms, coin_shape, batch, device):
     return coins, uniforms
 
 
-def _ids_in_vocab(name: str, ids: torch.Tensor, used: torch.Tensor, vocab: int) -> None:
+def _ids_in_vocab(name: str, ids: torch.Tensor, used, vocab: int) -> None:
+    """``used``: a callable giving the bool [B, ...] mask of the slots to check (built only
+    when value checks run, so a sync-free call does no work here)."""
     if ids.numel() and _validate.value_checks_enabled(ids):
-        bad = used & ((ids < 0) | (ids >= vocab))
+        bad = used() & ((ids < 0) | (ids >= vocab))
         if bool(bad.any()):
             at = bad.nonzero()[0].tolist()
             raise ValueError(f"{name} holds ids outside the vocabulary [0, {vocab}): "
@@ -115,13 +117,24 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
             if lo < 0 or hi > length:
                 raise ValueError(f"num_drafts must lie in [0, L] = [0, {length}], got values in [{lo}, {hi}]")
     temperature = _temperature(temperature)
-    used = torch.arange(length, device=device)[None, :] < (
-        num_drafts[:, None] if num_drafts is not None else length)
-    _ids_in_vocab("draft_tokens", draft_tokens, used, vocab)
+    _ids_in_vocab("draft_tokens", draft_tokens, lambda: torch.arange(length, device=device)[None, :] < (
+        num_drafts[:, None] if num_drafts is not None else length), vocab)
     if temperature > 0:
         coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, length),
                                              batch, device)
-    name = _backend.resolve("verify_chain", backend, device, _PROVIDED)
+    else:
+        coins = sample_uniforms = None      # greedy reads neither
+    name = _library.resolve("verify_chain", backend, device, _PROVIDED)
+    args = (draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins,
+            sample_uniforms, name)
+    if _library.needs_autograd(target_logits, draft_probs):
+        return VerifyOutput(*_verify_chain_impl(*args))
+    return VerifyOutput(*_library.verify_chain(*args))
+
+
+def _verify_chain_impl(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins,
+                       sample_uniforms, name):
+    """Body of the ``dspec::verify_chain`` custom op: run backend ``name`` on checked inputs."""
     if name == "torch":
         return _reference.verify_chain(draft_tokens, target_logits, draft_probs=draft_probs,
                                        num_drafts=num_drafts, temperature=temperature,
@@ -188,13 +201,22 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     device = target_logits.device
     _validate.same_device(device, "the logits", tokens=tokens, parents=parents)
     _check_tree(parents)
-    used = parents >= 0
-    _ids_in_vocab("tokens", tokens, used, vocab)
+    _ids_in_vocab("tokens", tokens, lambda: parents >= 0, vocab)
     temperature = _temperature(temperature)
     if temperature > 0:
         coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, nodes),
                                              batch, device)
-    name = _backend.resolve("verify_tree", backend, device, _PROVIDED)
+    else:
+        coins = sample_uniforms = None      # greedy reads neither
+    name = _library.resolve("verify_tree", backend, device, _PROVIDED)
+    args = (tokens, parents, target_logits, temperature, coins, sample_uniforms, name)
+    if _library.needs_autograd(target_logits):
+        return TreeVerifyOutput(*_verify_tree_impl(*args))
+    return TreeVerifyOutput(*_library.verify_tree(*args))
+
+
+def _verify_tree_impl(tokens, parents, target_logits, temperature, coins, sample_uniforms, name):
+    """Body of the ``dspec::verify_tree`` custom op: run backend ``name`` on checked inputs."""
     if name == "torch":
         return _reference.verify_tree(tokens, parents, target_logits, temperature=temperature,
                                       coins=coins, sample_uniforms=sample_uniforms)
