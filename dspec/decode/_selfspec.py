@@ -194,6 +194,43 @@ def candidates(logits: torch.Tensor, choice: torch.Tensor, num: int, temperature
     return cand, logp.gather(-1, cand)
 
 
+_MASKS: dict = {}
+
+
+def _copies_mask(block_size: int, copies: int, device) -> torch.Tensor:
+    """Dense bool mask of :func:`dspec.masks.ssd_copies` (cached: built once per shape)."""
+    key = (block_size, copies, str(device))
+    if key not in _MASKS:
+        _MASKS[key] = ssd_copies(block_size, copies, device=device).dense()
+    return _MASKS[key]
+
+
+def _choose(logits: torch.Tensor, masked: torch.Tensor, temperature: float, generator):
+    """Every masked slot's choice and confidence, exactly as ``diffusion`` computes them.
+
+    logits [..., bs, V], masked [..., bs] -> (choice [..., bs] int64, confidence [..., bs],
+    -1 where not masked).  On the CPU only the masked rows are scored (the rows are
+    independent, so the values are those of scoring everything); on an accelerator every
+    row is scored, which avoids the host sync of selecting them.
+    """
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    need = masked.reshape(-1)
+    choice = torch.zeros(need.shape, dtype=torch.int64, device=logits.device)
+    conf = torch.full(need.shape, -1.0, device=logits.device)
+    if logits.device.type == "cpu":
+        rows = need.nonzero()[:, 0]
+        if rows.numel():
+            picked = flat.index_select(0, rows)
+            tok = next_tokens(picked, temperature, generator)
+            choice[rows] = tok
+            conf[rows] = confidence(picked, tok, temperature)
+    else:
+        choice = next_tokens(flat, temperature, generator)
+        conf = torch.where(need, confidence(flat, choice, temperature), conf)
+    return choice.view(masked.shape), conf.view(masked.shape)
+
+
 @dataclass
 class SelfSpecStats:
     rounds: int = 0
@@ -330,7 +367,7 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
         suffix = node_tokens.gather(1, copy_node[..., None].expand(-1, -1, bs))         # [A, K, bs]
         cmasked = node_masked.gather(1, copy_node[..., None].expand(-1, -1, bs))
         segments = copies + int(need_next)
-        dense = ssd_copies(bs, segments, device=dev).dense().expand(a_rows, -1, -1).clone()
+        dense = _copies_mask(bs, segments, dev).expand(a_rows, -1, -1).clone()
         offsets = slots.repeat(segments)
         anchor_copy = node_copy.gather(1, anchor[:, None])[:, 0].clamp(min=0)
         if need_next:
@@ -356,8 +393,7 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
             logits = torch.cat([first[:, :, None], raw[:, :, :-1]], 2)
         else:
             logits = raw
-        c_choice = next_tokens(logits.reshape(-1, vocab), temperature, generator).view(a_rows, segments, bs)
-        c_conf = confidence(logits, c_choice, temperature)
+        c_choice, c_conf = _choose(logits, cmasked, temperature, generator)
         c_conf = torch.where(cmasked, c_conf, torch.full_like(c_conf, -1.0))
         step_slot = c_conf.argmax(-1)                                    # first max: lower slot
         step_tok = c_choice.gather(-1, step_slot[..., None])[..., 0]

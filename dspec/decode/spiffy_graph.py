@@ -283,10 +283,14 @@ def shipped_graph_path(model, block_size: int, graph_size: int) -> Path | None:
 def default_graph(model, block_size: int, graph_size: int = 16, *, progress: bool = True,
                   **calibrate_options) -> SpiffyGraph:
     """A graph for ``model``: shipped, else cached, else calibrated now (and cached)."""
+    key = fingerprint(model)
     shipped = shipped_graph_path(model, block_size, graph_size)
     if shipped is not None:
-        return load(shipped)
-    path = cache_dir() / graph_file_name(fingerprint(model), block_size, graph_size)
+        graph = load(shipped)
+        # a graph calibrated on other weights stays lossless but drafts worse: recalibrate
+        if graph.meta.get("fingerprint") in (None, key):
+            return graph
+    path = cache_dir() / graph_file_name(key, block_size, graph_size)
     if path.is_file():
         try:
             return load(path)
