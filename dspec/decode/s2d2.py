@@ -285,6 +285,17 @@ def accept_span(tokens, masked, drafts, target_logits, span_start, span_len, *, 
 # ------------------------------------------------------------------------------- decode
 
 
+def _advance(progress, shown: float, step: float, total: int) -> float:
+    """Advance the progress bar by ``step`` tokens per request, never past ``total``
+    (tokens committed beyond ``max_new_tokens`` in the last block are not output)."""
+    if progress is None:
+        return shown
+    new = min(shown + step, float(total))
+    if new > shown:
+        progress.update(new - shown)
+    return new
+
+
 @torch.no_grad()
 def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                 generator: torch.Generator | None = None, eos_ids=(), progress=None,
@@ -371,6 +382,7 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     kinds = {"draft": 0, "verify": 0, "commit": 0}
     stats_dev = torch.zeros(4, dtype=torch.int64, device=dev)   # verifications, committed, accepted, drafted
 
+    shown = 0.0                                  # progress shown (tokens per request)
     while True:
         # the one host read per iteration: row states and the suffix width they need
         width_row = torch.where(phase == VERIFY,
@@ -417,8 +429,7 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
             hist += torch.bincount(torch.where(is_verify, acc, L_max + 1), minlength=L_max + 2)[:L_max + 1]
             stats_dev += torch.stack([is_verify.sum(), committed.sum(), torch.where(is_verify, acc, 0).sum(),
                                       num.sum()])
-            if progress is not None:
-                progress.update(float(committed.sum()) / batch)
+            shown = _advance(progress, shown, float(committed.sum()) / batch, max_new_tokens)
             next_phase = torch.where(is_verify, torch.where(masked.any(1), DRAFT, COMMIT), next_phase)
 
         # ---------------------------------------------------------------- drafting
@@ -450,8 +461,7 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
             tokens = torch.where(pick & fall[:, None], choice, tokens)
             masked = masked & ~(pick & fall[:, None])
             router.observe(fall, False, pick.sum(1), 1)
-            if progress is not None:
-                progress.update(float((pick & fall[:, None]).sum()) / batch)
+            shown = _advance(progress, shown, float((pick & fall[:, None]).sum()) / batch, max_new_tokens)
             # verifying rows keep their span drafts (and q rows when sampling), left-aligned
             src = (first[:, None] + slots[None]).clamp(max=bs - 1)
             drafts = torch.where(verify[:, None], choice.gather(1, src), drafts)
