@@ -53,8 +53,9 @@ requests advance independently (each in its own block) and a finished request le
 batch, so a batch gives exactly what single runs give (greedy).
 
 Host syncs: the block-causal path reads the block state once per step; the bidirectional
-path reads one flag vector per step (which requests are still running), to shrink the batch
-and stop -- the step itself (choice, confidence, ranking, unmasking) is on-device.
+path reads one flag per step (whether a request finished), to shrink the batch and stop,
+plus one count when a progress bar is given -- the step itself (choice, confidence, ranking,
+unmasking, the finished test) stays on the device.
 """
 from __future__ import annotations
 
@@ -225,7 +226,9 @@ def _decode_bidirectional(model, prompts, *, max_new_tokens, temperature, genera
     num_blocks = -(-max_new_tokens // bs)
     region = num_blocks * bs                                   # generation region length
     plen = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=dev)
-    canvas = model.plan([list(p) + [mask_id] * region for p in prompts]).tokens.clone()  # [B, N]
+    # right-padded plan of prompt + region; its mask hides the padding, positions per request
+    plan = model.plan([list(p) + [mask_id] * region for p in prompts])
+    canvas = plan.tokens.clone()                               # [B, N] the sequences being denoised
     undecided = torch.ones(batch, region, dtype=torch.bool, device=dev)   # region slot still [MASK]
     block = torch.zeros(batch, dtype=torch.int64, device=dev)             # current block per request
     eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=dev)
@@ -237,7 +240,6 @@ def _decode_bidirectional(model, prompts, *, max_new_tokens, temperature, genera
     decided_out = torch.zeros(batch, dtype=torch.int64, device=dev)       # for the progress bar
 
     rows = torch.arange(batch, device=dev)                      # requests still running
-    plan = model.plan([list(p) + [mask_id] * region for p in prompts])
     while rows.numel():
         n_rows = rows.numel()
         tokens = canvas[rows, : plan.tokens.shape[1]]
