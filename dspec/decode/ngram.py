@@ -50,6 +50,8 @@ METHODS = ("kneser_ney", "stupid_backoff")
 FORMAT_VERSION = 1
 STUPID_BACKOFF_ALPHA = 0.4
 CORPORA = ("sharegpt", "stdlib", "arithmetic")
+# n-grams shipped for shipped targets: <shipped_name>.npz (what default_ngram would build)
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "ngram"
 
 __all__ = ["NgramLM", "METHODS", "CORPORA", "default_ngram", "ngram_from_model", "cache_dir"]
 
@@ -375,21 +377,27 @@ def default_ngram(model, *, corpora=CORPORA, max_chars: int = 1_500_000, method:
                   rebuild: bool = False) -> NgramLM:
     """The causal proxy for ``model``'s tokenizer: a 3-gram over ``max_chars`` characters of
     each corpus in ``corpora``, built once and cached under :func:`cache_dir` (keyed by the
-    tokenizer's fingerprint, the corpora, the size and the method).  A shipped file in
-    ``dspec/assets/ngram/<shipped_name>.npz`` is used when present."""
+    tokenizer's fingerprint, the corpora, the size and the method).  For a shipped target the
+    file ``dspec/assets/ngram/<shipped_name>.npz`` is used when it was built with these same
+    settings (``python -m dspec.decode.ngram tiny-ar`` writes it)."""
     if model.tokenizer is None:
         raise ValueError("the target has no tokenizer: build the n-gram with NgramLM.build(...) or "
                          "ngram_from_model(...) and pass ngram=")
-    name = getattr(model, "shipped_name", None)
-    if name and not rebuild:
-        shipped = Path(__file__).resolve().parent.parent / "assets" / "ngram" / f"{name}.npz"
-        if shipped.is_file():
-            return NgramLM.load(shipped)
     corpora = tuple(corpora)
     for c in corpora:
         if c not in CORPORA:
             raise ValueError(f"corpora must be drawn from {CORPORA}, got {c!r}")
-    key = hashlib.sha256(json.dumps([_tokenizer_fingerprint(model.tokenizer), corpora, max_chars, method,
+    fingerprint = _tokenizer_fingerprint(model.tokenizer)
+    name = getattr(model, "shipped_name", None)
+    if name and not rebuild:
+        shipped = SHIPPED_DIR / f"{name}.npz"
+        if shipped.is_file():
+            lm = NgramLM.load(shipped)
+            # only when it is what was asked for (same tokenizer, corpora, size and method)
+            if (lm.meta.get("tokenizer") == fingerprint and lm.meta.get("corpora") == list(corpora)
+                    and lm.meta.get("max_chars") == max_chars and lm.method == method):
+                return lm
+    key = hashlib.sha256(json.dumps([fingerprint, corpora, max_chars, method,
                                      model.config.vocab_size, FORMAT_VERSION, "train-docs"]).encode()).hexdigest()[:20]
     path = cache_dir() / f"{key}.npz"
     if path.is_file() and not rebuild:
@@ -398,8 +406,7 @@ def default_ngram(model, *, corpora=CORPORA, max_chars: int = 1_500_000, method:
     for c in corpora:
         texts += corpus_texts(c, max_chars)
     lm = NgramLM.from_texts(model.tokenizer, texts, vocab_size=model.config.vocab_size, method=method,
-                            meta={"corpora": list(corpora), "max_chars": max_chars,
-                                  "tokenizer": _tokenizer_fingerprint(model.tokenizer)})
+                            meta={"corpora": list(corpora), "max_chars": max_chars, "tokenizer": fingerprint})
     lm.save(path)
     return lm
 
@@ -422,3 +429,26 @@ def ngram_from_model(model, *, num_sequences: int = 64, length: int = 64, temper
     seqs = [list(p) + list(o) for p, o in zip(prompts, out)]
     return NgramLM.build(seqs, V, method=method, meta={"source": "target samples",
                                                        "temperature": temperature, "seed": seed})
+
+
+def _main(argv=None) -> None:
+    """``python -m dspec.decode.ngram NAME [--out FILE]``: build the default n-gram of a
+    shipped target (or checkpoint directory) and write it (default: the shipped location)."""
+    import argparse
+
+    from ..hub import load
+    parser = argparse.ArgumentParser(prog="python -m dspec.decode.ngram", description=_main.__doc__)
+    parser.add_argument("model", help="a shipped name (tiny-ar, smollm2-135m) or a checkpoint directory")
+    parser.add_argument("--out", default=None, help="output .npz (default dspec/assets/ngram/NAME.npz)")
+    parser.add_argument("--max-chars", type=int, default=1_500_000)
+    parser.add_argument("--method", choices=METHODS, default="kneser_ney")
+    args = parser.parse_args(argv)
+    model = load(args.model)
+    lm = default_ngram(model, max_chars=args.max_chars, method=args.method, rebuild=True)
+    out = Path(args.out) if args.out else SHIPPED_DIR / f"{model.shipped_name or Path(args.model).name}.npz"
+    lm.save(out)
+    print(f"{lm} -> {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    _main()
