@@ -143,6 +143,22 @@ def test_save_load_round_trip(target, tmp_path):
         load_drafter(tmp_path / "dr", target, kind="vp")
 
 
+def test_fingerprint_warns_for_other_weights(target, tmp_path):
+    d = BlockDrafter.for_target(target, block_size=4)
+    d.save(tmp_path / "dr")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_drafter(tmp_path / "dr", target)                  # same weights: silent
+    other = dspec.load(target.name_or_path) if target.name_or_path else None
+    if other is None:
+        pytest.skip("target path unknown")
+    with torch.no_grad():
+        other.output_weight.add_(0.01)
+    with pytest.warns(UserWarning, match="other weights"):
+        load_drafter(tmp_path / "dr", other)
+
+
 def test_compatibility_errors(target, llama, tmp_path):
     d = BlockDrafter.for_target(target, block_size=4)
     d.save(tmp_path / "dr")

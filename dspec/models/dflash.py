@@ -177,7 +177,7 @@ class BlockDrafter(nn.Module):
             head_dim=head_dim or tc.head_dim, intermediate_size=intermediate_size or tc.intermediate_size,
             rope_theta=float(tc.rope_theta), rms_norm_eps=float(tc.rms_norm_eps),
             target=getattr(target, "shipped_name", None) or getattr(target, "name_or_path", None)
-            and str(target.name_or_path))
+            and str(target.name_or_path), extra={"target_fingerprint": target_fingerprint(target)})
         drafter = cls(cfg, device=target.device)
         drafter.init_random_(std=std, seed=seed)
         drafter.to(dtype=target.dtype)
@@ -398,6 +398,14 @@ class BlockDrafter(nn.Module):
         return out
 
 
+def target_fingerprint(target) -> str:
+    """A short hash of the target's output head (first 64 rows): drafters record it so that
+    loading one for a retrained target of the same shape warns instead of failing silently."""
+    import hashlib
+    rows = target.output_weight.detach()[:64].float().cpu().contiguous()
+    return hashlib.sha256(rows.numpy().tobytes()).hexdigest()[:16]
+
+
 def check_compatible(config: DrafterConfig, target) -> None:
     """ValueError unless ``target`` has the drafter's hidden size, vocabulary and layers."""
     tc = getattr(target, "config", None)
@@ -458,6 +466,12 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
     if kind is not None and cfg.kind != kind:
         raise ValueError(f"{path} holds a {cfg.kind!r} drafter, expected {kind!r}")
     check_compatible(cfg, target)
+    recorded = cfg.extra.get("target_fingerprint")
+    if recorded and recorded != target_fingerprint(target):
+        import warnings
+        warnings.warn(f"drafter {path} was trained for a target with other weights (fingerprint {recorded}, this "
+                      f"target {target_fingerprint(target)}): it fits the shapes but may draft poorly; retrain it",
+                      stacklevel=2)
     drafter = BlockDrafter(cfg, device="meta")
     state = load_file(str(path / "model.safetensors"))
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
