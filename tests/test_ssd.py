@@ -194,6 +194,16 @@ def test_sampling_reproducible(model):
     assert [g.tokens for g in a] == [g.tokens for g in b]
 
 
+def test_eos_mid_block_matches_diffusion(model):
+    from dspec.decode import diffusion, ssd
+    prompts = [[5, 17, 42, 9, 11], [7], [60, 2, 33, 4, 9, 9, 1]]
+    free, _ = diffusion.decode(model, prompts, max_new_tokens=10, block_size=4)
+    eos = (free[0][5], free[2][2])          # tokens the greedy runs do produce, mid-block
+    ref, _ = diffusion.decode(model, prompts, max_new_tokens=10, block_size=4, eos_ids=eos)
+    got, _ = ssd.decode(model, prompts, max_new_tokens=10, block_size=4, eos_ids=eos)
+    assert got == ref and any(len(r) < 10 for r in ref)
+
+
 def test_bad_options(model, tmp_path):
     for bad in (0, -1, 2.5, True, "3"):
         with pytest.raises(ValueError, match="draft_len"):

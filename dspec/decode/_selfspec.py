@@ -288,6 +288,7 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
     start = (plen // bs) * bs
     carry = torch.zeros(batch, vocab, device=dev)
     forwards = 0
+    suffix_tokens = 0           # block tokens forwarded after the prefill (compute proxy)
     full = [p[: int(s)] for p, s in zip(prompts, start.tolist())]
     if any(full):
         out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache), logits="last")
@@ -384,6 +385,7 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
                              pack_mask(dense), cache)
         out = model(plan, return_kv=True)
         forwards += 1
+        suffix_tokens += a_rows * segments * bs
         raw = out.logits.float().view(a_rows, segments, bs, vocab)
         if model.shifted:
             first = carry[:, None, :].expand(a_rows, segments, vocab)
@@ -488,5 +490,5 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
              "mean_accepted": st.steps / max(st.verify_rows, 1),
              "accepted_hist": dict(sorted(st.histogram.items())),
              "drafts": st.drafts, "accepted_drafts": st.accepted_drafts,
-             "rounds": st.rounds, "block_size": bs}
+             "rounds": st.rounds, "suffix_tokens": suffix_tokens, "block_size": bs}
     return generated, stats

@@ -60,7 +60,8 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
     -------
     tokens : B lists of generated ids.
     stats : ``nfe``, ``mean_accepted``, ``accepted_hist``, ``drafts``, ``accepted_drafts``,
-        ``rounds``, ``block_size``, ``graph_size``, ``prune_to``.
+        ``rounds``, ``suffix_tokens`` (as ``ssd``), ``block_size``, ``graph_size``,
+        ``prune_to``.
     """
     bs = check_common(model, "spiffy", block_size)
     if graph_size is not None and (isinstance(graph_size, bool) or not isinstance(graph_size, int)

@@ -36,6 +36,7 @@ from ._selfspec import chain_graph, check_common, decode_self_speculative
 
 OPTIONS = ("block_size", "draft_len", "mixed_order")
 DRAFTER = False
+DEFAULT_DRAFT_LEN = 4
 
 
 def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, generator=None,
@@ -51,8 +52,9 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
     block_size : int >= 1, default the model's.
     draft_len : int >= 1, drafted steps per round after the exact root step (the
         verification suffix holds draft_len + 1 block copies, + 1 next-block copy when the
-        chain completes the block); default ``block_size - 1`` (at least 1): a whole block
-        can be verified in one forward.
+        chain completes the block); default ``min(block_size - 1, 4)`` (at least 1):
+        longer chains rarely survive past 4 steps on the shipped model and every copy
+        costs compute on a CPU; raise it on an accelerator, where copies are nearly free.
     mixed_order : bool, also verify the swapped-pair states (up to draft_len - 1 more copies).
 
     Returns
@@ -61,11 +63,13 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
     stats : ``nfe`` ({"target": forwards}), ``mean_accepted`` (denoising steps -- tokens --
         committed per verification round of a request: every round of a request whose
         state had logits; >= 1), ``accepted_hist`` ({steps per round: rounds}), ``drafts``
-        (draft states forwarded), ``accepted_drafts``, ``rounds``, ``block_size``,
-        ``draft_len``, ``mixed_order``.
+        (draft states forwarded), ``accepted_drafts``, ``rounds`` (forwards after the
+        prefill), ``suffix_tokens`` (block tokens those forwards carried, over all rows: the
+        compute a CPU pays; a one-step run carries B * block_size per forward),
+        ``block_size``, ``draft_len``, ``mixed_order``.
     """
     bs = check_common(model, "ssd", block_size)
-    n = draft_len if draft_len is not None else max(1, bs - 1)
+    n = draft_len if draft_len is not None else min(max(1, bs - 1), DEFAULT_DRAFT_LEN)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"draft_len must be an int >= 1, got {draft_len!r}")
     if not isinstance(mixed_order, bool):
