@@ -195,3 +195,23 @@ def test_drafter_checks(pair, tmp_path):
                 dict(k_min=5, k_max=3), dict(ngram=3)):
         with pytest.raises(ValueError):
             dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=4, drafter=drafter, **bad)
+
+
+def _shipped(name):
+    try:
+        return dspec.load(name)
+    except ValueError:
+        return None
+
+
+def test_shipped_pair_tiny_ar_with_tiny_bd():
+    target = _shipped("tiny-ar")
+    if target is None or _shipped("tiny-bd") is None:
+        pytest.skip("tiny-ar / tiny-bd are not shipped in this checkout")
+    from dspec.tasks import arithmetic
+    prompts = [p.prompt for p in arithmetic(3, seed=0)]
+    ar = [g.tokens for g in dspec.generate(target, prompts, method="ar", max_new_tokens=8)]
+    for opts in (dict(), dict(cps=False, draft_len=4)):
+        got = dspec.generate(target, prompts, method="diffuspec", max_new_tokens=8, **opts)   # drafter: tiny-bd
+        assert [g.tokens for g in got] == ar
+        assert got[0].stats["nfe"]["drafter"] >= 1
