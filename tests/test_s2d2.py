@@ -144,7 +144,10 @@ def test_greedy_always_equals_block_size_one_decoding(model, block_size, draft_l
         # and every drafting forward is followed by a verification (policy always)
         kinds = st["forwards_with"]
         assert st["nfe"]["target"] == (len(prompt) >= block_size) + sum(kinds.values())
-        assert kinds["draft"] == kinds["verify"] == st["verifications"]
+        assert kinds["verify"] == st["verifications"]
+        assert kinds["draft"] + st["spec_block_drafts"] == st["verifications"]
+        blocks = -(-(len(prompt) % block_size + 12) // block_size)
+        assert kinds["commit"] + st["spec_block_commits"] == blocks
 
 
 @pytest.mark.parametrize("policy,extra", [("always", {}), ("min_span", {"min_span": 3}),

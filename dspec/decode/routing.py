@@ -24,8 +24,10 @@ Policies (``make_router(policy, ...)``):
   when ``score < off`` (``on >= off``), so one noisy step does not flip the mode;
 - ``"ucb"``: a UCB1 contextual bandit with two arms (fallback, verify) per context bin of
   the score; the reward of a decision is the tokens it committed per forward it cost
-  (fallback: ``fallback_tokens / 1``; verify: ``committed / 2``, the drafting forward plus
-  the verification forward).  The statistics are shared by the batch (every sequence
+  (fallback: ``fallback_tokens / 1``, the next drafting forward; verify: ``committed / 2``,
+  the verification forward plus the next drafting one, or ``committed / 1`` when every
+  draft passed and the verification forward's speculative block serves as the next
+  drafting step or as the finished block).  The statistics are shared by the batch (every sequence
   teaches the same bandit); the decisions are per sequence.
 
 Estimators of the expected number of accepted drafts (:func:`span_score`), from the per-slot
@@ -123,9 +125,10 @@ class Router:
     def _decide(self, features: RoutingFeatures) -> torch.Tensor:
         raise NotImplementedError
 
-    def observe(self, rows: torch.Tensor, verified: bool, tokens: torch.Tensor, forwards: int) -> None:
+    def observe(self, rows: torch.Tensor, verified: bool, tokens: torch.Tensor, forwards) -> None:
         """Outcome of the decisions of ``rows`` (bool [B]): ``tokens`` [B] committed for
-        ``forwards`` model forwards.  Only the bandit learns from it."""
+        ``forwards`` (an int or [B]) model forwards until the sequence's next decision.
+        Only the bandit learns from it."""
 
     def stats(self) -> dict:
         return {"policy": self.name, "decisions": int(self._decisions),
@@ -234,7 +237,7 @@ class UcbRouter(Router):
 
     def observe(self, rows, verified, tokens, forwards):
         arm = ARM_VERIFY if verified else ARM_FALLBACK
-        reward = tokens.double() / float(forwards)
+        reward = tokens.double() / torch.as_tensor(forwards, dtype=torch.float64, device=tokens.device)
         w = rows.double()
         self.counts[:, arm].index_add_(0, self.context, w)
         self.sums[:, arm].index_add_(0, self.context, w * reward)

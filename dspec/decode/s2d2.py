@@ -171,33 +171,52 @@ def two_l_dense(context: int, span: int, copies: int | None = None) -> torch.Ten
     return chain_part | copy_part
 
 
+def _verify_width(span_start, span_len, *, bs, shifted, speculative):
+    """Suffix tokens of a verifying row: chain (+ L + 1 copies) (+ the speculative block)."""
+    return span_start + (span_len if shifted else 2 * span_len + 1) + (bs if speculative else 0)
+
+
 def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_start, *, bs, shifted,
-                mask_id, width):
-    """Per-row suffix tokens [B, W], positions [B, W] and dense mask [B, W, W] (see module doc)."""
+                mask_id, width, speculative):
+    """Per-row suffix tokens [B, W], positions [B, W], dense mask [B, W, W] and the offset
+    [B] of each verifying row's speculative block (see the module doc).
+
+    Drafting / committing rows: the block, bidirectional.  Verifying rows: the token-causal
+    chain (block slots before the span + drafts), then (position-aligned models) the L + 1
+    [MASK] copies, then with ``speculative`` the block with the drafts in place,
+    bidirectional within itself and seeing nothing else of the suffix.  Finished rows and
+    padding: tokens that see only themselves.
+    """
     dev = tokens.device
-    idx = torch.arange(width, device=dev)
     verify = phase == VERIFY
     block_rows = (phase == DRAFT) | (phase == COMMIT)
     chain_len = torch.where(block_rows, bs, torch.where(verify, span_start + span_len, 0))
     n_copies = torch.where(verify & (not shifted), span_len + 1, 0)
-    q, k = idx[None, :, None], idx[None, None, :]
-    cl, nc = chain_len[:, None, None], n_copies[:, None, None]
-    s = span_start[:, None, None]
-    q_chain, k_chain = q < cl, k < cl
-    q_copy = (q >= cl) & (q < cl + nc)
+    spec_off = chain_len + n_copies
+    n_spec = torch.where(verify, bs, 0) if speculative else torch.zeros_like(chain_len)
+    i = torch.arange(width, device=dev)[None]                           # [1, W]
+    cl, so, s = chain_len[:, None], spec_off[:, None], span_start[:, None]
+    in_chain = i < cl
+    in_copies = (i >= cl) & (i < so)
+    in_spec = (i >= so) & (i < so + n_spec[:, None])
+    q_chain, k_chain = in_chain[:, :, None], in_chain[:, None, :]
+    q_spec, k_spec = in_spec[:, :, None], in_spec[:, None, :]
+    q, k = i[:, :, None], i[:, None, :]
     chain_part = q_chain & k_chain & (block_rows[:, None, None] | (k <= q))
-    copy_part = q_copy & ((k < s + (q - cl)) | (k == q))
-    dense = chain_part | copy_part | ((k == q) & ~(q_chain | q_copy))
-    slot = torch.where(idx[None] < chain_len[:, None], idx[None], span_start[:, None] + idx[None] - chain_len[:, None])
+    copy_part = in_copies[:, :, None] & ((k < s[:, :, None] + (q - cl[:, :, None])) | (k == q))
+    valid = in_chain | in_copies | in_spec
+    dense = chain_part | copy_part | (q_spec & k_spec) | ((k == q) & ~valid[:, :, None])
+    slot = torch.where(in_chain, i, torch.where(in_copies, s + i - cl, torch.where(in_spec, i - so, 0)))
     slot = slot.clamp(0, bs)
     source = torch.where(verify[:, None], drafts_in_block, tokens)
-    suffix_tokens = source.gather(1, idx[None].clamp(max=bs - 1).expand(len(phase), -1))
-    suffix_tokens = torch.where(idx[None] < chain_len[:, None], suffix_tokens, mask_id)
-    return suffix_tokens, block_start[:, None] + slot, dense
+    suffix_tokens = source.gather(1, slot.clamp(max=bs - 1))
+    suffix_tokens = torch.where(in_chain | in_spec, suffix_tokens, mask_id)
+    return suffix_tokens, block_start[:, None] + slot, dense, spec_off
 
 
-def _logit_rows(phase, span_start, span_len, *, bs, shifted):
-    """Suffix indices [B, bs + 1] whose logits each row needs (see module doc)."""
+def _logit_rows(phase, span_start, span_len, spec_off, *, bs, shifted, speculative):
+    """Suffix indices [B, bs + 1] (+ [B, bs] of the speculative block) whose logits each row
+    needs (see the module doc)."""
     dev = phase.device
     j = torch.arange(bs + 1, device=dev)[None]
     block = j.clamp(max=bs - 1)
@@ -208,7 +227,11 @@ def _logit_rows(phase, span_start, span_len, *, bs, shifted):
     else:
         ver = torch.minimum(chain + j, chain + span_len[:, None])
     block = torch.where((phase == DONE)[:, None], 0, block)          # a finished row: one padding token
-    return torch.where((phase == VERIFY)[:, None], ver, block.expand(len(phase), -1))
+    rows = torch.where((phase == VERIFY)[:, None], ver, block.expand(len(phase), -1))
+    if not speculative:
+        return rows
+    spec = torch.where((phase == VERIFY)[:, None], spec_off[:, None] + j[:, :bs], 0)
+    return torch.cat([rows, spec], 1)
 
 
 def ar_view_logits(model, cache, block_tokens, block_start, span_start, span_len, *, carry=None):
@@ -233,11 +256,11 @@ def ar_view_logits(model, cache, block_tokens, block_start, span_start, span_len
     dev = model.device
     batch, bs = block_tokens.shape
     phase = torch.full((batch,), VERIFY, dtype=torch.int64, device=dev)
-    width = int((span_start + (span_len if model.shifted else 2 * span_len + 1)).max())
-    tokens, positions, dense = _row_layout(phase, block_tokens, block_tokens, span_start, span_len,
-                                           block_start.to(dev), bs=bs, shifted=model.shifted,
-                                           mask_id=model.mask_token_id, width=width)
-    rows = _logit_rows(phase, span_start, span_len, bs=bs, shifted=model.shifted)
+    width = int(_verify_width(span_start, span_len, bs=bs, shifted=model.shifted, speculative=False).max())
+    tokens, positions, dense, spec_off = _row_layout(
+        phase, block_tokens, block_tokens, span_start, span_len, block_start.to(dev), bs=bs,
+        shifted=model.shifted, mask_id=model.mask_token_id, width=width, speculative=False)
+    rows = _logit_rows(phase, span_start, span_len, spec_off, bs=bs, shifted=model.shifted, speculative=False)
     out = model(AttentionPlan(tokens, positions, pack_mask(dense), cache), logits=rows, return_kv=False)
     logits = out.logits.float()
     if model.shifted:
@@ -380,13 +403,14 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     eos = set(eos_ids)
     hist = torch.zeros(L_max + 1, dtype=torch.int64, device=dev)
     kinds = {"draft": 0, "verify": 0, "commit": 0}
-    stats_dev = torch.zeros(4, dtype=torch.int64, device=dev)   # verifications, committed, accepted, drafted
+    # verifications, tokens they committed, accepted drafts, verified drafts, reused / final spec blocks
+    stats_dev = torch.zeros(6, dtype=torch.int64, device=dev)
 
     shown = 0.0                                  # progress shown (tokens per request)
     while True:
         # the one host read per iteration: row states and the suffix width they need
         width_row = torch.where(phase == VERIFY,
-                                span_start + (span_len if shifted else 2 * span_len + 1),
+                                _verify_width(span_start, span_len, bs=bs, shifted=shifted, speculative=True),
                                 torch.where(phase == DONE, 1, bs))
         host = torch.stack([phase, width_row]).tolist()
         phases, width = host[0], max(host[1])
@@ -394,60 +418,76 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
             break
         has = {k: any(p == v for p in phases) for k, v in (("draft", DRAFT), ("verify", VERIFY),
                                                              ("commit", COMMIT))}
-        in_block = tokens.clone()
-        if has["verify"]:
+        spec = has["verify"]
+        in_block = tokens
+        if spec:
             rel = slots[None] - span_start[:, None]
             in_span = (rel >= 0) & (rel < span_len[:, None])
             in_block = torch.where(in_span, drafts.gather(1, rel.clamp(0, bs - 1)), tokens)
-        suffix, positions, dense = _row_layout(phase, tokens, in_block, span_start, span_len, block_start,
-                                               bs=bs, shifted=shifted, mask_id=mask_id, width=width)
-        rows = _logit_rows(phase, span_start, span_len, bs=bs, shifted=shifted)
+        suffix, positions, dense, spec_off = _row_layout(
+            phase, tokens, in_block, span_start, span_len, block_start, bs=bs, shifted=shifted,
+            mask_id=mask_id, width=width, speculative=spec)
+        rows = _logit_rows(phase, span_start, span_len, spec_off, bs=bs, shifted=shifted, speculative=spec)
         all_block = all(p in (DRAFT, COMMIT) for p in phases)
         # a batch of plain blocks uses diffusion's own shared mask (same arithmetic as 'diffusion')
         mask_words = pack_mask(dense[0]) if all_block else pack_mask(dense)
         out = model(AttentionPlan(suffix, positions, mask_words, cache), logits=rows,
-                    return_kv=has["commit"])
+                    return_kv=has["commit"] or spec)
         forwards += 1
         for k in kinds:
             kinds[k] += has[k]
-        logits = out.logits.float()                                      # [B, bs + 1, V]
+        logits = out.logits.float()                          # [B, bs + 1 (+ bs), V]
         is_draft, is_verify, is_commit = phase == DRAFT, phase == VERIFY, phase == COMMIT
         next_phase = phase.clone()
+        reuse = torch.zeros_like(is_verify)                   # spec block = the next drafting step
+        spec_final = torch.zeros_like(is_verify)              # spec block = the finished block
 
         # ---------------------------------------------------------------- verification
         if has["verify"]:
-            target = logits
+            target = logits[:, :bs + 1]
             if shifted:
-                first = torch.where((span_start == 0)[:, None], carry, logits[:, 0])
-                target = torch.cat([first[:, None], logits[:, 1:]], 1)
+                first = torch.where((span_start == 0)[:, None], carry, target[:, 0])
+                target = torch.cat([first[:, None], target[:, 1:]], 1)
             num = torch.where(is_verify, span_len, 0)
             tokens, masked, committed, acc = accept_span(
                 tokens, masked, drafts, target, span_start, num,
                 draft_probs=draft_probs if temperature > 0 else None, temperature=temperature,
                 generator=generator)
-            router.observe(is_verify, True, committed, 2)
+            # every draft accepted: the speculative block holds the block as it now stands
+            # (but for a bonus token, still [MASK] there), so its logits are the next
+            # drafting step; with no bonus and nothing left masked it is the finished block
+            all_in = is_verify & (acc == span_len)
+            left = masked.any(1)
+            reuse = all_in & left
+            spec_final = all_in & ~left & (committed == acc)
+            router.observe(is_verify, True, committed, torch.where(reuse | spec_final, 1, 2))
             hist += torch.bincount(torch.where(is_verify, acc, L_max + 1), minlength=L_max + 2)[:L_max + 1]
             stats_dev += torch.stack([is_verify.sum(), committed.sum(), torch.where(is_verify, acc, 0).sum(),
-                                      num.sum()])
+                                      num.sum(), reuse.sum(), spec_final.sum()])
             shown = _advance(progress, shown, float(committed.sum()) / batch, max_new_tokens)
-            next_phase = torch.where(is_verify, torch.where(masked.any(1), DRAFT, COMMIT), next_phase)
+            next_phase = torch.where(is_verify, torch.where(left, DRAFT, COMMIT), next_phase)
 
         # ---------------------------------------------------------------- drafting
-        if has["draft"]:
+        if has["draft"] or has["verify"]:
+            drafting = is_draft | reuse
             block_logits = logits[:, :bs]
             if shifted:
                 block_logits = torch.cat([carry[:, None], block_logits[:, :-1]], 1)
+            if spec:
+                spec_logits = logits[:, bs + 1:]
+                if shifted:
+                    spec_logits = torch.cat([carry[:, None], spec_logits[:, :-1]], 1)
+                block_logits = torch.where(reuse[:, None, None], spec_logits, block_logits)
             choice = next_tokens(block_logits.reshape(batch * bs, -1), temperature, generator).view(batch, bs)
             conf = _confidence(block_logits, choice, temperature)
-            active = is_draft & masked.any(1)
+            active = drafting & masked.any(1)
             # fallback: diffusion's threshold rule (ties to the lower slot)
             conf_m = torch.where(masked, conf, torch.full_like(conf, -1.0))
             order = torch.sort(conf_m, dim=-1, descending=True, stable=True).indices
             rank = torch.empty_like(order).scatter_(1, order, slots.expand(batch, -1))
-            pick = masked & ((conf_m >= thr) | (rank == 0)) & is_draft[:, None]
+            pick = masked & ((conf_m >= thr) | (rank == 0)) & drafting[:, None]
             # the first contiguous masked span, capped at draft_len
             first = torch.where(masked.any(1), masked.long().argmax(1), 0)
-            rel = slots[None] - first[:, None]
             run = masked.gather(1, (first[:, None] + slots[None]).clamp(max=bs - 1)) \
                 & (first[:, None] + slots[None] < bs)
             length = run.long().cumprod(1).sum(1).clamp(max=L_max)
@@ -471,20 +511,27 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
                 draft_probs = q if draft_probs is None else torch.where(verify[:, None, None], q, draft_probs)
             span_start = torch.where(verify, first, span_start)
             span_len = torch.where(verify, length, span_len)
-            next_phase = torch.where(is_draft, torch.where(verify, VERIFY,
+            next_phase = torch.where(drafting, torch.where(verify, VERIFY,
                                                            torch.where(masked.any(1), DRAFT, COMMIT)),
                                      next_phase)
 
         # ---------------------------------------------------------------- commit
-        if has["commit"]:
-            counts = [bs if p == COMMIT else 0 for p in phases]
-            cache.append(out.suffix_kv, counts=counts)
-            carry = torch.where(is_commit[:, None], logits[:, bs - 1], carry)
+        finishing = is_commit | spec_final
+        fin_host = finishing.tolist() if spec else [p == COMMIT for p in phases]
+        if any(fin_host):
+            # committed rows: the block itself (commit rows) or the speculative block
+            keep_off = torch.where(is_commit, 0, spec_off)
+            keep = torch.where(finishing[:, None], keep_off[:, None] + slots[None], -1)
+            cache.append(out.suffix_kv, keep=keep.cpu())
+            last = torch.where(is_commit, bs - 1, 2 * bs)           # logits row of slot bs - 1
+            carry = torch.where(finishing[:, None],
+                                logits.gather(1, last.clamp(max=logits.shape[1] - 1)[:, None, None]
+                                              .expand(-1, 1, vocab))[:, 0], carry)
             block_host = tokens.tolist()
             start_host = block_start.tolist()
             done_rows = []
-            for b, p in enumerate(phases):
-                if p != COMMIT:
+            for b, fin in enumerate(fin_host):
+                if not fin:
                     continue
                 for t, pos in zip(block_host[b], range(start_host[b], start_host[b] + bs)):
                     if pos < plen_list[b]:
@@ -499,14 +546,14 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
             done = torch.zeros(batch, dtype=torch.bool)
             done[done_rows] = True
             done = done.to(dev)
-            block_start = torch.where(is_commit, block_start + bs, block_start)
+            block_start = torch.where(finishing, block_start + bs, block_start)
             new_tokens, new_masked = fresh_block(block_start)
-            tokens = torch.where(is_commit[:, None], new_tokens, tokens)
-            masked = torch.where(is_commit[:, None], new_masked, masked)
-            next_phase = torch.where(is_commit, torch.where(done, DONE, DRAFT), next_phase)
+            tokens = torch.where(finishing[:, None], new_tokens, tokens)
+            masked = torch.where(finishing[:, None], new_masked, masked)
+            next_phase = torch.where(finishing, torch.where(done, DONE, DRAFT), next_phase)
         phase = next_phase
 
-    n_verify, n_committed_by_verify, n_accepted, n_drafted = stats_dev.tolist()
+    n_verify, n_committed_by_verify, n_accepted, n_drafted, reused, from_spec = stats_dev.tolist()
     decisions = router.stats()["decisions"]
     total = sum(len(g) for g in generated)
     return generated, {
@@ -518,6 +565,7 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         "accepted_hist": hist.tolist(),
         "tokens_per_forward": total / batch / max(forwards, 1),
         "forwards_with": kinds,
+        "spec_block_drafts": reused, "spec_block_commits": from_spec,
         "router": router.stats(),
         "block_size": bs, "threshold": thr, "draft_len": L_max, "policy": opt["policy"],
         "estimator": opt["estimator"],
