@@ -125,7 +125,7 @@ def test_block_size_one_loss_is_causal_with_mask_queries():
             logits = train_forward(model, seq, torch.arange(j + 1), is_causal=True)[0, -1]
             nll += float(torch.nn.functional.cross_entropy(logits[None], tokens[b, j:j + 1]).detach())
     assert got.count == 18
-    assert abs(float(got.loss) - nll / 18) < 1e-4
+    assert abs(float(got.loss.detach()) - nll / 18) < 1e-4
 
 
 # ------------------------------------------------------------------------- training forward
@@ -226,3 +226,40 @@ def test_cli_help_and_errors(tmp_path, capsys):
         run_recipe("tiny-xl", tmp_path)
     with pytest.raises(ValueError, match="init"):
         run_recipe("bd-adapt", tmp_path)
+
+
+def test_shifted_block_size_one_is_the_causal_loss():
+    """Right-shifted block diffusion at block size 1 predicts token j from the clean token
+    j - 1: exactly next-token prediction (why bd-adapt of a Llama starts from its AR loss)."""
+    model = small_model("qwen3", 70, seed=4)
+    tokens = torch.randint(3, 70, (2, 10))
+    with torch.no_grad():
+        bd = block_diffusion_loss(model, tokens, 1, 1, shifted=True)
+        ar = causal_lm_loss(model, tokens)
+    assert float(bd.count) == float(ar.count) == 18
+    assert abs(float(bd.nll_sum) - float(ar.nll_sum)) < 1e-3
+
+
+def test_bd_adapt_llama_to_fast_dllm_v2(tmp_path):
+    """bd-adapt of a Llama checkpoint: a Fast-dLLM v2 (right-shifted) model that starts
+    from the source's exact next-token logits, trains, exports and decodes."""
+    sys_path = __import__("sys").path
+    sys_path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from tiny_checkpoints import write_checkpoint
+    from dspec.train import run_recipe
+    src = write_checkpoint(tmp_path / "src", "llama", seed=3)
+    source = dspec.load(src)
+    summary = run_recipe("bd-adapt", tmp_path / "run", init=src, mask_token="<unk>", max_steps=2,
+                         num_rows=16, progress=False,
+                         data_overrides={"weights": {"arithmetic": 1.0}, "seq_len": 16,
+                                         "arithmetic_problems": 200, "heldout_rows": 2},
+                         train_overrides={"batch_size": 4, "eval_every": 0, "warmup_steps": 1})
+    assert summary["family"] == "fast_dllm_v2" and summary["steps"] == 2
+    adapted = dspec.load(tmp_path / "run" / "model")
+    assert adapted.family == "fast_dllm_v2" and adapted.shifted and adapted.block_size == 4
+    assert adapted.mask_token_id == source.tokenizer.token_to_id("<unk>")
+    out = dspec.generate(adapted, [5, 6, 7], method="diffusion", max_new_tokens=4)
+    assert len(out.tokens) == 4
+    # step 0 of the adaptation (zero q/k/v biases) is the source model itself
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert any(k.endswith("q_proj.bias") for k in state["model"])

@@ -221,7 +221,8 @@ def _resolve_init(init) -> Path:
 def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | None = None,
                device: str = "cpu", resume: bool = False, init=None, tokenizer=None,
                mask_token: str | None = None, num_rows: int | None = None, threads: int | None = None,
-               progress: bool = True, seed: int | None = None, train_overrides: dict | None = None) -> dict:
+               progress: bool = True, seed: int | None = None, train_overrides: dict | None = None,
+               data_overrides: dict | None = None) -> dict:
     """Train ``recipe`` (a name or a Recipe) into ``out``; returns a summary dict.
 
     Parameters
@@ -242,6 +243,7 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
     threads : torch.set_num_threads for this process (CPU).
     seed : data order / init / noise seed (default the recipe's).
     train_overrides : TrainConfig fields to change (e.g. {"batch_size": 64}).
+    data_overrides : DataSpec fields to change (e.g. {"seq_len": 512}).
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     if not isinstance(recipe, Recipe):
@@ -264,7 +266,7 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
     if minutes is None and max_steps is None and not resume:
         minutes = recipe.minutes
     seed = recipe.data.seed if seed is None else int(seed)
-    data_spec = dataclasses.replace(recipe.data, seed=seed)
+    data_spec = dataclasses.replace(recipe.data, seed=seed, **(data_overrides or {}))
     tcfg = dataclasses.replace(recipe.train, seed=seed, **(train_overrides or {}))
     t_start = time.perf_counter()
 

@@ -334,6 +334,7 @@ class Trainer:
         start = time.perf_counter()
         last_ckpt = start
         calib_from, calib_t, per_step, timed = None, None, None, False
+        window: list[float] = []            # losses since the last log record
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -367,10 +368,12 @@ class Trainer:
                         if bar is not None:
                             bar.total = self.total_steps
                             bar.refresh()
+                window.append(loss)
                 if self.step % cfg.log_every == 0 or self.step == 1:
-                    self.log.append({"step": self.step, "loss": round(loss, 5),
+                    self.log.append({"step": self.step, "loss": round(sum(window) / len(window), 5),
                                      "lr": lr_at(self.step - 1, cfg, self.total_steps),
                                      "tokens_seen": self.tokens_seen, "wall_s": round(self.wall_s, 2)})
+                    window.clear()
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss:.3f}")
