@@ -1,7 +1,8 @@
 """Per-request prefix KV cache, ragged across the batch, exact.
 
 Storage is one padded buffer per K and V, ``[layers, B, capacity, Hkv, D]``, with the
-committed length of every request (host-side, ``lengths``).  Row t < lengths[b] of request
+committed length of every request, kept both on the cache's device (``device_lengths``)
+and on the host (``lengths``).  Row t < lengths[b] of request
 b holds the key/value (keys after RoPE) of its t-th committed token; rows past the length
 are garbage and never read.  ``prefix(layer)`` hands a layer's prefix to
 ``dspec.cascade_attention`` in either layout it takes:
@@ -17,12 +18,23 @@ Commit (``append``) copies a chosen subset of a forward's suffix rows, per reque
 the given order, behind the request's committed rows: the accepted path of a tree, the
 accepted prefix of a chain, a whole block.  ``rollback`` / ``crop`` only move lengths.
 Nothing is recomputed or approximated: a committed row is bit-for-bit the suffix row.
+
+Host synchronisation: ``append`` with ``keep`` / ``counts`` given as tensors on the
+cache's device while ``dspec.config.validate_values`` is off (as a speculative step passes
+``verify_*`` results) runs entirely on the device: the host only learns an upper bound of
+the lengths, which is all the paged ``prefix()`` needs (``max_prefix_len``).  The exact
+host lengths are fetched (one device-to-host copy) only when something asks for them:
+``lengths``, ``max_length``, ``rollback``, ``crop``, the ragged layout, or an ``append``
+that may outgrow the capacity (amortised by doubling).  Lists / ints / CPU tensors take the
+validated host path.  Rows past a request's length may hold garbage from such an append.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+
+from .. import _validate
 
 _LAYOUTS = ("auto", "ragged", "paged")
 
@@ -84,8 +96,26 @@ class KVCache:
         cap = _round_capacity(capacity) if capacity else 0
         self.k = torch.empty(num_layers, batch_size, cap, num_kv_heads, head_dim, dtype=dtype, device=self.device)
         self.v = torch.empty_like(self.k)
-        self._lengths = torch.zeros(batch_size, dtype=torch.int64)
         self._views = {}
+        self._lengths = torch.zeros(batch_size, dtype=torch.int64)
+
+    # Lengths live in two copies: ``_device_lengths`` (always exact, on the cache's device)
+    # and ``_host_lengths`` (a CPU tensor, or None while a device-side append left it stale).
+    # ``_bound`` (a Python int) is >= every length and <= capacity at all times.
+
+    @property
+    def _lengths(self) -> torch.Tensor:
+        """The exact lengths on the host (one device-to-host copy when stale)."""
+        if self._host_lengths is None:
+            self._host_lengths = self._device_lengths.to("cpu")
+            self._bound = max(self._host_lengths.tolist(), default=0)
+        return self._host_lengths
+
+    @_lengths.setter
+    def _lengths(self, value: torch.Tensor) -> None:
+        self._host_lengths = value
+        self._device_lengths = value.to(self.device)
+        self._bound = max(value.tolist(), default=0)     # host data: no device read
 
     # ---------------------------------------------------------------------------- state
 
@@ -99,12 +129,24 @@ class KVCache:
 
     @property
     def lengths(self) -> torch.Tensor:
-        """Committed tokens per request, int64 [B] on the CPU (a copy)."""
+        """Committed tokens per request, int64 [B] on the CPU (a copy; after a device-side
+        ``append`` this reads the device, see the module docstring)."""
         return self._lengths.clone()
 
     @property
+    def device_lengths(self) -> torch.Tensor:
+        """Committed tokens per request, int64 [B] on the cache's device; never syncs."""
+        return self._device_lengths
+
+    @property
+    def length_bound(self) -> int:
+        """An upper bound of every request's length known on the host (exact unless a
+        device-side ``append`` ran since the host last read the lengths)."""
+        return self._bound
+
+    @property
     def max_length(self) -> int:
-        return int(self._lengths.max()) if self.batch_size else 0
+        return max(self._lengths.tolist(), default=0)
 
     def __len__(self) -> int:
         return self.batch_size
@@ -131,7 +173,7 @@ class KVCache:
         shape = (self.num_layers, self.batch_size, cap, self.num_kv_heads, self.head_dim)
         k = torch.empty(shape, dtype=self.dtype, device=self.device)
         v = torch.empty_like(k)
-        used = self.max_length
+        used = min(self._bound, self.capacity)          # every committed row lies below
         if used:
             k[:, :, :used] = self.k[:, :, :used]
             v[:, :, :used] = self.v[:, :, :used]
@@ -153,6 +195,11 @@ class KVCache:
             - a list of B sequences of indices (ragged).
         counts : int [B] (or an int): commit the first counts[b] suffix positions of request b
             (the accepted prefix of a chain, the valid part of a right-padded row).
+
+        Returns the rows added per request, int64 [B]: on the CPU from the host path, on the
+        cache's device from the device path (``keep`` / ``counts`` a tensor on the cache's
+        device while value checks are off: no host synchronisation, see the module
+        docstring).
         """
         if not isinstance(suffix_kv, SuffixKV):
             raise ValueError(f"suffix_kv must be a SuffixKV (a forward's output.suffix_kv), "
@@ -167,32 +214,59 @@ class KVCache:
             if t.shape != (batch, n, hkv, d) or t.dtype != self.dtype or t.device != self.device:
                 raise ValueError(f"suffix_kv holds a {t.dtype} {list(t.shape)} tensor on {t.device}; the "
                                  f"cache expects {self.dtype} [{batch}, {n}, {hkv}, {d}] on {self.device}")
+        given = keep if isinstance(keep, torch.Tensor) else counts
+        if isinstance(given, torch.Tensor) and given.device == self.device and \
+                not _validate.value_checks_enabled(given):
+            index = _device_keep_index(keep, counts, batch, n, self.device)   # [B, K], no reads
+            return self._commit(suffix_kv, index, None)
         index = _keep_index(keep, counts, batch, n)                       # [B, K] int64, CPU
-        valid = index >= 0
-        added = valid.sum(1)
-        if int(added.sum()) == 0:
+        added = (index >= 0).sum(1)
+        if not any(added.tolist()):                                       # host data
             return added
-        new_len = self._lengths + added
-        self.reserve(int(new_len.max()))
+        self._commit(suffix_kv, index.to(self.device), self._lengths + added)
+        return added
+
+    def _commit(self, suffix_kv: SuffixKV, index: torch.Tensor, host_lengths) -> torch.Tensor:
+        """Copy suffix rows ``index`` [B, K] (used slots first, -1 after) behind each
+        request's rows, on the device.  Slot j of request b goes to row ``length[b] + j``,
+        so unused slots write (garbage) rows past the new length, never read: no
+        value-dependent shape, no host read.  ``host_lengths``: the new lengths when the
+        host knows them (None: the device path)."""
+        batch, n, hkv, d = suffix_kv.shape
+        slots = index.shape[1]
+        added = (index >= 0).sum(1)
+        if slots == 0:
+            return added
+        if self._bound + slots > self.capacity:
+            # room for every slot past the longest request: the exact lengths tell (one host
+            # read after device-side appends; doubling keeps it rare)
+            self.reserve(self.max_length + slots)
         cap = self.capacity
-        rank = valid.cumsum(1) - 1
-        rows = torch.arange(batch)[:, None].expand_as(index)
-        dst = (rows * cap + self._lengths[:, None] + rank)[valid].to(self.device)
-        src = (rows * n + index)[valid].to(self.device)
+        dev = self.device
+        rows = torch.arange(batch, device=dev)[:, None]
+        dst = (rows * cap + self._device_lengths[:, None] + torch.arange(slots, device=dev)).reshape(-1)
+        src = (rows * n + index.clamp(min=0)).reshape(-1)
         for layer in range(self.num_layers):
             for buf, new in ((self.k, suffix_kv.keys[layer]), (self.v, suffix_kv.values[layer])):
                 flat = buf[layer].view(batch * cap, hkv, d)
                 flat.index_copy_(0, dst, new.reshape(batch * n, hkv, d).index_select(0, src))
-        self._lengths = new_len
+        if host_lengths is not None:
+            self._lengths = host_lengths
+        else:
+            self._device_lengths = self._device_lengths + added
+            self._host_lengths = None
+            self._bound = min(self._bound + slots, cap)
         self._changed()
         return added
 
     def rollback(self, b: int, n: int) -> None:
         """Drop the last ``n`` committed tokens of request ``b``."""
         b = self._request(b)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n > int(self._lengths[b]):
-            raise ValueError(f"n must be an int in [0, {int(self._lengths[b])}] (request {b}'s length), got {n!r}")
-        self._lengths[b] -= n
+        lengths = self._lengths.clone()
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n > int(lengths[b]):
+            raise ValueError(f"n must be an int in [0, {int(lengths[b])}] (request {b}'s length), got {n!r}")
+        lengths[b] -= n
+        self._lengths = lengths
         self._changed()
 
     def crop(self, lengths) -> None:
@@ -211,7 +285,7 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget every committed token (keeps the memory)."""
-        self._lengths.zero_()
+        self._lengths = torch.zeros(self.batch_size, dtype=torch.int64)
         self._changed()
 
     def select(self, indices) -> "KVCache":
@@ -241,13 +315,18 @@ class KVCache:
         return self.k[layer, b, :n], self.v[layer, b, :n]
 
     def prefix(self, layer: int) -> dict:
-        """``cascade_attention`` keyword arguments for this layer's prefix ({} when empty)."""
-        if self.max_length == 0:
+        """``cascade_attention`` keyword arguments for this layer's prefix ({} when empty).
+
+        The paged layout reads no lengths on the host (``max_prefix_len`` is the host's
+        upper bound); the ragged one needs the exact lengths (row gather)."""
+        if self._bound == 0:
             return {}
         if self.resolved_layout == "paged":
             table, lens = self._view("paged", self._paged_meta)
             return dict(prefix_k=self.k[layer], prefix_v=self.v[layer], prefix_page_table=table,
-                        prefix_lens=lens, max_prefix_len=self.max_length)
+                        prefix_lens=lens, max_prefix_len=self._bound)
+        if self.max_length == 0:
+            return {}
         index, indptr = self._view("ragged", self._ragged_meta)
         if index is None:                                   # B = 1: a view
             n = int(self._lengths[0])
@@ -264,15 +343,15 @@ class KVCache:
 
     def _paged_meta(self):
         table = torch.arange(self.batch_size, dtype=torch.int32, device=self.device)[:, None].contiguous()
-        return table, self._lengths.to(device=self.device, dtype=torch.int32)
+        return table, self._device_lengths.to(torch.int32)
 
     def _ragged_meta(self):
         indptr = torch.zeros(self.batch_size + 1, dtype=torch.int64)
         indptr[1:] = self._lengths.cumsum(0)
         if self.batch_size == 1:
             return None, indptr.to(self.device)
-        t = torch.arange(self.capacity)
-        rows = (torch.arange(self.batch_size)[:, None] * self.capacity + t)[t[None, :] < self._lengths[:, None]]
+        rows = torch.cat([torch.arange(b * self.capacity, b * self.capacity + length)   # host data
+                          for b, length in enumerate(self._lengths.tolist())])
         return rows.to(self.device), indptr.to(self.device)
 
     def _request(self, b) -> int:
@@ -301,6 +380,36 @@ def _int_vector(name: str, values, size: int | None) -> torch.Tensor:
     return out
 
 
+def _device_keep_index(keep, counts, batch: int, n: int, device) -> torch.Tensor:
+    """``_keep_index`` for tensors on the cache's device, without reading their values
+    (value checks are off): shapes and dtypes are checked, the contents trusted."""
+    if keep is not None and counts is not None:
+        raise ValueError("give keep or counts, not both")
+    ar = torch.arange(n, device=device)
+    if counts is not None:
+        if counts.dim() != 1 or counts.shape[0] != batch or counts.is_floating_point() or \
+                counts.dtype == torch.bool:
+            raise ValueError(f"counts must be an int tensor [B] = [{batch}], got {counts.dtype} "
+                             f"{list(counts.shape)}")
+        return torch.where(ar[None, :] < counts[:, None], ar[None, :], -1)
+    if keep.dtype == torch.bool:
+        if keep.dim() == 1:
+            keep = keep.expand(batch, -1)
+        if keep.shape != (batch, n):
+            raise ValueError(f"a bool keep mask must have shape [N] or [B, N] = [{batch}, {n}], "
+                             f"got {list(keep.shape)}")
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+        return torch.where(torch.gather(keep, 1, order), order, -1)
+    if keep.is_floating_point():
+        raise ValueError(f"keep must hold integer indices or bools, got {keep.dtype}")
+    keep = keep.to(torch.int64)
+    if keep.dim() == 1:
+        keep = keep.expand(batch, -1)
+    if keep.dim() != 2 or keep.shape[0] != batch:
+        raise ValueError(f"keep indices must have shape [K] or [B, K] with B = {batch}, got {list(keep.shape)}")
+    return keep
+
+
 def _keep_index(keep, counts, batch: int, n: int) -> torch.Tensor:
     """Normalise ``keep`` / ``counts`` to suffix indices [B, K] int64 on the CPU, -1 = none."""
     if counts is not None:
@@ -310,7 +419,7 @@ def _keep_index(keep, counts, batch: int, n: int) -> torch.Tensor:
             c = torch.full((batch,), counts, dtype=torch.int64)
         else:
             c = _int_vector("counts", counts, batch)
-        if bool((c < 0).any()) or bool((c > n).any()):
+        if any(x < 0 or x > n for x in c.tolist()):                      # host data
             raise ValueError(f"counts must lie in [0, N = {n}], got {c.tolist()}")
         ar = torch.arange(n)
         return torch.where(ar[None, :] < c[:, None], ar[None, :], -1)

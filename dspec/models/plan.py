@@ -52,8 +52,9 @@ class AttentionPlan:
         offsets = torch.as_tensor(offsets, device=tokens.device)
         if offsets.dim() == 1:
             offsets = offsets.expand(tokens.shape[0], -1)
-        base = torch.zeros(tokens.shape[0], dtype=torch.int64) if cache is None else cache.lengths
-        positions = base.to(tokens.device)[:, None] + offsets.to(torch.int64)
+        base = (torch.zeros(tokens.shape[0], dtype=torch.int64, device=tokens.device) if cache is None
+                else cache.device_lengths.to(tokens.device))            # no host read of the lengths
+        positions = base[:, None] + offsets.to(torch.int64)
         return cls(tokens, positions, mask, cache, lengths)
 
     @classmethod
@@ -69,6 +70,10 @@ class AttentionPlan:
 
         Padding tokens see only themselves and no one sees them.  A ``Model`` passes its own
         attention kind with ``model.plan(seqs, cache)``.
+
+        Reads no device tensor on the host: the decision to share one mask across the batch
+        uses only host data (the sequence lengths, and for block-causal attention the
+        cache's host length bound when it is exact).
         """
         if attention not in ("causal", "bidirectional", "block_causal"):
             raise ValueError(f"attention must be 'causal', 'bidirectional' or 'block_causal', got {attention!r}")
@@ -79,9 +84,11 @@ class AttentionPlan:
         if cache is not None and cache.batch_size != batch:
             raise ValueError(f"cache holds {cache.batch_size} requests, seqs {batch}")
         dev = tokens.device
-        base = torch.zeros(batch, dtype=torch.int64) if cache is None else cache.lengths
+        base = (torch.zeros(batch, dtype=torch.int64, device=dev) if cache is None
+                else cache.device_lengths.to(dev))
         ar = torch.arange(n, device=dev)
-        positions = base.to(dev)[:, None] + ar
+        positions = base[:, None] + ar
+        all_valid = lengths.tolist() == [n] * batch                           # host data
         valid = ar[None, :] < lengths.to(dev)[:, None]                        # [B, N]
         if attention == "causal":
             dense = (ar[None, :] <= ar[:, None]).expand(batch, n, n)
@@ -92,16 +99,28 @@ class AttentionPlan:
             dense = blk[:, None, :] <= blk[:, :, None]
         dense = dense & valid[:, None, :] & valid[:, :, None]
         dense = dense | (torch.eye(n, dtype=torch.bool, device=dev)[None] & ~valid[:, :, None])
-        if bool(valid.all()):
+        if all_valid:
             if attention == "bidirectional":
                 mask = None
-            elif attention == "causal" or bool((dense == dense[:1]).all()):
+            elif attention == "causal" or batch == 1 or _blocks_aligned_alike(cache, block_size):
                 mask = pack_mask(dense[0])
             else:
                 mask = pack_mask(dense)
         else:
             mask = pack_mask(dense)
         return cls(tokens, positions, mask, cache, lengths)
+
+
+def _blocks_aligned_alike(cache: KVCache | None, block_size: int) -> bool:
+    """Every request's suffix starts at the same offset inside a block (so one block-causal
+    mask serves the batch), decided from host data only: True without a cache; with one,
+    only when its host lengths are exact (reading stale ones would sync: a per-request mask
+    is as correct, just larger)."""
+    if cache is None:
+        return True
+    if cache._host_lengths is None:
+        return False
+    return len({length % block_size for length in cache._host_lengths.tolist()}) == 1
 
 
 def _as_ids(name, t) -> torch.Tensor:
