@@ -156,3 +156,25 @@ def test_bad_options_and_files(model, graph4, tmp_path):
     causal = dspec.load(write_checkpoint(tmp_path / "llama", "llama", seed=1))
     with pytest.raises(ValueError, match="masked-diffusion"):
         dspec.generate(causal, [1, 2], method="spiffy", max_new_tokens=2)
+
+
+def test_shipped_graphs_load_for_tiny_bd(monkeypatch):
+    try:
+        m = dspec.load("tiny-bd")
+    except ValueError:
+        pytest.skip("tiny-bd is not shipped in this checkout")
+    if spiffy_graph.shipped_graph_path(m, m.block_size, 16) is None:
+        pytest.skip("no graph shipped for tiny-bd's block size")
+
+    def no_calibration(*a, **k):
+        raise AssertionError("a shipped graph should be used, not a new calibration")
+
+    shipped = spiffy_graph.load(spiffy_graph.shipped_graph_path(m, m.block_size, 16))
+    if shipped.meta.get("fingerprint") != spiffy_graph.fingerprint(m):
+        pytest.skip("tiny-bd's weights changed since its graphs were calibrated")
+    monkeypatch.setattr(spiffy_graph, "calibrate", no_calibration)
+    prompt = m.tokenizer.encode("Compute: 12 + 7 =")
+    ref = dspec.generate(m, prompt, method="diffusion", max_new_tokens=16)
+    got = dspec.generate(m, prompt, method="spiffy", max_new_tokens=16)
+    assert got.tokens == ref.tokens
+    assert got.stats["graph_size"] == shipped.graph_size

@@ -302,3 +302,38 @@ def default_graph(model, block_size: int, graph_size: int = 16, *, progress: boo
     except OSError:
         pass                                          # read-only home: use it uncached
     return graph
+
+
+def main(argv=None) -> int:
+    """``python -m dspec.decode.spiffy_graph MODEL [--block-sizes 4 8 16] [--graph-size 16]
+    [--out DIR]``: calibrate graphs for a model (a shipped name or a checkpoint directory)
+    and write them where :func:`default_graph` looks (the shipped folder for a shipped
+    name, else the cache)."""
+    import argparse
+
+    import dspec
+
+    p = argparse.ArgumentParser(prog="python -m dspec.decode.spiffy_graph",
+                                description="Calibrate Spiffy draft graphs for a block-diffusion model.")
+    p.add_argument("model", help="shipped name (e.g. tiny-bd) or checkpoint directory")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=None,
+                   help="block sizes to calibrate (default: the model's)")
+    p.add_argument("--graph-size", type=int, default=16, help="draft nodes D (default 16)")
+    p.add_argument("--prompts", type=int, default=32, help="calibration prompts (default 32)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--out", default=None, help="output folder (default: shipped folder or cache)")
+    args = p.parse_args(argv)
+    model = dspec.load(args.model)
+    shipped = getattr(model, "shipped_name", None)
+    out = Path(args.out) if args.out else (ASSETS if shipped else cache_dir())
+    key = shipped if (shipped and out == ASSETS) else fingerprint(model)
+    for bs in args.block_sizes or [model.block_size]:
+        graph = calibrate(model, default_prompts(model, args.prompts), bs, args.graph_size,
+                          max_new_tokens=args.max_new_tokens)
+        path = save(graph, out / graph_file_name(key, bs, args.graph_size))
+        print(f"block {bs}: {graph.graph_size} draft nodes -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
