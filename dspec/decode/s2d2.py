@@ -32,15 +32,24 @@ under a per-row packed mask (DESIGN.md's one attention shape):
     are accepted and slot ``s + L`` is still masked inside the block.  The accepted drafts
     and the drawn token are committed into the block; decoding continues on the rest.
 
+    The same forward also runs a *speculative block*: the current block with the drafts in
+    place, bidirectional within itself, after the committed prefix (SSD's trick of merging
+    the next state into the current forward).  When every draft passes, it is exactly the
+    block as it now stands (with the bonus slot still [MASK]), so its logits serve as the
+    next drafting step and that forward is saved; when the drafts also complete the block,
+    it *is* the finished block and its KV is committed directly, saving the commit forward.
+    On a rejection it is discarded.
+
 ``commit``
     a complete block is forwarded once more with its final tokens and its KV appended to
     the cache (exact, as in ``diffusion``); its last logits become the right-shifted
     model's prediction for the next block's slot 0.
 
 Rows in different states share a forward: the suffix is as wide as the widest row (a
-block, ``u + 2L + 1`` for a position-aligned verification, ``u + L`` for a right-shifted
-one), narrower rows are padded with tokens that see only themselves, and the LM head runs on
-``block_size + 1`` gathered rows per sequence only.  So a batch costs one forward per
+block; ``u + 2L + 1 + block_size`` for a position-aligned verification, ``u + L +
+block_size`` for a right-shifted one), narrower rows are padded with tokens that see only
+themselves, and the LM head runs on ``block_size + 1`` gathered rows per sequence
+(``2 block_size + 1`` when a row verifies).  So a batch costs one forward per
 iteration whatever its rows do, and a sequence's tokens are those of its single run.
 
 Losslessness: for the verified slots, the committed tokens are exact samples of the
@@ -53,8 +62,9 @@ whatever ``draft_len`` or ``threshold``.  With policy ``never`` it is exactly th
 random draws).
 
 Host synchronisation: one small read per iteration (each row's state and suffix width, to
-size the suffix), plus the token lists of a finished block; the drafting, routing,
-verification and commit arithmetic is vectorised over the batch on the device.
+size the suffix), one flag vector after a verification (which rows finished their block, for
+the KV commit), and the token lists of a finished block; the drafting, routing, verification
+and commit arithmetic is vectorised over the batch on the device.
 """
 from __future__ import annotations
 
@@ -352,8 +362,10 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     of one sequence (accepted drafts + the resampled / bonus token), 0.0 when nothing was
     verified; verify_rate = verifications / routing decisions; acceptance_rate = accepted
     drafts / verified drafts; accepted_hist[n] = verifications that accepted n drafts;
-    tokens_per_forward; forwards_with (forwards that drafted / verified / committed for at
-    least one sequence); router (per-policy counters).
+    tokens_per_forward; forwards_with (forwards with at least one sequence drafting /
+    verifying / committing); spec_block_drafts / spec_block_commits (verifications whose
+    speculative block served as the next drafting step / as the committed block, each a
+    forward saved); router (per-policy counters).
     """
     opt = _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
                          ucb_c, estimator, draft_len)
