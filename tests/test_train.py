@@ -240,26 +240,29 @@ def test_shifted_block_size_one_is_the_causal_loss():
     assert abs(float(bd.nll_sum) - float(ar.nll_sum)) < 1e-3
 
 
-def test_bd_adapt_llama_to_fast_dllm_v2(tmp_path):
-    """bd-adapt of a Llama checkpoint: a Fast-dLLM v2 (right-shifted) model that starts
-    from the source's exact next-token logits, trains, exports and decodes."""
+@pytest.mark.parametrize("source,family", [("llama", "fast_dllm_v2"), ("qwen3", "sdar")])
+def test_bd_adapt(tmp_path, source, family):
+    """bd-adapt of a causal checkpoint: Llama -> Fast-dLLM v2 (right-shifted, zero q/k/v
+    biases: it starts from the source's exact next-token logits), Qwen3 -> SDAR
+    (position-aligned); trains, exports and decodes."""
     sys_path = __import__("sys").path
     sys_path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from tiny_checkpoints import write_checkpoint
     from dspec.train import run_recipe
-    src = write_checkpoint(tmp_path / "src", "llama", seed=3)
+    src = write_checkpoint(tmp_path / "src", source, seed=3)
     source = dspec.load(src)
     summary = run_recipe("bd-adapt", tmp_path / "run", init=src, mask_token="<unk>", max_steps=2,
-                         num_rows=16, progress=False,
+                         num_rows=16, progress=False, plot=False,
                          data_overrides={"weights": {"arithmetic": 1.0}, "seq_len": 16,
                                          "arithmetic_problems": 200, "heldout_rows": 2},
                          train_overrides={"batch_size": 4, "eval_every": 0, "warmup_steps": 1})
-    assert summary["family"] == "fast_dllm_v2" and summary["steps"] == 2
+    assert summary["family"] == family and summary["steps"] == 2
     adapted = dspec.load(tmp_path / "run" / "model")
-    assert adapted.family == "fast_dllm_v2" and adapted.shifted and adapted.block_size == 4
+    assert adapted.family == family and adapted.shifted == (family == "fast_dllm_v2")
+    assert adapted.block_size == 4
     assert adapted.mask_token_id == source.tokenizer.token_to_id("<unk>")
     out = dspec.generate(adapted, [5, 6, 7], method="diffusion", max_new_tokens=4)
     assert len(out.tokens) == 4
     # step 0 of the adaptation (zero q/k/v biases) is the source model itself
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
-    assert any(k.endswith("q_proj.bias") for k in state["model"])
+    assert any(k.endswith("q_proj.bias") for k in state["model"]) == (family == "fast_dllm_v2")

@@ -222,7 +222,7 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
                device: str = "cpu", resume: bool = False, init=None, tokenizer=None,
                mask_token: str | None = None, num_rows: int | None = None, threads: int | None = None,
                progress: bool = True, seed: int | None = None, train_overrides: dict | None = None,
-               data_overrides: dict | None = None) -> dict:
+               data_overrides: dict | None = None, plot: bool = True) -> dict:
     """Train ``recipe`` (a name or a Recipe) into ``out``; returns a summary dict.
 
     Parameters
@@ -244,6 +244,7 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
     seed : data order / init / noise seed (default the recipe's).
     train_overrides : TrainConfig fields to change (e.g. {"batch_size": 64}).
     data_overrides : DataSpec fields to change (e.g. {"seq_len": 512}).
+    plot : write loss_curve.png with each checkpoint.
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     if not isinstance(recipe, Recipe):
@@ -333,7 +334,7 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
         export_checkpoint(m, raw, tdir, out / "model", dtype=recipe.export_dtype)
 
     trainer = Trainer(model, data, tcfg, out, device=device, mask_token_id=mask_id,
-                      byte_lengths=token_byte_lengths(tok), export=export, meta=meta)
+                      byte_lengths=token_byte_lengths(tok), export=export, meta=meta, plot=plot)
     if resume:
         trainer.resume()
     final = trainer.train(minutes=minutes, max_steps=max_steps, progress=progress)
