@@ -172,3 +172,40 @@ def test_ar_step_hot_part_is_sync_free(tiny_model, no_value_checks, temperature)
         ref_cache.append(ref.suffix_kv, counts=[1, 1])
         ref_token = next_tokens(ref.logits[:, -1], temperature, gen)
     assert torch.equal(ref_token, history[2])
+
+
+def _suffix_kv(batch=2, n=5, layers=2):
+    from dspec.models import SuffixKV
+    keys = [torch.arange(batch * n, dtype=torch.float32).view(batch, n, 1, 1).expand(batch, n, 1, 2)
+            + 100 * layer for layer in range(layers)]
+    return SuffixKV([k.clone() for k in keys], [-k.clone() for k in keys])
+
+
+@pytest.mark.parametrize("keep", [
+    torch.tensor([[0, 3, 4, -1], [0, 1, -1, -1]]),                       # [0] + verify_tree path
+    torch.tensor([[True, False, True, True, False], [False, True, True, False, True]]),
+    torch.tensor([2, 0]),                                                # shared by the batch
+])
+def test_kv_cache_device_append_equals_host_append(keep, no_value_checks):
+    """keep / counts as device tensors with value checks off: committed on the device with no
+    host read, the same rows and lengths as the validated host path."""
+    from dspec.models import KVCache
+    kv = _suffix_kv()
+    device_cache, host_cache = KVCache(2, 2, 1, 2, capacity=4), KVCache(2, 2, 1, 2, capacity=4)
+    for _ in range(3):                                    # the third append outgrows capacity 16
+        with assert_no_host_syncs("KVCache.append") if _ < 2 else count_host_syncs():
+            added = device_cache.append(kv, keep)
+            device_cache.append(kv, counts=torch.tensor([1, 3]))
+        rows = keep.expand(2, -1).tolist()                # host path: per-request lists
+        host_cache.append(kv, [[i for i, k in enumerate(r) if k] for r in rows] if keep.dtype == torch.bool
+                          else [[i for i in r if i >= 0] for r in rows])
+        host_cache.append(kv, counts=[1, 3])
+    used = keep if keep.dtype == torch.bool else keep >= 0
+    assert added.tolist() == used.expand(2, -1).sum(1).tolist()
+    assert device_cache.lengths.tolist() == host_cache.lengths.tolist()
+    for layer in range(2):
+        for b in range(2):
+            for got, want in zip(device_cache.get(layer, b), host_cache.get(layer, b)):
+                assert torch.equal(got, want)
+    prefix = device_cache.prefix(0) if device_cache.resolved_layout == "paged" else None
+    assert prefix is None or prefix["max_prefix_len"] >= max(device_cache.lengths.tolist())
