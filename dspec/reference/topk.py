@@ -26,8 +26,30 @@ def _row_softmax_parts(x: torch.Tensor, inv_t: float):
 
 
 def _ranked(x_clean: torch.Tensor, k: int):
-    values, ids = torch.sort(x_clean, dim=-1, descending=True, stable=True)
-    return values[..., :k], ids[..., :k]
+    """The k largest values per row and their ids, sorted by value, ties to the lower id.
+
+    Equal to a stable descending sort of the whole row cut at k, without sorting the whole
+    vocabulary: keep everything above the k-th value plus the lowest-id ties at it (exactly
+    k per row), gather them in id order, then stable-sort only those k.
+    """
+    kth = torch.topk(x_clean, k, dim=-1).values[..., -1:]
+    above = x_clean > kth
+    tied = x_clean == kth
+    need = k - above.sum(-1, keepdim=True)
+    keep = above | (tied & (torch.cumsum(tied, -1) <= need))
+    slot = torch.cumsum(keep, -1) - 1                      # 0..k-1 on kept ids, in id order
+    vocab_ids = torch.arange(x_clean.shape[-1], device=x_clean.device).expand_as(x_clean)
+    ids = _scatter_kept(keep, slot, vocab_ids, k)
+    values = x_clean.gather(-1, ids)
+    values, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    return values, ids.gather(-1, order)
+
+
+def _scatter_kept(keep, slot, vocab_ids, k):
+    # one extra dump column receives the ids that are not kept, then is dropped
+    out = torch.zeros(*keep.shape[:-1], k + 1, dtype=torch.int64, device=keep.device)
+    out.scatter_(-1, torch.where(keep, slot, torch.full_like(slot, k)), vocab_ids)
+    return out[..., :k]
 
 
 def topk_tokens(logits: torch.Tensor, k: int, temperature: float = 1.0):
