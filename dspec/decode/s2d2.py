@@ -85,7 +85,7 @@ DRAFTER = False
 
 DRAFT, VERIFY, COMMIT, DONE = 0, 1, 2, 3
 
-DEFAULTS = {"threshold": 0.9, "policy": "score_dynamic", "min_span": 2, "score_threshold": 1.0,
+DEFAULTS = {"threshold": 0.9, "policy": "min_span", "min_span": 2, "score_threshold": 1.0,
             "hysteresis": (1.5, 0.75), "ucb_c": 1.0, "estimator": "product"}
 # which option tunes which policy (giving one to another policy is a mistake worth a ValueError)
 _POLICY_OPTION = {"min_span": "min_span", "score_threshold": ("score", "score_dynamic"),
@@ -342,7 +342,8 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     block_size : int, default the model's.
     threshold : float in (0, 1], default 0.9: the confidence-threshold fallback (as
         ``diffusion``'s dynamic schedule).
-    policy : one of ``dspec.decode.routing.POLICIES``, default ``"score_dynamic"``.
+    policy : one of ``dspec.decode.routing.POLICIES``, default ``"min_span"`` (robust without
+        calibration: the score policies need thresholds matched to the model's confidence).
     min_span : int >= 1 (policy ``min_span``, default 2).
     score_threshold : float (policies ``score``: the least estimated accepted length;
         ``score_dynamic``: the factor by which verifying's expected tokens per forward must
@@ -397,6 +398,7 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         forwards += 1
 
     slots = torch.arange(bs, device=dev)
+    block_mask_words = pack_mask(torch.ones(bs, bs, dtype=torch.bool)).to(dev)
     block_start = cache.lengths.to(dev)
 
     def fresh_block(start):
@@ -436,19 +438,23 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
             rel = slots[None] - span_start[:, None]
             in_span = (rel >= 0) & (rel < span_len[:, None])
             in_block = torch.where(in_span, drafts.gather(1, rel.clamp(0, bs - 1)), tokens)
-        suffix, positions, dense, spec_off = _row_layout(
-            phase, tokens, in_block, span_start, span_len, block_start, bs=bs, shifted=shifted,
-            mask_id=mask_id, width=width, speculative=spec)
-        rows = _logit_rows(phase, span_start, span_len, spec_off, bs=bs, shifted=shifted, speculative=spec)
-        all_block = all(p in (DRAFT, COMMIT) for p in phases)
-        # a batch of plain blocks uses diffusion's own shared mask (same arithmetic as 'diffusion')
-        mask_words = pack_mask(dense[0]) if all_block else pack_mask(dense)
-        out = model(AttentionPlan(suffix, positions, mask_words, cache), logits=rows,
-                    return_kv=has["commit"] or spec)
+        if all(p in (DRAFT, COMMIT) for p in phases):
+            # every row forwards its plain block: diffusion's own plan (shared mask, all logits)
+            spec_off = torch.zeros_like(span_start)
+            plan = AttentionPlan(tokens, block_start[:, None] + slots, block_mask_words, cache)
+            rows = "all"
+        else:
+            suffix, positions, dense, spec_off = _row_layout(
+                phase, tokens, in_block, span_start, span_len, block_start, bs=bs, shifted=shifted,
+                mask_id=mask_id, width=width, speculative=spec)
+            rows = _logit_rows(phase, span_start, span_len, spec_off, bs=bs, shifted=shifted,
+                               speculative=spec)
+            plan = AttentionPlan(suffix, positions, pack_mask(dense), cache)
+        out = model(plan, logits=rows, return_kv=has["commit"] or spec)
         forwards += 1
         for k in kinds:
             kinds[k] += has[k]
-        logits = out.logits.float()                          # [B, bs + 1 (+ bs), V]
+        logits = out.logits.float()                          # [B, bs (+ 1 (+ bs)), V]
         is_draft, is_verify, is_commit = phase == DRAFT, phase == VERIFY, phase == COMMIT
         next_phase = phase.clone()
         reuse = torch.zeros_like(is_verify)                   # spec block = the next drafting step
