@@ -310,6 +310,7 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
     cand_logp = torch.zeros(batch, bs, big_j, device=dev)
     rows = list(range(batch))
     generated = [[] for _ in range(batch)]
+    shown = [0] * batch                  # steps reported to the progress bar per request
     st = SelfSpecStats()
 
     while rows:
@@ -461,8 +462,10 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
                 st.histogram[n_steps] = st.histogram.get(n_steps, 0) + 1
                 st.drafts += kept_here - 1
                 st.accepted_drafts += n_steps - 1
-                if progress is not None:
-                    progress.update(n_steps / batch)
+                if progress is not None:                 # never past max_new_tokens
+                    delta = min(n_steps, max_new_tokens - shown[b])
+                    shown[b] += delta
+                    progress.update(delta / batch)
             if not commit:
                 continue
             for slot_i, t in enumerate(host[a][2:2 + bs]):
