@@ -282,6 +282,12 @@ def test_sampling_runs_and_is_reproducible(model):
     kw = dict(max_new_tokens=8, temperature=0.8, seed=3, policy="min_span", min_span=2)
     a, b = _run(model, [5, 6], **kw), _run(model, [5, 6], **kw)
     assert a.tokens == b.tokens and len(a.tokens) == 8
+    # a sampled batch: per-row acceptance, every row decodes its own draws
+    prompts = [[5, 17, 42, 9, 11], [7], [5, 17, 42, 9, 11]]
+    batch = _run(model, prompts, max_new_tokens=9, temperature=1.5, seed=4, policy="always")
+    assert [len(g.tokens) for g in batch] == [9, 9, 9]
+    assert batch[0].stats["verifications"] > 0
+    assert batch[0].tokens != batch[2].tokens          # same prompt, independent draws
 
 
 # ------------------------------------------------------------------------------ routing
