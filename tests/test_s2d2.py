@@ -168,7 +168,6 @@ def test_batch_equals_single_runs(model, policy, extra):
 
 def test_accept_span_by_hand():
     """Acceptance min(1, p/q), residual at the first rejection, bonus only into a masked slot."""
-    V = 4
     tokens = torch.tensor([[9, 3, 3, 3], [9, 9, 3, 3]])        # 3 = [MASK]
     masked = tokens == 3
     drafts = torch.tensor([[0, 1, 2], [2, 0, 0]])
