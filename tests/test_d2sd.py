@@ -131,3 +131,12 @@ def test_sampling_preserves_target_distribution(peaked, branches):
     stat, limit = chi_square_ok(counts, probs)
     assert stat < limit, (stat, limit)
     assert out[0].stats["mean_accepted"] > 1.0
+
+
+def test_shipped_tiny_ar_drafters():
+    from test_dflash import SHIPPED_PROMPTS, shipped_tiny_ar
+    model = shipped_tiny_ar()
+    ref = [g.tokens for g in dspec.generate(model, SHIPPED_PROMPTS, method="ar", max_new_tokens=24)]
+    out = dspec.generate(model, SHIPPED_PROMPTS, method="d2sd", max_new_tokens=24, k=2)
+    assert [g.tokens for g in out] == ref
+    assert out[0].stats["mean_accepted"] > 1.2

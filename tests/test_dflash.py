@@ -302,3 +302,32 @@ def test_sampling_preserves_target_distribution(peaked):
     again2 = dspec.generate(peaked, [prompt] * 8, method="dflash", max_new_tokens=3, drafter=d,
                             temperature=temperature, seed=1)
     assert [g.tokens for g in again] == [g.tokens for g in again2]
+
+
+def test_drafter_none_for_smollm2_names_the_plan():
+    from types import SimpleNamespace
+
+    from dspec.models.dflash import resolve_drafter
+    with pytest.raises(ValueError, match="issue 9"):
+        resolve_drafter(None, SimpleNamespace(shipped_name="smollm2-135m"), "dflash")
+
+
+def shipped_tiny_ar():
+    from dspec.models.dflash import shipped_drafter_path
+    if not (shipped_drafter_path("tiny-ar", "dflash").is_dir() and shipped_drafter_path("tiny-ar", "vp").is_dir()):
+        pytest.skip("the tiny-ar drafters are not shipped in this checkout")
+    try:
+        return dspec.load("tiny-ar")
+    except ValueError:
+        pytest.skip("tiny-ar is not shipped in this checkout")
+
+
+SHIPPED_PROMPTS = ["Compute: 12 + 35 =", "def fibonacci(n):\n    ", "import os\nimport sys\n\n"]
+
+
+def test_shipped_tiny_ar_drafter():
+    model = shipped_tiny_ar()
+    ref = [g.tokens for g in dspec.generate(model, SHIPPED_PROMPTS, method="ar", max_new_tokens=24)]
+    out = dspec.generate(model, SHIPPED_PROMPTS, method="dflash", max_new_tokens=24)
+    assert [g.tokens for g in out] == ref
+    assert out[0].stats["mean_accepted"] > 1.2
