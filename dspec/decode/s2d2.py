@@ -38,7 +38,9 @@ under a per-row packed mask (DESIGN.md's one attention shape):
     block as it now stands (with the bonus slot still [MASK]), so its logits serve as the
     next drafting step and that forward is saved; when the drafts also complete the block,
     it *is* the finished block and its KV is committed directly, saving the commit forward.
-    On a rejection it is discarded.
+    On a rejection it is discarded.  (With a bonus token, the reused drafting step has not
+    seen the bonus: verification stays exact since any fixed q is a valid proposal, but a
+    fallback step right after commits diffusion choices made one token earlier.)
 
 ``commit``
     a complete block is forwarded once more with its final tokens and its KV appended to
