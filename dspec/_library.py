@@ -10,12 +10,13 @@ therefore
    tracing or capturing, see ``dspec._validate.value_checks_enabled``);
 2. draws any random numbers it needs (``generator=`` cannot cross the op boundary);
 3. resolves ``backend=`` to a concrete name ("torch", "triton", "cuda" or "cpp");
-4. calls ``torch.ops.dspec.<op>(..., backend)``, whose fake (meta) implementation below
-   gives the output shapes and dtypes without running anything.
+4. calls ``torch.ops.dspec.<op>(..., backend)`` (or, in a plain eager call, its body),
+   whose fake (meta) implementation below gives the output shapes and dtypes without
+   running anything.
 
 The ops are functional (no input is mutated, no output aliases an input) and have no
-autograd formula; when an input requires grad (training through the torch reference),
-the wrappers call the implementation directly so autograd sees the reference's ops.
+autograd formula.  Plain eager calls, and calls that autograd must see, run the op's body
+directly (see ``call_directly``); tracing and dispatch modes always see the custom op.
 
 They are registered with ``torch.library.Library`` (schema + a CompositeExplicitAutograd
 kernel + ``register_fake``) rather than ``torch.library.custom_op``, whose call path
@@ -28,6 +29,7 @@ Every op returns a fixed number of tensors; the wrappers rebuild the public Name
 """
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _backend
 
@@ -52,11 +54,26 @@ def _fresh(*outs: Tensor) -> tuple:
     return tuple(o.contiguous() for o in outs)
 
 
-def needs_autograd(*tensors) -> bool:
-    """True when the call must stay differentiable (grad mode on and an input requires grad)."""
-    if not torch.is_grad_enabled():
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def call_directly(*tensors) -> bool:
+    """Whether a public wrapper should run the op's body itself instead of the custom op.
+
+    The custom op is what tracing and dispatch modes must see (``torch.compile``, export,
+    FakeTensor / functionalisation modes, ``dspec.testing``), so it is used whenever one is
+    active or an input is a tensor subclass.  A plain eager call skips the dispatcher round
+    trip (tens of microseconds per call, per layer for cascade_attention), and a call that
+    autograd must see (grad mode on, an input requiring grad: training through the torch
+    reference) runs the body so autograd records the reference's operators.
+    """
+    if torch.compiler.is_compiling():
         return False
-    return any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return True
+    if _get_current_dispatch_mode() is not None:
+        return False
+    return all(t is None or type(t) in _PLAIN for t in tensors)
 
 
 _lib = torch.library.Library(_NS, "DEF")     # kept alive for the life of the process

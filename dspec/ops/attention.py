@@ -103,7 +103,8 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
         raise ValueError(f"max_prefix_len must be None or an int >= 0, got {max_prefix_len!r}")
     args = (q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens,
             sm_scale, bool(return_lse), max_prefix_len, name)
-    if _library.needs_autograd(q, k, v, prefix_k, prefix_v):
+    if _library.call_directly(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table,
+                              prefix_lens):
         return _cascade_attention_impl(*args)
     out, lse = _library.cascade_attention(*args)
     return (out, lse) if return_lse else out
@@ -218,7 +219,7 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
             raise ValueError(f"{name} must have shape o.shape[:-1] = {list(o_a.shape[:-1])}, got {list(t.shape)}")
     _validate.same_device(o_a.device, "o_a", o_b=o_b, lse_a=lse_a, lse_b=lse_b)
     name = _library.resolve("merge_states", backend, o_a.device, ("torch", "triton", "cuda", "cpp"))
-    if _library.needs_autograd(o_a, lse_a, o_b, lse_b):
+    if _library.call_directly(o_a, lse_a, o_b, lse_b):
         return _merge_states_impl(o_a, lse_a, o_b, lse_b, name)
     return _library.merge_states(o_a, lse_a, o_b, lse_b, name)
 

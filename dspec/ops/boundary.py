@@ -36,7 +36,7 @@ def boundary_posterior(conf: torch.Tensor, *, backend: str | None = None) -> tor
     """
     _conf(conf)
     name = _library.resolve("boundary_posterior", backend, conf.device, _PROVIDED)
-    if _library.needs_autograd(conf):
+    if _library.call_directly(conf):
         return _boundary_posterior_impl(conf, name)
     return _library.boundary_posterior(conf, name)
 
@@ -67,7 +67,7 @@ def rejection_boundaries(conf: torch.Tensor, k: int, *, backend: str | None = No
     _conf(conf)
     k = _validate.positive_int("k", k, upper=conf.shape[1], upper_name="L")
     name = _library.resolve("rejection_boundaries", backend, conf.device, _PROVIDED)
-    if _library.needs_autograd(conf):
+    if _library.call_directly(conf):
         return _rejection_boundaries_impl(conf, k, name)
     return _library.rejection_boundaries(conf, k, name)
 
@@ -92,7 +92,7 @@ def expected_accept_length(conf: torch.Tensor, *, backend: str | None = None) ->
     """
     _conf(conf)
     name = _library.resolve("expected_accept_length", backend, conf.device, _PROVIDED)
-    if _library.needs_autograd(conf):
+    if _library.call_directly(conf):
         return _expected_accept_length_impl(conf, name)
     return _library.expected_accept_length(conf, name)
 

@@ -43,6 +43,8 @@ def pack_mask(mask: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
     """
     _validate.tensor("mask", mask, min_dim=1, dtypes=(torch.bool,))
     name = _library.resolve("pack_mask", backend, mask.device, _PROVIDED)
+    if _library.call_directly(mask):
+        return _pack_mask_impl(mask, name)
     return _library.pack_mask(mask, name)
 
 
@@ -92,6 +94,8 @@ def unpack_mask(words: torch.Tensor, num_keys: int, *, backend: str | None = Non
         raise ValueError(f"num_keys must lie in [0, 32 * W] = [0, {capacity}] for words with "
                          f"W = {words.shape[-1]}, got {num_keys}")
     name = _library.resolve("unpack_mask", backend, words.device, _PROVIDED)
+    if _library.call_directly(words):
+        return _unpack_mask_impl(words, num_keys, name)
     return _library.unpack_mask(words, num_keys, name)
 
 
@@ -157,6 +161,8 @@ def tree_mask(parents: torch.Tensor, *, backend: str | None = None) -> TreeMask:
                              f"nodes, got parents with N = {nodes}; use backend='torch' (or "
                              "'cpp' on CPU tensors)")
         name = "torch"
+    if _library.call_directly(parents):
+        return TreeMask(*_tree_mask_impl(parents, name))
     return TreeMask(*_library.tree_mask(parents, name))
 
 

@@ -40,7 +40,7 @@ def token_stats(logits: torch.Tensor, *, temperature: float = 1.0,
     _validate.logits("logits", logits)
     temperature = _validate.temperature(temperature)
     name = _library.resolve("token_stats", backend, logits.device, ("torch", "triton", "cuda", "cpp"))
-    if _library.needs_autograd(logits):
+    if _library.call_directly(logits):
         return TokenStats(*_token_stats_impl(logits, temperature, name))
     return TokenStats(*_library.token_stats(logits, temperature, name))
 

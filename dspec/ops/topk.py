@@ -49,7 +49,7 @@ def topk_tokens(logits: torch.Tensor, k: int, *, temperature: float = 1.0,
     k = _validate.positive_int("k", k, upper=logits.shape[-1], upper_name="V")
     temperature = _validate.temperature(temperature)
     name = _pick("topk_tokens", logits, k, backend)
-    if _library.needs_autograd(logits):
+    if _library.call_directly(logits):
         return _topk_tokens_impl(logits, k, temperature, name)
     return _library.topk_tokens(logits, k, temperature, name)
 
@@ -94,7 +94,7 @@ def mass_candidates(logits: torch.Tensor, tau: float, max_m: int, *, temperature
         raise ValueError(f"tau must be in (0, 1], got {tau!r}")
     temperature = _validate.temperature(temperature)
     name = _pick("mass_candidates", logits, max_m, backend)
-    if _library.needs_autograd(logits):
+    if _library.call_directly(logits):
         return _mass_candidates_impl(logits, tau, max_m, temperature, name)
     return _library.mass_candidates(logits, tau, max_m, temperature, name)
 

@@ -127,7 +127,7 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
     name = _library.resolve("verify_chain", backend, device, _PROVIDED)
     args = (draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins,
             sample_uniforms, name)
-    if _library.needs_autograd(target_logits, draft_probs):
+    if _library.call_directly(draft_tokens, target_logits, draft_probs, num_drafts, coins, sample_uniforms):
         return VerifyOutput(*_verify_chain_impl(*args))
     return VerifyOutput(*_library.verify_chain(*args))
 
@@ -210,7 +210,7 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
         coins = sample_uniforms = None      # greedy reads neither
     name = _library.resolve("verify_tree", backend, device, _PROVIDED)
     args = (tokens, parents, target_logits, temperature, coins, sample_uniforms, name)
-    if _library.needs_autograd(target_logits):
+    if _library.call_directly(tokens, parents, target_logits, coins, sample_uniforms):
         return TreeVerifyOutput(*_verify_tree_impl(*args))
     return TreeVerifyOutput(*_library.verify_tree(*args))
 
