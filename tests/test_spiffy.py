@@ -7,7 +7,8 @@ import torch
 import dspec
 from dspec.decode import spiffy_graph
 from dspec.decode._selfspec import DraftGraph
-from test_ssd import chi2_pvalue, exact_first_block, sample_first_block, tiny, weak_context
+from test_ssd import (capture_caches, chi2_pvalue, exact_first_block, sample_first_block, tiny,
+                      weak_context)
 from tiny_checkpoints import write_checkpoint
 
 
@@ -89,6 +90,21 @@ def test_multi_parent_graph_reaches_shared_child(model):
                          graph=DIAMOND, prune_to=6)
     assert [g.tokens for g in got] == [g.tokens for g in ref]
     assert max(got[0].stats["accepted_hist"]) >= 3
+
+
+def test_committed_kv_equals_one_step_run(model, graph4, monkeypatch):
+    made = capture_caches(model, monkeypatch)
+    prompt = [5, 17, 42, 9, 11]
+    ref = dspec.generate(model, prompt, method="diffusion", max_new_tokens=11, block_size=4)
+    ref_cache = made[-1]
+    got = dspec.generate(model, prompt, method="spiffy", max_new_tokens=11, block_size=4, graph=graph4)
+    cache = made[-1]
+    assert got.tokens == ref.tokens and cache is not ref_cache
+    assert cache.lengths.tolist() == ref_cache.lengths.tolist()
+    n = int(cache.lengths[0])
+    for layer in range(model.config.num_layers):
+        for mine, theirs in zip(cache.get(layer, 0), ref_cache.get(layer, 0)):
+            torch.testing.assert_close(mine[:n], theirs[:n], rtol=1e-5, atol=1e-5)
 
 
 def test_pruning_bounds_the_drafts(model, graph4):
