@@ -445,7 +445,8 @@ class DrafterTrainer:
     def train(self, *, minutes: float | None = None, max_steps: int | None = None,
               steps: int | None = None) -> dict:
         """Train until ``max_steps`` (default cfg.max_steps) or the time budget; a budget
-        fixes the schedule's length after 10 measured steps (kept on resume).  ``steps``
+        fixes the schedule's length after 10 measured steps (kept on resume) and stops the
+        call past 1.1x the budget even if steps got slower than measured.  ``steps``
         stops this call after that many steps (the schedule is unchanged: resume later)."""
         from tqdm.auto import tqdm
         cap = max_steps or self.cfg.max_steps
@@ -472,6 +473,11 @@ class DrafterTrainer:
                     self.total_steps = max(self.step + 1, min(cap, self.step + int(left * 0.97 / per_step)))
                     bar.total = self.total_steps
                     bar.refresh()
+            if budget is not None and now - start > 1.1 * budget:
+                # steps got slower than measured (a shared machine): keep the budget, cut the
+                # schedule short (the log records where)
+                self.log[-1]["stopped_by_budget"] = True
+                break
             if self.step % self.cfg.eval_every == 0:
                 self.evaluate()
             if now - last_ckpt > self.cfg.checkpoint_every_s:
