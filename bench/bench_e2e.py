@@ -17,4 +17,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run from a c
 from dspec.bench_e2e import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="bench/bench_e2e.py"))

@@ -675,14 +675,15 @@ def plot(payload: dict, path: Path) -> Path:
     return path
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dspec bench", description=__doc__.split("\n\n")[0],
+def build_parser(prog: str | None = "python -m dspec bench") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     return add_arguments(p)
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
+def main(argv=None, prog: str | None = "python -m dspec bench") -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the grid; returns the exit status."""
+    parser = build_parser(prog)
     return run(parser.parse_args(argv), parser)
 
 
