@@ -68,9 +68,11 @@ ID_CODE = {torch.int32: 0, torch.int64: 1}
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., C] -> [rows, C] with a unit stride along C (a copy only when needed)."""
+    """[..., C] -> [rows, C] with a unit stride along C and rows that do not overlap (a copy
+    only when needed: e.g. a broadcast ``expand`` gives rows with stride 0)."""
     x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+    overlapping = x2.shape[0] > 1 and x2.stride(0) < x2.shape[1]
+    return x2 if x2.stride(-1) == 1 and not overlapping else x2.contiguous()
 
 
 def launch_context(device: torch.device, cuda: bool):

@@ -53,3 +53,18 @@ def test_import_needs_no_gpu_nor_triton():
             "assert 'triton' not in sys.modules, 'triton imported'; "
             "assert not torch.cuda.is_initialized()")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_broadcast_rows_are_accepted(backend):
+    """An ``expand``ed logits tensor (rows with stride 0) is read like its copy."""
+    if backend == "cpp":
+        pytest.importorskip("dspec._C")
+    row = torch.randn(1, 1, 37)
+    for logits in (row.expand(1, 3, 37), row.expand(4, 3, 37)):
+        drafts = torch.zeros(logits.shape[0], 2, dtype=torch.int64)
+        got = dspec.verify_chain(drafts, logits, backend=backend)
+        want = dspec.verify_chain(drafts, logits.contiguous(), backend="torch")
+        assert torch.equal(got.tokens, want.tokens)
+        assert torch.equal(dspec.token_stats(logits, backend=backend).token,
+                           dspec.token_stats(logits.contiguous(), backend="torch").token)

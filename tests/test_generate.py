@@ -72,16 +72,16 @@ def test_stops_after_eos(tmp_path):
 def test_bad_arguments(tiny):
     with pytest.raises(ValueError, match="unknown method"):
         dspec.generate(tiny, [1, 2], method="nope", max_new_tokens=2)
-    with pytest.raises(ValueError, match="not implemented yet"):
-        dspec.generate(tiny, [1, 2], method="ssd", max_new_tokens=2)
+    with pytest.raises(ValueError, match="takes no drafter"):
+        dspec.generate(tiny, [1, 2], method="ar", max_new_tokens=2, drafter=tiny)
+    with pytest.raises(ValueError, match="does not take"):
+        dspec.generate(tiny, [1, 2], method="ar", max_new_tokens=2, block_size=4)
     with pytest.raises(ValueError, match="max_new_tokens"):
         dspec.generate(tiny, [1, 2], method="ar", max_new_tokens=0)
     with pytest.raises(ValueError, match="prompt ids"):
         dspec.generate(tiny, [1, 10 ** 6], method="ar", max_new_tokens=2)
     with pytest.raises(ValueError, match="neither a checkpoint directory nor a shipped"):
         dspec.load("no-such-model")
-    with pytest.raises(ValueError, match="not shipped yet"):
-        dspec.load("tiny-bd")
 
 
 def test_cli_help():

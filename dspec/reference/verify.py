@@ -119,8 +119,10 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
             reject = child & ~move
             w = torch.where(reject[:, None], w.scatter(-1, t.clamp(min=0)[:, None], 0.0), w)
             w = torch.where(move[:, None], p[:, c], w)
-        path[rows[move], depth[move]] = c
-        out[rows[move], depth[move]] = t[move]
+        # write at each moving row's depth without boolean indexing (no host sync)
+        at = depth[:, None]
+        path.scatter_(1, at, torch.where(move[:, None], c, path.gather(1, at)))
+        out.scatter_(1, at, torch.where(move[:, None], t[:, None], out.gather(1, at)))
         node = torch.where(move, c, node)
         depth = depth + move.long()
     if greedy:
