@@ -401,7 +401,13 @@ def plot_loss(log: list[dict], evals: list[dict], path, *, title: str = "") -> N
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     if log:
-        ax.plot([r["step"] for r in log], [r["loss"] for r in log], lw=1, label="train loss")
+        steps, losses = [r["step"] for r in log], [r["loss"] for r in log]
+        ax.plot(steps, losses, lw=0.6, alpha=0.35, color="C0", label="train loss (logged)")
+        if len(losses) >= 10:     # rows come from one source each: smooth the per-source swings
+            k = max(len(losses) // 20, 5)
+            smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1])
+                      for i in range(len(losses))]
+            ax.plot(steps, smooth, lw=1.6, color="C0", label=f"train loss ({k}-record mean)")
     keys = sorted({k for e in evals for k in e if isinstance(e[k], dict)})
     for k in keys:
         pts = [(e["step"], e[k]["nats_per_token"]) for e in evals if k in e]
