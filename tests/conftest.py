@@ -51,3 +51,13 @@ def assert_close_nan(actual, expected, *, rtol, atol, name=""):
         idx = (~ok).nonzero()[0].tolist()
         raise AssertionError(f"{name}: {int((~ok).sum())} mismatches, first at {idx}: "
                              f"got {a[tuple(idx)].item()} expected {e[tuple(idx)].item()}")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine the
+    thread pool's spin-waits cost up to 10x: modules of tiny-model tests use one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

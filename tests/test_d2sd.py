@@ -15,8 +15,10 @@ import dspec
 from dspec.decode import d2sd
 from dspec.models.dflash import BlockDrafter
 
-from test_dflash import (PROMPTS, OracleDrafter, _second_token_marginal, ar_tokens, chi_square_ok,
-                         one_thread, oracle_pair, peaked, target)  # noqa: F401 (fixtures)
+from test_dflash import (PROMPTS, OracleDrafter, _second_token_marginal, ar_tokens, chi_square_ok,  # noqa: F401
+                         oracle_pair, peaked, target)  # fixtures shared with test_dflash
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 def drafters(model, prompts, n, gamma, wrong_every=4):

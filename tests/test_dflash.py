@@ -23,13 +23,7 @@ from tiny_checkpoints import write_checkpoint
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny matrices: one thread avoids OpenMP spin-waits on a shared 2-core machine (10x)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ drafts do get accepted), and a non-shifted SDAR drafter for a Qwen3 target.
 import math
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,13 +19,7 @@ PROMPTS = [[5, 9, 11, 4, 7], [8], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
 NEW = 14
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster than two fighting over a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 def damp(scale):

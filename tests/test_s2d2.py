@@ -13,14 +13,7 @@ from tiny_checkpoints import write_checkpoint
 BS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine the
-    thread pool's spinning only costs time."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 @pytest.fixture(scope="module", params=["sdar", "fast_dllm_v2"])

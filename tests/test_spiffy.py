@@ -12,13 +12,7 @@ from test_ssd import (capture_caches, chi2_pvalue, exact_first_block, sample_fir
 from tiny_checkpoints import write_checkpoint
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add overhead (10x on a loaded 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 @pytest.fixture(autouse=True)

@@ -21,13 +21,7 @@ def tiny(tmp_path_factory, family, **kw):
     return dspec.load(write_checkpoint(path, family, seed=5, vocab=64, **kw))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add overhead (10x on a loaded 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 @pytest.fixture(scope="module", params=["sdar", "fast_dllm_v2"])

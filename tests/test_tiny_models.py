@@ -10,12 +10,7 @@ import dspec
 from dspec import hub, tasks
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)       # a shared CPU: spinning threads slow tiny forwards down
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 @pytest.fixture(scope="module")

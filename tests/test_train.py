@@ -12,13 +12,7 @@ from dspec.train import (DataSpec, PackedData, TrainConfig, Trainer, block_diffu
                          save_tokenizer, tiny_config, train_forward, train_tokenizer)
 from dspec.train.objectives import causal_mask
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: on a shared CPU, spinning threads make these tests 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

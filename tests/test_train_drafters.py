@@ -17,12 +17,7 @@ from dspec.train.vp_drafter import prefix_prior, prefix_sampler, sample_prefix_l
 from tiny_checkpoints import write_checkpoint
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
 @pytest.fixture(scope="module")
