@@ -53,7 +53,6 @@ output lists, EOS and the cache commit, whose index lives on the host).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from ..masks import d2sd_branches, prefix_tree, ssd_copies
+from ..masks import d2sd_branches, ssd_copies
 from ..models import AttentionPlan
 from ..models.dflash import MASK, resolve_drafter
 from ..ops import rejection_boundaries, token_stats, verify_tree

@@ -66,6 +66,19 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.shape = (hq, hkv, d)
+
+    def rotated_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h [B, N, hidden] -> q [B, N, Hq, D], k, v [B, N, Hkv, D]; q/k normed (Qwen3) and
+        rotated.  Shared by the inference forward and the training forward."""
+        batch, n = h.shape[:2]
+        hq, hkv, d = self.shape
+        q = self.q_proj(h).view(batch, n, hq, d)
+        k = self.k_proj(h).view(batch, n, hkv, d)
+        v = self.v_proj(h).view(batch, n, hkv, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
 
 class MLP(nn.Module):
@@ -257,16 +270,10 @@ class Model(nn.Module):
         cos, sin = emb.cos(), emb.sin()
 
         keys, values = [], []
-        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        d, hq = cfg.head_dim, cfg.num_heads
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(batch, n, hq, d)
-            k = attn.k_proj(h).view(batch, n, hkv, d)
-            v = attn.v_proj(h).view(batch, n, hkv, d)
-            if attn.q_norm is not None:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k, v = attn.rotated_qkv(layer.input_layernorm(x), cos, sin)
             prefix = cache.prefix(i) if cache is not None else {}
             o = cascade_attention(q, k, v, mask, backend=backend, **prefix)
             x = x + attn.o_proj(o.reshape(batch, n, hq * d))

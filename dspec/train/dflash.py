@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..models.dflash import MASK, BlockDrafter, DrafterConfig, block_loss_weights
+from ..models.dflash import MASK, BlockDrafter, block_loss_weights
 
 CHECKPOINT = "checkpoint.pt"
 DATA = "data.pt"

@@ -30,13 +30,12 @@ Objectives
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ..models.transformer import Model, _rotate
+from ..models.transformer import Model
 
 __all__ = ["train_forward", "causal_mask", "block_diffusion_mask", "additive_mask",
            "causal_lm_loss", "BlockDiffusionBatch", "block_diffusion_batch",
@@ -101,13 +100,7 @@ def train_forward(model: Model, tokens: torch.Tensor, positions: torch.Tensor,
     d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     for layer in model.layers:
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(batch, n, hq, d)
-        k = attn.k_proj(h).view(batch, n, hkv, d)
-        v = attn.v_proj(h).view(batch, n, hkv, d)
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k, v = attn.rotated_qkv(layer.input_layernorm(x), cos, sin)
         m = mask.to(q.dtype) if mask is not None else None
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=m, is_causal=is_causal, enable_gqa=hq != hkv)
