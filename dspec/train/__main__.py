@@ -18,7 +18,9 @@ def main(argv=None) -> int:
                "  python -m dspec.train tiny-bd --out runs/tiny-bd --resume --minutes 10\n"
                "  python -m dspec.train bd-adapt --init tiny-ar --out runs/tiny-ar-bd --minutes 10\n"
                "  python -m dspec.train bd-adapt --init smollm2-135m --mask-token '<filename>' "
-               "--out runs/smollm2-bd --device cuda --minutes 60")
+               "--out runs/smollm2-bd --device cuda --minutes 60\n"
+               "  python -m dspec.train bd-adapt --init smollm2-135m --mask-token '<filename>' "
+               "--lora-rank 32 --out runs/smollm2-bd-lora --device cuda --minutes 9 --resume")
     parser.add_argument("recipe", choices=sorted(RECIPES), help="recipe name")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--minutes", type=float, default=None,
@@ -29,6 +31,12 @@ def main(argv=None) -> int:
     parser.add_argument("--init", default=None, help="bd-adapt: source checkpoint directory or shipped name")
     parser.add_argument("--mask-token", default=None,
                         help="bd-adapt: token to use as [MASK] when the tokenizer has no <|MASK|>")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="bd-adapt: LoRA rank (0 = full fine-tune); R > 0 trains and saves only "
+                             "adapters + the [MASK] row to <out>/adapter")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default 2 R)")
+    parser.add_argument("--lora-targets", default=None,
+                        help="comma-separated projections (default q,k,v,o,gate,up,down _proj)")
     parser.add_argument("--tokenizer", default=None, help="directory with a tokenizer.json to reuse")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--rows", type=int, default=None, help="packed training rows to prepare")
@@ -47,7 +55,9 @@ def main(argv=None) -> int:
         summary = run_recipe(args.recipe, args.out, minutes=args.minutes, max_steps=args.max_steps,
                              device=args.device, resume=args.resume, init=args.init, tokenizer=args.tokenizer,
                              mask_token=args.mask_token, num_rows=args.rows, threads=args.threads,
-                             progress=not args.no_progress, seed=args.seed, train_overrides=overrides)
+                             progress=not args.no_progress, seed=args.seed, train_overrides=overrides,
+                             lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                             lora_targets=tuple(args.lora_targets.split(",")) if args.lora_targets else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,10 @@
   ``smollm2-135m``) and fine-tune it with the block-diffusion objective.  A Qwen3 source
   becomes an SDAR model (position-aligned); a Llama / Qwen2 source becomes a Fast-dLLM v2
   model (right-shifted logits, zero q/k/v biases, so step 0 computes exactly the source's
-  next-token logits).  Full fine-tuning (no LoRA adapters yet).
+  next-token logits).  Full fine-tuning by default; ``lora_rank=R`` (``--lora-rank R``)
+  trains low-rank adapters on every projection plus the [MASK] embedding row instead and
+  exports only them (``<out>/adapter``, see :mod:`dspec.train.lora`), loaded on top of
+  the source by :func:`load_adapted` (how ``dspec.load("smollm2-135m-bd")`` is built).
 
 The two tiny recipes fit the same byte-level BPE tokenizer (deterministic, 4096 ids: EOS 0,
 MASK 1, PAD 2) on the same corpus, so ``tiny-bd`` can draft for ``tiny-ar``.
@@ -40,7 +43,8 @@ from .data import DataSpec, PackedData, build_data, token_byte_lengths, tokenize
 from .tokenizer import MASK_TOKEN, save_tokenizer, train_tokenizer
 from .trainer import TrainConfig, Trainer
 
-__all__ = ["Recipe", "RECIPES", "get_recipe", "run_recipe", "tiny_config", "export_checkpoint"]
+__all__ = ["Recipe", "RECIPES", "get_recipe", "run_recipe", "tiny_config", "export_checkpoint",
+           "adapt_causal_model", "load_adapted"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,53 @@ def _adapted_config(src_raw: dict, src_family: str, *, mask_token_id: int, block
     raise ValueError(f"bd-adapt needs a causal source (qwen3, llama or qwen2), got family {src_family!r}")
 
 
+def adapt_causal_model(src_model: Model, *, mask_token_id: int, block_size: int) -> tuple[Model, dict, str]:
+    """The block-diffusion model bd-adapt starts from: ``src_model``'s weights (float32)
+    under the adapted config (:func:`_adapted_config`; a Llama's absent q/k/v biases become
+    zeros).  Returns (model, its config.json dict, family).  Shared by the recipe and by
+    :func:`load_adapted`, so an adapter is always applied to the same base."""
+    raw, family = _adapted_config(src_model.config.raw, src_model.family, mask_token_id=mask_token_id,
+                                  block_size=block_size)
+    raw.setdefault("eos_token_id", list(src_model.eos_token_ids) or None)
+    cfg = parse_config(raw).replace(mask_token_id=mask_token_id)
+    model = Model(cfg, tokenizer=src_model.tokenizer, device=src_model.device)
+    state = src_model.state_dict()
+    own = model.state_dict()
+    for k in own:                                   # zero q/k/v biases of a Llama source
+        own[k] = state[k].float() if k in state else torch.zeros_like(own[k], dtype=torch.float32)
+    model.load_state_dict(own)
+    model.name_or_path = src_model.name_or_path
+    return model, raw, family
+
+
+def load_adapted(source, adapter_dir, *, device="cpu", dtype=None) -> Model:
+    """A bd-adapt LoRA result: load ``source`` (checkpoint directory or shipped name, the
+    base the adapter was trained on), convert it to the block-diffusion family as bd-adapt
+    does, load the adapter (base fingerprint checked) and merge it into the weights.
+
+    dtype : of the returned weights (None: the source checkpoint's dtype); the merge itself
+        runs in float32.
+    """
+    from ..models.loader import load_checkpoint
+    from .lora import load_adapter, read_adapter_config
+    config = read_adapter_config(adapter_dir)
+    bd = config.get("meta", {}).get("block_diffusion")
+    if not bd:
+        raise ValueError(f"adapter_dir: {adapter_dir} is not a bd-adapt adapter (no meta.block_diffusion)")
+    src_dir = _resolve_init(source)
+    src = load_checkpoint(src_dir, device=device, dtype=torch.float32)
+    out_dtype = dtype if dtype is not None else src.config.raw.get("torch_dtype") or "float32"
+    model, raw, family = adapt_causal_model(src, mask_token_id=int(bd["mask_token_id"]),
+                                            block_size=int(bd["block_size"]))
+    del src
+    load_adapter(model, adapter_dir, merge=True)
+    if isinstance(out_dtype, str):
+        out_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+            out_dtype, torch.float32)
+    model.name_or_path = str(adapter_dir)
+    return model.to(dtype=out_dtype)
+
+
 def export_checkpoint(model: Model, raw_config: dict, tokenizer_dir, out_dir, *, dtype: str = "bfloat16",
                       extra_files: dict | None = None) -> Path:
     """Write a Hugging Face checkpoint directory: config.json, generation_config.json,
@@ -222,7 +273,8 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
                device: str = "cpu", resume: bool = False, init=None, tokenizer=None,
                mask_token: str | None = None, num_rows: int | None = None, threads: int | None = None,
                progress: bool = True, seed: int | None = None, train_overrides: dict | None = None,
-               data_overrides: dict | None = None, plot: bool = True) -> dict:
+               data_overrides: dict | None = None, plot: bool = True, lora_rank: int = 0,
+               lora_alpha: float | None = None, lora_targets=None, lora_dropout: float = 0.0) -> dict:
     """Train ``recipe`` (a name or a Recipe) into ``out``; returns a summary dict.
 
     Parameters
@@ -245,6 +297,11 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
     train_overrides : TrainConfig fields to change (e.g. {"batch_size": 64}).
     data_overrides : DataSpec fields to change (e.g. {"seq_len": 512}).
     plot : write loss_curve.png with each checkpoint.
+    lora_rank : ``bd-adapt`` only: 0 = full fine-tuning (``<out>/model``); R > 0 = LoRA of
+        rank R on ``lora_targets`` (default every projection) plus the [MASK] embedding
+        row, checkpointing and exporting only those (``<out>/adapter``: adapter.safetensors
+        + adapter_config.json; load with :func:`load_adapted`).
+    lora_alpha, lora_dropout : LoRA scale numerator (default 2 R) and input dropout.
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     if not isinstance(recipe, Recipe):
@@ -255,6 +312,10 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
         raise ValueError(f"recipe {recipe.name!r} trains from scratch and takes no init")
     if minutes is not None and not minutes > 0:
         raise ValueError(f"minutes must be > 0, got {minutes!r}")
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"lora_rank must be an int >= 0, got {lora_rank!r}")
+    if lora_rank and not recipe.init_required:
+        raise ValueError(f"lora_rank: recipe {recipe.name!r} trains from scratch; LoRA needs an init= source")
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
     if threads is not None:
@@ -277,7 +338,6 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
     tok = Tokenizer.from_dir(tdir)
 
     # ---- model and its exported config
-    src_model = None
     if init_dir is not None:
         from ..models.loader import load_checkpoint
         src_model = load_checkpoint(init_dir, dtype=torch.float32)
@@ -285,9 +345,9 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
         if mask_id is None:
             raise ValueError(f"mask_token: the tokenizer of {init_dir} has no {mask_token or MASK_TOKEN!r}; "
                              f"pass mask_token= an existing rarely used token to serve as [MASK]")
-        raw, family = _adapted_config(src_model.config.raw, src_model.family, mask_token_id=mask_id,
-                                      block_size=recipe.block_size)
-        raw.setdefault("eos_token_id", list(src_model.eos_token_ids) or None)
+        src_model.tokenizer = tok
+        model, raw, family = adapt_causal_model(src_model, mask_token_id=mask_id, block_size=recipe.block_size)
+        del src_model
         tcfg = dataclasses.replace(tcfg, shifted=FAMILIES[family].shifted)
     else:
         family = recipe.family
@@ -295,22 +355,20 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
         raw = tiny_config(family, recipe.model, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id, mask_token_id=mask_id, block_size=recipe.block_size,
                           dtype=recipe.export_dtype)
-    cfg = parse_config(raw)
-    cfg = cfg.replace(mask_token_id=mask_id)
-    model = Model(cfg, tokenizer=tok)
-    if src_model is not None:
-        state = src_model.state_dict()
-        own = model.state_dict()
-        for k in own:                                   # zero q/k/v biases of a Llama source
-            own[k] = state[k].float() if k in state else torch.zeros_like(own[k])
-        model.load_state_dict(own)
-        del src_model
-    else:
+        cfg = parse_config(raw)
+        cfg = cfg.replace(mask_token_id=mask_id)
+        model = Model(cfg, tokenizer=tok)
         model.init_random_(0.02, seed=seed)
         with torch.no_grad():                           # GPT-2 residual scaling
             for layer in model.layers:
                 layer.self_attn.o_proj.weight.mul_((2 * cfg.num_layers) ** -0.5)
                 layer.mlp.down_proj.weight.mul_((2 * cfg.num_layers) ** -0.5)
+    lora_cfg = None
+    if lora_rank:
+        from .lora import TARGETS, LoraConfig, apply_lora
+        lora_cfg = LoraConfig(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
+                              targets=tuple(lora_targets or TARGETS), embedding_rows=(mask_id,))
+        apply_lora(model, lora_cfg)
 
     # ---- data (tokenised once per output directory)
     data_file = out / "data.pt"
@@ -329,12 +387,26 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
     meta = {"name": recipe.name, "family": family, "parameters": n_params, "device": str(device),
             "threads": torch.get_num_threads(), "init": str(init) if init is not None else None,
             "data": dataclasses.asdict(data_spec) | {"weights": dict(data_spec.weights)}}
+    trainer_cls = Trainer
+    if lora_cfg is not None:
+        from .lora import AdapterTrainer, lora_parameters, save_adapter
+        meta["lora"] = dataclasses.asdict(lora_cfg)
+        meta["trainable_parameters"] = sum(p.numel() for p in lora_parameters(model).values())
+        trainer_cls = AdapterTrainer
+        bd_meta = {"family": family, "block_size": recipe.block_size, "mask_token_id": mask_id,
+                   "mask_token": tok.id_to_token(mask_id), "shifted": FAMILIES[family].shifted}
 
-    def export(m, trainer):
-        export_checkpoint(m, raw, tdir, out / "model", dtype=recipe.export_dtype)
+        def export(m, trainer):
+            save_adapter(out / "adapter", m, str(init), {
+                "block_diffusion": bd_meta, "recipe": recipe.name, "step": trainer.step,
+                "tokens_seen": trainer.tokens_seen, "train_wall_s": round(trainer.wall_s, 1),
+                "heldout": trainer.evals[-1] if trainer.evals else None})
+    else:
+        def export(m, trainer):
+            export_checkpoint(m, raw, tdir, out / "model", dtype=recipe.export_dtype)
 
-    trainer = Trainer(model, data, tcfg, out, device=device, mask_token_id=mask_id,
-                      byte_lengths=token_byte_lengths(tok), export=export, meta=meta, plot=plot)
+    trainer = trainer_cls(model, data, tcfg, out, device=device, mask_token_id=mask_id,
+                          byte_lengths=token_byte_lengths(tok), export=export, meta=meta, plot=plot)
     if resume:
         trainer.resume()
     final = trainer.train(minutes=minutes, max_steps=max_steps, progress=progress)
@@ -342,5 +414,9 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
                "total_steps": trainer.total_steps, "tokens_seen": trainer.tokens_seen,
                "train_wall_s": round(trainer.wall_s, 1), "prep_s": round(prep_s, 1),
                "heldout": final, "model_dir": str(out / "model")}
+    if lora_cfg is not None:
+        summary.pop("model_dir")
+        summary.update(adapter_dir=str(out / "adapter"), lora_rank=lora_rank,
+                       trainable_parameters=meta["trainable_parameters"])
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
