@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default 2 R)")
     parser.add_argument("--lora-targets", default=None,
                         help="comma-separated projections (default q,k,v,o,gate,up,down _proj)")
+    parser.add_argument("--block-sizes", default=None,
+                        help="block-diffusion block sizes drawn per step, comma-separated (uniform), "
+                             "e.g. 1,2,4,8,16,32 (default: the recipe's)")
     parser.add_argument("--tokenizer", default=None, help="directory with a tokenizer.json to reuse")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--rows", type=int, default=None, help="packed training rows to prepare")
@@ -49,6 +52,13 @@ def main(argv=None) -> int:
     from .recipes import run_recipe
     overrides = {k: v for k, v in (("batch_size", args.batch_size), ("micro_batch_size", args.micro_batch_size),
                                    ("lr", args.lr)) if v is not None}
+    if args.block_sizes:
+        try:
+            sizes = tuple(int(b) for b in args.block_sizes.split(","))
+        except ValueError:
+            print(f"error: --block-sizes must be comma-separated ints, got {args.block_sizes!r}", file=sys.stderr)
+            return 2
+        overrides.update(block_sizes=sizes, block_weights=None)
     if "lr" in overrides:
         overrides["min_lr"] = overrides["lr"] / 10
     try:

@@ -300,7 +300,7 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
     lora_rank : ``bd-adapt`` only: 0 = full fine-tuning (``<out>/model``); R > 0 = LoRA of
         rank R on ``lora_targets`` (default every projection) plus the [MASK] embedding
         row, checkpointing and exporting only those (``<out>/adapter``: adapter.safetensors
-        + adapter_config.json; load with :func:`load_adapted`).
+        in the recipe's export dtype + adapter_config.json; load with :func:`load_adapted`).
     lora_alpha, lora_dropout : LoRA scale numerator (default 2 R) and input dropout.
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
@@ -400,7 +400,8 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
             save_adapter(out / "adapter", m, str(init), {
                 "block_diffusion": bd_meta, "recipe": recipe.name, "step": trainer.step,
                 "tokens_seen": trainer.tokens_seen, "train_wall_s": round(trainer.wall_s, 1),
-                "heldout": trainer.evals[-1] if trainer.evals else None})
+                "heldout": trainer.evals[-1] if trainer.evals else None},
+                dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}.get(recipe.export_dtype, torch.float32))
     else:
         def export(m, trainer):
             export_checkpoint(m, raw, tdir, out / "model", dtype=recipe.export_dtype)
