@@ -144,3 +144,14 @@ def test_bd_adapt_lora_trains_only_the_adapter_and_loads_through_the_hub(llama, 
     monkeypatch.setitem(hub.SHIPPED, "smollm2-135m", lambda: write_checkpoint(tmp_path / "o", "llama", seed=9))
     with pytest.raises(ValueError, match="fingerprint"):
         dspec.load("smollm2-135m-bd")
+
+
+def test_cli_lora_options(tmp_path, capsys):
+    from dspec.train.__main__ import main
+    assert main(["tiny-ar", "--out", str(tmp_path / "a"), "--lora-rank", "4", "--max-steps", "1"]) == 2
+    assert "lora_rank" in capsys.readouterr().err
+    assert main(["bd-adapt", "--init", "tiny-ar", "--out", str(tmp_path / "b"), "--block-sizes", "4,x"]) == 2
+    assert "--block-sizes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--lora-rank" in capsys.readouterr().out
