@@ -290,7 +290,8 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
     suffix_tokens = 0           # block tokens forwarded after the prefill (compute proxy)
     full = [p[: int(s)] for p, s in zip(prompts, start.tolist())]
     if any(full):
-        out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache), logits="last")
+        out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache, block_size=bs),
+                    logits="last")
         cache.append(out.suffix_kv, counts=[len(f) for f in full])
         carry = out.logits[:, -1].float()
         forwards += 1

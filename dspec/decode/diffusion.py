@@ -153,7 +153,8 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
     full = [p[: int(s)] for p, s in zip(prompts, start.tolist())]
     if any(full):
         # a prompt shorter than one block commits nothing (a stand-in token, count 0)
-        out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache), logits="last")
+        out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache, block_size=bs),
+                    logits="last")
         cache.append(out.suffix_kv, counts=[len(f) for f in full])
         carry = out.logits[:, -1].float()
         forwards += 1

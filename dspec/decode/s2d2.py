@@ -394,7 +394,8 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     forwards = 0
     full = [p[: (n // bs) * bs] for p, n in zip(prompts, plen_list)]
     if any(full):
-        out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache), logits="last")
+        out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache, block_size=bs),
+                    logits="last")
         cache.append(out.suffix_kv, counts=[len(f) for f in full])
         carry = out.logits[:, -1].float()
         forwards += 1

@@ -230,14 +230,17 @@ class Model(nn.Module):
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, dtype=self.dtype,
                        device=self.device, capacity=capacity, layout=layout)
 
-    def plan(self, seqs, cache: KVCache | None = None, *, attention: str | None = None) -> AttentionPlan:
+    def plan(self, seqs, cache: KVCache | None = None, *, attention: str | None = None,
+             block_size: int | None = None) -> AttentionPlan:
         """The plan of token sequences (ragged, right-padded) after ``cache``'s prefixes,
-        under the model's own attention (or ``attention``)."""
+        under the model's own attention (or ``attention``); block-causal attention uses
+        ``block_size`` (default: the model's), which must be the block size the caller
+        decodes with so the committed prompt blocks match the decoded ones."""
         pad = self.config.pad_token_id
         pad = pad if pad is not None and 0 <= pad < self.config.vocab_size else 0
         return AttentionPlan.sequences(seqs, attention=attention or self.config.attention,
-                                       block_size=self.config.block_size, cache=cache, pad_id=pad,
-                                       device=self.device)
+                                       block_size=block_size or self.config.block_size, cache=cache,
+                                       pad_id=pad, device=self.device)
 
     # ------------------------------------------------------------------------- forward
 
