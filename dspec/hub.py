@@ -53,7 +53,7 @@ ADAPTED = {"smollm2-135m-bd": "smollm2-135m"}
 # how each adapter is produced (the message when it is absent)
 ADAPTER_COMMANDS = {"smollm2-135m-bd": "bash bench/train_smollm2_bd.sh $OUT  (on the GPU machine, issue 9; "
                                        "it runs python -m dspec.train bd-adapt --init smollm2-135m "
-                                       "--mask-token '<filename>' --lora-rank 32 --device cuda --resume ...) "
+                                       "--mask-token '<filename>' --lora-rank 16 --device cuda --resume ...) "
                                        "then copy the adapter to dspec/assets/smollm2-135m-bd/"}
 # shipped names that later work will add
 PLANNED: tuple[str, ...] = ()

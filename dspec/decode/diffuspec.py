@@ -72,7 +72,9 @@ DRAFTER = True
 DEFAULTS = dict(draft_len=20, adaptive=True, cps=True, beam=3, tau=0.8, max_candidates=15, lam=0.5,
                 k_min=20, k_max=30, delta=10, rho=0.5)
 # target shipped name -> the drafter dspec ships for it (None: not trained yet, and why)
-SHIPPED_DRAFTERS = {"tiny-ar": "tiny-bd", "smollm2-135m": None}
+# target -> its shipped drafter; smollm2-135m-bd is an adapter trained on a GPU (issue 9),
+# present only once that run has shipped it
+SHIPPED_DRAFTERS = {"tiny-ar": "tiny-bd", "smollm2-135m": "smollm2-135m-bd"}
 _DRAFTER_CACHE: dict = {}
 
 
@@ -139,13 +141,16 @@ def _int_option(name, value, lo):
 def resolve_drafter(model, drafter):
     """The drafter to use: ``drafter`` (a model, or a name / path for ``dspec.load``), or the
     one dspec ships for ``model``; checks it can draft for ``model`` (ValueError otherwise)."""
-    from ..hub import load
+    from ..hub import ADAPTED, adapter_dir, load
     if drafter is None:
         name = getattr(model, "shipped_name", None)
-        if name in SHIPPED_DRAFTERS and SHIPPED_DRAFTERS[name] is None:
-            raise ValueError(f"no DiffuSpec drafter ships for {name!r} yet (a block-diffusion adaptation of it "
-                             f"is trained on a GPU, issue 9); pass drafter= a block-diffusion model that "
-                             f"shares its tokenizer")
+        if SHIPPED_DRAFTERS.get(name) in ADAPTED:
+            try:
+                adapter_dir(SHIPPED_DRAFTERS[name])
+            except ValueError as e:
+                raise ValueError(f"no DiffuSpec drafter ships for {name!r} yet (a block-diffusion adaptation "
+                                 f"of it is trained on a GPU, issue 9); pass drafter= a block-diffusion model "
+                                 f"that shares its tokenizer.  {e}") from None
         if name not in SHIPPED_DRAFTERS:
             raise ValueError("method 'diffuspec' needs drafter= (a block-diffusion model sharing the target's "
                              f"tokenizer); dspec ships drafters for {sorted(k for k, v in SHIPPED_DRAFTERS.items() if v)}")
