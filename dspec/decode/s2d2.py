@@ -78,6 +78,7 @@ import torch
 from ..models import AttentionPlan
 from ..ops import pack_mask, token_stats, verify_chain
 from .diffusion import _confidence
+from ._selfspec import check_common
 from .routing import ESTIMATORS, POLICIES, RoutingFeatures, make_router, span_score
 from .sampling import next_tokens
 
@@ -110,14 +111,7 @@ def _real(name, value, lo=None, hi=None, *, lo_open=False) -> float:
 
 def _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
                    ucb_c, estimator, draft_len) -> dict:
-    if model.mask_token_id is None:
-        raise ValueError(f"method 's2d2' needs a masked-diffusion model; {model.family!r} has no mask token")
-    if model.attention != "block_causal":
-        raise ValueError(f"method 's2d2' runs block-causal models (SDAR, Fast-dLLM v2) with an exact KV "
-                         f"cache; {model.family!r} attends {model.attention!r}, which is not supported")
-    bs = block_size if block_size is not None else model.block_size
-    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {bs!r}")
+    bs = check_common(model, "s2d2", block_size)
     if policy is None:
         policy = DEFAULTS["policy"]
     if policy not in POLICIES:
