@@ -392,12 +392,20 @@ def _device_keep_index(keep, counts, batch: int, n: int, device) -> torch.Tensor
             raise ValueError(f"counts must be an int tensor [B] = [{batch}], got {counts.dtype} "
                              f"{list(counts.shape)}")
         return torch.where(ar[None, :] < counts[:, None], ar[None, :], -1)
+    return _tensor_keep_index(keep, batch, n)
+
+
+def _tensor_keep_index(keep: torch.Tensor, batch: int, n: int) -> torch.Tensor:
+    """A keep tensor -- bool mask [N] / [B, N] or indices [K] / [B, K] -- as indices [B, K]
+    int64 on its own device (-1 = none; a mask's kept positions in increasing order).
+    Checks shapes and dtypes only: reads no values."""
     if keep.dtype == torch.bool:
         if keep.dim() == 1:
             keep = keep.expand(batch, -1)
         if keep.shape != (batch, n):
             raise ValueError(f"a bool keep mask must have shape [N] or [B, N] = [{batch}, {n}], "
                              f"got {list(keep.shape)}")
+        # stable order: True positions first, in increasing index order
         order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
         return torch.where(torch.gather(keep, 1, order), order, -1)
     if keep.is_floating_point():
@@ -426,25 +434,9 @@ def _keep_index(keep, counts, batch: int, n: int) -> torch.Tensor:
     if keep is None:
         return torch.arange(n).expand(batch, n)
     if isinstance(keep, torch.Tensor):
-        keep = keep.detach().cpu()
+        index = _tensor_keep_index(keep.detach().cpu(), batch, n)
         if keep.dtype == torch.bool:
-            if keep.dim() == 1:
-                keep = keep.expand(batch, -1)
-            if keep.shape != (batch, n):
-                raise ValueError(f"a bool keep mask must have shape [N] or [B, N] = [{batch}, {n}], "
-                                 f"got {list(keep.shape)}")
-            ar = torch.arange(n).expand(batch, n)
-            # stable order: True positions first, in increasing index order
-            order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
-            return torch.where(torch.gather(keep, 1, order), torch.gather(ar, 1, order), -1)
-        if keep.is_floating_point():
-            raise ValueError(f"keep must hold integer indices or bools, got {keep.dtype}")
-        keep = keep.to(torch.int64)
-        if keep.dim() == 1:
-            keep = keep.expand(batch, -1)
-        if keep.dim() != 2 or keep.shape[0] != batch:
-            raise ValueError(f"keep indices must have shape [K] or [B, K] with B = {batch}, got {list(keep.shape)}")
-        index = keep
+            return index                                   # a mask cannot hold bad indices
     elif isinstance(keep, Sequence) and not isinstance(keep, (str, bytes)):
         if len(keep) != batch:
             raise ValueError(f"keep as a list needs one sequence of indices per request ({batch}), got {len(keep)}")
