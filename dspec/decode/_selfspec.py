@@ -61,6 +61,7 @@ from ..masks import ssd_copies
 from ..models import AttentionPlan
 from ..ops import topk_tokens
 from ..ops.masks import pack_mask
+from .diffusion import prefill_prompt_blocks
 from .sampling import next_tokens
 
 Step = tuple[int, int]
@@ -284,17 +285,9 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
 
     cache = model.new_cache(batch)
     plen = torch.tensor([len(p) for p in prompts], device=dev)
-    start = (plen // bs) * bs
-    carry = torch.zeros(batch, vocab, device=dev)
-    forwards = 0
+    start = (plen // bs) * bs                      # first position of each request's first block
+    carry, forwards = prefill_prompt_blocks(model, prompts, cache, bs)
     suffix_tokens = 0           # block tokens forwarded after the prefill (compute proxy)
-    full = [p[: int(s)] for p, s in zip(prompts, start.tolist())]
-    if any(full):
-        out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache, block_size=bs),
-                    logits="last")
-        cache.append(out.suffix_kv, counts=[len(f) for f in full])
-        carry = out.logits[:, -1].float()
-        forwards += 1
 
     # per-request state (rows = requests still running)
     tokens = torch.full((batch, bs), mask_id, dtype=torch.int64, device=dev)

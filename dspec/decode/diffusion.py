@@ -92,6 +92,25 @@ def _schedule(block_size, tokens_per_step, threshold, default_block_size) -> tup
     return bs, per_step
 
 
+def prefill_prompt_blocks(model, prompts: list[list[int]], cache, bs: int) -> tuple[torch.Tensor, int]:
+    """Commit every prompt's complete blocks (block size ``bs``) to ``cache`` in one forward.
+
+    Returns ``(carry, forwards)``: the float32 logits [B, V] of each request's last committed
+    slot (what a right-shifted model reads for its next block's first slot; zeros when no
+    prompt fills a block) and the forwards spent (0 or 1).  Block-causal attention uses the
+    decoding block size, so the committed blocks match the decoded ones.
+    """
+    carry = torch.zeros(len(prompts), model.config.vocab_size, device=model.device)
+    full = [p[: (len(p) // bs) * bs] for p in prompts]
+    if not any(full):
+        return carry, 0
+    # a prompt shorter than one block commits nothing (a stand-in token, count 0)
+    out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache, block_size=bs),
+                logits="last")
+    cache.append(out.suffix_kv, counts=[len(f) for f in full])
+    return out.logits[:, -1].float(), 1
+
+
 @torch.no_grad()
 def decode_diffusion(model, prompts: list[list[int]], *, max_new_tokens: int,
                      temperature: float = 0.0, generator: torch.Generator | None = None,
@@ -147,17 +166,7 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
     mask_id = model.mask_token_id
     cache = model.new_cache(batch)
     plen = torch.tensor([len(p) for p in prompts], device=dev)
-    start = (plen // bs) * bs                      # first position of each request's first block
-    carry = torch.zeros(batch, model.config.vocab_size, device=dev)  # logits of the last committed slot
-    forwards = 0
-    full = [p[: int(s)] for p, s in zip(prompts, start.tolist())]
-    if any(full):
-        # a prompt shorter than one block commits nothing (a stand-in token, count 0)
-        out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache, block_size=bs),
-                    logits="last")
-        cache.append(out.suffix_kv, counts=[len(f) for f in full])
-        carry = out.logits[:, -1].float()
-        forwards += 1
+    carry, forwards = prefill_prompt_blocks(model, prompts, cache, bs)
 
     generated = [[] for _ in range(batch)]
     finished = torch.zeros(batch, dtype=torch.bool, device=dev)

@@ -77,7 +77,7 @@ import torch
 
 from ..models import AttentionPlan
 from ..ops import pack_mask, token_stats, verify_chain
-from .diffusion import _confidence
+from .diffusion import _confidence, prefill_prompt_blocks
 from ._selfspec import check_common
 from .routing import ESTIMATORS, POLICIES, RoutingFeatures, make_router, span_score
 from .sampling import next_tokens
@@ -384,15 +384,7 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     for b, p in enumerate(prompts):
         prompt_pad[b, :len(p)] = torch.tensor(p, dtype=torch.int64)
     prompt_pad = prompt_pad.to(dev)
-    carry = torch.zeros(batch, vocab, device=dev)
-    forwards = 0
-    full = [p[: (n // bs) * bs] for p, n in zip(prompts, plen_list)]
-    if any(full):
-        out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache, block_size=bs),
-                    logits="last")
-        cache.append(out.suffix_kv, counts=[len(f) for f in full])
-        carry = out.logits[:, -1].float()
-        forwards += 1
+    carry, forwards = prefill_prompt_blocks(model, prompts, cache, bs)
 
     slots = torch.arange(bs, device=dev)
     block_mask_words = pack_mask(torch.ones(bs, bs, dtype=torch.bool)).to(dev)
