@@ -253,6 +253,9 @@ def environment(device: str) -> dict:
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
     if status is not None:
         env["git_dirty"] = bool(status)
+    if not device.startswith("cuda"):
+        from dspec.cpu import machine
+        env["cpu"] = machine()           # model, flags, cores, threads, load average
     try:
         import triton
         env["triton"] = triton.__version__

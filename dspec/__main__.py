@@ -145,6 +145,7 @@ def _generate(args, parser) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from dspec.bench_e2e import add_arguments as add_bench_arguments
+    from dspec.bench_e2e import add_threads_argument
     from dspec.decode.generate import available_methods
     from dspec.hub import DEFAULT_MODEL
 
@@ -184,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "ships for the target)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="weight dtype (default: the checkpoint's)")
+                   help="weight dtype (default: bf16 on CPUs with native bf16 matmul, else "
+                        "float32; $DSPEC_DTYPE)")
+    add_threads_argument(g)
     chat = g.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt in the chat template (default: when the model has one)")
@@ -213,6 +216,11 @@ def _bench(args, parser) -> int:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from dspec.cpu import apply_threads
+    try:
+        apply_threads(args.threads)
+    except ValueError as e:
+        args.sub.error(f"--threads: {e}")
     return args.func(args, args.sub)
 
 

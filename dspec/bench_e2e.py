@@ -172,6 +172,9 @@ def environment(device: str) -> dict:
            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
            "git_commit": _git("rev-parse", "HEAD"), "git_dirty": None if status is None else bool(status),
            "loadavg_start": loadavg()}
+    if not device.startswith("cuda"):
+        from .cpu import machine
+        env["cpu"] = machine()
     try:
         import dspec
         env["dspec"] = dspec.__version__
@@ -283,8 +286,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="weight dtype (default: the checkpoint's)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+                   help="weight dtype (default: dspec.load's, bf16 on CPUs with native bf16 "
+                        "matmul, else float32; $DSPEC_DTYPE)")
+    add_threads_argument(p)
     p.add_argument("--quick", action="store_true",
                    help="smoke test: 2 prompts per set, 16 new tokens")
     p.add_argument("--out", default=None, help="output directory (default bench/results/<device>/)")
@@ -294,13 +298,19 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def add_threads_argument(p) -> None:
+    """``--threads`` of every CLI command (applied by ``python -m dspec`` before the command)."""
+    p.add_argument("--threads", default=None, metavar="N|auto",
+                   help="CPU threads for torch and dspec's C++ kernels (default: "
+                        "$DSPEC_NUM_THREADS, else auto = the cores idle now; on a machine "
+                        "shared with another busy job use fewer threads than cores)")
+
+
 def _check_args(args, parser) -> tuple[list[Config], list[str]]:
     if args.quick:
         args.prompts, args.max_new_tokens = min(args.prompts, 2), 16
     if args.prompts < 1 or args.max_new_tokens < 1 or args.batch < 1:
         parser.error("--prompts, --max-new-tokens and --batch must be >= 1")
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be >= 1")
     if args.model:
         args.dllm = args.target = args.model
     sets = [s.strip() for s in args.prompt_sets.split(",") if s.strip()]
@@ -413,6 +423,7 @@ def _write(path: Path, payload: dict) -> None:
 def run(args, parser: argparse.ArgumentParser) -> int:
     """Run the grid described by ``args`` (see :func:`add_arguments`); returns an exit code."""
     import dspec
+    from .cpu import apply_threads
     from .models.embedded import chat_prompt
     from .tasks import check_arithmetic
 
@@ -424,8 +435,10 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             state = why or ", ".join(v.name for v, _ in variants)
             print(f"{c.name:24s} {c.method:10s} on {c.family:6s} {opts}  [{state}]")
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    try:
+        apply_threads(args.threads)
+    except ValueError as e:
+        parser.error(f"--threads: {e}")
     device = args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda but torch.cuda.is_available() is False")

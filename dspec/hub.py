@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .cpu import default_dtype
 from .models import Model, load_checkpoint
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -91,8 +92,11 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
         or ``"tiny-bd"`` (block diffusion), the tiny models trained by ``dspec.train`` and
         shipped in the package, or ``"smollm2-135m-bd"`` (SmolLM2 adapted to block
         diffusion: the shipped LoRA adapter merged onto ``smollm2-135m``).
-    device, dtype : where and in which dtype to put the weights (dtype None keeps the
-        checkpoint's, except for the tiny shipped models, which load in float32).
+    device, dtype : where and in which dtype to put the weights.  dtype None: on the CPU,
+        ``dspec.cpu.default_dtype()`` -- bfloat16 where the CPU has native bf16 matmul
+        (AMX / AVX512_BF16), else float32 (``$DSPEC_DTYPE`` overrides); the tiny shipped
+        models always load in float32 (their forwards are too small to gain from bf16, and
+        bf16 rounding changes their greedy decodes); on CUDA the checkpoint's dtype.
 
     Example
     -------
@@ -102,17 +106,17 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
     ('sdar', 8, '<|MASK|>')
     """
     path = Path(os.fspath(name_or_path)).expanduser()
+    name = os.fspath(name_or_path)
+    if dtype is None:
+        dtype = SHIPPED_DTYPES.get(name) or default_dtype(device)
     if path.is_dir():
         return load_checkpoint(path, device=device, dtype=dtype)
-    name = os.fspath(name_or_path)
     if name in ADAPTED:
         from .train.recipes import load_adapted
         model = load_adapted(ADAPTED[name], adapter_dir(name), device=device, dtype=dtype)
         model.shipped_name = name
         return model
     if name in SHIPPED:
-        if dtype is None:
-            dtype = SHIPPED_DTYPES.get(name)
         model = load_checkpoint(SHIPPED[name](), device=device, dtype=dtype)
         model.shipped_name = name      # drafters dspec ships are looked up by this name
         return model

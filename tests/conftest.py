@@ -3,6 +3,8 @@
 Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors; the variable
 must be set before any @triton.jit function is defined, hence here, at collection time.
 With a GPU every test also runs on CUDA for the triton and cuda backends.
+``DSPEC_DTYPE=float32`` pins ``dspec.load``'s default dtype (tests/test_cpu.py covers the
+CPU-dependent choice).
 """
 import os
 
@@ -10,6 +12,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# dspec.load's default dtype depends on the CPU (bf16 where bf16 matmul is native); the
+# exactness checks of the suite are stated in float32 whatever CPU runs them
+os.environ.setdefault("DSPEC_DTYPE", "float32")
 
 import pytest  # noqa: E402
 

@@ -1,0 +1,166 @@
+"""The CPU as a platform: what this machine is, which dtype decodes fastest on it, how
+many threads to use.
+
+- ``machine()``: CPU model, the instruction-set flags that matter for decoding (AVX2,
+  AVX-512, AVX512_BF16, AMX), cores, load average, torch's CPU capability; every benchmark
+  records it.
+- ``native_bf16()``: whether bf16 matmul runs in hardware (AMX-BF16 or AVX512_BF16, read
+  from ``/proc/cpuinfo``).  Without it oneDNN emulates bf16: on an AVX-512 Xeon without
+  those flags a bf16 576x1536 linear at M = 16 took 3x the fp32 time (measured November
+  2026), so the weights stay fp32.
+- ``default_dtype(device)``: what ``dspec.load`` uses when ``dtype=None`` -- bf16 on a CPU
+  with native bf16 matmul, fp32 on other CPUs; on CUDA, None (the checkpoint's dtype).
+  ``$DSPEC_DTYPE`` (float32 / bfloat16 / float16) overrides it (the test suite pins
+  float32 so that its exactness checks do not depend on the CPU they run on).
+- ``default_threads()`` / ``apply_threads(n)``: the torch intra-op thread count.
+  ``$DSPEC_NUM_THREADS`` (an int, or "auto") wins; "auto" (the default) takes the cores that
+  are idle now: it samples ``/proc/stat`` for 50 ms and leaves out the cores other
+  processes keep busy.  Why: on a 2-core machine a 2-thread torch process beside one busy
+  process stalls in ~8 ms scheduler quanta at every parallel region (20-50x slower), while
+  a 1-thread process keeps its speed; alone, 2 threads are faster.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+          "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+_SAMPLE_S = 0.05
+
+
+@functools.lru_cache(maxsize=None)
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    model, flags = platform.processor() or "cpu", frozenset()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name":
+                model = value.strip()
+            elif key == "flags" and not flags:
+                flags = frozenset(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_model() -> str:
+    return _cpuinfo()[0]
+
+
+def cpu_flags() -> list[str]:
+    """The decoding-relevant instruction-set flags this CPU reports."""
+    flags = _cpuinfo()[1]
+    return [f for f in _FLAGS if f in flags]
+
+
+def native_bf16() -> bool:
+    """bf16 matmul runs in hardware here (AMX-BF16 or AVX512_BF16)."""
+    flags = _cpuinfo()[1]
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_dtype(device="cpu") -> torch.dtype | None:
+    """The weight dtype ``dspec.load`` picks when ``dtype=None`` (see the module docstring)."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from None
+    env = os.environ.get("DSPEC_DTYPE", "").strip().lower()
+    if env and env != "auto":
+        if env not in _DTYPE_NAMES:
+            raise ValueError(f"DSPEC_DTYPE must be one of {sorted(_DTYPE_NAMES)} or 'auto', got {env!r}")
+        return _DTYPE_NAMES[env]
+    if kind != "cpu":
+        return None
+    return torch.bfloat16 if native_bf16() else torch.float32
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def cores() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    ticks = [int(x) for x in fields[:8]]
+    idle = ticks[3] + ticks[4]                       # idle + iowait
+    return sum(ticks), idle
+
+
+def busy_cores(sample_s: float = _SAMPLE_S) -> float | None:
+    """How many cores other processes keep busy now (a /proc/stat sample over
+    ``sample_s`` seconds while this process sleeps); None where /proc/stat is missing."""
+    a = _cpu_times()
+    if a is None:
+        return None
+    time.sleep(sample_s)
+    b = _cpu_times()
+    total, idle = b[0] - a[0], b[1] - a[1]
+    if total <= 0:
+        return 0.0
+    return (os.cpu_count() or 1) * (total - idle) / total
+
+
+def default_threads() -> int:
+    """The thread count dspec uses unless told otherwise: ``$DSPEC_NUM_THREADS`` when it is
+    an int >= 1, else the idle cores (at least 1; see the module docstring)."""
+    env = os.environ.get("DSPEC_NUM_THREADS", "auto").strip().lower()
+    if env not in ("", "auto"):
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"DSPEC_NUM_THREADS must be an int >= 1 or 'auto', got {env!r}") from None
+        if n < 1:
+            raise ValueError(f"DSPEC_NUM_THREADS must be an int >= 1 or 'auto', got {env!r}")
+        return n
+    n = cores()
+    busy = busy_cores()
+    if busy is not None:
+        n -= int(busy + 0.5)
+    return max(1, min(n, cores()))
+
+
+def apply_threads(threads: int | str | None = None) -> int:
+    """Set torch's intra-op threads (what dspec's C++ CPU kernels use too): ``threads`` an
+    int >= 1, or None / "auto" for ``default_threads()``.  Returns the count set."""
+    if threads is None or (isinstance(threads, str) and threads.strip().lower() == "auto"):
+        n = default_threads()
+    else:
+        try:
+            n = int(threads)
+        except (TypeError, ValueError):
+            raise ValueError(f"threads must be an int >= 1 or 'auto', got {threads!r}") from None
+        if isinstance(threads, bool) or n < 1:
+            raise ValueError(f"threads must be an int >= 1 or 'auto', got {threads!r}")
+    torch.set_num_threads(n)
+    return n
+
+
+def machine() -> dict:
+    """What a benchmark records about the CPU it ran on."""
+    return {"cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "native_bf16": native_bf16(),
+            "cores": cores(), "torch_threads": torch.get_num_threads(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "loadavg": loadavg()}

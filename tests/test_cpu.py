@@ -1,0 +1,89 @@
+"""dspec.cpu: dtype choice by CPU capability, the thread policy, the machine record."""
+import pytest
+import torch
+
+from dspec import cpu
+
+
+@pytest.fixture
+def flags(monkeypatch):
+    def set_flags(*names):
+        monkeypatch.setattr(cpu, "_cpuinfo", lambda: ("test cpu", frozenset(names)))
+    return set_flags
+
+
+@pytest.mark.parametrize("names, expected", [
+    (("avx2", "avx512f"), torch.float32),
+    (("avx2", "avx512f", "avx512_bf16"), torch.bfloat16),
+    (("avx512f", "amx_tile", "amx_bf16"), torch.bfloat16),
+    ((), torch.float32),
+])
+def test_default_dtype_follows_native_bf16(flags, monkeypatch, names, expected):
+    monkeypatch.delenv("DSPEC_DTYPE", raising=False)
+    flags(*names)
+    assert cpu.native_bf16() == (expected == torch.bfloat16)
+    assert cpu.default_dtype("cpu") == expected
+    assert cpu.default_dtype("cuda") is None
+
+
+def test_dtype_env_overrides(flags, monkeypatch):
+    flags("amx_bf16")
+    monkeypatch.setenv("DSPEC_DTYPE", "float32")
+    assert cpu.default_dtype() == torch.float32
+    monkeypatch.setenv("DSPEC_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="DSPEC_DTYPE"):
+        cpu.default_dtype()
+    monkeypatch.setenv("DSPEC_DTYPE", "auto")
+    assert cpu.default_dtype() == torch.bfloat16
+
+
+def test_default_dtype_bad_device():
+    with pytest.raises(ValueError, match="device"):
+        cpu.default_dtype("gpu0")
+
+
+def test_load_uses_default_dtype(flags, monkeypatch, tmp_path):
+    import dspec
+    from tiny_checkpoints import write_checkpoint
+    path = write_checkpoint(tmp_path, "llama", seed=0)
+    monkeypatch.delenv("DSPEC_DTYPE", raising=False)
+    flags("avx512_bf16")
+    assert dspec.load(path).dtype == torch.bfloat16
+    assert dspec.load(path, dtype="float32").dtype == torch.float32
+    assert dspec.load("tiny-ar").dtype == torch.float32          # pinned: see hub.SHIPPED_DTYPES
+    flags("avx2")
+    assert dspec.load(path).dtype == torch.float32
+
+
+def test_threads_env_and_auto(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("DSPEC_NUM_THREADS", "1")
+        assert cpu.default_threads() == 1
+        assert cpu.apply_threads() == 1 and torch.get_num_threads() == 1
+        assert cpu.apply_threads(2) == 2 and torch.get_num_threads() == 2
+        monkeypatch.setenv("DSPEC_NUM_THREADS", "auto")
+        monkeypatch.setattr(cpu, "busy_cores", lambda sample_s=0.05: 0.0)
+        assert cpu.default_threads() == cpu.cores()
+        monkeypatch.setattr(cpu, "busy_cores", lambda sample_s=0.05: cpu.cores() + 3.0)
+        assert cpu.default_threads() == 1                        # never below one
+        for bad in ("0", "two", "-1"):
+            monkeypatch.setenv("DSPEC_NUM_THREADS", bad)
+            with pytest.raises(ValueError, match="DSPEC_NUM_THREADS"):
+                cpu.default_threads()
+        for bad in (0, -2, "x", True):
+            with pytest.raises(ValueError, match="threads"):
+                cpu.apply_threads(bad)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_busy_cores_sample():
+    busy = cpu.busy_cores(0.02)
+    assert busy is None or 0.0 <= busy <= (__import__("os").cpu_count() or 1)
+
+
+def test_machine_record():
+    m = cpu.machine()
+    assert {"cpu_model", "cpu_flags", "native_bf16", "cores", "torch_threads", "loadavg"} <= set(m)
+    assert set(m["cpu_flags"]) <= set(cpu._FLAGS)
