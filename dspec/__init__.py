@@ -11,6 +11,11 @@ from . import masks  # noqa: E402  (suffix-mask builders: dspec.masks)
 from .decode import Generation, generate
 from .hub import load
 
+import os as _os
+if _os.environ.get("DSPEC_NUM_THREADS"):       # an explicit choice holds for the Python API too
+    from .cpu import apply_threads as _apply_threads
+    _apply_threads()
+
 __version__ = "0.1.0"
 
 __all__ = ["Generation", "TokenStats", "TreeMask", "TreeVerifyOutput", "VerifyOutput",

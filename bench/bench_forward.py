@@ -1,0 +1,177 @@
+"""Model forward cost against the suffix size: what a verification forward of N tokens costs
+relative to one decode step, dspec against transformers on the same weights.
+
+For every (dtype, prefix P, suffix N): one forward of N new tokens (causal) after a cached
+prefix of P tokens, the cache left unchanged between reps; the weight-streaming floor
+(weights' bytes / the measured DRAM read bandwidth, same threads) is measured in the same
+run.  Rows: ``dspec`` and ``transformers`` (LlamaForCausalLM on the same safetensors
+checkpoint, a DynamicCache cropped back to P after each rep).
+
+    python bench/bench_forward.py                       # SmolLM2-135M, fp32 and bf16
+    python bench/bench_forward.py --quick --model tiny-ar
+Writes bench/results/cpu/forward.{json,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, measure_bandwidth, out_dir, write_json  # noqa: E402
+
+SUFFIX = (1, 2, 4, 8, 16, 32, 64)
+PREFIX = (256, 2048)
+
+
+def _time(fn, reps: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        fn()
+    raw = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        raw.append((time.perf_counter() - t0) * 1e3)
+    s = sorted(raw)
+    return {"median_ms": statistics.median(s), "p20_ms": s[len(s) // 5], "p80_ms": s[(4 * len(s)) // 5],
+            "raw_ms": [round(x, 3) for x in raw]}
+
+
+def dspec_forward(model, prefix: int, n: int, gen: torch.Generator):
+    ids = torch.randint(0, model.config.vocab_size, (1, prefix + n), generator=gen)
+    cache = model.new_cache(1, capacity=prefix + n)
+    out = model(model.plan(ids[:, :prefix], cache), logits=None)
+    cache.append(out.suffix_kv)
+    plan = model.plan(ids[:, prefix:], cache)
+
+    def run():
+        with torch.no_grad():
+            return model(plan, logits="all")
+    return run
+
+
+def hf_forward(hf, prefix: int, n: int, gen: torch.Generator):
+    from transformers import DynamicCache
+    ids = torch.randint(0, hf.config.vocab_size, (1, prefix + n), generator=gen)
+    cache = DynamicCache(config=hf.config)
+    with torch.no_grad():
+        hf(ids[:, :prefix], past_key_values=cache, use_cache=True)
+    suffix = ids[:, prefix:]
+
+    def run():
+        with torch.no_grad():
+            out = hf(suffix, past_key_values=cache, use_cache=True)
+        cache.crop(-n)                       # this transformers takes the count to drop
+        return out
+    return run
+
+
+def load_hf(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation="sdpa")
+    return hf.eval()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--prefixes", default=",".join(map(str, PREFIX)))
+    p.add_argument("--suffixes", default=",".join(map(str, SUFFIX)))
+    p.add_argument("--threads", default=None, help="torch threads (default: dspec's auto policy)")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--name", default="forward")
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    import dspec
+    from dspec.cpu import apply_threads
+    apply_threads(args.threads)
+    dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
+    prefixes = [int(x) for x in args.prefixes.split(",")]
+    suffixes = [int(x) for x in args.suffixes.split(",")]
+    reps, warmup = (3, 1) if args.quick else (args.reps, 3)
+    if args.quick:
+        prefixes, suffixes = prefixes[:1], [1, 16]
+    env = environment("cpu")
+    bw = measure_bandwidth("cpu", quick=args.quick)
+    print(f"{env['cpu']['cpu_model']} {env['cpu']['cpu_flags']}; {torch.get_num_threads()} threads; "
+          f"DRAM read {bw['read_GBs']:.1f} GB/s; load {env['cpu']['loadavg']}", flush=True)
+    rows = []
+    payload = {"bench": "forward", "env": env, "bandwidth": bw, "results": rows}
+    path = out_dir(args, "cpu") / f"{args.name}.json"
+    gen = torch.Generator().manual_seed(0)
+    for dtype in dtypes:
+        model = dspec.load(args.model, dtype=dtype)
+        weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+        floor_ms = weight_bytes / (bw["read_GBs"] * 1e6)
+        hf = None
+        if not args.no_hf and model.name_or_path:
+            try:
+                hf = load_hf(str(model.name_or_path), dtype)
+            except Exception as e:  # noqa: BLE001 - recorded, the dspec rows still run
+                payload.setdefault("errors", []).append(f"transformers: {type(e).__name__}: {e}")
+        for prefix in prefixes:
+            base = {}
+            for n in suffixes:
+                for engine in ("dspec", "transformers"):
+                    if engine == "transformers" and hf is None:
+                        continue
+                    run = (dspec_forward(model, prefix, n, gen) if engine == "dspec"
+                           else hf_forward(hf, prefix, n, gen))
+                    t = _time(run, reps, warmup)
+                    base.setdefault(engine, t["median_ms"])
+                    row = {"engine": engine, "dtype": str(dtype).removeprefix("torch."), "prefix": prefix,
+                           "n": n, **t, "vs_n1": t["median_ms"] / base[engine],
+                           "floor_ms": floor_ms, "vs_floor": t["median_ms"] / floor_ms,
+                           "weight_bytes": weight_bytes}
+                    rows.append(row)
+                    print(f"{engine:12s} {row['dtype']:8s} P={prefix:5d} N={n:3d} {t['median_ms']:8.2f} ms "
+                          f"({row['vs_n1']:.2f}x N=1, {row['vs_floor']:.2f}x floor {floor_ms:.1f} ms)", flush=True)
+                    write_json(path, payload)
+        del model, hf
+    payload["env"]["loadavg_end"] = dspec.cpu.loadavg()
+    write_json(path, payload)
+    if not args.no_plot:
+        plot(payload, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return 0
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = payload["results"]
+    panels = sorted({(r["dtype"], r["prefix"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    for ax, (dtype, prefix) in zip(axes.flat, panels):
+        sel = [r for r in rows if r["dtype"] == dtype and r["prefix"] == prefix]
+        for engine in dict.fromkeys(r["engine"] for r in sel):
+            er = [r for r in sel if r["engine"] == engine]
+            ax.errorbar([r["n"] for r in er], [r["median_ms"] for r in er],
+                        yerr=[[r["median_ms"] - r["p20_ms"] for r in er], [r["p80_ms"] - r["median_ms"] for r in er]],
+                        marker="o", ms=3, capsize=2, label=engine)
+        ax.axhline(sel[0]["floor_ms"], ls="--", color="k", lw=1, label="weight-streaming floor")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("suffix tokens N")
+        ax.set_ylabel("forward ms (median, p20-p80)")
+        ax.set_title(f"{dtype}, prefix {prefix}", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    env = payload["env"]
+    fig.suptitle(f"forward vs N: {env['cpu']['cpu_model']}, {env['cpu']['torch_threads']} threads, "
+                 f"load {env['cpu']['loadavg']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
