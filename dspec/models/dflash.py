@@ -41,7 +41,7 @@ from torch import nn
 
 from ..ops.attention import cascade_attention
 from .kv_cache import KVCache, SuffixKV
-from .transformer import MLP, RMSNorm, _rotate
+from .transformer import MLP, RMSNorm, _rotate, rope_tables
 
 #: token id meaning "this block slot is masked" in :meth:`BlockDrafter.forward` inputs.
 MASK = -1
@@ -235,9 +235,7 @@ class BlockDrafter(nn.Module):
         key = str(positions.device)
         if key not in self._inv_freq:
             self._inv_freq[key] = self._inv_freq_cpu.to(positions.device)
-        freqs = positions.to(torch.float32)[..., None] * self._inv_freq[key]
-        emb = torch.cat((freqs, freqs), dim=-1)[..., None, :]
-        return emb.cos(), emb.sin()
+        return rope_tables(positions, self._inv_freq[key])
 
     def target_features(self, hidden: list[torch.Tensor]) -> torch.Tensor:
         """The target's hidden states (``Output.hidden``, in ``target_layer_ids`` order,

@@ -246,10 +246,11 @@ class KVCache:
         rows = torch.arange(batch, device=dev)[:, None]
         dst = (rows * cap + self._device_lengths[:, None] + torch.arange(slots, device=dev)).reshape(-1)
         src = (rows * n + index.clamp(min=0)).reshape(-1)
-        for layer in range(self.num_layers):
-            for buf, new in ((self.k, suffix_kv.keys[layer]), (self.v, suffix_kv.values[layer])):
-                flat = buf[layer].view(batch * cap, hkv, d)
-                flat.index_copy_(0, dst, new.reshape(batch * n, hkv, d).index_select(0, src))
+        layers = self.num_layers
+        for buf, new in ((self.k, suffix_kv.keys), (self.v, suffix_kv.values)):
+            # every layer in one gather and one scatter (not two ops per layer)
+            rows_new = torch.stack(new).view(layers, batch * n, hkv, d).index_select(1, src)
+            buf.view(layers, batch * cap, hkv, d).index_copy_(1, dst, rows_new)
         if host_lengths is not None:
             self._lengths = host_lengths
         else:

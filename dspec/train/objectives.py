@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..models.transformer import Model
+from ..models.transformer import Model, rope_tables
 
 __all__ = ["train_forward", "causal_mask", "block_diffusion_mask", "additive_mask",
            "causal_lm_loss", "BlockDiffusionBatch", "block_diffusion_batch",
@@ -94,9 +94,7 @@ def train_forward(model: Model, tokens: torch.Tensor, positions: torch.Tensor,
     x = model.embed_tokens(tokens)
     if cfg.embed_scale != 1.0:
         x = x * cfg.embed_scale
-    freqs = positions.to(torch.float32)[..., None] * model._rope(x.device)
-    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-    cos, sin = emb.cos(), emb.sin()
+    cos, sin = rope_tables(positions, model._rope(x.device))
     d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     for layer in model.layers:
         attn = layer.self_attn
