@@ -14,6 +14,7 @@
 #include "dspec.h"
 #include "attention_bindings.h"
 #include "diffuspec_search_bindings.h"
+#include "layer_ops_bindings.h"
 #include "masks_bindings.h"
 #include "verify_bindings.h"
 
@@ -158,4 +159,5 @@ Raises ValueError for a bad argument, RuntimeError when a CUDA launch fails.)doc
   dspec::register_verify(m);  // csrc/verify_bindings.cpp
   dspec::register_attention(m);  // csrc/attention_bindings.cpp
   dspec::register_diffuspec_search(m);  // csrc/diffuspec_search_bindings.cpp
+  dspec::register_layer_ops(m);  // csrc/layer_ops_bindings.cpp
 }

@@ -337,6 +337,27 @@ class KVCache:
         return dict(prefix_k=flat_k.index_select(0, index), prefix_v=flat_v.index_select(0, index),
                     prefix_indptr=indptr)
 
+    # Plan-once access (Model.forward): metadata built once per forward, then per layer
+    # only views or one gather.
+
+    def page_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The paged view of the storage: page table [[0], [1], ...] int32 [B, 1] and the
+        lengths int32 [B] on the device (no host read); pages are ``layer_pages(i)``."""
+        return self._view("paged", self._paged_meta)
+
+    def layer_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys and values as pages [B, capacity, Hkv, D] (views)."""
+        return self.k[layer], self.v[layer]
+
+    def ragged_indptr(self) -> torch.Tensor:
+        """indptr [B + 1] of the committed rows back to back (``layer_rows``)."""
+        return self._view("ragged", self._ragged_meta)[1]
+
+    def layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s committed rows back to back [T, Hkv, D] (a view when B = 1)."""
+        prefix = self.prefix(layer)
+        return prefix["prefix_k"], prefix["prefix_v"]
+
     def _view(self, key, make):
         if key not in self._views:
             self._views[key] = make()

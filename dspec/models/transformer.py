@@ -4,7 +4,7 @@ One block: ``x += o_proj(attn(rope(q_norm?(q_proj(n1(x)))), rope(k_norm?(k_proj(
 v_proj(.)))``, then ``x += down(silu(gate(n2(x))) * up(n2(x)))``; RMSNorm in float32,
 RoPE in float32 by absolute position (default / linear / llama3 frequencies), GQA, Qwen2's
 q/k/v bias, Qwen3's per-head q/k RMSNorm, tied or separate output embedding.  Every layer's
-attention is one ``dspec.cascade_attention`` call: the suffix under the plan's packed mask
+attention is one ``dspec.cascade_attention`` (planned once per forward: ``CascadeAttentionPlan``): the suffix under the plan's packed mask
 plus the request's cached prefix.
 """
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _validate
-from ..ops.attention import cascade_attention
+from .. import _backend, _library, _validate
+from ..ops.attention import CascadeAttentionPlan
+from ..ops.attention import _resolve_backend as resolve_cascade_backend
 from .config import ModelConfig
 from .kv_cache import KVCache, SuffixKV
 from .plan import AttentionPlan
@@ -48,8 +49,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if dtype == torch.float32:          # one fused op (a third of the composite's time at N = 1)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if _fused_cpu(x, self.weight) and x.is_contiguous() and self.weight.dtype == dtype:
+            out = torch.empty_like(x)
+            _backend.extension().rms_norm(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(),
+                                          _backend.FLOAT_CODE[dtype], x.numel() // x.shape[-1], x.shape[-1],
+                                          self.eps, torch.get_num_threads())
+            return out
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
@@ -80,6 +85,14 @@ class Attention(nn.Module):
         v = self.v_proj(h).view(batch, n, hkv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if _fused_cpu(q, k, cos, sin) and q.is_contiguous() and k.is_contiguous() and \
+                cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() and \
+                k.dtype == q.dtype and cos.shape == (batch, n, 1, d) and sin.shape == cos.shape:
+            # one call rotates q and k in place (fresh tensors of this forward)
+            _backend.extension().rope(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                      _backend.FLOAT_CODE[q.dtype], batch * n, hq, hkv, d,
+                                      torch.get_num_threads())
+            return q, k, v
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
 
@@ -122,6 +135,22 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _fused_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether dspec._C's fused layer ops (RMSNorm, RoPE) can run on these tensors: the
+    extension is built, every tensor is a plain CPU tensor of one float dtype it takes, and
+    autograd need not record the call (training keeps the torch ops)."""
+    first = tensors[0]
+    if first.dtype not in _backend.FLOAT_CODE or not first.is_cpu or _backend.extension() is None:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return _library.call_directly(*tensors) and all(t.is_cpu for t in tensors)
+
+
+def _no_prefix(layer: int) -> tuple[None, None]:
+    return None, None
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,11 +316,11 @@ class Model(nn.Module):
 
         keys, values = [], []
         d, hq = cfg.head_dim, cfg.num_heads
+        attention, layer_prefix = self._attention_plan(batch, n, mask, cache, backend)   # once
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = attn.rotated_qkv(layer.input_layernorm(x), cos, sin)
-            prefix = cache.prefix(i) if cache is not None else {}
-            o = cascade_attention(q, k, v, mask, backend=backend, **prefix)
+            o = attention.run(q, k, v, *layer_prefix(i))
             x = x + attn.o_proj(o.reshape(batch, n, hq * d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i + 1 in want and i + 1 < cfg.num_layers:
@@ -313,6 +342,29 @@ class Model(nn.Module):
         if hidden_states is not None:
             hidden = [recorded[j] for j in self._hidden_order(hidden_states)]
         return Output(out_logits, hidden, SuffixKV(keys, values) if return_kv else None)
+
+    def _attention_plan(self, batch: int, n: int, mask, cache: KVCache | None, backend):
+        """The forward's attention, planned once for every layer: a ``CascadeAttentionPlan``
+        and ``layer_prefix(i) -> (prefix_k, prefix_v)``.  With the C++ CPU kernel (or on
+        CUDA) the prefix is the cache's own storage read in place as pages (request b = page
+        b of ``capacity`` rows): no copy, no host read.  The torch reference and Triton's
+        interpreter on CPU take the committed rows gathered back to back (one gather per
+        layer, the row index built once)."""
+        cfg = self.config
+        common = (batch, n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device, mask)
+        if cache is None or cache.length_bound == 0:
+            return CascadeAttentionPlan(*common, backend=backend), _no_prefix
+        if cache.resolved_layout == "paged" or \
+                resolve_cascade_backend(backend, self.device, self.dtype, torch.is_grad_enabled()) == "cpp":
+            table, lens = cache.page_table()
+            plan = CascadeAttentionPlan(*common, prefix_page_table=table, prefix_lens=lens,
+                                        max_prefix_len=cache.length_bound, backend=backend)
+            return plan, cache.layer_pages
+        if cache.max_length == 0:
+            return CascadeAttentionPlan(*common, backend=backend), _no_prefix
+        indptr = cache.ragged_indptr()
+        plan = CascadeAttentionPlan(*common, prefix_indptr=indptr, backend=backend)
+        return plan, cache.layer_rows
 
     # ------------------------------------------------------------------------- checks
 

@@ -1,7 +1,10 @@
 """cascade_attention and merge_states: shared-prefix attention under a packed suffix mask."""
 from __future__ import annotations
 
+import os
+
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import _backend, _library, _validate
 from ..reference import attention as _reference
@@ -9,6 +12,11 @@ from ..reference import pack_mask as _pack_reference
 
 _ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REFERENCE_DTYPES = _ATTN_DTYPES + (torch.float64,)
+_CASCADE_BACKENDS = ("torch", "triton", "cpp")
+# Tile code of the "cpp" backend: "auto" (AVX-512 where the CPU has it), "generic" (the
+# portable loops) or "avx512"; the tests pin "generic" to cover both.
+_CPP_ISA = "auto"
+_Tensor = torch.Tensor
 
 
 def _check_mask(mask, batch: int, n: int, device) -> torch.Tensor | None:
@@ -95,14 +103,43 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
                                                   head_dim, q.dtype, device)
     if sm_scale is not None:
         sm_scale = float(sm_scale)
-    name = _library.resolve("cascade_attention", backend, device, ("torch", "triton"))
-    if name == "triton" and q.dtype == torch.float64:
+    name = _resolve_backend(backend, device, q.dtype, _needs_grad(q, k, v, prefix_k, prefix_v))
+    _check_max_prefix_len(max_prefix_len)
+    return _launch(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens,
+                   sm_scale, bool(return_lse), max_prefix_len, name)
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _resolve_backend(backend, device, dtype, needs_grad: bool) -> str:
+    """The backend name; "auto" never picks the C++ code for float64 or for a call autograd
+    must record (it has no backward): those run the torch reference, as before it existed."""
+    name = _library.resolve("cascade_attention", backend, device, _CASCADE_BACKENDS)
+    if name == "triton" and dtype == torch.float64:
         raise ValueError("cascade_attention: the Triton kernel takes float32/float16/bfloat16, got float64")
+    if name == "cpp" and (dtype == torch.float64 or needs_grad):
+        requested = backend if backend is not None else os.environ.get("DSPEC_BACKEND", "auto")
+        if (requested or "auto").lower() != "auto":
+            why = "float64" if dtype == torch.float64 else "inputs that require grad (no backward)"
+            raise ValueError(f"cascade_attention: the 'cpp' backend does not take {why}; use backend='torch'")
+        name = "torch"
+    return name
+
+
+def _check_max_prefix_len(max_prefix_len) -> None:
     if max_prefix_len is not None and (isinstance(max_prefix_len, bool) or not isinstance(max_prefix_len, int)
                                        or max_prefix_len < 0):
         raise ValueError(f"max_prefix_len must be None or an int >= 0, got {max_prefix_len!r}")
+
+
+def _launch(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens, sm_scale,
+            return_lse, max_prefix_len, name):
+    """Run checked inputs on backend ``name``: the op's body in a plain eager call, else the
+    ``dspec::cascade_attention`` custom op (tracing, dispatch modes, tensor subclasses)."""
     args = (q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens,
-            sm_scale, bool(return_lse), max_prefix_len, name)
+            sm_scale, return_lse, max_prefix_len, name)
     if _library.call_directly(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table,
                               prefix_lens):
         return _cascade_attention_impl(*args)
@@ -115,6 +152,12 @@ def _cascade_attention_impl(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, pr
     """Body of the ``dspec::cascade_attention`` custom op: run backend ``name`` on checked
     inputs; returns ``out`` or ``(out, lse)`` as ``return_lse`` asks."""
     paged = prefix_page_table is not None
+    if name == "cpp":
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        meta = _CppMeta(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, mask,
+                        prefix_indptr, prefix_page_table, prefix_lens, sm_scale,
+                        prefix_k is not None)
+        return _cpp_run(meta, q, k, v, prefix_k, prefix_v, return_lse)
     if name == "torch":
         if paged:
             prefix_k, prefix_v, prefix_indptr = _reference.gather_pages(
@@ -129,6 +172,234 @@ def _cascade_attention_impl(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, pr
         None if prefix_indptr is None else prefix_indptr.contiguous(), sm_scale, return_lse,
         prefix_page_table=None if not paged else prefix_page_table.contiguous(),
         prefix_lens=None if not paged else prefix_lens.contiguous(), max_prefix_len=max_prefix_len)
+
+
+class _CppMeta:
+    """The layer-independent arguments of ``dspec._C.cascade_attention``: sizes, the mask
+    and prefix metadata (contiguous, kept alive here) and their addresses / strides."""
+
+    __slots__ = ("ext", "head", "out_shape", "lse_shape", "out_strides", "mask_part", "meta_part",
+                 "prefix", "keep")
+
+    def __init__(self, batch, n, hq, hkv, head_dim, dtype, mask, indptr, table, lens, sm_scale,
+                 has_prefix: bool):
+        self.ext = _backend.extension()
+        scale = float(sm_scale) if sm_scale is not None else head_dim ** -0.5
+        self.head = (_backend.FLOAT_CODE[dtype], batch, n, hq, hkv, head_dim, scale)
+        self.out_shape = (batch, n, hq, head_dim)
+        self.lse_shape = (batch, n, hq)
+        self.out_strides = (n * hq * head_dim, hq * head_dim, head_dim)
+        if mask is not None:
+            mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+            self.mask_part = (mask.data_ptr(), 0 if mask.dim() == 2 else mask.stride(0), mask.stride(-2))
+        else:
+            self.mask_part = (0, 0, 0)
+        if not has_prefix:
+            self.prefix = 0
+            indptr = table = lens = None
+            self.meta_part = (0, 0, 0, 0, 0, 0)          # ptrs, indptr code, max_pages, table stride
+        elif table is not None:
+            self.prefix = 2
+            table, lens = table.contiguous(), lens.contiguous()
+            self.meta_part = (0, table.data_ptr(), lens.data_ptr(), 0, table.shape[1], table.shape[1])
+        else:
+            self.prefix = 1
+            indptr = indptr.contiguous()
+            self.meta_part = (indptr.data_ptr(), 0, 0, _backend.ID_CODE[indptr.dtype], 0, 0)
+        self.keep = (mask, indptr, table, lens)
+
+
+def _cpp_run(meta: _CppMeta, q, k, v, prefix_k, prefix_v, return_lse: bool):
+    """dspec._C.cascade_attention on CPU tensors with a unit stride along D (any other
+    strides); ``meta`` from the plan or built for a one-call."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(meta.lse_shape, dtype=torch.float32) if return_lse else None
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
+    if meta.prefix == 0:
+        kp = vp = pk0 = pk1 = pk2 = pv0 = pv1 = pv2 = rows = 0
+        page_size = 1
+    else:
+        kp, vp = prefix_k.data_ptr(), prefix_v.data_ptr()
+        rows = prefix_k.shape[0]
+        if meta.prefix == 2:   # pages [P, S, Hkv, D]: strides page, row, head
+            pk0, pk1, pk2, _ = prefix_k.stride()
+            pv0, pv1, pv2, _ = prefix_v.stride()
+            page_size = prefix_k.shape[1]
+        else:                  # rows [T, Hkv, D]
+            pk1, pk2, _ = prefix_k.stride()
+            pv1, pv2, _ = prefix_v.stride()
+            pk0 = pv0 = 0
+            page_size = 1
+    m, mp = meta.mask_part, meta.meta_part
+    dt, batch, n, hq, hkv, head_dim, scale = meta.head
+    os0, os1, os2 = meta.out_strides
+    meta.ext.cascade_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+        m[0], kp, vp, mp[0], mp[1], mp[2], dt, batch, n, hq, hkv, head_dim, scale,
+        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os0, os1, os2, m[1], m[2],
+        pk0, pk1, pk2, pv0, pv1, pv2, mp[3], rows, page_size, mp[4], mp[5], torch.get_num_threads(), _CPP_ISA)
+    return (out, lse) if return_lse else out
+
+
+class CascadeAttentionPlan:
+    """``cascade_attention`` for many calls with the same shapes, mask and prefix layout
+    (one model forward: one call per layer).
+
+    The constructor validates everything once and prepares what does not change between
+    layers (the packed mask, the page table / lengths or indptr as contiguous tensors, the
+    backend); :meth:`run` only checks shapes and dtypes and calls the kernel.  On CPU
+    tensors the ``cpp`` backend gets every address and stride directly, so ``prefix_k`` /
+    ``prefix_v`` may be any views with a unit stride along D (e.g. a layer of a KV cache
+    ``k[layer]`` [B, capacity, Hkv, D] as pages of ``page_size = capacity`` with the page
+    table ``[[0], [1], ...]``): nothing is copied.
+
+    Parameters
+    ----------
+    batch, n, hq, hkv, head_dim : the shapes of q [B, N, Hq, D] and k / v [B, N, Hkv, D].
+    dtype, device : of q, k, v and the prefix.
+    mask : as for :func:`cascade_attention` (packed int32 words or a dense bool mask; None:
+        every suffix key visible).
+    prefix_page_table, prefix_lens, max_prefix_len : a paged prefix (see
+        :func:`cascade_attention`), or prefix_indptr : a ragged one; neither: no prefix.
+    sm_scale : default ``1 / sqrt(head_dim)``.
+    backend : as for :func:`cascade_attention`, resolved once here.
+
+    Example
+    -------
+    >>> import torch, dspec
+    >>> cache_k = cache_v = torch.randn(2, 1, 16, 2, 64)           # [layers, B, capacity, Hkv, D]
+    >>> plan = dspec.ops.CascadeAttentionPlan(1, 4, 4, 2, 64, torch.float32, "cpu",
+    ...     dspec.masks.causal(4).words if hasattr(dspec, "masks") else None,
+    ...     prefix_page_table=torch.zeros(1, 1, dtype=torch.int32),
+    ...     prefix_lens=torch.tensor([10], dtype=torch.int32))
+    >>> q = torch.randn(1, 4, 4, 64); k = v = torch.randn(1, 4, 2, 64)
+    >>> plan.run(q, k, v, cache_k[0], cache_v[0]).shape
+    torch.Size([1, 4, 4, 64])
+    """
+
+    def __init__(self, batch: int, n: int, hq: int, hkv: int, head_dim: int, dtype: torch.dtype,
+                 device="cpu", mask=None, *, prefix_page_table=None, prefix_lens=None,
+                 max_prefix_len: int | None = None, prefix_indptr=None, sm_scale=None,
+                 backend: str | None = None):
+        for name, value, low in (("batch", batch, 0), ("n", n, 0), ("hq", hq, 1), ("hkv", hkv, 1),
+                                 ("head_dim", head_dim, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if hq % hkv:
+            raise ValueError(f"the query heads ({hq}) must be a multiple of the KV heads ({hkv})")
+        if dtype not in _REFERENCE_DTYPES:
+            raise ValueError(f"dtype must be one of {_REFERENCE_DTYPES}, got {dtype}")
+        device = torch.device(device)
+        self.batch, self.n, self.hq, self.hkv, self.head_dim = batch, n, hq, hkv, head_dim
+        self.dtype, self.device = dtype, device
+        self.mask = _check_mask(mask, batch, n, device)
+        self.paged = prefix_page_table is not None or prefix_lens is not None
+        if self.paged:
+            if prefix_indptr is not None:
+                raise ValueError("give either prefix_indptr (ragged) or prefix_page_table + prefix_lens (paged)")
+            if prefix_page_table is None or prefix_lens is None:
+                raise ValueError("a paged prefix needs prefix_page_table and prefix_lens")
+            _validate.tensor("prefix_page_table", prefix_page_table, dim=2, dtypes=(torch.int32,))
+            _validate.tensor("prefix_lens", prefix_lens, dim=1, dtypes=(torch.int32,))
+            if prefix_page_table.shape[0] != batch or prefix_lens.shape[0] != batch:
+                raise ValueError(f"prefix_page_table [B, max_pages] and prefix_lens [B] need B = {batch}, "
+                                 f"got {list(prefix_page_table.shape)} and {list(prefix_lens.shape)}")
+            _validate.same_device(device, "the plan", prefix_page_table=prefix_page_table,
+                                  prefix_lens=prefix_lens)
+            prefix_page_table, prefix_lens = prefix_page_table.contiguous(), prefix_lens.contiguous()
+            if batch and _validate.value_checks_enabled(prefix_lens) and bool((prefix_lens < 0).any()):
+                raise ValueError(f"prefix_lens must be >= 0, got {prefix_lens.tolist()[:16]}")
+        elif prefix_indptr is not None:
+            _validate.tensor("prefix_indptr", prefix_indptr, dim=1, dtypes=_validate.ID_DTYPES)
+            if prefix_indptr.shape[0] != batch + 1:
+                raise ValueError(f"prefix_indptr must have B + 1 = {batch + 1} entries, "
+                                 f"got {prefix_indptr.shape[0]}")
+            _validate.same_device(device, "the plan", prefix_indptr=prefix_indptr)
+            prefix_indptr = prefix_indptr.contiguous()
+            if _validate.value_checks_enabled(prefix_indptr):
+                ip = prefix_indptr.long()
+                if int(ip[0]) != 0 or bool((ip[1:] < ip[:-1]).any()):
+                    raise ValueError(f"prefix_indptr must start at 0 and never decrease; got {ip.tolist()[:16]}")
+        self.has_prefix = self.paged or prefix_indptr is not None
+        self.prefix_indptr, self.prefix_page_table, self.prefix_lens = prefix_indptr, prefix_page_table, prefix_lens
+        _check_max_prefix_len(max_prefix_len)
+        self.max_prefix_len = max_prefix_len
+        self.sm_scale = None if sm_scale is None else float(sm_scale)
+        self._requested = backend
+        self.backend = _resolve_backend(backend, device, dtype, False)
+        self._q_shape = (batch, n, hq, head_dim)
+        self._kv_shape = (batch, n, hkv, head_dim)
+        self._prefix_tail = (hkv, head_dim)
+        self._prefix_dim = 4 if self.paged else 3
+        self._checked_rows = None   # prefix rows / pages whose metadata values were checked
+        self._meta = None
+        if self.backend == "cpp":
+            self._meta = _CppMeta(batch, n, hq, hkv, head_dim, dtype, self.mask, prefix_indptr,
+                                  prefix_page_table, prefix_lens, self.sm_scale, self.has_prefix)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k=None, prefix_v=None, *,
+            return_lse: bool = False):
+        """Attention of this plan's queries: q [B, N, Hq, D], k / v [B, N, Hkv, D] and, when
+        the plan has a prefix, this layer's prefix_k / prefix_v (ragged [T, Hkv, D] or
+        paged [pages, page_size, Hkv, D], unit stride along D).  Returns out [B, N, Hq, D]
+        in q's dtype (and lse [B, N, Hq] float32 with ``return_lse``)."""
+        dtype = self.dtype
+        if q.shape != self._q_shape or k.shape != self._kv_shape or v.shape != self._kv_shape:
+            raise ValueError(f"the plan takes q {list(self._q_shape)} and k, v {list(self._kv_shape)}, got "
+                             f"{list(q.shape)}, {list(k.shape)} and {list(v.shape)}")
+        if q.dtype != dtype or k.dtype != dtype or v.dtype != dtype:
+            raise ValueError(f"the plan takes {dtype} q, k, v, got {q.dtype}, {k.dtype} and {v.dtype}")
+        if self.has_prefix:
+            if prefix_k is None or prefix_v is None:
+                raise ValueError("the plan has a prefix: give this layer's prefix_k and prefix_v")
+            if (prefix_k.shape[-2:] != self._prefix_tail or prefix_k.dim() != self._prefix_dim
+                    or prefix_k.shape != prefix_v.shape):
+                lay = "[pages, page_size, Hkv, D]" if self.paged else "[T, Hkv, D]"
+                raise ValueError(f"prefix_k and prefix_v must have shape {lay} with Hkv, D = "
+                                 f"{self._prefix_tail}, got {list(prefix_k.shape)} and {list(prefix_v.shape)}")
+            if prefix_k.dtype != dtype or prefix_v.dtype != dtype:
+                raise ValueError(f"prefix_k and prefix_v must be {dtype}, got {prefix_k.dtype} and {prefix_v.dtype}")
+            if prefix_k.stride(-1) != 1 or prefix_v.stride(-1) != 1:
+                raise ValueError("prefix_k / prefix_v must be contiguous along D")
+        elif prefix_k is not None or prefix_v is not None:
+            raise ValueError("the plan has no prefix: prefix_k and prefix_v must be None")
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        if v.stride(-1) != 1:
+            v = v.contiguous()
+        # the C++ code directly: plain CPU tensors, nothing to trace, no autograd
+        if (self._meta is not None and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
+                and q.is_cpu and k.is_cpu and v.is_cpu
+                and (prefix_k is None or (type(prefix_k) is _Tensor and type(prefix_v) is _Tensor
+                                          and prefix_k.is_cpu and prefix_v.is_cpu))
+                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                      or (prefix_k is not None and (prefix_k.requires_grad
+                                                                                    or prefix_v.requires_grad))))
+                and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling()):
+            return _cpp_run(self._meta, q, k, v, prefix_k, prefix_v, return_lse)
+        return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
+
+    def _run_general(self, q, k, v, prefix_k, prefix_v, return_lse):
+        """Every other case: devices checked, the prefix metadata values checked once per
+        prefix size, then the one-call path (custom op when tracing)."""
+        _validate.same_device(self.device, "the plan", q=q, k=k, v=v, prefix_k=prefix_k, prefix_v=prefix_v)
+        name = self.backend
+        if name == "cpp" and _needs_grad(q, k, v, prefix_k, prefix_v):
+            name = _resolve_backend(self._requested, self.device, self.dtype, True)
+        if self.has_prefix and prefix_k.shape[0] != self._checked_rows:
+            if self.paged:
+                _check_paged_prefix(prefix_k, prefix_v, None, self.prefix_page_table, self.prefix_lens,
+                                    self.batch, self.hkv, self.head_dim, self.dtype, self.device)
+            else:
+                _check_ragged_prefix(prefix_k, prefix_v, self.prefix_indptr, self.batch, self.hkv,
+                                     self.head_dim, self.dtype, self.device)
+            self._checked_rows = prefix_k.shape[0]
+        if self.has_prefix and not self.paged and (prefix_k.stride(-1) != 1 or prefix_v.stride(-1) != 1):
+            prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
+        return _launch(q, k, v, self.mask, prefix_k, prefix_v, self.prefix_indptr, self.prefix_page_table,
+                       self.prefix_lens, self.sm_scale, bool(return_lse), self.max_prefix_len, name)
 
 
 def _check_ragged_prefix(prefix_k, prefix_v, prefix_indptr, batch, hkv, head_dim, dtype, device):

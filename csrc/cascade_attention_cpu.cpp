@@ -1,0 +1,815 @@
+// cascade_attention on the CPU: flash-style online softmax (fp32 state) over each request's
+// prefix, then its masked suffix.
+//
+// Work unit: (request b, KV head, query tile).  Its rows are the (token, head) pairs of the
+// tile's tokens and the G = Hq / Hkv query heads of that KV head, so every key / value tile
+// is read and converted once for all of them.  Per key tile of kKeyTile (64) keys:
+//   pack_k   K rows -> fp32 K^T [Dp, 64] (in-register 16x16 transposes on AVX-512)
+//   pack_v   V rows -> fp32 [64, Dp] (skipped for fp32 with D % 16 == 0: rows read in place)
+//   qk       S [M, 64] = Qs [M, Dp] K^T      (Qs = q * sm_scale * log2 e, packed once)
+//   softmax  mask (two packed words per row for a suffix tile), running max / sum, P in S
+//   pv       O [M, Dp] = alpha * O + P V
+// Dp is D rounded up to 16 (zero padded).  Scores live in log2 units (exp2); lse is
+// converted back to the natural log at the end.  A row's arithmetic does not depend on the
+// other rows of its tile nor on the thread count, so the result is identical for any
+// number of threads.
+//
+// The tile kernels exist twice: AVX-512 intrinsics (picked at run time when the CPU has
+// AVX512F/BW/VL + FMA) and portable loops compiled for AVX2+FMA and baseline x86-64 (GCC
+// target_clones, like token_stats_cpu.cpp).  The driver (tiling, prefix addressing, mask
+// words, threads) is shared; the kernels are called once per tile.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cascade_attention.h"
+#include "cpu_parallel.h"
+#include "dspec.h"
+#include "dtype.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DSPEC_CA_AVX512_CODE 1
+#define DSPEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define DSPEC_AVX512_INLINE DSPEC_AVX512 inline __attribute__((always_inline))
+#else
+#define DSPEC_CA_AVX512_CODE 0
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__ELF__)
+#define DSPEC_CA_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define DSPEC_CA_CLONES
+#endif
+
+#define DSPEC_CA_INLINE inline __attribute__((always_inline))
+
+namespace dspec {
+namespace {
+
+constexpr int kKeyTile = 64;               // keys per tile: two mask words
+constexpr int kPvChunk = 4;                // d vectors per P V register block (x 6 rows)
+constexpr std::int64_t kMaxTileRows = 128;  // rows (token x head) of a work unit, at most
+// Threads: below kMinParallelFlops a call runs on the calling thread (starting a thread
+// costs tens of microseconds); above, one thread per kFlopsPerThread.
+constexpr double kMinParallelFlops = 4e6;
+constexpr double kFlopsPerThread = 2e6;
+constexpr float kLazyMax = 8.0f;  // see softmax_rows
+// KV heads per work unit: as many as keep their Q and O rows within this (L2) budget; a
+// unit streams whole K / V rows (its heads side by side in memory) once.
+constexpr std::int64_t kUnitStateBytes = std::int64_t(512) << 10;
+
+// ------------------------------------------------------------------------------ kernels
+using PackFn = void (*)(const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp, float* out);
+using QkFn = void (*)(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s);
+using SoftmaxFn = void (*)(float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits, float* mrun,
+                           float* lrun, float* alpha);
+using PvFn = void (*)(const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t dp,
+                      const float* alpha, float* o);
+
+struct Ops {
+  PackFn pack_k;  // K rows -> K^T [dp][kKeyTile]: rows d >= D and columns [kt, 16 * nv) zero
+  PackFn pack_v;  // V rows -> [kt][dp]: columns d >= D zero
+  QkFn qk;        // s[r][j] = sum_d qp[r][d] kt[d][j], j < 16 * nv
+  SoftmaxFn softmax;
+  PvFn pv;        // o[r] = alpha[r] o[r] + sum_j p[r][j] v[j]
+};
+
+// ---- portable loops ------------------------------------------------------------------
+
+// 2^x for x <= 0 (-inf and NaN give 0), branch-free: x = n + f, 2^f by Cephes' exp2f
+// polynomial on [-0.5, 0.5] (about 1 ulp), 2^n by the exponent bits; 0 below 2^-126.
+DSPEC_CA_INLINE float exp2_nonpos(float x) {
+  float xc = x > -126.0f ? x : -126.0f;
+  xc = xc < 0.0f ? xc : 0.0f;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (xc + shifter) - shifter;
+  const float f = xc - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const std::int32_t ni = static_cast<std::int32_t>(n);  // in [-126, 0]
+  const float scale = dt::f32_from_bits(static_cast<std::uint32_t>(ni + 127) << 23);
+  return x > -126.0f ? p * scale : 0.0f;
+}
+
+template <int DT>
+DSPEC_CA_INLINE void pack_k_rows(const void* const* rows, int kt, std::int64_t d, std::int64_t dp, float* out) {
+  using T = dt::elem_t<DT>;
+  for (int j = 0; j < kt; ++j) {
+    const T* row = static_cast<const T*>(rows[j]);
+    for (std::int64_t dd = 0; dd < d; ++dd) out[dd * kKeyTile + j] = dt::to_float<DT>(row[dd]);
+  }
+}
+
+DSPEC_CA_CLONES void pack_k_generic(const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp,
+                                    float* out) {
+  const int cols = (kt + 15) / 16 * 16;
+  switch (dtype) {
+    case kFloat16: pack_k_rows<kFloat16>(rows, kt, d, dp, out); break;
+    case kBFloat16: pack_k_rows<kBFloat16>(rows, kt, d, dp, out); break;
+    default: pack_k_rows<kFloat32>(rows, kt, d, dp, out); break;
+  }
+  for (std::int64_t dd = 0; dd < d; ++dd) {
+    for (int j = kt; j < cols; ++j) out[dd * kKeyTile + j] = 0.0f;
+  }
+  for (std::int64_t dd = d; dd < dp; ++dd) {
+    for (int j = 0; j < cols; ++j) out[dd * kKeyTile + j] = 0.0f;
+  }
+}
+
+template <int DT>
+DSPEC_CA_INLINE void pack_v_rows(const void* const* rows, int kt, std::int64_t d, std::int64_t dp, float* out) {
+  using T = dt::elem_t<DT>;
+  for (int j = 0; j < kt; ++j) {
+    const T* row = static_cast<const T*>(rows[j]);
+    float* o = out + j * dp;
+    for (std::int64_t dd = 0; dd < d; ++dd) o[dd] = dt::to_float<DT>(row[dd]);
+    for (std::int64_t dd = d; dd < dp; ++dd) o[dd] = 0.0f;
+  }
+}
+
+DSPEC_CA_CLONES void pack_v_generic(const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp,
+                                    float* out) {
+  switch (dtype) {
+    case kFloat16: pack_v_rows<kFloat16>(rows, kt, d, dp, out); break;
+    case kBFloat16: pack_v_rows<kBFloat16>(rows, kt, d, dp, out); break;
+    default: pack_v_rows<kFloat32>(rows, kt, d, dp, out); break;
+  }
+}
+
+DSPEC_CA_CLONES void qk_generic(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv,
+                                float* s) {
+  const int cols = 16 * nv;
+  for (std::int64_t r = 0; r < m; ++r) {
+    alignas(64) float acc[kKeyTile] = {};
+    const float* q = qp + r * dp;
+    for (std::int64_t dd = 0; dd < dp; ++dd) {
+      const float qd = q[dd];
+      const float* k = kt + dd * kKeyTile;
+      for (int j = 0; j < kKeyTile; ++j) acc[j] += qd * k[j];
+    }
+    for (int j = 0; j < cols; ++j) s[r * kKeyTile + j] = acc[j];
+  }
+}
+
+DSPEC_CA_CLONES void softmax_generic(float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits,
+                                     float* mrun, float* lrun, float* alpha) {
+  const int cols = 16 * nv;
+  const std::uint64_t kt_bits = kt >= 64 ? ~std::uint64_t(0) : ((std::uint64_t(1) << kt) - 1);
+  for (std::int64_t r = 0; r < m; ++r) {
+    float* row = s + r * kKeyTile;
+    const std::uint64_t rb = bits ? (bits[r] & kt_bits) : kt_bits;
+    float mx = -INFINITY;
+    for (int j = 0; j < cols; ++j) {
+      const bool on = (rb >> j) & 1u;
+      row[j] = on ? row[j] : -INFINITY;
+      mx = row[j] > mx ? row[j] : mx;
+    }
+    const float old = mrun[r];
+    const float nm = std::max(old, mx);
+    if (rb == 0 || !(nm > -INFINITY)) {
+      for (int j = 0; j < cols; ++j) row[j] = 0.0f;
+      alpha[r] = 1.0f;
+      continue;
+    }
+    const float al = exp2_nonpos(old - nm);  // 0 when old = -inf
+    float sum = 0.0f;
+    for (int j = 0; j < cols; ++j) {
+      const float p = exp2_nonpos(row[j] - nm);
+      row[j] = p;
+      sum += p;
+    }
+    lrun[r * 16] = lrun[r * 16] * al + sum;
+    mrun[r] = nm;
+    alpha[r] = al;
+  }
+}
+
+DSPEC_CA_CLONES void pv_generic(const float* p, std::int64_t m, int kt, const float* const* vrows,
+                                std::int64_t dp, const float* alpha, float* o) {
+  for (std::int64_t r = 0; r < m; ++r) {
+    float* orow = o + r * dp;
+    const float al = alpha[r];
+    for (std::int64_t dd = 0; dd < dp; ++dd) orow[dd] *= al;
+    const float* prow = p + r * kKeyTile;
+    for (int j = 0; j < kt; ++j) {
+      const float pj = prow[j];
+      if (pj == 0.0f) continue;
+      const float* v = vrows[j];
+      for (std::int64_t dd = 0; dd < dp; ++dd) orow[dd] += pj * v[dd];
+    }
+  }
+}
+
+constexpr Ops kGenericOps = {pack_k_generic, pack_v_generic, qk_generic, softmax_generic, pv_generic};
+
+// ---- AVX-512 ---------------------------------------------------------------------------
+#if DSPEC_CA_AVX512_CODE
+
+// r[i] <- column i of the 16x16 block whose rows are r[0..15].
+DSPEC_AVX512_INLINE void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), e = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
+// 16 elements of a row from element d0 (dn valid, the rest 0) as fp32.
+template <int DT>
+DSPEC_AVX512_INLINE __m512 load16(const void* row, std::int64_t d0, __mmask16 km) {
+  if constexpr (DT == kFloat32) {
+    return _mm512_maskz_loadu_ps(km, static_cast<const float*>(row) + d0);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(km, static_cast<const std::uint16_t*>(row) + d0);
+    if constexpr (DT == kBFloat16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+DSPEC_AVX512_INLINE __mmask16 lanes(std::int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
+}
+
+template <int DT>
+DSPEC_AVX512 void pack_k_avx512_t(const void* const* rows, int kt, std::int64_t d, std::int64_t dp, float* out) {
+  for (int j0 = 0; j0 < kt; j0 += 16) {
+    const int jn = std::min(16, kt - j0);
+    for (std::int64_t d0 = 0; d0 < dp; d0 += 16) {
+      const __mmask16 km = lanes(d - d0);
+      __m512 r[16];
+      for (int jj = 0; jj < 16; ++jj) r[jj] = jj < jn ? load16<DT>(rows[j0 + jj], d0, km) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int dd = 0; dd < 16; ++dd) _mm512_store_ps(out + (d0 + dd) * kKeyTile + j0, r[dd]);
+    }
+  }
+}
+
+DSPEC_AVX512 void pack_k_avx512(const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp,
+                                float* out) {
+  switch (dtype) {
+    case kFloat16: pack_k_avx512_t<kFloat16>(rows, kt, d, dp, out); break;
+    case kBFloat16: pack_k_avx512_t<kBFloat16>(rows, kt, d, dp, out); break;
+    default: pack_k_avx512_t<kFloat32>(rows, kt, d, dp, out); break;
+  }
+}
+
+template <int DT>
+DSPEC_AVX512 void pack_v_avx512_t(const void* const* rows, int kt, std::int64_t d, std::int64_t dp, float* out) {
+  for (int j = 0; j < kt; ++j) {
+    for (std::int64_t d0 = 0; d0 < dp; d0 += 16) {
+      _mm512_store_ps(out + j * dp + d0, load16<DT>(rows[j], d0, lanes(d - d0)));
+    }
+  }
+}
+
+DSPEC_AVX512 void pack_v_avx512(const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp,
+                                float* out) {
+  switch (dtype) {
+    case kFloat16: pack_v_avx512_t<kFloat16>(rows, kt, d, dp, out); break;
+    case kBFloat16: pack_v_avx512_t<kBFloat16>(rows, kt, d, dp, out); break;
+    default: pack_v_avx512_t<kFloat32>(rows, kt, d, dp, out); break;
+  }
+}
+
+// S rows [MR] x key vectors [NV]: acc in registers, one pass over d.
+template <int MR, int NV>
+DSPEC_AVX512_INLINE void qk_block(const float* q, std::int64_t dp, const float* kt, float* s) {
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (std::int64_t dd = 0; dd < dp; ++dd) {
+    __m512 kv[NV];
+    for (int c = 0; c < NV; ++c) kv[c] = _mm512_load_ps(kt + dd * kKeyTile + 16 * c);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 qb = _mm512_set1_ps(q[r * dp + dd]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(qb, kv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < NV; ++c) _mm512_store_ps(s + r * kKeyTile + 16 * c, acc[r][c]);
+  }
+}
+
+template <int NV, int R>
+DSPEC_AVX512_INLINE void qk_tail(std::int64_t rem, const float* q, std::int64_t dp, const float* kt, float* s) {
+  if constexpr (R > 0) {
+    if (rem == R) {
+      qk_block<R, NV>(q, dp, kt, s);
+    } else {
+      qk_tail<NV, R - 1>(rem, q, dp, kt, s);
+    }
+  }
+}
+
+template <int NV>
+DSPEC_AVX512 void qk_avx512_nv(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, float* s) {
+  constexpr int MR = NV >= 4 ? 6 : (NV == 3 ? 8 : 12);  // <= 24 accumulators
+  std::int64_t r = 0;
+  for (; r + MR <= m; r += MR) qk_block<MR, NV>(qp + r * dp, dp, kt, s + r * kKeyTile);
+  qk_tail<NV, MR - 1>(m - r, qp + r * dp, dp, kt, s + r * kKeyTile);
+}
+
+DSPEC_AVX512 void qk_avx512(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s) {
+  switch (nv) {
+    case 1: qk_avx512_nv<1>(qp, m, dp, kt, s); break;
+    case 2: qk_avx512_nv<2>(qp, m, dp, kt, s); break;
+    case 3: qk_avx512_nv<3>(qp, m, dp, kt, s); break;
+    default: qk_avx512_nv<4>(qp, m, dp, kt, s); break;
+  }
+}
+
+// 2^x for x <= 0: x = n + f (n = round(x)), Cephes' 2^f polynomial, scalef by n; x below
+// -150 (and -inf, NaN) gives exactly 0.
+DSPEC_AVX512_INLINE __m512 exp2_avx512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));  // NaN -> -150
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Online softmax of rows of a score tile, in place (P, 0 where masked).  Lazy running max:
+// a row keeps its max while no score exceeds it by more than kLazyMax (P <= 2^kLazyMax,
+// far from fp32 overflow), so most tiles need no horizontal max and no rescale.  The row
+// sums stay 16-lane vectors (lrun [rows][16]), reduced once at the end.
+DSPEC_AVX512_INLINE void softmax_rows(float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits,
+                                      float* mrun, float* lrun, float* alpha) {
+  const std::uint64_t kt_bits = kt >= 64 ? ~std::uint64_t(0) : ((std::uint64_t(1) << kt) - 1);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  for (std::int64_t r = 0; r < m; ++r) {
+    float* row = s + r * kKeyTile;
+    const std::uint64_t rb = bits ? (bits[r] & kt_bits) : kt_bits;
+    if (rb == 0) {
+      for (int c = 0; c < nv; ++c) _mm512_store_ps(row + 16 * c, _mm512_setzero_ps());
+      alpha[r] = 1.0f;
+      continue;
+    }
+    const float old = mrun[r];
+    const __m512 thr = _mm512_set1_ps(old + kLazyMax);
+    __m512 x[4];
+    __mmask16 km[4];
+    __mmask16 over = 0;
+    for (int c = 0; c < nv; ++c) {
+      km[c] = static_cast<__mmask16>(rb >> (16 * c));
+      x[c] = _mm512_mask_blend_ps(km[c], ninf, _mm512_load_ps(row + 16 * c));
+      over = static_cast<__mmask16>(over | _mm512_cmp_ps_mask(x[c], thr, _CMP_GT_OQ));
+    }
+    float nm = old, al = 1.0f;
+    if (over) {
+      __m512 mx = x[0];
+      for (int c = 1; c < nv; ++c) mx = _mm512_max_ps(mx, x[c]);
+      nm = std::max(old, _mm512_reduce_max_ps(mx));
+      al = exp2_nonpos(old - nm);  // 0 when old = -inf
+    }
+    const __m512 nmv = _mm512_set1_ps(nm);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < nv; ++c) {
+      // exp2_avx512 gives 0 for -inf and NaN (a row that has seen only -inf scores)
+      const __m512 p = _mm512_maskz_mov_ps(km[c], exp2_avx512(_mm512_sub_ps(x[c], nmv)));
+      _mm512_store_ps(row + 16 * c, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_store_ps(lrun + r * 16, _mm512_fmadd_ps(_mm512_load_ps(lrun + r * 16), _mm512_set1_ps(al), sum));
+    mrun[r] = nm;
+    alpha[r] = al;
+  }
+}
+
+DSPEC_AVX512 void softmax_avx512(float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits, float* mrun,
+                                 float* lrun, float* alpha) {
+  softmax_rows(s, m, kt, nv, bits, mrun, lrun, alpha);
+}
+
+// O rows [MR] x d vectors [DV] (one chunk of the row): alpha * O + P V.
+template <int MR, int DV>
+DSPEC_AVX512_INLINE void pv_block(const float* p, int kt, const float* const* vrows, std::int64_t d0,
+                                  std::int64_t dp, const float* alpha, float* o) {
+  __m512 acc[MR][DV];
+  for (int r = 0; r < MR; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_load_ps(o + r * dp + 16 * c), al);
+  }
+  for (int j = 0; j < kt; ++j) {
+    const float* v = vrows[j] + d0;
+    __m512 vv[DV];
+    for (int c = 0; c < DV; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 pb = _mm512_set1_ps(p[r * kKeyTile + j]);
+      for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < DV; ++c) _mm512_store_ps(o + r * dp + 16 * c, acc[r][c]);
+  }
+}
+
+template <int DV, int R>
+DSPEC_AVX512_INLINE void pv_tail(std::int64_t rem, const float* p, int kt, const float* const* vrows,
+                                 std::int64_t d0, std::int64_t dp, const float* alpha, float* o) {
+  if constexpr (R > 0) {
+    if (rem == R) {
+      pv_block<R, DV>(p, kt, vrows, d0, dp, alpha, o);
+    } else {
+      pv_tail<DV, R - 1>(rem, p, kt, vrows, d0, dp, alpha, o);
+    }
+  }
+}
+
+template <int DV>
+DSPEC_AVX512_INLINE void pv_rows(const float* p, std::int64_t m, int kt, const float* const* vrows,
+                                 std::int64_t d0, std::int64_t dp, const float* alpha, float* o) {
+  constexpr int MR = std::min(12, 24 / DV);
+  std::int64_t r = 0;
+  for (; r + MR <= m; r += MR) pv_block<MR, DV>(p + r * kKeyTile, kt, vrows, d0, dp, alpha + r, o + r * dp + d0);
+  pv_tail<DV, MR - 1>(m - r, p + r * kKeyTile, kt, vrows, d0, dp, alpha + r, o + r * dp + d0);
+}
+
+// d in chunks of at most kPvChunk vectors.
+DSPEC_AVX512 void pv_avx512(const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t dp,
+                            const float* alpha, float* o) {
+  for (std::int64_t d0 = 0; d0 < dp; d0 += 16 * kPvChunk) {
+    switch (std::min<std::int64_t>(kPvChunk, (dp - d0) / 16)) {
+      case 1: pv_rows<1>(p, m, kt, vrows, d0, dp, alpha, o); break;
+      case 2: pv_rows<2>(p, m, kt, vrows, d0, dp, alpha, o); break;
+      case 3: pv_rows<3>(p, m, kt, vrows, d0, dp, alpha, o); break;
+      case 4: pv_rows<4>(p, m, kt, vrows, d0, dp, alpha, o); break;
+      case 5: pv_rows<5>(p, m, kt, vrows, d0, dp, alpha, o); break;
+      case 6: pv_rows<6>(p, m, kt, vrows, d0, dp, alpha, o); break;
+      case 7: pv_rows<7>(p, m, kt, vrows, d0, dp, alpha, o); break;
+      default: pv_rows<8>(p, m, kt, vrows, d0, dp, alpha, o); break;
+    }
+  }
+}
+
+constexpr Ops kAvx512Ops = {pack_k_avx512, pack_v_avx512, qk_avx512, softmax_avx512, pv_avx512};
+
+#endif  // DSPEC_CA_AVX512_CODE
+
+// ------------------------------------------------------------------------------- driver
+
+struct Geometry {
+  std::int64_t group = 1;        // G = Hq / Hkv
+  std::int64_t dp = 16;          // D rounded up to 16
+  std::int64_t item = 4;         // bytes per element
+  std::int64_t words = 1;        // mask words per row
+  std::int64_t q_tiles = 1;      // query tiles per request
+  std::int64_t tile_tokens = 1;  // tokens per query tile
+  std::int64_t head_groups = 1;  // KV head groups per request
+  std::int64_t group_heads = 1;  // KV heads per group
+  float scale2 = 1.0f;           // sm_scale * log2(e)
+};
+
+inline std::int64_t up16(std::int64_t x) { return (x + 15) / 16 * 16; }
+
+// Per-thread scratch, 64-byte aligned, reused across calls on the same thread.  Per KV head
+// of a unit: Q [rows][dp], O [rows][dp] and the running max / sum / rescale of each row;
+// shared by the heads: the score tile, the packed K^T and V tiles and the mask bits.
+struct Workspace {
+  std::vector<float> mem;
+  std::vector<std::uint64_t> bits;  // per row: the current suffix tile's mask bits
+  std::int64_t rows = 0, dp = 0;    // capacity per head
+  float* qp = nullptr;     // [heads][rows][dp]
+  float* o = nullptr;      // [heads][rows][dp]
+  float* mrun = nullptr;   // [heads][up16(rows)] (log2 units)
+  float* lrun = nullptr;   // [heads][up16(rows)][16]: row sums as 16 partial lanes
+  float* alpha = nullptr;
+  float* s = nullptr;      // [rows][64]
+  float* kt = nullptr;     // [dp][64]
+  float* vt = nullptr;     // [64][dp]
+
+  void reserve(std::int64_t rows_, std::int64_t dp_, std::int64_t heads) {
+    rows = rows_;
+    dp = dp_;
+    const std::int64_t r16 = up16(rows);
+    const std::int64_t sizes[8] = {heads * rows * dp, heads * rows * dp, heads * r16, heads * r16 * 16, heads * r16,
+                                   rows * kKeyTile, dp * kKeyTile, kKeyTile * dp};
+    std::int64_t total = 16;
+    for (std::int64_t x : sizes) total += up16(x);
+    if (static_cast<std::int64_t>(mem.size()) < total) mem.assign(static_cast<std::size_t>(total), 0.0f);
+    if (static_cast<std::int64_t>(bits.size()) < rows) bits.assign(static_cast<std::size_t>(rows), 0);
+    float* base = mem.data();
+    base += (16 - (reinterpret_cast<std::uintptr_t>(base) / sizeof(float)) % 16) % 16;
+    float** slots[8] = {&qp, &o, &mrun, &lrun, &alpha, &s, &kt, &vt};
+    for (int i = 0; i < 8; ++i) {
+      *slots[i] = base;
+      base += up16(sizes[i]);
+    }
+  }
+};
+
+inline std::int64_t index_at(const void* p, int code, std::int64_t i) {
+  return code == kInt64 ? static_cast<const std::int64_t*>(p)[i] : static_cast<const std::int32_t*>(p)[i];
+}
+
+inline std::int64_t prefix_length(const CascadeAttentionArgs& a, std::int64_t b) {
+  if (a.prefix == kPrefixRagged) {
+    return index_at(a.prefix_indptr, a.indptr_dtype, b + 1) - index_at(a.prefix_indptr, a.indptr_dtype, b);
+  }
+  if (a.prefix == kPrefixPaged) return a.prefix_lens[b];
+  return 0;
+}
+
+// Q rows (token i, head kvh * G + h) -> qp[(i - i0) * G + h][dp], scaled into log2 units.
+template <int DT>
+void load_q_rows(const CascadeAttentionArgs& a, const Geometry& g, std::int64_t b, std::int64_t kvh,
+                 std::int64_t i0, std::int64_t i1, float* qp) {
+  using T = dt::elem_t<DT>;
+  const T* q = static_cast<const T*>(a.q);
+  const std::int64_t D = a.head_dim, G = g.group;
+  for (std::int64_t i = i0; i < i1; ++i) {
+    for (std::int64_t h = 0; h < G; ++h) {
+      const T* src = q + b * a.q_stride[0] + i * a.q_stride[1] + (kvh * G + h) * a.q_stride[2];
+      float* dst = qp + ((i - i0) * G + h) * g.dp;
+      for (std::int64_t dd = 0; dd < D; ++dd) dst[dd] = dt::to_float<DT>(src[dd]) * g.scale2;
+      for (std::int64_t dd = D; dd < g.dp; ++dd) dst[dd] = 0.0f;
+    }
+  }
+}
+
+template <int DT>
+void store_rows(const CascadeAttentionArgs& a, const Geometry& g, const float* o, const float* mrun,
+                const float* lrun, std::int64_t b, std::int64_t kvh, std::int64_t i0, std::int64_t i1) {
+  using T = dt::elem_t<DT>;
+  T* out = static_cast<T*>(a.out);
+  const std::int64_t D = a.head_dim, G = g.group;
+  for (std::int64_t i = i0; i < i1; ++i) {
+    for (std::int64_t h = 0; h < G; ++h) {
+      const std::int64_t r = (i - i0) * G + h, head = kvh * G + h;
+      T* dst = out + b * a.out_stride[0] + i * a.out_stride[1] + head * a.out_stride[2];
+      float l = 0.0f;
+      for (int lane = 0; lane < 16; ++lane) l += lrun[r * 16 + lane];
+      const float* orow = o + r * g.dp;
+      const bool seen = l > 0.0f;
+      const float inv = seen ? 1.0f / l : 0.0f;
+      for (std::int64_t dd = 0; dd < D; ++dd) dt::store<DT>(dst, dd, orow[dd] * inv);
+      if (a.lse) {
+        const double lse2 = static_cast<double>(mrun[r]) + std::log2(static_cast<double>(l));
+        a.lse[(b * a.n + i) * a.hq + head] = seen ? static_cast<float>(lse2 * 0.6931471805599453) : -INFINITY;
+      }
+    }
+  }
+}
+
+// One work unit: request b, KV heads [h0, h0 + H), query tokens [i0, i1).  Key tiles are the
+// outer loop and the heads the inner one, so the unit reads each K / V row (all its heads
+// side by side in memory) once, in order.
+void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, Workspace& ws, std::int64_t u) {
+  const std::int64_t per_b = g.head_groups * g.q_tiles;
+  const std::int64_t b = u / per_b;
+  const std::int64_t h0 = (u % per_b) / g.q_tiles * g.group_heads;
+  const std::int64_t H = std::min(g.group_heads, a.hkv - h0);
+  const std::int64_t i0 = (u % g.q_tiles) * g.tile_tokens;
+  const std::int64_t i1 = std::min(a.n, i0 + g.tile_tokens);
+  if (i0 >= i1 || H <= 0) return;
+  const std::int64_t G = g.group, DP = g.dp, D = a.head_dim, M = (i1 - i0) * G, item = g.item;
+  const std::int64_t qo_stride = ws.rows * DP, st_stride = up16(ws.rows);  // per head
+  // fp32 V rows with D % 16 == 0 are read in place
+  const bool v_in_place = a.dtype == kFloat32 && DP == D;
+  constexpr int KT = kKeyTile;
+
+  for (std::int64_t hi = 0; hi < H; ++hi) {
+    float* qp = ws.qp + hi * qo_stride;
+    switch (a.dtype) {
+      case kFloat16: load_q_rows<kFloat16>(a, g, b, h0 + hi, i0, i1, qp); break;
+      case kBFloat16: load_q_rows<kBFloat16>(a, g, b, h0 + hi, i0, i1, qp); break;
+      default: load_q_rows<kFloat32>(a, g, b, h0 + hi, i0, i1, qp); break;
+    }
+    std::fill(ws.o + hi * qo_stride, ws.o + hi * qo_stride + M * DP, 0.0f);
+    std::fill(ws.mrun + hi * st_stride, ws.mrun + hi * st_stride + M, -INFINITY);
+    std::fill(ws.lrun + hi * st_stride * 16, ws.lrun + (hi * st_stride + M) * 16, 0.0f);
+  }
+
+  // row addresses of head h0 in the current tile
+  const char* kp[kKeyTile];
+  const char* vp[kKeyTile];
+  const void* kh[kKeyTile];
+  const void* vh[kKeyTile];
+  const float* vrows[kKeyTile];
+  // one tile for every head of the unit; head hi's rows are dk * hi / dv * hi bytes on
+  auto tile = [&](int kt, const char* const* kr, const char* const* vr, std::int64_t dk, std::int64_t dv,
+                  const std::uint64_t* bits) {
+    const int nv = (kt + 15) / 16;
+    for (std::int64_t hi = 0; hi < H; ++hi) {
+      for (int j = 0; j < kt; ++j) {
+        kh[j] = kr[j] + hi * dk;
+        vh[j] = vr[j] + hi * dv;
+      }
+      if (v_in_place) {
+        for (int j = 0; j < kt; ++j) vrows[j] = static_cast<const float*>(vh[j]);
+      } else {
+        ops.pack_v(vh, kt, a.dtype, D, DP, ws.vt);
+        for (int j = 0; j < kt; ++j) vrows[j] = ws.vt + j * DP;
+      }
+      float* mrun = ws.mrun + hi * st_stride;
+      float* lrun = ws.lrun + hi * st_stride * 16;
+      float* alpha = ws.alpha + hi * st_stride;
+      ops.pack_k(kh, kt, a.dtype, D, DP, ws.kt);
+      ops.qk(ws.qp + hi * qo_stride, M, DP, ws.kt, nv, ws.s);
+      ops.softmax(ws.s, M, kt, nv, bits, mrun, lrun, alpha);
+      ops.pv(ws.s, M, kt, vrows, DP, alpha, ws.o + hi * qo_stride);
+    }
+  };
+
+  // ---- prefix: every row sees every key
+  const std::int64_t plen = prefix_length(a, b);
+  if (plen > 0) {
+    const char* pk = static_cast<const char*>(a.prefix_k);
+    const char* pv = static_cast<const char*>(a.prefix_v);
+    const std::int64_t kr = a.prefix_k_stride[1], vr = a.prefix_v_stride[1];
+    const std::int64_t kh0 = h0 * a.prefix_k_stride[2], vh0 = h0 * a.prefix_v_stride[2];
+    const std::int64_t dk = a.prefix_k_stride[2] * item, dv = a.prefix_v_stride[2] * item;
+    const bool ragged = a.prefix == kPrefixRagged;
+    const std::int64_t row0 = ragged ? index_at(a.prefix_indptr, a.indptr_dtype, b) : 0;
+    const std::int32_t* table = ragged ? nullptr : a.page_table + b * a.page_table_stride;
+    std::int64_t page_i = 0, slot = 0;  // paged: where the next tile starts
+    // addresses of the rows of the tile starting at t0 (tiles are filled in order)
+    auto fill = [&](std::int64_t t0, int kt, const char** kd, const char** vd) {
+      if (ragged) {
+        for (int j = 0; j < kt; ++j) {
+          const std::int64_t row = row0 + t0 + j;
+          kd[j] = pk + (row * kr + kh0) * item;
+          vd[j] = pv + (row * vr + vh0) * item;
+        }
+        return;
+      }
+      for (int j = 0; j < kt; ++j) {
+        const std::int64_t page = table[page_i];
+        kd[j] = pk + (page * a.prefix_k_stride[0] + slot * kr + kh0) * item;
+        vd[j] = pv + (page * a.prefix_v_stride[0] + slot * vr + vh0) * item;
+        if (++slot == a.page_size) {
+          slot = 0;
+          ++page_i;
+        }
+      }
+    };
+    for (std::int64_t t0 = 0; t0 < plen; t0 += KT) {
+      const int kt = static_cast<int>(std::min<std::int64_t>(KT, plen - t0));
+      fill(t0, kt, kp, vp);
+      tile(kt, kp, vp, dk, dv, nullptr);
+    }
+  }
+
+  // ---- suffix under the mask
+  const char* kb = static_cast<const char*>(a.k) + (b * a.k_stride[0] + h0 * a.k_stride[2]) * item;
+  const char* vb = static_cast<const char*>(a.v) + (b * a.v_stride[0] + h0 * a.v_stride[2]) * item;
+  for (std::int64_t j0 = 0; j0 < a.n; j0 += KT) {
+    const int kt = static_cast<int>(std::min<std::int64_t>(KT, a.n - j0));
+    const std::uint64_t* bits = nullptr;
+    if (a.mask) {
+      const std::uint64_t kt_bits = kt >= 64 ? ~std::uint64_t(0) : ((std::uint64_t(1) << kt) - 1);
+      const std::int64_t w0 = j0 / 32;
+      const std::int32_t* mb = a.mask + b * a.mask_stride[0];
+      std::uint64_t any = 0;
+      for (std::int64_t i = i0; i < i1; ++i) {
+        const std::int32_t* words = mb + i * a.mask_stride[1];
+        std::uint64_t w = static_cast<std::uint32_t>(words[w0]);
+        if (w0 + 1 < g.words) w |= static_cast<std::uint64_t>(static_cast<std::uint32_t>(words[w0 + 1])) << 32;
+        w &= kt_bits;
+        any |= w;
+        for (std::int64_t h = 0; h < G; ++h) ws.bits[(i - i0) * G + h] = w;
+      }
+      if (!any) continue;
+      bits = ws.bits.data();
+    }
+    for (int j = 0; j < kt; ++j) {
+      kp[j] = kb + (j0 + j) * a.k_stride[1] * item;
+      vp[j] = vb + (j0 + j) * a.v_stride[1] * item;
+    }
+    tile(kt, kp, vp, a.k_stride[2] * item, a.v_stride[2] * item, bits);
+  }
+
+  for (std::int64_t hi = 0; hi < H; ++hi) {
+    const float* o = ws.o + hi * qo_stride;
+    const float* mrun = ws.mrun + hi * st_stride;
+    const float* lrun = ws.lrun + hi * st_stride * 16;
+    switch (a.dtype) {
+      case kFloat16: store_rows<kFloat16>(a, g, o, mrun, lrun, b, h0 + hi, i0, i1); break;
+      case kBFloat16: store_rows<kBFloat16>(a, g, o, mrun, lrun, b, h0 + hi, i0, i1); break;
+      default: store_rows<kFloat32>(a, g, o, mrun, lrun, b, h0 + hi, i0, i1); break;
+    }
+  }
+}
+
+const Ops& pick_ops(int isa) {
+#if DSPEC_CA_AVX512_CODE
+  if (isa != kIsaGeneric && cascade_attention_has_avx512()) return kAvx512Ops;
+#else
+  (void)isa;
+#endif
+  return kGenericOps;
+}
+
+}  // namespace
+
+bool cascade_attention_has_avx512() {
+#if DSPEC_CA_AVX512_CODE
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+void cascade_attention_cpu(const CascadeAttentionArgs& a) {
+  if (a.batch <= 0 || a.n <= 0) return;
+  const Ops& ops = pick_ops(a.isa);
+  Geometry g;
+  g.group = a.hq / a.hkv;
+  g.dp = (a.head_dim + 15) / 16 * 16;
+  g.item = a.dtype == kFloat32 ? 4 : 2;
+  g.words = (a.n + 31) / 32;
+  g.scale2 = static_cast<float>(static_cast<double>(a.sm_scale) * 1.4426950408889634);
+
+  // threads: by the work (the suffix counted dense)
+  std::int64_t prefix_rows = 0;
+  for (std::int64_t b = 0; b < a.batch; ++b) prefix_rows += prefix_length(a, b);
+  const double flops = 4.0 * static_cast<double>(a.hq) * static_cast<double>(a.head_dim) *
+                       static_cast<double>(a.n) *
+                       (static_cast<double>(prefix_rows) + static_cast<double>(a.batch) * static_cast<double>(a.n));
+  std::int64_t threads = 1;
+  if (a.num_threads > 1 && flops >= kMinParallelFlops) {
+    threads = std::min<std::int64_t>({a.num_threads, static_cast<std::int64_t>(cpu::max_threads()),
+                                      static_cast<std::int64_t>(flops / kFlopsPerThread)});
+    threads = std::max<std::int64_t>(threads, 1);
+  }
+  // units: (request, KV head group, query tile).  One group of every head and query tiles
+  // of at most kMaxTileRows rows, then, while threads would idle, more head groups and
+  // more query tiles.
+  std::int64_t q_tiles = std::min(a.n, (a.n * g.group + kMaxTileRows - 1) / kMaxTileRows);
+  // as many heads per unit as keep their Q and O rows within kUnitStateBytes (L1): then the
+  // unit streams whole K / V rows (every head side by side), else one head per unit
+  const std::int64_t head_state = (a.n + q_tiles - 1) / q_tiles * g.group * g.dp * 8;
+  const std::int64_t unit_heads = std::max<std::int64_t>(1, std::min<std::int64_t>(a.hkv, kUnitStateBytes / head_state));
+  std::int64_t head_groups = (a.hkv + unit_heads - 1) / unit_heads;
+  while (threads > 1 && a.batch * head_groups * q_tiles < 2 * threads) {
+    if (head_groups < a.hkv) {
+      ++head_groups;
+    } else if (q_tiles < a.n) {
+      ++q_tiles;
+    } else {
+      break;
+    }
+  }
+  g.group_heads = (a.hkv + head_groups - 1) / head_groups;
+  g.head_groups = (a.hkv + g.group_heads - 1) / g.group_heads;
+  g.tile_tokens = (a.n + q_tiles - 1) / q_tiles;
+  g.q_tiles = (a.n + g.tile_tokens - 1) / g.tile_tokens;
+  const std::int64_t units = a.batch * g.head_groups * g.q_tiles;
+  threads = std::min(threads, units);
+  const std::int64_t rows = g.tile_tokens * g.group;
+
+  static thread_local Workspace local;
+  local.reserve(rows, g.dp, g.group_heads);
+  if (threads <= 1) {
+    for (std::int64_t u = 0; u < units; ++u) run_unit(a, ops, g, local, u);
+    return;
+  }
+  // workspaces allocated here, so that no worker thread can fail to allocate
+  std::vector<Workspace> extra(static_cast<std::size_t>(threads - 1));
+  for (auto& w : extra) w.reserve(rows, g.dp, g.group_heads);
+  std::atomic<std::int64_t> next{0};
+  cpu::parallel_for(static_cast<int>(threads), [&](int t) {
+    Workspace& ws = t == 0 ? local : extra[static_cast<std::size_t>(t - 1)];
+    for (std::int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) run_unit(a, ops, g, ws, u);
+  });
+}
+
+}  // namespace dspec

@@ -1,0 +1,42 @@
+// Element-wise pieces of a transformer layer on the CPU, fused so that one decode step
+// pays one call per piece instead of a handful of torch ops: RMSNorm and rotate-half RoPE
+// on q and k together.  Math in float32; results
+// rounded to the tensors' dtype exactly as dspec/models/transformer.py's torch code
+// rounds them (the tests compare the two).
+#pragma once
+
+#include <cstdint>
+
+#include "dspec.h"
+
+namespace dspec {
+
+struct RmsNormArgs {
+  int dtype = kFloat32;            // x, weight, out
+  std::int64_t rows = 0;
+  std::int64_t hidden = 0;
+  float eps = 1e-6f;
+  const void* x = nullptr;         // [rows, hidden] contiguous
+  const void* weight = nullptr;    // [hidden]
+  void* out = nullptr;             // [rows, hidden] contiguous
+  int num_threads = 1;
+};
+
+// out = weight * rmsnorm(x)
+void rms_norm_cpu(const RmsNormArgs& args);
+
+struct RopeArgs {
+  int dtype = kFloat32;            // q, k (rotated in place)
+  std::int64_t rows = 0;           // B * N token rows
+  std::int64_t hq = 0, hkv = 0, head_dim = 0;
+  void* q = nullptr;               // [rows, hq, D] contiguous
+  void* k = nullptr;               // [rows, hkv, D] contiguous
+  const float* cos = nullptr;      // [rows, D] float32
+  const float* sin = nullptr;      // [rows, D] float32, signed: (-sin, +sin) over the halves
+  int num_threads = 1;
+};
+
+// x = x * cos + (x2, x1) * signed_sin per head, for q and k
+void rope_cpu(const RopeArgs& args);
+
+}  // namespace dspec

@@ -1,0 +1,87 @@
+// pybind11 registration of the fused layer ops (layer_ops.h).  Every argument is checked
+// before anything is read or written (ValueError naming it).
+#include "layer_ops_bindings.h"
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+
+#include "checks.h"
+#include "layer_ops.h"
+
+namespace py = pybind11;
+
+namespace dspec {
+namespace {
+
+void rms_norm(std::int64_t x, std::int64_t weight, std::int64_t out, int dtype,
+              std::int64_t rows, std::int64_t hidden, double eps, int num_threads) {
+  const Checker c{"rms_norm"};
+  c.float_dtype(dtype, "dtype");
+  c.at_least(rows, 0, "rows");
+  c.at_least(hidden, 1, "hidden");
+  c.product(rows, hidden, "rows * hidden");
+  if (!(eps >= 0.0)) c.fail("eps must be >= 0");
+  if (rows == 0) return;
+  const std::int64_t item = element_size(dtype);
+  c.ptr(x, "x", item);
+  c.ptr(weight, "weight", item);
+  c.ptr(out, "out", item);
+  RmsNormArgs a;
+  a.dtype = dtype;
+  a.rows = rows;
+  a.hidden = hidden;
+  a.eps = static_cast<float>(eps);
+  a.x = as_ptr<const void>(x);
+  a.weight = as_ptr<const void>(weight);
+  a.out = as_ptr<void>(out);
+  a.num_threads = num_threads < 1 ? 1 : num_threads;
+  py::gil_scoped_release release;
+  rms_norm_cpu(a);
+}
+
+void rope(std::int64_t q, std::int64_t k, std::int64_t cos, std::int64_t sin, int dtype, std::int64_t rows,
+          std::int64_t hq, std::int64_t hkv, std::int64_t head_dim, int num_threads) {
+  const Checker c{"rope"};
+  c.float_dtype(dtype, "dtype");
+  c.at_least(rows, 0, "rows");
+  c.at_least(hq, 1, "hq");
+  c.at_least(hkv, 1, "hkv");
+  c.at_least(head_dim, 2, "head_dim");
+  if (head_dim % 2 || head_dim > 1024) c.fail("head_dim must be even and <= 1024");
+  c.product(rows, hq * head_dim, "rows * hq * head_dim");
+  if (rows == 0) return;
+  const std::int64_t item = element_size(dtype);
+  c.ptr(q, "q", item);
+  c.ptr(k, "k", item);
+  c.ptr(cos, "cos", 4);
+  c.ptr(sin, "sin", 4);
+  RopeArgs a;
+  a.dtype = dtype;
+  a.rows = rows;
+  a.hq = hq;
+  a.hkv = hkv;
+  a.head_dim = head_dim;
+  a.q = as_ptr<void>(q);
+  a.k = as_ptr<void>(k);
+  a.cos = as_ptr<const float>(cos);
+  a.sin = as_ptr<const float>(sin);
+  a.num_threads = num_threads < 1 ? 1 : num_threads;
+  py::gil_scoped_release release;
+  rope_cpu(a);
+}
+
+}  // namespace
+
+void register_layer_ops(py::module_& m) {
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("out"),
+        py::arg("dtype"), py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("num_threads") = 1,
+        R"doc(out = weight * rmsnorm(x) over rows of `hidden` contiguous elements (dtype code 0 fp32,
+1 fp16, 2 bf16), math in float32.)doc");
+  m.def("rope", &rope, py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("dtype"),
+        py::arg("rows"), py::arg("hq"), py::arg("hkv"), py::arg("head_dim"), py::arg("num_threads") = 1,
+        R"doc(Rotate-half RoPE in place on q [rows, hq, D] and k [rows, hkv, D] (contiguous) with
+float32 tables cos / signed sin [rows, D].)doc");
+}
+
+}  // namespace dspec

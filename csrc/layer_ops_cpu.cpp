@@ -1,0 +1,130 @@
+// RMSNorm and RoPE on the CPU; see layer_ops.h.  Rows are independent:
+// split across threads only when there are many (a decode step's few rows stay on the
+// calling thread: a thread start costs more than the work).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "cpu_parallel.h"
+#include "dtype.h"
+#include "layer_ops.h"
+
+namespace dspec {
+namespace {
+
+constexpr std::int64_t kElementsPerThread = std::int64_t(1) << 16;
+
+template <class Body>
+void over_rows(std::int64_t rows, std::int64_t width, int num_threads, Body body) {
+  const std::int64_t by_work = rows * width / kElementsPerThread + 1;
+  const int threads = static_cast<int>(
+      std::max<std::int64_t>(1, std::min<std::int64_t>({by_work, rows, num_threads, cpu::max_threads()})));
+  if (threads <= 1) {
+    body(0, rows);
+    return;
+  }
+  cpu::parallel_for(threads, [&](int t) {
+    const std::int64_t lo = rows * t / threads, hi = rows * (t + 1) / threads;
+    body(lo, hi);
+  });
+}
+
+// the dtype's rounding of a float32 value, as float (identity for float32)
+template <int DT>
+inline float round_to(float v) {
+  if constexpr (DT == kFloat32) {
+    return v;
+  } else if constexpr (DT == kFloat16) {
+    return dt::half_to_float(dt::float_to_half(v));
+  } else {
+    return dt::bf16_to_float(dt::float_to_bf16(v));
+  }
+}
+
+template <int DT>
+void rms_rows(const RmsNormArgs& a, std::int64_t lo, std::int64_t hi) {
+  using E = dt::elem_t<DT>;
+  const std::int64_t h = a.hidden;
+  const E* x = static_cast<const E*>(a.x);
+  const E* w = static_cast<const E*>(a.weight);
+  E* out = static_cast<E*>(a.out);
+  for (std::int64_t r = lo; r < hi; ++r) {
+    const E* xr = x + r * h;
+    float acc[16] = {0};
+    std::int64_t i = 0;
+    for (; i + 16 <= h; i += 16) {
+      for (int l = 0; l < 16; ++l) {
+        const float v = dt::to_float<DT>(xr[i + l]);
+        acc[l] += v * v;
+      }
+    }
+    for (; i < h; ++i) {
+      const float v = dt::to_float<DT>(xr[i]);
+      acc[0] += v * v;
+    }
+    float ss = 0.0f;
+    for (int l = 0; l < 16; ++l) ss += acc[l];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + a.eps);
+    E* o = out + r * h;
+    for (std::int64_t j = 0; j < h; ++j) {
+      // torch: weight * (x * rsqrt(.)).to(dtype), the product rounded to the dtype
+      const float normed = round_to<DT>(dt::to_float<DT>(xr[j]) * inv);
+      dt::store<DT>(o, j, dt::to_float<DT>(w[j]) * normed);
+    }
+  }
+}
+
+template <int DT>
+void rope_heads(void* base, std::int64_t row, std::int64_t heads, std::int64_t d, const float* c,
+                const float* s) {
+  using E = dt::elem_t<DT>;
+  const std::int64_t half = d / 2;
+  E* x = static_cast<E*>(base) + row * heads * d;
+  float tmp[1024];
+  for (std::int64_t hh = 0; hh < heads; ++hh) {
+    E* xh = x + hh * d;
+    for (std::int64_t j = 0; j < d; ++j) tmp[j] = dt::to_float<DT>(xh[j]);
+    for (std::int64_t j = 0; j < d; ++j) {
+      const float swapped = tmp[j < half ? j + half : j - half];
+      const float a = tmp[j] * c[j];
+      const float b = swapped * s[j];
+      dt::store<DT>(xh, j, a + b);
+    }
+  }
+}
+
+template <int DT>
+void rope_rows(const RopeArgs& a, std::int64_t lo, std::int64_t hi) {
+  const std::int64_t d = a.head_dim;
+  for (std::int64_t r = lo; r < hi; ++r) {
+    const float* c = a.cos + r * d;
+    const float* s = a.sin + r * d;
+    rope_heads<DT>(a.q, r, a.hq, d, c, s);
+    rope_heads<DT>(a.k, r, a.hkv, d, c, s);
+  }
+}
+
+}  // namespace
+
+void rms_norm_cpu(const RmsNormArgs& args) {
+  over_rows(args.rows, args.hidden, args.num_threads, [&](std::int64_t lo, std::int64_t hi) {
+    switch (args.dtype) {
+      case kFloat16: rms_rows<kFloat16>(args, lo, hi); break;
+      case kBFloat16: rms_rows<kBFloat16>(args, lo, hi); break;
+      default: rms_rows<kFloat32>(args, lo, hi); break;
+    }
+  });
+}
+
+void rope_cpu(const RopeArgs& args) {
+  over_rows(args.rows, (args.hq + args.hkv) * args.head_dim, args.num_threads,
+            [&](std::int64_t lo, std::int64_t hi) {
+    switch (args.dtype) {
+      case kFloat16: rope_rows<kFloat16>(args, lo, hi); break;
+      case kBFloat16: rope_rows<kBFloat16>(args, lo, hi); break;
+      default: rope_rows<kFloat32>(args, lo, hi); break;
+    }
+  });
+}
+
+}  // namespace dspec

@@ -1,0 +1,73 @@
+"""The fused CPU layer ops of the model forward (dspec._C.rms_norm, dspec._C.rope) against
+the torch code they replace (models/transformer.py, used under autograd and on other
+devices)."""
+import pytest
+import torch
+
+from dspec import _backend
+from dspec.models.transformer import RMSNorm, _rotate, rope_tables
+
+pytestmark = pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C not built")
+
+# (dtype, atol, rtol): RMSNorm's sum of squares runs in another order than torch's, so the
+# normalised value may differ by an ulp of float32 before rounding to the dtype
+CASES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1e-2, 1e-2), (torch.float16, 2e-3, 2e-3)]
+
+
+def torch_rms_norm(x, weight, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", CASES)
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 7, 64), (2, 5, 17), (1, 300, 96)])
+def test_rms_norm_matches_torch(dtype, atol, rtol, shape):
+    torch.manual_seed(0)
+    norm = RMSNorm(shape[-1], 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]))
+    x = (torch.randn(shape) * 3).to(dtype)
+    with torch.no_grad():
+        fused = norm(x)
+    torch.testing.assert_close(fused, torch_rms_norm(x, norm.weight.detach(), 1e-5), atol=atol, rtol=rtol)
+
+
+def test_rms_norm_keeps_autograd():
+    norm = RMSNorm(16, 1e-6)
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    out = norm(x)
+    assert out.grad_fn is not None                     # the torch path ran
+    out.sum().backward()
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, n, hq, hkv, d", [(1, 1, 9, 3, 64), (2, 5, 4, 4, 32), (3, 2, 8, 2, 128)])
+def test_rope_matches_torch(dtype, batch, n, hq, hkv, d):
+    torch.manual_seed(1)
+    positions = torch.randint(0, 5000, (batch, n))
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = rope_tables(positions, inv)
+    q = (torch.randn(batch, n, hq, d) * 2).to(dtype)
+    k = (torch.randn(batch, n, hkv, d) * 2).to(dtype)
+    want_q, want_k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    ext = _backend.extension()
+    got_q, got_k = q.clone(), k.clone()
+    ext.rope(got_q.data_ptr(), got_k.data_ptr(), cos.data_ptr(), sin.data_ptr(), _backend.FLOAT_CODE[dtype],
+             batch * n, hq, hkv, d, 2)
+    # same float32 operations in the same order: identical
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_layer_ops_reject_bad_arguments():
+    ext = _backend.extension()
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="hidden"):
+        ext.rms_norm(x.data_ptr(), x.data_ptr(), x.data_ptr(), 0, 2, 0, 1e-6, 1)
+    with pytest.raises(ValueError, match="dtype"):
+        ext.rms_norm(x.data_ptr(), x.data_ptr(), x.data_ptr(), 7, 2, 8, 1e-6, 1)
+    with pytest.raises(ValueError, match="head_dim"):
+        ext.rope(x.data_ptr(), x.data_ptr(), x.data_ptr(), x.data_ptr(), 0, 1, 1, 1, 3, 1)
+    with pytest.raises(ValueError, match="null"):
+        ext.rope(0, x.data_ptr(), x.data_ptr(), x.data_ptr(), 0, 1, 1, 1, 4, 1)
