@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from .cpu import default_dtype
 from .models import Model, load_checkpoint
 
@@ -105,6 +107,13 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
     >>> model.family, model.block_size, model.tokenizer.id_to_token(model.mask_token_id)
     ('sdar', 8, '<|MASK|>')
     """
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: this machine has no CUDA device (torch.cuda.is_available() "
+                         f"is False); use device='cpu'")
     path = Path(os.fspath(name_or_path)).expanduser()
     name = os.fspath(name_or_path)
     if dtype is None:

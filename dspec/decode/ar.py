@@ -19,6 +19,9 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     on the host; the tokens stay on the device until the end.  The loop reads one bool per
     step (have all requests hit EOS?) to stop early.
     """
+    if model.attention != "causal":
+        raise ValueError(f"method: 'ar' needs a causal LM; {model.family!r} attends {model.attention!r}: "
+                         f"decode it with 'diffusion', 'ssd', 'spiffy' or 's2d2'")
     batch = len(prompts)
     device = model.device
     cache = model.new_cache(batch)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib
+import operator
+import os
 import time
 from types import ModuleType
 from typing import NamedTuple
@@ -21,30 +23,15 @@ ALL_METHODS = ("ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash"
 
 
 def method_module(method: str) -> ModuleType:
-    """The module implementing ``method``; ValueError when unknown or not built yet."""
-    if method not in ALL_METHODS:
-        raise ValueError(f"unknown method {method!r}; available: {list(available_methods())}")
-    try:
-        return importlib.import_module(f"{__package__}.{method}")
-    except ModuleNotFoundError as e:
-        if e.name != f"{__package__}.{method}":
-            raise
-        raise ValueError(f"method {method!r} is not implemented yet; available: "
-                         f"{list(available_methods())}") from None
+    """The module implementing ``method``; ValueError when unknown."""
+    if not isinstance(method, str) or method not in ALL_METHODS:
+        raise ValueError(f"method: unknown method {method!r}; available: {list(ALL_METHODS)}")
+    return importlib.import_module(f"{__package__}.{method}")
 
 
 def available_methods() -> tuple[str, ...]:
-    """The methods of ALL_METHODS that this installation implements, in DESIGN.md order."""
-    found = []
-    for m in ALL_METHODS:
-        try:
-            importlib.import_module(f"{__package__}.{m}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.{m}":
-                raise
-            continue
-        found.append(m)
-    return tuple(found)
+    """Every decoding method, in DESIGN.md order."""
+    return ALL_METHODS
 
 
 class _Methods:
@@ -82,10 +69,18 @@ class Generation(NamedTuple):
 def _prompt_ids(model, prompt) -> list[int]:
     if isinstance(prompt, str):
         if model.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass the prompt as token ids")
+            raise ValueError("prompt: this model has no tokenizer; pass the prompt as token ids")
         ids = model.tokenizer.encode(prompt)
     else:
-        ids = [int(t) for t in (prompt.tolist() if torch.is_tensor(prompt) else prompt)]
+        if torch.is_tensor(prompt):
+            if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+                raise ValueError(f"prompt: a tensor prompt must be 1-D integer token ids (a 2-D tensor is a "
+                                 f"batch, one row per prompt), got {prompt.dtype} {list(prompt.shape)}")
+            prompt = prompt.tolist()
+        try:
+            ids = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise ValueError(f"prompt must be a string or a sequence of int token ids, got {prompt!r:.80}") from None
     if not ids:
         raise ValueError("the prompt is empty")
     vocab = model.config.vocab_size
@@ -120,12 +115,25 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
         raise ValueError(f"method {method!r} does not take {unknown}; it takes {list(module.OPTIONS)}")
     if takes_drafter:
         options["drafter"] = drafter
-    batched = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature != temperature:
+        raise ValueError(f"temperature must be a number (<= 0: greedy), got {temperature!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
+    if torch.is_tensor(prompt) and prompt.dim() == 2:
+        prompt = list(prompt)                            # a batch, one row per prompt
+    batched = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and \
+        (isinstance(prompt[0], (str, list, tuple)) or (torch.is_tensor(prompt[0]) and prompt[0].dim() == 1))
     prompts = [_prompt_ids(model, p) for p in (prompt if batched else [prompt])]
+    context = model.config.max_position_embeddings
+    longest = max(len(p) for p in prompts)
+    if context and longest + max_new_tokens > context:
+        raise ValueError(f"max_new_tokens: a prompt of {longest} tokens plus max_new_tokens = {max_new_tokens} "
+                         f"is {longest + max_new_tokens} tokens, past the model's context of {context}")
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=model.device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
+        # without a seed: fresh OS entropy (torch.seed() would reseed the user's global RNG)
+        generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
     bar = None
     if progress:
         from tqdm.auto import tqdm
