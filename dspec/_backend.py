@@ -1,7 +1,8 @@
 """Backend selection shared by every public op.
 
-Order of precedence: the op's ``backend=`` argument, then the ``DSPEC_BACKEND``
-environment variable (read at call time), then ``"auto"``.
+Order of precedence: the op's ``backend=`` argument (strict), then the ``DSPEC_BACKEND``
+environment variable (read at call time; a preference that falls back to ``"auto"`` when
+that backend cannot run the call), then ``"auto"``.
 
 ``auto`` picks, for CUDA tensors, the fastest backend built for the op (CUDA kernel in
 ``dspec._C``, else Triton, else torch); for CPU tensors, the C++ CPU code of ``dspec._C``
@@ -85,33 +86,54 @@ def cuda_stream(device: torch.device, cuda: bool) -> int:
     return torch.cuda.current_stream(device).cuda_stream if cuda else 0
 
 
-def resolve(op: str, backend: str | None, device: torch.device, provided: tuple[str, ...]) -> str:
+def resolve(op: str, backend: str | None, device: torch.device, provided: tuple[str, ...],
+            unsupported: dict[str, str] | None = None) -> str:
     """Return the backend that will run ``op`` on tensors living on ``device``.
 
-    ``provided`` lists the backends the op implements.  Raises ``ValueError`` for an unknown
-    name, a backend the op lacks, a backend not built/installed here, or a device mismatch.
+    ``provided`` lists the backends the op implements; ``unsupported`` maps backends that
+    cannot take this particular input (a size limit) to the reason.  An explicit
+    ``backend=`` is strict: ``ValueError`` for an unknown name, a backend the op lacks or
+    that cannot take the input, one not built here, or a device mismatch.  ``$DSPEC_BACKEND``
+    is a preference: when it names a backend that cannot run this call, the call falls
+    back to "auto" (only a misspelt name is an error).  "auto" takes the first usable
+    backend of its order.
     """
+    unsupported = unsupported or {}
+    from_env = backend is None
     requested = backend if backend is not None else os.environ.get("DSPEC_BACKEND", "auto")
     requested = (requested or "auto").lower()
     if requested not in BACKENDS:
-        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {requested!r}")
+        where = "$DSPEC_BACKEND" if from_env else "backend"
+        raise ValueError(f"{op}: {where} must be one of {BACKENDS}, got {requested!r}")
     on_cuda = device.type == "cuda"
-    if requested == "auto":
-        order = ("cuda", "triton", "torch") if on_cuda else ("cpp", "torch")
-        for name in order:
-            if name in provided and _backend_ready(name):
-                return name
-        return "torch"
-    if requested not in provided:
-        raise ValueError(f"{op}: no {requested!r} backend; available: {provided}")
-    if not _backend_ready(requested):
-        raise ValueError(f"{op}: backend {requested!r} is not available in this install "
-                         "(dspec._C not built, built without CUDA, or triton missing)")
-    if requested == "cuda" and not on_cuda:
-        raise ValueError(f"{op}: backend 'cuda' needs CUDA tensors, got device {device}")
-    if requested == "cpp" and device.type != "cpu":
-        raise ValueError(f"{op}: backend 'cpp' needs CPU tensors, got device {device}")
-    if requested == "triton" and not on_cuda and not triton_interpret():
-        raise ValueError(f"{op}: backend 'triton' on {device} tensors needs TRITON_INTERPRET=1 "
-                         "set before dspec's Triton kernels are imported")
-    return requested
+    if requested != "auto":
+        why = _unusable(op, requested, device, provided, unsupported)
+        if why is None:
+            return requested
+        if not from_env:
+            raise ValueError(why)
+    order = ("cuda", "triton", "torch") if on_cuda else ("cpp", "torch")
+    for name in order:
+        if name in provided and name not in unsupported and _backend_ready(name):
+            return name
+    return "torch"
+
+
+def _unusable(op: str, name: str, device: torch.device, provided, unsupported) -> str | None:
+    """Why backend ``name`` cannot run this call of ``op`` (None: it can)."""
+    on_cuda = device.type == "cuda"
+    if name not in provided:
+        return f"{op}: no {name!r} backend; available: {provided}"
+    if name in unsupported:
+        return f"{op}: {unsupported[name]}"
+    if not _backend_ready(name):
+        return (f"{op}: backend {name!r} is not available in this install "
+                "(dspec._C not built, built without CUDA, or triton missing)")
+    if name == "cuda" and not on_cuda:
+        return f"{op}: backend 'cuda' needs CUDA tensors, got device {device}"
+    if name == "cpp" and device.type != "cpu":
+        return f"{op}: backend 'cpp' needs CPU tensors, got device {device}"
+    if name == "triton" and not on_cuda and not triton_interpret():
+        return (f"{op}: backend 'triton' on {device} tensors needs TRITON_INTERPRET=1 "
+                "set before dspec's Triton kernels are imported")
+    return None

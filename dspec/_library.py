@@ -39,9 +39,9 @@ _NS = "dspec"
 # installed: torch.compile evaluates it once while tracing (a constant in the graph) instead
 # of tracing through the import machinery behind it.
 # (looked up at call time, so a patched ``_backend.resolve`` is honoured)
-def resolve(op: str, backend, device, provided) -> str:
+def resolve(op: str, backend, device, provided, unsupported=None) -> str:
     """``_backend.resolve`` (see there)."""
-    return _backend.resolve(op, backend, device, provided)
+    return _backend.resolve(op, backend, device, provided, unsupported)
 
 
 # What ``torch.compiler.assume_constant_result(resolve)`` does, without importing

@@ -33,6 +33,30 @@ def test_environment_variable(monkeypatch):
     assert dspec.token_stats(torch.zeros(2, 3), backend="torch").token.tolist() == [0, 0]
 
 
+def test_environment_variable_is_a_preference(monkeypatch):
+    """$DSPEC_BACKEND names a backend the call may not be able to use: it falls back to
+    auto (an explicit backend= stays strict)."""
+    cpu = torch.device("cpu")
+    auto = _backend.resolve("op", None, cpu, ("torch", "triton", "cuda", "cpp"))
+    monkeypatch.setenv("DSPEC_BACKEND", "cuda")                 # CPU tensors
+    assert _backend.resolve("op", None, cpu, ("torch", "triton", "cuda", "cpp")) == auto
+    with pytest.raises(ValueError, match="needs CUDA tensors|not available"):
+        _backend.resolve("op", "cuda", cpu, ("torch", "cuda"))
+    monkeypatch.setenv("DSPEC_BACKEND", "cpp")
+    assert _backend.resolve("op", None, cpu, ("torch", "triton")) == "torch"      # op without C++ code
+    monkeypatch.setenv("DSPEC_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _backend.resolve("op", None, cpu, ("torch", "triton")) == "torch"
+
+
+def test_generate_under_every_backend_preference(monkeypatch):
+    model = dspec.load("tiny-ar")
+    want = dspec.generate(model, "Compute: 1 + 2 =", method="ar", max_new_tokens=4).tokens
+    for name in ("cpp", "cuda", "torch"):
+        monkeypatch.setenv("DSPEC_BACKEND", name)
+        assert dspec.generate(model, "Compute: 1 + 2 =", method="ar", max_new_tokens=4).tokens == want
+
+
 def test_errors_name_the_problem(monkeypatch):
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="no 'cuda' backend"):

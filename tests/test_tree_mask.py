@@ -153,17 +153,22 @@ def test_large_trees_beyond_kernel_limit():
 
 
 def test_auto_falls_back_to_torch_beyond_kernel_limit(monkeypatch):
-    """On a GPU, auto would pick a kernel: past 256 nodes it runs the reference instead."""
-    monkeypatch.setattr(ops_masks._backend, "resolve", lambda *a, **k: "cuda")
+    """On a GPU, auto (and a $DSPEC_BACKEND preference) would pick a kernel: past 256 nodes
+    the resolver skips the kernels; an explicit backend= raises."""
+    from dspec import _backend
+    monkeypatch.setattr(_backend, "_backend_ready", lambda name: True)
+    limits = {b: f"the {b!r} backend takes N <= 256 nodes" for b in ("triton", "cuda")}
+    cuda = torch.device("cuda")
     monkeypatch.delenv("DSPEC_BACKEND", raising=False)
+    assert _backend.resolve("tree_mask", None, cuda, ("torch", "triton", "cuda", "cpp"), limits) == "torch"
+    with pytest.raises(ValueError, match="N <= 256"):
+        _backend.resolve("tree_mask", "cuda", cuda, ("torch", "triton", "cuda", "cpp"), limits)
+    monkeypatch.setenv("DSPEC_BACKEND", "cuda")
+    assert _backend.resolve("tree_mask", None, cuda, ("torch", "triton", "cuda", "cpp"), limits) == "torch"
     parents = torch.tensor([[-1] + list(range(299))])
-    out = dspec.tree_mask(parents)
-    assert out.depth[0, -1].item() == 299
+    assert dspec.tree_mask(parents).depth[0, -1].item() == 299
     with pytest.raises(ValueError, match="N <= 256"):
         dspec.tree_mask(parents, backend="cuda")
-    monkeypatch.setenv("DSPEC_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="N <= 256"):
-        dspec.tree_mask(parents)
 
 
 @pytest.mark.parametrize("parents,match", [

@@ -6,7 +6,6 @@ key ``32 w + j``; bits past the last key are 0.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -117,11 +116,6 @@ def _unpack_mask_impl(words: torch.Tensor, num_keys: int, name: str) -> torch.Te
     return out
 
 
-def _requested(backend: str | None) -> str:
-    requested = backend if backend is not None else os.environ.get("DSPEC_BACKEND", "auto")
-    return (requested or "auto").lower()
-
-
 def tree_mask(parents: torch.Tensor, *, backend: str | None = None) -> TreeMask:
     """Ancestor masks and depths of token trees (D2SD's K+1 branches as one prefix tree).
 
@@ -154,13 +148,12 @@ def tree_mask(parents: torch.Tensor, *, backend: str | None = None) -> TreeMask:
     if nodes == 0:
         raise ValueError("parents must hold at least the root node (N >= 1)")
     _validate.tree_parents(parents, "parents")
-    name = _library.resolve("tree_mask", backend, parents.device, _PROVIDED)
-    if nodes > TREE_MASK_MAX_NODES and name in ("triton", "cuda"):
-        if _requested(backend) != "auto":
-            raise ValueError(f"tree_mask: the {name!r} backend takes N <= {TREE_MASK_MAX_NODES} "
-                             f"nodes, got parents with N = {nodes}; use backend='torch' (or "
-                             "'cpp' on CPU tensors)")
-        name = "torch"
+    limits = None
+    if nodes > TREE_MASK_MAX_NODES:
+        why = (f"the {{}} backend takes N <= {TREE_MASK_MAX_NODES} nodes, got parents with N = {nodes}; "
+               "use backend='torch' (or 'cpp' on CPU tensors)")
+        limits = {b: why.format(repr(b)) for b in ("triton", "cuda")}
+    name = _library.resolve("tree_mask", backend, parents.device, _PROVIDED, limits)
     if _library.call_directly(parents):
         return TreeMask(*_tree_mask_impl(parents, name))
     return TreeMask(*_library.tree_mask(parents, name))
