@@ -5,7 +5,9 @@ installed; the weight-streaming floor (weights' bytes / DRAM read bandwidth) fro
 run.
 
 tokens/s counts generated tokens (up to and including EOS) of all requests / wall time of
-the call, prefill included; the same prompts (HumanEval, raw text) for every engine.
+the call, prefill included; the same prompts (HumanEval, raw text) for every engine.  For
+dspec the decode step alone is timed too (``decode_step_ms``: one token per request after
+the prompts, prefill excluded), the rate batching is about.
 
     python bench/bench_ar.py [--batches 1,4,16] [--tokens 64] [--dtype float32]
 Writes bench/results/cpu/ar.{json,png}.
@@ -37,6 +39,26 @@ def run_dspec(model, prompts, tokens):
     return sum(len(o.tokens) for o in outs), wall, [o.tokens for o in outs]
 
 
+@torch.no_grad()
+def dspec_step_ms(model, prompts, steps: int = 16) -> float:
+    """Median ms of one batched decode step (forward of one token per request after the
+    prompts' cache + commit), prefill excluded."""
+    ids = [model.tokenizer.encode(p) for p in prompts]
+    cache = model.new_cache(len(ids))
+    plan = model.plan(ids, cache)
+    out = model(plan, logits="last")
+    cache.append(out.suffix_kv, counts=plan.lengths)
+    tok = out.logits[:, -1].argmax(-1)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = model(model.plan(tok[:, None], cache), logits="last")
+        cache.append(out.suffix_kv, counts=[1] * len(ids))
+        tok = out.logits[:, -1].argmax(-1)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def run_hf(hf, tok, prompts, tokens):
     enc = tok(prompts, return_tensors="pt", padding=True)
     t0 = time.perf_counter()
@@ -66,7 +88,7 @@ def run_llama(llm, prompts, tokens):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,4,16")
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--dtype", default=None, help="default: dspec.load's choice for this CPU")
     p.add_argument("--calls", type=int, default=3, help="timed calls per cell (median)")
     p.add_argument("--threads", default=None)
@@ -126,6 +148,9 @@ def main(argv=None) -> int:
             row = {"engine": engine, "batch": batch, "tokens_per_s": statistics.median(tps),
                    "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
                    "generated": samples[0][0], "loadavg": loadavg()}
+            if engine == "dspec":
+                row["decode_step_ms"] = dspec_step_ms(model, prompts)
+                row["decode_tokens_per_s"] = batch * 1e3 / row["decode_step_ms"]
             if batch == 1:
                 row["ms_per_token"] = 1e3 / row["tokens_per_s"]
                 row["fraction_of_floor"] = floor_ms / row["ms_per_token"]
@@ -140,6 +165,8 @@ def main(argv=None) -> int:
             ratios[f"dspec/transformers batch {batch}"] = by[("dspec", batch)] / by[("transformers", batch)]
         if batch > 1:
             ratios[f"dspec batch {batch}/batch 1"] = by[("dspec", batch)] / by[("dspec", 1)]
+            steps = {r["batch"]: r["decode_tokens_per_s"] for r in rows if r["engine"] == "dspec"}
+            ratios[f"dspec decode steps batch {batch}/batch 1"] = steps[batch] / steps[1]
     payload["ratios"] = ratios
     payload["env"]["loadavg_end"] = loadavg()
     write_json(path, payload)
