@@ -45,13 +45,20 @@ Headline (targets on an H100): the public op (``triton``) within 1.3x of the roo
 every case with prefix >= 4096, and never slower than the best baseline at any grid point;
 PASS / FAIL / not-measured, plus a fused-vs-split table (which schedule wins per case).
 
-    python bench/bench_cascade_attention.py --device cpu --quick
+CPU suite (``--device cpu``, the default there; ``--suite kernel`` runs the grid above on
+CPU tensors instead, e.g. the Triton interpreter with TRITON_INTERPRET=1): see
+``main_cpu``: dspec's C++ kernel (backend "cpp", through ``CascadeAttentionPlan.run`` as the
+model calls it) vs the dspec torch reference vs PyTorch SDPA with an additive float mask.
+
+    python bench/bench_cascade_attention.py --device cpu --quick --threads 1
+    python bench/bench_cascade_attention.py --device cpu --threads 1      # the full CPU grid
     python bench/bench_cascade_attention.py --device cuda --out /tmp/res
 """
 from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -394,7 +401,15 @@ def main(argv=None) -> int:
                         help="skip a variant whose estimated GPU memory exceeds this (default 40)")
     parser.add_argument("--match", default=None,
                         help="only the cases whose name contains this, e.g. '32/8/128 B64'")
+    parser.add_argument("--suite", choices=("auto", "cpu", "kernel"), default="auto",
+                        help="cpu: the C++ CPU kernel vs the torch reference and SDPA (main_cpu); "
+                             "kernel: the grid of the module docstring; auto: cpu on --device cpu")
+    parser.add_argument("--threads", default=None,
+                        help="CPU suite: torch intra-op threads, which dspec's C++ kernel uses too "
+                             "(default: dspec's auto policy)")
     args = parser.parse_args(argv)
+    if args.device == "cpu" and args.suite in ("auto", "cpu"):
+        return main_cpu(args)
     device, bw = common.setup(args)
     import dspec
     from dspec import _backend
@@ -730,6 +745,249 @@ def fused_split_lines(payload: dict, markdown: bool = False) -> list[str]:
     widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(header)]
     return [f"{title}: {summary}", "  ".join(h.rjust(w) for h, w in zip(header, widths))] + \
         ["  ".join(c.rjust(w) for c, w in zip(x, widths)) for x in lines]
+
+
+# --------------------------------------------------------------------------------------
+# CPU suite: the C++ kernel vs the torch reference vs SDPA
+# --------------------------------------------------------------------------------------
+CPU_BENCH = "cascade_attention_cpu"
+CPU_HEADS = ((9, 3, 64), (32, 8, 128))
+CPU_PREFIXES = (0, 512, 2048, 8192)
+CPU_NS = (1, 4, 16, 64)
+CPU_BATCHES = (1, 8)
+CPU_DTYPES = ("fp32", "bf16")
+CPU_QUICK = {"heads": ((9, 3, 64),), "prefixes": (0, 256), "ns": (1, 16), "batches": (1, 2),
+             "dtypes": ("fp32", "bf16")}
+CPP, SDPA = "cpp", "sdpa"
+CPU_VARIANTS = (CPP, REF, SDPA)
+# targets (the lead's): at N = 16, prefix 2048 cpp >= 3x the reference and >= 1.5x SDPA;
+# nowhere slower than either
+CPU_TARGET_CASE = {"N": 16, "P": 2048}
+CPU_TARGET_VS_REF, CPU_TARGET_VS_SDPA = 3.0, 1.5
+CPU_PLOT_KWARGS = {"metric": "median_us", "panel_keys": ("heads", "dtype", "B")}
+CPU_TIME_BUDGET_S = 0.25      # per variant and case: reps = budget / one call, within bounds
+common._COLORS.setdefault(SDPA, "tab:red")
+
+
+def cpu_cases(quick: bool) -> list[dict]:
+    g = CPU_QUICK if quick else {"heads": CPU_HEADS, "prefixes": CPU_PREFIXES, "ns": CPU_NS,
+                                 "batches": CPU_BATCHES, "dtypes": CPU_DTYPES}
+    return [{"Hq": hq, "Hkv": hkv, "D": d, "B": b, "N": n, "P": p, "dtype": dt}
+            for dt in g["dtypes"] for hq, hkv, d in g["heads"] for b in g["batches"]
+            for p in g["prefixes"] for n in g["ns"]]
+
+
+def cpu_case_name(c: dict) -> str:
+    return f"{c['Hq']}/{c['Hkv']}/{c['D']} B{c['B']} P{c['P']} N{c['N']}"
+
+
+def cpu_inputs(c: dict, dtype, seed: int) -> dict:
+    """q, k, v [B, N, H, D]; the prefix of every request as ragged rows [B*P, Hkv, D] +
+    indptr (cpp and the reference) and as one [B, Hkv, P + N, D] key / value tensor with
+    the suffix appended (SDPA); a causal suffix mask, packed [N, ceil(N/32)] (dspec) and
+    additive [1, 1, N, P + N] in the inputs' dtype (SDPA)."""
+    import dspec
+    g = torch.Generator().manual_seed(seed)
+    b, n, hq, hkv, d, p = c["B"], c["N"], c["Hq"], c["Hkv"], c["D"], c["P"]
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    q, k, v = rnd(b, n, hq, d), rnd(b, n, hkv, d), rnd(b, n, hkv, d)
+    pk, pv = rnd(b * p, hkv, d), rnd(b * p, hkv, d)
+    indptr = torch.arange(b + 1, dtype=torch.int64) * p
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    words = dspec.pack_mask(causal)
+    kd = torch.cat([pk.view(b, p, hkv, d), k], 1).transpose(1, 2).contiguous()
+    vd = torch.cat([pv.view(b, p, hkv, d), v], 1).transpose(1, 2).contiguous()
+    vis = torch.cat([torch.ones(n, p, dtype=torch.bool), causal], 1)
+    additive = torch.zeros(vis.shape, dtype=dtype).masked_fill_(~vis, float("-inf"))[None, None]
+    return {"q": q, "k": k, "v": v, "pk": pk, "pv": pv, "indptr": indptr, "words": words,
+            "q_sdpa": q.transpose(1, 2).contiguous(), "k_sdpa": kd, "v_sdpa": vd, "mask_sdpa": additive}
+
+
+def cpu_variant(name: str, c: dict, x: dict, dtype):
+    """fn() for variant ``name`` (everything layer-independent built here, outside the timing)."""
+    import dspec
+    from dspec.ops.attention import CascadeAttentionPlan
+    has_prefix = c["P"] > 0
+    pre = dict(prefix_k=x["pk"], prefix_v=x["pv"], prefix_indptr=x["indptr"]) if has_prefix else {}
+    if name == CPP:
+        plan = CascadeAttentionPlan(c["B"], c["N"], c["Hq"], c["Hkv"], c["D"], dtype, "cpu", x["words"],
+                                    prefix_indptr=x["indptr"] if has_prefix else None, backend="cpp")
+        args = (x["q"], x["k"], x["v"]) + ((x["pk"], x["pv"]) if has_prefix else ())
+        return lambda: plan.run(*args)
+    if name == REF:
+        return lambda: dspec.cascade_attention(x["q"], x["k"], x["v"], x["words"], backend="torch", **pre)
+    scale = c["D"] ** -0.5
+    return lambda: F.scaled_dot_product_attention(x["q_sdpa"], x["k_sdpa"], x["v_sdpa"], attn_mask=x["mask_sdpa"],
+                                                  scale=scale, enable_gqa=True)
+
+
+def cpu_time(fn, quick: bool, reps: int | None = None, warmup: int | None = None) -> dict:
+    """Median / p20 / p80 over ``reps`` calls (default: as many as fit CPU_TIME_BUDGET_S,
+    5..200; quick 3..20)."""
+    t0 = time.perf_counter()
+    fn()                                          # warm-up (allocations, caches)
+    one = time.perf_counter() - t0
+    if reps is None:
+        lo, hi = (3, 20) if quick else (5, 200)
+        reps = int(min(hi, max(lo, CPU_TIME_BUDGET_S / max(one, 1e-9))))
+    return common.time_fn(fn, "cpu", reps=reps, warmup=1 if warmup is None else warmup, flush=False)
+
+
+def main_cpu(args) -> int:
+    """The CPU grid: prefix 0 / 512 / 2048 / 8192 x N 1 / 4 / 16 / 64 x batch 1 / 8, heads
+    (Hq, Hkv, D) = (9, 3, 64) and (32, 8, 128), fp32 and bf16 (--quick: a small subset).
+
+    Variants: ``cpp`` = ``CascadeAttentionPlan.run`` with backend "cpp" (the plan built
+    outside the timing, as the model builds it once per forward; ragged prefix rows);
+    ``torch`` = ``dspec.cascade_attention(backend="torch")`` (the reference); ``sdpa`` =
+    ``F.scaled_dot_product_attention(q [B, Hq, N, D], K / V [B, Hkv, P + N, D],
+    attn_mask=additive [1, 1, N, P + N], enable_gqa=True)`` with its K / V layout and mask
+    built outside the timing.  The suffix mask is causal.  Timings are the median (and
+    p20 / p80) of as many calls as fit 0.25 s per variant and case (at least 5, at most 200;
+    no cache flush: a model calls the op back to back); each output is checked against the
+    reference (fp32 atol = rtol = 1e-4, bf16 2e-2).  Results: bench/results/cpu/
+    cascade_attention_cpu.json and .png; the verdicts of the targets are printed at the end.
+    """
+    import dspec
+    from dspec.cpu import apply_threads
+    threads = apply_threads(args.threads)
+    device, bw = common.setup(args)
+    wanted = common.parse_backends(args.backends)
+    variants = [v for v in CPU_VARIANTS if wanted is None or v in wanted]
+    if CPP in variants and not common.available_backends("cpu", ("cpp",)):
+        print("dspec._C is not built: no cpp rows", file=sys.stderr)
+        variants.remove(CPP)
+    all_cases = [c for c in cpu_cases(args.quick)
+                 if (not args.match or args.match in cpu_case_name(c))
+                 and (args.dtype is None or c["dtype"] == args.dtype)]
+    rec = common.Recorder(CPU_BENCH, args, device, bw, {
+        "variants": variants, "threads": threads, "cpp_isa": dspec._backend.extension().cascade_attention_isa()
+        if dspec._backend.cpp_available() else None,
+        "suffix_mask": "causal; dspec: packed int32 words [N, ceil(N/32)] shared by the batch",
+        "cpp": "CascadeAttentionPlan(backend='cpp').run(q, k, v, prefix_k, prefix_v); plan built outside "
+               "the timing; prefix ragged rows [B*P, Hkv, D] + indptr",
+        "torch": "dspec.cascade_attention(backend='torch') (the reference), same inputs",
+        "sdpa": "F.scaled_dot_product_attention(q [B,Hq,N,D], K/V [B,Hkv,P+N,D], additive mask "
+                "[1,1,N,P+N] in the inputs' dtype, enable_gqa=True); layout and mask built outside the timing",
+        "timing": (f"median of {args.reps} calls" if args.reps else
+                   f"median of as many calls as fit {CPU_TIME_BUDGET_S}s (5..200, quick 3..20)") + "; no cache flush",
+        "flops": "4*Hq*D*N*(P + (N+1)/2) per request (causal suffix)",
+        "check": "vs the torch reference; fp32 atol=rtol=1e-4, bf16 2e-2",
+        "targets": f"N={CPU_TARGET_CASE['N']} P={CPU_TARGET_CASE['P']}: cpp >= {CPU_TARGET_VS_REF}x torch, "
+                   f">= {CPU_TARGET_VS_SDPA}x sdpa; cpp never slower than either"})
+    print(f"{len(all_cases)} cases x {variants}; threads={threads}", flush=True)
+    stopped = None
+    old_handler = signal.signal(signal.SIGTERM, _on_term)
+    try:
+        for c in tqdm(all_cases, desc=CPU_BENCH, file=sys.stdout, mininterval=2):
+            dtype = common.DTYPES[c["dtype"]]
+            name = cpu_case_name(c)
+            x = cpu_inputs(c, dtype, args.seed)
+            flops = 4.0 * c["Hq"] * c["D"] * c["N"] * (c["P"] + (c["N"] + 1) / 2) * c["B"]
+            nbytes = (2 * c["B"] * (c["P"] + c["N"]) * c["Hkv"] + 2 * c["B"] * c["N"] * c["Hq"]) * c["D"] \
+                * dtype.itemsize
+            params = {"heads": f"{c['Hq']}/{c['Hkv']}/{c['D']}", "Hq": c["Hq"], "Hkv": c["Hkv"], "D": c["D"],
+                      "B": c["B"], "N": c["N"], "P": c["P"]}
+            ref_out = None
+            case_rows = []
+            for v in (REF,) + tuple(w for w in variants if w != REF):
+                try:
+                    fn = cpu_variant(v, c, x, dtype)
+                    got = fn()
+                    if v == SDPA:
+                        got = got.transpose(1, 2)
+                    if v == REF:
+                        ref_out = got.float()
+                    if v not in variants:
+                        continue
+                    chk, err = "ok", 0.0
+                    if ref_out is not None:
+                        tol = 1e-4 if dtype == torch.float32 else 2e-2
+                        diff = (got.float() - ref_out).abs()
+                        err = float(diff.max()) if diff.numel() else 0.0
+                        if bool((diff > tol + tol * ref_out.abs()).any()):
+                            chk = f"MISMATCH max|d|={err:.2e}"
+                    t = cpu_time(fn, args.quick, args.reps, args.warmup)
+                except _Stopped:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - one failing variant must not stop the run
+                    rec.error(f"{name} {c['dtype']} {v}: {type(exc).__name__}: {exc}")
+                    continue
+                row = common.make_row(op=OP, backend=v, case=name, params=params, dtype=c["dtype"], timing=t,
+                                      bytes_moved=int(nbytes), copy_GBs=rec.copy_GBs, check=chk,
+                                      extra={"gflops": round(flops / (t["median_us"] * 1e3), 2),
+                                             "max_abs_err": float(f"{err:.3g}"), "speedup_vs_sdpa": None})
+                case_rows.append(row)
+            sd = next((r for r in case_rows if r["backend"] == SDPA), None)
+            for r in case_rows:
+                if sd is not None and r["median_us"] > 0:
+                    r["speedup_vs_sdpa"] = round(sd["median_us"] / r["median_us"], 2)
+            rec.add(case_rows)
+            del x
+    except _Stopped as exc:
+        stopped = f"stopped by {exc} after {len({(r['case'], r['dtype']) for r in rec.rows})} cases"
+        print(f"[{CPU_BENCH}] {stopped}", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
+    rec.payload["verdicts"] = cpu_verdicts(rec.payload)
+    rec.finish(no_plot=args.no_plot or stopped is not None, plot_kwargs=CPU_PLOT_KWARGS)
+    if stopped:
+        rec.payload["complete"] = False
+        rec.payload["stopped"] = stopped
+        common.write_json(rec.path, rec.payload)
+    cols = ["case", "dtype", "backend", "median_us", "p20_us", "p80_us", "gflops", "speedup_vs_torch",
+            "speedup_vs_sdpa", "check"]
+    print(common.fmt_table(rec.rows, cols))
+    print()
+    print("\n".join(cpu_headline_lines(rec.payload)))
+    return 1 if rec.payload["errors"] else 0
+
+
+def cpu_verdicts(payload: dict) -> list[dict]:
+    """The CPU targets: at N=16, P=2048 cpp >= 3x torch and >= 1.5x sdpa (every heads /
+    dtype / batch measured there); cpp at least as fast as each at every measured case."""
+    rows = [r for r in payload.get("results", []) if r.get("op") == OP]
+    cpp = {(r["case"], r["dtype"]): r for r in rows if r["backend"] == CPP}
+    out = []
+    at = {k: r for k, r in cpp.items()
+          if r["N"] == CPU_TARGET_CASE["N"] and r["P"] == CPU_TARGET_CASE["P"]}
+    for field, target, base in (("speedup_vs_torch", CPU_TARGET_VS_REF, REF),
+                                ("speedup_vs_sdpa", CPU_TARGET_VS_SDPA, SDPA)):
+        name = f"cpp >= {target:g}x {base} at N={CPU_TARGET_CASE['N']}, P={CPU_TARGET_CASE['P']}"
+        got = {k: r[field] for k, r in at.items() if r.get(field) is not None}
+        if not got:
+            out.append({"target": name, "verdict": "not-measured", "detail": ""})
+            continue
+        worst = min(got.items(), key=lambda kv: kv[1])
+        out.append({"target": name, "verdict": "PASS" if worst[1] >= target else "FAIL",
+                    "detail": f"{sum(v >= target for v in got.values())}/{len(got)} cases; worst "
+                              f"{worst[0][0]} {worst[0][1]}: {worst[1]}x"})
+    for field, base in (("speedup_vs_torch", REF), ("speedup_vs_sdpa", SDPA)):
+        name = f"cpp never slower than {base}"
+        got = {k: r[field] for k, r in cpp.items() if r.get(field) is not None}
+        if not got:
+            out.append({"target": name, "verdict": "not-measured", "detail": ""})
+            continue
+        worst = min(got.items(), key=lambda kv: kv[1])
+        out.append({"target": name, "verdict": "PASS" if worst[1] >= 1.0 else "FAIL",
+                    "detail": f"{sum(v >= 1.0 for v in got.values())}/{len(got)} cases; worst "
+                              f"{worst[0][0]} {worst[0][1]}: {worst[1]}x"})
+    mism = [f"{r['case']} {r['dtype']} {r['backend']}" for r in rows if r.get("check") not in (None, "ok")]
+    out.append({"target": "correctness vs the torch reference", "verdict": "ok" if not mism else "MISMATCH",
+                "detail": "; ".join(mism[:6]) if mism else f"{len(rows)} rows checked"})
+    return out
+
+
+def cpu_headline_lines(payload: dict) -> list[str]:
+    env = payload.get("env", {})
+    cfg = payload.get("config", {})
+    title = (f"HEADLINE cascade_attention CPU ({env.get('device_name')}, {cfg.get('threads')} thread(s), "
+             f"cpp tiles: {cfg.get('cpp_isa')})")
+    return [title] + [f"  {v['target']}: [{v['verdict']}] {v['detail']}"
+                      for v in payload.get("verdicts") or cpu_verdicts(payload)]
 
 
 if __name__ == "__main__":

@@ -1,23 +1,29 @@
 // cascade_attention on the CPU: flash-style online softmax (fp32 state) over each request's
 // prefix, then its masked suffix.
 //
-// Work unit: (request b, KV head, query tile).  Its rows are the (token, head) pairs of the
-// tile's tokens and the G = Hq / Hkv query heads of that KV head, so every key / value tile
-// is read and converted once for all of them.  Per key tile of kKeyTile (64) keys:
+// Work unit: (request b, group of KV heads, query tile).  A head's rows are the (token, head)
+// pairs of the tile's tokens and the G = Hq / Hkv query heads of that KV head, so every key /
+// value tile is read and converted once for all of them.  Key tiles are the outer loop and
+// the unit's heads the inner one: K / V rows (all heads side by side in memory) stream in
+// order, once.  Per key tile of kKeyTile (64) keys and head:
 //   pack_k   K rows -> fp32 K^T [Dp, 64] (in-register 16x16 transposes on AVX-512)
-//   pack_v   V rows -> fp32 [64, Dp] (skipped for fp32 with D % 16 == 0: rows read in place)
+//   pack_v   V rows -> fp32 [64, Dp] (fp32 rows are read in place when D % 16 == 0 and the
+//            tile is small or D <= 64)
 //   qk       S [M, 64] = Qs [M, Dp] K^T      (Qs = q * sm_scale * log2 e, packed once)
 //   softmax  mask (two packed words per row for a suffix tile), running max / sum, P in S
 //   pv       O [M, Dp] = alpha * O + P V
 // Dp is D rounded up to 16 (zero padded).  Scores live in log2 units (exp2); lse is
 // converted back to the natural log at the end.  A row's arithmetic does not depend on the
-// other rows of its tile nor on the thread count, so the result is identical for any
-// number of threads.
+// other rows of its tile, on its unit nor on the thread count, so the result is identical
+// for any number of threads.
 //
 // The tile kernels exist twice: AVX-512 intrinsics (picked at run time when the CPU has
 // AVX512F/BW/VL + FMA) and portable loops compiled for AVX2+FMA and baseline x86-64 (GCC
 // target_clones, like token_stats_cpu.cpp).  The driver (tiling, prefix addressing, mask
-// words, threads) is shared; the kernels are called once per tile.
+// words, threads) is shared; the kernels are called once per tile and head.
+//
+// Measured (1 thread, Xeon with AVX-512, fp32): qk runs at the FMA peak, pv near it; the
+// rest (transposes, softmax, driver) is ~25 % of the time at N = 16.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -53,10 +59,11 @@ namespace {
 constexpr int kKeyTile = 64;               // keys per tile: two mask words
 constexpr int kPvChunk = 4;                // d vectors per P V register block (x 6 rows)
 constexpr std::int64_t kMaxTileRows = 128;  // rows (token x head) of a work unit, at most
-// Threads: below kMinParallelFlops a call runs on the calling thread (starting a thread
-// costs tens of microseconds); above, one thread per kFlopsPerThread.
-constexpr double kMinParallelFlops = 4e6;
-constexpr double kFlopsPerThread = 2e6;
+// Threads: below kMinParallelFlops (~0.1-0.5 ms of work on one core) a call runs on the
+// calling thread (starting a thread costs tens of microseconds, more on a busy machine);
+// above, at most one thread per kFlopsPerThread.
+constexpr double kMinParallelFlops = 16e6;
+constexpr double kFlopsPerThread = 8e6;
 constexpr float kLazyMax = 8.0f;  // see softmax_rows
 // KV heads per work unit: as many as keep their Q and O rows within this (L2) budget; a
 // unit streams whole K / V rows (its heads side by side in memory) once.
@@ -101,7 +108,7 @@ DSPEC_CA_INLINE float exp2_nonpos(float x) {
 }
 
 template <int DT>
-DSPEC_CA_INLINE void pack_k_rows(const void* const* rows, int kt, std::int64_t d, std::int64_t dp, float* out) {
+DSPEC_CA_INLINE void pack_k_rows(const void* const* rows, int kt, std::int64_t d, float* out) {
   using T = dt::elem_t<DT>;
   for (int j = 0; j < kt; ++j) {
     const T* row = static_cast<const T*>(rows[j]);
@@ -113,9 +120,9 @@ DSPEC_CA_CLONES void pack_k_generic(const void* const* rows, int kt, int dtype, 
                                     float* out) {
   const int cols = (kt + 15) / 16 * 16;
   switch (dtype) {
-    case kFloat16: pack_k_rows<kFloat16>(rows, kt, d, dp, out); break;
-    case kBFloat16: pack_k_rows<kBFloat16>(rows, kt, d, dp, out); break;
-    default: pack_k_rows<kFloat32>(rows, kt, d, dp, out); break;
+    case kFloat16: pack_k_rows<kFloat16>(rows, kt, d, out); break;
+    case kBFloat16: pack_k_rows<kBFloat16>(rows, kt, d, out); break;
+    default: pack_k_rows<kFloat32>(rows, kt, d, out); break;
   }
   for (std::int64_t dd = 0; dd < d; ++dd) {
     for (int j = kt; j < cols; ++j) out[dd * kKeyTile + j] = 0.0f;
@@ -349,8 +356,8 @@ DSPEC_AVX512 void qk_avx512(const float* qp, std::int64_t m, std::int64_t dp, co
   }
 }
 
-// 2^x for x <= 0: x = n + f (n = round(x)), Cephes' 2^f polynomial, scalef by n; x below
-// -150 (and -inf, NaN) gives exactly 0.
+// 2^x (x <= kLazyMax here): x = n + f (n = round(x)), Cephes' 2^f polynomial on [-0.5, 0.5],
+// scalef by n; x below -150 (and -inf, NaN) gives exactly 0.
 DSPEC_AVX512_INLINE __m512 exp2_avx512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));  // NaN -> -150
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -383,6 +390,29 @@ DSPEC_AVX512_INLINE void softmax_rows(float* s, std::int64_t m, int kt, int nv, 
     }
     const float old = mrun[r];
     const __m512 thr = _mm512_set1_ps(old + kLazyMax);
+    if (rb == ~std::uint64_t(0)) {  // a full tile, every key visible (nv == 4)
+      __m512 x[4];
+      for (int c = 0; c < 4; ++c) x[c] = _mm512_load_ps(row + 16 * c);
+      const __mmask16 over = static_cast<__mmask16>(
+          _mm512_cmp_ps_mask(x[0], thr, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x[1], thr, _CMP_GT_OQ) |
+          _mm512_cmp_ps_mask(x[2], thr, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x[3], thr, _CMP_GT_OQ));
+      float nm = old, al = 1.0f;
+      if (over) {
+        nm = std::max(old, _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]))));
+        al = exp2_nonpos(old - nm);
+      }
+      const __m512 nmv = _mm512_set1_ps(nm);
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        const __m512 p = exp2_avx512(_mm512_sub_ps(x[c], nmv));
+        _mm512_store_ps(row + 16 * c, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      _mm512_store_ps(lrun + r * 16, _mm512_fmadd_ps(_mm512_load_ps(lrun + r * 16), _mm512_set1_ps(al), sum));
+      mrun[r] = nm;
+      alpha[r] = al;
+      continue;
+    }
     __m512 x[4];
     __mmask16 km[4];
     __mmask16 over = 0;
@@ -600,8 +630,9 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
   if (i0 >= i1 || H <= 0) return;
   const std::int64_t G = g.group, DP = g.dp, D = a.head_dim, M = (i1 - i0) * G, item = g.item;
   const std::int64_t qo_stride = ws.rows * DP, st_stride = up16(ws.rows);  // per head
-  // fp32 V rows with D % 16 == 0 are read in place
-  const bool v_in_place = a.dtype == kFloat32 && DP == D;
+  // fp32 V rows with D % 16 == 0 are read in place by small tiles and for D <= 64; larger
+  // ones copy the V tile (64 rows of up to 4 KiB apart) into L1-friendly contiguous rows
+  const bool v_in_place = a.dtype == kFloat32 && DP == D && (M < 16 || D <= 64);
   constexpr int KT = kKeyTile;
 
   for (std::int64_t hi = 0; hi < H; ++hi) {
@@ -774,8 +805,8 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   // of at most kMaxTileRows rows, then, while threads would idle, more head groups and
   // more query tiles.
   std::int64_t q_tiles = std::min(a.n, (a.n * g.group + kMaxTileRows - 1) / kMaxTileRows);
-  // as many heads per unit as keep their Q and O rows within kUnitStateBytes (L1): then the
-  // unit streams whole K / V rows (every head side by side), else one head per unit
+  // as many heads per unit as keep their Q and O rows within kUnitStateBytes (L2): the unit
+  // then streams whole K / V rows (every head side by side) once
   const std::int64_t head_state = (a.n + q_tiles - 1) / q_tiles * g.group * g.dp * 8;
   const std::int64_t unit_heads = std::max<std::int64_t>(1, std::min<std::int64_t>(a.hkv, kUnitStateBytes / head_state));
   std::int64_t head_groups = (a.hkv + unit_heads - 1) / unit_heads;

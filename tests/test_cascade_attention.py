@@ -1,4 +1,6 @@
 """cascade_attention and merge_states against a float64 explicit-softmax reference."""
+import os
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ from dspec.reference import attention as reference
 from dspec.reference import pack_mask as pack_reference
 from conftest import backends_for, device_backends
 
-PROVIDED = ("torch", "triton")
+PROVIDED = ("torch", "triton", "cpp")
 
 
 def make_case(batch, n, hq, hkv, d, prefix_lens, dtype, seed, mask_kind="random"):
@@ -254,3 +256,262 @@ def test_paged_bad_input():
         dspec.cascade_attention(q, k, v, prefix_k=cache, prefix_v=cache, prefix_page_table=table,
                                 prefix_lens=torch.tensor([3], dtype=torch.int32),
                                 prefix_indptr=torch.tensor([0, 3]))
+
+
+# ------------------------------------------------------------------- the C++ CPU backend
+from dspec.ops import attention as attention_ops  # noqa: E402
+
+HAS_CPP = _backend.cpp_available()
+needs_cpp = pytest.mark.skipif(not HAS_CPP, reason="dspec._C is not built")
+ISAS = ["generic"] + (["avx512"] if HAS_CPP and _backend.extension().cascade_attention_isa() == "avx512" else [])
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    """Both tile codes of the cpp backend: the portable loops and (where the CPU has it) AVX-512."""
+    monkeypatch.setattr(attention_ops, "_CPP_ISA", request.param)
+    return request.param
+
+
+def _cpp(case, **kw):
+    q, k, v, words, pk, pv, indptr = case
+    return dspec.cascade_attention(q, k, v, words, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr,
+                                   return_lse=True, backend="cpp", **kw)
+
+
+@needs_cpp
+@pytest.mark.parametrize("n,prefix_lens,hq,hkv,d,dtype,mask_kind", [
+    (1, [0], 8, 8, 64, torch.float32, "random"),       # no key but itself
+    (1, [300], 9, 3, 64, torch.float32, "none"),       # decode, G = 3
+    (2, [65, 0], 12, 4, 64, torch.bfloat16, "random"),
+    (17, [5, 64, 0], 8, 1, 128, torch.float16, "tree"),  # G = 8
+    (63, [129], 6, 2, 40, torch.float32, "random"),    # odd D
+    (64, [1, 2], 3, 3, 64, torch.bfloat16, "none"),
+    (65, [33], 16, 2, 128, torch.float32, "tree"),
+    (130, [0, 7], 4, 1, 64, torch.float32, "tree"),    # several query tiles, 3 key tiles
+    (37, [200], 24, 8, 48, torch.bfloat16, "random"),
+])
+def test_cpp_matches_float64_reference(isa, n, prefix_lens, hq, hkv, d, dtype, mask_kind):
+    case = make_case(len(prefix_lens), n, hq, hkv, d, prefix_lens, dtype, n + hq + d, mask_kind)
+    out, lse = _cpp(case, sm_scale=0.7 / d ** 0.5)
+    assert out.dtype == dtype and out.shape == case[0].shape and lse.shape == case[0].shape[:3]
+    check_against_oracle(out, lse, case, dtype, sm_scale=0.7 / d ** 0.5)
+
+
+@needs_cpp
+@pytest.mark.parametrize("build", [
+    lambda: dspec.masks.causal(21), lambda: dspec.masks.ssd_copies(6, 3),
+    lambda: dspec.masks.s2d2_two_l(9), lambda: dspec.masks.spiffy_draft_graph(4, [0, 1], 2),
+    lambda: dspec.masks.block_diffusion(33), lambda: dspec.masks.tree([-1, 0, 0, 1, 1, 2, 5, 5])],
+    ids=["causal", "ssd", "s2d2", "spiffy", "block", "tree"])
+def test_cpp_method_masks(isa, build):
+    """The suffix masks of every verification shape (dspec.masks), shared by the batch."""
+    words = build().words
+    n = words.shape[0]
+    q, k, v, _, pk, pv, indptr = make_case(2, n, 6, 2, 64, [19, 70], torch.float32, n)
+    case = (q, k, v, words, pk, pv, indptr)
+    check_against_oracle(*_cpp(case), case, torch.float32)
+
+
+@needs_cpp
+def test_cpp_paged_cache_views_and_strided_inputs(isa):
+    """A layer of a KV cache [L, B, cap, Hkv, D] (here stored head-major and transposed: a
+    view with a head stride of cap * D) read in place as pages of page_size = cap with the
+    page table [[0], [1], [2]]; q, k, v are views into one fused qkv tensor.  Equals the
+    ragged layout of the same rows exactly, and the float64 oracle."""
+    g = torch.Generator().manual_seed(7)
+    batch, n, hq, hkv, d, cap, layers = 3, 5, 8, 2, 64, 80, 2
+    lens = torch.tensor([70, 0, 80], dtype=torch.int32)
+    store_k = torch.randn(layers, batch, hkv, cap, d, generator=g)
+    store_v = torch.randn(layers, batch, hkv, cap, d, generator=g)
+    cache_k, cache_v = store_k.transpose(2, 3), store_v.transpose(2, 3)   # [L, B, cap, Hkv, D] views
+    qkv = torch.randn(batch, n, hq + 2 * hkv, d, generator=g)
+    q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
+    words = dspec.masks.causal(n).words
+    table = torch.arange(batch, dtype=torch.int32)[:, None]
+    layer = 1
+    paged = dspec.cascade_attention(q, k, v, words, prefix_k=cache_k[layer], prefix_v=cache_v[layer],
+                                    prefix_page_table=table, prefix_lens=lens, return_lse=True,
+                                    backend="cpp")
+    rows_k = torch.cat([cache_k[layer, b, :int(lens[b])] for b in range(batch)])
+    rows_v = torch.cat([cache_v[layer, b, :int(lens[b])] for b in range(batch)])
+    indptr = torch.tensor([0, 70, 70, 150])
+    case = (q.contiguous(), k.contiguous(), v.contiguous(), words, rows_k, rows_v, indptr)
+    ragged = _cpp(case)
+    assert torch.equal(paged[0], ragged[0]) and torch.equal(paged[1], ragged[1])
+    check_against_oracle(*paged, case, torch.float32)
+    plan = attention_ops.CascadeAttentionPlan(batch, n, hq, hkv, d, torch.float32, "cpu", words,
+                                              prefix_page_table=table, prefix_lens=lens, backend="cpp")
+    for i in range(layers):
+        got = plan.run(q, k, v, cache_k[i], cache_v[i], return_lse=True)
+        exp = dspec.cascade_attention(q, k, v, words, prefix_k=cache_k[i].contiguous(),
+                                      prefix_v=cache_v[i].contiguous(), prefix_page_table=table,
+                                      prefix_lens=lens, return_lse=True, backend="cpp")
+        assert torch.equal(got[0], exp[0]) and torch.equal(got[1], exp[1])
+
+
+@pytest.mark.parametrize("backend", ["torch"] + (["cpp"] if HAS_CPP else []))
+@pytest.mark.parametrize("layout", ["ragged", "paged", "none"])
+def test_plan_run_equals_one_call(backend, layout):
+    q, k, v, words, pk, pv, indptr = make_case(2, 9, 6, 3, 32, [11, 40], torch.float32, 5)
+    kw, run_prefix = {}, ()
+    if layout == "ragged":
+        kw, run_prefix = dict(prefix_indptr=indptr), (pk, pv)
+    elif layout == "paged":
+        table = torch.tensor([[2, 0, 1], [5, 4, 3]], dtype=torch.int32)
+        cache_k, cache_v = torch.zeros(6, 16, 3, 32), torch.zeros(6, 16, 3, 32)
+        for b, (lo, hi) in enumerate([(0, 11), (11, 51)]):
+            t = torch.arange(hi - lo)
+            cache_k[table[b].long()[t // 16], t % 16] = pk[lo + t]
+            cache_v[table[b].long()[t // 16], t % 16] = pv[lo + t]
+        lens = torch.tensor([11, 40], dtype=torch.int32)
+        kw, run_prefix = dict(prefix_page_table=table, prefix_lens=lens), (cache_k, cache_v)
+    plan = attention_ops.CascadeAttentionPlan(2, 9, 6, 3, 32, torch.float32, "cpu", words, sm_scale=0.2,
+                                              backend=backend, **kw)
+    assert plan.backend == backend
+    one = dspec.cascade_attention(q, k, v, words, *(), sm_scale=0.2, return_lse=True, backend=backend,
+                                  **dict(zip(("prefix_k", "prefix_v"), run_prefix)), **kw)
+    got = plan.run(q, k, v, *run_prefix, return_lse=True)
+    assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
+    assert torch.equal(plan.run(q, k, v, *run_prefix), one[0])
+    if layout != "none":
+        check_against_oracle(*got, (q, k, v, words, pk, pv, indptr), torch.float32, sm_scale=0.2)
+
+
+@needs_cpp
+def test_cpp_threads_give_identical_results(isa, monkeypatch):
+    """Work is split over threads by (request, KV head group, query tile); every row's
+    arithmetic is the same whatever the split, so the result is bit-identical."""
+    case = make_case(2, 40, 8, 2, 64, [300, 129], torch.bfloat16, 11, "tree")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _cpp(case)
+        monkeypatch.setenv("DSPEC_CPU_THREADS", "4")
+        torch.set_num_threads(4)
+        many = _cpp(case)
+        single = _cpp(tuple(t[:1] for t in case[:4]) + (case[4], case[5], case[6][:2]))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+    assert torch.equal(single[0], one[0][:1])   # B = 1: fewer units, split over heads and query tiles
+
+
+@needs_cpp
+def test_cpp_empty_inputs(isa):
+    q, k, v, words, *_ = make_case(2, 5, 4, 2, 16, [0, 0], torch.float32, 3)
+    # B = 0
+    out, lse = dspec.cascade_attention(q[:0], k[:0], v[:0], words[:0], return_lse=True, backend="cpp")
+    assert out.shape == (0, 5, 4, 16) and lse.shape == (0, 5, 4)
+    # every prefix empty (T = 0 rows), and rows whose mask row is empty: out = 0, lse = -inf
+    empty = torch.zeros(0, 2, 16)
+    out, lse = dspec.cascade_attention(q, k, v, words, prefix_k=empty, prefix_v=empty,
+                                       prefix_indptr=torch.zeros(3, dtype=torch.int64), return_lse=True,
+                                       backend="cpp")
+    assert (lse[:, 1] == float("-inf")).all() and (out[:, 1] == 0).all()
+    check_against_oracle(out, lse, (q, k, v, words, empty, empty, torch.zeros(3, dtype=torch.int64)),
+                         torch.float32)
+    none = torch.zeros(5, 1, dtype=torch.int32)   # nothing visible at all
+    out, lse = dspec.cascade_attention(q, k, v, none, return_lse=True, backend="cpp")
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
+def test_auto_backend_float64_and_autograd():
+    q, k, v, words, pk, pv, indptr = make_case(1, 4, 2, 1, 16, [5], torch.float32, 2)
+    kw = dict(prefix_k=pk, prefix_v=pv, prefix_indptr=indptr)
+    if HAS_CPP:
+        assert attention_ops._resolve_backend(None, q.device, q.dtype, False) == "cpp"
+        with pytest.raises(ValueError, match="got float64"):
+            dspec.cascade_attention(q.double(), k.double(), v.double(), words, backend="cpp")
+        with pytest.raises(ValueError, match="no backward"):
+            dspec.cascade_attention(q.requires_grad_(), k, v, words, backend="cpp", **kw)
+        q = q.detach()
+    # auto (and a DSPEC_BACKEND=cpp preference): float64 and calls that autograd records
+    # run the torch reference
+    out64 = dspec.cascade_attention(q.double(), k.double(), v.double(), words)
+    assert out64.dtype == torch.float64
+    if HAS_CPP:
+        os.environ["DSPEC_BACKEND"] = "cpp"
+        try:
+            assert dspec.cascade_attention(q.double(), k.double(), v.double(), words).dtype == torch.float64
+        finally:
+            del os.environ["DSPEC_BACKEND"]
+    qg = q.clone().requires_grad_()
+    out = dspec.cascade_attention(qg, k, v, words, **kw)
+    out.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    plan = attention_ops.CascadeAttentionPlan(1, 4, 2, 1, 16, torch.float32, "cpu", words, prefix_indptr=indptr)
+    qg.grad = None
+    plan.run(qg, k, v, pk, pv).sum().backward()
+    assert qg.grad is not None
+
+
+def test_plan_bad_input():
+    q, k, v, words, pk, pv, indptr = make_case(2, 3, 4, 2, 16, [2, 3], torch.float32, 0)
+    Plan = attention_ops.CascadeAttentionPlan
+    with pytest.raises(ValueError, match="multiple of the KV heads"):
+        Plan(2, 3, 4, 3, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="head_dim must be an int"):
+        Plan(2, 3, 4, 2, 0, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="packed words"):
+        Plan(2, 3, 4, 2, 16, torch.float32, "cpu", torch.zeros(3, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="B \\+ 1"):
+        Plan(2, 3, 4, 2, 16, torch.float32, "cpu", words, prefix_indptr=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="never decrease"):
+        Plan(2, 3, 4, 2, 16, torch.float32, "cpu", words, prefix_indptr=torch.tensor([0, 3, 2]))
+    with pytest.raises(ValueError, match="either prefix_indptr"):
+        Plan(2, 3, 4, 2, 16, torch.float32, "cpu", prefix_indptr=indptr, prefix_lens=torch.zeros(2, dtype=torch.int32))
+    for backend in ["torch"] + (["cpp"] if HAS_CPP else []):
+        plan = Plan(2, 3, 4, 2, 16, torch.float32, "cpu", words, prefix_indptr=indptr, backend=backend)
+        with pytest.raises(ValueError, match="the plan takes q"):
+            plan.run(q[:1], k, v, pk, pv)
+        with pytest.raises(ValueError, match="q must have dtype"):
+            plan.run(q.half(), k, v, pk, pv)
+        with pytest.raises(ValueError, match="give this layer's prefix_k"):
+            plan.run(q, k, v)
+        with pytest.raises(ValueError, match="prefix_k and prefix_v must have shape"):
+            plan.run(q, k, v, pk[:, :1], pv[:, :1])
+        with pytest.raises(ValueError, match="end at most"):
+            plan.run(q, k, v, pk[:4], pv[:4])
+        with pytest.raises(ValueError, match="has no prefix"):
+            Plan(2, 3, 4, 2, 16, torch.float32, "cpu", backend=backend).run(q, k, v, pk, pv)
+
+
+@needs_cpp
+def test_cpp_extension_validates_arguments():
+    """dspec._C.cascade_attention checks every argument (and the prefix metadata values)
+    before it reads anything."""
+    ext = _backend.extension()
+    q, k, v = torch.randn(1, 2, 2, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    out = torch.empty_like(q)
+    pk = torch.randn(4, 1, 16)
+    ip32 = torch.tensor([0, 4], dtype=torch.int32)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+
+    def call(**kw):
+        a = dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=0, mask=0,
+                 prefix_k=pk.data_ptr(), prefix_v=pk.data_ptr(), prefix_indptr=ip32.data_ptr(), page_table=0,
+                 prefix_lens=0, dtype=0, batch=1, n=2, hq=2, hkv=1, head_dim=16, sm_scale=0.25,
+                 q_s0=64, q_s1=32, q_s2=16, k_s0=32, k_s1=16, k_s2=16, v_s0=32, v_s1=16, v_s2=16,
+                 out_s0=64, out_s1=32, out_s2=16, mask_s0=0, mask_s1=0, prefix_k_s0=0, prefix_k_s1=16,
+                 prefix_k_s2=16, prefix_v_s0=0, prefix_v_s1=16, prefix_v_s2=16, indptr_dtype=0,
+                 prefix_rows=4, page_size=1, max_pages=0, page_table_stride=0, num_threads=1)
+        a.update(kw)
+        ext.cascade_attention(**a)
+
+    call()
+    torch.testing.assert_close(out, dspec.cascade_attention(q, k, v, prefix_k=pk, prefix_v=pk,
+                                                            prefix_indptr=ip32, backend="torch"))
+    for kw, match in [
+        (dict(q=0), "q is a null pointer"), (dict(hkv=3, hq=2), "multiple of hkv"),
+        (dict(dtype=5), "dtype must be"), (dict(q_s1=-1), "strides must be >= 0"),
+        (dict(prefix_rows=3), "prefix_indptr must"), (dict(indptr_dtype=2), "indptr_dtype must"),
+        (dict(isa="sse"), "isa must be"), (dict(sm_scale=float("nan")), "sm_scale must be finite"),
+        (dict(q_s1=2 ** 63 - 8), "overflows int64"),
+        (dict(prefix_indptr=0, page_table=table.data_ptr(), prefix_lens=lens.data_ptr(), max_pages=1,
+              page_size=2, prefix_rows=2, prefix_k_s0=32, prefix_v_s0=32), "prefix_lens\\[0\\] = 3"),
+        (dict(prefix_indptr=0, page_table=table.data_ptr(), prefix_lens=lens.data_ptr(), max_pages=1,
+              page_size=4, prefix_rows=0), "not a page"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call(**kw)

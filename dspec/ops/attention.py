@@ -1,8 +1,6 @@
 """cascade_attention and merge_states: shared-prefix attention under a packed suffix mask."""
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -64,6 +62,11 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
     return_lse : also return the natural-log logsumexp of the scaled scores [B, N, Hq] float32.
     max_prefix_len : optional upper bound of the prefix lengths; lets the kernel size its
         prefix splits without reading ``prefix_indptr`` on the host (CUDA-graph capture).
+    backend : "torch" (the reference), "triton", "cpp" (the C++ CPU code of ``dspec._C``:
+        float32 / float16 / bfloat16 CPU tensors, no backward) or "auto" (default; see
+        ``dspec._backend``: on CPU tensors the C++ code, except for float64 and calls that
+        autograd records, which run the reference).  For many calls with the same shapes,
+        mask and prefix layout (one per layer of a forward) see :class:`CascadeAttentionPlan`.
 
     Returns
     -------
@@ -114,17 +117,17 @@ def _needs_grad(*tensors) -> bool:
 
 
 def _resolve_backend(backend, device, dtype, needs_grad: bool) -> str:
-    """The backend name; "auto" never picks the C++ code for float64 or for a call autograd
-    must record (it has no backward): those run the torch reference, as before it existed."""
-    name = _library.resolve("cascade_attention", backend, device, _CASCADE_BACKENDS)
+    """The backend name.  The C++ code takes no float64 and has no backward: "auto" (and a
+    ``$DSPEC_BACKEND`` preference) then runs the torch reference, as before the C++ code
+    existed; an explicit ``backend="cpp"`` is an error."""
+    unsupported = {}
+    if dtype == torch.float64:
+        unsupported["cpp"] = "the 'cpp' backend takes float32/float16/bfloat16, got float64"
+    elif needs_grad:
+        unsupported["cpp"] = "the 'cpp' backend has no backward (an input requires grad); use backend='torch'"
+    name = _library.resolve("cascade_attention", backend, device, _CASCADE_BACKENDS, unsupported)
     if name == "triton" and dtype == torch.float64:
         raise ValueError("cascade_attention: the Triton kernel takes float32/float16/bfloat16, got float64")
-    if name == "cpp" and (dtype == torch.float64 or needs_grad):
-        requested = backend if backend is not None else os.environ.get("DSPEC_BACKEND", "auto")
-        if (requested or "auto").lower() != "auto":
-            why = "float64" if dtype == torch.float64 else "inputs that require grad (no backward)"
-            raise ValueError(f"cascade_attention: the 'cpp' backend does not take {why}; use backend='torch'")
-        name = "torch"
     return name
 
 
@@ -209,25 +212,31 @@ class _CppMeta:
         self.keep = (mask, indptr, table, lens)
 
 
-def _cpp_run(meta: _CppMeta, q, k, v, prefix_k, prefix_v, return_lse: bool):
+def _cpp_run(meta: _CppMeta, q, k, v, prefix_k, prefix_v, return_lse: bool, qs=None, ks=None, vs=None,
+             pks=None, pvs=None):
     """dspec._C.cascade_attention on CPU tensors with a unit stride along D (any other
-    strides); ``meta`` from the plan or built for a one-call."""
+    strides; the plan passes the ones it already read); ``meta`` from the plan or built for
+    a one-call."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(meta.lse_shape, dtype=torch.float32) if return_lse else None
-    qs, ks, vs = q.stride(), k.stride(), v.stride()
+    if qs is None:
+        qs, ks, vs = q.stride(), k.stride(), v.stride()
     if meta.prefix == 0:
         kp = vp = pk0 = pk1 = pk2 = pv0 = pv1 = pv2 = rows = 0
         page_size = 1
     else:
+        if pks is None:
+            pks, pvs = prefix_k.stride(), prefix_v.stride()
         kp, vp = prefix_k.data_ptr(), prefix_v.data_ptr()
-        rows = prefix_k.shape[0]
+        shape = prefix_k.shape
+        rows = shape[0]
         if meta.prefix == 2:   # pages [P, S, Hkv, D]: strides page, row, head
-            pk0, pk1, pk2, _ = prefix_k.stride()
-            pv0, pv1, pv2, _ = prefix_v.stride()
-            page_size = prefix_k.shape[1]
+            pk0, pk1, pk2, _ = pks
+            pv0, pv1, pv2, _ = pvs
+            page_size = shape[1]
         else:                  # rows [T, Hkv, D]
-            pk1, pk2, _ = prefix_k.stride()
-            pv1, pv2, _ = prefix_v.stride()
+            pk1, pk2, _ = pks
+            pv1, pv2, _ = pvs
             pk0 = pv0 = 0
             page_size = 1
     m, mp = meta.mask_part, meta.meta_part
@@ -343,61 +352,73 @@ class CascadeAttentionPlan:
         the plan has a prefix, this layer's prefix_k / prefix_v (ragged [T, Hkv, D] or
         paged [pages, page_size, Hkv, D], unit stride along D).  Returns out [B, N, Hq, D]
         in q's dtype (and lse [B, N, Hq] float32 with ``return_lse``)."""
+        meta = self._meta
+        # the C++ code directly: plain CPU tensors, nothing traced, no autograd; every
+        # other case (and every error message) goes through _run_general
+        if (meta is None or type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor
+                or not (q.is_cpu and k.is_cpu and v.is_cpu) or _get_current_dispatch_mode() is not None
+                or torch.compiler.is_compiling()
+                or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+            return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
         dtype = self.dtype
+        if (q.shape != self._q_shape or k.shape != self._kv_shape or v.shape != self._kv_shape
+                or q.dtype != dtype or k.dtype != dtype or v.dtype != dtype):
+            return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
+        qs, ks, vs = q.stride(), k.stride(), v.stride()
+        if qs[3] != 1 or ks[3] != 1 or vs[3] != 1:
+            return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
+        pks = pvs = None
+        if meta.prefix:
+            if (type(prefix_k) is not _Tensor or type(prefix_v) is not _Tensor
+                    or not (prefix_k.is_cpu and prefix_v.is_cpu) or prefix_k.dtype != dtype
+                    or prefix_v.dtype != dtype or (torch.is_grad_enabled()
+                                                   and (prefix_k.requires_grad or prefix_v.requires_grad))):
+                return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
+            shape = prefix_k.shape
+            pks, pvs = prefix_k.stride(), prefix_v.stride()
+            if (len(shape) != self._prefix_dim or shape != prefix_v.shape or shape[-1] != self.head_dim
+                    or shape[-2] != self.hkv or pks[-1] != 1 or pvs[-1] != 1):
+                return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
+        elif prefix_k is not None or prefix_v is not None:
+            return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
+        return _cpp_run(meta, q, k, v, prefix_k, prefix_v, return_lse, qs, ks, vs, pks, pvs)
+
+    def _run_general(self, q, k, v, prefix_k, prefix_v, return_lse):
+        """Every other case: all checks (with their error messages), the prefix metadata
+        values checked once per prefix size, then the one-call path (the custom op when
+        tracing; the torch reference when autograd must record the call)."""
+        dtype = self.dtype
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _validate.tensor(name, t, dim=4, dtypes=(dtype,))
         if q.shape != self._q_shape or k.shape != self._kv_shape or v.shape != self._kv_shape:
             raise ValueError(f"the plan takes q {list(self._q_shape)} and k, v {list(self._kv_shape)}, got "
                              f"{list(q.shape)}, {list(k.shape)} and {list(v.shape)}")
-        if q.dtype != dtype or k.dtype != dtype or v.dtype != dtype:
-            raise ValueError(f"the plan takes {dtype} q, k, v, got {q.dtype}, {k.dtype} and {v.dtype}")
         if self.has_prefix:
             if prefix_k is None or prefix_v is None:
                 raise ValueError("the plan has a prefix: give this layer's prefix_k and prefix_v")
-            if (prefix_k.shape[-2:] != self._prefix_tail or prefix_k.dim() != self._prefix_dim
-                    or prefix_k.shape != prefix_v.shape):
+            _validate.tensor("prefix_k", prefix_k, dim=self._prefix_dim, dtypes=(dtype,))
+            _validate.tensor("prefix_v", prefix_v, dim=self._prefix_dim, dtypes=(dtype,))
+            if prefix_k.shape != prefix_v.shape or prefix_k.shape[-2:] != self._prefix_tail:
                 lay = "[pages, page_size, Hkv, D]" if self.paged else "[T, Hkv, D]"
                 raise ValueError(f"prefix_k and prefix_v must have shape {lay} with Hkv, D = "
                                  f"{self._prefix_tail}, got {list(prefix_k.shape)} and {list(prefix_v.shape)}")
-            if prefix_k.dtype != dtype or prefix_v.dtype != dtype:
-                raise ValueError(f"prefix_k and prefix_v must be {dtype}, got {prefix_k.dtype} and {prefix_v.dtype}")
             if prefix_k.stride(-1) != 1 or prefix_v.stride(-1) != 1:
                 raise ValueError("prefix_k / prefix_v must be contiguous along D")
         elif prefix_k is not None or prefix_v is not None:
             raise ValueError("the plan has no prefix: prefix_k and prefix_v must be None")
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        if k.stride(-1) != 1:
-            k = k.contiguous()
-        if v.stride(-1) != 1:
-            v = v.contiguous()
-        # the C++ code directly: plain CPU tensors, nothing to trace, no autograd
-        if (self._meta is not None and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
-                and q.is_cpu and k.is_cpu and v.is_cpu
-                and (prefix_k is None or (type(prefix_k) is _Tensor and type(prefix_v) is _Tensor
-                                          and prefix_k.is_cpu and prefix_v.is_cpu))
-                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                                      or (prefix_k is not None and (prefix_k.requires_grad
-                                                                                    or prefix_v.requires_grad))))
-                and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling()):
-            return _cpp_run(self._meta, q, k, v, prefix_k, prefix_v, return_lse)
-        return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
-
-    def _run_general(self, q, k, v, prefix_k, prefix_v, return_lse):
-        """Every other case: devices checked, the prefix metadata values checked once per
-        prefix size, then the one-call path (custom op when tracing)."""
         _validate.same_device(self.device, "the plan", q=q, k=k, v=v, prefix_k=prefix_k, prefix_v=prefix_v)
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         name = self.backend
         if name == "cpp" and _needs_grad(q, k, v, prefix_k, prefix_v):
-            name = _resolve_backend(self._requested, self.device, self.dtype, True)
+            name = _resolve_backend(self._requested, self.device, dtype, True)
         if self.has_prefix and prefix_k.shape[0] != self._checked_rows:
             if self.paged:
                 _check_paged_prefix(prefix_k, prefix_v, None, self.prefix_page_table, self.prefix_lens,
-                                    self.batch, self.hkv, self.head_dim, self.dtype, self.device)
+                                    self.batch, self.hkv, self.head_dim, dtype, self.device)
             else:
                 _check_ragged_prefix(prefix_k, prefix_v, self.prefix_indptr, self.batch, self.hkv,
-                                     self.head_dim, self.dtype, self.device)
+                                     self.head_dim, dtype, self.device)
             self._checked_rows = prefix_k.shape[0]
-        if self.has_prefix and not self.paged and (prefix_k.stride(-1) != 1 or prefix_v.stride(-1) != 1):
-            prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
         return _launch(q, k, v, self.mask, prefix_k, prefix_v, self.prefix_indptr, self.prefix_page_table,
                        self.prefix_lens, self.sm_scale, bool(return_lse), self.max_prefix_len, name)
 
