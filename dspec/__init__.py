@@ -3,7 +3,7 @@
 Importing dspec needs neither a GPU, nvcc nor Triton; kernels load lazily.
 """
 from ._validate import config
-from .ops import (boundary_posterior, cascade_attention, expected_accept_length,
+from .ops import (CascadeAttentionPlan, boundary_posterior, cascade_attention, expected_accept_length,
                   mass_candidates, merge_states, pack_mask, rejection_boundaries, token_stats,
                   topk_tokens, tree_mask, unpack_mask, verify_chain, verify_tree)
 from .types import TokenStats, TreeMask, TreeVerifyOutput, VerifyOutput
@@ -18,7 +18,7 @@ if _os.environ.get("DSPEC_NUM_THREADS"):       # an explicit choice holds for th
 
 __version__ = "0.1.0"
 
-__all__ = ["Generation", "TokenStats", "TreeMask", "TreeVerifyOutput", "VerifyOutput",
+__all__ = ["CascadeAttentionPlan", "Generation", "TokenStats", "TreeMask", "TreeVerifyOutput", "VerifyOutput",
            "boundary_posterior", "cascade_attention", "config", "expected_accept_length",
            "generate", "load", "masks", "mass_candidates", "merge_states", "pack_mask",
            "rejection_boundaries", "token_stats", "topk_tokens", "tree_mask", "unpack_mask",
