@@ -399,3 +399,42 @@ def test_tree_is_lossless(device, backend, distinct):
     seqs, start = _speculate_tree(p, q, backend, distinct=distinct, device=device, seed=4)
     chi2, limit = _joint_chi_square(seqs, p, start)
     assert chi2 < limit, f"chi2 {chi2:.1f} >= {limit:.1f}: tree verification is not lossless"
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_padding_at_temperature_on_every_backend(backend):
+    """-1 past num_drafts (chain) and padding nodes with ids >= V (tree) at T > 0: every
+    backend, the torch oracle included, takes them and agrees."""
+    from dspec import _backend
+    if backend == "cpp" and not _backend.cpp_available():
+        pytest.skip("dspec._C not built")
+    torch.manual_seed(0)
+    B, L, V = 3, 4, 11
+    logits = torch.randn(B, L + 1, V)
+    drafts = torch.randint(0, V, (B, L))
+    num = torch.tensor([4, 2, 0])
+    drafts[1, 2:] = -1
+    drafts[2, :] = -1
+    coins, uni = torch.rand(B, L), torch.rand(B)
+    got = dspec.verify_chain(drafts, logits, num_drafts=num, temperature=1.0, coins=coins,
+                             sample_uniforms=uni, backend=backend)
+    want = dspec.verify_chain(drafts, logits, num_drafts=num, temperature=1.0, coins=coins,
+                              sample_uniforms=uni, backend="torch")
+    assert torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.tokens, want.tokens)
+    tokens = torch.tensor([[0, 3, 5, V + 7], [0, 2, -1, 1]])
+    parents = torch.tensor([[-1, 0, 0, -1], [-1, 0, -1, -1]])
+    tl = torch.randn(2, 4, V)
+    tc, tu = torch.rand(2, 4), torch.rand(2)
+    got = dspec.verify_tree(tokens, parents, tl, temperature=0.7, coins=tc, sample_uniforms=tu, backend=backend)
+    want = dspec.verify_tree(tokens, parents, tl, temperature=0.7, coins=tc, sample_uniforms=tu, backend="torch")
+    assert torch.equal(got.path, want.path) and torch.equal(got.tokens, want.tokens)
+
+
+@pytest.mark.parametrize("value", [5.0, -0.1, float("nan"), float("inf")])
+def test_draft_probs_values_checked(value):
+    drafts = torch.tensor([[1, 2]])
+    logits = torch.randn(1, 3, 4)
+    probs = torch.full((1, 2, 4), 0.25)
+    probs[0, 1, 3] = value
+    with pytest.raises(ValueError, match=r"draft_probs\[0, 1, 3\]"):
+        dspec.verify_chain(drafts, logits, draft_probs=probs, temperature=1.0)

@@ -162,10 +162,18 @@ def test_cpp_edge_cases():
 
 @needs_ext
 def test_cpp_nan_draft_probs_give_minus_one():
+    """The wrapper rejects NaN draft_probs while value checks are on; with them off (an
+    engine loop) the kernel still gives the documented -1."""
     logits, drafts, q, _, coins, u = chain_case(4, 3, 50, torch.float32, 2, with_q=True)
     q[:, 0, :] = float("nan")
-    out = dspec.verify_chain(drafts, logits, draft_probs=q, temperature=1.0, coins=coins, sample_uniforms=u,
-                             backend="cpp")
+    with pytest.raises(ValueError, match="draft_probs"):
+        dspec.verify_chain(drafts, logits, draft_probs=q, temperature=1.0, backend="cpp")
+    dspec.config.validate_values = False
+    try:
+        out = dspec.verify_chain(drafts, logits, draft_probs=q, temperature=1.0, coins=coins,
+                                 sample_uniforms=u, backend="cpp")
+    finally:
+        dspec.config.validate_values = True
     exp = reference.verify_chain(drafts, logits, draft_probs=q, temperature=1.0, coins=coins, sample_uniforms=u)
     same(out, exp)
     assert out.tokens[:, 0].tolist() == [-1] * 4

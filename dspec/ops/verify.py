@@ -108,6 +108,12 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
         if tuple(draft_probs.shape) != (batch, length, vocab):
             raise ValueError(f"draft_probs must have shape [B, L, V] = [{batch}, {length}, {vocab}], "
                              f"got {list(draft_probs.shape)}")
+        if draft_probs.numel() and _validate.value_checks_enabled(draft_probs):
+            bad = ~((draft_probs >= 0) & (draft_probs <= 1))          # NaN fails both
+            if bool(bad.any()):
+                b, i, v = bad.nonzero()[0].tolist()
+                raise ValueError(f"draft_probs must hold probabilities in [0, 1] (finite); "
+                                 f"draft_probs[{b}, {i}, {v}] = {float(draft_probs[b, i, v])}")
     if num_drafts is not None:
         _validate.tensor("num_drafts", num_drafts, dim=1, dtypes=_validate.ID_DTYPES)
         if num_drafts.shape[0] != batch:

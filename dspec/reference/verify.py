@@ -6,8 +6,9 @@ backend uses.  A draw from weights ``w`` with uniform ``u`` is the smallest id v
 
 Invalid positions: a target row holding a NaN or +inf, or only -inf, has no distribution.
 Verification stops there: the draft at that position is rejected and the final token is -1
-(greedy: the argmax is -1, which matches no draft).  NaN in ``draft_probs`` likewise
-rejects and gives -1.  Nothing crashes; the -1 is the documented signal.
+(greedy: the argmax is -1, which matches no draft).  NaN in ``draft_probs`` (which the
+public wrapper rejects while value checks are on) likewise rejects and gives -1.  Nothing
+crashes; the -1 is the documented signal.
 """
 from __future__ import annotations
 
@@ -64,16 +65,19 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
         final = argmax[rows, num_accepted]
     else:
         p = _probs(target_logits, temperature)
-        p_x = p[:, :length].gather(-1, x[..., None])[..., 0]
+        # slots past num_drafts[b] may hold anything (-1 typically): gather at a valid id,
+        # the in_draft mask discards them
+        xg = x.clamp(0, p.shape[-1] - 1)
+        p_x = p[:, :length].gather(-1, xg[..., None])[..., 0]
         q_x = (torch.ones_like(p_x) if draft_probs is None
-               else draft_probs.float().gather(-1, x[..., None])[..., 0])
+               else draft_probs.float().gather(-1, xg[..., None])[..., 0])
         ok = (coins.float() * q_x < p_x) & in_draft
         num_accepted = ok.long().cumprod(-1).sum(-1)
         j = num_accepted
         p_j = p[rows, j]
         rejected = (j < n)[:, None]
         if draft_probs is None:  # one-hot q: the residual is p without the rejected token
-            x_j = x[rows, j.clamp(max=length - 1)] if length else j
+            x_j = xg[rows, j.clamp(max=length - 1)] if length else j
             w = p_j.scatter(-1, x_j[:, None], 0.0)
         else:
             q_j = draft_probs.float()[rows, j.clamp(max=max(length - 1, 0))]
@@ -114,10 +118,11 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
         if greedy:
             move = child & (t == argmax[rows, node])
         else:
-            w_t = w.gather(-1, t.clamp(min=0)[:, None])[:, 0]
+            tg = t.clamp(0, w.shape[-1] - 1)[:, None]     # padding nodes may hold any id
+            w_t = w.gather(-1, tg)[:, 0]
             move = child & (coins[:, c].float() < w_t / w.sum(-1))
             reject = child & ~move
-            w = torch.where(reject[:, None], w.scatter(-1, t.clamp(min=0)[:, None], 0.0), w)
+            w = torch.where(reject[:, None], w.scatter(-1, tg, 0.0), w)
             w = torch.where(move[:, None], p[:, c], w)
         # write at each moving row's depth without boolean indexing (no host sync)
         at = depth[:, None]
