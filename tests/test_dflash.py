@@ -302,7 +302,7 @@ def test_drafter_none_for_smollm2_names_the_plan():
     from types import SimpleNamespace
 
     from dspec.models.dflash import resolve_drafter
-    with pytest.raises(ValueError, match="issue 9"):
+    with pytest.raises(ValueError, match="not trained yet"):
         resolve_drafter(None, SimpleNamespace(shipped_name="smollm2-135m"), "dflash")
 
 

@@ -72,7 +72,7 @@ DRAFTER = True
 DEFAULTS = dict(draft_len=20, adaptive=True, cps=True, beam=3, tau=0.8, max_candidates=15, lam=0.5,
                 k_min=20, k_max=30, delta=10, rho=0.5)
 # target shipped name -> the drafter dspec ships for it (None: not trained yet, and why)
-# target -> its shipped drafter; smollm2-135m-bd is an adapter trained on a GPU (issue 9),
+# target -> its shipped drafter; smollm2-135m-bd is an adapter (trained separately),
 # present only once that run has shipped it
 SHIPPED_DRAFTERS = {"tiny-ar": "tiny-bd", "smollm2-135m": "smollm2-135m-bd"}
 _DRAFTER_CACHE: dict = {}
@@ -149,7 +149,7 @@ def resolve_drafter(model, drafter):
                 adapter_dir(SHIPPED_DRAFTERS[name])
             except ValueError as e:
                 raise ValueError(f"no DiffuSpec drafter ships for {name!r} yet (a block-diffusion adaptation "
-                                 f"of it is trained on a GPU, issue 9); pass drafter= a block-diffusion model "
+                                 f"of it is not trained yet); pass drafter= a block-diffusion model "
                                  f"that shares its tokenizer.  {e}") from None
         if name not in SHIPPED_DRAFTERS:
             raise ValueError("method 'diffuspec' needs drafter= (a block-diffusion model sharing the target's "

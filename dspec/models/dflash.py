@@ -501,8 +501,7 @@ def resolve_drafter(drafter, target, kind: str) -> BlockDrafter:
                          f"{'dflash' if kind == 'dflash' else 'vp_drafter'}`)")
     path = shipped_drafter_path(name, kind)
     if not path.is_dir():
-        plan = (" GPU-trained drafters for smollm2-135m are the plan of issue 9 (CPU training is too slow "
-                "to ship a useful one)" if name == "smollm2-135m" else "")
+        plan = (" (drafters for smollm2-135m are not trained yet)" if name == "smollm2-135m" else "")
         raise ValueError(f"dspec ships no {kind!r} drafter for target {name!r} yet;{plan} pass drafter= a "
                          f"drafter directory (python -m dspec.train.{'dflash' if kind == 'dflash' else 'vp_drafter'} "
                          f"--target {name} --out DIR)")

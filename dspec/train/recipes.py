@@ -7,7 +7,7 @@
   logits, ``<|MASK|>``), trained from scratch with the 2L masked-denoising objective and a
   block size drawn per step from {1, 2, 4, 8, 16} so one model decodes at every block size
   up to 16 (block size 1 = autoregressive with [MASK] queries).
-- ``bd-adapt``: DiffuSpec's drafter recipe / issue 9's adaptation: start from a causal
+- ``bd-adapt``: DiffuSpec's drafter recipe / SmolLM2's block-diffusion adaptation: start from a causal
   checkpoint (``--init``: a directory or a shipped name such as ``tiny-ar`` or
   ``smollm2-135m``) and fine-tune it with the block-diffusion objective.  A Qwen3 source
   becomes an SDAR model (position-aligned); a Llama / Qwen2 source becomes a Fast-dLLM v2
