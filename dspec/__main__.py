@@ -93,6 +93,7 @@ def _json_safe(stats: dict) -> dict:
 def _generate(args, parser) -> int:
     import dspec
     from dspec.bench_e2e import is_chat_model
+    from dspec.decode.generate import method_module
     from dspec.models.embedded import chat_prompt
 
     options = parse_options(args.option, parser)
@@ -113,7 +114,15 @@ def _generate(args, parser) -> int:
         parser.error("--max-new-tokens must be >= 1")
     try:
         model = dspec.load(args.model, device=args.device, dtype=args.dtype)
-        drafter = dspec.load(args.drafter, device=args.device, dtype=args.dtype) if args.drafter else None
+        drafter = None
+        if args.drafter:
+            kind = getattr(method_module(args.method), "DRAFTER", False)
+            if not kind:
+                raise ValueError(f"--drafter: method {args.method!r} takes no drafter")
+            # a dLLM drafter is a model; DFlash / VP drafters are resolved by the method
+            # itself (a shipped drafter name, a directory, or "DFLASH_DIR,VP_DIR" for d2sd)
+            drafter = dspec.load(args.drafter, device=args.device, dtype=args.dtype) if kind == "model" \
+                else args.drafter
         chat = is_chat_model(model) if args.chat is None else args.chat
         if chat and not is_chat_model(model):
             parser.error(f"--chat: {args.model} has no chat template (ChatML tokens)")
@@ -125,7 +134,10 @@ def _generate(args, parser) -> int:
             kw["drafter"] = drafter
         outs = dspec.generate(model, texts if args.batch_file is not None else texts[0], **kw)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        msg = str(e)
+        if args.drafter and "drafter" in msg:
+            msg = msg.replace("drafter=", "--drafter ")
+        print(f"\nerror: {msg}", file=sys.stderr)
         return 2
     outs = outs if isinstance(outs, list) else [outs]
     if args.json:

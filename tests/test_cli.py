@@ -177,3 +177,27 @@ def test_config_specs_and_resolution():
                                          {"threshold": 0.9})]
     names = [c.name for c in CONFIGS]
     assert len(names) == len(set(names)) and "ar" in names and "diffusion-dynamic" in names
+
+
+@pytest.mark.parametrize("method, drafter", [
+    ("dflash", "tiny-ar-dflash"),                                   # a shipped drafter name
+    ("dflash", "{assets}/tiny-ar-dflash"),                          # a drafter directory
+    ("d2sd", "{assets}/tiny-ar-dflash,{assets}/tiny-ar-vp"),       # DFlash + VP directories
+    ("d2sd", "tiny-ar-dflash"),                                     # DFlash only: the shipped VP
+    ("diffuspec", "tiny-bd"),                                       # a dLLM drafter: a model name
+])
+def test_drafter_forms(capsys, method, drafter):
+    from dspec.models.dflash import ASSETS
+    argv = ["generate", "--model", "tiny-ar", "--no-chat", "--prompt", "Compute: 2 + 3 =", "--method", method,
+            "--max-new-tokens", 4, "--no-progress", "--threads", 1, "--drafter", drafter.format(assets=ASSETS)]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert json.loads(err.strip().splitlines()[-1])["nfe"]["drafter"] >= 1
+
+
+def test_drafter_errors_name_the_flag(capsys):
+    base = ["generate", "--model", "tiny-ar", "--no-chat", "--prompt", "x", "--max-new-tokens", 2, "--no-progress"]
+    code, _, err = run_cli(capsys, *base, "--method", "dflash", "--drafter", "tiny-bd")
+    assert code == 2 and "tiny-bd" in err and "Traceback" not in err
+    code, _, err = run_cli(capsys, *base, "--method", "ar", "--drafter", "tiny-bd")
+    assert code == 2 and "--drafter" in err

@@ -180,5 +180,5 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
 
 
 OPTIONS = ("draft_len", "k", "branches")
-DRAFTER = True
+DRAFTER = "block"    # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_d2sd

@@ -246,5 +246,5 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
 
 
 OPTIONS = ("draft_len",)
-DRAFTER = True
+DRAFTER = "block"    # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_dflash

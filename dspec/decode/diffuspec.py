@@ -67,7 +67,7 @@ from .sampling import next_tokens
 
 OPTIONS = ("draft_len", "adaptive", "cps", "beam", "tau", "max_candidates", "lam", "k_min", "k_max",
            "delta", "rho", "ngram")
-DRAFTER = True
+DRAFTER = "model"    # a block-diffusion model (dspec.load: a shipped name or a checkpoint directory)
 # the paper's defaults (DiffuSpec, Li et al. 2025)
 DEFAULTS = dict(draft_len=20, adaptive=True, cps=True, beam=3, tau=0.8, max_candidates=15, lam=0.5,
                 k_min=20, k_max=30, delta=10, rho=0.5)

@@ -13,7 +13,9 @@ import torch
 # DESIGN.md's methods, each one module of dspec.decode with the same name.  A method module
 # defines
 #   OPTIONS: tuple[str, ...]   the keyword options it takes (DESIGN.md's common names first)
-#   DRAFTER: bool              whether it takes ``drafter=`` (None: the shipped default)
+#   DRAFTER: False | "model" | "block"  whether it takes ``drafter=`` (None: the shipped
+#                              default) and what: a model (dspec.load) or a block drafter
+#                              (a BlockDrafter, its directory or a shipped drafter name)
 #   decode(model, prompts, *, max_new_tokens, temperature, generator, eos_ids, progress,
 #          [drafter,] **options) -> (tokens: list[list[int]], stats: dict)
 # where ``prompts`` are lists of ids (a batch), ``generator`` is None when greedy,
