@@ -155,11 +155,33 @@ def _generate(args, parser) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written; a flag's default shown unless its help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS) or \
+                not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _method_options_text() -> str:
+    from dspec.decode.generate import available_methods, method_module
+    lines = ["method options (--option KEY=VALUE, or the flags above):"]
+    for name in available_methods():
+        module = method_module(name)
+        opts = ", ".join(module.OPTIONS) or "none"
+        drafter = {"model": "; --drafter MODEL", "block": "; --drafter NAME|DIR"}.get(module.DRAFTER, "")
+        lines.append(f"  {name:10s} {opts}{drafter}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dspec.bench_e2e import add_arguments as add_bench_arguments
     from dspec.bench_e2e import add_threads_argument
     from dspec.decode.generate import available_methods
-    from dspec.hub import DEFAULT_MODEL
+    from dspec.hub import DEFAULT_MODEL, available_models
 
     parser = argparse.ArgumentParser(prog="python -m dspec", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,20 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
                "  python -m dspec generate --prompt 'What is the capital of France?'\n"
                "  python -m dspec generate --model tiny-bd --method diffusion --threshold 0.9 "
                "--no-chat --prompt 'Compute: 3 + 4 ='\n"
-               "  python -m dspec generate --model CKPT_DIR --method ssd --option draft_len=4",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+               "  python -m dspec generate --model CKPT_DIR --method ssd --option draft_len=4\n\n"
+               + _method_options_text(),
+        formatter_class=_HelpFormatter)
     g.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"shipped model name or checkpoint directory (default {DEFAULT_MODEL})")
-    g.add_argument("--method", default="ar", choices=available_methods(),
-                   help="decoding method (default ar)")
+                   help=f"shipped model name ({', '.join(available_models())}) or a checkpoint directory")
+    g.add_argument("--method", default="ar", choices=available_methods(), help="decoding method")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="What is the capital of France?", help="the prompt text")
     src.add_argument("--batch-file", default=None, metavar="FILE",
                      help="decode these prompts as one batch: one per line, or JSON lines "
                           "(a string or {\"prompt\": ...}) for a .jsonl file")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="<= 0: greedy (default)")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; <= 0: greedy")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (none: fresh OS entropy)")
     for name, kind, help_ in OPTION_FLAGS:
         g.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
                        help=f"{help_} (method option {name})")
@@ -195,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default=None, metavar="NAME|DIR",
                    help="drafter model for methods that take one (default: the one dspec "
                         "ships for the target)")
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", default="cpu", help="torch device of the model (cpu or cuda)")
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="weight dtype (default: bf16 on CPUs with native bf16 matmul, else "
                         "float32; $DSPEC_DTYPE)")

@@ -201,3 +201,10 @@ def test_drafter_errors_name_the_flag(capsys):
     assert code == 2 and "tiny-bd" in err and "Traceback" not in err
     code, _, err = run_cli(capsys, *base, "--method", "ar", "--drafter", "tiny-bd")
     assert code == 2 and "--drafter" in err
+
+
+def test_help_shows_defaults_models_and_method_options():
+    out = subprocess.run([sys.executable, "-m", "dspec", "generate", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for text in ("(default: 64)", "(default: cpu)", "tiny-ar", "method options", "d2sd", "--threads"):
+        assert text in out, text
