@@ -70,7 +70,7 @@ def test_greedy_equals_ar(target, k):
     outs = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=ds, k=k) for p in PROMPTS]
     assert [o.tokens for o in outs] == ref
     s = outs[0].stats
-    assert s["k"] == k and s["branches"] == "vp" and s["draft_len"] == gamma
+    assert s["k"] == k and s["branches"] == "vp" and s["draft_len"] == gamma - 1
     assert s["nfe"]["target"] == s["verify_forwards"] + 1
     assert s["nfe"]["drafter"] == s["nfe"]["vp_drafter"] == s["verify_forwards"]
     assert 1 + gamma - 1 <= s["tree_nodes"] <= 1 + (k + 1) * (gamma - 1)

@@ -177,7 +177,7 @@ def test_compatibility_errors(target, llama, tmp_path):
     with pytest.raises(ValueError, match="shipped target"):
         dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4)
     with pytest.raises(ValueError, match="draft_len"):
-        dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4, drafter=d, draft_len=1)
+        dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4, drafter=d, draft_len=0)
 
 
 def test_loss_weights_formula():

@@ -85,7 +85,8 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         "vp": d}`` or a pair ``(dflash, vp)`` of BlockDrafters / directories / shipped
         names (a string "DFLASH_DIR,VP_DIR" from the CLI), or a single "dflash" drafter
         (the VP-drafter is then the shipped one; ``branches="resample"`` needs none).
-    draft_len : gamma, block size including the anchor (default: the DFlash drafter's).
+    draft_len : tokens drafted per cycle, gamma - 1 (default: the DFlash drafter's block
+        size minus the anchor).
     k : K, re-drafted branches (1 <= K <= gamma - 1); the tree holds K + 1 branches.
     branches : "vp" (D2SD) or "resample" (K branches sampled from the first draft's q).
 
@@ -118,7 +119,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         vp = None
     gamma = check_draft_len(draft_len, first_drafter)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= gamma - 1:
-        raise ValueError(f"k must be an int in [1, draft_len - 1 = {gamma - 1}], got {k!r}")
+        raise ValueError(f"k must be an int in [1, draft_len = {gamma - 1}], got {k!r}")
     roles = {"drafter": first_drafter}
     if branches == "vp":
         roles["vp_drafter"] = resolve_drafter(vp, model, "vp")
@@ -175,7 +176,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         run.time["draft_s"] += t1 - t0
         run.time["tree_s"] += t2 - t1
         run.time["verify_s"] += t3 - t2
-    return run.generated, run.stats(k=k, branches=branches, draft_len=gamma,
+    return run.generated, run.stats(k=k, branches=branches, draft_len=gamma - 1,
                                     tree_nodes=nodes_total / run.cycles if run.cycles else 0.0)
 
 

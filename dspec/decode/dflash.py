@@ -21,8 +21,9 @@ the outputs and to set the caches' host-side lengths); the draft and verify forw
 themselves have none.  A request leaves the batch (``KVCache.select``) after its EOS or
 ``max_new_tokens``; rows never interact, so a batch decodes exactly as single requests.
 
-``draft_len`` is gamma, the block size including the anchor: a cycle drafts
-``gamma - 1`` tokens and commits between 1 and gamma.
+``draft_len`` is the number of tokens drafted per cycle (DESIGN.md's common meaning):
+the drafter fills a block of gamma = draft_len + 1 slots (the anchor plus the drafts) and a
+cycle commits between 1 and gamma tokens.
 """
 from __future__ import annotations
 
@@ -54,10 +55,13 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def check_draft_len(draft_len, drafter: BlockDrafter, name: str = "draft_len") -> int:
-    gamma = drafter.block_size if draft_len is None else draft_len
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 2:
-        raise ValueError(f"{name} must be an int >= 2 (the anchor plus at least one draft), got {draft_len!r}")
-    return gamma
+    """gamma, the drafter's block (anchor + drafts), from ``draft_len`` = drafts per cycle
+    (default: the drafter's block size minus the anchor)."""
+    if draft_len is None:
+        return drafter.block_size
+    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
+        raise ValueError(f"{name} must be an int >= 1 (tokens drafted per cycle), got {draft_len!r}")
+    return draft_len + 1
 
 
 class SpeculativeRun:
@@ -195,8 +199,8 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
     max_new_tokens, temperature, generator, eos_ids, progress : as ``dspec.generate``.
     drafter : a :class:`~dspec.models.dflash.BlockDrafter` of kind "dflash", a drafter
         directory or shipped name, or None for the one dspec ships for ``model``.
-    draft_len : gamma, the block size including the anchor (default: the drafter's
-        training block size); each cycle drafts gamma - 1 tokens.
+    draft_len : tokens drafted per cycle (gamma - 1; default: the drafter's
+        training block size minus the anchor).
 
     Returns
     -------
@@ -242,7 +246,7 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         t2 = time.perf_counter()
         run.time["draft_s"] += t1 - t0
         run.time["verify_s"] += t2 - t1
-    return [g for g in run.generated], run.stats(draft_len=gamma)
+    return [g for g in run.generated], run.stats(draft_len=gamma - 1)
 
 
 OPTIONS = ("draft_len",)
