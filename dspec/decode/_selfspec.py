@@ -63,6 +63,7 @@ from ..ops import topk_tokens
 from ..ops.masks import pack_mask
 from .diffusion import prefill_prompt_blocks
 from .sampling import next_tokens
+from .unmask import confidence, rank_masked
 
 Step = tuple[int, int]
 
@@ -168,13 +169,6 @@ def chain_graph(draft_len: int, mixed_order: bool = False) -> DraftGraph:
             nodes.append(chain[k - 2] + ((k, 0),))        # s_{k-2}: a parent of c_k
         nodes.append(chain[k])
     return DraftGraph(tuple(nodes))
-
-
-def confidence(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Probability of ``tokens`` under softmax(logits / T) (T = 1 when greedy), diffusion's rule."""
-    t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits.float() / t, dim=-1)
-    return logp.gather(-1, tokens[..., None])[..., 0].exp()
 
 
 def candidates(logits: torch.Tensor, choice: torch.Tensor, num: int, temperature: float):
@@ -308,9 +302,7 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
 
     while rows:
         a_rows = len(rows)
-        conf_m = torch.where(masked, conf, torch.full_like(conf, -1.0))
-        order = torch.sort(conf_m, dim=-1, descending=True, stable=True).indices       # [A, bs]
-        rank = torch.empty_like(order).scatter_(1, order, slots.expand(a_rows, -1))
+        conf_m, order, rank = rank_masked(conf, masked)                                # [A, bs]
         mcount = masked.sum(1)
         cand_r = cand.gather(1, order[..., None].expand(-1, -1, big_j))                # by rank
         logp_r = cand_logp.gather(1, order[..., None].expand(-1, -1, big_j))

@@ -40,7 +40,8 @@ from ..masks import d2sd_branches, ssd_copies
 from ..models import AttentionPlan
 from ..models.dflash import MASK, resolve_drafter
 from ..ops import rejection_boundaries, token_stats, verify_tree
-from .dflash import SpeculativeRun, _sync, check_draft_len, draft_block, sample_from
+from .dflash import SpeculativeRun, _sync, check_draft_len, draft_block
+from .sampling import sample_from
 
 BRANCH_MODES = ("vp", "resample")
 

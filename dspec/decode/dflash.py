@@ -35,7 +35,7 @@ from ..masks import causal
 from ..models import AttentionPlan
 from ..models.dflash import MASK, BlockDrafter, resolve_drafter
 from ..ops import token_stats, verify_chain
-from .sampling import next_tokens
+from .sampling import next_tokens, sample_from
 
 
 def _sync(device: torch.device) -> None:
@@ -43,15 +43,6 @@ def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-
-def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draws: probs [..., V] (rows need not be normalised), uniforms [...] in
-    [0, 1) -> the smallest id v with ``cumsum(probs)[v] > u * sum(probs)`` (int64 [...]),
-    the rule ``verify_chain`` uses for its own draws."""
-    c = probs.float().cumsum(-1)
-    target = (uniforms.float() * c[..., -1])[..., None]
-    idx = torch.searchsorted(c.contiguous(), target.contiguous(), right=True)[..., 0]
-    return idx.clamp_max(probs.shape[-1] - 1)
 
 
 def check_draft_len(draft_len, drafter: BlockDrafter, name: str = "draft_len") -> int:

@@ -64,15 +64,10 @@ import torch
 from ..masks import block_diffusion
 from ..models import AttentionPlan
 from .sampling import next_tokens
+from .unmask import confidence, pick_slots, rank_masked
 
 #: block size used for a bidirectional model when neither the call nor the model gives one
 DEFAULT_BIDIRECTIONAL_BLOCK_SIZE = 32
-
-
-def _confidence(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits.float() / t, dim=-1)
-    return logp.gather(-1, tokens[..., None])[..., 0].exp()
 
 
 def _schedule(block_size, tokens_per_step, threshold, default_block_size) -> tuple[int, int]:
@@ -190,14 +185,8 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
                 logits = torch.cat([carry[:, None], logits[:, :-1]], 1)
             flat = logits.reshape(batch * bs, -1)
             choice = next_tokens(flat, temperature, generator).view(batch, bs)
-            conf = _confidence(logits, choice, temperature)
-            conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
-            order = torch.sort(conf, dim=-1, descending=True, stable=True).indices
-            rank = torch.empty_like(order).scatter_(1, order, slots.expand(batch, -1))
-            if threshold is not None:
-                pick = masked & ((conf >= threshold) | (rank == 0))
-            else:
-                pick = masked & (rank < per_step)
+            conf_m, _, rank = rank_masked(confidence(logits, choice, temperature), masked)
+            pick = pick_slots(masked, conf_m, rank, threshold=threshold, per_step=per_step)
             tokens = torch.where(pick, choice, tokens)
             masked &= ~pick
             if progress is not None:
@@ -263,16 +252,10 @@ def _decode_bidirectional(model, prompts, *, max_new_tokens, temperature, genera
         logits = out.logits.float()
         logits[..., mask_id] = float("-inf")                    # never "unmask" to [MASK]
         choice = next_tokens(logits.reshape(n_rows * bs, -1), temperature, generator).view(n_rows, bs)
-        conf = _confidence(logits, choice, temperature)
         region_pos = block[rows, None] * bs + slots             # [A, bs] region slots
         masked = undecided[rows].gather(1, region_pos)
-        conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
-        order = torch.sort(conf, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(1, order, slots.expand(n_rows, -1))
-        if threshold is not None:
-            pick = masked & ((conf >= threshold) | (rank == 0))
-        else:
-            pick = masked & (rank < per_step)
+        conf_m, _, rank = rank_masked(confidence(logits, choice, temperature), masked)
+        pick = pick_slots(masked, conf_m, rank, threshold=threshold, per_step=per_step)
         current = tokens.gather(1, pos)
         canvas[rows[:, None], pos] = torch.where(pick, choice, current)
         still = masked & ~pick

@@ -77,7 +77,8 @@ import torch
 
 from ..models import AttentionPlan
 from ..ops import pack_mask, token_stats, verify_chain
-from .diffusion import _confidence, prefill_prompt_blocks
+from .diffusion import prefill_prompt_blocks
+from .unmask import confidence, pick_slots, rank_masked
 from ._selfspec import check_common
 from .routing import ESTIMATORS, POLICIES, RoutingFeatures, make_router, span_score
 from .sampling import next_tokens
@@ -486,13 +487,11 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
                     spec_logits = torch.cat([carry[:, None], spec_logits[:, :-1]], 1)
                 block_logits = torch.where(reuse[:, None, None], spec_logits, block_logits)
             choice = next_tokens(block_logits.reshape(batch * bs, -1), temperature, generator).view(batch, bs)
-            conf = _confidence(block_logits, choice, temperature)
+            conf = confidence(block_logits, choice, temperature)
             active = drafting & masked.any(1)
             # fallback: diffusion's threshold rule (ties to the lower slot)
-            conf_m = torch.where(masked, conf, torch.full_like(conf, -1.0))
-            order = torch.sort(conf_m, dim=-1, descending=True, stable=True).indices
-            rank = torch.empty_like(order).scatter_(1, order, slots.expand(batch, -1))
-            pick = masked & ((conf_m >= thr) | (rank == 0)) & drafting[:, None]
+            conf_m, _, rank = rank_masked(conf, masked)
+            pick = pick_slots(masked, conf_m, rank, threshold=thr) & drafting[:, None]
             # the first contiguous masked span, capped at draft_len
             first = torch.where(masked.any(1), masked.long().argmax(1), 0)
             run = masked.gather(1, (first[:, None] + slots[None]).clamp(max=bs - 1)) \

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import token_stats, verify_chain
+from ..reference.verify import draw
 
 
 def next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
@@ -20,3 +21,11 @@ def next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
     empty = torch.zeros(batch, 0, dtype=torch.int64, device=logits.device)
     return verify_chain(empty, logits[:, None], temperature=temperature,
                         generator=generator).tokens[:, 0]
+
+
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws from unnormalised weights probs [..., V] with uniforms [...] in
+    [0, 1): ``verify_chain``'s draw rule itself (``dspec.reference.verify.draw``: the smallest
+    id v with ``cumsum(probs)[v] > u * sum(probs)``), int64 [...]."""
+    vocab = probs.shape[-1]
+    return draw(probs.reshape(-1, vocab).float(), uniforms.reshape(-1)).view(uniforms.shape)

@@ -1,0 +1,44 @@
+"""The one unmasking rule of block diffusion, shared by `diffusion`, `ssd` / `spiffy` (the
+self-speculative engine) and `s2d2`.
+
+A step proposes a token per masked slot (``next_tokens``: argmax, or a draw at T > 0) with
+its confidence (the probability of that token under softmax(logits / T), T = 1 when
+greedy), ranks the masked slots by confidence (highest first, ties to the lower slot: a
+stable sort) and picks either the top ``per_step`` (static schedule) or every slot at or
+above ``threshold`` plus the top one (dynamic schedule).  SSD's and Spiffy's losslessness
+against one-token-per-step `diffusion` rests on every method applying exactly this rule,
+hence one copy.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def confidence(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Probability of ``tokens`` [...] under softmax(logits [..., V] / T) (T = 1 when greedy)."""
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    return logp.gather(-1, tokens[..., None])[..., 0].exp()
+
+
+def rank_masked(conf: torch.Tensor, masked: torch.Tensor):
+    """Rank the slots of each row by confidence, masked slots first.
+
+    conf, masked : [R, S].  Returns (conf_m, order, rank): ``conf_m`` is conf with unmasked
+    slots at -1, ``order[r, i]`` the slot of rank i (highest confidence first, ties to the
+    lower slot), ``rank[r, s]`` the rank of slot s.
+    """
+    conf_m = torch.where(masked, conf, torch.full_like(conf, -1.0))
+    order = torch.sort(conf_m, dim=-1, descending=True, stable=True).indices
+    slots = torch.arange(conf.shape[-1], device=conf.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(1, order, slots)
+    return conf_m, order, rank
+
+
+def pick_slots(masked: torch.Tensor, conf_m: torch.Tensor, rank: torch.Tensor, *,
+               threshold: float | None = None, per_step: int = 1) -> torch.Tensor:
+    """The slots one step unmasks, bool [R, S]: with ``threshold``, every masked slot at or
+    above it plus the most confident one; else the ``per_step`` most confident."""
+    if threshold is not None:
+        return masked & ((conf_m >= threshold) | (rank == 0))
+    return masked & (rank < per_step)
