@@ -25,7 +25,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import re
 import socket
 import statistics
 import subprocess
@@ -40,6 +39,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 if str(REPO_ROOT) not in sys.path:  # run as `python bench/bench_x.py` from anywhere
     sys.path.insert(0, str(REPO_ROOT))
+
+from dspec.bench_e2e import device_name, device_slug  # noqa: E402  (one copy of the machine helpers)
 
 ANCHOR = "chain"  # backend name of the naive multi-kernel PyTorch anchor rows
 REFERENCE = "torch"  # backend name of the dspec torch reference rows
@@ -211,30 +212,6 @@ def _run(cmd: list[str]) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    name = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return name or platform.processor() or "cpu"
-
-
-def device_slug(device: str) -> str:
-    if device != "cuda":
-        return "cpu"
-    name = device_name(device).lower()
-    for tag in ("h200", "h100", "h20", "b200", "gb200", "a100", "a10g", "l40s", "l4", "4090"):
-        if tag in name:
-            return tag
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda"
 
 
 def environment(device: str) -> dict:

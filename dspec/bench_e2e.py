@@ -52,6 +52,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -61,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .cpu import cpu_model, loadavg
 
 NAME = "e2e"
 FAMILIES = ("target", "dllm")
@@ -122,13 +125,6 @@ def is_chat_model(model) -> bool:
         and tok.token_to_id("<|im_end|>") is not None
 
 
-def loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
 def _git(*cmd) -> str | None:
     if not (REPO_ROOT / ".git").exists():
         return None
@@ -140,25 +136,21 @@ def _git(*cmd) -> str | None:
 
 
 def device_name(device: str) -> str:
+    """The GPU's name, or the CPU model (shared with bench/common.py)."""
     if device.startswith("cuda"):
         return torch.cuda.get_device_name()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    return cpu_model()
 
 
 def device_slug(device: str) -> str:
+    """The results folder of a device: "cpu", or the GPU's short name ("h100", ...)."""
     if not device.startswith("cuda"):
         return "cpu"
     name = device_name(device).lower()
-    for tag in ("h200", "h100", "a100", "l40s", "l4", "a10g", "4090", "b200"):
+    for tag in ("h200", "h100", "h20", "b200", "gb200", "a100", "a10g", "l40s", "l4", "4090"):
         if tag in name:
             return tag
-    return "cuda"
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda"
 
 
 def environment(device: str) -> dict:
