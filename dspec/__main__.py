@@ -16,28 +16,13 @@ import argparse
 import json
 import sys
 
+from dspec.bench_e2e import parse_value  # noqa: F401  (re-exported: the CLI's value parser)
+
 # the method options with a flag of their own (DESIGN.md's common names)
 OPTION_FLAGS = (("block_size", int, "block length of block diffusion"),
                 ("tokens_per_step", int, "static diffusion schedule: tokens unmasked per step"),
                 ("threshold", float, "dynamic diffusion schedule: confidence threshold in (0, 1]"),
                 ("draft_len", int, "speculative methods: tokens drafted per round"))
-
-
-def parse_value(text: str):
-    """``--option`` values: true/false -> bool, none -> None, then int, float, else str."""
-    low = text.strip().lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    if low in ("none", "null"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def parse_options(pairs, parser: argparse.ArgumentParser | None = None) -> dict:

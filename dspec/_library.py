@@ -78,6 +78,17 @@ def call_directly(*tensors) -> bool:
 
 _lib = torch.library.Library(_NS, "DEF")     # kept alive for the life of the process
 IMPLS = {}                                   # op name -> its Python body (dspec.testing enters it)
+# op name -> the backend dispatch it runs, registered by its dspec.ops module (``body``):
+# this module never imports dspec.ops, so imports flow one way (ops -> _library)
+BODIES = {}
+
+
+def body(name: str):
+    """Register the decorated function as the implementation the custom op ``name`` runs."""
+    def register(fn):
+        BODIES[name] = fn
+        return fn
+    return register
 
 
 def _op(schema: str):
@@ -101,8 +112,7 @@ def _fake(name: str):
 
 @_op("token_stats(Tensor logits, float temperature, str backend) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def token_stats(logits, temperature, backend):
-    from .ops.token_stats import _token_stats_impl
-    return _fresh(*_token_stats_impl(logits, temperature, backend))
+    return _fresh(*BODIES['token_stats'](logits, temperature, backend))
 
 
 @_fake("token_stats")
@@ -114,8 +124,7 @@ def _(logits, temperature, backend):
 
 @_op("topk_tokens(Tensor logits, int k, float temperature, str backend) -> (Tensor, Tensor)")
 def topk_tokens(logits, k, temperature, backend):
-    from .ops.topk import _topk_tokens_impl
-    return _fresh(*_topk_tokens_impl(logits, k, temperature, backend))
+    return _fresh(*BODIES['topk_tokens'](logits, k, temperature, backend))
 
 
 @_fake("topk_tokens")
@@ -127,8 +136,7 @@ def _(logits, k, temperature, backend):
 @_op("mass_candidates(Tensor logits, float tau, int max_m, float temperature, str backend) "
      "-> (Tensor, Tensor, Tensor)")
 def mass_candidates(logits, tau, max_m, temperature, backend):
-    from .ops.topk import _mass_candidates_impl
-    return _fresh(*_mass_candidates_impl(logits, tau, max_m, temperature, backend))
+    return _fresh(*BODIES['mass_candidates'](logits, tau, max_m, temperature, backend))
 
 
 @_fake("mass_candidates")
@@ -141,8 +149,7 @@ def _(logits, tau, max_m, temperature, backend):
 
 @_op("boundary_posterior(Tensor conf, str backend) -> Tensor")
 def boundary_posterior(conf, backend):
-    from .ops.boundary import _boundary_posterior_impl
-    return _boundary_posterior_impl(conf, backend).contiguous()
+    return BODIES['boundary_posterior'](conf, backend).contiguous()
 
 
 @_fake("boundary_posterior")
@@ -152,8 +159,7 @@ def _(conf, backend):
 
 @_op("rejection_boundaries(Tensor conf, int k, str backend) -> (Tensor, Tensor)")
 def rejection_boundaries(conf, k, backend):
-    from .ops.boundary import _rejection_boundaries_impl
-    return _fresh(*_rejection_boundaries_impl(conf, k, backend))
+    return _fresh(*BODIES['rejection_boundaries'](conf, k, backend))
 
 
 @_fake("rejection_boundaries")
@@ -164,8 +170,7 @@ def _(conf, k, backend):
 
 @_op("expected_accept_length(Tensor conf, str backend) -> Tensor")
 def expected_accept_length(conf, backend):
-    from .ops.boundary import _expected_accept_length_impl
-    return _expected_accept_length_impl(conf, backend).contiguous()
+    return BODIES['expected_accept_length'](conf, backend).contiguous()
 
 
 @_fake("expected_accept_length")
@@ -179,8 +184,7 @@ def _(conf, backend):
      "float temperature, Tensor? coins, Tensor? sample_uniforms, str backend) -> (Tensor, Tensor)")
 def verify_chain(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins,
                  sample_uniforms, backend):
-    from .ops.verify import _verify_chain_impl
-    return _fresh(*_verify_chain_impl(draft_tokens, target_logits, draft_probs, num_drafts,
+    return _fresh(*BODIES['verify_chain'](draft_tokens, target_logits, draft_probs, num_drafts,
                                       temperature, coins, sample_uniforms, backend))
 
 
@@ -195,8 +199,7 @@ def _(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins, 
 @_op("verify_tree(Tensor tokens, Tensor parents, Tensor target_logits, float temperature, "
      "Tensor? coins, Tensor? sample_uniforms, str backend) -> (Tensor, Tensor, Tensor)")
 def verify_tree(tokens, parents, target_logits, temperature, coins, sample_uniforms, backend):
-    from .ops.verify import _verify_tree_impl
-    return _fresh(*_verify_tree_impl(tokens, parents, target_logits, temperature, coins,
+    return _fresh(*BODIES['verify_tree'](tokens, parents, target_logits, temperature, coins,
                                      sample_uniforms, backend))
 
 
@@ -212,8 +215,7 @@ def _(tokens, parents, target_logits, temperature, coins, sample_uniforms, backe
 
 @_op("pack_mask(Tensor mask, str backend) -> Tensor")
 def pack_mask(mask, backend):
-    from .ops.masks import _pack_mask_impl
-    return _pack_mask_impl(mask, backend).contiguous()
+    return BODIES['pack_mask'](mask, backend).contiguous()
 
 
 @_fake("pack_mask")
@@ -223,8 +225,7 @@ def _(mask, backend):
 
 @_op("unpack_mask(Tensor words, int num_keys, str backend) -> Tensor")
 def unpack_mask(words, num_keys, backend):
-    from .ops.masks import _unpack_mask_impl
-    return _unpack_mask_impl(words, num_keys, backend).contiguous()
+    return BODIES['unpack_mask'](words, num_keys, backend).contiguous()
 
 
 @_fake("unpack_mask")
@@ -234,8 +235,7 @@ def _(words, num_keys, backend):
 
 @_op("tree_mask(Tensor parents, str backend) -> (Tensor, Tensor)")
 def tree_mask(parents, backend):
-    from .ops.masks import _tree_mask_impl
-    return _fresh(*_tree_mask_impl(parents, backend))
+    return _fresh(*BODIES['tree_mask'](parents, backend))
 
 
 @_fake("tree_mask")
@@ -250,8 +250,7 @@ def _(parents, backend):
      "bool return_lse, int? max_prefix_len, str backend) -> (Tensor, Tensor)")
 def cascade_attention(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table,
                       prefix_lens, sm_scale, return_lse, max_prefix_len, backend):
-    from .ops.attention import _cascade_attention_impl
-    result = _cascade_attention_impl(q, k, v, mask, prefix_k, prefix_v, prefix_indptr,
+    result = BODIES['cascade_attention'](q, k, v, mask, prefix_k, prefix_v, prefix_indptr,
                                      prefix_page_table, prefix_lens, sm_scale, return_lse,
                                      max_prefix_len, backend)
     if return_lse:
@@ -269,8 +268,7 @@ def _(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefi
 
 @_op("merge_states(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, str backend) -> (Tensor, Tensor)")
 def merge_states(o_a, lse_a, o_b, lse_b, backend):
-    from .ops.attention import _merge_states_impl
-    return _fresh(*_merge_states_impl(o_a, lse_a, o_b, lse_b, backend))
+    return _fresh(*BODIES['merge_states'](o_a, lse_a, o_b, lse_b, backend))
 
 
 @_fake("merge_states")

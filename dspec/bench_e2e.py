@@ -194,9 +194,26 @@ def _json_safe(obj):
     return json.loads(json.dumps(obj, default=str))
 
 
+def parse_value(text: str):
+    """``--option`` values: true/false -> bool, none -> None, then int, float, else str."""
+    low = text.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+
 def parse_config_spec(spec: str) -> Config:
     """``NAME=METHOD[@target|@dllm][:key=value,key=value]`` -> Config (``--add-config``)."""
-    from .__main__ import parse_value
 
     name, sep, rest = spec.partition("=")
     if not sep or not name.strip() or not rest.strip():

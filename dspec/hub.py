@@ -24,27 +24,8 @@ import torch
 from .cpu import default_dtype
 from .models import Model, load_checkpoint
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+from .models.shipped import ASSETS, SHIPPED  # noqa: F401  (re-exported: dspec.hub.SHIPPED)
 
-
-def _smollm2() -> Path:
-    from .models.embedded import smollm2_checkpoint
-    return smollm2_checkpoint()
-
-
-def _asset(name: str):
-    def locate() -> Path:
-        path = ASSETS / name
-        if not (path / "config.json").is_file():
-            raise ValueError(f"shipped model {name!r} is missing from this installation ({path}); "
-                             f"reinstall dspec with its package data (dspec/assets)")
-        return path
-    locate.__name__ = f"_asset_{name.replace('-', '_')}"
-    return locate
-
-
-# name -> a function returning a local checkpoint directory (converted / cached on first use)
-SHIPPED = {"smollm2-135m": _smollm2, "tiny-ar": _asset("tiny-ar"), "tiny-bd": _asset("tiny-bd")}
 # the dtype a shipped model loads in when ``dtype=None``: the tiny models are stored in
 # bfloat16 (half the package size) but decode in float32 on CPU, where bf16 matmuls are
 # slower and their rounding changes greedy decodes

@@ -150,6 +150,7 @@ def _launch(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table,
     return (out, lse) if return_lse else out
 
 
+@_library.body('cascade_attention')
 def _cascade_attention_impl(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table,
                             prefix_lens, sm_scale, return_lse, max_prefix_len, name):
     """Body of the ``dspec::cascade_attention`` custom op: run backend ``name`` on checked
@@ -516,6 +517,7 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
     return _library.merge_states(o_a, lse_a, o_b, lse_b, name)
 
 
+@_library.body('merge_states')
 def _merge_states_impl(o_a, lse_a, o_b, lse_b, name):
     """Body of the ``dspec::merge_states`` custom op: run backend ``name``."""
     if name == "torch":

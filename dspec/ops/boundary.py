@@ -41,6 +41,7 @@ def boundary_posterior(conf: torch.Tensor, *, backend: str | None = None) -> tor
     return _library.boundary_posterior(conf, name)
 
 
+@_library.body('boundary_posterior')
 def _boundary_posterior_impl(conf: torch.Tensor, name: str) -> torch.Tensor:
     """Body of the ``dspec::boundary_posterior`` custom op: run backend ``name``."""
     if name == "torch":
@@ -72,6 +73,7 @@ def rejection_boundaries(conf: torch.Tensor, k: int, *, backend: str | None = No
     return _library.rejection_boundaries(conf, k, name)
 
 
+@_library.body('rejection_boundaries')
 def _rejection_boundaries_impl(conf: torch.Tensor, k: int, name: str):
     """Body of the ``dspec::rejection_boundaries`` custom op: run backend ``name``."""
     if name == "torch":
@@ -97,6 +99,7 @@ def expected_accept_length(conf: torch.Tensor, *, backend: str | None = None) ->
     return _library.expected_accept_length(conf, name)
 
 
+@_library.body('expected_accept_length')
 def _expected_accept_length_impl(conf: torch.Tensor, name: str) -> torch.Tensor:
     """Body of the ``dspec::expected_accept_length`` custom op: run backend ``name``."""
     if name == "torch":

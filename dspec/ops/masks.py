@@ -47,6 +47,7 @@ def pack_mask(mask: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
     return _library.pack_mask(mask, name)
 
 
+@_library.body('pack_mask')
 def _pack_mask_impl(mask: torch.Tensor, name: str) -> torch.Tensor:
     """Body of the ``dspec::pack_mask`` custom op: run backend ``name``."""
     if name == "torch":
@@ -98,6 +99,7 @@ def unpack_mask(words: torch.Tensor, num_keys: int, *, backend: str | None = Non
     return _library.unpack_mask(words, num_keys, name)
 
 
+@_library.body('unpack_mask')
 def _unpack_mask_impl(words: torch.Tensor, num_keys: int, name: str) -> torch.Tensor:
     """Body of the ``dspec::unpack_mask`` custom op: run backend ``name``."""
     if name == "torch":
@@ -159,6 +161,7 @@ def tree_mask(parents: torch.Tensor, *, backend: str | None = None) -> TreeMask:
     return TreeMask(*_library.tree_mask(parents, name))
 
 
+@_library.body('tree_mask')
 def _tree_mask_impl(parents: torch.Tensor, name: str):
     """Body of the ``dspec::tree_mask`` custom op: run backend ``name``."""
     if name == "torch":

@@ -45,6 +45,7 @@ def token_stats(logits: torch.Tensor, *, temperature: float = 1.0,
     return TokenStats(*_library.token_stats(logits, temperature, name))
 
 
+@_library.body('token_stats')
 def _token_stats_impl(logits: torch.Tensor, temperature: float, name: str):
     """Run the resolved backend ``name`` (the body of the ``dspec::token_stats`` custom op)."""
     if name == "torch":

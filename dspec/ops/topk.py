@@ -54,6 +54,7 @@ def topk_tokens(logits: torch.Tensor, k: int, *, temperature: float = 1.0,
     return _library.topk_tokens(logits, k, temperature, name)
 
 
+@_library.body('topk_tokens')
 def _topk_tokens_impl(logits: torch.Tensor, k: int, temperature: float, name: str):
     """Body of the ``dspec::topk_tokens`` custom op: run backend ``name``."""
     if name == "torch":
@@ -99,6 +100,7 @@ def mass_candidates(logits: torch.Tensor, tau: float, max_m: int, *, temperature
     return _library.mass_candidates(logits, tau, max_m, temperature, name)
 
 
+@_library.body('mass_candidates')
 def _mass_candidates_impl(logits: torch.Tensor, tau: float, max_m: int, temperature: float, name: str):
     """Body of the ``dspec::mass_candidates`` custom op: run backend ``name``."""
     if name == "torch":

@@ -138,6 +138,7 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
     return VerifyOutput(*_library.verify_chain(*args))
 
 
+@_library.body('verify_chain')
 def _verify_chain_impl(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins,
                        sample_uniforms, name):
     """Body of the ``dspec::verify_chain`` custom op: run backend ``name`` on checked inputs."""
@@ -221,6 +222,7 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     return TreeVerifyOutput(*_library.verify_tree(*args))
 
 
+@_library.body('verify_tree')
 def _verify_tree_impl(tokens, parents, target_logits, temperature, coins, sample_uniforms, name):
     """Body of the ``dspec::verify_tree`` custom op: run backend ``name`` on checked inputs."""
     if name == "torch":

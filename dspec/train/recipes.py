@@ -38,6 +38,7 @@ import torch
 
 from ..models.config import FAMILIES, parse_config
 from ..models.loader import checkpoint_names
+from ..models.shipped import SHIPPED
 from ..models.transformer import Model
 from .data import DataSpec, PackedData, build_data, token_byte_lengths, tokenizer_corpus
 from .tokenizer import MASK_TOKEN, save_tokenizer, train_tokenizer
@@ -262,11 +263,10 @@ def _resolve_init(init) -> Path:
     p = Path(os.fspath(init)).expanduser()
     if p.is_dir():
         return p
-    from .. import hub
     name = os.fspath(init)
-    if name in hub.SHIPPED:
-        return Path(hub.SHIPPED[name]())
-    raise ValueError(f"init must be a checkpoint directory or a shipped name {sorted(hub.SHIPPED)}, got {init!r}")
+    if name in SHIPPED:
+        return Path(SHIPPED[name]())
+    raise ValueError(f"init must be a checkpoint directory or a shipped name {sorted(SHIPPED)}, got {init!r}")
 
 
 def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | None = None,
