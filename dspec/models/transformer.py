@@ -47,9 +47,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+        """``fused``: whether dspec._C may run it (None: decided here, see ``_fused_cpu``)."""
         dtype = x.dtype
-        if _fused_cpu(x, self.weight) and x.is_contiguous() and self.weight.dtype == dtype:
+        if fused is None:
+            fused = _fused_cpu(x, self.weight)
+        if fused and x.is_contiguous() and self.weight.dtype == dtype:
             out = torch.empty_like(x)
             _backend.extension().rms_norm(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(),
                                           _backend.FLOAT_CODE[dtype], x.numel() // x.shape[-1], x.shape[-1],
@@ -75,17 +78,20 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.shape = (hq, hkv, d)
 
-    def rotated_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def rotated_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool | None = None):
         """h [B, N, hidden] -> q [B, N, Hq, D], k, v [B, N, Hkv, D]; q/k normed (Qwen3) and
-        rotated.  Shared by the inference forward and the training forward."""
+        rotated.  Shared by the inference forward and the training forward.  ``fused``:
+        whether dspec._C may run the element-wise parts (None: decided here)."""
         batch, n = h.shape[:2]
         hq, hkv, d = self.shape
-        q = self.q_proj(h).view(batch, n, hq, d)
-        k = self.k_proj(h).view(batch, n, hkv, d)
-        v = self.v_proj(h).view(batch, n, hkv, d)
+        q = _linear(self.q_proj, h).view(batch, n, hq, d)
+        k = _linear(self.k_proj, h).view(batch, n, hkv, d)
+        v = _linear(self.v_proj, h).view(batch, n, hkv, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if _fused_cpu(q, k, cos, sin) and q.is_contiguous() and k.is_contiguous() and \
+            q, k = self.q_norm(q, fused), self.k_norm(k, fused)
+        if fused is None:
+            fused = _fused_cpu(q, k, cos, sin)
+        if fused and q.is_contiguous() and k.is_contiguous() and \
                 cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() and \
                 k.dtype == q.dtype and cos.shape == (batch, n, 1, d) and sin.shape == cos.shape:
             # one call rotates q and k in place (fresh tensors of this forward)
@@ -104,7 +110,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return _linear(self.down_proj, F.silu(_linear(self.gate_proj, x)) * _linear(self.up_proj, x))
 
 
 class Block(nn.Module):
@@ -135,6 +141,14 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A projection: ``F.linear`` on a plain ``nn.Linear`` (no module-call overhead, ~30 per
+    layer matter at one token per step), else the module itself (a LoRA wrapper)."""
+    if type(module) is nn.Linear:
+        return F.linear(x, module.weight, module.bias)
+    return module(x)
 
 
 def _fused_cpu(*tensors: torch.Tensor) -> bool:
@@ -317,18 +331,20 @@ class Model(nn.Module):
         keys, values = [], []
         d, hq = cfg.head_dim, cfg.num_heads
         attention, layer_prefix = self._attention_plan(batch, n, mask, cache, backend)   # once
+        # decided once for every layer: the fused C++ element-wise ops apply (CPU, no autograd)
+        fused = _fused_cpu(x, self.norm.weight, cos, sin)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = attn.rotated_qkv(layer.input_layernorm(x), cos, sin)
+            q, k, v = attn.rotated_qkv(layer.input_layernorm(x, fused), cos, sin, fused)
             o = attention.run(q, k, v, *layer_prefix(i))
-            x = x + attn.o_proj(o.reshape(batch, n, hq * d))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + _linear(attn.o_proj, o.reshape(batch, n, hq * d))
+            x = x + layer.mlp.forward(layer.post_attention_layernorm(x, fused))
             if i + 1 in want and i + 1 < cfg.num_layers:
                 recorded[i + 1] = x
             if return_kv:
                 keys.append(k)
                 values.append(v)
-        x = self.norm(x)
+        x = self.norm(x, fused)
         if cfg.num_layers in want:
             recorded[cfg.num_layers] = x
 
