@@ -146,7 +146,7 @@ DSPEC_CPU_INLINE State scan_impl(const dt::elem_t<DT>* p, std::int64_t lo, std::
 // One entry point per dtype, compiled for AVX2+FMA and baseline x86-64 (picked at load
 // time by the ifunc resolver) where the compiler supports it.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__ELF__)
-#define DSPEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define DSPEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define DSPEC_CPU_CLONES
 #endif
