@@ -8,9 +8,9 @@ from dspec.reference import topk as reference
 from conftest import assert_close_nan, backends_for, device_backends
 from test_token_stats import special_rows
 
-PROVIDED = ("torch", "triton")
+PROVIDED = ("torch", "triton", "cpp")
 DTYPES = [(torch.float32, 1e-6, 1e-4), (torch.float16, 1e-6, 1e-4), (torch.bfloat16, 1e-6, 1e-4)]
-SHAPES = [(1, 1, 1), (7, 2, 2), (7, 111, 5), (1, 1000, 32), (7, 777, 17)]
+SHAPES = [(1, 1, 1), (7, 2, 2), (7, 111, 5), (1, 1000, 32), (7, 777, 17), (3, 300, 100), (2, 70, 70)]
 
 
 def _logits(rows, vocab, dtype, device, seed):
@@ -23,6 +23,8 @@ def _logits(rows, vocab, dtype, device, seed):
 @pytest.mark.parametrize("rows,vocab,k", SHAPES)
 @pytest.mark.parametrize("temperature", [1.0, 1e-3, 1e3])
 def test_topk_matches_reference(device, backend, dtype, atol, rtol, rows, vocab, k, temperature):
+    if backend == "triton" and k > 32:
+        pytest.skip("the Triton kernel takes k <= 32")
     x = _logits(rows, vocab, dtype, device, rows + vocab + k)
     tokens, probs = dspec.topk_tokens(x, k, temperature=temperature, backend=backend)
     exp_tokens, exp_probs = reference.topk_tokens(x.cpu(), k, temperature)
@@ -36,6 +38,8 @@ def test_topk_matches_reference(device, backend, dtype, atol, rtol, rows, vocab,
 @pytest.mark.parametrize("rows,vocab,k", SHAPES)
 @pytest.mark.parametrize("tau", [0.3, 0.8, 0.95])
 def test_mass_matches_reference(device, backend, dtype, atol, rtol, rows, vocab, k, tau):
+    if backend == "triton" and k > 32:
+        pytest.skip("the Triton kernel takes k <= 32")
     x = _logits(rows, vocab, dtype, device, 7 * rows + vocab + k)
     tokens, logprobs, count = dspec.mass_candidates(x, tau, k, temperature=0.5, backend=backend)
     exp_tokens, exp_logprobs, exp_count = reference.mass_candidates(x.cpu(), tau, k, 0.5)

@@ -5,21 +5,32 @@ import math
 
 import torch
 
-from .. import _library, _validate
+from .. import _backend, _library, _validate
 from ..reference import topk as _reference
 
 TRITON_MAX_K = 32
 
 
 def _pick(op: str, logits: torch.Tensor, k: int, backend: str | None) -> str:
-    name = _library.resolve(op, backend, logits.device, ("torch", "triton"))
-    if name == "triton" and k > TRITON_MAX_K:
-        explicit = (backend or "").lower() == "triton"
-        if explicit:
-            raise ValueError(f"{op}: the Triton kernel handles k <= {TRITON_MAX_K}, got {k}; "
-                             "use backend='torch' for larger k")
-        return "torch"
-    return name
+    limits = None
+    if k > TRITON_MAX_K:
+        limits = {"triton": f"the Triton kernel handles k <= {TRITON_MAX_K}, got {k}; "
+                            "use backend='torch' (or 'cpp' on CPU tensors) for larger k"}
+    return _library.resolve(op, backend, logits.device, ("torch", "triton", "cpp"), limits)
+
+
+def _topk_ext(logits: torch.Tensor, k: int, temperature: float, tau: float):
+    """dspec._C.topk on CPU logits: (tokens [..., k], values [..., k], count [...])."""
+    rows = _backend.as_rows(logits)
+    lead = logits.shape[:-1]
+    n = rows.shape[0]
+    tokens = torch.empty(n, k, dtype=torch.int64)
+    values = torch.empty(n, k, dtype=torch.float32)
+    count = torch.empty(n, dtype=torch.int64)
+    _backend.extension().topk(rows.data_ptr(), _backend.FLOAT_CODE[rows.dtype], n, rows.shape[1],
+                              rows.stride(0) if n > 1 else rows.shape[1], k, temperature, tau,
+                              tokens.data_ptr(), values.data_ptr(), count.data_ptr(), torch.get_num_threads())
+    return tokens.view(*lead, k), values.view(*lead, k), count.view(lead)
 
 
 def topk_tokens(logits: torch.Tensor, k: int, *, temperature: float = 1.0,
@@ -59,6 +70,8 @@ def _topk_tokens_impl(logits: torch.Tensor, k: int, temperature: float, name: st
     """Body of the ``dspec::topk_tokens`` custom op: run backend ``name``."""
     if name == "torch":
         return tuple(_reference.topk_tokens(logits, k, temperature))
+    if name == "cpp":
+        return _topk_ext(logits, k, temperature, 0.0)[:2]
     from ..kernels.topk import topk_tokens_triton
     return tuple(topk_tokens_triton(logits, k, temperature))
 
@@ -105,5 +118,7 @@ def _mass_candidates_impl(logits: torch.Tensor, tau: float, max_m: int, temperat
     """Body of the ``dspec::mass_candidates`` custom op: run backend ``name``."""
     if name == "torch":
         return tuple(_reference.mass_candidates(logits, tau, max_m, temperature))
+    if name == "cpp":
+        return _topk_ext(logits, max_m, temperature, tau)
     from ..kernels.topk import mass_candidates_triton
     return tuple(mass_candidates_triton(logits, tau, max_m, temperature))

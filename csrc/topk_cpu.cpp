@@ -1,0 +1,264 @@
+// topk_tokens / mass_candidates on the CPU: one pass over each row keeps the k largest
+// logits (a sorted buffer behind a threshold: after the first k columns almost every chunk
+// of 16 is rejected by one vector max), and the row's max and NaN / +inf flags; a second
+// pass over the same row (now in L2) sums exp((x - max) / T) with the vectorised exp.  Rows
+// are independent and spread over threads.  Semantics of dspec/reference/topk.py: ranking
+// by logit, ties to the lower id; invalid rows (a NaN, a +inf, only -inf) give -1 / NaN
+// (topk) or count 0 / -1 / -inf (mass).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "cpu_math.h"
+#include "cpu_parallel.h"
+#include "dtype.h"
+#include "topk.h"
+
+namespace dspec {
+namespace {
+
+constexpr int kChunk = 16;
+constexpr std::int64_t kBlock = 512;   // columns per pass-1 block
+constexpr std::int64_t kLargeK = 64;   // above: partial sort instead of the insertion buffer
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__ELF__)
+#define DSPEC_TOPK_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define DSPEC_TOPK_CLONES
+#endif
+
+struct RowScan {
+  float max = kNegInf;
+  bool nan = false;
+};
+
+// Keeps the best `k` (value, id) pairs, best first; equal values keep the lower id first
+// because columns arrive in increasing id order and only a strictly larger value displaces.
+struct Best {
+  std::vector<float> v;
+  std::vector<std::int64_t> id;
+  std::int64_t k = 0, size = 0;
+
+  void reset(std::int64_t kk) {
+    k = kk;
+    size = 0;
+    v.resize(static_cast<std::size_t>(kk));
+    id.resize(static_cast<std::size_t>(kk));
+  }
+  bool full() const { return size == k; }
+  void put(float x, std::int64_t i) {
+    if (full() && !(x > v[k - 1])) return;
+    std::int64_t pos = full() ? k - 1 : size;
+    // shift down everything strictly smaller (ties stay ahead: lower ids first)
+    while (pos > 0 && v[pos - 1] < x) {
+      v[pos] = v[pos - 1];
+      id[pos] = id[pos - 1];
+      --pos;
+    }
+    v[pos] = x;
+    id[pos] = i;
+    if (!full()) ++size;
+  }
+};
+
+
+// pass 1: best k, max over non-NaN values, NaN flag.  Blocks of kBlock columns: a
+// branch-free vector pass gives the block's max (NaN as -inf) and NaN flag; only a block
+// whose max beats the current k-th value is scanned again for insertions (after the first
+// few blocks, almost none on real logits).
+template <int DT>
+DSPEC_CPU_INLINE RowScan select_row(const dt::elem_t<DT>* p, std::int64_t vocab, Best& best) {
+  RowScan s;
+  float mx[kChunk];
+  std::int32_t nan_lane[kChunk];
+  for (int l = 0; l < kChunk; ++l) {
+    mx[l] = kNegInf;
+    nan_lane[l] = 0;
+  }
+  float thr = kNegInf;        // the k-th best so far (-inf until the buffer is full)
+  bool full = false;
+  for (std::int64_t c0 = 0; c0 < vocab; c0 += kBlock) {
+    const std::int64_t c1 = std::min(vocab, c0 + kBlock);
+    float bm[kChunk];
+    for (int l = 0; l < kChunk; ++l) bm[l] = kNegInf;
+    std::int64_t c = c0;
+    for (; c + kChunk <= c1; c += kChunk) {
+      for (int l = 0; l < kChunk; ++l) {
+        const float x = dt::to_float<DT>(p[c + l]);
+        const bool nan = x != x;
+        nan_lane[l] |= static_cast<std::int32_t>(nan);
+        const float xc = nan ? kNegInf : x;
+        bm[l] = xc > bm[l] ? xc : bm[l];
+      }
+    }
+    float block_max = kNegInf;
+    for (int l = 0; l < kChunk; ++l) {
+      mx[l] = bm[l] > mx[l] ? bm[l] : mx[l];
+      block_max = bm[l] > block_max ? bm[l] : block_max;
+    }
+    for (; c < c1; ++c) {    // the tail of the last block
+      const float x = dt::to_float<DT>(p[c]);
+      if (x != x) {
+        nan_lane[0] = 1;
+        continue;
+      }
+      block_max = x > block_max ? x : block_max;
+      mx[0] = x > mx[0] ? x : mx[0];
+    }
+    if (full && !(block_max > thr)) continue;
+    for (std::int64_t i = c0; i < c1; ++i) {
+      const float x = dt::to_float<DT>(p[i]);
+      if (x == x && (!full || x > thr)) {
+        best.put(x, i);
+        full = best.full();
+        if (full) thr = best.v[best.k - 1];
+      }
+    }
+  }
+  std::int32_t any_nan = 0;
+  for (int l = 0; l < kChunk; ++l) {
+    s.max = mx[l] > s.max ? mx[l] : s.max;
+    any_nan |= nan_lane[l];
+  }
+  s.nan = any_nan != 0;
+  return s;
+}
+
+// pass 1 for large k (a sorted insertion buffer would cost O(k) per insert): every
+// non-NaN (value, id) into `all`, then a partial sort of the first k by (value desc, id asc)
+template <int DT>
+DSPEC_CPU_INLINE RowScan select_row_large(const dt::elem_t<DT>* p, std::int64_t vocab, std::int64_t k, Best& best,
+                         std::vector<std::pair<float, std::int64_t>>& all) {
+  RowScan s;
+  all.clear();
+  for (std::int64_t c = 0; c < vocab; ++c) {
+    const float x = dt::to_float<DT>(p[c]);
+    if (x != x) {
+      s.nan = true;
+      continue;
+    }
+    s.max = x > s.max ? x : s.max;
+    all.emplace_back(x, c);
+  }
+  if (s.nan || static_cast<std::int64_t>(all.size()) < k) return s;
+  auto better = [](const std::pair<float, std::int64_t>& a, const std::pair<float, std::int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  std::partial_sort(all.begin(), all.begin() + k, all.end(), better);
+  for (std::int64_t j = 0; j < k; ++j) {
+    best.v[j] = all[j].first;
+    best.id[j] = all[j].second;
+  }
+  best.size = k;
+  return s;
+}
+
+// pass 2: sum of exp((x - max) * inv_t) over the row (NaN-free: valid rows only)
+template <int DT>
+DSPEC_CPU_INLINE double sum_exp_row(const dt::elem_t<DT>* p, std::int64_t vocab, float m, float inv_t) {
+  float acc[kChunk];
+  for (int l = 0; l < kChunk; ++l) acc[l] = 0.0f;
+  double total = 0.0;
+  std::int64_t c = 0;
+  int rounds = 0;
+  for (; c + kChunk <= vocab; c += kChunk) {
+    for (int l = 0; l < kChunk; ++l) acc[l] += cpu::exp_nonpos((dt::to_float<DT>(p[c + l]) - m) * inv_t);
+    if (++rounds == 256) {  // keep float partial sums short
+      for (int l = 0; l < kChunk; ++l) {
+        total += acc[l];
+        acc[l] = 0.0f;
+      }
+      rounds = 0;
+    }
+  }
+  for (; c < vocab; ++c) total += cpu::exp_nonpos((dt::to_float<DT>(p[c]) - m) * inv_t);
+  for (int l = 0; l < kChunk; ++l) total += acc[l];
+  return total;
+}
+
+template <int DT>
+DSPEC_CPU_INLINE void rows_impl(const TopkArgs& a, std::int64_t lo, std::int64_t hi) {
+  using E = dt::elem_t<DT>;
+  const E* base = static_cast<const E*>(a.logits);
+  const std::int64_t k = a.k;
+  const bool mass = a.tau > 0.0f;
+  Best best;
+  std::vector<std::pair<float, std::int64_t>> all;
+  for (std::int64_t r = lo; r < hi; ++r) {
+    const E* p = base + r * a.row_stride;
+    best.reset(k);
+    const RowScan s = k > kLargeK ? select_row_large<DT>(p, a.vocab, k, best, all)
+                                  : select_row<DT>(p, a.vocab, best);
+    std::int64_t* tok = a.tokens + r * k;
+    float* val = a.values + r * k;
+    const bool valid = !s.nan && std::isfinite(s.max);
+    if (!valid) {
+      for (std::int64_t j = 0; j < k; ++j) {
+        tok[j] = -1;
+        val[j] = mass ? kNegInf : std::numeric_limits<float>::quiet_NaN();
+      }
+      if (mass) a.count[r] = 0;
+      continue;
+    }
+    // the buffer holds at least k values (k <= V and every value of a valid row is a
+    // number; -inf ones included)
+    const double total = sum_exp_row<DT>(p, a.vocab, s.max, a.inv_t);
+    const float sum = static_cast<float>(total);
+    if (!mass) {
+      for (std::int64_t j = 0; j < k; ++j) {
+        tok[j] = best.id[j];
+        val[j] = std::exp((best.v[j] - s.max) * a.inv_t) / sum;
+      }
+      continue;
+    }
+    const float log_sum = std::log(sum);
+    float running = 0.0f;
+    std::int64_t first = k, nonzero = 0;
+    for (std::int64_t j = 0; j < k; ++j) {
+      const float prob = std::exp((best.v[j] - s.max) * a.inv_t) / sum;
+      nonzero += prob > 0.0f;
+      running += prob;
+      if (first == k && running >= a.tau) first = j + 1;
+    }
+    const std::int64_t count = std::min(first, nonzero);
+    a.count[r] = count;
+    for (std::int64_t j = 0; j < k; ++j) {
+      const bool keep = j < count;
+      tok[j] = keep ? best.id[j] : -1;
+      val[j] = keep ? (best.v[j] - s.max) * a.inv_t - log_sum : kNegInf;
+    }
+  }
+}
+
+DSPEC_TOPK_CLONES void rows_f32(const TopkArgs& a, std::int64_t lo, std::int64_t hi) { rows_impl<kFloat32>(a, lo, hi); }
+DSPEC_TOPK_CLONES void rows_f16(const TopkArgs& a, std::int64_t lo, std::int64_t hi) { rows_impl<kFloat16>(a, lo, hi); }
+DSPEC_TOPK_CLONES void rows_bf16(const TopkArgs& a, std::int64_t lo, std::int64_t hi) { rows_impl<kBFloat16>(a, lo, hi); }
+
+}  // namespace
+
+void topk_cpu(const TopkArgs& args) {
+  auto body = [&](std::int64_t lo, std::int64_t hi) {
+    switch (args.dtype) {
+      case kFloat16: rows_f16(args, lo, hi); break;
+      case kBFloat16: rows_bf16(args, lo, hi); break;
+      default: rows_f32(args, lo, hi); break;
+    }
+  };
+  // a thread per 2^16 elements at least; at most one per row
+  const std::int64_t by_work = args.rows * args.vocab / (std::int64_t(1) << 16) + 1;
+  const int threads = static_cast<int>(std::max<std::int64_t>(
+      1, std::min<std::int64_t>({by_work, args.rows, args.num_threads, cpu::max_threads()})));
+  if (threads <= 1) {
+    body(0, args.rows);
+    return;
+  }
+  cpu::parallel_for(threads, [&](int t) {
+    body(args.rows * t / threads, args.rows * (t + 1) / threads);
+  });
+}
+
+}  // namespace dspec
