@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "cascade_attention.h"
+#include "cpu_math.h"
 #include "cpu_parallel.h"
 #include "dspec.h"
 #include "dtype.h"
@@ -87,25 +88,7 @@ struct Ops {
 
 // ---- portable loops ------------------------------------------------------------------
 
-// 2^x for x <= 0 (-inf and NaN give 0), branch-free: x = n + f, 2^f by Cephes' exp2f
-// polynomial on [-0.5, 0.5] (about 1 ulp), 2^n by the exponent bits; 0 below 2^-126.
-DSPEC_CA_INLINE float exp2_nonpos(float x) {
-  float xc = x > -126.0f ? x : -126.0f;
-  xc = xc < 0.0f ? xc : 0.0f;
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = (xc + shifter) - shifter;
-  const float f = xc - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const std::int32_t ni = static_cast<std::int32_t>(n);  // in [-126, 0]
-  const float scale = dt::f32_from_bits(static_cast<std::uint32_t>(ni + 127) << 23);
-  return x > -126.0f ? p * scale : 0.0f;
-}
+using cpu::exp2_nonpos;
 
 template <int DT>
 DSPEC_CA_INLINE void pack_k_rows(const void* const* rows, int kt, std::int64_t d, float* out) {

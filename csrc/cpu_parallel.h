@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <system_error>
 #include <thread>
@@ -38,6 +39,22 @@ void parallel_for(int n, Fn fn) {
   fn(0);
   for (int t : inline_ids) fn(t);
   for (auto& w : workers) w.join();
+}
+
+// Runs body(lo, hi) over [0, rows) split into contiguous row ranges: one thread per
+// elements_per_thread elements of work (rows * width), at most one per row, at most
+// num_threads (and max_threads()); small calls stay on the calling thread.
+template <class Body>
+void parallel_rows(std::int64_t rows, std::int64_t width, int num_threads, Body body,
+                   std::int64_t elements_per_thread = std::int64_t(1) << 16) {
+  const std::int64_t by_work = rows * width / elements_per_thread + 1;
+  const std::int64_t cap = std::min<std::int64_t>(num_threads, static_cast<std::int64_t>(max_threads()));
+  const int threads = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>({by_work, rows, cap})));
+  if (threads <= 1) {
+    body(std::int64_t(0), rows);
+    return;
+  }
+  parallel_for(threads, [&](int t) { body(rows * t / threads, rows * (t + 1) / threads); });
 }
 
 }  // namespace cpu

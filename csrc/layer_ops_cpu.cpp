@@ -12,23 +12,6 @@
 namespace dspec {
 namespace {
 
-constexpr std::int64_t kElementsPerThread = std::int64_t(1) << 16;
-
-template <class Body>
-void over_rows(std::int64_t rows, std::int64_t width, int num_threads, Body body) {
-  const std::int64_t by_work = rows * width / kElementsPerThread + 1;
-  const int threads = static_cast<int>(
-      std::max<std::int64_t>(1, std::min<std::int64_t>({by_work, rows, num_threads, cpu::max_threads()})));
-  if (threads <= 1) {
-    body(0, rows);
-    return;
-  }
-  cpu::parallel_for(threads, [&](int t) {
-    const std::int64_t lo = rows * t / threads, hi = rows * (t + 1) / threads;
-    body(lo, hi);
-  });
-}
-
 // the dtype's rounding of a float32 value, as float (identity for float32)
 template <int DT>
 inline float round_to(float v) {
@@ -107,7 +90,7 @@ void rope_rows(const RopeArgs& a, std::int64_t lo, std::int64_t hi) {
 }  // namespace
 
 void rms_norm_cpu(const RmsNormArgs& args) {
-  over_rows(args.rows, args.hidden, args.num_threads, [&](std::int64_t lo, std::int64_t hi) {
+  cpu::parallel_rows(args.rows, args.hidden, args.num_threads, [&](std::int64_t lo, std::int64_t hi) {
     switch (args.dtype) {
       case kFloat16: rms_rows<kFloat16>(args, lo, hi); break;
       case kBFloat16: rms_rows<kBFloat16>(args, lo, hi); break;
@@ -117,7 +100,7 @@ void rms_norm_cpu(const RmsNormArgs& args) {
 }
 
 void rope_cpu(const RopeArgs& args) {
-  over_rows(args.rows, (args.hq + args.hkv) * args.head_dim, args.num_threads,
+  cpu::parallel_rows(args.rows, (args.hq + args.hkv) * args.head_dim, args.num_threads,
             [&](std::int64_t lo, std::int64_t hi) {
     switch (args.dtype) {
       case kFloat16: rope_rows<kFloat16>(args, lo, hi); break;

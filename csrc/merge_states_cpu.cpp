@@ -32,16 +32,7 @@ void merge_states_cpu(const MergeStatesArgs& args) {
       default: merge_rows<kFloat32>(args, lo, hi); break;
     }
   };
-  // one thread per ~64k elements, at most one per row
-  const std::int64_t by_work = args.rows * args.head_dim / (std::int64_t(1) << 16) + 1;
-  const int threads = static_cast<int>(std::min<std::int64_t>({by_work, args.rows, cpu::max_threads()}));
-  if (threads <= 1) {
-    body(0, args.rows);
-    return;
-  }
-  cpu::parallel_for(threads, [&](int t) {
-    body(args.rows * t / threads, args.rows * (t + 1) / threads);
-  });
+  cpu::parallel_rows(args.rows, args.head_dim, static_cast<int>(cpu::max_threads()), body);
 }
 
 }  // namespace dspec

@@ -248,17 +248,7 @@ void topk_cpu(const TopkArgs& args) {
       default: rows_f32(args, lo, hi); break;
     }
   };
-  // a thread per 2^16 elements at least; at most one per row
-  const std::int64_t by_work = args.rows * args.vocab / (std::int64_t(1) << 16) + 1;
-  const int threads = static_cast<int>(std::max<std::int64_t>(
-      1, std::min<std::int64_t>({by_work, args.rows, args.num_threads, cpu::max_threads()})));
-  if (threads <= 1) {
-    body(0, args.rows);
-    return;
-  }
-  cpu::parallel_for(threads, [&](int t) {
-    body(args.rows * t / threads, args.rows * (t + 1) / threads);
-  });
+  cpu::parallel_rows(args.rows, args.vocab, args.num_threads, body);
 }
 
 }  // namespace dspec
