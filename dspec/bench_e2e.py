@@ -180,8 +180,9 @@ def environment(device: str) -> dict:
 
 
 def default_out_dir(device: str) -> Path:
-    if (REPO_ROOT / "bench").is_dir() and (REPO_ROOT / "dspec").is_dir():
-        return REPO_ROOT / "bench" / "results" / device_slug(device)
+    """``./dspec-bench/<device>``: results never land inside the installed package or the
+    source tree unless ``--out`` says so (the repository's committed results use
+    ``--out bench/results/cpu``)."""
     return Path.cwd() / "dspec-bench" / device_slug(device)
 
 
