@@ -74,7 +74,10 @@ class SpeculativeRun:
         self.max_new_tokens = max_new_tokens
         self.eos = set(int(e) for e in eos_ids)
         self.progress = progress
-        self.generated = [[] for _ in prompts]
+        # outputs as one host tensor + lengths: a cycle extends every row with tensor ops
+        self._out = torch.full((len(prompts), max_new_tokens), -1, dtype=torch.int64)
+        self._out_len = torch.zeros(len(prompts), dtype=torch.int64)
+        self._eos = torch.tensor(sorted(self.eos) or [-1], dtype=torch.int64)
         self.rows = list(range(len(prompts)))
         self.nfe = {"target": 0, **{role: 0 for role in drafters}}
         self.cycles = 0                # verification forwards x live requests
@@ -98,7 +101,7 @@ class SpeculativeRun:
         """Pick the first token from the prefill logits; False when every request is done."""
         first = next_tokens(self._first_logits, temperature, generator)
         self._first_logits = None
-        return self._extend(first[:, None].cpu().tolist(), [1] * len(self.rows), first)
+        return self._extend(first[:, None].cpu(), torch.ones(len(self.rows), dtype=torch.int64), first)
 
     # ------------------------------------------------------------------ per cycle
 
@@ -130,24 +133,31 @@ class SpeculativeRun:
         self.verify_forwards += 1
         self.committed += int(n.sum())
         anchor = host[:, 1:].gather(1, host[:, :1])[:, 0].to(self.device)
-        return self._extend(host[:, 1:].tolist(), n.tolist(), anchor)
+        return self._extend(host[:, 1:], n, anchor)
 
-    def _extend(self, rows, counts, anchor) -> bool:
-        keep = []
-        for r, (row, c) in enumerate(zip(rows, counts)):
-            req = self.rows[r]
-            out = self.generated[req]
-            before = len(out)
-            done = False
-            for t in row[:c]:
-                out.append(int(t))
-                if int(t) in self.eos or len(out) >= self.max_new_tokens:
-                    done = True
-                    break
-            if self.progress is not None:
-                self.progress.update((len(out) - before) / len(self.generated))
-            if not done:
-                keep.append(r)
+    @property
+    def generated(self) -> list[list[int]]:
+        """Each request's generated tokens (up to and including EOS)."""
+        return [row[:n].tolist() for row, n in zip(self._out, self._out_len.tolist())]
+
+    def _extend(self, tokens: torch.Tensor, counts: torch.Tensor, anchor) -> bool:
+        """Append each live row's first counts[r] tokens (host tensors [A, W], [A]), cut after
+        an EOS and at max_new_tokens, with tensor ops (no loop over requests or tokens); drop
+        the finished rows from every cache.  False when all are done."""
+        req = torch.tensor(self.rows, dtype=torch.int64)
+        width = tokens.shape[1]
+        col = torch.arange(width)
+        is_eos = torch.isin(tokens, self._eos) & (col[None, :] < counts[:, None])
+        eos_end = torch.where(is_eos.any(1), is_eos.to(torch.int64).argmax(1) + 1, width + 1)
+        length = self._out_len[req]
+        take = torch.minimum(torch.minimum(counts, eos_end), self.max_new_tokens - length)
+        put = col[None, :] < take[:, None]
+        self._out[req[:, None].expand(-1, width)[put], (length[:, None] + col[None, :])[put]] = tokens[put]
+        self._out_len[req] = length + take
+        done = (eos_end <= take) | (length + take >= self.max_new_tokens)
+        if self.progress is not None:
+            self.progress.update(int(take.sum()) / self._out.shape[0])
+        keep = (~done).nonzero()[:, 0].tolist()
         if not keep:
             return False
         if len(keep) < len(self.rows):
