@@ -6,14 +6,7 @@ import torch
 import dspec
 
 
-@pytest.fixture(scope="module")
-def ar():
-    return dspec.load("tiny-ar")
-
-
-@pytest.fixture(scope="module")
-def bd():
-    return dspec.load("tiny-bd")
+from test_tiny_models import ar, bd  # noqa: F401  (the shipped tiny models as fixtures)
 
 
 def test_context_length_checked_before_any_forward(ar, monkeypatch):
