@@ -33,7 +33,8 @@ struct Weights {
 };
 
 DSPEC_HD Weights weights(float la, float lb) {
-  const float m = fmaxf(la, lb);
+  // a NaN lse propagates (fmaxf would drop it), as torch.maximum does in the reference
+  const float m = (la != la || lb != lb) ? NAN : fmaxf(la, lb);
   const bool empty = m == -INFINITY;
   const float m_safe = empty ? 0.0f : m;
   const float wa = expf(la - m_safe);

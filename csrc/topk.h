@@ -16,7 +16,8 @@ struct TopkArgs {
   std::int64_t row_stride = 0;    // elements between rows
   std::int64_t k = 1;             // top-k (topk_tokens) or max_m (mass_candidates)
   float inv_t = 1.0f;             // 1 / temperature
-  // mass_candidates when tau > 0: count = smallest m <= k whose top-m mass reaches tau
+  // mass_candidates: count = smallest m <= k whose top-m mass reaches tau
+  bool mass = false;
   float tau = 0.0f;
   std::int64_t* tokens = nullptr; // [rows, k] ids (-1 in unused / invalid slots)
   float* values = nullptr;        // [rows, k] probs (topk) or logprobs (mass)

@@ -42,6 +42,7 @@ void topk(std::int64_t logits, int dtype, std::int64_t rows, std::int64_t vocab,
   a.row_stride = row_stride;
   a.k = k;
   a.inv_t = static_cast<float>(1.0 / temperature);
+  a.mass = tau > 0.0;                     // decided in double: a tiny tau rounds to 0.0f
   a.tau = static_cast<float>(tau);
   a.tokens = as_ptr<std::int64_t>(tokens);
   a.values = as_ptr<float>(values);

@@ -185,7 +185,7 @@ DSPEC_CPU_INLINE void rows_impl(const TopkArgs& a, std::int64_t lo, std::int64_t
   using E = dt::elem_t<DT>;
   const E* base = static_cast<const E*>(a.logits);
   const std::int64_t k = a.k;
-  const bool mass = a.tau > 0.0f;
+  const bool mass = a.mass;
   Best best;
   std::vector<std::pair<float, std::int64_t>> all;
   for (std::int64_t r = lo; r < hi; ++r) {

@@ -80,7 +80,7 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
             x_j = xg[rows, j.clamp(max=length - 1)] if length else j
             w = p_j.scatter(-1, x_j[:, None], 0.0)
         else:
-            q_j = draft_probs.float()[rows, j.clamp(max=max(length - 1, 0))]
+            q_j = draft_probs.float()[rows, j.clamp(max=length - 1)] if length else torch.zeros_like(p_j)
             w = torch.clamp(p_j - q_j, min=0.0)
         w = torch.where(rejected, _residual_or_p(w, p_j), p_j)
         final = draw(w, sample_uniforms)
