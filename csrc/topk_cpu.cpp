@@ -1,6 +1,6 @@
 // topk_tokens / mass_candidates on the CPU: one pass over each row keeps the k largest
-// logits (a sorted buffer behind a threshold: after the first k columns almost every chunk
-// of 16 is rejected by one vector max), and the row's max and NaN / +inf flags; a second
+// logits (a sorted buffer behind a threshold: a block of columns whose vector max does not
+// beat the k-th value is skipped), and the row's max and NaN / +inf flags; a second
 // pass over the same row (now in L2) sums exp((x - max) / T) with the vectorised exp.  Rows
 // are independent and spread over threads.  Semantics of dspec/reference/topk.py: ranking
 // by logit, ties to the lower id; invalid rows (a NaN, a +inf, only -inf) give -1 / NaN
@@ -64,7 +64,6 @@ struct Best {
     if (!full()) ++size;
   }
 };
-
 
 // pass 1: best k, max over non-NaN values, NaN flag.  Blocks of kBlock columns: a
 // branch-free vector pass gives the block's max (NaN as -inf) and NaN flag; only a block

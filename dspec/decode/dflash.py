@@ -44,7 +44,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-
 def check_draft_len(draft_len, drafter: BlockDrafter, name: str = "draft_len") -> int:
     """gamma, the drafter's block (anchor + drafts), from ``draft_len`` = drafts per cycle
     (default: the drafter's block size minus the anchor)."""
@@ -72,12 +71,11 @@ class SpeculativeRun:
         self.layer_ids = ids
         self.pick = {role: [ids.index(i) for i in d.target_layer_ids] for role, d in drafters.items()}
         self.max_new_tokens = max_new_tokens
-        self.eos = set(int(e) for e in eos_ids)
         self.progress = progress
         # outputs as one host tensor + lengths: a cycle extends every row with tensor ops
         self._out = torch.full((len(prompts), max_new_tokens), -1, dtype=torch.int64)
         self._out_len = torch.zeros(len(prompts), dtype=torch.int64)
-        self._eos = torch.tensor(sorted(self.eos) or [-1], dtype=torch.int64)
+        self._eos = torch.tensor(sorted({int(e) for e in eos_ids}) or [-1], dtype=torch.int64)
         self.rows = list(range(len(prompts)))
         self.nfe = {"target": 0, **{role: 0 for role in drafters}}
         self.cycles = 0                # verification forwards x live requests
@@ -247,7 +245,7 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         t2 = time.perf_counter()
         run.time["draft_s"] += t1 - t0
         run.time["verify_s"] += t2 - t1
-    return [g for g in run.generated], run.stats(draft_len=gamma - 1)
+    return run.generated, run.stats(draft_len=gamma - 1)
 
 
 OPTIONS = ("draft_len",)

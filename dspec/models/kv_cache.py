@@ -323,19 +323,14 @@ class KVCache:
         if self._bound == 0:
             return {}
         if self.resolved_layout == "paged":
-            table, lens = self._view("paged", self._paged_meta)
-            return dict(prefix_k=self.k[layer], prefix_v=self.v[layer], prefix_page_table=table,
-                        prefix_lens=lens, max_prefix_len=self._bound)
+            table, lens = self.page_table()
+            k, v = self.layer_pages(layer)
+            return dict(prefix_k=k, prefix_v=v, prefix_page_table=table, prefix_lens=lens,
+                        max_prefix_len=self._bound)
         if self.max_length == 0:
             return {}
-        index, indptr = self._view("ragged", self._ragged_meta)
-        if index is None:                                   # B = 1: a view
-            n = int(self._lengths[0])
-            return dict(prefix_k=self.k[layer, 0, :n], prefix_v=self.v[layer, 0, :n], prefix_indptr=indptr)
-        flat_k = self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
-        return dict(prefix_k=flat_k.index_select(0, index), prefix_v=flat_v.index_select(0, index),
-                    prefix_indptr=indptr)
+        k, v = self.layer_rows(layer)
+        return dict(prefix_k=k, prefix_v=v, prefix_indptr=self.ragged_indptr())
 
     # Plan-once access (Model.forward): metadata built once per forward, then per layer
     # only views or one gather.
@@ -354,9 +349,15 @@ class KVCache:
         return self._view("ragged", self._ragged_meta)[1]
 
     def layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s committed rows back to back [T, Hkv, D] (a view when B = 1)."""
-        prefix = self.prefix(layer)
-        return prefix["prefix_k"], prefix["prefix_v"]
+        """Layer ``layer``'s committed rows back to back [T, Hkv, D] (a view when B = 1, else
+        one gather with the row index built once)."""
+        index, _ = self._view("ragged", self._ragged_meta)
+        if index is None:                                   # B = 1: a view
+            n = int(self._lengths[0])
+            return self.k[layer, 0, :n], self.v[layer, 0, :n]
+        flat_k = self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
+        return flat_k.index_select(0, index), flat_v.index_select(0, index)
 
     def _view(self, key, make):
         if key not in self._views:

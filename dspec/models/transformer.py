@@ -4,8 +4,8 @@ One block: ``x += o_proj(attn(rope(q_norm?(q_proj(n1(x)))), rope(k_norm?(k_proj(
 v_proj(.)))``, then ``x += down(silu(gate(n2(x))) * up(n2(x)))``; RMSNorm in float32,
 RoPE in float32 by absolute position (default / linear / llama3 frequencies), GQA, Qwen2's
 q/k/v bias, Qwen3's per-head q/k RMSNorm, tied or separate output embedding.  Every layer's
-attention is one ``dspec.cascade_attention`` (planned once per forward: ``CascadeAttentionPlan``): the suffix under the plan's packed mask
-plus the request's cached prefix.
+attention is ``dspec.cascade_attention`` (planned once per forward: ``CascadeAttentionPlan``):
+the suffix under the plan's packed mask plus the request's cached prefix.
 """
 from __future__ import annotations
 
