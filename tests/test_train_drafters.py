@@ -97,7 +97,7 @@ def test_training_lowers_the_loss(target, sequences, tmp_path, kind):
                              prefix_sampler=prefix_sampler(cfg) if kind == "vp" else None)
     # a random target's continuations are not learnable from 48 sequences: measure the
     # loss on training sequences (the recipe's held-out loss is what the model cards report)
-    trainer.heldout = trainer.train_set[:16]
+    trainer.held_idx = trainer.train_idx[:16]
     before = trainer.evaluate()
     result = trainer.train(max_steps=40)
     assert result["step"] == 40

@@ -18,7 +18,7 @@ generated token); block m is ``[x_p, x_{p+1} .. x_{p+i}, MASK ...]`` of G slots,
 drafted slot weighs 1, later ones less, as a later slot only counts when all before it are
 accepted), normalised by the weight sum; slots past the sequence end weigh 0.
 
-Optimisation: AdamW, linear warmup + cosine decay, gradient clipping; bf16 autocast on CUDA;
+Optimisation: AdamW, linear warmup + cosine decay, gradient clipping; bf16 autocast on CUDA and on CPUs with native bf16 matmul;
 a time budget (``--minutes``) fixes the total step count after a few measured steps;
 checkpoints (``checkpoint.pt``: drafter, optimizer, step, schedule, log) every
 ``checkpoint_every_s`` and at the end, and ``--resume`` continues the same schedule
@@ -74,7 +74,7 @@ class DrafterTrainConfig:
     sources : prompt sources (``PROMPT_SOURCES``) and their weights.
     heldout_fraction : fraction of sequences held out.
     eval_every : steps between held-out evaluations; checkpoint_every_s : seconds.
-    autocast : "auto" (bf16 on CUDA), "bf16" or "none".
+    autocast : "auto" (bf16 on CUDA and on CPUs with native bf16 matmul), "bf16" or "none".
     """
 
     kind: str = "dflash"
@@ -247,12 +247,15 @@ def make_blocks(tokens, lengths, prompt_lens, *, block_size: int, anchors: int, 
 
 
 def block_loss(drafter: BlockDrafter, target, tokens, lengths, blocks, labels, valid, starts, prefix,
-               decay: float):
-    """Weighted cross-entropy of a batch of blocks (the recipe's objective) -> (loss, weight sum)."""
-    with torch.no_grad():
-        plan = target.plan(tokens)
-        out = target(plan, logits=None, hidden_states=drafter.target_layer_ids, return_kv=False)
-    logits = drafter.forward_train(out.hidden, blocks, starts, context_length=lengths)
+               decay: float, hidden: list[torch.Tensor] | None = None):
+    """Weighted cross-entropy of a batch of blocks (the recipe's objective) -> (loss, weight sum).
+    ``hidden``: the target's hidden states of ``tokens`` when cached (else one target forward)."""
+    if hidden is None:
+        # the frozen target runs in its own dtype (autocast would hand bf16 to its fp32 kernels)
+        with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
+            plan = target.plan(tokens)
+            hidden = target(plan, logits=None, hidden_states=drafter.target_layer_ids, return_kv=False).hidden
+    logits = drafter.forward_train(hidden, blocks, starts, context_length=lengths)
     w = block_loss_weights(blocks.shape[-1], prefix, decay) * valid
     ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(w)
     total = w.sum()
@@ -273,10 +276,13 @@ class DrafterTrainer:
         from ``out_dir/data.pt``).
     prefix_sampler : callable(generator, shape) -> prefix lengths int64 (the VP prior);
         None for DFlash (i = 0).
+    features : a directory for the target's hidden states of every sequence, computed once
+        (:mod:`dspec.train.features`; built or resumed here); None re-runs the target in
+        every step.
     """
 
     def __init__(self, target, cfg: DrafterTrainConfig, out_dir, *, sequences=None, prefix_sampler=None,
-                 progress: bool = True):
+                 features=None, progress: bool = True):
         self.target = target.requires_grad_(False).eval()
         self.cfg = cfg
         self.out = Path(out_dir)
@@ -293,8 +299,15 @@ class DrafterTrainer:
         n_held = max(1, int(len(self.sequences) * cfg.heldout_fraction))
         order = list(range(len(self.sequences)))
         random.Random(cfg.seed + 17).shuffle(order)
-        self.heldout = [self.sequences[i] for i in order[:n_held]]
-        self.train_set = [self.sequences[i] for i in order[n_held:]] or self.heldout
+        self.held_idx = order[:n_held]
+        self.train_idx = order[n_held:] or self.held_idx
+        self.heldout = [self.sequences[i] for i in self.held_idx]
+        self.train_set = [self.sequences[i] for i in self.train_idx]
+        self.features = None
+        if features is not None:
+            from .features import build_features
+            self.features = build_features(self.target, self.sequences, self.drafter.target_layer_ids, features,
+                                           progress=progress)
         decay_params = [p for n, p in self.drafter.named_parameters() if p.dim() >= 2]
         other = [p for n, p in self.drafter.named_parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay_params, "weight_decay": cfg.weight_decay},
@@ -332,26 +345,29 @@ class DrafterTrainer:
     def _gen(self, step: int, salt: int = 0) -> torch.Generator:
         return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 7919 + salt)
 
-    def batch(self, step: int, sequences=None, *, salt: int = 0):
-        """Step ``step``'s sequences and blocks (a pure function of (seed, step))."""
-        seqs = sequences if sequences is not None else self.train_set
+    def batch(self, step: int, indices=None, *, salt: int = 0):
+        """Step ``step``'s sequences and blocks (a pure function of (seed, step)); ``indices``
+        (into ``self.sequences``) fixes the sequences.  Returns (tokens, lengths, blocks,
+        labels, valid, starts, prefix, hidden) with ``hidden`` None without a feature cache."""
         g = self._gen(step, salt)
-        if sequences is None:
-            idx = torch.randint(len(seqs), (self.cfg.batch_size,), generator=g).tolist()
-            rows = [seqs[i] for i in idx]
-        else:
-            rows = seqs
+        if indices is None:
+            pick = torch.randint(len(self.train_idx), (self.cfg.batch_size,), generator=g).tolist()
+            indices = [self.train_idx[i] for i in pick]
+        rows = [self.sequences[i] for i in indices]
         tokens, lengths, plens = pad_sequences(rows, self.device)
         prefix = None
         if self.prefix_sampler is not None:
             prefix = self.prefix_sampler(g, (len(rows), self.cfg.anchors_per_seq))
+        hidden = None if self.features is None else self.features.gather(indices, tokens.shape[1], self.device)
         return (tokens, lengths) + make_blocks(tokens, lengths, plens, block_size=self.cfg.block_size,
                                                anchors=self.cfg.anchors_per_seq, prefix_lengths=prefix,
-                                               generator=g)
+                                               generator=g) + (hidden,)
 
     # ------------------------------------------------------------------ steps
     def _autocast(self):
-        on = self.cfg.autocast == "bf16" or (self.cfg.autocast == "auto" and self.device.type == "cuda")
+        from ..cpu import native_bf16
+        auto = self.device.type == "cuda" or (self.device.type == "cpu" and native_bf16())
+        on = self.cfg.autocast == "bf16" or (self.cfg.autocast == "auto" and auto)
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=on)
 
     def train_step(self) -> float:
@@ -359,10 +375,10 @@ class DrafterTrainer:
         lr = lr_at(self.step, cfg, self.total_steps or cfg.max_steps)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        tokens, lengths, blocks, labels, valid, starts, prefix = self.batch(self.step)
+        tokens, lengths, blocks, labels, valid, starts, prefix, hidden = self.batch(self.step)
         with self._autocast():
             loss, _ = block_loss(self.drafter, self.target, tokens, lengths, blocks, labels, valid, starts,
-                                 prefix, cfg.decay)
+                                 prefix, cfg.decay, hidden)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
@@ -377,13 +393,13 @@ class DrafterTrainer:
         """Held-out weighted loss over fixed anchors (seeded, identical across calls)."""
         self.drafter.eval()
         total, weight = 0.0, 0.0
-        held = self.heldout[:max_sequences]
+        held = self.held_idx[:max_sequences]
         for start in range(0, len(held), self.cfg.batch_size):
-            tokens, lengths, blocks, labels, valid, starts, prefix = self.batch(
+            tokens, lengths, blocks, labels, valid, starts, prefix, hidden = self.batch(
                 start, held[start:start + self.cfg.batch_size], salt=99991)
             with self._autocast():
                 loss, w = block_loss(self.drafter, self.target, tokens, lengths, blocks, labels, valid,
-                                     starts, prefix, self.cfg.decay)
+                                     starts, prefix, self.cfg.decay, hidden)
             total += float(loss) * float(w)
             weight += float(w)
         self.drafter.train()
@@ -571,7 +587,14 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    ap.add_argument("--data", default=None, help="reuse the generated sequences of another run (its data.pt)")
+    ap.add_argument("--data", default=None,
+                    help="training sequences: a data-engine directory (python -m dspec.train.data_engine) or "
+                         "another run's data.pt (default: generate --num-prompts responses here)")
+    ap.add_argument("--cache-features", action="store_true",
+                    help="compute the target's hidden states once into OUT/features (offline mode) instead "
+                         "of one target forward per step")
+    ap.add_argument("--autocast", choices=("auto", "bf16", "none"), default="auto",
+                    help="bf16 autocast: auto = on CUDA and on CPUs with native bf16 matmul (default %(default)s)")
     ap.add_argument("--dflash-drafter", default=None,
                     help="(vp) a DFlash drafter directory for the acceptance measurement")
     ap.add_argument("--ship", default=None, help="also copy the final drafter directory here")
@@ -582,7 +605,7 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
 
     from ..hub import load
     target = load(args.target, device=args.device)
-    cfg = DrafterTrainConfig(kind=kind, num_layers=args.layers, seed=args.seed)
+    cfg = DrafterTrainConfig(kind=kind, num_layers=args.layers, seed=args.seed, autocast=args.autocast)
     cfg = tiny_defaults(cfg, target)
     for attr, val in (("block_size", args.block_size), ("batch_size", args.batch_size),
                       ("num_prompts", args.num_prompts), ("response_tokens", args.response_tokens),
@@ -602,11 +625,22 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     if (out / CHECKPOINT).exists() and not args.resume:
         raise SystemExit(f"{out / CHECKPOINT} exists: pass --resume to continue or choose another --out")
     sampler = prefix_sampler_factory(cfg) if prefix_sampler_factory else None
-    if args.data and not (out / DATA).is_file():
+    sequences = None
+    if args.data and Path(args.data).is_dir():
+        from .data_engine import GeneratedData
+        try:
+            engine = GeneratedData(args.data)
+        except ValueError as e:
+            raise SystemExit(f"--data: {e}")
+        sequences, info = engine.sequences(), engine.info
+    elif args.data and not (out / DATA).is_file():
         blob = torch.load(args.data, weights_only=False)
         out.mkdir(parents=True, exist_ok=True)
         torch.save(blob, out / DATA)            # the run's own copy: resume and the card see it
-    trainer = DrafterTrainer(target, cfg, out, prefix_sampler=sampler)
+    trainer = DrafterTrainer(target, cfg, out, prefix_sampler=sampler, sequences=sequences,
+                             features=out / "features" if args.cache_features else None)
+    if sequences is not None:
+        trainer.data_info = info
     if args.resume:
         trainer.resume()
     result = trainer.train(minutes=args.minutes, max_steps=args.max_steps)

@@ -1,0 +1,322 @@
+"""The data engine: target-generated responses for training drafters and adapters.
+
+A drafter learns the distribution it must predict at decoding time, so its training data is
+the target's own continuations.  The engine draws prompts from three offline sources that
+exclude every benchmark prompt, continues each with dspec's batched ``ar`` on the target
+(greedy for most, sampled at T = 1 for ``sampled_fraction`` of them) and stores the results
+as uint16 token shards outside the package:
+
+- ``sharegpt``: human turns of ShareGPT conversations, in the target's chat template
+  (SmolLM2's ChatML, as ``dspec generate`` and MT-Bench rows of ``bench_e2e`` use);
+- ``stdlib``: a window of 4-16 lines of a standard-library source file, raw (code
+  completion, as HumanEval rows are given);
+- ``arithmetic``: training problems ``"Compute: a op b ="`` (seeds >= 1000), raw.
+
+Held out: ShareGPT turns and stdlib files in ``dspec.train.data``'s held-out split; every
+turn whose text equals an MT-Bench question; arithmetic problems of the evaluation sets
+(``dspec.tasks.prompt_set("arithmetic", n, seed=0)``, the first 2,000) and the held-out
+tenth of ``is_heldout_problem``.  HumanEval and MATH500 are not among the sources.
+
+Layout of ``out/``::
+
+    manifest.json        config, target, machine, one entry per finished shard
+    tokens-00000.npy     uint16 [tokens of the shard]: prompt + response, back to back
+    rows-00000.npy       int64 [sequences, 5]: offset, length, prompt length, source id, sampled
+
+A shard (``shard_batches`` calls of ``batch`` sequences) is written to temporary names and
+renamed when its last call finishes, so an interrupted run resumes at the next shard.
+Everything is a function of ``seed``: call c's prompts and its sampling generator depend on
+(seed, c) only; greedy outputs are identical across runs on the same machine, dtype and batch.
+
+CLI::
+
+    python -m dspec.train.data_engine --target smollm2-135m --out data/smollm2-135m \\
+        --tokens 2000000 --batch 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .. import tasks
+from .data import _heldout_text, is_heldout_problem
+
+__all__ = ["EngineConfig", "prompt_stream", "generate_shards", "GeneratedData", "ENGINE_SOURCES"]
+
+ENGINE_SOURCES = ("sharegpt", "stdlib", "arithmetic")
+MANIFEST = "manifest.json"
+FORMAT = "dspec-data-1"
+EVAL_ARITHMETIC = 2000          # bench/eval problems drawn with seed 0: never trained on
+
+
+@dataclass
+class EngineConfig:
+    """What to generate.
+
+    tokens : response tokens wanted in all (generation stops at the first shard that
+        reaches it).
+    response_tokens : max new tokens per prompt; prompt_tokens : max prompt tokens.
+    sources : source -> weight.  sampled_fraction : responses drawn at T = 1.
+    batch : sequences per ``ar`` call; shard_batches : calls per shard (the unit of resume).
+    seed : everything else.
+    """
+
+    tokens: int = 2_000_000
+    response_tokens: int = 128
+    prompt_tokens: int = 128
+    sources: dict = field(default_factory=lambda: {"sharegpt": 0.45, "stdlib": 0.35, "arithmetic": 0.2})
+    sampled_fraction: float = 0.25
+    batch: int = 64
+    shard_batches: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("tokens", "response_tokens", "prompt_tokens", "batch", "shard_batches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        bad = set(self.sources) - set(ENGINE_SOURCES)
+        if bad or not self.sources or any(w < 0 for w in self.sources.values()) \
+                or sum(self.sources.values()) <= 0:
+            raise ValueError(f"sources must map some of {ENGINE_SOURCES} to weights >= 0, got {self.sources!r}")
+        if not 0.0 <= self.sampled_fraction <= 1.0:
+            raise ValueError(f"sampled_fraction must lie in [0, 1], got {self.sampled_fraction!r}")
+
+
+# ------------------------------------------------------------------------------ prompts
+
+def _benchmark_texts() -> set[str]:
+    out = set()
+    try:
+        out |= {p.prompt.strip() for p in tasks.mtbench()}
+    except ValueError:                     # package absent: nothing to exclude from it
+        pass
+    return out
+
+
+class _Sources:
+    """Training-split prompt texts per source, loaded once (deterministic order)."""
+
+    def __init__(self, tokenizer, cfg: EngineConfig):
+        self.tok = tokenizer
+        self.cfg = cfg
+        self.chat = tokenizer.token_to_id("<|im_start|>") is not None
+        self.texts: dict[str, list] = {}
+        if cfg.sources.get("sharegpt"):
+            bench = _benchmark_texts()
+            self.texts["sharegpt"] = [t for t in tasks.sharegpt_texts(roles=("human",))
+                                      if t.strip() and not _heldout_text(t) and t.strip() not in bench]
+        if cfg.sources.get("stdlib"):
+            files = [f for f in tasks.stdlib_sources()
+                     if not _heldout_text(f.read_text(encoding="utf-8", errors="replace"))]
+            self.texts["stdlib"] = files
+        if cfg.sources.get("arithmetic"):
+            evals = {p.prompt for p in tasks.prompt_set("arithmetic", EVAL_ARITHMETIC, seed=0)}
+            self.arith_evals = evals
+        for name, items in self.texts.items():
+            if not items:
+                raise ValueError(f"source {name!r} has no training prompts (is its package installed?)")
+
+    def _cut(self, text: str, budget: int) -> str:
+        ids = self.tok.encode(text)
+        return text if len(ids) <= budget else self.tok.decode(ids[:budget])
+
+    def draw(self, source: str, rng: random.Random, index: int) -> str:
+        if source == "sharegpt":
+            from ..models.embedded import chat_prompt
+            text = self.texts["sharegpt"][rng.randrange(len(self.texts["sharegpt"]))]
+            # the template with its default system turn costs ~30 tokens: cut the user turn so it fits
+            text = self._cut(text, max(8, self.cfg.prompt_tokens - 48))
+            return chat_prompt(text) if self.chat else text
+        if source == "stdlib":
+            f = self.texts["stdlib"][rng.randrange(len(self.texts["stdlib"]))]
+            lines = f.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+            start = rng.randrange(max(1, len(lines) - 4))
+            window = "".join(lines[start:start + rng.randint(4, 16)]) or "import os\n"
+            return self._cut(window, self.cfg.prompt_tokens)
+        while True:                                            # arithmetic
+            p = tasks.arithmetic(1, seed=1000 + self.cfg.seed * 1_000_003 + index * 31 + rng.randrange(1 << 20))[0]
+            if p.prompt not in self.arith_evals and not is_heldout_problem(p.prompt):
+                return p.prompt
+
+
+def prompt_stream(tokenizer, cfg: EngineConfig, call: int, *, sources: _Sources | None = None) -> list[tuple[list[int], int]]:
+    """The prompts of ``ar`` call ``call`` (shard s holds calls s * shard_batches ..):
+    ``cfg.batch`` (token ids, source id) pairs, a pure function of (cfg.seed, call)."""
+    src = sources or _Sources(tokenizer, cfg)
+    rng = random.Random(cfg.seed * 7_919 + call)
+    names = [s for s in ENGINE_SOURCES if cfg.sources.get(s)]
+    weights = [cfg.sources[s] for s in names]
+    out = []
+    for i in range(cfg.batch):
+        name = rng.choices(names, weights)[0]
+        ids = tokenizer.encode(src.draw(name, rng, call * cfg.batch + i))[: cfg.prompt_tokens]
+        out.append((ids or tokenizer.encode("\n"), ENGINE_SOURCES.index(name)))
+    return out
+
+
+# ---------------------------------------------------------------------------- generation
+
+def _read_manifest(out: Path) -> dict | None:
+    path = out / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", progress: bool = True) -> dict:
+    """Generate (or resume) shards into ``out`` until ``cfg.tokens`` response tokens exist.
+    Returns the manifest."""
+    from tqdm.auto import tqdm
+
+    from ..cpu import machine as machine_record
+    from ..decode.ar import decode_ar
+    if target.tokenizer is None:
+        raise ValueError("target: the engine needs a model with a tokenizer")
+    if target.config.vocab_size > 65536:
+        raise ValueError("target: uint16 shards need a vocabulary of at most 65,536 ids")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = _read_manifest(out)
+    if manifest is not None:
+        if manifest["config"] != asdict(cfg) | {"tokens": manifest["config"]["tokens"]}:
+            raise ValueError(f"out: {out} holds data of another config ({manifest['config']}); "
+                             "use another directory or the same settings")
+        manifest["config"]["tokens"] = cfg.tokens
+    else:
+        manifest = {"format": FORMAT, "config": asdict(cfg), "target": target_name or str(target.name_or_path),
+                    "dtype": str(target.dtype).replace("torch.", ""), "sources": list(ENGINE_SOURCES),
+                    "machine": machine_record(), "shards": []}
+    done = sum(s["response_tokens"] for s in manifest["shards"])
+    sources = _Sources(target.tokenizer, cfg) if done < cfg.tokens else None
+    bar = tqdm(total=cfg.tokens, initial=min(done, cfg.tokens), desc="response tokens", unit="tok",
+               disable=not progress, smoothing=0.1)
+    shard = len(manifest["shards"])
+    while done < cfg.tokens:
+        flat, rows, offset, resp, seconds, sampled_calls = [], [], 0, 0, 0.0, 0
+        for call in range(shard * cfg.shard_batches, (shard + 1) * cfg.shard_batches):
+            prompts = prompt_stream(target.tokenizer, cfg, call, sources=sources)
+            # call c samples at T = 1 when the running share of sampled calls is below the target
+            sampled = int((call + 1) * cfg.sampled_fraction) > int(call * cfg.sampled_fraction)
+            gen = torch.Generator(device=target.device).manual_seed(cfg.seed * 1_000_003 + call)
+            t0 = time.perf_counter()
+            responses, _ = decode_ar(target, [p for p, _ in prompts], max_new_tokens=cfg.response_tokens,
+                                     temperature=1.0 if sampled else 0.0, generator=gen if sampled else None,
+                                     eos_ids=target.eos_token_ids)
+            dt = time.perf_counter() - t0
+            seconds += dt
+            sampled_calls += sampled
+            n = 0
+            for (p, src), r in zip(prompts, responses):
+                seq = list(p) + list(r)
+                flat.extend(seq)
+                rows.append((offset, len(seq), len(p), src, int(sampled)))
+                offset += len(seq)
+                n += len(r)
+            resp += n
+            bar.update(n)
+            bar.set_postfix(shard=shard, tok_s=f"{n / dt:.0f}")
+        names = (f"tokens-{shard:05d}.npy", f"rows-{shard:05d}.npy")
+        for name, arr in zip(names, (np.asarray(flat, dtype=np.uint16), np.asarray(rows, dtype=np.int64))):
+            tmp = out / (name + ".tmp")
+            with open(tmp, "wb") as f:
+                np.save(f, arr)
+            os.replace(tmp, out / name)
+        manifest["shards"].append({"index": shard, "sequences": len(rows), "tokens": offset,
+                                   "response_tokens": resp, "sampled_calls": sampled_calls,
+                                   "seconds": round(seconds, 2)})
+        _write_json(out / MANIFEST, manifest)
+        done += resp
+        shard += 1
+    bar.close()
+    return manifest
+
+
+# ------------------------------------------------------------------------------- reading
+
+class GeneratedData:
+    """The engine's output, memory-mapped.
+
+    ``sequences()`` -> [(token ids list, prompt length)]; ``split(fraction, seed)`` -> (train,
+    heldout) by a seeded shuffle of sequences; ``info`` summarises the manifest.
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        manifest = _read_manifest(self.path)
+        if manifest is None or manifest.get("format") != FORMAT:
+            raise ValueError(f"data: {self.path} is not a dspec data-engine directory (no {MANIFEST})")
+        self.manifest = manifest
+        self.tokens = [np.load(self.path / f"tokens-{s['index']:05d}.npy", mmap_mode="r") for s in manifest["shards"]]
+        self.rows = [np.load(self.path / f"rows-{s['index']:05d}.npy") for s in manifest["shards"]]
+
+    @property
+    def info(self) -> dict:
+        shards = self.manifest["shards"]
+        return {"source": f"target-generated (dspec ar, {self.manifest['target']}, {self.manifest['dtype']})",
+                "path": str(self.path), "shards": len(shards),
+                "sequences": sum(s["sequences"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
+                "response_tokens": sum(s["response_tokens"] for s in shards),
+                "sources": self.manifest["config"]["sources"],
+                "sampled_fraction": self.manifest["config"]["sampled_fraction"],
+                "generation_s": round(sum(s["seconds"] for s in shards), 1)}
+
+    def __iter__(self) -> Iterator[tuple[list[int], int]]:
+        for toks, rows in zip(self.tokens, self.rows):
+            for off, n, plen, _, _ in rows:
+                yield toks[off:off + n].astype(np.int64).tolist(), int(plen)
+
+    def sequences(self) -> list[tuple[list[int], int]]:
+        return list(self)
+
+
+# ----------------------------------------------------------------------------------- CLI
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m dspec.train.data_engine",
+                                description="Generate target responses for drafter / adapter training.")
+    p.add_argument("--target", default="smollm2-135m", help="shipped name or checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory (outside the package)")
+    d = EngineConfig()
+    p.add_argument("--tokens", type=int, default=d.tokens, help="response tokens wanted (default %(default)s)")
+    p.add_argument("--response-tokens", type=int, default=d.response_tokens,
+                   help="max new tokens per prompt (default %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens,
+                   help="max prompt tokens (default %(default)s)")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per ar call (default %(default)s)")
+    p.add_argument("--shard-batches", type=int, default=d.shard_batches,
+                   help="ar calls per shard, the unit of resume (default %(default)s)")
+    p.add_argument("--sampled-fraction", type=float, default=d.sampled_fraction,
+                   help="share of ar calls sampled at T = 1 (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the machine's)")
+    p.add_argument("--threads", default=None, help="torch threads (default: dspec's policy)")
+    args = p.parse_args(argv)
+    import dspec
+    from ..cpu import apply_threads
+    apply_threads(args.threads)
+    cfg = EngineConfig(tokens=args.tokens, response_tokens=args.response_tokens, prompt_tokens=args.prompt_tokens,
+                       batch=args.batch, shard_batches=args.shard_batches, sampled_fraction=args.sampled_fraction, seed=args.seed)
+    target = dspec.load(args.target, dtype=args.dtype)
+    manifest = generate_shards(target, args.out, cfg, target_name=args.target)
+    info = GeneratedData(args.out).info
+    print(json.dumps(info, indent=1))
+    return manifest
+
+
+if __name__ == "__main__":
+    main()

