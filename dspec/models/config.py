@@ -92,6 +92,7 @@ class ModelConfig:
     qk_norm: bool = False
     embed_scale: float = 1.0     # LLaDA input_emb_norm: embeddings * sqrt(d_model)
     logit_scale: float = 1.0     # LLaDA scale_logits: logits / sqrt(d_model)
+    clean_causal: bool = False   # non-[MASK] queries see keys at positions <= theirs (mask_adapter)
     architecture: str = ""
     model_type: str = ""
     raw: dict = field(default_factory=dict, repr=False, compare=False)

@@ -22,6 +22,7 @@ from ..ops.attention import CascadeAttentionPlan
 from ..ops.attention import _resolve_backend as resolve_cascade_backend
 from .config import ModelConfig
 from .kv_cache import KVCache, SuffixKV
+from .mask_adapter import clean_causal_words
 from .plan import AttentionPlan
 
 
@@ -216,6 +217,7 @@ class Model(nn.Module):
         if not _meta:
             self.to(dtype=dtype)
         self._inv_freq = {}     # float32 RoPE frequencies per device (not a buffer: .to(bf16) must not touch them)
+        self.mask_adapter = None   # a MaskAdapter (dspec.models.mask_adapter) when attached
 
     # ------------------------------------------------------------------------ description
 
@@ -317,13 +319,29 @@ class Model(nn.Module):
         """
         tokens, positions, mask, cache = self._check_plan(plan)
         cfg = self.config
-        batch, n = tokens.shape
         want = self._hidden_indices(hidden_states)
-        recorded = {}
 
         x = self.embed_tokens(tokens)
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
+        adapter = self.mask_adapter
+        if adapter is not None or cfg.clean_causal:
+            is_mask = tokens == cfg.mask_token_id
+            any_mask = bool(is_mask.any())                  # one host read per forward
+            if cfg.clean_causal:
+                mask = clean_causal_words(mask, positions, is_mask, any_mask)
+            if adapter is not None:
+                x = adapter.begin(tokens, x, is_mask, any_mask)
+        try:
+            return self._layers(x, positions, mask, cache, plan, want, logits, hidden_states, return_kv, backend)
+        finally:
+            if adapter is not None:
+                adapter.end()
+
+    def _layers(self, x, positions, mask, cache, plan, want, logits, hidden_states, return_kv, backend) -> Output:
+        cfg = self.config
+        batch, n = x.shape[:2]
+        recorded = {}
         if 0 in want:
             recorded[0] = x
         cos, sin = rope_tables(positions, self._rope(x.device))                     # [B, N, 1, D]

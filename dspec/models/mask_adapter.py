@@ -1,0 +1,170 @@
+"""Mask-selective adapters: a block-diffusion model that *is* its causal base wherever no
+[MASK] token is.
+
+Adapting an AR model to block diffusion with a LoRA on every token changes the model
+everywhere, so its block-size-1 mode is no longer the AR model and self-speculation cannot
+verify against the real target.  A mask-selective adapter keeps the base exact:
+
+- **only [MASK] rows are adapted**: each adapted projection computes ``x W^T (+ b)`` for
+  every row and adds ``scale * (x A^T) B^T`` at the rows whose input token is [MASK] (the
+  row index is found once per forward and shared by every layer); the [MASK] input
+  embedding is a trained input-only row, so the tied output head is untouched;
+- **clean tokens attend causally** (``ModelConfig.clean_causal``): a query whose token is
+  not [MASK] sees only keys at positions <= its own, whatever block structure the plan
+  asks for; [MASK] queries keep the plan's visibility (their block bidirectionally, the
+  committed prefix).  The rule only removes visibility, so causal and tree plans are
+  unchanged by it.
+
+A forward without a [MASK] token is then the base model's forward, operation for
+operation (``torch.equal`` on logits in float32): the prompt, every committed block, and
+block-size-1 verification are exactly the AR model's, and S2D2 / SSD / Spiffy verify with
+the real target.  Only the [MASK] rows pay for the adapter (two thin matmuls per
+projection over the masked rows).
+
+The training side (:mod:`dspec.train.mask_adapter`) needs no gradient through the clean
+stream: nothing a clean token computes depends on an adapter parameter.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.masks import pack_mask, unpack_mask
+
+__all__ = ["MaskRows", "MaskLoraLinear", "MaskAdapter", "clean_causal_words", "TARGETS"]
+
+#: projection name -> the Block attribute that holds it
+TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+class MaskRows:
+    """The flat row index [R] of the [MASK] tokens of the current forward (None: no
+    [MASK], every adapted projection is its base)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self):
+        self.index: torch.Tensor | None = None
+
+
+class MaskLoraLinear(nn.Linear):
+    """``nn.Linear`` (frozen ``weight`` / ``bias``) plus ``lora_A`` [r, in], ``lora_B`` [out, r]
+    applied at the rows of ``rows.index`` only."""
+
+    def __init__(self, base: nn.Linear, rank: int, scale: float, rows: MaskRows):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        dev = base.weight.device
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=dev, dtype=torch.float32))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=dev, dtype=torch.float32))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.scale = scale
+        self.rows = rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        idx = self.rows.index
+        if idx is None:
+            return y
+        picked = x.reshape(-1, self.in_features).index_select(0, idx).to(self.lora_A.dtype)
+        delta = F.linear(F.linear(picked, self.lora_A), self.lora_B) * self.scale
+        return y.reshape(-1, self.out_features).index_add(0, idx, delta.to(y.dtype)).view(y.shape)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, rank={self.lora_A.shape[0]}, mask rows only"
+
+
+class MaskAdapter(nn.Module):
+    """The adapter of one model: mask-selective LoRA on ``targets`` of every layer and the
+    [MASK] input embedding.  ``MaskAdapter.attach(model, rank=..)`` installs it (the model
+    keeps it as ``model.mask_adapter``); ``scope(tokens, x)`` sets the [MASK] rows for one
+    forward and returns the embeddings with the [MASK] row substituted."""
+
+    def __init__(self, model, *, rank: int, alpha: float | None = None, targets=tuple(TARGETS)):
+        super().__init__()
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank must be an int >= 1, got {rank!r}")
+        targets = tuple(targets)
+        bad = [t for t in targets if t not in TARGETS]
+        if not targets or bad:
+            raise ValueError(f"targets must be a non-empty subset of {list(TARGETS)}, got {targets!r}")
+        mask_id = model.config.mask_token_id
+        if mask_id is None or not 0 <= mask_id < model.config.vocab_size:
+            raise ValueError(f"model: a mask adapter needs a mask_token_id in the vocabulary, got {mask_id!r}")
+        self.rank, self.alpha, self.targets = rank, float(alpha if alpha is not None else 2 * rank), targets
+        self.mask_token_id = int(mask_id)
+        self.rows = MaskRows()
+        self.mask_embedding = nn.Parameter(model.embed_tokens.weight.detach()[mask_id].float().clone())
+
+    @classmethod
+    def attach(cls, model, **kw) -> "MaskAdapter":
+        if getattr(model, "mask_adapter", None) is not None:
+            raise ValueError("model: already has a mask adapter")
+        adapter = cls(model, **kw)
+        scale = adapter.alpha / adapter.rank
+        for layer in model.layers:
+            for name in adapter.targets:
+                parent = getattr(layer, TARGETS[name])
+                setattr(parent, name, MaskLoraLinear(getattr(parent, name), adapter.rank, scale, adapter.rows))
+        model.mask_adapter = adapter
+        for p in model.parameters():        # inference by default; training calls trainable()
+            p.requires_grad_(False)
+        return adapter
+
+    def trainable(self, model) -> list[nn.Parameter]:
+        """Let gradients reach the adapter (LoRA matrices and the [MASK] row) and only it;
+        returns those parameters."""
+        params = []
+        for name, p in model.named_parameters():
+            on = name.endswith((".lora_A", ".lora_B")) or p is self.mask_embedding
+            p.requires_grad_(on)
+            if on:
+                params.append(p)
+        return params
+
+    def begin(self, tokens: torch.Tensor, x: torch.Tensor, is_mask: torch.Tensor, any_mask: bool) -> torch.Tensor:
+        """Set this forward's [MASK] rows (``is_mask`` [B, N]) and substitute the [MASK] input
+        row into the embeddings ``x`` [B, N, H]."""
+        if not any_mask:
+            self.rows.index = None
+            return x
+        self.rows.index = is_mask.reshape(-1).nonzero().squeeze(1)
+        return torch.where(is_mask[..., None], self.mask_embedding.to(x.dtype), x)
+
+    def end(self) -> None:
+        self.rows.index = None
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha}, targets={list(self.targets)}, mask_token_id={self.mask_token_id}"
+
+
+def clean_causal_words(words: torch.Tensor | None, positions: torch.Tensor, is_mask: torch.Tensor,
+                       any_mask: bool) -> torch.Tensor:
+    """The packed suffix mask with every non-[MASK] query restricted to keys at positions <=
+    its own (``ModelConfig.clean_causal``).
+
+    words : int32 [N, W] (shared), [B, N, W] or None (every suffix token sees every one).
+    positions : int64 [B, N]; is_mask : bool [B, N]; any_mask : ``is_mask.any()`` (host).
+    Returns int32 [N, W] when the result is the same for every request, else [B, N, W].
+    """
+    batch, n = positions.shape
+    rel = positions - positions[:, :1]
+    shared = (words is None or words.dim() == 2) and not any_mask and \
+        (batch == 1 or bool((rel == rel[:1]).all()))
+    if shared:
+        rel = rel[:1]
+    dense = torch.ones(rel.shape[0], n, n, dtype=torch.bool, device=positions.device) if words is None \
+        else unpack_mask(words, n).expand(rel.shape[0], n, n) if words.dim() == 2 else unpack_mask(words, n)
+    allowed = rel[:, None, :] <= rel[:, :, None]                           # key pos <= query pos
+    if any_mask:
+        allowed = allowed | is_mask[:, :, None]
+    out = pack_mask(dense & allowed)
+    return out[0] if shared else out

@@ -1,0 +1,134 @@
+"""Mask-selective block-diffusion adapters: without a [MASK] token the model is its causal
+base bit for bit; with one, only [MASK] rows are adapted, clean queries attend causally, and
+the training forward (two streams) equals the inference forward of the 2L layout."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dspec
+from dspec.models.mask_adapter import MaskAdapter, clean_causal_words
+from dspec.models.plan import AttentionPlan
+from dspec.ops.masks import pack_mask, unpack_mask
+from dspec.train.mask_adapter import (mask_adapter_loss, mask_diffusion_model, noise_blocks, noisy_mask,
+                                      two_stream_logits)
+from dspec.train.objectives import block_diffusion_mask
+
+from tiny_checkpoints import write_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MASK = 5
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=7)
+    return dspec.load(path, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def bd(base):
+    model = mask_diffusion_model(base, block_size=4, mask_token_id=MASK, rank=4)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():                      # a trained-looking adapter: B != 0
+        for n, p in model.named_parameters():
+            if n.endswith("lora_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        model.mask_adapter.mask_embedding.add_(torch.randn(model.mask_adapter.mask_embedding.shape, generator=g))
+    return model
+
+
+def _ids(n, seed, lo=10, hi=150):
+    return torch.randint(lo, hi, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("attention", ["causal", "block_causal"])
+def test_mask_free_forward_is_the_base_bit_for_bit(base, bd, attention):
+    seqs = [_ids(23, 1), _ids(9, 2), _ids(17, 3)]
+    ref = base(base.plan(seqs), logits="all").logits
+    got = bd(bd.plan(seqs, attention=attention, block_size=4), logits="all").logits
+    assert torch.equal(got, ref)
+    # and with a cache: the prompt committed, then a few clean tokens
+    cb, cm = base.new_cache(3), bd.new_cache(3)
+    for model, cache, kind in ((base, cb, "causal"), (bd, cm, attention)):
+        out = model(model.plan(seqs, cache, attention=kind, block_size=4))
+        cache.append(out.suffix_kv, counts=torch.tensor([len(s) for s in seqs]))
+    nxt = [_ids(6, 4)] * 3
+    a = base(base.plan(nxt, cb)).logits
+    b = bd(bd.plan(nxt, cm, attention="block_causal", block_size=4)).logits
+    assert torch.equal(a, b)
+
+
+def test_only_mask_rows_change(base, bd):
+    prompt = _ids(13, 5)
+    seq = prompt + [MASK, 77, MASK, MASK]
+    ref = base(base.plan([seq]), logits="all").logits
+    got = bd(bd.plan([seq]), logits="all").logits
+    # clean tokens before the first [MASK] are the base's; the [MASK] rows are adapted
+    assert torch.equal(got[0, :13], ref[0, :13])
+    assert not torch.allclose(got[0, 13], ref[0, 13])
+    # a zero adapter with the base's own [MASK] row is the base on the same attention
+    fresh = mask_diffusion_model(base, block_size=4, mask_token_id=MASK, rank=2)
+    plan = fresh.plan([seq])
+    words = clean_causal_words(plan.mask, plan.positions, plan.tokens == MASK, True)
+    ref2 = base(AttentionPlan(plan.tokens, plan.positions, words), logits="all").logits
+    torch.testing.assert_close(fresh(plan, logits="all").logits, ref2, rtol=1e-5, atol=1e-5)
+
+
+def test_clean_causal_words_only_removes_visibility():
+    g = torch.Generator().manual_seed(1)
+    dense = torch.rand(2, 7, 7, generator=g) < 0.6
+    pos = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [0, 1, 1, 2, 3, 3, 4]])
+    is_mask = torch.rand(2, 7, generator=g) < 0.4
+    out = unpack_mask(clean_causal_words(pack_mask(dense), pos, is_mask, True), 7)
+    want = dense & (is_mask[:, :, None] | (pos[:, None, :] <= pos[:, :, None]))
+    assert torch.equal(out, want)
+    shared = clean_causal_words(None, torch.arange(5)[None].expand(3, 5) + torch.tensor([[0], [4], [9]]),
+                                torch.zeros(3, 5, dtype=torch.bool), False)
+    assert shared.dim() == 2 and torch.equal(unpack_mask(shared, 5), torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def test_two_stream_training_forward_equals_the_inference_forward(bd):
+    L, bs = 12, 4
+    clean = torch.tensor([_ids(L, 8), _ids(L, 9)])
+    valid = torch.ones(2, L, dtype=torch.bool)
+    valid[1, 10:] = False
+    noisy, masked = noise_blocks(clean, valid, bs, MASK, torch.Generator().manual_seed(3))
+    assert masked.any() and not (masked & ~valid).any()
+    index = torch.arange(L).expand(2, L)
+    got = two_stream_logits(bd, clean, noisy, valid, bs, index)
+    # inference: the 2L layout [noisy ; clean] under the model's own clean-causal rule
+    for b in range(2):
+        n = int(valid[b].sum())
+        tokens = torch.cat([noisy[b, :n], clean[b, :n]])[None]
+        pos = torch.cat([torch.arange(n), torch.arange(n)])[None]
+        plan = AttentionPlan(tokens, pos, pack_mask(block_diffusion_mask(n, bs)))
+        ref = bd(plan, logits="all").logits[0, :n]
+        torch.testing.assert_close(got[b, :n], ref, rtol=1e-4, atol=1e-4)
+    see = noisy_mask(index, noisy == MASK, valid, bs)
+    assert see.shape == (2, L, 2 * L)
+
+
+def test_loss_trains_only_the_adapter(base):
+    model = mask_diffusion_model(base, block_size=4, mask_token_id=MASK, rank=4)
+    params = model.mask_adapter.trainable(model)
+    assert len(params) == 2 * 7 * 2 + 1
+    clean = torch.tensor([_ids(16, 11), _ids(16, 12)])
+    valid = torch.ones_like(clean, dtype=torch.bool)
+    out = mask_adapter_loss(model, clean, valid, torch.tensor([3, 0]), 4, generator=torch.Generator().manual_seed(0))
+    out.loss.backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all(n.endswith(("lora_A", "lora_B")) or n == "mask_adapter.mask_embedding" for n in grads)
+    assert any(n.endswith("lora_B") for n in grads) and out.count > 0
+    with pytest.raises(ValueError, match="block_size"):
+        mask_adapter_loss(model, clean, valid, torch.tensor([0, 0]), 1)
+
+
+def test_bad_arguments(base):
+    with pytest.raises(ValueError, match="mask_token_id"):
+        mask_diffusion_model(base, block_size=4, mask_token_id=10**9)
+    with pytest.raises(ValueError, match="rank"):
+        mask_diffusion_model(base, block_size=4, mask_token_id=MASK, rank=0)
+    model = mask_diffusion_model(base, block_size=4, mask_token_id=MASK)
+    with pytest.raises(ValueError, match="already"):
+        MaskAdapter.attach(model, rank=2)
