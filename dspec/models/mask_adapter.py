@@ -55,7 +55,8 @@ class MaskLoraLinear(nn.Linear):
     """``nn.Linear`` (frozen ``weight`` / ``bias``) plus ``lora_A`` [r, in], ``lora_B`` [out, r]
     applied at the rows of ``rows.index`` only."""
 
-    def __init__(self, base: nn.Linear, rank: int, scale: float, rows: MaskRows):
+    def __init__(self, base: nn.Linear, rank: int, scale: float, rows: MaskRows,
+                 generator: torch.Generator | None = None):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
@@ -65,7 +66,7 @@ class MaskLoraLinear(nn.Linear):
         dev = base.weight.device
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=dev, dtype=torch.float32))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=dev, dtype=torch.float32))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5), generator=generator)
         self.scale = scale
         self.rows = rows
 
@@ -105,15 +106,17 @@ class MaskAdapter(nn.Module):
         self.mask_embedding = nn.Parameter(model.embed_tokens.weight.detach()[mask_id].float().clone())
 
     @classmethod
-    def attach(cls, model, **kw) -> "MaskAdapter":
+    def attach(cls, model, *, seed: int = 0, **kw) -> "MaskAdapter":
+        """Install a fresh adapter (``lora_B = 0``; ``lora_A`` drawn from ``seed``)."""
         if getattr(model, "mask_adapter", None) is not None:
             raise ValueError("model: already has a mask adapter")
         adapter = cls(model, **kw)
         scale = adapter.alpha / adapter.rank
+        gen = torch.Generator(device=model.device).manual_seed(seed)
         for layer in model.layers:
             for name in adapter.targets:
                 parent = getattr(layer, TARGETS[name])
-                setattr(parent, name, MaskLoraLinear(getattr(parent, name), adapter.rank, scale, adapter.rows))
+                setattr(parent, name, MaskLoraLinear(getattr(parent, name), adapter.rank, scale, adapter.rows, gen))
         model.mask_adapter = adapter
         for p in model.parameters():        # inference by default; training calls trainable()
             p.requires_grad_(False)

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.dflash import MASK, BlockDrafter, block_loss_weights
+from .loop import BudgetedLoop
 
 CHECKPOINT = "checkpoint.pt"
 DATA = "data.pt"
@@ -264,7 +265,7 @@ def block_loss(drafter: BlockDrafter, target, tokens, lengths, blocks, labels, v
 
 # ---------------------------------------------------------------------------- trainer
 
-class DrafterTrainer:
+class DrafterTrainer(BudgetedLoop):
     """Trains one block drafter for one target (see the module docstring).
 
     Parameters
@@ -280,6 +281,10 @@ class DrafterTrainer:
         (:mod:`dspec.train.features`; built or resumed here); None re-runs the target in
         every step.
     """
+
+    @property
+    def progress_desc(self) -> str:
+        return f"train {self.cfg.kind} drafter"
 
     def __init__(self, target, cfg: DrafterTrainConfig, out_dir, *, sequences=None, prefix_sampler=None,
                  features=None, progress: bool = True):
@@ -456,56 +461,6 @@ class DrafterTrainer:
         fig.tight_layout()
         fig.savefig(self.out / LOSS_PNG, dpi=100)
         plt.close(fig)
-
-    # ------------------------------------------------------------------ loop
-    def train(self, *, minutes: float | None = None, max_steps: int | None = None,
-              steps: int | None = None) -> dict:
-        """Train until ``max_steps`` (default cfg.max_steps) or the time budget; a budget
-        fixes the schedule's length after 10 measured steps (kept on resume) and stops the
-        call past 1.1x the budget even if steps got slower than measured.  ``steps``
-        stops this call after that many steps (the schedule is unchanged: resume later)."""
-        from tqdm.auto import tqdm
-        cap = max_steps or self.cfg.max_steps
-        if self.total_steps is None and minutes is None:
-            self.total_steps = cap
-        budget = None if minutes is None else minutes * 60.0
-        bar = tqdm(total=self.total_steps or cap, initial=self.step, desc=f"train {self.cfg.kind} drafter",
-                   unit="step", disable=not self.progress)
-        start = time.perf_counter()
-        last_ckpt = start
-        measured_from = None
-        stop = None if steps is None else self.step + steps
-        while self.step < (self.total_steps or cap) and (stop is None or self.step < stop):
-            loss = self.train_step()
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
-            now = time.perf_counter()
-            if self.total_steps is None:
-                if measured_from is None and self.step >= 3:
-                    measured_from = (self.step, now)
-                elif measured_from is not None and self.step >= measured_from[0] + 10:
-                    per_step = (now - measured_from[1]) / (self.step - measured_from[0])
-                    left = budget - (now - start)
-                    self.total_steps = max(self.step + 1, min(cap, self.step + int(left * 0.97 / per_step)))
-                    bar.total = self.total_steps
-                    bar.refresh()
-            if budget is not None and now - start > 1.1 * budget:
-                # steps got slower than measured (a shared machine): keep the budget, cut the
-                # schedule short (the log records where)
-                self.log[-1]["stopped_by_budget"] = True
-                break
-            if self.step % self.cfg.eval_every == 0:
-                self.evaluate()
-            if now - last_ckpt > self.cfg.checkpoint_every_s:
-                self.wall_s += now - last_ckpt
-                last_ckpt = now
-                self.save_checkpoint()
-        bar.close()
-        self.wall_s += time.perf_counter() - last_ckpt
-        if not self.evals or self.evals[-1]["step"] != self.step:
-            self.evaluate()
-        self.save_checkpoint()
-        return {"step": self.step, "heldout_loss": self.evals[-1]["heldout_loss"], "wall_s": self.wall_s}
 
 
 # ------------------------------------------------------------------------- evaluation

@@ -21,14 +21,27 @@ decode as trained.
 """
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 from ..models.mask_adapter import MaskAdapter
 from ..models.transformer import Model, rope_tables
+from .dflash import lr_at
+from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from .loop import BudgetedLoop
 from .objectives import LossOutput, additive_mask
 
-__all__ = ["two_stream_logits", "noisy_mask", "mask_adapter_loss", "noise_blocks"]
+__all__ = ["two_stream_logits", "noisy_mask", "mask_adapter_loss", "noise_blocks", "mask_diffusion_model",
+           "save_mask_adapter", "load_mask_adapter", "is_mask_adapter", "MaskAdapterConfig", "MaskAdapterTrainer",
+           "ADAPTER_FORMAT"]
 
 
 def noisy_mask(positions: torch.Tensor, is_mask: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -141,7 +154,7 @@ def mask_adapter_loss(model: Model, clean: torch.Tensor, valid: torch.Tensor, lo
 
 
 def mask_diffusion_model(base: Model, *, block_size: int, mask_token_id: int, rank: int = 16,
-                         alpha: float | None = None, targets=None) -> Model:
+                         alpha: float | None = None, targets=None, seed: int = 0) -> Model:
     """A copy of the causal ``base`` as a right-shifted, block-causal, clean-causal diffusion
     model with a fresh :class:`MaskAdapter` (``B = 0``: the model still computes exactly the
     base everywhere; at [MASK] rows it starts from the base with the [MASK] token's own
@@ -159,5 +172,327 @@ def mask_diffusion_model(base: Model, *, block_size: int, mask_token_id: int, ra
     model.load_state_dict(base.state_dict())
     model.name_or_path = base.name_or_path
     kw = {} if targets is None else {"targets": tuple(targets)}
-    MaskAdapter.attach(model, rank=rank, alpha=alpha, **kw)
+    MaskAdapter.attach(model, rank=rank, alpha=alpha, seed=seed, **kw)
     return model
+
+
+# ------------------------------------------------------------------------ files
+
+ADAPTER_FORMAT = "dspec-mask-lora-1"
+
+
+def save_mask_adapter(model: Model, out_dir, *, base_name: str, base_fingerprint: str, meta: dict | None = None,
+                      dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``adapter_config.json`` + ``adapter.safetensors`` (atomically) for the
+    adapter of ``model``: its LoRA matrices and [MASK] row in ``dtype``."""
+    from safetensors.torch import save_file
+    adapter = model.mask_adapter
+    if adapter is None:
+        raise ValueError("model: has no mask adapter")
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {n: p.detach().to("cpu", dtype).contiguous() for n, p in model.named_parameters()
+             if n.endswith((".lora_A", ".lora_B"))}
+    state["mask_embedding"] = adapter.mask_embedding.detach().to("cpu", dtype).contiguous()
+    save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt", "dspec": ADAPTER_FORMAT})
+    os.chmod(tmp / ADAPTER_WEIGHTS, 0o644)
+    config = {"format": ADAPTER_FORMAT, "base_name": base_name, "base_fingerprint": base_fingerprint,
+              "rank": adapter.rank, "alpha": adapter.alpha, "targets": list(adapter.targets),
+              "mask_token_id": adapter.mask_token_id, "block_size": model.block_size,
+              "num_parameters": int(sum(t.numel() for t in state.values())), "meta": meta or {}}
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+        os.replace(tmp / f, out_dir / f)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def is_mask_adapter(adapter_dir) -> bool:
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    return path.is_file() and json.loads(path.read_text()).get("format") == ADAPTER_FORMAT
+
+
+def load_mask_adapter(base: Model, adapter_dir, *, check_fingerprint: bool = True) -> Model:
+    """The block-diffusion model of ``adapter_dir`` on top of the causal ``base`` (which
+    must be the base it was trained on: checked by weight fingerprint)."""
+    from safetensors.torch import load_file
+
+    from .lora import base_fingerprint
+    path = Path(adapter_dir)
+    if not is_mask_adapter(path) or not (path / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(f"adapter_dir: {path} holds no {ADAPTER_FORMAT} adapter")
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    if check_fingerprint:
+        got = base_fingerprint(base)
+        if got != config["base_fingerprint"]:
+            raise ValueError(f"adapter {path} was trained on {config['base_name']!r} (weights fingerprint "
+                             f"{config['base_fingerprint']}), this base has {got}")
+    model = mask_diffusion_model(base, block_size=int(config["block_size"]), mask_token_id=int(config["mask_token_id"]),
+                                 rank=int(config["rank"]), alpha=float(config["alpha"]), targets=config["targets"])
+    state = load_file(str(path / ADAPTER_WEIGHTS))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in state.items():
+            dest = model.mask_adapter.mask_embedding if name == "mask_embedding" else params.get(name)
+            if dest is None or dest.shape != t.shape:
+                raise ValueError(f"adapter {path}: tensor {name!r} {list(t.shape)} does not fit this base")
+            dest.copy_(t.to(dest.dtype))
+    model.name_or_path = str(path)
+    return model
+
+
+# ---------------------------------------------------------------------- training
+
+@dataclass
+class MaskAdapterConfig:
+    """Recipe settings.
+
+    rank, alpha, targets : the adapter.  block_size : the default decoding block size
+        written with it.  block_sizes / block_weights : the block size drawn per step.
+    batch_size : sequences per step; max_len : longer sequences are cut.
+    lr, min_lr, warmup_steps, max_steps, weight_decay, grad_clip : AdamW + cosine.
+    eval_block_sizes, heldout_sequences : the held-out loss (fixed noise) and its size.
+    eval_every : steps; checkpoint_every_s : seconds.  autocast : "auto" (bf16 on CUDA and
+    on CPUs with native bf16 matmul), "bf16", "none".
+    """
+
+    rank: int = 16
+    alpha: float | None = None
+    targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    mask_token: str = "<filename>"
+    block_size: int = 4
+    block_sizes: tuple = (2, 4, 8, 16)
+    block_weights: tuple = (0.2, 0.4, 0.25, 0.15)
+    batch_size: int = 8
+    max_len: int = 256
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    max_steps: int = 100_000
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_block_sizes: tuple = (2, 4, 8)
+    heldout_sequences: int = 64
+    eval_every: int = 100
+    checkpoint_every_s: float = 600.0
+    autocast: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("rank", "block_size", "batch_size", "max_len", "max_steps", "eval_every", "heldout_sequences"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        self.block_sizes, self.block_weights = tuple(self.block_sizes), tuple(self.block_weights)
+        self.eval_block_sizes, self.targets = tuple(self.eval_block_sizes), tuple(self.targets)
+        if not self.block_sizes or any(not isinstance(b, int) or b < 2 for b in self.block_sizes + self.eval_block_sizes):
+            raise ValueError(f"block_sizes and eval_block_sizes must hold ints >= 2, got {self.block_sizes}, "
+                             f"{self.eval_block_sizes}")
+        if len(self.block_weights) != len(self.block_sizes) or any(w < 0 for w in self.block_weights) \
+                or sum(self.block_weights) <= 0:
+            raise ValueError(f"block_weights must be {len(self.block_sizes)} weights >= 0, got {self.block_weights}")
+        if self.autocast not in ("auto", "bf16", "none"):
+            raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
+
+
+class MaskAdapterTrainer(BudgetedLoop):
+    """Trains the mask adapter of ``model`` (from :func:`mask_diffusion_model`) on
+    ``sequences`` [(ids, prompt_len)]: the loss covers response tokens (positions >= the
+    prompt length); the prompt is context.  ``heldout_sequences`` of them are held out."""
+
+    progress_desc = "train mask adapter"
+
+    def __init__(self, model: Model, sequences, cfg: MaskAdapterConfig, out_dir, *, base_name: str,
+                 base_fingerprint: str, data_info: dict | None = None, progress: bool = True):
+        if model.mask_adapter is None:
+            raise ValueError("model: attach a MaskAdapter first (mask_diffusion_model)")
+        self.model, self.cfg, self.out = model, cfg, Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.base_name, self.base_fingerprint = base_name, base_fingerprint
+        self.data_info = dict(data_info or {})
+        self.progress = progress
+        self.device = model.device
+        seqs = [(list(s[: cfg.max_len]), min(int(p), cfg.max_len - 1)) for s, p in sequences
+                if len(s) - p >= 2]
+        if len(seqs) < 2:
+            raise ValueError("sequences: need at least 2 with a response of >= 2 tokens")
+        order = list(range(len(seqs)))
+        random.Random(cfg.seed + 17).shuffle(order)
+        n_held = min(cfg.heldout_sequences, max(1, len(seqs) // 10))
+        self.heldout = [seqs[i] for i in order[:n_held]]
+        self.train_set = [seqs[i] for i in order[n_held:]]
+        params = model.mask_adapter.trainable(model)
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.step, self.total_steps, self.wall_s = 0, None, 0.0
+        self.log: list[dict] = []
+        self.evals: list[dict] = []
+
+    def _gen(self, step: int, salt: int = 0) -> torch.Generator:
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 7919 + salt)
+
+    def _rows(self, rows):
+        length = max(len(s) for s, _ in rows)
+        clean = torch.zeros(len(rows), length, dtype=torch.int64)
+        valid = torch.zeros(len(rows), length, dtype=torch.bool)
+        for b, (s, _) in enumerate(rows):
+            clean[b, :len(s)] = torch.tensor(s)
+            valid[b, :len(s)] = True
+        starts = torch.tensor([p for _, p in rows])
+        return clean.to(self.device), valid.to(self.device), starts.to(self.device)
+
+    def _autocast(self):
+        from ..cpu import native_bf16
+        auto = self.device.type == "cuda" or (self.device.type == "cpu" and native_bf16())
+        on = self.cfg.autocast == "bf16" or (self.cfg.autocast == "auto" and auto)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=on)
+
+    def block_size_at(self, step: int) -> int:
+        g = self._gen(step, salt=5)
+        w = torch.tensor(self.cfg.block_weights, dtype=torch.float64)
+        return self.cfg.block_sizes[int(torch.multinomial(w, 1, generator=g))]
+
+    def train_step(self) -> float:
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg, self.total_steps or cfg.max_steps)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        g = self._gen(self.step)
+        pick = torch.randint(len(self.train_set), (cfg.batch_size,), generator=g).tolist()
+        clean, valid, starts = self._rows([self.train_set[i] for i in pick])
+        bs = self.block_size_at(self.step)
+        with self._autocast():
+            out = mask_adapter_loss(self.model, clean, valid, starts, bs, generator=g)
+        self.opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for group in self.opt.param_groups for p in group["params"]], cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        value = float(out.loss.detach())
+        self.log.append({"step": self.step, "loss": value, "lr": lr, "block_size": bs})
+        return value
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Held-out masked-token loss per eval block size (fixed noise); returns the mean."""
+        record = {"step": self.step}
+        for bs in self.cfg.eval_block_sizes:
+            nll, count = 0.0, 0.0
+            for start in range(0, len(self.heldout), self.cfg.batch_size):
+                clean, valid, starts = self._rows(self.heldout[start:start + self.cfg.batch_size])
+                with self._autocast():
+                    out = mask_adapter_loss(self.model, clean, valid, starts, bs,
+                                            generator=self._gen(start, salt=1000 + bs))
+                nll += float(out.nll_sum)
+                count += float(out.count)
+            record[f"bs{bs}"] = nll / max(count, 1.0)
+        record["heldout_loss"] = sum(record[f"bs{b}"] for b in self.cfg.eval_block_sizes) / len(self.cfg.eval_block_sizes)
+        self.evals.append(record)
+        return record["heldout_loss"]
+
+    def state_dict(self) -> dict:
+        adapter = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        return {"adapter": adapter, "opt": self.opt.state_dict(), "step": self.step, "total_steps": self.total_steps,
+                "log": self.log, "evals": self.evals, "wall_s": self.wall_s, "cfg": asdict(self.cfg),
+                "base_fingerprint": self.base_fingerprint}
+
+    def save_checkpoint(self) -> Path:
+        path = self.out / "checkpoint.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+        self.export()
+        return path
+
+    def resume(self) -> bool:
+        path = self.out / "checkpoint.pt"
+        if not path.is_file():
+            return False
+        state = torch.load(path, weights_only=False, map_location=self.device)
+        if state.get("base_fingerprint") != self.base_fingerprint:
+            raise ValueError(f"resume: {path} was trained on other base weights")
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n, t in state["adapter"].items():
+                params[n].copy_(t)
+        self.opt.load_state_dict(state["opt"])
+        self.step, self.total_steps = state["step"], state["total_steps"]
+        self.log, self.evals, self.wall_s = state["log"], state["evals"], state["wall_s"]
+        return True
+
+    def export(self) -> Path:
+        """The adapter directory ``OUT/adapter`` (bf16 tensors), the JSON log and the curve."""
+        from .trainer import plot_loss
+        meta = {"data": self.data_info, "step": self.step, "total_steps": self.total_steps,
+                "wall_s": round(self.wall_s, 1), "heldout": self.evals[-1] if self.evals else None,
+                "config": asdict(self.cfg)}
+        (self.out / "train_log.json").write_text(json.dumps(dict(meta, train=self.log, evals=self.evals), indent=1))
+        path = save_mask_adapter(self.model, self.out / "adapter", base_name=self.base_name,
+                                 base_fingerprint=self.base_fingerprint, meta=meta)
+        evals = [{"step": e["step"], **{f"bs{b}": {"nats_per_token": e[f"bs{b}"]} for b in self.cfg.eval_block_sizes}}
+                 for e in self.evals]
+        try:
+            plot_loss(self.log, evals, path / "loss_curve.png", title=f"mask adapter on {self.base_name}")
+        except ImportError:
+            pass
+        return path
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m dspec.train.mask_adapter",
+                                 description="Train a mask-selective block-diffusion adapter on a causal LM.")
+    ap.add_argument("--base", default="smollm2-135m", help="shipped causal model or checkpoint dir")
+    ap.add_argument("--data", required=True, help="a data-engine directory (python -m dspec.train.data_engine)")
+    ap.add_argument("--out", required=True, help="run directory (checkpoint.pt, train_log.json, adapter/)")
+    ap.add_argument("--minutes", type=float, default=None, help="time budget (fixes the schedule length)")
+    ap.add_argument("--max-steps", type=int, default=None)
+    d = MaskAdapterConfig()
+    ap.add_argument("--rank", type=int, default=d.rank, help="LoRA rank (default %(default)s)")
+    ap.add_argument("--block-sizes", default=",".join(map(str, d.block_sizes)),
+                    help="block sizes drawn per step (default %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step (default %(default)s)")
+    ap.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
+    ap.add_argument("--mask-token", default=d.mask_token, help="an unused token string used as [MASK] (default %(default)s)")
+    ap.add_argument("--autocast", choices=("auto", "bf16", "none"), default=d.autocast)
+    ap.add_argument("--threads", default=None, help="torch threads (default: dspec's policy)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    args = ap.parse_args(argv)
+    from ..cpu import apply_threads
+    from ..hub import load
+    from .data_engine import GeneratedData
+    from .lora import base_fingerprint
+    apply_threads(args.threads)
+    try:
+        sizes = tuple(int(b) for b in args.block_sizes.split(","))
+        weights = d.block_weights if sizes == d.block_sizes else (1.0,) * len(sizes)
+        cfg = MaskAdapterConfig(rank=args.rank, block_sizes=sizes, block_weights=weights, batch_size=args.batch_size,
+                                lr=args.lr, mask_token=args.mask_token, autocast=args.autocast, seed=args.seed,
+                                eval_block_sizes=tuple(b for b in (2, 4, 8) if b <= max(sizes)) or (max(sizes),))
+        data = GeneratedData(args.data)
+    except ValueError as e:
+        ap.error(str(e))
+    out = Path(args.out)
+    if (out / "checkpoint.pt").exists() and not args.resume:
+        ap.error(f"{out / 'checkpoint.pt'} exists: pass --resume to continue or choose another --out")
+    base = load(args.base, dtype="float32")
+    mask_id = base.tokenizer.token_to_id(cfg.mask_token) if base.tokenizer is not None else None
+    if mask_id is None:
+        ap.error(f"--mask-token: {cfg.mask_token!r} is not a token of {args.base}")
+    fingerprint = base_fingerprint(base)
+    model = mask_diffusion_model(base, block_size=cfg.block_size, mask_token_id=mask_id, rank=cfg.rank,
+                                 alpha=cfg.alpha, targets=cfg.targets, seed=cfg.seed)
+    del base
+    trainer = MaskAdapterTrainer(model, data.sequences(), cfg, out, base_name=str(args.base),
+                                 base_fingerprint=fingerprint, data_info=data.info)
+    if args.resume:
+        trainer.resume()
+    result = trainer.train(minutes=args.minutes, max_steps=args.max_steps)
+    result["adapter"] = str(out / "adapter")
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
