@@ -189,3 +189,23 @@ def test_trainer_lowers_the_heldout_loss_and_resumes(tmp_path):
     from dspec.train.mask_adapter import load_mask_adapter
     model = load_mask_adapter(tiny, tmp_path / "cli" / "adapter")
     assert model.mask_token_id == 1 and model.mask_adapter.rank == 2
+
+
+def test_hub_loads_a_mask_adapter_on_its_base(base, bd, tmp_path, monkeypatch):
+    from dspec import hub
+    from dspec.train.lora import base_fingerprint
+    from dspec.train.mask_adapter import save_mask_adapter
+    ckpt = write_checkpoint(tmp_path / "base", "llama", seed=7)          # the `base` fixture's weights
+    save_mask_adapter(bd, tmp_path / "assets" / "smollm2-135m-bd", base_name="smollm2-135m",
+                      base_fingerprint=base_fingerprint(base), dtype=torch.float32)
+    monkeypatch.setenv("DSPEC_ASSETS", str(tmp_path / "assets"))
+    monkeypatch.setitem(hub.SHIPPED, "smollm2-135m", lambda: ckpt)
+    model = dspec.load("smollm2-135m-bd", dtype="float32")
+    assert model.shipped_name == "smollm2-135m-bd" and model.config.clean_causal and model.mask_adapter is not None
+    seq = [_ids(9, 30)]
+    with torch.no_grad():
+        assert torch.equal(model(model.plan(seq)).logits, base(base.plan(seq)).logits)
+    ar = dspec.generate(base, seq[0], method="ar", max_new_tokens=6).tokens
+    assert dspec.generate(model, seq[0], method="diffusion", block_size=1, max_new_tokens=6).tokens == ar
+    assert dspec.generate(model, seq[0], method="s2d2", block_size=4, policy="always", max_new_tokens=6).tokens == ar
+    assert "smollm2-135m-bd" in hub.available_models()
