@@ -118,8 +118,62 @@ def main(argv=None) -> dict:
     out["acceptance"] = rows
     out["eval_seconds"] = round(time.perf_counter() - t0, 1)
     (adapter / "eval.json").write_text(json.dumps(out, indent=1) + "\n")
+    if args.card:
+        (adapter / "README.md").write_text(model_card(adapter, out))
     print(json.dumps({k: v for k, v in out.items() if k != "machine"}, indent=1))
     return out
+
+
+def model_card(adapter: Path, ev: dict) -> str:
+    """The model card of the adapter: data, training, held-out numbers, the commands."""
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    meta = cfg.get("meta", {})
+    data, train = meta.get("data", {}), meta.get("config", {})
+    held = meta.get("heldout") or {}
+    mach = ev["machine"]
+    acc, rows, exact = ev["arithmetic"], ev["acceptance"], ev["exact_fp32"]
+    bs = ev["args"]["block_size"]
+    lines = [
+        "# smollm2-135m-bd: SmolLM2-135M-Instruct as a self-speculative block-diffusion model", "",
+        "A **mask-selective** adapter (`dspec.models.mask_adapter`): rank-"
+        f"{cfg['rank']} LoRA on {', '.join(cfg['targets'])} of all 30 layers, applied only at [MASK] rows, "
+        f"plus a trained input-only [MASK] embedding (the unused `<filename>` id {cfg['mask_token_id']}; the "
+        "tied output head is untouched).  Clean tokens attend causally, so every forward without a [MASK] "
+        "is SmolLM2-135M-Instruct bit for bit.  Right-shifted (Fast-dLLM v2 style) block diffusion, "
+        f"default block size {cfg['block_size']}; {cfg['num_parameters']:,} adapter parameters, bf16.", "",
+        "## Data",
+        f"- {data.get('source', '?')}: {data.get('sequences', '?')} sequences, {data.get('tokens', '?')} tokens "
+        f"({data.get('response_tokens', '?')} response tokens) from prompt sources {data.get('sources')} "
+        f"(benchmark prompts excluded), {data.get('sampled_fraction')} of the calls sampled at T = 1; "
+        "the loss covers response tokens.", "",
+        "## Training",
+        f"- {meta.get('step')} steps of {train.get('batch_size')} sequences (<= {train.get('max_len')} tokens), "
+        f"block sizes {train.get('block_sizes')} (weights {train.get('block_weights')}), AdamW lr "
+        f"{train.get('lr')} -> {train.get('min_lr')}, bf16 autocast where native; wall time "
+        f"{(meta.get('wall_s') or 0) / 60:.1f} min on {mach.get('cpu_model')} ({mach.get('cores')} cores, flags "
+        f"{' '.join(mach.get('cpu_flags', []))}).",
+        "- held-out masked-token loss (nats, fixed noise): "
+        + ", ".join(f"block {k[2:]}: {v:.3f}" for k, v in held.items() if k.startswith("bs")), "",
+        "## Evaluation (`bench/eval_smollm2_bd.py`)",
+        f"- exact in float32: {exact}",
+        f"- arithmetic ({acc['ar']['of']} held-out seed-0 problems): `ar` {acc['ar']['accuracy']:.1%}, one-token-per-"
+        f"step `diffusion` at block size {bs}: {acc[f'diffusion_bs{bs}']['accuracy']:.1%} "
+        f"(kept {acc['kept_fraction']:.0%} of `ar`)",
+        f"- greedy, {ev['args']['prompts']} HumanEval / MT-Bench prompts, {ev['args']['new']} new tokens, block size "
+        f"{bs}, {ev['dtype']}: "
+        + "; ".join(f"`{k}` {v['tokens_per_forward']:.2f} tokens per forward (mean accepted "
+                    f"{v['mean_accepted']:.2f}, {v['tokens'] / max(v['seconds'], 1e-9):.1f} tok/s)"
+                    for k, v in rows.items() if k != "samples"), "",
+        "## Reproduce",
+        "```bash",
+        "python -m dspec.train.data_engine --target smollm2-135m --out data/smollm2-135m",
+        "python -m dspec.train.mask_adapter --base smollm2-135m --data data/smollm2-135m --out runs/bd "
+        "--minutes M [--resume]",
+        "python bench/eval_smollm2_bd.py --adapter runs/bd/adapter --card",
+        "```",
+        "A 135M model adapted on a CPU in under an hour: weak, for measuring the methods, not for quality claims.",
+        ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
