@@ -53,6 +53,10 @@ def test_other_settings_in_the_same_directory_are_refused(tiny, tmp_path):
         generate_shards(tiny, tmp_path, small(tokens=10, batch=5), progress=False)
     with pytest.raises(ValueError, match="data-engine directory"):
         GeneratedData(tmp_path / "nothing")
+    from dspec.train.data_engine import main as engine_main
+    with pytest.raises(SystemExit) as e:              # the CLI: exit 2 with the message, no traceback
+        engine_main(["--target", "tiny-ar", "--out", str(tmp_path), "--tokens", "10", "--batch", "7"])
+    assert e.value.code == 2
 
 
 @pytest.mark.parametrize("bad", [dict(tokens=0), dict(batch=True), dict(sources={"humaneval": 1.0}),

@@ -309,10 +309,14 @@ def main(argv=None) -> dict:
     import dspec
     from ..cpu import apply_threads
     apply_threads(args.threads)
-    cfg = EngineConfig(tokens=args.tokens, response_tokens=args.response_tokens, prompt_tokens=args.prompt_tokens,
-                       batch=args.batch, shard_batches=args.shard_batches, sampled_fraction=args.sampled_fraction, seed=args.seed)
-    target = dspec.load(args.target, dtype=args.dtype)
-    manifest = generate_shards(target, args.out, cfg, target_name=args.target)
+    try:
+        cfg = EngineConfig(tokens=args.tokens, response_tokens=args.response_tokens, prompt_tokens=args.prompt_tokens,
+                           batch=args.batch, shard_batches=args.shard_batches,
+                           sampled_fraction=args.sampled_fraction, seed=args.seed)
+        target = dspec.load(args.target, dtype=args.dtype)
+        manifest = generate_shards(target, args.out, cfg, target_name=args.target)
+    except ValueError as e:
+        p.error(str(e))
     info = GeneratedData(args.out).info
     print(json.dumps(info, indent=1))
     return manifest
