@@ -166,10 +166,11 @@ def test_adaptive_draft_length_controller():
         AdaptiveDraftLength(1, k_min=1, k_max=4, delta=1, rho=0.5).update([2], [3])
 
 
-def test_drafter_checks(pair, tmp_path):
+def test_drafter_checks(pair, tmp_path, monkeypatch):
     target, drafter, lm, _ = pair
     with pytest.raises(ValueError, match="needs drafter"):
         dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=4)
+    monkeypatch.setenv("DSPEC_ASSETS", str(tmp_path / "no-assets"))     # an installation without the adapter
     target.shipped_name = "smollm2-135m"
     try:
         with pytest.raises(ValueError, match="no DiffuSpec drafter ships for 'smollm2-135m'"):
