@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -45,7 +44,6 @@ def main(argv=None) -> dict:
     from dspec import tasks
     from dspec.cpu import apply_threads, machine
     from dspec.models.embedded import chat_prompt
-    from dspec.models.plan import AttentionPlan
     from dspec.train.mask_adapter import load_mask_adapter
     apply_threads(args.threads)
     adapter = Path(args.adapter)
