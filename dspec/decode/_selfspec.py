@@ -54,6 +54,7 @@ output lists, EOS and the cache commit, whose index lives on the host).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -248,6 +249,269 @@ def check_common(model, method: str, block_size):
     return bs
 
 
+class _Engine:
+    """The batch's state (rows = requests still running) and one round of the engine per
+    :meth:`round`: expand the draft graph at each row's state, forward the kept nodes, walk
+    the graph along the real steps, commit, and account."""
+
+    def __init__(self, model, prompts, *, graph, prune_to, max_new_tokens, temperature, generator, eos_ids,
+                 progress, block_size, trace, num_candidates):
+        dev = self.dev = model.device
+        bs = self.bs = block_size
+        self.model, self.graph, self.prune_to = model, graph, prune_to
+        self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
+        self.progress, self.trace, self.prompts = progress, trace, prompts
+        batch = self.batch = len(prompts)
+        self.mask_id, self.vocab = model.mask_token_id, model.config.vocab_size
+        self.tab = graph.tables(dev)
+        self.num_nodes, self.big_j = graph.num_nodes, max(graph.num_candidates, num_candidates)
+        self.ranks_used = min(graph.max_rank, bs)
+        self.slots = torch.arange(bs, device=dev)
+        self.node_ids = torch.arange(self.num_nodes, device=dev)
+        self.eos = set(int(e) for e in eos_ids)
+
+        self.cache = model.new_cache(batch)
+        plen = torch.tensor([len(p) for p in prompts], device=dev)
+        start = (plen // bs) * bs                  # first position of each request's first block
+        self.carry, self.forwards = prefill_prompt_blocks(model, prompts, self.cache, bs)
+        self.suffix_tokens = 0      # block tokens forwarded after the prefill (compute proxy)
+
+        self.tokens = torch.full((batch, bs), self.mask_id, dtype=torch.int64, device=dev)
+        for b, p in enumerate(prompts):
+            tail = p[int(start[b]):]
+            if tail:
+                self.tokens[b, : len(tail)] = torch.tensor(tail, device=dev)
+        self.masked = (start[:, None] + self.slots) >= plen[:, None]
+        self.known = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.choice = torch.zeros(batch, bs, dtype=torch.int64, device=dev)
+        self.conf = torch.full((batch, bs), -1.0, device=dev)
+        self.cand = torch.zeros(batch, bs, self.big_j, dtype=torch.int64, device=dev)
+        self.cand_logp = torch.zeros(batch, bs, self.big_j, device=dev)
+        self.rows = list(range(batch))
+        self.generated = [[] for _ in range(batch)]
+        self.shown = [0] * batch                 # steps reported to the progress bar per request
+        self.st = SelfSpecStats()
+
+    def round(self) -> bool:
+        """One forward and every row's transition; False when no row is left."""
+        r = self.expand()
+        self.forward(r)
+        self.walk(r)
+        host = self.advance(r)
+        finished = self.account(r, host)
+        self.st.rounds += 1
+        if finished:
+            self.drop(finished, r.a_rows)
+        return bool(self.rows)
+
+    def expand(self) -> SimpleNamespace:
+        """Each row's graph nodes at its state S (tokens, masks, validity), pruned online;
+        the anchor (a kept node completing the block) and the copies to forward."""
+        tab, bs, dev, big_j, num_nodes = self.tab, self.bs, self.dev, self.big_j, self.num_nodes
+        tokens, masked, known, slots = self.tokens, self.masked, self.known, self.slots
+        r = SimpleNamespace(a_rows=len(self.rows))
+        a_rows = r.a_rows
+        _, r.order, r.rank = rank_masked(self.conf, masked)                                # [A, bs]
+        mcount = masked.sum(1)
+        r.cand_r = self.cand.gather(1, r.order[..., None].expand(-1, -1, big_j))         # by rank
+        logp_r = self.cand_logp.gather(1, r.order[..., None].expand(-1, -1, big_j))
+        node_tokens = tokens[:, None, :].expand(a_rows, num_nodes, bs)
+        filled = torch.zeros(a_rows, num_nodes, bs, dtype=torch.bool, device=dev)
+        logp_sum = torch.zeros(a_rows, num_nodes, device=dev)
+        for i in range(self.ranks_used):
+            j = tab["assign"][:, i]
+            has = j >= 0
+            jc = j.clamp(min=0)
+            put = has[None, :, None] & (slots[None, None, :] == r.order[:, i, None, None])
+            node_tokens = torch.where(put, r.cand_r[:, i, :][:, jc][:, :, None], node_tokens)
+            filled |= put
+            logp_sum = logp_sum + torch.where(has[None], logp_r[:, i, :][:, jc], 0.0)
+        # a row whose logits are unknown forwards its state itself as node 0
+        r.node_tokens = torch.where(known[:, None, None], node_tokens, tokens[:, None, :])
+        filled &= known[:, None, None]
+        r.node_masked = masked[:, None, :] & ~filled
+        fits = (tab["top_rank"] < bs)[None] & (tab["top_rank"][None] < mcount[:, None])
+        valid = torch.where(known[:, None], fits, self.node_ids[None] == 0)
+        r.complete = valid & known[:, None] & (tab["size"][None] == mcount[:, None])
+
+        # online pruning: geometric-mean probability, made monotone along paths
+        score = torch.where(valid, logp_sum / tab["size"][None].float(), float("-inf"))
+        if self.prune_to is not None and self.prune_to < num_nodes - 1:
+            closed = score.clone()
+            closed[:, 0] = float("inf")
+            for n in range(1, num_nodes):
+                par = tab["parents"][n]
+                best = closed[:, par].max(1).values
+                closed[:, n] = torch.minimum(score[:, n], best)
+            top = torch.sort(closed, dim=1, descending=True, stable=True).indices[:, : self.prune_to + 1]
+            r.kept = torch.zeros_like(valid).scatter_(1, top, True) & valid
+        else:
+            closed = score
+            r.kept = valid
+        anchor_ok = r.complete & r.kept
+        r.has_anchor = anchor_ok.any(1)
+        r.anchor = torch.where(anchor_ok, closed, float("-inf")).argmax(1)               # first best
+        r.num_kept = r.kept.sum(1)
+        info = torch.stack([r.num_kept.max(), r.has_anchor.any().to(torch.int64)]).tolist()  # host sync 1
+        r.copies, r.need_next = int(info[0]), bool(info[1])
+        return r
+
+    def forward(self, r) -> None:
+        """Forward the kept nodes as copies of the block (kept first, node order), plus the
+        next block's first state after the anchor copy; each copy's choices and confidences."""
+        bs, dev, a_rows, copies, vocab = self.bs, self.dev, r.a_rows, r.copies, self.vocab
+        copy_node = torch.sort((~r.kept).to(torch.int8), dim=1, stable=True).indices[:, :copies]
+        r.node_copy = torch.full((a_rows, self.num_nodes), -1, dtype=torch.int64, device=dev)
+        r.node_copy.scatter_(1, copy_node, torch.arange(copies, device=dev).expand(a_rows, -1))
+        r.node_copy = torch.where(r.kept, r.node_copy, -1)
+        suffix = r.node_tokens.gather(1, copy_node[..., None].expand(-1, -1, bs))        # [A, K, bs]
+        cmasked = r.node_masked.gather(1, copy_node[..., None].expand(-1, -1, bs))
+        segments = copies + int(r.need_next)
+        dense = _copies_mask(bs, segments, dev).expand(a_rows, -1, -1).clone()
+        offsets = self.slots.repeat(segments)
+        anchor_copy = r.node_copy.gather(1, r.anchor[:, None])[:, 0].clamp(min=0)
+        if r.need_next:
+            suffix = torch.cat([suffix, torch.full((a_rows, 1, bs), self.mask_id, dtype=torch.int64,
+                                                   device=dev)], 1)
+            cmasked = torch.cat([cmasked, torch.ones(a_rows, 1, bs, dtype=torch.bool, device=dev)], 1)
+            offsets = offsets.clone()
+            offsets[copies * bs:] += bs
+            # the next block's state sees its anchor copy as the committed block before it
+            key_copy = torch.arange(segments * bs, device=dev) // bs
+            sees = (key_copy[None] == anchor_copy[:, None]) & r.has_anchor[:, None]        # [A, N]
+            dense[:, copies * bs:, :] |= sees[:, None, :]
+        r.base = self.cache.lengths.to(dev)
+        plan = AttentionPlan(suffix.reshape(a_rows, segments * bs), r.base[:, None] + offsets,
+                             pack_mask(dense), self.cache)
+        r.out = self.model(plan, return_kv=True)
+        self.forwards += 1
+        self.suffix_tokens += a_rows * segments * bs
+        r.raw = r.out.logits.float().view(a_rows, segments, bs, vocab)
+        if self.model.shifted:
+            first = self.carry[:, None, :].expand(a_rows, segments, vocab)
+            if r.need_next:
+                last_of_anchor = r.raw[torch.arange(a_rows, device=dev), anchor_copy, bs - 1]
+                first = torch.cat([first[:, :copies], last_of_anchor[:, None]], 1)
+            r.logits = torch.cat([first[:, :, None], r.raw[:, :, :-1]], 2)
+        else:
+            r.logits = r.raw
+        r.c_choice, c_conf = _choose(r.logits, cmasked, self.temperature, self.generator)
+        r.c_conf = torch.where(cmasked, c_conf, torch.full_like(c_conf, -1.0))
+        step_slot = r.c_conf.argmax(-1)                                  # first max: lower slot
+        r.step_slot, r.step_tok = step_slot, r.c_choice.gather(-1, step_slot[..., None])[..., 0]
+
+    def walk(self, r) -> None:
+        """Walk the graph from the root along the real steps: the last exact node u."""
+        graph, tab, big_j, known = self.graph, self.tab, self.big_j, self.known
+        u = torch.zeros(r.a_rows, dtype=torch.int64, device=self.dev)
+        for _ in range(graph.depth):
+            c = r.node_copy.gather(1, u[:, None])[:, 0].clamp(min=0)
+            slot = r.step_slot.gather(1, c[:, None])[:, 0]
+            tok = r.step_tok.gather(1, c[:, None])[:, 0]
+            i = r.rank.gather(1, slot[:, None])[:, 0]
+            hit = self.cand.gather(1, slot[:, None, None].expand(-1, 1, big_j))[:, 0] == tok[:, None]
+            j = torch.where(hit.any(1), hit.to(torch.int8).argmax(1), -1)
+            ok = (i < graph.max_rank) & (j >= 0) & (j < graph.num_candidates) & known
+            ok &= ~r.complete.gather(1, u[:, None])[:, 0]
+            nxt = tab["next_node"][u, i.clamp(max=graph.max_rank - 1),
+                                   j.clamp(min=0, max=graph.num_candidates - 1)]
+            ok &= nxt >= 0
+            ok &= r.kept.gather(1, nxt.clamp(min=0)[:, None])[:, 0]
+            u = torch.where(ok, nxt, u)
+        r.u = u
+        r.final_copy = r.node_copy.gather(1, u[:, None])[:, 0]
+        r.done_block = r.complete.gather(1, u[:, None])[:, 0]
+        r.went_next = r.done_block & (u == r.anchor) & r.has_anchor
+        r.steps = torch.where(known, tab["size"][u], 0)
+
+    def advance(self, r) -> list:
+        """The next state of every row (u, or the next block's first state after the anchor),
+        its candidates, the committed blocks' KV and carry; returns the round's host rows
+        [committed, steps, block tokens..., nodes kept]."""
+        bs, vocab, u = self.bs, self.vocab, r.u
+        done_block = r.done_block
+        src = torch.where(r.went_next, r.copies, r.final_copy)
+        pick = src[:, None, None]
+        new_tokens = r.node_tokens.gather(1, u[:, None, None].expand(-1, 1, bs))[:, 0]
+        new_masked = r.node_masked.gather(1, u[:, None, None].expand(-1, 1, bs))[:, 0]
+        block_tokens = new_tokens
+        new_tokens = torch.where(done_block[:, None], self.mask_id, new_tokens)
+        new_masked = new_masked | done_block[:, None]
+        self.choice = r.c_choice.gather(1, pick.expand(-1, 1, bs))[:, 0]
+        conf = r.c_conf.gather(1, pick.expand(-1, 1, bs))[:, 0]
+        src_logits = r.logits.gather(1, pick[..., None].expand(-1, 1, bs, vocab))[:, 0]
+        self.cand, self.cand_logp = candidates(src_logits, self.choice, self.big_j, self.temperature)
+        self.conf = torch.where(new_masked, conf, torch.full_like(conf, -1.0))
+        new_known = ~done_block | r.went_next
+        # commit complete blocks: the KV and last logits of their copy
+        commit_copy = r.final_copy.clamp(min=0)
+        new_carry = r.raw[torch.arange(r.a_rows, device=self.dev), commit_copy, bs - 1]
+        self.carry = torch.where(done_block[:, None], new_carry, self.carry)
+
+        host = torch.cat([done_block[:, None].to(torch.int64), r.steps[:, None], block_tokens,
+                          r.num_kept[:, None]], 1).tolist()                        # host sync 2
+        if self.trace is not None:
+            self.trace(dict(rows=list(self.rows), known=self.known.tolist(), tokens=self.tokens.tolist(),
+                            order=r.order.tolist(), cand=r.cand_r.tolist(), host=host))
+        keep = torch.where(done_block[:, None], commit_copy[:, None] * bs + self.slots, -1)
+        if any(h[0] for h in host):
+            self.cache.append(r.out.suffix_kv, keep=keep.cpu())
+        self.tokens, self.masked, self.known = new_tokens, new_masked, new_known
+        return host
+
+    def account(self, r, host) -> list[int]:
+        """Statistics, progress and output tokens of the round; returns the finished rows."""
+        st, bs, max_new = self.st, self.bs, self.max_new_tokens
+        finished = []
+        block_start = r.base.tolist()
+        for a, b in enumerate(self.rows):
+            commit, n_steps, kept_here = host[a][0], host[a][1], host[a][-1]
+            st.nodes_forwarded += kept_here
+            if n_steps:                       # a verification round of a state with logits
+                st.verify_rows += 1
+                st.steps += n_steps
+                st.histogram[n_steps] = st.histogram.get(n_steps, 0) + 1
+                st.drafts += kept_here - 1
+                st.accepted_drafts += n_steps - 1
+                if self.progress is not None:            # never past max_new_tokens
+                    delta = min(n_steps, max_new - self.shown[b])
+                    self.shown[b] += delta
+                    self.progress.update(delta / self.batch)
+            if not commit:
+                continue
+            gen = self.generated[b]
+            for slot_i, t in enumerate(host[a][2:2 + bs]):
+                if block_start[a] + slot_i < len(self.prompts[b]):
+                    continue                  # the prompt's tail
+                if len(gen) == max_new:
+                    break
+                gen.append(int(t))
+                if t in self.eos:
+                    break
+            if len(gen) >= max_new or (gen and gen[-1] in self.eos):
+                finished.append(a)
+        return finished
+
+    def drop(self, finished, a_rows) -> None:
+        """Remove finished rows from the batch state and the cache."""
+        stay = [a for a in range(a_rows) if a not in set(finished)]
+        self.rows = [self.rows[a] for a in stay]
+        if not self.rows:
+            return
+        idx = torch.tensor(stay, device=self.dev)
+        self.cache = self.cache.select(stay)
+        for name in ("tokens", "masked", "known", "choice", "conf", "cand", "cand_logp", "carry"):
+            setattr(self, name, getattr(self, name)[idx])
+
+    def stats(self) -> dict:
+        st = self.st
+        return {"nfe": {"target": self.forwards},
+                "mean_accepted": st.steps / max(st.verify_rows, 1),
+                "accepted_hist": dict(sorted(st.histogram.items())),
+                "drafts": st.drafts, "accepted_drafts": st.accepted_drafts,
+                "rounds": st.rounds, "suffix_tokens": self.suffix_tokens, "block_size": self.bs}
+
+
 @torch.no_grad()
 def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int | None,
                             max_new_tokens: int, temperature: float, generator, eos_ids,
@@ -265,218 +529,9 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
         position rank), host (per row: committed flag, steps, block tokens, nodes).
     num_candidates : candidates kept per slot (at least the graph's J), for ``trace``.
     """
-    dev = model.device
-    bs = block_size
-    batch = len(prompts)
-    mask_id = model.mask_token_id
-    vocab = model.config.vocab_size
-    tab = graph.tables(dev)
-    num_nodes, big_j = graph.num_nodes, max(graph.num_candidates, num_candidates)
-    ranks_used = min(graph.max_rank, bs)
-    slots = torch.arange(bs, device=dev)
-    node_ids = torch.arange(num_nodes, device=dev)
-    eos = set(int(e) for e in eos_ids)
-
-    cache = model.new_cache(batch)
-    plen = torch.tensor([len(p) for p in prompts], device=dev)
-    start = (plen // bs) * bs                      # first position of each request's first block
-    carry, forwards = prefill_prompt_blocks(model, prompts, cache, bs)
-    suffix_tokens = 0           # block tokens forwarded after the prefill (compute proxy)
-
-    # per-request state (rows = requests still running)
-    tokens = torch.full((batch, bs), mask_id, dtype=torch.int64, device=dev)
-    for b, p in enumerate(prompts):
-        tail = p[int(start[b]):]
-        if tail:
-            tokens[b, : len(tail)] = torch.tensor(tail, device=dev)
-    masked = (start[:, None] + slots) >= plen[:, None]
-    known = torch.zeros(batch, dtype=torch.bool, device=dev)
-    choice = torch.zeros(batch, bs, dtype=torch.int64, device=dev)
-    conf = torch.full((batch, bs), -1.0, device=dev)
-    cand = torch.zeros(batch, bs, big_j, dtype=torch.int64, device=dev)
-    cand_logp = torch.zeros(batch, bs, big_j, device=dev)
-    rows = list(range(batch))
-    generated = [[] for _ in range(batch)]
-    shown = [0] * batch                  # steps reported to the progress bar per request
-    st = SelfSpecStats()
-
-    while rows:
-        a_rows = len(rows)
-        conf_m, order, rank = rank_masked(conf, masked)                                # [A, bs]
-        mcount = masked.sum(1)
-        cand_r = cand.gather(1, order[..., None].expand(-1, -1, big_j))                # by rank
-        logp_r = cand_logp.gather(1, order[..., None].expand(-1, -1, big_j))
-        node_tokens = tokens[:, None, :].expand(a_rows, num_nodes, bs)
-        filled = torch.zeros(a_rows, num_nodes, bs, dtype=torch.bool, device=dev)
-        logp_sum = torch.zeros(a_rows, num_nodes, device=dev)
-        for i in range(ranks_used):
-            j = tab["assign"][:, i]
-            has = j >= 0
-            jc = j.clamp(min=0)
-            put = has[None, :, None] & (slots[None, None, :] == order[:, i, None, None])
-            node_tokens = torch.where(put, cand_r[:, i, :][:, jc][:, :, None], node_tokens)
-            filled |= put
-            logp_sum = logp_sum + torch.where(has[None], logp_r[:, i, :][:, jc], 0.0)
-        # a row whose logits are unknown forwards its state itself as node 0
-        node_tokens = torch.where(known[:, None, None], node_tokens, tokens[:, None, :])
-        filled &= known[:, None, None]
-        node_masked = masked[:, None, :] & ~filled
-        fits = (tab["top_rank"] < bs)[None] & (tab["top_rank"][None] < mcount[:, None])
-        valid = torch.where(known[:, None], fits, node_ids[None] == 0)
-        complete = valid & known[:, None] & (tab["size"][None] == mcount[:, None])
-
-        # online pruning: geometric-mean probability, made monotone along paths
-        score = torch.where(valid, logp_sum / tab["size"][None].float(), float("-inf"))
-        if prune_to is not None and prune_to < num_nodes - 1:
-            closed = score.clone()
-            closed[:, 0] = float("inf")
-            for n in range(1, num_nodes):
-                par = tab["parents"][n]
-                best = closed[:, par].max(1).values
-                closed[:, n] = torch.minimum(score[:, n], best)
-            top = torch.sort(closed, dim=1, descending=True, stable=True).indices[:, : prune_to + 1]
-            kept = torch.zeros_like(valid).scatter_(1, top, True) & valid
-        else:
-            closed = score
-            kept = valid
-        anchor_ok = complete & kept
-        has_anchor = anchor_ok.any(1)
-        anchor = torch.where(anchor_ok, closed, float("-inf")).argmax(1)                # first best
-        num_kept = kept.sum(1)
-        info = torch.stack([num_kept.max(), has_anchor.any().to(torch.int64)]).tolist()  # host sync 1
-        copies, need_next = int(info[0]), bool(info[1])
-
-        # lay the kept nodes out as copies (kept first, node order)
-        copy_node = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices[:, :copies]
-        node_copy = torch.full((a_rows, num_nodes), -1, dtype=torch.int64, device=dev)
-        node_copy.scatter_(1, copy_node, torch.arange(copies, device=dev).expand(a_rows, -1))
-        node_copy = torch.where(kept, node_copy, -1)
-        suffix = node_tokens.gather(1, copy_node[..., None].expand(-1, -1, bs))         # [A, K, bs]
-        cmasked = node_masked.gather(1, copy_node[..., None].expand(-1, -1, bs))
-        segments = copies + int(need_next)
-        dense = _copies_mask(bs, segments, dev).expand(a_rows, -1, -1).clone()
-        offsets = slots.repeat(segments)
-        anchor_copy = node_copy.gather(1, anchor[:, None])[:, 0].clamp(min=0)
-        if need_next:
-            suffix = torch.cat([suffix, torch.full((a_rows, 1, bs), mask_id, dtype=torch.int64, device=dev)], 1)
-            cmasked = torch.cat([cmasked, torch.ones(a_rows, 1, bs, dtype=torch.bool, device=dev)], 1)
-            offsets = offsets.clone()
-            offsets[copies * bs:] += bs
-            # the next block's state sees its anchor copy as the committed block before it
-            key_copy = torch.arange(segments * bs, device=dev) // bs
-            sees = (key_copy[None] == anchor_copy[:, None]) & has_anchor[:, None]        # [A, N]
-            dense[:, copies * bs:, :] |= sees[:, None, :]
-        base = cache.lengths.to(dev)
-        plan = AttentionPlan(suffix.reshape(a_rows, segments * bs), base[:, None] + offsets,
-                             pack_mask(dense), cache)
-        out = model(plan, return_kv=True)
-        forwards += 1
-        suffix_tokens += a_rows * segments * bs
-        raw = out.logits.float().view(a_rows, segments, bs, vocab)
-        if model.shifted:
-            first = carry[:, None, :].expand(a_rows, segments, vocab)
-            if need_next:
-                last_of_anchor = raw[torch.arange(a_rows, device=dev), anchor_copy, bs - 1]
-                first = torch.cat([first[:, :copies], last_of_anchor[:, None]], 1)
-            logits = torch.cat([first[:, :, None], raw[:, :, :-1]], 2)
-        else:
-            logits = raw
-        c_choice, c_conf = _choose(logits, cmasked, temperature, generator)
-        c_conf = torch.where(cmasked, c_conf, torch.full_like(c_conf, -1.0))
-        step_slot = c_conf.argmax(-1)                                    # first max: lower slot
-        step_tok = c_choice.gather(-1, step_slot[..., None])[..., 0]
-
-        # walk the graph from the root along the real steps
-        u = torch.zeros(a_rows, dtype=torch.int64, device=dev)
-        for _ in range(graph.depth):
-            c = node_copy.gather(1, u[:, None])[:, 0].clamp(min=0)
-            slot = step_slot.gather(1, c[:, None])[:, 0]
-            tok = step_tok.gather(1, c[:, None])[:, 0]
-            i = rank.gather(1, slot[:, None])[:, 0]
-            hit = cand.gather(1, slot[:, None, None].expand(-1, 1, big_j))[:, 0] == tok[:, None]
-            j = torch.where(hit.any(1), hit.to(torch.int8).argmax(1), -1)
-            ok = (i < graph.max_rank) & (j >= 0) & (j < graph.num_candidates) & known
-            ok &= ~complete.gather(1, u[:, None])[:, 0]
-            nxt = tab["next_node"][u, i.clamp(max=graph.max_rank - 1),
-                                   j.clamp(min=0, max=graph.num_candidates - 1)]
-            ok &= nxt >= 0
-            ok &= kept.gather(1, nxt.clamp(min=0)[:, None])[:, 0]
-            u = torch.where(ok, nxt, u)
-        final_copy = node_copy.gather(1, u[:, None])[:, 0]
-        done_block = complete.gather(1, u[:, None])[:, 0]
-        went_next = done_block & (u == anchor) & has_anchor
-        steps = torch.where(known, tab["size"][u], 0)
-
-        # next state
-        src = torch.where(went_next, copies, final_copy)
-        pick = src[:, None, None]
-        new_tokens = node_tokens.gather(1, u[:, None, None].expand(-1, 1, bs))[:, 0]
-        new_masked = node_masked.gather(1, u[:, None, None].expand(-1, 1, bs))[:, 0]
-        block_tokens = new_tokens
-        new_tokens = torch.where(done_block[:, None], mask_id, new_tokens)
-        new_masked = new_masked | done_block[:, None]
-        choice = c_choice.gather(1, pick.expand(-1, 1, bs))[:, 0]
-        conf = c_conf.gather(1, pick.expand(-1, 1, bs))[:, 0]
-        src_logits = logits.gather(1, pick[..., None].expand(-1, 1, bs, vocab))[:, 0]
-        cand, cand_logp = candidates(src_logits, choice, big_j, temperature)
-        conf = torch.where(new_masked, conf, torch.full_like(conf, -1.0))
-        new_known = ~done_block | went_next
-        # commit complete blocks: the KV and last logits of their copy
-        commit_copy = final_copy.clamp(min=0)
-        new_carry = raw[torch.arange(a_rows, device=dev), commit_copy, bs - 1]
-        carry = torch.where(done_block[:, None], new_carry, carry)
-
-        host = torch.cat([done_block[:, None].to(torch.int64), steps[:, None], block_tokens,
-                          num_kept[:, None]], 1).tolist()                          # host sync 2
-        if trace is not None:
-            trace(dict(rows=list(rows), known=known.tolist(), tokens=tokens.tolist(),
-                       order=order.tolist(), cand=cand_r.tolist(), host=host))
-        keep = torch.where(done_block[:, None], commit_copy[:, None] * bs + slots, -1)
-        if any(h[0] for h in host):
-            cache.append(out.suffix_kv, keep=keep.cpu())
-        tokens, masked, known = new_tokens, new_masked, new_known
-
-        finished = []
-        block_start = base.tolist()
-        for a, b in enumerate(rows):
-            commit, n_steps, kept_here = host[a][0], host[a][1], host[a][-1]
-            st.nodes_forwarded += kept_here
-            if n_steps:                       # a verification round of a state with logits
-                st.verify_rows += 1
-                st.steps += n_steps
-                st.histogram[n_steps] = st.histogram.get(n_steps, 0) + 1
-                st.drafts += kept_here - 1
-                st.accepted_drafts += n_steps - 1
-                if progress is not None:                 # never past max_new_tokens
-                    delta = min(n_steps, max_new_tokens - shown[b])
-                    shown[b] += delta
-                    progress.update(delta / batch)
-            if not commit:
-                continue
-            for slot_i, t in enumerate(host[a][2:2 + bs]):
-                if block_start[a] + slot_i < len(prompts[b]):
-                    continue                  # the prompt's tail
-                if len(generated[b]) == max_new_tokens:
-                    break
-                generated[b].append(int(t))
-                if t in eos:
-                    break
-            if len(generated[b]) >= max_new_tokens or (generated[b] and generated[b][-1] in eos):
-                finished.append(a)
-        st.rounds += 1
-        if finished:
-            stay = [a for a in range(a_rows) if a not in set(finished)]
-            rows = [rows[a] for a in stay]
-            if not rows:
-                break
-            idx = torch.tensor(stay, device=dev)
-            cache = cache.select(stay)
-            tokens, masked, known, choice, conf = (t[idx] for t in (tokens, masked, known, choice, conf))
-            cand, cand_logp, carry = cand[idx], cand_logp[idx], carry[idx]
-
-    stats = {"nfe": {"target": forwards},
-             "mean_accepted": st.steps / max(st.verify_rows, 1),
-             "accepted_hist": dict(sorted(st.histogram.items())),
-             "drafts": st.drafts, "accepted_drafts": st.accepted_drafts,
-             "rounds": st.rounds, "suffix_tokens": suffix_tokens, "block_size": bs}
-    return generated, stats
+    engine = _Engine(model, prompts, graph=graph, prune_to=prune_to, max_new_tokens=max_new_tokens,
+                     temperature=temperature, generator=generator, eos_ids=eos_ids, progress=progress,
+                     block_size=block_size, trace=trace, num_candidates=num_candidates)
+    while engine.round():
+        pass
+    return engine.generated, engine.stats()

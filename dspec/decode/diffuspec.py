@@ -194,6 +194,253 @@ def check_pair(model, drafter) -> None:
 
 
 @torch.no_grad()
+def _options(draft_len, adaptive, **given) -> dict:
+    """The paper's defaults overridden by the given options, checked."""
+    opts = dict(DEFAULTS)
+    if adaptive is None and draft_len is not None:
+        adaptive = False                      # an explicit draft_len asks for a fixed length
+    for k, v in dict(draft_len=draft_len, adaptive=adaptive, **given).items():
+        if v is not None:
+            opts[k] = v
+    _int_option("draft_len", opts["draft_len"], 1)
+    _int_option("beam", opts["beam"], 1)
+    _int_option("max_candidates", opts["max_candidates"], 1)
+    for flag in ("adaptive", "cps"):
+        if not isinstance(opts[flag], bool):
+            raise ValueError(f"{flag} must be a bool, got {opts[flag]!r}")
+    tau_v, lam_v = opts["tau"], opts["lam"]
+    if isinstance(tau_v, bool) or not isinstance(tau_v, (int, float)) or not 0.0 < tau_v <= 1.0:
+        raise ValueError(f"tau must be a number in (0, 1], got {tau_v!r}")
+    if isinstance(lam_v, bool) or not isinstance(lam_v, (int, float)) or not 0.0 <= lam_v <= 1.0:
+        raise ValueError(f"lam must be a number in [0, 1], got {lam_v!r}")
+    return opts
+
+
+def _causal_proxy(model, opts, ngram):
+    """The n-gram LM the path search scores causality with (None when CPS is off or lam = 1)."""
+    if not opts["cps"] or opts["lam"] >= 1.0:
+        return None
+    if ngram is None:
+        lm = default_ngram(model)
+    elif isinstance(ngram, (str, Path)):
+        lm = NgramLM.load(ngram)
+    elif isinstance(ngram, NgramLM):
+        lm = ngram
+    else:
+        raise ValueError(f"ngram must be an NgramLM, a path to a saved one, or None; got {type(ngram).__name__}")
+    if lm.vocab_size < model.config.vocab_size:
+        raise ValueError(f"ngram covers {lm.vocab_size} ids, the target's vocabulary {model.config.vocab_size}")
+    return lm
+
+
+class _Batch:
+    """The active requests' state (committed text, target and drafter caches) and one
+    DiffuSpec cycle per :meth:`cycle`: draft, search, verify, commit."""
+
+    def __init__(self, model, drafter, prompts, opts, lm, controller, *, max_new_tokens, temperature,
+                 generator, eos_ids, progress):
+        self.model, self.drafter, self.opts, self.lm, self.controller = model, drafter, opts, lm, controller
+        self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
+        self.progress = progress
+        self.sampling = temperature > 0
+        self.dev = model.device
+        self.V, self.Vd = model.config.vocab_size, drafter.config.vocab_size
+        self.bs, self.mask_id = drafter.block_size, drafter.mask_token_id
+        self.eos = sorted({int(e) for e in eos_ids if 0 <= int(e) < self.V})
+        self.eos_set = set(self.eos)
+        batch = self.batch = len(prompts)
+        self.active = list(range(batch))
+        self.generated = [[] for _ in range(batch)]
+        self.history = [list(p) for p in prompts]            # committed text (prompt + generated)
+        self.last = [p[-1] for p in prompts]                 # the committed token not in the target cache
+        self.d_start = [0] * batch                           # drafter cache length (a block boundary)
+        self.t_fwd = self.d_fwd = 0
+        self.time = {"draft": 0.0, "search": 0.0, "verify": 0.0}
+        self.rows = self.committed_total = self.drafted_total = self.accepted_total = 0
+        self.cycles = 0
+
+        self.tcache = model.new_cache(batch)
+        heads = [p[:-1] for p in prompts]
+        if any(heads):
+            # a one-token prompt commits nothing (a stand-in token, count 0)
+            out = model(model.plan([h or p[:1] for h, p in zip(heads, prompts)], self.tcache), logits=None)
+            self.tcache.append(out.suffix_kv, counts=[len(h) for h in heads])
+            self.t_fwd += 1
+        self.dcache = drafter.new_cache(batch)
+
+    def _timed(self, phase: str, t0: float) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+        self.time[phase] += time.perf_counter() - t0
+
+    def cycle(self) -> bool:
+        """One draft-search-verify cycle for every active request; False when none is left."""
+        self.cycles += 1
+        n_act = len(self.active)
+        remaining = [self.max_new_tokens - len(self.generated[r]) for r in self.active]
+        k_req = self.controller.k.tolist() if self.controller is not None else [self.opts["draft_len"]] * n_act
+        k = [max(0, min(kk, rem - 1)) for kk, rem in zip(k_req, remaining)]
+        draft = torch.zeros(n_act, max(max(k), 1), dtype=torch.int64)
+        n_draft = torch.zeros(n_act, dtype=torch.int64)
+        draft_probs = None
+        if max(k) > 0:
+            logits = self.draft(k)
+            n_draft, draft_probs = self.search(logits, k, draft)
+        acc, new_tok = self.verify(draft, n_draft, draft_probs)
+        finished = self.commit(acc, new_tok, n_draft)
+        if self.controller is not None:
+            self.controller.update(n_draft, acc)
+        if finished:
+            self.drop(finished)
+        return bool(self.active)
+
+    def draft(self, k: list[int]) -> torch.Tensor:
+        """Pending tokens + k [MASK]s per request in one drafter forward: the draft slots'
+        logits [A, kmax, V] over the target's vocabulary ([MASK] never drafted)."""
+        t0 = time.perf_counter()
+        drafter, kmax, V, Vd = self.drafter, max(k), self.V, self.Vd
+        pending = [self.history[r][self.d_start[i]:] for i, r in enumerate(self.active)]
+        seqs = [pnd + [self.mask_id] * kk or [self.mask_id] for pnd, kk in zip(pending, k)]
+        shift = 1 if drafter.shifted else 0
+        plen = torch.tensor([len(p) for p in pending])
+        slen = torch.tensor([len(s) for s in seqs])
+        # logits row of draft slot j: the slot itself (or the one before, shifted); rows past
+        # a request's k only pad the batch (clamped into its sequence, ignored)
+        idx = torch.minimum(plen[:, None] - shift + torch.arange(kmax), slen[:, None] - 1).to(self.dev)
+        out = drafter(drafter.plan(seqs, self.dcache), logits=idx)
+        self.d_fwd += 1
+        commit = [((self.d_start[i] + len(p)) // self.bs) * self.bs - self.d_start[i] for i, p in enumerate(pending)]
+        self.dcache.append(out.suffix_kv, counts=commit)
+        for i, c in enumerate(commit):
+            self.d_start[i] += c
+        logits = out.logits.float()
+        if Vd >= V:
+            logits = logits[..., :V]
+        else:
+            logits = torch.cat([logits, logits.new_full((*logits.shape[:2], V - Vd), -math.inf)], -1)
+        if self.mask_id < V:
+            logits[..., self.mask_id] = -math.inf      # [MASK] is never a draft
+        self._timed("draft", t0)
+        return logits
+
+    def search(self, logits, k: list[int], draft):
+        """The draft per request (into ``draft``): the causal-consistency path search over the
+        token lattice (CPS), or each slot's choice cut after the first EOS; returns
+        (drafted lengths [A], draft probabilities [A, kmax, V] when sampling)."""
+        t0 = time.perf_counter()
+        opts, V, eos, kmax = self.opts, self.V, self.eos, max(k)
+        n_act = len(self.active)
+        k_t = torch.tensor(k)
+        draft_probs = None
+        if opts["cps"]:
+            cand_tok, cand_lp = build_lattice(logits, tau=opts["tau"], max_candidates=opts["max_candidates"],
+                                              eos_ids=eos, temperature=self.temperature if self.sampling else 1.0)
+            hist = torch.tensor([[h[-2] if len(h) >= 2 else -1, h[-1]] for h in
+                                 (self.history[r] for r in self.active)])
+            uniforms = None
+            if self.sampling:
+                uniforms = torch.rand(n_act, kmax, generator=self.generator, device=self.dev).cpu()
+            res = path_search(cand_tok, cand_lp, k_t, hist, eos, self.lm, beam=opts["beam"], lam=opts["lam"],
+                              uniforms=uniforms)
+            draft[:, :kmax] = res.tokens.clamp(min=0)
+            n_draft = res.length.clone()
+            if self.sampling:
+                q = res.q.to(self.dev)
+                ct = cand_tok.to(self.dev)
+                draft_probs = torch.zeros(n_act, kmax, V, device=self.dev)
+                draft_probs.scatter_add_(-1, ct.clamp(min=0), torch.where(ct >= 0, q, torch.zeros_like(q)))
+        else:
+            flat = logits.reshape(n_act * kmax, V)
+            if self.sampling:
+                choice = next_tokens(flat, self.temperature, self.generator).view(n_act, kmax)
+                draft_probs = torch.softmax(logits / self.temperature, dim=-1)
+            else:
+                choice = token_stats(flat).token.view(n_act, kmax)
+            choice = choice.cpu()
+            draft[:, :kmax] = choice
+            # cut after the first EOS and at k
+            slot = torch.arange(kmax)
+            is_eos = torch.isin(choice, torch.tensor(eos or [-1])) & (slot[None] < k_t[:, None])
+            first = torch.where(is_eos.any(1), is_eos.to(torch.int64).argmax(1) + 1, k_t)
+            n_draft = torch.minimum(first, k_t)
+        self._timed("search", t0)
+        return n_draft, draft_probs
+
+    def verify(self, draft, n_draft, draft_probs):
+        """[last] + draft through the target in one forward, ``verify_chain``, and the target
+        cache commit; returns (accepted drafts [A], tokens [A, L + 1]) on the host."""
+        t0 = time.perf_counter()
+        n_list = n_draft.tolist()
+        seqs = [[self.last[r]] + draft[i, :n].tolist() for i, (r, n) in enumerate(zip(self.active, n_list))]
+        lmax = max(n_list)
+        out = self.model(self.model.plan(seqs, self.tcache), logits="all")
+        self.t_fwd += 1
+        tl = out.logits[:, :lmax + 1]                # the longest row has lmax + 1 tokens
+        dp = draft_probs[:, :lmax] if draft_probs is not None else None
+        ver = verify_chain(draft[:, :lmax].to(self.dev), tl, draft_probs=dp, num_drafts=n_draft.to(self.dev),
+                           temperature=self.temperature, generator=self.generator)
+        acc = ver.num_accepted.cpu()
+        new_tok = ver.tokens.cpu()
+        self.tcache.append(out.suffix_kv, counts=(acc + 1).tolist())
+        self._timed("verify", t0)
+        return acc, new_tok
+
+    def commit(self, acc, new_tok, n_draft) -> list[int]:
+        """Append each request's accepted drafts and drawn token; returns the finished rows."""
+        finished = []
+        n_list = n_draft.tolist()
+        for i, (r, a) in enumerate(zip(self.active, acc.tolist())):
+            toks = new_tok[i, :a + 1].tolist()
+            self.history[r].extend(toks)
+            self.last[r] = toks[-1]
+            self.rows += 1
+            self.committed_total += a + 1
+            self.drafted_total += n_list[i]
+            self.accepted_total += a
+            gen = self.generated[r]
+            before, done = len(gen), False
+            for t in toks:
+                if len(gen) >= self.max_new_tokens:
+                    done = True
+                    break
+                gen.append(t)
+                if t in self.eos_set:
+                    done = True
+                    break
+            done |= len(gen) >= self.max_new_tokens
+            if self.progress is not None:
+                self.progress.update((len(gen) - before) / self.batch)
+            if done:
+                finished.append(i)
+        return finished
+
+    def drop(self, finished) -> None:
+        keep = [i for i in range(len(self.active)) if i not in set(finished)]
+        self.active = [self.active[i] for i in keep]
+        if not keep:
+            return
+        self.tcache = self.tcache.select(keep)
+        self.dcache = self.dcache.select(keep)
+        self.d_start = [self.d_start[i] for i in keep]
+        if self.controller is not None:
+            self.controller.select(keep)
+
+    def stats(self) -> dict:
+        rows, opts = max(self.rows, 1), self.opts
+        return {
+            "nfe": {"target": self.t_fwd, "drafter": self.d_fwd},
+            "mean_accepted": self.committed_total / rows,
+            "mean_accepted_drafts": self.accepted_total / rows,
+            "mean_draft_len": self.drafted_total / rows,
+            "acceptance_rate": self.accepted_total / max(self.drafted_total, 1),
+            "cycles": self.cycles,
+            "time_draft_s": self.time["draft"], "time_search_s": self.time["search"],
+            "time_verify_s": self.time["verify"],
+            "cps": opts["cps"], "adaptive": opts["adaptive"],
+            "search_backend": _search_backend() if opts["cps"] else None,
+        }
+
+
 def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                      generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
                      draft_len: int | None = None, adaptive: bool | None = None, cps: bool | None = None,
@@ -217,225 +464,19 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     forwards), ``time_search_s`` (lattice + path search), ``time_verify_s`` (target forwards,
     verification, commits).
     """
-    opts = dict(DEFAULTS)
-    if adaptive is None and draft_len is not None:
-        adaptive = False                      # an explicit draft_len asks for a fixed length
-    for k, v in dict(draft_len=draft_len, adaptive=adaptive, cps=cps, beam=beam, tau=tau,
-                     max_candidates=max_candidates, lam=lam, k_min=k_min, k_max=k_max, delta=delta,
-                     rho=rho).items():
-        if v is not None:
-            opts[k] = v
-    _int_option("draft_len", opts["draft_len"], 1)
-    _int_option("beam", opts["beam"], 1)
-    _int_option("max_candidates", opts["max_candidates"], 1)
-    for flag in ("adaptive", "cps"):
-        if not isinstance(opts[flag], bool):
-            raise ValueError(f"{flag} must be a bool, got {opts[flag]!r}")
-    tau_v, lam_v = opts["tau"], opts["lam"]
-    if isinstance(tau_v, bool) or not isinstance(tau_v, (int, float)) or not 0.0 < tau_v <= 1.0:
-        raise ValueError(f"tau must be a number in (0, 1], got {tau_v!r}")
-    if isinstance(lam_v, bool) or not isinstance(lam_v, (int, float)) or not 0.0 <= lam_v <= 1.0:
-        raise ValueError(f"lam must be a number in [0, 1], got {lam_v!r}")
-    batch = len(prompts)
+    opts = _options(draft_len, adaptive, cps=cps, beam=beam, tau=tau, max_candidates=max_candidates, lam=lam,
+                    k_min=k_min, k_max=k_max, delta=delta, rho=rho)
     controller = None
     if opts["adaptive"]:
-        controller = AdaptiveDraftLength(batch, k_min=opts["k_min"], k_max=opts["k_max"], delta=opts["delta"],
-                                         rho=opts["rho"], k_init=draft_len)
+        controller = AdaptiveDraftLength(len(prompts), k_min=opts["k_min"], k_max=opts["k_max"],
+                                         delta=opts["delta"], rho=opts["rho"], k_init=draft_len)
     drafter = resolve_drafter(model, drafter)
-    lm = None
-    if opts["cps"] and lam_v < 1.0:
-        if ngram is None:
-            lm = default_ngram(model)
-        elif isinstance(ngram, (str, Path)):
-            lm = NgramLM.load(ngram)
-        elif isinstance(ngram, NgramLM):
-            lm = ngram
-        else:
-            raise ValueError(f"ngram must be an NgramLM, a path to a saved one, or None; got {type(ngram).__name__}")
-        if lm.vocab_size < model.config.vocab_size:
-            raise ValueError(f"ngram covers {lm.vocab_size} ids, the target's vocabulary {model.config.vocab_size}")
-
-    dev = model.device
-    V = model.config.vocab_size
-    Vd = drafter.config.vocab_size
-    bs = drafter.block_size
-    mask_id = drafter.mask_token_id
-    eos = sorted({int(e) for e in eos_ids if 0 <= int(e) < V})
-    eos_set = set(eos)
-    sampling = temperature > 0
-
-    # ---- state: per active request
-    active = list(range(batch))
-    generated = [[] for _ in range(batch)]
-    history = [list(p) for p in prompts]                 # committed text (prompt + generated)
-    last = [p[-1] for p in prompts]                      # the committed token not in the target cache
-    d_start = [0] * batch                                # drafter cache length (a block boundary)
-    fixed_k = opts["draft_len"]
-    t_fwd = d_fwd = 0
-    time_draft = time_search = time_verify = 0.0
-    rows = committed_total = drafted_total = accepted_total = 0
-    cycles = 0
-
-    tcache = model.new_cache(batch)
-    heads = [p[:-1] for p in prompts]
-    if any(heads):
-        # a one-token prompt commits nothing (a stand-in token, count 0)
-        out = model(model.plan([h or p[:1] for h, p in zip(heads, prompts)], tcache), logits=None)
-        tcache.append(out.suffix_kv, counts=[len(h) for h in heads])
-        t_fwd += 1
-    dcache = drafter.new_cache(batch)
-
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    while active:
-        cycles += 1
-        n_act = len(active)
-        remaining = [max_new_tokens - len(generated[r]) for r in active]
-        k_req = controller.k.tolist() if controller is not None else [fixed_k] * n_act
-        k = [max(0, min(kk, rem - 1)) for kk, rem in zip(k_req, remaining)]
-        kmax = max(k)
-        draft = torch.zeros(n_act, max(kmax, 1), dtype=torch.int64)
-        n_draft = torch.zeros(n_act, dtype=torch.int64)
-        draft_probs = None
-
-        # ---- 1. draft: pending tokens + k [MASK]s in one drafter forward
-        if kmax > 0:
-            t0 = time.perf_counter()
-            pending = [history[r][d_start[i]:] for i, r in enumerate(active)]
-            seqs = [pnd + [mask_id] * kk or [mask_id] for pnd, kk in zip(pending, k)]
-            shift = 1 if drafter.shifted else 0
-            plen = torch.tensor([len(p) for p in pending])
-            slen = torch.tensor([len(s) for s in seqs])
-            # logits row of draft slot j: the slot itself (or the one before, shifted); rows past
-            # a request's k only pad the batch (clamped into its sequence, ignored)
-            idx = torch.minimum(plen[:, None] - shift + torch.arange(kmax), slen[:, None] - 1).to(dev)
-            out = drafter(drafter.plan(seqs, dcache), logits=idx)
-            d_fwd += 1
-            commit = [((d_start[i] + len(p)) // bs) * bs - d_start[i] for i, p in enumerate(pending)]
-            dcache.append(out.suffix_kv, counts=commit)
-            for i, c in enumerate(commit):
-                d_start[i] += c
-            logits = out.logits.float()
-            if Vd >= V:
-                logits = logits[..., :V]
-            else:
-                logits = torch.cat([logits, logits.new_full((*logits.shape[:2], V - Vd), -math.inf)], -1)
-            if mask_id < V:
-                logits[..., mask_id] = -math.inf      # [MASK] is never a draft
-            sync()
-            time_draft += time.perf_counter() - t0
-
-            # ---- 2. search (CPS) or per-slot choice
-            t0 = time.perf_counter()
-            k_t = torch.tensor(k)
-            if opts["cps"]:
-                cand_tok, cand_lp = build_lattice(logits, tau=tau_v, max_candidates=opts["max_candidates"],
-                                                  eos_ids=eos, temperature=temperature if sampling else 1.0)
-                hist = torch.tensor([[h[-2] if len(h) >= 2 else -1, h[-1]] for h in
-                                     (history[r] for r in active)])
-                uniforms = None
-                if sampling:
-                    uniforms = torch.rand(n_act, kmax, generator=generator, device=dev).cpu()
-                res = path_search(cand_tok, cand_lp, k_t, hist, eos, lm, beam=opts["beam"], lam=lam_v,
-                                  uniforms=uniforms)
-                draft[:, :kmax] = res.tokens.clamp(min=0)
-                n_draft = res.length.clone()
-                if sampling:
-                    q = res.q.to(dev)
-                    ct = cand_tok.to(dev)
-                    draft_probs = torch.zeros(n_act, kmax, V, device=dev)
-                    draft_probs.scatter_add_(-1, ct.clamp(min=0), torch.where(ct >= 0, q, torch.zeros_like(q)))
-            else:
-                flat = logits.reshape(n_act * kmax, V)
-                if sampling:
-                    choice = next_tokens(flat, temperature, generator).view(n_act, kmax)
-                    draft_probs = torch.softmax(logits / temperature, dim=-1)
-                else:
-                    choice = token_stats(flat).token.view(n_act, kmax)
-                choice = choice.cpu()
-                draft[:, :kmax] = choice
-                # cut after the first EOS and at k
-                slot = torch.arange(kmax)
-                is_eos = torch.isin(choice, torch.tensor(eos or [-1])) & (slot[None] < k_t[:, None])
-                first = torch.where(is_eos.any(1), is_eos.to(torch.int64).argmax(1) + 1, k_t)
-                n_draft = torch.minimum(first, k_t)
-            sync()
-            time_search += time.perf_counter() - t0
-
-        # ---- 3. verify: [last] + draft through the target, one forward
-        t0 = time.perf_counter()
-        n_list = n_draft.tolist()
-        seqs = [[last[r]] + draft[i, :n].tolist() for i, (r, n) in enumerate(zip(active, n_list))]
-        lmax = max(n_list)
-        out = model(model.plan(seqs, tcache), logits="all")
-        t_fwd += 1
-        tl = out.logits[:, :lmax + 1]
-        if tl.shape[1] < lmax + 1:                   # cannot happen: the longest row has lmax + 1 tokens
-            raise RuntimeError("verify logits shorter than the draft")
-        dp = draft_probs[:, :lmax] if draft_probs is not None else None
-        ver = verify_chain(draft[:, :lmax].to(dev), tl, draft_probs=dp, num_drafts=n_draft.to(dev),
-                           temperature=temperature, generator=generator)
-        acc = ver.num_accepted.cpu()
-        new_tok = ver.tokens.cpu()
-        tcache.append(out.suffix_kv, counts=(acc + 1).tolist())
-        sync()
-        time_verify += time.perf_counter() - t0
-
-        # ---- bookkeeping per request
-        finished = []
-        acc_l = acc.tolist()
-        for i, r in enumerate(active):
-            a = acc_l[i]
-            toks = new_tok[i, :a + 1].tolist()
-            history[r].extend(toks)
-            last[r] = toks[-1]
-            rows += 1
-            committed_total += a + 1
-            drafted_total += n_list[i]
-            accepted_total += a
-            done = False
-            before = len(generated[r])
-            for t in toks:
-                if len(generated[r]) >= max_new_tokens:
-                    done = True
-                    break
-                generated[r].append(t)
-                if t in eos_set:
-                    done = True
-                    break
-            if len(generated[r]) >= max_new_tokens:
-                done = True
-            if progress is not None:
-                progress.update((len(generated[r]) - before) / batch)
-            if done:
-                finished.append(i)
-        if controller is not None:
-            controller.update(n_draft, acc)
-        if finished:
-            keep = [i for i in range(len(active)) if i not in set(finished)]
-            if not keep:
-                break
-            tcache = tcache.select(keep)
-            dcache = dcache.select(keep)
-            d_start = [d_start[i] for i in keep]
-            if controller is not None:
-                controller.select(keep)
-            active = [active[i] for i in keep]
-
-    stats = {
-        "nfe": {"target": t_fwd, "drafter": d_fwd},
-        "mean_accepted": committed_total / max(rows, 1),
-        "mean_accepted_drafts": accepted_total / max(rows, 1),
-        "mean_draft_len": drafted_total / max(rows, 1),
-        "acceptance_rate": accepted_total / max(drafted_total, 1),
-        "cycles": cycles,
-        "time_draft_s": time_draft, "time_search_s": time_search, "time_verify_s": time_verify,
-        "cps": opts["cps"], "adaptive": opts["adaptive"],
-        "search_backend": _search_backend() if opts["cps"] else None,
-    }
-    return generated, stats
+    lm = _causal_proxy(model, opts, ngram)
+    run = _Batch(model, drafter, prompts, opts, lm, controller, max_new_tokens=max_new_tokens,
+                 temperature=temperature, generator=generator, eos_ids=eos_ids, progress=progress)
+    while run.cycle():
+        pass
+    return run.generated, run.stats()
 
 
 def _search_backend() -> str:

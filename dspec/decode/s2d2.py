@@ -315,15 +315,269 @@ def accept_span(tokens, masked, drafts, target_logits, span_start, span_len, *, 
 # ------------------------------------------------------------------------------- decode
 
 
-def _advance(progress, shown: float, step: float, total: int) -> float:
-    """Advance the progress bar by ``step`` tokens per request, never past ``total``
-    (tokens committed beyond ``max_new_tokens`` in the last block are not output)."""
-    if progress is None:
-        return shown
-    new = min(shown + step, float(total))
-    if new > shown:
-        progress.update(new - shown)
-    return new
+class _Batch:
+    """The batch's S2D2 state machine: per row its phase, block, drafted span and the logits
+    carried from the last committed block; one :meth:`step` = one model forward."""
+
+    def __init__(self, model, prompts, opt, *, max_new_tokens, temperature, generator, eos_ids, progress):
+        self.model, self.opt = model, opt
+        self.bs, self.thr, self.L_max = opt["block_size"], opt["threshold"], opt["draft_len"]
+        self.shifted = bool(model.shifted)
+        self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
+        self.eos, self.progress = set(eos_ids), progress
+        dev = self.dev = model.device
+        batch = self.batch = len(prompts)
+        bs = self.bs
+        self.mask_id, self.vocab = model.mask_token_id, model.config.vocab_size
+        self.router = make_router(opt["policy"], batch, dev, min_span=opt["min_span"],
+                                  score_threshold=opt["score_threshold"], hysteresis=opt["hysteresis"],
+                                  ucb_c=opt["ucb_c"], max_score=float(self.L_max))
+
+        # prefill: the prompts' complete blocks, as ``diffusion`` commits them
+        self.cache = model.new_cache(batch)
+        self.plen_list = [len(p) for p in prompts]
+        self.plen = torch.tensor(self.plen_list, device=dev)
+        prompt_pad = torch.full((batch, max(self.plen_list)), self.mask_id, dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            prompt_pad[b, :len(p)] = torch.tensor(p, dtype=torch.int64)
+        self.prompt_pad = prompt_pad.to(dev)
+        self.carry, self.forwards = prefill_prompt_blocks(model, prompts, self.cache, bs)
+
+        self.slots = torch.arange(bs, device=dev)
+        self.block_mask_words = pack_mask(torch.ones(bs, bs, dtype=torch.bool)).to(dev)
+        self.block_start = self.cache.lengths.to(dev)
+        self.tokens, self.masked = self.fresh_block(self.block_start)
+        self.phase = torch.full((batch,), DRAFT, dtype=torch.int64, device=dev)
+        self.drafts = torch.zeros(batch, bs, dtype=torch.int64, device=dev)    # span drafts, left-aligned
+        self.draft_probs = None                                               # [B, bs, V] when sampling
+        self.span_start = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.span_len = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.generated = [[] for _ in range(batch)]
+        self.hist = torch.zeros(self.L_max + 1, dtype=torch.int64, device=dev)
+        self.kinds = {"draft": 0, "verify": 0, "commit": 0}
+        # verifications, tokens they committed, accepted drafts, verified drafts, reused / final spec blocks
+        self.stats_dev = torch.zeros(6, dtype=torch.int64, device=dev)
+        self.shown = 0.0                                 # progress shown (tokens per request)
+
+    def fresh_block(self, start):
+        pos = start[:, None] + self.slots
+        tail = self.prompt_pad.gather(1, pos.clamp(max=self.prompt_pad.shape[1] - 1))
+        is_prompt = pos < self.plen[:, None]
+        return torch.where(is_prompt, tail, self.mask_id), ~is_prompt
+
+    def advance(self, step: float) -> None:
+        """Advance the progress bar by ``step`` tokens per request, never past
+        ``max_new_tokens`` (tokens committed beyond it in the last block are not output)."""
+        if self.progress is None:
+            return
+        new = min(self.shown + step, float(self.max_new_tokens))
+        if new > self.shown:
+            self.progress.update(new - self.shown)
+        self.shown = new
+
+    # ------------------------------------------------------------------ one iteration
+
+    def step(self) -> bool:
+        """One forward for the whole batch and every row's transition; False when all are done."""
+        if not self.read_phases():
+            return False
+        out, logits = self.forward()
+        nxt = self.phase.clone()
+        reuse = spec_final = torch.zeros_like(self.is_verify)
+        if self.has["verify"]:
+            reuse, spec_final = self.verify(logits, nxt)
+        if self.has["draft"] or self.has["verify"]:
+            self.draft(logits, reuse, nxt)
+        self.commit(out, logits, spec_final, nxt)
+        self.phase = nxt
+        return True
+
+    def read_phases(self) -> bool:
+        """The one host read per iteration: row states and the suffix width they need."""
+        width_row = torch.where(self.phase == VERIFY,
+                                _verify_width(self.span_start, self.span_len, bs=self.bs, shifted=self.shifted,
+                                              speculative=True),
+                                torch.where(self.phase == DONE, 1, self.bs))
+        host = torch.stack([self.phase, width_row]).tolist()
+        self.phases, self.width = host[0], max(host[1])
+        if all(p == DONE for p in self.phases):
+            return False
+        self.has = {k: any(p == v for p in self.phases)
+                    for k, v in (("draft", DRAFT), ("verify", VERIFY), ("commit", COMMIT))}
+        self.spec = self.has["verify"]
+        self.is_draft, self.is_verify, self.is_commit = (self.phase == DRAFT, self.phase == VERIFY,
+                                                         self.phase == COMMIT)
+        return True
+
+    def forward(self):
+        """Every row's suffix in one forward: plain blocks, or per-row layouts when one verifies."""
+        bs, slots = self.bs, self.slots
+        if all(p in (DRAFT, COMMIT) for p in self.phases):
+            # every row forwards its plain block: diffusion's own plan (shared mask, all logits)
+            self.spec_off = torch.zeros_like(self.span_start)
+            plan = AttentionPlan(self.tokens, self.block_start[:, None] + slots, self.block_mask_words, self.cache)
+            rows = "all"
+        else:
+            in_block = self.tokens
+            if self.spec:
+                rel = slots[None] - self.span_start[:, None]
+                in_span = (rel >= 0) & (rel < self.span_len[:, None])
+                in_block = torch.where(in_span, self.drafts.gather(1, rel.clamp(0, bs - 1)), self.tokens)
+            suffix, positions, dense, self.spec_off = _row_layout(
+                self.phase, self.tokens, in_block, self.span_start, self.span_len, self.block_start, bs=bs,
+                shifted=self.shifted, mask_id=self.mask_id, width=self.width, speculative=self.spec)
+            rows = _logit_rows(self.phase, self.span_start, self.span_len, self.spec_off, bs=bs,
+                               shifted=self.shifted, speculative=self.spec)
+            plan = AttentionPlan(suffix, positions, pack_mask(dense), self.cache)
+        out = self.model(plan, logits=rows, return_kv=self.has["commit"] or self.spec)
+        self.forwards += 1
+        for k in self.kinds:
+            self.kinds[k] += self.has[k]
+        return out, out.logits.float()                       # [B, bs (+ 1 (+ bs)), V]
+
+    def verify(self, logits, nxt):
+        """Accept each verifying row's span against its block-size-1 logits; returns the rows
+        whose speculative block is the next drafting step (reuse) / the finished block."""
+        bs, is_verify = self.bs, self.is_verify
+        target = logits[:, :bs + 1]
+        if self.shifted:
+            first = torch.where((self.span_start == 0)[:, None], self.carry, target[:, 0])
+            target = torch.cat([first[:, None], target[:, 1:]], 1)
+        num = torch.where(is_verify, self.span_len, 0)
+        self.tokens, self.masked, committed, acc = accept_span(
+            self.tokens, self.masked, self.drafts, target, self.span_start, num,
+            draft_probs=self.draft_probs if self.temperature > 0 else None, temperature=self.temperature,
+            generator=self.generator)
+        # every draft accepted: the speculative block holds the block as it now stands
+        # (but for a bonus token, still [MASK] there), so its logits are the next
+        # drafting step; with no bonus and nothing left masked it is the finished block
+        all_in = is_verify & (acc == self.span_len)
+        left = self.masked.any(1)
+        reuse = all_in & left
+        spec_final = all_in & ~left & (committed == acc)
+        self.router.observe(is_verify, True, committed, torch.where(reuse | spec_final, 1, 2))
+        L_max = self.L_max
+        self.hist += torch.bincount(torch.where(is_verify, acc, L_max + 1), minlength=L_max + 2)[:L_max + 1]
+        self.stats_dev += torch.stack([is_verify.sum(), committed.sum(), torch.where(is_verify, acc, 0).sum(),
+                                       num.sum(), reuse.sum(), spec_final.sum()])
+        self.advance(float(committed.sum()) / self.batch)
+        nxt.copy_(torch.where(is_verify, torch.where(left, DRAFT, COMMIT), nxt))
+        return reuse, spec_final
+
+    def draft(self, logits, reuse, nxt):
+        """Drafting rows (and verified rows whose speculative block is reused): draft every
+        masked slot, route, and either keep the span for verification or fall back to the
+        confidence-threshold step."""
+        bs, slots, temperature, opt = self.bs, self.slots, self.temperature, self.opt
+        drafting = self.is_draft | reuse
+        block_logits = logits[:, :bs]
+        if self.shifted:
+            block_logits = torch.cat([self.carry[:, None], block_logits[:, :-1]], 1)
+        if self.spec:
+            spec_logits = logits[:, bs + 1:]
+            if self.shifted:
+                spec_logits = torch.cat([self.carry[:, None], spec_logits[:, :-1]], 1)
+            block_logits = torch.where(reuse[:, None, None], spec_logits, block_logits)
+        masked = self.masked
+        choice = next_tokens(block_logits.reshape(self.batch * bs, -1), temperature,
+                             self.generator).view(self.batch, bs)
+        conf = confidence(block_logits, choice, temperature)
+        active = drafting & masked.any(1)
+        # fallback: diffusion's threshold rule (ties to the lower slot)
+        conf_m, _, rank = rank_masked(conf, masked)
+        pick = pick_slots(masked, conf_m, rank, threshold=self.thr) & drafting[:, None]
+        # the first contiguous masked span, capped at draft_len
+        first = torch.where(masked.any(1), masked.long().argmax(1), 0)
+        run = masked.gather(1, (first[:, None] + slots[None]).clamp(max=bs - 1)) \
+            & (first[:, None] + slots[None] < bs)
+        length = run.long().cumprod(1).sum(1).clamp(max=self.L_max)
+        if opt["policy"] in ("always", "never", "min_span"):
+            score = length.float()           # not used by these policies: no scoring pass
+        else:
+            tstats = token_stats(block_logits, temperature=temperature if temperature > 0 else 1.0)
+            score = span_score(tstats, conf, first, length, opt["estimator"])
+        verify = self.router.decide(RoutingFeatures(active, length, score, pick.sum(1)))
+        fall = pick & (active & ~verify)[:, None]
+        self.tokens = torch.where(fall, choice, self.tokens)
+        self.masked = masked = masked & ~fall
+        self.router.observe(active & ~verify, False, pick.sum(1), 1)
+        self.advance(float(fall.sum()) / self.batch)
+        # verifying rows keep their span drafts (and q rows when sampling), left-aligned
+        src = (first[:, None] + slots[None]).clamp(max=bs - 1)
+        self.drafts = torch.where(verify[:, None], choice.gather(1, src), self.drafts)
+        if temperature > 0 and opt["policy"] != "never":
+            q = torch.softmax(block_logits / temperature, dim=-1)
+            q = q.gather(1, src[..., None].expand(-1, -1, self.vocab))
+            self.draft_probs = q if self.draft_probs is None else torch.where(verify[:, None, None], q,
+                                                                              self.draft_probs)
+        self.span_start = torch.where(verify, first, self.span_start)
+        self.span_len = torch.where(verify, length, self.span_len)
+        nxt.copy_(torch.where(drafting, torch.where(verify, VERIFY, torch.where(masked.any(1), DRAFT, COMMIT)),
+                              nxt))
+
+    def commit(self, out, logits, spec_final, nxt):
+        """Append the finished blocks' KV (commit rows: the block itself; verified rows: their
+        speculative block), carry their last logits, output their tokens, open the next block."""
+        bs, slots, is_commit = self.bs, self.slots, self.is_commit
+        finishing = is_commit | spec_final
+        fin_host = finishing.tolist() if self.spec else [p == COMMIT for p in self.phases]
+        if not any(fin_host):
+            return
+        keep_off = torch.where(is_commit, 0, self.spec_off)
+        keep = torch.where(finishing[:, None], keep_off[:, None] + slots[None], -1)
+        self.cache.append(out.suffix_kv, keep=keep.cpu())
+        last = torch.where(is_commit, bs - 1, 2 * bs)           # logits row of slot bs - 1
+        self.carry = torch.where(finishing[:, None],
+                                 logits.gather(1, last.clamp(max=logits.shape[1] - 1)[:, None, None]
+                                               .expand(-1, 1, self.vocab))[:, 0], self.carry)
+        done = torch.zeros(self.batch, dtype=torch.bool)
+        done[self.emit(fin_host)] = True
+        done = done.to(self.dev)
+        self.block_start = torch.where(finishing, self.block_start + bs, self.block_start)
+        new_tokens, new_masked = self.fresh_block(self.block_start)
+        self.tokens = torch.where(finishing[:, None], new_tokens, self.tokens)
+        self.masked = torch.where(finishing[:, None], new_masked, self.masked)
+        nxt.copy_(torch.where(finishing, torch.where(done, DONE, DRAFT), nxt))
+
+    def emit(self, fin_host) -> list[int]:
+        """Output the finished blocks' generated tokens; returns the rows now done."""
+        block_host, start_host = self.tokens.tolist(), self.block_start.tolist()
+        done_rows = []
+        for b, fin in enumerate(fin_host):
+            if not fin:
+                continue
+            gen = self.generated[b]
+            for t, pos in zip(block_host[b], range(start_host[b], start_host[b] + self.bs)):
+                if pos < self.plen_list[b]:
+                    continue
+                if len(gen) == self.max_new_tokens:
+                    break
+                gen.append(t)
+                if t in self.eos:
+                    break
+            if (gen and gen[-1] in self.eos) or len(gen) >= self.max_new_tokens:
+                done_rows.append(b)
+        return done_rows
+
+    def stats(self) -> dict:
+        n_verify, n_committed_by_verify, n_accepted, n_drafted, reused, from_spec = self.stats_dev.tolist()
+        decisions = self.router.stats()["decisions"]
+        total = sum(len(g) for g in self.generated)
+        opt = self.opt
+        return {
+            "nfe": {"target": self.forwards},
+            "mean_accepted": n_committed_by_verify / n_verify if n_verify else 0.0,
+            "verifications": n_verify,
+            "verify_rate": n_verify / decisions if decisions else 0.0,
+            "acceptance_rate": n_accepted / n_drafted if n_drafted else 0.0,
+            "accepted_hist": self.hist.tolist(),
+            "tokens_per_forward": total / self.batch / max(self.forwards, 1),
+            "forwards_with": self.kinds,
+            "spec_block_drafts": reused, "spec_block_commits": from_spec,
+            "router": self.router.stats(),
+            "block_size": self.bs, "threshold": self.thr, "draft_len": self.L_max, "policy": opt["policy"],
+            "estimator": opt["estimator"],
+        }
 
 
 @torch.no_grad()
@@ -367,215 +621,11 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     """
     opt = _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
                          ucb_c, estimator, draft_len)
-    bs, thr, L_max = opt["block_size"], opt["threshold"], opt["draft_len"]
-    shifted = bool(model.shifted)
-    dev = model.device
-    batch = len(prompts)
-    mask_id = model.mask_token_id
-    vocab = model.config.vocab_size
-    router = make_router(opt["policy"], batch, dev, min_span=opt["min_span"],
-                         score_threshold=opt["score_threshold"], hysteresis=opt["hysteresis"],
-                         ucb_c=opt["ucb_c"], max_score=float(L_max))
-
-    # prefill: the prompts' complete blocks, as ``diffusion`` commits them
-    cache = model.new_cache(batch)
-    plen_list = [len(p) for p in prompts]
-    plen = torch.tensor(plen_list, device=dev)
-    prompt_pad = torch.full((batch, max(plen_list)), mask_id, dtype=torch.int64)
-    for b, p in enumerate(prompts):
-        prompt_pad[b, :len(p)] = torch.tensor(p, dtype=torch.int64)
-    prompt_pad = prompt_pad.to(dev)
-    carry, forwards = prefill_prompt_blocks(model, prompts, cache, bs)
-
-    slots = torch.arange(bs, device=dev)
-    block_mask_words = pack_mask(torch.ones(bs, bs, dtype=torch.bool)).to(dev)
-    block_start = cache.lengths.to(dev)
-
-    def fresh_block(start):
-        pos = start[:, None] + slots
-        tail = prompt_pad.gather(1, pos.clamp(max=prompt_pad.shape[1] - 1))
-        is_prompt = pos < plen[:, None]
-        return torch.where(is_prompt, tail, mask_id), ~is_prompt
-
-    tokens, masked = fresh_block(block_start)
-    phase = torch.full((batch,), DRAFT, dtype=torch.int64, device=dev)
-    drafts = torch.zeros(batch, bs, dtype=torch.int64, device=dev)      # span drafts, left-aligned
-    draft_probs = None                                                  # [B, bs, V] when sampling
-    span_start = torch.zeros(batch, dtype=torch.int64, device=dev)
-    span_len = torch.zeros(batch, dtype=torch.int64, device=dev)
-    generated = [[] for _ in range(batch)]
-    eos = set(eos_ids)
-    hist = torch.zeros(L_max + 1, dtype=torch.int64, device=dev)
-    kinds = {"draft": 0, "verify": 0, "commit": 0}
-    # verifications, tokens they committed, accepted drafts, verified drafts, reused / final spec blocks
-    stats_dev = torch.zeros(6, dtype=torch.int64, device=dev)
-
-    shown = 0.0                                  # progress shown (tokens per request)
-    while True:
-        # the one host read per iteration: row states and the suffix width they need
-        width_row = torch.where(phase == VERIFY,
-                                _verify_width(span_start, span_len, bs=bs, shifted=shifted, speculative=True),
-                                torch.where(phase == DONE, 1, bs))
-        host = torch.stack([phase, width_row]).tolist()
-        phases, width = host[0], max(host[1])
-        if all(p == DONE for p in phases):
-            break
-        has = {k: any(p == v for p in phases) for k, v in (("draft", DRAFT), ("verify", VERIFY),
-                                                             ("commit", COMMIT))}
-        spec = has["verify"]
-        in_block = tokens
-        if spec:
-            rel = slots[None] - span_start[:, None]
-            in_span = (rel >= 0) & (rel < span_len[:, None])
-            in_block = torch.where(in_span, drafts.gather(1, rel.clamp(0, bs - 1)), tokens)
-        if all(p in (DRAFT, COMMIT) for p in phases):
-            # every row forwards its plain block: diffusion's own plan (shared mask, all logits)
-            spec_off = torch.zeros_like(span_start)
-            plan = AttentionPlan(tokens, block_start[:, None] + slots, block_mask_words, cache)
-            rows = "all"
-        else:
-            suffix, positions, dense, spec_off = _row_layout(
-                phase, tokens, in_block, span_start, span_len, block_start, bs=bs, shifted=shifted,
-                mask_id=mask_id, width=width, speculative=spec)
-            rows = _logit_rows(phase, span_start, span_len, spec_off, bs=bs, shifted=shifted,
-                               speculative=spec)
-            plan = AttentionPlan(suffix, positions, pack_mask(dense), cache)
-        out = model(plan, logits=rows, return_kv=has["commit"] or spec)
-        forwards += 1
-        for k in kinds:
-            kinds[k] += has[k]
-        logits = out.logits.float()                          # [B, bs (+ 1 (+ bs)), V]
-        is_draft, is_verify, is_commit = phase == DRAFT, phase == VERIFY, phase == COMMIT
-        next_phase = phase.clone()
-        reuse = torch.zeros_like(is_verify)                   # spec block = the next drafting step
-        spec_final = torch.zeros_like(is_verify)              # spec block = the finished block
-
-        # ---------------------------------------------------------------- verification
-        if has["verify"]:
-            target = logits[:, :bs + 1]
-            if shifted:
-                first = torch.where((span_start == 0)[:, None], carry, target[:, 0])
-                target = torch.cat([first[:, None], target[:, 1:]], 1)
-            num = torch.where(is_verify, span_len, 0)
-            tokens, masked, committed, acc = accept_span(
-                tokens, masked, drafts, target, span_start, num,
-                draft_probs=draft_probs if temperature > 0 else None, temperature=temperature,
-                generator=generator)
-            # every draft accepted: the speculative block holds the block as it now stands
-            # (but for a bonus token, still [MASK] there), so its logits are the next
-            # drafting step; with no bonus and nothing left masked it is the finished block
-            all_in = is_verify & (acc == span_len)
-            left = masked.any(1)
-            reuse = all_in & left
-            spec_final = all_in & ~left & (committed == acc)
-            router.observe(is_verify, True, committed, torch.where(reuse | spec_final, 1, 2))
-            hist += torch.bincount(torch.where(is_verify, acc, L_max + 1), minlength=L_max + 2)[:L_max + 1]
-            stats_dev += torch.stack([is_verify.sum(), committed.sum(), torch.where(is_verify, acc, 0).sum(),
-                                      num.sum(), reuse.sum(), spec_final.sum()])
-            shown = _advance(progress, shown, float(committed.sum()) / batch, max_new_tokens)
-            next_phase = torch.where(is_verify, torch.where(left, DRAFT, COMMIT), next_phase)
-
-        # ---------------------------------------------------------------- drafting
-        if has["draft"] or has["verify"]:
-            drafting = is_draft | reuse
-            block_logits = logits[:, :bs]
-            if shifted:
-                block_logits = torch.cat([carry[:, None], block_logits[:, :-1]], 1)
-            if spec:
-                spec_logits = logits[:, bs + 1:]
-                if shifted:
-                    spec_logits = torch.cat([carry[:, None], spec_logits[:, :-1]], 1)
-                block_logits = torch.where(reuse[:, None, None], spec_logits, block_logits)
-            choice = next_tokens(block_logits.reshape(batch * bs, -1), temperature, generator).view(batch, bs)
-            conf = confidence(block_logits, choice, temperature)
-            active = drafting & masked.any(1)
-            # fallback: diffusion's threshold rule (ties to the lower slot)
-            conf_m, _, rank = rank_masked(conf, masked)
-            pick = pick_slots(masked, conf_m, rank, threshold=thr) & drafting[:, None]
-            # the first contiguous masked span, capped at draft_len
-            first = torch.where(masked.any(1), masked.long().argmax(1), 0)
-            run = masked.gather(1, (first[:, None] + slots[None]).clamp(max=bs - 1)) \
-                & (first[:, None] + slots[None] < bs)
-            length = run.long().cumprod(1).sum(1).clamp(max=L_max)
-            if opt["policy"] in ("always", "never", "min_span"):
-                score = length.float()           # not used by these policies: no scoring pass
-            else:
-                tstats = token_stats(block_logits, temperature=temperature if temperature > 0 else 1.0)
-                score = span_score(tstats, conf, first, length, opt["estimator"])
-            verify = router.decide(RoutingFeatures(active, length, score, pick.sum(1)))
-            fall = active & ~verify
-            tokens = torch.where(pick & fall[:, None], choice, tokens)
-            masked = masked & ~(pick & fall[:, None])
-            router.observe(fall, False, pick.sum(1), 1)
-            shown = _advance(progress, shown, float((pick & fall[:, None]).sum()) / batch, max_new_tokens)
-            # verifying rows keep their span drafts (and q rows when sampling), left-aligned
-            src = (first[:, None] + slots[None]).clamp(max=bs - 1)
-            drafts = torch.where(verify[:, None], choice.gather(1, src), drafts)
-            if temperature > 0 and opt["policy"] != "never":
-                q = torch.softmax(block_logits / temperature, dim=-1)
-                q = q.gather(1, src[..., None].expand(-1, -1, vocab))
-                draft_probs = q if draft_probs is None else torch.where(verify[:, None, None], q, draft_probs)
-            span_start = torch.where(verify, first, span_start)
-            span_len = torch.where(verify, length, span_len)
-            next_phase = torch.where(drafting, torch.where(verify, VERIFY,
-                                                           torch.where(masked.any(1), DRAFT, COMMIT)),
-                                     next_phase)
-
-        # ---------------------------------------------------------------- commit
-        finishing = is_commit | spec_final
-        fin_host = finishing.tolist() if spec else [p == COMMIT for p in phases]
-        if any(fin_host):
-            # committed rows: the block itself (commit rows) or the speculative block
-            keep_off = torch.where(is_commit, 0, spec_off)
-            keep = torch.where(finishing[:, None], keep_off[:, None] + slots[None], -1)
-            cache.append(out.suffix_kv, keep=keep.cpu())
-            last = torch.where(is_commit, bs - 1, 2 * bs)           # logits row of slot bs - 1
-            carry = torch.where(finishing[:, None],
-                                logits.gather(1, last.clamp(max=logits.shape[1] - 1)[:, None, None]
-                                              .expand(-1, 1, vocab))[:, 0], carry)
-            block_host = tokens.tolist()
-            start_host = block_start.tolist()
-            done_rows = []
-            for b, fin in enumerate(fin_host):
-                if not fin:
-                    continue
-                for t, pos in zip(block_host[b], range(start_host[b], start_host[b] + bs)):
-                    if pos < plen_list[b]:
-                        continue
-                    if len(generated[b]) == max_new_tokens:
-                        break
-                    generated[b].append(t)
-                    if t in eos:
-                        break
-                if (generated[b] and generated[b][-1] in eos) or len(generated[b]) >= max_new_tokens:
-                    done_rows.append(b)
-            done = torch.zeros(batch, dtype=torch.bool)
-            done[done_rows] = True
-            done = done.to(dev)
-            block_start = torch.where(finishing, block_start + bs, block_start)
-            new_tokens, new_masked = fresh_block(block_start)
-            tokens = torch.where(finishing[:, None], new_tokens, tokens)
-            masked = torch.where(finishing[:, None], new_masked, masked)
-            next_phase = torch.where(finishing, torch.where(done, DONE, DRAFT), next_phase)
-        phase = next_phase
-
-    n_verify, n_committed_by_verify, n_accepted, n_drafted, reused, from_spec = stats_dev.tolist()
-    decisions = router.stats()["decisions"]
-    total = sum(len(g) for g in generated)
-    return generated, {
-        "nfe": {"target": forwards},
-        "mean_accepted": n_committed_by_verify / n_verify if n_verify else 0.0,
-        "verifications": n_verify,
-        "verify_rate": n_verify / decisions if decisions else 0.0,
-        "acceptance_rate": n_accepted / n_drafted if n_drafted else 0.0,
-        "accepted_hist": hist.tolist(),
-        "tokens_per_forward": total / batch / max(forwards, 1),
-        "forwards_with": kinds,
-        "spec_block_drafts": reused, "spec_block_commits": from_spec,
-        "router": router.stats(),
-        "block_size": bs, "threshold": thr, "draft_len": L_max, "policy": opt["policy"],
-        "estimator": opt["estimator"],
-    }
+    run = _Batch(model, prompts, opt, max_new_tokens=max_new_tokens, temperature=temperature,
+                 generator=generator, eos_ids=eos_ids, progress=progress)
+    while run.step():
+        pass
+    return run.generated, run.stats()
 
 
 decode = decode_s2d2
