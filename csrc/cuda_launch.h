@@ -1,6 +1,6 @@
 // Kernel launches of the .cu files: stream handles, launch-error checks, and the launch
-// macro that lets tests/cuda_sim compile pack_mask.cu, tree_mask.cu and verify.cu as plain
-// C++ with its host simulator of blocks, warps, shuffles, ballots and barriers
+// macro that lets tests/cuda_sim compile every .cu file (token_stats, merge_states, verify,
+// pack_mask, tree_mask) as plain C++ with its host simulator of blocks, warps, shuffles, ballots and barriers
 // (DSPEC_CUDA_SIM), so the kernels and launchers run without a GPU.
 #pragma once
 

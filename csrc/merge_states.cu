@@ -3,10 +3,15 @@
 // kernels that give a block one row per thread).  Each thread recomputes its row's two
 // weights from the two lse values (8 bytes, cached) and streams 4 elements of o_a and o_b.
 // grid.x = ceil(rows * ceil(D / 4) / 256), block = 256.
+//
+// DSPEC_CUDA_SIM: tests/cuda_sim/merge_states_sim.cpp compiles this file as plain C++ with
+// the host simulator (tests/cuda_sim/cuda_sim.h); the kernel is launched through
+// DSPEC_LAUNCH (cuda_launch.h) for that.
+#include "cuda_launch.h"
+
 #include <cstdint>
 #include <stdexcept>
 
-#include "cuda_launch.h"
 #include "dtype.h"
 #include "merge_states.h"
 
@@ -42,11 +47,11 @@ void merge_states_cuda(const MergeStatesArgs& args, std::int64_t stream) {
   const std::int64_t blocks = (args.rows * chunks + kThreads - 1) / kThreads;
   if (blocks > 2147483647LL) throw std::invalid_argument("merge_states: rows * head_dim too large for one launch");
   const cudaStream_t s = as_stream(stream);
-  const dim3 grid(static_cast<unsigned>(blocks));
+  const unsigned grid = static_cast<unsigned>(blocks);
   switch (args.dtype) {
-    case kFloat16: merge_states_kernel<kFloat16><<<grid, kThreads, 0, s>>>(args, chunks); break;
-    case kBFloat16: merge_states_kernel<kBFloat16><<<grid, kThreads, 0, s>>>(args, chunks); break;
-    default: merge_states_kernel<kFloat32><<<grid, kThreads, 0, s>>>(args, chunks); break;
+    case kFloat16: DSPEC_LAUNCH(merge_states_kernel<kFloat16>, grid, kThreads, s, args, chunks); break;
+    case kBFloat16: DSPEC_LAUNCH(merge_states_kernel<kBFloat16>, grid, kThreads, s, args, chunks); break;
+    default: DSPEC_LAUNCH(merge_states_kernel<kFloat32>, grid, kThreads, s, args, chunks); break;
   }
   check_launch("merge_states");
 }

@@ -10,10 +10,16 @@
 // shared memory.  With one split the block writes the outputs; otherwise it writes its
 // partial state to the workspace and token_stats_merge_kernel (one warp per row) merges the
 // splits of each row and writes the outputs.
+//
+// DSPEC_CUDA_SIM: tests/cuda_sim compiles this file as plain C++ with its host simulator of
+// blocks, warps, shuffles and barriers (tests/cuda_sim/token_stats_sim.cpp), so the kernels
+// and the launcher run without a GPU; kernels are launched through DSPEC_LAUNCH
+// (cuda_launch.h) for that.
+#include "cuda_launch.h"
+
 #include <cstdint>
 #include <stdexcept>
 
-#include "cuda_launch.h"
 #include "dspec.h"
 #include "dtype.h"
 
@@ -26,9 +32,10 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 #define DSPEC_HDI __host__ __device__ __forceinline__
 
-// Read-only 16-byte load (the logits are read once).
+// Read-only 16-byte load (the logits are read once).  The simulator's __ldg checks the
+// 16-byte alignment.
 DSPEC_HDI uint4 load16(const uint4* p) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) || defined(DSPEC_CUDA_SIM)
   return __ldg(p);
 #else
   return *p;
@@ -219,14 +226,14 @@ void launch(const TokenStatsArgs& a, cudaStream_t stream) {
     part_i = reinterpret_cast<int*>(part_f + a.rows * a.num_splits * 4);
   }
   const unsigned grid = static_cast<unsigned>(a.rows * a.num_splits);
-  token_stats_kernel<DT, kThreads, kUnroll><<<grid, kThreads, 0, stream>>>(
-      a.logits, a.row_stride, a.vocab, cols_per_split, num_splits, a.inv_t, part_f, part_i, a.token, a.prob,
-      a.margin, a.entropy, a.lse);
+  const auto kernel = &token_stats_kernel<DT, kThreads, kUnroll>;  // one macro argument
+  DSPEC_LAUNCH(kernel, grid, kThreads, stream, a.logits, a.row_stride, a.vocab, cols_per_split, num_splits, a.inv_t,
+               part_f, part_i, a.token, a.prob, a.margin, a.entropy, a.lse);
   if (num_splits > 1) {
     check_launch("token_stats");
     const unsigned merge_grid = static_cast<unsigned>((a.rows + kMergeWarps - 1) / kMergeWarps);
-    token_stats_merge_kernel<kMergeWarps><<<merge_grid, kMergeWarps * 32, 0, stream>>>(
-        part_f, part_i, a.rows, num_splits, a.inv_t, a.token, a.prob, a.margin, a.entropy, a.lse);
+    DSPEC_LAUNCH(token_stats_merge_kernel<kMergeWarps>, merge_grid, kMergeWarps * 32, stream, part_f, part_i,
+                 a.rows, num_splits, a.inv_t, a.token, a.prob, a.margin, a.entropy, a.lse);
   }
 }
 

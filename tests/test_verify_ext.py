@@ -378,14 +378,15 @@ _sim_supported = sys.platform.startswith("linux") and platform.machine() in ("x8
 
 @pytest.fixture(scope="session")
 def sim(tmp_path_factory):
-    """csrc/verify.cu (kernels and launchers) built for the host simulator, via ctypes."""
+    """csrc/verify.cu and csrc/token_stats.cu (kernels and launchers: all four stages)
+    built for the host simulator, via ctypes."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if not _sim_supported or cxx is None:
         pytest.skip("the CUDA simulator needs Linux (x86-64 / aarch64) and a C++17 compiler")
     lib_path = tmp_path_factory.mktemp("cuda_sim") / "libverify_sim.so"
     cmd = [cxx, "-std=c++17", "-O1", "-U_FORTIFY_SOURCE", "-w", "-fPIC", "-shared", "-pthread",
            "-ffp-contract=off", f"-I{ROOT / 'csrc'}", f"-I{SIM_DIR}", str(SIM_DIR / "verify_sim.cpp"),
-           str(ROOT / "csrc" / "token_stats_cpu.cpp"), "-o", str(lib_path)]
+           "-o", str(lib_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     lib = ctypes.CDLL(str(lib_path))

@@ -1,16 +1,14 @@
 // csrc/verify.cu compiled for the host simulator (cuda_sim.h), with a C interface for
-// ctypes (tests/test_verify_ext.py).  Stage 1 (token_stats_cuda) is token_stats_cpu here:
-// the CUDA token_stats kernels are tested on GPUs by tests/test_build.py.
+// ctypes (tests/test_verify_ext.py).  All four stages run their CUDA kernels: stage 1 is
+// csrc/token_stats.cu's token_stats_cuda (one or several vocabulary splits), compiled into
+// this translation unit too.
 #define DSPEC_CUDA_SIM 1
 #include "cuda_sim.h"
 
 #include <exception>
 
+#include "token_stats.cu"
 #include "verify.cu"
-
-namespace dspec {
-void token_stats_cuda(const TokenStatsArgs& args, std::int64_t) { token_stats_cpu(args); }
-}  // namespace dspec
 
 namespace {
 
