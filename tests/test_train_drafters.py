@@ -137,3 +137,21 @@ def test_cli_writes_a_loadable_drafter(ckpt, target, tmp_path):
     assert "held-out loss" in card and "acceptance" in card
     with pytest.raises(SystemExit):
         main(["--target", str(ckpt), "--out", str(out), "--max-steps", "3"])     # exists, no --resume
+
+
+def test_warm_start_from_a_saved_drafter(ckpt, target, sequences, tmp_path):
+    """--init: a VP run starts from a DFlash drafter's weights; a shape mismatch is refused."""
+    cfg = small_cfg(max_steps=3)
+    src = DrafterTrainer(target, cfg, tmp_path / "src", sequences=sequences, progress=False)
+    src.train(max_steps=3)
+    src.drafter.save(tmp_path / "dflash")
+    vp_cfg = small_cfg(kind="vp", max_steps=3, seed=5)
+    vp = DrafterTrainer(target, vp_cfg, tmp_path / "vp", sequences=sequences, progress=False,
+                        prefix_sampler=prefix_sampler(vp_cfg))
+    vp.init_from(tmp_path / "dflash")
+    for (k, v), (_, w) in zip(src.drafter.state_dict().items(), vp.drafter.state_dict().items()):
+        torch.testing.assert_close(v, w, rtol=0, atol=0, msg=k)
+    assert vp.data_info["init"] == str(tmp_path / "dflash")
+    other = DrafterTrainer(target, small_cfg(block_size=6), tmp_path / "other", sequences=sequences, progress=False)
+    with pytest.raises(ValueError, match="block_size"):
+        other.init_from(tmp_path / "dflash")

@@ -426,6 +426,20 @@ class DrafterTrainer(BudgetedLoop):
         self.write_log()
         return path
 
+    def init_from(self, path_or_name) -> None:
+        """Warm start: the weights of a saved drafter (either kind: a DFlash drafter is a good
+        start for a VP drafter) of the same shape; ValueError when the shapes differ."""
+        from ..models.dflash import load_drafter
+        src = load_drafter(path_or_name, self.target, device=self.device, dtype=torch.float32)
+        mine, theirs = self.drafter.config, src.config
+        for f in ("num_layers", "block_size", "target_layer_ids", "hidden_size", "num_heads", "num_kv_heads",
+                  "head_dim", "intermediate_size"):
+            if getattr(mine, f) != getattr(theirs, f):
+                raise ValueError(f"init: {path_or_name} has {f} = {getattr(theirs, f)!r}, this recipe "
+                                 f"{getattr(mine, f)!r}")
+        self.drafter.load_state_dict(src.state_dict())
+        self.data_info = dict(self.data_info, init=str(path_or_name))
+
     def resume(self) -> bool:
         """Load ``checkpoint.pt`` when present; True if it did."""
         path = self.out / CHECKPOINT
@@ -485,7 +499,9 @@ def measure_acceptance(target, drafters: dict, prompts: list[list[int]], *, max_
     return res
 
 
-def model_card(trainer: DrafterTrainer, result: dict, acceptance: dict | None, target_name: str) -> str:
+def model_card(trainer: DrafterTrainer, result: dict, acceptance: dict | None, target_name: str, *,
+               command: str | None = None) -> str:
+    from ..cpu import cpu_model, native_bf16
     c, d = trainer.cfg, trainer.drafter.config
     params = sum(p.numel() for p in trainer.drafter.parameters())
     lines = [f"# {target_name}-{c.kind}: dspec {'DFlash' if c.kind == 'dflash' else 'D2SD VP'} block drafter",
@@ -500,14 +516,17 @@ def model_card(trainer: DrafterTrainer, result: dict, acceptance: dict | None, t
              + (f"; prefix length ~ truncated geometric prior a = {c.prefix_accept}" if c.kind == "vp" else ""),
              f"- training: {result['step']} steps of {c.batch_size} sequences x {c.anchors_per_seq} blocks, "
              f"AdamW lr {c.lr} -> {c.min_lr}, wall time {result['wall_s'] / 60:.1f} min on "
-             f"{trainer.device.type} ({torch.get_num_threads()} threads)",
+             f"{trainer.device.type} ({cpu_model() + ', ' if trainer.device.type == 'cpu' else ''}"
+             f"{torch.get_num_threads()} threads, autocast {c.autocast}"
+             f"{' (native bf16)' if trainer.device.type == 'cpu' and native_bf16() else ''})"
+             + (f"; offline target features ({trainer.features.meta['tokens']:,} tokens)" if trainer.features else ""),
              f"- held-out loss: {result['heldout_loss']:.4f} nats (weighted, {len(trainer.heldout)} held-out sequences)"]
     if acceptance:
         lines.append(f"- acceptance (greedy, held-out prompts, mean tokens committed per target forward): "
                      f"{json.dumps(acceptance)}")
-    lines += ["", "Made by `python -m dspec.train." + ("dflash" if c.kind == "dflash" else "vp_drafter")
-              + f" --target {target_name}`; load with `dspec.models.dflash.load_drafter(path, target)`.",
-              "A tiny CPU-trained drafter is for correctness and plumbing, not for speed claims.", ""]
+    made = command or ("python -m dspec.train." + ("dflash" if c.kind == "dflash" else "vp_drafter")
+                       + f" --target {target_name}")
+    lines += ["", f"Made by `{made}`; load with `dspec.models.dflash.load_drafter(path, target)`.", ""]
     return "\n".join(lines)
 
 
@@ -552,6 +571,9 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
                     help="bf16 autocast: auto = on CUDA and on CPUs with native bf16 matmul (default %(default)s)")
     ap.add_argument("--dflash-drafter", default=None,
                     help="(vp) a DFlash drafter directory for the acceptance measurement")
+    ap.add_argument("--init", default=None,
+                    help="warm start from a drafter directory or shipped drafter name of the same shape "
+                         "(e.g. the shipped DFlash drafter for a VP run, or a previous round)")
     ap.add_argument("--ship", default=None, help="also copy the final drafter directory here")
     args = ap.parse_args(argv)
     import shutil
@@ -596,6 +618,11 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
                              features=out / "features" if args.cache_features else None)
     if sequences is not None:
         trainer.data_info = info
+    if args.init and not (args.resume and (out / CHECKPOINT).is_file()):
+        try:
+            trainer.init_from(args.init)
+        except ValueError as e:
+            raise SystemExit(f"--init: {e}")
     if args.resume:
         trainer.resume()
     result = trainer.train(minutes=args.minutes, max_steps=args.max_steps)
@@ -613,7 +640,9 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
         held_prompts = [s[:p] for s, p in trainer.heldout[:8]]
         acceptance = measure_acceptance(target, drafters, held_prompts, max_new_tokens=cfg.response_tokens,
                                         k=2)
-    card = model_card(trainer, result, acceptance, target_name)
+    card = model_card(trainer, result, acceptance, target_name,
+                      command=" ".join([f"python -m dspec.train.{name}"] + list(argv if argv is not None else
+                                                                              __import__("sys").argv[1:])))
     path = drafter.save(out / "drafter", card=card)
     result.update(drafter=str(path), acceptance=acceptance)
     if args.ship:
