@@ -2,7 +2,7 @@
 
     python -m dspec bench [--dllm NAME|DIR] [--target NAME|DIR] [--drafter NAME|DIR]
                           [--configs ar,diffusion-dynamic,...] [--add-config SPEC ...]
-                          [--prompt-sets arithmetic,humaneval,mtbench] [--prompts N]
+                          [--prompt-sets arithmetic,humaneval,mtbench,math500] [--prompts N]
                           [--max-new-tokens N] [--batch B] [--temperature T] [--seed S]
                           [--device cpu|cuda] [--dtype D] [--threads N] [--quick]
                           [--out DIR] [--name STEM] [--no-plot] [--list-configs]
@@ -18,8 +18,9 @@ whose model failed to load, or that its model cannot run (``ValueError`` from
 recorded in the JSON.
 
 Prompt sets come from ``dspec.tasks.prompt_set``: ``arithmetic`` (checkable: accuracy by
-``dspec.tasks.check_arithmetic``), ``humaneval`` (code prompts, raw) and ``mtbench``
-(questions; wrapped in the model's chat template when it has one, raw otherwise).
+``dspec.tasks.check_arithmetic``), ``humaneval`` (code prompts, raw), ``mtbench``
+(questions) and ``math500`` (checkable by ``dspec.tasks.check_math``: the last ``\\boxed{}``);
+the last two are wrapped in the model's chat template when it has one, raw otherwise.
 
 Numbers, per (configuration, prompt set):
 
@@ -67,8 +68,8 @@ from .cpu import cpu_model, loadavg
 
 NAME = "e2e"
 FAMILIES = ("target", "dllm")
-PROMPT_SETS = ("arithmetic", "humaneval", "mtbench")
-CHAT_SETS = ("mtbench",)        # wrapped in the chat template for chat models
+PROMPT_SETS = ("arithmetic", "humaneval", "mtbench", "math500")
+CHAT_SETS = ("mtbench", "math500")        # wrapped in the chat template for chat models
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -435,7 +436,8 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     import dspec
     from .cpu import apply_threads
     from .models.embedded import chat_prompt
-    from .tasks import check_arithmetic
+    from .tasks import check_arithmetic, check_math
+    checkers = {"arithmetic": check_arithmetic, "math500": check_math}
 
     configs, sets = _check_args(args, parser)
     if args.list_configs:
@@ -574,7 +576,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
                 gens = gens if isinstance(gens, list) else [gens]
                 new = sum(len(g.tokens) for g in gens)
                 stats = gens[0].stats
-                correct = [check_arithmetic(p, g.text) if pset == "arithmetic" else None
+                correct = [checkers[pset](p, g.text) if pset in checkers else None
                            for p, g in zip(chunk, gens)]
                 row = {"kind": "call", "config": c.name, "prompt_set": pset, "call": ci // args.batch,
                        "task_ids": [p.task_id for p in chunk], "requests": len(chunk),

