@@ -150,6 +150,23 @@ def test_adapter_files_round_trip_and_check_the_base(base, bd, tmp_path):
         load_mask_adapter(base, tmp_path)
 
 
+def test_warm_start_copies_a_saved_adapter(base, bd, tmp_path):
+    from dspec.train.lora import base_fingerprint
+    from dspec.train.mask_adapter import init_mask_adapter, save_mask_adapter
+    save_mask_adapter(bd, tmp_path / "a", base_name="tiny-llama", base_fingerprint=base_fingerprint(base),
+                      dtype=torch.float32)
+    fresh = mask_diffusion_model(base, block_size=4, mask_token_id=MASK, rank=4, seed=3)
+    init_mask_adapter(fresh, tmp_path / "a")
+    seq = [_ids(9, 5) + [MASK, 33, MASK]]
+    with torch.no_grad():
+        assert torch.equal(fresh(fresh.plan(seq)).logits, bd(bd.plan(seq)).logits)
+    other_rank = mask_diffusion_model(base, block_size=4, mask_token_id=MASK, rank=2)
+    with pytest.raises(ValueError, match="rank"):
+        init_mask_adapter(other_rank, tmp_path / "a")
+    with pytest.raises(ValueError, match="no dspec-mask-lora-1"):
+        init_mask_adapter(fresh, tmp_path)
+
+
 def test_trainer_lowers_the_heldout_loss_and_resumes(tmp_path):
     from dspec.train.data_engine import EngineConfig, GeneratedData, generate_shards
     from dspec.train.mask_adapter import MaskAdapterConfig, MaskAdapterTrainer, main

@@ -217,8 +217,6 @@ def is_mask_adapter(adapter_dir) -> bool:
 def load_mask_adapter(base: Model, adapter_dir, *, check_fingerprint: bool = True) -> Model:
     """The block-diffusion model of ``adapter_dir`` on top of the causal ``base`` (which
     must be the base it was trained on: checked by weight fingerprint)."""
-    from safetensors.torch import load_file
-
     from .lora import base_fingerprint
     path = Path(adapter_dir)
     if not is_mask_adapter(path) or not (path / ADAPTER_WEIGHTS).is_file():
@@ -231,6 +229,13 @@ def load_mask_adapter(base: Model, adapter_dir, *, check_fingerprint: bool = Tru
                              f"{config['base_fingerprint']}), this base has {got}")
     model = mask_diffusion_model(base, block_size=int(config["block_size"]), mask_token_id=int(config["mask_token_id"]),
                                  rank=int(config["rank"]), alpha=float(config["alpha"]), targets=config["targets"])
+    _copy_adapter_weights(model, path)
+    model.name_or_path = str(path)
+    return model
+
+
+def _copy_adapter_weights(model: Model, path: Path) -> None:
+    from safetensors.torch import load_file
     state = load_file(str(path / ADAPTER_WEIGHTS))
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -239,8 +244,23 @@ def load_mask_adapter(base: Model, adapter_dir, *, check_fingerprint: bool = Tru
             if dest is None or dest.shape != t.shape:
                 raise ValueError(f"adapter {path}: tensor {name!r} {list(t.shape)} does not fit this base")
             dest.copy_(t.to(dest.dtype))
-    model.name_or_path = str(path)
-    return model
+
+
+def init_mask_adapter(model: Model, adapter_dir) -> None:
+    """Warm start: copy a saved adapter's weights into ``model``'s adapter (same rank,
+    targets and [MASK] id; ValueError otherwise), e.g. the shipped one for a next round."""
+    path = Path(adapter_dir)
+    if not is_mask_adapter(path) or not (path / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(f"adapter_dir: {path} holds no {ADAPTER_FORMAT} adapter")
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    adapter = model.mask_adapter
+    if adapter is None:
+        raise ValueError("model: has no mask adapter")
+    for key, mine in (("rank", adapter.rank), ("targets", list(adapter.targets)),
+                      ("mask_token_id", adapter.mask_token_id)):
+        if config[key] != mine:
+            raise ValueError(f"adapter {path}: {key} = {config[key]!r}, this model's adapter has {mine!r}")
+    _copy_adapter_weights(model, path)
 
 
 # ---------------------------------------------------------------------- training
@@ -458,6 +478,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", default=None, help="torch threads (default: dspec's policy)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    ap.add_argument("--init", default=None,
+                    help="warm start: an adapter directory or a shipped adapted name (smollm2-135m-bd) of the same "
+                         "rank and targets; a new schedule starts from its weights")
     args = ap.parse_args(argv)
     from ..cpu import apply_threads
     from ..hub import load
@@ -484,8 +507,15 @@ def main(argv=None) -> dict:
     model = mask_diffusion_model(base, block_size=cfg.block_size, mask_token_id=mask_id, rank=cfg.rank,
                                  alpha=cfg.alpha, targets=cfg.targets, seed=cfg.seed)
     del base
+    if args.init and not (args.resume and (out / "checkpoint.pt").is_file()):
+        from ..hub import ADAPTED, adapter_dir
+        try:
+            init_mask_adapter(model, adapter_dir(args.init) if args.init in ADAPTED else args.init)
+        except ValueError as e:
+            ap.error(f"--init: {e}")
+    info = dict(data.info, init=args.init) if args.init else data.info
     trainer = MaskAdapterTrainer(model, data.sequences(), cfg, out, base_name=str(args.base),
-                                 base_fingerprint=fingerprint, data_info=data.info)
+                                 base_fingerprint=fingerprint, data_info=info)
     if args.resume:
         trainer.resume()
     result = trainer.train(minutes=args.minutes, max_steps=args.max_steps)
