@@ -298,12 +298,30 @@ def test_sampling_preserves_target_distribution(peaked):
     assert [g.tokens for g in again] == [g.tokens for g in again2]
 
 
-def test_drafter_none_for_smollm2_names_the_plan():
+def test_drafter_none_without_a_shipped_drafter_says_how_to_train_one():
     from types import SimpleNamespace
 
     from dspec.models.dflash import resolve_drafter
-    with pytest.raises(ValueError, match="not trained yet"):
-        resolve_drafter(None, SimpleNamespace(shipped_name="smollm2-135m"), "dflash")
+    with pytest.raises(ValueError, match="ships no 'dflash' drafter.*python -m dspec.train.dflash"):
+        resolve_drafter(None, SimpleNamespace(shipped_name="no-such-model"), "dflash")
+
+
+def test_sharded_weights_round_trip(target, tmp_path, monkeypatch):
+    import dspec.models.dflash as mod
+    d = BlockDrafter.for_target(target, block_size=4, seed=2)
+    monkeypatch.setattr(mod, "MAX_FILE_BYTES", 40_000)
+    d.save(tmp_path / "dr")
+    shards = sorted(p.name for p in (tmp_path / "dr").glob("model*.safetensors"))
+    assert len(shards) > 1 and all("-of-" in n for n in shards)
+    e = load_drafter(tmp_path / "dr", target)
+    for (k1, v1), (k2, v2) in zip(d.state_dict().items(), e.state_dict().items()):
+        assert k1 == k2 and torch.equal(v1, v2)
+    (tmp_path / "dr" / shards[-1]).unlink()
+    with pytest.raises(ValueError, match="weight shards"):
+        load_drafter(tmp_path / "dr", target)
+    monkeypatch.setattr(mod, "MAX_FILE_BYTES", 10**12)       # saving again replaces the shards
+    d.save(tmp_path / "dr")
+    assert sorted(p.name for p in (tmp_path / "dr").glob("model*.safetensors")) == ["model.safetensors"]
 
 
 def shipped_tiny_ar():

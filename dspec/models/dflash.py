@@ -19,8 +19,8 @@ that prefix plus the block.
 
 The drafter reuses the target's token embedding and output head (frozen, never stored in
 the drafter file); it owns the context projection, the mask embedding, 1-2 transformer
-layers and a final norm.  Files: a directory with ``config.json``, ``model.safetensors``
-and a model card ``README.md``; :func:`load_drafter` checks it fits the target.
+layers and a final norm.  Files: a directory with ``config.json``, ``model.safetensors`` (or
+its shards when larger than 15 MB) and a model card ``README.md``; :func:`load_drafter` checks it fits the target.
 
     >>> drafter = BlockDrafter.for_target(target, num_layers=1, block_size=8)  # doctest: +SKIP
     >>> drafter.save("my-drafter")                                           # doctest: +SKIP
@@ -379,14 +379,22 @@ class BlockDrafter(nn.Module):
     # ----------------------------------------------------------------------- files
 
     def save(self, path: str | os.PathLike, *, card: str | None = None) -> Path:
-        """Write ``config.json``, ``model.safetensors`` (drafter weights only) and a model
-        card ``README.md`` (``card``, or a generated one) into directory ``path``."""
+        """Write ``config.json``, ``model.safetensors`` (drafter weights only; above 15 MB as
+        shards ``model-XXXXX-of-NNNNN.safetensors``, so that every shipped file stays under
+        16 MB) and a model card ``README.md`` (``card``, or a generated one) into ``path``."""
         from safetensors.torch import save_file
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "dspec": "block_drafter"})
+        for old in out.glob("model*.safetensors"):
+            old.unlink()
+        shards = _shard(state, MAX_FILE_BYTES)
+        meta = {"format": "pt", "dspec": "block_drafter"}
+        if len(shards) == 1:
+            save_file(state, str(out / "model.safetensors"), metadata=meta)
+        for i, part in enumerate(shards if len(shards) > 1 else []):
+            save_file(part, str(out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"), metadata=meta)
         if card is None and not (out / "README.md").exists():
             c = self.config
             card = (f"# dspec {c.kind} block drafter\n\nTarget: {c.target}; layers {c.num_layers}; block size "
@@ -396,11 +404,42 @@ class BlockDrafter(nn.Module):
         return out
 
 
+MAX_FILE_BYTES = 15_000_000     # shipped files stay under 16 MB: larger drafters are saved in shards
+
+
+def _shard(state: dict, limit: int) -> list[dict]:
+    """Split a state dict into consecutive groups of at most ``limit`` bytes (a tensor larger
+    than the limit gets a group of its own)."""
+    shards, cur, size = [], {}, 0
+    for k, v in state.items():
+        n = v.numel() * v.element_size()
+        if cur and size + n > limit:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k] = v
+        size += n
+    return shards + [cur] if cur or not shards else shards
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """``model.safetensors``, or the shards ``model-XXXXX-of-NNNNN.safetensors`` when all present."""
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    shards = sorted(path.glob("model-*-of-*.safetensors"))
+    if not shards:
+        return []
+    total = shards[0].name.rsplit("-of-", 1)[1].split(".")[0]
+    if len(shards) != int(total):
+        raise ValueError(f"drafter directory {path} has {len(shards)} of {int(total)} weight shards")
+    return shards
+
+
 def target_fingerprint(target) -> str:
     """A short hash of the target's output head (first 64 rows): drafters record it so that
-    loading one for a retrained target of the same shape warns instead of failing silently."""
+    loading one for a retrained target of the same shape warns instead of failing silently.
+    The rows are rounded to bf16 first, so a target loaded in fp32 or bf16 hashes the same."""
     import hashlib
-    rows = target.output_weight.detach()[:64].float().cpu().contiguous()
+    rows = target.output_weight.detach()[:64].to(torch.bfloat16).float().cpu().contiguous()
     return hashlib.sha256(rows.numpy().tobytes()).hexdigest()[:16]
 
 
@@ -452,9 +491,11 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
             names = sorted(p.name for p in ASSETS.iterdir() if p.is_dir()) if ASSETS.is_dir() else []
             raise ValueError(f"drafter {os.fspath(path_or_name)!r} is neither a directory nor a shipped "
                              f"drafter ({names})")
-    for f in ("config.json", "model.safetensors"):
-        if not (path / f).is_file():
-            raise ValueError(f"drafter directory {path} has no {f}")
+    weight_files = _weight_files(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"drafter directory {path} has no config.json")
+    if not weight_files:
+        raise ValueError(f"drafter directory {path} has no model.safetensors")
     raw = json.loads((path / "config.json").read_text())
     try:
         cfg = DrafterConfig(**raw)
@@ -471,7 +512,9 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
                       f"target {target_fingerprint(target)}): it fits the shapes but may draft poorly; retrain it",
                       stacklevel=2)
     drafter = BlockDrafter(cfg, device="meta")
-    state = load_file(str(path / "model.safetensors"))
+    state = {}
+    for f in weight_files:
+        state.update(load_file(str(f)))
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items()}
     if expected != got:
@@ -501,8 +544,7 @@ def resolve_drafter(drafter, target, kind: str) -> BlockDrafter:
                          f"{'dflash' if kind == 'dflash' else 'vp_drafter'}`)")
     path = shipped_drafter_path(name, kind)
     if not path.is_dir():
-        plan = (" (drafters for smollm2-135m are not trained yet)" if name == "smollm2-135m" else "")
-        raise ValueError(f"dspec ships no {kind!r} drafter for target {name!r} yet;{plan} pass drafter= a "
+        raise ValueError(f"dspec ships no {kind!r} drafter for target {name!r}; pass drafter= a "
                          f"drafter directory (python -m dspec.train.{'dflash' if kind == 'dflash' else 'vp_drafter'} "
                          f"--target {name} --out DIR)")
     return load_drafter(path, target, kind=kind)
