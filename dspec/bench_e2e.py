@@ -35,6 +35,10 @@ Numbers, per (configuration, prompt set):
 * ``mean_accepted``: the method's own ``stats["mean_accepted"]``, averaged over calls weighted
   by completion tokens;
 * ``accuracy``: share of correct answers where the set is checkable;
+* ``same_as_reference`` (greedy runs): share of prompts on which a lossless method's text
+  equals its reference configuration's (``ar`` for dflash / d2sd / diffuspec,
+  ``diffusion-static-1`` for ssd / spiffy; ``s2d2-always`` against ``ar``): 1.0 in fp32; in
+  bf16 a batched verification may round to another token than a one-token step;
 * ``speedup_vs_ar``: tokens/s over the ``ar`` configuration's on the same prompts (on the
   target model); ``speedup_vs_dynamic``: for configurations on the dLLM, over
   ``diffusion-dynamic``'s;
@@ -425,6 +429,34 @@ def add_speedups(summaries: list[dict]) -> None:
                                    and s["tokens_per_s"] else None)
 
 
+# the configuration whose output a lossless method must reproduce (greedy, same prompts)
+LOSSLESS_REFERENCE = {"ssd": "diffusion-static-1", "spiffy": "diffusion-static-1", "dflash": BASELINE_AR,
+                      "d2sd": BASELINE_AR, "diffuspec": BASELINE_AR}
+
+
+def add_lossless_checks(summaries: list[dict], calls: list[dict], temperature: float) -> None:
+    """``same_as_reference``: the share of prompts whose completion text equals that of the
+    lossless method's reference configuration (greedy runs only: sampled outputs differ by
+    design), with ``reference`` naming it.  ``s2d2-always`` is compared with ``ar`` too: equal
+    when the dLLM's block-size-1 mode is the target (a mask-selective adapter)."""
+    if temperature > 0:
+        return
+    texts: dict = {}
+    for c in calls:
+        for tid, text in zip(c["task_ids"], c.get("texts", [])):
+            texts[(c["config"], c["prompt_set"], tid)] = text
+    for s in summaries:
+        ref = LOSSLESS_REFERENCE.get(s["method"]) or (BASELINE_AR if s["config"] == "s2d2-always" else None)
+        if ref is None:
+            continue
+        pairs = [(t, texts.get((ref, s["prompt_set"], k[2]))) for k, t in texts.items()
+                 if k[0] == s["config"] and k[1] == s["prompt_set"]]
+        pairs = [(a, b) for a, b in pairs if b is not None]
+        if pairs:
+            s["reference"] = ref
+            s["same_as_reference"] = round(sum(a == b for a, b in pairs) / len(pairs), 4)
+
+
 def _write(path: Path, payload: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(payload, indent=1, default=str))
@@ -600,6 +632,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     payload["env"]["loadavg_end"] = loadavg()
     payload["complete"] = True
     add_speedups(summaries)
+    add_lossless_checks(summaries, payload["calls"], args.temperature)
     _write(path, payload)
     print(f"wrote {path}")
     if not args.no_plot and summaries:
@@ -615,7 +648,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
 # --------------------------------------------------------------------------- output
 COLUMNS = ("config", "prompt_set", "model", "requests", "new_tokens", "tokens_per_s", "speedup_vs_ar",
            "speedup_vs_dynamic", "nfe_target", "nfe_drafter", "tokens_per_target_forward",
-           "mean_accepted", "accuracy")
+           "mean_accepted", "accuracy", "same_as_reference")
 
 
 def report(payload: dict) -> str:

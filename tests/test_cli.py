@@ -156,6 +156,25 @@ def test_bench_quick_on_tiny_checkpoints(ckpts, capsys, tmp_path):
     assert "tokens_per_s" in out and "skipped bd-on-ar" in out
 
 
+def test_bench_lossless_column_compares_texts_with_the_reference():
+    from dspec.bench_e2e import add_lossless_checks
+
+    def call(config, texts):
+        return {"config": config, "prompt_set": "humaneval", "task_ids": ["a", "b"], "texts": texts}
+
+    calls = [call("ar", ["x", "y"]), call("dflash", ["x", "z"]), call("diffusion-static-1", ["p", "q"]),
+             call("ssd", ["p", "q"]), call("s2d2-always", ["x", "y"])]
+    rows = [{"config": c, "method": c.split("-")[0] if c != "diffusion-static-1" else "diffusion",
+             "prompt_set": "humaneval"} for c in ("ar", "dflash", "ssd", "s2d2-always", "diffusion-static-1")]
+    add_lossless_checks(rows, calls, temperature=0.0)
+    got = {r["config"]: (r.get("reference"), r.get("same_as_reference")) for r in rows}
+    assert got == {"ar": (None, None), "dflash": ("ar", 0.5), "ssd": ("diffusion-static-1", 1.0),
+                   "s2d2-always": ("ar", 1.0), "diffusion-static-1": (None, None)}
+    sampled = [dict(r, same_as_reference=None) for r in rows]
+    add_lossless_checks(sampled, calls, temperature=1.0)
+    assert all(r["same_as_reference"] is None for r in sampled)
+
+
 def test_bench_argument_errors_and_listing(capsys):
     for argv in (["--prompt-sets", "nope"], ["--configs", "nope"], ["--add-config", "broken"],
                  ["--add-config", "x=nomethod"], ["--prompts", "0"]):
