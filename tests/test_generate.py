@@ -48,6 +48,30 @@ def test_batch_of_ragged_prompts_equals_single_runs(tiny):
     assert [g.tokens for g in batch] == [g.tokens for g in singles]
 
 
+def test_finished_requests_leave_the_batch(tiny):
+    """Rows that hit EOS are dropped from the batch (decode_ar): outputs still equal single
+    runs, and the later forwards run fewer rows."""
+    from dspec.decode.ar import decode_ar
+    prompts = [[5, 17, 42, 9], [7, 7, 3], [11, 2, 99, 4, 8], [6], [40, 41]]
+    free, _ = decode_ar(tiny, prompts, max_new_tokens=14)
+    eos = [free[0][2], free[3][4]]                   # two requests stop early
+    singles = [decode_ar(tiny, [p], max_new_tokens=14, eos_ids=eos)[0][0] for p in prompts]
+    rows = []
+    forward = type(tiny).forward
+
+    def counting(self, plan, *a, **k):
+        rows.append(plan.tokens.shape[0])
+        return forward(self, plan, *a, **k)
+    type(tiny).forward = counting
+    try:
+        batch, stats = decode_ar(tiny, prompts, max_new_tokens=14, eos_ids=eos)
+    finally:
+        type(tiny).forward = forward
+    assert batch == singles
+    assert any(len(g) < 14 for g in batch) and rows[0] == len(prompts) and min(rows) < len(prompts)
+    assert stats["nfe"]["target"] == len(rows)
+
+
 def test_sampling_is_reproducible_and_uses_the_shared_sampler(tiny):
     a = dspec.generate(tiny, [5, 6, 7], method="ar", max_new_tokens=8, temperature=0.9, seed=11)
     b = dspec.generate(tiny, [5, 6, 7], method="ar", max_new_tokens=8, temperature=0.9, seed=11)

@@ -15,9 +15,13 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     A request stops after its first EOS (kept in its output) or at ``max_new_tokens``.
     ``mean_accepted`` is 1.0 by definition (one committed token per target forward).
 
+    Requests that hit EOS leave the batch once they are a quarter of it (their cache rows
+    are dropped), so a ragged batch does not compute finished rows until its longest
+    request ends.
+
     Host synchronisation: the step (forward, next-token choice, cache append) reads nothing
-    on the host; the tokens stay on the device until the end.  The loop reads one bool per
-    step (have all requests hit EOS?) to stop early.
+    on the host; the tokens stay on the device until the end.  The loop reads one count per
+    step (how many requests have hit EOS) to stop early and to drop finished requests.
     """
     if model.attention != "causal":
         raise ValueError(f"method: 'ar' needs a causal LM; {model.family!r} attends {model.attention!r}: "
@@ -32,19 +36,28 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=device)
     produced = torch.zeros(batch, max_new_tokens, dtype=torch.int64, device=device)
     kept = torch.zeros(batch, max_new_tokens, dtype=torch.bool, device=device)   # before EOS
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    active = torch.arange(batch, device=device)        # the requests still in the batch
+    done = torch.zeros(batch, dtype=torch.bool, device=device)   # per active row: EOS seen
     ones = [1] * batch
     token = next_tokens(out.logits[:, -1], temperature, generator)
     steps = 0
     for step in range(max_new_tokens):
-        produced[:, step] = token
-        kept[:, step] = ~done
+        produced[active, step] = token
+        kept[active, step] = ~done
         steps = step + 1
         done |= torch.isin(token, eos)
         if progress is not None:
             progress.update(1)
-        if step + 1 == max_new_tokens or bool(done.all()):
+        n_done = int(done.sum())
+        if step + 1 == max_new_tokens or n_done == len(active):
             break
+        if n_done * 4 >= len(active):
+            # finished requests leave the batch once they are a quarter of it (one cache
+            # copy), instead of being computed until the longest request ends
+            keep = (~done).nonzero()[:, 0]
+            cache = cache.select(keep.tolist())
+            active, token, done = active[keep], token[keep], done[keep]
+            ones = [1] * len(active)
         out = model(model.plan(token[:, None], cache), logits="last")
         cache.append(out.suffix_kv, counts=ones)
         forwards += 1

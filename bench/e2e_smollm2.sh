@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The end-to-end grid on the real models (SmolLM2-135M-Instruct, smollm2-135m-bd and the
+# shipped drafters), on this CPU, alone on the machine.  Two runs:
+#   1. the machine's default dtype (bf16 on CPUs with native bf16 matmul): speed, forwards,
+#      acceptance, accuracy;
+#   2. fp32: the lossless check (same_as_reference must be 1.0 for every lossless method).
+# Usage: bash bench/e2e_smollm2.sh [PROMPTS_PER_SET] [MAX_NEW_TOKENS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+N=${1:-4}
+T=${2:-64}
+CONFIGS=ar,diffusion-static-1,diffusion-dynamic,ssd,spiffy,s2d2-always,s2d2-min_span,diffuspec,diffuspec-noCPS-noADL,dflash,d2sd-K1,d2sd-K2,d2sd-K4,d2sd-resample-K2
+"$PY" -m dspec bench --dllm smollm2-135m-bd --target smollm2-135m --configs "$CONFIGS" \
+    --prompt-sets arithmetic,humaneval,mtbench,math500 --prompts "$N" --max-new-tokens "$T" \
+    --threads 2 --out bench/results/cpu --name e2e_smollm2
+"$PY" -m dspec bench --dllm smollm2-135m-bd --target smollm2-135m --dtype float32 \
+    --configs ar,diffusion-static-1,ssd,s2d2-always,diffuspec,dflash,d2sd-K2 \
+    --prompt-sets humaneval,mtbench --prompts 2 --max-new-tokens 32 \
+    --threads 2 --out bench/results/cpu --name e2e_smollm2_fp32
