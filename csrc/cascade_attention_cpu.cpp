@@ -820,8 +820,9 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   std::vector<Workspace> extra(static_cast<std::size_t>(threads - 1));
   for (auto& w : extra) w.reserve(rows, g.dp, g.group_heads);
   std::atomic<std::int64_t> next{0};
+  Workspace* const callers = &local;   // chunk 0's: any thread may run any chunk
   cpu::parallel_for(static_cast<int>(threads), [&](int t) {
-    Workspace& ws = t == 0 ? local : extra[static_cast<std::size_t>(t - 1)];
+    Workspace& ws = t == 0 ? *callers : extra[static_cast<std::size_t>(t - 1)];
     for (std::int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) run_unit(a, ops, g, ws, u);
   });
 }

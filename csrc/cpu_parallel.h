@@ -1,12 +1,26 @@
-// std::thread helpers of the C++ CPU code (no OpenMP).
+// Threading of the C++ CPU code (no OpenMP): a persistent pool.
+//
+// A decode step calls ~200 kernels of 10-100 us each; starting a std::thread per call costs
+// ~10-20 us, so the workers persist.  Between calls a worker spins briefly (yielding its
+// core to any other runnable thread: torch's own OpenMP workers share these cores), then
+// sleeps on a condition variable.  One call at a time: a call that finds the pool busy (a
+// second Python thread with the GIL released) runs on fresh threads instead.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
+#include <mutex>
 #include <system_error>
 #include <thread>
 #include <vector>
+
+#include <sched.h>
+#include <unistd.h>
 
 namespace dspec {
 namespace cpu {
@@ -22,23 +36,154 @@ inline unsigned max_threads() {
   return hw == 0 ? 1u : hw;
 }
 
-// Runs fn(t) for t in [0, n) on n - 1 new threads plus the calling one.  If a thread
-// cannot be started, its share runs on the calling thread.
-template <class Fn>
-void parallel_for(int n, Fn fn) {
-  std::vector<std::thread> workers;
-  workers.reserve(static_cast<std::size_t>(n));
-  std::vector<int> inline_ids;
-  for (int t = 1; t < n; ++t) {
-    try {
-      workers.emplace_back(fn, t);
-    } catch (const std::system_error&) {
-      inline_ids.push_back(t);
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// The pool: chunks of a call are handed out through an atomic counter, and the calling
+// thread takes chunks too, so a call never waits for a worker that has not woken up (a
+// sleeping worker, or one whose core is busy with another thread, simply gets no chunk);
+// it waits only for chunks already started.
+class ThreadPool {
+ public:
+  static ThreadPool& instance() {
+    static ThreadPool* pool = new ThreadPool();  // never destroyed: workers outlive static teardown
+    return *pool;
+  }
+
+  // Runs fn(c) once for every chunk c in [0, chunks) on the calling thread and up to
+  // threads - 1 workers; false (nothing run) when another call holds the pool or a worker
+  // cannot be started.
+  bool try_run(int chunks, int threads, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> run(run_mutex_, std::try_to_lock);
+    if (!run.owns_lock()) return false;
+    if (!ensure_workers(threads - 1)) return false;
+    task_ = &fn;
+    chunks_ = chunks;
+    helpers_ = threads - 1;
+    next_.store(0, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    users_.fetch_and(~kClosed, std::memory_order_release);  // open: workers may join
+    {
+      std::lock_guard<std::mutex> lk(wake_mutex_);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_cv_.notify_all();
+    work();
+    while (done_.load(std::memory_order_acquire) != chunks) cpu_relax();
+    // close, then wait out the workers that joined (they find no chunk left)
+    users_.fetch_or(kClosed, std::memory_order_acq_rel);
+    while ((users_.load(std::memory_order_acquire) & ~kClosed) != 0) cpu_relax();
+    task_ = nullptr;
+    return true;
+  }
+
+ private:
+  static constexpr std::uint32_t kClosed = 1u << 31;
+
+  ThreadPool() = default;
+
+  void work() {
+    for (int c = next_.fetch_add(1, std::memory_order_acq_rel); c < chunks_;
+         c = next_.fetch_add(1, std::memory_order_acq_rel)) {
+      (*task_)(c);
+      done_.fetch_add(1, std::memory_order_acq_rel);
     }
   }
-  fn(0);
-  for (int t : inline_ids) fn(t);
+
+  bool ensure_workers(int count) {
+    if (owner_ != getpid()) {  // a forked child inherits the vector, not the threads
+      workers_.clear();
+      owner_ = getpid();
+    }
+    const std::uint64_t current = generation_.load(std::memory_order_acquire);
+    while (static_cast<int>(workers_.size()) < count) {
+      const int id = static_cast<int>(workers_.size()) + 1;
+      try {
+        workers_.emplace_back([this, id, current] { loop(id, current); });
+        workers_.back().detach();
+      } catch (const std::system_error&) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  void loop(int id, std::uint64_t seen) {
+    for (;;) {
+      std::uint64_t g = generation_.load(std::memory_order_acquire);
+      if (g == seen) {
+        // spin ~1 ms (a decode step's next kernel is microseconds away), then sleep
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(1000);
+        int spins = 0;
+        while ((g = generation_.load(std::memory_order_acquire)) == seen) {
+          cpu_relax();
+          if (++spins % 64 == 0) {
+            sched_yield();
+            if (std::chrono::steady_clock::now() > until) {
+              std::unique_lock<std::mutex> lk(wake_mutex_);
+              wake_cv_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+            }
+          }
+        }
+      }
+      seen = g;
+      const std::uint32_t before = users_.fetch_add(1, std::memory_order_acq_rel);
+      if (!(before & kClosed) && id <= helpers_) work();
+      users_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::mutex run_mutex_;
+  std::mutex wake_mutex_;
+  std::condition_variable wake_cv_;
+  std::atomic<std::uint64_t> generation_{0};
+  std::atomic<std::uint32_t> users_{kClosed};   // workers inside a call, | kClosed between calls
+  std::atomic<int> next_{0};
+  std::atomic<int> done_{0};
+  // written while closed, read by workers only after joining an open call
+  const std::function<void(int)>* task_ = nullptr;
+  int chunks_ = 0;
+  int helpers_ = 0;
+  std::vector<std::thread> workers_;
+  pid_t owner_ = getpid();
+};
+
+// Runs fn(c) once for each chunk c in [0, chunks) on up to `threads` threads (the calling
+// one included; any thread may run any chunk): on the persistent pool, or (pool busy) on
+// threads - 1 new threads.  If a thread cannot be started, its chunks run on the others.
+template <class Fn>
+void parallel_chunks(int chunks, int threads, Fn fn) {
+  threads = std::max(1, std::min(threads, chunks));
+  if (threads <= 1) {
+    for (int c = 0; c < chunks; ++c) fn(c);
+    return;
+  }
+  const std::function<void(int)> task = [&fn](int c) { fn(c); };
+  if (ThreadPool::instance().try_run(chunks, threads, task)) return;
+  std::atomic<int> next{0};
+  auto drain = [&] {
+    for (int c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) fn(c);
+  };
+  std::vector<std::thread> workers;
+  workers.reserve(static_cast<std::size_t>(threads));
+  for (int t = 1; t < threads; ++t) {
+    try {
+      workers.emplace_back(drain);
+    } catch (const std::system_error&) {
+      break;
+    }
+  }
+  drain();
   for (auto& w : workers) w.join();
+}
+
+// Runs fn(t) for t in [0, n), up to n at a time.
+template <class Fn>
+void parallel_for(int n, Fn fn) {
+  parallel_chunks(n, n, fn);
 }
 
 // Runs body(lo, hi) over [0, rows) split into contiguous row ranges: one thread per

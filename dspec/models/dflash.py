@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.attention import cascade_attention
+from .dense import dense
 from .kv_cache import KVCache, SuffixKV
 from .transformer import MLP, RMSNorm, _rotate, rope_tables
 
@@ -285,7 +286,7 @@ class BlockDrafter(nn.Module):
         """Final norm + the target's output head -> logits [..., V]."""
         target = self.target
         w = target.output_weight
-        logits = F.linear(self.norm(x).to(w.dtype), w)
+        logits = dense(self.norm(x).to(w.dtype).contiguous(), w)
         scale = target.config.logit_scale
         return logits * scale if scale != 1.0 else logits
 

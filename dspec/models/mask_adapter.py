@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.masks import pack_mask, unpack_mask
+from .dense import dense
 
 __all__ = ["MaskRows", "MaskLoraLinear", "MaskAdapter", "clean_causal_words", "TARGETS"]
 
@@ -71,7 +72,7 @@ class MaskLoraLinear(nn.Linear):
         self.rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = dense(x, self.weight, self.bias)
         idx = self.rows.index
         if idx is None:
             return y
@@ -164,10 +165,10 @@ def clean_causal_words(words: torch.Tensor | None, positions: torch.Tensor, is_m
         (batch == 1 or bool((rel == rel[:1]).all()))
     if shared:
         rel = rel[:1]
-    dense = torch.ones(rel.shape[0], n, n, dtype=torch.bool, device=positions.device) if words is None \
+    visible = torch.ones(rel.shape[0], n, n, dtype=torch.bool, device=positions.device) if words is None \
         else unpack_mask(words, n).expand(rel.shape[0], n, n) if words.dim() == 2 else unpack_mask(words, n)
     allowed = rel[:, None, :] <= rel[:, :, None]                           # key pos <= query pos
     if any_mask:
         allowed = allowed | is_mask[:, :, None]
-    out = pack_mask(dense & allowed)
+    out = pack_mask(visible & allowed)
     return out[0] if shared else out

@@ -21,6 +21,7 @@ from .. import _backend, _library, _validate
 from ..ops.attention import CascadeAttentionPlan
 from ..ops.attention import _resolve_backend as resolve_cascade_backend
 from .config import ModelConfig
+from .dense import dense
 from .kv_cache import KVCache, SuffixKV
 from .mask_adapter import clean_causal_words
 from .plan import AttentionPlan
@@ -145,10 +146,10 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
 
 
 def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A projection: ``F.linear`` on a plain ``nn.Linear`` (no module-call overhead, ~30 per
+    """A projection: ``dense`` on a plain ``nn.Linear`` (no module-call overhead, ~30 per
     layer matter at one token per step), else the module itself (a LoRA wrapper)."""
     if type(module) is nn.Linear:
-        return F.linear(x, module.weight, module.bias)
+        return dense(x, module.weight, module.bias)
     return module(x)
 
 
@@ -369,7 +370,7 @@ class Model(nn.Module):
         out_logits = None
         if logits is not None and logits is not False:
             sel = self._select(x, logits, plan, batch, n)
-            out_logits = F.linear(sel, self.output_weight)
+            out_logits = dense(sel, self.output_weight)
             if cfg.logit_scale != 1.0:
                 out_logits = out_logits * cfg.logit_scale
         hidden = None

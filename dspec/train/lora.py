@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.dense import dense
 from ..models.transformer import Model
 from .trainer import Trainer
 
@@ -97,7 +98,7 @@ class LoraConfig:
 
 class LoraLinear(nn.Linear):
     """An ``nn.Linear`` (same ``weight`` / ``bias``, frozen) plus ``lora_A`` [r, in] and
-    ``lora_B`` [out, r]; forward ``F.linear(x, W, b) + scale * (drop(x) A^T) B^T``."""
+    ``lora_B`` [out, r]; forward ``dense(x, W, b) + scale * (drop(x) A^T) B^T``."""
 
     def __init__(self, base: nn.Linear, rank: int, scale: float, dropout: float):
         nn.Module.__init__(self)
@@ -115,7 +116,7 @@ class LoraLinear(nn.Linear):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = dense(x, self.weight, self.bias)
         h = self.dropout(x).to(self.lora_A.dtype)       # autocast still runs the matmuls in bf16
         return y + (F.linear(F.linear(h, self.lora_A), self.lora_B) * self.scale).to(y.dtype)
 

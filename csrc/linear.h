@@ -1,0 +1,40 @@
+// A linear layer for the few rows of a decode or verification step on the CPU:
+// out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]), the layout of torch's nn.Linear.
+//
+// With a handful of rows the layer is bound by streaming the weight from memory, and a
+// library GEMM pays a setup cost per call that exceeds the math.  This kernel reads each
+// weight row once per block of kRowBlock rows of x, accumulates in float32 (AVX512_BF16
+// dot products for bfloat16, FMA for float32) and rounds once to the output dtype.
+//
+// Batch invariance: every output element is reduced in the same order whatever m is and
+// however the columns are split over threads, so a row's result does not depend on the
+// other rows of the call (a verification forward of N tokens gives each token the bits a
+// one-token step would).
+#pragma once
+
+#include <cstdint>
+
+#include "dspec.h"
+
+namespace dspec {
+
+enum LinearIsa : int { kLinearAuto = 0, kLinearGeneric = 1, kLinearAvx512 = 2 };
+
+struct LinearArgs {
+  int dtype = kFloat32;             // x, weight, bias and out
+  std::int64_t m = 0, k = 0, n = 0; // x [m, k], weight [n, k], out [m, n]
+  std::int64_t ldx = 0, ldw = 0, ldo = 0;  // row strides in elements (unit stride along k / n)
+  const void* x = nullptr;
+  const void* weight = nullptr;
+  const void* bias = nullptr;       // [n] or null
+  void* out = nullptr;
+  int num_threads = 1;
+  int isa = kLinearAuto;
+};
+
+void linear_cpu(const LinearArgs& args);
+
+// Whether the AVX-512 code runs for this dtype on this CPU (bfloat16 needs AVX512_BF16).
+bool linear_has_avx512(int dtype);
+
+}  // namespace dspec

@@ -1,0 +1,81 @@
+// pybind11 registration of the small-row linear layer (linear.h).  Every argument is
+// checked before anything is read or written (ValueError naming it).
+#include "linear_bindings.h"
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+
+#include "checks.h"
+#include "linear.h"
+
+namespace py = pybind11;
+
+namespace dspec {
+namespace {
+
+void linear(std::int64_t x, std::int64_t weight, std::int64_t bias, std::int64_t out, int dtype, std::int64_t m,
+            std::int64_t k, std::int64_t n, std::int64_t ldx, std::int64_t ldw, std::int64_t ldo, int num_threads,
+            const std::string& isa) {
+  const Checker c{"linear"};
+  c.float_dtype(dtype, "dtype");
+  c.at_least(m, 0, "m");
+  c.at_least(k, 1, "k");
+  c.at_least(n, 0, "n");
+  c.at_least(ldx, k, "ldx");
+  c.at_least(ldw, k, "ldw");
+  c.at_least(ldo, n, "ldo");
+  c.product(m, ldx, "m * ldx");
+  c.product(n, ldw, "n * ldw");
+  c.product(m, ldo, "m * ldo");
+  LinearArgs a;
+  if (isa == "auto") {
+    a.isa = kLinearAuto;
+  } else if (isa == "generic") {
+    a.isa = kLinearGeneric;
+  } else if (isa == "avx512") {
+    if (!linear_has_avx512(dtype)) c.fail("isa 'avx512' needs float32 / bfloat16 and a CPU with AVX-512 (AVX512_BF16 for bfloat16)");
+    a.isa = kLinearAvx512;
+  } else {
+    c.fail("isa must be 'auto', 'generic' or 'avx512', got '" + isa + "'");
+  }
+  if (m == 0 || n == 0) return;
+  const std::int64_t item = element_size(dtype);
+  c.ptr(x, "x", item);
+  c.ptr(weight, "weight", item);
+  c.optional_ptr(bias, "bias", item);
+  c.ptr(out, "out", item);
+  a.dtype = dtype;
+  a.m = m;
+  a.k = k;
+  a.n = n;
+  a.ldx = ldx;
+  a.ldw = ldw;
+  a.ldo = ldo;
+  a.x = as_ptr<const void>(x);
+  a.weight = as_ptr<const void>(weight);
+  a.bias = bias == 0 ? nullptr : as_ptr<const void>(bias);
+  a.out = as_ptr<void>(out);
+  a.num_threads = num_threads < 1 ? 1 : num_threads;
+  py::gil_scoped_release release;
+  linear_cpu(a);
+}
+
+}  // namespace
+
+void register_linear(py::module_& m) {
+  m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("dtype"),
+        py::arg("m"), py::arg("k"), py::arg("n"), py::arg("ldx"), py::arg("ldw"), py::arg("ldo"),
+        py::arg("num_threads") = 1, py::arg("isa") = "auto",
+        R"doc(out[m, n] = x[m, k] @ weight[n, k]^T (+ bias[n]) for few rows (a decode or verification
+step): float32 accumulation, one rounding to dtype (0 fp32, 1 fp16, 2 bf16); row strides
+ldx / ldw / ldo in elements, unit stride along k and n; bias 0 for none.  Each output is
+reduced in an order independent of m and of the thread count (batch-invariant).
+isa: 'auto' (AVX-512, with AVX512_BF16 for bf16, where the CPU has it), 'generic' or
+'avx512'.  The GIL is released while it runs.)doc");
+  m.def("linear_isa", [](int dtype) { return std::string(linear_has_avx512(dtype) ? "avx512" : "generic"); },
+        py::arg("dtype"), "The code linear runs for this dtype code on this CPU with isa='auto'.");
+}
+
+}  // namespace dspec

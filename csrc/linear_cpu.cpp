@@ -1,0 +1,278 @@
+// Small-row linear layer on the CPU; see linear.h.
+//
+// Work unit: kColBlock (4) weight rows x kRowBlock (6) rows of x, 24 float32 accumulators
+// of 16 lanes held in registers while k advances 32 (bf16) or 16 (fp32) elements at a time;
+// each accumulator is summed across its lanes once at the end.  Threads split the output
+// columns (disjoint weight rows, so the weight is read once in all).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "cpu_parallel.h"
+#include "dtype.h"
+#include "linear.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DSPEC_LINEAR_X86 1
+#define DSPEC_AVX512F __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define DSPEC_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx512bf16")))
+#else
+#define DSPEC_LINEAR_X86 0
+#endif
+
+namespace dspec {
+namespace {
+
+constexpr int kRowBlock = 6;
+constexpr int kColBlock = 4;
+// below this many weight elements per thread a call stays on one thread
+constexpr std::int64_t kElementsPerThread = std::int64_t(1) << 17;
+
+// res[i * NR + j] = dot(x row i, weight row j), float32
+using Micro = void (*)(const void* x, std::int64_t ldx, const void* w, std::int64_t ldw, std::int64_t k,
+                       float* res);
+
+// ---------------------------------------------------------------------- portable code
+
+template <int DT, int MR, int NR>
+void micro_generic(const void* xv, std::int64_t ldx, const void* wv, std::int64_t ldw, std::int64_t k,
+                   float* res) {
+  using E = dt::elem_t<DT>;
+  const E* x = static_cast<const E*>(xv);
+  const E* w = static_cast<const E*>(wv);
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NR; ++j) {
+      const E* xr = x + i * ldx;
+      const E* wr = w + j * ldw;
+      float lanes[16] = {0};
+      std::int64_t kk = 0;
+      for (; kk + 16 <= k; kk += 16) {
+        for (int l = 0; l < 16; ++l) lanes[l] += dt::to_float<DT>(xr[kk + l]) * dt::to_float<DT>(wr[kk + l]);
+      }
+      for (int l = 0; kk + l < k; ++l) lanes[l] += dt::to_float<DT>(xr[kk + l]) * dt::to_float<DT>(wr[kk + l]);
+      float s = 0.0f;
+      for (int l = 0; l < 16; ++l) s += lanes[l];
+      res[i * NR + j] = s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------- AVX-512 code
+
+#if DSPEC_LINEAR_X86
+template <int MR, int NR>
+DSPEC_AVX512BF16 void micro_bf16(const void* xv, std::int64_t ldx, const void* wv, std::int64_t ldw,
+                                 std::int64_t k, float* res) {
+  const std::uint16_t* x = static_cast<const std::uint16_t*>(xv);
+  const std::uint16_t* w = static_cast<const std::uint16_t*>(wv);
+  __m512 acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  std::int64_t kk = 0;
+  for (; kk + 32 <= k; kk += 32) {
+    __m512i wr[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) wr[j] = _mm512_loadu_si512(w + j * ldw + kk);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i xr = _mm512_loadu_si512(x + i * ldx + kk);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xr, (__m512bh)wr[j]);
+    }
+  }
+  if (kk < k) {
+    const __mmask32 tail = static_cast<__mmask32>((std::uint64_t(1) << (k - kk)) - 1);
+    __m512i wr[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) wr[j] = _mm512_maskz_loadu_epi16(tail, w + j * ldw + kk);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i xr = _mm512_maskz_loadu_epi16(tail, x + i * ldx + kk);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xr, (__m512bh)wr[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) res[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int MR, int NR>
+DSPEC_AVX512F void micro_f32(const void* xv, std::int64_t ldx, const void* wv, std::int64_t ldw,
+                             std::int64_t k, float* res) {
+  const float* x = static_cast<const float*>(xv);
+  const float* w = static_cast<const float*>(wv);
+  __m512 acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  std::int64_t kk = 0;
+  for (; kk + 16 <= k; kk += 16) {
+    __m512 wr[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) wr[j] = _mm512_loadu_ps(w + j * ldw + kk);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xr = _mm512_loadu_ps(x + i * ldx + kk);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xr, wr[j], acc[i][j]);
+    }
+  }
+  if (kk < k) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (k - kk)) - 1);
+    __m512 wr[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) wr[j] = _mm512_maskz_loadu_ps(tail, w + j * ldw + kk);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xr = _mm512_maskz_loadu_ps(tail, x + i * ldx + kk);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xr, wr[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) res[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#endif
+
+// ---------------------------------------------------------------------- dispatch tables
+
+template <template <int, int> class Pick, int MR, int... NRs>
+void fill_row(Micro (&row)[kColBlock], std::integer_sequence<int, NRs...>) {
+  ((row[NRs] = Pick<MR, NRs + 1>::fn), ...);
+}
+
+template <template <int, int> class Pick, int... MRs>
+void fill(Micro (&table)[kRowBlock][kColBlock], std::integer_sequence<int, MRs...>) {
+  (fill_row<Pick, MRs + 1>(table[MRs], std::make_integer_sequence<int, kColBlock>{}), ...);
+}
+
+template <int DT>
+struct PickGeneric {
+  template <int MR, int NR>
+  struct At {
+    static constexpr Micro fn = &micro_generic<DT, MR, NR>;
+  };
+};
+
+struct Table {
+  Micro fn[kRowBlock][kColBlock];
+};
+
+template <class Picker>
+Table make_table() {
+  Table t{};
+  fill<Picker::template At>(t.fn, std::make_integer_sequence<int, kRowBlock>{});
+  return t;
+}
+
+#if DSPEC_LINEAR_X86
+struct PickBf16 {
+  template <int MR, int NR>
+  struct At {
+    static constexpr Micro fn = &micro_bf16<MR, NR>;
+  };
+};
+struct PickF32 {
+  template <int MR, int NR>
+  struct At {
+    static constexpr Micro fn = &micro_f32<MR, NR>;
+  };
+};
+#endif
+
+bool cpu_has_avx512f() {
+#if DSPEC_LINEAR_X86
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512_bf16() {
+#if DSPEC_LINEAR_X86
+  static const bool yes = cpu_has_avx512f() && __builtin_cpu_supports("avx512bf16");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+const Table& table_for(int dtype, bool avx512) {
+  static const Table generic_f32 = make_table<PickGeneric<kFloat32>>();
+  static const Table generic_f16 = make_table<PickGeneric<kFloat16>>();
+  static const Table generic_bf16 = make_table<PickGeneric<kBFloat16>>();
+#if DSPEC_LINEAR_X86
+  static const Table avx_f32 = make_table<PickF32>();
+  static const Table avx_bf16 = make_table<PickBf16>();
+  if (avx512 && dtype == kFloat32) return avx_f32;
+  if (avx512 && dtype == kBFloat16) return avx_bf16;
+#endif
+  (void)avx512;
+  return dtype == kFloat32 ? generic_f32 : (dtype == kFloat16 ? generic_f16 : generic_bf16);
+}
+
+template <int DT>
+void columns(const LinearArgs& a, const Table& table, std::int64_t c0, std::int64_t c1) {
+  const std::int64_t item = DT == kFloat32 ? 4 : 2;
+  const char* x = static_cast<const char*>(a.x);
+  const char* w = static_cast<const char*>(a.weight);
+  float res[kRowBlock * kColBlock];
+  for (std::int64_t j0 = c0; j0 < c1; j0 += kColBlock) {
+    const int nr = static_cast<int>(std::min<std::int64_t>(kColBlock, c1 - j0));
+    float bias[kColBlock] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (a.bias != nullptr) {
+      for (int j = 0; j < nr; ++j) bias[j] = dt::load<DT>(a.bias, j0 + j);
+    }
+    for (std::int64_t i0 = 0; i0 < a.m; i0 += kRowBlock) {
+      const int mr = static_cast<int>(std::min<std::int64_t>(kRowBlock, a.m - i0));
+      table.fn[mr - 1][nr - 1](x + i0 * a.ldx * item, a.ldx, w + j0 * a.ldw * item, a.ldw, a.k, res);
+      for (int i = 0; i < mr; ++i) {
+        for (int j = 0; j < nr; ++j) dt::store<DT>(a.out, (i0 + i) * a.ldo + j0 + j, res[i * nr + j] + bias[j]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool linear_has_avx512(int dtype) {
+  if (dtype == kFloat32) return cpu_has_avx512f();
+  if (dtype == kBFloat16) return cpu_has_avx512_bf16();
+  return false;
+}
+
+void linear_cpu(const LinearArgs& a) {
+  if (a.m == 0 || a.n == 0) return;
+  const bool avx512 = a.isa == kLinearGeneric ? false : linear_has_avx512(a.dtype);
+  const Table& table = table_for(a.dtype, avx512);
+  const std::int64_t blocks = (a.n + kColBlock - 1) / kColBlock;
+  const std::int64_t by_work = a.n * std::max<std::int64_t>(a.k, 1) / kElementsPerThread + 1;
+  const std::int64_t cap = std::min<std::int64_t>(a.num_threads, static_cast<std::int64_t>(cpu::max_threads()));
+  const int threads = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>({by_work, blocks, cap})));
+  // a few chunks per thread, so that a thread that starts late (its core busy) leaves
+  // its share to the others
+  const int chunks = static_cast<int>(std::min<std::int64_t>(blocks, threads == 1 ? 1 : 4 * threads));
+  auto body = [&](int c) {
+    const std::int64_t c0 = blocks * c / chunks * kColBlock;
+    const std::int64_t c1 = std::min(a.n, blocks * (c + 1) / chunks * kColBlock);
+    switch (a.dtype) {
+      case kFloat16: columns<kFloat16>(a, table, c0, c1); break;
+      case kBFloat16: columns<kBFloat16>(a, table, c0, c1); break;
+      default: columns<kFloat32>(a, table, c0, c1); break;
+    }
+  };
+  cpu::parallel_chunks(chunks, threads, body);
+}
+
+}  // namespace dspec

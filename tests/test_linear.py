@@ -1,0 +1,120 @@
+"""dspec._C.linear (the small-row projection of csrc/linear_cpu.cpp) and ``dense``, the
+projection every model forward uses, against float64 matmul and torch's F.linear."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspec import _backend
+from dspec.models import dense as dense_mod
+from dspec.models.dense import dense, small_rows_path
+
+pytestmark = pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C not built")
+
+CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def isas(dtype):
+    ext = _backend.extension()
+    return ["generic", "avx512"] if dtype != torch.float16 and ext.linear_isa(CODES[dtype]) == "avx512" \
+        else ["generic"]
+
+
+def run(x, w, bias=None, *, threads=2, isa="auto", out=None):
+    """The raw launcher on [M, K] x [N, K] (rows with any stride, unit stride along K)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype)
+    _backend.extension().linear(x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                out.data_ptr(), CODES[x.dtype], m, k, n, x.stride(0), w.stride(0),
+                                out.stride(0), threads, isa)
+    return out
+
+
+def reference(x, w, bias=None):
+    y = x.double() @ w.double().T
+    return y if bias is None else y + bias.double()
+
+
+def check_close(got, x, w, bias=None):
+    """Within twice torch's own error in this dtype (plus a float32-sized slack), measured
+    against float64: the accumulation orders differ, the precision must not."""
+    ref = reference(x, w, bias)
+    torch_err = (F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype).double()
+                 - ref).abs().max().item() if x.numel() and w.numel() else 0.0
+    err = (got.double() - ref).abs().max().item() if got.numel() else 0.0
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    assert err <= 2 * torch_err + 1e-5 * (1 + scale), (err, torch_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, k, n", [(1, 576, 192), (7, 576, 13), (6, 32, 4), (13, 100, 9), (64, 17, 5),
+                                     (2, 1, 3), (5, 1536, 576), (1, 33, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_float64(dtype, m, k, n, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    for isa in isas(dtype):
+        check_close(run(x, w, bias, isa=isa), x, w, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_is_batch_and_thread_invariant(dtype):
+    """A row's result does not depend on the other rows or on the thread split: a
+    verification forward gives each token the bits of a one-token step."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(23, 576, generator=g).to(dtype)
+    w = (torch.randn(1000, 576, generator=g) / 24).to(dtype)
+    for isa in isas(dtype):
+        whole = run(x, w, threads=2, isa=isa)
+        for i in (0, 5, 6, 22):
+            assert torch.equal(run(x[i:i + 1], w, threads=1, isa=isa), whole[i:i + 1])
+        assert torch.equal(run(x[3:17], w, threads=1, isa=isa), whole[3:17])
+
+
+def test_linear_strided_rows_and_output():
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(9, 80, generator=g)
+    x = big[::2, 5:69]                                   # rows of stride 160, 64 columns
+    w_big = torch.randn(12, 70, generator=g)
+    w = w_big[:, :64]
+    out_big = torch.full((5, 20), 7.0)
+    run(x, w, out=out_big[:, 3:15])
+    check_close(out_big[:, 3:15], x, w)
+    assert (out_big[:, :3] == 7).all() and (out_big[:, 15:] == 7).all()
+
+
+def test_linear_empty_and_bad_arguments():
+    ext = _backend.extension()
+    x = torch.randn(0, 8)
+    w = torch.randn(4, 8)
+    run(x, w)                                             # m = 0: nothing to do
+    with pytest.raises(ValueError, match="dtype"):
+        ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 5, 1, 8, 4, 8, 8, 4)
+    with pytest.raises(ValueError, match="ldx"):
+        ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 0, 1, 8, 4, 4, 8, 4)
+    with pytest.raises(ValueError, match="weight is a null pointer"):
+        ext.linear(1 << 12, 0, 0, 1 << 12, 0, 1, 8, 4, 8, 8, 4)
+    with pytest.raises(ValueError, match="isa"):
+        ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 0, 1, 8, 4, 8, 8, 4, 1, "sse")
+    if ext.linear_isa(1) == "generic":
+        with pytest.raises(ValueError, match="avx512"):
+            ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 1, 1, 8, 4, 8, 8, 4, 1, "avx512")
+
+
+def test_dense_routes_small_rows_and_keeps_autograd(monkeypatch):
+    w = torch.randn(6, 10)
+    b = torch.randn(6)
+    x = torch.randn(2, 3, 10)
+    assert small_rows_path(x, w)
+    torch.testing.assert_close(dense(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    assert not small_rows_path(x.transpose(0, 1), w)      # not contiguous: the library GEMM
+    assert not small_rows_path(x.double(), w.double())
+    wg = w.clone().requires_grad_()
+    y = dense(x, wg, b)
+    assert y.grad_fn is not None                          # training: F.linear, recorded
+    monkeypatch.setattr(dense_mod, "SMALL_ROWS", 5)
+    assert not small_rows_path(x, w)                      # 6 rows > 5
+    assert dense(torch.randn(0, 10), w).shape == (0, 6)
