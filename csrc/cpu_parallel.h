@@ -120,7 +120,7 @@ class ThreadPool {
         int spins = 0;
         while ((g = generation_.load(std::memory_order_acquire)) == seen) {
           cpu_relax();
-          if (++spins % 64 == 0) {
+          if (++spins % 1024 == 0) {
             sched_yield();
             if (std::chrono::steady_clock::now() > until) {
               std::unique_lock<std::mutex> lk(wake_mutex_);

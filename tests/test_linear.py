@@ -115,6 +115,6 @@ def test_dense_routes_small_rows_and_keeps_autograd(monkeypatch):
     wg = w.clone().requires_grad_()
     y = dense(x, wg, b)
     assert y.grad_fn is not None                          # training: F.linear, recorded
-    monkeypatch.setattr(dense_mod, "SMALL_ROWS", 5)
+    monkeypatch.setitem(dense_mod.SMALL_ROWS, torch.float32, 5)
     assert not small_rows_path(x, w)                      # 6 rows > 5
     assert dense(torch.randn(0, 10), w).shape == (0, 6)

@@ -6,7 +6,8 @@ on how many rows it was given.  ``dense`` sends such calls (CPU, float32 / bfloa
 autograd, at most ``SMALL_ROWS`` rows) to ``dspec._C.linear``: the weight streamed once per
 block of rows, float32 accumulation, and a reduction order that does not depend on the
 number of rows or threads, so a token's projections are bit-identical in a one-token step
-and in a 16-token verification.  Everything else goes to ``torch.nn.functional.linear``.
+and in a verification of up to ``SMALL_ROWS`` tokens.  Everything else goes to
+``torch.nn.functional.linear``.
 Every projection of the lean transformer, the mask adapter's base and the DFlash drafter
 goes through here, so a path taken by one is taken by all.
 """
@@ -17,9 +18,11 @@ import torch.nn.functional as F
 
 from .. import _backend, _library
 
-#: the largest row count (batch x suffix tokens) sent to dspec._C.linear; above it the
-#: library GEMM is faster (bench/bench_linear.py measures the crossover)
-SMALL_ROWS = 64
+#: the largest row count (batch x suffix tokens) sent to dspec._C.linear per dtype; above
+#: it the library GEMM is faster (bench/bench_linear.py: on an AVX512_BF16 EPYC oneDNN's
+#: bf16 GEMM wins from ~16 rows, its fp32 GEMM from ~128).  A verification forward of up to
+#: this many tokens rounds each token exactly as a one-token step does.
+SMALL_ROWS = {torch.float32: 64, torch.bfloat16: 16}
 _CODES = {torch.float32: 0, torch.bfloat16: 2}
 
 
@@ -33,7 +36,7 @@ def small_rows_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.dim() == 0 or x.shape[-1] != weight.shape[-1] or weight.dim() != 2 or weight.stride(1) != 1:
         return False
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows == 0 or rows > SMALL_ROWS or not x.is_contiguous():
+    if rows == 0 or rows > SMALL_ROWS[x.dtype] or not x.is_contiguous():
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
