@@ -27,18 +27,22 @@ namespace {
 
 constexpr int kRowBlock = 6;
 constexpr int kColBlock = 4;
+constexpr int kPrefetchBlocks = 2;   // prefetch distance in column blocks (~2 x 4 weight rows)
 // below this many weight elements per thread a call stays on one thread
 constexpr std::int64_t kElementsPerThread = std::int64_t(1) << 17;
 
 // res[i * NR + j] = dot(x row i, weight row j), float32
+// pf: the weight rows this thread reads a few blocks later (null: none), prefetched while
+// this block is computed: a block's rows are only 1-3 KB apart, too short a stream for the
+// hardware prefetcher to ramp up on, and at a few rows the layer waits on memory.
 using Micro = void (*)(const void* x, std::int64_t ldx, const void* w, std::int64_t ldw, std::int64_t k,
-                       float* res);
+                       float* res, const void* pf);
 
 // ---------------------------------------------------------------------- portable code
 
 template <int DT, int MR, int NR>
 void micro_generic(const void* xv, std::int64_t ldx, const void* wv, std::int64_t ldw, std::int64_t k,
-                   float* res) {
+                   float* res, const void*) {
   using E = dt::elem_t<DT>;
   const E* x = static_cast<const E*>(xv);
   const E* w = static_cast<const E*>(wv);
@@ -64,7 +68,7 @@ void micro_generic(const void* xv, std::int64_t ldx, const void* wv, std::int64_
 #if DSPEC_LINEAR_X86
 template <int MR, int NR>
 DSPEC_AVX512BF16 void micro_bf16(const void* xv, std::int64_t ldx, const void* wv, std::int64_t ldw,
-                                 std::int64_t k, float* res) {
+                                 std::int64_t k, float* res, const void* pfv) {
   const std::uint16_t* x = static_cast<const std::uint16_t*>(xv);
   const std::uint16_t* w = static_cast<const std::uint16_t*>(wv);
   __m512 acc[MR][NR];
@@ -73,7 +77,12 @@ DSPEC_AVX512BF16 void micro_bf16(const void* xv, std::int64_t ldx, const void* w
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   std::int64_t kk = 0;
+  const std::uint16_t* pf = static_cast<const std::uint16_t*>(pfv);
   for (; kk + 32 <= k; kk += 32) {
+    if (pf != nullptr) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + kk), _MM_HINT_T0);
+    }
     __m512i wr[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) wr[j] = _mm512_loadu_si512(w + j * ldw + kk);
@@ -104,7 +113,7 @@ DSPEC_AVX512BF16 void micro_bf16(const void* xv, std::int64_t ldx, const void* w
 
 template <int MR, int NR>
 DSPEC_AVX512F void micro_f32(const void* xv, std::int64_t ldx, const void* wv, std::int64_t ldw,
-                             std::int64_t k, float* res) {
+                             std::int64_t k, float* res, const void* pfv) {
   const float* x = static_cast<const float*>(xv);
   const float* w = static_cast<const float*>(wv);
   __m512 acc[MR][NR];
@@ -113,7 +122,12 @@ DSPEC_AVX512F void micro_f32(const void* xv, std::int64_t ldx, const void* wv, s
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   std::int64_t kk = 0;
+  const float* pf = static_cast<const float*>(pfv);
   for (; kk + 16 <= k; kk += 16) {
+    if (pf != nullptr) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + kk), _MM_HINT_T0);
+    }
     __m512 wr[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) wr[j] = _mm512_loadu_ps(w + j * ldw + kk);
@@ -230,13 +244,16 @@ void columns(const LinearArgs& a, const Table& table, std::int64_t c0, std::int6
   float res[kRowBlock * kColBlock];
   for (std::int64_t j0 = c0; j0 < c1; j0 += kColBlock) {
     const int nr = static_cast<int>(std::min<std::int64_t>(kColBlock, c1 - j0));
+    const std::int64_t pf_rows = j0 + (kPrefetchBlocks + 1) * kColBlock;   // rows the prefetch touches
     float bias[kColBlock] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (a.bias != nullptr) {
       for (int j = 0; j < nr; ++j) bias[j] = dt::load<DT>(a.bias, j0 + j);
     }
     for (std::int64_t i0 = 0; i0 < a.m; i0 += kRowBlock) {
       const int mr = static_cast<int>(std::min<std::int64_t>(kRowBlock, a.m - i0));
-      table.fn[mr - 1][nr - 1](x + i0 * a.ldx * item, a.ldx, w + j0 * a.ldw * item, a.ldw, a.k, res);
+      table.fn[mr - 1][nr - 1](x + i0 * a.ldx * item, a.ldx, w + j0 * a.ldw * item, a.ldw, a.k, res,
+                               i0 == 0 && pf_rows <= c1 ? w + (j0 + kPrefetchBlocks * kColBlock) * a.ldw * item
+                                                        : nullptr);
       for (int i = 0; i < mr; ++i) {
         for (int j = 0; j < nr; ++j) dt::store<DT>(a.out, (i0 + i) * a.ldo + j0 + j, res[i * nr + j] + bias[j]);
       }
