@@ -33,6 +33,7 @@
 
 #include "cascade_attention.h"
 #include "cpu_math.h"
+#include "cpu_features.h"
 #include "cpu_parallel.h"
 #include "dspec.h"
 #include "dtype.h"
@@ -754,9 +755,7 @@ const Ops& pick_ops(int isa) {
 
 bool cascade_attention_has_avx512() {
 #if DSPEC_CA_AVX512_CODE
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
-  return ok;
+  return cpu::has_avx512();
 #else
   return false;
 #endif

@@ -62,6 +62,49 @@ void linear(std::int64_t x, std::int64_t weight, std::int64_t bias, std::int64_t
   linear_cpu(a);
 }
 
+void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a, std::int64_t b, double scale,
+               int dtype, std::int64_t num_rows, std::int64_t total_rows, std::int64_t k, std::int64_t n,
+               std::int64_t rank) {
+  const Checker c{"mask_lora"};
+  c.float_dtype(dtype, "dtype");
+  c.at_least(num_rows, 0, "num_rows");
+  c.at_least(total_rows, 0, "total_rows");
+  c.at_least(k, 1, "k");
+  c.at_least(n, 1, "n");
+  c.at_least(rank, 1, "rank");
+  c.product(total_rows, k, "total_rows * k");
+  c.product(total_rows, n, "total_rows * n");
+  c.product(rank, k, "rank * k");
+  c.product(n, rank, "n * rank");
+  if (num_rows == 0) return;
+  const std::int64_t item = element_size(dtype);
+  c.ptr(y, "y", item);
+  c.ptr(x, "x", item);
+  c.ptr(rows, "rows", 8);
+  c.ptr(a, "a", 4);
+  c.ptr(b, "b", 4);
+  const std::int64_t* r = as_ptr<const std::int64_t>(rows);
+  for (std::int64_t i = 0; i < num_rows; ++i) {
+    if (r[i] < 0 || r[i] >= total_rows) {
+      c.fail("rows must lie in [0, total_rows = " + std::to_string(total_rows) + "), got " + std::to_string(r[i]));
+    }
+  }
+  MaskLoraArgs m;
+  m.dtype = dtype;
+  m.num_rows = num_rows;
+  m.k = k;
+  m.n = n;
+  m.rank = rank;
+  m.rows = r;
+  m.x = as_ptr<const void>(x);
+  m.a = as_ptr<const float>(a);
+  m.b = as_ptr<const float>(b);
+  m.scale = static_cast<float>(scale);
+  m.y = as_ptr<void>(y);
+  py::gil_scoped_release release;
+  mask_lora_cpu(m);
+}
+
 }  // namespace
 
 void register_linear(py::module_& m) {
@@ -74,6 +117,12 @@ ldx / ldw / ldo in elements, unit stride along k and n; bias 0 for none.  Each o
 reduced in an order independent of m and of the thread count (batch-invariant).
 isa: 'auto' (AVX-512, with AVX512_BF16 for bf16, where the CPU has it), 'generic' or
 'avx512'.  The GIL is released while it runs.)doc");
+  m.def("mask_lora", &mask_lora, py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("a"), py::arg("b"),
+        py::arg("scale"), py::arg("dtype"), py::arg("num_rows"), py::arg("total_rows"), py::arg("k"), py::arg("n"),
+        py::arg("rank"),
+        R"doc(In place y[r] += (scale * b @ (a @ x[r])).to(dtype) for r in rows (int64 [num_rows], each in
+[0, total_rows)): the low-rank update of a mask-selective adapter at the [MASK] rows.  x [total_rows, k]
+and y [total_rows, n] contiguous in dtype; a [rank, k], b [n, rank] float32.)doc");
   m.def("linear_isa", [](int dtype) { return std::string(linear_has_avx512(dtype) ? "avx512" : "generic"); },
         py::arg("dtype"), "The code linear runs for this dtype code on this CPU with isa='auto'.");
 }

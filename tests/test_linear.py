@@ -118,3 +118,28 @@ def test_dense_routes_small_rows_and_keeps_autograd(monkeypatch):
     monkeypatch.setitem(dense_mod.SMALL_ROWS, torch.float32, 5)
     assert not small_rows_path(x, w)                      # 6 rows > 5
     assert dense(torch.randn(0, 10), w).shape == (0, 6)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+def test_mask_lora_matches_the_torch_update(dtype, atol):
+    """dspec._C.mask_lora = MaskLoraLinear's torch update: y.index_add(0, rows, (scale *
+    B A x[rows]).to(dtype))."""
+    g = torch.Generator().manual_seed(3)
+    total, k, n, rank, scale = 11, 40, 24, 5, 2.5
+    x = torch.randn(total, k, generator=g).to(dtype)
+    y = torch.randn(total, n, generator=g).to(dtype)
+    a = torch.randn(rank, k, generator=g) / 6
+    b = torch.randn(n, rank, generator=g) / 3
+    rows = torch.tensor([0, 4, 10, 7])
+    delta = F.linear(F.linear(x.index_select(0, rows).float(), a), b) * scale
+    want = y.index_add(0, rows, delta.to(dtype))
+    got = y.clone()
+    _backend.extension().mask_lora(got.data_ptr(), x.data_ptr(), rows.data_ptr(), a.data_ptr(), b.data_ptr(), scale,
+                                   CODES[dtype], rows.numel(), total, k, n, rank)
+    torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+    untouched = [i for i in range(total) if i not in rows.tolist()]
+    assert torch.equal(got[untouched], y[untouched])
+    with pytest.raises(ValueError, match="rows must lie"):
+        bad = torch.tensor([total])
+        _backend.extension().mask_lora(got.data_ptr(), x.data_ptr(), bad.data_ptr(), a.data_ptr(), b.data_ptr(),
+                                       scale, CODES[dtype], 1, total, k, n, rank)

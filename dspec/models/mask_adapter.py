@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _backend, _library
 from ..ops.masks import pack_mask, unpack_mask
 from .dense import dense
 
@@ -76,9 +77,29 @@ class MaskLoraLinear(nn.Linear):
         idx = self.rows.index
         if idx is None:
             return y
+        if self._fused_update(x, y, idx):
+            _backend.extension().mask_lora(
+                y.data_ptr(), x.data_ptr(), idx.data_ptr(), self.lora_A.data_ptr(), self.lora_B.data_ptr(),
+                float(self.scale), _backend.FLOAT_CODE[y.dtype], idx.numel(), y.numel() // self.out_features,
+                self.in_features, self.out_features, self.lora_A.shape[0])
+            return y
         picked = x.reshape(-1, self.in_features).index_select(0, idx).to(self.lora_A.dtype)
         delta = F.linear(F.linear(picked, self.lora_A), self.lora_B) * self.scale
         return y.reshape(-1, self.out_features).index_add(0, idx, delta.to(y.dtype)).view(y.shape)
+
+    def _fused_update(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> bool:
+        """Whether dspec._C.mask_lora adds the update in place (an inference call on the CPU:
+        y fresh and contiguous, nothing for autograd or a tracer to see)."""
+        a, b = self.lora_A, self.lora_B
+        if (not x.is_cpu or y.dtype not in _backend.FLOAT_CODE or x.dtype is not y.dtype
+                or a.dtype is not torch.float32 or b.dtype is not torch.float32 or idx.dtype is not torch.int64
+                or not (x.is_contiguous() and y.is_contiguous() and a.is_contiguous() and b.is_contiguous()
+                        and idx.is_contiguous()) or not idx.is_cpu
+                or not hasattr(_backend.extension(), "mask_lora")):
+            return False
+        if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad or a.requires_grad or b.requires_grad):
+            return False
+        return _library.call_directly(x, y, a, b, idx)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, rank={self.lora_A.shape[0]}, mask rows only"
