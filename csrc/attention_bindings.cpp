@@ -97,16 +97,7 @@ void cascade_attention(std::int64_t q, std::int64_t k, std::int64_t v, std::int6
   c.at_least(head_dim, 1, "head_dim");
   if (!std::isfinite(sm_scale)) c.fail("sm_scale must be finite, got " + std::to_string(sm_scale));
   CascadeAttentionArgs a;
-  if (isa == "auto") {
-    a.isa = kIsaAuto;
-  } else if (isa == "generic") {
-    a.isa = kIsaGeneric;
-  } else if (isa == "avx512") {
-    if (!cascade_attention_has_avx512()) c.fail("isa 'avx512' needs a CPU with AVX512F/BW/VL and FMA");
-    a.isa = kIsaAvx512;
-  } else {
-    c.fail("isa must be 'auto', 'generic' or 'avx512', got '" + isa + "'");
-  }
+  a.isa = c.isa(isa, cascade_attention_has_avx512(), "a CPU with AVX512F/BW/VL and FMA");  // CascadeIsa codes
   // element offsets of every view fit in int64 (also for the outputs and the mask)
   view_extent(c, "q", batch, n, hq, head_dim, q_s0, q_s1, q_s2);
   view_extent(c, "k", batch, n, hkv, head_dim, k_s0, k_s1, k_s2);

@@ -60,6 +60,17 @@ struct Checker {
     if (on_cuda && !kWithCuda) throw std::invalid_argument("dspec._C was built without CUDA");
     return on_cuda;
   }
+  // The `isa` argument of the CPU kernels: 0 "auto", 1 "generic" or 2 "avx512" (which
+  // needs avx512_ok; `needs` says what it needs).
+  int isa(const std::string& name, bool avx512_ok, const char* needs) const {
+    if (name == "auto") return 0;
+    if (name == "generic") return 1;
+    if (name == "avx512") {
+      if (!avx512_ok) fail(std::string("isa 'avx512' needs ") + needs);
+      return 2;
+    }
+    fail("isa must be 'auto', 'generic' or 'avx512', got '" + name + "'");
+  }
   void at_least(std::int64_t v, std::int64_t lo, const char* name) const {
     if (v < lo) fail(std::string(name) + " must be >= " + std::to_string(lo) + ", got " + std::to_string(v));
   }

@@ -30,16 +30,8 @@ void linear(std::int64_t x, std::int64_t weight, std::int64_t bias, std::int64_t
   c.product(n, ldw, "n * ldw");
   c.product(m, ldo, "m * ldo");
   LinearArgs a;
-  if (isa == "auto") {
-    a.isa = kLinearAuto;
-  } else if (isa == "generic") {
-    a.isa = kLinearGeneric;
-  } else if (isa == "avx512") {
-    if (!linear_has_avx512(dtype)) c.fail("isa 'avx512' needs float32 / bfloat16 and a CPU with AVX-512 (AVX512_BF16 for bfloat16)");
-    a.isa = kLinearAvx512;
-  } else {
-    c.fail("isa must be 'auto', 'generic' or 'avx512', got '" + isa + "'");
-  }
+  a.isa = c.isa(isa, linear_has_avx512(dtype),
+                "float32 / bfloat16 and a CPU with AVX-512 (AVX512_BF16 for bfloat16)");  // LinearIsa codes
   if (m == 0 || n == 0) return;
   const std::int64_t item = element_size(dtype);
   c.ptr(x, "x", item);
