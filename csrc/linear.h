@@ -34,6 +34,11 @@ struct LinearArgs {
 
 void linear_cpu(const LinearArgs& args);
 
+// Several projections of the same x in one call (q / k / v, gate / up): parts[p] differ only
+// in weight, bias, out, n and their strides; the column blocks of all parts are split over
+// the threads together.  Each output is bit-identical to linear_cpu on that part alone.
+void linear_group_cpu(const LinearArgs* parts, int count);
+
 // The low-rank update of a mask-selective adapter at a few rows, in place:
 // y[r] += round(scale * B (A x[r])) for r in rows (A [rank, k], B [n, rank] float32; x, y
 // in dtype, rounded as torch's `y.index_add(0, rows, delta.to(dtype))`).  One call replaces

@@ -3,9 +3,11 @@
 #include "linear_bindings.h"
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "checks.h"
 #include "linear.h"
@@ -52,6 +54,51 @@ void linear(std::int64_t x, std::int64_t weight, std::int64_t bias, std::int64_t
   a.num_threads = num_threads < 1 ? 1 : num_threads;
   py::gil_scoped_release release;
   linear_cpu(a);
+}
+
+void linear_group(std::int64_t x, int dtype, std::int64_t m, std::int64_t k, const std::vector<std::int64_t>& weights,
+                  const std::vector<std::int64_t>& biases, const std::vector<std::int64_t>& outs,
+                  const std::vector<std::int64_t>& ns, int num_threads) {
+  const Checker c{"linear_group"};
+  c.float_dtype(dtype, "dtype");
+  c.at_least(m, 0, "m");
+  c.at_least(k, 1, "k");
+  const std::size_t count = weights.size();
+  if (count == 0 || count > 8) c.fail("weights must hold 1 to 8 addresses, got " + std::to_string(count));
+  if (biases.size() != count || outs.size() != count || ns.size() != count) {
+    c.fail("weights, biases, outs and ns must have the same length");
+  }
+  c.product(m, k, "m * k");
+  const std::int64_t item = element_size(dtype);
+  std::vector<LinearArgs> parts(count);
+  for (std::size_t p = 0; p < count; ++p) {
+    const std::string at = "[" + std::to_string(p) + "]";
+    c.at_least(ns[p], 1, ("ns" + at).c_str());
+    c.product(ns[p], k, ("ns" + at + " * k").c_str());
+    c.product(m, ns[p], ("m * ns" + at).c_str());
+    if (m > 0) {
+      c.ptr(weights[p], ("weights" + at).c_str(), item);
+      c.optional_ptr(biases[p], ("biases" + at).c_str(), item);
+      c.ptr(outs[p], ("outs" + at).c_str(), item);
+    }
+    LinearArgs& a = parts[p];
+    a.dtype = dtype;
+    a.m = m;
+    a.k = k;
+    a.n = ns[p];
+    a.ldx = k;
+    a.ldw = k;
+    a.ldo = ns[p];
+    a.x = as_ptr<const void>(x);
+    a.weight = as_ptr<const void>(weights[p]);
+    a.bias = biases[p] == 0 ? nullptr : as_ptr<const void>(biases[p]);
+    a.out = as_ptr<void>(outs[p]);
+    a.num_threads = num_threads < 1 ? 1 : num_threads;
+  }
+  if (m == 0) return;
+  c.ptr(x, "x", item);
+  py::gil_scoped_release release;
+  linear_group_cpu(parts.data(), static_cast<int>(count));
 }
 
 void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a, std::int64_t b, double scale,
@@ -109,6 +156,11 @@ ldx / ldw / ldo in elements, unit stride along k and n; bias 0 for none.  Each o
 reduced in an order independent of m and of the thread count (batch-invariant).
 isa: 'auto' (AVX-512, with AVX512_BF16 for bf16, where the CPU has it), 'generic' or
 'avx512'.  The GIL is released while it runs.)doc");
+  m.def("linear_group", &linear_group, py::arg("x"), py::arg("dtype"), py::arg("m"), py::arg("k"),
+        py::arg("weights"), py::arg("biases"), py::arg("outs"), py::arg("ns"), py::arg("num_threads") = 1,
+        R"doc(linear for several weights of one x in one call: outs[p][m, ns[p]] = x[m, k] @ weights[p]^T
+(+ biases[p]; 0 for none), every tensor contiguous.  The parts' columns are split over the threads
+together; each output is bit-identical to a linear call on that part alone.)doc");
   m.def("mask_lora", &mask_lora, py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("a"), py::arg("b"),
         py::arg("scale"), py::arg("dtype"), py::arg("num_rows"), py::arg("total_rows"), py::arg("k"), py::arg("n"),
         py::arg("rank"),

@@ -266,27 +266,43 @@ bool linear_has_avx512(int dtype) {
   return false;
 }
 
-void linear_cpu(const LinearArgs& a) {
-  if (a.m == 0 || a.n == 0) return;
+void linear_group_cpu(const LinearArgs* parts, int count) {
+  const LinearArgs& a = parts[0];
+  if (a.m == 0) return;
   const bool avx512 = a.isa == kLinearGeneric ? false : linear_has_avx512(a.dtype);
   const Table& table = table_for(a.dtype, avx512);
-  const std::int64_t blocks = (a.n + kColBlock - 1) / kColBlock;
-  const std::int64_t by_work = a.n * std::max<std::int64_t>(a.k, 1) / kElementsPerThread + 1;
+  // the parts' column blocks back to back: first[p] is part p's first global block
+  std::vector<std::int64_t> first(static_cast<std::size_t>(count) + 1, 0);
+  std::int64_t weight_elements = 0;
+  for (int p = 0; p < count; ++p) {
+    first[p + 1] = first[p] + (parts[p].n + kColBlock - 1) / kColBlock;
+    weight_elements += parts[p].n * std::max<std::int64_t>(parts[p].k, 1);
+  }
+  const std::int64_t blocks = first[count];
+  if (blocks == 0) return;
+  const std::int64_t by_work = weight_elements / kElementsPerThread + 1;
   const std::int64_t cap = std::min<std::int64_t>(a.num_threads, static_cast<std::int64_t>(cpu::max_threads()));
   const int threads = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>({by_work, blocks, cap})));
   // a few chunks per thread, so that a thread that starts late (its core busy) leaves
   // its share to the others
   const int chunks = static_cast<int>(std::min<std::int64_t>(blocks, threads == 1 ? 1 : 4 * threads));
   auto body = [&](int c) {
-    const std::int64_t c0 = blocks * c / chunks * kColBlock;
-    const std::int64_t c1 = std::min(a.n, blocks * (c + 1) / chunks * kColBlock);
-    switch (a.dtype) {
-      case kFloat16: columns<kFloat16>(a, table, c0, c1); break;
-      case kBFloat16: columns<kBFloat16>(a, table, c0, c1); break;
-      default: columns<kFloat32>(a, table, c0, c1); break;
+    const std::int64_t g0 = blocks * c / chunks, g1 = blocks * (c + 1) / chunks;
+    for (int p = 0; p < count; ++p) {
+      const std::int64_t lo = std::max(g0, first[p]), hi = std::min(g1, first[p + 1]);
+      if (lo >= hi) continue;
+      const LinearArgs& part = parts[p];
+      const std::int64_t c0 = (lo - first[p]) * kColBlock, c1 = std::min(part.n, (hi - first[p]) * kColBlock);
+      switch (part.dtype) {
+        case kFloat16: columns<kFloat16>(part, table, c0, c1); break;
+        case kBFloat16: columns<kBFloat16>(part, table, c0, c1); break;
+        default: columns<kFloat32>(part, table, c0, c1); break;
+      }
     }
   };
   cpu::parallel_chunks(chunks, threads, body);
 }
+
+void linear_cpu(const LinearArgs& a) { linear_group_cpu(&a, 1); }
 
 }  // namespace dspec

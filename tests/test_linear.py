@@ -143,3 +143,29 @@ def test_mask_lora_matches_the_torch_update(dtype, atol):
         bad = torch.tensor([total])
         _backend.extension().mask_lora(got.data_ptr(), x.data_ptr(), bad.data_ptr(), a.data_ptr(), b.data_ptr(),
                                        scale, CODES[dtype], 1, total, k, n, rank)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_group_equals_one_call_per_weight(dtype):
+    """q / k / v (or gate / up) in one call: each output bit-identical to its own call."""
+    from dspec.models.dense import dense_many
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 72, generator=g).to(dtype)
+    ws = [(torch.randn(n, 72, generator=g) / 9).to(dtype) for n in (40, 13, 13)]
+    bs = [None, torch.randn(13, generator=g).to(dtype), None]
+    ext = _backend.extension()
+    outs = [torch.empty(2, 5, w.shape[0], dtype=dtype) for w in ws]
+    ext.linear_group(x.data_ptr(), CODES[dtype], 10, 72, [w.data_ptr() for w in ws],
+                     [0 if b is None else b.data_ptr() for b in bs], [o.data_ptr() for o in outs],
+                     [w.shape[0] for w in ws], 2)
+    for w, b, o in zip(ws, bs, outs):
+        assert torch.equal(o.view(10, -1), run(x.view(10, 72), w, b, threads=1))
+    many = dense_many(x, ws, bs)                       # the model's entry point (fp16: F.linear each)
+    for w, b, o in zip(ws, bs, many):
+        torch.testing.assert_close(o, F.linear(x, w, b), atol=2e-2, rtol=2e-2)
+        if dtype != torch.float16:
+            assert torch.equal(o.view(10, -1), run(x.view(10, 72), w, b, threads=1))
+    with pytest.raises(ValueError, match="same length"):
+        ext.linear_group(x.data_ptr(), CODES[dtype], 10, 72, [ws[0].data_ptr()], [], [outs[0].data_ptr()], [40])
+    with pytest.raises(ValueError, match=r"ns\[0\]"):
+        ext.linear_group(x.data_ptr(), CODES[dtype], 10, 72, [ws[0].data_ptr()], [0], [outs[0].data_ptr()], [0])

@@ -26,34 +26,66 @@ SMALL_ROWS = {torch.float32: 64, torch.bfloat16: 16}
 _CODES = {torch.float32: 0, torch.bfloat16: 2}
 
 
-def small_rows_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``dense(x, weight)`` runs dspec._C.linear."""
+def _rows_if_small(x: torch.Tensor) -> int:
+    """x's row count when the small-row path can take x (else 0)."""
     ext = _backend.extension()
-    if ext is None or not hasattr(ext, "linear"):
-        return False
-    if x.dtype not in _CODES or weight.dtype is not x.dtype or not x.is_cpu or not weight.is_cpu:
-        return False
-    if x.dim() == 0 or x.shape[-1] != weight.shape[-1] or weight.dim() != 2 or weight.stride(1) != 1:
-        return False
+    if ext is None or not hasattr(ext, "linear") or x.dtype not in _CODES or not x.is_cpu or x.dim() == 0:
+        return 0
     rows = x.numel() // max(x.shape[-1], 1)
     if rows == 0 or rows > SMALL_ROWS[x.dtype] or not x.is_contiguous():
+        return 0
+    return rows
+
+
+def _weight_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if (weight.dtype is not x.dtype or not weight.is_cpu or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]
+            or weight.stride(1) != 1):
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if bias is not None and (bias.dtype is not x.dtype or not bias.is_cpu or bias.dim() != 1 or bias.stride(0) != 1):
         return False
-    return _library.call_directly(x, weight)       # plain tensors (or Parameters), nothing tracing
+    return True
+
+
+def _untracked(*tensors) -> bool:
+    """Nothing for autograd to record and no tracer to see (plain tensors or Parameters)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return False
+    return _library.call_directly(*tensors)
+
+
+def small_rows_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``dense(x, weight)`` runs dspec._C.linear."""
+    return bool(_rows_if_small(x)) and _weight_fits(x, weight, None) and _untracked(x, weight)
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: x [..., K], weight [O, K], bias [O] -> [..., O]."""
-    if not small_rows_path(x, weight) or (bias is not None and (bias.dtype is not x.dtype or not bias.is_cpu
-                                                               or bias.stride(0) != 1 or bias.requires_grad
-                                                               and torch.is_grad_enabled())):
+    rows = _rows_if_small(x)
+    if not rows or not _weight_fits(x, weight, bias) or not _untracked(x, weight, bias):
         return F.linear(x, weight, bias)
     k = x.shape[-1]
     n = weight.shape[0]
-    rows = x.numel() // k
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
     _backend.extension().linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                 out.data_ptr(), _CODES[x.dtype], rows, k, n, k, weight.stride(0), n,
                                 torch.get_num_threads())
     return out
+
+
+def dense_many(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
+    """``[dense(x, w, b) for w, b in zip(weights, biases)]`` (q / k / v, gate / up), in one
+    dspec._C call when the small-row path takes every weight: one dispatch instead of
+    several, and the projections' columns split over the threads together.  Each result is
+    bit-identical to its own ``dense`` call."""
+    rows = _rows_if_small(x)
+    ext = _backend.extension()
+    if (not rows or not hasattr(ext, "linear_group")
+            or not all(w.shape[1] == w.stride(0) and _weight_fits(x, w, b) for w, b in zip(weights, biases))
+            or not _untracked(x, *weights, *biases)):
+        return [dense(x, w, b) for w, b in zip(weights, biases)]
+    lead = x.shape[:-1]
+    outs = [torch.empty(lead + (w.shape[0],), dtype=x.dtype) for w in weights]
+    ext.linear_group(x.data_ptr(), _CODES[x.dtype], rows, x.shape[-1], [w.data_ptr() for w in weights],
+                     [0 if b is None else b.data_ptr() for b in biases], [o.data_ptr() for o in outs],
+                     [w.shape[0] for w in weights], torch.get_num_threads())
+    return outs

@@ -73,7 +73,11 @@ class MaskLoraLinear(nn.Linear):
         self.rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dense(x, self.weight, self.bias)
+        return self.update(x, dense(x, self.weight, self.bias))
+
+    def update(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y = the base projection of x (fresh, e.g. from ``dense_many``) plus the low-rank
+        update at this forward's [MASK] rows (in place when dspec._C does it)."""
         idx = self.rows.index
         if idx is None:
             return y

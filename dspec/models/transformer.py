@@ -21,9 +21,9 @@ from .. import _backend, _library, _validate
 from ..ops.attention import CascadeAttentionPlan
 from ..ops.attention import _resolve_backend as resolve_cascade_backend
 from .config import ModelConfig
-from .dense import dense
+from .dense import dense, dense_many
 from .kv_cache import KVCache, SuffixKV
-from .mask_adapter import clean_causal_words
+from .mask_adapter import MaskLoraLinear, clean_causal_words
 from .plan import AttentionPlan
 
 
@@ -86,9 +86,8 @@ class Attention(nn.Module):
         whether dspec._C may run the element-wise parts (None: decided here)."""
         batch, n = h.shape[:2]
         hq, hkv, d = self.shape
-        q = _linear(self.q_proj, h).view(batch, n, hq, d)
-        k = _linear(self.k_proj, h).view(batch, n, hkv, d)
-        v = _linear(self.v_proj, h).view(batch, n, hkv, d)
+        q, k, v = _project((self.q_proj, self.k_proj, self.v_proj), h)
+        q, k, v = q.view(batch, n, hq, d), k.view(batch, n, hkv, d), v.view(batch, n, hkv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q, fused), self.k_norm(k, fused)
         if fused is None:
@@ -112,7 +111,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(self.down_proj, F.silu(_linear(self.gate_proj, x)) * _linear(self.up_proj, x))
+        gate, up = _project((self.gate_proj, self.up_proj), x)
+        return _linear(self.down_proj, F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -151,6 +151,16 @@ def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(module) is nn.Linear:
         return dense(x, module.weight, module.bias)
     return module(x)
+
+
+def _project(modules, x: torch.Tensor) -> list[torch.Tensor]:
+    """``[_linear(m, x) for m in modules]``: plain projections (and mask adapters' bases) of
+    one input in one ``dense_many`` call; any other wrapper runs as its own module."""
+    kinds = [type(m) for m in modules]
+    if all(t is nn.Linear or t is MaskLoraLinear for t in kinds):
+        ys = dense_many(x, [m.weight for m in modules], [m.bias for m in modules])
+        return [y if t is nn.Linear else m.update(x, y) for m, t, y in zip(modules, kinds, ys)]
+    return [_linear(m, x) for m in modules]
 
 
 def _fused_cpu(*tensors: torch.Tensor) -> bool:
