@@ -103,6 +103,18 @@ DSPEC_DT_INLINE float to_float(elem_t<DT> v) {
   }
 }
 
+// The dtype's rounding of a float32 value, as float (identity for float32).
+template <int DT>
+DSPEC_DT_INLINE float round_to(float v) {
+  if constexpr (DT == kFloat32) {
+    return v;
+  } else if constexpr (DT == kFloat16) {
+    return half_to_float(float_to_half(v));
+  } else {
+    return bf16_to_float(float_to_bf16(v));
+  }
+}
+
 template <int DT>
 DSPEC_DT_INLINE float load(const void* base, std::int64_t idx) {
   return to_float<DT>(static_cast<const elem_t<DT>*>(base)[idx]);

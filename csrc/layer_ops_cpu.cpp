@@ -12,18 +12,6 @@
 namespace dspec {
 namespace {
 
-// the dtype's rounding of a float32 value, as float (identity for float32)
-template <int DT>
-inline float round_to(float v) {
-  if constexpr (DT == kFloat32) {
-    return v;
-  } else if constexpr (DT == kFloat16) {
-    return dt::half_to_float(dt::float_to_half(v));
-  } else {
-    return dt::bf16_to_float(dt::float_to_bf16(v));
-  }
-}
-
 template <int DT>
 void rms_rows(const RmsNormArgs& a, std::int64_t lo, std::int64_t hi) {
   using E = dt::elem_t<DT>;
@@ -51,7 +39,7 @@ void rms_rows(const RmsNormArgs& a, std::int64_t lo, std::int64_t hi) {
     E* o = out + r * h;
     for (std::int64_t j = 0; j < h; ++j) {
       // torch: weight * (x * rsqrt(.)).to(dtype), the product rounded to the dtype
-      const float normed = round_to<DT>(dt::to_float<DT>(xr[j]) * inv);
+      const float normed = dt::round_to<DT>(dt::to_float<DT>(xr[j]) * inv);
       dt::store<DT>(o, j, dt::to_float<DT>(w[j]) * normed);
     }
   }

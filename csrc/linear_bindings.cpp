@@ -17,6 +17,26 @@ namespace py = pybind11;
 namespace dspec {
 namespace {
 
+// The arguments of one projection (addresses already checked; bias 0 for none).
+LinearArgs part(int dtype, std::int64_t m, std::int64_t k, std::int64_t x, std::int64_t ldx, std::int64_t weight,
+                std::int64_t ldw, std::int64_t bias, std::int64_t out, std::int64_t n, std::int64_t ldo,
+                int num_threads) {
+  LinearArgs a;
+  a.dtype = dtype;
+  a.m = m;
+  a.k = k;
+  a.n = n;
+  a.ldx = ldx;
+  a.ldw = ldw;
+  a.ldo = ldo;
+  a.x = as_ptr<const void>(x);
+  a.weight = as_ptr<const void>(weight);
+  a.bias = bias == 0 ? nullptr : as_ptr<const void>(bias);
+  a.out = as_ptr<void>(out);
+  a.num_threads = num_threads < 1 ? 1 : num_threads;
+  return a;
+}
+
 void linear(std::int64_t x, std::int64_t weight, std::int64_t bias, std::int64_t out, int dtype, std::int64_t m,
             std::int64_t k, std::int64_t n, std::int64_t ldx, std::int64_t ldw, std::int64_t ldo, int num_threads,
             const std::string& isa) {
@@ -31,27 +51,16 @@ void linear(std::int64_t x, std::int64_t weight, std::int64_t bias, std::int64_t
   c.product(m, ldx, "m * ldx");
   c.product(n, ldw, "n * ldw");
   c.product(m, ldo, "m * ldo");
-  LinearArgs a;
-  a.isa = c.isa(isa, linear_has_avx512(dtype),
-                "float32 / bfloat16 and a CPU with AVX-512 (AVX512_BF16 for bfloat16)");  // LinearIsa codes
+  const int code = c.isa(isa, linear_has_avx512(dtype),
+                        "float32 / bfloat16 and a CPU with AVX-512 (AVX512_BF16 for bfloat16)");  // LinearIsa codes
   if (m == 0 || n == 0) return;
   const std::int64_t item = element_size(dtype);
   c.ptr(x, "x", item);
   c.ptr(weight, "weight", item);
   c.optional_ptr(bias, "bias", item);
   c.ptr(out, "out", item);
-  a.dtype = dtype;
-  a.m = m;
-  a.k = k;
-  a.n = n;
-  a.ldx = ldx;
-  a.ldw = ldw;
-  a.ldo = ldo;
-  a.x = as_ptr<const void>(x);
-  a.weight = as_ptr<const void>(weight);
-  a.bias = bias == 0 ? nullptr : as_ptr<const void>(bias);
-  a.out = as_ptr<void>(out);
-  a.num_threads = num_threads < 1 ? 1 : num_threads;
+  LinearArgs a = part(dtype, m, k, x, ldx, weight, ldw, bias, out, n, ldo, num_threads);
+  a.isa = code;
   py::gil_scoped_release release;
   linear_cpu(a);
 }
@@ -81,19 +90,7 @@ void linear_group(std::int64_t x, int dtype, std::int64_t m, std::int64_t k, con
       c.optional_ptr(biases[p], ("biases" + at).c_str(), item);
       c.ptr(outs[p], ("outs" + at).c_str(), item);
     }
-    LinearArgs& a = parts[p];
-    a.dtype = dtype;
-    a.m = m;
-    a.k = k;
-    a.n = ns[p];
-    a.ldx = k;
-    a.ldw = k;
-    a.ldo = ns[p];
-    a.x = as_ptr<const void>(x);
-    a.weight = as_ptr<const void>(weights[p]);
-    a.bias = biases[p] == 0 ? nullptr : as_ptr<const void>(biases[p]);
-    a.out = as_ptr<void>(outs[p]);
-    a.num_threads = num_threads < 1 ? 1 : num_threads;
+    parts[p] = part(dtype, m, k, x, k, weights[p], k, biases[p], outs[p], ns[p], ns[p], num_threads);
   }
   if (m == 0) return;
   c.ptr(x, "x", item);

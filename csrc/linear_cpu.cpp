@@ -240,9 +240,7 @@ void mask_lora_rows(const MaskLoraArgs& a) {
       float s = 0.0f;
       for (std::int64_t r = 0; r < a.rank; ++r) s += br[r] * h[r];
       // delta.to(dtype), then the dtype's add
-      float d = s * a.scale;
-      if constexpr (DT != kFloat32) d = dt::to_float<DT>(DT == kFloat16 ? dt::float_to_half(d) : dt::float_to_bf16(d));
-      dt::store<DT>(y, row * a.n + o, dt::to_float<DT>(y[row * a.n + o]) + d);
+      dt::store<DT>(y, row * a.n + o, dt::to_float<DT>(y[row * a.n + o]) + dt::round_to<DT>(s * a.scale));
     }
   }
 }

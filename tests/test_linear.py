@@ -10,7 +10,7 @@ from dspec.models.dense import dense, small_rows_path
 
 pytestmark = pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C not built")
 
-CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+CODES = _backend.FLOAT_CODE
 
 
 def isas(dtype):

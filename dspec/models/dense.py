@@ -46,7 +46,7 @@ def _weight_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return True
 
 
-def _untracked(*tensors) -> bool:
+def untracked(*tensors) -> bool:
     """Nothing for autograd to record and no tracer to see (plain tensors or Parameters)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return False
@@ -55,13 +55,13 @@ def _untracked(*tensors) -> bool:
 
 def small_rows_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``dense(x, weight)`` runs dspec._C.linear."""
-    return bool(_rows_if_small(x)) and _weight_fits(x, weight, None) and _untracked(x, weight)
+    return bool(_rows_if_small(x)) and _weight_fits(x, weight, None) and untracked(x, weight)
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: x [..., K], weight [O, K], bias [O] -> [..., O]."""
     rows = _rows_if_small(x)
-    if not rows or not _weight_fits(x, weight, bias) or not _untracked(x, weight, bias):
+    if not rows or not _weight_fits(x, weight, bias) or not untracked(x, weight, bias):
         return F.linear(x, weight, bias)
     k = x.shape[-1]
     n = weight.shape[0]
@@ -81,7 +81,7 @@ def dense_many(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
     ext = _backend.extension()
     if (not rows or not hasattr(ext, "linear_group")
             or not all(w.shape[1] == w.stride(0) and _weight_fits(x, w, b) for w, b in zip(weights, biases))
-            or not _untracked(x, *weights, *biases)):
+            or not untracked(x, *weights, *biases)):
         return [dense(x, w, b) for w, b in zip(weights, biases)]
     lead = x.shape[:-1]
     outs = [torch.empty(lead + (w.shape[0],), dtype=x.dtype) for w in weights]

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _backend, _library
+from .. import _backend
 from ..ops.masks import pack_mask, unpack_mask
-from .dense import dense
+from .dense import dense, untracked
 
 __all__ = ["MaskRows", "MaskLoraLinear", "MaskAdapter", "clean_causal_words", "TARGETS"]
 
@@ -101,9 +101,7 @@ class MaskLoraLinear(nn.Linear):
                         and idx.is_contiguous()) or not idx.is_cpu
                 or not hasattr(_backend.extension(), "mask_lora")):
             return False
-        if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad or a.requires_grad or b.requires_grad):
-            return False
-        return _library.call_directly(x, y, a, b, idx)
+        return untracked(x, y, a, b, idx)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, rank={self.lora_A.shape[0]}, mask rows only"
