@@ -75,7 +75,9 @@ std::int64_t view_extent(const Checker& c, const char* name, std::int64_t n0, st
   return extent;
 }
 
-void cascade_attention(std::int64_t q, std::int64_t k, std::int64_t v, std::int64_t out, std::int64_t lse,
+}  // namespace
+
+bool cascade_args(const Checker& c, CascadeAttentionArgs& a, std::int64_t q, std::int64_t k, std::int64_t v, std::int64_t out, std::int64_t lse,
                        std::int64_t mask, std::int64_t prefix_k, std::int64_t prefix_v, std::int64_t prefix_indptr,
                        std::int64_t page_table, std::int64_t prefix_lens, int dtype, std::int64_t batch,
                        std::int64_t n, std::int64_t hq, std::int64_t hkv, std::int64_t head_dim, double sm_scale,
@@ -87,7 +89,6 @@ void cascade_attention(std::int64_t q, std::int64_t k, std::int64_t v, std::int6
                        int indptr_dtype, std::int64_t prefix_rows, std::int64_t page_size,
                        std::int64_t max_pages, std::int64_t page_table_stride, int num_threads,
                        const std::string& isa) {
-  const Checker c{"cascade_attention"};
   c.float_dtype(dtype, "dtype");
   c.at_least(batch, 0, "batch");
   c.at_least(n, 0, "n");
@@ -96,7 +97,6 @@ void cascade_attention(std::int64_t q, std::int64_t k, std::int64_t v, std::int6
   if (hq % hkv != 0) c.fail("hq (" + std::to_string(hq) + ") must be a multiple of hkv (" + std::to_string(hkv) + ")");
   c.at_least(head_dim, 1, "head_dim");
   if (!std::isfinite(sm_scale)) c.fail("sm_scale must be finite, got " + std::to_string(sm_scale));
-  CascadeAttentionArgs a;
   a.isa = c.isa(isa, cascade_attention_has_avx512(), "a CPU with AVX512F/BW/VL and FMA");  // CascadeIsa codes
   // element offsets of every view fit in int64 (also for the outputs and the mask)
   view_extent(c, "q", batch, n, hq, head_dim, q_s0, q_s1, q_s2);
@@ -113,7 +113,7 @@ void cascade_attention(std::int64_t q, std::int64_t k, std::int64_t v, std::int6
     c.fail("prefix_k and prefix_v go with prefix_indptr or page_table + prefix_lens");
   }
   if (paged && (page_table == 0 || prefix_lens == 0)) c.fail("a paged prefix needs page_table and prefix_lens");
-  if (batch == 0 || n == 0) return;
+  if (batch == 0 || n == 0) return false;
   const std::int64_t item = element_size(dtype);
   c.ptr(q, "q", item);
   c.ptr(k, "k", item);
@@ -212,6 +212,31 @@ void cascade_attention(std::int64_t q, std::int64_t k, std::int64_t v, std::int6
     }
   }
   a.num_threads = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(num_threads, cpu::max_threads())));
+  return true;
+}
+
+namespace {
+
+void cascade_attention(std::int64_t q, std::int64_t k, std::int64_t v, std::int64_t out, std::int64_t lse,
+                       std::int64_t mask, std::int64_t prefix_k, std::int64_t prefix_v, std::int64_t prefix_indptr,
+                       std::int64_t page_table, std::int64_t prefix_lens, int dtype, std::int64_t batch,
+                       std::int64_t n, std::int64_t hq, std::int64_t hkv, std::int64_t head_dim, double sm_scale,
+                       std::int64_t q_s0, std::int64_t q_s1, std::int64_t q_s2, std::int64_t k_s0,
+                       std::int64_t k_s1, std::int64_t k_s2, std::int64_t v_s0, std::int64_t v_s1,
+                       std::int64_t v_s2, std::int64_t o_s0, std::int64_t o_s1, std::int64_t o_s2,
+                       std::int64_t mask_s0, std::int64_t mask_s1, std::int64_t pk_s0, std::int64_t pk_s1,
+                       std::int64_t pk_s2, std::int64_t pv_s0, std::int64_t pv_s1, std::int64_t pv_s2,
+                       int indptr_dtype, std::int64_t prefix_rows, std::int64_t page_size,
+                       std::int64_t max_pages, std::int64_t page_table_stride, int num_threads,
+                       const std::string& isa) {
+  const Checker c{"cascade_attention"};
+  CascadeAttentionArgs a;
+  if (!cascade_args(c, a, q, k, v, out, lse, mask, prefix_k, prefix_v, prefix_indptr, page_table, prefix_lens, dtype,
+                    batch, n, hq, hkv, head_dim, sm_scale, q_s0, q_s1, q_s2, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
+                    o_s0, o_s1, o_s2, mask_s0, mask_s1, pk_s0, pk_s1, pk_s2, pv_s0, pv_s1, pv_s2, indptr_dtype,
+                    prefix_rows, page_size, max_pages, page_table_stride, num_threads, isa)) {
+    return;
+  }
   py::gil_scoped_release release;
   cascade_attention_cpu(a);
 }

@@ -15,6 +15,7 @@
 #include "attention_bindings.h"
 #include "diffuspec_search_bindings.h"
 #include "layer_ops_bindings.h"
+#include "decoder_bindings.h"
 #include "linear_bindings.h"
 #include "topk_bindings.h"
 #include "masks_bindings.h"
@@ -164,4 +165,5 @@ Raises ValueError for a bad argument, RuntimeError when a CUDA launch fails.)doc
   dspec::register_layer_ops(m);  // csrc/layer_ops_bindings.cpp
   dspec::register_topk(m);  // csrc/topk_bindings.cpp
   dspec::register_linear(m);  // csrc/linear_bindings.cpp
+  dspec::register_decoder(m);  // csrc/decoder_bindings.cpp
 }

@@ -1,13 +1,16 @@
 // A linear layer for the few rows of a decode or verification step on the CPU:
-// out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]), the layout of torch's nn.Linear.
+// out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]), weight in torch's nn.Linear layout
+// packed once by linear_pack_cpu.
 //
 // With a handful of rows the layer is bound by streaming the weight from memory, and a
-// library GEMM pays a setup cost per call that exceeds the math.  This kernel reads each
-// weight row once per block of kRowBlock rows of x, accumulates in float32 (AVX512_BF16
-// dot products for bfloat16, FMA for float32) and rounds once to the output dtype.
+// library GEMM pays a setup cost per call that exceeds the math; from ~8 rows on it is
+// bound by the multiply-adds.  The packed layout serves both: 16 output columns per
+// vector register, so a row's step is one broadcast and a few fused multiply-adds
+// (AVX512_BF16 dot products for bfloat16, FMA for float32), float32 accumulation, one
+// rounding to the output dtype and no reduction across lanes.
 //
 // Batch invariance: every output element is reduced in the same order whatever m is and
-// however the columns are split over threads, so a row's result does not depend on the
+// however the panels are split over threads, so a row's result does not depend on the
 // other rows of the call (a verification forward of N tokens gives each token the bits a
 // one-token step would).
 #pragma once
@@ -20,12 +23,30 @@ namespace dspec {
 
 enum LinearIsa : int { kLinearAuto = 0, kLinearGeneric = 1, kLinearAvx512 = 2 };
 
+// Output columns per panel of the packed weight.
+constexpr int kPanel = 16;
+
+// The packed weight: panel p = columns 16p .. 16p+15 as [ceil(k / S)][16][S] elements,
+// S = 2 for 16-bit dtypes (pairs along k) and 1 for float32, zero padded past n and k.
+std::int64_t linear_panel_elements(std::int64_t k, int dtype);
+std::int64_t linear_packed_elements(std::int64_t n, std::int64_t k, int dtype);
+
+struct LinearPackArgs {
+  int dtype = kFloat32;
+  std::int64_t n = 0, k = 0, ldw = 0;  // weight [n, k], row stride ldw, unit stride along k
+  const void* weight = nullptr;
+  void* packed = nullptr;              // linear_packed_elements(n, k, dtype) elements
+  int num_threads = 1;
+};
+
+void linear_pack_cpu(const LinearPackArgs& args);
+
 struct LinearArgs {
   int dtype = kFloat32;             // x, weight, bias and out
-  std::int64_t m = 0, k = 0, n = 0; // x [m, k], weight [n, k], out [m, n]
-  std::int64_t ldx = 0, ldw = 0, ldo = 0;  // row strides in elements (unit stride along k / n)
+  std::int64_t m = 0, k = 0, n = 0; // x [m, k], weight [n, k] (packed), out [m, n]
+  std::int64_t ldx = 0, ldo = 0;    // row strides in elements (unit stride along k / n)
   const void* x = nullptr;
-  const void* weight = nullptr;
+  const void* weight = nullptr;     // packed by linear_pack_cpu for this n, k and dtype
   const void* bias = nullptr;       // [n] or null
   void* out = nullptr;
   int num_threads = 1;
@@ -35,7 +56,7 @@ struct LinearArgs {
 void linear_cpu(const LinearArgs& args);
 
 // Several projections of the same x in one call (q / k / v, gate / up): parts[p] differ only
-// in weight, bias, out, n and their strides; the column blocks of all parts are split over
+// in weight, bias, out, n and ldo; the panels of all parts are split over
 // the threads together.  Each output is bit-identical to linear_cpu on that part alone.
 void linear_group_cpu(const LinearArgs* parts, int count);
 

@@ -19,15 +19,13 @@ namespace {
 
 // The arguments of one projection (addresses already checked; bias 0 for none).
 LinearArgs part(int dtype, std::int64_t m, std::int64_t k, std::int64_t x, std::int64_t ldx, std::int64_t weight,
-                std::int64_t ldw, std::int64_t bias, std::int64_t out, std::int64_t n, std::int64_t ldo,
-                int num_threads) {
+                std::int64_t bias, std::int64_t out, std::int64_t n, std::int64_t ldo, int num_threads) {
   LinearArgs a;
   a.dtype = dtype;
   a.m = m;
   a.k = k;
   a.n = n;
   a.ldx = ldx;
-  a.ldw = ldw;
   a.ldo = ldo;
   a.x = as_ptr<const void>(x);
   a.weight = as_ptr<const void>(weight);
@@ -37,8 +35,39 @@ LinearArgs part(int dtype, std::int64_t m, std::int64_t k, std::int64_t x, std::
   return a;
 }
 
+std::int64_t packed_size(std::int64_t n, std::int64_t k, int dtype) {
+  const Checker c{"linear_packed_size"};
+  c.float_dtype(dtype, "dtype");
+  c.at_least(n, 0, "n");
+  c.at_least(k, 1, "k");
+  c.product(n + kPanel, k + 1, "n * k");
+  return linear_packed_elements(n, k, dtype);
+}
+
+void pack(std::int64_t weight, std::int64_t packed, int dtype, std::int64_t n, std::int64_t k, std::int64_t ldw,
+          int num_threads) {
+  const Checker c{"linear_pack"};
+  packed_size(n, k, dtype);
+  c.at_least(ldw, k, "ldw");
+  c.product(n, ldw, "n * ldw");
+  if (n == 0) return;
+  const std::int64_t item = element_size(dtype);
+  c.ptr(weight, "weight", item);
+  c.ptr(packed, "packed", item);
+  LinearPackArgs a;
+  a.dtype = dtype;
+  a.n = n;
+  a.k = k;
+  a.ldw = ldw;
+  a.weight = as_ptr<const void>(weight);
+  a.packed = as_ptr<void>(packed);
+  a.num_threads = num_threads < 1 ? 1 : num_threads;
+  py::gil_scoped_release release;
+  linear_pack_cpu(a);
+}
+
 void linear(std::int64_t x, std::int64_t weight, std::int64_t bias, std::int64_t out, int dtype, std::int64_t m,
-            std::int64_t k, std::int64_t n, std::int64_t ldx, std::int64_t ldw, std::int64_t ldo, int num_threads,
+            std::int64_t k, std::int64_t n, std::int64_t ldx, std::int64_t ldo, int num_threads,
             const std::string& isa) {
   const Checker c{"linear"};
   c.float_dtype(dtype, "dtype");
@@ -46,10 +75,9 @@ void linear(std::int64_t x, std::int64_t weight, std::int64_t bias, std::int64_t
   c.at_least(k, 1, "k");
   c.at_least(n, 0, "n");
   c.at_least(ldx, k, "ldx");
-  c.at_least(ldw, k, "ldw");
   c.at_least(ldo, n, "ldo");
   c.product(m, ldx, "m * ldx");
-  c.product(n, ldw, "n * ldw");
+  c.product(n + kPanel, k + 1, "n * k");
   c.product(m, ldo, "m * ldo");
   const int code = c.isa(isa, linear_has_avx512(dtype),
                         "float32 / bfloat16 and a CPU with AVX-512 (AVX512_BF16 for bfloat16)");  // LinearIsa codes
@@ -59,7 +87,7 @@ void linear(std::int64_t x, std::int64_t weight, std::int64_t bias, std::int64_t
   c.ptr(weight, "weight", item);
   c.optional_ptr(bias, "bias", item);
   c.ptr(out, "out", item);
-  LinearArgs a = part(dtype, m, k, x, ldx, weight, ldw, bias, out, n, ldo, num_threads);
+  LinearArgs a = part(dtype, m, k, x, ldx, weight, bias, out, n, ldo, num_threads);
   a.isa = code;
   py::gil_scoped_release release;
   linear_cpu(a);
@@ -83,14 +111,14 @@ void linear_group(std::int64_t x, int dtype, std::int64_t m, std::int64_t k, con
   for (std::size_t p = 0; p < count; ++p) {
     const std::string at = "[" + std::to_string(p) + "]";
     c.at_least(ns[p], 1, ("ns" + at).c_str());
-    c.product(ns[p], k, ("ns" + at + " * k").c_str());
+    c.product(ns[p] + kPanel, k + 1, ("ns" + at + " * k").c_str());
     c.product(m, ns[p], ("m * ns" + at).c_str());
     if (m > 0) {
       c.ptr(weights[p], ("weights" + at).c_str(), item);
       c.optional_ptr(biases[p], ("biases" + at).c_str(), item);
       c.ptr(outs[p], ("outs" + at).c_str(), item);
     }
-    parts[p] = part(dtype, m, k, x, k, weights[p], k, biases[p], outs[p], ns[p], ns[p], num_threads);
+    parts[p] = part(dtype, m, k, x, k, weights[p], biases[p], outs[p], ns[p], ns[p], num_threads);
   }
   if (m == 0) return;
   c.ptr(x, "x", item);
@@ -144,18 +172,24 @@ void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a
 }  // namespace
 
 void register_linear(py::module_& m) {
+  m.def("linear_packed_size", &packed_size, py::arg("n"), py::arg("k"), py::arg("dtype"),
+        "Elements of the packed weight [n, k] that linear takes (panels of 16 output columns).");
+  m.def("linear_pack", &pack, py::arg("weight"), py::arg("packed"), py::arg("dtype"), py::arg("n"), py::arg("k"),
+        py::arg("ldw"), py::arg("num_threads") = 1,
+        R"doc(Pack weight [n, k] (row stride ldw, unit stride along k; dtype 0 fp32, 1 fp16, 2 bf16) into
+packed (linear_packed_size(n, k, dtype) elements of that dtype): panels of 16 output columns, k in pairs
+for the 16-bit dtypes, zero padded.  Done once per weight; linear and linear_group read it.)doc");
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("dtype"),
-        py::arg("m"), py::arg("k"), py::arg("n"), py::arg("ldx"), py::arg("ldw"), py::arg("ldo"),
+        py::arg("m"), py::arg("k"), py::arg("n"), py::arg("ldx"), py::arg("ldo"),
         py::arg("num_threads") = 1, py::arg("isa") = "auto",
-        R"doc(out[m, n] = x[m, k] @ weight[n, k]^T (+ bias[n]) for few rows (a decode or verification
-step): float32 accumulation, one rounding to dtype (0 fp32, 1 fp16, 2 bf16); row strides
-ldx / ldw / ldo in elements, unit stride along k and n; bias 0 for none.  Each output is
-reduced in an order independent of m and of the thread count (batch-invariant).
-isa: 'auto' (AVX-512, with AVX512_BF16 for bf16, where the CPU has it), 'generic' or
-'avx512'.  The GIL is released while it runs.)doc");
+        R"doc(out[m, n] = x[m, k] @ W[n, k]^T (+ bias[n]) for few rows (a decode or verification step), W
+given packed by linear_pack: float32 accumulation, one rounding to dtype (0 fp32, 1 fp16, 2 bf16); row
+strides ldx / ldo in elements, unit stride along k and n; bias 0 for none.  Each output is reduced in an
+order independent of m and of the thread count (batch-invariant).  isa: 'auto' (AVX-512, with
+AVX512_BF16 for bf16, where the CPU has it), 'generic' or 'avx512'.  The GIL is released while it runs.)doc");
   m.def("linear_group", &linear_group, py::arg("x"), py::arg("dtype"), py::arg("m"), py::arg("k"),
         py::arg("weights"), py::arg("biases"), py::arg("outs"), py::arg("ns"), py::arg("num_threads") = 1,
-        R"doc(linear for several weights of one x in one call: outs[p][m, ns[p]] = x[m, k] @ weights[p]^T
+        R"doc(linear for several packed weights of one x in one call: outs[p][m, ns[p]] = x[m, k] @ W_p^T
 (+ biases[p]; 0 for none), every tensor contiguous.  The parts' columns are split over the threads
 together; each output is bit-identical to a linear call on that part alone.)doc");
   m.def("mask_lora", &mask_lora, py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("a"), py::arg("b"),

@@ -1,9 +1,14 @@
 // Small-row linear layer on the CPU; see linear.h.
 //
-// Work unit: kColBlock (4) weight rows x kRowBlock (6) rows of x, 24 float32 accumulators
-// of 16 lanes held in registers while k advances 32 (bf16) or 16 (fp32) elements at a time;
-// each accumulator is summed across its lanes once at the end.  Threads split the output
-// columns (disjoint weight rows, so the weight is read once in all).
+// The weight is packed once (linear_pack_cpu) into panels of kPanel = 16 output columns:
+// panel p holds columns 16p .. 16p+15 as [ceil(k / S)][16][S] with S = 2 for 16-bit dtypes
+// (k pairs, the operand layout of AVX512_BF16's vdpbf16ps) and S = 1 for float32, zero
+// padded.  A tile keeps MR rows x T panels of float32 accumulators in registers (MR <= 6
+// with T <= 4, or MR <= 8 with T <= 3: 24 accumulators); each k step loads T panel vectors
+// and broadcasts one k pair (or element) of each row: no reduction across lanes at the
+// end, so a few rows run near the FMA peak and one row streams the weight.  The rows are
+// cut into as few balanced tiles as possible (16 rows: 8 + 8), so up to 8 rows stream
+// each weight byte once.  Threads split the panels (each weight byte read once).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -18,7 +23,6 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define DSPEC_LINEAR_X86 1
-#define DSPEC_AVX512F __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define DSPEC_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx512bf16")))
 #else
 #define DSPEC_LINEAR_X86 0
@@ -27,40 +31,58 @@
 namespace dspec {
 namespace {
 
-constexpr int kRowBlock = 6;
-constexpr int kColBlock = 4;
-constexpr int kPrefetchBlocks = 2;   // prefetch distance in column blocks (~2 x 4 weight rows)
+constexpr int kRowBlock = 8;     // rows per tile at most (with at most kWideRows: kPanelBlock panels)
+constexpr int kWideRows = 6;
+constexpr int kPanelBlock = 4;
+constexpr int kTallPanels = 3;   // panels per tile of more than kWideRows rows
 // below this many weight elements per thread a call stays on one thread
 constexpr std::int64_t kElementsPerThread = std::int64_t(1) << 17;
 
-// res[i * NR + j] = dot(x row i, weight row j), float32
-// pf: the weight rows this thread reads a few blocks later (null: none), prefetched while
-// this block is computed: a block's rows are only 1-3 KB apart, too short a stream for the
-// hardware prefetcher to ramp up on, and at a few rows the layer waits on memory.
-using Micro = void (*)(const void* x, std::int64_t ldx, const void* w, std::int64_t ldw, std::int64_t k,
-                       float* res, const void* pf);
+constexpr int step_of(int dtype) { return dtype == kFloat32 ? 1 : 2; }
+
+// One tile: rows [mr] of x times panels [tp] of the packed weight into out, plus bias.
+struct Tile {
+  const void* x;            // first row
+  std::int64_t ldx;
+  const void* w;            // first panel
+  std::int64_t panel;       // elements per panel
+  std::int64_t k;
+  const float* bias;        // kPanel * tp floats (zeros where no bias)
+  void* out;                // first row, first column of the first panel
+  std::int64_t ldo;
+  int last_cols;            // valid columns of the last panel, 1 .. 16
+};
+
+using Micro = void (*)(const Tile&);
 
 // ---------------------------------------------------------------------- portable code
 
-template <int DT, int MR, int NR>
-void micro_generic(const void* xv, std::int64_t ldx, const void* wv, std::int64_t ldw, std::int64_t k,
-                   float* res, const void*) {
+// Per output column: a float32 sum over k in order (k pairs summed first for 16-bit
+// dtypes), the same whatever rows the tile holds.
+template <int DT, int MR, int T>
+void micro_generic(const Tile& t) {
   using E = dt::elem_t<DT>;
-  const E* x = static_cast<const E*>(xv);
-  const E* w = static_cast<const E*>(wv);
+  constexpr int S = step_of(DT);
+  const E* x = static_cast<const E*>(t.x);
+  const E* w = static_cast<const E*>(t.w);
+  const std::int64_t steps = (t.k + S - 1) / S;
   for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < NR; ++j) {
-      const E* xr = x + i * ldx;
-      const E* wr = w + j * ldw;
-      float lanes[16] = {0};
-      std::int64_t kk = 0;
-      for (; kk + 16 <= k; kk += 16) {
-        for (int l = 0; l < 16; ++l) lanes[l] += dt::to_float<DT>(xr[kk + l]) * dt::to_float<DT>(wr[kk + l]);
+    const E* xr = x + i * t.ldx;
+    for (int p = 0; p < T; ++p) {
+      const E* wp = w + p * t.panel;
+      const int cols = p == T - 1 ? t.last_cols : kPanel;
+      for (int c = 0; c < cols; ++c) {
+        float acc = 0.0f;
+        for (std::int64_t s = 0; s < steps; ++s) {
+          float pair = 0.0f;
+          for (int e = 0; e < S; ++e) {
+            const std::int64_t kk = s * S + e;
+            if (kk < t.k) pair += dt::to_float<DT>(xr[kk]) * dt::to_float<DT>(wp[(s * kPanel + c) * S + e]);
+          }
+          acc += pair;
+        }
+        dt::store<DT>(t.out, i * t.ldo + p * kPanel + c, acc + t.bias[p * kPanel + c]);
       }
-      for (int l = 0; kk + l < k; ++l) lanes[l] += dt::to_float<DT>(xr[kk + l]) * dt::to_float<DT>(wr[kk + l]);
-      float s = 0.0f;
-      for (int l = 0; l < 16; ++l) s += lanes[l];
-      res[i * NR + j] = s;
     }
   }
 }
@@ -68,100 +90,108 @@ void micro_generic(const void* xv, std::int64_t ldx, const void* wv, std::int64_
 // ---------------------------------------------------------------------- AVX-512 code
 
 #if DSPEC_LINEAR_X86
-// One step of k for the two element types: Step elements per 64-byte load, a full and a
-// masked (tail) load, and acc += x * w over the step in 16 float32 lanes.
+// One k step for the two element types: the broadcast of a row's step, acc += x * w over
+// it in 16 float32 lanes (one per output column), and the rounding store of 16 outputs.
 struct Bf16Step {
   using E = std::uint16_t;
-  using V = __m512i;
-  static constexpr int kStep = 32;
-  DSPEC_AVX512BF16 static inline V load(const E* p) { return _mm512_loadu_si512(p); }
-  DSPEC_AVX512BF16 static inline V load_tail(const E* p, std::int64_t n) {
-    return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((std::uint64_t(1) << n) - 1), p);
+  static constexpr int kS = 2;
+  DSPEC_AVX512BF16 static inline __m512i broadcast(const E* p) {
+    std::int32_t pair;
+    std::memcpy(&pair, p, sizeof(pair));
+    return _mm512_set1_epi32(pair);
   }
-  DSPEC_AVX512BF16 static inline __m512 dot(__m512 acc, V x, V w) {
+  DSPEC_AVX512BF16 static inline __m512i broadcast_last(const E* p) {   // k odd: (x[k-1], 0)
+    return _mm512_set1_epi32(static_cast<std::int32_t>(*p));
+  }
+  DSPEC_AVX512BF16 static inline __m512i load(const E* p) { return _mm512_loadu_si512(p); }
+  DSPEC_AVX512BF16 static inline __m512 dot(__m512 acc, __m512i x, __m512i w) {
     return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+  }
+  DSPEC_AVX512BF16 static inline void store(E* out, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(out, m, (__m256i)_mm512_cvtneps_pbh(v));
   }
 };
 
 struct F32Step {
   using E = float;
-  using V = __m512;
-  static constexpr int kStep = 16;
-  DSPEC_AVX512F static inline V load(const E* p) { return _mm512_loadu_ps(p); }
-  DSPEC_AVX512F static inline V load_tail(const E* p, std::int64_t n) {
-    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
-  }
-  DSPEC_AVX512F static inline __m512 dot(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
+  static constexpr int kS = 1;
+  DSPEC_AVX512BF16 static inline __m512 broadcast(const E* p) { return _mm512_set1_ps(*p); }
+  DSPEC_AVX512BF16 static inline __m512 broadcast_last(const E* p) { return _mm512_set1_ps(*p); }
+  DSPEC_AVX512BF16 static inline __m512 load(const E* p) { return _mm512_loadu_ps(p); }
+  DSPEC_AVX512BF16 static inline __m512 dot(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
+  DSPEC_AVX512BF16 static inline void store(E* out, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(out, m, v); }
 };
 
-template <class S, int MR, int NR>
-DSPEC_AVX512BF16 inline __attribute__((always_inline)) void micro_step(
-    __m512 (&acc)[MR][NR], const typename S::E* x, std::int64_t ldx, const typename S::E* w, std::int64_t ldw,
-    std::int64_t kk, std::int64_t tail) {
-  typename S::V wr[NR];
-#pragma GCC unroll 8
-  for (int j = 0; j < NR; ++j) wr[j] = tail ? S::load_tail(w + j * ldw + kk, tail) : S::load(w + j * ldw + kk);
+template <class S, int MR, int T, bool kLast>
+DSPEC_AVX512BF16 inline __attribute__((always_inline)) void micro_step(__m512 (&acc)[MR][T],
+                                                                       const typename S::E* x, std::int64_t ldx,
+                                                                       const typename S::E* w, std::int64_t panel,
+                                                                       std::int64_t s) {
+  decltype(S::load(w)) wv[T];
+#pragma GCC unroll 4
+  for (int p = 0; p < T; ++p) wv[p] = S::load(w + p * panel + s * kPanel * S::kS);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
-    const typename S::V xr = tail ? S::load_tail(x + i * ldx + kk, tail) : S::load(x + i * ldx + kk);
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) acc[i][j] = S::dot(acc[i][j], xr, wr[j]);
+    const auto xb = kLast ? S::broadcast_last(x + i * ldx + s * S::kS) : S::broadcast(x + i * ldx + s * S::kS);
+#pragma GCC unroll 4
+    for (int p = 0; p < T; ++p) acc[i][p] = S::dot(acc[i][p], xb, wv[p]);
   }
 }
 
-// The AVX-512 tile.  Both instantiations carry the bf16 target attribute (a superset of the
-// fp32 tile's); only the bf16 tile contains an AVX512_BF16 instruction (checked with
-// objdump: the fp32 tiles run on AVX-512 CPUs without it), and linear_has_avx512 gates it.
-template <class S, int MR, int NR>
-DSPEC_AVX512BF16 void micro_avx512(const void* xv, std::int64_t ldx, const void* wv, std::int64_t ldw,
-                                   std::int64_t k, float* res, const void* pfv) {
+// Both instantiations carry the bf16 target attribute (a superset of the fp32 tile's);
+// only the bf16 tile contains an AVX512_BF16 instruction, and linear_has_avx512 gates it.
+template <class S, int MR, int T>
+DSPEC_AVX512BF16 void micro_avx512(const Tile& t) {
   using E = typename S::E;
-  const E* x = static_cast<const E*>(xv);
-  const E* w = static_cast<const E*>(wv);
-  const E* pf = static_cast<const E*>(pfv);
-  __m512 acc[MR][NR];
+  const E* x = static_cast<const E*>(t.x);
+  const E* w = static_cast<const E*>(t.w);
+  __m512 acc[MR][T];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int p = 0; p < T; ++p) acc[i][p] = _mm512_setzero_ps();
+  const std::int64_t full = t.k / S::kS;
+  for (std::int64_t s = 0; s < full; ++s) micro_step<S, MR, T, false>(acc, x, t.ldx, w, t.panel, s);
+  if (full * S::kS < t.k) micro_step<S, MR, T, true>(acc, x, t.ldx, w, t.panel, full);
+  const __mmask16 last = static_cast<__mmask16>((1u << t.last_cols) - 1);
+  E* out = static_cast<E*>(t.out);
+#pragma GCC unroll 4
+  for (int p = 0; p < T; ++p) {
+    const __m512 b = _mm512_loadu_ps(t.bias + p * kPanel);
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  std::int64_t kk = 0;
-  for (; kk + S::kStep <= k; kk += S::kStep) {
-    if (pf != nullptr) {
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + kk), _MM_HINT_T0);
+    for (int i = 0; i < MR; ++i) {
+      S::store(out + i * t.ldo + p * kPanel, _mm512_add_ps(acc[i][p], b), p == T - 1 ? last : __mmask16(0xffff));
     }
-    micro_step<S, MR, NR>(acc, x, ldx, w, ldw, kk, 0);
   }
-  if (kk < k) micro_step<S, MR, NR>(acc, x, ldx, w, ldw, kk, k - kk);
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) res[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 #endif
 
 // ---------------------------------------------------------------------- dispatch tables
 
-template <template <int, int> class Pick, int MR, int... NRs>
-void fill_row(Micro (&row)[kColBlock], std::integer_sequence<int, NRs...>) {
-  ((row[NRs] = Pick<MR, NRs + 1>::fn), ...);
+template <template <int, int> class Pick, int MR, int... Ts>
+void fill_row(Micro (&row)[kPanelBlock], std::integer_sequence<int, Ts...>) {
+  ((row[Ts] = Pick<MR, Ts + 1>::fn), ...);
 }
 
 template <template <int, int> class Pick, int... MRs>
-void fill(Micro (&table)[kRowBlock][kColBlock], std::integer_sequence<int, MRs...>) {
-  (fill_row<Pick, MRs + 1>(table[MRs], std::make_integer_sequence<int, kColBlock>{}), ...);
+void fill(Micro (&table)[kRowBlock][kPanelBlock], std::integer_sequence<int, MRs...>) {
+  (fill_row<Pick, MRs + 1>(table[MRs], std::make_integer_sequence<int, kPanelBlock>{}), ...);
 }
+
+// tiles of more than kWideRows rows take at most kTallPanels panels (registers); the
+// table's other tall entries are never called and point at a tile that fits
+constexpr int fit_panels(int mr, int t) { return mr > kWideRows && t > kTallPanels ? kTallPanels : t; }
 
 template <int DT>
 struct PickGeneric {
-  template <int MR, int NR>
+  template <int MR, int T>
   struct At {
-    static constexpr Micro fn = &micro_generic<DT, MR, NR>;
+    static constexpr Micro fn = &micro_generic<DT, MR, fit_panels(MR, T)>;
   };
 };
 
 struct Table {
-  Micro fn[kRowBlock][kColBlock];
+  Micro fn[kRowBlock][kPanelBlock];
 };
 
 template <class Picker>
@@ -174,9 +204,9 @@ Table make_table() {
 #if DSPEC_LINEAR_X86
 template <class S>
 struct PickAvx512 {
-  template <int MR, int NR>
+  template <int MR, int T>
   struct At {
-    static constexpr Micro fn = &micro_avx512<S, MR, NR>;
+    static constexpr Micro fn = &micro_avx512<S, MR, fit_panels(MR, T)>;
   };
 };
 #endif
@@ -195,26 +225,59 @@ const Table& table_for(int dtype, bool avx512) {
   return dtype == kFloat32 ? generic_f32 : (dtype == kFloat16 ? generic_f16 : generic_bf16);
 }
 
+// The row tiles of m rows: as few as kRowBlock allows, balanced; and the panels per tile.
+struct Tiling {
+  std::int64_t tiles;
+  int group;
+  explicit Tiling(std::int64_t m)
+      : tiles((m + kRowBlock - 1) / kRowBlock),
+        group((m + tiles - 1) / tiles > kWideRows ? kTallPanels : kPanelBlock) {}
+};
+
+// Panels [p0, p1) of one projection, every row of x.
 template <int DT>
-void columns(const LinearArgs& a, const Table& table, std::int64_t c0, std::int64_t c1) {
+void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64_t p1) {
   const std::int64_t item = DT == kFloat32 ? 4 : 2;
+  const std::int64_t panel = linear_panel_elements(a.k, DT);
   const char* x = static_cast<const char*>(a.x);
   const char* w = static_cast<const char*>(a.weight);
-  float res[kRowBlock * kColBlock];
-  for (std::int64_t j0 = c0; j0 < c1; j0 += kColBlock) {
-    const int nr = static_cast<int>(std::min<std::int64_t>(kColBlock, c1 - j0));
-    const std::int64_t pf_rows = j0 + (kPrefetchBlocks + 1) * kColBlock;   // rows the prefetch touches
-    float bias[kColBlock] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (a.bias != nullptr) {
-      for (int j = 0; j < nr; ++j) bias[j] = dt::load<DT>(a.bias, j0 + j);
+  char* out = static_cast<char*>(a.out);
+  const Tiling tiling(a.m);
+  const std::int64_t tiles = tiling.tiles;
+  const int group = tiling.group;
+  float bias[kPanel * kPanelBlock];
+  for (std::int64_t g = p0; g < p1; g += group) {
+    const int tp = static_cast<int>(std::min<std::int64_t>(group, p1 - g));
+    const std::int64_t c0 = g * kPanel;
+    const int cols = static_cast<int>(std::min<std::int64_t>(kPanel * tp, a.n - c0));
+    for (int c = 0; c < kPanel * tp; ++c) bias[c] = a.bias != nullptr && c < cols ? dt::load<DT>(a.bias, c0 + c) : 0.0f;
+    Tile t{nullptr, a.ldx, w + g * panel * item, panel, a.k, bias, nullptr, a.ldo, cols - (tp - 1) * kPanel};
+    for (std::int64_t tile = 0; tile < tiles; ++tile) {
+      const std::int64_t i0 = a.m * tile / tiles;
+      const int mr = static_cast<int>(a.m * (tile + 1) / tiles - i0);
+      t.x = x + i0 * a.ldx * item;
+      t.out = out + (i0 * a.ldo + c0) * item;
+      table.fn[mr - 1][tp - 1](t);
     }
-    for (std::int64_t i0 = 0; i0 < a.m; i0 += kRowBlock) {
-      const int mr = static_cast<int>(std::min<std::int64_t>(kRowBlock, a.m - i0));
-      table.fn[mr - 1][nr - 1](x + i0 * a.ldx * item, a.ldx, w + j0 * a.ldw * item, a.ldw, a.k, res,
-                               i0 == 0 && pf_rows <= c1 ? w + (j0 + kPrefetchBlocks * kColBlock) * a.ldw * item
-                                                        : nullptr);
-      for (int i = 0; i < mr; ++i) {
-        for (int j = 0; j < nr; ++j) dt::store<DT>(a.out, (i0 + i) * a.ldo + j0 + j, res[i * nr + j] + bias[j]);
+  }
+}
+
+template <int DT>
+void pack_panels(const LinearPackArgs& a, std::int64_t p0, std::int64_t p1) {
+  using E = dt::elem_t<DT>;
+  constexpr int S = step_of(DT);
+  const std::int64_t steps = (a.k + S - 1) / S;
+  const E* w = static_cast<const E*>(a.weight);
+  E* out = static_cast<E*>(a.packed);
+  for (std::int64_t p = p0; p < p1; ++p) {
+    E* dst = out + p * steps * kPanel * S;
+    for (std::int64_t s = 0; s < steps; ++s) {
+      for (int c = 0; c < kPanel; ++c) {
+        const std::int64_t row = p * kPanel + c;
+        for (int e = 0; e < S; ++e) {
+          const std::int64_t kk = s * S + e;
+          dst[(s * kPanel + c) * S + e] = row < a.n && kk < a.k ? w[row * a.ldw + kk] : E(0);
+        }
       }
     }
   }
@@ -264,37 +327,61 @@ bool linear_has_avx512(int dtype) {
   return false;
 }
 
+std::int64_t linear_panel_elements(std::int64_t k, int dtype) {
+  const int s = step_of(dtype);
+  return (k + s - 1) / s * s * kPanel;
+}
+
+std::int64_t linear_packed_elements(std::int64_t n, std::int64_t k, int dtype) {
+  return (n + kPanel - 1) / kPanel * linear_panel_elements(k, dtype);
+}
+
+void linear_pack_cpu(const LinearPackArgs& a) {
+  const std::int64_t count = (a.n + kPanel - 1) / kPanel;
+  cpu::parallel_rows(count, linear_panel_elements(a.k, a.dtype), a.num_threads,
+                     [&](std::int64_t lo, std::int64_t hi) {
+    switch (a.dtype) {
+      case kFloat16: pack_panels<kFloat16>(a, lo, hi); break;
+      case kBFloat16: pack_panels<kBFloat16>(a, lo, hi); break;
+      default: pack_panels<kFloat32>(a, lo, hi); break;
+    }
+  });
+}
+
 void linear_group_cpu(const LinearArgs* parts, int count) {
   const LinearArgs& a = parts[0];
   if (a.m == 0) return;
   const bool avx512 = a.isa == kLinearGeneric ? false : linear_has_avx512(a.dtype);
   const Table& table = table_for(a.dtype, avx512);
-  // the parts' column blocks back to back: first[p] is part p's first global block
+  // the parts' panels back to back: first[p] is part p's first global panel
   std::vector<std::int64_t> first(static_cast<std::size_t>(count) + 1, 0);
   std::int64_t weight_elements = 0;
   for (int p = 0; p < count; ++p) {
-    first[p + 1] = first[p] + (parts[p].n + kColBlock - 1) / kColBlock;
+    first[p + 1] = first[p] + (parts[p].n + kPanel - 1) / kPanel;
     weight_elements += parts[p].n * std::max<std::int64_t>(parts[p].k, 1);
   }
-  const std::int64_t blocks = first[count];
-  if (blocks == 0) return;
+  const std::int64_t total = first[count];
+  if (total == 0) return;
   const std::int64_t by_work = weight_elements / kElementsPerThread + 1;
   const std::int64_t cap = std::min<std::int64_t>(a.num_threads, static_cast<std::int64_t>(cpu::max_threads()));
-  const int threads = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>({by_work, blocks, cap})));
-  // a few chunks per thread, so that a thread that starts late (its core busy) leaves
-  // its share to the others
-  const int chunks = static_cast<int>(std::min<std::int64_t>(blocks, threads == 1 ? 1 : 4 * threads));
+  const int threads = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>({by_work, total, cap})));
+  // a few chunks per thread, so that a thread that starts late (its core busy) leaves its
+  // share to the others; chunk boundaries on whole panel groups (a part's own boundaries
+  // aside).  The split never changes a result: every output is one tile's, in k order.
+  const int group = Tiling(a.m).group;
+  const std::int64_t groups = (total + group - 1) / group;
+  const int chunks = static_cast<int>(std::min<std::int64_t>(groups, threads == 1 ? 1 : 4 * threads));
   auto body = [&](int c) {
-    const std::int64_t g0 = blocks * c / chunks, g1 = blocks * (c + 1) / chunks;
+    const std::int64_t g0 = std::min(total, groups * c / chunks * group);
+    const std::int64_t g1 = std::min(total, groups * (c + 1) / chunks * group);
     for (int p = 0; p < count; ++p) {
       const std::int64_t lo = std::max(g0, first[p]), hi = std::min(g1, first[p + 1]);
       if (lo >= hi) continue;
       const LinearArgs& part = parts[p];
-      const std::int64_t c0 = (lo - first[p]) * kColBlock, c1 = std::min(part.n, (hi - first[p]) * kColBlock);
       switch (part.dtype) {
-        case kFloat16: columns<kFloat16>(part, table, c0, c1); break;
-        case kBFloat16: columns<kBFloat16>(part, table, c0, c1); break;
-        default: columns<kFloat32>(part, table, c0, c1); break;
+        case kFloat16: panels<kFloat16>(part, table, lo - first[p], hi - first[p]); break;
+        case kBFloat16: panels<kBFloat16>(part, table, lo - first[p], hi - first[p]); break;
+        default: panels<kFloat32>(part, table, lo - first[p], hi - first[p]); break;
       }
     }
   };

@@ -19,15 +19,24 @@ def isas(dtype):
         else ["generic"]
 
 
+def pack(w, threads=2):
+    """w [N, K] (any row stride, unit stride along K) in the launcher's panel layout."""
+    ext = _backend.extension()
+    n, k = w.shape
+    packed = torch.full((ext.linear_packed_size(n, k, CODES[w.dtype]),), float("nan"), dtype=w.dtype)
+    ext.linear_pack(w.data_ptr(), packed.data_ptr(), CODES[w.dtype], n, k, w.stride(0), threads)
+    return packed
+
+
 def run(x, w, bias=None, *, threads=2, isa="auto", out=None):
     """The raw launcher on [M, K] x [N, K] (rows with any stride, unit stride along K)."""
     m, k = x.shape
     n = w.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype)
-    _backend.extension().linear(x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                out.data_ptr(), CODES[x.dtype], m, k, n, x.stride(0), w.stride(0),
-                                out.stride(0), threads, isa)
+    packed = pack(w)                                      # kept alive across the call
+    _backend.extension().linear(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                out.data_ptr(), CODES[x.dtype], m, k, n, x.stride(0), out.stride(0), threads, isa)
     return out
 
 
@@ -49,7 +58,7 @@ def check_close(got, x, w, bias=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m, k, n", [(1, 576, 192), (7, 576, 13), (6, 32, 4), (13, 100, 9), (64, 17, 5),
-                                     (2, 1, 3), (5, 1536, 576), (1, 33, 1)])
+                                     (2, 1, 3), (5, 1536, 576), (1, 33, 1), (19, 63, 65), (12, 2, 48), (3, 7, 130)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_float64(dtype, m, k, n, with_bias):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
@@ -86,22 +95,42 @@ def test_linear_strided_rows_and_output():
     assert (out_big[:, :3] == 7).all() and (out_big[:, 15:] == 7).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pack_layout(dtype):
+    """Panel p = columns 16p..16p+15 as [ceil(K / S)][16][S] (S = 2 for 16-bit dtypes), zero
+    padded past N and K."""
+    n, k = 20, 5
+    w = torch.arange(1, n * k + 1, dtype=torch.float32).view(n, k).to(dtype)
+    s = 1 if dtype == torch.float32 else 2
+    steps = -(-k // s)
+    padded = torch.zeros(32, steps * s, dtype=dtype)
+    padded[:n, :k] = w
+    want = padded.view(2, 16, steps, s).permute(0, 2, 1, 3).reshape(-1)
+    assert torch.equal(pack(w), want)
+
+
 def test_linear_empty_and_bad_arguments():
     ext = _backend.extension()
     x = torch.randn(0, 8)
     w = torch.randn(4, 8)
     run(x, w)                                             # m = 0: nothing to do
     with pytest.raises(ValueError, match="dtype"):
-        ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 5, 1, 8, 4, 8, 8, 4)
+        ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 5, 1, 8, 4, 8, 4)
     with pytest.raises(ValueError, match="ldx"):
-        ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 0, 1, 8, 4, 4, 8, 4)
+        ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 0, 1, 8, 4, 4, 4)
     with pytest.raises(ValueError, match="weight is a null pointer"):
-        ext.linear(1 << 12, 0, 0, 1 << 12, 0, 1, 8, 4, 8, 8, 4)
+        ext.linear(1 << 12, 0, 0, 1 << 12, 0, 1, 8, 4, 8, 4)
     with pytest.raises(ValueError, match="isa"):
-        ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 0, 1, 8, 4, 8, 8, 4, 1, "sse")
+        ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 0, 1, 8, 4, 8, 4, 1, "sse")
     if ext.linear_isa(1) == "generic":
         with pytest.raises(ValueError, match="avx512"):
-            ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 1, 1, 8, 4, 8, 8, 4, 1, "avx512")
+            ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 1, 1, 8, 4, 8, 4, 1, "avx512")
+    with pytest.raises(ValueError, match="ldw"):
+        ext.linear_pack(1 << 12, 1 << 12, 0, 4, 8, 7)
+    with pytest.raises(ValueError, match="packed is a null pointer"):
+        ext.linear_pack(1 << 12, 0, 0, 4, 8, 8)
+    with pytest.raises(ValueError, match="k"):
+        ext.linear_packed_size(4, 0, 2)
 
 
 def test_dense_routes_small_rows_and_keeps_autograd(monkeypatch):
@@ -118,6 +147,21 @@ def test_dense_routes_small_rows_and_keeps_autograd(monkeypatch):
     monkeypatch.setitem(dense_mod.SMALL_ROWS, torch.float32, 5)
     assert not small_rows_path(x, w)                      # 6 rows > 5
     assert dense(torch.randn(0, 10), w).shape == (0, 6)
+
+
+def test_packed_weight_is_kept_and_follows_in_place_updates():
+    """Packed once per weight; an in-place update (an optimizer step, load_state_dict)
+    repacks it."""
+    from dspec.models.dense import packed_weight
+    w = torch.randn(33, 40)
+    x = torch.randn(3, 40)
+    first = packed_weight(w)
+    assert packed_weight(w) is first
+    torch.testing.assert_close(dense(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        w.mul_(-2)
+    assert packed_weight(w) is not first
+    torch.testing.assert_close(dense(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
@@ -155,7 +199,8 @@ def test_linear_group_equals_one_call_per_weight(dtype):
     bs = [None, torch.randn(13, generator=g).to(dtype), None]
     ext = _backend.extension()
     outs = [torch.empty(2, 5, w.shape[0], dtype=dtype) for w in ws]
-    ext.linear_group(x.data_ptr(), CODES[dtype], 10, 72, [w.data_ptr() for w in ws],
+    packed = [pack(w) for w in ws]
+    ext.linear_group(x.data_ptr(), CODES[dtype], 10, 72, [p.data_ptr() for p in packed],
                      [0 if b is None else b.data_ptr() for b in bs], [o.data_ptr() for o in outs],
                      [w.shape[0] for w in ws], 2)
     for w, b, o in zip(ws, bs, outs):
@@ -166,6 +211,6 @@ def test_linear_group_equals_one_call_per_weight(dtype):
         if dtype != torch.float16:
             assert torch.equal(o.view(10, -1), run(x.view(10, 72), w, b, threads=1))
     with pytest.raises(ValueError, match="same length"):
-        ext.linear_group(x.data_ptr(), CODES[dtype], 10, 72, [ws[0].data_ptr()], [], [outs[0].data_ptr()], [40])
+        ext.linear_group(x.data_ptr(), CODES[dtype], 10, 72, [packed[0].data_ptr()], [], [outs[0].data_ptr()], [40])
     with pytest.raises(ValueError, match=r"ns\[0\]"):
-        ext.linear_group(x.data_ptr(), CODES[dtype], 10, 72, [ws[0].data_ptr()], [0], [outs[0].data_ptr()], [0])
+        ext.linear_group(x.data_ptr(), CODES[dtype], 10, 72, [packed[0].data_ptr()], [0], [outs[0].data_ptr()], [0])

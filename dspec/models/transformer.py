@@ -25,6 +25,7 @@ from .dense import dense, dense_many
 from .kv_cache import KVCache, SuffixKV
 from .mask_adapter import MaskLoraLinear, clean_causal_words
 from .plan import AttentionPlan
+from .stack import run_layers
 
 
 class Output(NamedTuple):
@@ -112,7 +113,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = _project((self.gate_proj, self.up_proj), x)
-        return _linear(self.down_proj, F.silu(gate) * up)
+        return _linear(self.down_proj, silu_mul(gate, up))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up``; on the CPU without autograd dspec._C.silu_mul (into gate, a
+    fresh projection), the SiLU the one-call layer stack uses, so the two agree bit for bit."""
+    if _fused_cpu(gate, up) and gate.is_contiguous() and up.is_contiguous() and gate.dtype == up.dtype \
+            and gate.shape == up.shape and hasattr(_backend.extension(), "silu_mul") and gate.numel():
+        width = gate.shape[-1]
+        _backend.extension().silu_mul(gate.data_ptr(), up.data_ptr(), gate.data_ptr(), _backend.FLOAT_CODE[gate.dtype],
+                                      gate.numel() // width, width, torch.get_num_threads())
+        return gate
+    return F.silu(gate) * up
 
 
 class Block(nn.Module):
@@ -362,7 +375,12 @@ class Model(nn.Module):
         attention, layer_prefix = self._attention_plan(batch, n, mask, cache, backend)   # once
         # decided once for every layer: the fused C++ element-wise ops apply (CPU, no autograd)
         fused = _fused_cpu(x, self.norm.weight, cos, sin)
-        for i, layer in enumerate(self.layers):
+        stacked = run_layers(self, x.clone() if 0 in want else x, cos, sin, attention, layer_prefix, want,
+                             return_kv) if fused else None
+        if stacked is not None:                     # every layer in one C++ call
+            x, keys, values, layer_outputs = stacked
+            recorded.update(layer_outputs)
+        for i, layer in enumerate(self.layers if stacked is None else ()):
             attn = layer.self_attn
             q, k, v = attn.rotated_qkv(layer.input_layernorm(x, fused), cos, sin, fused)
             o = attention.run(q, k, v, *layer_prefix(i))

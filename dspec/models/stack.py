@@ -1,0 +1,165 @@
+"""Every decoder layer of an inference forward in one ``dspec._C.decoder_layers`` call.
+
+A decode step on the CPU runs ~15 small ops per layer (norms, grouped projections, RoPE,
+attention, adds, SiLU); from Python each pays a dispatch comparable to its math at one
+token.  ``run_layers`` hands the whole stack to C++ when the forward allows it (the CPU, no
+autograd, a float32 / bfloat16 model of plain or mask-adapted projections, the C++
+attention plan, at most ``dense.SMALL_ROWS`` rows).  It runs the same kernels as the per-op
+path in ``transformer.py`` with the same roundings, so the two are bit-identical (tested);
+``None`` means the per-op path runs.
+
+The per-model list of weight addresses (packed projections, norms, biases, adapter
+matrices) is made once and reused while no weight changes (``_WeightTable``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import _backend
+from .dense import SMALL_ROWS, packed_weight
+from .mask_adapter import MaskLoraLinear
+
+__all__ = ["run_layers"]
+
+#: False sends every forward through the per-op path (the tests compare the two)
+ENABLED = True
+
+_CODES = {torch.float32: 0, torch.bfloat16: 2}
+_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+class _WeightTable:
+    """The addresses ``decoder_layers`` reads, for one model in one state of its weights."""
+
+    __slots__ = ("key", "params", "weights", "lora", "lora_scales", "lora_rank")
+
+    def __init__(self, model):
+        modules = [[getattr(getattr(layer, part), name) for part, name in _PROJECTIONS] for layer in model.layers]
+        self.params = [p for layer, mods in zip(model.layers, modules)
+                       for p in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                 *(m.weight for m in mods), *(m.bias for m in mods if m.bias is not None))]
+        self.key = _state(self.params)
+        self.weights = []
+        for layer, mods in zip(model.layers, modules):
+            self.weights += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
+            self.weights += [packed_weight(m.weight).data_ptr() for m in mods]
+            self.weights += [0 if m.bias is None else m.bias.data_ptr() for m in mods]
+        adapted = [m for mods in modules for m in mods if type(m) is MaskLoraLinear]
+        self.lora, self.lora_scales, self.lora_rank = [], [], 0
+        if adapted:
+            self.params += [p for m in adapted for p in (m.lora_A, m.lora_B)]
+            self.key = _state(self.params)
+            for mods in modules:
+                for m in mods:
+                    if type(m) is MaskLoraLinear:
+                        self.lora += [m.lora_A.data_ptr(), m.lora_B.data_ptr()]
+                        self.lora_scales.append(float(m.scale))
+                        self.lora_rank = m.lora_A.shape[0]
+                    else:
+                        self.lora += [0, 0]
+                        self.lora_scales.append(0.0)
+
+
+def _state(params) -> tuple:
+    """What invalidates a table: a parameter re-pointed or modified in place."""
+    return tuple((p.data_ptr(), p._version) for p in params)
+
+
+def _eligible(model) -> bool:
+    """The model's layers are what decoder_layers computes (checked once per model)."""
+    cfg = model.config
+    if cfg.qk_norm or model.dtype not in _CODES:
+        return False
+    for layer in model.layers:
+        for part, name in _PROJECTIONS:
+            m = getattr(getattr(layer, part), name)
+            if type(m) is not nn.Linear and type(m) is not MaskLoraLinear:
+                return False
+            if m.weight.dtype is not model.dtype or (m.bias is not None and m.bias.dtype is not model.dtype):
+                return False
+            if type(m) is MaskLoraLinear and not (m.lora_A.dtype is torch.float32 and m.lora_A.is_contiguous()
+                                                  and m.lora_B.is_contiguous()):
+                return False
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if norm.weight.dtype is not model.dtype or not norm.weight.is_contiguous():
+                return False
+    return True
+
+
+def _table(model) -> _WeightTable | None:
+    table = model.__dict__.get("_stack_table")
+    if table is not None and _state(table.params) == table.key:
+        return table
+    if not _eligible(model):
+        return None
+    table = _WeightTable(model)
+    model.__dict__["_stack_table"] = table
+    return table
+
+
+def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: bool):
+    """The decoder layers in one call, or None when this forward cannot take that path.
+
+    x [B, N, hidden] (updated in place: the caller passes a fresh tensor), cos / sin
+    [B, N, 1, D] float32; ``attention`` the forward's ``CascadeAttentionPlan`` and
+    ``layer_prefix(i)`` its layer-``i`` prefix.  Returns ``(x, keys, values, recorded)``:
+    keys / values per layer [B, N, Hkv, D] (None without ``return_kv``), recorded {i: x
+    after layer i} for i in ``want``.
+    """
+    ext = _backend.extension()
+    meta = attention._meta
+    if not ENABLED or meta is None or ext is None or not hasattr(ext, "decoder_layers") or x.dtype not in _CODES:
+        return None
+    cfg = model.config
+    batch, n, hidden = x.shape
+    rows = batch * n
+    if rows == 0 or rows > SMALL_ROWS[x.dtype] or not (cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    if meta.prefix == 1:                          # ragged rows gathered per layer: per-op path
+        return None
+    table = _table(model)
+    if table is None:
+        return None
+    layers = cfg.num_layers
+    d, hkv = cfg.head_dim, cfg.num_kv_heads
+    if meta.prefix == 2:
+        pk, pv = layer_prefix(0)
+        item = pk.element_size()
+        stride = 0
+        if layers > 1:
+            pk1, pv1 = layer_prefix(1)
+            stride = (pk1.data_ptr() - pk.data_ptr()) // item
+            if stride * item != pk1.data_ptr() - pk.data_ptr() or pv1.data_ptr() - pv.data_ptr() != stride * item:
+                return None
+        pks, pvs = pk.stride(), pv.stride()
+        prefix = (pk.data_ptr(), pv.data_ptr(), pk.shape[0], pk.shape[1], pks[0], pks[1], pks[2], pvs[0], pvs[1],
+                  pvs[2], stride)
+    else:
+        prefix = (0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0)
+    kv = torch.empty(2, layers, batch, n, hkv, d, dtype=x.dtype)
+    slots = sorted(i for i in want if 0 < i < layers)
+    record = [-1] * layers
+    for s, i in enumerate(slots):
+        record[i - 1] = s
+    hid = torch.empty(len(slots), batch, n, hidden, dtype=x.dtype) if slots else None
+    adapter = model.mask_adapter
+    rows_index = adapter.rows.index if adapter is not None else None
+    if rows_index is not None and (rows_index.dtype is not torch.int64 or not rows_index.is_contiguous()):
+        return None
+    mask_ptr, mask_s0, mask_s1 = meta.mask_part
+    indptr, table_ptr, lens, indptr_code, max_pages, table_stride = meta.meta_part
+    dt, _, _, hq, _, _, scale = meta.head
+    ext.decoder_layers(
+        x.data_ptr(), dt, batch, n, hidden, hq, hkv, d, cfg.intermediate_size, cfg.rms_norm_eps,
+        cos.data_ptr(), sin.data_ptr(), mask_ptr, mask_s0, mask_s1, prefix[0], prefix[1], indptr, indptr_code,
+        table_ptr, lens, prefix[2], prefix[3], max_pages, table_stride, *prefix[4:10], prefix[10], scale,
+        table.weights, table.lora if rows_index is not None else [], table.lora_scales if rows_index is not None else [],
+        table.lora_rank, 0 if rows_index is None else rows_index.data_ptr(),
+        0 if rows_index is None else rows_index.numel(), kv[0].data_ptr(), kv[1].data_ptr(),
+        0 if hid is None else hid.data_ptr(), len(slots), record, torch.get_num_threads())
+    recorded = {i: hid[s] for s, i in enumerate(slots)}
+    keys = list(kv[0].unbind(0)) if return_kv else None
+    values = list(kv[1].unbind(0)) if return_kv else None
+    return x, keys, values, recorded

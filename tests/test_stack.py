@@ -1,0 +1,137 @@
+"""dspec._C.decoder_layers (every layer of an inference forward in one call, models/stack.py)
+against the per-op path of transformer.py: logits, suffix keys / values and hidden states
+bit for bit, with and without a cached prefix, masks, batches, a mask adapter; and
+dspec._C.silu_mul against torch's F.silu(gate) * up."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dspec
+from dspec import _backend
+from dspec.models import stack
+from dspec.train.mask_adapter import mask_diffusion_model
+
+from tiny_checkpoints import write_checkpoint
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C not built")]
+MASK = 5
+
+
+@pytest.fixture(scope="module")
+def base32(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=3)
+    return dspec.load(path, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def bd(base32):
+    model = mask_diffusion_model(base32, block_size=4, mask_token_id=MASK, rank=4)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():                      # a trained-looking adapter: B != 0
+        for n, p in model.named_parameters():
+            if n.endswith("lora_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def _ids(n, seed, lo=10, hi=150):
+    return torch.randint(lo, hi, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _both(monkeypatch, fn):
+    """fn() through the one-call stack, then through the per-op path."""
+    calls = []
+    real = stack.run_layers
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr("dspec.models.transformer.run_layers", spy)
+    with torch.no_grad():                      # as every decode loop runs
+        fused = fn()
+        assert calls and all(calls), "the one-call stack did not run"
+        monkeypatch.setattr(stack, "ENABLED", False)
+        per_op = fn()
+    monkeypatch.setattr(stack, "ENABLED", True)
+    return fused, per_op
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_equals_per_op_path(base32, monkeypatch, dtype):
+    model = base32 if dtype == "float32" else base32.to(torch.bfloat16)
+    seqs = [_ids(9, 1), _ids(5, 2), _ids(7, 3)]
+    cache = model.new_cache(3)
+    with torch.no_grad():
+        prompt = model(model.plan(seqs, cache))
+    cache.append(prompt.suffix_kv, counts=torch.tensor([len(s) for s in seqs]))
+    nxt = [_ids(4, 4), _ids(4, 5), _ids(4, 6)]
+
+    def step():
+        out = model(model.plan(nxt, cache), logits="all", hidden_states=[0, 1, -1])
+        return out.logits, out.hidden, out.suffix_kv.keys, out.suffix_kv.values
+
+    fused, per_op = _both(monkeypatch, step)
+    _equal(fused, per_op)
+    # no prefix, one row
+    fused, per_op = _both(monkeypatch, lambda: model(model.plan([[11]]), logits="all").logits)
+    _equal(fused, per_op)
+
+
+def test_stack_with_mask_adapter_and_masks(bd, monkeypatch):
+    seqs = [_ids(6, 7) + [MASK, 60, MASK, MASK], _ids(6, 8) + [MASK] * 4]
+    fused, per_op = _both(monkeypatch, lambda: bd(bd.plan(seqs, attention="block_causal", block_size=4),
+                                                  logits="all").logits)
+    _equal(fused, per_op)
+
+
+def test_stack_equals_transformers_within_tolerance(base32, monkeypatch):
+    """The stack's own accuracy, not only its agreement with the per-op path."""
+    seq = _ids(12, 9)
+    fused, per_op = _both(monkeypatch, lambda: base32(base32.plan([seq]), logits="all").logits)
+    torch.testing.assert_close(fused, per_op, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype, width", [(torch.float32, 37), (torch.bfloat16, 100), (torch.float16, 17)])
+def test_silu_mul_matches_torch(dtype, width):
+    g = torch.Generator().manual_seed(width)
+    gate = (torch.randn(5, width, generator=g) * 6).to(dtype)
+    gate[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).to(dtype)
+    up = torch.randn(5, width, generator=g).to(dtype)
+    out = torch.empty_like(gate)
+    _backend.extension().silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), _backend.FLOAT_CODE[dtype], 5,
+                                  width, 2)
+    want = F.silu(gate.float()).to(dtype).float() * up.float()
+    # one rounding of the dtype off torch's at most (a different exp polynomial)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), want.to(dtype).float(), rtol=tol, atol=tol)
+
+
+def test_decoder_layers_rejects_bad_arguments():
+    ext = _backend.extension()
+    args = dict(x=1 << 12, dtype=0, batch=1, n=1, hidden=8, hq=2, hkv=1, head_dim=4, intermediate=16, eps=1e-5,
+                cos=1 << 12, sin=1 << 12, mask=0, mask_s0=0, mask_s1=0, prefix_k=0, prefix_v=0, prefix_indptr=0,
+                indptr_dtype=0, page_table=0, prefix_lens=0, prefix_rows=0, page_size=1, max_pages=0,
+                page_table_stride=0, prefix_k_s0=0, prefix_k_s1=0, prefix_k_s2=0, prefix_v_s0=0, prefix_v_s1=0,
+                prefix_v_s2=0, prefix_layer_stride=0, sm_scale=0.5, weights=[1 << 12] * 16, lora=[],
+                lora_scales=[], lora_rank=0, mask_rows=0, num_mask_rows=0, k_out=1 << 12, v_out=1 << 12,
+                hidden_out=0, hidden_slots=0, record=[-1], num_threads=1)
+    for key, bad, match in (("weights", [1 << 12] * 15, "weights must hold 16"), ("head_dim", 5, "head_dim"),
+                            ("record", [-1, -1], "record must hold"), ("record", [0], r"record\[0\]"),
+                            ("eps", 0.0, "eps"), ("hkv", 3, "multiple of hkv"),
+                            ("num_mask_rows", 1, "mask_rows without lora")):
+        with pytest.raises(ValueError, match=match):
+            ext.decoder_layers(**dict(args, **{key: bad}))
