@@ -3,12 +3,12 @@
 // The weight is packed once (linear_pack_cpu) into panels of kPanel = 16 output columns:
 // panel p holds columns 16p .. 16p+15 as [ceil(k / S)][16][S] with S = 2 for 16-bit dtypes
 // (k pairs, the operand layout of AVX512_BF16's vdpbf16ps) and S = 1 for float32, zero
-// padded.  A tile keeps MR rows x T panels of float32 accumulators in registers (MR <= 6
-// with T <= 4, or MR <= 8 with T <= 3: 24 accumulators); each k step loads T panel vectors
-// and broadcasts one k pair (or element) of each row: no reduction across lanes at the
-// end, so a few rows run near the FMA peak and one row streams the weight.  The rows are
-// cut into as few balanced tiles as possible (16 rows: 8 + 8), so up to 8 rows stream
-// each weight byte once.  Threads split the panels (each weight byte read once).
+// padded.  A tile keeps MR (<= 6) rows x T (<= 4) panels of float32 accumulators in
+// registers; each k step loads T panel vectors and broadcasts one k pair (or element) of
+// each row: no reduction across lanes at the end, so a few rows run near the FMA peak
+// and one row streams the weight.  Threads split the panels (each weight byte read once).
+// (Balanced tiles of up to 8 rows x 3 panels measured no faster at 16 rows and ~15 %
+// slower at 8: bench_linear A/B, AMD EPYC, November 2026.)
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -31,10 +31,8 @@
 namespace dspec {
 namespace {
 
-constexpr int kRowBlock = 8;     // rows per tile at most (with at most kWideRows: kPanelBlock panels)
-constexpr int kWideRows = 6;
+constexpr int kRowBlock = 6;
 constexpr int kPanelBlock = 4;
-constexpr int kTallPanels = 3;   // panels per tile of more than kWideRows rows
 // below this many weight elements per thread a call stays on one thread
 constexpr std::int64_t kElementsPerThread = std::int64_t(1) << 17;
 
@@ -158,7 +156,7 @@ DSPEC_AVX512BF16 void micro_avx512(const Tile& t) {
 #pragma GCC unroll 4
   for (int p = 0; p < T; ++p) {
     const __m512 b = _mm512_loadu_ps(t.bias + p * kPanel);
-#pragma GCC unroll 8
+#pragma GCC unroll 6
     for (int i = 0; i < MR; ++i) {
       S::store(out + i * t.ldo + p * kPanel, _mm512_add_ps(acc[i][p], b), p == T - 1 ? last : __mmask16(0xffff));
     }
@@ -178,15 +176,11 @@ void fill(Micro (&table)[kRowBlock][kPanelBlock], std::integer_sequence<int, MRs
   (fill_row<Pick, MRs + 1>(table[MRs], std::make_integer_sequence<int, kPanelBlock>{}), ...);
 }
 
-// tiles of more than kWideRows rows take at most kTallPanels panels (registers); the
-// table's other tall entries are never called and point at a tile that fits
-constexpr int fit_panels(int mr, int t) { return mr > kWideRows && t > kTallPanels ? kTallPanels : t; }
-
 template <int DT>
 struct PickGeneric {
   template <int MR, int T>
   struct At {
-    static constexpr Micro fn = &micro_generic<DT, MR, fit_panels(MR, T)>;
+    static constexpr Micro fn = &micro_generic<DT, MR, T>;
   };
 };
 
@@ -206,7 +200,7 @@ template <class S>
 struct PickAvx512 {
   template <int MR, int T>
   struct At {
-    static constexpr Micro fn = &micro_avx512<S, MR, fit_panels(MR, T)>;
+    static constexpr Micro fn = &micro_avx512<S, MR, T>;
   };
 };
 #endif
@@ -225,15 +219,6 @@ const Table& table_for(int dtype, bool avx512) {
   return dtype == kFloat32 ? generic_f32 : (dtype == kFloat16 ? generic_f16 : generic_bf16);
 }
 
-// The row tiles of m rows: as few as kRowBlock allows, balanced; and the panels per tile.
-struct Tiling {
-  std::int64_t tiles;
-  int group;
-  explicit Tiling(std::int64_t m)
-      : tiles((m + kRowBlock - 1) / kRowBlock),
-        group((m + tiles - 1) / tiles > kWideRows ? kTallPanels : kPanelBlock) {}
-};
-
 // Panels [p0, p1) of one projection, every row of x.
 template <int DT>
 void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64_t p1) {
@@ -242,19 +227,15 @@ void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64
   const char* x = static_cast<const char*>(a.x);
   const char* w = static_cast<const char*>(a.weight);
   char* out = static_cast<char*>(a.out);
-  const Tiling tiling(a.m);
-  const std::int64_t tiles = tiling.tiles;
-  const int group = tiling.group;
   float bias[kPanel * kPanelBlock];
-  for (std::int64_t g = p0; g < p1; g += group) {
-    const int tp = static_cast<int>(std::min<std::int64_t>(group, p1 - g));
+  for (std::int64_t g = p0; g < p1; g += kPanelBlock) {
+    const int tp = static_cast<int>(std::min<std::int64_t>(kPanelBlock, p1 - g));
     const std::int64_t c0 = g * kPanel;
     const int cols = static_cast<int>(std::min<std::int64_t>(kPanel * tp, a.n - c0));
     for (int c = 0; c < kPanel * tp; ++c) bias[c] = a.bias != nullptr && c < cols ? dt::load<DT>(a.bias, c0 + c) : 0.0f;
     Tile t{nullptr, a.ldx, w + g * panel * item, panel, a.k, bias, nullptr, a.ldo, cols - (tp - 1) * kPanel};
-    for (std::int64_t tile = 0; tile < tiles; ++tile) {
-      const std::int64_t i0 = a.m * tile / tiles;
-      const int mr = static_cast<int>(a.m * (tile + 1) / tiles - i0);
+    for (std::int64_t i0 = 0; i0 < a.m; i0 += kRowBlock) {
+      const int mr = static_cast<int>(std::min<std::int64_t>(kRowBlock, a.m - i0));
       t.x = x + i0 * a.ldx * item;
       t.out = out + (i0 * a.ldo + c0) * item;
       table.fn[mr - 1][tp - 1](t);
@@ -368,7 +349,7 @@ void linear_group_cpu(const LinearArgs* parts, int count) {
   // a few chunks per thread, so that a thread that starts late (its core busy) leaves its
   // share to the others; chunk boundaries on whole panel groups (a part's own boundaries
   // aside).  The split never changes a result: every output is one tile's, in k order.
-  const int group = Tiling(a.m).group;
+  const int group = kPanelBlock;
   const std::int64_t groups = (total + group - 1) / group;
   const int chunks = static_cast<int>(std::min<std::int64_t>(groups, threads == 1 ? 1 : 4 * threads));
   auto body = [&](int c) {
