@@ -12,6 +12,15 @@ namespace cpu {
 #define DSPEC_CPU_INLINE inline __attribute__((always_inline))
 #endif
 
+// An entry point compiled for AVX-512, AVX2 + FMA and baseline x86-64, picked at load time
+// by the ifunc resolver (GCC on ELF; elsewhere one baseline copy): the branch-free loops
+// below vectorise in each, and every call on one machine runs the same copy.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__ELF__)
+#define DSPEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define DSPEC_CPU_CLONES
+#endif
+
 // exp(x) for x <= 0 (the only arguments the algorithm produces; -inf and NaN give 0).
 // Branch-free so that the lane loop vectorises: Cody-Waite reduction by ln 2 and the
 // degree-6 polynomial of Cephes' expf (about 1 ulp on [-87, 0]); results below 2^-126

@@ -61,7 +61,8 @@ void decoder_layers_cpu(const DecoderArgs& args);
 
 // out[i] = silu(gate[i]) * up[i] rounded as torch rounds F.silu(gate) * up in the dtype
 // (silu rounded to the dtype, then the product); gate / up / out [rows, width] contiguous,
-// out may alias gate.  The exponential is a fixed polynomial, the same bits on every ISA.
+// out may alias gate.  Both paths of a forward (decoder_layers and the per-op MLP) call it,
+// so they agree bit for bit; against torch's SiLU it may differ by a rounding.
 void silu_mul_cpu(int dtype, std::int64_t rows, std::int64_t width, const void* gate, const void* up, void* out,
                   int num_threads);
 

@@ -180,7 +180,7 @@ void register_decoder(py::module_& m) {
         py::arg("width"), py::arg("num_threads") = 1,
         R"doc(out = silu(gate) * up on [rows, width] contiguous tensors of dtype (0 fp32, 1 fp16, 2 bf16),
 rounded as torch rounds F.silu(gate) * up (silu to the dtype, then the product); out may be gate.  The
-exponential is a fixed polynomial: the same bits with and without AVX-512.)doc");
+model's per-op MLP and decoder_layers both use it, so they agree bit for bit.)doc");
   m.def("decoder_layers", &decoder_layers, py::arg("x"), py::arg("dtype"), py::arg("batch"), py::arg("n"),
         py::arg("hidden"), py::arg("hq"), py::arg("hkv"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"),
         py::arg("cos"), py::arg("sin"), py::arg("mask"), py::arg("mask_s0"), py::arg("mask_s1"), py::arg("prefix_k"),

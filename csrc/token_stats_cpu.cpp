@@ -1,10 +1,9 @@
 // token_stats on the CPU: the same online algorithm as the CUDA / Triton kernels.
 //
-// Each row (or column chunk of a row) is scanned by kLanes interleaved lanes
-// (lane l owns columns l, l + kLanes, ...), each with its own online state (float sums,
-// flushed into a double-precision state every kRoundsPerFlush rounds); chunks of one row
-// are merged in column order.  The lane loop is branch-free (own exp, dtype.h decoding)
-// so the compiler vectorises it; on x86-64 it is also compiled for AVX2+FMA.  Large inputs
+// Each row (or column chunk of a row) is scanned in two passes by kLanes interleaved lanes
+// (see scan_impl); the chunks of one row are merged with the online merge (ts::merge).
+// The lane loops are branch-free (own exp, dtype.h decoding) so the compiler vectorises
+// them; on x86-64 they are also compiled for AVX2+FMA and AVX-512.  Large inputs
 // (rows * vocab >= 2^18) are spread over std::thread workers (no OpenMP; at most
 // $DSPEC_CPU_THREADS or hardware_concurrency() of them); the caller releases the GIL.
 #include <algorithm>
@@ -23,8 +22,6 @@
 namespace dspec {
 namespace {
 
-using cpu::exp_nonpos;
-
 constexpr int kLanes = 16;
 using State = ts::StateT<double>;  // float max / exps, double sums (see dspec.h)
 // Below this many elements a call runs on the calling thread alone.
@@ -32,121 +29,118 @@ constexpr std::int64_t kParallelThreshold = std::int64_t(1) << 18;
 // Each worker gets at least this many elements.
 constexpr std::int64_t kMinElementsPerThread = std::int64_t(1) << 16;
 
-// kLanes interleaved online states (structure of arrays, float sums).  Every
-// kRoundsPerFlush rounds (kLanes columns each) they are merged into a double-precision
-// running state and reset, so a float sum never folds more than kRoundsPerFlush terms.
+// Two passes over a chunk of a row, each in kLanes interleaved lanes (lane l owns columns
+// l, l + kLanes, ...; branch-free, so they vectorise).  Pass 1 finds the max, its column,
+// the runner-up and the NaNs: compares only.  Pass 2 sums exp((x - max) * inv_t) and the
+// entropy term against that fixed max: one exp and two adds per element, where the online
+// update of dspec::ts::update rescales on every new max with selects around it (about 3x
+// the work).  The chunk is re-read from cache (a row of 49152 floats is 192 KiB), so
+// memory traffic stays one read.  Float lane sums go into double sums every
+// kRoundsPerFlush rounds, so a float sum never folds more than that many terms.
 constexpr int kRoundsPerFlush = 256;
 
-struct alignas(64) Lanes {
-  float m1[kLanes];
-  float m2[kLanes];
-  float s[kLanes];
-  float a[kLanes];
-  std::int32_t i1[kLanes];
-  std::int32_t nan[kLanes];
-};
-
-DSPEC_CPU_INLINE void reset(Lanes& L) {
-  for (int l = 0; l < kLanes; ++l) {
-    L.m1[l] = -INFINITY;
-    L.m2[l] = -INFINITY;
-    L.s[l] = 0.0f;
-    L.a[l] = 0.0f;
-    L.i1[l] = INT32_MAX;
-    L.nan[l] = 0;
-  }
+// Pass 1's fold of x (NaN counted, then taken as -inf) into one lane.
+DSPEC_CPU_INLINE void fold_max(float raw, std::int32_t col, float& m1, float& m2, std::int32_t& i1, std::int32_t& nan) {
+  nan += raw != raw ? 1 : 0;
+  const float x = raw != raw ? -INFINITY : raw;
+  const bool gt = x > m1;
+  m2 = gt ? m1 : (m2 > x ? m2 : x);
+  i1 = gt ? col : i1;
+  m1 = gt ? x : m1;
 }
 
-// Fold one round: columns col0 + l for l < kLanes; xv holds their values (-inf padding past
-// the end of the range).  Same arithmetic as dspec::ts::update, lane by lane.
-DSPEC_CPU_INLINE void fold_round(Lanes& L, const float* xv, std::int32_t col0, float inv_t) {
-  for (int l = 0; l < kLanes; ++l) {
-    float x = xv[l];
-    const bool is_nan = x != x;
-    L.nan[l] += is_nan ? 1 : 0;
-    x = is_nan ? -INFINITY : x;
-    const float m1 = L.m1[l], s = L.s[l], a = L.a[l];
-    const bool live = x > -INFINITY;
-    const bool gt = x > m1;
-    const float diff = (gt ? m1 - x : x - m1) * inv_t;
-    const float ex = exp_nonpos(diff);
-    const float e = live ? ex : 0.0f;
-    const float s_gt = s * e + 1.0f;
-    const float a_gt = e > 0.0f ? e * (a + diff * s) : 0.0f;
-    const float s_le = s + e;
-    const float a_le = a + (e > 0.0f ? e * diff : 0.0f);
-    L.s[l] = live ? (gt ? s_gt : s_le) : s;
-    L.a[l] = live ? (gt ? a_gt : a_le) : a;
-    L.m2[l] = gt ? m1 : (L.m2[l] > x ? L.m2[l] : x);
-    L.i1[l] = gt ? col0 + l : L.i1[l];
-    L.m1[l] = gt ? x : m1;
-  }
+// Pass 2's fold of x into one lane's sums against the chunk's finite max top.  No branch
+// around the exp (so the loop vectorises): -inf and NaN give d = -inf or NaN and e = 0,
+// and d is clamped where e = 0 anyway, so that e * d never is 0 * inf.
+DSPEC_CPU_INLINE void fold_sum(float x, float top, float inv_t, float& s, float& a) {
+  const float d = (x - top) * inv_t;            // <= 0
+  const float e = cpu::exp_nonpos(d);
+  s += e;
+  a += e * (d > -128.0f ? d : -128.0f);
 }
 
-DSPEC_CPU_INLINE void flush(Lanes& L, State& run, float inv_t) {
+// State of the n float32 values at p, columns col0, col0 + 1, ... of a row.
+DSPEC_CPU_INLINE State scan_floats(const float* p, std::int64_t n, std::int64_t col0, float inv_t) {
+  const std::int64_t lo = 0, hi = n;
+  alignas(64) float m1[kLanes], m2[kLanes];
+  alignas(64) std::int32_t i1[kLanes], nan[kLanes];
   for (int l = 0; l < kLanes; ++l) {
-    State st;
-    st.m1 = L.m1[l];
-    st.m2 = L.m2[l];
-    st.s = L.s[l];
-    st.a = L.a[l];
-    st.i1 = L.i1[l];
-    st.nan = L.nan[l];
+    m1[l] = m2[l] = -INFINITY;
+    i1[l] = INT32_MAX;
+    nan[l] = 0;
+  }
+  const std::int64_t body = lo + (hi - lo) / kLanes * kLanes;
+  for (std::int64_t j = lo; j < body; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) fold_max(p[j + l], static_cast<std::int32_t>(col0 + j + l), m1[l], m2[l], i1[l], nan[l]);
+  }
+  for (std::int64_t j = body; j < hi; ++j) {
+    const int l = static_cast<int>(j - body);
+    fold_max(p[j], static_cast<std::int32_t>(col0 + j), m1[l], m2[l], i1[l], nan[l]);
+  }
+  State run = ts::identity<double>();
+  for (int l = 0; l < kLanes; ++l) {   // the lanes' maxima (sums still 0): winner by value, ties to the lower column
+    State st = ts::identity<double>();
+    st.m1 = m1[l];
+    st.m2 = m2[l];
+    st.i1 = i1[l];
+    st.nan = nan[l];
     run = ts::merge(run, st, inv_t);
   }
-  reset(L);
-}
-
-// State of columns [lo, hi) of the row starting at p.
-template <int DT>
-DSPEC_CPU_INLINE State scan_impl(const dt::elem_t<DT>* p, std::int64_t lo, std::int64_t hi, float inv_t) {
-    State run = ts::identity<double>();
-  Lanes L;
-  reset(L);
-  alignas(64) float xv[kLanes];
-  std::int64_t j = lo;
-  while (j + kLanes <= hi) {
-    const std::int64_t rounds = std::min<std::int64_t>(kRoundsPerFlush, (hi - j) / kLanes);
-    for (std::int64_t r = 0; r < rounds; ++r, j += kLanes) {
-      for (int l = 0; l < kLanes; ++l) xv[l] = dt::to_float<DT>(p[j + l]);
-      fold_round(L, xv, static_cast<std::int32_t>(j), inv_t);
+  const float top = run.m1;
+  if (!(top > -INFINITY)) return run;  // nothing but -inf / NaN: both sums are 0
+  alignas(64) float s[kLanes], a[kLanes];
+  double s_sum = 0.0, a_sum = 0.0;
+  for (std::int64_t j = lo; j < body;) {
+    for (int l = 0; l < kLanes; ++l) s[l] = a[l] = 0.0f;
+    const std::int64_t stop = std::min<std::int64_t>(body, j + std::int64_t(kRoundsPerFlush) * kLanes);
+    for (; j < stop; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) fold_sum(p[j + l], top, inv_t, s[l], a[l]);
     }
-    flush(L, run, inv_t);
+    for (int l = 0; l < kLanes; ++l) {
+      s_sum += s[l];
+      a_sum += a[l];
+    }
   }
-  if (j < hi) {
-    for (int l = 0; l < kLanes; ++l) xv[l] = j + l < hi ? dt::to_float<DT>(p[j + l]) : -INFINITY;
-    fold_round(L, xv, static_cast<std::int32_t>(j), inv_t);
-    flush(L, run, inv_t);
+  for (std::int64_t j = body; j < hi; ++j) {
+    float s1 = 0.0f, a1 = 0.0f;
+    fold_sum(p[j], top, inv_t, s1, a1);
+    s_sum += s1;
+    a_sum += a1;
   }
+  run.s = s_sum;
+  run.a = a_sum;
   return run;
 }
 
-// One entry point per dtype, compiled for AVX2+FMA and baseline x86-64 (picked at load
-// time by the ifunc resolver) where the compiler supports it.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__ELF__)
-#define DSPEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define DSPEC_CPU_CLONES
-#endif
-
-DSPEC_CPU_CLONES State scan_f32(const void* p, std::int64_t lo, std::int64_t hi, float inv_t) {
-  return scan_impl<kFloat32>(static_cast<const float*>(p), lo, hi, inv_t);
-}
-DSPEC_CPU_CLONES State scan_f16(const void* p, std::int64_t lo, std::int64_t hi, float inv_t) {
-  return scan_impl<kFloat16>(static_cast<const std::uint16_t*>(p), lo, hi, inv_t);
-}
-DSPEC_CPU_CLONES State scan_bf16(const void* p, std::int64_t lo, std::int64_t hi, float inv_t) {
-  return scan_impl<kBFloat16>(static_cast<const std::uint16_t*>(p), lo, hi, inv_t);
+// The float32 scan and the 16-bit dtypes' conversion to float32, each compiled for
+// AVX-512, AVX2 + FMA and baseline x86-64 (DSPEC_CPU_CLONES).  A 16-bit chunk is first
+// widened into a per-thread float32 buffer (at most one row, in L2) and scanned there: one
+// simple conversion loop and one float32 scan vectorise where the fused loop did not.
+DSPEC_CPU_CLONES State scan_f32(const float* p, std::int64_t n, std::int64_t col0, float inv_t) {
+  return scan_floats(p, n, col0, inv_t);
 }
 
 template <int DT>
+DSPEC_CPU_INLINE void widen(const std::uint16_t* p, std::int64_t n, float* out) {
+  for (std::int64_t i = 0; i < n; ++i) out[i] = dt::to_float<DT>(p[i]);
+}
+DSPEC_CPU_CLONES void widen_f16(const std::uint16_t* p, std::int64_t n, float* out) { widen<kFloat16>(p, n, out); }
+DSPEC_CPU_CLONES void widen_bf16(const std::uint16_t* p, std::int64_t n, float* out) { widen<kBFloat16>(p, n, out); }
+
+// State of columns [lo, hi) of the row starting at p.
+template <int DT>
 State scan(const dt::elem_t<DT>* p, std::int64_t lo, std::int64_t hi, float inv_t) {
   if constexpr (DT == kFloat32) {
-    return scan_f32(p, lo, hi, inv_t);
-  } else if constexpr (DT == kFloat16) {
-    return scan_f16(p, lo, hi, inv_t);
+    return scan_f32(p + lo, hi - lo, lo, inv_t);
   } else {
-    return scan_bf16(p, lo, hi, inv_t);
+    thread_local std::vector<float> wide;
+    if (static_cast<std::int64_t>(wide.size()) < hi - lo) wide.resize(static_cast<std::size_t>(hi - lo));
+    if constexpr (DT == kFloat16) {
+      widen_f16(p + lo, hi - lo, wide.data());
+    } else {
+      widen_bf16(p + lo, hi - lo, wide.data());
+    }
+    return scan_f32(wide.data(), hi - lo, lo, inv_t);
   }
 }
 

@@ -25,12 +25,6 @@ constexpr std::int64_t kBlock = 512;   // columns per pass-1 block
 constexpr std::int64_t kLargeK = 64;   // above: partial sort instead of the insertion buffer
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__ELF__)
-#define DSPEC_TOPK_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define DSPEC_TOPK_CLONES
-#endif
-
 struct RowScan {
   float max = kNegInf;
   bool nan = false;
@@ -233,9 +227,9 @@ DSPEC_CPU_INLINE void rows_impl(const TopkArgs& a, std::int64_t lo, std::int64_t
   }
 }
 
-DSPEC_TOPK_CLONES void rows_f32(const TopkArgs& a, std::int64_t lo, std::int64_t hi) { rows_impl<kFloat32>(a, lo, hi); }
-DSPEC_TOPK_CLONES void rows_f16(const TopkArgs& a, std::int64_t lo, std::int64_t hi) { rows_impl<kFloat16>(a, lo, hi); }
-DSPEC_TOPK_CLONES void rows_bf16(const TopkArgs& a, std::int64_t lo, std::int64_t hi) { rows_impl<kBFloat16>(a, lo, hi); }
+DSPEC_CPU_CLONES void rows_f32(const TopkArgs& a, std::int64_t lo, std::int64_t hi) { rows_impl<kFloat32>(a, lo, hi); }
+DSPEC_CPU_CLONES void rows_f16(const TopkArgs& a, std::int64_t lo, std::int64_t hi) { rows_impl<kFloat16>(a, lo, hi); }
+DSPEC_CPU_CLONES void rows_bf16(const TopkArgs& a, std::int64_t lo, std::int64_t hi) { rows_impl<kBFloat16>(a, lo, hi); }
 
 }  // namespace
 
