@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cascade_attention.h"
@@ -694,10 +695,32 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
         }
       }
     };
+    // The next tile's K / V rows (every head of the unit) are prefetched while this one is
+    // computed: a decode step reads each layer's cached rows once, from DRAM, and a tile's
+    // rows (64 rows ~100-400 B long, a few KiB apart per head) are too short a stream for the
+    // hardware prefetcher (measured: ~5 GB/s from DRAM without, SmolLM2 at 2048 cached tokens).
+    const char* kq[kKeyTile];
+    const char* vq[kKeyTile];
+    const char** cur_k = kp;
+    const char** cur_v = vp;
+    const char** next_k = kq;
+    const char** next_v = vq;
+    const std::int64_t k_span = (H - 1) * dk + D * item, v_span = (H - 1) * dv + D * item;
+    int kt = static_cast<int>(std::min<std::int64_t>(KT, plen));
+    fill(0, kt, cur_k, cur_v);
     for (std::int64_t t0 = 0; t0 < plen; t0 += KT) {
-      const int kt = static_cast<int>(std::min<std::int64_t>(KT, plen - t0));
-      fill(t0, kt, kp, vp);
-      tile(kt, kp, vp, dk, dv, nullptr);
+      const int kn = static_cast<int>(std::min<std::int64_t>(KT, std::max<std::int64_t>(0, plen - t0 - KT)));
+      if (kn > 0) {
+        fill(t0 + KT, kn, next_k, next_v);
+        for (int j = 0; j < kn; ++j) {
+          for (std::int64_t off = 0; off < k_span; off += 64) __builtin_prefetch(next_k[j] + off, 0, 3);
+          for (std::int64_t off = 0; off < v_span; off += 64) __builtin_prefetch(next_v[j] + off, 0, 3);
+        }
+      }
+      tile(kt, cur_k, cur_v, dk, dv, nullptr);
+      std::swap(cur_k, next_k);
+      std::swap(cur_v, next_v);
+      kt = kn;
     }
   }
 
