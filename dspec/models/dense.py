@@ -5,7 +5,8 @@ library GEMM spends more time setting up than computing, and its result for a ro
 on how many rows it was given.  ``dense`` sends such calls (CPU, float32 / bfloat16, no
 autograd, at most ``SMALL_ROWS`` rows) to ``dspec._C.linear``: the weight packed once into
 panels of 16 output columns (``packed_weight``, kept with the weight), float32
-accumulation, and a reduction order that does not depend on the number of rows or threads, so a token's projections are bit-identical in a one-token step
+accumulation, and a reduction order that does not depend on the number of rows or
+threads, so a token's projections are bit-identical in a one-token step
 and in a verification of up to ``SMALL_ROWS`` tokens.  Everything else goes to
 ``torch.nn.functional.linear``.
 Every projection of the lean transformer, the mask adapter's base and the DFlash drafter

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .. import _backend
-from .dense import SMALL_ROWS, packed_weight
+from .dense import _CODES, SMALL_ROWS, packed_weight
 from .mask_adapter import MaskLoraLinear
 
 __all__ = ["run_layers"]
@@ -25,7 +25,6 @@ __all__ = ["run_layers"]
 #: False sends every forward through the per-op path (the tests compare the two)
 ENABLED = True
 
-_CODES = {torch.float32: 0, torch.bfloat16: 2}
 _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                 ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
