@@ -13,6 +13,7 @@
 #include "attention_bindings.h"
 #include "checks.h"
 #include "decoder.h"
+#include "layer_ops_bindings.h"
 
 namespace py = pybind11;
 
@@ -56,8 +57,7 @@ void decoder_layers(std::int64_t x, int dtype, std::int64_t batch, std::int64_t 
   c.at_least(n, 0, "n");
   c.at_least(hidden, 1, "hidden");
   c.at_least(intermediate, 1, "intermediate");
-  c.at_least(head_dim, 2, "head_dim");
-  if (head_dim % 2 != 0 || head_dim > 1024) c.fail("head_dim must be even and <= 1024, got " + std::to_string(head_dim));
+  check_rope_head_dim(c, head_dim);
   if (!(eps > 0.0) || !std::isfinite(eps)) c.fail("eps must be a finite number > 0, got " + std::to_string(eps));
   if (weights.empty() || weights.size() % kWeightsPerLayer != 0) {
     c.fail("weights must hold " + std::to_string(kWeightsPerLayer) + " addresses per layer (2 norms, " +

@@ -1,6 +1,4 @@
 // The decoder layers in one call; see decoder.h.
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>

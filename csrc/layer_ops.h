@@ -25,6 +25,9 @@ struct RmsNormArgs {
 // out = weight * rmsnorm(x)
 void rms_norm_cpu(const RmsNormArgs& args);
 
+// RoPE rotates a head through a stack buffer of this many floats: the largest head_dim.
+constexpr std::int64_t kRopeMaxHeadDim = 1024;
+
 struct RopeArgs {
   int dtype = kFloat32;            // q, k (rotated in place)
   std::int64_t rows = 0;           // B * N token rows

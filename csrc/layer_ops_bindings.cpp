@@ -47,8 +47,7 @@ void rope(std::int64_t q, std::int64_t k, std::int64_t cos, std::int64_t sin, in
   c.at_least(rows, 0, "rows");
   c.at_least(hq, 1, "hq");
   c.at_least(hkv, 1, "hkv");
-  c.at_least(head_dim, 2, "head_dim");
-  if (head_dim % 2 || head_dim > 1024) c.fail("head_dim must be even and <= 1024");
+  check_rope_head_dim(c, head_dim);
   c.product(rows, hq * head_dim, "rows * hq * head_dim");
   if (rows == 0) return;
   const std::int64_t item = element_size(dtype);

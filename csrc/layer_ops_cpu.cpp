@@ -51,7 +51,7 @@ void rope_heads(void* base, std::int64_t row, std::int64_t heads, std::int64_t d
   using E = dt::elem_t<DT>;
   const std::int64_t half = d / 2;
   E* x = static_cast<E*>(base) + row * heads * d;
-  float tmp[1024];
+  float tmp[kRopeMaxHeadDim];
   for (std::int64_t hh = 0; hh < heads; ++hh) {
     E* xh = x + hh * d;
     for (std::int64_t j = 0; j < d; ++j) tmp[j] = dt::to_float<DT>(xh[j]);

@@ -349,12 +349,11 @@ void linear_group_cpu(const LinearArgs* parts, int count) {
   // a few chunks per thread, so that a thread that starts late (its core busy) leaves its
   // share to the others; chunk boundaries on whole panel groups (a part's own boundaries
   // aside).  The split never changes a result: every output is one tile's, in k order.
-  const int group = kPanelBlock;
-  const std::int64_t groups = (total + group - 1) / group;
+  const std::int64_t groups = (total + kPanelBlock - 1) / kPanelBlock;
   const int chunks = static_cast<int>(std::min<std::int64_t>(groups, threads == 1 ? 1 : 4 * threads));
   auto body = [&](int c) {
-    const std::int64_t g0 = std::min(total, groups * c / chunks * group);
-    const std::int64_t g1 = std::min(total, groups * (c + 1) / chunks * group);
+    const std::int64_t g0 = std::min(total, groups * c / chunks * kPanelBlock);
+    const std::int64_t g1 = std::min(total, groups * (c + 1) / chunks * kPanelBlock);
     for (int p = 0; p < count; ++p) {
       const std::int64_t lo = std::max(g0, first[p]), hi = std::min(g1, first[p + 1]);
       if (lo >= hi) continue;

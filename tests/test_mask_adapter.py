@@ -14,7 +14,7 @@ from dspec.train.mask_adapter import (mask_adapter_loss, mask_diffusion_model, n
                                       two_stream_logits)
 from dspec.train.objectives import block_diffusion_mask
 
-from tiny_checkpoints import write_checkpoint
+from tiny_checkpoints import trained_looking_mask_adapter, write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MASK = 5
@@ -28,14 +28,7 @@ def base(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bd(base):
-    model = mask_diffusion_model(base, block_size=4, mask_token_id=MASK, rank=4)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():                      # a trained-looking adapter: B != 0
-        for n, p in model.named_parameters():
-            if n.endswith("lora_B"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-        model.mask_adapter.mask_embedding.add_(torch.randn(model.mask_adapter.mask_embedding.shape, generator=g))
-    return model
+    return trained_looking_mask_adapter(base, mask_token_id=MASK)
 
 
 def _ids(n, seed, lo=10, hi=150):

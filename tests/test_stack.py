@@ -11,9 +11,8 @@ import torch.nn.functional as F
 import dspec
 from dspec import _backend
 from dspec.models import stack
-from dspec.train.mask_adapter import mask_diffusion_model
 
-from tiny_checkpoints import write_checkpoint
+from tiny_checkpoints import trained_looking_mask_adapter, write_checkpoint
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C not built")]
@@ -28,13 +27,7 @@ def base32(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bd(base32):
-    model = mask_diffusion_model(base32, block_size=4, mask_token_id=MASK, rank=4)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():                      # a trained-looking adapter: B != 0
-        for n, p in model.named_parameters():
-            if n.endswith("lora_B"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
+    return trained_looking_mask_adapter(base32, mask_token_id=MASK)
 
 
 def _ids(n, seed, lo=10, hi=150):

@@ -215,3 +215,17 @@ def llada_to_llama(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             _, _, _, i, module, leaf = name.split(".")
             out[f"model.layers.{i}.{rename[module]}.{leaf}"] = t
     return out
+
+
+def trained_looking_mask_adapter(base, *, mask_token_id: int, rank: int = 4, block_size: int = 4, seed: int = 0):
+    """``base`` with a mask-selective adapter whose update is not zero (lora_B and the [MASK]
+    embedding drawn from ``seed``), as a trained one is: tests of the adapted paths."""
+    from dspec.train.mask_adapter import mask_diffusion_model
+    model = mask_diffusion_model(base, block_size=block_size, mask_token_id=mask_token_id, rank=rank)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("lora_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        model.mask_adapter.mask_embedding.add_(torch.randn(model.mask_adapter.mask_embedding.shape, generator=g))
+    return model
