@@ -11,7 +11,8 @@ import torch
 
 import dspec
 from dspec import tasks
-from dspec.train.data_engine import EngineConfig, GeneratedData, generate_shards, prompt_stream, _Sources
+from dspec.train.data_engine import (EngineConfig, GeneratedData, generate_shards, heldout_split, prompt_stream,
+                                     _Sources)
 from dspec.train.dflash import DrafterTrainConfig, DrafterTrainer, main
 from dspec.train.features import FeatureCache, build_features
 
@@ -99,7 +100,7 @@ def test_features_equal_the_target_forward_and_resume(tiny, tmp_path):
     # an interrupted build (half the batches recorded) finishes to the same array
     meta = json.loads((tmp_path / "f" / "features.json").read_text())
     full = np.load(tmp_path / "f" / "features.npy").copy()
-    meta["done_batches"] = meta["batches"] // 2
+    meta["parts"][0]["done_batches"] = meta["parts"][0]["batches"] // 2
     (tmp_path / "f" / "features.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="incomplete"):
         FeatureCache(tmp_path / "f", seqs)
@@ -107,6 +108,45 @@ def test_features_equal_the_target_forward_and_resume(tiny, tmp_path):
     assert np.array_equal(np.load(tmp_path / "f" / "features.npy"), full)
     with pytest.raises(ValueError, match="other sequences"):
         FeatureCache(tmp_path / "f", seqs[:-1])
+
+
+def test_features_extend_to_appended_sequences(tiny, tmp_path):
+    """A data-engine directory resumed to more tokens keeps its first shards: the cache keeps
+    the part built for them and computes only the appended sequences."""
+    generate_shards(tiny, tmp_path / "data", small(tokens=60), progress=False)
+    seqs = GeneratedData(tmp_path / "data").sequences()
+    layers = [2]
+    build_features(tiny, seqs, layers, tmp_path / "whole", batch_tokens=64, progress=False)
+    part0 = build_features(tiny, seqs[:5], layers, tmp_path / "grown", batch_tokens=64, progress=False)
+    assert part0.meta["parts"][0]["sequences"] == 5
+    first = np.load(tmp_path / "grown" / "features.npy").copy()
+    grown = build_features(tiny, seqs, layers, tmp_path / "grown", batch_tokens=64, progress=False)
+    assert [p["file"] for p in grown.meta["parts"]] == ["features.npy", "features-1.npy"]
+    assert np.array_equal(np.load(tmp_path / "grown" / "features.npy"), first)      # part 0 not rewritten
+    whole = FeatureCache(tmp_path / "whole", seqs)
+    idx = list(range(len(seqs)))[::-1]
+    length = max(len(s) for s, _ in seqs)
+    for a, b in zip(grown.gather(idx, length), whole.gather(idx, length)):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    # other sequences under the same directory: every part is rebuilt, stale files removed
+    other = [(list(reversed(s)), p) for s, p in seqs[:4]]
+    rebuilt = build_features(tiny, other, layers, tmp_path / "grown", batch_tokens=64, progress=False)
+    assert len(rebuilt.meta["parts"]) == 1 and not (tmp_path / "grown" / "features-1.npy").exists()
+
+
+def test_heldout_split_of_grown_data_holds_out_only_new_sequences():
+    import random
+    order = list(range(50))
+    random.Random(3 + 17).shuffle(order)
+    assert heldout_split(50, 5, seed=3) == (order[:5], order[5:])      # start 0: the split rounds 1-2 used
+    held, train = heldout_split(50, 5, seed=3, start=30)
+    assert len(held) == 5 and min(held) >= 30 and sorted(held + train) == list(range(50))
+    assert set(range(30)) <= set(train)
+    for bad in (50, -1):
+        with pytest.raises(ValueError, match="heldout start"):
+            heldout_split(50, 5, seed=3, start=bad)
+    with pytest.raises(ValueError, match="heldout_start"):
+        DrafterTrainConfig(heldout_start=-1)
 
 
 def test_training_on_cached_features_matches_the_online_loss(tiny, tmp_path):

@@ -175,6 +175,14 @@ def test_trainer_lowers_the_heldout_loss_and_resumes(tmp_path):
         model = mask_diffusion_model(tiny, block_size=4, mask_token_id=1, rank=4)
         return MaskAdapterTrainer(model, seqs, cfg, out, base_name="tiny-ar", base_fingerprint="x", progress=False)
 
+    # a later round on grown data holds out only sequences past the earlier count
+    import dataclasses
+    late = MaskAdapterTrainer(mask_diffusion_model(tiny, block_size=4, mask_token_id=1, rank=4), seqs,
+                              dataclasses.replace(cfg, heldout_start=len(seqs) - 20), tmp_path / "late",
+                              base_name="tiny-ar", base_fingerprint="x", progress=False)
+    assert late.heldout and all(h in seqs[-20:] for h in late.heldout) and seqs[0] in late.train_set
+    with pytest.raises(ValueError, match="heldout_start"):
+        dataclasses.replace(cfg, heldout_start=-1)
     straight = trainer(tmp_path / "a")
     # a few steps on a tiny model: measure on training sequences (learning works at all)
     straight.heldout = straight.train_set[:8]

@@ -50,7 +50,7 @@ import torch
 from .. import tasks
 from .data import _heldout_text, is_heldout_problem
 
-__all__ = ["EngineConfig", "prompt_stream", "generate_shards", "GeneratedData", "ENGINE_SOURCES"]
+__all__ = ["EngineConfig", "prompt_stream", "generate_shards", "GeneratedData", "heldout_split", "ENGINE_SOURCES"]
 
 ENGINE_SOURCES = ("sharegpt", "stdlib", "arithmetic")
 MANIFEST = "manifest.json"
@@ -251,8 +251,8 @@ def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", pr
 class GeneratedData:
     """The engine's output, memory-mapped.
 
-    ``sequences()`` -> [(token ids list, prompt length)]; ``split(fraction, seed)`` -> (train,
-    heldout) by a seeded shuffle of sequences; ``info`` summarises the manifest.
+    ``sequences()`` -> [(token ids list, prompt length)] in shard order (a resumed run only
+    appends); ``info`` summarises the manifest.  Trainers split it with :func:`heldout_split`.
     """
 
     def __init__(self, path):
@@ -282,6 +282,22 @@ class GeneratedData:
 
     def sequences(self) -> list[tuple[list[int], int]]:
         return list(self)
+
+
+def heldout_split(count: int, held: int, *, seed: int, start: int = 0) -> tuple[list[int], list[int]]:
+    """(held-out, training) indices of ``count`` sequences: ``held`` of the indices >= ``start``,
+    drawn by a shuffle seeded with ``seed + 17``; every index < ``start`` trains.
+
+    ``start = 0`` is the split of every round so far.  A later round on a directory resumed to
+    more tokens passes the earlier sequence count as ``start``: its held-out sequences are
+    then new ones, never seen by the weights it starts from.
+    """
+    if not 0 <= start < count:
+        raise ValueError(f"heldout start must lie in [0, {count}), got {start}")
+    order = list(range(start, count))
+    random.Random(seed + 17).shuffle(order)
+    held = max(1, min(int(held), len(order)))
+    return order[:held], list(range(start)) + order[held:]
 
 
 # ----------------------------------------------------------------------------------- CLI

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.dflash import MASK, BlockDrafter, block_loss_weights
+from .data_engine import heldout_split
 from .loop import BudgetedLoop
 
 CHECKPOINT = "checkpoint.pt"
@@ -73,7 +74,8 @@ class DrafterTrainConfig:
         generation (prompts, max prompt length, tokens generated per prompt, fraction of
         responses sampled at T = 1, batch of the ``ar`` generation).
     sources : prompt sources (``PROMPT_SOURCES``) and their weights.
-    heldout_fraction : fraction of sequences held out.
+    heldout_fraction : fraction of sequences held out; heldout_start : hold out only sequences
+        from this index on (a later round on grown data: the earlier sequence count).
     eval_every : steps between held-out evaluations; checkpoint_every_s : seconds.
     autocast : "auto" (bf16 on CUDA and on CPUs with native bf16 matmul), "bf16" or "none".
     """
@@ -99,6 +101,7 @@ class DrafterTrainConfig:
     gen_batch: int = 64
     sources: dict = field(default_factory=lambda: {"arithmetic": 0.3, "stdlib": 0.4, "sharegpt": 0.3})
     heldout_fraction: float = 0.1
+    heldout_start: int = 0
     eval_every: int = 100
     checkpoint_every_s: float = 120.0
     autocast: str = "auto"
@@ -120,6 +123,8 @@ class DrafterTrainConfig:
             raise ValueError("sampled_fraction must lie in [0, 1] and heldout_fraction in (0, 1)")
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
+        if isinstance(self.heldout_start, bool) or not isinstance(self.heldout_start, int) or self.heldout_start < 0:
+            raise ValueError(f"heldout_start must be an int >= 0, got {self.heldout_start!r}")
         bad = set(self.sources) - set(PROMPT_SOURCES)
         if bad or not self.sources or sum(self.sources.values()) <= 0:
             raise ValueError(f"sources must map some of {PROMPT_SOURCES} to weights, got {self.sources!r}")
@@ -301,11 +306,12 @@ class DrafterTrainer(BudgetedLoop):
         self.drafter.float().train()
         self.data_info = {}
         self.sequences = self._data(sequences)
-        n_held = max(1, int(len(self.sequences) * cfg.heldout_fraction))
-        order = list(range(len(self.sequences)))
-        random.Random(cfg.seed + 17).shuffle(order)
-        self.held_idx = order[:n_held]
-        self.train_idx = order[n_held:] or self.held_idx
+        if cfg.heldout_start >= len(self.sequences):
+            raise ValueError(f"heldout_start ({cfg.heldout_start}) must be below the {len(self.sequences)} sequences")
+        n_held = max(1, int((len(self.sequences) - cfg.heldout_start) * cfg.heldout_fraction))
+        self.held_idx, self.train_idx = heldout_split(len(self.sequences), n_held, seed=cfg.seed,
+                                                      start=cfg.heldout_start)
+        self.train_idx = self.train_idx or self.held_idx
         self.heldout = [self.sequences[i] for i in self.held_idx]
         self.train_set = [self.sequences[i] for i in self.train_idx]
         self.features = None
@@ -555,6 +561,9 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--response-tokens", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--heldout-start", type=int, default=0,
+                    help="hold out only sequences from this index on: a later round on a data directory "
+                         "resumed to more tokens passes the earlier sequence count (default %(default)s)")
     ap.add_argument("--sources", default=None,
                     help="prompt sources and weights, e.g. arithmetic=0.3,stdlib=0.4,sharegpt=0.3")
     ap.add_argument("--device", default="cpu")
@@ -586,7 +595,7 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     cfg = tiny_defaults(cfg, target)
     for attr, val in (("block_size", args.block_size), ("batch_size", args.batch_size),
                       ("num_prompts", args.num_prompts), ("response_tokens", args.response_tokens),
-                      ("lr", args.lr)):
+                      ("lr", args.lr), ("heldout_start", args.heldout_start)):
         if val is not None:
             setattr(cfg, attr, val)
     if args.sources:
@@ -614,8 +623,11 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
         blob = torch.load(args.data, weights_only=False)
         out.mkdir(parents=True, exist_ok=True)
         torch.save(blob, out / DATA)            # the run's own copy: resume and the card see it
-    trainer = DrafterTrainer(target, cfg, out, prefix_sampler=sampler, sequences=sequences,
-                             features=out / "features" if args.cache_features else None)
+    try:
+        trainer = DrafterTrainer(target, cfg, out, prefix_sampler=sampler, sequences=sequences,
+                                 features=out / "features" if args.cache_features else None)
+    except ValueError as e:
+        raise SystemExit(str(e))
     if sequences is not None:
         trainer.data_info = info
     if args.init and not (args.resume and (out / CHECKPOINT).is_file()):

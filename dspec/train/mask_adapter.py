@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 
 from ..models.mask_adapter import MaskAdapter
 from ..models.transformer import Model, rope_tables
+from .data_engine import heldout_split
 from .dflash import lr_at
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .loop import BudgetedLoop
@@ -274,6 +274,8 @@ class MaskAdapterConfig:
     batch_size : sequences per step; max_len : longer sequences are cut.
     lr, min_lr, warmup_steps, max_steps, weight_decay, grad_clip : AdamW + cosine.
     eval_block_sizes, heldout_sequences : the held-out loss (fixed noise) and its size.
+    heldout_start : hold out only sequences from this index on (a later round on grown data:
+        the earlier sequence count).
     eval_every : steps; checkpoint_every_s : seconds.  autocast : "auto" (bf16 on CUDA and
     on CPUs with native bf16 matmul), "bf16", "none".
     """
@@ -295,6 +297,7 @@ class MaskAdapterConfig:
     grad_clip: float = 1.0
     eval_block_sizes: tuple = (2, 4, 8)
     heldout_sequences: int = 64
+    heldout_start: int = 0
     eval_every: int = 100
     checkpoint_every_s: float = 600.0
     autocast: str = "auto"
@@ -315,6 +318,8 @@ class MaskAdapterConfig:
             raise ValueError(f"block_weights must be {len(self.block_sizes)} weights >= 0, got {self.block_weights}")
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
+        if isinstance(self.heldout_start, bool) or not isinstance(self.heldout_start, int) or self.heldout_start < 0:
+            raise ValueError(f"heldout_start must be an int >= 0, got {self.heldout_start!r}")
 
 
 class MaskAdapterTrainer(BudgetedLoop):
@@ -334,15 +339,17 @@ class MaskAdapterTrainer(BudgetedLoop):
         self.data_info = dict(data_info or {})
         self.progress = progress
         self.device = model.device
-        seqs = [(list(s[: cfg.max_len]), min(int(p), cfg.max_len - 1)) for s, p in sequences
-                if len(s) - p >= 2]
+        usable = [len(s) - p >= 2 for s, p in sequences]
+        seqs = [(list(s[: cfg.max_len]), min(int(p), cfg.max_len - 1)) for (s, p), ok in zip(sequences, usable) if ok]
         if len(seqs) < 2:
             raise ValueError("sequences: need at least 2 with a response of >= 2 tokens")
-        order = list(range(len(seqs)))
-        random.Random(cfg.seed + 17).shuffle(order)
-        n_held = min(cfg.heldout_sequences, max(1, len(seqs) // 10))
-        self.heldout = [seqs[i] for i in order[:n_held]]
-        self.train_set = [seqs[i] for i in order[n_held:]]
+        start = sum(usable[: cfg.heldout_start])
+        if start >= len(seqs):
+            raise ValueError(f"heldout_start ({cfg.heldout_start}) leaves no sequence to hold out")
+        n_held = min(cfg.heldout_sequences, max(1, (len(seqs) - start) // 10))
+        held, train = heldout_split(len(seqs), n_held, seed=cfg.seed, start=start)
+        self.heldout = [seqs[i] for i in held]
+        self.train_set = [seqs[i] for i in train]
         params = model.mask_adapter.trainable(model)
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.step, self.total_steps, self.wall_s = 0, None, 0.0
@@ -477,6 +484,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--autocast", choices=("auto", "bf16", "none"), default=d.autocast)
     ap.add_argument("--threads", default=None, help="torch threads (default: dspec's policy)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--heldout-start", type=int, default=0,
+                    help="hold out only sequences from this index on: a later round on a data directory resumed "
+                         "to more tokens passes the earlier sequence count (default %(default)s)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     ap.add_argument("--init", default=None,
                     help="warm start: an adapter directory or a shipped adapted name (smollm2-135m-bd) of the same "
@@ -492,6 +502,7 @@ def main(argv=None) -> dict:
         weights = d.block_weights if sizes == d.block_sizes else (1.0,) * len(sizes)
         cfg = MaskAdapterConfig(rank=args.rank, block_sizes=sizes, block_weights=weights, batch_size=args.batch_size,
                                 lr=args.lr, mask_token=args.mask_token, autocast=args.autocast, seed=args.seed,
+                                heldout_start=args.heldout_start,
                                 eval_block_sizes=tuple(b for b in (2, 4, 8) if b <= max(sizes)) or (max(sizes),))
         data = GeneratedData(args.data)
     except ValueError as e:
@@ -514,8 +525,11 @@ def main(argv=None) -> dict:
         except ValueError as e:
             ap.error(f"--init: {e}")
     info = dict(data.info, init=args.init) if args.init else data.info
-    trainer = MaskAdapterTrainer(model, data.sequences(), cfg, out, base_name=str(args.base),
-                                 base_fingerprint=fingerprint, data_info=info)
+    try:
+        trainer = MaskAdapterTrainer(model, data.sequences(), cfg, out, base_name=str(args.base),
+                                     base_fingerprint=fingerprint, data_info=info)
+    except ValueError as e:
+        ap.error(str(e))
     if args.resume:
         trainer.resume()
     result = trainer.train(minutes=args.minutes, max_steps=args.max_steps)
