@@ -26,14 +26,16 @@ namespace dspec {
 namespace cpu {
 
 // At most $DSPEC_CPU_THREADS (when set to a number >= 1, capped at 1024) or
-// hardware_concurrency() threads.
+// hardware_concurrency() threads.  The latter is read once: glibc answers it by reading
+// /sys/devices/system/cpu/online, a path walk that cost ~5 % of a decode step's main thread
+// when asked in every kernel call (perf, SmolLM2-135M, November 2026).
 inline unsigned max_threads() {
   if (const char* env = std::getenv("DSPEC_CPU_THREADS")) {
     const long n = std::strtol(env, nullptr, 10);
     if (n >= 1) return static_cast<unsigned>(std::min<long>(n, 1024));
   }
-  const unsigned hw = std::thread::hardware_concurrency();
-  return hw == 0 ? 1u : hw;
+  static const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  return hw;
 }
 
 inline void cpu_relax() {

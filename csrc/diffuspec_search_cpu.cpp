@@ -13,9 +13,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <thread>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "diffuspec_search.h"
 
 namespace dspec {
@@ -198,20 +198,13 @@ double ngram_logprob(const NgramTables& t, std::int64_t u, std::int64_t v, std::
 
 void diffuspec_search_cpu(const PathSearchArgs& a) {
   const Searcher s(a);
-  const std::int64_t work = a.batch * a.slots * a.cands * std::max<std::int64_t>(a.beam, 1);
-  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-  const std::int64_t threads = std::min<std::int64_t>({static_cast<std::int64_t>(hw), a.batch, work / 20000 + 1});
-  if (threads <= 1) {
-    for (std::int64_t b = 0; b < a.batch; ++b) s.run(b);
-    return;
-  }
-  std::vector<std::thread> pool;
-  for (std::int64_t t = 0; t < threads; ++t) {
-    pool.emplace_back([&s, &a, t, threads] {
-      for (std::int64_t b = t; b < a.batch; b += threads) s.run(b);
-    });
-  }
-  for (auto& th : pool) th.join();
+  const std::int64_t work = a.slots * a.cands * std::max<std::int64_t>(a.beam, 1);
+  // requests are independent: the pool splits them (capped by $DSPEC_CPU_THREADS), small
+  // searches stay on the calling thread
+  cpu::parallel_rows(a.batch, work, static_cast<int>(cpu::max_threads()),
+                     [&](std::int64_t lo, std::int64_t hi) {
+                       for (std::int64_t b = lo; b < hi; ++b) s.run(b);
+                     }, 20000);
 }
 
 }  // namespace dspec

@@ -26,8 +26,10 @@ enum LinearIsa : int { kLinearAuto = 0, kLinearGeneric = 1, kLinearAvx512 = 2 };
 // Output columns per panel of the packed weight.
 constexpr int kPanel = 16;
 
-// The packed weight: panel p = columns 16p .. 16p+15 as [ceil(k / S)][16][S] elements,
-// S = 2 for 16-bit dtypes (pairs along k) and 1 for float32, zero padded past n and k.
+// The packed weight: panel p = columns 16p .. 16p+15, S = 2 elements along k per column
+// for 16-bit dtypes (pairs) and 1 for float32, zero padded past n and k.  Panels are
+// grouped by 4 (the last group may hold fewer, tp): group g starts at element
+// 4 g * linear_panel_elements and holds [ceil(k / S)][tp][16][S].
 std::int64_t linear_panel_elements(std::int64_t k, int dtype);
 std::int64_t linear_packed_elements(std::int64_t n, std::int64_t k, int dtype);
 

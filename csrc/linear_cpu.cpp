@@ -1,12 +1,16 @@
 // Small-row linear layer on the CPU; see linear.h.
 //
-// The weight is packed once (linear_pack_cpu) into panels of kPanel = 16 output columns:
-// panel p holds columns 16p .. 16p+15 as [ceil(k / S)][16][S] with S = 2 for 16-bit dtypes
-// (k pairs, the operand layout of AVX512_BF16's vdpbf16ps) and S = 1 for float32, zero
-// padded.  A tile keeps MR (<= 6) rows x T (<= 4) panels of float32 accumulators in
-// registers; each k step loads T panel vectors and broadcasts one k pair (or element) of
-// each row: no reduction across lanes at the end, so a few rows run near the FMA peak
-// and one row streams the weight.  Threads split the panels (each weight byte read once).
+// The weight is packed once (linear_pack_cpu) into panels of kPanel = 16 output columns,
+// S = 2 elements along k per lane for 16-bit dtypes (k pairs, the operand layout of
+// AVX512_BF16's vdpbf16ps) and S = 1 for float32, zero padded.  Panels come in groups of
+// kPanelBlock = 4 (fewer in the last group), interleaved by k step: group g holds, for each
+// step s, its tp panels' [16][S] blocks back to back, so a tile of the group's panels reads
+// one sequential stream (tp separate panel streams measured slower: the prefetchers ramp
+// up on each short stream).  A tile keeps MR (<= 6) rows x T (<= 4) panels of float32
+// accumulators in registers; each k step loads T panel vectors and broadcasts one k pair
+// (or element) of each row: no reduction across lanes at the end, so a few rows run near
+// the FMA peak and one row streams the weight.  Threads split the groups (each weight byte
+// read once).
 // (Balanced tiles of up to 8 rows x 3 panels measured no faster at 16 rows and ~15 %
 // slower at 8: bench_linear A/B, AMD EPYC, November 2026.)
 #include <algorithm>
@@ -38,12 +42,12 @@ constexpr std::int64_t kElementsPerThread = std::int64_t(1) << 17;
 
 constexpr int step_of(int dtype) { return dtype == kFloat32 ? 1 : 2; }
 
-// One tile: rows [mr] of x times panels [tp] of the packed weight into out, plus bias.
+// One tile: rows [mr] of x times the tp panels of one group of the packed weight into
+// out, plus bias.
 struct Tile {
   const void* x;            // first row
   std::int64_t ldx;
-  const void* w;            // first panel
-  std::int64_t panel;       // elements per panel
+  const void* w;            // the group's first element
   std::int64_t k;
   const float* bias;        // kPanel * tp floats (zeros where no bias)
   void* out;                // first row, first column of the first panel
@@ -67,15 +71,15 @@ void micro_generic(const Tile& t) {
   for (int i = 0; i < MR; ++i) {
     const E* xr = x + i * t.ldx;
     for (int p = 0; p < T; ++p) {
-      const E* wp = w + p * t.panel;
       const int cols = p == T - 1 ? t.last_cols : kPanel;
       for (int c = 0; c < cols; ++c) {
         float acc = 0.0f;
         for (std::int64_t s = 0; s < steps; ++s) {
+          const E* ws = w + ((s * T + p) * kPanel + c) * S;
           float pair = 0.0f;
           for (int e = 0; e < S; ++e) {
             const std::int64_t kk = s * S + e;
-            if (kk < t.k) pair += dt::to_float<DT>(xr[kk]) * dt::to_float<DT>(wp[(s * kPanel + c) * S + e]);
+            if (kk < t.k) pair += dt::to_float<DT>(xr[kk]) * dt::to_float<DT>(ws[e]);
           }
           acc += pair;
         }
@@ -120,14 +124,22 @@ struct F32Step {
   DSPEC_AVX512BF16 static inline void store(E* out, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(out, m, v); }
 };
 
+// Software prefetch distance along a group's stream, in k steps (x T cache lines).
+constexpr int kPrefetchSteps = 8;
+
 template <class S, int MR, int T, bool kLast>
 DSPEC_AVX512BF16 inline __attribute__((always_inline)) void micro_step(__m512 (&acc)[MR][T],
                                                                        const typename S::E* x, std::int64_t ldx,
-                                                                       const typename S::E* w, std::int64_t panel,
-                                                                       std::int64_t s) {
+                                                                       const typename S::E* w, std::int64_t s) {
   decltype(S::load(w)) wv[T];
+  const typename S::E* ws = w + s * T * kPanel * S::kS;
 #pragma GCC unroll 4
-  for (int p = 0; p < T; ++p) wv[p] = S::load(w + p * panel + s * kPanel * S::kS);
+  for (int p = 0; p < T; ++p) {
+    // past the group's end this touches the next group's start, which comes next anyway
+    if constexpr (kPrefetchSteps > 0)
+      _mm_prefetch(reinterpret_cast<const char*>(ws + (kPrefetchSteps * T + p) * kPanel * S::kS), _MM_HINT_T0);
+    wv[p] = S::load(ws + p * kPanel * S::kS);
+  }
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     const auto xb = kLast ? S::broadcast_last(x + i * ldx + s * S::kS) : S::broadcast(x + i * ldx + s * S::kS);
@@ -149,8 +161,8 @@ DSPEC_AVX512BF16 void micro_avx512(const Tile& t) {
 #pragma GCC unroll 4
     for (int p = 0; p < T; ++p) acc[i][p] = _mm512_setzero_ps();
   const std::int64_t full = t.k / S::kS;
-  for (std::int64_t s = 0; s < full; ++s) micro_step<S, MR, T, false>(acc, x, t.ldx, w, t.panel, s);
-  if (full * S::kS < t.k) micro_step<S, MR, T, true>(acc, x, t.ldx, w, t.panel, full);
+  for (std::int64_t s = 0; s < full; ++s) micro_step<S, MR, T, false>(acc, x, t.ldx, w, s);
+  if (full * S::kS < t.k) micro_step<S, MR, T, true>(acc, x, t.ldx, w, full);
   const __mmask16 last = static_cast<__mmask16>((1u << t.last_cols) - 1);
   E* out = static_cast<E*>(t.out);
 #pragma GCC unroll 4
@@ -219,7 +231,7 @@ const Table& table_for(int dtype, bool avx512) {
   return dtype == kFloat32 ? generic_f32 : (dtype == kFloat16 ? generic_f16 : generic_bf16);
 }
 
-// Panels [p0, p1) of one projection, every row of x.
+// Panels [p0, p1) of one projection (p0 on a group boundary), every row of x.
 template <int DT>
 void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64_t p1) {
   const std::int64_t item = DT == kFloat32 ? 4 : 2;
@@ -233,7 +245,7 @@ void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64
     const std::int64_t c0 = g * kPanel;
     const int cols = static_cast<int>(std::min<std::int64_t>(kPanel * tp, a.n - c0));
     for (int c = 0; c < kPanel * tp; ++c) bias[c] = a.bias != nullptr && c < cols ? dt::load<DT>(a.bias, c0 + c) : 0.0f;
-    Tile t{nullptr, a.ldx, w + g * panel * item, panel, a.k, bias, nullptr, a.ldo, cols - (tp - 1) * kPanel};
+    Tile t{nullptr, a.ldx, w + g * panel * item, a.k, bias, nullptr, a.ldo, cols - (tp - 1) * kPanel};
     for (std::int64_t i0 = 0; i0 < a.m; i0 += kRowBlock) {
       const int mr = static_cast<int>(std::min<std::int64_t>(kRowBlock, a.m - i0));
       t.x = x + i0 * a.ldx * item;
@@ -248,16 +260,19 @@ void pack_panels(const LinearPackArgs& a, std::int64_t p0, std::int64_t p1) {
   using E = dt::elem_t<DT>;
   constexpr int S = step_of(DT);
   const std::int64_t steps = (a.k + S - 1) / S;
+  const std::int64_t count = (a.n + kPanel - 1) / kPanel;
   const E* w = static_cast<const E*>(a.weight);
   E* out = static_cast<E*>(a.packed);
   for (std::int64_t p = p0; p < p1; ++p) {
-    E* dst = out + p * steps * kPanel * S;
+    const std::int64_t g = p / kPanelBlock, in_group = p % kPanelBlock;
+    const std::int64_t tp = std::min<std::int64_t>(kPanelBlock, count - g * kPanelBlock);
+    E* dst = out + g * kPanelBlock * steps * kPanel * S;
     for (std::int64_t s = 0; s < steps; ++s) {
       for (int c = 0; c < kPanel; ++c) {
         const std::int64_t row = p * kPanel + c;
         for (int e = 0; e < S; ++e) {
           const std::int64_t kk = s * S + e;
-          dst[(s * kPanel + c) * S + e] = row < a.n && kk < a.k ? w[row * a.ldw + kk] : E(0);
+          dst[((s * tp + in_group) * kPanel + c) * S + e] = row < a.n && kk < a.k ? w[row * a.ldw + kk] : E(0);
         }
       }
     }
@@ -334,34 +349,35 @@ void linear_group_cpu(const LinearArgs* parts, int count) {
   if (a.m == 0) return;
   const bool avx512 = a.isa == kLinearGeneric ? false : linear_has_avx512(a.dtype);
   const Table& table = table_for(a.dtype, avx512);
-  // the parts' panels back to back: first[p] is part p's first global panel
+  // the parts' panel groups back to back: first[p] is part p's first global group
   std::vector<std::int64_t> first(static_cast<std::size_t>(count) + 1, 0);
   std::int64_t weight_elements = 0;
   for (int p = 0; p < count; ++p) {
-    first[p + 1] = first[p] + (parts[p].n + kPanel - 1) / kPanel;
+    first[p + 1] = first[p] + (parts[p].n + kPanel * kPanelBlock - 1) / (kPanel * kPanelBlock);
     weight_elements += parts[p].n * std::max<std::int64_t>(parts[p].k, 1);
   }
-  const std::int64_t total = first[count];
-  if (total == 0) return;
+  const std::int64_t groups = first[count];
+  if (groups == 0) return;
   const std::int64_t by_work = weight_elements / kElementsPerThread + 1;
   const std::int64_t cap = std::min<std::int64_t>(a.num_threads, static_cast<std::int64_t>(cpu::max_threads()));
-  const int threads = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>({by_work, total, cap})));
-  // a few chunks per thread, so that a thread that starts late (its core busy) leaves its
-  // share to the others; chunk boundaries on whole panel groups (a part's own boundaries
-  // aside).  The split never changes a result: every output is one tile's, in k order.
-  const std::int64_t groups = (total + kPanelBlock - 1) / kPanelBlock;
+  const int threads = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>({by_work, groups, cap})));
+  // a few chunks of whole groups per thread, so that a thread that starts late (its core
+  // busy) leaves its share to the others.  The split never changes a result: every output
+  // is one tile's, in k order.
   const int chunks = static_cast<int>(std::min<std::int64_t>(groups, threads == 1 ? 1 : 4 * threads));
   auto body = [&](int c) {
-    const std::int64_t g0 = std::min(total, groups * c / chunks * kPanelBlock);
-    const std::int64_t g1 = std::min(total, groups * (c + 1) / chunks * kPanelBlock);
+    const std::int64_t g0 = groups * c / chunks, g1 = groups * (c + 1) / chunks;
     for (int p = 0; p < count; ++p) {
       const std::int64_t lo = std::max(g0, first[p]), hi = std::min(g1, first[p + 1]);
       if (lo >= hi) continue;
       const LinearArgs& part = parts[p];
+      const std::int64_t panels_of_part = (part.n + kPanel - 1) / kPanel;
+      const std::int64_t p0 = (lo - first[p]) * kPanelBlock;
+      const std::int64_t p1 = std::min(panels_of_part, (hi - first[p]) * kPanelBlock);
       switch (part.dtype) {
-        case kFloat16: panels<kFloat16>(part, table, lo - first[p], hi - first[p]); break;
-        case kBFloat16: panels<kBFloat16>(part, table, lo - first[p], hi - first[p]); break;
-        default: panels<kFloat32>(part, table, lo - first[p], hi - first[p]); break;
+        case kFloat16: panels<kFloat16>(part, table, p0, p1); break;
+        case kBFloat16: panels<kBFloat16>(part, table, p0, p1); break;
+        default: panels<kFloat32>(part, table, p0, p1); break;
       }
     }
   };

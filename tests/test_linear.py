@@ -97,15 +97,17 @@ def test_linear_strided_rows_and_output():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_pack_layout(dtype):
-    """Panel p = columns 16p..16p+15 as [ceil(K / S)][16][S] (S = 2 for 16-bit dtypes), zero
-    padded past N and K."""
-    n, k = 20, 5
+    """Panel p = columns 16p..16p+15 with S elements along k per column (S = 2 for 16-bit
+    dtypes), zero padded past N and K; groups of 4 panels (the last one: the rest) each
+    [ceil(K / S)][panels in group][16][S]."""
+    n, k = 84, 5                                          # 6 panels: a group of 4, a group of 2
     w = torch.arange(1, n * k + 1, dtype=torch.float32).view(n, k).to(dtype)
     s = 1 if dtype == torch.float32 else 2
     steps = -(-k // s)
-    padded = torch.zeros(32, steps * s, dtype=dtype)
+    padded = torch.zeros(96, steps * s, dtype=dtype)
     padded[:n, :k] = w
-    want = padded.view(2, 16, steps, s).permute(0, 2, 1, 3).reshape(-1)
+    groups = [padded[:64].view(4, 16, steps, s), padded[64:].view(2, 16, steps, s)]
+    want = torch.cat([g.permute(2, 0, 1, 3).reshape(-1) for g in groups])
     assert torch.equal(pack(w), want)
 
 
