@@ -1,9 +1,13 @@
 // cascade_attention on the CPU: flash-style online softmax (fp32 state) over each request's
 // prefix, then its masked suffix.
 //
-// Work unit: (request b, group of KV heads, query tile).  A head's rows are the (token, head)
-// pairs of the tile's tokens and the G = Hq / Hkv query heads of that KV head, so every key /
-// value tile is read and converted once for all of them.  Key tiles are the outer loop and
+// Work unit: (request b, group of KV heads, query tile, prefix chunk).  A head's rows are the
+// (token, head) pairs of the tile's tokens and the G = Hq / Hkv query heads of that KV head,
+// so every key / value tile is read and converted once for all of them.  A request's prefix
+// is cut into chunks of kSplitKeys keys (flash-decoding's split-K: a decode step of one
+// request has only Hkv units otherwise); each chunk's unit keeps its softmax state, the last
+// chunk also takes the suffix, and the chunk that finishes last merges the states in chunk
+// order.  The chunks sit at fixed key positions, whatever the thread count, batch or N.  Key tiles are the outer loop and
 // the unit's heads the inner one: K / V rows (all heads side by side in memory) stream in
 // order, once.  Per key tile of kKeyTile (64) keys and head:
 //   pack_k   K rows -> fp32 K^T [Dp, 64] (in-register 16x16 transposes on AVX-512)
@@ -29,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -65,8 +70,15 @@ constexpr std::int64_t kMaxTileRows = 128;  // rows (token x head) of a work uni
 // Threads: below kMinParallelFlops (~0.1-0.5 ms of work on one core) a call runs on the
 // calling thread (starting a thread costs tens of microseconds, more on a busy machine);
 // above, at most one thread per kFlopsPerThread.
+// A decode step's attention (N = 1) is a read of the cached K / V: below kMinParallelFlops
+// it still takes the pool (workers spin between the kernels of a step) from
+// kMinParallelBytes of prefix K / V on, one thread per kBytesPerThread.
 constexpr double kMinParallelFlops = 16e6;
 constexpr double kFlopsPerThread = 8e6;
+constexpr double kMinParallelBytes = 128e3;
+constexpr double kBytesPerThread = 96e3;
+// prefix keys per chunk (a multiple of kKeyTile)
+constexpr std::int64_t kSplitKeys = 256;
 constexpr float kLazyMax = 8.0f;  // see softmax_rows
 // KV heads per work unit: as many as keep their Q and O rows within this (L2) budget; a
 // unit streams whole K / V rows (its heads side by side in memory) once.
@@ -511,6 +523,24 @@ struct Geometry {
   float scale2 = 1.0f;           // sm_scale * log2(e)
 };
 
+// One work unit (see the top of the file).  Units of one (request, head group, query tile)
+// with several prefix chunks share `merge`: their states go to scratch slots slot0 + chunk.
+struct Unit {
+  std::int64_t b = 0, h0 = 0, i0 = 0, i1 = 0;
+  std::int64_t k0 = 0, k1 = 0;    // prefix keys [k0, k1)
+  bool suffix = true;             // the last chunk also runs the suffix
+  int chunk = 0, chunks = 1;
+  std::int64_t merge = -1;        // index of the merge counter (chunks > 1)
+  std::int64_t slot0 = 0;
+};
+
+// Chunk states of split units: per slot and head, O [rows][dp], mrun [rows], lrun [rows][16].
+struct SplitState {
+  float* mem = nullptr;
+  std::int64_t slot_floats = 0, head_floats = 0;
+  std::atomic<int>* done = nullptr;  // chunks finished, per merge group
+};
+
 inline std::int64_t up16(std::int64_t x) { return (x + 15) / 16 * 16; }
 
 // Per-thread scratch, 64-byte aligned, reused across calls on the same thread.  Per KV head
@@ -602,16 +632,69 @@ void store_rows(const CascadeAttentionArgs& a, const Geometry& g, const float* o
   }
 }
 
-// One work unit: request b, KV heads [h0, h0 + H), query tokens [i0, i1).  Key tiles are the
+void store_state(const CascadeAttentionArgs& a, const Geometry& g, const Workspace& ws, const Unit& u,
+                 std::int64_t H) {
+  const std::int64_t qo_stride = ws.rows * g.dp, st_stride = up16(ws.rows);
+  for (std::int64_t hi = 0; hi < H; ++hi) {
+    const float* o = ws.o + hi * qo_stride;
+    const float* mrun = ws.mrun + hi * st_stride;
+    const float* lrun = ws.lrun + hi * st_stride * 16;
+    switch (a.dtype) {
+      case kFloat16: store_rows<kFloat16>(a, g, o, mrun, lrun, u.b, u.h0 + hi, u.i0, u.i1); break;
+      case kBFloat16: store_rows<kBFloat16>(a, g, o, mrun, lrun, u.b, u.h0 + hi, u.i0, u.i1); break;
+      default: store_rows<kFloat32>(a, g, o, mrun, lrun, u.b, u.h0 + hi, u.i0, u.i1); break;
+    }
+  }
+}
+
+// The end of a unit: store its rows, or (a chunk of a split prefix) keep its state; the
+// chunk that finishes last merges the group's states in chunk order into its workspace:
+// O = sum_c 2^(m_c - m) O_c, l = sum_c 2^(m_c - m) l_c with m = max_c m_c.
+void finish_unit(const CascadeAttentionArgs& a, const Geometry& g, Workspace& ws, const Unit& u, std::int64_t H,
+                 std::int64_t M, const SplitState& split) {
+  if (u.chunks == 1) {
+    store_state(a, g, ws, u, H);
+    return;
+  }
+  const std::int64_t DP = g.dp, qo_stride = ws.rows * DP, st_stride = up16(ws.rows);
+  auto state = [&](int c, std::int64_t hi) { return split.mem + (u.slot0 + c) * split.slot_floats + hi * split.head_floats; };
+  for (std::int64_t hi = 0; hi < H; ++hi) {
+    float* dst = state(u.chunk, hi);
+    std::copy(ws.o + hi * qo_stride, ws.o + hi * qo_stride + M * DP, dst);
+    std::copy(ws.mrun + hi * st_stride, ws.mrun + hi * st_stride + M, dst + M * DP);
+    std::copy(ws.lrun + hi * st_stride * 16, ws.lrun + (hi * st_stride + M) * 16, dst + M * DP + M);
+  }
+  if (split.done[u.merge].fetch_add(1, std::memory_order_acq_rel) != u.chunks - 1) return;
+  for (std::int64_t hi = 0; hi < H; ++hi) {
+    float* o = ws.o + hi * qo_stride;
+    float* mrun = ws.mrun + hi * st_stride;
+    float* lrun = ws.lrun + hi * st_stride * 16;
+    for (std::int64_t r = 0; r < M; ++r) {
+      float m = -INFINITY;
+      for (int c = 0; c < u.chunks; ++c) m = std::max(m, state(c, hi)[M * DP + r]);
+      std::fill(o + r * DP, o + (r + 1) * DP, 0.0f);
+      std::fill(lrun + r * 16, lrun + (r + 1) * 16, 0.0f);
+      mrun[r] = m;
+      if (m == -INFINITY) continue;
+      for (int c = 0; c < u.chunks; ++c) {
+        const float* st = state(c, hi);
+        const float f = std::exp2(st[M * DP + r] - m);
+        for (std::int64_t dd = 0; dd < DP; ++dd) o[r * DP + dd] += f * st[r * DP + dd];
+        for (int lane = 0; lane < 16; ++lane) lrun[r * 16 + lane] += f * st[M * DP + M + r * 16 + lane];
+      }
+    }
+  }
+  store_state(a, g, ws, u, H);
+}
+
+// One work unit: request b, KV heads [h0, h0 + H), query tokens [i0, i1), prefix keys
+// [k0, k1) (and the suffix for the last chunk).  Key tiles are the
 // outer loop and the heads the inner one, so the unit reads each K / V row (all its heads
 // side by side in memory) once, in order.
-void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, Workspace& ws, std::int64_t u) {
-  const std::int64_t per_b = g.head_groups * g.q_tiles;
-  const std::int64_t b = u / per_b;
-  const std::int64_t h0 = (u % per_b) / g.q_tiles * g.group_heads;
+void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, Workspace& ws, const Unit& u,
+              const SplitState& split) {
+  const std::int64_t b = u.b, h0 = u.h0, i0 = u.i0, i1 = u.i1;
   const std::int64_t H = std::min(g.group_heads, a.hkv - h0);
-  const std::int64_t i0 = (u % g.q_tiles) * g.tile_tokens;
-  const std::int64_t i1 = std::min(a.n, i0 + g.tile_tokens);
   if (i0 >= i1 || H <= 0) return;
   const std::int64_t G = g.group, DP = g.dp, D = a.head_dim, M = (i1 - i0) * G, item = g.item;
   const std::int64_t qo_stride = ws.rows * DP, st_stride = up16(ws.rows);  // per head
@@ -663,9 +746,8 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
     }
   };
 
-  // ---- prefix: every row sees every key
-  const std::int64_t plen = prefix_length(a, b);
-  if (plen > 0) {
+  // ---- prefix chunk [k0, k1): every row sees every key
+  if (u.k1 > u.k0) {
     const char* pk = static_cast<const char*>(a.prefix_k);
     const char* pv = static_cast<const char*>(a.prefix_v);
     const std::int64_t kr = a.prefix_k_stride[1], vr = a.prefix_v_stride[1];
@@ -674,7 +756,8 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
     const bool ragged = a.prefix == kPrefixRagged;
     const std::int64_t row0 = ragged ? index_at(a.prefix_indptr, a.indptr_dtype, b) : 0;
     const std::int32_t* table = ragged ? nullptr : a.page_table + b * a.page_table_stride;
-    std::int64_t page_i = 0, slot = 0;  // paged: where the next tile starts
+    // paged: where the next tile starts
+    std::int64_t page_i = ragged ? 0 : u.k0 / a.page_size, slot = ragged ? 0 : u.k0 % a.page_size;
     // addresses of the rows of the tile starting at t0 (tiles are filled in order)
     auto fill = [&](std::int64_t t0, int kt, const char** kd, const char** vd) {
       if (ragged) {
@@ -706,10 +789,10 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
     const char** next_k = kq;
     const char** next_v = vq;
     const std::int64_t k_span = (H - 1) * dk + D * item, v_span = (H - 1) * dv + D * item;
-    int kt = static_cast<int>(std::min<std::int64_t>(KT, plen));
-    fill(0, kt, cur_k, cur_v);
-    for (std::int64_t t0 = 0; t0 < plen; t0 += KT) {
-      const int kn = static_cast<int>(std::min<std::int64_t>(KT, std::max<std::int64_t>(0, plen - t0 - KT)));
+    int kt = static_cast<int>(std::min<std::int64_t>(KT, u.k1 - u.k0));
+    fill(u.k0, kt, cur_k, cur_v);
+    for (std::int64_t t0 = u.k0; t0 < u.k1; t0 += KT) {
+      const int kn = static_cast<int>(std::min<std::int64_t>(KT, std::max<std::int64_t>(0, u.k1 - t0 - KT)));
       if (kn > 0) {
         fill(t0 + KT, kn, next_k, next_v);
         for (int j = 0; j < kn; ++j) {
@@ -725,6 +808,10 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
   }
 
   // ---- suffix under the mask
+  if (!u.suffix) {
+    finish_unit(a, g, ws, u, H, M, split);
+    return;
+  }
   const char* kb = static_cast<const char*>(a.k) + (b * a.k_stride[0] + h0 * a.k_stride[2]) * item;
   const char* vb = static_cast<const char*>(a.v) + (b * a.v_stride[0] + h0 * a.v_stride[2]) * item;
   for (std::int64_t j0 = 0; j0 < a.n; j0 += KT) {
@@ -752,17 +839,7 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
     }
     tile(kt, kp, vp, a.k_stride[2] * item, a.v_stride[2] * item, bits);
   }
-
-  for (std::int64_t hi = 0; hi < H; ++hi) {
-    const float* o = ws.o + hi * qo_stride;
-    const float* mrun = ws.mrun + hi * st_stride;
-    const float* lrun = ws.lrun + hi * st_stride * 16;
-    switch (a.dtype) {
-      case kFloat16: store_rows<kFloat16>(a, g, o, mrun, lrun, b, h0 + hi, i0, i1); break;
-      case kBFloat16: store_rows<kBFloat16>(a, g, o, mrun, lrun, b, h0 + hi, i0, i1); break;
-      default: store_rows<kFloat32>(a, g, o, mrun, lrun, b, h0 + hi, i0, i1); break;
-    }
-  }
+  finish_unit(a, g, ws, u, H, M, split);
 }
 
 const Ops& pick_ops(int isa) {
@@ -794,28 +871,37 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   g.words = (a.n + 31) / 32;
   g.scale2 = static_cast<float>(static_cast<double>(a.sm_scale) * 1.4426950408889634);
 
-  // threads: by the work (the suffix counted dense)
-  std::int64_t prefix_rows = 0;
-  for (std::int64_t b = 0; b < a.batch; ++b) prefix_rows += prefix_length(a, b);
+  // threads: by the work (the suffix counted dense) and by the prefix bytes read
+  std::int64_t prefix_rows = 0, chunks_total = 0;
+  std::vector<int> chunks(static_cast<std::size_t>(a.batch));
+  for (std::int64_t b = 0; b < a.batch; ++b) {
+    const std::int64_t plen = prefix_length(a, b);
+    prefix_rows += plen;
+    chunks[b] = static_cast<int>(std::max<std::int64_t>(1, (plen + kSplitKeys - 1) / kSplitKeys));
+    chunks_total += chunks[b];
+  }
   const double flops = 4.0 * static_cast<double>(a.hq) * static_cast<double>(a.head_dim) *
                        static_cast<double>(a.n) *
                        (static_cast<double>(prefix_rows) + static_cast<double>(a.batch) * static_cast<double>(a.n));
+  const double bytes = 2.0 * static_cast<double>(prefix_rows) * static_cast<double>(a.hkv) *
+                       static_cast<double>(a.head_dim) * static_cast<double>(g.item);
   std::int64_t threads = 1;
-  if (a.num_threads > 1 && flops >= kMinParallelFlops) {
+  if (a.num_threads > 1 && (flops >= kMinParallelFlops || bytes >= kMinParallelBytes)) {
+    const double want = std::max(flops / kFlopsPerThread, bytes / kBytesPerThread);
     threads = std::min<std::int64_t>({a.num_threads, static_cast<std::int64_t>(cpu::max_threads()),
-                                      static_cast<std::int64_t>(flops / kFlopsPerThread)});
+                                      static_cast<std::int64_t>(want)});
     threads = std::max<std::int64_t>(threads, 1);
   }
-  // units: (request, KV head group, query tile).  One group of every head and query tiles
-  // of at most kMaxTileRows rows, then, while threads would idle, more head groups and
-  // more query tiles.
+  // units: (request, KV head group, query tile, prefix chunk).  One group of every head and
+  // query tiles of at most kMaxTileRows rows, then, while threads would idle, more head
+  // groups and more query tiles.
   std::int64_t q_tiles = std::min(a.n, (a.n * g.group + kMaxTileRows - 1) / kMaxTileRows);
   // as many heads per unit as keep their Q and O rows within kUnitStateBytes (L2): the unit
   // then streams whole K / V rows (every head side by side) once
   const std::int64_t head_state = (a.n + q_tiles - 1) / q_tiles * g.group * g.dp * 8;
   const std::int64_t unit_heads = std::max<std::int64_t>(1, std::min<std::int64_t>(a.hkv, kUnitStateBytes / head_state));
   std::int64_t head_groups = (a.hkv + unit_heads - 1) / unit_heads;
-  while (threads > 1 && a.batch * head_groups * q_tiles < 2 * threads) {
+  while (threads > 1 && chunks_total * head_groups * q_tiles < 2 * threads) {
     if (head_groups < a.hkv) {
       ++head_groups;
     } else if (q_tiles < a.n) {
@@ -828,24 +914,68 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   g.head_groups = (a.hkv + g.group_heads - 1) / g.group_heads;
   g.tile_tokens = (a.n + q_tiles - 1) / q_tiles;
   g.q_tiles = (a.n + g.tile_tokens - 1) / g.tile_tokens;
-  const std::int64_t units = a.batch * g.head_groups * g.q_tiles;
-  threads = std::min(threads, units);
   const std::int64_t rows = g.tile_tokens * g.group;
 
+  // the unit list; chunked groups get merge counters and scratch slots
+  static thread_local std::vector<Unit> units;
+  units.clear();
+  std::int64_t merges = 0, slots = 0;
+  for (std::int64_t b = 0; b < a.batch; ++b) {
+    const std::int64_t plen = prefix_length(a, b);
+    for (std::int64_t hg = 0; hg < g.head_groups; ++hg) {
+      for (std::int64_t qt = 0; qt < g.q_tiles; ++qt) {
+        Unit u;
+        u.b = b;
+        u.h0 = hg * g.group_heads;
+        u.i0 = qt * g.tile_tokens;
+        u.i1 = std::min(a.n, u.i0 + g.tile_tokens);
+        u.chunks = chunks[b];
+        if (u.chunks > 1) {
+          u.merge = merges++;
+          u.slot0 = slots;
+          slots += u.chunks;
+        }
+        for (int c = 0; c < u.chunks; ++c) {
+          u.chunk = c;
+          u.k0 = std::min(plen, c * kSplitKeys);
+          u.k1 = u.chunks == 1 ? plen : std::min(plen, (c + 1) * kSplitKeys);
+          u.suffix = c == u.chunks - 1;
+          units.push_back(u);
+        }
+      }
+    }
+  }
+  static thread_local std::vector<float> scratch;
+  SplitState split;
+  split.head_floats = rows * (g.dp + 17);
+  split.slot_floats = g.group_heads * split.head_floats;
+  if (slots > 0 && static_cast<std::int64_t>(scratch.size()) < slots * split.slot_floats)
+    scratch.resize(static_cast<std::size_t>(slots * split.slot_floats));
+  split.mem = scratch.data();
+  std::unique_ptr<std::atomic<int>[]> done(merges > 0 ? new std::atomic<int>[merges] : nullptr);
+  for (std::int64_t i = 0; i < merges; ++i) done[i].store(0, std::memory_order_relaxed);
+  split.done = done.get();
+
+  const std::int64_t count = static_cast<std::int64_t>(units.size());
+  threads = std::min(threads, count);
   static thread_local Workspace local;
   local.reserve(rows, g.dp, g.group_heads);
   if (threads <= 1) {
-    for (std::int64_t u = 0; u < units; ++u) run_unit(a, ops, g, local, u);
+    for (const Unit& u : units) run_unit(a, ops, g, local, u, split);
     return;
   }
-  // workspaces allocated here, so that no worker thread can fail to allocate
-  std::vector<Workspace> extra(static_cast<std::size_t>(threads - 1));
-  for (auto& w : extra) w.reserve(rows, g.dp, g.group_heads);
+  // workspaces reserved here, so that no worker thread can fail to allocate
+  static thread_local std::vector<Workspace> extra;
+  if (static_cast<std::int64_t>(extra.size()) < threads - 1) extra.resize(static_cast<std::size_t>(threads - 1));
+  for (std::int64_t t = 0; t < threads - 1; ++t) extra[t].reserve(rows, g.dp, g.group_heads);
+  // thread_local names resolve per thread: the workers get this thread's objects by address
   std::atomic<std::int64_t> next{0};
   Workspace* const callers = &local;   // chunk 0's: any thread may run any chunk
+  Workspace* const others = extra.data();
+  const Unit* const list = units.data();
   cpu::parallel_for(static_cast<int>(threads), [&](int t) {
-    Workspace& ws = t == 0 ? *callers : extra[static_cast<std::size_t>(t - 1)];
-    for (std::int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) run_unit(a, ops, g, ws, u);
+    Workspace& ws = t == 0 ? *callers : others[t - 1];
+    for (std::int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) run_unit(a, ops, g, ws, list[i], split);
   });
 }
 

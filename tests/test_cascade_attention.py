@@ -290,6 +290,8 @@ def _cpp(case, **kw):
     (65, [33], 16, 2, 128, torch.float32, "tree"),
     (130, [0, 7], 4, 1, 64, torch.float32, "tree"),    # several query tiles, 3 key tiles
     (37, [200], 24, 8, 48, torch.bfloat16, "random"),
+    (3, [600, 0, 257], 9, 3, 64, torch.bfloat16, "random"),  # prefix chunks of 256 keys, merged
+    (1, [1030], 9, 3, 64, torch.float32, "none"),      # decode at a long prefix: 5 chunks
 ])
 def test_cpp_matches_float64_reference(isa, n, prefix_lens, hq, hkv, d, dtype, mask_kind):
     case = make_case(len(prefix_lens), n, hq, hkv, d, prefix_lens, dtype, n + hq + d, mask_kind)
@@ -350,6 +352,34 @@ def test_cpp_paged_cache_views_and_strided_inputs(isa):
         assert torch.equal(got[0], exp[0]) and torch.equal(got[1], exp[1])
 
 
+@needs_cpp
+def test_cpp_paged_prefix_chunks_equal_ragged(isa):
+    """Long paged prefixes are cut into chunks of 256 keys that start inside a page (page
+    size 48): the same as the ragged rows bit for bit, and the oracle."""
+    g = torch.Generator().manual_seed(3)
+    batch, n, hq, hkv, d, page = 2, 3, 6, 2, 64, 48
+    lens = torch.tensor([530, 300], dtype=torch.int32)
+    pages = [-(-int(x) // page) for x in lens]
+    table = torch.full((batch, max(pages)), -1, dtype=torch.int32)
+    perm = torch.randperm(sum(pages), generator=g).int()
+    table[0, :pages[0]], table[1, :pages[1]] = perm[:pages[0]], perm[pages[0]:]
+    cache_k = torch.randn(sum(pages), page, hkv, d, generator=g).bfloat16()
+    cache_v = torch.randn(sum(pages), page, hkv, d, generator=g).bfloat16()
+    q = torch.randn(batch, n, hq, d, generator=g).bfloat16()
+    k, v = torch.randn(2, batch, n, hkv, d, generator=g).bfloat16()
+    words = dspec.masks.causal(n).words
+    paged = dspec.cascade_attention(q, k, v, words, prefix_k=cache_k, prefix_v=cache_v, prefix_page_table=table,
+                                    prefix_lens=lens, return_lse=True, backend="cpp")
+    rows = [torch.arange(int(x)) for x in lens]
+    flat = [table[b].long()[r // page] * page + r % page for b, r in enumerate(rows)]
+    rows_k = torch.cat([cache_k.flatten(0, 1)[f] for f in flat])
+    rows_v = torch.cat([cache_v.flatten(0, 1)[f] for f in flat])
+    case = (q, k, v, words, rows_k, rows_v, torch.tensor([0, 530, 830]))
+    ragged = _cpp(case)
+    assert torch.equal(paged[0], ragged[0]) and torch.equal(paged[1], ragged[1])
+    check_against_oracle(*paged, case, torch.bfloat16)
+
+
 @pytest.mark.parametrize("backend", ["torch"] + (["cpp"] if HAS_CPP else []))
 @pytest.mark.parametrize("layout", ["ragged", "paged", "none"])
 def test_plan_run_equals_one_call(backend, layout):
@@ -380,8 +410,9 @@ def test_plan_run_equals_one_call(backend, layout):
 
 @needs_cpp
 def test_cpp_threads_give_identical_results(isa, monkeypatch):
-    """Work is split over threads by (request, KV head group, query tile); every row's
-    arithmetic is the same whatever the split, so the result is bit-identical."""
+    """Work is split over threads by (request, KV head group, query tile, prefix chunk at
+    fixed key positions); every row's arithmetic is the same whatever the split, so the
+    result is bit-identical."""
     case = make_case(2, 40, 8, 2, 64, [300, 129], torch.bfloat16, 11, "tree")
     before = torch.get_num_threads()
     try:
