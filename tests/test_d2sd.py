@@ -16,7 +16,7 @@ from dspec.decode import d2sd
 from dspec.models.dflash import BlockDrafter
 
 from test_dflash import (PROMPTS, OracleDrafter, _second_token_marginal, ar_tokens, chi_square_ok,  # noqa: F401
-                         oracle_pair, peaked, target)  # fixtures shared with test_dflash
+                         oracle_pair, peaked, restrict, target)  # fixtures shared with test_dflash
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
@@ -35,11 +35,11 @@ class FixedVP(BlockDrafter):
         super().__init__(base.config, target)
         self.favourite, self.second = favourite, second
 
-    def forward(self, tokens, positions, cache, *, mask=None, backend=None):
+    def forward(self, tokens, positions, cache, *, mask=None, backend=None, logits_from=0, draft_vocab=False):
         logits = torch.zeros(*tokens.shape, self.config.vocab_size)
         logits[..., self.favourite] = 5.0
         logits[..., self.second] = 4.0
-        return logits
+        return restrict(self, logits, logits_from, draft_vocab)
 
 
 def test_redraft_branches(target):
@@ -77,6 +77,21 @@ def test_greedy_equals_ar(target, k):
     # the VP re-drafts fix the first draft's planted errors: more accepted than DFlash
     dfl = dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=n, drafter=ds["dflash"])
     assert s["mean_accepted"] > dfl.stats["mean_accepted"]
+
+
+@pytest.mark.parametrize("branches", ["vp", "resample"])
+def test_draft_vocabs_keep_greedy_equal_to_ar(target, branches):
+    """Both drafters restricted to draft vocabularies (the VP's without the rejected
+    first drafts' ids some of the time): branches still verify to ar's tokens."""
+    n, gamma = 16, 5
+    ds = drafters(target, PROMPTS, n, gamma)
+    v = target.config.vocab_size
+    ds["dflash"].set_draft_vocab(torch.arange(0, v, 2))
+    ds["vp"].set_draft_vocab(torch.arange(0, v, 3))
+    drafter = ds if branches == "vp" else ds["dflash"]
+    outs = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=drafter, k=2, branches=branches)
+            for p in PROMPTS]
+    assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
 
 
 def test_random_drafters_equal_ar(target):

@@ -166,7 +166,9 @@ def test_cli_trains_from_an_engine_directory(tiny, tmp_path):
     generate_shards(tiny, tmp_path / "data", small(tokens=120), progress=False)
     result = main(["--target", "tiny-ar", "--out", str(tmp_path / "run"), "--max-steps", "2",
                    "--data", str(tmp_path / "data"), "--cache-features", "--block-size", "4",
-                   "--batch-size", "4", "--autocast", "none"])
+                   "--batch-size", "4", "--autocast", "none", "--draft-vocab", "40"])
     assert result["step"] == 2 and (tmp_path / "run" / "features" / "features.npy").is_file()
+    from dspec.models.dflash import load_drafter
+    assert load_drafter(tmp_path / "run" / "drafter", tiny).draft_vocab.numel() == 40
     log = json.loads((tmp_path / "run" / "train_log.json").read_text())
     assert log["data"]["source"].startswith("target-generated")

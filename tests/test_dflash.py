@@ -64,7 +64,7 @@ class OracleDrafter(BlockDrafter):
         self.wrong_every, self.strong, self.weak = wrong_every, strong, weak
         self.calls = 0
 
-    def forward(self, tokens, positions, cache, *, mask=None, backend=None):
+    def forward(self, tokens, positions, cache, *, mask=None, backend=None, logits_from=0, draft_vocab=False):
         self.calls += 1
         vocab = self.config.vocab_size
         b, n = tokens.shape
@@ -80,7 +80,16 @@ class OracleDrafter(BlockDrafter):
         logits = torch.zeros(b, n, vocab)
         value = torch.where(wrong, torch.tensor(self.weak), torch.tensor(self.strong))
         logits.scatter_(2, want[..., None], value[..., None])
-        return logits
+        return restrict(self, logits, logits_from, draft_vocab)
+
+
+def restrict(drafter, logits, logits_from, draft_vocab):
+    """What BlockDrafter.forward returns for full logits [B, N, V]: slots from
+    ``logits_from``, columns of the draft vocabulary when asked and present."""
+    logits = logits[:, logits_from:]
+    if draft_vocab and drafter.draft_vocab is not None:
+        logits = logits[..., drafter.draft_vocab]
+    return logits
 
 
 def oracle_pair(model, prompts, n, **kw):
@@ -276,11 +285,14 @@ def peaked(tmp_path_factory):
     return model
 
 
-def test_sampling_preserves_target_distribution(peaked):
+@pytest.mark.parametrize("vocab", ["full", "draft"])
+def test_sampling_preserves_target_distribution(peaked, vocab):
     prompt = [5, 6, 7]
     temperature = 1.0
     probs = _second_token_marginal(peaked, prompt, temperature)
     d = oracle_pair(peaked, [prompt], 6, block_size=4)     # q: the greedy path, ~0.7 confident
+    if vocab == "draft":        # half the ids, the greedy path's included: q is 0 elsewhere
+        d.set_draft_vocab(sorted(set(range(0, peaked.config.vocab_size, 2)) | set(d.refs[0].tolist())))
     rows = 1500
     out = dspec.generate(peaked, [prompt] * rows, method="dflash", max_new_tokens=3, drafter=d,
                          temperature=temperature, seed=0)
@@ -296,6 +308,54 @@ def test_sampling_preserves_target_distribution(peaked):
     again2 = dspec.generate(peaked, [prompt] * 8, method="dflash", max_new_tokens=3, drafter=d,
                             temperature=temperature, seed=1)
     assert [g.tokens for g in again] == [g.tokens for g in again2]
+
+
+# ----------------------------------------------------------------------------- draft vocabulary
+
+def test_draft_vocab_checks_and_round_trip(target, tmp_path):
+    d = BlockDrafter.for_target(target, block_size=4, seed=2)
+    v = target.config.vocab_size
+    for bad in ([], [[1, 2]], [0, v], [-1, 3], [4, 4], [0.5, 1.0]):
+        with pytest.raises(ValueError, match="draft vocab"):
+            d.set_draft_vocab(torch.tensor(bad))
+    ids = torch.arange(3, v, 3)
+    d.set_draft_vocab(ids)
+    d.save(tmp_path / "dr")
+    e = load_drafter(tmp_path / "dr", target)
+    assert torch.equal(e.draft_vocab, ids)
+    cache = e.new_cache(1)
+    tokens = torch.tensor([[4, MASK, MASK, MASK]])
+    positions = torch.arange(4)[None]
+    with torch.no_grad():                                   # the small-row kernel: per-column sums
+        full = e(tokens, positions, cache)
+        sub = e(tokens, positions, cache, logits_from=1, draft_vocab=True)
+    assert torch.equal(sub, full[:, 1:, ids])               # the head's rows of the draft ids
+    with pytest.raises(ValueError, match="logits_from"):
+        e(tokens, positions, cache, logits_from=4)
+    e.set_draft_vocab(None)
+    e.save(tmp_path / "dr")
+    assert load_drafter(tmp_path / "dr", target).draft_vocab is None
+
+
+def test_greedy_with_a_draft_vocab_equals_ar(target):
+    """Drafts never leave the draft vocabulary (the target's tokens often do): still ar."""
+    n = 16
+    ref = ar_tokens(target, PROMPTS, n)
+    d = oracle_pair(target, PROMPTS, n, block_size=5, wrong_every=6)
+    full = [dspec.generate(target, p, method="dflash", max_new_tokens=n, drafter=d) for p in PROMPTS]
+    d.set_draft_vocab(torch.arange(0, target.config.vocab_size, 2))
+    half = [dspec.generate(target, p, method="dflash", max_new_tokens=n, drafter=d) for p in PROMPTS]
+    assert [g.tokens for g in half] == [g.tokens for g in full] == ref
+    assert sum(g.stats["mean_accepted"] for g in half) < sum(g.stats["mean_accepted"] for g in full)
+
+
+def test_draft_vocabulary_counts_response_tokens():
+    from dspec.train.dflash import draft_vocabulary
+    seqs = [([9, 9, 9, 1, 1, 2], 3), ([9, 3, 3, 3, 1], 1)]          # responses: 1 1 2 / 3 3 3 1
+    assert draft_vocabulary(seqs, 2, 10).tolist() == [1, 3]
+    assert draft_vocabulary(seqs, 3, 10, always=[7]).tolist() == [1, 3, 7]
+    with pytest.raises(ValueError, match="draft vocab size"):
+        draft_vocabulary(seqs, 11, 10)
 
 
 def test_drafter_none_without_a_shipped_drafter_says_how_to_train_one():

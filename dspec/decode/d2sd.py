@@ -40,7 +40,7 @@ from ..masks import d2sd_branches, ssd_copies
 from ..models import AttentionPlan
 from ..models.dflash import MASK, resolve_drafter
 from ..ops import rejection_boundaries, token_stats, verify_tree
-from .dflash import SpeculativeRun, _sync, check_draft_len, draft_block
+from .dflash import SpeculativeRun, _sync, check_draft_len, draft_block, vocab_ids
 from .sampling import sample_from
 
 BRANCH_MODES = ("vp", "resample")
@@ -61,15 +61,19 @@ def redraft(vp_drafter, context, anchor, first, lengths, positions, gamma):
     block = torch.where(given, first[:, None, :], torch.full_like(given, MASK, dtype=torch.int64))
     block = torch.cat([anchor[:, None, None].expand(batch, k, 1), block], 2)   # [B, K, gamma]
     sm = ssd_copies(gamma, k, device=dev)
-    logits = vp_drafter(block.reshape(batch, k * gamma), positions.repeat(1, k), context,
-                        mask=sm.words).float().view(batch, k, gamma, -1)[:, :, 1:]
+    vocab = vp_drafter.draft_vocab
+    logits = vp_drafter(block.reshape(batch, k * gamma), positions.repeat(1, k), context, mask=sm.words,
+                        draft_vocab=True).float().view(batch, k, gamma, -1)[:, :, 1:]
     # the branch exists because d_{n+1} may be rejected: never propose it again there
     first_redrafted = slot[None, None, :] == lengths[..., None] + 1
     rejected = first.gather(1, lengths.clamp_max(first.shape[1] - 1))           # [B, K]
-    ban = torch.zeros_like(logits, dtype=torch.bool)
-    ban.scatter_(3, rejected[..., None, None].expand(batch, k, gamma - 1, 1), True)
-    logits = logits.masked_fill(ban & first_redrafted[..., None], float("-inf"))
-    return torch.where(given, first[:, None, :], token_stats(logits).token)
+    if vocab is None:
+        banned = rejected[..., None] == torch.arange(logits.shape[-1], device=dev)
+    else:
+        banned = rejected[..., None] == vocab                                   # [B, K, V']
+    ban = banned[:, :, None, :] & first_redrafted[..., None]
+    logits = logits.masked_fill(ban, float("-inf"))
+    return torch.where(given, first[:, None, :], vocab_ids(token_stats(logits).token, vocab))
 
 
 @torch.no_grad()
@@ -138,10 +142,10 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     while live:
         t0 = time.perf_counter()
         positions = run.lengths[:, None] + offsets
-        logits = draft_block(first_drafter, run.contexts["drafter"], run.anchor, positions, gamma)
+        logits, vocab = draft_block(first_drafter, run.contexts["drafter"], run.anchor, positions, gamma)
         run.nfe["drafter"] += 1
         stats = token_stats(logits, temperature=temperature if temperature > 0 else 1.0)
-        first = stats.token                                                     # [B, L]
+        first = vocab_ids(stats.token, vocab)                                   # [B, L]
         if branches == "vp":
             lengths, _ = rejection_boundaries(stats.prob, k)
             alt = redraft(roles["vp_drafter"], run.contexts["vp_drafter"], run.anchor, first, lengths,
@@ -150,7 +154,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         else:
             q = torch.softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
             u = torch.rand((q.shape[0], k, q.shape[1]), generator=resample_gen, device=dev)
-            alt = sample_from(q[:, None].expand(-1, k, -1, -1), u)
+            alt = vocab_ids(sample_from(q[:, None].expand(-1, k, -1, -1), u), vocab)
             lengths = torch.zeros(q.shape[0], k, dtype=torch.int64, device=dev)
         host = torch.cat([run.anchor[:, None], first, lengths, alt.flatten(1)], 1).cpu().tolist()
         _sync(dev)

@@ -176,13 +176,29 @@ class SpeculativeRun:
 
 
 def draft_block(drafter: BlockDrafter, context, anchor: torch.Tensor, positions: torch.Tensor,
-                gamma: int) -> torch.Tensor:
-    """One DFlash forward: ``[anchor, MASK x (gamma-1)]`` -> drafter logits of the gamma-1
-    drafted slots [B, gamma-1, V] (float32)."""
+                gamma: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One DFlash forward: ``[anchor, MASK x (gamma-1)]`` -> (drafter logits of the gamma-1
+    drafted slots [B, gamma-1, V'] float32, the ids of their columns: the drafter's draft
+    vocabulary, or None for the whole vocabulary)."""
     batch = anchor.shape[0]
     block = torch.full((batch, gamma), MASK, dtype=torch.int64, device=anchor.device)
     block[:, 0] = anchor
-    return drafter(block, positions, context)[:, 1:].float()
+    logits = drafter(block, positions, context, logits_from=1, draft_vocab=True).float()
+    return logits, drafter.draft_vocab
+
+
+def vocab_ids(columns: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+    """Logit columns -> token ids (``vocab`` from :func:`draft_block`)."""
+    return columns if vocab is None else vocab[columns]
+
+
+def full_vocab_probs(q: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """A draft distribution over ``vocab``'s ids [..., V'] as one over every id [..., V]
+    (zero outside the draft vocabulary), what ``verify_chain`` compares against."""
+    if vocab is None:
+        return q
+    full = q.new_zeros(q.shape[:-1] + (vocab_size,))
+    return full.index_copy_(-1, vocab, q)
 
 
 @torch.no_grad()
@@ -223,15 +239,16 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
     while live:
         t0 = time.perf_counter()
         positions = run.lengths[:, None] + offsets
-        logits = draft_block(drafter, run.contexts["drafter"], run.anchor, positions, gamma)
+        logits, vocab = draft_block(drafter, run.contexts["drafter"], run.anchor, positions, gamma)
         run.nfe["drafter"] += 1
         if temperature > 0:
             q = torch.softmax(logits / temperature, dim=-1)
             u = torch.rand(q.shape[:-1], generator=generator, device=dev)
-            drafts = sample_from(q, u)
+            drafts = vocab_ids(sample_from(q, u), vocab)
+            q = full_vocab_probs(q, vocab, model.config.vocab_size)
         else:
             q = None
-            drafts = token_stats(logits).token
+            drafts = vocab_ids(token_stats(logits).token, vocab)
         _sync(dev)
         t1 = time.perf_counter()
         suffix = torch.cat([run.anchor[:, None], drafts], 1)

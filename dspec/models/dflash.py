@@ -19,8 +19,13 @@ that prefix plus the block.
 
 The drafter reuses the target's token embedding and output head (frozen, never stored in
 the drafter file); it owns the context projection, the mask embedding, 1-2 transformer
-layers and a final norm.  Files: a directory with ``config.json``, ``model.safetensors`` (or
-its shards when larger than 15 MB) and a model card ``README.md``; :func:`load_drafter` checks it fits the target.
+layers and a final norm.  A *draft vocabulary* (EAGLE-3's reduced draft vocabulary, a
+subset of the target's ids, :meth:`BlockDrafter.set_draft_vocab`) makes the drafting head
+read only those rows of the target's head: decoding is unchanged (the target verifies),
+drafts just never propose an id outside it.  Files: a directory with ``config.json``,
+``model.safetensors`` (or its shards when larger than 15 MB), optionally
+``draft_vocab.safetensors``, and a model card ``README.md``; :func:`load_drafter` checks it
+fits the target.
 
     >>> drafter = BlockDrafter.for_target(target, num_layers=1, block_size=8)  # doctest: +SKIP
     >>> drafter.save("my-drafter")                                           # doctest: +SKIP
@@ -42,11 +47,12 @@ from torch import nn
 from ..ops.attention import cascade_attention
 from .dense import dense
 from .kv_cache import KVCache, SuffixKV
-from .transformer import MLP, RMSNorm, _rotate, rope_tables
+from .transformer import MLP, RMSNorm, _linear, _project, _rotate, rope_tables
 
 #: token id meaning "this block slot is masked" in :meth:`BlockDrafter.forward` inputs.
 MASK = -1
 KINDS = ("dflash", "vp")
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
 
 
@@ -157,6 +163,8 @@ class BlockDrafter(nn.Module):
         self._inv_freq_cpu = inv
         self._inv_freq = {}
         self._target = None
+        self._draft_ids = None
+        self._draft_head = None
         if target is not None:
             self.bind(target)
 
@@ -224,6 +232,43 @@ class BlockDrafter(nn.Module):
     def target_layer_ids(self) -> list[int]:
         return list(self.config.target_layer_ids)
 
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """The draft vocabulary (int64 [V'] target ids), None for the full vocabulary."""
+        return self._draft_ids
+
+    def set_draft_vocab(self, ids) -> "BlockDrafter":
+        """Draft only token ids ``ids`` (distinct ids in [0, vocab_size), any order; None =
+        the whole vocabulary).  :meth:`forward` with ``draft_vocab=True`` then returns logits
+        over them, column j for token ``ids[j]``."""
+        if ids is None:
+            self._draft_ids, self._draft_head = None, None
+            return self
+        ids = torch.as_tensor(ids)
+        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"draft vocab must be a non-empty 1-D tensor of token ids, got {ids.dtype} "
+                             f"{list(ids.shape)}")
+        ids = ids.to(torch.int64)
+        v = self.config.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= v:
+            raise ValueError(f"draft vocab ids must lie in [0, {v}), got [{int(ids.min())}, {int(ids.max())}]")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError("draft vocab ids must be distinct")
+        self._draft_ids, self._draft_head = ids.to(self.device), None
+        return self
+
+    def _head_weight(self, draft_vocab: bool) -> torch.Tensor:
+        """The target's output head, or its draft-vocabulary rows (gathered once, again when
+        the target's head changes)."""
+        w = self.target.output_weight
+        if not draft_vocab or self._draft_ids is None:
+            return w
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._draft_head is None or self._draft_head[0] != key:
+            ids = self._draft_ids.to(w.device)
+            self._draft_head = (key, w.detach().index_select(0, ids).contiguous())
+        return self._draft_head[1]
+
     def extra_repr(self) -> str:
         c = self.config
         return (f"kind={c.kind}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}/"
@@ -245,13 +290,14 @@ class BlockDrafter(nn.Module):
             raise ValueError(f"hidden must hold {len(self.config.target_layer_ids)} tensors (one per "
                              f"target layer id), got {len(hidden)}")
         x = torch.cat([h.to(self.dtype) for h in hidden], dim=-1)
-        return self.context_norm(self.context_proj(x))
+        return self.context_norm(_linear(self.context_proj, x))
 
     def _context_kv(self, layer: DrafterLayer, features: torch.Tensor, cos, sin):
         b, t, _ = features.shape
         c = self.config
-        k = layer.k_proj(features).view(b, t, c.num_kv_heads, c.head_dim)
-        v = layer.v_proj(features).view(b, t, c.num_kv_heads, c.head_dim)
+        k, v = _project((layer.k_proj, layer.v_proj), features)
+        k = k.view(b, t, c.num_kv_heads, c.head_dim)
+        v = v.view(b, t, c.num_kv_heads, c.head_dim)
         return _rotate(k, cos, sin), v
 
     def context_kv(self, hidden: list[torch.Tensor], positions: torch.Tensor) -> SuffixKV:
@@ -282,18 +328,19 @@ class BlockDrafter(nn.Module):
             x = x * scale
         return torch.where(masked[..., None], self.mask_embedding.to(x.dtype), x)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm + the target's output head -> logits [..., V]."""
-        target = self.target
-        w = target.output_weight
+    def head(self, x: torch.Tensor, *, draft_vocab: bool = False) -> torch.Tensor:
+        """Final norm + the target's output head -> logits [..., V] (``draft_vocab``: over
+        :attr:`draft_vocab` [..., V'] when the drafter has one)."""
+        w = self._head_weight(draft_vocab)
         logits = dense(self.norm(x).to(w.dtype).contiguous(), w)
-        scale = target.config.logit_scale
+        scale = self.target.config.logit_scale
         return logits * scale if scale != 1.0 else logits
 
     # ----------------------------------------------------------------------- forwards
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, *,
-                mask=None, backend: str | None = None) -> torch.Tensor:
+                mask=None, backend: str | None = None, logits_from: int = 0,
+                draft_vocab: bool = False) -> torch.Tensor:
         """Draft blocks after each request's cached context (decoding path).
 
         Parameters
@@ -305,30 +352,37 @@ class BlockDrafter(nn.Module):
         cache : the drafter context cache (:meth:`new_cache`), B requests.
         mask : packed suffix words [N, W] / [B, N, W] (``dspec.masks``), None =
             bidirectional over all N slots (one block).
+        logits_from : the first slot whose logits are computed (1 skips a lone block's
+            anchor: the head is the largest matrix the drafter reads).
+        draft_vocab : logits over :attr:`draft_vocab` (when the drafter has one).
 
         Returns
         -------
-        logits [B, N, V]: row j is the drafter's distribution of the token *at* slot j's
-        position (row 0, the anchor's, is not a prediction).
+        logits [B, N - logits_from, V] (or V'): row j is the drafter's distribution of the
+        token *at* slot ``logits_from + j``'s position (slot 0, the anchor's, is not a
+        prediction).
         """
         if tokens.dim() != 2 or positions.shape != tokens.shape:
             raise ValueError(f"tokens and positions must both be [B, N], got {list(tokens.shape)} "
                              f"and {list(positions.shape)}")
         if not isinstance(cache, KVCache) or cache.batch_size != tokens.shape[0]:
             raise ValueError("cache must be this drafter's KVCache (new_cache) with one row per request")
+        if isinstance(logits_from, bool) or not isinstance(logits_from, int) or not 0 <= logits_from < tokens.shape[1]:
+            raise ValueError(f"logits_from must be an int in [0, {tokens.shape[1]}), got {logits_from!r}")
         c = self.config
         b, n = tokens.shape
         x = self.embed_block(tokens)
         cos, sin = self._rope(positions)
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
-            q = _rotate(layer.q_proj(h).view(b, n, c.num_heads, c.head_dim), cos, sin)
-            k = _rotate(layer.k_proj(h).view(b, n, c.num_kv_heads, c.head_dim), cos, sin)
-            v = layer.v_proj(h).view(b, n, c.num_kv_heads, c.head_dim)
+            q, k, v = _project((layer.q_proj, layer.k_proj, layer.v_proj), h)
+            q = _rotate(q.view(b, n, c.num_heads, c.head_dim), cos, sin)
+            k = _rotate(k.view(b, n, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.view(b, n, c.num_kv_heads, c.head_dim)
             o = cascade_attention(q, k, v, mask, backend=backend, **cache.prefix(i))
-            x = x + layer.o_proj(o.reshape(b, n, -1))
+            x = x + _linear(layer.o_proj, o.reshape(b, n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.head(x)
+        return self.head(x[:, logits_from:] if logits_from else x, draft_vocab=draft_vocab)
 
     def forward_train(self, context_hidden: list[torch.Tensor], blocks: torch.Tensor,
                       starts: torch.Tensor, *, context_length: torch.Tensor | None = None) -> torch.Tensor:
@@ -396,6 +450,11 @@ class BlockDrafter(nn.Module):
             save_file(state, str(out / "model.safetensors"), metadata=meta)
         for i, part in enumerate(shards if len(shards) > 1 else []):
             save_file(part, str(out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"), metadata=meta)
+        vocab_file = out / DRAFT_VOCAB_FILE
+        if self._draft_ids is not None:
+            save_file({"ids": self._draft_ids.to(torch.int32).cpu().contiguous()}, str(vocab_file), metadata=meta)
+        elif vocab_file.exists():
+            vocab_file.unlink()
         if card is None and not (out / "README.md").exists():
             c = self.config
             card = (f"# dspec {c.kind} block drafter\n\nTarget: {c.target}; layers {c.num_layers}; block size "
@@ -529,7 +588,13 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
     drafter.to(dtype=dtype or target.dtype)
     drafter._inv_freq = {}
     drafter.eval()
-    return drafter.bind(target)
+    drafter.bind(target)
+    if (path / DRAFT_VOCAB_FILE).is_file():
+        ids = load_file(str(path / DRAFT_VOCAB_FILE)).get("ids")
+        if ids is None:
+            raise ValueError(f"{path / DRAFT_VOCAB_FILE} holds no 'ids' tensor")
+        drafter.set_draft_vocab(ids)
+    return drafter
 
 
 def resolve_drafter(drafter, target, kind: str) -> BlockDrafter:

@@ -483,6 +483,25 @@ class DrafterTrainer(BudgetedLoop):
         plt.close(fig)
 
 
+# ------------------------------------------------------------------------- draft vocabulary
+
+def draft_vocabulary(sequences, size: int, vocab_size: int, *, always=()) -> torch.Tensor:
+    """The ``size`` ids most frequent among the response tokens of ``sequences`` [(ids,
+    prompt_len)] (ties: the smaller id; ``always``, e.g. the EOS ids, are included), sorted:
+    a drafter's draft vocabulary (:meth:`BlockDrafter.set_draft_vocab`)."""
+    import numpy as np
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= vocab_size:
+        raise ValueError(f"draft vocab size must be an int in [1, {vocab_size}], got {size!r}")
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, plen in sequences:
+        response = np.asarray(ids[plen:], dtype=np.int64)
+        counts += np.bincount(response[(response >= 0) & (response < vocab_size)], minlength=vocab_size)
+    forced = sorted({int(i) for i in always if 0 <= int(i) < vocab_size})
+    counts[forced] = counts.max() + 1
+    order = np.argsort(-counts, kind="stable")[:size]
+    return torch.from_numpy(np.sort(order))
+
+
 # ------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
@@ -527,6 +546,9 @@ def model_card(trainer: DrafterTrainer, result: dict, acceptance: dict | None, t
              f"{' (native bf16)' if trainer.device.type == 'cpu' and native_bf16() else ''})"
              + (f"; offline target features ({trainer.features.meta['tokens']:,} tokens)" if trainer.features else ""),
              f"- held-out loss: {result['heldout_loss']:.4f} nats (weighted, {len(trainer.heldout)} held-out sequences)"]
+    if trainer.drafter.draft_vocab is not None:
+        lines.append(f"- draft vocabulary: the {trainer.drafter.draft_vocab.numel():,} most frequent response "
+                     f"tokens of the training sequences (`draft_vocab.safetensors`)")
     if acceptance:
         lines.append(f"- acceptance (greedy, held-out prompts, mean tokens committed per target forward): "
                      f"{json.dumps(acceptance)}")
@@ -583,6 +605,9 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--init", default=None,
                     help="warm start from a drafter directory or shipped drafter name of the same shape "
                          "(e.g. the shipped DFlash drafter for a VP run, or a previous round)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="save a draft vocabulary of this many ids (the most frequent response tokens of the "
+                         "training sequences; 0 = draft over the whole vocabulary)")
     ap.add_argument("--ship", default=None, help="also copy the final drafter directory here")
     args = ap.parse_args(argv)
     import shutil
@@ -640,6 +665,12 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     result = trainer.train(minutes=args.minutes, max_steps=args.max_steps)
     target_name = getattr(target, "shipped_name", None) or str(args.target)
     drafter = trainer.drafter.to(dtype=target.dtype).eval()
+    if args.draft_vocab:
+        try:
+            drafter.set_draft_vocab(draft_vocabulary(trainer.train_set, args.draft_vocab, target.config.vocab_size,
+                                                     always=target.eos_token_ids))
+        except ValueError as e:
+            raise SystemExit(f"--draft-vocab: {e}")
     drafters = {kind: drafter}
     if kind == "vp":
         from ..models.dflash import resolve_drafter
