@@ -223,6 +223,27 @@ def test_greedy_oracle_equals_ar_with_acceptance(target, gamma):
         assert s["mean_accepted"] > 2.0
 
 
+def test_verify_length_maximises_tokens_per_cost():
+    from dspec.decode.dflash import verify_length
+    sure, unsure = torch.tensor([[0.99, 0.99, 0.99, 0.99]]), torch.tensor([[0.3, 0.2, 0.9, 0.9]])
+    assert verify_length(sure, 0.0) == 4 and verify_length(sure, 0.05) == 4
+    assert verify_length(unsure, 0.5) == 1 and verify_length(unsure, 0.0) == 4
+    assert verify_length(torch.cat([sure, unsure]), 0.5) == 4          # the batch: the largest
+
+
+@pytest.mark.parametrize("row_cost", [0.0, 0.3, 5.0])
+def test_adaptive_verification_length_equals_ar(target, row_cost):
+    n = 16
+    ref = ar_tokens(target, PROMPTS, n)
+    d = oracle_pair(target, PROMPTS, n, block_size=5, wrong_every=4)
+    outs = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d, row_cost=row_cost)
+    assert [g.tokens for g in outs] == ref
+    s = outs[0].stats
+    assert 1 <= s["verified_drafts"] <= 4 and s["mean_accepted"] <= 1 + s["verified_drafts"]
+    with pytest.raises(ValueError, match="row_cost"):
+        dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=2, drafter=d, row_cost=-1.0)
+
+
 def test_batch_ragged_equals_singles(target):
     n = 16
     d = oracle_pair(target, PROMPTS, n, block_size=5, wrong_every=4)
@@ -285,17 +306,21 @@ def peaked(tmp_path_factory):
     return model
 
 
-@pytest.mark.parametrize("vocab", ["full", "draft"])
+@pytest.mark.parametrize("vocab", ["full", "draft", "adaptive"])
 def test_sampling_preserves_target_distribution(peaked, vocab):
     prompt = [5, 6, 7]
     temperature = 1.0
     probs = _second_token_marginal(peaked, prompt, temperature)
     d = oracle_pair(peaked, [prompt], 6, block_size=4)     # q: the greedy path, ~0.7 confident
+    if vocab == "adaptive":     # verify a q-chosen prefix of the drafts
+        options = {"row_cost": 0.3}
+    else:
+        options = {}
     if vocab == "draft":        # half the ids, the greedy path's included: q is 0 elsewhere
         d.set_draft_vocab(sorted(set(range(0, peaked.config.vocab_size, 2)) | set(d.refs[0].tolist())))
     rows = 1500
     out = dspec.generate(peaked, [prompt] * rows, method="dflash", max_new_tokens=3, drafter=d,
-                         temperature=temperature, seed=0)
+                         temperature=temperature, seed=0, **options)
     second = torch.tensor([g.tokens[1] for g in out])
     counts = torch.bincount(second, minlength=peaked.config.vocab_size)
     stat, limit = chi_square_ok(counts, probs)
