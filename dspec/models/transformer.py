@@ -233,7 +233,10 @@ class Model(nn.Module):
         self.name_or_path = None
         self.shipped_name = None       # set by dspec.load for a shipped model ("tiny-ar", ...)
         with torch.device("meta" if _meta else device):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            # a meta Embedding gets no init: reset_parameters' normal_ on a meta tensor runs
+            # torch's Python reference, which imports torch._dynamo (seconds per dspec.load)
+            shape = (config.vocab_size, config.hidden_size)
+            self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape)) if _meta else nn.Embedding(*shape)
             self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = None if config.tie_word_embeddings else \

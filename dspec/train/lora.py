@@ -251,8 +251,7 @@ def merge_lora(model: Model) -> Model:
     if isinstance(emb, RowAdaptedEmbedding):
         w = emb.base_weight
         w[emb.row_ids] = emb.rows.to(w.dtype)
-        plain = nn.Embedding(emb.num_embeddings, emb.embedding_dim, device="meta")
-        plain.weight = w
+        plain = nn.Embedding(emb.num_embeddings, emb.embedding_dim, _weight=w)   # no init pass
         model.embed_tokens = plain
     if hasattr(model, "lora_config"):
         del model.lora_config
