@@ -111,6 +111,8 @@ CONFIGS: tuple[Config, ...] = (
            {"cps": Option(("cps", "path_search"), False),
             "adl": Option(("adaptive", "adl", "adaptive_draft_len"), False)}),
     Config("dflash", "dflash", "target"),
+    # the adaptive verification length at this CPU's measured cost of a verified row
+    Config("dflash-adaptive", "dflash", "target", {"row_cost": 0.06}),
     *(Config(f"d2sd-K{k}", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), k)})
       for k in (1, 2, 4)),
     # the naive control: DFlash with K branches resampled from the first draft
