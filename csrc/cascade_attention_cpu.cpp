@@ -7,9 +7,9 @@
 // is cut into chunks of kSplitKeys keys (flash-decoding's split-K: a decode step of one
 // request has only Hkv units otherwise); each chunk's unit keeps its softmax state, the last
 // chunk also takes the suffix, and the chunk that finishes last merges the states in chunk
-// order.  The chunks sit at fixed key positions, whatever the thread count, batch or N.  Key tiles are the outer loop and
-// the unit's heads the inner one: K / V rows (all heads side by side in memory) stream in
-// order, once.  Per key tile of kKeyTile (64) keys and head:
+// order.  The chunks sit at fixed key positions, whatever the thread count, batch or N.
+// Key tiles are the outer loop and the unit's heads the inner one: K / V rows (all heads
+// side by side in memory) stream in order, once.  Per key tile of kKeyTile (64) keys and head:
 //   pack_k   K rows -> fp32 K^T [Dp, 64] (in-register 16x16 transposes on AVX-512)
 //   pack_v   V rows -> fp32 [64, Dp] (fp32 rows are read in place when D % 16 == 0 and the
 //            tile is small or D <= 64)
@@ -657,7 +657,9 @@ void finish_unit(const CascadeAttentionArgs& a, const Geometry& g, Workspace& ws
     return;
   }
   const std::int64_t DP = g.dp, qo_stride = ws.rows * DP, st_stride = up16(ws.rows);
-  auto state = [&](int c, std::int64_t hi) { return split.mem + (u.slot0 + c) * split.slot_floats + hi * split.head_floats; };
+  auto state = [&](int c, std::int64_t hi) {
+    return split.mem + (u.slot0 + c) * split.slot_floats + hi * split.head_floats;
+  };
   for (std::int64_t hi = 0; hi < H; ++hi) {
     float* dst = state(u.chunk, hi);
     std::copy(ws.o + hi * qo_stride, ws.o + hi * qo_stride + M * DP, dst);
@@ -688,9 +690,9 @@ void finish_unit(const CascadeAttentionArgs& a, const Geometry& g, Workspace& ws
 }
 
 // One work unit: request b, KV heads [h0, h0 + H), query tokens [i0, i1), prefix keys
-// [k0, k1) (and the suffix for the last chunk).  Key tiles are the
-// outer loop and the heads the inner one, so the unit reads each K / V row (all its heads
-// side by side in memory) once, in order.
+// [k0, k1) (and the suffix for the last chunk).  Key tiles are the outer loop and the heads
+// the inner one, so the unit reads each K / V row (all its heads side by side in memory)
+// once, in order.
 void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, Workspace& ws, const Unit& u,
               const SplitState& split) {
   const std::int64_t b = u.b, h0 = u.h0, i0 = u.i0, i1 = u.i1;
