@@ -874,13 +874,15 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   g.scale2 = static_cast<float>(static_cast<double>(a.sm_scale) * 1.4426950408889634);
 
   // threads: by the work (the suffix counted dense) and by the prefix bytes read
+  auto chunks_of = [](std::int64_t plen) {
+    return static_cast<int>(std::max<std::int64_t>(1, (plen + kSplitKeys - 1) / kSplitKeys));
+  };
   std::int64_t prefix_rows = 0, chunks_total = 0;
-  std::vector<int> chunks(static_cast<std::size_t>(a.batch));
+  std::vector<std::int64_t> plens(static_cast<std::size_t>(a.batch));
   for (std::int64_t b = 0; b < a.batch; ++b) {
-    const std::int64_t plen = prefix_length(a, b);
-    prefix_rows += plen;
-    chunks[b] = static_cast<int>(std::max<std::int64_t>(1, (plen + kSplitKeys - 1) / kSplitKeys));
-    chunks_total += chunks[b];
+    plens[b] = prefix_length(a, b);
+    prefix_rows += plens[b];
+    chunks_total += chunks_of(plens[b]);
   }
   const double flops = 4.0 * static_cast<double>(a.hq) * static_cast<double>(a.head_dim) *
                        static_cast<double>(a.n) *
@@ -923,7 +925,7 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   units.clear();
   std::int64_t merges = 0, slots = 0;
   for (std::int64_t b = 0; b < a.batch; ++b) {
-    const std::int64_t plen = prefix_length(a, b);
+    const std::int64_t plen = plens[b];
     for (std::int64_t hg = 0; hg < g.head_groups; ++hg) {
       for (std::int64_t qt = 0; qt < g.q_tiles; ++qt) {
         Unit u;
@@ -931,7 +933,7 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
         u.h0 = hg * g.group_heads;
         u.i0 = qt * g.tile_tokens;
         u.i1 = std::min(a.n, u.i0 + g.tile_tokens);
-        u.chunks = chunks[b];
+        u.chunks = chunks_of(plen);
         if (u.chunks > 1) {
           u.merge = merges++;
           u.slot0 = slots;

@@ -170,5 +170,9 @@ def test_cli_trains_from_an_engine_directory(tiny, tmp_path):
     assert result["step"] == 2 and (tmp_path / "run" / "features" / "features.npy").is_file()
     from dspec.models.dflash import load_drafter
     assert load_drafter(tmp_path / "run" / "drafter", tiny).draft_vocab.numel() == 40
+    with pytest.raises(SystemExit, match="--draft-vocab"):        # refused before any training
+        main(["--target", "tiny-ar", "--out", str(tmp_path / "bad"), "--max-steps", "2", "--data",
+              str(tmp_path / "data"), "--draft-vocab", "-1"])
+    assert not (tmp_path / "bad" / "checkpoint.pt").exists()
     log = json.loads((tmp_path / "run" / "train_log.json").read_text())
     assert log["data"]["source"].startswith("target-generated")

@@ -306,8 +306,6 @@ class DrafterTrainer(BudgetedLoop):
         self.drafter.float().train()
         self.data_info = {}
         self.sequences = self._data(sequences)
-        if cfg.heldout_start >= len(self.sequences):
-            raise ValueError(f"heldout_start ({cfg.heldout_start}) must be below the {len(self.sequences)} sequences")
         n_held = max(1, int((len(self.sequences) - cfg.heldout_start) * cfg.heldout_fraction))
         self.held_idx, self.train_idx = heldout_split(len(self.sequences), n_held, seed=cfg.seed,
                                                       start=cfg.heldout_start)
@@ -632,6 +630,8 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
         cfg.__post_init__()
     except ValueError as e:
         raise SystemExit(str(e))
+    if args.draft_vocab and not 0 < args.draft_vocab <= target.config.vocab_size:   # before any training
+        raise SystemExit(f"--draft-vocab must lie in [1, {target.config.vocab_size}] (0: none), got {args.draft_vocab}")
     out = Path(args.out)
     if (out / CHECKPOINT).exists() and not args.resume:
         raise SystemExit(f"{out / CHECKPOINT} exists: pass --resume to continue or choose another --out")
