@@ -4,8 +4,8 @@
 // (see scan_impl); the chunks of one row are merged with the online merge (ts::merge).
 // The lane loops are branch-free (own exp, dtype.h decoding) so the compiler vectorises
 // them; on x86-64 they are also compiled for AVX2+FMA and AVX-512.  Large inputs
-// (rows * vocab >= 2^18) are spread over std::thread workers (no OpenMP; at most
-// $DSPEC_CPU_THREADS or hardware_concurrency() of them); the caller releases the GIL.
+// (rows * vocab >= 2^18) are spread over the persistent pool of cpu_parallel.h (no OpenMP;
+// at most $DSPEC_CPU_THREADS or hardware_concurrency() threads); the caller releases the GIL.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
