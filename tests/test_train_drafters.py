@@ -11,7 +11,8 @@ import torch
 import dspec
 from dspec.decode.ar import decode_ar
 from dspec.models.dflash import MASK, block_loss_weights, load_drafter
-from dspec.train.dflash import DrafterTrainConfig, DrafterTrainer, main, make_blocks, pad_sequences
+from dspec.train.dflash import (DrafterTrainConfig, DrafterTrainer, block_loss, greedy_accepted, main, make_blocks,
+                                pad_sequences)
 from dspec.train.vp_drafter import prefix_prior, prefix_sampler, sample_prefix_lengths
 
 from tiny_checkpoints import write_checkpoint
@@ -155,3 +156,51 @@ def test_warm_start_from_a_saved_drafter(ckpt, target, sequences, tmp_path):
     other = DrafterTrainer(target, small_cfg(block_size=6), tmp_path / "other", sequences=sequences, progress=False)
     with pytest.raises(ValueError, match="block_size"):
         other.init_from(tmp_path / "dflash")
+
+
+def test_greedy_accepted_counts_the_leading_agreeing_drafts():
+    labels = torch.tensor([[[7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4]]])
+    preds = torch.tensor([[[0, 1, 2, 9, 4], [0, 9, 2, 3, 4], [0, 1, 2, 3, 4], [0, 0, 2, 3, 9]]])
+    valid = torch.ones_like(labels, dtype=torch.bool)
+    valid[0, 2, 4] = False                                   # block 2 runs past the sequence end
+    valid[..., 0] = False                                    # the anchor is given
+    prefix = torch.tensor([[0, 0, 0, 1]])                    # block 3: slot 1 given (VP)
+    valid[0, 3, 1] = False
+    logits = torch.nn.functional.one_hot(preds, 10).float()
+    acc, correct = greedy_accepted(logits, labels, valid, prefix)
+    assert acc.tolist() == [[2, 0, 3, 2]]
+    assert correct[0, 0].tolist() == [False, True, True, False, True] and not correct[0, 2, 4]
+    # logits over a draft vocabulary: column j drafts draft_ids[j]
+    draft_ids = torch.tensor([9, 4, 3, 2, 1, 0, 5, 6, 7, 8])
+    column = torch.argsort(draft_ids)[preds]
+    acc2, _ = greedy_accepted(torch.nn.functional.one_hot(column, 10).float(), labels, valid, prefix, draft_ids)
+    assert torch.equal(acc, acc2)
+
+
+def test_draft_vocab_training_reads_only_its_columns(target, sequences, tmp_path):
+    """cfg.draft_vocab: the drafter trains over the most frequent response ids; slots labelled
+    outside weigh 0, the loss equals a softmax over those columns; the saved drafter keeps them."""
+    cfg = small_cfg(draft_vocab=12, max_steps=4)
+    trainer = DrafterTrainer(target, cfg, tmp_path, sequences=sequences, progress=False)
+    ids = trainer.drafter.draft_vocab
+    assert ids.numel() == 12 and set(target.eos_token_ids) <= set(ids.tolist())
+    tokens, lengths, blocks, labels, valid, starts, prefix, hidden = trainer.batch(0)
+    loss, total, logits = block_loss(trainer.drafter, target, tokens, lengths, blocks, labels, valid, starts,
+                                     prefix, cfg.decay, hidden, draft_index=trainer.draft_index,
+                                     return_logits=True)
+    assert logits.shape[-1] == 12
+    full = trainer.drafter.forward_train(
+        target(target.plan(tokens), logits=None, hidden_states=trainer.drafter.target_layer_ids,
+               return_kv=False).hidden, blocks, starts, context_length=lengths)
+    torch.testing.assert_close(logits, full[..., ids], rtol=1e-5, atol=1e-5)
+    inside = torch.isin(labels, ids) & valid
+    w = block_loss_weights(blocks.shape[-1], prefix, cfg.decay) * inside
+    col = trainer.draft_index[labels].clamp_min(0)
+    ce = -torch.log_softmax(full[..., ids].float(), -1).gather(-1, col[..., None])[..., 0]
+    torch.testing.assert_close(loss, (ce * w).sum() / w.sum(), rtol=1e-5, atol=1e-5)
+    assert float(total) == pytest.approx(float(w.sum()))
+    trainer.train(max_steps=4)
+    rec = trainer.evals[-1]
+    assert 1.0 <= rec["heldout_accepted"] <= cfg.block_size and len(rec["slot_accuracy"]) == cfg.block_size - 1
+    trainer.drafter.save(tmp_path / "saved")
+    assert torch.equal(load_drafter(tmp_path / "saved", target).draft_vocab, ids)

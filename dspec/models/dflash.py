@@ -385,7 +385,8 @@ class BlockDrafter(nn.Module):
         return self.head(x[:, logits_from:] if logits_from else x, draft_vocab=draft_vocab)
 
     def forward_train(self, context_hidden: list[torch.Tensor], blocks: torch.Tensor,
-                      starts: torch.Tensor, *, context_length: torch.Tensor | None = None) -> torch.Tensor:
+                      starts: torch.Tensor, *, context_length: torch.Tensor | None = None,
+                      draft_vocab: bool = False) -> torch.Tensor:
         """Many blocks per sequence against the full context, differentiable (training path).
 
         Parameters
@@ -396,10 +397,11 @@ class BlockDrafter(nn.Module):
         starts : int [B, M], the anchor position of each block: block m sees context rows
             t < starts[b, m] (and t < context_length[b]) and its own G slots.
         context_length : int [B] valid rows per sequence (default T).
+        draft_vocab : logits over :attr:`draft_vocab` (when the drafter has one).
 
         Returns
         -------
-        logits [B, M, G, V] (the same function as :meth:`forward` on the same inputs).
+        logits [B, M, G, V] (or V'; the same function as :meth:`forward` on the same inputs).
         """
         c = self.config
         bsz, m, g = blocks.shape
@@ -429,7 +431,7 @@ class BlockDrafter(nn.Module):
                                                attn_mask=allowed)
             x = x + layer.o_proj(o.transpose(1, 2).reshape(bsz, m * g, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.head(x).view(bsz, m, g, -1)
+        return self.head(x, draft_vocab=draft_vocab).view(bsz, m, g, -1)
 
     # ----------------------------------------------------------------------- files
 

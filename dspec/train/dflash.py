@@ -76,6 +76,9 @@ class DrafterTrainConfig:
     sources : prompt sources (``PROMPT_SOURCES``) and their weights.
     heldout_fraction : fraction of sequences held out; heldout_start : hold out only sequences
         from this index on (a later round on grown data: the earlier sequence count).
+    draft_vocab : train and draft over the ``draft_vocab`` most frequent response tokens of
+        the training split (EAGLE-3's reduced head; slots whose label lies outside weigh 0);
+        0 = the whole vocabulary.
     eval_every : steps between held-out evaluations; checkpoint_every_s : seconds.
     autocast : "auto" (bf16 on CUDA and on CPUs with native bf16 matmul), "bf16" or "none".
     """
@@ -102,6 +105,7 @@ class DrafterTrainConfig:
     sources: dict = field(default_factory=lambda: {"arithmetic": 0.3, "stdlib": 0.4, "sharegpt": 0.3})
     heldout_fraction: float = 0.1
     heldout_start: int = 0
+    draft_vocab: int = 0
     eval_every: int = 100
     checkpoint_every_s: float = 120.0
     autocast: str = "auto"
@@ -123,8 +127,10 @@ class DrafterTrainConfig:
             raise ValueError("sampled_fraction must lie in [0, 1] and heldout_fraction in (0, 1)")
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
-        if isinstance(self.heldout_start, bool) or not isinstance(self.heldout_start, int) or self.heldout_start < 0:
-            raise ValueError(f"heldout_start must be an int >= 0, got {self.heldout_start!r}")
+        for name in ("heldout_start", "draft_vocab"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         bad = set(self.sources) - set(PROMPT_SOURCES)
         if bad or not self.sources or sum(self.sources.values()) <= 0:
             raise ValueError(f"sources must map some of {PROMPT_SOURCES} to weights, got {self.sources!r}")
@@ -253,19 +259,52 @@ def make_blocks(tokens, lengths, prompt_lens, *, block_size: int, anchors: int, 
 
 
 def block_loss(drafter: BlockDrafter, target, tokens, lengths, blocks, labels, valid, starts, prefix,
-               decay: float, hidden: list[torch.Tensor] | None = None):
-    """Weighted cross-entropy of a batch of blocks (the recipe's objective) -> (loss, weight sum).
-    ``hidden``: the target's hidden states of ``tokens`` when cached (else one target forward)."""
+               decay: float, hidden: list[torch.Tensor] | None = None, *, draft_index: torch.Tensor | None = None,
+               return_logits: bool = False):
+    """Weighted cross-entropy of a batch of blocks (the recipe's objective) -> (loss, weight sum)
+    (+ the logits with ``return_logits``).  ``hidden``: the target's hidden states of
+    ``tokens`` when cached (else one target forward).  ``draft_index``: int64 [V], a target
+    id's column in the drafter's draft vocabulary (-1 outside): the logits cover only the
+    draft vocabulary and slots labelled outside it weigh 0."""
     if hidden is None:
         # the frozen target runs in its own dtype (autocast would hand bf16 to its fp32 kernels)
         with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
             plan = target.plan(tokens)
             hidden = target(plan, logits=None, hidden_states=drafter.target_layer_ids, return_kv=False).hidden
-    logits = drafter.forward_train(hidden, blocks, starts, context_length=lengths)
+    logits = drafter.forward_train(hidden, blocks, starts, context_length=lengths,
+                                   draft_vocab=draft_index is not None)
+    if draft_index is not None:
+        labels = draft_index[labels]
+        valid = valid & (labels >= 0)
+        labels = labels.clamp_min(0)
     w = block_loss_weights(blocks.shape[-1], prefix, decay) * valid
     ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(w)
     total = w.sum()
-    return (ce * w).sum() / total.clamp_min(1e-6), total
+    loss = (ce * w).sum() / total.clamp_min(1e-6)
+    return (loss, total, logits) if return_logits else (loss, total)
+
+
+def greedy_accepted(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, prefix: torch.Tensor,
+                    draft_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced greedy acceptance of a batch of blocks.
+
+    Slot j's draft is the logits' argmax (a column of ``draft_ids`` [V'] when the logits
+    cover a draft vocabulary); it is *accepted* when it equals the label and every drafted
+    slot before it (j > prefix) was accepted: on target-greedy sequences this is what greedy
+    verification commits at that anchor (the drafted slots of a block are conditionally
+    independent given the context, so teacher forcing is exact there).
+
+    Returns (accepted [B, M] int64: leading accepted drafted slots, stopped by a wrong slot
+    or the sequence end; correct [B, M, G] bool: slot-wise top-1 agreement, ``valid`` only).
+    """
+    pred = logits.argmax(-1)
+    if draft_ids is not None:
+        pred = draft_ids.to(pred.device)[pred]
+    g = labels.shape[-1]
+    drafted = torch.arange(g, device=labels.device) > prefix[..., None]
+    correct = (pred == labels) & valid
+    run = torch.where(drafted, correct, torch.ones_like(correct)).long().cumprod(-1).bool()
+    return (run & drafted).sum(-1), correct
 
 
 # ---------------------------------------------------------------------------- trainer
@@ -312,6 +351,16 @@ class DrafterTrainer(BudgetedLoop):
         self.train_idx = self.train_idx or self.held_idx
         self.heldout = [self.sequences[i] for i in self.held_idx]
         self.train_set = [self.sequences[i] for i in self.train_idx]
+        self.draft_index = None
+        if cfg.draft_vocab:
+            vocab = target.config.vocab_size
+            if cfg.draft_vocab > vocab:
+                raise ValueError(f"draft_vocab must lie in [0, {vocab}], got {cfg.draft_vocab}")
+            ids = draft_vocabulary(self.train_set, cfg.draft_vocab, vocab, always=target.eos_token_ids)
+            self.drafter.set_draft_vocab(ids)
+            self.draft_index = torch.full((vocab,), -1, dtype=torch.int64)
+            self.draft_index[ids] = torch.arange(ids.numel())
+            self.draft_index = self.draft_index.to(self.device)
         self.features = None
         if features is not None:
             from .features import build_features
@@ -387,7 +436,7 @@ class DrafterTrainer(BudgetedLoop):
         tokens, lengths, blocks, labels, valid, starts, prefix, hidden = self.batch(self.step)
         with self._autocast():
             loss, _ = block_loss(self.drafter, self.target, tokens, lengths, blocks, labels, valid, starts,
-                                 prefix, cfg.decay, hidden)
+                                 prefix, cfg.decay, hidden, draft_index=self.draft_index)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
@@ -399,21 +448,37 @@ class DrafterTrainer(BudgetedLoop):
 
     @torch.no_grad()
     def evaluate(self, max_sequences: int = 64) -> float:
-        """Held-out weighted loss over fixed anchors (seeded, identical across calls)."""
+        """Held-out weighted loss over fixed anchors (seeded, identical across calls); the
+        record also holds ``heldout_accepted`` (teacher-forced greedy tokens per cycle,
+        accepted drafts + 1, :func:`greedy_accepted`) and ``slot_accuracy`` (top-1 agreement
+        of drafted slots 1..G-1)."""
         self.drafter.eval()
         total, weight = 0.0, 0.0
+        accepted, blocks_seen = 0, 0
+        g = self.cfg.block_size
+        hits, counts = torch.zeros(g), torch.zeros(g)
         held = self.held_idx[:max_sequences]
         for start in range(0, len(held), self.cfg.batch_size):
             tokens, lengths, blocks, labels, valid, starts, prefix, hidden = self.batch(
                 start, held[start:start + self.cfg.batch_size], salt=99991)
             with self._autocast():
-                loss, w = block_loss(self.drafter, self.target, tokens, lengths, blocks, labels, valid,
-                                     starts, prefix, self.cfg.decay, hidden)
+                loss, w, logits = block_loss(self.drafter, self.target, tokens, lengths, blocks, labels, valid,
+                                             starts, prefix, self.cfg.decay, hidden,
+                                             draft_index=self.draft_index, return_logits=True)
             total += float(loss) * float(w)
             weight += float(w)
+            acc, correct = greedy_accepted(logits, labels, valid, prefix,
+                                           self.drafter.draft_vocab if self.draft_index is not None else None)
+            accepted += int(acc.sum())
+            blocks_seen += acc.numel()
+            hits += correct.sum((0, 1)).cpu()
+            counts += valid.sum((0, 1)).cpu()
         self.drafter.train()
         value = total / max(weight, 1e-6)
-        self.evals.append({"step": self.step, "heldout_loss": value})
+        self.evals.append({"step": self.step, "heldout_loss": value,
+                           "heldout_accepted": 1 + accepted / max(blocks_seen, 1),
+                           "slot_accuracy": [round(float(h / c), 4) if c else None
+                                             for h, c in zip(hits[1:], counts[1:])]})
         return value
 
     # ------------------------------------------------------------------ checkpoints
@@ -475,7 +540,16 @@ class DrafterTrainer(BudgetedLoop):
         ax.set_xlabel("step")
         ax.set_ylabel("weighted block cross-entropy (nats)")
         ax.set_title(f"{self.cfg.kind} drafter, block {self.cfg.block_size}")
-        ax.legend()
+        handles, labels = ax.get_legend_handles_labels()
+        accepted = [r for r in self.evals if "heldout_accepted" in r]
+        if accepted:
+            right = ax.twinx()
+            line, = right.plot([r["step"] for r in accepted], [r["heldout_accepted"] for r in accepted], "s-",
+                               color="tab:green", label="held-out tokens / cycle (teacher-forced)")
+            right.set_ylabel("tokens per cycle")
+            handles.append(line)
+            labels.append(line.get_label())
+        ax.legend(handles, labels)
         fig.tight_layout()
         fig.savefig(self.out / LOSS_PNG, dpi=100)
         plt.close(fig)
@@ -544,6 +618,11 @@ def model_card(trainer: DrafterTrainer, result: dict, acceptance: dict | None, t
              f"{' (native bf16)' if trainer.device.type == 'cpu' and native_bf16() else ''})"
              + (f"; offline target features ({trainer.features.meta['tokens']:,} tokens)" if trainer.features else ""),
              f"- held-out loss: {result['heldout_loss']:.4f} nats (weighted, {len(trainer.heldout)} held-out sequences)"]
+    last = trainer.evals[-1] if trainer.evals else {}
+    if "heldout_accepted" in last:
+        lines.append(f"- held-out teacher-forced greedy tokens per cycle (accepted drafts + 1): "
+                     f"{last['heldout_accepted']:.3f}; top-1 agreement of drafted slots 1..{c.block_size - 1}: "
+                     f"{last['slot_accuracy']}")
     if trainer.drafter.draft_vocab is not None:
         lines.append(f"- draft vocabulary: the {trainer.drafter.draft_vocab.numel():,} most frequent response "
                      f"tokens of the training sequences (`draft_vocab.safetensors`)")
@@ -580,7 +659,10 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--response-tokens", type=int, default=None)
-    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    ap.add_argument("--min-lr", type=float, default=None,
+                    help="final learning rate of the cosine schedule (a warm start wants both low: a peak "
+                         "near a fresh run's knocks the shipped weights back for thousands of steps)")
     ap.add_argument("--heldout-start", type=int, default=0,
                     help="hold out only sequences from this index on: a later round on a data directory "
                          "resumed to more tokens passes the earlier sequence count (default %(default)s)")
@@ -604,8 +686,8 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
                     help="warm start from a drafter directory or shipped drafter name of the same shape "
                          "(e.g. the shipped DFlash drafter for a VP run, or a previous round)")
     ap.add_argument("--draft-vocab", type=int, default=0,
-                    help="save a draft vocabulary of this many ids (the most frequent response tokens of the "
-                         "training sequences; 0 = draft over the whole vocabulary)")
+                    help="train and draft over this many ids (the most frequent response tokens of the "
+                         "training sequences, saved as the drafter's draft vocabulary; 0 = the whole vocabulary)")
     ap.add_argument("--ship", default=None, help="also copy the final drafter directory here")
     args = ap.parse_args(argv)
     import shutil
@@ -614,11 +696,13 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
 
     from ..hub import load
     target = load(args.target, device=args.device)
+    if args.draft_vocab and not 0 < args.draft_vocab <= target.config.vocab_size:
+        raise SystemExit(f"--draft-vocab must lie in [1, {target.config.vocab_size}] (0: none), got {args.draft_vocab}")
     cfg = DrafterTrainConfig(kind=kind, num_layers=args.layers, seed=args.seed, autocast=args.autocast)
     cfg = tiny_defaults(cfg, target)
     for attr, val in (("block_size", args.block_size), ("batch_size", args.batch_size),
                       ("num_prompts", args.num_prompts), ("response_tokens", args.response_tokens),
-                      ("lr", args.lr), ("heldout_start", args.heldout_start)):
+                      ("lr", args.lr), ("min_lr", args.min_lr), ("heldout_start", args.heldout_start), ("draft_vocab", args.draft_vocab)):
         if val is not None:
             setattr(cfg, attr, val)
     if args.sources:
@@ -630,8 +714,6 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
         cfg.__post_init__()
     except ValueError as e:
         raise SystemExit(str(e))
-    if args.draft_vocab and not 0 < args.draft_vocab <= target.config.vocab_size:   # before any training
-        raise SystemExit(f"--draft-vocab must lie in [1, {target.config.vocab_size}] (0: none), got {args.draft_vocab}")
     out = Path(args.out)
     if (out / CHECKPOINT).exists() and not args.resume:
         raise SystemExit(f"{out / CHECKPOINT} exists: pass --resume to continue or choose another --out")
@@ -665,12 +747,6 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     result = trainer.train(minutes=args.minutes, max_steps=args.max_steps)
     target_name = getattr(target, "shipped_name", None) or str(args.target)
     drafter = trainer.drafter.to(dtype=target.dtype).eval()
-    if args.draft_vocab:
-        try:
-            drafter.set_draft_vocab(draft_vocabulary(trainer.train_set, args.draft_vocab, target.config.vocab_size,
-                                                     always=target.eos_token_ids))
-        except ValueError as e:
-            raise SystemExit(f"--draft-vocab: {e}")
     drafters = {kind: drafter}
     if kind == "vp":
         from ..models.dflash import resolve_drafter
