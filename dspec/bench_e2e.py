@@ -115,6 +115,8 @@ CONFIGS: tuple[Config, ...] = (
     Config("dflash-adaptive", "dflash", "target", {"row_cost": 0.06}),
     *(Config(f"d2sd-K{k}", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), k)})
       for k in (1, 2, 4)),
+    # the tree pruned to the nodes worth their row at this CPU's cost of a verified row
+    Config("d2sd-adaptive-K2", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), 2), "row_cost": 0.06}),
     # the naive control: DFlash with K branches resampled from the first draft
     *(Config(f"d2sd-resample-K{k}", "d2sd", "target",
              {"k": Option(("k", "num_branches", "top_k"), k), "branches": "resample"})

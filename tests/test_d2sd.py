@@ -157,3 +157,67 @@ def test_shipped_tiny_ar_drafters():
     out = dspec.generate(model, SHIPPED_PROMPTS, method="d2sd", max_new_tokens=24, k=2)
     assert [g.tokens for g in out] == ref
     assert out[0].stats["mean_accepted"] > 1.2
+
+
+def _reach_bruteforce(c, r, n):
+    """Every node of one request's tree with its reach probability, by the formula."""
+    nodes = {("first", j): float(torch.tensor(c[:j + 1], dtype=torch.float64).prod()) for j in range(len(c))}
+    for k, nk in enumerate(n):
+        p = (float(torch.tensor(c[:nk], dtype=torch.float64).prod()) if nk else 1.0) * (1.0 - c[nk])
+        for j in range(nk, len(c)):
+            p *= r[k][j]
+            nodes[(k, j)] = p
+    return nodes
+
+
+@pytest.mark.parametrize("row_cost", [0.0, 0.05, 0.3, 2.0])
+def test_prune_tree_keeps_the_best_subtree(row_cost):
+    gen = torch.Generator().manual_seed(int(row_cost * 100))
+    batch, k, slots = 6, 3, 7
+    c = torch.rand(batch, slots, generator=gen) ** 0.5
+    r = torch.rand(batch, k, slots, generator=gen)
+    n = torch.stack([torch.randperm(slots, generator=gen)[:k] for _ in range(batch)])
+    first_keep, branch_keep = d2sd.prune_tree(c, r, n, row_cost)
+    for b in range(batch):
+        nodes = _reach_bruteforce(c[b].tolist(), r[b].tolist(), n[b].tolist())
+        ordered = sorted(nodes.values(), reverse=True)
+        gains = [(1 + sum(ordered[:m])) / (1 + row_cost * m) for m in range(1, len(ordered) + 1)]
+        best = max(range(len(gains)), key=gains.__getitem__)
+        kept = {key for key, p in nodes.items() if p >= ordered[best]}
+        assert int(first_keep[b]) == sum(1 for key in kept if key[0] == "first")
+        for j in range(k):
+            mine = sorted(s for key, s in ((key, key[1]) for key in kept) if key[0] == j)
+            assert int(branch_keep[b, j]) == len(mine)
+            assert mine == list(range(int(n[b, j]), int(n[b, j]) + len(mine)))     # a prefix of the branch
+            if mine and int(n[b, j]):
+                assert int(first_keep[b]) >= int(n[b, j])                         # its parent is kept
+    if row_cost == 0.0:                                   # free rows: every node is worth verifying
+        assert (first_keep == slots).all() and (branch_keep == slots - n).all()
+
+
+@pytest.mark.parametrize("row_cost", [0.0, 0.1, 0.5, 5.0])
+def test_adaptive_tree_equals_ar(target, row_cost):
+    n, gamma = 20, 6
+    ds = drafters(target, PROMPTS, n, gamma)
+    outs = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2, row_cost=row_cost)
+    assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
+    full = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2)
+    assert outs[0].stats["tree_nodes"] <= full[0].stats["tree_nodes"]
+    if row_cost >= 5.0:                                   # costly rows: a node or two per cycle
+        assert outs[0].stats["tree_nodes"] <= 3.0
+    with pytest.raises(ValueError, match="row_cost"):
+        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds, row_cost=-0.1)
+    with pytest.raises(ValueError, match="row_cost"):
+        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds["dflash"],
+                       branches="resample", row_cost=0.1)
+
+
+def test_adaptive_tree_sampling_preserves_target_distribution(peaked):
+    prompt = [5, 6, 7]
+    probs = _second_token_marginal(peaked, prompt, 1.0)
+    ds = drafters(peaked, [prompt], 6, 4, wrong_every=3)
+    out = dspec.generate(peaked, [prompt] * 1500, method="d2sd", max_new_tokens=3, drafter=ds,
+                         temperature=1.0, seed=0, k=2, row_cost=0.3)
+    counts = torch.bincount(torch.tensor([g.tokens[1] for g in out]), minlength=peaked.config.vocab_size)
+    stat, limit = chi_square_ok(counts, probs)
+    assert stat < limit, (stat, limit)

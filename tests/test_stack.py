@@ -128,3 +128,35 @@ def test_decoder_layers_rejects_bad_arguments():
                             ("num_mask_rows", 1, "mask_rows without lora")):
         with pytest.raises(ValueError, match=match):
             ext.decoder_layers(**dict(args, **{key: bad}))
+
+
+
+def test_frozen_weights_checks_the_table_once_and_nests(tmp_path, monkeypatch):
+    """Inside frozen_weights the weight table is validated once, not per forward; outside,
+    a weight changed in place between decode calls is seen (the stack still equals the
+    per-op path)."""
+    from dspec.decode.ar import decode_ar
+    model = dspec.load(write_checkpoint(tmp_path, "llama", seed=5), dtype="float32")
+    prompts = [_ids(5, 1)]
+    calls = []
+    real = stack._state
+    monkeypatch.setattr(stack, "_state", lambda params: calls.append(1) or real(params))
+    ref, _ = decode_ar(model, prompts, max_new_tokens=6)
+    per_forward = len(calls)
+    calls.clear()
+    with stack.frozen_weights(model):
+        with stack.frozen_weights(model):
+            inner, _ = decode_ar(model, prompts, max_new_tokens=6)
+        assert model.__dict__["_stack_frozen"][0] == 1
+        again, _ = decode_ar(model, prompts, max_new_tokens=6)
+    assert "_stack_frozen" not in model.__dict__
+    assert inner == again == ref and len(calls) <= 2 < per_forward
+    with torch.no_grad():
+        model.layers[0].mlp.down_proj.weight.mul_(-3.0)          # in place: the table must notice
+    with stack.frozen_weights(model):
+        changed, _ = decode_ar(model, prompts, max_new_tokens=6)
+    monkeypatch.setattr(stack, "ENABLED", False)
+    per_op, _ = decode_ar(model, prompts, max_new_tokens=6)
+    assert changed == per_op
+    with stack.frozen_weights(object()):                          # not a dspec model: no-op
+        pass

@@ -25,6 +25,15 @@ Per cycle, for every unfinished request (ragged batch, per-request acceptance):
 5. **commit** -- the root and the accepted path: ``KVCache.append(keep=[0] + path)`` in the
    target cache and the drafter context caches; the drawn token is the next anchor.
 
+``row_cost`` (adaptive tree, as ``dflash``'s adaptive verification length): every tree
+node gets the probability of lying on the accepted path as the drafters estimate it -- a
+first-draft node ``prod_{i<=j} c_i``; a branch node ``prod_{i<=n} c_i (1 - c_{n+1})``
+times the VP-drafter's probabilities of the branch's tokens up to it (its first token's
+renormalised without the rejected one) -- and the tree keeps the m most probable nodes, m
+maximising ``(1 + sum of their probabilities) / (1 + row_cost * m)`` (:func:`prune_tree`;
+the probabilities fall along every path, so the kept nodes form a subtree).  The output is
+unchanged (the target decides every token); ``None`` verifies every branch in full.
+
 Host work: one sync per cycle for the draft tokens and boundaries (the prefix tree is built
 on the host from <= (K+1)(gamma-1) tokens per request) and one for the accepted path, like
 DFlash's.  ``stats`` adds ``k``, ``branches``, ``tree_nodes`` (mean nodes per request per
@@ -46,13 +55,15 @@ from .sampling import sample_from
 BRANCH_MODES = ("vp", "resample")
 
 
-def redraft(vp_drafter, context, anchor, first, lengths, positions, gamma):
+def redraft(vp_drafter, context, anchor, first, lengths, positions, gamma, *, with_probs: bool = False):
     """One VP-drafter forward re-drafting K branches per request.
 
     anchor [B], first [B, L] (the first draft), lengths [B, K] (prefix lengths in [0, L-1]),
     positions [B, gamma] (the block's absolute positions) -> branches [B, K, L]: branch k
     is ``first[:n_k]`` followed by the VP-drafter's argmax at slots n_k+1 .. L, where slot
-    n_k + 1 never repeats the rejected ``first[n_k]``.
+    n_k + 1 never repeats the rejected ``first[n_k]``.  ``with_probs``: also the
+    VP-drafter's probability of each re-drafted token [B, K, L] (float32; at slot n_k + 1
+    renormalised without the rejected token; meaningless at the given slots).
     """
     batch, k = lengths.shape
     dev = first.device
@@ -73,13 +84,47 @@ def redraft(vp_drafter, context, anchor, first, lengths, positions, gamma):
         banned = rejected[..., None] == vocab                                   # [B, K, V']
     ban = banned[:, :, None, :] & first_redrafted[..., None]
     logits = logits.masked_fill(ban, float("-inf"))
-    return torch.where(given, first[:, None, :], vocab_ids(token_stats(logits).token, vocab))
+    stats = token_stats(logits)
+    branches = torch.where(given, first[:, None, :], vocab_ids(stats.token, vocab))
+    return (branches, stats.prob) if with_probs else branches
+
+
+def prune_tree(first_probs: torch.Tensor, branch_probs: torch.Tensor, lengths: torch.Tensor,
+               row_cost: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The D2SD tree's nodes worth verifying at ``row_cost`` per node.
+
+    first_probs [B, L]: c_i, the first drafter's probability of its draft i; branch_probs
+    [B, K, L]: the VP-drafter's probability of branch k's token at each slot past its
+    prefix; lengths [B, K]: the prefixes n_k.  A node's reach probability (the module
+    docstring) falls along every path, so the m most probable nodes -- all nodes at or above
+    the m-th probability, m per request maximising ``(1 + their sum) / (1 + row_cost * m)``
+    -- form a subtree.  Returns (first_keep [B]: first-draft slots kept, a prefix of the
+    draft; branch_keep [B, K]: re-drafted slots kept per branch, a prefix of each).
+    """
+    batch, k, slots = branch_probs.shape
+    c = first_probs.double()
+    chain = c.cumprod(1)                                                       # [B, L]
+    n = lengths.long()
+    before = torch.where(n > 0, chain.gather(1, (n - 1).clamp_min(0)), torch.ones_like(c[:, :1]))
+    base = before * (1.0 - c.gather(1, n.clamp_max(slots - 1)))                # [B, K]
+    own = torch.arange(slots, device=c.device) >= n[..., None]                 # slot index j >= n_k
+    branch = base[..., None] * torch.where(own, branch_probs.double(), 1.0).cumprod(-1)
+    branch = torch.where(own, branch, -1.0)                                    # given slots: not nodes
+    reach = torch.cat([chain, branch.flatten(1)], 1)                           # [B, L + K L]
+    ordered = reach.sort(1, descending=True).values
+    count = torch.arange(1, ordered.shape[1] + 1, device=c.device, dtype=torch.float64)
+    gain = (1.0 + ordered.clamp_min(0).cumsum(1)) / (1.0 + row_cost * count)
+    gain = torch.where(ordered >= 0, gain, -1.0)
+    threshold = ordered.gather(1, gain.argmax(1, keepdim=True))                # [B, 1]
+    first_keep = (chain >= threshold).sum(1)
+    branch_keep = ((branch >= threshold[..., None]) & own).sum(-1)
+    return first_keep, branch_keep
 
 
 @torch.no_grad()
 def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                 generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
-                draft_len: int | None = None, k: int = 2, branches: str = "vp"):
+                draft_len: int | None = None, k: int = 2, branches: str = "vp", row_cost: float | None = None):
     """D2SD speculative decoding of a ragged batch with an AR target.
 
     Parameters
@@ -94,6 +139,9 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         size minus the anchor).
     k : K, re-drafted branches (1 <= K <= gamma - 1); the tree holds K + 1 branches.
     branches : "vp" (D2SD) or "resample" (K branches sampled from the first draft's q).
+    row_cost : None (verify every branch in full) or the cost of one more tree node
+        relative to a one-row forward (>= 0): keep the nodes that maximise the expected
+        tokens per cost (:func:`prune_tree`; "vp" branches only).
 
     Returns
     -------
@@ -107,6 +155,11 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         raise ValueError(f"method 'd2sd' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
     if branches not in BRANCH_MODES:
         raise ValueError(f"branches must be one of {BRANCH_MODES}, got {branches!r}")
+    if row_cost is not None and (isinstance(row_cost, bool) or not isinstance(row_cost, (int, float))
+                                 or not 0 <= row_cost < float("inf")):
+        raise ValueError(f"row_cost must be None or a finite number >= 0, got {row_cost!r}")
+    if row_cost is not None and branches != "vp":
+        raise ValueError("row_cost prunes the VP-drafter's branches: it needs branches='vp'")
     if isinstance(drafter, str) and "," in drafter:            # the CLI's --drafter DFLASH,VP
         drafter = tuple(drafter.split(","))
     if isinstance(drafter, (tuple, list)):
@@ -148,15 +201,20 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         first = vocab_ids(stats.token, vocab)                                   # [B, L]
         if branches == "vp":
             lengths, _ = rejection_boundaries(stats.prob, k)
-            alt = redraft(roles["vp_drafter"], run.contexts["vp_drafter"], run.anchor, first, lengths,
-                          positions, gamma)
+            alt, alt_probs = redraft(roles["vp_drafter"], run.contexts["vp_drafter"], run.anchor, first, lengths,
+                                     positions, gamma, with_probs=True)
             run.nfe["vp_drafter"] += 1
+            if row_cost is not None:
+                first_keep, branch_keep = prune_tree(stats.prob, alt_probs, lengths, float(row_cost))
         else:
             q = torch.softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
             u = torch.rand((q.shape[0], k, q.shape[1]), generator=resample_gen, device=dev)
             alt = vocab_ids(sample_from(q[:, None].expand(-1, k, -1, -1), u), vocab)
             lengths = torch.zeros(q.shape[0], k, dtype=torch.int64, device=dev)
-        host = torch.cat([run.anchor[:, None], first, lengths, alt.flatten(1)], 1).cpu().tolist()
+        parts = [run.anchor[:, None], first, lengths, alt.flatten(1)]
+        if row_cost is not None:
+            parts += [first_keep[:, None], branch_keep]
+        host = torch.cat(parts, 1).cpu().tolist()
         _sync(dev)
         t1 = time.perf_counter()
         anchors = [h[0] for h in host]
@@ -164,6 +222,12 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         prefix = [h[gamma:gamma + k] for h in host]
         redrafts = [[h[gamma + k + j * (gamma - 1) + n: gamma + k + (j + 1) * (gamma - 1)]
                      for j, n in enumerate(p)] for h, p in zip(host, prefix)]
+        if row_cost is not None:
+            # kept prefixes only; a branch with no kept node shrinks to a path of the kept draft
+            keeps = [h[-k - 1:] for h in host]
+            firsts = [f[:kp[0]] for f, kp in zip(firsts, keeps)]
+            prefix = [[n if kp[1 + j] else min(n, kp[0]) for j, n in enumerate(p)] for p, kp in zip(prefix, keeps)]
+            redrafts = [[r[:kp[1 + j]] for j, r in enumerate(rs)] for rs, kp in zip(redrafts, keeps)]
         tree = d2sd_branches(anchors, firsts, prefix, redrafts, device=dev)
         t2 = time.perf_counter()
         nodes_total += int((tree.parents >= 0).sum()) + len(anchors)
@@ -185,6 +249,6 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
                                     tree_nodes=nodes_total / run.cycles if run.cycles else 0.0)
 
 
-OPTIONS = ("draft_len", "k", "branches")
+OPTIONS = ("draft_len", "k", "branches", "row_cost")
 DRAFTER = "block"    # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_d2sd

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..models.stack import frozen_weights
+
 # DESIGN.md's methods, each one module of dspec.decode with the same name.  A method module
 # defines
 #   OPTIONS: tuple[str, ...]   the keyword options it takes (DESIGN.md's common names first)
@@ -141,9 +143,10 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
         from tqdm.auto import tqdm
         bar = tqdm(total=max_new_tokens, desc=f"{method} decode", unit="tok")
     start = time.perf_counter()
-    tokens, stats = module.decode(model, prompts, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, generator=generator,
-                                    eos_ids=model.eos_token_ids, progress=bar, **options)
+    with frozen_weights(model):
+        tokens, stats = module.decode(model, prompts, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, generator=generator,
+                                      eos_ids=model.eos_token_ids, progress=bar, **options)
     wall = time.perf_counter() - start
     if bar is not None:
         bar.close()

@@ -89,6 +89,8 @@ class AttentionPlan:
         ar = torch.arange(n, device=dev)
         positions = base[:, None] + ar
         all_valid = lengths.tolist() == [n] * batch                           # host data
+        if all_valid and attention == "causal":
+            return cls(tokens, positions, _causal_words(n, dev), cache, lengths)
         valid = ar[None, :] < lengths.to(dev)[:, None]                        # [B, N]
         if attention == "causal":
             dense = (ar[None, :] <= ar[:, None]).expand(batch, n, n)
@@ -109,6 +111,22 @@ class AttentionPlan:
         else:
             mask = pack_mask(dense)
         return cls(tokens, positions, mask, cache, lengths)
+
+
+_CAUSAL_WORDS: dict = {}
+
+
+def _causal_words(n: int, device) -> torch.Tensor:
+    """The packed causal mask of n suffix tokens, shared by every plan that asks (masks are
+    never written in place); a decode step's one-token plan stops re-packing it."""
+    key = (n, str(device))
+    words = _CAUSAL_WORDS.get(key)
+    if words is None:
+        ar = torch.arange(n, device=device)
+        words = pack_mask(ar[None, :] <= ar[:, None])
+        if n <= 512:                              # the sizes decoding repeats; bounded memory
+            _CAUSAL_WORDS[key] = words
+    return words
 
 
 def _blocks_aligned_alike(cache: KVCache | None, block_size: int) -> bool:
