@@ -1,13 +1,24 @@
 // cascade_attention on the CPU: flash-style online softmax (fp32 state) over each request's
-// prefix, then its masked suffix.
+// keys -- its cached prefix, then its suffix under the mask -- as one sequence: key index t
+// is prefix row t for t < P and suffix key t - P after.
 //
-// Work unit: (request b, group of KV heads, query tile, prefix chunk).  A head's rows are the
+// Position-invariant arithmetic: the keys are cut into chunks of kSplitKeys and tiles of
+// kKeyTile at fixed key indices, prefix and suffix alike (a tile may hold the last prefix
+// rows and the first suffix keys); each chunk runs its tiles from a fresh softmax state and
+// the chunk states are folded left in chunk order (fold_state).  A query's result then
+// depends only on the keys it sees and their indices: a chain of N tokens verified in one
+// forward gets, row for row, the bits of N one-token forwards that found the earlier tokens
+// in the cache (a masked key adds an exact zero; a chunk it cannot see folds as a no-op),
+// so greedy speculative decoding equals one-token decoding in bf16 too, not only in fp32.
+//
+// Work unit: (request b, group of KV heads, query tile, chunks).  A head's rows are the
 // (token, head) pairs of the tile's tokens and the G = Hq / Hkv query heads of that KV head,
-// so every key / value tile is read and converted once for all of them.  A request's prefix
-// is cut into chunks of kSplitKeys keys (flash-decoding's split-K: a decode step of one
-// request has only Hkv units otherwise); each chunk's unit keeps its softmax state, the last
-// chunk also takes the suffix, and the chunk that finishes last merges the states in chunk
-// order.  The chunks sit at fixed key positions, whatever the thread count, batch or N.
+// so every key / value tile is read and converted once for all of them.  A unit runs its
+// request's chunks one after another, or -- when (request, head group, query tile) units
+// would leave threads idle, as in a decode step -- one chunk each (flash-decoding's
+// split-K): each keeps its chunk state and the chunk that finishes last folds them.  Either
+// way the same chunk states are folded in the same order, so the result is identical for
+// any thread count, batch or N.
 // Key tiles are the outer loop and the unit's heads the inner one: K / V rows (all heads
 // side by side in memory) stream in order, once.  Per key tile of kKeyTile (64) keys and head:
 //   pack_k   K rows -> fp32 K^T [Dp, 64] (in-register 16x16 transposes on AVX-512)
@@ -523,14 +534,15 @@ struct Geometry {
   float scale2 = 1.0f;           // sm_scale * log2(e)
 };
 
-// One work unit (see the top of the file).  Units of one (request, head group, query tile)
-// with several prefix chunks share `merge`: their states go to scratch slots slot0 + chunk.
+// One work unit (see the top of the file): chunks [c0, c1) of the request's keys.  The
+// one-chunk units of a split (request, head group, query tile) share `merge`: their states
+// go to scratch slots slot0 + chunk.
 struct Unit {
   std::int64_t b = 0, h0 = 0, i0 = 0, i1 = 0;
-  std::int64_t k0 = 0, k1 = 0;    // prefix keys [k0, k1)
-  bool suffix = true;             // the last chunk also runs the suffix
-  int chunk = 0, chunks = 1;
-  std::int64_t merge = -1;        // index of the merge counter (chunks > 1)
+  std::int64_t plen = 0;          // the request's prefix length P (keys [0, P + N))
+  int c0 = 0, c1 = 1;             // chunks run here
+  int chunks = 1;                 // the request's chunks
+  std::int64_t merge = -1;        // index of the merge counter (split units)
   std::int64_t slot0 = 0;
 };
 
@@ -558,21 +570,25 @@ struct Workspace {
   float* s = nullptr;      // [rows][64]
   float* kt = nullptr;     // [dp][64]
   float* vt = nullptr;     // [64][dp]
+  float* oacc = nullptr;   // the fold of the chunks run so far: [heads][rows][dp]
+  float* macc = nullptr;   // [heads][up16(rows)]
+  float* lacc = nullptr;   // [heads][up16(rows)][16]
 
   void reserve(std::int64_t rows_, std::int64_t dp_, std::int64_t heads) {
     rows = rows_;
     dp = dp_;
     const std::int64_t r16 = up16(rows);
-    const std::int64_t sizes[8] = {heads * rows * dp, heads * rows * dp, heads * r16, heads * r16 * 16, heads * r16,
-                                   rows * kKeyTile, dp * kKeyTile, kKeyTile * dp};
+    const std::int64_t sizes[11] = {heads * rows * dp, heads * rows * dp, heads * r16, heads * r16 * 16, heads * r16,
+                                    rows * kKeyTile, dp * kKeyTile, kKeyTile * dp, heads * rows * dp, heads * r16,
+                                    heads * r16 * 16};
     std::int64_t total = 16;
     for (std::int64_t x : sizes) total += up16(x);
     if (static_cast<std::int64_t>(mem.size()) < total) mem.assign(static_cast<std::size_t>(total), 0.0f);
     if (static_cast<std::int64_t>(bits.size()) < rows) bits.assign(static_cast<std::size_t>(rows), 0);
     float* base = mem.data();
     base += (16 - (reinterpret_cast<std::uintptr_t>(base) / sizeof(float)) % 16) % 16;
-    float** slots[8] = {&qp, &o, &mrun, &lrun, &alpha, &s, &kt, &vt};
-    for (int i = 0; i < 8; ++i) {
+    float** slots[11] = {&qp, &o, &mrun, &lrun, &alpha, &s, &kt, &vt, &oacc, &macc, &lacc};
+    for (int i = 0; i < 11; ++i) {
       *slots[i] = base;
       base += up16(sizes[i]);
     }
@@ -632,13 +648,20 @@ void store_rows(const CascadeAttentionArgs& a, const Geometry& g, const float* o
   }
 }
 
+// One head's rows of a state: O [rows][dp], running max [rows] (log2 units), sums [rows][16].
+struct HeadState {
+  float* o;
+  float* m;
+  float* l;
+};
+
 void store_state(const CascadeAttentionArgs& a, const Geometry& g, const Workspace& ws, const Unit& u,
-                 std::int64_t H) {
+                 std::int64_t H, bool folded) {
   const std::int64_t qo_stride = ws.rows * g.dp, st_stride = up16(ws.rows);
   for (std::int64_t hi = 0; hi < H; ++hi) {
-    const float* o = ws.o + hi * qo_stride;
-    const float* mrun = ws.mrun + hi * st_stride;
-    const float* lrun = ws.lrun + hi * st_stride * 16;
+    const float* o = (folded ? ws.oacc : ws.o) + hi * qo_stride;
+    const float* mrun = (folded ? ws.macc : ws.mrun) + hi * st_stride;
+    const float* lrun = (folded ? ws.lacc : ws.lrun) + hi * st_stride * 16;
     switch (a.dtype) {
       case kFloat16: store_rows<kFloat16>(a, g, o, mrun, lrun, u.b, u.h0 + hi, u.i0, u.i1); break;
       case kBFloat16: store_rows<kBFloat16>(a, g, o, mrun, lrun, u.b, u.h0 + hi, u.i0, u.i1); break;
@@ -647,52 +670,73 @@ void store_state(const CascadeAttentionArgs& a, const Geometry& g, const Workspa
   }
 }
 
-// The end of a unit: store its rows, or (a chunk of a split prefix) keep its state; the
-// chunk that finishes last merges the group's states in chunk order into its workspace:
-// O = sum_c 2^(m_c - m) O_c, l = sum_c 2^(m_c - m) l_c with m = max_c m_c.
-void finish_unit(const CascadeAttentionArgs& a, const Geometry& g, Workspace& ws, const Unit& u, std::int64_t H,
-                 std::int64_t M, const SplitState& split) {
-  if (u.chunks == 1) {
-    store_state(a, g, ws, u, H);
-    return;
+// acc <- fold(acc, chunk) for M rows: m = max(m_acc, m_c), O = 2^(m_acc - m) O_acc +
+// 2^(m_c - m) O_c, likewise each of the 16 sum lanes.  An empty side (m = -inf, O = 0,
+// l = 0) folds exactly (0 x 0 + 1 x O).  One compiled copy (noinline): the sequential and
+// the split paths must round alike.
+__attribute__((noinline)) void fold_state(HeadState acc, const float* oc, const float* mc, const float* lc,
+                                          std::int64_t M, std::int64_t DP) {
+  for (std::int64_t r = 0; r < M; ++r) {
+    const float nm = std::max(acc.m[r], mc[r]);
+    if (nm == -INFINITY) continue;
+    const float fa = std::exp2(acc.m[r] - nm), fc = std::exp2(mc[r] - nm);
+    float* o = acc.o + r * DP;
+    const float* x = oc + r * DP;
+    for (std::int64_t dd = 0; dd < DP; ++dd) o[dd] = fa * o[dd] + fc * x[dd];
+    float* l = acc.l + r * 16;
+    const float* y = lc + r * 16;
+    for (int lane = 0; lane < 16; ++lane) l[lane] = fa * l[lane] + fc * y[lane];
+    acc.m[r] = nm;
   }
+}
+
+void reset_state(HeadState st, std::int64_t M, std::int64_t DP) {
+  std::fill(st.o, st.o + M * DP, 0.0f);
+  std::fill(st.m, st.m + M, -INFINITY);
+  std::fill(st.l, st.l + M * 16, 0.0f);
+}
+
+// The end of a split unit (one chunk): keep its state; the chunk that finishes last folds
+// the group's states in chunk order and stores the rows.
+void finish_split(const CascadeAttentionArgs& a, const Geometry& g, Workspace& ws, const Unit& u, std::int64_t H,
+                  std::int64_t M, const SplitState& split) {
   const std::int64_t DP = g.dp, qo_stride = ws.rows * DP, st_stride = up16(ws.rows);
   auto state = [&](int c, std::int64_t hi) {
     return split.mem + (u.slot0 + c) * split.slot_floats + hi * split.head_floats;
   };
   for (std::int64_t hi = 0; hi < H; ++hi) {
-    float* dst = state(u.chunk, hi);
+    float* dst = state(u.c0, hi);
     std::copy(ws.o + hi * qo_stride, ws.o + hi * qo_stride + M * DP, dst);
     std::copy(ws.mrun + hi * st_stride, ws.mrun + hi * st_stride + M, dst + M * DP);
     std::copy(ws.lrun + hi * st_stride * 16, ws.lrun + (hi * st_stride + M) * 16, dst + M * DP + M);
   }
   if (split.done[u.merge].fetch_add(1, std::memory_order_acq_rel) != u.chunks - 1) return;
   for (std::int64_t hi = 0; hi < H; ++hi) {
-    float* o = ws.o + hi * qo_stride;
-    float* mrun = ws.mrun + hi * st_stride;
-    float* lrun = ws.lrun + hi * st_stride * 16;
-    for (std::int64_t r = 0; r < M; ++r) {
-      float m = -INFINITY;
-      for (int c = 0; c < u.chunks; ++c) m = std::max(m, state(c, hi)[M * DP + r]);
-      std::fill(o + r * DP, o + (r + 1) * DP, 0.0f);
-      std::fill(lrun + r * 16, lrun + (r + 1) * 16, 0.0f);
-      mrun[r] = m;
-      if (m == -INFINITY) continue;
-      for (int c = 0; c < u.chunks; ++c) {
-        const float* st = state(c, hi);
-        const float f = std::exp2(st[M * DP + r] - m);
-        for (std::int64_t dd = 0; dd < DP; ++dd) o[r * DP + dd] += f * st[r * DP + dd];
-        for (int lane = 0; lane < 16; ++lane) lrun[r * 16 + lane] += f * st[M * DP + M + r * 16 + lane];
-      }
+    const HeadState acc{ws.oacc + hi * qo_stride, ws.macc + hi * st_stride, ws.lacc + hi * st_stride * 16};
+    reset_state(acc, M, DP);
+    for (int c = 0; c < u.chunks; ++c) {
+      const float* st = state(c, hi);
+      fold_state(acc, st, st + M * DP, st + M * DP + M, M, DP);
     }
   }
-  store_state(a, g, ws, u, H);
+  store_state(a, g, ws, u, H, true);
 }
 
-// One work unit: request b, KV heads [h0, h0 + H), query tokens [i0, i1), prefix keys
-// [k0, k1) (and the suffix for the last chunk).  Key tiles are the outer loop and the heads
-// the inner one, so the unit reads each K / V row (all its heads side by side in memory)
-// once, in order.
+// Suffix mask bits js .. js + count - 1 (count <= 64) of a packed row of `words` words.
+inline std::uint64_t suffix_bits(const std::int32_t* row, std::int64_t js, int count, std::int64_t words) {
+  const std::int64_t w0 = js / 32;
+  const int sh = static_cast<int>(js % 32);
+  auto word = [&](std::int64_t w) -> std::uint64_t {
+    return w < words ? static_cast<std::uint64_t>(static_cast<std::uint32_t>(row[w])) : 0;
+  };
+  std::uint64_t bits = (word(w0) | (word(w0 + 1) << 32)) >> sh;
+  if (sh) bits |= word(w0 + 2) << (64 - sh);
+  return count >= 64 ? bits : bits & ((std::uint64_t(1) << count) - 1);
+}
+
+// One work unit: request b, KV heads [h0, h0 + H), query tokens [i0, i1), key chunks
+// [c0, c1).  Key tiles are the outer loop and the heads the inner one, so the unit reads
+// each K / V row (all its heads side by side in memory) once, in order.
 void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, Workspace& ws, const Unit& u,
               const SplitState& split) {
   const std::int64_t b = u.b, h0 = u.h0, i0 = u.i0, i1 = u.i1;
@@ -700,10 +744,14 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
   if (i0 >= i1 || H <= 0) return;
   const std::int64_t G = g.group, DP = g.dp, D = a.head_dim, M = (i1 - i0) * G, item = g.item;
   const std::int64_t qo_stride = ws.rows * DP, st_stride = up16(ws.rows);  // per head
+  const std::int64_t plen = u.plen, total = plen + a.n;
   // fp32 V rows with D % 16 == 0 are read in place by small tiles and for D <= 64; larger
   // ones copy the V tile (64 rows of up to 4 KiB apart) into L1-friendly contiguous rows
   const bool v_in_place = a.dtype == kFloat32 && DP == D && (M < 16 || D <= 64);
   constexpr int KT = kKeyTile;
+  auto chunk_state = [&](std::int64_t hi) {
+    return HeadState{ws.o + hi * qo_stride, ws.mrun + hi * st_stride, ws.lrun + hi * st_stride * 16};
+  };
 
   for (std::int64_t hi = 0; hi < H; ++hi) {
     float* qp = ws.qp + hi * qo_stride;
@@ -712,65 +760,33 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
       case kBFloat16: load_q_rows<kBFloat16>(a, g, b, h0 + hi, i0, i1, qp); break;
       default: load_q_rows<kFloat32>(a, g, b, h0 + hi, i0, i1, qp); break;
     }
-    std::fill(ws.o + hi * qo_stride, ws.o + hi * qo_stride + M * DP, 0.0f);
-    std::fill(ws.mrun + hi * st_stride, ws.mrun + hi * st_stride + M, -INFINITY);
-    std::fill(ws.lrun + hi * st_stride * 16, ws.lrun + (hi * st_stride + M) * 16, 0.0f);
   }
 
-  // row addresses of head h0 in the current tile
-  const char* kp[kKeyTile];
-  const char* vp[kKeyTile];
-  const void* kh[kKeyTile];
-  const void* vh[kKeyTile];
-  const float* vrows[kKeyTile];
-  // one tile for every head of the unit; head hi's rows are dk * hi / dv * hi bytes on
-  auto tile = [&](int kt, const char* const* kr, const char* const* vr, std::int64_t dk, std::int64_t dv,
-                  const std::uint64_t* bits) {
-    const int nv = (kt + 15) / 16;
-    for (std::int64_t hi = 0; hi < H; ++hi) {
-      for (int j = 0; j < kt; ++j) {
-        kh[j] = kr[j] + hi * dk;
-        vh[j] = vr[j] + hi * dv;
+  // key rows: the prefix (ragged rows or pages) below plen, the suffix from plen on; per
+  // head, prefix rows are dkp / dvp bytes apart, suffix rows dks / dvs
+  const char* pk = static_cast<const char*>(a.prefix_k);
+  const char* pv = static_cast<const char*>(a.prefix_v);
+  const std::int64_t kr = a.prefix_k_stride[1], vr = a.prefix_v_stride[1];
+  const std::int64_t kh0 = h0 * a.prefix_k_stride[2], vh0 = h0 * a.prefix_v_stride[2];
+  const std::int64_t dkp = a.prefix_k_stride[2] * item, dvp = a.prefix_v_stride[2] * item;
+  const bool ragged = a.prefix == kPrefixRagged;
+  const std::int64_t row0 = ragged ? index_at(a.prefix_indptr, a.indptr_dtype, b) : 0;
+  const std::int32_t* table = a.prefix == kPrefixPaged ? a.page_table + b * a.page_table_stride : nullptr;
+  const char* kb = static_cast<const char*>(a.k) + (b * a.k_stride[0] + h0 * a.k_stride[2]) * item;
+  const char* vb = static_cast<const char*>(a.v) + (b * a.v_stride[0] + h0 * a.v_stride[2]) * item;
+  const std::int64_t dks = a.k_stride[2] * item, dvs = a.v_stride[2] * item;
+  // addresses of the kt rows of the tile at key t0; returns how many are prefix rows
+  auto fill = [&](std::int64_t t0, int kt, const char** kd, const char** vd) {
+    const int np = static_cast<int>(std::clamp<std::int64_t>(plen - t0, 0, kt));
+    if (ragged) {
+      for (int j = 0; j < np; ++j) {
+        const std::int64_t row = row0 + t0 + j;
+        kd[j] = pk + (row * kr + kh0) * item;
+        vd[j] = pv + (row * vr + vh0) * item;
       }
-      if (v_in_place) {
-        for (int j = 0; j < kt; ++j) vrows[j] = static_cast<const float*>(vh[j]);
-      } else {
-        ops.pack_v(vh, kt, a.dtype, D, DP, ws.vt);
-        for (int j = 0; j < kt; ++j) vrows[j] = ws.vt + j * DP;
-      }
-      float* mrun = ws.mrun + hi * st_stride;
-      float* lrun = ws.lrun + hi * st_stride * 16;
-      float* alpha = ws.alpha + hi * st_stride;
-      ops.pack_k(kh, kt, a.dtype, D, DP, ws.kt);
-      ops.qk(ws.qp + hi * qo_stride, M, DP, ws.kt, nv, ws.s);
-      ops.softmax(ws.s, M, kt, nv, bits, mrun, lrun, alpha);
-      ops.pv(ws.s, M, kt, vrows, DP, alpha, ws.o + hi * qo_stride);
-    }
-  };
-
-  // ---- prefix chunk [k0, k1): every row sees every key
-  if (u.k1 > u.k0) {
-    const char* pk = static_cast<const char*>(a.prefix_k);
-    const char* pv = static_cast<const char*>(a.prefix_v);
-    const std::int64_t kr = a.prefix_k_stride[1], vr = a.prefix_v_stride[1];
-    const std::int64_t kh0 = h0 * a.prefix_k_stride[2], vh0 = h0 * a.prefix_v_stride[2];
-    const std::int64_t dk = a.prefix_k_stride[2] * item, dv = a.prefix_v_stride[2] * item;
-    const bool ragged = a.prefix == kPrefixRagged;
-    const std::int64_t row0 = ragged ? index_at(a.prefix_indptr, a.indptr_dtype, b) : 0;
-    const std::int32_t* table = ragged ? nullptr : a.page_table + b * a.page_table_stride;
-    // paged: where the next tile starts
-    std::int64_t page_i = ragged ? 0 : u.k0 / a.page_size, slot = ragged ? 0 : u.k0 % a.page_size;
-    // addresses of the rows of the tile starting at t0 (tiles are filled in order)
-    auto fill = [&](std::int64_t t0, int kt, const char** kd, const char** vd) {
-      if (ragged) {
-        for (int j = 0; j < kt; ++j) {
-          const std::int64_t row = row0 + t0 + j;
-          kd[j] = pk + (row * kr + kh0) * item;
-          vd[j] = pv + (row * vr + vh0) * item;
-        }
-        return;
-      }
-      for (int j = 0; j < kt; ++j) {
+    } else if (np > 0) {
+      std::int64_t page_i = t0 / a.page_size, slot = t0 % a.page_size;
+      for (int j = 0; j < np; ++j) {
         const std::int64_t page = table[page_i];
         kd[j] = pk + (page * a.prefix_k_stride[0] + slot * kr + kh0) * item;
         vd[j] = pv + (page * a.prefix_v_stride[0] + slot * vr + vh0) * item;
@@ -779,69 +795,111 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
           ++page_i;
         }
       }
-    };
-    // The next tile's K / V rows (every head of the unit) are prefetched while this one is
-    // computed: a decode step reads each layer's cached rows once, from DRAM, and a tile's
-    // rows (64 rows ~100-400 B long, a few KiB apart per head) are too short a stream for the
-    // hardware prefetcher (measured: ~5 GB/s from DRAM without, SmolLM2 at 2048 cached tokens).
-    const char* kq[kKeyTile];
-    const char* vq[kKeyTile];
-    const char** cur_k = kp;
-    const char** cur_v = vp;
+    }
+    for (int j = np; j < kt; ++j) {
+      const std::int64_t js = t0 + j - plen;
+      kd[j] = kb + js * a.k_stride[1] * item;
+      vd[j] = vb + js * a.v_stride[1] * item;
+    }
+    return np;
+  };
+
+  const void* kh[kKeyTile];
+  const void* vh[kKeyTile];
+  const float* vrows[kKeyTile];
+  // one tile for every head of the unit: rows j < np from the prefix, the rest the suffix
+  auto tile = [&](int kt, int np, const char* const* kr_, const char* const* vr_, const std::uint64_t* bits) {
+    const int nv = (kt + 15) / 16;
+    for (std::int64_t hi = 0; hi < H; ++hi) {
+      for (int j = 0; j < kt; ++j) {
+        kh[j] = kr_[j] + hi * (j < np ? dkp : dks);
+        vh[j] = vr_[j] + hi * (j < np ? dvp : dvs);
+      }
+      if (v_in_place) {
+        for (int j = 0; j < kt; ++j) vrows[j] = static_cast<const float*>(vh[j]);
+      } else {
+        ops.pack_v(vh, kt, a.dtype, D, DP, ws.vt);
+        for (int j = 0; j < kt; ++j) vrows[j] = ws.vt + j * DP;
+      }
+      const HeadState st = chunk_state(hi);
+      ops.pack_k(kh, kt, a.dtype, D, DP, ws.kt);
+      ops.qk(ws.qp + hi * qo_stride, M, DP, ws.kt, nv, ws.s);
+      ops.softmax(ws.s, M, kt, nv, bits, st.m, st.l, ws.alpha + hi * st_stride);
+      ops.pv(ws.s, M, kt, vrows, DP, ws.alpha + hi * st_stride, st.o);
+    }
+  };
+
+  // The next tile's K / V rows (every head of the unit) are prefetched while this one is
+  // computed: a decode step reads each layer's cached rows once, from DRAM, and a tile's
+  // rows (64 rows ~100-400 B long, a few KiB apart per head) are too short a stream for the
+  // hardware prefetcher (measured: ~5 GB/s from DRAM without, SmolLM2 at 2048 cached tokens).
+  const char* ka[kKeyTile];
+  const char* va[kKeyTile];
+  const char* kq[kKeyTile];
+  const char* vq[kKeyTile];
+  const std::int64_t k_span = (H - 1) * std::max(dkp, dks) + D * item;
+  const std::int64_t v_span = (H - 1) * std::max(dvp, dvs) + D * item;
+  const std::int32_t* mb = a.mask ? a.mask + b * a.mask_stride[0] : nullptr;
+
+  const bool folded = u.merge < 0 && u.chunks > 1;  // a sequential unit of several chunks
+  if (folded) {
+    for (std::int64_t hi = 0; hi < H; ++hi)
+      reset_state(HeadState{ws.oacc + hi * qo_stride, ws.macc + hi * st_stride, ws.lacc + hi * st_stride * 16}, M, DP);
+  }
+  for (int c = u.c0; c < u.c1; ++c) {
+    for (std::int64_t hi = 0; hi < H; ++hi) reset_state(chunk_state(hi), M, DP);
+    const std::int64_t k0 = static_cast<std::int64_t>(c) * kSplitKeys;
+    const std::int64_t k1 = u.chunks == 1 ? total : std::min(total, k0 + kSplitKeys);
+    const char** cur_k = ka;
+    const char** cur_v = va;
     const char** next_k = kq;
     const char** next_v = vq;
-    const std::int64_t k_span = (H - 1) * dk + D * item, v_span = (H - 1) * dv + D * item;
-    int kt = static_cast<int>(std::min<std::int64_t>(KT, u.k1 - u.k0));
-    fill(u.k0, kt, cur_k, cur_v);
-    for (std::int64_t t0 = u.k0; t0 < u.k1; t0 += KT) {
-      const int kn = static_cast<int>(std::min<std::int64_t>(KT, std::max<std::int64_t>(0, u.k1 - t0 - KT)));
+    int kt = static_cast<int>(std::min<std::int64_t>(KT, k1 - k0));
+    int np = fill(k0, kt, cur_k, cur_v);
+    for (std::int64_t t0 = k0; t0 < k1; t0 += KT) {
+      const int kn = static_cast<int>(std::min<std::int64_t>(KT, std::max<std::int64_t>(0, k1 - t0 - KT)));
+      int np_next = 0;
       if (kn > 0) {
-        fill(t0 + KT, kn, next_k, next_v);
-        for (int j = 0; j < kn; ++j) {
+        np_next = fill(t0 + KT, kn, next_k, next_v);
+        for (int j = 0; j < np_next; ++j) {
           for (std::int64_t off = 0; off < k_span; off += 64) __builtin_prefetch(next_k[j] + off, 0, 3);
           for (std::int64_t off = 0; off < v_span; off += 64) __builtin_prefetch(next_v[j] + off, 0, 3);
         }
       }
-      tile(kt, cur_k, cur_v, dk, dv, nullptr);
+      const std::uint64_t* bits = nullptr;
+      bool run = true;
+      if (mb && np < kt) {
+        // the rows' mask bits of the tile's suffix keys, above its (visible) prefix rows
+        const std::int64_t js = t0 + np - plen;
+        const std::uint64_t prefix_bits = np == 0 ? 0 : (std::uint64_t(1) << np) - 1;
+        std::uint64_t any = prefix_bits;
+        for (std::int64_t i = i0; i < i1; ++i) {
+          const std::uint64_t w = prefix_bits | (suffix_bits(mb + i * a.mask_stride[1], js, kt - np, g.words) << np);
+          any |= w;
+          for (std::int64_t h = 0; h < G; ++h) ws.bits[(i - i0) * G + h] = w;
+        }
+        run = any != 0;  // a tile no row sees changes no state: skipped
+        bits = ws.bits.data();
+      }
+      if (run) tile(kt, np, cur_k, cur_v, bits);
       std::swap(cur_k, next_k);
       std::swap(cur_v, next_v);
       kt = kn;
+      np = np_next;
     }
-  }
-
-  // ---- suffix under the mask
-  if (!u.suffix) {
-    finish_unit(a, g, ws, u, H, M, split);
-    return;
-  }
-  const char* kb = static_cast<const char*>(a.k) + (b * a.k_stride[0] + h0 * a.k_stride[2]) * item;
-  const char* vb = static_cast<const char*>(a.v) + (b * a.v_stride[0] + h0 * a.v_stride[2]) * item;
-  for (std::int64_t j0 = 0; j0 < a.n; j0 += KT) {
-    const int kt = static_cast<int>(std::min<std::int64_t>(KT, a.n - j0));
-    const std::uint64_t* bits = nullptr;
-    if (a.mask) {
-      const std::uint64_t kt_bits = kt >= 64 ? ~std::uint64_t(0) : ((std::uint64_t(1) << kt) - 1);
-      const std::int64_t w0 = j0 / 32;
-      const std::int32_t* mb = a.mask + b * a.mask_stride[0];
-      std::uint64_t any = 0;
-      for (std::int64_t i = i0; i < i1; ++i) {
-        const std::int32_t* words = mb + i * a.mask_stride[1];
-        std::uint64_t w = static_cast<std::uint32_t>(words[w0]);
-        if (w0 + 1 < g.words) w |= static_cast<std::uint64_t>(static_cast<std::uint32_t>(words[w0 + 1])) << 32;
-        w &= kt_bits;
-        any |= w;
-        for (std::int64_t h = 0; h < G; ++h) ws.bits[(i - i0) * G + h] = w;
+    if (u.merge >= 0) {
+      finish_split(a, g, ws, u, H, M, split);
+      return;
+    }
+    if (folded) {
+      for (std::int64_t hi = 0; hi < H; ++hi) {
+        const HeadState st = chunk_state(hi);
+        fold_state(HeadState{ws.oacc + hi * qo_stride, ws.macc + hi * st_stride, ws.lacc + hi * st_stride * 16},
+                   st.o, st.m, st.l, M, DP);
       }
-      if (!any) continue;
-      bits = ws.bits.data();
     }
-    for (int j = 0; j < kt; ++j) {
-      kp[j] = kb + (j0 + j) * a.k_stride[1] * item;
-      vp[j] = vb + (j0 + j) * a.v_stride[1] * item;
-    }
-    tile(kt, kp, vp, a.k_stride[2] * item, a.v_stride[2] * item, bits);
   }
-  finish_unit(a, g, ws, u, H, M, split);
+  store_state(a, g, ws, u, H, folded);
 }
 
 const Ops& pick_ops(int isa) {
@@ -874,8 +932,8 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   g.scale2 = static_cast<float>(static_cast<double>(a.sm_scale) * 1.4426950408889634);
 
   // threads: by the work (the suffix counted dense) and by the prefix bytes read
-  auto chunks_of = [](std::int64_t plen) {
-    return static_cast<int>(std::max<std::int64_t>(1, (plen + kSplitKeys - 1) / kSplitKeys));
+  auto chunks_of = [&](std::int64_t plen) {  // chunks of the request's P + N keys
+    return static_cast<int>(std::max<std::int64_t>(1, (plen + a.n + kSplitKeys - 1) / kSplitKeys));
   };
   std::int64_t prefix_rows = 0, chunks_total = 0;
   std::vector<std::int64_t> plens(static_cast<std::size_t>(a.batch));
@@ -896,7 +954,7 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
                                       static_cast<std::int64_t>(want)});
     threads = std::max<std::int64_t>(threads, 1);
   }
-  // units: (request, KV head group, query tile, prefix chunk).  One group of every head and
+  // units: (request, KV head group, query tile[, key chunk]).  One group of every head and
   // query tiles of at most kMaxTileRows rows, then, while threads would idle, more head
   // groups and more query tiles.
   std::int64_t q_tiles = std::min(a.n, (a.n * g.group + kMaxTileRows - 1) / kMaxTileRows);
@@ -920,12 +978,13 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   g.q_tiles = (a.n + g.tile_tokens - 1) / g.tile_tokens;
   const std::int64_t rows = g.tile_tokens * g.group;
 
-  // the unit list; chunked groups get merge counters and scratch slots
+  // the unit list: split into one unit per chunk (merge counters, scratch slots) only while
+  // the (request, head group, query tile) units alone would leave threads idle
+  const bool split_k = threads > 1 && a.batch * g.head_groups * g.q_tiles < 2 * threads;
   static thread_local std::vector<Unit> units;
   units.clear();
   std::int64_t merges = 0, slots = 0;
   for (std::int64_t b = 0; b < a.batch; ++b) {
-    const std::int64_t plen = plens[b];
     for (std::int64_t hg = 0; hg < g.head_groups; ++hg) {
       for (std::int64_t qt = 0; qt < g.q_tiles; ++qt) {
         Unit u;
@@ -933,17 +992,19 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
         u.h0 = hg * g.group_heads;
         u.i0 = qt * g.tile_tokens;
         u.i1 = std::min(a.n, u.i0 + g.tile_tokens);
-        u.chunks = chunks_of(plen);
-        if (u.chunks > 1) {
-          u.merge = merges++;
-          u.slot0 = slots;
-          slots += u.chunks;
+        u.plen = plens[b];
+        u.chunks = chunks_of(u.plen);
+        u.c1 = u.chunks;
+        if (!split_k || u.chunks == 1) {
+          units.push_back(u);
+          continue;
         }
+        u.merge = merges++;
+        u.slot0 = slots;
+        slots += u.chunks;
         for (int c = 0; c < u.chunks; ++c) {
-          u.chunk = c;
-          u.k0 = std::min(plen, c * kSplitKeys);
-          u.k1 = u.chunks == 1 ? plen : std::min(plen, (c + 1) * kSplitKeys);
-          u.suffix = c == u.chunks - 1;
+          u.c0 = c;
+          u.c1 = c + 1;
           units.push_back(u);
         }
       }

@@ -546,3 +546,47 @@ def test_cpp_extension_validates_arguments():
     ]:
         with pytest.raises(ValueError, match=match):
             call(**kw)
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("plen,n", [(0, 9), (5, 7), (60, 9), (250, 16), (256, 3), (300, 70), (700, 21)])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_cpp_chain_rows_equal_one_token_calls(isa, monkeypatch, dtype, plen, n, threads):
+    """Position invariance: row i of a causal chain of N suffix tokens after a P-key prefix is,
+    bit for bit, a one-token call whose prefix holds those P keys and the chain's first i
+    (keys tiled and chunked at fixed indices, prefix and suffix alike).  So greedy verification
+    of a chain equals one-token decoding in any dtype.  Ragged and paged prefixes, GQA 3."""
+    g = torch.Generator().manual_seed(plen * 131 + n)
+    hq, hkv, d = 9, 3, 64
+    q = torch.randn(1, n, hq, d, generator=g).to(dtype)
+    keys = torch.randn(plen + n, hkv, d, generator=g).to(dtype)
+    vals = torch.randn(plen + n, hkv, d, generator=g).to(dtype)
+    words = dspec.masks.causal(n).words
+    before = torch.get_num_threads()
+    monkeypatch.setenv("DSPEC_CPU_THREADS", str(threads))
+    torch.set_num_threads(threads)
+    try:
+        chain = dspec.cascade_attention(q, keys[None, plen:], vals[None, plen:], words, prefix_k=keys[:plen],
+                                        prefix_v=vals[:plen], prefix_indptr=torch.tensor([0, plen]),
+                                        return_lse=True, backend="cpp")
+        page = 48
+        for i in range(n):
+            p = plen + i
+            one = dspec.cascade_attention(q[:, i:i + 1], keys[None, p:p + 1], vals[None, p:p + 1], None,
+                                          prefix_k=keys[:p], prefix_v=vals[:p], prefix_indptr=torch.tensor([0, p]),
+                                          return_lse=True, backend="cpp")
+            assert torch.equal(one[0][0, 0], chain[0][0, i]) and torch.equal(one[1][0, 0], chain[1][0, i]), i
+            if i in (0, n - 1):                      # the same through pages that start anywhere
+                pages = -(-p // page) or 1
+                cache_k = torch.zeros(pages, page, hkv, d, dtype=dtype)
+                cache_v = torch.zeros(pages, page, hkv, d, dtype=dtype)
+                cache_k.view(-1, hkv, d)[:p], cache_v.view(-1, hkv, d)[:p] = keys[:p], vals[:p]
+                table = torch.arange(pages, dtype=torch.int32)[None]
+                paged = dspec.cascade_attention(q[:, i:i + 1], keys[None, p:p + 1], vals[None, p:p + 1], None,
+                                                prefix_k=cache_k, prefix_v=cache_v, prefix_page_table=table,
+                                                prefix_lens=torch.tensor([p], dtype=torch.int32),
+                                                return_lse=True, backend="cpp")
+                assert torch.equal(paged[0], one[0]) and torch.equal(paged[1], one[1])
+    finally:
+        torch.set_num_threads(before)

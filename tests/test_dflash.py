@@ -428,3 +428,20 @@ def test_shipped_tiny_ar_drafter():
     out = dspec.generate(model, SHIPPED_PROMPTS, method="dflash", max_new_tokens=24)
     assert [g.tokens for g in out] == ref
     assert out[0].stats["mean_accepted"] > 1.2
+
+
+@pytest.mark.skipif(not dspec._backend.cpp_available(), reason="dspec._C not built")
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_bf16_greedy_equals_ar(family, tmp_path):
+    """In bf16 too: a verification forward's rows are bit-identical to one-token steps (the C++
+    attention tiles keys at fixed indices, the linear kernel is batch-invariant), so greedy
+    DFlash equals greedy ar token for token, rejections and all."""
+    write_checkpoint(tmp_path, family, seed=3)
+    model = dspec.load(tmp_path, dtype="bfloat16")
+    n = 24
+    ref = ar_tokens(model, PROMPTS, n)
+    for d in (BlockDrafter.for_target(model, block_size=5, seed=4),
+              oracle_pair(model, PROMPTS, n, block_size=6, wrong_every=4)):
+        outs = [dspec.generate(model, p, method="dflash", max_new_tokens=n, drafter=d) for p in PROMPTS]
+        assert [o.tokens for o in outs] == ref
+    assert outs[0].stats["mean_accepted"] > 1.5

@@ -160,3 +160,28 @@ def test_frozen_weights_checks_the_table_once_and_nests(tmp_path, monkeypatch):
     assert changed == per_op
     with stack.frozen_weights(object()):                          # not a dspec model: no-op
         pass
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_chain_forward_rows_equal_one_token_steps(tmp_path, family, dtype):
+    """The model-level invariance speculative decoding relies on: N tokens verified in one
+    forward after a cached prefix give, row for row and bit for bit, the logits of N
+    one-token forwards (prefix lengths across key tiles and chunks; the stacked layers for
+    llama, the per-op path for qwen3's qk-norm)."""
+    model = dspec.load(write_checkpoint(tmp_path, family, seed=7), dtype=dtype)
+    for plen, n in ((3, 5), (70, 12), (260, 9)):
+        prompt, chain = _ids(plen, plen), _ids(n, plen + 1)
+        with torch.no_grad():
+            c1, c2 = model.new_cache(1), model.new_cache(1)
+            for c in (c1, c2):
+                plan = model.plan([prompt], c)
+                c.append(model(plan, logits=None).suffix_kv, counts=plan.lengths)
+            steps = []
+            for t in chain:
+                out = model(model.plan([[t]], c1))
+                c1.append(out.suffix_kv, counts=[1])
+                steps.append(out.logits[0, 0])
+            whole = model(model.plan([chain], c2)).logits[0]
+        for i in range(n):
+            assert torch.equal(steps[i], whole[i]), (plen, i)
