@@ -2,8 +2,9 @@
 greedy token, per dtype: the measured side of "lossless is exact in fp32".
 
 For each prompt: greedy `ar` decodes T tokens one forward per token (N = 1 steps); then the
-same sequence is re-read by verification-shaped forwards of W tokens after the cached
-prefix (teacher forcing, as `dflash` / `diffuspec` / `d2sd` verify a chain).  A position
+same sequence is re-read by verification-shaped forwards of W tokens after the same prompt
+prefill (teacher forcing, as `dflash` / `diffuspec` / `s2d2` verify a chain: the first
+window starts with the first generated token).  A position
 counts as a flip when the verification forward's argmax differs from the token the
 one-token step chose.  Any flip can make a speculative method's output leave `ar`'s.
 
@@ -39,20 +40,22 @@ def flips(model, prompt: list[int], tokens: int, window: int) -> tuple[int, int,
         cache.append(out.suffix_kv)
         step_logits.append(out.logits[0, -1])
     step_logits = torch.stack(step_logits).float()            # row i predicts gen[i]
-    # verification forwards: [last committed] + W - 1 drafts, then commit all W
+    # verification forwards as the speculative methods run them: the same prompt prefill,
+    # then windows of [last committed token] + W - 1 drafts, all W committed
     cache = model.new_cache(1)
-    out = model(model.plan([prompt[:-1]], cache), logits=None)
+    out = model(model.plan([prompt], cache), logits=None)
     cache.append(out.suffix_kv)
-    seq = [prompt[-1]] + gen[:-1]
+    seq = gen[:-1]
     ver = []
     for start in range(0, len(seq), window):
         chunk = seq[start:start + window]
         out = model(model.plan([chunk], cache), logits="all")
         cache.append(out.suffix_kv)
         ver.append(out.logits[0])
-    ver = torch.cat(ver).float()
-    flipped = int((ver.argmax(-1) != step_logits.argmax(-1)).sum())
-    return flipped, len(gen), float((ver - step_logits).abs().max())
+    ver = torch.cat(ver).float()                              # row i predicts gen[i + 1]
+    steps = step_logits[1:]
+    flipped = int((ver.argmax(-1) != steps.argmax(-1)).sum())
+    return flipped, len(seq), float((ver - steps).abs().max())
 
 
 def main(argv=None) -> int:
