@@ -535,8 +535,8 @@ struct Geometry {
 };
 
 // One work unit (see the top of the file): chunks [c0, c1) of the request's keys.  The
-// one-chunk units of a split (request, head group, query tile) share `merge`: their states
-// go to scratch slots slot0 + chunk.
+// units of a split (request, head group, query tile) -- one chunk each, the last one also a
+// short last chunk -- share `merge`: their chunk states go to scratch slots slot0 + chunk.
 struct Unit {
   std::int64_t b = 0, h0 = 0, i0 = 0, i1 = 0;
   std::int64_t plen = 0;          // the request's prefix length P (keys [0, P + N))
@@ -671,14 +671,20 @@ void store_state(const CascadeAttentionArgs& a, const Geometry& g, const Workspa
 }
 
 // acc <- fold(acc, chunk) for M rows: m = max(m_acc, m_c), O = 2^(m_acc - m) O_acc +
-// 2^(m_c - m) O_c, likewise each of the 16 sum lanes.  An empty side (m = -inf, O = 0,
-// l = 0) folds exactly (0 x 0 + 1 x O).  One compiled copy (noinline): the sequential and
-// the split paths must round alike.
+// 2^(m_c - m) O_c, likewise each of the 16 sum lanes.  An empty side (m = -inf: the row saw
+// no key there) leaves the other side as it is, bit for bit.  One compiled copy (noinline):
+// the sequential and the split paths must round alike.
 __attribute__((noinline)) void fold_state(HeadState acc, const float* oc, const float* mc, const float* lc,
                                           std::int64_t M, std::int64_t DP) {
   for (std::int64_t r = 0; r < M; ++r) {
+    if (mc[r] == -INFINITY) continue;
+    if (acc.m[r] == -INFINITY) {
+      std::copy(oc + r * DP, oc + (r + 1) * DP, acc.o + r * DP);
+      std::copy(lc + r * 16, lc + (r + 1) * 16, acc.l + r * 16);
+      acc.m[r] = mc[r];
+      continue;
+    }
     const float nm = std::max(acc.m[r], mc[r]);
-    if (nm == -INFINITY) continue;
     const float fa = std::exp2(acc.m[r] - nm), fc = std::exp2(mc[r] - nm);
     float* o = acc.o + r * DP;
     const float* x = oc + r * DP;
@@ -696,26 +702,33 @@ void reset_state(HeadState st, std::int64_t M, std::int64_t DP) {
   std::fill(st.l, st.l + M * 16, 0.0f);
 }
 
-// The end of a split unit (one chunk): keep its state; the chunk that finishes last folds
-// the group's states in chunk order and stores the rows.
-void finish_split(const CascadeAttentionArgs& a, const Geometry& g, Workspace& ws, const Unit& u, std::int64_t H,
-                  std::int64_t M, const SplitState& split) {
+// A split unit keeps the state of each chunk it ran in the chunk's scratch slot; the unit
+// that finishes the group's last chunk folds the states in chunk order and stores the rows.
+inline float* chunk_slot(const SplitState& split, const Unit& u, int c, std::int64_t hi) {
+  return split.mem + (u.slot0 + c) * split.slot_floats + hi * split.head_floats;
+}
+
+void keep_chunk(const Geometry& g, const Workspace& ws, const Unit& u, int c, std::int64_t H, std::int64_t M,
+                const SplitState& split) {
   const std::int64_t DP = g.dp, qo_stride = ws.rows * DP, st_stride = up16(ws.rows);
-  auto state = [&](int c, std::int64_t hi) {
-    return split.mem + (u.slot0 + c) * split.slot_floats + hi * split.head_floats;
-  };
   for (std::int64_t hi = 0; hi < H; ++hi) {
-    float* dst = state(u.c0, hi);
+    float* dst = chunk_slot(split, u, c, hi);
     std::copy(ws.o + hi * qo_stride, ws.o + hi * qo_stride + M * DP, dst);
     std::copy(ws.mrun + hi * st_stride, ws.mrun + hi * st_stride + M, dst + M * DP);
     std::copy(ws.lrun + hi * st_stride * 16, ws.lrun + (hi * st_stride + M) * 16, dst + M * DP + M);
   }
-  if (split.done[u.merge].fetch_add(1, std::memory_order_acq_rel) != u.chunks - 1) return;
+}
+
+void finish_split(const CascadeAttentionArgs& a, const Geometry& g, Workspace& ws, const Unit& u, std::int64_t H,
+                  std::int64_t M, const SplitState& split) {
+  const std::int64_t DP = g.dp, qo_stride = ws.rows * DP, st_stride = up16(ws.rows);
+  const int ran = u.c1 - u.c0;
+  if (split.done[u.merge].fetch_add(ran, std::memory_order_acq_rel) != u.chunks - ran) return;
   for (std::int64_t hi = 0; hi < H; ++hi) {
     const HeadState acc{ws.oacc + hi * qo_stride, ws.macc + hi * st_stride, ws.lacc + hi * st_stride * 16};
     reset_state(acc, M, DP);
     for (int c = 0; c < u.chunks; ++c) {
-      const float* st = state(c, hi);
+      const float* st = chunk_slot(split, u, c, hi);
       fold_state(acc, st, st + M * DP, st + M * DP + M, M, DP);
     }
   }
@@ -888,8 +901,8 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
       np = np_next;
     }
     if (u.merge >= 0) {
-      finish_split(a, g, ws, u, H, M, split);
-      return;
+      keep_chunk(g, ws, u, c, H, M, split);
+      continue;
     }
     if (folded) {
       for (std::int64_t hi = 0; hi < H; ++hi) {
@@ -898,6 +911,10 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
                    st.o, st.m, st.l, M, DP);
       }
     }
+  }
+  if (u.merge >= 0) {
+    finish_split(a, g, ws, u, H, M, split);
+    return;
   }
   store_state(a, g, ws, u, H, folded);
 }
@@ -935,12 +952,13 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   auto chunks_of = [&](std::int64_t plen) {  // chunks of the request's P + N keys
     return static_cast<int>(std::max<std::int64_t>(1, (plen + a.n + kSplitKeys - 1) / kSplitKeys));
   };
+  // full chunks only, for balancing: a short last chunk is not worth a unit of its own
   std::int64_t prefix_rows = 0, chunks_total = 0;
   std::vector<std::int64_t> plens(static_cast<std::size_t>(a.batch));
   for (std::int64_t b = 0; b < a.batch; ++b) {
     plens[b] = prefix_length(a, b);
     prefix_rows += plens[b];
-    chunks_total += chunks_of(plens[b]);
+    chunks_total += std::max<std::int64_t>(1, (plens[b] + a.n) / kSplitKeys);
   }
   const double flops = 4.0 * static_cast<double>(a.hq) * static_cast<double>(a.head_dim) *
                        static_cast<double>(a.n) *
@@ -1002,9 +1020,13 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
         u.merge = merges++;
         u.slot0 = slots;
         slots += u.chunks;
-        for (int c = 0; c < u.chunks; ++c) {
+        // a short last chunk (the suffix after a full one, typically) rides with the chunk
+        // before it: a unit of its own would cost more than its keys
+        const std::int64_t last = u.plen + a.n - static_cast<std::int64_t>(u.chunks - 1) * kSplitKeys;
+        const int units_of = last < kSplitKeys / 2 ? u.chunks - 1 : u.chunks;
+        for (int c = 0; c < units_of; ++c) {
           u.c0 = c;
-          u.c1 = c + 1;
+          u.c1 = c + 1 == units_of ? u.chunks : c + 1;
           units.push_back(u);
         }
       }
