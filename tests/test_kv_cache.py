@@ -284,3 +284,22 @@ def test_triton_backend_runs_the_model(models):
         torch.testing.assert_close(outs["paged", "triton"], ref, **TOL)
     finally:
         model.to("cpu")
+
+
+def test_stacked_suffix_kv_commits_like_its_lists():
+    """SuffixKV(stacked=...) (the one-call layer stack's output) commits exactly what the
+    per-layer lists commit; the lists are views of it."""
+    g = torch.Generator().manual_seed(0)
+    stacked = torch.randn(2, 3, 2, 5, 2, 8, generator=g)
+    a, b = KVCache(3, 2, 2, 8), KVCache(3, 2, 2, 8)
+    both = SuffixKV(stacked=stacked)
+    assert both.num_layers == 3 and both.shape == (2, 5, 2, 8) and torch.equal(both.values[1], stacked[1, 1])
+    a.append(SuffixKV(stacked=stacked), counts=[5, 3])
+    b.append(SuffixKV(list(stacked[0].unbind(0)), list(stacked[1].unbind(0))), counts=[5, 3])
+    for i in range(3):
+        for x, y in zip(a.layer_rows(i), b.layer_rows(i)):
+            assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="stacked"):
+        SuffixKV(stacked=torch.zeros(3, 1, 1, 1, 1, 1))
+    with pytest.raises(ValueError, match="layers"):
+        KVCache(2, 2, 2, 8).append(SuffixKV(stacked=stacked))

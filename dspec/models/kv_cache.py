@@ -42,26 +42,47 @@ _LAYOUTS = ("auto", "ragged", "paged")
 class SuffixKV:
     """The keys (after RoPE) and values a forward computed for its suffix tokens.
 
-    keys[l], values[l]: [B, N, Hkv, D], one pair per layer.
+    keys[l], values[l]: [B, N, Hkv, D], one pair per layer.  ``stacked`` (optional): the
+    same as one tensor [2, L, B, N, Hkv, D] (keys = stacked[0]), as the one-call layer stack
+    writes them; the cache then commits every layer without restacking, and the per-layer
+    lists are views made on first use.
     """
 
-    __slots__ = ("keys", "values")
+    __slots__ = ("_keys", "_values", "stacked")
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
-        self.keys = keys
-        self.values = values
+    def __init__(self, keys: list[torch.Tensor] | None = None, values: list[torch.Tensor] | None = None, *,
+                 stacked: torch.Tensor | None = None):
+        if stacked is None and (keys is None or values is None):
+            raise ValueError("SuffixKV needs keys and values, or stacked")
+        if stacked is not None and (stacked.dim() != 6 or stacked.shape[0] != 2):
+            raise ValueError(f"stacked must be [2, L, B, N, Hkv, D], got {list(stacked.shape)}")
+        self._keys, self._values, self.stacked = keys, values, stacked
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        if self._keys is None:
+            self._keys = list(self.stacked[0].unbind(0))
+        return self._keys
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        if self._values is None:
+            self._values = list(self.stacked[1].unbind(0))
+        return self._values
 
     @property
     def num_layers(self) -> int:
-        return len(self.keys)
+        return self.stacked.shape[1] if self.stacked is not None else len(self._keys)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """(B, N, Hkv, D)."""
-        return tuple(self.keys[0].shape)
+        if self.stacked is not None:
+            return tuple(self.stacked.shape[2:])
+        return tuple(self._keys[0].shape)
 
     def __repr__(self) -> str:
-        return f"SuffixKV(layers={self.num_layers}, shape={list(self.shape) if self.keys else None})"
+        return f"SuffixKV(layers={self.num_layers}, shape={list(self.shape) if self.num_layers else None})"
 
 
 class KVCache:
@@ -204,13 +225,14 @@ class KVCache:
         if not isinstance(suffix_kv, SuffixKV):
             raise ValueError(f"suffix_kv must be a SuffixKV (a forward's output.suffix_kv), "
                              f"got {type(suffix_kv).__name__}")
-        if suffix_kv.num_layers != self.num_layers or len(suffix_kv.values) != self.num_layers:
+        stacked = suffix_kv.stacked
+        if suffix_kv.num_layers != self.num_layers or (stacked is None and len(suffix_kv.values) != self.num_layers):
             raise ValueError(f"suffix_kv has {suffix_kv.num_layers} layers, the cache {self.num_layers}")
         batch, n, hkv, d = suffix_kv.shape
         if batch != self.batch_size or hkv != self.num_kv_heads or d != self.head_dim:
             raise ValueError(f"suffix_kv has shape [B, N, Hkv, D] = {[batch, n, hkv, d]}, the cache "
                              f"expects B = {self.batch_size}, Hkv = {self.num_kv_heads}, D = {self.head_dim}")
-        for t in suffix_kv.keys + suffix_kv.values:
+        for t in (suffix_kv.keys + suffix_kv.values) if stacked is None else [stacked[0, 0]]:
             if t.shape != (batch, n, hkv, d) or t.dtype != self.dtype or t.device != self.device:
                 raise ValueError(f"suffix_kv holds a {t.dtype} {list(t.shape)} tensor on {t.device}; the "
                                  f"cache expects {self.dtype} [{batch}, {n}, {hkv}, {d}] on {self.device}")
@@ -247,9 +269,11 @@ class KVCache:
         dst = (rows * cap + self._device_lengths[:, None] + torch.arange(slots, device=dev)).reshape(-1)
         src = (rows * n + index.clamp(min=0)).reshape(-1)
         layers = self.num_layers
-        for buf, new in ((self.k, suffix_kv.keys), (self.v, suffix_kv.values)):
+        stacked = suffix_kv.stacked
+        for i, buf in enumerate((self.k, self.v)):
             # every layer in one gather and one scatter (not two ops per layer)
-            rows_new = torch.stack(new).view(layers, batch * n, hkv, d).index_select(1, src)
+            new = stacked[i] if stacked is not None else torch.stack(suffix_kv.keys if i == 0 else suffix_kv.values)
+            rows_new = new.reshape(layers, batch * n, hkv, d).index_select(1, src)
             buf.view(layers, batch * cap, hkv, d).index_copy_(1, dst, rows_new)
         if host_lengths is not None:
             self._lengths = host_lengths

@@ -131,9 +131,9 @@ def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: boo
 
     x [B, N, hidden] (updated in place: the caller passes a fresh tensor), cos / sin
     [B, N, 1, D] float32; ``attention`` the forward's ``CascadeAttentionPlan`` and
-    ``layer_prefix(i)`` its layer-``i`` prefix.  Returns ``(x, keys, values, recorded)``:
-    keys / values per layer [B, N, Hkv, D] (None without ``return_kv``), recorded {i: x
-    after layer i} for i in ``want``.
+    ``layer_prefix(i)`` its layer-``i`` prefix.  Returns ``(x, kv, recorded)``: kv the
+    suffix keys and values [2, layers, B, N, Hkv, D] (None without ``return_kv``),
+    recorded {i: x after layer i} for i in ``want``.
     """
     ext = _backend.extension()
     meta = attention._meta
@@ -187,6 +187,4 @@ def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: boo
         0 if rows_index is None else rows_index.numel(), kv[0].data_ptr(), kv[1].data_ptr(),
         0 if hid is None else hid.data_ptr(), len(slots), record, torch.get_num_threads())
     recorded = {i: hid[s] for s, i in enumerate(slots)}
-    keys = list(kv[0].unbind(0)) if return_kv else None
-    values = list(kv[1].unbind(0)) if return_kv else None
-    return x, keys, values, recorded
+    return x, kv if return_kv else None, recorded

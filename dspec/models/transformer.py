@@ -380,8 +380,9 @@ class Model(nn.Module):
         fused = _fused_cpu(x, self.norm.weight, cos, sin)
         stacked = run_layers(self, x.clone() if 0 in want else x, cos, sin, attention, layer_prefix, want,
                              return_kv) if fused else None
+        stacked_kv = None
         if stacked is not None:                     # every layer in one C++ call
-            x, keys, values, layer_outputs = stacked
+            x, stacked_kv, layer_outputs = stacked
             recorded.update(layer_outputs)
         for i, layer in enumerate(self.layers if stacked is None else ()):
             attn = layer.self_attn
@@ -407,7 +408,10 @@ class Model(nn.Module):
         hidden = None
         if hidden_states is not None:
             hidden = [recorded[j] for j in self._hidden_order(hidden_states)]
-        return Output(out_logits, hidden, SuffixKV(keys, values) if return_kv else None)
+        suffix_kv = None
+        if return_kv:
+            suffix_kv = SuffixKV(stacked=stacked_kv) if stacked_kv is not None else SuffixKV(keys, values)
+        return Output(out_logits, hidden, suffix_kv)
 
     def _attention_plan(self, batch: int, n: int, mask, cache: KVCache | None, backend):
         """The forward's attention, planned once for every layer: a ``CascadeAttentionPlan``
