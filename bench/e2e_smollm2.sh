@@ -3,8 +3,11 @@
 # shipped drafters), on this CPU, alone on the machine.  Two runs:
 #   1. the machine's default dtype (bf16 on CPUs with native bf16 matmul): speed, forwards,
 #      acceptance, accuracy;
-#   2. fp32: the lossless check (same_as_reference must be 1.0 for every lossless method).
-# Usage: bash bench/e2e_smollm2.sh [PROMPTS_PER_SET] [MAX_NEW_TOKENS]
+#   2. fp32: the lossless check (same_as_reference must be 1.0 for every lossless method);
+#   and with E2E_GRIDS naming them (comma-separated):
+#   t1      the same grid sampled at T = 1 (seed 0): acceptance under sampling;
+#   batch8  the same grid with 8 prompts per generate call: batched tokens/s.
+# Usage: [E2E_GRIDS=t1,batch8] bash bench/e2e_smollm2.sh [PROMPTS_PER_SET] [MAX_NEW_TOKENS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -18,3 +21,14 @@ CONFIGS=ar,diffusion-static-1,diffusion-dynamic,ssd,spiffy,s2d2-always,s2d2-min_
     --configs ar,diffusion-static-1,ssd,s2d2-always,diffuspec,dflash,d2sd-K2 \
     --prompt-sets humaneval,mtbench --prompts 2 --max-new-tokens 32 \
     --threads 2 --out bench/results/cpu --name e2e_smollm2_fp32
+grids=${E2E_GRIDS:-}
+for grid in ${grids//,/ }; do
+    case "$grid" in
+        t1) extra=(--temperature 1.0 --seed 0) ;;
+        batch8) extra=(--batch 8) ;;
+        *) echo "E2E_GRIDS: unknown grid $grid (t1, batch8)" >&2; exit 2 ;;
+    esac
+    "$PY" -m dspec bench --dllm smollm2-135m-bd --target smollm2-135m --configs "$CONFIGS" \
+        --prompt-sets arithmetic,humaneval,mtbench,math500 --prompts "$N" --max-new-tokens "$T" \
+        --threads 2 --out bench/results/cpu --name "e2e_smollm2_$grid" "${extra[@]}"
+done
