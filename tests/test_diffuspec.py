@@ -114,8 +114,9 @@ def test_sampling_preserves_the_target_distribution(tmp_path, cps):
     exact = exact_two_token_distribution(target, prompt, T)
     lm = ngram_from_model(target, num_sequences=10, length=12)
     n = 2000
-    # 3 new tokens: the first cycle drafts 2 (the budget minus the verify's own token)
-    gens = dspec.generate(target, [prompt] * n, method="diffuspec", max_new_tokens=3, drafter=drafter, ngram=lm,
+    # 4 new tokens: the first from the prefill, then a cycle that drafts 2 (the budget left
+    # minus the verify's own token); the second token is a verified draft or its correction
+    gens = dspec.generate(target, [prompt] * n, method="diffuspec", max_new_tokens=4, drafter=drafter, ngram=lm,
                           temperature=T, seed=0, cps=cps, adaptive=False, draft_len=2, tau=0.9)
     assert gens[0].stats["mean_accepted_drafts"] > 0.3      # drafts were really accepted
     assert gens[0].stats["mean_draft_len"] > 1.0

@@ -253,20 +253,36 @@ class _Batch:
         self.generated = [[] for _ in range(batch)]
         self.history = [list(p) for p in prompts]            # committed text (prompt + generated)
         self.last = [p[-1] for p in prompts]                 # the committed token not in the target cache
+                                                             # (from the prefill on: the first generated)
         self.d_start = [0] * batch                           # drafter cache length (a block boundary)
         self.t_fwd = self.d_fwd = 0
         self.time = {"draft": 0.0, "search": 0.0, "verify": 0.0}
         self.rows = self.committed_total = self.drafted_total = self.accepted_total = 0
         self.cycles = 0
 
+        # the prompt in one forward and the first token from its last logits, as ar does: every
+        # later target row is then computed inside a verification chain, and the C++
+        # attention makes those rows bit-identical to one-token steps, so greedy DiffuSpec
+        # reproduces ar in bf16 as in fp32 (a prompt's last token verified with the drafts
+        # would be computed in a different forward than ar's prefill computes it)
         self.tcache = model.new_cache(batch)
-        heads = [p[:-1] for p in prompts]
-        if any(heads):
-            # a one-token prompt commits nothing (a stand-in token, count 0)
-            out = model(model.plan([h or p[:1] for h, p in zip(heads, prompts)], self.tcache), logits=None)
-            self.tcache.append(out.suffix_kv, counts=[len(h) for h in heads])
-            self.t_fwd += 1
+        plan = model.plan(prompts, self.tcache)
+        out = model(plan, logits="last")
+        self.tcache.append(out.suffix_kv, counts=plan.lengths)
+        self.t_fwd += 1
         self.dcache = drafter.new_cache(batch)
+        first = next_tokens(out.logits[:, -1], temperature, generator).tolist()
+        finished = []
+        for r, t in enumerate(first):
+            self.history[r].append(t)
+            self.last[r] = t
+            self.generated[r].append(t)
+            if t in self.eos_set or max_new_tokens <= 1:
+                finished.append(r)
+        if self.progress is not None:
+            self.progress.update(1)
+        if finished:
+            self.drop(finished)
 
     def _timed(self, phase: str, t0: float) -> None:
         if self.dev.type == "cuda":
@@ -474,7 +490,7 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     lm = _causal_proxy(model, opts, ngram)
     run = _Batch(model, drafter, prompts, opts, lm, controller, max_new_tokens=max_new_tokens,
                  temperature=temperature, generator=generator, eos_ids=eos_ids, progress=progress)
-    while run.cycle():
+    while run.active and run.cycle():
         pass
     return run.generated, run.stats()
 
