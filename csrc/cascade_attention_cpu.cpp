@@ -555,6 +555,14 @@ struct SplitState {
 
 inline std::int64_t up16(std::int64_t x) { return (x + 15) / 16 * 16; }
 
+// One head's rows of a softmax state: O [rows][dp], running max [rows] (log2 units), sums
+// [rows][16].
+struct HeadState {
+  float* o;
+  float* m;
+  float* l;
+};
+
 // Per-thread scratch, 64-byte aligned, reused across calls on the same thread.  Per KV head
 // of a unit: Q [rows][dp], O [rows][dp] and the running max / sum / rescale of each row;
 // shared by the heads: the score tile, the packed K^T and V tiles and the mask bits.
@@ -592,6 +600,14 @@ struct Workspace {
       *slots[i] = base;
       base += up16(sizes[i]);
     }
+  }
+
+  // head hi's state of the chunk being run, and of the fold of the chunks run so far
+  HeadState chunk_state(std::int64_t hi) const {
+    return {o + hi * rows * dp, mrun + hi * up16(rows), lrun + hi * up16(rows) * 16};
+  }
+  HeadState acc_state(std::int64_t hi) const {
+    return {oacc + hi * rows * dp, macc + hi * up16(rows), lacc + hi * up16(rows) * 16};
   }
 };
 
@@ -648,24 +664,14 @@ void store_rows(const CascadeAttentionArgs& a, const Geometry& g, const float* o
   }
 }
 
-// One head's rows of a state: O [rows][dp], running max [rows] (log2 units), sums [rows][16].
-struct HeadState {
-  float* o;
-  float* m;
-  float* l;
-};
-
 void store_state(const CascadeAttentionArgs& a, const Geometry& g, const Workspace& ws, const Unit& u,
                  std::int64_t H, bool folded) {
-  const std::int64_t qo_stride = ws.rows * g.dp, st_stride = up16(ws.rows);
   for (std::int64_t hi = 0; hi < H; ++hi) {
-    const float* o = (folded ? ws.oacc : ws.o) + hi * qo_stride;
-    const float* mrun = (folded ? ws.macc : ws.mrun) + hi * st_stride;
-    const float* lrun = (folded ? ws.lacc : ws.lrun) + hi * st_stride * 16;
+    const HeadState st = folded ? ws.acc_state(hi) : ws.chunk_state(hi);
     switch (a.dtype) {
-      case kFloat16: store_rows<kFloat16>(a, g, o, mrun, lrun, u.b, u.h0 + hi, u.i0, u.i1); break;
-      case kBFloat16: store_rows<kBFloat16>(a, g, o, mrun, lrun, u.b, u.h0 + hi, u.i0, u.i1); break;
-      default: store_rows<kFloat32>(a, g, o, mrun, lrun, u.b, u.h0 + hi, u.i0, u.i1); break;
+      case kFloat16: store_rows<kFloat16>(a, g, st.o, st.m, st.l, u.b, u.h0 + hi, u.i0, u.i1); break;
+      case kBFloat16: store_rows<kBFloat16>(a, g, st.o, st.m, st.l, u.b, u.h0 + hi, u.i0, u.i1); break;
+      default: store_rows<kFloat32>(a, g, st.o, st.m, st.l, u.b, u.h0 + hi, u.i0, u.i1); break;
     }
   }
 }
@@ -710,22 +716,23 @@ inline float* chunk_slot(const SplitState& split, const Unit& u, int c, std::int
 
 void keep_chunk(const Geometry& g, const Workspace& ws, const Unit& u, int c, std::int64_t H, std::int64_t M,
                 const SplitState& split) {
-  const std::int64_t DP = g.dp, qo_stride = ws.rows * DP, st_stride = up16(ws.rows);
+  const std::int64_t DP = g.dp;
   for (std::int64_t hi = 0; hi < H; ++hi) {
+    const HeadState st = ws.chunk_state(hi);
     float* dst = chunk_slot(split, u, c, hi);
-    std::copy(ws.o + hi * qo_stride, ws.o + hi * qo_stride + M * DP, dst);
-    std::copy(ws.mrun + hi * st_stride, ws.mrun + hi * st_stride + M, dst + M * DP);
-    std::copy(ws.lrun + hi * st_stride * 16, ws.lrun + (hi * st_stride + M) * 16, dst + M * DP + M);
+    std::copy(st.o, st.o + M * DP, dst);
+    std::copy(st.m, st.m + M, dst + M * DP);
+    std::copy(st.l, st.l + M * 16, dst + M * DP + M);
   }
 }
 
 void finish_split(const CascadeAttentionArgs& a, const Geometry& g, Workspace& ws, const Unit& u, std::int64_t H,
                   std::int64_t M, const SplitState& split) {
-  const std::int64_t DP = g.dp, qo_stride = ws.rows * DP, st_stride = up16(ws.rows);
+  const std::int64_t DP = g.dp;
   const int ran = u.c1 - u.c0;
   if (split.done[u.merge].fetch_add(ran, std::memory_order_acq_rel) != u.chunks - ran) return;
   for (std::int64_t hi = 0; hi < H; ++hi) {
-    const HeadState acc{ws.oacc + hi * qo_stride, ws.macc + hi * st_stride, ws.lacc + hi * st_stride * 16};
+    const HeadState acc = ws.acc_state(hi);
     reset_state(acc, M, DP);
     for (int c = 0; c < u.chunks; ++c) {
       const float* st = chunk_slot(split, u, c, hi);
@@ -762,9 +769,6 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
   // ones copy the V tile (64 rows of up to 4 KiB apart) into L1-friendly contiguous rows
   const bool v_in_place = a.dtype == kFloat32 && DP == D && (M < 16 || D <= 64);
   constexpr int KT = kKeyTile;
-  auto chunk_state = [&](std::int64_t hi) {
-    return HeadState{ws.o + hi * qo_stride, ws.mrun + hi * st_stride, ws.lrun + hi * st_stride * 16};
-  };
 
   for (std::int64_t hi = 0; hi < H; ++hi) {
     float* qp = ws.qp + hi * qo_stride;
@@ -834,7 +838,7 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
         ops.pack_v(vh, kt, a.dtype, D, DP, ws.vt);
         for (int j = 0; j < kt; ++j) vrows[j] = ws.vt + j * DP;
       }
-      const HeadState st = chunk_state(hi);
+      const HeadState st = ws.chunk_state(hi);
       ops.pack_k(kh, kt, a.dtype, D, DP, ws.kt);
       ops.qk(ws.qp + hi * qo_stride, M, DP, ws.kt, nv, ws.s);
       ops.softmax(ws.s, M, kt, nv, bits, st.m, st.l, ws.alpha + hi * st_stride);
@@ -850,19 +854,17 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
   const char* va[kKeyTile];
   const char* kq[kKeyTile];
   const char* vq[kKeyTile];
-  const std::int64_t k_span = (H - 1) * std::max(dkp, dks) + D * item;
-  const std::int64_t v_span = (H - 1) * std::max(dvp, dvs) + D * item;
+  const std::int64_t k_span = (H - 1) * dkp + D * item, v_span = (H - 1) * dvp + D * item;  // prefix rows
   const std::int32_t* mb = a.mask ? a.mask + b * a.mask_stride[0] : nullptr;
 
   const bool folded = u.merge < 0 && u.chunks > 1;  // a sequential unit of several chunks
   if (folded) {
-    for (std::int64_t hi = 0; hi < H; ++hi)
-      reset_state(HeadState{ws.oacc + hi * qo_stride, ws.macc + hi * st_stride, ws.lacc + hi * st_stride * 16}, M, DP);
+    for (std::int64_t hi = 0; hi < H; ++hi) reset_state(ws.acc_state(hi), M, DP);
   }
   for (int c = u.c0; c < u.c1; ++c) {
-    for (std::int64_t hi = 0; hi < H; ++hi) reset_state(chunk_state(hi), M, DP);
+    for (std::int64_t hi = 0; hi < H; ++hi) reset_state(ws.chunk_state(hi), M, DP);
     const std::int64_t k0 = static_cast<std::int64_t>(c) * kSplitKeys;
-    const std::int64_t k1 = u.chunks == 1 ? total : std::min(total, k0 + kSplitKeys);
+    const std::int64_t k1 = std::min(total, k0 + kSplitKeys);
     const char** cur_k = ka;
     const char** cur_v = va;
     const char** next_k = kq;
@@ -906,9 +908,8 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
     }
     if (folded) {
       for (std::int64_t hi = 0; hi < H; ++hi) {
-        const HeadState st = chunk_state(hi);
-        fold_state(HeadState{ws.oacc + hi * qo_stride, ws.macc + hi * st_stride, ws.lacc + hi * st_stride * 16},
-                   st.o, st.m, st.l, M, DP);
+        const HeadState st = ws.chunk_state(hi);
+        fold_state(ws.acc_state(hi), st.o, st.m, st.l, M, DP);
       }
     }
   }
