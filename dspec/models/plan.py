@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..masks import causal
 from ..ops.masks import pack_mask
 from .kv_cache import KVCache
 
@@ -122,8 +123,7 @@ def _causal_words(n: int, device) -> torch.Tensor:
     key = (n, str(device))
     words = _CAUSAL_WORDS.get(key)
     if words is None:
-        ar = torch.arange(n, device=device)
-        words = pack_mask(ar[None, :] <= ar[:, None])
+        words = causal(n, device=device).words
         if n <= 512:                              # the sizes decoding repeats; bounded memory
             _CAUSAL_WORDS[key] = words
     return words

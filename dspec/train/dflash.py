@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..decode.dflash import vocab_ids
 from ..models.dflash import MASK, BlockDrafter, block_loss_weights
 from .data_engine import heldout_split
 from .loop import BudgetedLoop
@@ -297,9 +298,7 @@ def greedy_accepted(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Ten
     Returns (accepted [B, M] int64: leading accepted drafted slots, stopped by a wrong slot
     or the sequence end; correct [B, M, G] bool: slot-wise top-1 agreement, ``valid`` only).
     """
-    pred = logits.argmax(-1)
-    if draft_ids is not None:
-        pred = draft_ids.to(pred.device)[pred]
+    pred = vocab_ids(logits.argmax(-1), draft_ids)
     g = labels.shape[-1]
     drafted = torch.arange(g, device=labels.device) > prefix[..., None]
     correct = (pred == labels) & valid
@@ -354,8 +353,6 @@ class DrafterTrainer(BudgetedLoop):
         self.draft_index = None
         if cfg.draft_vocab:
             vocab = target.config.vocab_size
-            if cfg.draft_vocab > vocab:
-                raise ValueError(f"draft_vocab must lie in [0, {vocab}], got {cfg.draft_vocab}")
             ids = draft_vocabulary(self.train_set, cfg.draft_vocab, vocab, always=target.eos_token_ids)
             self.drafter.set_draft_vocab(ids)
             self.draft_index = torch.full((vocab,), -1, dtype=torch.int64)
