@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from dspec import _backend
 from dspec.models import dense as dense_mod
-from dspec.models.dense import dense, small_rows_path
+from dspec.models.dense import dense, packed_path
 
 pytestmark = pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C not built")
 
@@ -135,19 +135,19 @@ def test_linear_empty_and_bad_arguments():
         ext.linear_packed_size(4, 0, 2)
 
 
-def test_dense_routes_small_rows_and_keeps_autograd(monkeypatch):
+def test_dense_routes_packed_rows_and_keeps_autograd(monkeypatch):
     w = torch.randn(6, 10)
     b = torch.randn(6)
     x = torch.randn(2, 3, 10)
-    assert small_rows_path(x, w)
+    assert packed_path(x, w)
     torch.testing.assert_close(dense(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-    assert not small_rows_path(x.transpose(0, 1), w)      # not contiguous: the library GEMM
-    assert not small_rows_path(x.double(), w.double())
+    assert not packed_path(x.transpose(0, 1), w)      # not contiguous: the library GEMM
+    assert not packed_path(x.double(), w.double())
     wg = w.clone().requires_grad_()
     y = dense(x, wg, b)
     assert y.grad_fn is not None                          # training: F.linear, recorded
-    monkeypatch.setitem(dense_mod.SMALL_ROWS, torch.float32, 5)
-    assert not small_rows_path(x, w)                      # 6 rows > 5
+    monkeypatch.setitem(dense_mod.PACKED_MAX_ROWS, torch.float32, 5)
+    assert not packed_path(x, w)                      # 6 rows > 5
     assert dense(torch.randn(0, 10), w).shape == (0, 6)
 
 

@@ -227,3 +227,34 @@ def test_hub_loads_a_mask_adapter_on_its_base(base, bd, tmp_path, monkeypatch):
     assert dspec.generate(model, seq[0], method="diffusion", block_size=1, max_new_tokens=6).tokens == ar
     assert dspec.generate(model, seq[0], method="s2d2", block_size=4, policy="always", max_new_tokens=6).tokens == ar
     assert "smollm2-135m-bd" in hub.available_models()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_s2d2_caches_the_bases_kv_bit_for_bit(tmp_path, dtype):
+    """Greedy ``s2d2`` (policy always) on a mask-adapted model leaves in its cache exactly the
+    keys and values one causal forward of the base computes over the same tokens: a block its
+    drafts complete is committed from the verified chain, whose rows sit at the key indices of
+    their positions (the speculative block's rows, after the chain, round differently)."""
+    from dspec.decode import s2d2
+    base = dspec.load(write_checkpoint(tmp_path, "llama", seed=0, hidden=256, inter=768, layers=4), dtype=dtype)
+    model = trained_looking_mask_adapter(base, mask_token_id=MASK)
+    prompts = [_ids(3, 3), _ids(9, 9), _ids(70, 70), _ids(30, 30)]
+    opt = s2d2._check_options(model, None, None, "always", None, None, None, None, None, None)
+    with torch.no_grad():
+        run = s2d2._Batch(model, prompts, opt, max_new_tokens=64, temperature=0.0, generator=None, eos_ids=(),
+                          progress=None)
+        while run.step():
+            pass
+        assert run.stats()["spec_block_commits"] > 0
+        # a tiny base can write the [MASK] id itself (a real one never does): not comparable
+        rows = [b for b in range(len(prompts)) if MASK not in run.generated[b]]
+        assert len(rows) >= 2
+        for b in rows:
+            seq = prompts[b] + run.generated[b]
+            cache = base.new_cache(1)
+            plan = base.plan([seq], cache)
+            cache.append(base(plan, logits=None).suffix_kv, counts=plan.lengths)
+            for layer in range(base.config.num_layers):
+                k, v = cache.layer_rows(layer)
+                assert torch.equal(k, run.cache.k[layer, b, :len(seq)]), (b, layer)
+                assert torch.equal(v, run.cache.v[layer, b, :len(seq)]), (b, layer)

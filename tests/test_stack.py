@@ -185,3 +185,28 @@ def test_chain_forward_rows_equal_one_token_steps(tmp_path, family, dtype):
             whole = model(model.plan([chain], c2)).logits[0]
         for i in range(n):
             assert torch.equal(steps[i], whole[i]), (plen, i)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_prefill_bits_do_not_depend_on_how_the_prompt_is_cut(tmp_path, family, dtype):
+    """A long prompt prefilled in one forward (``ar``) or in pieces (the block-diffusion
+    methods commit whole blocks, then forward the rest with the first block) leaves the same
+    cached keys and values and the same next-token logits, bit for bit, in bf16 too: every
+    row count takes the packed projections (``dense.PACKED_MAX_ROWS``)."""
+    # wide enough that a library GEMM's rows round differently from the packed kernel's
+    model = dspec.load(write_checkpoint(tmp_path, family, seed=3, hidden=256, inter=768), dtype=dtype)
+    prompt = _ids(203, 11)
+    with torch.no_grad():
+        whole, cut = model.new_cache(1), model.new_cache(1)
+        plan = model.plan([prompt], whole)
+        last_whole = model(plan, logits="last")
+        whole.append(last_whole.suffix_kv, counts=plan.lengths)
+        for lo, hi in ((0, 200), (200, 203)):
+            plan = model.plan([prompt[lo:hi]], cut)
+            last_cut = model(plan, logits="last")
+            cut.append(last_cut.suffix_kv, counts=plan.lengths)
+    assert torch.equal(last_whole.logits, last_cut.logits)
+    for layer in (0, model.config.num_layers - 1):
+        for a, b in zip(whole.layer_rows(layer), cut.layer_rows(layer)):
+            assert torch.equal(a, b)

@@ -323,6 +323,7 @@ class _Batch:
         self.model, self.opt = model, opt
         self.bs, self.thr, self.L_max = opt["block_size"], opt["threshold"], opt["draft_len"]
         self.shifted = bool(model.shifted)
+        self.clean_causal = bool(getattr(model.config, "clean_causal", False))
         self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
         self.eos, self.progress = set(eos_ids), progress
         dev = self.dev = model.device
@@ -383,7 +384,7 @@ class _Batch:
             return False
         out, logits = self.forward()
         nxt = self.phase.clone()
-        reuse = spec_final = torch.zeros_like(self.is_verify)
+        reuse = spec_final = self.chain_final = torch.zeros_like(self.is_verify)
         if self.has["verify"]:
             reuse, spec_final = self.verify(logits, nxt)
         if self.has["draft"] or self.has["verify"]:
@@ -455,6 +456,11 @@ class _Batch:
         left = self.masked.any(1)
         reuse = all_in & left
         spec_final = all_in & ~left & (committed == acc)
+        if self.clean_causal:
+            # a chain covering the whole block is that block's causal forward, key for key
+            # where the commit forward would put it: commit those rows, not the speculative
+            # block's (the same values, rounded at other key indices in bf16)
+            self.chain_final = spec_final & (self.span_start + self.span_len == bs)
         self.router.observe(is_verify, True, committed, torch.where(reuse | spec_final, 1, 2))
         L_max = self.L_max
         self.hist += torch.bincount(torch.where(is_verify, acc, L_max + 1), minlength=L_max + 2)[:L_max + 1]
@@ -523,10 +529,12 @@ class _Batch:
         fin_host = finishing.tolist() if self.spec else [p == COMMIT for p in self.phases]
         if not any(fin_host):
             return
-        keep_off = torch.where(is_commit, 0, self.spec_off)
+        from_chain = is_commit | self.chain_final
+        keep_off = torch.where(from_chain, 0, self.spec_off)
         keep = torch.where(finishing[:, None], keep_off[:, None] + slots[None], -1)
         self.cache.append(out.suffix_kv, keep=keep.cpu())
-        last = torch.where(is_commit, bs - 1, 2 * bs)           # logits row of slot bs - 1
+        # logits row of slot bs - 1: the block's, the chain's last (verification row bs), the spec block's
+        last = torch.where(is_commit, bs - 1, torch.where(self.chain_final, bs, 2 * bs))
         self.carry = torch.where(finishing[:, None],
                                  logits.gather(1, last.clamp(max=logits.shape[1] - 1)[:, None, None]
                                                .expand(-1, 1, self.vocab))[:, 0], self.carry)

@@ -2,12 +2,13 @@
 
 A decode or verification step multiplies a handful of rows by each weight matrix; there a
 library GEMM spends more time setting up than computing, and its result for a row depends
-on how many rows it was given.  ``dense`` sends such calls (CPU, float32 / bfloat16, no
-autograd, at most ``SMALL_ROWS`` rows) to ``dspec._C.linear``: the weight packed once into
-panels of 16 output columns (``packed_weight``, kept with the weight), float32
-accumulation, and a reduction order that does not depend on the number of rows or
-threads, so a token's projections are bit-identical in a one-token step
-and in a verification of up to ``SMALL_ROWS`` tokens.  Everything else goes to
+on how many rows it was given.  ``dense`` sends every call it can (CPU, float32 /
+bfloat16, no autograd, contiguous rows, at most ``PACKED_MAX_ROWS`` rows: no limit by
+default) to ``dspec._C.linear``: the weight packed once into panels of 16 output columns
+(``packed_weight``, kept with the weight), float32 accumulation, and a reduction order
+that does not depend on the number of rows or threads, so a token's projections are
+bit-identical in a one-token step, in a verification and in a prompt's prefill of any
+length.  Everything else (training, float64, strided rows) goes to
 ``torch.nn.functional.linear``.
 Every projection of the lean transformer, the mask adapter's base and the DFlash drafter
 goes through here, so a path taken by one is taken by all.
@@ -19,24 +20,29 @@ import torch.nn.functional as F
 
 from .. import _backend, _library
 
-#: the largest row count (batch x suffix tokens) sent to dspec._C.linear per dtype; above
-#: it the library GEMM is faster (bench/bench_linear.py, AVX512_BF16 EPYC, 2 threads: the
-#: packed kernel is 1.0-1.3x oneDNN's bf16 GEMM at 64 rows and 0.7-1.0x at 128; in fp32
-#: it is 1.3-2.5x faster up to 128 rows).  A verification forward of up to this many
-#: tokens rounds each token exactly as a one-token step does.
-SMALL_ROWS = {torch.float32: 128, torch.bfloat16: 64}
+#: the largest row count (batch x suffix tokens) sent to dspec._C.linear per dtype (None:
+#: no limit).  A limit trades prefill bits for nothing on the machines measured: SmolLM2-135M
+#: forwards of 65-2048 prompt tokens ran 1.2-1.4x (bf16) and 2.1-2.5x (fp32) faster on the
+#: packed path than with oneDNN above 64 / 128 rows (AVX512_BF16 EPYC, 2 threads, Nov 2026),
+#: and a limit lets a prompt's KV round differently when prefilled whole (``ar``) or in
+#: blocks (the block-diffusion methods).  Tests lower it to exercise the library GEMM.
+PACKED_MAX_ROWS: dict = {torch.float32: None, torch.bfloat16: None}
 _CODES = {torch.float32: 0, torch.bfloat16: 2}
 
 
-def _rows_if_small(x: torch.Tensor) -> int:
-    """x's row count when the small-row path can take x (else 0)."""
+def _packed_rows(x: torch.Tensor) -> int:
+    """x's row count when the packed path can take x (else 0)."""
     ext = _backend.extension()
     if ext is None or not hasattr(ext, "linear_pack") or x.dtype not in _CODES or not x.is_cpu or x.dim() == 0:
         return 0
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows == 0 or rows > SMALL_ROWS[x.dtype] or not x.is_contiguous():
-        return 0
-    return rows
+    return rows if rows and x.is_contiguous() and within_packed_rows(rows, x.dtype) else 0
+
+
+def within_packed_rows(rows: int, dtype: torch.dtype) -> bool:
+    """Whether ``rows`` rows of ``dtype`` may take the packed path (``PACKED_MAX_ROWS``)."""
+    cap = PACKED_MAX_ROWS[dtype]
+    return cap is None or rows <= cap
 
 
 def _weight_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -55,9 +61,9 @@ def untracked(*tensors) -> bool:
     return _library.call_directly(*tensors)
 
 
-def small_rows_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def packed_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``dense(x, weight)`` runs dspec._C.linear."""
-    return bool(_rows_if_small(x)) and _weight_fits(x, weight, None) and untracked(x, weight)
+    return bool(_packed_rows(x)) and _weight_fits(x, weight, None) and untracked(x, weight)
 
 
 _PACKED = "_dspec_linear_packed"
@@ -82,7 +88,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: x [..., K], weight [O, K], bias [O] -> [..., O]."""
-    rows = _rows_if_small(x)
+    rows = _packed_rows(x)
     if not rows or not _weight_fits(x, weight, bias) or not untracked(x, weight, bias):
         return F.linear(x, weight, bias)
     k = x.shape[-1]
@@ -99,7 +105,7 @@ def dense_many(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
     dspec._C call when the small-row path takes every weight: one dispatch instead of
     several, and the projections' columns split over the threads together.  Each result is
     bit-identical to its own ``dense`` call."""
-    rows = _rows_if_small(x)
+    rows = _packed_rows(x)
     ext = _backend.extension()
     if (not rows or not hasattr(ext, "linear_group")
             or not all(_weight_fits(x, w, b) for w, b in zip(weights, biases))

@@ -4,7 +4,7 @@ A decode step on the CPU runs ~15 small ops per layer (norms, grouped projection
 attention, adds, SiLU); from Python each pays a dispatch comparable to its math at one
 token.  ``run_layers`` hands the whole stack to C++ when the forward allows it (the CPU, no
 autograd, a float32 / bfloat16 model of plain or mask-adapted projections, the C++
-attention plan, at most ``dense.SMALL_ROWS`` rows).  It runs the same kernels as the per-op
+attention plan, the rows ``dense`` packs).  It runs the same kernels as the per-op
 path in ``transformer.py`` with the same roundings, so the two are bit-identical (tested);
 ``None`` means the per-op path runs.
 
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .. import _backend
-from .dense import _CODES, SMALL_ROWS, packed_weight
+from .dense import _CODES, packed_weight, within_packed_rows
 from .mask_adapter import MaskLoraLinear
 
 __all__ = ["frozen_weights", "run_layers"]
@@ -142,7 +142,7 @@ def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: boo
     cfg = model.config
     batch, n, hidden = x.shape
     rows = batch * n
-    if rows == 0 or rows > SMALL_ROWS[x.dtype] or not (cos.is_contiguous() and sin.is_contiguous()):
+    if rows == 0 or not within_packed_rows(rows, x.dtype) or not (cos.is_contiguous() and sin.is_contiguous()):
         return None
     if meta.prefix == 1:                          # ragged rows gathered per layer: per-op path
         return None
