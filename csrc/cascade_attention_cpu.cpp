@@ -10,6 +10,13 @@
 // forward gets, row for row, the bits of N one-token forwards that found the earlier tokens
 // in the cache (a masked key adds an exact zero; a chunk it cannot see folds as a no-op),
 // so greedy speculative decoding equals one-token decoding in bf16 too, not only in fp32.
+// Compacted rows: a query whose visible suffix keys are not the first k of the suffix (a
+// tree node's ancestors, an SSD copy, a padding row) sees them at the key indices they
+// would have as its own chain -- prefix, then its visible suffix keys in order, then
+// nothing -- so its bits are those of the one-token steps that decode that chain, not of
+// the layout it was verified in.  Such rows leave the shared tiles from the first tile
+// holding suffix keys on and run that tile and the next ones on their own key list (the
+// same kernels on up to 64 keys; the prefix tiles before stay shared).
 //
 // Work unit: (request b, group of KV heads, query tile, chunks).  A head's rows are the
 // (token, head) pairs of the tile's tokens and the G = Hq / Hkv query heads of that KV head,
@@ -581,6 +588,18 @@ struct Workspace {
   float* oacc = nullptr;   // the fold of the chunks run so far: [heads][rows][dp]
   float* macc = nullptr;   // [heads][up16(rows)]
   float* lacc = nullptr;   // [heads][up16(rows)][16]
+  // compacted tokens of a unit (see the top of the file): per token its entry in `odd`
+  // (-1: a regular token); per odd token its first key in `keys` and its key count; `keys`
+  // the visible suffix keys of each in order
+  std::vector<std::int32_t> odd_of;
+  std::vector<std::int64_t> odd;
+  std::vector<std::int32_t> keys;
+
+  void reserve_compacted(std::int64_t tokens, std::int64_t n) {
+    if (static_cast<std::int64_t>(odd_of.size()) < tokens) odd_of.assign(static_cast<std::size_t>(tokens), -1);
+    if (static_cast<std::int64_t>(odd.size()) < 3 * tokens) odd.assign(static_cast<std::size_t>(3 * tokens), 0);
+    if (static_cast<std::int64_t>(keys.size()) < tokens * n) keys.assign(static_cast<std::size_t>(tokens * n), 0);
+  }
 
   void reserve(std::int64_t rows_, std::int64_t dp_, std::int64_t heads) {
     rows = rows_;
@@ -754,6 +773,40 @@ inline std::uint64_t suffix_bits(const std::int32_t* row, std::int64_t js, int c
   return count >= 64 ? bits : bits & ((std::uint64_t(1) << count) - 1);
 }
 
+// The unit's tokens [i0, i1) whose visible suffix keys (mask row of n bits in `words`
+// words) are not 1..1 0..0: their entries in ws.odd_of / ws.odd / ws.keys.  Returns how many.
+std::int64_t find_compacted(const std::int32_t* mb, std::int64_t row_stride, std::int64_t words, std::int64_t n,
+                            std::int64_t i0, std::int64_t i1, Workspace& ws) {
+  std::int64_t count = 0, used = 0;
+  for (std::int64_t i = i0; i < i1; ++i) {
+    const std::int32_t* row = mb + i * row_stride;
+    bool regular = true, ended = false;
+    for (std::int64_t w = 0; w < words && regular; ++w) {
+      const int valid = static_cast<int>(std::min<std::int64_t>(32, n - 32 * w));
+      std::uint64_t x = static_cast<std::uint32_t>(row[w]);
+      if (valid < 32) x &= (std::uint64_t(1) << valid) - 1;
+      const bool full = x == (std::uint64_t(1) << valid) - 1;
+      if (ended ? x != 0 : (x & (x + 1)) != 0) regular = false;  // a one after a zero
+      if (!full) ended = true;
+    }
+    ws.odd_of[i - i0] = regular ? -1 : static_cast<std::int32_t>(count);
+    if (regular) continue;
+    std::int64_t k = 0;
+    for (std::int64_t w = 0; w < words; ++w) {
+      const int valid = static_cast<int>(std::min<std::int64_t>(32, n - 32 * w));
+      std::uint64_t x = static_cast<std::uint32_t>(row[w]);
+      if (valid < 32) x &= (std::uint64_t(1) << valid) - 1;
+      for (; x; x &= x - 1) ws.keys[used + k++] = static_cast<std::int32_t>(32 * w + __builtin_ctzll(x));
+    }
+    ws.odd[3 * count] = i - i0;
+    ws.odd[3 * count + 1] = used;
+    ws.odd[3 * count + 2] = k;
+    used += k;
+    ++count;
+  }
+  return count;
+}
+
 // One work unit: request b, KV heads [h0, h0 + H), query tokens [i0, i1), key chunks
 // [c0, c1).  Key tiles are the outer loop and the heads the inner one, so the unit reads
 // each K / V row (all its heads side by side in memory) once, in order.
@@ -824,8 +877,11 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
   const void* kh[kKeyTile];
   const void* vh[kKeyTile];
   const float* vrows[kKeyTile];
-  // one tile for every head of the unit: rows j < np from the prefix, the rest the suffix
-  auto tile = [&](int kt, int np, const char* const* kr_, const char* const* vr_, const std::uint64_t* bits) {
+  const std::int32_t* mb = a.mask ? a.mask + b * a.mask_stride[0] : nullptr;
+  // one tile for every head of the unit, rows [r0, r0 + m): key rows j < np from the
+  // prefix, the rest the suffix
+  auto tile = [&](int kt, int np, const char* const* kr_, const char* const* vr_, const std::uint64_t* bits,
+                  std::int64_t r0, std::int64_t m) {
     const int nv = (kt + 15) / 16;
     for (std::int64_t hi = 0; hi < H; ++hi) {
       for (int j = 0; j < kt; ++j) {
@@ -840,9 +896,38 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
       }
       const HeadState st = ws.chunk_state(hi);
       ops.pack_k(kh, kt, a.dtype, D, DP, ws.kt);
-      ops.qk(ws.qp + hi * qo_stride, M, DP, ws.kt, nv, ws.s);
-      ops.softmax(ws.s, M, kt, nv, bits, st.m, st.l, ws.alpha + hi * st_stride);
-      ops.pv(ws.s, M, kt, vrows, DP, ws.alpha + hi * st_stride, st.o);
+      float* alpha = ws.alpha + hi * st_stride + r0;
+      ops.qk(ws.qp + hi * qo_stride + r0 * DP, m, DP, ws.kt, nv, ws.s);
+      ops.softmax(ws.s, m, kt, nv, bits, st.m + r0, st.l + r0 * 16, alpha);
+      ops.pv(ws.s, m, kt, vrows, DP, alpha, st.o + r0 * DP);
+    }
+  };
+  const std::int64_t n_odd = mb ? find_compacted(mb, a.mask_stride[1], g.words, a.n, i0, i1, ws) : 0;
+  const char* odd_k[kKeyTile];
+  const char* odd_v[kKeyTile];
+  // the tile at key t0 (np prefix rows) of each compacted token: the prefix rows, then its
+  // visible suffix keys number t0 + np - plen on, as many as fit; the rest of the kt rows
+  // point at suffix key 0, masked (an exact zero, as a short tile's missing keys)
+  auto compacted_tiles = [&](std::int64_t t0, int kt, int np, const char* const* pk_, const char* const* pv_) {
+    const std::int64_t s0 = t0 + np - plen;
+    for (std::int64_t e = 0; e < n_odd; ++e) {
+      const std::int64_t rel = ws.odd[3 * e], first = ws.odd[3 * e + 1], count = ws.odd[3 * e + 2];
+      const int cnt = static_cast<int>(std::clamp<std::int64_t>(count - s0, 0, kt - np));
+      if (np + cnt == 0) continue;
+      for (int j = 0; j < np; ++j) {
+        odd_k[j] = pk_[j];
+        odd_v[j] = pv_[j];
+      }
+      for (int j = np; j < kt; ++j) {
+        const std::int64_t js = j < np + cnt ? ws.keys[first + s0 + (j - np)] : 0;
+        odd_k[j] = kb + js * a.k_stride[1] * item;
+        odd_v[j] = vb + js * a.v_stride[1] * item;
+      }
+      // its rows' bits (zero in the shared tile just run): the first np + cnt keys
+      std::uint64_t* bits = ws.bits.data() + rel * G;
+      const std::uint64_t w = np + cnt >= 64 ? ~std::uint64_t(0) : (std::uint64_t(1) << (np + cnt)) - 1;
+      for (std::int64_t h = 0; h < G; ++h) bits[h] = w;
+      tile(kt, np, odd_k, odd_v, bits, rel * G, G);
     }
   };
 
@@ -855,7 +940,6 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
   const char* kq[kKeyTile];
   const char* vq[kKeyTile];
   const std::int64_t k_span = (H - 1) * dkp + D * item, v_span = (H - 1) * dvp + D * item;  // prefix rows
-  const std::int32_t* mb = a.mask ? a.mask + b * a.mask_stride[0] : nullptr;
 
   const bool folded = u.merge < 0 && u.chunks > 1;  // a sequential unit of several chunks
   if (folded) {
@@ -887,16 +971,19 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
         // the rows' mask bits of the tile's suffix keys, above its (visible) prefix rows
         const std::int64_t js = t0 + np - plen;
         const std::uint64_t prefix_bits = np == 0 ? 0 : (std::uint64_t(1) << np) - 1;
-        std::uint64_t any = prefix_bits;
+        std::uint64_t any = 0;
         for (std::int64_t i = i0; i < i1; ++i) {
-          const std::uint64_t w = prefix_bits | (suffix_bits(mb + i * a.mask_stride[1], js, kt - np, g.words) << np);
+          std::uint64_t w = 0;  // a compacted token runs this tile on its own keys
+          if (ws.odd_of[i - i0] < 0)
+            w = prefix_bits | (suffix_bits(mb + i * a.mask_stride[1], js, kt - np, g.words) << np);
           any |= w;
           for (std::int64_t h = 0; h < G; ++h) ws.bits[(i - i0) * G + h] = w;
         }
         run = any != 0;  // a tile no row sees changes no state: skipped
         bits = ws.bits.data();
       }
-      if (run) tile(kt, np, cur_k, cur_v, bits);
+      if (run) tile(kt, np, cur_k, cur_v, bits, 0, M);
+      if (n_odd > 0 && np < kt) compacted_tiles(t0, kt, np, cur_k, cur_v);
       std::swap(cur_k, next_k);
       std::swap(cur_v, next_v);
       kt = kn;
@@ -1048,6 +1135,7 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   threads = std::min(threads, count);
   static thread_local Workspace local;
   local.reserve(rows, g.dp, g.group_heads);
+  if (a.mask) local.reserve_compacted(g.tile_tokens, a.n);
   if (threads <= 1) {
     for (const Unit& u : units) run_unit(a, ops, g, local, u, split);
     return;
@@ -1055,7 +1143,10 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   // workspaces reserved here, so that no worker thread can fail to allocate
   static thread_local std::vector<Workspace> extra;
   if (static_cast<std::int64_t>(extra.size()) < threads - 1) extra.resize(static_cast<std::size_t>(threads - 1));
-  for (std::int64_t t = 0; t < threads - 1; ++t) extra[t].reserve(rows, g.dp, g.group_heads);
+  for (std::int64_t t = 0; t < threads - 1; ++t) {
+    extra[t].reserve(rows, g.dp, g.group_heads);
+    if (a.mask) extra[t].reserve_compacted(g.tile_tokens, a.n);
+  }
   // thread_local names resolve per thread: the workers get this thread's objects by address
   std::atomic<std::int64_t> next{0};
   Workspace* const callers = &local;   // chunk 0's: any thread may run any chunk

@@ -590,3 +590,51 @@ def test_cpp_chain_rows_equal_one_token_calls(isa, monkeypatch, dtype, plen, n, 
                 assert torch.equal(paged[0], one[0]) and torch.equal(paged[1], one[1])
     finally:
         torch.set_num_threads(before)
+
+
+def _layouts(n, g):
+    """Masks [n, n] of the verification layouts whose rows see suffix keys that are not the
+    first k: a random draft tree, SSD-style copies (bidirectional blocks of 4, each seeing
+    only itself), padding rows that see only themselves, and random rows (each sees itself)."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    tree = dspec.masks.tree(torch.tensor(parents)).dense()
+    idx = torch.arange(n)
+    copies = (idx[:, None] // 4) == (idx[None, :] // 4)
+    own = torch.eye(n, dtype=torch.bool) | (torch.tril(torch.ones(n, n, dtype=torch.bool)) & (idx[:, None] < n // 2))
+    rand = (torch.rand(n, n, generator=g) < 0.4) | torch.eye(n, dtype=torch.bool)
+    return {"tree": tree, "copies": copies, "own": own, "random": rand}
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("plen,n", [(0, 9), (5, 21), (60, 9), (250, 16), (300, 70), (700, 21)])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_cpp_rows_depend_only_on_the_keys_they_see(isa, monkeypatch, dtype, plen, n, threads):
+    """Compacted rows: a row whose visible suffix keys are not the first k of the suffix (a
+    tree node, an SSD copy, a padding row) gets, bit for bit, the call that gives it those
+    keys alone, in order, as an all-visible suffix after the same prefix -- the bits of the
+    chain or block a one-token / one-block step decodes.  So tree and copy layouts verify
+    in bf16 exactly as chains do."""
+    g = torch.Generator().manual_seed(plen * 7 + n)
+    hq, hkv, d = 9, 3, 64
+    q = torch.randn(1, n, hq, d, generator=g).to(dtype)
+    keys = torch.randn(plen + n, hkv, d, generator=g).to(dtype)
+    vals = torch.randn(plen + n, hkv, d, generator=g).to(dtype)
+    before = torch.get_num_threads()
+    monkeypatch.setenv("DSPEC_CPU_THREADS", str(threads))
+    torch.set_num_threads(threads)
+    prefix = dict(prefix_k=keys[:plen], prefix_v=vals[:plen], prefix_indptr=torch.tensor([0, plen]))
+    try:
+        for name, dense in _layouts(n, g).items():
+            words = dspec.ops.pack_mask(dense)
+            out, lse = dspec.cascade_attention(q, keys[None, plen:], vals[None, plen:], words, return_lse=True,
+                                               backend="cpp", **prefix)
+            for i in range(n):
+                seen = dense[i].nonzero()[:, 0]
+                at = int((seen == i).nonzero()[0, 0])
+                sk, sv = keys[plen:][seen][None], vals[plen:][seen][None]
+                one, one_lse = dspec.cascade_attention(q[:, seen], sk, sv, None, return_lse=True, backend="cpp",
+                                                       **prefix)
+                assert torch.equal(one[0, at], out[0, i]) and torch.equal(one_lse[0, at], lse[0, i]), (name, i)
+    finally:
+        torch.set_num_threads(before)
