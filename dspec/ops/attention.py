@@ -80,7 +80,10 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
     and their indices, not on where the prefix ends, N, the batch or the thread count.  A
     causal chain of N tokens then gives, row for row, exactly the result of N one-token
     calls with the earlier tokens cached: greedy chain verification equals one-token
-    decoding in bf16 as in fp32.
+    decoding in bf16 as in fp32.  A row whose visible suffix keys are not the first k of
+    the suffix (a tree node, an SSD copy) is compacted: it gets the bits of the call that
+    gives it only those keys, in order, as an all-visible suffix -- so tree and copy
+    layouts verify exactly as chains do.
 
     Example
     -------
