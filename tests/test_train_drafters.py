@@ -130,14 +130,17 @@ def test_cli_writes_a_loadable_drafter(ckpt, target, tmp_path):
     out = tmp_path / "run"
     result = main(["--target", str(ckpt), "--out", str(out), "--max-steps", "3", "--num-prompts", "8",
                    "--response-tokens", "6", "--sources", "arithmetic=1", "--block-size", "4",
-                   "--batch-size", "4"])
+                   "--batch-size", "4", "--weight-decay", "0.05"])
     assert result["step"] == 3
+    assert json.loads((out / "train_log.json").read_text())["config"]["weight_decay"] == 0.05
     d = load_drafter(out / "drafter", target, kind="dflash")
     assert d.block_size == 4
     card = (out / "drafter" / "README.md").read_text()
     assert "held-out loss" in card and "acceptance" in card
     with pytest.raises(SystemExit):
         main(["--target", str(ckpt), "--out", str(out), "--max-steps", "3"])     # exists, no --resume
+    with pytest.raises(SystemExit, match="weight-decay"):
+        main(["--target", str(ckpt), "--out", str(tmp_path / "wd"), "--weight-decay", "-1"])
 
 
 def test_warm_start_from_a_saved_drafter(ckpt, target, sequences, tmp_path):

@@ -660,6 +660,9 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--min-lr", type=float, default=None,
                     help="final learning rate of the cosine schedule (a warm start wants both low: a peak "
                          "near a fresh run's knocks the shipped weights back for thousands of steps)")
+    ap.add_argument("--weight-decay", type=float, default=None,
+                    help="AdamW weight decay of the matrices (default 0.01; a drafter that memorises its data, "
+                         "held-out loss flat while the training loss falls, wants more)")
     ap.add_argument("--heldout-start", type=int, default=0,
                     help="hold out only sequences from this index on: a later round on a data directory "
                          "resumed to more tokens passes the earlier sequence count (default %(default)s)")
@@ -687,6 +690,8 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
                          "training sequences, saved as the drafter's draft vocabulary; 0 = the whole vocabulary)")
     ap.add_argument("--ship", default=None, help="also copy the final drafter directory here")
     args = ap.parse_args(argv)
+    if args.weight_decay is not None and not 0 <= args.weight_decay < float("inf"):
+        raise SystemExit(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
     import shutil
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -699,7 +704,8 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     cfg = tiny_defaults(cfg, target)
     for attr, val in (("block_size", args.block_size), ("batch_size", args.batch_size),
                       ("num_prompts", args.num_prompts), ("response_tokens", args.response_tokens),
-                      ("lr", args.lr), ("min_lr", args.min_lr), ("heldout_start", args.heldout_start), ("draft_vocab", args.draft_vocab)):
+                      ("lr", args.lr), ("min_lr", args.min_lr), ("weight_decay", args.weight_decay),
+                      ("heldout_start", args.heldout_start), ("draft_vocab", args.draft_vocab)):
         if val is not None:
             setattr(cfg, attr, val)
     if args.sources:
