@@ -111,8 +111,9 @@ def test_greedy_equals_one_token_per_step(model, block_size):
             got = dspec.generate(model, prompt, method="ssd", max_new_tokens=9, block_size=block_size,
                                  mixed_order=mixed)
             assert got.tokens == ref.tokens, (block_size, prompt, mixed)
-            # the commit forward is merged into verification: never more forwards
-            assert got.stats["nfe"]["target"] <= ref.stats["nfe"]["target"]
+            # both commit a block inside a later forward; SSD's last forward also commits the
+            # final block, which diffusion never forwards again: at most one forward more
+            assert got.stats["nfe"]["target"] <= ref.stats["nfe"]["target"] + 1
 
 
 def test_batch_of_3_ragged_equals_singles_and_accepts_more_than_one(model):
@@ -163,8 +164,9 @@ def test_committed_kv_equals_one_step_run(model, monkeypatch):
     got = dspec.generate(model, prompt, method="ssd", max_new_tokens=8, block_size=4)
     cache = made[-1]
     assert got.tokens == ref.tokens
-    assert cache.lengths.tolist() == ref_cache.lengths.tolist()
-    n = int(cache.lengths[0])
+    # diffusion never commits its last block (nothing reads it); every block before is in both
+    n = int(ref_cache.lengths[0])
+    assert int(cache.lengths[0]) == n + 4 and n > 4
     for layer in range(model.config.num_layers):
         k, v = cache.get(layer, 0)
         rk, rv = ref_cache.get(layer, 0)

@@ -18,9 +18,13 @@ Right-shifted models (Fast-dLLM v2, Dream) predict slot j from the logits of slo
 (``position // block_size``, as the model's own block-causal attention).  The prompt's
 complete blocks are committed to the cache in one prefill forward; its tail shares the first
 generated block with [MASK] slots.  Every step forwards the current block (bidirectional
-within it, the whole cached prefix before it).  A complete block is forwarded once more with
-its final tokens so the committed KV is exactly that of the finished text; a right-shifted
-model's slot 0 is predicted from the last committed position.  A batch runs block by block
+within it, the whole cached prefix before it).  A complete block's KV is that of its final
+tokens: the first step of the next block forwards it again, as a committed block in front of
+the new one (block-causal: it sees itself and the prefix, the new block sees it), appends
+its keys and values and takes its last logits -- a right-shifted model's prediction for slot
+0 -- from that forward, so a block costs its steps and no commit forward of its own.  (The
+C++ attention gives those rows the bits of a separate commit forward: each row sees the
+first keys of the suffix, at the key indices of its positions.)  A batch runs block by block
 in lockstep; a request whose block is complete waits (its rows are recomputed but
 unchanged), so a batch gives exactly what single runs give.
 
@@ -63,6 +67,7 @@ import torch
 
 from ..masks import block_diffusion
 from ..models import AttentionPlan
+from ..ops import pack_mask
 from .sampling import next_tokens
 from .unmask import confidence, pick_slots, rank_masked
 
@@ -167,9 +172,14 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
     finished = torch.zeros(batch, dtype=torch.bool, device=dev)
     slots = torch.arange(bs, device=dev)
     block_mask = block_diffusion(bs, device=dev)
+    # the finished block and the next one: each block sees itself, the second also the first
+    two = torch.arange(2 * bs, device=dev) // bs
+    pair_mask = pack_mask(two[:, None] >= two[None, :])
+    new_rows = (bs + slots - (1 if model.shifted else 0))[None].expand(batch, -1)
+    pending = None                                  # the finished block not yet in the cache
     while not bool(finished.all()):
         # the block's slots: prompt tail where it reaches into the block, [MASK] elsewhere
-        block_start = cache.lengths.to(dev)
+        block_start = cache.lengths.to(dev) + (0 if pending is None else bs)
         pos = block_start[:, None] + slots
         tokens = torch.full((batch, bs), mask_id, dtype=torch.int64, device=dev)
         for b, p in enumerate(prompts):
@@ -178,11 +188,20 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
                 tokens[b, : len(tail)] = torch.tensor(tail, device=dev)
         masked = (pos >= plen[:, None]) & ~finished[:, None]
         while bool(masked.any()):
-            out = model(AttentionPlan(tokens, pos, block_mask.words, cache), return_kv=False)
+            if pending is None:
+                out = model(AttentionPlan(tokens, pos, block_mask.words, cache), return_kv=False)
+                logits = out.logits.float()
+                if model.shifted:
+                    logits = torch.cat([carry[:, None], logits[:, :-1]], 1)
+            else:                                   # commit the finished block in this step
+                prev_tokens, prev_pos = pending
+                out = model(AttentionPlan(torch.cat([prev_tokens, tokens], 1), torch.cat([prev_pos, pos], 1),
+                                          pair_mask, cache), logits=new_rows, return_kv=True)
+                cache.append(out.suffix_kv, counts=[bs] * batch)
+                logits = out.logits.float()         # the new block's slots (shifted: rows bs-1 ..)
+                carry = logits[:, 0] if model.shifted else carry
+                pending = None
             forwards += 1
-            logits = out.logits.float()
-            if model.shifted:
-                logits = torch.cat([carry[:, None], logits[:, :-1]], 1)
             flat = logits.reshape(batch * bs, -1)
             choice = next_tokens(flat, temperature, generator).view(batch, bs)
             conf_m, _, rank = rank_masked(confidence(logits, choice, temperature), masked)
@@ -191,11 +210,7 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
             masked &= ~pick
             if progress is not None:
                 progress.update(int(pick.sum()) / batch)
-        # commit the finished block with its final tokens (exact KV), carry its last logits
-        out = model(AttentionPlan(tokens, pos, block_mask.words, cache), logits="last")
-        forwards += 1
-        cache.append(out.suffix_kv, counts=[bs] * batch)
-        carry = out.logits[:, -1].float()
+        pending = (tokens, pos)                     # committed by the next block's first step
         for b in range(batch):
             if finished[b]:
                 continue

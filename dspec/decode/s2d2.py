@@ -60,8 +60,10 @@ block-size-1 distribution given everything before them (drafts are sampled from 
 the AR argmax, so the output is that of block-size-1 greedy decoding of the model over the
 block-mode KV of the finished blocks (:func:`block_size_one_greedy` in the tests),
 whatever ``draft_len`` or ``threshold``.  With policy ``never`` it is exactly the
-``diffusion`` method with the same ``threshold``, greedy or sampled (same forwards, same
-random draws).
+``diffusion`` method with the same ``threshold``, greedy or sampled (same steps, same
+random draws; ``diffusion`` commits a finished block inside the next block's first step,
+S2D2 still by a commit forward per block -- merging it into the next drafting forward is
+an open item).
 
 Host synchronisation: one small read per iteration (each row's state and suffix width, to
 size the suffix), one flag vector after a verification (which rows finished their block, for
