@@ -119,10 +119,7 @@ def test_policy_never_equals_diffusion(model, temperature):
         got = _run(model, prompt, policy="never", **kw)
         want = dspec.generate(model, prompt, method="diffusion", **kw)
         assert got.tokens == want.tokens
-        # the same steps; diffusion commits a finished block inside the next block's first
-        # step (the last one never), s2d2 by a commit forward per block
-        commits = got.stats["forwards_with"]["commit"]
-        assert got.stats["nfe"]["target"] == want.stats["nfe"]["target"] + commits and commits >= 1
+        assert got.stats["nfe"] == want.stats["nfe"]          # both commit a block in the next one's first step
         assert got.stats["verifications"] == 0 and got.stats["verify_rate"] == 0.0
 
 
@@ -137,14 +134,17 @@ def test_greedy_always_equals_block_size_one_decoding(model, block_size, draft_l
         assert st["verify_rate"] == 1.0
         assert sum(st["accepted_hist"]) == st["verifications"] > 0
         assert 1.0 <= st["mean_accepted"] <= draft_len + 1
-        # one sequence: every forward is the prefill, a drafting, a verifying or a commit one,
+        # one sequence: every forward is the prefill, a drafting or a verifying one (a block
+        # finished otherwise than by its drafts rides in front of the next drafting forward),
         # and every drafting forward is followed by a verification (policy always)
         kinds = st["forwards_with"]
-        assert st["nfe"]["target"] == (len(prompt) >= block_size) + sum(kinds.values())
+        assert st["nfe"]["target"] == (len(prompt) >= block_size) + kinds["draft"] + kinds["verify"]
         assert kinds["verify"] == st["verifications"]
         assert kinds["draft"] + st["spec_block_drafts"] == st["verifications"]
         blocks = -(-(len(prompt) % block_size + 12) // block_size)
-        assert kinds["commit"] + st["spec_block_commits"] == blocks
+        # every block is committed (by a later drafting forward or by its verification) but
+        # maybe the last one, which nothing reads
+        assert blocks - 1 <= kinds["commit"] + st["spec_block_commits"] <= blocks
         saved += st["spec_block_drafts"] + st["spec_block_commits"]
     assert saved > 0                    # the speculative-block path is exercised
 

@@ -43,14 +43,17 @@ under a per-row packed mask (DESIGN.md's one attention shape):
     fallback step right after commits diffusion choices made one token earlier.)
 
 ``commit``
-    a complete block is forwarded once more with its final tokens and its KV appended to
-    the cache (exact, as in ``diffusion``); its last logits become the right-shifted
-    model's prediction for the next block's slot 0.
+    a block completed otherwise (by the fallback, or by a rejected / bonus token) is
+    *pending*: it rides in front of the next block's first drafting forward (bidirectional
+    within itself, the new block seeing it, as ``diffusion`` commits it), which appends its
+    KV (exact: the rows of a separate commit forward, at the same key indices) and takes its
+    last logits as the right-shifted model's prediction for the new block's slot 0.  The
+    last block is never forwarded again.
 
 Rows in different states share a forward: the suffix is as wide as the widest row (a
-block; ``u + 2L + 1 + block_size`` for a position-aligned verification, ``u + L +
-block_size`` for a right-shifted one), narrower rows are padded with tokens that see only
-themselves, and the LM head runs on ``block_size + 1`` gathered rows per sequence
+block, two with a pending block; ``u + 2L + 1 + block_size`` for a position-aligned
+verification, ``u + L + block_size`` for a right-shifted one), narrower rows are padded
+with tokens that see only themselves, and the LM head runs on ``block_size + 1`` gathered rows per sequence
 (``2 block_size + 1`` when a row verifies).  So a batch costs one forward per
 iteration whatever its rows do, and a sequence's tokens are those of its single run.
 
@@ -60,14 +63,12 @@ block-size-1 distribution given everything before them (drafts are sampled from 
 the AR argmax, so the output is that of block-size-1 greedy decoding of the model over the
 block-mode KV of the finished blocks (:func:`block_size_one_greedy` in the tests),
 whatever ``draft_len`` or ``threshold``.  With policy ``never`` it is exactly the
-``diffusion`` method with the same ``threshold``, greedy or sampled (same steps, same
-random draws; ``diffusion`` commits a finished block inside the next block's first step,
-S2D2 still by a commit forward per block -- merging it into the next drafting forward is
-an open item).
+``diffusion`` method with the same ``threshold``, greedy or sampled (same forwards, same
+random draws).
 
 Host synchronisation: one small read per iteration (each row's state and suffix width, to
-size the suffix), one flag vector after a verification (which rows finished their block, for
-the KV commit), and the token lists of a finished block; the drafting, routing, verification
+size the suffix), one flag vector after the forward (which rows finished their block, for
+the output and the next block), and the token lists of a finished block; the drafting, routing, verification
 and commit arithmetic is vectorised over the batch on the device.
 """
 from __future__ import annotations
@@ -186,11 +187,13 @@ def _verify_width(span_start, span_len, *, bs, shifted, speculative):
 
 
 def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_start, *, bs, shifted,
-                mask_id, width, speculative):
+                mask_id, width, speculative, pending=None, prev_tokens=None):
     """Per-row suffix tokens [B, W], positions [B, W], dense mask [B, W, W] and the offset
     [B] of each verifying row's speculative block (see the module doc).
 
-    Drafting / committing rows: the block, bidirectional.  Verifying rows: the token-causal
+    Drafting / committing rows: the block, bidirectional; a drafting row whose previous block
+    is ``pending`` (finished, not yet in the cache) puts that block first (``prev_tokens``,
+    bidirectional within itself) and the new one after it, seeing both.  Verifying rows: the token-causal
     chain (block slots before the span + drafts), then (position-aligned models) the L + 1
     [MASK] copies, then with ``speculative`` the block with the drafts in place,
     bidirectional within itself and seeing nothing else of the suffix.  Finished rows and
@@ -199,7 +202,10 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     dev = tokens.device
     verify = phase == VERIFY
     block_rows = (phase == DRAFT) | (phase == COMMIT)
-    chain_len = torch.where(block_rows, bs, torch.where(verify, span_start + span_len, 0))
+    if pending is None:
+        pending = torch.zeros_like(verify)
+    pend = pending & (phase == DRAFT)
+    chain_len = torch.where(block_rows, torch.where(pend, 2 * bs, bs), torch.where(verify, span_start + span_len, 0))
     n_copies = torch.where(verify & (not shifted), span_len + 1, 0)
     spec_off = chain_len + n_copies
     n_spec = torch.where(verify, bs, 0) if speculative else torch.zeros_like(chain_len)
@@ -211,24 +217,31 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     q_chain, k_chain = in_chain[:, :, None], in_chain[:, None, :]
     q_spec, k_spec = in_spec[:, :, None], in_spec[:, None, :]
     q, k = i[:, :, None], i[:, None, :]
-    chain_part = q_chain & k_chain & (block_rows[:, None, None] | (k <= q))
+    pair = (k // bs <= q // bs) | ~pend[:, None, None]           # a pending block, then the new one
+    chain_part = q_chain & k_chain & ((block_rows[:, None, None] & pair) | (k <= q))
     copy_part = in_copies[:, :, None] & ((k < s[:, :, None] + (q - cl[:, :, None])) | (k == q))
     valid = in_chain | in_copies | in_spec
     dense = chain_part | copy_part | (q_spec & k_spec) | ((k == q) & ~valid[:, :, None])
+    in_prev = pend[:, None] & (i < bs)
     slot = torch.where(in_chain, i, torch.where(in_copies, s + i - cl, torch.where(in_spec, i - so, 0)))
-    slot = slot.clamp(0, bs)
+    slot = torch.where(pend[:, None] & in_chain, slot - bs, slot)            # prev block: -bs .. -1
     source = torch.where(verify[:, None], drafts_in_block, tokens)
-    suffix_tokens = source.gather(1, slot.clamp(max=bs - 1))
+    suffix_tokens = source.gather(1, slot.clamp(0, bs - 1))
+    if prev_tokens is not None:
+        suffix_tokens = torch.where(in_prev, prev_tokens.gather(1, (slot + bs).clamp(0, bs - 1)), suffix_tokens)
     suffix_tokens = torch.where(in_chain | in_spec, suffix_tokens, mask_id)
-    return suffix_tokens, block_start[:, None] + slot, dense, spec_off
+    return suffix_tokens, block_start[:, None] + slot.clamp(-bs, bs), dense, spec_off
 
 
-def _logit_rows(phase, span_start, span_len, spec_off, *, bs, shifted, speculative):
+def _logit_rows(phase, span_start, span_len, spec_off, *, bs, shifted, speculative, pending=None):
     """Suffix indices [B, bs + 1] (+ [B, bs] of the speculative block) whose logits each row
-    needs (see the module doc)."""
+    needs (see the module doc); a drafting row with a pending block: its new block's rows,
+    then the pending block's last row (the carry)."""
     dev = phase.device
     j = torch.arange(bs + 1, device=dev)[None]
     block = j.clamp(max=bs - 1)
+    if pending is not None:
+        block = torch.where(pending[:, None] & (phase == DRAFT)[:, None], torch.where(j < bs, bs + j, bs - 1), block)
     chain = (span_start + span_len)[:, None]
     if shifted:
         ver = (span_start[:, None] - 1 + j).clamp(min=0)
@@ -356,6 +369,10 @@ class _Batch:
         self.span_start = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.span_len = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.generated = [[] for _ in range(batch)]
+        # a block finished but not in the cache: it rides in front of the next block's first
+        # drafting forward, which appends its KV and carries its last logits
+        self.pending = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.prev_tokens = torch.zeros(batch, bs, dtype=torch.int64, device=dev)
         self.hist = torch.zeros(self.L_max + 1, dtype=torch.int64, device=dev)
         self.kinds = {"draft": 0, "verify": 0, "commit": 0}
         # verifications, tokens they committed, accepted drafts, verified drafts, reused / final spec blocks
@@ -385,6 +402,8 @@ class _Batch:
         if not self.read_phases():
             return False
         out, logits = self.forward()
+        if self.any_pending and self.shifted:          # the pending block's last row predicts slot 0
+            self.carry = torch.where(self.pending[:, None], logits[:, self.bs], self.carry)
         nxt = self.phase.clone()
         reuse = spec_final = self.chain_final = torch.zeros_like(self.is_verify)
         if self.has["verify"]:
@@ -400,13 +419,14 @@ class _Batch:
         width_row = torch.where(self.phase == VERIFY,
                                 _verify_width(self.span_start, self.span_len, bs=self.bs, shifted=self.shifted,
                                               speculative=True),
-                                torch.where(self.phase == DONE, 1, self.bs))
-        host = torch.stack([self.phase, width_row]).tolist()
-        self.phases, self.width = host[0], max(host[1])
+                                torch.where(self.phase == DONE, 1, torch.where(self.pending, 2 * self.bs, self.bs)))
+        host = torch.stack([self.phase, width_row, self.pending.long()]).tolist()
+        self.phases, self.width, self.any_pending = host[0], max(host[1]), any(host[2])
         if all(p == DONE for p in self.phases):
             return False
         self.has = {k: any(p == v for p in self.phases)
                     for k, v in (("draft", DRAFT), ("verify", VERIFY), ("commit", COMMIT))}
+        self.has["commit"] = self.has["commit"] or self.any_pending
         self.spec = self.has["verify"]
         self.is_draft, self.is_verify, self.is_commit = (self.phase == DRAFT, self.phase == VERIFY,
                                                          self.phase == COMMIT)
@@ -415,7 +435,7 @@ class _Batch:
     def forward(self):
         """Every row's suffix in one forward: plain blocks, or per-row layouts when one verifies."""
         bs, slots = self.bs, self.slots
-        if all(p in (DRAFT, COMMIT) for p in self.phases):
+        if all(p in (DRAFT, COMMIT) for p in self.phases) and not self.any_pending:
             # every row forwards its plain block: diffusion's own plan (shared mask, all logits)
             self.spec_off = torch.zeros_like(self.span_start)
             plan = AttentionPlan(self.tokens, self.block_start[:, None] + slots, self.block_mask_words, self.cache)
@@ -428,9 +448,10 @@ class _Batch:
                 in_block = torch.where(in_span, self.drafts.gather(1, rel.clamp(0, bs - 1)), self.tokens)
             suffix, positions, dense, self.spec_off = _row_layout(
                 self.phase, self.tokens, in_block, self.span_start, self.span_len, self.block_start, bs=bs,
-                shifted=self.shifted, mask_id=self.mask_id, width=self.width, speculative=self.spec)
+                shifted=self.shifted, mask_id=self.mask_id, width=self.width, speculative=self.spec,
+                pending=self.pending, prev_tokens=self.prev_tokens)
             rows = _logit_rows(self.phase, self.span_start, self.span_len, self.spec_off, bs=bs,
-                               shifted=self.shifted, speculative=self.spec)
+                               shifted=self.shifted, speculative=self.spec, pending=self.pending)
             plan = AttentionPlan(suffix, positions, pack_mask(dense), self.cache)
         out = self.model(plan, logits=rows, return_kv=self.has["commit"] or self.spec)
         self.forwards += 1
@@ -524,25 +545,35 @@ class _Batch:
                               nxt))
 
     def commit(self, out, logits, spec_final, nxt):
-        """Append the finished blocks' KV (commit rows: the block itself; verified rows: their
-        speculative block), carry their last logits, output their tokens, open the next block."""
-        bs, slots, is_commit = self.bs, self.slots, self.is_commit
-        finishing = is_commit | spec_final
-        fin_host = finishing.tolist() if self.spec else [p == COMMIT for p in self.phases]
+        """Append the KV of the blocks committed by this forward (a pending block: the rows in
+        front of its successor; a verified row: its chain or speculative block) and carry the
+        latter's last logits; output the blocks finished in this iteration and open their
+        successors (a block finished by fallback or by a rejection / bonus token is pending:
+        its KV rides in front of the next block's first drafting forward; the last one is
+        never forwarded again)."""
+        bs, slots = self.bs, self.slots
+        appended = self.pending | spec_final
+        if self.any_pending or self.spec:
+            keep_off = torch.where(self.pending | self.chain_final, 0, self.spec_off)
+            keep = torch.where(appended[:, None], keep_off[:, None] + slots[None], -1)
+            if bool(appended.any()):
+                self.cache.append(out.suffix_kv, keep=keep.cpu())
+            # logits row of slot bs - 1: the chain's last (verification row bs), the spec block's
+            last = torch.where(self.chain_final, bs, 2 * bs)
+            self.carry = torch.where(spec_final[:, None],
+                                     logits.gather(1, last.clamp(max=logits.shape[1] - 1)[:, None, None]
+                                                   .expand(-1, 1, self.vocab))[:, 0], self.carry)
+        self.pending = torch.zeros_like(self.pending)
+        complete = (nxt == COMMIT) & ~spec_final            # finished, KV not appended above
+        finishing = complete | spec_final
+        fin_host = finishing.tolist()
         if not any(fin_host):
             return
-        from_chain = is_commit | self.chain_final
-        keep_off = torch.where(from_chain, 0, self.spec_off)
-        keep = torch.where(finishing[:, None], keep_off[:, None] + slots[None], -1)
-        self.cache.append(out.suffix_kv, keep=keep.cpu())
-        # logits row of slot bs - 1: the block's, the chain's last (verification row bs), the spec block's
-        last = torch.where(is_commit, bs - 1, torch.where(self.chain_final, bs, 2 * bs))
-        self.carry = torch.where(finishing[:, None],
-                                 logits.gather(1, last.clamp(max=logits.shape[1] - 1)[:, None, None]
-                                               .expand(-1, 1, self.vocab))[:, 0], self.carry)
         done = torch.zeros(self.batch, dtype=torch.bool)
         done[self.emit(fin_host)] = True
         done = done.to(self.dev)
+        self.prev_tokens = torch.where(complete[:, None], self.tokens, self.prev_tokens)
+        self.pending = complete & ~done
         self.block_start = torch.where(finishing, self.block_start + bs, self.block_start)
         new_tokens, new_masked = self.fresh_block(self.block_start)
         self.tokens = torch.where(finishing[:, None], new_tokens, self.tokens)
@@ -625,7 +656,8 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     verified; verify_rate = verifications / routing decisions; acceptance_rate = accepted
     drafts / verified drafts; accepted_hist[n] = verifications that accepted n drafts;
     tokens_per_forward; forwards_with (forwards with at least one sequence drafting /
-    verifying / committing); spec_block_drafts / spec_block_commits (verifications whose
+    verifying / committing a pending block -- the latter are drafting forwards too);
+    spec_block_drafts / spec_block_commits (verifications whose
     speculative block served as the next drafting step / as the committed block, each a
     forward saved); router (per-policy counters).
     """
