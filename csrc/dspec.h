@@ -45,6 +45,9 @@ struct TokenStatsArgs {
   float* lse = nullptr;
   std::int64_t num_splits = 1;
   void* workspace = nullptr;  // rows * num_splits * kTokenStatsPartialBytes when num_splits > 1
+  // CPU: only `token` is wanted (greedy verification): no exp pass; prob / margin / entropy /
+  // lse are then written but meaningless.  The CUDA kernels compute everything anyway.
+  bool argmax_only = false;
 };
 
 // Bytes of workspace the CUDA launcher needs (0 when num_splits == 1).  Arguments are

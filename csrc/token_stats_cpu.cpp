@@ -59,8 +59,9 @@ DSPEC_CPU_INLINE void fold_sum(float x, float top, float inv_t, float& s, float&
   a += e * (d > -128.0f ? d : -128.0f);
 }
 
-// State of the n float32 values at p, columns col0, col0 + 1, ... of a row.
-DSPEC_CPU_INLINE State scan_floats(const float* p, std::int64_t n, std::int64_t col0, float inv_t) {
+// State of the n float32 values at p, columns col0, col0 + 1, ... of a row (without
+// `sums`: pass 1 only, the sums left 0).
+DSPEC_CPU_INLINE State scan_floats(const float* p, std::int64_t n, std::int64_t col0, float inv_t, bool sums) {
   const std::int64_t lo = 0, hi = n;
   alignas(64) float m1[kLanes], m2[kLanes];
   alignas(64) std::int32_t i1[kLanes], nan[kLanes];
@@ -87,7 +88,7 @@ DSPEC_CPU_INLINE State scan_floats(const float* p, std::int64_t n, std::int64_t 
     run = ts::merge(run, st, inv_t);
   }
   const float top = run.m1;
-  if (!(top > -INFINITY)) return run;  // nothing but -inf / NaN: both sums are 0
+  if (!sums || !(top > -INFINITY)) return run;  // nothing but -inf / NaN: both sums are 0
   alignas(64) float s[kLanes], a[kLanes];
   double s_sum = 0.0, a_sum = 0.0;
   for (std::int64_t j = lo; j < body;) {
@@ -116,8 +117,8 @@ DSPEC_CPU_INLINE State scan_floats(const float* p, std::int64_t n, std::int64_t 
 // AVX-512, AVX2 + FMA and baseline x86-64 (DSPEC_CPU_CLONES).  A 16-bit chunk is first
 // widened into a per-thread float32 buffer (at most one row, in L2) and scanned there: one
 // simple conversion loop and one float32 scan vectorise where the fused loop did not.
-DSPEC_CPU_CLONES State scan_f32(const float* p, std::int64_t n, std::int64_t col0, float inv_t) {
-  return scan_floats(p, n, col0, inv_t);
+DSPEC_CPU_CLONES State scan_f32(const float* p, std::int64_t n, std::int64_t col0, float inv_t, bool sums) {
+  return scan_floats(p, n, col0, inv_t, sums);
 }
 
 template <int DT>
@@ -129,9 +130,9 @@ DSPEC_CPU_CLONES void widen_bf16(const std::uint16_t* p, std::int64_t n, float* 
 
 // State of columns [lo, hi) of the row starting at p.
 template <int DT>
-State scan(const dt::elem_t<DT>* p, std::int64_t lo, std::int64_t hi, float inv_t) {
+State scan(const dt::elem_t<DT>* p, std::int64_t lo, std::int64_t hi, float inv_t, bool sums) {
   if constexpr (DT == kFloat32) {
-    return scan_f32(p + lo, hi - lo, lo, inv_t);
+    return scan_f32(p + lo, hi - lo, lo, inv_t, sums);
   } else {
     thread_local std::vector<float> wide;
     if (static_cast<std::int64_t>(wide.size()) < hi - lo) wide.resize(static_cast<std::size_t>(hi - lo));
@@ -140,7 +141,7 @@ State scan(const dt::elem_t<DT>* p, std::int64_t lo, std::int64_t hi, float inv_
     } else {
       widen_bf16(p + lo, hi - lo, wide.data());
     }
-    return scan_f32(wide.data(), hi - lo, lo, inv_t);
+    return scan_f32(wide.data(), hi - lo, lo, inv_t, sums);
   }
 }
 
@@ -168,7 +169,8 @@ void run(const TokenStatsArgs& a) {
     threads = std::min<std::int64_t>(max_threads(), std::max<std::int64_t>(1, work / kMinElementsPerThread));
   }
   if (threads <= 1) {
-    for (std::int64_t r = 0; r < rows; ++r) write_row(a, r, scan<DT>(logits + r * a.row_stride, 0, vocab, a.inv_t));
+    for (std::int64_t r = 0; r < rows; ++r)
+      write_row(a, r, scan<DT>(logits + r * a.row_stride, 0, vocab, a.inv_t, !a.argmax_only));
     return;
   }
 
@@ -183,13 +185,14 @@ void run(const TokenStatsArgs& a) {
 
   std::vector<State> partial(static_cast<std::size_t>(units));
   const float inv_t = a.inv_t;
+  const bool sums = !a.argmax_only;
   const std::int64_t row_stride = a.row_stride;
   parallel_for(static_cast<int>(threads), [&](int t) {
     const std::int64_t u0 = units * t / threads, u1 = units * (t + 1) / threads;
     for (std::int64_t u = u0; u < u1; ++u) {
       const std::int64_t r = u / chunks, c = u % chunks;
       const std::int64_t lo = c * chunk_cols, hi = std::min(vocab, lo + chunk_cols);
-      partial[static_cast<std::size_t>(u)] = scan<DT>(logits + r * row_stride, lo, hi, inv_t);
+      partial[static_cast<std::size_t>(u)] = scan<DT>(logits + r * row_stride, lo, hi, inv_t, sums);
     }
   });
   for (std::int64_t r = 0; r < rows; ++r) {

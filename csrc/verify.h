@@ -184,6 +184,7 @@ inline TokenStatsArgs verify_token_stats_args(const VerifyCommon& a, const Verif
   ts.lse = w.lse;
   ts.num_splits = a.ts_splits;
   ts.workspace = w.ts_partial;
+  ts.argmax_only = a.greedy;  // greedy acceptance reads the argmax alone (CPU: no exp pass)
   return ts;
 }
 
