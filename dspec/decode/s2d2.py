@@ -90,6 +90,8 @@ OPTIONS = ("block_size", "threshold", "policy", "min_span", "score_threshold", "
            "ucb_c", "estimator", "draft_len")
 DRAFTER = False
 
+# COMMIT marks a row whose block is complete, between its transition and ``commit``: a
+# row never forwards in it (the block rides in front of the next one's drafting forward)
 DRAFT, VERIFY, COMMIT, DONE = 0, 1, 2, 3
 
 DEFAULTS = {"threshold": 0.9, "policy": "min_span", "min_span": 2, "score_threshold": 1.0,
@@ -191,7 +193,7 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     """Per-row suffix tokens [B, W], positions [B, W], dense mask [B, W, W] and the offset
     [B] of each verifying row's speculative block (see the module doc).
 
-    Drafting / committing rows: the block, bidirectional; a drafting row whose previous block
+    Drafting rows: the block, bidirectional; a drafting row whose previous block
     is ``pending`` (finished, not yet in the cache) puts that block first (``prev_tokens``,
     bidirectional within itself) and the new one after it, seeing both.  Verifying rows: the token-causal
     chain (block slots before the span + drafts), then (position-aligned models) the L + 1
@@ -201,7 +203,7 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     """
     dev = tokens.device
     verify = phase == VERIFY
-    block_rows = (phase == DRAFT) | (phase == COMMIT)
+    block_rows = phase == DRAFT
     if pending is None:
         pending = torch.zeros_like(verify)
     pend = pending & (phase == DRAFT)
@@ -424,18 +426,15 @@ class _Batch:
         self.phases, self.width, self.any_pending = host[0], max(host[1]), any(host[2])
         if all(p == DONE for p in self.phases):
             return False
-        self.has = {k: any(p == v for p in self.phases)
-                    for k, v in (("draft", DRAFT), ("verify", VERIFY), ("commit", COMMIT))}
-        self.has["commit"] = self.has["commit"] or self.any_pending
+        self.has = {"draft": DRAFT in self.phases, "verify": VERIFY in self.phases, "commit": self.any_pending}
         self.spec = self.has["verify"]
-        self.is_draft, self.is_verify, self.is_commit = (self.phase == DRAFT, self.phase == VERIFY,
-                                                         self.phase == COMMIT)
+        self.is_draft, self.is_verify = self.phase == DRAFT, self.phase == VERIFY
         return True
 
     def forward(self):
         """Every row's suffix in one forward: plain blocks, or per-row layouts when one verifies."""
         bs, slots = self.bs, self.slots
-        if all(p in (DRAFT, COMMIT) for p in self.phases) and not self.any_pending:
+        if all(p == DRAFT for p in self.phases) and not self.any_pending:
             # every row forwards its plain block: diffusion's own plan (shared mask, all logits)
             self.spec_off = torch.zeros_like(self.span_start)
             plan = AttentionPlan(self.tokens, self.block_start[:, None] + slots, self.block_mask_words, self.cache)
