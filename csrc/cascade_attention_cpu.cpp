@@ -777,26 +777,29 @@ inline std::uint64_t suffix_bits(const std::int32_t* row, std::int64_t js, int c
 // words) are not 1..1 0..0: their entries in ws.odd_of / ws.odd / ws.keys.  Returns how many.
 std::int64_t find_compacted(const std::int32_t* mb, std::int64_t row_stride, std::int64_t words, std::int64_t n,
                             std::int64_t i0, std::int64_t i1, Workspace& ws) {
+  // word w of a mask row, its bits past n cleared; all_ones: the word's bits below n
+  auto word = [&](const std::int32_t* row, std::int64_t w, std::uint64_t& all_ones) {
+    const int valid = static_cast<int>(std::min<std::int64_t>(32, n - 32 * w));
+    all_ones = (std::uint64_t(1) << valid) - 1;
+    return static_cast<std::uint32_t>(row[w]) & all_ones;
+  };
   std::int64_t count = 0, used = 0;
   for (std::int64_t i = i0; i < i1; ++i) {
     const std::int32_t* row = mb + i * row_stride;
     bool regular = true, ended = false;
     for (std::int64_t w = 0; w < words && regular; ++w) {
-      const int valid = static_cast<int>(std::min<std::int64_t>(32, n - 32 * w));
-      std::uint64_t x = static_cast<std::uint32_t>(row[w]);
-      if (valid < 32) x &= (std::uint64_t(1) << valid) - 1;
-      const bool full = x == (std::uint64_t(1) << valid) - 1;
+      std::uint64_t all_ones;
+      const std::uint64_t x = word(row, w, all_ones);
       if (ended ? x != 0 : (x & (x + 1)) != 0) regular = false;  // a one after a zero
-      if (!full) ended = true;
+      if (x != all_ones) ended = true;
     }
     ws.odd_of[i - i0] = regular ? -1 : static_cast<std::int32_t>(count);
     if (regular) continue;
     std::int64_t k = 0;
     for (std::int64_t w = 0; w < words; ++w) {
-      const int valid = static_cast<int>(std::min<std::int64_t>(32, n - 32 * w));
-      std::uint64_t x = static_cast<std::uint32_t>(row[w]);
-      if (valid < 32) x &= (std::uint64_t(1) << valid) - 1;
-      for (; x; x &= x - 1) ws.keys[used + k++] = static_cast<std::int32_t>(32 * w + __builtin_ctzll(x));
+      std::uint64_t all_ones;
+      for (std::uint64_t x = word(row, w, all_ones); x; x &= x - 1)
+        ws.keys[used + k++] = static_cast<std::int32_t>(32 * w + __builtin_ctzll(x));
     }
     ws.odd[3 * count] = i - i0;
     ws.odd[3 * count + 1] = used;
@@ -845,6 +848,9 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
   const char* kb = static_cast<const char*>(a.k) + (b * a.k_stride[0] + h0 * a.k_stride[2]) * item;
   const char* vb = static_cast<const char*>(a.v) + (b * a.v_stride[0] + h0 * a.v_stride[2]) * item;
   const std::int64_t dks = a.k_stride[2] * item, dvs = a.v_stride[2] * item;
+  // the rows of suffix key js (first head of the unit)
+  auto suffix_k = [&](std::int64_t js) { return kb + js * a.k_stride[1] * item; };
+  auto suffix_v = [&](std::int64_t js) { return vb + js * a.v_stride[1] * item; };
   // addresses of the kt rows of the tile at key t0; returns how many are prefix rows
   auto fill = [&](std::int64_t t0, int kt, const char** kd, const char** vd) {
     const int np = static_cast<int>(std::clamp<std::int64_t>(plen - t0, 0, kt));
@@ -867,9 +873,8 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
       }
     }
     for (int j = np; j < kt; ++j) {
-      const std::int64_t js = t0 + j - plen;
-      kd[j] = kb + js * a.k_stride[1] * item;
-      vd[j] = vb + js * a.v_stride[1] * item;
+      kd[j] = suffix_k(t0 + j - plen);
+      vd[j] = suffix_v(t0 + j - plen);
     }
     return np;
   };
@@ -920,8 +925,8 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
       }
       for (int j = np; j < kt; ++j) {
         const std::int64_t js = j < np + cnt ? ws.keys[first + s0 + (j - np)] : 0;
-        odd_k[j] = kb + js * a.k_stride[1] * item;
-        odd_v[j] = vb + js * a.v_stride[1] * item;
+        odd_k[j] = suffix_k(js);
+        odd_v[j] = suffix_v(js);
       }
       // its rows' bits (zero in the shared tile just run): the first np + cnt keys
       std::uint64_t* bits = ws.bits.data() + rel * G;
