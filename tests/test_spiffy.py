@@ -62,8 +62,7 @@ def test_greedy_equals_one_token_per_step(model, graph4, block_size):
             got = dspec.generate(model, prompt, method="spiffy", max_new_tokens=9,
                                  block_size=block_size, graph=graph, prune_to=prune_to)
             assert got.tokens == ref.tokens, (block_size, prompt, prune_to)
-            # at most the final block's commit more (see test_ssd)
-            assert got.stats["nfe"]["target"] <= ref.stats["nfe"]["target"] + 1
+            assert got.stats["nfe"]["target"] <= ref.stats["nfe"]["target"]   # see test_ssd
 
 
 def test_batch_of_3_ragged_equals_singles_and_accepts_more_than_one(model, graph4):
@@ -95,9 +94,9 @@ def test_committed_kv_equals_one_step_run(model, graph4, monkeypatch):
     got = dspec.generate(model, prompt, method="spiffy", max_new_tokens=11, block_size=4, graph=graph4)
     cache = made[-1]
     assert got.tokens == ref.tokens and cache is not ref_cache
-    # diffusion never commits its last block (nothing reads it); every block before is in both
+    # diffusion never commits its last block, Spiffy only with other steps (see test_ssd)
     n = int(ref_cache.lengths[0])
-    assert int(cache.lengths[0]) == n + 4 and n > 4
+    assert int(cache.lengths[0]) in (n, n + 4) and n > 4
     for layer in range(model.config.num_layers):
         for mine, theirs in zip(cache.get(layer, 0), ref_cache.get(layer, 0)):
             torch.testing.assert_close(mine[:n], theirs[:n], rtol=1e-5, atol=1e-5)

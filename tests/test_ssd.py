@@ -111,9 +111,8 @@ def test_greedy_equals_one_token_per_step(model, block_size):
             got = dspec.generate(model, prompt, method="ssd", max_new_tokens=9, block_size=block_size,
                                  mixed_order=mixed)
             assert got.tokens == ref.tokens, (block_size, prompt, mixed)
-            # both commit a block inside a later forward; SSD's last forward also commits the
-            # final block, which diffusion never forwards again: at most one forward more
-            assert got.stats["nfe"]["target"] <= ref.stats["nfe"]["target"] + 1
+            # both commit a block inside a later forward and never forward the final block
+            assert got.stats["nfe"]["target"] <= ref.stats["nfe"]["target"]
 
 
 def test_batch_of_3_ragged_equals_singles_and_accepts_more_than_one(model):
@@ -164,9 +163,10 @@ def test_committed_kv_equals_one_step_run(model, monkeypatch):
     got = dspec.generate(model, prompt, method="ssd", max_new_tokens=8, block_size=4)
     cache = made[-1]
     assert got.tokens == ref.tokens
-    # diffusion never commits its last block (nothing reads it); every block before is in both
+    # diffusion never commits its last block (nothing reads it); SSD does when a forward that
+    # verified other steps completed it; every block before is in both
     n = int(ref_cache.lengths[0])
-    assert int(cache.lengths[0]) == n + 4 and n > 4
+    assert int(cache.lengths[0]) in (n, n + 4) and n > 4
     for layer in range(model.config.num_layers):
         k, v = cache.get(layer, 0)
         rk, rv = ref_cache.get(layer, 0)

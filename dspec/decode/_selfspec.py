@@ -4,9 +4,9 @@ The reference is ``diffusion`` with one token per step (block-causal path): at a
 (the current block's tokens, [MASK] where undecided, the committed prefix in the KV cache)
 the model forwards the block; every masked slot gets a choice (argmax, or a draw of the
 shared sampler) and a confidence (the choice's probability); the *step* unmasks the most
-confident masked slot (ties to the lower slot).  A complete block is forwarded once more to
-commit its KV (its last logits are the carry of right-shifted models), then the next block
-starts all-[MASK].
+confident masked slot (ties to the lower slot).  A complete block's KV is committed by the
+next block's first forward (its last logits are the carry of right-shifted models); the
+request's final block is never forwarded again.
 
 Self-speculation walks that same sequence of states several steps per forward.  A state S
 whose logits are known (from the previous forward) gives:
@@ -33,8 +33,10 @@ sampler); if u has a kept child whose added step equals it, that child is the ex
 state and the walk moves on; else it stops at u.  Stopping at u costs nothing: u's logits
 are known, so u is the next round's S (its step is the next round's root: no extra draft
 forward).  Reaching the anchor moves on to the next block's first state, and the anchor
-copy's KV (bit-for-bit the keys/values of a commit forward of that block, up to float
-summation order) and last logits (the carry) are committed.
+copy's KV (bit-for-bit the keys/values of a commit forward of that block) and last logits
+(the carry) are committed.  A greedy request whose state is one step from completing the
+block that ends it finishes without a forward: that step is S's choice at its last masked
+slot, and nothing would read the block's KV (so no method forwards more than ``diffusion``).
 
 Sampling (temperature > 0): each verified node's step is a fresh draw with the shared
 sampler (a token per masked slot from softmax(logits / T), then the most confident slot),
@@ -235,6 +237,7 @@ class SelfSpecStats:
     accepted_drafts: int = 0
     histogram: dict = field(default_factory=dict)
     nodes_forwarded: int = 0
+    free_steps: int = 0         # last steps of a request's final block, taken without a forward
 
 
 def check_common(model, method: str, block_size):
@@ -448,8 +451,15 @@ class _Engine:
         new_carry = r.raw[torch.arange(r.a_rows, device=self.dev), commit_copy, bs - 1]
         self.carry = torch.where(done_block[:, None], new_carry, self.carry)
 
+        # greedy: a known state one step from its block's end already holds that block (the
+        # step is the choice at its last masked slot, as the next forward's root would pick)
+        last_step = new_known & (new_masked.sum(1) == 1) & (self.temperature == 0)
+        filled = torch.where(new_masked, self.choice, new_tokens)
         host = torch.cat([done_block[:, None].to(torch.int64), r.steps[:, None], block_tokens,
-                          r.num_kept[:, None]], 1).tolist()                        # host sync 2
+                          r.num_kept[:, None], last_step[:, None].to(torch.int64), filled],
+                         1).tolist()                                               # host sync 2
+        r.last_blocks = [h[bs + 4:] if h[bs + 3] else None for h in host]
+        host = [h[: bs + 3] for h in host]
         if self.trace is not None:
             self.trace(dict(rows=list(self.rows), known=self.known.tolist(), tokens=self.tokens.tolist(),
                             order=r.order.tolist(), cand=r.cand_r.tolist(), host=host))
@@ -477,20 +487,41 @@ class _Engine:
                     delta = min(n_steps, max_new - self.shown[b])
                     self.shown[b] += delta
                     self.progress.update(delta / self.batch)
-            if not commit:
-                continue
             gen = self.generated[b]
-            for slot_i, t in enumerate(host[a][2:2 + bs]):
-                if block_start[a] + slot_i < len(self.prompts[b]):
-                    continue                  # the prompt's tail
-                if len(gen) == max_new:
-                    break
-                gen.append(int(t))
-                if t in self.eos:
-                    break
-            if len(gen) >= max_new or (gen and gen[-1] in self.eos):
-                finished.append(a)
+            if commit:
+                gen[:] = self._committed(b, gen, host[a][2:2 + bs], block_start[a])
+                if self._done(gen):
+                    finished.append(a)
+                    continue
+            last = r.last_blocks[a]
+            if last is not None:
+                # no forward for a block that ends the request: nothing would read its KV
+                ended = self._committed(b, gen, last, block_start[a] + bs * commit)
+                if self._done(ended):
+                    gen[:] = ended
+                    st.free_steps += 1
+                    if self.progress is not None:
+                        delta = min(1, max_new - self.shown[b])
+                        self.shown[b] += delta
+                        self.progress.update(delta / self.batch)
+                    finished.append(a)
         return finished
+
+    def _committed(self, b, gen, block, block_start) -> list[int]:
+        """``gen`` extended by a complete block's generated tokens (to EOS or the budget)."""
+        out = list(gen)
+        for slot_i, t in enumerate(block):
+            if block_start + slot_i < len(self.prompts[b]):
+                continue                      # the prompt's tail
+            if len(out) == self.max_new_tokens:
+                break
+            out.append(int(t))
+            if t in self.eos:
+                break
+        return out
+
+    def _done(self, gen) -> bool:
+        return len(gen) >= self.max_new_tokens or bool(gen and gen[-1] in self.eos)
 
     def drop(self, finished, a_rows) -> None:
         """Remove finished rows from the batch state and the cache."""
@@ -508,7 +539,7 @@ class _Engine:
         return {"nfe": {"target": self.forwards},
                 "mean_accepted": st.steps / max(st.verify_rows, 1),
                 "accepted_hist": dict(sorted(st.histogram.items())),
-                "drafts": st.drafts, "accepted_drafts": st.accepted_drafts,
+                "drafts": st.drafts, "accepted_drafts": st.accepted_drafts, "free_steps": st.free_steps,
                 "rounds": st.rounds, "suffix_tokens": self.suffix_tokens, "block_size": self.bs}
 
 
