@@ -461,6 +461,33 @@ def add_lossless_checks(summaries: list[dict], calls: list[dict], temperature: f
             s["same_as_reference"] = round(sum(a == b for a, b in pairs) / len(pairs), 4)
 
 
+def drafter_kind(method: str):
+    """What ``method`` takes as ``drafter=``: False, "model" (a dLLM) or "block" (DFlash / VP)."""
+    from .decode.generate import method_module
+    return getattr(method_module(method), "DRAFTER", False)
+
+
+def _load_drafter(spec: str, method: str, model, device, dtype, loaded: dict):
+    """``--drafter`` loaded once per kind (outside every timed call): a dLLM through
+    ``dspec.load`` for ``diffuspec``, a block drafter (``DFLASH[,VP]`` for ``d2sd``) for
+    ``dflash`` / ``d2sd``; ValueError when it is not one."""
+    kind = drafter_kind(method)
+    key = (kind, method if kind == "block" else None)
+    if key not in loaded:
+        if kind == "model":
+            from . import load
+            loaded[key] = load(spec, device=device, dtype=dtype)
+        else:
+            from .models.dflash import resolve_drafter
+            parts = spec.split(",")
+            if len(parts) > 2 or (len(parts) == 2 and method != "d2sd"):
+                raise ValueError(f"DFLASH,VP names two drafters, for d2sd only; {method} takes one")
+            first = resolve_drafter(parts[0], model, "dflash")
+            loaded[key] = (first if len(parts) == 1
+                           else {"dflash": first, "vp": resolve_drafter(parts[1], model, "vp")})
+    return loaded[key]
+
+
 def _write(path: Path, payload: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(payload, indent=1, default=str))
@@ -519,7 +546,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         runnable += variants
 
     # load the models the runnable configurations need, once each
-    models, drafter = {}, None
+    models = {}
     names = {"target": args.target, "dllm": args.dllm}
     for family in FAMILIES:
         if not any(c.family == family for c, _ in runnable):
@@ -543,12 +570,6 @@ def run(args, parser: argparse.ArgumentParser) -> int:
                                      "dtype": str(m.dtype).replace("torch.", ""),
                                      "parameters": sum(p.numel() for p in m.parameters()),
                                      "chat": is_chat_model(m), "load_s": round(time.perf_counter() - t0, 2)}
-    if args.drafter:
-        try:
-            drafter = dspec.load(args.drafter, device=device, dtype=args.dtype)
-        except ValueError as e:
-            payload["errors"].append(f"--drafter {args.drafter}: {e}")
-            drafter = None
 
     todo = []
     for c, opts in runnable:
@@ -561,6 +582,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
                            "model": names[c.family], "options": _json_safe(o)} for c, o, _ in todo]
     _write(path, payload)
 
+    drafters = {}
     calls_per_config = sum(-(-len(v) // args.batch) for v in prompts.values())
     from tqdm.auto import tqdm
     bar = tqdm(total=len(todo) * calls_per_config, desc="bench", unit="call", disable=args.no_progress)
@@ -568,9 +590,14 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     for c, opts, model in todo:
         kw = dict(method=c.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   **opts)
-        from .decode.generate import method_module
-        if drafter is not None and getattr(method_module(c.method), "DRAFTER", False):
-            kw["drafter"] = drafter
+        if args.drafter and drafter_kind(c.method):
+            try:
+                kw["drafter"] = _load_drafter(args.drafter, c.method, model, device, args.dtype, drafters)
+            except ValueError as e:
+                payload["skipped"][c.name] = f"--drafter {args.drafter}: {e}"
+                bar.update(calls_per_config)
+                _write(path, payload)
+                continue
         chat = is_chat_model(model)
 
         def text_of(pset, problem):
