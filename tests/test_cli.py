@@ -227,3 +227,20 @@ def test_help_shows_defaults_models_and_method_options():
                          check=True).stdout
     for text in ("(default: 64)", "(default: cpu)", "tiny-ar", "method options", "d2sd", "--threads"):
         assert text in out, text
+
+
+def test_bench_drafter_reaches_the_methods_that_take_it(capsys, tmp_path):
+    from dspec.models.dflash import ASSETS
+    out_dir = tmp_path / "bench"
+    code, out, _ = run_cli(
+        capsys, "bench", "--dllm", "tiny-bd", "--target", "tiny-ar", "--prompts", 1, "--max-new-tokens", 8,
+        "--prompt-sets", "arithmetic", "--configs", "dflash,d2sd-K2,diffuspec", "--threads", 1,
+        "--drafter", f"{ASSETS}/tiny-ar-dflash,{ASSETS}/tiny-ar-vp", "--out", out_dir, "--name", "d",
+        "--no-progress", "--no-plot")
+    assert code == 0, out
+    payload = json.loads((out_dir / "d.json").read_text())
+    assert not payload["errors"]
+    # DFLASH,VP names two block drafters: d2sd takes both, dflash neither, diffuspec (a dLLM) neither
+    assert {r["config"] for r in payload["summary"]} == {"d2sd-K2"}
+    assert "DFLASH,VP" in payload["skipped"]["dflash"] and "--drafter" in payload["skipped"]["diffuspec"]
+    assert all(c["nfe"]["drafter"] >= 1 for c in payload["calls"])
