@@ -468,24 +468,25 @@ def drafter_kind(method: str):
 
 
 def _load_drafter(spec: str, method: str, model, device, dtype, loaded: dict):
-    """``--drafter`` loaded once per kind (outside every timed call): a dLLM through
-    ``dspec.load`` for ``diffuspec``, a block drafter (``DFLASH[,VP]`` for ``d2sd``) for
-    ``dflash`` / ``d2sd``; ValueError when it is not one."""
-    kind = drafter_kind(method)
-    key = (kind, method if kind == "block" else None)
-    if key not in loaded:
-        if kind == "model":
-            from . import load
-            loaded[key] = load(spec, device=device, dtype=dtype)
-        else:
-            from .models.dflash import resolve_drafter
-            parts = spec.split(",")
-            if len(parts) > 2 or (len(parts) == 2 and method != "d2sd"):
-                raise ValueError(f"DFLASH,VP names two drafters, for d2sd only; {method} takes one")
-            first = resolve_drafter(parts[0], model, "dflash")
-            loaded[key] = (first if len(parts) == 1
-                           else {"dflash": first, "vp": resolve_drafter(parts[1], model, "vp")})
-    return loaded[key]
+    """``--drafter`` for ``method``, each drafter loaded once (outside every timed call) and
+    kept in ``loaded``: a dLLM through ``dspec.load`` for ``diffuspec``, a block drafter
+    (``DFLASH[,VP]`` for ``d2sd``) for ``dflash`` / ``d2sd``; ValueError when it is not one."""
+    def once(key, make):
+        if key not in loaded:
+            loaded[key] = make()
+        return loaded[key]
+
+    if drafter_kind(method) == "model":
+        from . import load
+        return once(("model", spec), lambda: load(spec, device=device, dtype=dtype))
+    from .models.dflash import resolve_drafter
+    parts = spec.split(",")
+    if len(parts) > 2 or (len(parts) == 2 and method != "d2sd"):
+        raise ValueError(f"DFLASH,VP names two drafters, for d2sd only; {method} takes one")
+    first = once(("dflash", parts[0]), lambda: resolve_drafter(parts[0], model, "dflash"))
+    if len(parts) == 1:
+        return first
+    return {"dflash": first, "vp": once(("vp", parts[1]), lambda: resolve_drafter(parts[1], model, "vp"))}
 
 
 def _write(path: Path, payload: dict) -> None:

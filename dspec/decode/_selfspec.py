@@ -471,7 +471,7 @@ class _Engine:
 
     def account(self, r, host) -> list[int]:
         """Statistics, progress and output tokens of the round; returns the finished rows."""
-        st, bs, max_new = self.st, self.bs, self.max_new_tokens
+        st, bs = self.st, self.bs
         finished = []
         block_start = r.base.tolist()
         for a, b in enumerate(self.rows):
@@ -483,10 +483,7 @@ class _Engine:
                 st.histogram[n_steps] = st.histogram.get(n_steps, 0) + 1
                 st.drafts += kept_here - 1
                 st.accepted_drafts += n_steps - 1
-                if self.progress is not None:            # never past max_new_tokens
-                    delta = min(n_steps, max_new - self.shown[b])
-                    self.shown[b] += delta
-                    self.progress.update(delta / self.batch)
+                self._show(b, n_steps)
             gen = self.generated[b]
             if commit:
                 gen[:] = self._committed(b, gen, host[a][2:2 + bs], block_start[a])
@@ -500,12 +497,16 @@ class _Engine:
                 if self._done(ended):
                     gen[:] = ended
                     st.free_steps += 1
-                    if self.progress is not None:
-                        delta = min(1, max_new - self.shown[b])
-                        self.shown[b] += delta
-                        self.progress.update(delta / self.batch)
+                    self._show(b, 1)
                     finished.append(a)
         return finished
+
+    def _show(self, b, steps) -> None:
+        """Advance the progress bar by request b's steps, never past max_new_tokens."""
+        if self.progress is not None:
+            delta = min(steps, self.max_new_tokens - self.shown[b])
+            self.shown[b] += delta
+            self.progress.update(delta / self.batch)
 
     def _committed(self, b, gen, block, block_start) -> list[int]:
         """``gen`` extended by a complete block's generated tokens (to EOS or the budget)."""
