@@ -430,6 +430,24 @@ def test_shipped_tiny_ar_drafter():
     assert out[0].stats["mean_accepted"] > 1.2
 
 
+def test_shipped_drafter_loads_once_per_target_dtype():
+    """drafter=None loads the shipped drafter once per (target, dtype), not on every call; a
+    target cast to another dtype gets a drafter in that dtype, and a new target its own."""
+    from dspec.models.dflash import resolve_drafter
+    model = shipped_tiny_ar()
+    first = resolve_drafter(None, model, "dflash")
+    assert resolve_drafter(None, model, "dflash") is first and first.target is model
+    assert resolve_drafter(None, model, "vp") is not first
+    model.to(torch.float64)
+    try:
+        wide = resolve_drafter(None, model, "dflash")
+        assert wide is not first and wide.dtype == torch.float64
+    finally:
+        model.to(torch.float32)
+    other = dspec.load("tiny-ar")
+    assert resolve_drafter(None, other, "dflash").target is other
+
+
 @pytest.mark.skipif(not dspec._backend.cpp_available(), reason="dspec._C not built")
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_bf16_greedy_equals_ar(family, tmp_path):

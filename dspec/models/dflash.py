@@ -615,7 +615,13 @@ def resolve_drafter(drafter, target, kind: str) -> BlockDrafter:
         raise ValueError(f"dspec ships no {kind!r} drafter for target {name!r}; pass drafter= a "
                          f"drafter directory (python -m dspec.train.{'dflash' if kind == 'dflash' else 'vp_drafter'} "
                          f"--target {name} --out DIR)")
-    return load_drafter(path, target, kind=kind)
+    # kept on the target (not in a module-level dict, which would keep every target alive):
+    # loading costs 6-15 ms, paid once per target rather than on every generate call
+    cache = target.__dict__.setdefault("_dspec_shipped_drafters", {})
+    key = (kind, str(target.device), target.dtype)
+    if key not in cache:
+        cache[key] = load_drafter(path, target, kind=kind)
+    return cache[key]
 
 
 def block_loss_weights(block_size: int, prefix_length, decay: float, *, device=None) -> torch.Tensor:
