@@ -195,13 +195,49 @@ def _no_prefix(layer: int) -> tuple[None, None]:
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables of positions [...] -> (cos, signed sin), each [..., 1, D] float32 (a head
     axis to broadcast over): ``signed sin = (-sin, +sin)`` over the two halves, what
-    ``_rotate`` takes.  Computed once per forward and shared by every layer."""
+    ``_rotate`` takes.  Computed once per forward and shared by every layer.
+
+    On the CPU the rows are gathered from a table of positions 0 .. P-1 kept with
+    ``inv_freq`` (grown by doubling): torch's CPU sin / cos call MKL's vector math, which
+    opens an OpenMP team for as few as 128 elements, and that team's workers then spin for
+    milliseconds on the cores the decoder's own threads need (SmolLM2-135M, bf16, 2 cores:
+    a 16-token forward ran 13.8 ms with them, see bench_forward).  The table rows are the
+    formula's values computed once, so every CPU path (inference, training, drafters)
+    reads the same bits."""
+    if positions.is_cpu and positions.numel():
+        lo, hi = torch.aminmax(positions)
+        if int(lo) >= 0:
+            cos_table, sin_table = _cpu_rope_table(inv_freq, int(hi) + 1)
+            index = positions.reshape(-1).to(torch.int64)
+            shape = tuple(positions.shape) + (1, cos_table.shape[-1])
+            return cos_table.index_select(0, index).view(shape), sin_table.index_select(0, index).view(shape)
+    return _rope_formula(positions, inv_freq)
+
+
+def _rope_formula(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[..., None, :]
     sin = emb.sin()
     half = sin.shape[-1] // 2
     sin[..., :half].neg_()
     return emb.cos(), sin
+
+
+_ROPE_TABLE = "_dspec_rope_table"
+
+
+def _cpu_rope_table(inv_freq: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) [P, D] float32 for positions 0 .. P-1, P >= ``positions`` (a power
+    of two >= 256), kept as an attribute of ``inv_freq`` (rebuilt when it changes in place)."""
+    key = (inv_freq.data_ptr(), inv_freq._version)
+    kept = getattr(inv_freq, _ROPE_TABLE, None)
+    if kept is not None and kept[0] == key and kept[1].shape[0] >= positions:
+        return kept[1], kept[2]
+    size = max(256, 1 << (positions - 1).bit_length())
+    cos, sin = _rope_formula(torch.arange(size, device=inv_freq.device), inv_freq)
+    cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+    setattr(inv_freq, _ROPE_TABLE, (key, cos, sin))
+    return cos, sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
