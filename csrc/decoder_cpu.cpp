@@ -43,15 +43,19 @@ DSPEC_CPU_CLONES void silu_mul_bf16(std::int64_t lo, std::int64_t hi, const void
 
 // x += y, rounded to the dtype (torch's x + y)
 template <int DT>
-void add_rows(void* x, const void* y, std::int64_t count) {
+DSPEC_CPU_INLINE void add_rows(void* x, const void* y, std::int64_t count) {
   for (std::int64_t i = 0; i < count; ++i) dt::store<DT>(x, i, dt::load<DT>(x, i) + dt::load<DT>(y, i));
 }
 
+DSPEC_CPU_CLONES void add_f32(void* x, const void* y, std::int64_t count) { add_rows<kFloat32>(x, y, count); }
+DSPEC_CPU_CLONES void add_f16(void* x, const void* y, std::int64_t count) { add_rows<kFloat16>(x, y, count); }
+DSPEC_CPU_CLONES void add_bf16(void* x, const void* y, std::int64_t count) { add_rows<kBFloat16>(x, y, count); }
+
 void add_in_place(int dtype, void* x, const void* y, std::int64_t count) {
   switch (dtype) {
-    case kFloat16: add_rows<kFloat16>(x, y, count); break;
-    case kBFloat16: add_rows<kBFloat16>(x, y, count); break;
-    default: add_rows<kFloat32>(x, y, count); break;
+    case kFloat16: add_f16(x, y, count); break;
+    case kBFloat16: add_bf16(x, y, count); break;
+    default: add_f32(x, y, count); break;
   }
 }
 

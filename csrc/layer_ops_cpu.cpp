@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_math.h"
 #include "cpu_parallel.h"
 #include "dtype.h"
 #include "layer_ops.h"
@@ -13,7 +14,7 @@ namespace dspec {
 namespace {
 
 template <int DT>
-void rms_rows(const RmsNormArgs& a, std::int64_t lo, std::int64_t hi) {
+DSPEC_CPU_INLINE void rms_rows(const RmsNormArgs& a, std::int64_t lo, std::int64_t hi) {
   using E = dt::elem_t<DT>;
   const std::int64_t h = a.hidden;
   const E* x = static_cast<const E*>(a.x);
@@ -46,7 +47,7 @@ void rms_rows(const RmsNormArgs& a, std::int64_t lo, std::int64_t hi) {
 }
 
 template <int DT>
-void rope_heads(void* base, std::int64_t row, std::int64_t heads, std::int64_t d, const float* c,
+DSPEC_CPU_INLINE void rope_heads(void* base, std::int64_t row, std::int64_t heads, std::int64_t d, const float* c,
                 const float* s) {
   using E = dt::elem_t<DT>;
   const std::int64_t half = d / 2;
@@ -65,7 +66,7 @@ void rope_heads(void* base, std::int64_t row, std::int64_t heads, std::int64_t d
 }
 
 template <int DT>
-void rope_rows(const RopeArgs& a, std::int64_t lo, std::int64_t hi) {
+DSPEC_CPU_INLINE void rope_rows(const RopeArgs& a, std::int64_t lo, std::int64_t hi) {
   const std::int64_t d = a.head_dim;
   for (std::int64_t r = lo; r < hi; ++r) {
     const float* c = a.cos + r * d;
@@ -75,14 +76,23 @@ void rope_rows(const RopeArgs& a, std::int64_t lo, std::int64_t hi) {
   }
 }
 
+// One entry point per dtype, compiled for AVX-512, AVX2 + FMA and baseline x86-64 (the
+// loops above vectorise; the baseline build alone ran a 16-row RMSNorm at ~1 ns an element).
+DSPEC_CPU_CLONES void rms_f32(const RmsNormArgs& a, std::int64_t lo, std::int64_t hi) { rms_rows<kFloat32>(a, lo, hi); }
+DSPEC_CPU_CLONES void rms_f16(const RmsNormArgs& a, std::int64_t lo, std::int64_t hi) { rms_rows<kFloat16>(a, lo, hi); }
+DSPEC_CPU_CLONES void rms_bf16(const RmsNormArgs& a, std::int64_t lo, std::int64_t hi) { rms_rows<kBFloat16>(a, lo, hi); }
+DSPEC_CPU_CLONES void rope_f32(const RopeArgs& a, std::int64_t lo, std::int64_t hi) { rope_rows<kFloat32>(a, lo, hi); }
+DSPEC_CPU_CLONES void rope_f16(const RopeArgs& a, std::int64_t lo, std::int64_t hi) { rope_rows<kFloat16>(a, lo, hi); }
+DSPEC_CPU_CLONES void rope_bf16(const RopeArgs& a, std::int64_t lo, std::int64_t hi) { rope_rows<kBFloat16>(a, lo, hi); }
+
 }  // namespace
 
 void rms_norm_cpu(const RmsNormArgs& args) {
   cpu::parallel_rows(args.rows, args.hidden, args.num_threads, [&](std::int64_t lo, std::int64_t hi) {
     switch (args.dtype) {
-      case kFloat16: rms_rows<kFloat16>(args, lo, hi); break;
-      case kBFloat16: rms_rows<kBFloat16>(args, lo, hi); break;
-      default: rms_rows<kFloat32>(args, lo, hi); break;
+      case kFloat16: rms_f16(args, lo, hi); break;
+      case kBFloat16: rms_bf16(args, lo, hi); break;
+      default: rms_f32(args, lo, hi); break;
     }
   });
 }
@@ -91,9 +101,9 @@ void rope_cpu(const RopeArgs& args) {
   cpu::parallel_rows(args.rows, (args.hq + args.hkv) * args.head_dim, args.num_threads,
             [&](std::int64_t lo, std::int64_t hi) {
     switch (args.dtype) {
-      case kFloat16: rope_rows<kFloat16>(args, lo, hi); break;
-      case kBFloat16: rope_rows<kBFloat16>(args, lo, hi); break;
-      default: rope_rows<kFloat32>(args, lo, hi); break;
+      case kFloat16: rope_f16(args, lo, hi); break;
+      case kBFloat16: rope_bf16(args, lo, hi); break;
+      default: rope_f32(args, lo, hi); break;
     }
   });
 }

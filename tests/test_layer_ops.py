@@ -71,3 +71,22 @@ def test_layer_ops_reject_bad_arguments():
         ext.rope(x.data_ptr(), x.data_ptr(), x.data_ptr(), x.data_ptr(), 0, 1, 1, 1, 3, 1)
     with pytest.raises(ValueError, match="null"):
         ext.rope(0, x.data_ptr(), x.data_ptr(), x.data_ptr(), 0, 1, 1, 1, 4, 1)
+
+
+def test_rope_tables_on_the_cpu_are_the_formula_gathered():
+    """The CPU table (kept with inv_freq, grown by doubling) gives the formula's bits for
+    any positions; negative positions and table=False take the formula."""
+    from dspec.models.transformer import _ROPE_TABLE, _rope_formula
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    for shape, high in (((1, 1), 10), ((2, 16), 300), ((3, 5, 7), 5000), ((1, 3), 4096)):
+        positions = torch.randint(0, high, shape)
+        got, want = rope_tables(positions, inv), _rope_formula(positions, inv)
+        assert got[0].shape == want[0].shape == shape + (1, 64)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert getattr(inv, _ROPE_TABLE)[1].shape[0] == 8192          # grown to a power of two
+    negative = torch.tensor([[-3, 0, 2]])
+    assert torch.equal(rope_tables(negative, inv)[1], _rope_formula(negative, inv)[1])
+    fresh = inv.clone()
+    rope_tables(torch.tensor([[1, 2]]), fresh, table=False)
+    assert not hasattr(fresh, _ROPE_TABLE)
+    assert rope_tables(torch.zeros(0, 4, dtype=torch.int64), inv)[0].shape == (0, 4, 1, 64)

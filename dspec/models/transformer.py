@@ -192,7 +192,8 @@ def _no_prefix(layer: int) -> tuple[None, None]:
     return None, None
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, *,
+                table: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables of positions [...] -> (cos, signed sin), each [..., 1, D] float32 (a head
     axis to broadcast over): ``signed sin = (-sin, +sin)`` over the two halves, what
     ``_rotate`` takes.  Computed once per forward and shared by every layer.
@@ -203,8 +204,10 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
     milliseconds on the cores the decoder's own threads need (SmolLM2-135M, bf16, 2 cores:
     a 16-token forward ran 13.8 ms with them, see bench_forward).  The table rows are the
     formula's values computed once, so every CPU path (inference, training, drafters)
-    reads the same bits."""
-    if positions.is_cpu and positions.numel():
+    reads the same bits.  Sizing the table reads the largest position on the host:
+    ``table=False`` computes the formula instead (a forward emulating a device backend,
+    which must not read the host); None: the table for CPU positions."""
+    if (positions.is_cpu if table is None else table) and positions.is_cpu and positions.numel():
         lo, hi = torch.aminmax(positions)
         if int(lo) >= 0:
             cos_table, sin_table = _cpu_rope_table(inv_freq, int(hi) + 1)
@@ -407,11 +410,11 @@ class Model(nn.Module):
         recorded = {}
         if 0 in want:
             recorded[0] = x
-        cos, sin = rope_tables(positions, self._rope(x.device))                     # [B, N, 1, D]
+        attention, layer_prefix = self._attention_plan(batch, n, mask, cache, backend)   # once
+        cos, sin = rope_tables(positions, self._rope(x.device), table=attention.backend == "cpp")  # [B, N, 1, D]
 
         keys, values = [], []
         d, hq = cfg.head_dim, cfg.num_heads
-        attention, layer_prefix = self._attention_plan(batch, n, mask, cache, backend)   # once
         # decided once for every layer: the fused C++ element-wise ops apply (CPU, no autograd)
         fused = _fused_cpu(x, self.norm.weight, cos, sin)
         stacked = run_layers(self, x.clone() if 0 in want else x, cos, sin, attention, layer_prefix, want,
