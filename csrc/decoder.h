@@ -27,7 +27,7 @@ struct DecoderLayerWeights {
   const void* packed[kProjCount] = {};         // linear_pack_cpu layout
   const void* bias[kProjCount] = {};           // [out] or null
   const float* lora_a[kProjCount] = {};        // [rank, in] or null: no adapter on it
-  const float* lora_b[kProjCount] = {};        // [out, rank]
+  const float* lora_b[kProjCount] = {};        // B transposed: [rank, out]
   float lora_scale[kProjCount] = {};
 };
 

@@ -197,7 +197,7 @@ x [B * N, hidden] (dtype 0 fp32, 1 fp16, 2 bf16) is updated in place; cos / sin 
 (rope_tables).  The attention's mask and prefix arguments are cascade_attention's, prefix_k / prefix_v
 being layer 0's and layer l's at + l * prefix_layer_stride elements.  weights: per layer the input and
 post-attention norm weights, the packed (linear_pack) q, k, v, o, gate, up, down and their biases (0:
-none).  lora: empty, or per layer and projection the float32 A [rank, in] and B [out, rank] of a mask
+none).  lora: empty, or per layer and projection the float32 A [rank, in] and B^T [rank, out] of a mask
 adapter (0, 0: none) with lora_scales; its update is added at the int64 mask_rows.  k_out / v_out
 [layers, B * N, hkv, head_dim] receive each layer's rotated keys and values; record[l] >= 0 copies x
 after layer l into slot record[l] of hidden_out [hidden_slots, B * N, hidden].  Bit-identical to the

@@ -99,7 +99,7 @@ void project(const DecoderArgs& a, const DecoderLayerWeights& w, const void* x, 
     m.rows = a.mask_rows;
     m.x = x;
     m.a = w.lora_a[p];
-    m.b = w.lora_b[p];
+    m.bt = w.lora_b[p];
     m.scale = w.lora_scale[p];
     m.y = l.out;
     mask_lora_cpu(m);

@@ -73,7 +73,7 @@ struct MaskLoraArgs {
   const std::int64_t* rows = nullptr;
   const void* x = nullptr;           // [*, k] contiguous
   const float* a = nullptr;          // [rank, k]
-  const float* b = nullptr;          // [n, rank]
+  const float* bt = nullptr;         // B transposed: [rank, n]
   float scale = 1.0f;
   void* y = nullptr;                 // [*, n] contiguous
 };

@@ -126,7 +126,7 @@ void linear_group(std::int64_t x, int dtype, std::int64_t m, std::int64_t k, con
   linear_group_cpu(parts.data(), static_cast<int>(count));
 }
 
-void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a, std::int64_t b, double scale,
+void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a, std::int64_t bt, double scale,
                int dtype, std::int64_t num_rows, std::int64_t total_rows, std::int64_t k, std::int64_t n,
                std::int64_t rank) {
   const Checker c{"mask_lora"};
@@ -139,14 +139,14 @@ void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a
   c.product(total_rows, k, "total_rows * k");
   c.product(total_rows, n, "total_rows * n");
   c.product(rank, k, "rank * k");
-  c.product(n, rank, "n * rank");
+  c.product(rank, n, "rank * n");
   if (num_rows == 0) return;
   const std::int64_t item = element_size(dtype);
   c.ptr(y, "y", item);
   c.ptr(x, "x", item);
   c.ptr(rows, "rows", 8);
   c.ptr(a, "a", 4);
-  c.ptr(b, "b", 4);
+  c.ptr(bt, "bt", 4);
   const std::int64_t* r = as_ptr<const std::int64_t>(rows);
   for (std::int64_t i = 0; i < num_rows; ++i) {
     if (r[i] < 0 || r[i] >= total_rows) {
@@ -162,7 +162,7 @@ void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a
   m.rows = r;
   m.x = as_ptr<const void>(x);
   m.a = as_ptr<const float>(a);
-  m.b = as_ptr<const float>(b);
+  m.bt = as_ptr<const float>(bt);
   m.scale = static_cast<float>(scale);
   m.y = as_ptr<void>(y);
   py::gil_scoped_release release;
@@ -192,12 +192,13 @@ AVX512_BF16 for bf16, where the CPU has it), 'generic' or 'avx512'.  The GIL is 
         R"doc(linear for several packed weights of one x in one call: outs[p][m, ns[p]] = x[m, k] @ W_p^T
 (+ biases[p]; 0 for none), every tensor contiguous.  The parts' columns are split over the threads
 together; each output is bit-identical to a linear call on that part alone.)doc");
-  m.def("mask_lora", &mask_lora, py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("a"), py::arg("b"),
+  m.def("mask_lora", &mask_lora, py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("a"), py::arg("bt"),
         py::arg("scale"), py::arg("dtype"), py::arg("num_rows"), py::arg("total_rows"), py::arg("k"), py::arg("n"),
         py::arg("rank"),
-        R"doc(In place y[r] += (scale * b @ (a @ x[r])).to(dtype) for r in rows (int64 [num_rows], each in
+        R"doc(In place y[r] += (scale * (x[r] @ a^T) @ bt).to(dtype) for r in rows (int64 [num_rows], each in
 [0, total_rows)): the low-rank update of a mask-selective adapter at the [MASK] rows.  x [total_rows, k]
-and y [total_rows, n] contiguous in dtype; a [rank, k], b [n, rank] float32.)doc");
+and y [total_rows, n] contiguous in dtype; a [rank, k] and bt = B^T [rank, n] float32 contiguous.
+Vectorised in float32 with a fixed order: a row's bits do not depend on the other rows.)doc");
   m.def("linear_isa", [](int dtype) { return std::string(linear_has_avx512(dtype) ? "avx512" : "generic"); },
         py::arg("dtype"), "The code linear runs for this dtype code on this CPU with isa='auto'.");
 }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "cpu_math.h"
 #include "cpu_parallel.h"
 #include "dtype.h"
 #include "linear.h"
@@ -279,38 +280,69 @@ void pack_panels(const LinearPackArgs& a, std::int64_t p0, std::int64_t p1) {
   }
 }
 
+// The [MASK] rows' low-rank update in float32, vectorised without reassociating anything
+// per call: h = x A^T as 16-lane partial sums along k folded by a fixed lane tree, then 16
+// outputs at a time as h[r] * B^T[r] summed over r in order (no reduction across lanes).
+// A row's bits depend only on that row (not on which or how many rows are masked).  The
+// scalar loops this replaced ran ~half of a 4-row block-diffusion forward of SmolLM2.
+constexpr int kLoraLanes = 16;
+
+DSPEC_CPU_INLINE float lane_dot(const float* a, const float* b, std::int64_t len) {
+  float acc[kLoraLanes] = {};
+  std::int64_t i = 0;
+  for (; i + kLoraLanes <= len; i += kLoraLanes)
+    for (int l = 0; l < kLoraLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  for (int l = 0; i + l < len; ++l) acc[l] += a[i + l] * b[i + l];
+  for (int width = kLoraLanes / 2; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+  return acc[0];
+}
+
 template <int DT>
-void mask_lora_rows(const MaskLoraArgs& a) {
+DSPEC_CPU_INLINE void mask_lora_rows(const MaskLoraArgs& a) {
   using E = dt::elem_t<DT>;
   const E* x = static_cast<const E*>(a.x);
   E* y = static_cast<E*>(a.y);
-  std::vector<float> xf(static_cast<std::size_t>(a.k)), h(static_cast<std::size_t>(a.rank));
+  thread_local std::vector<float> xf, h;
+  xf.resize(static_cast<std::size_t>(a.k));
+  h.resize(static_cast<std::size_t>(a.rank));
+  const std::int64_t full = a.n / kLoraLanes * kLoraLanes;
   for (std::int64_t i = 0; i < a.num_rows; ++i) {
     const std::int64_t row = a.rows[i];
-    for (std::int64_t c = 0; c < a.k; ++c) xf[c] = dt::to_float<DT>(x[row * a.k + c]);
-    for (std::int64_t r = 0; r < a.rank; ++r) {
-      const float* ar = a.a + r * a.k;
-      float s = 0.0f;
-      for (std::int64_t c = 0; c < a.k; ++c) s += ar[c] * xf[c];
-      h[r] = s;
-    }
-    for (std::int64_t o = 0; o < a.n; ++o) {
-      const float* br = a.b + o * a.rank;
-      float s = 0.0f;
-      for (std::int64_t r = 0; r < a.rank; ++r) s += br[r] * h[r];
+    const E* xr = x + row * a.k;
+    for (std::int64_t c = 0; c < a.k; ++c) xf[c] = dt::to_float<DT>(xr[c]);
+    for (std::int64_t r = 0; r < a.rank; ++r) h[r] = lane_dot(a.a + r * a.k, xf.data(), a.k);
+    E* yr = y + row * a.n;
+    for (std::int64_t o = 0; o < full; o += kLoraLanes) {
+      float acc[kLoraLanes] = {};
+      for (std::int64_t r = 0; r < a.rank; ++r) {
+        const float hr = h[r];
+        const float* bt = a.bt + r * a.n + o;
+        for (int l = 0; l < kLoraLanes; ++l) acc[l] += hr * bt[l];
+      }
       // delta.to(dtype), then the dtype's add
-      dt::store<DT>(y, row * a.n + o, dt::to_float<DT>(y[row * a.n + o]) + dt::round_to<DT>(s * a.scale));
+      for (int l = 0; l < kLoraLanes; ++l)
+        dt::store<DT>(yr, o + l, dt::to_float<DT>(yr[o + l]) + dt::round_to<DT>(acc[l] * a.scale));
+    }
+    for (std::int64_t o = full; o < a.n; ++o) {
+      float acc = 0.0f;
+      for (std::int64_t r = 0; r < a.rank; ++r) acc += h[r] * a.bt[r * a.n + o];
+      dt::store<DT>(yr, o, dt::to_float<DT>(yr[o]) + dt::round_to<DT>(acc * a.scale));
     }
   }
 }
+
+DSPEC_CPU_CLONES void mask_lora_f32(const MaskLoraArgs& a) { mask_lora_rows<kFloat32>(a); }
+DSPEC_CPU_CLONES void mask_lora_f16(const MaskLoraArgs& a) { mask_lora_rows<kFloat16>(a); }
+DSPEC_CPU_CLONES void mask_lora_bf16(const MaskLoraArgs& a) { mask_lora_rows<kBFloat16>(a); }
 
 }  // namespace
 
 void mask_lora_cpu(const MaskLoraArgs& a) {
   switch (a.dtype) {
-    case kFloat16: mask_lora_rows<kFloat16>(a); break;
-    case kBFloat16: mask_lora_rows<kBFloat16>(a); break;
-    default: mask_lora_rows<kFloat32>(a); break;
+    case kFloat16: mask_lora_f16(a); break;
+    case kBFloat16: mask_lora_bf16(a); break;
+    default: mask_lora_f32(a); break;
   }
 }
 

@@ -167,11 +167,12 @@ def test_packed_weight_is_kept_and_follows_in_place_updates():
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
-def test_mask_lora_matches_the_torch_update(dtype, atol):
+@pytest.mark.parametrize("k, n, rank", [(40, 24, 5), (576, 1536, 16), (17, 7, 3)])
+def test_mask_lora_matches_the_torch_update(dtype, atol, k, n, rank):
     """dspec._C.mask_lora = MaskLoraLinear's torch update: y.index_add(0, rows, (scale *
-    B A x[rows]).to(dtype))."""
+    B A x[rows]).to(dtype)); a row's bits do not depend on the other rows."""
     g = torch.Generator().manual_seed(3)
-    total, k, n, rank, scale = 11, 40, 24, 5, 2.5
+    total, scale = 11, 2.5
     x = torch.randn(total, k, generator=g).to(dtype)
     y = torch.randn(total, n, generator=g).to(dtype)
     a = torch.randn(rank, k, generator=g) / 6
@@ -180,14 +181,19 @@ def test_mask_lora_matches_the_torch_update(dtype, atol):
     delta = F.linear(F.linear(x.index_select(0, rows).float(), a), b) * scale
     want = y.index_add(0, rows, delta.to(dtype))
     got = y.clone()
-    _backend.extension().mask_lora(got.data_ptr(), x.data_ptr(), rows.data_ptr(), a.data_ptr(), b.data_ptr(), scale,
+    bt = b.t().contiguous()                                 # the kernel reads B^T [rank, n]
+    _backend.extension().mask_lora(got.data_ptr(), x.data_ptr(), rows.data_ptr(), a.data_ptr(), bt.data_ptr(), scale,
                                    CODES[dtype], rows.numel(), total, k, n, rank)
     torch.testing.assert_close(got, want, atol=atol, rtol=atol)
     untouched = [i for i in range(total) if i not in rows.tolist()]
     assert torch.equal(got[untouched], y[untouched])
+    alone = y.clone()
+    _backend.extension().mask_lora(alone.data_ptr(), x.data_ptr(), rows[2:3].data_ptr(), a.data_ptr(), bt.data_ptr(),
+                                   scale, CODES[dtype], 1, total, k, n, rank)
+    assert torch.equal(alone[10], got[10])
     with pytest.raises(ValueError, match="rows must lie"):
         bad = torch.tensor([total])
-        _backend.extension().mask_lora(got.data_ptr(), x.data_ptr(), bad.data_ptr(), a.data_ptr(), b.data_ptr(),
+        _backend.extension().mask_lora(got.data_ptr(), x.data_ptr(), bad.data_ptr(), a.data_ptr(), bt.data_ptr(),
                                        scale, CODES[dtype], 1, total, k, n, rank)
 
 

@@ -38,6 +38,8 @@ from .dense import dense, untracked
 
 __all__ = ["MaskRows", "MaskLoraLinear", "MaskAdapter", "clean_causal_words", "TARGETS"]
 
+_TRANSPOSED = "_dspec_lora_b_t"
+
 #: projection name -> the Block attribute that holds it
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -83,13 +85,26 @@ class MaskLoraLinear(nn.Linear):
             return y
         if self._fused_update(x, y, idx):
             _backend.extension().mask_lora(
-                y.data_ptr(), x.data_ptr(), idx.data_ptr(), self.lora_A.data_ptr(), self.lora_B.data_ptr(),
+                y.data_ptr(), x.data_ptr(), idx.data_ptr(), self.lora_A.data_ptr(), self.lora_b_t().data_ptr(),
                 float(self.scale), _backend.FLOAT_CODE[y.dtype], idx.numel(), y.numel() // self.out_features,
                 self.in_features, self.out_features, self.lora_A.shape[0])
             return y
         picked = x.reshape(-1, self.in_features).index_select(0, idx).to(self.lora_A.dtype)
         delta = F.linear(F.linear(picked, self.lora_A), self.lora_B) * self.scale
         return y.reshape(-1, self.out_features).index_add(0, idx, delta.to(y.dtype)).view(y.shape)
+
+    def lora_b_t(self) -> torch.Tensor:
+        """``lora_B`` transposed [rank, out], contiguous: the layout dspec._C.mask_lora reads
+        (16 outputs per vector step).  Made on first use and kept with ``lora_B``; remade
+        when lora_B is modified in place (its version counter) or re-pointed."""
+        b = self.lora_B
+        key = (b.data_ptr(), b._version, tuple(b.shape))
+        kept = getattr(b, _TRANSPOSED, None)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        bt = b.detach().t().contiguous()
+        setattr(b, _TRANSPOSED, (key, bt))
+        return bt
 
     def _fused_update(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> bool:
         """Whether dspec._C.mask_lora adds the update in place (an inference call on the CPU:

@@ -58,7 +58,7 @@ class _WeightTable:
             for mods in modules:
                 for m in mods:
                     if type(m) is MaskLoraLinear:
-                        self.lora += [m.lora_A.data_ptr(), m.lora_B.data_ptr()]
+                        self.lora += [m.lora_A.data_ptr(), m.lora_b_t().data_ptr()]
                         self.lora_scales.append(float(m.scale))
                         self.lora_rank = m.lora_A.shape[0]
                     else:
