@@ -102,6 +102,7 @@ void project(const DecoderArgs& a, const DecoderLayerWeights& w, const void* x, 
     m.bt = w.lora_b[p];
     m.scale = w.lora_scale[p];
     m.y = l.out;
+    m.num_threads = a.num_threads;
     mask_lora_cpu(m);
   }
 }

@@ -76,6 +76,7 @@ struct MaskLoraArgs {
   const float* bt = nullptr;         // B transposed: [rank, n]
   float scale = 1.0f;
   void* y = nullptr;                 // [*, n] contiguous
+  int num_threads = 1;               // rows split across threads (bits do not change)
 };
 
 void mask_lora_cpu(const MaskLoraArgs& args);

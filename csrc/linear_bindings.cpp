@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -128,7 +129,7 @@ void linear_group(std::int64_t x, int dtype, std::int64_t m, std::int64_t k, con
 
 void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a, std::int64_t bt, double scale,
                int dtype, std::int64_t num_rows, std::int64_t total_rows, std::int64_t k, std::int64_t n,
-               std::int64_t rank) {
+               std::int64_t rank, int num_threads) {
   const Checker c{"mask_lora"};
   c.float_dtype(dtype, "dtype");
   c.at_least(num_rows, 0, "num_rows");
@@ -165,6 +166,7 @@ void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a
   m.bt = as_ptr<const float>(bt);
   m.scale = static_cast<float>(scale);
   m.y = as_ptr<void>(y);
+  m.num_threads = std::max(1, num_threads);
   py::gil_scoped_release release;
   mask_lora_cpu(m);
 }
@@ -194,11 +196,12 @@ AVX512_BF16 for bf16, where the CPU has it), 'generic' or 'avx512'.  The GIL is 
 together; each output is bit-identical to a linear call on that part alone.)doc");
   m.def("mask_lora", &mask_lora, py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("a"), py::arg("bt"),
         py::arg("scale"), py::arg("dtype"), py::arg("num_rows"), py::arg("total_rows"), py::arg("k"), py::arg("n"),
-        py::arg("rank"),
+        py::arg("rank"), py::arg("num_threads") = 1,
         R"doc(In place y[r] += (scale * (x[r] @ a^T) @ bt).to(dtype) for r in rows (int64 [num_rows], each in
 [0, total_rows)): the low-rank update of a mask-selective adapter at the [MASK] rows.  x [total_rows, k]
 and y [total_rows, n] contiguous in dtype; a [rank, k] and bt = B^T [rank, n] float32 contiguous.
-Vectorised in float32 with a fixed order: a row's bits do not depend on the other rows.)doc");
+Vectorised in float32 with a fixed order: a row's bits do not depend on the other rows (nor on
+num_threads, over which the rows are split when there are enough).)doc");
   m.def("linear_isa", [](int dtype) { return std::string(linear_has_avx512(dtype) ? "avx512" : "generic"); },
         py::arg("dtype"), "The code linear runs for this dtype code on this CPU with isa='auto'.");
 }

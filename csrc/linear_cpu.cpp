@@ -299,7 +299,7 @@ DSPEC_CPU_INLINE float lane_dot(const float* a, const float* b, std::int64_t len
 }
 
 template <int DT>
-DSPEC_CPU_INLINE void mask_lora_rows(const MaskLoraArgs& a) {
+DSPEC_CPU_INLINE void mask_lora_rows(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
   using E = dt::elem_t<DT>;
   const E* x = static_cast<const E*>(a.x);
   E* y = static_cast<E*>(a.y);
@@ -307,7 +307,7 @@ DSPEC_CPU_INLINE void mask_lora_rows(const MaskLoraArgs& a) {
   xf.resize(static_cast<std::size_t>(a.k));
   h.resize(static_cast<std::size_t>(a.rank));
   const std::int64_t full = a.n / kLoraLanes * kLoraLanes;
-  for (std::int64_t i = 0; i < a.num_rows; ++i) {
+  for (std::int64_t i = r0; i < r1; ++i) {
     const std::int64_t row = a.rows[i];
     const E* xr = x + row * a.k;
     for (std::int64_t c = 0; c < a.k; ++c) xf[c] = dt::to_float<DT>(xr[c]);
@@ -332,18 +332,27 @@ DSPEC_CPU_INLINE void mask_lora_rows(const MaskLoraArgs& a) {
   }
 }
 
-DSPEC_CPU_CLONES void mask_lora_f32(const MaskLoraArgs& a) { mask_lora_rows<kFloat32>(a); }
-DSPEC_CPU_CLONES void mask_lora_f16(const MaskLoraArgs& a) { mask_lora_rows<kFloat16>(a); }
-DSPEC_CPU_CLONES void mask_lora_bf16(const MaskLoraArgs& a) { mask_lora_rows<kBFloat16>(a); }
+DSPEC_CPU_CLONES void mask_lora_f32(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
+  mask_lora_rows<kFloat32>(a, r0, r1);
+}
+DSPEC_CPU_CLONES void mask_lora_f16(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
+  mask_lora_rows<kFloat16>(a, r0, r1);
+}
+DSPEC_CPU_CLONES void mask_lora_bf16(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
+  mask_lora_rows<kBFloat16>(a, r0, r1);
+}
 
 }  // namespace
 
 void mask_lora_cpu(const MaskLoraArgs& a) {
-  switch (a.dtype) {
-    case kFloat16: mask_lora_f16(a); break;
-    case kBFloat16: mask_lora_bf16(a); break;
-    default: mask_lora_f32(a); break;
-  }
+  // a row costs ~(k + n) * rank multiply-adds; a block's few [MASK] rows stay on one thread
+  cpu::parallel_rows(a.num_rows, (a.k + a.n) * a.rank, a.num_threads, [&](std::int64_t r0, std::int64_t r1) {
+    switch (a.dtype) {
+      case kFloat16: mask_lora_f16(a, r0, r1); break;
+      case kBFloat16: mask_lora_bf16(a, r0, r1); break;
+      default: mask_lora_f32(a, r0, r1); break;
+    }
+  });
 }
 
 bool linear_has_avx512(int dtype) {

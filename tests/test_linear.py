@@ -191,6 +191,10 @@ def test_mask_lora_matches_the_torch_update(dtype, atol, k, n, rank):
     _backend.extension().mask_lora(alone.data_ptr(), x.data_ptr(), rows[2:3].data_ptr(), a.data_ptr(), bt.data_ptr(),
                                    scale, CODES[dtype], 1, total, k, n, rank)
     assert torch.equal(alone[10], got[10])
+    split = y.clone()                                   # rows over two threads: the same bits
+    _backend.extension().mask_lora(split.data_ptr(), x.data_ptr(), rows.data_ptr(), a.data_ptr(), bt.data_ptr(),
+                                   scale, CODES[dtype], rows.numel(), total, k, n, rank, 2)
+    assert torch.equal(split, got)
     with pytest.raises(ValueError, match="rows must lie"):
         bad = torch.tensor([total])
         _backend.extension().mask_lora(got.data_ptr(), x.data_ptr(), bad.data_ptr(), a.data_ptr(), bt.data_ptr(),
