@@ -207,7 +207,7 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, *,
     reads the same bits.  Sizing the table reads the largest position on the host:
     ``table=False`` computes the formula instead (a forward emulating a device backend,
     which must not read the host); None: the table for CPU positions."""
-    if (positions.is_cpu if table is None else table) and positions.is_cpu and positions.numel():
+    if table is not False and positions.is_cpu and positions.numel():
         lo, hi = torch.aminmax(positions)
         if int(lo) >= 0:
             cos_table, sin_table = _cpu_rope_table(inv_freq, int(hi) + 1)
