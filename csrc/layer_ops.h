@@ -42,4 +42,24 @@ struct RopeArgs {
 // x = x * cos + (x2, x1) * signed_sin per head, for q and k
 void rope_cpu(const RopeArgs& args);
 
+// The KV cache's row moves (commit of accepted suffix rows, growth, batch selection):
+// rows of row_bytes bytes, in `groups` groups (layers, or layers x requests) at fixed byte
+// strides.  torch's index_copy_ / strided copy_ open an OpenMP team for a few hundred KB,
+// whose worker then spins on the cores the decoder's pool needs; this stays on the calling
+// thread up to a few MB.
+struct CopyRowsArgs {
+  const char* src = nullptr;       // group g, row r at src + g * src_group_stride + r * row_bytes
+  char* dst = nullptr;             // likewise with dst_group_stride
+  std::int64_t groups = 0;
+  std::int64_t src_group_stride = 0, dst_group_stride = 0;   // bytes
+  std::int64_t rows = 0;           // rows moved per group
+  const std::int64_t* src_rows = nullptr;   // [rows] row indices within a source group
+  const std::int64_t* dst_rows = nullptr;   // [rows] row indices within a destination group
+  std::int64_t row_bytes = 0;
+  int num_threads = 1;
+};
+
+// dst row dst_rows[i] = src row src_rows[i] in every group (no two dst_rows equal)
+void copy_rows_cpu(const CopyRowsArgs& args);
+
 }  // namespace dspec

@@ -4,7 +4,9 @@
 
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "checks.h"
 #include "layer_ops.h"
@@ -70,6 +72,55 @@ void rope(std::int64_t q, std::int64_t k, std::int64_t cos, std::int64_t sin, in
   rope_cpu(a);
 }
 
+void copy_rows(std::int64_t src, std::int64_t dst, std::int64_t groups, std::int64_t src_group_stride,
+               std::int64_t dst_group_stride, std::int64_t src_group_rows, std::int64_t dst_group_rows,
+               std::int64_t rows, std::int64_t src_rows, std::int64_t dst_rows, std::int64_t row_bytes,
+               int num_threads) {
+  const Checker c{"copy_rows"};
+  c.at_least(groups, 0, "groups");
+  c.at_least(rows, 0, "rows");
+  c.at_least(row_bytes, 1, "row_bytes");
+  c.at_least(src_group_rows, 0, "src_group_rows");
+  c.at_least(dst_group_rows, 0, "dst_group_rows");
+  c.at_least(src_group_stride, 0, "src_group_stride");
+  c.at_least(dst_group_stride, 0, "dst_group_stride");
+  c.product(src_group_rows, row_bytes, "src_group_rows * row_bytes");
+  c.product(dst_group_rows, row_bytes, "dst_group_rows * row_bytes");
+  c.product(groups, std::max(src_group_stride, dst_group_stride), "groups * group stride");
+  if (src_group_stride < src_group_rows * row_bytes && groups > 1) c.fail("src_group_stride overlaps the groups");
+  if (dst_group_stride < dst_group_rows * row_bytes && groups > 1) c.fail("dst_group_stride overlaps the groups");
+  if (groups == 0 || rows == 0) return;
+  c.ptr(src, "src", 1);
+  c.ptr(dst, "dst", 1);
+  c.ptr(src_rows, "src_rows", 8);
+  c.ptr(dst_rows, "dst_rows", 8);
+  const auto* si = as_ptr<const std::int64_t>(src_rows);
+  const auto* di = as_ptr<const std::int64_t>(dst_rows);
+  for (std::int64_t i = 0; i < rows; ++i) {     // every index in range before any byte moves
+    if (si[i] < 0 || si[i] >= src_group_rows) {
+      c.fail("src_rows[" + std::to_string(i) + "] = " + std::to_string(si[i]) + " is outside [0, " +
+             std::to_string(src_group_rows) + ")");
+    }
+    if (di[i] < 0 || di[i] >= dst_group_rows) {
+      c.fail("dst_rows[" + std::to_string(i) + "] = " + std::to_string(di[i]) + " is outside [0, " +
+             std::to_string(dst_group_rows) + ")");
+    }
+  }
+  CopyRowsArgs a;
+  a.src = as_ptr<const char>(src);
+  a.dst = as_ptr<char>(dst);
+  a.groups = groups;
+  a.src_group_stride = src_group_stride;
+  a.dst_group_stride = dst_group_stride;
+  a.rows = rows;
+  a.src_rows = si;
+  a.dst_rows = di;
+  a.row_bytes = row_bytes;
+  a.num_threads = num_threads < 1 ? 1 : num_threads;
+  py::gil_scoped_release release;
+  copy_rows_cpu(a);
+}
+
 }  // namespace
 
 void register_layer_ops(py::module_& m) {
@@ -81,6 +132,12 @@ void register_layer_ops(py::module_& m) {
         py::arg("rows"), py::arg("hq"), py::arg("hkv"), py::arg("head_dim"), py::arg("num_threads") = 1,
         R"doc(Rotate-half RoPE in place on q [rows, hq, D] and k [rows, hkv, D] (contiguous) with
 float32 tables cos / signed sin [rows, D].)doc");
+  m.def("copy_rows", &copy_rows, py::arg("src"), py::arg("dst"), py::arg("groups"), py::arg("src_group_stride"),
+        py::arg("dst_group_stride"), py::arg("src_group_rows"), py::arg("dst_group_rows"), py::arg("rows"),
+        py::arg("src_rows"), py::arg("dst_rows"), py::arg("row_bytes"), py::arg("num_threads") = 1,
+        R"doc(For every group g < groups: destination row dst_rows[i] = source row src_rows[i]
+(row_bytes bytes each; int64 index arrays of `rows` entries, checked against
+src_group_rows / dst_group_rows). Group strides in bytes. The KV cache's commit.)doc");
 }
 
 }  // namespace dspec

@@ -1,9 +1,10 @@
-// RMSNorm and RoPE on the CPU; see layer_ops.h.  Rows are independent:
+// RMSNorm, RoPE and the KV cache's row copies on the CPU; see layer_ops.h.  Rows are independent:
 // split across threads only when there are many (a decode step's few rows stay on the
 // calling thread: a thread start costs more than the work).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "cpu_math.h"
 #include "cpu_parallel.h"
@@ -106,6 +107,18 @@ void rope_cpu(const RopeArgs& args) {
       default: rope_f32(args, lo, hi); break;
     }
   });
+}
+
+void copy_rows_cpu(const CopyRowsArgs& a) {
+  // one item = one row of one group; a decode step's commit (~100 KB) stays on one thread
+  const std::int64_t items = a.groups * a.rows;
+  cpu::parallel_rows(items, a.row_bytes, a.num_threads, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t i = lo; i < hi; ++i) {
+      const std::int64_t g = i / a.rows, r = i % a.rows;
+      std::memcpy(a.dst + g * a.dst_group_stride + a.dst_rows[r] * a.row_bytes,
+                  a.src + g * a.src_group_stride + a.src_rows[r] * a.row_bytes, static_cast<std::size_t>(a.row_bytes));
+    }
+  }, std::int64_t(1) << 21);
 }
 
 }  // namespace dspec

@@ -12,6 +12,13 @@ many threads to use.
   with native bf16 matmul, fp32 on other CPUs; on CUDA, None (the checkpoint's dtype).
   ``$DSPEC_DTYPE`` (float32 / bfloat16 / float16) overrides it (the test suite pins
   float32 so that its exactness checks do not depend on the CPU they run on).
+- ``kernel_threads()`` / ``torch_ops_one_thread()``: the threads dspec's C++ CPU kernels
+  use (torch's intra-op count), and the scope every ``dspec.generate`` call decodes in:
+  torch's own CPU ops run on one thread inside it while dspec's kernels keep the count.
+  Why: torch opens an OpenMP team for any op over ~32k elements (a logits row is 49k), and
+  after the op libgomp's worker spins for milliseconds on the core dspec's thread pool
+  needs next; a DFlash cycle opened one team, an SSD forward ~20 (gdb on GOMP_parallel,
+  SmolLM2-135M, November 2026).  Every op that matters in a decode step is dspec's.
 - ``default_threads()`` / ``apply_threads(n)``: the torch intra-op thread count.
   ``$DSPEC_NUM_THREADS`` (an int, or "auto") wins; "auto" (the default) takes the cores that
   are idle now: it samples ``/proc/stat`` for 50 ms and leaves out the cores other
@@ -21,9 +28,11 @@ many threads to use.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
+import threading
 import time
 from pathlib import Path
 
@@ -159,8 +168,44 @@ def apply_threads(threads: int | str | None = None) -> int:
     return n
 
 
+_scope_lock = threading.Lock()
+_scope_depth = 0
+_scope_threads: int | None = None
+
+
+def kernel_threads() -> int:
+    """The thread count dspec's C++ CPU kernels run with: torch's intra-op count, or inside
+    :func:`torch_ops_one_thread` the count torch had when the scope opened."""
+    n = _scope_threads
+    return n if n is not None else torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def torch_ops_one_thread():
+    """Run torch's own CPU ops on one thread inside the scope; dspec's kernels keep
+    ``kernel_threads()`` (see the module docstring).  Nests, and concurrent scopes from
+    several Python threads share one saved count; the count is restored when the last
+    scope closes (results never depend on it: only speed)."""
+    global _scope_depth, _scope_threads
+    with _scope_lock:
+        if _scope_depth == 0:
+            _scope_threads = torch.get_num_threads()
+            if _scope_threads > 1:
+                torch.set_num_threads(1)
+        _scope_depth += 1
+    try:
+        yield
+    finally:
+        with _scope_lock:
+            _scope_depth -= 1
+            if _scope_depth == 0:
+                if torch.get_num_threads() != _scope_threads:
+                    torch.set_num_threads(_scope_threads)
+                _scope_threads = None
+
+
 def machine() -> dict:
     """What a benchmark records about the CPU it ran on."""
     return {"cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "native_bf16": native_bf16(),
-            "cores": cores(), "torch_threads": torch.get_num_threads(),
+            "cores": cores(), "torch_threads": kernel_threads(),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "loadavg": loadavg()}

@@ -87,3 +87,46 @@ def test_machine_record():
     m = cpu.machine()
     assert {"cpu_model", "cpu_flags", "native_bf16", "cores", "torch_threads", "loadavg"} <= set(m)
     assert set(m["cpu_flags"]) <= set(cpu._FLAGS)
+
+
+def test_torch_ops_one_thread_scope_nests_and_restores():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert cpu.kernel_threads() == 2
+        with cpu.torch_ops_one_thread():
+            assert torch.get_num_threads() == 1 and cpu.kernel_threads() == 2
+            with cpu.torch_ops_one_thread():
+                assert torch.get_num_threads() == 1 and cpu.kernel_threads() == 2
+            assert torch.get_num_threads() == 1                      # the outer scope still holds
+        assert torch.get_num_threads() == 2 and cpu.kernel_threads() == 2
+        with pytest.raises(RuntimeError, match="inside"):
+            with cpu.torch_ops_one_thread():
+                raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2                          # restored on an exception
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_generate_decodes_in_the_scope_and_restores_threads():
+    import dspec
+    from dspec.decode import ar
+
+    before = torch.get_num_threads()
+    seen = {}
+    real = ar.decode
+
+    def spy(*args, **kwargs):
+        seen["torch"], seen["kernels"] = torch.get_num_threads(), cpu.kernel_threads()
+        return real(*args, **kwargs)
+
+    try:
+        torch.set_num_threads(2)
+        model = dspec.load("tiny-ar")
+        ar.decode = spy
+        dspec.generate(model, [1, 2, 3], method="ar", max_new_tokens=2)
+        assert seen == {"torch": 1, "kernels": 2}
+        assert torch.get_num_threads() == 2
+    finally:
+        ar.decode = real
+        torch.set_num_threads(before)

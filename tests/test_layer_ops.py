@@ -90,3 +90,37 @@ def test_rope_tables_on_the_cpu_are_the_formula_gathered():
     rope_tables(torch.tensor([[1, 2]]), fresh, table=False)
     assert not hasattr(fresh, _ROPE_TABLE)
     assert rope_tables(torch.zeros(0, 4, dtype=torch.int64), inv)[0].shape == (0, 4, 1, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("groups, src_rows, dst_rows, width, count", [
+    (1, 5, 9, 3, 4), (30, 9, 600, 192, 9), (4, 1, 2, 1, 1), (3, 40, 40, 64, 40)])
+def test_move_rows_matches_index_copy(dtype, groups, src_rows, dst_rows, width, count):
+    from dspec.models.kv_cache import _move_rows
+
+    g = torch.Generator().manual_seed(groups * 100 + count)
+    # group strides wider than the rows: the KV cache's views are strided by layer / request
+    src = torch.randn(groups, src_rows + 2, width, generator=g).to(dtype)[:, 1:-1]
+    dst = torch.randn(groups, dst_rows + 3, width, generator=g).to(dtype)[:, :dst_rows]
+    s_idx = torch.randint(0, src_rows, (count,), generator=g)
+    d_idx = torch.randperm(dst_rows, generator=g)[:count]
+    want = dst.clone().index_copy_(1, d_idx, src.index_select(1, s_idx))
+    _move_rows(src, dst, s_idx, d_idx)
+    assert torch.equal(dst, want)
+
+
+def test_copy_rows_rejects_bad_indices_before_copying():
+    ext = _backend.extension()
+    src, dst = torch.randn(2, 4, 8), torch.zeros(2, 6, 8)
+    s_idx, d_idx = torch.tensor([0, 3]), torch.tensor([1, 6])            # 6 is past dst's 6 rows
+    args = (src.data_ptr(), dst.data_ptr(), 2, 4 * 8 * 4, 6 * 8 * 4, 4, 6, 2, s_idx.data_ptr(), d_idx.data_ptr(), 32, 1)
+    with pytest.raises(ValueError, match=r"dst_rows\[1\] = 6"):
+        ext.copy_rows(*args)
+    assert not dst.any()                                                 # nothing moved
+    s_idx[1] = -1
+    with pytest.raises(ValueError, match=r"src_rows\[1\] = -1"):
+        ext.copy_rows(*args)
+    with pytest.raises(ValueError, match="row_bytes"):
+        ext.copy_rows(*args[:10], 0, 1)
+    with pytest.raises(ValueError, match="dst_group_stride overlaps"):
+        ext.copy_rows(*args[:4], 8, *args[5:])

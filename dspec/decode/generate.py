@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import cpu
 from ..models.stack import frozen_weights
 
 # DESIGN.md's methods, each one module of dspec.decode with the same name.  A method module
@@ -143,7 +144,7 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
         from tqdm.auto import tqdm
         bar = tqdm(total=max_new_tokens, desc=f"{method} decode", unit="tok")
     start = time.perf_counter()
-    with frozen_weights(model):
+    with frozen_weights(model), cpu.torch_ops_one_thread():
         tokens, stats = module.decode(model, prompts, max_new_tokens=max_new_tokens,
                                       temperature=temperature, generator=generator,
                                       eos_ids=model.eos_token_ids, progress=bar, **options)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import _backend, _library
+from .. import _backend, _library, cpu
 
 #: the largest row count (batch x suffix tokens) sent to dspec._C.linear per dtype (None:
 #: no limit).  A limit trades prefill bits for nothing on the machines measured: SmolLM2-135M
@@ -81,7 +81,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     code = _CODES[weight.dtype]
     packed = torch.empty(ext.linear_packed_size(n, k, code), dtype=weight.dtype)
-    ext.linear_pack(weight.data_ptr(), packed.data_ptr(), code, n, k, weight.stride(0), torch.get_num_threads())
+    ext.linear_pack(weight.data_ptr(), packed.data_ptr(), code, n, k, weight.stride(0), cpu.kernel_threads())
     setattr(weight, _PACKED, (key, packed))
     return packed
 
@@ -96,7 +96,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
     _backend.extension().linear(x.data_ptr(), packed_weight(weight).data_ptr(),
                                 0 if bias is None else bias.data_ptr(), out.data_ptr(), _CODES[x.dtype], rows, k, n,
-                                k, n, torch.get_num_threads())
+                                k, n, cpu.kernel_threads())
     return out
 
 
@@ -115,5 +115,5 @@ def dense_many(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
     outs = [torch.empty(lead + (w.shape[0],), dtype=x.dtype) for w in weights]
     ext.linear_group(x.data_ptr(), _CODES[x.dtype], rows, x.shape[-1], [packed_weight(w).data_ptr() for w in weights],
                      [0 if b is None else b.data_ptr() for b in biases], [o.data_ptr() for o in outs],
-                     [w.shape[0] for w in weights], torch.get_num_threads())
+                     [w.shape[0] for w in weights], cpu.kernel_threads())
     return outs

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import _validate
+from .. import _backend, _validate, cpu
+from .dense import untracked
 
 _LAYOUTS = ("auto", "ragged", "paged")
 
@@ -196,8 +197,10 @@ class KVCache:
         v = torch.empty_like(k)
         used = min(self._bound, self.capacity)          # every committed row lies below
         if used:
-            k[:, :, :used] = self.k[:, :, :used]
-            v[:, :, :used] = self.v[:, :, :used]
+            rows = torch.arange(used, device=self.device)
+            groups = self.num_layers * self.batch_size
+            for old, grown in ((self.k, k), (self.v, v)):
+                _move_rows(old.view(groups, self.capacity, -1), grown.view(groups, cap, -1), rows, rows)
         self.k, self.v = k, v
         self._changed()
 
@@ -273,8 +276,7 @@ class KVCache:
         for i, buf in enumerate((self.k, self.v)):
             # every layer in one gather and one scatter (not two ops per layer)
             new = stacked[i] if stacked is not None else torch.stack(suffix_kv.keys if i == 0 else suffix_kv.values)
-            rows_new = new.reshape(layers, batch * n, hkv, d).index_select(1, src)
-            buf.view(layers, batch * cap, hkv, d).index_copy_(1, dst, rows_new)
+            _move_rows(new.reshape(layers, batch * n, hkv * d), buf.view(layers, batch * cap, hkv * d), src, dst)
         if host_lengths is not None:
             self._lengths = host_lengths
         else:
@@ -321,9 +323,17 @@ class KVCache:
                              f"got {idx.tolist()}")
         out = KVCache.__new__(KVCache)
         out.__dict__.update(self.__dict__)
-        dev = idx.to(self.device)
-        out.k = self.k.index_select(1, dev)
-        out.v = self.v.index_select(1, dev)
+        # only the rows below the host's length bound hold committed tokens
+        cap, used = self.capacity, min(self._bound, self.capacity)
+        out.k = torch.empty((self.num_layers, idx.numel()) + self.k.shape[2:], dtype=self.dtype, device=self.device)
+        out.v = torch.empty_like(out.k)
+        if used:
+            rows = torch.arange(used)
+            src = (idx[:, None] * cap + rows).reshape(-1).to(self.device)
+            dst = (torch.arange(idx.numel())[:, None] * cap + rows).reshape(-1).to(self.device)
+            for old, kept in ((self.k, out.k), (self.v, out.v)):
+                _move_rows(old.view(self.num_layers, -1, self.num_kv_heads * self.head_dim),
+                           kept.view(self.num_layers, -1, self.num_kv_heads * self.head_dim), src, dst)
         out._lengths = self._lengths[idx].clone()
         out._views = {}
         return out
@@ -405,6 +415,26 @@ class KVCache:
         if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.batch_size:
             raise ValueError(f"b must be a request index in [0, {self.batch_size}), got {b!r}")
         return b
+
+
+def _move_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """``dst[g, dst_rows[i]] = src[g, src_rows[i]]`` for every group g: src [G, Rs, W],
+    dst [G, Rd, W] (rows of W contiguous elements, any group stride), index tensors int64 [R]
+    on their device, dst_rows distinct.  On the CPU ``dspec._C.copy_rows`` (torch's
+    index_copy_ opens an OpenMP team for a commit of ~100 KB, and its worker then spins on
+    the cores the decoder's thread pool needs); elsewhere index_select + index_copy_."""
+    ext = _backend.extension()
+    if (ext is not None and hasattr(ext, "copy_rows") and src.is_cpu and dst.is_cpu and src.dtype == dst.dtype
+            and src.shape[2] == dst.shape[2] and src.stride(2) == 1 and dst.stride(2) == 1
+            and src.stride(1) == src.shape[2] and dst.stride(1) == dst.shape[2] and untracked(src, dst)):
+        s_idx = src_rows.to(torch.int64).contiguous()
+        d_idx = dst_rows.to(torch.int64).contiguous()
+        item = src.element_size()
+        ext.copy_rows(src.data_ptr(), dst.data_ptr(), src.shape[0], src.stride(0) * item, dst.stride(0) * item,
+                      src.shape[1], dst.shape[1], s_idx.numel(), s_idx.data_ptr(), d_idx.data_ptr(),
+                      src.shape[2] * item, cpu.kernel_threads())
+        return
+    dst.index_copy_(1, dst_rows, src.index_select(1, src_rows))
 
 
 def _round_capacity(n: int) -> int:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _backend
+from .. import _backend, cpu
 from ..ops.masks import pack_mask, unpack_mask
 from .dense import dense, untracked
 
@@ -87,7 +87,7 @@ class MaskLoraLinear(nn.Linear):
             _backend.extension().mask_lora(
                 y.data_ptr(), x.data_ptr(), idx.data_ptr(), self.lora_A.data_ptr(), self.lora_b_t().data_ptr(),
                 float(self.scale), _backend.FLOAT_CODE[y.dtype], idx.numel(), y.numel() // self.out_features,
-                self.in_features, self.out_features, self.lora_A.shape[0], torch.get_num_threads())
+                self.in_features, self.out_features, self.lora_A.shape[0], cpu.kernel_threads())
             return y
         picked = x.reshape(-1, self.in_features).index_select(0, idx).to(self.lora_A.dtype)
         delta = F.linear(F.linear(picked, self.lora_A), self.lora_B) * self.scale

@@ -21,7 +21,7 @@ import contextlib
 import torch
 from torch import nn
 
-from .. import _backend
+from .. import _backend, cpu
 from .dense import _CODES, packed_weight, within_packed_rows
 from .mask_adapter import MaskLoraLinear
 
@@ -185,6 +185,6 @@ def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: boo
         table.weights, table.lora if rows_index is not None else [], table.lora_scales if rows_index is not None else [],
         table.lora_rank, 0 if rows_index is None else rows_index.data_ptr(),
         0 if rows_index is None else rows_index.numel(), kv[0].data_ptr(), kv[1].data_ptr(),
-        0 if hid is None else hid.data_ptr(), len(slots), record, torch.get_num_threads())
+        0 if hid is None else hid.data_ptr(), len(slots), record, cpu.kernel_threads())
     recorded = {i: hid[s] for s, i in enumerate(slots)}
     return x, kv if return_kv else None, recorded

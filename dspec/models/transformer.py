@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _backend, _library, _validate
+from .. import _backend, _library, _validate, cpu
 from ..ops.attention import CascadeAttentionPlan
 from ..ops.attention import _resolve_backend as resolve_cascade_backend
 from .config import ModelConfig
@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
             out = torch.empty_like(x)
             _backend.extension().rms_norm(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(),
                                           _backend.FLOAT_CODE[dtype], x.numel() // x.shape[-1], x.shape[-1],
-                                          self.eps, torch.get_num_threads())
+                                          self.eps, cpu.kernel_threads())
             return out
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -99,7 +99,7 @@ class Attention(nn.Module):
             # one call rotates q and k in place (fresh tensors of this forward)
             _backend.extension().rope(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                       _backend.FLOAT_CODE[q.dtype], batch * n, hq, hkv, d,
-                                      torch.get_num_threads())
+                                      cpu.kernel_threads())
             return q, k, v
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
@@ -123,7 +123,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             and gate.shape == up.shape and hasattr(_backend.extension(), "silu_mul") and gate.numel():
         width = gate.shape[-1]
         _backend.extension().silu_mul(gate.data_ptr(), up.data_ptr(), gate.data_ptr(), _backend.FLOAT_CODE[gate.dtype],
-                                      gate.numel() // width, width, torch.get_num_threads())
+                                      gate.numel() // width, width, cpu.kernel_threads())
         return gate
     return F.silu(gate) * up
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .. import _backend, _library, _validate
+from .. import _backend, _library, _validate, cpu
 from ..reference import attention as _reference
 from ..reference import pack_mask as _pack_reference
 
@@ -259,7 +259,7 @@ def _cpp_run(meta: _CppMeta, q, k, v, prefix_k, prefix_v, return_lse: bool, qs=N
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
         m[0], kp, vp, mp[0], mp[1], mp[2], dt, batch, n, hq, hkv, head_dim, scale,
         qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os0, os1, os2, m[1], m[2],
-        pk0, pk1, pk2, pv0, pv1, pv2, mp[3], rows, page_size, mp[4], mp[5], torch.get_num_threads(), _CPP_ISA)
+        pk0, pk1, pk2, pv0, pv1, pv2, mp[3], rows, page_size, mp[4], mp[5], cpu.kernel_threads(), _CPP_ISA)
     return (out, lse) if return_lse else out
 
 

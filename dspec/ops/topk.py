@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from .. import _backend, _library, _validate
+from .. import _backend, _library, _validate, cpu
 from ..reference import topk as _reference
 
 TRITON_MAX_K = 32
@@ -29,7 +29,7 @@ def _topk_ext(logits: torch.Tensor, k: int, temperature: float, tau: float):
     count = torch.empty(n, dtype=torch.int64)
     _backend.extension().topk(rows.data_ptr(), _backend.FLOAT_CODE[rows.dtype], n, rows.shape[1],
                               rows.stride(0) if n > 1 else rows.shape[1], k, temperature, tau,
-                              tokens.data_ptr(), values.data_ptr(), count.data_ptr(), torch.get_num_threads())
+                              tokens.data_ptr(), values.data_ptr(), count.data_ptr(), cpu.kernel_threads())
     return tokens.view(*lead, k), values.view(*lead, k), count.view(lead)
 
 
