@@ -109,6 +109,8 @@ def test_torch_ops_one_thread_scope_nests_and_restores():
 
 
 def test_generate_decodes_in_the_scope_and_restores_threads():
+    import gc
+
     import dspec
     from dspec.decode import ar
 
@@ -118,6 +120,7 @@ def test_generate_decodes_in_the_scope_and_restores_threads():
 
     def spy(*args, **kwargs):
         seen["torch"], seen["kernels"] = torch.get_num_threads(), cpu.kernel_threads()
+        seen["gc"] = gc.isenabled()
         return real(*args, **kwargs)
 
     try:
@@ -125,8 +128,8 @@ def test_generate_decodes_in_the_scope_and_restores_threads():
         model = dspec.load("tiny-ar")
         ar.decode = spy
         dspec.generate(model, [1, 2, 3], method="ar", max_new_tokens=2)
-        assert seen == {"torch": 1, "kernels": 2}
-        assert torch.get_num_threads() == 2
+        assert seen == {"torch": 1, "kernels": 2, "gc": False}
+        assert torch.get_num_threads() == 2 and gc.isenabled()
     finally:
         ar.decode = real
         torch.set_num_threads(before)

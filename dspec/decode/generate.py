@@ -1,6 +1,8 @@
 """``dspec.generate``: one entry point for every decoding method."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import operator
 import os
@@ -25,6 +27,22 @@ from ..models.stack import frozen_weights
 # ``progress`` a tqdm bar (or None) to advance by generated tokens per request, and stats
 # hold at least ``nfe`` ({model role: forwards}) and ``mean_accepted``.
 ALL_METHODS = ("ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd")
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector off for one decode call (it was on before: back on
+    after).  A decode loop makes thousands of short-lived tensors, freed by reference
+    counting, and the collector's periodic passes over every live object (the model's
+    modules, the tokenizer's tables) took 2-3 % of a step's samples (perf); same-process A/B,
+    SmolLM2-135M, 4 prompts x 96 tokens x 3 reps: ``dflash`` +7 %, ``ssd`` +9 %."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def method_module(method: str) -> ModuleType:
@@ -144,7 +162,7 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
         from tqdm.auto import tqdm
         bar = tqdm(total=max_new_tokens, desc=f"{method} decode", unit="tok")
     start = time.perf_counter()
-    with frozen_weights(model), cpu.torch_ops_one_thread():
+    with frozen_weights(model), cpu.torch_ops_one_thread(), _gc_paused():
         tokens, stats = module.decode(model, prompts, max_new_tokens=max_new_tokens,
                                       temperature=temperature, generator=generator,
                                       eos_ids=model.eos_token_ids, progress=bar, **options)
