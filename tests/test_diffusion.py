@@ -200,3 +200,24 @@ def test_bidirectional_bad_options(bidir):
                       (dict(block_size=2.0), "block_size")):
         with pytest.raises(ValueError, match=match):
             dspec.generate(bidir, [1, 2], method="diffusion", max_new_tokens=2, **kw)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-6)])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_confidence_and_log_probs_are_softmax(dtype, atol, temperature):
+    from dspec.decode.unmask import confidence, log_probs
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(3, 5, 1000, generator=g) * 4).to(dtype)
+    logits[0, 0, 7] = float("-inf")
+    tokens = torch.randint(0, 1000, (3, 5, 4), generator=g)
+    tokens[0, 0, 0] = 7
+    t = temperature if temperature > 0 else 1.0
+    want = torch.log_softmax(logits.float() / t, -1).gather(-1, tokens)
+    got = log_probs(logits, tokens, temperature)
+    assert got.dtype == torch.float32 and got.shape == tokens.shape
+    assert got[0, 0, 0] == float("-inf")
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], atol=1e-5, rtol=1e-5)
+    conf = confidence(logits, tokens[..., 1], temperature)
+    torch.testing.assert_close(conf, want[..., 1].exp(), atol=atol, rtol=1e-5)

@@ -66,7 +66,7 @@ from ..ops import topk_tokens
 from ..ops.masks import pack_mask
 from .diffusion import prefill_prompt_blocks
 from .sampling import next_tokens
-from .unmask import confidence, rank_masked
+from .unmask import confidence, log_probs, rank_masked
 
 Step = tuple[int, int]
 
@@ -179,16 +179,14 @@ def candidates(logits: torch.Tensor, choice: torch.Tensor, num: int, temperature
 
     logits [..., V], choice [...] -> (tokens [..., num], log-probabilities [..., num]).
     """
-    t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits.float() / t, dim=-1)
     if num == 1:
-        return choice[..., None], logp.gather(-1, choice[..., None])
+        return choice[..., None], log_probs(logits, choice[..., None], temperature)
     top, _ = topk_tokens(logits.float(), min(num, logits.shape[-1]))
     is_choice = top == choice[..., None]
     # drop the choice from the top list (stable: keeps probability order), put it first
     rest = top.gather(-1, torch.sort(is_choice.to(torch.int8), dim=-1, stable=True).indices)
     cand = torch.cat([choice[..., None], rest[..., : num - 1]], -1)
-    return cand, logp.gather(-1, cand)
+    return cand, log_probs(logits, cand, temperature)
 
 
 _MASKS: dict = {}

@@ -23,6 +23,7 @@ import torch
 
 from ..ops import mass_candidates
 from .ngram import NgramLM
+from .unmask import log_probs
 
 BACKENDS = ("auto", "cpp", "python")
 
@@ -71,7 +72,7 @@ def build_lattice(logits: torch.Tensor, *, tau: float, max_candidates: int, eos_
         return tokens, logprobs
     B, L = logits.shape[:2]
     eos_t = torch.tensor(eos, device=logits.device)
-    eos_lp = torch.log_softmax(logits.float() / t, dim=-1).index_select(-1, eos_t)     # [B, L, E]
+    eos_lp = log_probs(logits, eos_t.expand(B, L, -1), t)                                # [B, L, E]
     present = (tokens[..., None] == eos_t).any(-2)                                        # [B, L, E]
     drop = present | torch.isneginf(eos_lp)
     extra_tok = torch.where(drop, torch.full_like(eos_lp, -1, dtype=torch.int64), eos_t.expand(B, L, -1))
