@@ -26,8 +26,8 @@ struct DecoderLayerWeights {
   const void* post_norm = nullptr;             // [hidden]
   const void* packed[kProjCount] = {};         // linear_pack_cpu layout
   const void* bias[kProjCount] = {};           // [out] or null
-  const float* lora_a[kProjCount] = {};        // [rank, in] or null: no adapter on it
-  const float* lora_b[kProjCount] = {};        // B transposed: [rank, out]
+  const void* lora_a[kProjCount] = {};         // [rank, in] (lora_dtype) or null: no adapter on it
+  const void* lora_b[kProjCount] = {};         // B transposed: [rank, out]
   float lora_scale[kProjCount] = {};
 };
 
@@ -50,6 +50,7 @@ struct DecoderArgs {
   const std::int64_t* mask_rows = nullptr;     // rows at [MASK] tokens (the adapter's rows)
   std::int64_t num_mask_rows = 0;
   std::int64_t lora_rank = 0;
+  int lora_dtype = kFloat32;                   // every adapter matrix: float32 or bfloat16
   void* hidden_out = nullptr;                  // [slots, rows, hidden]
   std::vector<int> record;                     // per layer: slot for x after it, or -1
   std::vector<DecoderLayerWeights> layers;

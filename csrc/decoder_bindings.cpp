@@ -50,9 +50,13 @@ void decoder_layers(std::int64_t x, int dtype, std::int64_t batch, std::int64_t 
                     const std::vector<std::int64_t>& weights, const std::vector<std::int64_t>& lora,
                     const std::vector<double>& lora_scales, std::int64_t lora_rank, std::int64_t mask_rows,
                     std::int64_t num_mask_rows, std::int64_t k_out, std::int64_t v_out, std::int64_t hidden_out,
-                    std::int64_t hidden_slots, const std::vector<int>& record, int num_threads) {
+                    std::int64_t hidden_slots, const std::vector<int>& record, int num_threads, int lora_dtype) {
   const Checker c{"decoder_layers"};
   c.float_dtype(dtype, "dtype");
+  if (lora_dtype != kFloat32 && lora_dtype != kBFloat16) {
+    c.fail("lora_dtype must be 0 (float32) or 2 (bfloat16), got " + std::to_string(lora_dtype));
+  }
+  const std::int64_t lora_item = element_size(lora_dtype);
   c.at_least(batch, 0, "batch");
   c.at_least(n, 0, "n");
   c.at_least(hidden, 1, "hidden");
@@ -120,10 +124,10 @@ void decoder_layers(std::int64_t x, int dtype, std::int64_t batch, std::int64_t 
       if (!lora.empty()) {
         const std::int64_t la = lora[(l * kProjCount + p) * 2], lb = lora[(l * kProjCount + p) * 2 + 1];
         if ((la == 0) != (lb == 0)) c.fail("lora: give both addresses of a projection's adapter or neither");
-        c.optional_ptr(la, "lora (A)", 4);
-        c.optional_ptr(lb, "lora (B)", 4);
-        lw.lora_a[p] = la == 0 ? nullptr : as_ptr<const float>(la);
-        lw.lora_b[p] = lb == 0 ? nullptr : as_ptr<const float>(lb);
+        c.optional_ptr(la, "lora (A)", lora_item);
+        c.optional_ptr(lb, "lora (B)", lora_item);
+        lw.lora_a[p] = la == 0 ? nullptr : as_ptr<const void>(la);
+        lw.lora_b[p] = lb == 0 ? nullptr : as_ptr<const void>(lb);
         lw.lora_scale[p] = static_cast<float>(lora_scales[l * kProjCount + p]);
       }
     }
@@ -166,6 +170,7 @@ void decoder_layers(std::int64_t x, int dtype, std::int64_t batch, std::int64_t 
   a.mask_rows = as_ptr<const std::int64_t>(mask_rows);
   a.num_mask_rows = num_mask_rows;
   a.lora_rank = lora_rank;
+  a.lora_dtype = lora_dtype;
   a.hidden_out = as_ptr<void>(hidden_out);
   a.record = record;
   a.num_threads = a.attention.num_threads;
@@ -190,15 +195,16 @@ model's per-op MLP and decoder_layers both use it, so they agree bit for bit.)do
         py::arg("prefix_v_s0"), py::arg("prefix_v_s1"), py::arg("prefix_v_s2"), py::arg("prefix_layer_stride"),
         py::arg("sm_scale"), py::arg("weights"), py::arg("lora"), py::arg("lora_scales"), py::arg("lora_rank"),
         py::arg("mask_rows"), py::arg("num_mask_rows"), py::arg("k_out"), py::arg("v_out"), py::arg("hidden_out"),
-        py::arg("hidden_slots"), py::arg("record"), py::arg("num_threads"),
+        py::arg("hidden_slots"), py::arg("record"), py::arg("num_threads"), py::arg("lora_dtype") = 0,
         R"doc(Every decoder layer of a Llama-style model for one inference forward on the CPU (decoder.h).
 
 x [B * N, hidden] (dtype 0 fp32, 1 fp16, 2 bf16) is updated in place; cos / sin float32 [B * N, head_dim]
 (rope_tables).  The attention's mask and prefix arguments are cascade_attention's, prefix_k / prefix_v
 being layer 0's and layer l's at + l * prefix_layer_stride elements.  weights: per layer the input and
 post-attention norm weights, the packed (linear_pack) q, k, v, o, gate, up, down and their biases (0:
-none).  lora: empty, or per layer and projection the float32 A [rank, in] and B^T [rank, out] of a mask
-adapter (0, 0: none) with lora_scales; its update is added at the int64 mask_rows.  k_out / v_out
+none).  lora: empty, or per layer and projection the A [rank, in] and B^T [rank, out] of a mask adapter
+(0, 0: none; lora_dtype 0 float32 or 2 bfloat16, the math float32 either way) with lora_scales; its update
+is added at the int64 mask_rows.  k_out / v_out
 [layers, B * N, hkv, head_dim] receive each layer's rotated keys and values; record[l] >= 0 copies x
 after layer l into slot record[l] of hidden_out [hidden_slots, B * N, hidden].  Bit-identical to the
 per-op path (rms_norm, linear_group, mask_lora, rope, cascade_attention, silu_mul, torch's adds).)doc");

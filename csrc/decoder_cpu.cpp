@@ -98,6 +98,7 @@ void project(const DecoderArgs& a, const DecoderLayerWeights& w, const void* x, 
     m.rank = a.lora_rank;
     m.rows = a.mask_rows;
     m.x = x;
+    m.weight_dtype = a.lora_dtype;
     m.a = w.lora_a[p];
     m.bt = w.lora_b[p];
     m.scale = w.lora_scale[p];

@@ -72,8 +72,9 @@ struct MaskLoraArgs {
   std::int64_t k = 0, n = 0, rank = 0;
   const std::int64_t* rows = nullptr;
   const void* x = nullptr;           // [*, k] contiguous
-  const float* a = nullptr;          // [rank, k]
-  const float* bt = nullptr;         // B transposed: [rank, n]
+  int weight_dtype = kFloat32;       // a and bt: float32, or bfloat16 (widened exactly to float32)
+  const void* a = nullptr;           // [rank, k]
+  const void* bt = nullptr;          // B transposed: [rank, n]
   float scale = 1.0f;
   void* y = nullptr;                 // [*, n] contiguous
   int num_threads = 1;               // rows split across threads (bits do not change)

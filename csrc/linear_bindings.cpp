@@ -129,9 +129,12 @@ void linear_group(std::int64_t x, int dtype, std::int64_t m, std::int64_t k, con
 
 void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a, std::int64_t bt, double scale,
                int dtype, std::int64_t num_rows, std::int64_t total_rows, std::int64_t k, std::int64_t n,
-               std::int64_t rank, int num_threads) {
+               std::int64_t rank, int num_threads, int weight_dtype) {
   const Checker c{"mask_lora"};
   c.float_dtype(dtype, "dtype");
+  if (weight_dtype != kFloat32 && weight_dtype != kBFloat16) {
+    c.fail("weight_dtype must be 0 (float32) or 2 (bfloat16), got " + std::to_string(weight_dtype));
+  }
   c.at_least(num_rows, 0, "num_rows");
   c.at_least(total_rows, 0, "total_rows");
   c.at_least(k, 1, "k");
@@ -146,8 +149,9 @@ void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a
   c.ptr(y, "y", item);
   c.ptr(x, "x", item);
   c.ptr(rows, "rows", 8);
-  c.ptr(a, "a", 4);
-  c.ptr(bt, "bt", 4);
+  const std::int64_t witem = element_size(weight_dtype);
+  c.ptr(a, "a", witem);
+  c.ptr(bt, "bt", witem);
   const std::int64_t* r = as_ptr<const std::int64_t>(rows);
   for (std::int64_t i = 0; i < num_rows; ++i) {
     if (r[i] < 0 || r[i] >= total_rows) {
@@ -162,8 +166,9 @@ void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a
   m.rank = rank;
   m.rows = r;
   m.x = as_ptr<const void>(x);
-  m.a = as_ptr<const float>(a);
-  m.bt = as_ptr<const float>(bt);
+  m.weight_dtype = weight_dtype;
+  m.a = as_ptr<const void>(a);
+  m.bt = as_ptr<const void>(bt);
   m.scale = static_cast<float>(scale);
   m.y = as_ptr<void>(y);
   m.num_threads = std::max(1, num_threads);
@@ -196,10 +201,11 @@ AVX512_BF16 for bf16, where the CPU has it), 'generic' or 'avx512'.  The GIL is 
 together; each output is bit-identical to a linear call on that part alone.)doc");
   m.def("mask_lora", &mask_lora, py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("a"), py::arg("bt"),
         py::arg("scale"), py::arg("dtype"), py::arg("num_rows"), py::arg("total_rows"), py::arg("k"), py::arg("n"),
-        py::arg("rank"), py::arg("num_threads") = 1,
+        py::arg("rank"), py::arg("num_threads") = 1, py::arg("weight_dtype") = 0,
         R"doc(In place y[r] += (scale * (x[r] @ a^T) @ bt).to(dtype) for r in rows (int64 [num_rows], each in
 [0, total_rows)): the low-rank update of a mask-selective adapter at the [MASK] rows.  x [total_rows, k]
-and y [total_rows, n] contiguous in dtype; a [rank, k] and bt = B^T [rank, n] float32 contiguous.
+and y [total_rows, n] contiguous in dtype; a [rank, k] and bt = B^T [rank, n] contiguous in weight_dtype
+(0 float32, 2 bfloat16: widened exactly, the math is float32 either way).
 Vectorised in float32 with a fixed order: a row's bits do not depend on the other rows (nor on
 num_threads, over which the rows are split when there are enough).)doc");
   m.def("linear_isa", [](int dtype) { return std::string(linear_has_avx512(dtype) ? "avx512" : "generic"); },

@@ -285,23 +285,31 @@ void pack_panels(const LinearPackArgs& a, std::int64_t p0, std::int64_t p1) {
 // outputs at a time as h[r] * B^T[r] summed over r in order (no reduction across lanes).
 // A row's bits depend only on that row (not on which or how many rows are masked).  The
 // scalar loops this replaced ran ~half of a 4-row block-diffusion forward of SmolLM2.
+// A and B^T may be kept in bfloat16 (WT): an adapter whose values are bf16 (the shipped one
+// is stored so) then streams half the bytes and gives the same bits (the widening is exact).
 constexpr int kLoraLanes = 16;
 
-DSPEC_CPU_INLINE float lane_dot(const float* a, const float* b, std::int64_t len) {
+template <int WT>
+DSPEC_CPU_INLINE float lane_dot(const dt::elem_t<WT>* a, const float* b, std::int64_t len) {
   float acc[kLoraLanes] = {};
   std::int64_t i = 0;
   for (; i + kLoraLanes <= len; i += kLoraLanes)
-    for (int l = 0; l < kLoraLanes; ++l) acc[l] += a[i + l] * b[i + l];
-  for (int l = 0; i + l < len; ++l) acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < kLoraLanes; ++l) acc[l] += dt::to_float<WT>(a[i + l]) * b[i + l];
+  for (int l = 0; i + l < len; ++l) acc[l] += dt::to_float<WT>(a[i + l]) * b[i + l];
   for (int width = kLoraLanes / 2; width > 0; width /= 2)
     for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
   return acc[0];
 }
 
-template <int DT>
+// (Taking rows four at a time, so that A and B^T are loaded once per tile, measured slower:
+// a second row finds both matrices of a projection in L2.)
+template <int DT, int WT>
 DSPEC_CPU_INLINE void mask_lora_rows(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
   using E = dt::elem_t<DT>;
+  using W = dt::elem_t<WT>;
   const E* x = static_cast<const E*>(a.x);
+  const W* wa = static_cast<const W*>(a.a);
+  const W* wbt = static_cast<const W*>(a.bt);
   E* y = static_cast<E*>(a.y);
   thread_local std::vector<float> xf, h;
   xf.resize(static_cast<std::size_t>(a.k));
@@ -311,14 +319,14 @@ DSPEC_CPU_INLINE void mask_lora_rows(const MaskLoraArgs& a, std::int64_t r0, std
     const std::int64_t row = a.rows[i];
     const E* xr = x + row * a.k;
     for (std::int64_t c = 0; c < a.k; ++c) xf[c] = dt::to_float<DT>(xr[c]);
-    for (std::int64_t r = 0; r < a.rank; ++r) h[r] = lane_dot(a.a + r * a.k, xf.data(), a.k);
+    for (std::int64_t r = 0; r < a.rank; ++r) h[r] = lane_dot<WT>(wa + r * a.k, xf.data(), a.k);
     E* yr = y + row * a.n;
     for (std::int64_t o = 0; o < full; o += kLoraLanes) {
       float acc[kLoraLanes] = {};
       for (std::int64_t r = 0; r < a.rank; ++r) {
         const float hr = h[r];
-        const float* bt = a.bt + r * a.n + o;
-        for (int l = 0; l < kLoraLanes; ++l) acc[l] += hr * bt[l];
+        const W* bt = wbt + r * a.n + o;
+        for (int l = 0; l < kLoraLanes; ++l) acc[l] += hr * dt::to_float<WT>(bt[l]);
       }
       // delta.to(dtype), then the dtype's add
       for (int l = 0; l < kLoraLanes; ++l)
@@ -326,20 +334,29 @@ DSPEC_CPU_INLINE void mask_lora_rows(const MaskLoraArgs& a, std::int64_t r0, std
     }
     for (std::int64_t o = full; o < a.n; ++o) {
       float acc = 0.0f;
-      for (std::int64_t r = 0; r < a.rank; ++r) acc += h[r] * a.bt[r * a.n + o];
+      for (std::int64_t r = 0; r < a.rank; ++r) acc += h[r] * dt::to_float<WT>(wbt[r * a.n + o]);
       dt::store<DT>(yr, o, dt::to_float<DT>(yr[o]) + dt::round_to<DT>(acc * a.scale));
     }
   }
 }
 
 DSPEC_CPU_CLONES void mask_lora_f32(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
-  mask_lora_rows<kFloat32>(a, r0, r1);
+  mask_lora_rows<kFloat32, kFloat32>(a, r0, r1);
 }
 DSPEC_CPU_CLONES void mask_lora_f16(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
-  mask_lora_rows<kFloat16>(a, r0, r1);
+  mask_lora_rows<kFloat16, kFloat32>(a, r0, r1);
 }
 DSPEC_CPU_CLONES void mask_lora_bf16(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
-  mask_lora_rows<kBFloat16>(a, r0, r1);
+  mask_lora_rows<kBFloat16, kFloat32>(a, r0, r1);
+}
+DSPEC_CPU_CLONES void mask_lora_f32_w16(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
+  mask_lora_rows<kFloat32, kBFloat16>(a, r0, r1);
+}
+DSPEC_CPU_CLONES void mask_lora_f16_w16(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
+  mask_lora_rows<kFloat16, kBFloat16>(a, r0, r1);
+}
+DSPEC_CPU_CLONES void mask_lora_bf16_w16(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
+  mask_lora_rows<kBFloat16, kBFloat16>(a, r0, r1);
 }
 
 }  // namespace
@@ -347,10 +364,11 @@ DSPEC_CPU_CLONES void mask_lora_bf16(const MaskLoraArgs& a, std::int64_t r0, std
 void mask_lora_cpu(const MaskLoraArgs& a) {
   // a row costs ~(k + n) * rank multiply-adds; a block's few [MASK] rows stay on one thread
   cpu::parallel_rows(a.num_rows, (a.k + a.n) * a.rank, a.num_threads, [&](std::int64_t r0, std::int64_t r1) {
+    const bool w16 = a.weight_dtype == kBFloat16;
     switch (a.dtype) {
-      case kFloat16: mask_lora_f16(a, r0, r1); break;
-      case kBFloat16: mask_lora_bf16(a, r0, r1); break;
-      default: mask_lora_f32(a, r0, r1); break;
+      case kFloat16: w16 ? mask_lora_f16_w16(a, r0, r1) : mask_lora_f16(a, r0, r1); break;
+      case kBFloat16: w16 ? mask_lora_bf16_w16(a, r0, r1) : mask_lora_bf16(a, r0, r1); break;
+      default: w16 ? mask_lora_f32_w16(a, r0, r1) : mask_lora_f32(a, r0, r1); break;
     }
   });
 }

@@ -199,6 +199,18 @@ def test_mask_lora_matches_the_torch_update(dtype, atol, k, n, rank):
         bad = torch.tensor([total])
         _backend.extension().mask_lora(got.data_ptr(), x.data_ptr(), bad.data_ptr(), a.data_ptr(), bt.data_ptr(),
                                        scale, CODES[dtype], 1, total, k, n, rank)
+    with pytest.raises(ValueError, match="weight_dtype"):
+        _backend.extension().mask_lora(got.data_ptr(), x.data_ptr(), rows.data_ptr(), a.data_ptr(), bt.data_ptr(),
+                                       scale, CODES[dtype], rows.numel(), total, k, n, rank, 1, 1)
+    # A and B^T held in bf16 (weight_dtype 2): the bits of the float32 call on the same values
+    a16, bt16 = a.bfloat16(), bt.bfloat16()
+    wide, narrow = y.clone(), y.clone()
+    a32, bt32 = a16.float(), bt16.float()
+    _backend.extension().mask_lora(wide.data_ptr(), x.data_ptr(), rows.data_ptr(), a32.data_ptr(), bt32.data_ptr(),
+                                   scale, CODES[dtype], rows.numel(), total, k, n, rank, 1, 0)
+    _backend.extension().mask_lora(narrow.data_ptr(), x.data_ptr(), rows.data_ptr(), a16.data_ptr(), bt16.data_ptr(),
+                                   scale, CODES[dtype], rows.numel(), total, k, n, rank, 1, 2)
+    assert torch.equal(narrow, wide)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

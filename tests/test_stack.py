@@ -91,6 +91,32 @@ def test_stack_with_mask_adapter_and_masks(bd, monkeypatch):
     _equal(fused, per_op)
 
 
+def test_a_bf16_valued_adapter_is_read_in_bf16_with_the_same_bits(base32, monkeypatch):
+    """An adapter whose values are all bf16 numbers (the shipped one) is streamed in bf16 by
+    the stack and the per-op path; the logits equal those of its float32 copy bit for bit."""
+    from dspec.models.mask_adapter import MaskLoraLinear
+
+    bd16 = trained_looking_mask_adapter(base32, mask_token_id=MASK, seed=1)
+    with torch.no_grad():
+        for name, p in bd16.named_parameters():
+            if name.endswith(("lora_A", "lora_B")):
+                p.copy_(p.bfloat16().float())
+    adapted = [m for m in bd16.modules() if type(m) is MaskLoraLinear]
+    assert all(m.lora_operands()[0].dtype is torch.bfloat16 for m in adapted)
+    seqs = [_ids(6, 7) + [MASK, 60, MASK, MASK], _ids(6, 8) + [MASK] * 4]
+    run = lambda: bd16(bd16.plan(seqs, attention="block_causal", block_size=4), logits="all").logits  # noqa: E731
+    fused, per_op = _both(monkeypatch, run)
+    assert stack._table(bd16).lora_dtype == 2
+    real = MaskLoraLinear.lora_operands
+    monkeypatch.setattr(MaskLoraLinear, "lora_operands", lambda self, float32=False: real(self, float32=True))
+    bd16.__dict__.pop("_stack_table", None)
+    fused32, per_op32 = _both(monkeypatch, run)
+    assert stack._table(bd16).lora_dtype == 0
+    _equal(fused, fused32)
+    _equal(per_op, per_op32)
+    _equal(fused, per_op)
+
+
 def test_stack_equals_transformers_within_tolerance(base32, monkeypatch):
     """The stack's own accuracy, not only its agreement with the per-op path."""
     seq = _ids(12, 9)

@@ -161,6 +161,35 @@ def test_warm_start_from_a_saved_drafter(ckpt, target, sequences, tmp_path):
         other.init_from(tmp_path / "dflash")
 
 
+def test_warm_start_deepens_a_shallower_drafter(target, sequences, tmp_path):
+    """--init with --layers above the saved drafter's: its layers first, the added ones the
+    identity (the logits are unchanged at step 0), and they then train; deeper sources fail."""
+    src = DrafterTrainer(target, small_cfg(max_steps=3), tmp_path / "src", sequences=sequences, progress=False)
+    src.train(max_steps=3)
+    src.drafter.save(tmp_path / "one")
+    deep = DrafterTrainer(target, small_cfg(max_steps=3, num_layers=2, seed=7), tmp_path / "deep",
+                          sequences=sequences, progress=False)
+    deep.init_from(tmp_path / "one")
+    assert deep.data_info["init_layers"] == 1
+    mine = deep.drafter.state_dict()
+    for k, v in src.drafter.state_dict().items():
+        torch.testing.assert_close(mine[k], v, rtol=0, atol=0, msg=k)
+    assert not deep.drafter.layers[1].o_proj.weight.any() and not deep.drafter.layers[1].mlp.down_proj.weight.any()
+    hidden = [torch.randn(2, 9, target.config.hidden_size) for _ in src.drafter.target_layer_ids]
+    blocks = torch.tensor([[[3, MASK, MASK, MASK], [5, MASK, MASK, MASK]]] * 2)
+    starts = torch.tensor([[2, 6]] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(deep.drafter.forward_train(hidden, blocks, starts),
+                                   src.drafter.forward_train(hidden, blocks, starts))
+    deep.train(max_steps=3)
+    assert deep.drafter.layers[1].o_proj.weight.any()
+    src2 = DrafterTrainer(target, small_cfg(max_steps=3, num_layers=2), tmp_path / "src2", sequences=sequences,
+                          progress=False)
+    src2.drafter.save(tmp_path / "two")
+    with pytest.raises(ValueError, match="num_layers = 2"):
+        src.init_from(tmp_path / "two")
+
+
 def test_greedy_accepted_counts_the_leading_agreeing_drafts():
     labels = torch.tensor([[[7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4]]])
     preds = torch.tensor([[[0, 1, 2, 9, 4], [0, 9, 2, 3, 4], [0, 1, 2, 3, 4], [0, 0, 2, 3, 9]]])

@@ -38,7 +38,8 @@ from .dense import dense, untracked
 
 __all__ = ["MaskRows", "MaskLoraLinear", "MaskAdapter", "clean_causal_words", "TARGETS"]
 
-_TRANSPOSED = "_dspec_lora_b_t"
+_OPERANDS = "_dspec_lora_operands"
+_CODES = {torch.float32: 0, torch.bfloat16: 2}
 
 #: projection name -> the Block attribute that holds it
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -84,27 +85,39 @@ class MaskLoraLinear(nn.Linear):
         if idx is None:
             return y
         if self._fused_update(x, y, idx):
+            a, bt = self.lora_operands()
             _backend.extension().mask_lora(
-                y.data_ptr(), x.data_ptr(), idx.data_ptr(), self.lora_A.data_ptr(), self.lora_b_t().data_ptr(),
+                y.data_ptr(), x.data_ptr(), idx.data_ptr(), a.data_ptr(), bt.data_ptr(),
                 float(self.scale), _backend.FLOAT_CODE[y.dtype], idx.numel(), y.numel() // self.out_features,
-                self.in_features, self.out_features, self.lora_A.shape[0], cpu.kernel_threads())
+                self.in_features, self.out_features, self.lora_A.shape[0], cpu.kernel_threads(), _CODES[a.dtype])
             return y
         picked = x.reshape(-1, self.in_features).index_select(0, idx).to(self.lora_A.dtype)
         delta = F.linear(F.linear(picked, self.lora_A), self.lora_B) * self.scale
         return y.reshape(-1, self.out_features).index_add(0, idx, delta.to(y.dtype)).view(y.shape)
 
-    def lora_b_t(self) -> torch.Tensor:
-        """``lora_B`` transposed [rank, out], contiguous: the layout dspec._C.mask_lora reads
-        (16 outputs per vector step).  Made on first use and kept with ``lora_B``; remade
-        when lora_B is modified in place (its version counter) or re-pointed."""
-        b = self.lora_B
-        key = (b.data_ptr(), b._version, tuple(b.shape))
-        kept = getattr(b, _TRANSPOSED, None)
-        if kept is not None and kept[0] == key:
-            return kept[1]
-        bt = b.detach().t().contiguous()
-        setattr(b, _TRANSPOSED, (key, bt))
-        return bt
+    def lora_operands(self, float32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lora_A [rank, in], lora_B^T [rank, out])`` contiguous, as dspec._C.mask_lora reads
+        them (16 outputs per vector step from B^T): in bfloat16 when every value of both is a
+        bfloat16 number (the shipped adapter is stored so: the kernel widens them exactly, the
+        same bits at half the bytes streamed per forward), else -- or with ``float32`` --
+        float32.  Made on first use and kept with ``lora_B``; remade when lora_A or lora_B is
+        modified in place (their version counters) or re-pointed."""
+        a, b = self.lora_A, self.lora_B
+        key = (a.data_ptr(), a._version, tuple(a.shape), b.data_ptr(), b._version, tuple(b.shape))
+        kept = getattr(b, _OPERANDS, None)
+        if kept is None or kept[0] != key:
+            kept = (key, {})
+            setattr(b, _OPERANDS, kept)
+        forms = kept[1]
+        form = "float32" if float32 else "auto"
+        if form not in forms:
+            a32, bt32 = a.detach().contiguous(), b.detach().t().contiguous()
+            if form == "auto":
+                a16, bt16 = a32.to(torch.bfloat16), bt32.to(torch.bfloat16)
+                if torch.equal(a16.float(), a32) and torch.equal(bt16.float(), bt32):
+                    a32, bt32 = a16, bt16
+            forms[form] = (a32, bt32)
+        return forms[form]
 
     def _fused_update(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> bool:
         """Whether dspec._C.mask_lora adds the update in place (an inference call on the CPU:

@@ -37,7 +37,7 @@ _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", 
 class _WeightTable:
     """The addresses ``decoder_layers`` reads, for one model in one state of its weights."""
 
-    __slots__ = ("key", "params", "weights", "lora", "lora_scales", "lora_rank")
+    __slots__ = ("key", "params", "weights", "lora", "lora_scales", "lora_rank", "lora_dtype")
 
     def __init__(self, model):
         modules = [[getattr(getattr(layer, part), name) for part, name in _PROJECTIONS] for layer in model.layers]
@@ -51,14 +51,18 @@ class _WeightTable:
             self.weights += [packed_weight(m.weight).data_ptr() for m in mods]
             self.weights += [0 if m.bias is None else m.bias.data_ptr() for m in mods]
         adapted = [m for mods in modules for m in mods if type(m) is MaskLoraLinear]
-        self.lora, self.lora_scales, self.lora_rank = [], [], 0
+        self.lora, self.lora_scales, self.lora_rank, self.lora_dtype = [], [], 0, 0
         if adapted:
             self.params += [p for m in adapted for p in (m.lora_A, m.lora_B)]
             self.key = _state(self.params)
+            # one storage dtype for every adapter matrix: bf16 only when all of them are
+            low = all(m.lora_operands()[0].dtype is torch.bfloat16 for m in adapted)
+            self.lora_dtype = 2 if low else 0
             for mods in modules:
                 for m in mods:
                     if type(m) is MaskLoraLinear:
-                        self.lora += [m.lora_A.data_ptr(), m.lora_b_t().data_ptr()]
+                        a, bt = m.lora_operands(float32=not low)
+                        self.lora += [a.data_ptr(), bt.data_ptr()]
                         self.lora_scales.append(float(m.scale))
                         self.lora_rank = m.lora_A.shape[0]
                     else:
@@ -185,6 +189,7 @@ def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: boo
         table.weights, table.lora if rows_index is not None else [], table.lora_scales if rows_index is not None else [],
         table.lora_rank, 0 if rows_index is None else rows_index.data_ptr(),
         0 if rows_index is None else rows_index.numel(), kv[0].data_ptr(), kv[1].data_ptr(),
-        0 if hid is None else hid.data_ptr(), len(slots), record, cpu.kernel_threads())
+        0 if hid is None else hid.data_ptr(), len(slots), record, cpu.kernel_threads(),
+        table.lora_dtype if rows_index is not None else 0)
     recorded = {i: hid[s] for s, i in enumerate(slots)}
     return x, kv if return_kv else None, recorded

@@ -66,7 +66,7 @@ class DrafterTrainConfig:
 
     kind : "dflash" or "vp".
     block_size : G, slots per block (anchor included); 16 at scale, 8 for tiny targets.
-    num_layers : drafter depth (1-2); target_layer_ids : None = evenly spread default.
+    num_layers : drafter depth; target_layer_ids : None = evenly spread default.
     batch_size : sequences per step; anchors_per_seq : blocks M drawn per sequence.
     lr, min_lr, warmup_steps, max_steps, weight_decay, grad_clip : AdamW + cosine schedule.
     loss_decay : the decay of the slot weights exp(-(j - i - 1) / decay) (None: G / 2).
@@ -494,17 +494,33 @@ class DrafterTrainer(BudgetedLoop):
 
     def init_from(self, path_or_name) -> None:
         """Warm start: the weights of a saved drafter (either kind: a DFlash drafter is a good
-        start for a VP drafter) of the same shape; ValueError when the shapes differ."""
+        start for a VP drafter) of the same shape, or of the same shape with fewer layers
+        (deepening: its layers become the first ones and every added layer starts as the
+        identity -- its o_proj and down_proj zero, so the drafter's output is unchanged at
+        step 0 and the new layers learn only a correction); ValueError when the shapes differ
+        otherwise."""
         from ..models.dflash import load_drafter
         src = load_drafter(path_or_name, self.target, device=self.device, dtype=torch.float32)
         mine, theirs = self.drafter.config, src.config
-        for f in ("num_layers", "block_size", "target_layer_ids", "hidden_size", "num_heads", "num_kv_heads",
+        for f in ("block_size", "target_layer_ids", "hidden_size", "num_heads", "num_kv_heads",
                   "head_dim", "intermediate_size"):
             if getattr(mine, f) != getattr(theirs, f):
                 raise ValueError(f"init: {path_or_name} has {f} = {getattr(theirs, f)!r}, this recipe "
                                  f"{getattr(mine, f)!r}")
-        self.drafter.load_state_dict(src.state_dict())
-        self.data_info = dict(self.data_info, init=str(path_or_name))
+        if theirs.num_layers > mine.num_layers:
+            raise ValueError(f"init: {path_or_name} has num_layers = {theirs.num_layers}, more than this "
+                             f"recipe's {mine.num_layers}")
+        missing, unexpected = self.drafter.load_state_dict(src.state_dict(), strict=False)
+        added = [f"layers.{i}." for i in range(theirs.num_layers, mine.num_layers)]
+        if unexpected or any(not k.startswith(tuple(added)) for k in missing):
+            raise ValueError(f"init: {path_or_name} does not match this drafter's parameters "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        with torch.no_grad():
+            for layer in list(self.drafter.layers)[theirs.num_layers:]:
+                layer.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+        self.data_info = dict(self.data_info, init=str(path_or_name),
+                              **({"init_layers": theirs.num_layers} if theirs.num_layers < mine.num_layers else {}))
 
     def resume(self) -> bool:
         """Load ``checkpoint.pt`` when present; True if it did."""
@@ -684,7 +700,8 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
                     help="(vp) a DFlash drafter directory for the acceptance measurement")
     ap.add_argument("--init", default=None,
                     help="warm start from a drafter directory or shipped drafter name of the same shape "
-                         "(e.g. the shipped DFlash drafter for a VP run, or a previous round)")
+                         "(e.g. the shipped DFlash drafter for a VP run, or a previous round), or of the "
+                         "same shape with fewer layers (--layers deepens it: added layers start as the identity)")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="train and draft over this many ids (the most frequent response tokens of the "
                          "training sequences, saved as the drafter's draft vocabulary; 0 = the whole vocabulary)")
