@@ -129,6 +129,31 @@ def test_drafter_shapes(target):
     assert not torch.allclose(d(block2, pos, cache)[:, 2], logits[:, 2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drafting_forward_in_one_call_equals_the_per_op_loop(target, dtype, monkeypatch):
+    """The drafter's layers through dspec._C.decoder_layers (the target's one-call stack):
+    the per-op loop's logits bit for bit, with and without a cached context, ragged."""
+    from dspec.models import stack
+
+    d = BlockDrafter.for_target(target, block_size=4, num_layers=2, seed=3).to(dtype=dtype)
+    calls = []
+    real = stack.run_layers
+    monkeypatch.setattr("dspec.models.dflash.run_layers",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    block = torch.tensor([[7, MASK, MASK, MASK], [3, MASK, MASK, MASK]])
+    pos = torch.tensor([[5, 6, 7, 8], [2, 3, 4, 5]])
+    with torch.no_grad():
+        out = target(target.plan([PROMPTS[0], PROMPTS[1]]), hidden_states=d.target_layer_ids)
+        cache = d.new_cache(2)
+        empty = d(block, pos - pos[:, :1], cache)
+        cache.append(d.context_kv([h.to(dtype) for h in out.hidden], torch.arange(5).expand(2, 5)), counts=[5, 2])
+        fused = d(block, pos, cache, logits_from=1)
+        assert len(calls) == 2
+        monkeypatch.setattr(stack, "ENABLED", False)
+        assert torch.equal(d(block, pos - pos[:, :1], d.new_cache(2)), empty)
+        assert torch.equal(d(block, pos, cache, logits_from=1), fused)
+
+
 def test_save_load_round_trip(target, tmp_path):
     d = BlockDrafter.for_target(target, block_size=6, seed=5)
     d.save(tmp_path / "dr")

@@ -44,10 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.attention import cascade_attention
+from ..ops.attention import CascadeAttentionPlan, cascade_attention
 from .dense import dense
 from .kv_cache import KVCache, SuffixKV
-from .transformer import MLP, RMSNorm, _linear, _project, _rotate, rope_tables
+from .stack import run_layers
+from .transformer import MLP, RMSNorm, _fused_cpu, _linear, _no_prefix, _project, _rotate, rope_tables
 
 #: token id meaning "this block slot is masked" in :meth:`BlockDrafter.forward` inputs.
 MASK = -1
@@ -373,7 +374,10 @@ class BlockDrafter(nn.Module):
         b, n = tokens.shape
         x = self.embed_block(tokens)
         cos, sin = self._rope(positions)
-        for i, layer in enumerate(self.layers):
+        fused = self._layers_fused(x, cos, sin, mask, cache, backend)
+        if fused is not None:
+            x = fused
+        for i, layer in enumerate(self.layers if fused is None else ()):
             h = layer.input_layernorm(x)
             q, k, v = _project((layer.q_proj, layer.k_proj, layer.v_proj), h)
             q = _rotate(q.view(b, n, c.num_heads, c.head_dim), cos, sin)
@@ -383,6 +387,29 @@ class BlockDrafter(nn.Module):
             x = x + _linear(layer.o_proj, o.reshape(b, n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.head(x[:, logits_from:] if logits_from else x, draft_vocab=draft_vocab)
+
+    def _layers_fused(self, x, cos, sin, mask, cache: KVCache, backend):
+        """Every drafter layer in one ``dspec._C.decoder_layers`` call (``stack.run_layers``,
+        the target's one-call path: the same kernels, so the same bits as the per-op loop),
+        the context read in place as the cache's pages; None where the per-op loop must run
+        (autograd, another device or backend).  A drafting step's ~30 small kernel calls from
+        Python cost about as much as their arithmetic."""
+        if not _fused_cpu(x, self.norm.weight, cos, sin):
+            return None
+        c = self.config
+        b, n = x.shape[:2]
+        common = (b, n, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, self.device, mask)
+        if cache.length_bound:
+            table, lens = cache.page_table()
+            plan = CascadeAttentionPlan(*common, prefix_page_table=table, prefix_lens=lens,
+                                        max_prefix_len=cache.length_bound, backend=backend)
+            prefix = cache.layer_pages
+        else:
+            plan, prefix = CascadeAttentionPlan(*common, backend=backend), _no_prefix
+        if plan.backend != "cpp":
+            return None
+        out = run_layers(self, x.contiguous(), cos.contiguous(), sin.contiguous(), plan, prefix, (), False)
+        return None if out is None else out[0]
 
     def forward_train(self, context_hidden: list[torch.Tensor], blocks: torch.Tensor,
                       starts: torch.Tensor, *, context_length: torch.Tensor | None = None,

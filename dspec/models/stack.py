@@ -40,7 +40,7 @@ class _WeightTable:
     __slots__ = ("key", "params", "weights", "lora", "lora_scales", "lora_rank", "lora_dtype")
 
     def __init__(self, model):
-        modules = [[getattr(getattr(layer, part), name) for part, name in _PROJECTIONS] for layer in model.layers]
+        modules = [_projections(layer) for layer in model.layers]
         self.params = [p for layer, mods in zip(model.layers, modules)
                        for p in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                  *(m.weight for m in mods), *(m.bias for m in mods if m.bias is not None))]
@@ -70,6 +70,12 @@ class _WeightTable:
                         self.lora_scales.append(0.0)
 
 
+def _projections(layer) -> list[nn.Module]:
+    """A layer's q, k, v, o, gate, up, down: under ``self_attn`` / ``mlp`` (the transformer's
+    blocks), or the attention's directly on the layer (a DFlash drafter's layers)."""
+    return [getattr(getattr(layer, part, layer), name) for part, name in _PROJECTIONS]
+
+
 def _state(params) -> tuple:
     """What invalidates a table: a parameter re-pointed or modified in place."""
     return tuple((p.data_ptr(), p._version) for p in params)
@@ -78,11 +84,10 @@ def _state(params) -> tuple:
 def _eligible(model) -> bool:
     """The model's layers are what decoder_layers computes (checked once per model)."""
     cfg = model.config
-    if cfg.qk_norm or model.dtype not in _CODES:
+    if getattr(cfg, "qk_norm", False) or model.dtype not in _CODES:
         return False
     for layer in model.layers:
-        for part, name in _PROJECTIONS:
-            m = getattr(getattr(layer, part), name)
+        for m in _projections(layer):
             if type(m) is not nn.Linear and type(m) is not MaskLoraLinear:
                 return False
             if m.weight.dtype is not model.dtype or (m.bias is not None and m.bias.dtype is not model.dtype):
@@ -133,6 +138,9 @@ def frozen_weights(model):
 def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: bool):
     """The decoder layers in one call, or None when this forward cannot take that path.
 
+    ``model``: a dspec transformer, or any module with ``layers`` of the same computation
+    and a ``config`` naming its shape (a DFlash drafter).
+
     x [B, N, hidden] (updated in place: the caller passes a fresh tensor), cos / sin
     [B, N, 1, D] float32; ``attention`` the forward's ``CascadeAttentionPlan`` and
     ``layer_prefix(i)`` its layer-``i`` prefix.  Returns ``(x, kv, recorded)``: kv the
@@ -175,7 +183,7 @@ def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: boo
     for s, i in enumerate(slots):
         record[i - 1] = s
     hid = torch.empty(len(slots), batch, n, hidden, dtype=x.dtype) if slots else None
-    adapter = model.mask_adapter
+    adapter = getattr(model, "mask_adapter", None)
     rows_index = adapter.rows.index if adapter is not None else None
     if rows_index is not None and (rows_index.dtype is not torch.int64 or not rows_index.is_contiguous()):
         return None
