@@ -44,11 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.attention import CascadeAttentionPlan, cascade_attention
+from ..ops.attention import cascade_attention
 from .dense import dense
 from .kv_cache import KVCache, SuffixKV
 from .stack import run_layers
-from .transformer import MLP, RMSNorm, _fused_cpu, _linear, _no_prefix, _project, _rotate, rope_tables
+from .transformer import MLP, RMSNorm, _fused_cpu, _linear, _project, _rotate, plan_attention, rope_tables
 
 #: token id meaning "this block slot is masked" in :meth:`BlockDrafter.forward` inputs.
 MASK = -1
@@ -396,16 +396,8 @@ class BlockDrafter(nn.Module):
         Python cost about as much as their arithmetic."""
         if not _fused_cpu(x, self.norm.weight, cos, sin):
             return None
-        c = self.config
         b, n = x.shape[:2]
-        common = (b, n, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, self.device, mask)
-        if cache.length_bound:
-            table, lens = cache.page_table()
-            plan = CascadeAttentionPlan(*common, prefix_page_table=table, prefix_lens=lens,
-                                        max_prefix_len=cache.length_bound, backend=backend)
-            prefix = cache.layer_pages
-        else:
-            plan, prefix = CascadeAttentionPlan(*common, backend=backend), _no_prefix
+        plan, prefix = plan_attention(self.config, self.dtype, self.device, b, n, mask, cache, backend)
         if plan.backend != "cpp":
             return None
         out = run_layers(self, x.contiguous(), cos.contiguous(), sin.contiguous(), plan, prefix, (), False)

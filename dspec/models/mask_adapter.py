@@ -39,7 +39,6 @@ from .dense import dense, untracked
 __all__ = ["MaskRows", "MaskLoraLinear", "MaskAdapter", "clean_causal_words", "TARGETS"]
 
 _OPERANDS = "_dspec_lora_operands"
-_CODES = {torch.float32: 0, torch.bfloat16: 2}
 
 #: projection name -> the Block attribute that holds it
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -89,7 +88,7 @@ class MaskLoraLinear(nn.Linear):
             _backend.extension().mask_lora(
                 y.data_ptr(), x.data_ptr(), idx.data_ptr(), a.data_ptr(), bt.data_ptr(),
                 float(self.scale), _backend.FLOAT_CODE[y.dtype], idx.numel(), y.numel() // self.out_features,
-                self.in_features, self.out_features, self.lora_A.shape[0], cpu.kernel_threads(), _CODES[a.dtype])
+                self.in_features, self.out_features, self.lora_A.shape[0], cpu.kernel_threads(), _backend.FLOAT_CODE[a.dtype])
             return y
         picked = x.reshape(-1, self.in_features).index_select(0, idx).to(self.lora_A.dtype)
         delta = F.linear(F.linear(picked, self.lora_A), self.lora_B) * self.scale

@@ -57,7 +57,7 @@ class _WeightTable:
             self.key = _state(self.params)
             # one storage dtype for every adapter matrix: bf16 only when all of them are
             low = all(m.lora_operands()[0].dtype is torch.bfloat16 for m in adapted)
-            self.lora_dtype = 2 if low else 0
+            self.lora_dtype = _backend.FLOAT_CODE[torch.bfloat16 if low else torch.float32]
             for mods in modules:
                 for m in mods:
                     if type(m) is MaskLoraLinear:

@@ -192,6 +192,31 @@ def _no_prefix(layer: int) -> tuple[None, None]:
     return None, None
 
 
+def plan_attention(config, dtype: torch.dtype, device, batch: int, n: int, mask, cache: KVCache | None,
+                   backend):
+    """A forward's attention, planned once for every layer: a ``CascadeAttentionPlan`` and
+    ``layer_prefix(i) -> (prefix_k, prefix_v)`` (``config``: num_heads, num_kv_heads,
+    head_dim; a model's or a DFlash drafter's).  With the C++ CPU kernel (or on CUDA) the
+    prefix is the cache's own storage read in place as pages (request b = page b of
+    ``capacity`` rows): no copy, no host read.  The torch reference and Triton's interpreter
+    on CPU take the committed rows gathered back to back (one gather per layer, the row
+    index built once)."""
+    common = (batch, n, config.num_heads, config.num_kv_heads, config.head_dim, dtype, device, mask)
+    if cache is None or cache.length_bound == 0:
+        return CascadeAttentionPlan(*common, backend=backend), _no_prefix
+    if cache.resolved_layout == "paged" or \
+            resolve_cascade_backend(backend, device, dtype, torch.is_grad_enabled()) == "cpp":
+        table, lens = cache.page_table()
+        plan = CascadeAttentionPlan(*common, prefix_page_table=table, prefix_lens=lens,
+                                    max_prefix_len=cache.length_bound, backend=backend)
+        return plan, cache.layer_pages
+    if cache.max_length == 0:
+        return CascadeAttentionPlan(*common, backend=backend), _no_prefix
+    indptr = cache.ragged_indptr()
+    plan = CascadeAttentionPlan(*common, prefix_indptr=indptr, backend=backend)
+    return plan, cache.layer_rows
+
+
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, *,
                 table: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables of positions [...] -> (cos, signed sin), each [..., 1, D] float32 (a head
@@ -410,7 +435,8 @@ class Model(nn.Module):
         recorded = {}
         if 0 in want:
             recorded[0] = x
-        attention, layer_prefix = self._attention_plan(batch, n, mask, cache, backend)   # once
+        attention, layer_prefix = plan_attention(cfg, self.dtype, self.device, batch, n, mask, cache,
+                                                 backend)   # once
         cos, sin = rope_tables(positions, self._rope(x.device), table=attention.backend == "cpp")  # [B, N, 1, D]
 
         keys, values = [], []
@@ -451,29 +477,6 @@ class Model(nn.Module):
         if return_kv:
             suffix_kv = SuffixKV(stacked=stacked_kv) if stacked_kv is not None else SuffixKV(keys, values)
         return Output(out_logits, hidden, suffix_kv)
-
-    def _attention_plan(self, batch: int, n: int, mask, cache: KVCache | None, backend):
-        """The forward's attention, planned once for every layer: a ``CascadeAttentionPlan``
-        and ``layer_prefix(i) -> (prefix_k, prefix_v)``.  With the C++ CPU kernel (or on
-        CUDA) the prefix is the cache's own storage read in place as pages (request b = page
-        b of ``capacity`` rows): no copy, no host read.  The torch reference and Triton's
-        interpreter on CPU take the committed rows gathered back to back (one gather per
-        layer, the row index built once)."""
-        cfg = self.config
-        common = (batch, n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device, mask)
-        if cache is None or cache.length_bound == 0:
-            return CascadeAttentionPlan(*common, backend=backend), _no_prefix
-        if cache.resolved_layout == "paged" or \
-                resolve_cascade_backend(backend, self.device, self.dtype, torch.is_grad_enabled()) == "cpp":
-            table, lens = cache.page_table()
-            plan = CascadeAttentionPlan(*common, prefix_page_table=table, prefix_lens=lens,
-                                        max_prefix_len=cache.length_bound, backend=backend)
-            return plan, cache.layer_pages
-        if cache.max_length == 0:
-            return CascadeAttentionPlan(*common, backend=backend), _no_prefix
-        indptr = cache.ragged_indptr()
-        plan = CascadeAttentionPlan(*common, prefix_indptr=indptr, backend=backend)
-        return plan, cache.layer_rows
 
     # ------------------------------------------------------------------------- checks
 
