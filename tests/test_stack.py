@@ -117,6 +117,33 @@ def test_a_bf16_valued_adapter_is_read_in_bf16_with_the_same_bits(base32, monkey
     _equal(fused, per_op)
 
 
+def test_a_strided_adapter_runs_fused_with_the_same_bits(tmp_path, monkeypatch):
+    """LoRA matrices that are views with any strides (a transposed lora_B, as a loader may
+    leave it) still take the one-call stack and dspec._C.mask_lora -- both read contiguous
+    copies -- and give the logits of the contiguous adapter."""
+    from dspec.models.mask_adapter import MaskLoraLinear
+
+    base = dspec.load(write_checkpoint(tmp_path, "llama", seed=3), dtype="float32")
+    bd = trained_looking_mask_adapter(base, mask_token_id=MASK, seed=2)
+    seqs = [_ids(6, 9) + [MASK, 61, MASK, MASK], _ids(5, 10) + [MASK] * 4]
+    run = lambda: bd(bd.plan(seqs, attention="block_causal", block_size=4), logits="all").logits  # noqa: E731
+    with torch.no_grad():
+        want = run()
+        for m in bd.modules():
+            if type(m) is MaskLoraLinear:
+                m.lora_B = torch.nn.Parameter(m.lora_B.detach().t().contiguous().t())
+                assert not m.lora_B.is_contiguous()
+    bd.__dict__.pop("_stack_table", None)
+    adapted = next(m for m in bd.modules() if type(m) is MaskLoraLinear)
+    x = torch.randn(8, adapted.in_features)
+    with torch.no_grad():
+        assert adapted._fused_update(x, torch.zeros(8, adapted.out_features), torch.tensor([1, 5]))
+    fused, per_op = _both(monkeypatch, run)
+    assert stack._table(bd) is not None
+    _equal(fused, want)
+    _equal(per_op, want)
+
+
 def test_stack_equals_transformers_within_tolerance(base32, monkeypatch):
     """The stack's own accuracy, not only its agreement with the per-op path."""
     seq = _ids(12, 9)

@@ -120,12 +120,12 @@ class MaskLoraLinear(nn.Linear):
 
     def _fused_update(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> bool:
         """Whether dspec._C.mask_lora adds the update in place (an inference call on the CPU:
-        y fresh and contiguous, nothing for autograd or a tracer to see)."""
+        y fresh and contiguous, nothing for autograd or a tracer to see; the kernel reads A and
+        B through :meth:`lora_operands`, contiguous copies, whatever their layout)."""
         a, b = self.lora_A, self.lora_B
         if (not x.is_cpu or y.dtype not in _backend.FLOAT_CODE or x.dtype is not y.dtype
                 or a.dtype is not torch.float32 or b.dtype is not torch.float32 or idx.dtype is not torch.int64
-                or not (x.is_contiguous() and y.is_contiguous() and a.is_contiguous() and b.is_contiguous()
-                        and idx.is_contiguous()) or not idx.is_cpu
+                or not (x.is_contiguous() and y.is_contiguous() and idx.is_contiguous()) or not idx.is_cpu
                 or not hasattr(_backend.extension(), "mask_lora")):
             return False
         return untracked(x, y, a, b, idx)

@@ -92,8 +92,7 @@ def _eligible(model) -> bool:
                 return False
             if m.weight.dtype is not model.dtype or (m.bias is not None and m.bias.dtype is not model.dtype):
                 return False
-            if type(m) is MaskLoraLinear and not (m.lora_A.dtype is torch.float32 and m.lora_A.is_contiguous()
-                                                  and m.lora_B.is_contiguous()):
+            if type(m) is MaskLoraLinear and not (m.lora_A.dtype is torch.float32 and m.lora_B.dtype is torch.float32):
                 return False
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if norm.weight.dtype is not model.dtype or not norm.weight.is_contiguous():
