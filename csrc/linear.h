@@ -57,6 +57,12 @@ struct LinearArgs {
 
 void linear_cpu(const LinearArgs& args);
 
+// The AVX-512 tiles' software prefetch distance along the packed weight, in k steps (each
+// step of a tile of T panels reads T cache lines): steps >= 0 sets it and returns the old
+// value; steps < 0 only returns it.  A tuning knob for machines whose memory latency or
+// bandwidth differ from the one it was measured on; results never depend on it.
+int linear_prefetch_steps(int steps);
+
 // Several projections of the same x in one call (q / k / v, gate / up): parts[p] differ only
 // in weight, bias, out, n and ldo; the panels of all parts are split over
 // the threads together.  Each output is bit-identical to linear_cpu on that part alone.

@@ -208,6 +208,9 @@ and y [total_rows, n] contiguous in dtype; a [rank, k] and bt = B^T [rank, n] co
 (0 float32, 2 bfloat16: widened exactly, the math is float32 either way).
 Vectorised in float32 with a fixed order: a row's bits do not depend on the other rows (nor on
 num_threads, over which the rows are split when there are enough).)doc");
+  m.def("linear_prefetch_steps", [](int steps) { return linear_prefetch_steps(steps); }, py::arg("steps") = -1,
+        "The linear tiles' software prefetch distance in k steps: steps >= 0 sets it (returns the old value), "
+        "-1 reads it. Results never depend on it.");
   m.def("linear_isa", [](int dtype) { return std::string(linear_has_avx512(dtype) ? "avx512" : "generic"); },
         py::arg("dtype"), "The code linear runs for this dtype code on this CPU with isa='auto'.");
 }

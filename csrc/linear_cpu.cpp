@@ -14,6 +14,7 @@
 // (Balanced tiles of up to 8 rows x 3 panels measured no faster at 16 rows and ~15 %
 // slower at 8: bench_linear A/B, AMD EPYC, November 2026.)
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -54,7 +55,15 @@ struct Tile {
   void* out;                // first row, first column of the first panel
   std::int64_t ldo;
   int last_cols;            // valid columns of the last panel, 1 .. 16
+  int prefetch_steps;       // software prefetch distance along the group's stream, in k steps
 };
+
+// The prefetch distance in k steps (x T cache lines of the stream); linear_prefetch_steps
+// sets it.  It must cover the memory latency at the stream's rate (8 KB ahead at 32 steps
+// of 4 panels).  SmolLM2-135M bf16 forwards after 256 tokens, one process, distances
+// alternated (AMD EPYC, 2 threads): 9 rows 8.67 ms at 8 steps, 8.32 at 16, 8.16 at 32, 8.35
+// at 64; 16 rows 11.00 / 10.82 / 10.58 / 10.55; one row 5.5-5.6 ms at every distance.
+std::atomic<int> g_prefetch_steps{32};
 
 using Micro = void (*)(const Tile&);
 
@@ -125,20 +134,17 @@ struct F32Step {
   DSPEC_AVX512BF16 static inline void store(E* out, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(out, m, v); }
 };
 
-// Software prefetch distance along a group's stream, in k steps (x T cache lines).
-constexpr int kPrefetchSteps = 8;
-
 template <class S, int MR, int T, bool kLast>
 DSPEC_AVX512BF16 inline __attribute__((always_inline)) void micro_step(__m512 (&acc)[MR][T],
                                                                        const typename S::E* x, std::int64_t ldx,
-                                                                       const typename S::E* w, std::int64_t s) {
+                                                                       const typename S::E* w, std::int64_t s,
+                                                                       std::int64_t ahead) {
   decltype(S::load(w)) wv[T];
   const typename S::E* ws = w + s * T * kPanel * S::kS;
 #pragma GCC unroll 4
   for (int p = 0; p < T; ++p) {
     // past the group's end this touches the next group's start, which comes next anyway
-    if constexpr (kPrefetchSteps > 0)
-      _mm_prefetch(reinterpret_cast<const char*>(ws + (kPrefetchSteps * T + p) * kPanel * S::kS), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ws + ahead + p * kPanel * S::kS), _MM_HINT_T0);
     wv[p] = S::load(ws + p * kPanel * S::kS);
   }
 #pragma GCC unroll 8
@@ -162,8 +168,9 @@ DSPEC_AVX512BF16 void micro_avx512(const Tile& t) {
 #pragma GCC unroll 4
     for (int p = 0; p < T; ++p) acc[i][p] = _mm512_setzero_ps();
   const std::int64_t full = t.k / S::kS;
-  for (std::int64_t s = 0; s < full; ++s) micro_step<S, MR, T, false>(acc, x, t.ldx, w, s);
-  if (full * S::kS < t.k) micro_step<S, MR, T, true>(acc, x, t.ldx, w, full);
+  const std::int64_t ahead = std::int64_t(t.prefetch_steps) * T * kPanel * S::kS;
+  for (std::int64_t s = 0; s < full; ++s) micro_step<S, MR, T, false>(acc, x, t.ldx, w, s, ahead);
+  if (full * S::kS < t.k) micro_step<S, MR, T, true>(acc, x, t.ldx, w, full, ahead);
   const __mmask16 last = static_cast<__mmask16>((1u << t.last_cols) - 1);
   E* out = static_cast<E*>(t.out);
 #pragma GCC unroll 4
@@ -241,12 +248,13 @@ void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64
   const char* w = static_cast<const char*>(a.weight);
   char* out = static_cast<char*>(a.out);
   float bias[kPanel * kPanelBlock];
+  const int prefetch = g_prefetch_steps.load(std::memory_order_relaxed);
   for (std::int64_t g = p0; g < p1; g += kPanelBlock) {
     const int tp = static_cast<int>(std::min<std::int64_t>(kPanelBlock, p1 - g));
     const std::int64_t c0 = g * kPanel;
     const int cols = static_cast<int>(std::min<std::int64_t>(kPanel * tp, a.n - c0));
     for (int c = 0; c < kPanel * tp; ++c) bias[c] = a.bias != nullptr && c < cols ? dt::load<DT>(a.bias, c0 + c) : 0.0f;
-    Tile t{nullptr, a.ldx, w + g * panel * item, a.k, bias, nullptr, a.ldo, cols - (tp - 1) * kPanel};
+    Tile t{nullptr, a.ldx, w + g * panel * item, a.k, bias, nullptr, a.ldo, cols - (tp - 1) * kPanel, prefetch};
     for (std::int64_t i0 = 0; i0 < a.m; i0 += kRowBlock) {
       const int mr = static_cast<int>(std::min<std::int64_t>(kRowBlock, a.m - i0));
       t.x = x + i0 * a.ldx * item;
@@ -444,5 +452,9 @@ void linear_group_cpu(const LinearArgs* parts, int count) {
 }
 
 void linear_cpu(const LinearArgs& a) { linear_group_cpu(&a, 1); }
+
+int linear_prefetch_steps(int steps) {
+  return steps < 0 ? g_prefetch_steps.load() : g_prefetch_steps.exchange(steps);
+}
 
 }  // namespace dspec

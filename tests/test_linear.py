@@ -83,6 +83,26 @@ def test_linear_is_batch_and_thread_invariant(dtype):
         assert torch.equal(run(x[3:17], w, threads=1, isa=isa), whole[3:17])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_prefetch_distance_changes_no_bit(dtype):
+    """linear_prefetch_steps tunes how far ahead the tiles prefetch the packed weight; the
+    results are the same bits at any distance (0 = a prefetch of the current step)."""
+    ext = _backend.extension()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 300, generator=g).to(dtype)
+    w = (torch.randn(200, 300, generator=g) / 17).to(dtype)
+    old = ext.linear_prefetch_steps()
+    try:
+        want = run(x, w)
+        for steps in (0, 1, 64, 1000):
+            assert ext.linear_prefetch_steps(steps) >= 0
+            assert ext.linear_prefetch_steps() == steps
+            assert torch.equal(run(x, w), want)
+    finally:
+        ext.linear_prefetch_steps(old)
+    assert ext.linear_prefetch_steps() == old
+
+
 def test_linear_strided_rows_and_output():
     g = torch.Generator().manual_seed(1)
     big = torch.randn(9, 80, generator=g)
