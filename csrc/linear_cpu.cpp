@@ -56,13 +56,17 @@ struct Tile {
   std::int64_t ldo;
   int last_cols;            // valid columns of the last panel, 1 .. 16
   int prefetch_steps;       // software prefetch distance along the group's stream, in k steps
+  const void* stream_end;   // the end of this thread's panels: no prefetch at or past it
 };
 
 // The prefetch distance in k steps (x T cache lines of the stream); linear_prefetch_steps
 // sets it.  It must cover the memory latency at the stream's rate (8 KB ahead at 32 steps
-// of 4 panels).  SmolLM2-135M bf16 forwards after 256 tokens, one process, distances
-// alternated (AMD EPYC, 2 threads): 9 rows 8.67 ms at 8 steps, 8.32 at 16, 8.16 at 32, 8.35
-// at 64; 16 rows 11.00 / 10.82 / 10.58 / 10.55; one row 5.5-5.6 ms at every distance.
+// of 4 panels), and stops at the thread's last panel.  SmolLM2-135M bf16 forwards after
+// 256 tokens, one process, distances alternated over 10 rounds (AMD EPYC, 2 threads):
+// 9 rows 8.33 ms at 8 steps, 7.95 at 16, 7.72 at 32; 16 rows 10.86 / 10.42 / 10.26; one
+// row 5.28-5.33 ms at each.  (Without the stop, 32 steps cost one row ~3 % in one run:
+// every chunk's tail fetched 8 KB of another thread's panels.  Prefetching into L2 instead,
+// _MM_HINT_T1, measured slower at 32-128 steps.)
 std::atomic<int> g_prefetch_steps{32};
 
 using Micro = void (*)(const Tile&);
@@ -138,13 +142,15 @@ template <class S, int MR, int T, bool kLast>
 DSPEC_AVX512BF16 inline __attribute__((always_inline)) void micro_step(__m512 (&acc)[MR][T],
                                                                        const typename S::E* x, std::int64_t ldx,
                                                                        const typename S::E* w, std::int64_t s,
-                                                                       std::int64_t ahead) {
+                                                                       std::int64_t ahead, const typename S::E* end) {
   decltype(S::load(w)) wv[T];
   const typename S::E* ws = w + s * T * kPanel * S::kS;
+  // past the group's end this touches the next group's start, which this thread reads next;
+  // past the thread's last panel it would fetch another thread's (long consumed) bytes
+  const bool fetch = ws + ahead < end;
 #pragma GCC unroll 4
   for (int p = 0; p < T; ++p) {
-    // past the group's end this touches the next group's start, which comes next anyway
-    _mm_prefetch(reinterpret_cast<const char*>(ws + ahead + p * kPanel * S::kS), _MM_HINT_T0);
+    if (fetch) _mm_prefetch(reinterpret_cast<const char*>(ws + ahead + p * kPanel * S::kS), _MM_HINT_T0);
     wv[p] = S::load(ws + p * kPanel * S::kS);
   }
 #pragma GCC unroll 8
@@ -169,8 +175,9 @@ DSPEC_AVX512BF16 void micro_avx512(const Tile& t) {
     for (int p = 0; p < T; ++p) acc[i][p] = _mm512_setzero_ps();
   const std::int64_t full = t.k / S::kS;
   const std::int64_t ahead = std::int64_t(t.prefetch_steps) * T * kPanel * S::kS;
-  for (std::int64_t s = 0; s < full; ++s) micro_step<S, MR, T, false>(acc, x, t.ldx, w, s, ahead);
-  if (full * S::kS < t.k) micro_step<S, MR, T, true>(acc, x, t.ldx, w, full, ahead);
+  const E* end = static_cast<const E*>(t.stream_end);
+  for (std::int64_t s = 0; s < full; ++s) micro_step<S, MR, T, false>(acc, x, t.ldx, w, s, ahead, end);
+  if (full * S::kS < t.k) micro_step<S, MR, T, true>(acc, x, t.ldx, w, full, ahead, end);
   const __mmask16 last = static_cast<__mmask16>((1u << t.last_cols) - 1);
   E* out = static_cast<E*>(t.out);
 #pragma GCC unroll 4
@@ -249,12 +256,13 @@ void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64
   char* out = static_cast<char*>(a.out);
   float bias[kPanel * kPanelBlock];
   const int prefetch = g_prefetch_steps.load(std::memory_order_relaxed);
+  const char* stream_end = w + p1 * panel * item;
   for (std::int64_t g = p0; g < p1; g += kPanelBlock) {
     const int tp = static_cast<int>(std::min<std::int64_t>(kPanelBlock, p1 - g));
     const std::int64_t c0 = g * kPanel;
     const int cols = static_cast<int>(std::min<std::int64_t>(kPanel * tp, a.n - c0));
     for (int c = 0; c < kPanel * tp; ++c) bias[c] = a.bias != nullptr && c < cols ? dt::load<DT>(a.bias, c0 + c) : 0.0f;
-    Tile t{nullptr, a.ldx, w + g * panel * item, a.k, bias, nullptr, a.ldo, cols - (tp - 1) * kPanel, prefetch};
+    Tile t{nullptr, a.ldx, w + g * panel * item, a.k, bias, nullptr, a.ldo, cols - (tp - 1) * kPanel, prefetch, stream_end};
     for (std::int64_t i0 = 0; i0 < a.m; i0 += kRowBlock) {
       const int mr = static_cast<int>(std::min<std::int64_t>(kRowBlock, a.m - i0));
       t.x = x + i0 * a.ldx * item;
