@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_json  # noqa: E402
 
 import dspec  # noqa: E402
-from dspec.bench_e2e import CHAT_SETS, PROMPT_SETS, _prompts  # noqa: E402
+from dspec.bench_e2e import CHAT_SETS, PROMPT_SETS, _prompts, is_chat_model  # noqa: E402
 from dspec.models.dflash import resolve_drafter  # noqa: E402
 from dspec.models.embedded import chat_prompt  # noqa: E402
 
@@ -51,9 +51,10 @@ def main(argv=None) -> dict:
     acc = defaultdict(lambda: defaultdict(float))
     from tqdm.auto import tqdm
     bar = tqdm(total=sum(len(v) for v in prompts.values()), desc="prompts")
+    chat = is_chat_model(model)
     for pset, problems in prompts.items():
         for problem in problems:
-            text = chat_prompt(problem.prompt) if pset in CHAT_SETS else problem.prompt
+            text = chat_prompt(problem.prompt) if chat and pset in CHAT_SETS else problem.prompt
             reference = None
             for name, method, kw in configs:
                 t0 = time.perf_counter()
