@@ -26,5 +26,10 @@ inline bool has_avx512_bf16() {
 #endif
 }
 
+// AMX-BF16 tiles usable by this process: the CPU has AMX-TILE and AMX-BF16, and Linux granted
+// the process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once; the grant
+// covers every thread of the process, a kernel without it refuses and AMX stays off).
+bool has_amx_bf16();
+
 }  // namespace cpu
 }  // namespace dspec

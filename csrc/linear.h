@@ -21,15 +21,17 @@
 
 namespace dspec {
 
-enum LinearIsa : int { kLinearAuto = 0, kLinearGeneric = 1, kLinearAvx512 = 2 };
+// auto: AMX for bfloat16 where the process may use it, else AVX-512 where the CPU has it.
+enum LinearIsa : int { kLinearAuto = 0, kLinearGeneric = 1, kLinearAvx512 = 2, kLinearAmx = 3 };
 
 // Output columns per panel of the packed weight.
 constexpr int kPanel = 16;
 
 // The packed weight: panel p = columns 16p .. 16p+15, S = 2 elements along k per column
-// for 16-bit dtypes (pairs) and 1 for float32, zero padded past n and k.  Panels are
-// grouped by 4 (the last group may hold fewer, tp): group g starts at element
-// 4 g * linear_panel_elements and holds [ceil(k / S)][tp][16][S].
+// for 16-bit dtypes (pairs) and 1 for float32, zero padded past n and, for the 16-bit
+// dtypes, to kp = k rounded up to a multiple of 32 (one AMX tile depth; kp = k for float32).
+// Panels are grouped by 4 (the last group may hold fewer, tp): group g starts at element
+// 4 g * linear_panel_elements and holds [kp / S][tp][16][S].
 std::int64_t linear_panel_elements(std::int64_t k, int dtype);
 std::int64_t linear_packed_elements(std::int64_t n, std::int64_t k, int dtype);
 
@@ -90,5 +92,9 @@ void mask_lora_cpu(const MaskLoraArgs& args);
 
 // Whether the AVX-512 code runs for this dtype on this CPU (bfloat16 needs AVX512_BF16).
 bool linear_has_avx512(int dtype);
+
+// Whether the AMX tiles run for this dtype in this process (bfloat16 on a CPU with AMX-BF16
+// whose kernel grants the tile state).
+bool linear_has_amx(int dtype);
 
 }  // namespace dspec

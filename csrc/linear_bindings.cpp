@@ -80,8 +80,12 @@ void linear(std::int64_t x, std::int64_t weight, std::int64_t bias, std::int64_t
   c.product(m, ldx, "m * ldx");
   c.product(n + kPanel, k + 1, "n * k");
   c.product(m, ldo, "m * ldo");
-  const int code = c.isa(isa, linear_has_avx512(dtype),
-                        "float32 / bfloat16 and a CPU with AVX-512 (AVX512_BF16 for bfloat16)");  // LinearIsa codes
+  int code = kLinearAmx;  // LinearIsa codes
+  if (isa == "amx") {
+    if (!linear_has_amx(dtype)) c.fail("isa 'amx' needs bfloat16 and a CPU with AMX-BF16 that the kernel enables");
+  } else {
+    code = c.isa(isa, linear_has_avx512(dtype), "float32 / bfloat16 and a CPU with AVX-512 (AVX512_BF16 for bfloat16)");
+  }
   if (m == 0 || n == 0) return;
   const std::int64_t item = element_size(dtype);
   c.ptr(x, "x", item);
@@ -192,8 +196,10 @@ for the 16-bit dtypes, zero padded.  Done once per weight; linear and linear_gro
         R"doc(out[m, n] = x[m, k] @ W[n, k]^T (+ bias[n]) for few rows (a decode or verification step), W
 given packed by linear_pack: float32 accumulation, one rounding to dtype (0 fp32, 1 fp16, 2 bf16); row
 strides ldx / ldo in elements, unit stride along k and n; bias 0 for none.  Each output is reduced in an
-order independent of m and of the thread count (batch-invariant).  isa: 'auto' (AVX-512, with
-AVX512_BF16 for bf16, where the CPU has it), 'generic' or 'avx512'.  The GIL is released while it runs.)doc");
+order independent of m and of the thread count (batch-invariant).  isa: 'auto' (AMX tiles for bf16 where
+the CPU has AMX-BF16, else AVX-512, with AVX512_BF16 for bf16, where the CPU has it), 'generic', 'avx512'
+or 'amx'.  AMX and vdpbf16ps sum a k pair in different orders: their bf16 bits differ, so one process
+keeps one isa for every row count.  The GIL is released while it runs.)doc");
   m.def("linear_group", &linear_group, py::arg("x"), py::arg("dtype"), py::arg("m"), py::arg("k"),
         py::arg("weights"), py::arg("biases"), py::arg("outs"), py::arg("ns"), py::arg("num_threads") = 1,
         R"doc(linear for several packed weights of one x in one call: outs[p][m, ns[p]] = x[m, k] @ W_p^T
@@ -211,7 +217,8 @@ num_threads, over which the rows are split when there are enough).)doc");
   m.def("linear_prefetch_steps", [](int steps) { return linear_prefetch_steps(steps); }, py::arg("steps") = -1,
         "The linear tiles' software prefetch distance in k steps: steps >= 0 sets it (returns the old value), "
         "-1 reads it. Results never depend on it.");
-  m.def("linear_isa", [](int dtype) { return std::string(linear_has_avx512(dtype) ? "avx512" : "generic"); },
+  m.def("linear_isa",
+        [](int dtype) { return std::string(linear_has_amx(dtype) ? "amx" : linear_has_avx512(dtype) ? "avx512" : "generic"); },
         py::arg("dtype"), "The code linear runs for this dtype code on this CPU with isa='auto'.");
 }
 

@@ -13,6 +13,13 @@
 // read once).
 // (Balanced tiles of up to 8 rows x 3 panels measured no faster at 16 rows and ~15 %
 // slower at 8: bench_linear A/B, AMD EPYC, November 2026.)
+//
+// On a CPU with AMX-BF16 the bf16 tiles run on the tile unit instead: the same packed panel
+// is exactly an AMX B operand (16 k pairs of 16 columns, 64 bytes a row; a group's panels
+// sit at a row stride of tp * 64 bytes), so the layout serves both.  16-bit weights are
+// padded along k to whole 32-element tile depths.  AMX sums a tile's k pairs in its own
+// order (its bits differ from vdpbf16ps'), so where it is on, every row count takes it:
+// a row's bits still never depend on the other rows or the thread split.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -30,6 +37,9 @@
 #include <immintrin.h>
 #define DSPEC_LINEAR_X86 1
 #define DSPEC_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx512bf16")))
+#define DSPEC_AMX __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx512bf16,amx-tile,amx-bf16")))
+#include <sys/syscall.h>
+#include <unistd.h>
 #else
 #define DSPEC_LINEAR_X86 0
 #endif
@@ -43,6 +53,12 @@ constexpr int kPanelBlock = 4;
 constexpr std::int64_t kElementsPerThread = std::int64_t(1) << 17;
 
 constexpr int step_of(int dtype) { return dtype == kFloat32 ? 1 : 2; }
+// k is padded to a multiple of this in the packed weight: one AMX tile depth (16 k pairs)
+// for the 16-bit dtypes, one element for float32
+constexpr int kTileDepth = 32;
+constexpr std::int64_t padded_k(std::int64_t k, int dtype) {
+  return dtype == kFloat32 ? k : (k + kTileDepth - 1) / kTileDepth * kTileDepth;
+}
 
 // One tile: rows [mr] of x times the tp panels of one group of the packed weight into
 // out, plus bias.
@@ -191,6 +207,141 @@ DSPEC_AVX512BF16 void micro_avx512(const Tile& t) {
 }
 #endif
 
+// ---------------------------------------------------------------------- AMX code
+
+#if DSPEC_LINEAR_X86
+// Rows per AMX tile (the tile unit's maximum) and the bytes of one tile row.
+constexpr int kAmxRows = 16;
+constexpr int kAmxRowBytes = 64;
+
+// The 64-byte tile configuration (palette 1): tiles 0-3 accumulate the tile's rows x 16 columns
+// of one panel each in float32, tile 4 holds rows x 32 k of x, tiles 5-7 rotate the panels' B
+// operands (16 k pairs x 16 columns).
+struct alignas(64) AmxConfig {
+  std::uint8_t palette = 1, start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+DSPEC_AMX inline void amx_configure(int rows) {
+  AmxConfig c;
+  for (int t = 0; t < 5; ++t) {
+    c.rows[t] = static_cast<std::uint8_t>(rows);
+    c.colsb[t] = kAmxRowBytes;
+  }
+  for (int t = 5; t < 8; ++t) {
+    c.rows[t] = kAmxRows;
+    c.colsb[t] = kAmxRowBytes;
+  }
+  // the intrinsics' asm names only the config's first bytes as an input
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  _tile_loadconfig(&c);
+}
+
+// One step of 32 k for panel P of the group: B tile BT from the packed stream (row stride:
+// the group's T panels), accumulated into tile P.  (The tile intrinsics take literal tile
+// numbers.)
+#define DSPEC_AMX_PANEL(P, BT)                                    \
+  do {                                                            \
+    _tile_loadd(BT, block + (P) * kPanel * 2, b_stride);          \
+    _tile_dpbf16ps(P, 4, BT);                                     \
+  } while (0)
+
+// rows (the configured tile rows) x the group's T panels over kp (a multiple of 32) into acc,
+// float32 [rows][T * 16] at a row stride of 64 floats.
+template <int T>
+DSPEC_AMX void micro_amx(const std::uint16_t* x, std::int64_t ldx, const std::uint16_t* w, std::int64_t kp,
+                         std::int64_t prefetch_bytes, const char* stream_end, float* acc) {
+  _tile_zero(0);
+  if constexpr (T > 1) _tile_zero(1);
+  if constexpr (T > 2) _tile_zero(2);
+  if constexpr (T > 3) _tile_zero(3);
+  constexpr std::int64_t block_elems = std::int64_t(kTileDepth / 2) * T * kPanel * 2;  // 16 steps
+  const long x_stride = long(ldx) * 2;
+  constexpr long b_stride = long(T) * kPanel * 2 * 2;
+  for (std::int64_t d = 0; d < kp / kTileDepth; ++d) {
+    const std::uint16_t* block = w + d * block_elems;
+    const char* ahead = reinterpret_cast<const char*>(block) + prefetch_bytes;
+    if (prefetch_bytes > 0 && ahead < stream_end) {
+      const char* stop = std::min(ahead + block_elems * 2, stream_end);
+      for (const char* p = ahead; p < stop; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+    }
+    _tile_loadd(4, x + d * kTileDepth, x_stride);
+    DSPEC_AMX_PANEL(0, 5);
+    if constexpr (T > 1) DSPEC_AMX_PANEL(1, 6);
+    if constexpr (T > 2) DSPEC_AMX_PANEL(2, 7);
+    if constexpr (T > 3) DSPEC_AMX_PANEL(3, 5);
+  }
+  constexpr long acc_stride = kPanel * kPanelBlock * 4;
+  _tile_stored(0, acc, acc_stride);
+  if constexpr (T > 1) _tile_stored(1, acc + kPanel, acc_stride);
+  if constexpr (T > 2) _tile_stored(2, acc + 2 * kPanel, acc_stride);
+  if constexpr (T > 3) _tile_stored(3, acc + 3 * kPanel, acc_stride);
+}
+
+using AmxMicro = void (*)(const std::uint16_t*, std::int64_t, const std::uint16_t*, std::int64_t, std::int64_t,
+                          const char*, float*);
+constexpr AmxMicro kAmxMicro[kPanelBlock] = {&micro_amx<1>, &micro_amx<2>, &micro_amx<3>, &micro_amx<4>};
+
+// Panels [p0, p1) of one bf16 projection on the tile unit, every row of x: row blocks of 16
+// inside each panel group, so a group's weight (k * 128 bytes) is read from memory once and
+// from L2 for the next blocks.  x is read in place when its rows fill whole tiles; a last
+// partial block of a call of more than 16 rows, and every row when k is not a multiple of 32,
+// go through a zero-padded copy (zeros add nothing to a sum).
+DSPEC_AMX void panels_amx(const LinearArgs& a, std::int64_t p0, std::int64_t p1) {
+  using E = std::uint16_t;
+  const std::int64_t kp = padded_k(a.k, kBFloat16);
+  const std::int64_t panel = linear_panel_elements(a.k, kBFloat16);
+  const E* x = static_cast<const E*>(a.x);
+  const E* w = static_cast<const E*>(a.weight);
+  E* out = static_cast<E*>(a.out);
+  const int tile_rows = static_cast<int>(std::min<std::int64_t>(a.m, kAmxRows));
+  const bool pad_k = kp != a.k;
+  const std::int64_t full_rows = a.m <= kAmxRows ? a.m : a.m / kAmxRows * kAmxRows;
+  // the rows that go through the copy: all of them when k is padded, else the partial block
+  const std::int64_t copy_from = pad_k ? 0 : full_rows;
+  thread_local std::vector<E> padded;
+  if (copy_from < a.m) {
+    const std::int64_t rows = (a.m - copy_from + kAmxRows - 1) / kAmxRows * kAmxRows;
+    padded.assign(static_cast<std::size_t>(rows * kp), E(0));
+    for (std::int64_t i = copy_from; i < a.m; ++i)
+      std::memcpy(padded.data() + (i - copy_from) * kp, x + i * a.ldx, static_cast<std::size_t>(a.k) * sizeof(E));
+    std::atomic_signal_fence(std::memory_order_seq_cst);   // tile loads are asm the compiler cannot see through
+  }
+  alignas(64) float acc[kAmxRows][kPanel * kPanelBlock];
+  const std::int64_t prefetch_bytes =
+      std::int64_t(g_prefetch_steps.load(std::memory_order_relaxed)) * kPanelBlock * kPanel * 2 * sizeof(E);
+  const char* stream_end = reinterpret_cast<const char*>(w + p1 * panel);
+  amx_configure(tile_rows);
+  for (std::int64_t g = p0; g < p1; g += kPanelBlock) {
+    const int tp = static_cast<int>(std::min<std::int64_t>(kPanelBlock, p1 - g));
+    const std::int64_t c0 = g * kPanel;
+    const int cols = static_cast<int>(std::min<std::int64_t>(kPanel * tp, a.n - c0));
+    float bias[kPanel * kPanelBlock];
+    for (int c = 0; c < cols; ++c) bias[c] = a.bias != nullptr ? dt::load<kBFloat16>(a.bias, c0 + c) : 0.0f;
+    const E* wg = w + g * panel;
+    for (std::int64_t i0 = 0; i0 < a.m; i0 += kAmxRows) {
+      const int mr = static_cast<int>(std::min<std::int64_t>(tile_rows, a.m - i0));
+      const bool copied = i0 >= copy_from;
+      const E* xs = copied ? padded.data() + (i0 - copy_from) * kp : x + i0 * a.ldx;
+      kAmxMicro[tp - 1](xs, copied ? kp : a.ldx, wg, kp, prefetch_bytes, stream_end, &acc[0][0]);
+      const __mmask16 full = 0xffff;
+      for (int i = 0; i < mr; ++i) {
+        E* o = out + (i0 + i) * a.ldo + c0;
+        for (int c = 0; c < cols; c += kPanel) {
+          const int left = cols - c;
+          const __mmask16 m = left >= kPanel ? full : static_cast<__mmask16>((1u << left) - 1);
+          const __m512 v = _mm512_add_ps(_mm512_load_ps(&acc[i][c]), _mm512_maskz_loadu_ps(m, bias + c));
+          _mm256_mask_storeu_epi16(o + c, m, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // ---------------------------------------------------------------------- dispatch tables
 
 template <template <int, int> class Pick, int MR, int... Ts>
@@ -276,7 +427,7 @@ template <int DT>
 void pack_panels(const LinearPackArgs& a, std::int64_t p0, std::int64_t p1) {
   using E = dt::elem_t<DT>;
   constexpr int S = step_of(DT);
-  const std::int64_t steps = (a.k + S - 1) / S;
+  const std::int64_t steps = padded_k(a.k, DT) / S;
   const std::int64_t count = (a.n + kPanel - 1) / kPanel;
   const E* w = static_cast<const E*>(a.weight);
   E* out = static_cast<E*>(a.packed);
@@ -389,6 +540,23 @@ void mask_lora_cpu(const MaskLoraArgs& a) {
   });
 }
 
+namespace cpu {
+bool has_amx_bf16() {
+#if DSPEC_LINEAR_X86
+  static const bool yes = [] {
+    if (!has_avx512_bf16() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+}  // namespace cpu
+
+bool linear_has_amx(int dtype) { return dtype == kBFloat16 && cpu::has_amx_bf16(); }
+
 bool linear_has_avx512(int dtype) {
 #if DSPEC_LINEAR_X86
   if (dtype == kFloat32) return cpu::has_avx512();
@@ -398,10 +566,7 @@ bool linear_has_avx512(int dtype) {
   return false;
 }
 
-std::int64_t linear_panel_elements(std::int64_t k, int dtype) {
-  const int s = step_of(dtype);
-  return (k + s - 1) / s * s * kPanel;
-}
+std::int64_t linear_panel_elements(std::int64_t k, int dtype) { return padded_k(k, dtype) * kPanel; }
 
 std::int64_t linear_packed_elements(std::int64_t n, std::int64_t k, int dtype) {
   return (n + kPanel - 1) / kPanel * linear_panel_elements(k, dtype);
@@ -423,6 +588,7 @@ void linear_group_cpu(const LinearArgs* parts, int count) {
   const LinearArgs& a = parts[0];
   if (a.m == 0) return;
   const bool avx512 = a.isa == kLinearGeneric ? false : linear_has_avx512(a.dtype);
+  const bool amx = (a.isa == kLinearAuto || a.isa == kLinearAmx) && linear_has_amx(a.dtype);
   const Table& table = table_for(a.dtype, avx512);
   // the parts' panel groups back to back: first[p] is part p's first global group
   std::vector<std::int64_t> first(static_cast<std::size_t>(count) + 1, 0);
@@ -449,6 +615,12 @@ void linear_group_cpu(const LinearArgs* parts, int count) {
       const std::int64_t panels_of_part = (part.n + kPanel - 1) / kPanel;
       const std::int64_t p0 = (lo - first[p]) * kPanelBlock;
       const std::int64_t p1 = std::min(panels_of_part, (hi - first[p]) * kPanelBlock);
+#if DSPEC_LINEAR_X86
+      if (amx) {
+        panels_amx(part, p0, p1);
+        continue;
+      }
+#endif
       switch (part.dtype) {
         case kFloat16: panels<kFloat16>(part, table, p0, p1); break;
         case kBFloat16: panels<kBFloat16>(part, table, p0, p1); break;

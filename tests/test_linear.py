@@ -15,8 +15,9 @@ CODES = _backend.FLOAT_CODE
 
 def isas(dtype):
     ext = _backend.extension()
-    return ["generic", "avx512"] if dtype != torch.float16 and ext.linear_isa(CODES[dtype]) == "avx512" \
-        else ["generic"]
+    if dtype == torch.float16 or ext.linear_isa(CODES[dtype]) == "generic":
+        return ["generic"]
+    return ["generic", "avx512", "amx"] if ext.linear_isa(CODES[dtype]) == "amx" else ["generic", "avx512"]
 
 
 def pack(w, threads=2):
@@ -118,12 +119,12 @@ def test_linear_strided_rows_and_output():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_pack_layout(dtype):
     """Panel p = columns 16p..16p+15 with S elements along k per column (S = 2 for 16-bit
-    dtypes), zero padded past N and K; groups of 4 panels (the last one: the rest) each
-    [ceil(K / S)][panels in group][16][S]."""
+    dtypes), zero padded past N and, for 16-bit dtypes, to K rounded up to 32 (one AMX tile
+    depth); groups of 4 panels (the last one: the rest) each [Kp / S][panels in group][16][S]."""
     n, k = 84, 5                                          # 6 panels: a group of 4, a group of 2
     w = torch.arange(1, n * k + 1, dtype=torch.float32).view(n, k).to(dtype)
     s = 1 if dtype == torch.float32 else 2
-    steps = -(-k // s)
+    steps = k if dtype == torch.float32 else 32 // s
     padded = torch.zeros(96, steps * s, dtype=dtype)
     padded[:n, :k] = w
     groups = [padded[:64].view(4, 16, steps, s), padded[64:].view(2, 16, steps, s)]
