@@ -250,9 +250,19 @@ DSPEC_AMX inline void amx_configure(int rows) {
 
 // rows (the configured tile rows) x the group's T panels over kp (a multiple of 32) into acc,
 // float32 [rows][T * 16] at a row stride of 64 floats.
+// What a tile prefetches while it runs: at its k block d, the lines [from + d * per_block,
+// + per_block) below end, into L1 (the stream just ahead) or L2 (the next group, fetched
+// while a later row block of the same group computes from cache).
+struct AmxPrefetch {
+  const char* from = nullptr;
+  std::int64_t per_block = 0;
+  const char* end = nullptr;
+  bool to_l2 = false;
+};
+
 template <int T>
 DSPEC_AMX void micro_amx(const std::uint16_t* x, std::int64_t ldx, const std::uint16_t* w, std::int64_t kp,
-                         std::int64_t prefetch_bytes, const char* stream_end, float* acc) {
+                         const AmxPrefetch& pf, float* acc) {
   _tile_zero(0);
   if constexpr (T > 1) _tile_zero(1);
   if constexpr (T > 2) _tile_zero(2);
@@ -262,10 +272,14 @@ DSPEC_AMX void micro_amx(const std::uint16_t* x, std::int64_t ldx, const std::ui
   constexpr long b_stride = long(T) * kPanel * 2 * 2;
   for (std::int64_t d = 0; d < kp / kTileDepth; ++d) {
     const std::uint16_t* block = w + d * block_elems;
-    const char* ahead = reinterpret_cast<const char*>(block) + prefetch_bytes;
-    if (prefetch_bytes > 0 && ahead < stream_end) {
-      const char* stop = std::min(ahead + block_elems * 2, stream_end);
-      for (const char* p = ahead; p < stop; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+    const char* ahead = pf.from + d * pf.per_block;
+    if (pf.per_block > 0 && ahead < pf.end) {
+      const char* stop = std::min(ahead + pf.per_block, pf.end);
+      if (pf.to_l2) {
+        for (const char* p = ahead; p < stop; p += 64) _mm_prefetch(p, _MM_HINT_T1);
+      } else {
+        for (const char* p = ahead; p < stop; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+      }
     }
     _tile_loadd(4, x + d * kTileDepth, x_stride);
     DSPEC_AMX_PANEL(0, 5);
@@ -280,8 +294,8 @@ DSPEC_AMX void micro_amx(const std::uint16_t* x, std::int64_t ldx, const std::ui
   if constexpr (T > 3) _tile_stored(3, acc + 3 * kPanel, acc_stride);
 }
 
-using AmxMicro = void (*)(const std::uint16_t*, std::int64_t, const std::uint16_t*, std::int64_t, std::int64_t,
-                          const char*, float*);
+using AmxMicro = void (*)(const std::uint16_t*, std::int64_t, const std::uint16_t*, std::int64_t,
+                          const AmxPrefetch&, float*);
 constexpr AmxMicro kAmxMicro[kPanelBlock] = {&micro_amx<1>, &micro_amx<2>, &micro_amx<3>, &micro_amx<4>};
 
 // Panels [p0, p1) of one bf16 projection on the tile unit, every row of x: row blocks of 16
@@ -321,11 +335,25 @@ DSPEC_AMX void panels_amx(const LinearArgs& a, std::int64_t p0, std::int64_t p1)
     float bias[kPanel * kPanelBlock];
     for (int c = 0; c < cols; ++c) bias[c] = a.bias != nullptr ? dt::load<kBFloat16>(a.bias, c0 + c) : 0.0f;
     const E* wg = w + g * panel;
-    for (std::int64_t i0 = 0; i0 < a.m; i0 += kAmxRows) {
+    const std::int64_t group_bytes = tp * panel * std::int64_t(sizeof(E));
+    const std::int64_t blocks = kp / kTileDepth;
+    for (std::int64_t i0 = 0, r = 0; i0 < a.m; i0 += kAmxRows, ++r) {
       const int mr = static_cast<int>(std::min<std::int64_t>(tile_rows, a.m - i0));
       const bool copied = i0 >= copy_from;
       const E* xs = copied ? padded.data() + (i0 - copy_from) * kp : x + i0 * a.ldx;
-      kAmxMicro[tp - 1](xs, copied ? kp : a.ldx, wg, kp, prefetch_bytes, stream_end, &acc[0][0]);
+      // the first row block streams the group from memory (prefetching just ahead); the others
+      // read it from cache and meanwhile bring the next group into L2, a share each
+      AmxPrefetch pf;
+      if (r == 0) {
+        pf = {reinterpret_cast<const char*>(wg) + prefetch_bytes, prefetch_bytes > 0 ? group_bytes / blocks : 0,
+              stream_end, false};
+      } else {
+        const std::int64_t later = (a.m + kAmxRows - 1) / kAmxRows - 1;
+        const std::int64_t share = (kPanelBlock * panel * std::int64_t(sizeof(E)) + later - 1) / later;
+        const char* next = reinterpret_cast<const char*>(wg) + group_bytes + (r - 1) * share;
+        pf = {next, (share + blocks - 1) / blocks, std::min(next + share, stream_end), true};
+      }
+      kAmxMicro[tp - 1](xs, copied ? kp : a.ldx, wg, kp, pf, &acc[0][0]);
       const __mmask16 full = 0xffff;
       for (int i = 0; i < mr; ++i) {
         E* o = out + (i0 + i) * a.ldo + c0;
