@@ -3,6 +3,9 @@ runs for every row count it packs, ``PACKED_MAX_ROWS``) against torch's F.linear
 weight shapes.  The weight is packed once, outside the timing (a model packs it on its
 first forward).
 
+On a CPU with AMX-BF16 the bf16 rows run on the AMX tiles (``cpp``); ``cpp-avx512`` times the
+AVX512_BF16 tiles of the same packed weight beside them.
+
 Rows x = [M, K] for M = 1..128 (a decode step is M = batch, a verification forward M =
 batch x suffix), weight [N, K] cold in cache (a 64 MiB buffer is written between reps, as a
 decode step streams 270 MB of weights past the cache).  GB/s counts the weight's bytes: at
@@ -60,8 +63,8 @@ def main() -> None:
                 x = torch.randn(m, k).to(dtype)
                 out = torch.empty(m, n, dtype=dtype)
 
-                def cpp():
-                    ext.linear(x.data_ptr(), packed.data_ptr(), 0, out.data_ptr(), code, m, k, n, k, n, threads)
+                def cpp(isa="auto"):
+                    ext.linear(x.data_ptr(), packed.data_ptr(), 0, out.data_ptr(), code, m, k, n, k, n, threads, isa)
 
                 cpp()
                 ref = F.linear(x, w)
@@ -70,7 +73,10 @@ def main() -> None:
                 params = {"shape": name, "M": m, "N": n, "K": k}
                 nbytes = w.numel() * w.element_size()
                 new = []
-                for backend, fn in (("cpp", cpp), ("torch", lambda: F.linear(x, w))):
+                runs = [("cpp", cpp), ("torch", lambda: F.linear(x, w))]
+                if ext.linear_isa(code) == "amx":            # the AVX512_BF16 tiles AMX replaces
+                    runs.append(("cpp-avx512", lambda: cpp("avx512")))
+                for backend, fn in runs:
                     t = time_fn(fn, device, reps=reps, warmup=warmup)
                     new.append(make_row(op="linear", backend=backend, case=case, params=params,
                                         dtype=DTYPE_NAMES[dtype], timing=t, bytes_moved=nbytes,
@@ -79,9 +85,10 @@ def main() -> None:
                                                                        / bw["read_GBs"], 1),
                                                "max_abs_diff_vs_torch": err}))
                 rec.add(new)
-                c, f = new
+                c, f = new[:2]
+                extra = "".join(f"  {r['backend']} {r['median_us']:9.1f} us" for r in new[2:])
                 print(f"{DTYPE_NAMES[dtype]} {case:20s} cpp {c['median_us']:9.1f} us ({c['GB_s']:6.1f} GB/s)  "
-                      f"torch {f['median_us']:9.1f} us ({f['GB_s']:6.1f} GB/s)  x{c['speedup_vs_torch']}",
+                      f"torch {f['median_us']:9.1f} us ({f['GB_s']:6.1f} GB/s)  x{c['speedup_vs_torch']}{extra}",
                       flush=True)
     rec.finish({"panel_keys": ("shape", "dtype")}, no_plot=args.no_plot)
 
