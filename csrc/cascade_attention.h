@@ -17,7 +17,9 @@ namespace dspec {
 enum CascadePrefix : int { kPrefixNone = 0, kPrefixRagged = 1, kPrefixPaged = 2 };
 // Which vector code runs the tiles: the best the CPU has, the portable C++ loops (compiled
 // for AVX2+FMA and baseline x86-64), or AVX-512 (refused by the bindings when missing).
-enum CascadeIsa : int { kIsaAuto = 0, kIsaGeneric = 1, kIsaAvx512 = 2 };
+// auto: AMX tiles for bf16 (head_dim a multiple of 32) where the process may use them, else
+// AVX-512 where the CPU has it.
+enum CascadeIsa : int { kIsaAuto = 0, kIsaGeneric = 1, kIsaAvx512 = 2, kIsaAmx = 3 };
 
 struct CascadeAttentionArgs {
   int dtype = kFloat32;           // q, k, v, out, prefix_k, prefix_v
@@ -66,5 +68,7 @@ struct CascadeAttentionArgs {
 void cascade_attention_cpu(const CascadeAttentionArgs& args);
 // Whether this CPU runs the AVX-512 tile code.
 bool cascade_attention_has_avx512();
+// Whether the AMX-BF16 tiles run for this dtype and head_dim in this process.
+bool cascade_attention_has_amx(int dtype, std::int64_t head_dim);
 
 }  // namespace dspec

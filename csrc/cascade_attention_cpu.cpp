@@ -110,12 +110,17 @@ using SoftmaxFn = void (*)(float* s, std::int64_t m, int kt, int nv, const std::
 using PvFn = void (*)(const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t dp,
                       const float* alpha, float* o);
 
+using PrepareQFn = void (*)(float* qp, std::int64_t rows, std::int64_t dp);
+
 struct Ops {
   PackFn pack_k;  // K rows -> K^T [dp][kKeyTile]: rows d >= D and columns [kt, 16 * nv) zero
   PackFn pack_v;  // V rows -> [kt][dp]: columns d >= D zero
   QkFn qk;        // s[r][j] = sum_d qp[r][d] kt[d][j], j < 16 * nv
   SoftmaxFn softmax;
   PvFn pv;        // o[r] = alpha[r] o[r] + sum_j p[r][j] v[j]
+  // null, or the AMX tiles' re-layout of the scaled Q rows in place (once per unit); the
+  // AMX pack_k / pack_v / qk / pv then use their own layouts of the same buffers
+  PrepareQFn prepare_q = nullptr;
 };
 
 // ---- portable loops ------------------------------------------------------------------
@@ -525,6 +530,196 @@ DSPEC_AVX512 void pv_avx512(const float* p, std::int64_t m, int kt, const float*
 
 constexpr Ops kAvx512Ops = {pack_k_avx512, pack_v_avx512, qk_avx512, softmax_avx512, pv_avx512};
 
+// ---- AMX-BF16 (bf16 inputs, D a multiple of 32) ------------------------------------------
+// The same tiles on the tile unit, with float32 precision kept where the AVX-512 code has
+// it: K and V are bf16 (exact operands); the scaled Q rows and the probabilities P are
+// float32 and go in as two bf16 terms each, x = hi + lo with hi = bf16(x), lo = bf16(x - hi)
+// (16 of x's 24 mantissa bits; two tile products, accumulated in float32).  A row's result
+// depends only on its own Q / P row and the keys, as in the AVX-512 code, so the
+// invariances above hold among AMX runs (its bits differ from the AVX-512 ones, so a process
+// keeps one isa for every call).
+// Layouts (in the float buffers the driver hands out):
+//   Q row r (4 dp bytes): hi [dp] bf16, then lo [dp] bf16            (prepare_q, in place)
+//   K tile: bf16 [dp / 2 pairs][64 keys][2]   (a B operand of 16 pairs x 16 keys per tile)
+//   V tile: bf16 [32 key pairs][dp][2]        (a B operand of 16 key pairs x 16 d per tile)
+// Tiles: 0-3 accumulate (S: 16 keys each; O: 16 d each), 4 / 5 the hi / lo A operands,
+// 6 / 7 alternate the B operands.
+#define DSPEC_CA_AMX __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx512bf16,amx-tile,amx-bf16")))
+
+struct alignas(64) AmxTileConfig {
+  std::uint8_t palette = 1, start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+DSPEC_CA_AMX inline void amx_rows(int rows) {
+  AmxTileConfig c;
+  for (int t = 0; t < 6; ++t) {
+    c.rows[t] = static_cast<std::uint8_t>(rows);
+    c.colsb[t] = 64;
+  }
+  c.rows[6] = c.rows[7] = 16;
+  c.colsb[6] = c.colsb[7] = 64;
+  std::atomic_signal_fence(std::memory_order_seq_cst);  // the asm names only the first bytes
+  _tile_loadconfig(&c);
+}
+
+// hi / lo bf16 terms of 16 floats
+DSPEC_CA_AMX inline void split_bf16(__m512 x, __m256i& hi, __m256i& lo) {
+  const __m256bh h = _mm512_cvtneps_pbh(x);
+  hi = (__m256i)h;
+  lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, _mm512_cvtpbh_ps(h)));
+}
+
+DSPEC_CA_AMX void prepare_q_amx(float* qp, std::int64_t rows, std::int64_t dp) {
+  alignas(64) float row[512];
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float* q = qp + r * dp;
+    std::memcpy(row, q, static_cast<std::size_t>(dp) * sizeof(float));
+    auto* out = reinterpret_cast<std::uint16_t*>(q);
+    for (std::int64_t d0 = 0; d0 < dp; d0 += 16) {
+      __m256i hi, lo;
+      split_bf16(_mm512_load_ps(row + d0), hi, lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d0), hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + dp + d0), lo);
+    }
+  }
+}
+
+DSPEC_CA_AMX void pack_k_amx(const void* const* rows, int kt, int, std::int64_t d, std::int64_t dp, float* out) {
+  // 32-bit words (d pairs) transposed 16 keys x 16 pairs at a time: word [pair][key]
+  for (int j0 = 0; j0 < kKeyTile; j0 += 16) {
+    for (std::int64_t w0 = 0; w0 < dp / 2; w0 += 16) {
+      const __mmask16 km = lanes(d / 2 - w0);
+      __m512 r[16];
+      for (int jj = 0; jj < 16; ++jj) {
+        r[jj] = j0 + jj < kt ? _mm512_maskz_loadu_ps(km, static_cast<const std::uint16_t*>(rows[j0 + jj]) + 2 * w0)
+                             : _mm512_setzero_ps();
+      }
+      transpose16(r);
+      for (int ww = 0; ww < 16; ++ww) _mm512_store_ps(out + (w0 + ww) * kKeyTile + j0, r[ww]);
+    }
+  }
+}
+
+DSPEC_CA_AMX void pack_v_amx(const void* const* rows, int kt, int, std::int64_t d, std::int64_t dp, float* out) {
+  // key pairs interleaved along d: out16[((j / 2) * dp + c) * 2 + j % 2] = V[j][c]
+  alignas(64) static constexpr std::uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr std::uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                        24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo_idx = _mm512_load_si512(kLo), hi_idx = _mm512_load_si512(kHi);
+  auto* o = reinterpret_cast<std::uint16_t*>(out);
+  for (int j = 0; j < kKeyTile; j += 2) {
+    for (std::int64_t c0 = 0; c0 < dp; c0 += 32) {
+      const __mmask32 m = d - c0 >= 32 ? ~__mmask32(0) : (d > c0 ? (__mmask32(1) << (d - c0)) - 1 : 0);
+      const __m512i a = j < kt ? _mm512_maskz_loadu_epi16(m, static_cast<const std::uint16_t*>(rows[j]) + c0)
+                               : _mm512_setzero_si512();
+      const __m512i b = j + 1 < kt ? _mm512_maskz_loadu_epi16(m, static_cast<const std::uint16_t*>(rows[j + 1]) + c0)
+                                   : _mm512_setzero_si512();
+      std::uint16_t* dst = o + ((j / 2) * dp + c0) * 2;
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo_idx, b));
+      _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi_idx, b));
+    }
+  }
+}
+
+#define DSPEC_CA_AMX_DOT(C, B, base, stride)                         \
+  do {                                                               \
+    _tile_loadd(B, base, stride);                                    \
+    _tile_dpbf16ps(C, 4, B);                                         \
+    _tile_dpbf16ps(C, 5, B);                                         \
+  } while (0)
+
+DSPEC_CA_AMX void qk_amx(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int, float* s) {
+  const auto* k16 = reinterpret_cast<const std::uint16_t*>(kt);
+  constexpr long kB = kKeyTile * 4;  // bytes between the d pairs of a K tile
+  const long q_stride = static_cast<long>(dp) * 4;
+  int configured = 0;
+  for (std::int64_t r0 = 0; r0 < m; r0 += 16) {
+    const int mr = static_cast<int>(std::min<std::int64_t>(16, m - r0));
+    if (mr != configured) amx_rows(configured = mr);
+    const auto* q16 = reinterpret_cast<const std::uint16_t*>(qp + r0 * dp);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (std::int64_t d0 = 0; d0 < dp; d0 += 32) {
+      _tile_loadd(4, q16 + d0, q_stride);
+      _tile_loadd(5, q16 + dp + d0, q_stride);
+      const std::uint16_t* kb = k16 + (d0 / 2) * kKeyTile * 2;
+      DSPEC_CA_AMX_DOT(0, 6, kb, kB);
+      DSPEC_CA_AMX_DOT(1, 7, kb + 32, kB);
+      DSPEC_CA_AMX_DOT(2, 6, kb + 64, kB);
+      DSPEC_CA_AMX_DOT(3, 7, kb + 96, kB);
+    }
+    float* sr = s + r0 * kKeyTile;
+    _tile_stored(0, sr, kKeyTile * 4);
+    _tile_stored(1, sr + 16, kKeyTile * 4);
+    _tile_stored(2, sr + 32, kKeyTile * 4);
+    _tile_stored(3, sr + 48, kKeyTile * 4);
+  }
+  _tile_release();
+}
+
+DSPEC_CA_AMX void pv_amx(const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t dp,
+                         const float* alpha, float* o) {
+  const auto* v16 = reinterpret_cast<const std::uint16_t*>(vrows[0]);  // pack_v's tile
+  alignas(64) std::uint16_t ph[16][kKeyTile], pl[16][kKeyTile];
+  const long v_stride = static_cast<long>(dp) * 4;  // bytes between key pairs
+  const long o_stride = static_cast<long>(dp) * 4;
+  const std::uint64_t kt_bits = kt >= 64 ? ~std::uint64_t(0) : ((std::uint64_t(1) << kt) - 1);
+  int configured = 0;
+  for (std::int64_t r0 = 0; r0 < m; r0 += 16) {
+    const int mr = static_cast<int>(std::min<std::int64_t>(16, m - r0));
+    for (int r = 0; r < mr; ++r) {
+      const float* pr = p + (r0 + r) * kKeyTile;
+      for (int c = 0; c < 4; ++c) {
+        __m256i hi, lo;
+        split_bf16(_mm512_maskz_load_ps(static_cast<__mmask16>(kt_bits >> (16 * c)), pr + 16 * c), hi, lo);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(&ph[r][16 * c]), hi);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(&pl[r][16 * c]), lo);
+      }
+      float* orow = o + (r0 + r) * dp;
+      const __m512 al = _mm512_set1_ps(alpha[r0 + r]);
+      for (std::int64_t c = 0; c < dp; c += 16) _mm512_store_ps(orow + c, _mm512_mul_ps(_mm512_load_ps(orow + c), al));
+    }
+    std::atomic_signal_fence(std::memory_order_seq_cst);  // tile loads are asm
+    if (mr != configured) amx_rows(configured = mr);
+    float* orow = o + r0 * dp;
+    for (std::int64_t c0 = 0; c0 < dp; c0 += 64) {
+      const bool four = dp - c0 >= 64;  // else two (dp is a multiple of 32)
+      _tile_loadd(0, orow + c0, o_stride);
+      _tile_loadd(1, orow + c0 + 16, o_stride);
+      if (four) {
+        _tile_loadd(2, orow + c0 + 32, o_stride);
+        _tile_loadd(3, orow + c0 + 48, o_stride);
+      }
+      for (int kb = 0; kb < kKeyTile; kb += 32) {
+        _tile_loadd(4, &ph[0][kb], kKeyTile * 2);
+        _tile_loadd(5, &pl[0][kb], kKeyTile * 2);
+        const std::uint16_t* vb = v16 + ((kb / 2) * dp + c0) * 2;
+        DSPEC_CA_AMX_DOT(0, 6, vb, v_stride);
+        DSPEC_CA_AMX_DOT(1, 7, vb + 32, v_stride);
+        if (four) {
+          DSPEC_CA_AMX_DOT(2, 6, vb + 64, v_stride);
+          DSPEC_CA_AMX_DOT(3, 7, vb + 96, v_stride);
+        }
+      }
+      _tile_stored(0, orow + c0, o_stride);
+      _tile_stored(1, orow + c0 + 16, o_stride);
+      if (four) {
+        _tile_stored(2, orow + c0 + 32, o_stride);
+        _tile_stored(3, orow + c0 + 48, o_stride);
+      }
+    }
+  }
+  _tile_release();
+}
+
+constexpr Ops kAmxOps = {pack_k_amx, pack_v_amx, qk_amx, softmax_avx512, pv_amx, prepare_q_amx};
+
 #endif  // DSPEC_CA_AVX512_CODE
 
 // ------------------------------------------------------------------------------- driver
@@ -833,6 +1028,7 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
       case kBFloat16: load_q_rows<kBFloat16>(a, g, b, h0 + hi, i0, i1, qp); break;
       default: load_q_rows<kFloat32>(a, g, b, h0 + hi, i0, i1, qp); break;
     }
+    if (ops.prepare_q != nullptr) ops.prepare_q(qp, M, DP);
   }
 
   // key rows: the prefix (ragged rows or pages) below plen, the suffix from plen on; per
@@ -1012,11 +1208,12 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
   store_state(a, g, ws, u, H, folded);
 }
 
-const Ops& pick_ops(int isa) {
+const Ops& pick_ops(const CascadeAttentionArgs& a) {
 #if DSPEC_CA_AVX512_CODE
-  if (isa != kIsaGeneric && cascade_attention_has_avx512()) return kAvx512Ops;
+  if ((a.isa == kIsaAuto || a.isa == kIsaAmx) && cascade_attention_has_amx(a.dtype, a.head_dim)) return kAmxOps;
+  if (a.isa != kIsaGeneric && cascade_attention_has_avx512()) return kAvx512Ops;
 #else
-  (void)isa;
+  (void)a;
 #endif
   return kGenericOps;
 }
@@ -1031,9 +1228,19 @@ bool cascade_attention_has_avx512() {
 #endif
 }
 
+bool cascade_attention_has_amx(int dtype, std::int64_t head_dim) {
+#if DSPEC_CA_AVX512_CODE
+  return dtype == kBFloat16 && head_dim % 32 == 0 && head_dim <= 512 && cpu::has_amx_bf16();
+#else
+  (void)dtype;
+  (void)head_dim;
+  return false;
+#endif
+}
+
 void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   if (a.batch <= 0 || a.n <= 0) return;
-  const Ops& ops = pick_ops(a.isa);
+  const Ops& ops = pick_ops(a);
   Geometry g;
   g.group = a.hq / a.hkv;
   g.dp = (a.head_dim + 15) / 16 * 16;

@@ -263,12 +263,14 @@ from dspec.ops import attention as attention_ops  # noqa: E402
 
 HAS_CPP = _backend.cpp_available()
 needs_cpp = pytest.mark.skipif(not HAS_CPP, reason="dspec._C is not built")
-ISAS = ["generic"] + (["avx512"] if HAS_CPP and _backend.extension().cascade_attention_isa() == "avx512" else [])
+ISAS = ["generic"] + (["avx512"] if HAS_CPP and _backend.extension().cascade_attention_isa() == "avx512" else []) \
+    + (["amx"] if HAS_CPP and _backend.extension().cascade_attention_isa(2, 64) == "amx" else [])
 
 
 @pytest.fixture(params=ISAS)
 def isa(request, monkeypatch):
-    """Both tile codes of the cpp backend: the portable loops and (where the CPU has it) AVX-512."""
+    """Every tile code of the cpp backend: the portable loops and, where the CPU has them,
+    AVX-512 and AMX-BF16 (which takes the bf16 inputs with D % 32 == 0; the rest run AVX-512)."""
     monkeypatch.setattr(attention_ops, "_CPP_ISA", request.param)
     return request.param
 
