@@ -864,7 +864,8 @@ def main_cpu(args) -> int:
                  if (not args.match or args.match in cpu_case_name(c))
                  and (args.dtype is None or c["dtype"] == args.dtype)]
     rec = common.Recorder(CPU_BENCH, args, device, bw, {
-        "variants": variants, "threads": threads, "cpp_isa": dspec._backend.extension().cascade_attention_isa()
+        "variants": variants, "threads": threads, "cpp_isa": {"fp32": dspec._backend.extension().cascade_attention_isa(0, 64),
+                    "bf16": dspec._backend.extension().cascade_attention_isa(2, 64)}
         if dspec._backend.cpp_available() else None,
         "suffix_mask": "causal; dspec: packed int32 words [N, ceil(N/32)] shared by the batch",
         "cpp": "CascadeAttentionPlan(backend='cpp').run(q, k, v, prefix_k, prefix_v); plan built outside "
