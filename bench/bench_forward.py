@@ -2,7 +2,8 @@
 relative to one decode step, dspec against transformers on the same weights.
 
 For every (dtype, prefix P, suffix N): one forward of N new tokens (causal) after a cached
-prefix of P tokens, the cache left unchanged between reps; the weight-streaming floor
+prefix of P tokens, the cache left unchanged between reps; the reps of every (N, engine) of
+one (dtype, P) are interleaved round-robin, so their ratios come from the same minutes; the weight-streaming floor
 (weights' bytes / the measured DRAM read bandwidth, same threads) is measured in the same
 run.  Rows: ``dspec`` and ``transformers`` (LlamaForCausalLM on the same safetensors
 checkpoint, a DynamicCache cropped back to P after each rep).
@@ -29,17 +30,26 @@ SUFFIX = (1, 2, 4, 8, 16, 32, 64)
 PREFIX = (256, 2048)
 
 
-def _time(fn, reps: int, warmup: int) -> dict:
-    for _ in range(warmup):
-        fn()
-    raw = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        raw.append((time.perf_counter() - t0) * 1e3)
+def _summary(raw: list[float]) -> dict:
     s = sorted(raw)
     return {"median_ms": statistics.median(s), "p20_ms": s[len(s) // 5], "p80_ms": s[(4 * len(s)) // 5],
             "raw_ms": [round(x, 3) for x in raw]}
+
+
+def _time_interleaved(runs: dict, reps: int, warmup: int) -> dict:
+    """Times every fn of ``runs`` (key -> (fn, scope factory)) round-robin: rep r of each
+    before rep r + 1 of any, so all of them see the same phases of a VM whose memory
+    bandwidth drifts by tens of percent within minutes (the N / N=1 ratios are the result)."""
+    raw = {key: [] for key in runs}
+    for rep in range(warmup + reps):
+        for key, (fn, scope) in runs.items():
+            with scope():
+                t0 = time.perf_counter()
+                fn()
+                dt = (time.perf_counter() - t0) * 1e3
+            if rep >= warmup:
+                raw[key].append(dt)
+    return {key: _summary(v) for key, v in raw.items()}
 
 
 def dspec_forward(model, prefix: int, n: int, gen: torch.Generator):
@@ -120,6 +130,7 @@ def main(argv=None) -> int:
                 payload.setdefault("errors", []).append(f"transformers: {type(e).__name__}: {e}")
         for prefix in prefixes:
             base = {}
+            runs = {}
             for n in suffixes:
                 for engine in ("dspec", "transformers"):
                     if engine == "transformers" and hf is None:
@@ -128,9 +139,14 @@ def main(argv=None) -> int:
                            else hf_forward(hf, prefix, n, gen))
                     # dspec's forwards as a decode loop runs them (dspec.generate's scope:
                     # torch's own ops on one thread, so no OpenMP team spins beside the pool)
-                    scope = dspec.cpu.torch_ops_one_thread() if engine == "dspec" else contextlib.nullcontext()
-                    with scope:
-                        t = _time(run, reps, warmup)
+                    scope = dspec.cpu.torch_ops_one_thread if engine == "dspec" else contextlib.nullcontext
+                    runs[(n, engine)] = (run, scope)
+            timed = _time_interleaved(runs, reps, warmup)
+            for n in suffixes:
+                for engine in ("dspec", "transformers"):
+                    if (n, engine) not in timed:
+                        continue
+                    t = timed[(n, engine)]
                     base.setdefault(engine, t["median_ms"])
                     row = {"engine": engine, "dtype": str(dtype).removeprefix("torch."), "prefix": prefix,
                            "n": n, **t, "vs_n1": t["median_ms"] / base[engine],

@@ -632,7 +632,7 @@ DSPEC_CA_AMX void pack_v_amx(const void* const* rows, int kt, int, std::int64_t 
     _tile_dpbf16ps(C, 5, B);                                         \
   } while (0)
 
-DSPEC_CA_AMX void qk_amx(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int, float* s) {
+DSPEC_CA_AMX void qk_amx(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s) {
   const auto* k16 = reinterpret_cast<const std::uint16_t*>(kt);
   constexpr long kB = kKeyTile * 4;  // bytes between the d pairs of a K tile
   const long q_stride = static_cast<long>(dp) * 4;
@@ -641,24 +641,25 @@ DSPEC_CA_AMX void qk_amx(const float* qp, std::int64_t m, std::int64_t dp, const
     const int mr = static_cast<int>(std::min<std::int64_t>(16, m - r0));
     if (mr != configured) amx_rows(configured = mr);
     const auto* q16 = reinterpret_cast<const std::uint16_t*>(qp + r0 * dp);
+    // only the nv 16-key column tiles that hold keys (softmax reads no others)
     _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    if (nv > 1) _tile_zero(1);
+    if (nv > 2) _tile_zero(2);
+    if (nv > 3) _tile_zero(3);
     for (std::int64_t d0 = 0; d0 < dp; d0 += 32) {
       _tile_loadd(4, q16 + d0, q_stride);
       _tile_loadd(5, q16 + dp + d0, q_stride);
       const std::uint16_t* kb = k16 + (d0 / 2) * kKeyTile * 2;
       DSPEC_CA_AMX_DOT(0, 6, kb, kB);
-      DSPEC_CA_AMX_DOT(1, 7, kb + 32, kB);
-      DSPEC_CA_AMX_DOT(2, 6, kb + 64, kB);
-      DSPEC_CA_AMX_DOT(3, 7, kb + 96, kB);
+      if (nv > 1) DSPEC_CA_AMX_DOT(1, 7, kb + 32, kB);
+      if (nv > 2) DSPEC_CA_AMX_DOT(2, 6, kb + 64, kB);
+      if (nv > 3) DSPEC_CA_AMX_DOT(3, 7, kb + 96, kB);
     }
     float* sr = s + r0 * kKeyTile;
     _tile_stored(0, sr, kKeyTile * 4);
-    _tile_stored(1, sr + 16, kKeyTile * 4);
-    _tile_stored(2, sr + 32, kKeyTile * 4);
-    _tile_stored(3, sr + 48, kKeyTile * 4);
+    if (nv > 1) _tile_stored(1, sr + 16, kKeyTile * 4);
+    if (nv > 2) _tile_stored(2, sr + 32, kKeyTile * 4);
+    if (nv > 3) _tile_stored(3, sr + 48, kKeyTile * 4);
   }
   _tile_release();
 }
@@ -696,7 +697,7 @@ DSPEC_CA_AMX void pv_amx(const float* p, std::int64_t m, int kt, const float* co
         _tile_loadd(2, orow + c0 + 32, o_stride);
         _tile_loadd(3, orow + c0 + 48, o_stride);
       }
-      for (int kb = 0; kb < kKeyTile; kb += 32) {
+      for (int kb = 0; kb < kt; kb += 32) {  // key blocks past kt hold only zeros
         _tile_loadd(4, &ph[0][kb], kKeyTile * 2);
         _tile_loadd(5, &pl[0][kb], kKeyTile * 2);
         const std::uint16_t* vb = v16 + ((kb / 2) * dp + c0) * 2;

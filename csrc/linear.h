@@ -7,7 +7,9 @@
 // bound by the multiply-adds.  The packed layout serves both: 16 output columns per
 // vector register, so a row's step is one broadcast and a few fused multiply-adds
 // (AVX512_BF16 dot products for bfloat16, FMA for float32), float32 accumulation, one
-// rounding to the output dtype and no reduction across lanes.
+// rounding to the output dtype and no reduction across lanes.  On CPUs with AMX-BF16 the
+// bfloat16 panels are AMX B operands as they are: 16 rows per tile multiply a panel's
+// 32-deep k block in one instruction, so up to 16 rows cost about what one row costs.
 //
 // Batch invariance: every output element is reduced in the same order whatever m is and
 // however the panels are split over threads, so a row's result does not depend on the

@@ -5,7 +5,8 @@ library GEMM spends more time setting up than computing, and its result for a ro
 on how many rows it was given.  ``dense`` sends every call it can (CPU, float32 /
 bfloat16, no autograd, contiguous rows, at most ``PACKED_MAX_ROWS`` rows: no limit by
 default) to ``dspec._C.linear``: the weight packed once into panels of 16 output columns
-(``packed_weight``, kept with the weight), float32 accumulation, and a reduction order
+(``packed_weight``, kept with the weight; AMX tiles for bfloat16 on CPUs with AMX-BF16,
+AVX512_BF16 / AVX-512 dot products otherwise), float32 accumulation, and a reduction order
 that does not depend on the number of rows or threads, so a token's projections are
 bit-identical in a one-token step, in a verification and in a prompt's prefill of any
 length.  Everything else (training, float64, strided rows) goes to
