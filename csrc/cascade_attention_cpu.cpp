@@ -57,6 +57,7 @@
 
 #include "cascade_attention.h"
 #include "cpu_math.h"
+#include "cpu_amx.h"
 #include "cpu_features.h"
 #include "cpu_parallel.h"
 #include "dspec.h"
@@ -544,26 +545,9 @@ constexpr Ops kAvx512Ops = {pack_k_avx512, pack_v_avx512, qk_avx512, softmax_avx
 //   V tile: bf16 [32 key pairs][dp][2]        (a B operand of 16 key pairs x 16 d per tile)
 // Tiles: 0-3 accumulate (S: 16 keys each; O: 16 d each), 4 / 5 the hi / lo A operands,
 // 6 / 7 alternate the B operands.
-#define DSPEC_CA_AMX __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx512bf16,amx-tile,amx-bf16")))
+#define DSPEC_CA_AMX DSPEC_AMX_TARGET
 
-struct alignas(64) AmxTileConfig {
-  std::uint8_t palette = 1, start_row = 0;
-  std::uint8_t reserved[14] = {};
-  std::uint16_t colsb[16] = {};
-  std::uint8_t rows[16] = {};
-};
-
-DSPEC_CA_AMX inline void amx_rows(int rows) {
-  AmxTileConfig c;
-  for (int t = 0; t < 6; ++t) {
-    c.rows[t] = static_cast<std::uint8_t>(rows);
-    c.colsb[t] = 64;
-  }
-  c.rows[6] = c.rows[7] = 16;
-  c.colsb[6] = c.colsb[7] = 64;
-  std::atomic_signal_fence(std::memory_order_seq_cst);  // the asm names only the first bytes
-  _tile_loadconfig(&c);
-}
+DSPEC_CA_AMX inline void amx_rows(int rows) { cpu::amx_configure(rows, 6); }
 
 // hi / lo bf16 terms of 16 floats
 DSPEC_CA_AMX inline void split_bf16(__m512 x, __m256i& hi, __m256i& lo) {

@@ -2,6 +2,11 @@
 // code is compiled for (target attributes, chosen at run time).
 #pragma once
 
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace dspec {
 namespace cpu {
 
@@ -29,7 +34,18 @@ inline bool has_avx512_bf16() {
 // AMX-BF16 tiles usable by this process: the CPU has AMX-TILE and AMX-BF16, and Linux granted
 // the process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once; the grant
 // covers every thread of the process, a kernel without it refuses and AMX stays off).
-bool has_amx_bf16();
+inline bool has_amx_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+  static const bool yes = [] {
+    if (!has_avx512_bf16() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
 
 }  // namespace cpu
 }  // namespace dspec

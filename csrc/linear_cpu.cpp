@@ -37,9 +37,8 @@
 #include <immintrin.h>
 #define DSPEC_LINEAR_X86 1
 #define DSPEC_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx512bf16")))
-#define DSPEC_AMX __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx512bf16,amx-tile,amx-bf16")))
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx.h"
+#define DSPEC_AMX DSPEC_AMX_TARGET
 #else
 #define DSPEC_LINEAR_X86 0
 #endif
@@ -210,34 +209,11 @@ DSPEC_AVX512BF16 void micro_avx512(const Tile& t) {
 // ---------------------------------------------------------------------- AMX code
 
 #if DSPEC_LINEAR_X86
-// Rows per AMX tile (the tile unit's maximum) and the bytes of one tile row.
-constexpr int kAmxRows = 16;
-constexpr int kAmxRowBytes = 64;
+constexpr int kAmxRows = cpu::kAmxMaxRows;
 
-// The 64-byte tile configuration (palette 1): tiles 0-3 accumulate the tile's rows x 16 columns
-// of one panel each in float32, tile 4 holds rows x 32 k of x, tiles 5-7 rotate the panels' B
-// operands (16 k pairs x 16 columns).
-struct alignas(64) AmxConfig {
-  std::uint8_t palette = 1, start_row = 0;
-  std::uint8_t reserved[14] = {};
-  std::uint16_t colsb[16] = {};
-  std::uint8_t rows[16] = {};
-};
-
-DSPEC_AMX inline void amx_configure(int rows) {
-  AmxConfig c;
-  for (int t = 0; t < 5; ++t) {
-    c.rows[t] = static_cast<std::uint8_t>(rows);
-    c.colsb[t] = kAmxRowBytes;
-  }
-  for (int t = 5; t < 8; ++t) {
-    c.rows[t] = kAmxRows;
-    c.colsb[t] = kAmxRowBytes;
-  }
-  // the intrinsics' asm names only the config's first bytes as an input
-  std::atomic_signal_fence(std::memory_order_seq_cst);
-  _tile_loadconfig(&c);
-}
+// Tiles 0-3 accumulate the tile's rows x 16 columns of one panel each in float32, tile 4
+// holds rows x 32 k of x, tiles 5-7 rotate the panels' B operands (16 k pairs x 16 columns).
+DSPEC_AMX inline void amx_configure(int rows) { cpu::amx_configure(rows, 5); }
 
 // One step of 32 k for panel P of the group: B tile BT from the packed stream (row stride:
 // the group's T panels), accumulated into tile P.  (The tile intrinsics take literal tile
@@ -248,8 +224,6 @@ DSPEC_AMX inline void amx_configure(int rows) {
     _tile_dpbf16ps(P, 4, BT);                                     \
   } while (0)
 
-// rows (the configured tile rows) x the group's T panels over kp (a multiple of 32) into acc,
-// float32 [rows][T * 16] at a row stride of 64 floats.
 // What a tile prefetches while it runs: at its k block d, the lines [from + d * per_block,
 // + per_block) below end, into L1 (the stream just ahead) or L2 (the next group, fetched
 // while a later row block of the same group computes from cache).
@@ -260,6 +234,8 @@ struct AmxPrefetch {
   bool to_l2 = false;
 };
 
+// rows (the configured tile rows) x the group's T panels over kp (a multiple of 32) into acc,
+// float32 [rows][T * 16] at a row stride of 64 floats.
 template <int T>
 DSPEC_AMX void micro_amx(const std::uint16_t* x, std::int64_t ldx, const std::uint16_t* w, std::int64_t kp,
                          const AmxPrefetch& pf, float* acc) {
@@ -567,21 +543,6 @@ void mask_lora_cpu(const MaskLoraArgs& a) {
     }
   });
 }
-
-namespace cpu {
-bool has_amx_bf16() {
-#if DSPEC_LINEAR_X86
-  static const bool yes = [] {
-    if (!has_avx512_bf16() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return yes;
-#else
-  return false;
-#endif
-}
-}  // namespace cpu
 
 bool linear_has_amx(int dtype) { return dtype == kBFloat16 && cpu::has_amx_bf16(); }
 

@@ -71,17 +71,30 @@ def test_linear_matches_float64(dtype, m, k, n, with_bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_is_batch_and_thread_invariant(dtype):
+@pytest.mark.parametrize("m, k, n", [(23, 576, 1000), (37, 100, 130)])   # k = 100: AMX's padded copy
+def test_linear_is_batch_and_thread_invariant(dtype, m, k, n):
     """A row's result does not depend on the other rows or on the thread split: a
-    verification forward gives each token the bits of a one-token step."""
+    verification forward gives each token the bits of a one-token step (on AMX too, whose
+    16-row blocks, padded last block and padded k must not show in a row's bits)."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(23, 576, generator=g).to(dtype)
-    w = (torch.randn(1000, 576, generator=g) / 24).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
     for isa in isas(dtype):
         whole = run(x, w, threads=2, isa=isa)
-        for i in (0, 5, 6, 22):
+        for i in (0, 5, 6, 22, m - 1):
             assert torch.equal(run(x[i:i + 1], w, threads=1, isa=isa), whole[i:i + 1])
         assert torch.equal(run(x[3:17], w, threads=1, isa=isa), whole[3:17])
+        assert torch.equal(run(x[1:m], w, threads=2, isa=isa), whole[1:m])
+
+
+def test_amx_isa_is_strict():
+    """isa='amx' is bfloat16 on a CPU with AMX-BF16 only; elsewhere a ValueError names it."""
+    ext = _backend.extension()
+    with pytest.raises(ValueError, match="amx"):               # float32 has no AMX tiles
+        ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 0, 1, 8, 4, 8, 4, 1, "amx")
+    if ext.linear_isa(2) != "amx":
+        with pytest.raises(ValueError, match="amx"):
+            ext.linear(1 << 12, 1 << 12, 0, 1 << 12, 2, 1, 8, 4, 8, 4, 1, "amx")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
