@@ -531,6 +531,7 @@ DSPEC_AVX512 void pv_avx512(const float* p, std::int64_t m, int kt, const float*
 
 constexpr Ops kAvx512Ops = {pack_k_avx512, pack_v_avx512, qk_avx512, softmax_avx512, pv_avx512};
 
+#if DSPEC_AMX_CODE
 // ---- AMX-BF16 (bf16 inputs, D a multiple of 32) ------------------------------------------
 // The same tiles on the tile unit, with float32 precision kept where the AVX-512 code has
 // it: K and V are bf16 (exact operands); the scaled Q rows and the probabilities P are
@@ -704,6 +705,7 @@ DSPEC_CA_AMX void pv_amx(const float* p, std::int64_t m, int kt, const float* co
 }
 
 constexpr Ops kAmxOps = {pack_k_amx, pack_v_amx, qk_amx, softmax_avx512, pv_amx, prepare_q_amx};
+#endif  // DSPEC_AMX_CODE
 
 #endif  // DSPEC_CA_AVX512_CODE
 
@@ -1195,7 +1197,9 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
 
 const Ops& pick_ops(const CascadeAttentionArgs& a) {
 #if DSPEC_CA_AVX512_CODE
+#if DSPEC_AMX_CODE
   if ((a.isa == kIsaAuto || a.isa == kIsaAmx) && cascade_attention_has_amx(a.dtype, a.head_dim)) return kAmxOps;
+#endif
   if (a.isa != kIsaGeneric && cascade_attention_has_avx512()) return kAvx512Ops;
 #else
   (void)a;
@@ -1214,7 +1218,7 @@ bool cascade_attention_has_avx512() {
 }
 
 bool cascade_attention_has_amx(int dtype, std::int64_t head_dim) {
-#if DSPEC_CA_AVX512_CODE
+#if DSPEC_CA_AVX512_CODE && DSPEC_AMX_CODE
   return dtype == kBFloat16 && head_dim % 32 == 0 && head_dim <= 512 && cpu::has_amx_bf16();
 #else
   (void)dtype;

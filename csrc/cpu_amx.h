@@ -6,7 +6,17 @@
 // the end: other code on the same thread (oneDNN's AMX kernels) configures them its own way.
 #pragma once
 
-#if defined(__x86_64__) && defined(__GNUC__)
+// The AMX code needs a compiler that knows the AMX target attributes and intrinsics (GCC 11,
+// clang 12); with an older one, or with DSPEC_NO_AMX defined, it is left out and the
+// AVX-512 code runs instead.
+#if !defined(DSPEC_NO_AMX) && defined(__x86_64__) && defined(__GNUC__) && \
+    ((!defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12))
+#define DSPEC_AMX_CODE 1
+#else
+#define DSPEC_AMX_CODE 0
+#endif
+
+#if DSPEC_AMX_CODE
 #include <immintrin.h>
 
 #include <atomic>

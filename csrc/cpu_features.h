@@ -3,6 +3,7 @@
 #pragma once
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -37,7 +38,9 @@ inline bool has_avx512_bf16() {
 inline bool has_amx_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
   static const bool yes = [] {
-    if (!has_avx512_bf16() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;  // CPUID.(7, 0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE
+    if (!has_avx512_bf16() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if ((edx >> 22 & 1u) == 0 || (edx >> 24 & 1u) == 0) return false;
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();

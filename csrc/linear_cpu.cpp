@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_features.h"
 #include "cpu_math.h"
 #include "cpu_parallel.h"
@@ -37,8 +38,6 @@
 #include <immintrin.h>
 #define DSPEC_LINEAR_X86 1
 #define DSPEC_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx512bf16")))
-#include "cpu_amx.h"
-#define DSPEC_AMX DSPEC_AMX_TARGET
 #else
 #define DSPEC_LINEAR_X86 0
 #endif
@@ -208,7 +207,8 @@ DSPEC_AVX512BF16 void micro_avx512(const Tile& t) {
 
 // ---------------------------------------------------------------------- AMX code
 
-#if DSPEC_LINEAR_X86
+#if DSPEC_AMX_CODE
+#define DSPEC_AMX DSPEC_AMX_TARGET
 constexpr int kAmxRows = cpu::kAmxMaxRows;
 
 // Tiles 0-3 accumulate the tile's rows x 16 columns of one panel each in float32, tile 4
@@ -544,7 +544,7 @@ void mask_lora_cpu(const MaskLoraArgs& a) {
   });
 }
 
-bool linear_has_amx(int dtype) { return dtype == kBFloat16 && cpu::has_amx_bf16(); }
+bool linear_has_amx(int dtype) { return DSPEC_AMX_CODE && dtype == kBFloat16 && cpu::has_amx_bf16(); }
 
 bool linear_has_avx512(int dtype) {
 #if DSPEC_LINEAR_X86
@@ -604,7 +604,7 @@ void linear_group_cpu(const LinearArgs* parts, int count) {
       const std::int64_t panels_of_part = (part.n + kPanel - 1) / kPanel;
       const std::int64_t p0 = (lo - first[p]) * kPanelBlock;
       const std::int64_t p1 = std::min(panels_of_part, (hi - first[p]) * kPanelBlock);
-#if DSPEC_LINEAR_X86
+#if DSPEC_AMX_CODE
       if (amx) {
         panels_amx(part, p0, p1);
         continue;
