@@ -3,9 +3,9 @@ relative to one decode step, dspec against transformers on the same weights.
 
 For every (dtype, prefix P, suffix N): one forward of N new tokens (causal) after a cached
 prefix of P tokens, the cache left unchanged between reps; the reps of every (N, engine) of
-one (dtype, P) are interleaved round-robin, so their ratios come from the same minutes; the weight-streaming floor
-(weights' bytes / the measured DRAM read bandwidth, same threads) is measured in the same
-run.  Rows: ``dspec`` and ``transformers`` (LlamaForCausalLM on the same safetensors
+one (dtype, P) are interleaved round-robin, so their ratios come from the same minutes; the
+weight-streaming floor (weights' bytes / the measured DRAM read bandwidth, same threads) is
+measured in the same run.  Rows: ``dspec`` and ``transformers`` (LlamaForCausalLM on the same safetensors
 checkpoint, a DynamicCache cropped back to P after each rep).
 
     python bench/bench_forward.py                       # SmolLM2-135M, fp32 and bf16

@@ -97,12 +97,8 @@ bool cascade_args(const Checker& c, CascadeAttentionArgs& a, std::int64_t q, std
   if (hq % hkv != 0) c.fail("hq (" + std::to_string(hq) + ") must be a multiple of hkv (" + std::to_string(hkv) + ")");
   c.at_least(head_dim, 1, "head_dim");
   if (!std::isfinite(sm_scale)) c.fail("sm_scale must be finite, got " + std::to_string(sm_scale));
-  if (isa == "amx") {  // CascadeIsa codes
-    if (!cascade_attention_has_amx(kBFloat16, 64)) c.fail("isa 'amx' needs a CPU with AMX-BF16 that the kernel enables");
-    a.isa = kIsaAmx;
-  } else {
-    a.isa = c.isa(isa, cascade_attention_has_avx512(), "a CPU with AVX512F/BW/VL and FMA");
-  }
+  a.isa = c.isa(isa, cascade_attention_has_avx512(), "a CPU with AVX512F/BW/VL and FMA",  // CascadeIsa codes
+                cascade_attention_has_amx(kBFloat16, 64), "a CPU with AMX-BF16 that the kernel enables");
   // element offsets of every view fit in int64 (also for the outputs and the mask)
   view_extent(c, "q", batch, n, hq, head_dim, q_s0, q_s1, q_s2);
   view_extent(c, "k", batch, n, hkv, head_dim, k_s0, k_s1, k_s2);

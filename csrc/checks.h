@@ -60,14 +60,23 @@ struct Checker {
     if (on_cuda && !kWithCuda) throw std::invalid_argument("dspec._C was built without CUDA");
     return on_cuda;
   }
-  // The `isa` argument of the CPU kernels: 0 "auto", 1 "generic" or 2 "avx512" (which
-  // needs avx512_ok; `needs` says what it needs).
-  int isa(const std::string& name, bool avx512_ok, const char* needs) const {
+  // The `isa` argument of the CPU kernels: 0 "auto", 1 "generic", 2 "avx512" (which needs
+  // avx512_ok; `needs` says what it needs) or, for a kernel with AMX tiles (amx_needs not
+  // null), 3 "amx" (which needs amx_ok).
+  int isa(const std::string& name, bool avx512_ok, const char* needs, bool amx_ok = false,
+          const char* amx_needs = nullptr) const {
     if (name == "auto") return 0;
     if (name == "generic") return 1;
     if (name == "avx512") {
       if (!avx512_ok) fail(std::string("isa 'avx512' needs ") + needs);
       return 2;
+    }
+    if (amx_needs != nullptr) {
+      if (name == "amx") {
+        if (!amx_ok) fail(std::string("isa 'amx' needs ") + amx_needs);
+        return 3;
+      }
+      fail("isa must be 'auto', 'generic', 'avx512' or 'amx', got '" + name + "'");
     }
     fail("isa must be 'auto', 'generic' or 'avx512', got '" + name + "'");
   }

@@ -80,12 +80,9 @@ void linear(std::int64_t x, std::int64_t weight, std::int64_t bias, std::int64_t
   c.product(m, ldx, "m * ldx");
   c.product(n + kPanel, k + 1, "n * k");
   c.product(m, ldo, "m * ldo");
-  int code = kLinearAmx;  // LinearIsa codes
-  if (isa == "amx") {
-    if (!linear_has_amx(dtype)) c.fail("isa 'amx' needs bfloat16 and a CPU with AMX-BF16 that the kernel enables");
-  } else {
-    code = c.isa(isa, linear_has_avx512(dtype), "float32 / bfloat16 and a CPU with AVX-512 (AVX512_BF16 for bfloat16)");
-  }
+  const int code = c.isa(isa, linear_has_avx512(dtype),  // LinearIsa codes
+                         "float32 / bfloat16 and a CPU with AVX-512 (AVX512_BF16 for bfloat16)",
+                         linear_has_amx(dtype), "bfloat16 and a CPU with AMX-BF16 that the kernel enables");
   if (m == 0 || n == 0) return;
   const std::int64_t item = element_size(dtype);
   c.ptr(x, "x", item);
