@@ -10,8 +10,8 @@ import dspec
 from dspec.models.mask_adapter import MaskAdapter, clean_causal_words
 from dspec.models.plan import AttentionPlan
 from dspec.ops.masks import pack_mask, unpack_mask
-from dspec.train.mask_adapter import (mask_adapter_loss, mask_diffusion_model, noise_blocks, noisy_mask,
-                                      two_stream_logits)
+from dspec.train.mask_adapter import (frozen_projections_bf16, mask_adapter_loss, mask_diffusion_model, noise_blocks,
+                                      noisy_mask, two_stream_logits)
 from dspec.train.objectives import block_diffusion_mask
 
 from tiny_checkpoints import trained_looking_mask_adapter, write_checkpoint
@@ -115,6 +115,35 @@ def test_loss_trains_only_the_adapter(base):
     assert any(n.endswith("lora_B") for n in grads) and out.count > 0
     with pytest.raises(ValueError, match="block_size"):
         mask_adapter_loss(model, clean, valid, torch.tensor([0, 0]), 1)
+
+
+def test_bf16_frozen_projections_train_as_autocast_does(base):
+    """Under bf16 autocast the frozen projections held in bf16 give the loss and gradients
+    of float32 weights rounded per call, up to the clean stream (float32 matmuls before),
+    and leave the adapter, the norms and the embedding in float32."""
+    clean = torch.tensor([_ids(16, 21), _ids(16, 22)])
+    valid = torch.ones_like(clean, dtype=torch.bool)
+    losses, grads = [], []
+    for convert in (False, True):
+        model = mask_diffusion_model(base, block_size=4, mask_token_id=MASK, rank=4, seed=1)
+        params = model.mask_adapter.trainable(model)
+        with torch.no_grad():
+            for p in params:
+                if p.dim() == 2 and p.shape[0] > 4:        # lora_B: nonzero, so A gets a gradient
+                    p.normal_(0, 0.02, generator=torch.Generator().manual_seed(p.numel()))
+        if convert:
+            assert frozen_projections_bf16(model) == 7 * len(model.layers)
+            assert all(p.dtype == torch.float32 for p in params)
+            assert model.embed_tokens.weight.dtype == torch.float32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = mask_adapter_loss(model, clean, valid, torch.tensor([2, 0]), 4,
+                                    generator=torch.Generator().manual_seed(5))
+        out.loss.backward()
+        losses.append(float(out.loss))
+        grads.append(torch.cat([p.grad.flatten() for p in params]))
+    assert abs(losses[0] - losses[1]) < 0.02 * abs(losses[0])
+    cos = torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0)
+    assert cos > 0.98, cos
 
 
 def test_bad_arguments(base):

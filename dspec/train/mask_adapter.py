@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..models.mask_adapter import MaskAdapter
 from ..models.transformer import Model, rope_tables
@@ -39,8 +40,8 @@ from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .loop import BudgetedLoop
 from .objectives import LossOutput, additive_mask
 
-__all__ = ["two_stream_logits", "noisy_mask", "mask_adapter_loss", "noise_blocks", "mask_diffusion_model",
-           "save_mask_adapter", "load_mask_adapter", "is_mask_adapter", "MaskAdapterConfig", "MaskAdapterTrainer",
+__all__ = ["two_stream_logits", "noisy_mask", "frozen_projections_bf16", "mask_adapter_loss", "noise_blocks",
+           "mask_diffusion_model", "save_mask_adapter", "load_mask_adapter", "is_mask_adapter", "MaskAdapterConfig", "MaskAdapterTrainer",
            "ADAPTER_FORMAT"]
 
 
@@ -108,6 +109,30 @@ def two_stream_logits(model: Model, clean: torch.Tensor, noisy: torch.Tensor, va
     x = model.norm(x)
     x = torch.gather(x, 1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
     return F.linear(x, model.output_weight)
+
+
+def frozen_projections_bf16(model: Model) -> int:
+    """Hold the frozen projection weights of ``model``'s layers (the ``MaskLoraLinear`` bases
+    and any other frozen ``nn.Linear``) in bfloat16 for training under bf16 autocast; returns
+    how many were converted.
+
+    Autocast rounds a float32 weight to bfloat16 on every matmul anyway, so the noisy stream
+    computes the same numbers without a per-call copy of 135M weights; the no-grad clean
+    stream, which would otherwise take float32 matmuls, runs in bf16 like the noisy one
+    (measured on an AMX Xeon: the clean stream of 8 x 256 tokens 3.0 s in float32). The
+    LoRA matrices, the [MASK] row, the norms and the tied embedding / head stay float32.
+    The model is for training only afterwards (a forward outside autocast would mix dtypes).
+    """
+    count = 0
+    for layer in model.layers:
+        for module in layer.modules():
+            if isinstance(module, nn.Linear) and not module.weight.requires_grad \
+                    and module.weight.dtype == torch.float32:
+                module.weight.data = module.weight.data.to(torch.bfloat16)
+                if module.bias is not None and not module.bias.requires_grad:
+                    module.bias.data = module.bias.data.to(torch.bfloat16)
+                count += 1
+    return count
 
 
 def noise_blocks(clean: torch.Tensor, valid: torch.Tensor, block_size: int, mask_token_id: int,
@@ -351,6 +376,8 @@ class MaskAdapterTrainer(BudgetedLoop):
         self.heldout = [seqs[i] for i in held]
         self.train_set = [seqs[i] for i in train]
         params = model.mask_adapter.trainable(model)
+        if self._autocast_on():
+            frozen_projections_bf16(model)
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.step, self.total_steps, self.wall_s = 0, None, 0.0
         self.log: list[dict] = []
@@ -369,11 +396,13 @@ class MaskAdapterTrainer(BudgetedLoop):
         starts = torch.tensor([p for _, p in rows])
         return clean.to(self.device), valid.to(self.device), starts.to(self.device)
 
-    def _autocast(self):
+    def _autocast_on(self) -> bool:
         from ..cpu import native_bf16
         auto = self.device.type == "cuda" or (self.device.type == "cpu" and native_bf16())
-        on = self.cfg.autocast == "bf16" or (self.cfg.autocast == "auto" and auto)
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=on)
+        return self.cfg.autocast == "bf16" or (self.cfg.autocast == "auto" and auto)
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast_on())
 
     def block_size_at(self, step: int) -> int:
         g = self._gen(step, salt=5)
