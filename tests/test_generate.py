@@ -123,3 +123,27 @@ def test_smollm2_answers_end_to_end():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Paris" in out.stdout
+
+
+@pytest.mark.parametrize("method", ["ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd"])
+def test_every_method_decodes_without_grad_mode(method, monkeypatch):
+    """A method module's own ``decode`` (what an engine calls) runs every forward -- target
+    and drafters -- outside grad mode: under grad mode a CPU forward falls back to the torch
+    attention and the per-op layers, several times slower (DiffuSpec ran so until its
+    decorator was found on the wrong function)."""
+    import importlib
+    from dspec.models.transformer import Model
+    model = dspec.load("tiny-bd" if method in ("diffusion", "ssd", "spiffy", "s2d2") else "tiny-ar")
+    modes = []
+    forward = Model.forward
+
+    def spy(self, *args, **kwargs):
+        modes.append(torch.is_grad_enabled())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Model, "forward", spy)
+    module = importlib.import_module(f"dspec.decode.{method}")
+    prompt = model.tokenizer.encode("The cat sat on")
+    with torch.enable_grad():
+        module.decode(model, [prompt], max_new_tokens=6)
+    assert modes and not any(modes), (method, modes)

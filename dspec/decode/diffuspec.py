@@ -193,7 +193,6 @@ def check_pair(model, drafter) -> None:
                          f"({model.config.vocab_size}) and there is no tokenizer to compare")
 
 
-@torch.no_grad()
 def _options(draft_len, adaptive, **given) -> dict:
     """The paper's defaults overridden by the given options, checked."""
     opts = dict(DEFAULTS)
@@ -457,6 +456,7 @@ class _Batch:
         }
 
 
+@torch.no_grad()
 def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                      generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
                      draft_len: int | None = None, adaptive: bool | None = None, cps: bool | None = None,

@@ -162,7 +162,9 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
         from tqdm.auto import tqdm
         bar = tqdm(total=max_new_tokens, desc=f"{method} decode", unit="tok")
     start = time.perf_counter()
-    with frozen_weights(model), cpu.torch_ops_one_thread(), _gc_paused():
+    # no grad mode whatever the method module does: under grad mode a CPU forward takes the
+    # torch attention and the per-op layers (the C++ kernels have no backward)
+    with torch.no_grad(), frozen_weights(model), cpu.torch_ops_one_thread(), _gc_paused():
         tokens, stats = module.decode(model, prompts, max_new_tokens=max_new_tokens,
                                       temperature=temperature, generator=generator,
                                       eos_ids=model.eos_token_ids, progress=bar, **options)
