@@ -1,0 +1,64 @@
+"""One method under several option sets, A/B in one process on the e2e grid's prompts.
+
+For tuning a method's CPU defaults (``row_cost``, draft lengths, ...) by wall clock: this
+VM's bandwidth moves between processes, so the option sets are interleaved per prompt with
+the baseline (``ar`` on the target, one-token ``diffusion`` on a dLLM) in one run, greedy,
+batch 1.  Each option set must reproduce the first one's output where the method is lossless
+(rows count the prompts where it differs).
+
+    python bench/ab_options.py --model smollm2-135m --method diffuspec \\
+        --options '{}' '{"k_min": 4, "k_max": 12}' --prompts 4
+Writes bench/results/cpu/<name>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_common import Arm, grid_texts, run_interleaved, summary_rows  # noqa: E402
+from common import environment, write_json  # noqa: E402
+
+import dspec  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="shipped name or checkpoint directory")
+    ap.add_argument("--method", required=True)
+    ap.add_argument("--options", nargs="+", required=True, metavar="JSON",
+                    help="option sets as JSON objects, e.g. '{}' '{\"row_cost\": 0.02}'")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per set (default 8)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--name", default=None, help="output name (default ab_<method>)")
+    args = ap.parse_args(argv)
+    try:
+        sets = [json.loads(o) for o in args.options]
+    except json.JSONDecodeError as e:
+        ap.error(f"--options: not JSON ({e})")
+    if not all(isinstance(s, dict) for s in sets):
+        ap.error("--options: each must be a JSON object")
+    torch.set_num_threads(args.threads)
+    model = dspec.load(args.model)
+    base = ("ar", {}) if model.attention == "causal" else ("diffusion", {"tokens_per_step": 1})
+    arms = [Arm(base[0], model, base[0], base[1])]
+    first = None
+    for opts in sets:
+        name = f"{args.method}{json.dumps(opts, sort_keys=True)}"
+        arms.append(Arm(name, model, args.method, opts, reference=first))
+        first = first or name
+    acc = run_interleaved(arms, grid_texts(model, args.prompts), args.max_new_tokens)
+    rows = summary_rows(arms, acc, {base[0]: base[0]})
+    payload = {"bench": "ab_options", "env": environment("cpu"), "config": vars(args), "rows": rows}
+    write_json(Path(__file__).resolve().parent / "results" / "cpu" / f"{args.name or 'ab_' + args.method}.json",
+               payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
