@@ -88,9 +88,13 @@ struct MaskLoraArgs {
   float scale = 1.0f;
   void* y = nullptr;                 // [*, n] contiguous
   int num_threads = 1;               // rows split across threads (bits do not change)
+  int isa = kLinearAuto;             // auto (AVX-512 where the CPU has it) or generic: the same bits
 };
 
 void mask_lora_cpu(const MaskLoraArgs& args);
+
+// Whether mask_lora's AVX-512 code runs for this dtype on this CPU (float32, bfloat16).
+bool mask_lora_has_avx512(int dtype);
 
 // Whether the AVX-512 code runs for this dtype on this CPU (bfloat16 needs AVX512_BF16).
 bool linear_has_avx512(int dtype);

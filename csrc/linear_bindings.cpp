@@ -130,9 +130,10 @@ void linear_group(std::int64_t x, int dtype, std::int64_t m, std::int64_t k, con
 
 void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a, std::int64_t bt, double scale,
                int dtype, std::int64_t num_rows, std::int64_t total_rows, std::int64_t k, std::int64_t n,
-               std::int64_t rank, int num_threads, int weight_dtype) {
+               std::int64_t rank, int num_threads, int weight_dtype, const std::string& isa) {
   const Checker c{"mask_lora"};
   c.float_dtype(dtype, "dtype");
+  const int which = c.isa(isa, mask_lora_has_avx512(dtype), "AVX-512 (F, BW, VL) and a float32 or bfloat16 dtype");
   if (weight_dtype != kFloat32 && weight_dtype != kBFloat16) {
     c.fail("weight_dtype must be 0 (float32) or 2 (bfloat16), got " + std::to_string(weight_dtype));
   }
@@ -173,6 +174,7 @@ void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a
   m.scale = static_cast<float>(scale);
   m.y = as_ptr<void>(y);
   m.num_threads = std::max(1, num_threads);
+  m.isa = which;
   py::gil_scoped_release release;
   mask_lora_cpu(m);
 }
@@ -204,13 +206,15 @@ keeps one isa for every row count.  The GIL is released while it runs.)doc");
 together; each output is bit-identical to a linear call on that part alone.)doc");
   m.def("mask_lora", &mask_lora, py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("a"), py::arg("bt"),
         py::arg("scale"), py::arg("dtype"), py::arg("num_rows"), py::arg("total_rows"), py::arg("k"), py::arg("n"),
-        py::arg("rank"), py::arg("num_threads") = 1, py::arg("weight_dtype") = 0,
+        py::arg("rank"), py::arg("num_threads") = 1, py::arg("weight_dtype") = 0, py::arg("isa") = "auto",
         R"doc(In place y[r] += (scale * (x[r] @ a^T) @ bt).to(dtype) for r in rows (int64 [num_rows], each in
 [0, total_rows)): the low-rank update of a mask-selective adapter at the [MASK] rows.  x [total_rows, k]
 and y [total_rows, n] contiguous in dtype; a [rank, k] and bt = B^T [rank, n] contiguous in weight_dtype
 (0 float32, 2 bfloat16: widened exactly, the math is float32 either way).
 Vectorised in float32 with a fixed order: a row's bits do not depend on the other rows (nor on
-num_threads, over which the rows are split when there are enough).)doc");
+num_threads, over which the rows are split when there are enough).  isa: 'auto' (AVX-512 code for
+float32 / bfloat16 where the CPU has AVX-512) or 'generic' (portable loops) -- the same bits; 'avx512'
+insists on the AVX-512 code.)doc");
   m.def("linear_prefetch_steps", [](int steps) { return linear_prefetch_steps(steps); }, py::arg("steps") = -1,
         "The linear tiles' software prefetch distance in k steps: steps >= 0 sets it (returns the old value), "
         "-1 reads it. Results never depend on it.");

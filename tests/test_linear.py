@@ -11,6 +11,7 @@ from dspec.models.dense import dense, packed_path
 pytestmark = pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C not built")
 
 CODES = _backend.FLOAT_CODE
+HAS_AVX512 = _backend.cpp_available() and _backend.extension().linear_isa(CODES[torch.float32]) != "generic"
 
 
 def isas(dtype):
@@ -245,6 +246,35 @@ def test_mask_lora_matches_the_torch_update(dtype, atol, k, n, rank):
     _backend.extension().mask_lora(narrow.data_ptr(), x.data_ptr(), rows.data_ptr(), a16.data_ptr(), bt16.data_ptr(),
                                    scale, CODES[dtype], rows.numel(), total, k, n, rank, 1, 2)
     assert torch.equal(narrow, wide)
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="needs AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [0, 2])
+@pytest.mark.parametrize("k, n, rank, rows", [(576, 1536, 16, 13), (17, 7, 3, 5), (33, 40, 20, 9), (1536, 576, 16, 1),
+                                              (16, 16, 1, 4)])
+def test_mask_lora_avx512_is_the_generic_code_bit_for_bit(dtype, weight_dtype, k, n, rank, rows):
+    """The AVX-512 update (four rows per load of B^T, 16 ranks per pass over x) gives the
+    portable loops' bits: ragged k / n tails, rank above 16, row blocks of 1 to 4 rows."""
+    g = torch.Generator().manual_seed(k * n + rank)
+    total, scale = rows + 3, 1.75
+    x = torch.randn(total, k, generator=g).to(dtype)
+    y = torch.randn(total, n, generator=g).to(dtype)
+    wt = torch.bfloat16 if weight_dtype == 2 else torch.float32
+    a = (torch.randn(rank, k, generator=g) / 5).to(wt)
+    bt = (torch.randn(rank, n, generator=g) / 3).to(wt)
+    index = torch.randperm(total, generator=g)[:rows]
+    out = {}
+    for isa in ("generic", "avx512", "auto"):
+        out[isa] = y.clone()
+        _backend.extension().mask_lora(out[isa].data_ptr(), x.data_ptr(), index.data_ptr(), a.data_ptr(),
+                                       bt.data_ptr(), scale, CODES[dtype], rows, total, k, n, rank, 2, weight_dtype,
+                                       isa)
+    assert torch.equal(out["avx512"], out["generic"]) and torch.equal(out["auto"], out["generic"])
+    assert not torch.equal(out["generic"], y)
+    with pytest.raises(ValueError, match="isa"):
+        _backend.extension().mask_lora(y.data_ptr(), x.data_ptr(), index.data_ptr(), a.data_ptr(), bt.data_ptr(),
+                                       scale, CODES[dtype], rows, total, k, n, rank, 1, weight_dtype, "amx")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
