@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import Arm, grid_texts, run_interleaved, summary_rows  # noqa: E402
+from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows  # noqa: E402
 from common import environment, write_json  # noqa: E402
 
 import dspec  # noqa: E402
@@ -42,10 +42,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="smollm2-135m")
     ap.add_argument("--adapters", required=True, help="comma-separated adapted names or adapter directories")
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per set (default 8)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--name", default="ab_adapters")
+    add_run_arguments(ap, prompts=8, name="ab_adapters")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     base = dspec.load(args.base)

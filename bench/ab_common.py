@@ -30,6 +30,14 @@ class Arm:
     reference: str | None = None       # the arm whose tokens this one must reproduce
 
 
+def add_run_arguments(ap, *, prompts: int, name: str | None) -> None:
+    """The arguments every A/B script takes: prompts per set, tokens, threads, output name."""
+    ap.add_argument("--prompts", type=int, default=prompts, help=f"prompts per set (default {prompts})")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--name", default=name, help="output JSON name under bench/results/cpu/")
+
+
 def grid_texts(model, prompts_per_set: int, seed: int = 0) -> dict[str, list[str]]:
     """The e2e grid's prompt sets, chat-wrapped as the grid wraps them for ``model``."""
     prompts, _ = _prompts(list(PROMPT_SETS), prompts_per_set, seed)

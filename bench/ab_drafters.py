@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import Arm, grid_texts, run_interleaved, summary_rows  # noqa: E402
+from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows  # noqa: E402
 from common import environment, write_json  # noqa: E402
 
 import dspec  # noqa: E402
@@ -30,11 +30,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--drafters", required=True, help="comma-separated drafter names or directories")
-    ap.add_argument("--prompts", type=int, default=32, help="prompts per set (default 32)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--row-cost", type=float, default=0.06, help="dflash-adaptive's row_cost")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--name", default="ab_drafters")
+    add_run_arguments(ap, prompts=32, name="ab_drafters")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = dspec.load(args.target)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import Arm, grid_texts, run_interleaved, summary_rows  # noqa: E402
+from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows  # noqa: E402
 from common import environment, write_json  # noqa: E402
 
 import dspec  # noqa: E402
@@ -32,10 +32,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--method", required=True)
     ap.add_argument("--options", nargs="+", required=True, metavar="JSON",
                     help="option sets as JSON objects, e.g. '{}' '{\"row_cost\": 0.02}'")
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per set (default 8)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--name", default=None, help="output name (default ab_<method>)")
+    add_run_arguments(ap, prompts=8, name=None)                    # default name: ab_<method>
     args = ap.parse_args(argv)
     try:
         sets = [json.loads(o) for o in args.options]
