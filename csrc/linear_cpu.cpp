@@ -516,9 +516,9 @@ DSPEC_CPU_INLINE void mask_lora_rows(const MaskLoraArgs& a, std::int64_t r0, std
 // order, so the same bits: the 16-lane partial sums of h (mul, then add: this file is built
 // without contraction), the lane fold 8 / 4 / 2 / 1, h[r] * B^T[r] summed over r, the
 // dtype's round-to-nearest-even done on the integer bits as dt::float_to_bf16 does (the
-// AVX512_BF16 conversion would flush subnormals).  Four rows share each load of B^T.  The
-// auto-vectorised loops above kept the conversions and stores scalar: ~5 us per row of a
-// 576 x 1536 projection at rank 16 on an AMX Xeon, most of a 16-row SSD forward's adapter.
+// AVX512_BF16 conversion would flush subnormals).  Four rows share each load of B^T.  One
+// thread, 16 rows, rank 16, bf16, AMX Xeon: 576 -> 1536 3.9 -> 3.1 us per row against the
+// auto-vectorised loops above, 576 -> 192 1.7 -> 1.0 us.
 #define DSPEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 
 template <int T>
