@@ -58,6 +58,7 @@
 #include "cascade_attention.h"
 #include "cpu_math.h"
 #include "cpu_amx.h"
+#include "cpu_avx512.h"
 #include "cpu_features.h"
 #include "cpu_parallel.h"
 #include "dspec.h"
@@ -66,8 +67,6 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define DSPEC_CA_AVX512_CODE 1
-#define DSPEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
-#define DSPEC_AVX512_INLINE DSPEC_AVX512 inline __attribute__((always_inline))
 #else
 #define DSPEC_CA_AVX512_CODE 0
 #endif
@@ -272,21 +271,10 @@ DSPEC_AVX512_INLINE void transpose16(__m512 r[16]) {
 // 16 elements of a row from element d0 (dn valid, the rest 0) as fp32.
 template <int DT>
 DSPEC_AVX512_INLINE __m512 load16(const void* row, std::int64_t d0, __mmask16 km) {
-  if constexpr (DT == kFloat32) {
-    return _mm512_maskz_loadu_ps(km, static_cast<const float*>(row) + d0);
-  } else {
-    const __m256i h = _mm256_maskz_loadu_epi16(km, static_cast<const std::uint16_t*>(row) + d0);
-    if constexpr (DT == kBFloat16) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm512_cvtph_ps(h);
-    }
-  }
+  return cpu::load_f32<DT>(static_cast<const dt::elem_t<DT>*>(row) + d0, km);
 }
 
-DSPEC_AVX512_INLINE __mmask16 lanes(std::int64_t n) {
-  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
-}
+using cpu::lanes;
 
 template <int DT>
 DSPEC_AVX512 void pack_k_avx512_t(const void* const* rows, int kt, std::int64_t d, std::int64_t dp, float* out) {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_avx512.h"
 #include "cpu_features.h"
 #include "cpu_math.h"
 #include "cpu_parallel.h"
@@ -519,17 +520,6 @@ DSPEC_CPU_INLINE void mask_lora_rows(const MaskLoraArgs& a, std::int64_t r0, std
 // AVX512_BF16 conversion would flush subnormals).  Four rows share each load of B^T.  One
 // thread, 16 rows, rank 16, bf16, AMX Xeon: 576 -> 1536 3.9 -> 3.1 us per row against the
 // auto-vectorised loops above, 576 -> 192 1.7 -> 1.0 us.
-#define DSPEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
-
-template <int T>
-DSPEC_AVX512 inline __m512 lora_load(const dt::elem_t<T>* p, __mmask16 m) {
-  if constexpr (T == kFloat32) {
-    return _mm512_maskz_loadu_ps(m, p);
-  } else {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-  }
-}
-
 // dt::float_to_bf16 on 16 lanes, as 32-bit lanes holding the 16-bit results.
 DSPEC_AVX512 inline __m512i lora_bf16_bits(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
@@ -570,12 +560,11 @@ DSPEC_AVX512 void lora_h(const MaskLoraArgs& a, const dt::elem_t<DT>* xr, float*
     for (int r = 0; r < kLoraLanes; ++r) acc[r] = _mm512_setzero_ps();
     for (std::int64_t i = 0; i < a.k; i += kLoraLanes) {
       // a short last chunk loads zeros: acc + 0 * 0 leaves every lane as it was
-      const __mmask16 m = a.k - i >= kLoraLanes ? __mmask16(0xffff)
-                                                  : static_cast<__mmask16>((1u << (a.k - i)) - 1);
-      const __m512 xv = lora_load<DT>(xr + i, m);
+      const __mmask16 m = cpu::lanes(a.k - i);
+      const __m512 xv = cpu::load_f32<DT>(xr + i, m);
 #pragma GCC unroll 16
       for (int r = 0; r < kLoraLanes; ++r)
-        if (r < nr) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(lora_load<WT>(wa + (r0 + r) * a.k + i, m), xv));
+        if (r < nr) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(cpu::load_f32<WT>(wa + (r0 + r) * a.k + i, m), xv));
     }
     for (int r = 0; r < nr; ++r) {
       const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
@@ -606,12 +595,12 @@ DSPEC_AVX512 void mask_lora_rows_avx512(const MaskLoraArgs& a, std::int64_t r0, 
       yr[j] = y + row * a.n;
     }
     for (std::int64_t o = 0; o < a.n; o += kLoraLanes) {
-      const __mmask16 m = a.n - o >= kLoraLanes ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (a.n - o)) - 1);
+      const __mmask16 m = cpu::lanes(a.n - o);
       __m512 acc[kRows];
 #pragma GCC unroll 4
       for (int j = 0; j < kRows; ++j) acc[j] = _mm512_setzero_ps();
       for (std::int64_t r = 0; r < a.rank; ++r) {
-        const __m512 b = lora_load<WT>(wbt + r * a.n + o, m);
+        const __m512 b = cpu::load_f32<WT>(wbt + r * a.n + o, m);
 #pragma GCC unroll 4
         for (int j = 0; j < kRows; ++j)
           if (j < nrows) acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_set1_ps(h[j * a.rank + r]), b));
@@ -621,7 +610,7 @@ DSPEC_AVX512 void mask_lora_rows_avx512(const MaskLoraArgs& a, std::int64_t r0, 
       for (int j = 0; j < kRows; ++j) {
         if (j >= nrows) break;
         const __m512 delta = lora_round<DT>(_mm512_mul_ps(acc[j], scale));
-        lora_store<DT>(yr[j] + o, _mm512_add_ps(lora_load<DT>(yr[j] + o, m), delta), m);
+        lora_store<DT>(yr[j] + o, _mm512_add_ps(cpu::load_f32<DT>(yr[j] + o, m), delta), m);
       }
     }
   }
