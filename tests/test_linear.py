@@ -251,11 +251,12 @@ def test_mask_lora_matches_the_torch_update(dtype, atol, k, n, rank):
 @pytest.mark.skipif(not HAS_AVX512, reason="needs AVX-512")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight_dtype", [0, 2])
-@pytest.mark.parametrize("k, n, rank, rows", [(576, 1536, 16, 13), (17, 7, 3, 5), (33, 40, 20, 9), (1536, 576, 16, 1),
+@pytest.mark.parametrize("k, n, rank, rows", [(576, 1536, 16, 13), (17, 7, 3, 5), (33, 40, 20, 9), (1536, 576, 16, 1), (64, 50, 16, 21),
                                               (16, 16, 1, 4)])
 def test_mask_lora_avx512_is_the_generic_code_bit_for_bit(dtype, weight_dtype, k, n, rank, rows):
-    """The AVX-512 update (four rows per load of B^T, 16 ranks per pass over x) gives the
-    portable loops' bits: ragged k / n tails, rank above 16, row blocks of 1 to 4 rows."""
+    """The AVX-512 update (blocks of up to 8 rows sharing each load of A and B^T, FMAs) gives
+    the portable loops' bits (std::fma in the same order): ragged k / n tails, odd ranks and
+    ranks above 16, row blocks of 1 to 8 rows and a partial block after full ones."""
     g = torch.Generator().manual_seed(k * n + rank)
     total, scale = rows + 3, 1.75
     x = torch.randn(total, k, generator=g).to(dtype)
