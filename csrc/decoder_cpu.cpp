@@ -9,6 +9,7 @@
 #include "dtype.h"
 #include "layer_ops.h"
 #include "linear.h"
+#include "mask_lora.h"
 
 
 namespace dspec {

@@ -72,30 +72,6 @@ int linear_prefetch_steps(int steps);
 // the threads together.  Each output is bit-identical to linear_cpu on that part alone.
 void linear_group_cpu(const LinearArgs* parts, int count);
 
-// The low-rank update of a mask-selective adapter at a few rows, in place:
-// y[r] += round(scale * B (A x[r])) for r in rows (A [rank, k], B [n, rank] float32; x, y
-// in dtype, rounded as torch's `y.index_add(0, rows, delta.to(dtype))`).  One call replaces
-// eight small torch ops per adapted projection of a decode step.
-struct MaskLoraArgs {
-  int dtype = kFloat32;              // x and y
-  std::int64_t num_rows = 0;         // entries of rows
-  std::int64_t k = 0, n = 0, rank = 0;
-  const std::int64_t* rows = nullptr;
-  const void* x = nullptr;           // [*, k] contiguous
-  int weight_dtype = kFloat32;       // a and bt: float32, or bfloat16 (widened exactly to float32)
-  const void* a = nullptr;           // [rank, k]
-  const void* bt = nullptr;          // B transposed: [rank, n]
-  float scale = 1.0f;
-  void* y = nullptr;                 // [*, n] contiguous
-  int num_threads = 1;               // rows split across threads (bits do not change)
-  int isa = kLinearAuto;             // auto (AVX-512 where the CPU has it) or generic: the same bits
-};
-
-void mask_lora_cpu(const MaskLoraArgs& args);
-
-// Whether mask_lora's AVX-512 code runs for this dtype on this CPU (float32, bfloat16).
-bool mask_lora_has_avx512(int dtype);
-
 // Whether the AVX-512 code runs for this dtype on this CPU (bfloat16 needs AVX512_BF16).
 bool linear_has_avx512(int dtype);
 

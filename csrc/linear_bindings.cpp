@@ -12,6 +12,7 @@
 
 #include "checks.h"
 #include "linear.h"
+#include "mask_lora.h"
 
 namespace py = pybind11;
 
@@ -211,8 +212,8 @@ together; each output is bit-identical to a linear call on that part alone.)doc"
 [0, total_rows)): the low-rank update of a mask-selective adapter at the [MASK] rows.  x [total_rows, k]
 and y [total_rows, n] contiguous in dtype; a [rank, k] and bt = B^T [rank, n] contiguous in weight_dtype
 (0 float32, 2 bfloat16: widened exactly, the math is float32 either way).
-Vectorised in float32 with a fixed order: a row's bits do not depend on the other rows (nor on
-num_threads, over which the rows are split when there are enough).  isa: 'auto' (AVX-512 code for
+float32 FMAs in a fixed order: a row's bits do not depend on the other rows (nor on num_threads, over
+which the rows are split when there are enough).  isa: 'auto' (AVX-512 code for
 float32 / bfloat16 where the CPU has AVX-512) or 'generic' (portable loops) -- the same bits; 'avx512'
 insists on the AVX-512 code.)doc");
   m.def("linear_prefetch_steps", [](int steps) { return linear_prefetch_steps(steps); }, py::arg("steps") = -1,
