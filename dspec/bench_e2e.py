@@ -104,9 +104,13 @@ CONFIGS: tuple[Config, ...] = (
     Config("diffusion-static-2", "diffusion", "dllm", {"tokens_per_step": 2}),
     Config("diffusion-dynamic", "diffusion", "dllm", {"threshold": 0.9}),
     Config("ssd", "ssd", "dllm"),
+    # fewer drafted rows per round, for a CPU where a [MASK] row is not free (README)
+    Config("ssd-d2", "ssd", "dllm", {"draft_len": 2}),
     Config("spiffy", "spiffy", "dllm"),
+    Config("spiffy-p3", "spiffy", "dllm", {"prune_to": 3}),
     Config("s2d2", "s2d2", "dllm", expand="policies"),
     Config("diffuspec", "diffuspec", "target"),
+    Config("diffuspec-d8", "diffuspec", "target", {"draft_len": 8}),
     Config("diffuspec-noCPS-noADL", "diffuspec", "target",
            {"cps": Option(("cps", "path_search"), False),
             "adl": Option(("adaptive", "adl", "adaptive_draft_len"), False)}),
