@@ -212,10 +212,10 @@ together; each output is bit-identical to a linear call on that part alone.)doc"
 [0, total_rows)): the low-rank update of a mask-selective adapter at the [MASK] rows.  x [total_rows, k]
 and y [total_rows, n] contiguous in dtype; a [rank, k] and bt = B^T [rank, n] contiguous in weight_dtype
 (0 float32, 2 bfloat16: widened exactly, the math is float32 either way).
-float32 FMAs in a fixed order: a row's bits do not depend on the other rows (nor on num_threads, over
-which the rows are split when there are enough).  isa: 'auto' (AVX-512 code for
-float32 / bfloat16 where the CPU has AVX-512) or 'generic' (portable loops) -- the same bits; 'avx512'
-insists on the AVX-512 code.)doc");
+float32 sums in a fixed order: a row's bits do not depend on the other rows (nor on num_threads, over
+which the rows are split when there are enough).  isa: 'auto' (AVX-512 code for float32 / bfloat16
+where the CPU has AVX-512, else the portable loops), 'generic' (portable loops: separate multiplies and
+adds) or 'avx512' (fused multiply-adds; the last bits differ from 'generic').)doc");
   m.def("linear_prefetch_steps", [](int steps) { return linear_prefetch_steps(steps); }, py::arg("steps") = -1,
         "The linear tiles' software prefetch distance in k steps: steps >= 0 sets it (returns the old value), "
         "-1 reads it. Results never depend on it.");

@@ -3,8 +3,10 @@
 // rounded as torch's `y.index_add(0, rows, delta.to(dtype))`).  One call replaces eight
 // small torch ops per adapted projection of a decode step.
 //
-// float32 FMAs in a fixed order: the portable loops and the AVX-512 code give the same bits,
-// and a row's bits never depend on the other rows or the threads.
+// float32 sums in a fixed order, so a row's bits never depend on the other rows or the
+// threads: multiply-adds fused in the AVX-512 code, separate in the portable loops (the two
+// differ in the last bits; isa auto takes AVX-512 where the CPU has it, so one process keeps
+// one arithmetic).
 #pragma once
 
 #include <cstdint>
@@ -26,7 +28,7 @@ struct MaskLoraArgs {
   float scale = 1.0f;
   void* y = nullptr;                 // [*, n] contiguous
   int num_threads = 1;               // work split across threads (bits do not change)
-  int isa = kLinearAuto;             // auto (AVX-512 where the CPU has it), generic or avx512: the same bits
+  int isa = kLinearAuto;             // auto (AVX-512 where the CPU has it), generic or avx512
 };
 
 void mask_lora_cpu(const MaskLoraArgs& args);
