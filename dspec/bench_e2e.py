@@ -26,7 +26,9 @@ Numbers, per (configuration, prompt set):
 
 * ``tokens_per_s``: completion tokens (prompt excluded, up to and including EOS) over the
   summed wall time of the timed ``generate`` calls (tokenisation, prefill and decoding
-  included); one untimed warm-up call per configuration comes first;
+  included); one untimed warm-up call per configuration comes first, then the timed calls
+  go round robin over the configurations (each prompt by every configuration before the
+  next prompt), so that a drifting machine speed lands on all of them alike;
 * ``nfe``: model forwards per model role, summed over calls (a batched forward counts once);
   ``forwards_per_token`` per role = forwards x requests of the call / completion tokens
   (independent of the batch size);
@@ -131,6 +133,13 @@ BASELINE_DYNAMIC = "diffusion-dynamic"
 
 
 # --------------------------------------------------------------------------- helpers
+def _prompt_text(chat: bool, pset: str, problem) -> str:
+    """A problem's prompt as the grid sends it: chat-wrapped on a chat model for the sets
+    whose prompts are instructions (CHAT_SETS)."""
+    from .models.embedded import chat_prompt
+    return chat_prompt(problem.prompt) if chat and pset in CHAT_SETS else problem.prompt
+
+
 def is_chat_model(model) -> bool:
     """Whether ``model``'s tokenizer carries SmolLM2's ChatML turn tokens."""
     tok = getattr(model, "tokenizer", None)
@@ -503,7 +512,6 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     """Run the grid described by ``args`` (see :func:`add_arguments`); returns an exit code."""
     import dspec
     from .cpu import apply_threads
-    from .models.embedded import chat_prompt
     from .tasks import check_arithmetic, check_math
     checkers = {"arithmetic": check_arithmetic, "math500": check_math}
 
@@ -592,6 +600,12 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     from tqdm.auto import tqdm
     bar = tqdm(total=len(todo) * calls_per_config, desc="bench", unit="call", disable=args.no_progress)
     summaries = payload["summary"]
+    # Warm up every configuration first (excluded from every number); the timed calls then go
+    # round robin -- every configuration on a prompt before any on the next -- so that
+    # phases of the machine's speed (a VM's memory bandwidth drifts by tens of percent within
+    # minutes) land on all configurations alike, not on whole configurations.
+    active = []
+    first_set = next(iter(prompts), None)
     for c, opts, model in todo:
         kw = dict(method=c.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   **opts)
@@ -603,17 +617,12 @@ def run(args, parser: argparse.ArgumentParser) -> int:
                 bar.update(calls_per_config)
                 _write(path, payload)
                 continue
-        chat = is_chat_model(model)
-
-        def text_of(pset, problem):
-            return chat_prompt(problem.prompt) if chat and pset in CHAT_SETS else problem.prompt
-
-        bar.set_description(c.name)
-        first_set = next(iter(prompts), None)
         if first_set is None:
             break
-        try:   # warm-up: excluded from every number
-            dspec.generate(model, text_of(first_set, prompts[first_set][0]), seed=args.seed, **kw)
+        chat = is_chat_model(model)
+        bar.set_description(f"warm-up {c.name}")
+        try:
+            dspec.generate(model, _prompt_text(chat, first_set, prompts[first_set][0]), seed=args.seed, **kw)
             _sync(device)
         except ValueError as e:
             payload["skipped"][c.name] = f"{c.family} model {names[c.family]!r} cannot run it: {e}"
@@ -625,11 +634,14 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             bar.update(calls_per_config)
             _write(path, payload)
             continue
-        for pset, problems in prompts.items():
-            calls = []
-            for ci in range(0, len(problems), args.batch):
-                chunk = problems[ci:ci + args.batch]
-                texts = [text_of(pset, p) for p in chunk]
+        active.append((c, model, kw, chat))
+    bar.set_description("bench")
+    calls_of = {(c.name, pset): [] for c, _, _, _ in active for pset in prompts}
+    for pset, problems in prompts.items():
+        for ci in range(0, len(problems), args.batch):
+            chunk = problems[ci:ci + args.batch]
+            for c, model, kw, chat in active:
+                texts = [_prompt_text(chat, pset, p) for p in chunk]
                 try:
                     _sync(device)
                     t0 = time.perf_counter()
@@ -656,14 +668,20 @@ def run(args, parser: argparse.ArgumentParser) -> int:
                        "stats": _json_safe({k: v for k, v in stats.items()
                                             if k not in ("wall_s", "tokens_per_s", "nfe")}),
                        "texts": [g.text for g in gens]}
-                calls.append(row)
+                calls_of[(c.name, pset)].append(row)
                 payload["calls"].append(row)
                 bar.update(1)
-                bar.set_postfix(set=pset, tok_s=f"{row['tokens_per_s'] or 0:.1f}")
+                bar.set_postfix(cfg=c.name, set=pset, tok_s=f"{row['tokens_per_s'] or 0:.1f}")
+        for c, _, _, _ in active:       # this prompt set is done for every configuration
+            calls = calls_of[(c.name, pset)]
             if calls:
                 summaries.append(summarize(c.name, c.method, c.family, names[c.family], pset, calls))
-                add_speedups(summaries)
+        add_speedups(summaries)
         _write(path, payload)
+    # rows grouped by configuration, in the order they were given
+    order = {c.name: i for i, (c, _, _) in enumerate(todo)}
+    sets = {pset: i for i, pset in enumerate(prompts)}
+    summaries.sort(key=lambda r: (order.get(r["config"], len(order)), sets.get(r["prompt_set"], len(sets))))
     bar.close()
     payload["env"]["loadavg_end"] = loadavg()
     payload["complete"] = True
