@@ -21,7 +21,9 @@ namespace dspec {
 namespace {
 
 constexpr int kChunk = 16;
-constexpr std::int64_t kBlock = 512;   // columns per pass-1 block
+// Columns per pass-1 block.  Blocks of 512 rescanned ~5x the columns on random logits
+// (topk k = 8 at B 64 x 17 x 49152 fp32, AMX Xeon, 2 threads: 76 -> 67 ms at 64; 32 the same).
+constexpr std::int64_t kBlock = 64;
 constexpr std::int64_t kLargeK = 64;   // above: partial sort instead of the insertion buffer
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
