@@ -64,13 +64,6 @@
 #include "dspec.h"
 #include "dtype.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define DSPEC_CA_AVX512_CODE 1
-#else
-#define DSPEC_CA_AVX512_CODE 0
-#endif
-
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__ELF__)
 #define DSPEC_CA_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
@@ -239,7 +232,7 @@ DSPEC_CA_CLONES void pv_generic(const float* p, std::int64_t m, int kt, const fl
 constexpr Ops kGenericOps = {pack_k_generic, pack_v_generic, qk_generic, softmax_generic, pv_generic};
 
 // ---- AVX-512 ---------------------------------------------------------------------------
-#if DSPEC_CA_AVX512_CODE
+#if DSPEC_AVX512_CODE
 
 // r[i] <- column i of the 16x16 block whose rows are r[0..15].
 DSPEC_AVX512_INLINE void transpose16(__m512 r[16]) {
@@ -695,7 +688,7 @@ DSPEC_CA_AMX void pv_amx(const float* p, std::int64_t m, int kt, const float* co
 constexpr Ops kAmxOps = {pack_k_amx, pack_v_amx, qk_amx, softmax_avx512, pv_amx, prepare_q_amx};
 #endif  // DSPEC_AMX_CODE
 
-#endif  // DSPEC_CA_AVX512_CODE
+#endif  // DSPEC_AVX512_CODE
 
 // ------------------------------------------------------------------------------- driver
 
@@ -1184,7 +1177,7 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
 }
 
 const Ops& pick_ops(const CascadeAttentionArgs& a) {
-#if DSPEC_CA_AVX512_CODE
+#if DSPEC_AVX512_CODE
 #if DSPEC_AMX_CODE
   if ((a.isa == kIsaAuto || a.isa == kIsaAmx) && cascade_attention_has_amx(a.dtype, a.head_dim)) return kAmxOps;
 #endif
@@ -1198,7 +1191,7 @@ const Ops& pick_ops(const CascadeAttentionArgs& a) {
 }  // namespace
 
 bool cascade_attention_has_avx512() {
-#if DSPEC_CA_AVX512_CODE
+#if DSPEC_AVX512_CODE
   return cpu::has_avx512();
 #else
   return false;
@@ -1206,7 +1199,7 @@ bool cascade_attention_has_avx512() {
 }
 
 bool cascade_attention_has_amx(int dtype, std::int64_t head_dim) {
-#if DSPEC_CA_AVX512_CODE && DSPEC_AMX_CODE
+#if DSPEC_AVX512_CODE && DSPEC_AMX_CODE
   return dtype == kBFloat16 && head_dim % 32 == 0 && head_dim <= 512 && cpu::has_amx_bf16();
 #else
   (void)dtype;

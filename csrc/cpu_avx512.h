@@ -1,10 +1,11 @@
 // AVX-512 helpers shared by the CPU kernels whose vector code is written with intrinsics
 // (cascade attention's tiles, mask_lora): the target attribute, lane masks, and the exact
 // widening load of float32 / bfloat16 / float16 elements to float32.  Callers gate the code
-// on cpu::has_avx512() at run time.
+// on cpu::has_avx512() at run time, and compile it only where DSPEC_AVX512_CODE is 1.
 #pragma once
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#define DSPEC_AVX512_CODE 1
 #include <immintrin.h>
 
 #include <cstdint>
@@ -39,4 +40,7 @@ DSPEC_AVX512_INLINE __m512 load_f32(const dt::elem_t<DT>* p, __mmask16 m) {
 
 }  // namespace cpu
 }  // namespace dspec
+#endif
+#ifndef DSPEC_AVX512_CODE
+#define DSPEC_AVX512_CODE 0
 #endif

@@ -10,13 +10,6 @@
 #include "dtype.h"
 #include "mask_lora.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define DSPEC_LORA_X86 1
-#else
-#define DSPEC_LORA_X86 0
-#endif
-
 namespace dspec {
 namespace {
 
@@ -82,7 +75,7 @@ DSPEC_CPU_INLINE void mask_lora_rows(const MaskLoraArgs& a, std::int64_t r0, std
   }
 }
 
-#if DSPEC_LORA_X86
+#if DSPEC_AVX512_CODE
 // The same update in the same order with AVX-512 FMAs (one rounding per multiply-add: not the
 // portable loops' bits), as a small GEMM over blocks of up to kLoraRows rows: one load of an
 // A row or a B^T vector serves every row of the block.  (The per-row code it replaced re-read
@@ -158,15 +151,15 @@ DSPEC_AVX512_INLINE void lora_h_ranks(const MaskLoraArgs& a, std::int64_t r0, co
     for (int c = 0; c < C; ++c) h[j * a.rank + r0 + c] = lora_fold(acc[j][c]);
 }
 
-// The update of NR rows: x to float32 once, h two ranks per pass, then 32 outputs per pass
+// The update of NR rows: x to float32 once (xf: kp floats a row, k rounded up to whole
+// 16-lane chunks), h two ranks per pass, then 32 outputs per pass
 // over B^T with NR x 2 vector sums in registers.
 template <int NR, int DT, int WT>
-DSPEC_AVX512 void lora_block(const MaskLoraArgs& a, const std::int64_t* rows, float* xf, float* h) {
+DSPEC_AVX512 void lora_block(const MaskLoraArgs& a, const std::int64_t* rows, std::int64_t kp, float* xf, float* h) {
   using E = dt::elem_t<DT>;
   const E* x = static_cast<const E*>(a.x);
   const auto* wbt = static_cast<const dt::elem_t<WT>*>(a.bt);
   E* y = static_cast<E*>(a.y);
-  const std::int64_t kp = (a.k + kLoraLanes - 1) / kLoraLanes * kLoraLanes;
   for (int j = 0; j < NR; ++j) {
     const E* xr = x + rows[j] * a.k;
     for (std::int64_t i = 0; i < kp; i += kLoraLanes)
@@ -214,14 +207,14 @@ DSPEC_AVX512 void mask_lora_rows_avx512(const MaskLoraArgs& a, std::int64_t r0, 
   for (std::int64_t i = r0; i < r1; i += kLoraRows) {
     const std::int64_t* rows = a.rows + i;
     switch (std::min<std::int64_t>(kLoraRows, r1 - i)) {
-      case 1: lora_block<1, DT, WT>(a, rows, xf.data(), h.data()); break;
-      case 2: lora_block<2, DT, WT>(a, rows, xf.data(), h.data()); break;
-      case 3: lora_block<3, DT, WT>(a, rows, xf.data(), h.data()); break;
-      case 4: lora_block<4, DT, WT>(a, rows, xf.data(), h.data()); break;
-      case 5: lora_block<5, DT, WT>(a, rows, xf.data(), h.data()); break;
-      case 6: lora_block<6, DT, WT>(a, rows, xf.data(), h.data()); break;
-      case 7: lora_block<7, DT, WT>(a, rows, xf.data(), h.data()); break;
-      default: lora_block<8, DT, WT>(a, rows, xf.data(), h.data()); break;
+      case 1: lora_block<1, DT, WT>(a, rows, kp, xf.data(), h.data()); break;
+      case 2: lora_block<2, DT, WT>(a, rows, kp, xf.data(), h.data()); break;
+      case 3: lora_block<3, DT, WT>(a, rows, kp, xf.data(), h.data()); break;
+      case 4: lora_block<4, DT, WT>(a, rows, kp, xf.data(), h.data()); break;
+      case 5: lora_block<5, DT, WT>(a, rows, kp, xf.data(), h.data()); break;
+      case 6: lora_block<6, DT, WT>(a, rows, kp, xf.data(), h.data()); break;
+      case 7: lora_block<7, DT, WT>(a, rows, kp, xf.data(), h.data()); break;
+      default: lora_block<8, DT, WT>(a, rows, kp, xf.data(), h.data()); break;
     }
   }
 }
@@ -249,7 +242,7 @@ DSPEC_CPU_CLONES void mask_lora_bf16_w16(const MaskLoraArgs& a, std::int64_t r0,
 }  // namespace
 
 bool mask_lora_has_avx512(int dtype) {
-#if DSPEC_LORA_X86
+#if DSPEC_AVX512_CODE
   return (dtype == kFloat32 || dtype == kBFloat16) && cpu::has_avx512();
 #else
   (void)dtype;
@@ -259,7 +252,7 @@ bool mask_lora_has_avx512(int dtype) {
 
 void mask_lora_cpu(const MaskLoraArgs& a) {
   const bool w16 = a.weight_dtype == kBFloat16;
-#if DSPEC_LORA_X86
+#if DSPEC_AVX512_CODE
   if (a.isa != kLinearGeneric && mask_lora_has_avx512(a.dtype)) {
     // every thread streams all of A and B^T: a second thread pays only with two full row
     // blocks to share them (4 rows on two threads measured slower than on one)
@@ -283,6 +276,5 @@ void mask_lora_cpu(const MaskLoraArgs& a) {
     }
   });
 }
-
 
 }  // namespace dspec
