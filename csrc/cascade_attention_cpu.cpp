@@ -648,6 +648,7 @@ DSPEC_CA_AMX void pv_amx(const float* p, std::int64_t m, int kt, const float* co
         _mm256_store_si256(reinterpret_cast<__m256i*>(&ph[r][16 * c]), hi);
         _mm256_store_si256(reinterpret_cast<__m256i*>(&pl[r][16 * c]), lo);
       }
+      if (alpha[r0 + r] == 1.0f) continue;  // the lazy max's usual case: O * 1 is O, bit for bit
       float* orow = o + (r0 + r) * dp;
       const __m512 al = _mm512_set1_ps(alpha[r0 + r]);
       for (std::int64_t c = 0; c < dp; c += 16) _mm512_store_ps(orow + c, _mm512_mul_ps(_mm512_load_ps(orow + c), al));
@@ -846,8 +847,58 @@ void store_rows(const CascadeAttentionArgs& a, const Geometry& g, const float* o
   }
 }
 
+#if DSPEC_AVX512_CODE
+// store_rows for float32 / bfloat16 outputs on 16 lanes, bit for bit: the same sequential
+// lane sum, the same float32 multiply and dt::float_to_bf16's rounding (cpu::bf16_bits).
+template <int DT>
+DSPEC_AVX512 void store_rows_avx512(const CascadeAttentionArgs& a, const Geometry& g, const float* o,
+                                    const float* mrun, const float* lrun, std::int64_t b, std::int64_t kvh,
+                                    std::int64_t i0, std::int64_t i1) {
+  using T = dt::elem_t<DT>;
+  T* out = static_cast<T*>(a.out);
+  const std::int64_t D = a.head_dim, G = g.group;
+  for (std::int64_t i = i0; i < i1; ++i) {
+    for (std::int64_t h = 0; h < G; ++h) {
+      const std::int64_t r = (i - i0) * G + h, head = kvh * G + h;
+      T* dst = out + b * a.out_stride[0] + i * a.out_stride[1] + head * a.out_stride[2];
+      float l = 0.0f;
+      for (int lane = 0; lane < 16; ++lane) l += lrun[r * 16 + lane];
+      const float* orow = o + r * g.dp;
+      const bool seen = l > 0.0f;
+      const __m512 inv = _mm512_set1_ps(seen ? 1.0f / l : 0.0f);
+      for (std::int64_t dd = 0; dd < D; dd += 16) {
+        const __mmask16 m = lanes(D - dd);
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, orow + dd), inv);
+        if constexpr (DT == kFloat32) {
+          _mm512_mask_storeu_ps(dst + dd, m, v);
+        } else {
+          _mm256_mask_storeu_epi16(dst + dd, m, _mm512_cvtepi32_epi16(cpu::bf16_bits(v)));
+        }
+      }
+      if (a.lse) {
+        const double lse2 = static_cast<double>(mrun[r]) + std::log2(static_cast<double>(l));
+        a.lse[(b * a.n + i) * a.hq + head] = seen ? static_cast<float>(lse2 * 0.6931471805599453) : -INFINITY;
+      }
+    }
+  }
+}
+#endif
+
 void store_state(const CascadeAttentionArgs& a, const Geometry& g, const Workspace& ws, const Unit& u,
                  std::int64_t H, bool folded) {
+#if DSPEC_AVX512_CODE
+  if (a.dtype != kFloat16 && cpu::has_avx512()) {
+    for (std::int64_t hi = 0; hi < H; ++hi) {
+      const HeadState st = folded ? ws.acc_state(hi) : ws.chunk_state(hi);
+      if (a.dtype == kBFloat16) {
+        store_rows_avx512<kBFloat16>(a, g, st.o, st.m, st.l, u.b, u.h0 + hi, u.i0, u.i1);
+      } else {
+        store_rows_avx512<kFloat32>(a, g, st.o, st.m, st.l, u.b, u.h0 + hi, u.i0, u.i1);
+      }
+    }
+    return;
+  }
+#endif
   for (std::int64_t hi = 0; hi < H; ++hi) {
     const HeadState st = folded ? ws.acc_state(hi) : ws.chunk_state(hi);
     switch (a.dtype) {
@@ -862,8 +913,30 @@ void store_state(const CascadeAttentionArgs& a, const Geometry& g, const Workspa
 // 2^(m_c - m) O_c, likewise each of the 16 sum lanes.  An empty side (m = -inf: the row saw
 // no key there) leaves the other side as it is, bit for bit.  One compiled copy (noinline):
 // the sequential and the split paths must round alike.
+#if DSPEC_AVX512_CODE
+// One row of fold_state on 16 lanes, the scalar loop's bits: separate multiplies and an add
+// (the scalar code has no FMA in the baseline target; the _round_ forms keep GCC from
+// contracting them into one, as it would _mm512_mul_ps + _mm512_add_ps).
+DSPEC_AVX512_INLINE __m512 fold_lanes(__m512 va, __m512 acc, __m512 vc, __m512 chunk) {
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return _mm512_add_round_ps(_mm512_mul_round_ps(va, acc, kRne), _mm512_mul_round_ps(vc, chunk, kRne), kRne);
+}
+
+DSPEC_AVX512 void fold_row_avx512(float* o, const float* x, float* l, const float* y, float fa, float fc,
+                                  std::int64_t DP) {
+  const __m512 va = _mm512_set1_ps(fa), vc = _mm512_set1_ps(fc);
+  for (std::int64_t dd = 0; dd < DP; dd += 16) {
+    _mm512_storeu_ps(o + dd, fold_lanes(va, _mm512_loadu_ps(o + dd), vc, _mm512_loadu_ps(x + dd)));
+  }
+  _mm512_storeu_ps(l, fold_lanes(va, _mm512_loadu_ps(l), vc, _mm512_loadu_ps(y)));
+}
+#endif
+
 __attribute__((noinline)) void fold_state(HeadState acc, const float* oc, const float* mc, const float* lc,
                                           std::int64_t M, std::int64_t DP) {
+#if DSPEC_AVX512_CODE
+  const bool avx512 = cpu::has_avx512();
+#endif
   for (std::int64_t r = 0; r < M; ++r) {
     if (mc[r] == -INFINITY) continue;
     if (acc.m[r] == -INFINITY) {
@@ -874,6 +947,13 @@ __attribute__((noinline)) void fold_state(HeadState acc, const float* oc, const 
     }
     const float nm = std::max(acc.m[r], mc[r]);
     const float fa = std::exp2(acc.m[r] - nm), fc = std::exp2(mc[r] - nm);
+#if DSPEC_AVX512_CODE
+    if (avx512) {
+      fold_row_avx512(acc.o + r * DP, oc + r * DP, acc.l + r * 16, lc + r * 16, fa, fc, DP);
+      acc.m[r] = nm;
+      continue;
+    }
+#endif
     float* o = acc.o + r * DP;
     const float* x = oc + r * DP;
     for (std::int64_t dd = 0; dd < DP; ++dd) o[dd] = fa * o[dd] + fc * x[dd];

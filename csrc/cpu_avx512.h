@@ -38,6 +38,19 @@ DSPEC_AVX512_INLINE __m512 load_f32(const dt::elem_t<DT>* p, __mmask16 m) {
   }
 }
 
+// dt::float_to_bf16 on 16 lanes, as 32-bit lanes holding the 16-bit results: round to
+// nearest even on the integer bits, a NaN stays a quiet NaN (the AVX512_BF16 conversion
+// would flush subnormals, so it is not used where bits must match the scalar code).
+DSPEC_AVX512_INLINE __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
+}
+
 }  // namespace cpu
 }  // namespace dspec
 #endif

@@ -86,23 +86,12 @@ DSPEC_CPU_INLINE void mask_lora_rows(const MaskLoraArgs& a, std::int64_t r0, std
 // (the AVX512_BF16 conversion would flush subnormals).
 constexpr int kLoraRows = 8;
 
-// dt::float_to_bf16 on 16 lanes, as 32-bit lanes holding the 16-bit results.
-DSPEC_AVX512 inline __m512i lora_bf16_bits(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
-}
-
 template <int DT>
 DSPEC_AVX512 inline __m512 lora_round(__m512 v) {
   if constexpr (DT == kFloat32) {
     return v;
   } else {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(lora_bf16_bits(v), 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(cpu::bf16_bits(v), 16));
   }
 }
 
@@ -111,7 +100,7 @@ DSPEC_AVX512 inline void lora_store(dt::elem_t<DT>* p, __m512 v, __mmask16 m) {
   if constexpr (DT == kFloat32) {
     _mm512_mask_storeu_ps(p, m, v);
   } else {
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(lora_bf16_bits(v)));
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(cpu::bf16_bits(v)));
   }
 }
 
