@@ -52,12 +52,19 @@ DSPEC_CPU_CLONES void add_f32(void* x, const void* y, std::int64_t count) { add_
 DSPEC_CPU_CLONES void add_f16(void* x, const void* y, std::int64_t count) { add_rows<kFloat16>(x, y, count); }
 DSPEC_CPU_CLONES void add_bf16(void* x, const void* y, std::int64_t count) { add_rows<kBFloat16>(x, y, count); }
 
-void add_in_place(int dtype, void* x, const void* y, std::int64_t count) {
-  switch (dtype) {
-    case kFloat16: add_f16(x, y, count); break;
-    case kBFloat16: add_bf16(x, y, count); break;
-    default: add_f32(x, y, count); break;
-  }
+// x[rows, width] += y, over the pool's threads by rows
+void add_in_place(int dtype, void* x, const void* y, std::int64_t rows, std::int64_t width, int num_threads) {
+  const std::int64_t item = dtype == kFloat32 ? 4 : 2;
+  cpu::parallel_rows(rows, width, num_threads, [&](std::int64_t lo, std::int64_t hi) {
+    void* xs = static_cast<char*>(x) + lo * width * item;
+    const void* ys = static_cast<const char*>(y) + lo * width * item;
+    const std::int64_t count = (hi - lo) * width;
+    switch (dtype) {
+      case kFloat16: add_f16(xs, ys, count); break;
+      case kBFloat16: add_bf16(xs, ys, count); break;
+      default: add_f32(xs, ys, count); break;
+    }
+  }, kLayerOpElementsPerThread);
 }
 
 // Projections of one input (1..3 of them), with the adapter's update after each.
@@ -193,14 +200,14 @@ void decoder_layers_cpu(const DecoderArgs& a) {
     }
     cascade_attention_cpu(att);
     project(a, w, o, qw, {kProjO}, {t}, {a.hidden});
-    add_in_place(a.dtype, x, t, rows * a.hidden);
+    add_in_place(a.dtype, x, t, rows, a.hidden, a.num_threads);
 
     norm.weight = w.post_norm;
     rms_norm_cpu(norm);
     project(a, w, h, a.hidden, {kProjGate, kProjUp}, {gate, up}, {a.intermediate, a.intermediate});
     silu_mul_cpu(a.dtype, rows, a.intermediate, gate, up, gate, a.num_threads);
     project(a, w, gate, a.intermediate, {kProjDown}, {t}, {a.hidden});
-    add_in_place(a.dtype, x, t, rows * a.hidden);
+    add_in_place(a.dtype, x, t, rows, a.hidden, a.num_threads);
 
     const int slot = l < a.record.size() ? a.record[l] : -1;
     if (slot >= 0) {

@@ -22,6 +22,11 @@ struct RmsNormArgs {
   int num_threads = 1;
 };
 
+// Elements of work per thread of RMSNorm, RoPE and the decoder's residual add: from ~16
+// rows of a 576-wide model on they take the pool (whose workers spin between the kernels
+// of a forward, so a hand-off costs a few microseconds) instead of leaving it idle.
+constexpr std::int64_t kLayerOpElementsPerThread = std::int64_t(1) << 13;
+
 // out = weight * rmsnorm(x)
 void rms_norm_cpu(const RmsNormArgs& args);
 

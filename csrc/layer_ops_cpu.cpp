@@ -95,7 +95,7 @@ void rms_norm_cpu(const RmsNormArgs& args) {
       case kBFloat16: rms_bf16(args, lo, hi); break;
       default: rms_f32(args, lo, hi); break;
     }
-  });
+  }, kLayerOpElementsPerThread);
 }
 
 void rope_cpu(const RopeArgs& args) {
@@ -106,7 +106,7 @@ void rope_cpu(const RopeArgs& args) {
       case kBFloat16: rope_bf16(args, lo, hi); break;
       default: rope_f32(args, lo, hi); break;
     }
-  });
+  }, kLayerOpElementsPerThread);
 }
 
 void copy_rows_cpu(const CopyRowsArgs& a) {
