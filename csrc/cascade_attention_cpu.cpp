@@ -97,7 +97,8 @@ constexpr std::int64_t kUnitStateBytes = std::int64_t(512) << 10;
 
 // ------------------------------------------------------------------------------ kernels
 using PackFn = void (*)(const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp, float* out);
-using QkFn = void (*)(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s);
+using QkFn = void (*)(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s,
+                      float scale);
 using SoftmaxFn = void (*)(float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits, float* mrun,
                            float* lrun, float* alpha);
 using PvFn = void (*)(const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t dp,
@@ -108,12 +109,15 @@ using PrepareQFn = void (*)(float* qp, std::int64_t rows, std::int64_t dp);
 struct Ops {
   PackFn pack_k;  // K rows -> K^T [dp][kKeyTile]: rows d >= D and columns [kt, 16 * nv) zero
   PackFn pack_v;  // V rows -> [kt][dp]: columns d >= D zero
-  QkFn qk;        // s[r][j] = sum_d qp[r][d] kt[d][j], j < 16 * nv
+  QkFn qk;        // s[r][j] = sum_d qp[r][d] kt[d][j], j < 16 * nv (times scale where unscaled_q)
   SoftmaxFn softmax;
   PvFn pv;        // o[r] = alpha[r] o[r] + sum_j p[r][j] v[j]
   // null, or the AMX tiles' re-layout of the scaled Q rows in place (once per unit); the
   // AMX pack_k / pack_v / qk / pv then use their own layouts of the same buffers
   PrepareQFn prepare_q = nullptr;
+  // the Q rows come as loaded (not multiplied by sm_scale * log2 e) and qk applies that
+  // scale to its float32 products: the AMX tiles then take bf16 Q as one exact operand
+  bool unscaled_q = false;
 };
 
 // ---- portable loops ------------------------------------------------------------------
@@ -165,8 +169,9 @@ DSPEC_CA_CLONES void pack_v_generic(const void* const* rows, int kt, int dtype, 
   }
 }
 
+// (pre-scaled Q rows: scale is 1)
 DSPEC_CA_CLONES void qk_generic(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv,
-                                float* s) {
+                                float* s, float) {
   const int cols = 16 * nv;
   for (std::int64_t r = 0; r < m; ++r) {
     alignas(64) float acc[kKeyTile] = {};
@@ -349,7 +354,9 @@ DSPEC_AVX512 void qk_avx512_nv(const float* qp, std::int64_t m, std::int64_t dp,
   qk_tail<NV, MR - 1>(m - r, qp + r * dp, dp, kt, s + r * kKeyTile);
 }
 
-DSPEC_AVX512 void qk_avx512(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s) {
+// (pre-scaled Q rows: scale is 1)
+DSPEC_AVX512 void qk_avx512(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s,
+                            float) {
   switch (nv) {
     case 1: qk_avx512_nv<1>(qp, m, dp, kt, s); break;
     case 2: qk_avx512_nv<2>(qp, m, dp, kt, s); break;
@@ -515,14 +522,15 @@ constexpr Ops kAvx512Ops = {pack_k_avx512, pack_v_avx512, qk_avx512, softmax_avx
 #if DSPEC_AMX_CODE
 // ---- AMX-BF16 (bf16 inputs, D a multiple of 32) ------------------------------------------
 // The same tiles on the tile unit, with float32 precision kept where the AVX-512 code has
-// it: K and V are bf16 (exact operands); the scaled Q rows and the probabilities P are
-// float32 and go in as two bf16 terms each, x = hi + lo with hi = bf16(x), lo = bf16(x - hi)
-// (16 of x's 24 mantissa bits; two tile products, accumulated in float32).  A row's result
+// it: Q, K and V are bf16 (exact operands; S = Q K^T exact products summed in float32, then
+// multiplied by sm_scale * log2 e once, in float32); the probabilities P are float32 and go
+// in as two bf16 terms, x = hi + lo with hi = bf16(x), lo = bf16(x - hi) (16 of x's 24
+// mantissa bits; two tile products, accumulated in float32).  A row's result
 // depends only on its own Q / P row and the keys, as in the AVX-512 code, so the
 // invariances above hold among AMX runs (its bits differ from the AVX-512 ones, so a process
 // keeps one isa for every call).
 // Layouts (in the float buffers the driver hands out):
-//   Q row r (4 dp bytes): hi [dp] bf16, then lo [dp] bf16            (prepare_q, in place)
+//   Q row r (4 dp bytes): [dp] bf16, the rest unused                  (prepare_q, in place)
 //   K tile: bf16 [dp / 2 pairs][64 keys][2]   (a B operand of 16 pairs x 16 keys per tile)
 //   V tile: bf16 [32 key pairs][dp][2]        (a B operand of 16 key pairs x 16 d per tile)
 // Tiles: 0-3 accumulate (S: 16 keys each; O: 16 d each), 4 / 5 the hi / lo A operands,
@@ -539,16 +547,13 @@ DSPEC_CA_AMX inline void split_bf16(__m512 x, __m256i& hi, __m256i& lo) {
 }
 
 DSPEC_CA_AMX void prepare_q_amx(float* qp, std::int64_t rows, std::int64_t dp) {
-  alignas(64) float row[512];
+  // the rows hold bf16 values as float32 (unscaled_q): their top 16 bits are the bf16
   for (std::int64_t r = 0; r < rows; ++r) {
     float* q = qp + r * dp;
-    std::memcpy(row, q, static_cast<std::size_t>(dp) * sizeof(float));
     auto* out = reinterpret_cast<std::uint16_t*>(q);
-    for (std::int64_t d0 = 0; d0 < dp; d0 += 16) {
-      __m256i hi, lo;
-      split_bf16(_mm512_load_ps(row + d0), hi, lo);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d0), hi);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + dp + d0), lo);
+    for (std::int64_t d0 = 0; d0 < dp; d0 += 16) {   // out's 32 bytes lie below q + d0's 64
+      const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(_mm512_load_ps(q + d0)), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d0), _mm512_cvtepi32_epi16(bits));
     }
   }
 }
@@ -598,7 +603,8 @@ DSPEC_CA_AMX void pack_v_amx(const void* const* rows, int kt, int, std::int64_t 
     _tile_dpbf16ps(C, 5, B);                                         \
   } while (0)
 
-DSPEC_CA_AMX void qk_amx(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s) {
+DSPEC_CA_AMX void qk_amx(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s,
+                         float scale) {
   const auto* k16 = reinterpret_cast<const std::uint16_t*>(kt);
   constexpr long kB = kKeyTile * 4;  // bytes between the d pairs of a K tile
   const long q_stride = static_cast<long>(dp) * 4;
@@ -614,18 +620,32 @@ DSPEC_CA_AMX void qk_amx(const float* qp, std::int64_t m, std::int64_t dp, const
     if (nv > 3) _tile_zero(3);
     for (std::int64_t d0 = 0; d0 < dp; d0 += 32) {
       _tile_loadd(4, q16 + d0, q_stride);
-      _tile_loadd(5, q16 + dp + d0, q_stride);
       const std::uint16_t* kb = k16 + (d0 / 2) * kKeyTile * 2;
-      DSPEC_CA_AMX_DOT(0, 6, kb, kB);
-      if (nv > 1) DSPEC_CA_AMX_DOT(1, 7, kb + 32, kB);
-      if (nv > 2) DSPEC_CA_AMX_DOT(2, 6, kb + 64, kB);
-      if (nv > 3) DSPEC_CA_AMX_DOT(3, 7, kb + 96, kB);
+      _tile_loadd(6, kb, kB);
+      _tile_dpbf16ps(0, 4, 6);
+      if (nv > 1) {
+        _tile_loadd(7, kb + 32, kB);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (nv > 2) {
+        _tile_loadd(6, kb + 64, kB);
+        _tile_dpbf16ps(2, 4, 6);
+      }
+      if (nv > 3) {
+        _tile_loadd(7, kb + 96, kB);
+        _tile_dpbf16ps(3, 4, 7);
+      }
     }
     float* sr = s + r0 * kKeyTile;
     _tile_stored(0, sr, kKeyTile * 4);
     if (nv > 1) _tile_stored(1, sr + 16, kKeyTile * 4);
     if (nv > 2) _tile_stored(2, sr + 32, kKeyTile * 4);
     if (nv > 3) _tile_stored(3, sr + 48, kKeyTile * 4);
+    std::atomic_signal_fence(std::memory_order_seq_cst);  // tile stores are asm
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int r = 0; r < mr; ++r) {
+      for (int c = 0; c < nv; ++c) _mm512_store_ps(sr + r * kKeyTile + 16 * c, _mm512_mul_ps(_mm512_load_ps(sr + r * kKeyTile + 16 * c), sc));
+    }
   }
   _tile_release();
 }
@@ -686,7 +706,7 @@ DSPEC_CA_AMX void pv_amx(const float* p, std::int64_t m, int kt, const float* co
   _tile_release();
 }
 
-constexpr Ops kAmxOps = {pack_k_amx, pack_v_amx, qk_amx, softmax_avx512, pv_amx, prepare_q_amx};
+constexpr Ops kAmxOps = {pack_k_amx, pack_v_amx, qk_amx, softmax_avx512, pv_amx, prepare_q_amx, true};
 #endif  // DSPEC_AMX_CODE
 
 #endif  // DSPEC_AVX512_CODE
@@ -703,6 +723,8 @@ struct Geometry {
   std::int64_t head_groups = 1;  // KV head groups per request
   std::int64_t group_heads = 1;  // KV heads per group
   float scale2 = 1.0f;           // sm_scale * log2(e)
+  float q_scale = 1.0f;          // applied to the Q rows at load (scale2, or 1 for unscaled_q ops)
+  float s_scale = 1.0f;          // applied by qk to its products (1, or scale2 for unscaled_q ops)
 };
 
 // One work unit (see the top of the file): chunks [c0, c1) of the request's keys.  The
@@ -817,7 +839,7 @@ void load_q_rows(const CascadeAttentionArgs& a, const Geometry& g, std::int64_t 
     for (std::int64_t h = 0; h < G; ++h) {
       const T* src = q + b * a.q_stride[0] + i * a.q_stride[1] + (kvh * G + h) * a.q_stride[2];
       float* dst = qp + ((i - i0) * G + h) * g.dp;
-      for (std::int64_t dd = 0; dd < D; ++dd) dst[dd] = dt::to_float<DT>(src[dd]) * g.scale2;
+      for (std::int64_t dd = 0; dd < D; ++dd) dst[dd] = dt::to_float<DT>(src[dd]) * g.q_scale;
       for (std::int64_t dd = D; dd < g.dp; ++dd) dst[dd] = 0.0f;
     }
   }
@@ -849,23 +871,31 @@ void store_rows(const CascadeAttentionArgs& a, const Geometry& g, const float* o
 
 #if DSPEC_AVX512_CODE
 // store_rows for float32 / bfloat16 outputs on 16 lanes, bit for bit: the same sequential
-// lane sum, the same float32 multiply and dt::float_to_bf16's rounding (cpu::bf16_bits).
+// lane sums (16 rows at a time, transposed so that each row's sum runs down one lane in the
+// scalar order), the same float32 divide and multiply, dt::float_to_bf16's rounding.
 template <int DT>
 DSPEC_AVX512 void store_rows_avx512(const CascadeAttentionArgs& a, const Geometry& g, const float* o,
                                     const float* mrun, const float* lrun, std::int64_t b, std::int64_t kvh,
                                     std::int64_t i0, std::int64_t i1) {
   using T = dt::elem_t<DT>;
   T* out = static_cast<T*>(a.out);
-  const std::int64_t D = a.head_dim, G = g.group;
-  for (std::int64_t i = i0; i < i1; ++i) {
-    for (std::int64_t h = 0; h < G; ++h) {
-      const std::int64_t r = (i - i0) * G + h, head = kvh * G + h;
+  const std::int64_t D = a.head_dim, G = g.group, M = (i1 - i0) * G;
+  alignas(64) float sums[16], invs[16];
+  for (std::int64_t r0 = 0; r0 < M; r0 += 16) {
+    const int rows = static_cast<int>(std::min<std::int64_t>(16, M - r0));
+    __m512 t[16];
+    for (int j = 0; j < 16; ++j) t[j] = j < rows ? _mm512_loadu_ps(lrun + (r0 + j) * 16) : _mm512_setzero_ps();
+    transpose16(t);   // t[lane] holds that lane of the 16 rows
+    __m512 l = _mm512_setzero_ps();
+    for (int lane = 0; lane < 16; ++lane) l = _mm512_add_ps(l, t[lane]);
+    const __mmask16 seen = _mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ);
+    _mm512_store_ps(sums, l);
+    _mm512_store_ps(invs, _mm512_maskz_div_ps(seen, _mm512_set1_ps(1.0f), l));
+    for (int j = 0; j < rows; ++j) {
+      const std::int64_t r = r0 + j, i = i0 + r / G, head = kvh * G + r % G;
       T* dst = out + b * a.out_stride[0] + i * a.out_stride[1] + head * a.out_stride[2];
-      float l = 0.0f;
-      for (int lane = 0; lane < 16; ++lane) l += lrun[r * 16 + lane];
       const float* orow = o + r * g.dp;
-      const bool seen = l > 0.0f;
-      const __m512 inv = _mm512_set1_ps(seen ? 1.0f / l : 0.0f);
+      const __m512 inv = _mm512_set1_ps(invs[j]);
       for (std::int64_t dd = 0; dd < D; dd += 16) {
         const __mmask16 m = lanes(D - dd);
         const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, orow + dd), inv);
@@ -876,8 +906,9 @@ DSPEC_AVX512 void store_rows_avx512(const CascadeAttentionArgs& a, const Geometr
         }
       }
       if (a.lse) {
-        const double lse2 = static_cast<double>(mrun[r]) + std::log2(static_cast<double>(l));
-        a.lse[(b * a.n + i) * a.hq + head] = seen ? static_cast<float>(lse2 * 0.6931471805599453) : -INFINITY;
+        const float lj = sums[j];
+        const double lse2 = static_cast<double>(mrun[r]) + std::log2(static_cast<double>(lj));
+        a.lse[(b * a.n + i) * a.hq + head] = lj > 0.0f ? static_cast<float>(lse2 * 0.6931471805599453) : -INFINITY;
       }
     }
   }
@@ -1146,7 +1177,7 @@ void run_unit(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, 
       const HeadState st = ws.chunk_state(hi);
       ops.pack_k(kh, kt, a.dtype, D, DP, ws.kt);
       float* alpha = ws.alpha + hi * st_stride + r0;
-      ops.qk(ws.qp + hi * qo_stride + r0 * DP, m, DP, ws.kt, nv, ws.s);
+      ops.qk(ws.qp + hi * qo_stride + r0 * DP, m, DP, ws.kt, nv, ws.s, g.s_scale);
       ops.softmax(ws.s, m, kt, nv, bits, st.m + r0, st.l + r0 * 16, alpha);
       ops.pv(ws.s, m, kt, vrows, DP, alpha, st.o + r0 * DP);
     }
@@ -1297,6 +1328,8 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   g.item = a.dtype == kFloat32 ? 4 : 2;
   g.words = (a.n + 31) / 32;
   g.scale2 = static_cast<float>(static_cast<double>(a.sm_scale) * 1.4426950408889634);
+  g.q_scale = ops.unscaled_q ? 1.0f : g.scale2;
+  g.s_scale = ops.unscaled_q ? g.scale2 : 1.0f;
 
   // threads: by the work (the suffix counted dense) and by the prefix bytes read
   auto chunks_of = [&](std::int64_t plen) {  // chunks of the request's P + N keys
