@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from ..ops import token_stats, verify_chain
-from .ngram import NgramLM, default_ngram
+from .ngram import NgramLM, causal_proxy
 from .path_search import build_lattice, path_search
 from .sampling import next_tokens
 
@@ -220,7 +220,7 @@ def _causal_proxy(model, opts, ngram):
     if not opts["cps"] or opts["lam"] >= 1.0:
         return None
     if ngram is None:
-        lm = default_ngram(model)
+        lm = causal_proxy(model)
     elif isinstance(ngram, (str, Path)):
         lm = NgramLM.load(ngram)
     elif isinstance(ngram, NgramLM):
@@ -470,7 +470,8 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     ``adaptive`` (ADL, True), ``cps`` (path search, True), ``beam`` (3), ``tau`` (0.8),
     ``max_candidates`` (M_max, 15), ``lam`` (0.5), ``k_min`` / ``k_max`` (20 / 30), ``delta``
     (10), ``rho`` (0.5), ``ngram`` (the causal proxy: an ``NgramLM``, a path to a saved one,
-    or None for :func:`dspec.decode.ngram.default_ngram`; unused when ``lam = 1``).
+    or None for :func:`dspec.decode.ngram.causal_proxy`: the shipped 3-gram of the target's own
+    responses where there is one, else the corpora 3-gram; unused when ``lam = 1``).
 
     Stats: ``nfe`` {"target": verify forwards + prefill, "drafter": draft forwards};
     ``mean_accepted``: tokens committed per request per target verification forward
