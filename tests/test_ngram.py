@@ -145,3 +145,16 @@ def test_default_ngram_is_built_once_and_cached(tmp_path, monkeypatch):
     np.testing.assert_array_equal(again.trigram_keys, lm.trigram_keys)
     with pytest.raises(ValueError, match="corpora"):
         default_ngram(FakeModel(), corpora=("wikipedia",))
+
+
+def test_load_cached_keeps_a_file_until_it_changes(tmp_path):
+    from dspec.decode.ngram import load_cached
+    path = tmp_path / "lm.npz"
+    NgramLM.build([[0, 1, 2, 1, 0]], 5).save(path)
+    first = load_cached(path)
+    assert load_cached(path) is first                      # unchanged file: the same object
+    NgramLM.build([[3, 4, 3, 4]], 5).save(path)            # replaced: read again
+    again = load_cached(path)
+    assert again is not first and again.logprob(3, 4, 3) > first.logprob(3, 4, 3)
+    with pytest.raises(ValueError, match="no n-gram file"):
+        load_cached(tmp_path / "missing.npz")

@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from ..ops import token_stats, verify_chain
-from .ngram import NgramLM, causal_proxy
+from .ngram import NgramLM, causal_proxy, load_cached
 from .path_search import build_lattice, path_search
 from .sampling import next_tokens
 
@@ -222,7 +222,7 @@ def _causal_proxy(model, opts, ngram):
     if ngram is None:
         lm = causal_proxy(model)
     elif isinstance(ngram, (str, Path)):
-        lm = NgramLM.load(ngram)
+        lm = load_cached(ngram)
     elif isinstance(ngram, NgramLM):
         lm = ngram
     else:

@@ -349,6 +349,29 @@ def _bigram_logp_array(bi_keys, bi_logp, uni_bow, uni_logp, v, w, V) -> np.ndarr
 
 # ------------------------------------------------------------------ defaults and caching
 
+_LOADED: dict = {}       # (path, mtime, size) -> NgramLM: the last few files read
+_LOADED_MAX = 4
+
+
+def load_cached(path) -> NgramLM:
+    """:meth:`NgramLM.load` of ``path``, kept in memory while the file is unchanged (the few
+    most recent files): decoding calls ``generate`` once per prompt, and decompressing the
+    SmolLM2 proxy (29 MiB of arrays) took ~90 ms of every DiffuSpec call."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError:
+        raise ValueError(f"no n-gram file at {path}") from None
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+    lm = _LOADED.pop(key, None)
+    if lm is None:
+        lm = NgramLM.load(path)
+    _LOADED[key] = lm                       # most recent last
+    while len(_LOADED) > _LOADED_MAX:
+        _LOADED.pop(next(iter(_LOADED)))
+    return lm
+
+
 def cache_dir() -> Path:
     """``$DSPEC_CACHE/ngram`` or ``~/.cache/dspec/ngram``."""
     root = os.environ.get("DSPEC_CACHE")
@@ -401,7 +424,7 @@ def default_ngram(model, *, corpora=CORPORA, max_chars: int = 1_500_000, method:
     if name and not rebuild:
         shipped = SHIPPED_DIR / f"{name}.npz"
         if shipped.is_file():
-            lm = NgramLM.load(shipped)
+            lm = load_cached(shipped)
             # only when it is what was asked for (same tokenizer, corpora, size and method)
             if (lm.meta.get("tokenizer") == fingerprint and lm.meta.get("corpora") == list(corpora)
                     and lm.meta.get("max_chars") == max_chars and lm.method == method):
@@ -410,7 +433,7 @@ def default_ngram(model, *, corpora=CORPORA, max_chars: int = 1_500_000, method:
                                      model.config.vocab_size, FORMAT_VERSION, "train-docs"]).encode()).hexdigest()[:20]
     path = cache_dir() / f"{key}.npz"
     if path.is_file() and not rebuild:
-        return NgramLM.load(path)
+        return load_cached(path)
     texts = []
     for c in corpora:
         texts += corpus_texts(c, max_chars)
@@ -473,7 +496,7 @@ def causal_proxy(model) -> NgramLM:
     name = getattr(model, "shipped_name", None)
     path = SHIPPED_DIR / f"{name}{SELFGEN_SUFFIX}.npz" if name else None
     if path is not None and path.is_file() and model.tokenizer is not None:
-        lm = NgramLM.load(path)
+        lm = load_cached(path)
         if (lm.meta.get("tokenizer") == _tokenizer_fingerprint(model.tokenizer)
                 and lm.vocab_size >= model.config.vocab_size):
             return lm
