@@ -189,3 +189,20 @@ def test_shipped_graphs_load_for_tiny_bd(monkeypatch):
     got = dspec.generate(m, prompt, method="spiffy", max_new_tokens=16)
     assert got.tokens == ref.tokens
     assert got.stats["graph_size"] == shipped.graph_size
+
+
+def test_fingerprint_is_kept_until_a_weight_changes(tmp_path_factory):
+    """The weights' hash is computed once per model (it read every weight on every generate
+    call) and recomputed after an in-place change or a replaced parameter."""
+    import torch
+    m = tiny(tmp_path_factory, "sdar")
+    first = spiffy_graph.fingerprint(m)
+    assert spiffy_graph.fingerprint(m) == first
+    p = next(iter(m.parameters()))
+    saved = p.detach().clone()
+    with torch.no_grad():
+        p.add_(1.0)                          # in place: its version counter moves
+    assert spiffy_graph.fingerprint(m) != first
+    with torch.no_grad():
+        p.copy_(saved)
+    assert spiffy_graph.fingerprint(m) == first
