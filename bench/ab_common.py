@@ -13,8 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import dspec
-from dspec.bench_e2e import CHAT_SETS, PROMPT_SETS, _prompts, is_chat_model
-from dspec.models.embedded import chat_prompt
+from dspec.bench_e2e import PROMPT_SETS, _prompt_text, _prompts, is_chat_model
 
 FIELDS = ("s", "tokens", "cycles", "committed", "target_forwards", "accepted_x_tokens", "differ")
 
@@ -42,7 +41,7 @@ def grid_texts(model, prompts_per_set: int, seed: int = 0) -> dict[str, list[str
     """The e2e grid's prompt sets, chat-wrapped as the grid wraps them for ``model``."""
     prompts, _ = _prompts(list(PROMPT_SETS), prompts_per_set, seed)
     chat = is_chat_model(model)
-    return {pset: [chat_prompt(p.prompt) if chat and pset in CHAT_SETS else p.prompt for p in problems]
+    return {pset: [_prompt_text(chat, pset, p) for p in problems]
             for pset, problems in prompts.items()}
 
 
