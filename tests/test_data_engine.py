@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dspec
+from conftest import requires_sharegpt
 from dspec import tasks
 from dspec.train.data_engine import (EngineConfig, GeneratedData, generate_shards, heldout_split, prompt_stream,
                                      _Sources)
@@ -30,6 +31,7 @@ def small(**kw):
     return EngineConfig(**base)
 
 
+@requires_sharegpt
 def test_shards_are_deterministic_and_resume(tiny, tmp_path):
     cfg = small()
     generate_shards(tiny, tmp_path / "a", cfg, progress=False)
@@ -48,6 +50,7 @@ def test_shards_are_deterministic_and_resume(tiny, tmp_path):
     assert manifest["machine"] and manifest["dtype"] == "float32"
 
 
+@requires_sharegpt
 def test_other_settings_in_the_same_directory_are_refused(tiny, tmp_path):
     generate_shards(tiny, tmp_path, small(tokens=10), progress=False)
     with pytest.raises(ValueError, match="another config"):
@@ -82,6 +85,7 @@ def test_benchmark_prompts_are_held_out(tiny):
     assert not bench & {t.strip() for t in src.texts["sharegpt"]}
 
 
+@requires_sharegpt
 def test_features_equal_the_target_forward_and_resume(tiny, tmp_path):
     cfg = small(tokens=60)
     generate_shards(tiny, tmp_path / "data", cfg, progress=False)
@@ -110,6 +114,7 @@ def test_features_equal_the_target_forward_and_resume(tiny, tmp_path):
         FeatureCache(tmp_path / "f", seqs[:-1])
 
 
+@requires_sharegpt
 def test_features_extend_to_appended_sequences(tiny, tmp_path):
     """A data-engine directory resumed to more tokens keeps its first shards: the cache keeps
     the part built for them and computes only the appended sequences."""
@@ -149,6 +154,7 @@ def test_heldout_split_of_grown_data_holds_out_only_new_sequences():
         DrafterTrainConfig(heldout_start=-1)
 
 
+@requires_sharegpt
 def test_training_on_cached_features_matches_the_online_loss(tiny, tmp_path):
     generate_shards(tiny, tmp_path / "data", small(tokens=200), progress=False)
     seqs = GeneratedData(tmp_path / "data").sequences()
@@ -162,6 +168,7 @@ def test_training_on_cached_features_matches_the_online_loss(tiny, tmp_path):
     assert offline.train(max_steps=5)["step"] == 5
 
 
+@requires_sharegpt
 def test_cli_trains_from_an_engine_directory(tiny, tmp_path):
     generate_shards(tiny, tmp_path / "data", small(tokens=120), progress=False)
     result = main(["--target", "tiny-ar", "--out", str(tmp_path / "run"), "--max-steps", "2",
@@ -178,6 +185,7 @@ def test_cli_trains_from_an_engine_directory(tiny, tmp_path):
     assert log["data"]["source"].startswith("target-generated")
 
 
+@requires_sharegpt
 def test_ngram_of_the_engine_responses_is_the_default_causal_proxy(tiny, tmp_path, monkeypatch):
     """``ngram_from_data`` counts the responses only (no prompt n-gram crosses into it);
     ``causal_proxy`` takes a shipped ``<name>-selfgen.npz`` for the same tokenizer, else the

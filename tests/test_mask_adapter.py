@@ -14,6 +14,7 @@ from dspec.train.mask_adapter import (frozen_projections_bf16, mask_adapter_loss
                                       noisy_mask, two_stream_logits)
 from dspec.train.objectives import block_diffusion_mask
 
+from conftest import requires_sharegpt
 from tiny_checkpoints import trained_looking_mask_adapter, write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -189,6 +190,7 @@ def test_warm_start_copies_a_saved_adapter(base, bd, tmp_path):
         init_mask_adapter(fresh, tmp_path)
 
 
+@requires_sharegpt
 def test_trainer_lowers_the_heldout_loss_and_resumes(tmp_path):
     from dspec.train.data_engine import EngineConfig, GeneratedData, generate_shards
     from dspec.train.mask_adapter import MaskAdapterConfig, MaskAdapterTrainer, main

@@ -30,9 +30,11 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend(q, k_tile, v_tile, visible, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
-    """One key tile of online softmax: scores, guarded rescale, P @ V."""
+    """One key tile of online softmax: scores, guarded rescale, P @ V.  Float32 operands
+    take IEEE products: Triton's float32 dot on a GPU defaults to TF32 (a 10-bit mantissa),
+    which put 2e-3 errors into float32 outputs on an H100."""
     if UPCAST:
-        s = tl.dot(q, tl.trans(k_tile.to(tl.float32)))
+        s = tl.dot(q, tl.trans(k_tile.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k_tile))
     s = tl.where(visible, s * scale_log2, float("-inf"))
@@ -42,7 +44,7 @@ def _attend(q, k_tile, v_tile, visible, m_i, l_i, acc, scale_log2, UPCAST: tl.co
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if UPCAST:
-        acc = acc * alpha[:, None] + tl.dot(p, v_tile.to(tl.float32))
+        acc = acc * alpha[:, None] + tl.dot(p, v_tile.to(tl.float32), input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
     return m_new, l_i, acc

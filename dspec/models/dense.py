@@ -78,6 +78,9 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     kept = getattr(weight, _PACKED, None)
     if kept is not None and kept[0] == key:
         return kept[1]
+    if not weight.is_cpu or weight.dim() != 2 or weight.stride(1) != 1 or weight.dtype not in _CODES:
+        raise ValueError(f"weight: packing takes a 2-D CPU float32 / bfloat16 tensor with unit column "
+                         f"stride, got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
     ext = _backend.extension()
     n, k = weight.shape
     code = _CODES[weight.dtype]

@@ -84,8 +84,8 @@ def _state(params) -> tuple:
 def _eligible(model) -> bool:
     """The model's layers are what decoder_layers computes (checked once per model)."""
     cfg = model.config
-    if getattr(cfg, "qk_norm", False) or model.dtype not in _CODES:
-        return False
+    if getattr(cfg, "qk_norm", False) or model.dtype not in _CODES or model.device.type != "cpu":
+        return False  # the C++ layers read host memory: a GPU model keeps the per-op path
     for layer in model.layers:
         for m in _projections(layer):
             if type(m) is not nn.Linear and type(m) is not MaskLoraLinear:
