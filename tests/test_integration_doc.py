@@ -1,6 +1,8 @@
 """docs/integration.md: every ```python block runs, in order, in one namespace (CPU)."""
 import pathlib
 import re
+import sys
+import types
 
 import pytest
 import torch
@@ -29,8 +31,12 @@ def restore_config():
     torch._dynamo.reset()
 
 
-def test_doc_snippets_run(restore_config, capsys):
-    namespace = {"__name__": "integration_doc"}
+def test_doc_snippets_run(restore_config, capsys, monkeypatch):
+    # a registered module, not a bare dict: torch.compile (2.11) imports a traced function's
+    # module by name to read its globals
+    module = types.ModuleType("integration_doc")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    namespace = module.__dict__
     for i, block in enumerate(_blocks()):
         try:
             exec(compile(block, f"{DOC.name}[block {i}]", "exec"), namespace)
