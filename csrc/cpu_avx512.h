@@ -1,6 +1,7 @@
 // AVX-512 helpers shared by the CPU kernels whose vector code is written with intrinsics
-// (cascade attention's tiles, mask_lora): the target attribute, lane masks, and the exact
-// widening load of float32 / bfloat16 / float16 elements to float32.  Callers gate the code
+// (cascade attention's tiles, mask_lora, the logits scans): the target attribute, lane
+// masks, the exact widening load of float32 / bfloat16 / float16 elements to float32, and
+// a base-2 exp.  Callers gate the code
 // on cpu::has_avx512() at run time, and compile it only where DSPEC_AVX512_CODE is 1.
 #pragma once
 
@@ -17,6 +18,12 @@
 
 namespace dspec {
 namespace cpu {
+
+// How far ahead of its loads a scan streaming a logits row from memory prefetches, in
+// bytes: the hardware prefetchers alone left one stream per core at ~6 GB/s on this
+// project's KVM Xeon.  token_stats' argmax pass over 1088 x 49152 fp32 (2 threads, Nov
+// 2026): 16.0 ms without, 10.5 / 8.8 / 8.2 / 7.7 / 8.2 ms at 1 / 2 / 4 / 8 / 16 KiB.
+constexpr int kStreamAhead = 4096;
 
 // The first min(n, 16) lanes (n >= 0).
 DSPEC_AVX512_INLINE __mmask16 lanes(std::int64_t n) {
@@ -49,6 +56,24 @@ DSPEC_AVX512_INLINE __m512i bf16_bits(__m512 v) {
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                                 _mm512_set1_epi32(0x7f800000));
   return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
+}
+
+// 2^t on 16 lanes for t <= 0 (-inf and NaN give 0): exp2_nonpos' algorithm (cpu_math.h)
+// with fused multiply-adds and 2^n by vscalefps; 0 at and below 2^-126, so that no
+// subnormal reaches a sum (subnormal operands cost microcode assists).
+DSPEC_AVX512_INLINE __m512 exp2_nonpos16(__m512 t) {
+  const __m512 tc = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));   // NaN, -inf -> -126 -> 0 below
+  const __m512 n = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(tc, n);                        // [-0.5, 0.5], exact
+  __m512 q = _mm512_set1_ps(1.535336188319500e-4f);
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.339887440266574e-3f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(9.618437357674640e-3f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(5.550332471162809e-2f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(2.402264791363012e-1f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(6.931472028550421e-1f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
+  const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
+  return _mm512_maskz_scalef_ps(normal, q, n);
 }
 
 }  // namespace cpu

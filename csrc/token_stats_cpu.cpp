@@ -136,28 +136,10 @@ DSPEC_CPU_CLONES void widen_bf16(const std::uint16_t* p, std::int64_t n, float* 
 // the load (no buffer pass).  Pass 2 takes exp(d) as 2^(d log2 e) (exp2_nonpos' polynomial
 // with fused multiply-adds, 2^n by vscalefps) and sums e * (d log2 e), scaled by ln 2 once
 // per chunk: the same quantities as the portable code, rounded differently in the last bits.
-// Memory: pass 1 prefetches kPrefetchAhead bytes ahead of its loads, and pass 2, which
+// Memory: pass 1 prefetches cpu::kStreamAhead bytes ahead of its loads, and pass 2, which
 // re-reads the chunk from L2 and is exp-bound, brings the thread's next chunk into L2.
 // At 1088 rows x 49152 (2 threads, Xeon with AVX-512, Nov 2026) the portable loops read
 // 7-10 GB/s; these 11-26 GB/s (the DRAM read bandwidth measured beside them: ~22 GB/s).
-constexpr int kPrefetchAhead = 4096;  // bytes; 1 / 2 / 4 / 8 / 16 KiB: 10.5 / 8.8 / 8.2 / 7.7 / 8.2 ms (fp32 argmax)
-
-DSPEC_AVX512_INLINE __m512 exp2_nonpos16(__m512 t) {
-  const __m512 tc = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));   // NaN, -inf -> -126 -> 0 below
-  const __m512 n = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(tc, n);                        // [-0.5, 0.5], exact
-  __m512 q = _mm512_set1_ps(1.535336188319500e-4f);
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.339887440266574e-3f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(9.618437357674640e-3f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(5.550332471162809e-2f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(2.402264791363012e-1f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(6.931472028550421e-1f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
-  // 0 at and below 2^-126, as exp2_nonpos (and no subnormal operands in the sums: they
-  // cost microcode assists)
-  const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
-  return _mm512_maskz_scalef_ps(normal, q, n);
-}
 
 template <int DT>
 DSPEC_AVX512 State scan_avx512(const dt::elem_t<DT>* p, std::int64_t n, std::int64_t col0, float inv_t, bool sums,
@@ -170,7 +152,7 @@ DSPEC_AVX512 State scan_avx512(const dt::elem_t<DT>* p, std::int64_t n, std::int
                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   const __m512i step = _mm512_set1_epi32(kLanes), one = _mm512_set1_epi32(1);
   for (std::int64_t j = 0; j < body; j += kLanes) {        // fold_max on 16 lanes
-    _mm_prefetch(reinterpret_cast<const char*>(p + j) + kPrefetchAhead, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + j) + cpu::kStreamAhead, _MM_HINT_T0);
     __m512 x = cpu::load_f32<DT>(p + j, 0xFFFF);
     const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     nan = _mm512_mask_add_epi32(nan, is_nan, nan, one);
@@ -213,7 +195,7 @@ DSPEC_AVX512 State scan_avx512(const dt::elem_t<DT>* p, std::int64_t n, std::int
     for (; j < stop; j += kLanes) {
       if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + j), _MM_HINT_T1);
       const __m512 t = _mm512_mul_ps(_mm512_sub_ps(cpu::load_f32<DT>(p + j, 0xFFFF), vtop), vscale);
-      const __m512 e = exp2_nonpos16(t);
+      const __m512 e = cpu::exp2_nonpos16(t);
       s = _mm512_add_ps(s, e);
       a = _mm512_fmadd_ps(e, _mm512_max_ps(t, floor), a);  // max_ps(NaN, floor) = floor
     }
