@@ -61,8 +61,10 @@ DSPEC_AVX512_INLINE __m512i bf16_bits(__m512 v) {
 // 2^t on 16 lanes for t <= 0 (-inf and NaN give 0): exp2_nonpos' algorithm (cpu_math.h)
 // with fused multiply-adds and 2^n by vscalefps; 0 at and below 2^-126, so that no
 // subnormal reaches a sum (subnormal operands cost microcode assists).
-DSPEC_AVX512_INLINE __m512 exp2_nonpos16(__m512 t) {
+// `clamped` (when given) receives max(t, -126), NaN as -126: finite wherever the result is 0.
+DSPEC_AVX512_INLINE __m512 exp2_nonpos16(__m512 t, __m512* clamped = nullptr) {
   const __m512 tc = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));   // NaN, -inf -> -126 -> 0 below
+  if (clamped != nullptr) *clamped = tc;
   const __m512 n = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(tc, n);                        // [-0.5, 0.5], exact
   __m512 q = _mm512_set1_ps(1.535336188319500e-4f);

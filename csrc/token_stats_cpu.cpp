@@ -132,10 +132,11 @@ DSPEC_CPU_CLONES void widen_bf16(const std::uint16_t* p, std::int64_t n, float* 
 
 #if DSPEC_AVX512_CODE
 // The same two passes written for AVX-512, one vector = the 16 lanes of scan_floats, so
-// pass 1 (max, column, runner-up, NaNs) gives scan_floats' bits.  16-bit elements widen in
-// the load (no buffer pass).  Pass 2 takes exp(d) as 2^(d log2 e) (exp2_nonpos' polynomial
-// with fused multiply-adds, 2^n by vscalefps) and sums e * (d log2 e), scaled by ln 2 once
-// per chunk: the same quantities as the portable code, rounded differently in the last bits.
+// pass 1 (max, column, runner-up, NaNs) gives scan_floats' values (a runner-up equal to a
+// later element may keep the other's sign of zero).  16-bit elements widen in the load (no
+// buffer pass).  Pass 2 takes exp(d) as 2^(d log2 e) (exp2_nonpos' polynomial with fused
+// multiply-adds, 2^n by vscalefps) and sums e * (d log2 e), scaled by ln 2 once per chunk:
+// the same quantities as the portable code, rounded differently in the last bits.
 // Memory: pass 1 prefetches cpu::kStreamAhead bytes ahead of its loads, and pass 2, which
 // re-reads the chunk from L2 and is exp-bound, brings the thread's next chunk into L2.
 // At 1088 rows x 49152 (2 threads, Xeon with AVX-512, Nov 2026) the portable loops read
@@ -153,12 +154,11 @@ DSPEC_AVX512 State scan_avx512(const dt::elem_t<DT>* p, std::int64_t n, std::int
   const __m512i step = _mm512_set1_epi32(kLanes), one = _mm512_set1_epi32(1);
   for (std::int64_t j = 0; j < body; j += kLanes) {        // fold_max on 16 lanes
     _mm_prefetch(reinterpret_cast<const char*>(p + j) + cpu::kStreamAhead, _MM_HINT_T0);
-    __m512 x = cpu::load_f32<DT>(p + j, 0xFFFF);
-    const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    nan = _mm512_mask_add_epi32(nan, is_nan, nan, one);
-    x = _mm512_mask_mov_ps(x, is_nan, neg_inf);
+    const __m512 x = cpu::load_f32<DT>(p + j, 0xFFFF);
+    // a NaN compares false, so it changes nothing below: fold_max's NaN -> -inf is implicit
+    nan = _mm512_mask_add_epi32(nan, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), nan, one);
     const __mmask16 gt = _mm512_cmp_ps_mask(x, m1, _CMP_GT_OQ);
-    m2 = _mm512_mask_mov_ps(_mm512_max_ps(m2, x), gt, m1);  // max_ps(a, b) = a > b ? a : b
+    m2 = _mm512_mask_mov_ps(_mm512_max_ps(x, m2), gt, m1);  // max_ps(x, m2) = x > m2 ? x : m2
     i1 = _mm512_mask_mov_epi32(i1, gt, col);
     m1 = _mm512_mask_mov_ps(m1, gt, x);
     col = _mm512_add_epi32(col, step);
@@ -186,7 +186,6 @@ DSPEC_AVX512 State scan_avx512(const dt::elem_t<DT>* p, std::int64_t n, std::int
   if (!sums || !(top > -INFINITY)) return run;
   constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
   const __m512 vtop = _mm512_set1_ps(top), vscale = _mm512_set1_ps(inv_t * kLog2e);
-  const __m512 floor = _mm512_set1_ps(-128.0f * kLog2e);
   double s_sum = 0.0, a_sum = 0.0;
   alignas(64) float ls[kLanes], la[kLanes];
   for (std::int64_t j = 0; j < body;) {                    // fold_sum on 16 lanes, in base 2
@@ -195,9 +194,10 @@ DSPEC_AVX512 State scan_avx512(const dt::elem_t<DT>* p, std::int64_t n, std::int
     for (; j < stop; j += kLanes) {
       if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + j), _MM_HINT_T1);
       const __m512 t = _mm512_mul_ps(_mm512_sub_ps(cpu::load_f32<DT>(p + j, 0xFFFF), vtop), vscale);
-      const __m512 e = cpu::exp2_nonpos16(t);
+      __m512 tc;
+      const __m512 e = cpu::exp2_nonpos16(t, &tc);
       s = _mm512_add_ps(s, e);
-      a = _mm512_fmadd_ps(e, _mm512_max_ps(t, floor), a);  // max_ps(NaN, floor) = floor
+      a = _mm512_fmadd_ps(e, tc, a);  // tc: t above 2^-126 (where e > 0), finite elsewhere
     }
     _mm512_store_ps(ls, s);
     _mm512_store_ps(la, a);
