@@ -372,15 +372,7 @@ DSPEC_AVX512 void qk_avx512(const float* qp, std::int64_t m, std::int64_t dp, co
 DSPEC_AVX512_INLINE __m512 exp2_avx512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));  // NaN -> -150
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(cpu::exp2_poly16(_mm512_sub_ps(x, n)), n);
 }
 
 // Online softmax of rows of a score tile, in place (P, 0 where masked).  Lazy running max:

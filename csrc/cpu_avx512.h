@@ -58,6 +58,18 @@ DSPEC_AVX512_INLINE __m512i bf16_bits(__m512 v) {
   return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
 }
 
+// 2^f on 16 lanes for f in [-0.5, 0.5]: Cephes' exp2f polynomial (about 1 ulp), as fused
+// multiply-adds.
+DSPEC_AVX512_INLINE __m512 exp2_poly16(__m512 f) {
+  __m512 q = _mm512_set1_ps(1.535336188319500e-4f);
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.339887440266574e-3f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(9.618437357674640e-3f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(5.550332471162809e-2f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(2.402264791363012e-1f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(6.931472028550421e-1f));
+  return _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
+}
+
 // 2^t on 16 lanes for t <= 0 (-inf and NaN give 0): exp2_nonpos' algorithm (cpu_math.h)
 // with fused multiply-adds and 2^n by vscalefps; 0 at and below 2^-126, so that no
 // subnormal reaches a sum (subnormal operands cost microcode assists).
@@ -66,14 +78,7 @@ DSPEC_AVX512_INLINE __m512 exp2_nonpos16(__m512 t, __m512* clamped = nullptr) {
   const __m512 tc = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));   // NaN, -inf -> -126 -> 0 below
   if (clamped != nullptr) *clamped = tc;
   const __m512 n = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(tc, n);                        // [-0.5, 0.5], exact
-  __m512 q = _mm512_set1_ps(1.535336188319500e-4f);
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.339887440266574e-3f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(9.618437357674640e-3f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(5.550332471162809e-2f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(2.402264791363012e-1f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(6.931472028550421e-1f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
+  const __m512 q = exp2_poly16(_mm512_sub_ps(tc, n));           // f in [-0.5, 0.5], exact
   const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
   return _mm512_maskz_scalef_ps(normal, q, n);
 }

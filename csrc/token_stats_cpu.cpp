@@ -61,6 +61,21 @@ DSPEC_CPU_INLINE void fold_sum(float x, float top, float inv_t, float& s, float&
   a += e * (d > -128.0f ? d : -128.0f);
 }
 
+// The state of pass 1's lanes (sums still 0): the winner by value, ties to the lower column.
+DSPEC_CPU_INLINE State lanes_state(const float* m1, const float* m2, const std::int32_t* i1, const std::int32_t* nan,
+                                   float inv_t) {
+  State run = ts::identity<double>();
+  for (int l = 0; l < kLanes; ++l) {
+    State st = ts::identity<double>();
+    st.m1 = m1[l];
+    st.m2 = m2[l];
+    st.i1 = i1[l];
+    st.nan = nan[l];
+    run = ts::merge(run, st, inv_t);
+  }
+  return run;
+}
+
 // State of the n float32 values at p, columns col0, col0 + 1, ... of a row (without
 // `sums`: pass 1 only, the sums left 0).
 DSPEC_CPU_INLINE State scan_floats(const float* p, std::int64_t n, std::int64_t col0, float inv_t, bool sums) {
@@ -80,15 +95,7 @@ DSPEC_CPU_INLINE State scan_floats(const float* p, std::int64_t n, std::int64_t 
     const int l = static_cast<int>(j - body);
     fold_max(p[j], static_cast<std::int32_t>(col0 + j), m1[l], m2[l], i1[l], nan[l]);
   }
-  State run = ts::identity<double>();
-  for (int l = 0; l < kLanes; ++l) {   // the lanes' maxima (sums still 0): winner by value, ties to the lower column
-    State st = ts::identity<double>();
-    st.m1 = m1[l];
-    st.m2 = m2[l];
-    st.i1 = i1[l];
-    st.nan = nan[l];
-    run = ts::merge(run, st, inv_t);
-  }
+  State run = lanes_state(m1, m2, i1, nan, inv_t);
   const float top = run.m1;
   if (!sums || !(top > -INFINITY)) return run;  // nothing but -inf / NaN: both sums are 0
   alignas(64) float s[kLanes], a[kLanes];
@@ -173,15 +180,7 @@ DSPEC_AVX512 State scan_avx512(const dt::elem_t<DT>* p, std::int64_t n, std::int
     const int l = static_cast<int>(j - body);
     fold_max(dt::to_float<DT>(p[j]), static_cast<std::int32_t>(col0 + j), lm1[l], lm2[l], li1[l], lnan[l]);
   }
-  State run = ts::identity<double>();
-  for (int l = 0; l < kLanes; ++l) {
-    State st = ts::identity<double>();
-    st.m1 = lm1[l];
-    st.m2 = lm2[l];
-    st.i1 = li1[l];
-    st.nan = lnan[l];
-    run = ts::merge(run, st, inv_t);
-  }
+  State run = lanes_state(lm1, lm2, li1, lnan, inv_t);
   const float top = run.m1;
   if (!sums || !(top > -INFINITY)) return run;
   constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;

@@ -63,6 +63,21 @@ struct Best {
   }
 };
 
+// The insertions of columns [c0, c1) into `best` (NaNs skipped); `full` and `thr` (the k-th
+// value once full) follow the buffer.
+template <int DT>
+DSPEC_CPU_INLINE void insert_block(const dt::elem_t<DT>* p, std::int64_t c0, std::int64_t c1, Best& best, bool& full,
+                                   float& thr) {
+  for (std::int64_t i = c0; i < c1; ++i) {
+    const float x = dt::to_float<DT>(p[i]);
+    if (x == x && (!full || x > thr)) {
+      best.put(x, i);
+      full = best.full();
+      if (full) thr = best.v[best.k - 1];
+    }
+  }
+}
+
 // pass 1: best k, max over non-NaN values, NaN flag.  Blocks of kBlock columns: a
 // branch-free vector pass gives the block's max (NaN as -inf) and NaN flag; only a block
 // whose max beats the current k-th value is scanned again for insertions (after the first
@@ -107,14 +122,7 @@ DSPEC_CPU_INLINE RowScan select_row(const dt::elem_t<DT>* p, std::int64_t vocab,
       mx[0] = x > mx[0] ? x : mx[0];
     }
     if (full && !(block_max > thr)) continue;
-    for (std::int64_t i = c0; i < c1; ++i) {
-      const float x = dt::to_float<DT>(p[i]);
-      if (x == x && (!full || x > thr)) {
-        best.put(x, i);
-        full = best.full();
-        if (full) thr = best.v[best.k - 1];
-      }
-    }
+    insert_block<DT>(p, c0, c1, best, full, thr);
   }
   std::int32_t any_nan = 0;
   for (int l = 0; l < kChunk; ++l) {
@@ -151,14 +159,7 @@ DSPEC_AVX512 RowScan select_row_avx512(const dt::elem_t<DT>* p, std::int64_t voc
     }
     mx = _mm512_max_ps(mx, bm);
     if (full && _mm512_cmp_ps_mask(bm, _mm512_set1_ps(thr), _CMP_GT_OQ) == 0) continue;
-    for (std::int64_t i = c0; i < c1; ++i) {
-      const float x = dt::to_float<DT>(p[i]);
-      if (x == x && (!full || x > thr)) {
-        best.put(x, i);
-        full = best.full();
-        if (full) thr = best.v[best.k - 1];
-      }
-    }
+    insert_block<DT>(p, c0, c1, best, full, thr);
   }
   RowScan s;
   s.max = _mm512_reduce_max_ps(mx);
