@@ -49,6 +49,8 @@ constexpr int kRowBlock = 6;
 constexpr int kPanelBlock = 4;
 // below this many weight elements per thread a call stays on one thread
 constexpr std::int64_t kElementsPerThread = std::int64_t(1) << 17;
+// from this many rows a call's threads split the rows, not the weight (linear_group_cpu)
+constexpr std::int64_t kRowSplitMinRows = 256;
 
 constexpr int step_of(int dtype) { return dtype == kFloat32 ? 1 : 2; }
 // k is padded to a multiple of this in the packed weight: one AMX tile depth (16 k pairs)
@@ -270,6 +272,51 @@ DSPEC_AMX void micro_amx(const std::uint16_t* x, std::int64_t ldx, const std::ui
   if constexpr (T > 3) _tile_stored(3, acc + 3 * kPanel, acc_stride);
 }
 
+// Two row blocks x two panels (H, H + 1) of a full group (T = 4): tiles 0-3 accumulate (rows
+// 0-15, H), (0-15, H + 1), (16-31, H), (16-31, H + 1), tiles 4 / 5 hold the two row blocks'
+// x, 6 / 7 the panels' B operands: one B tile load per two tile products instead of one
+// per product when many row blocks re-read a group (a prefill).  Every accumulator sums
+// its k blocks in micro_amx's order, so the bits are micro_amx's.  acc: float32 [32][32].
+template <int H>
+DSPEC_AMX void micro_amx_pair(const std::uint16_t* x, std::int64_t ldx, const std::uint16_t* w, std::int64_t kp,
+                              const AmxPrefetch& pf, float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  constexpr std::int64_t block_elems = std::int64_t(kTileDepth / 2) * kPanelBlock * kPanel * 2;
+  const long x_stride = long(ldx) * 2;
+  constexpr long b_stride = long(kPanelBlock) * kPanel * 2 * 2;
+  const std::uint16_t* x1 = x + kAmxRows * ldx;
+  for (std::int64_t d = 0; d < kp / kTileDepth; ++d) {
+    const std::uint16_t* block = w + d * block_elems;
+    const char* ahead = pf.from + d * pf.per_block;
+    if (pf.per_block > 0 && ahead < pf.end) {
+      const char* stop = std::min(ahead + pf.per_block, pf.end);
+      for (const char* p = ahead; p < stop; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+    }
+    _tile_loadd(4, x + d * kTileDepth, x_stride);
+    _tile_loadd(5, x1 + d * kTileDepth, x_stride);
+    _tile_loadd(6, block + H * kPanel * 2, b_stride);
+    _tile_loadd(7, block + (H + 1) * kPanel * 2, b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  constexpr long acc_stride = 2 * kPanel * 4;
+  _tile_stored(0, acc, acc_stride);
+  _tile_stored(1, acc + kPanel, acc_stride);
+  _tile_stored(2, acc + kAmxRows * 2 * kPanel, acc_stride);
+  _tile_stored(3, acc + kAmxRows * 2 * kPanel + kPanel, acc_stride);
+}
+
+// From this many rows a full group's row blocks go in pairs (micro_amx_pair).  Forwards of
+// 16-64 rows measured 0.94-0.97x with pairs (session 17): their first row block streams the
+// weights from memory either way.
+constexpr std::int64_t kPairMinRows = 128;
+constexpr std::int64_t kPairChunkRows = 256;
+
 using AmxMicro = void (*)(const std::uint16_t*, std::int64_t, const std::uint16_t*, std::int64_t,
                           const AmxPrefetch&, float*);
 constexpr AmxMicro kAmxMicro[kPanelBlock] = {&micro_amx<1>, &micro_amx<2>, &micro_amx<3>, &micro_amx<4>};
@@ -304,6 +351,45 @@ DSPEC_AMX void panels_amx(const LinearArgs& a, std::int64_t p0, std::int64_t p1)
       std::int64_t(g_prefetch_steps.load(std::memory_order_relaxed)) * kPanelBlock * kPanel * 2 * sizeof(E);
   const char* stream_end = reinterpret_cast<const char*>(w + p1 * panel);
   amx_configure(tile_rows);
+  // Long inputs (prefills): row-block pairs over full groups, in chunks of kPairChunkRows
+  // rows with the thread's groups inside, so that a chunk's x and the thread's weights stay
+  // in L2 (groups outside re-read all of x from L3 for every group).  Rows past the pairs
+  // and groups with fewer than 64 columns take the loop below.
+  const std::int64_t paired_rows =
+      a.m >= kPairMinRows ? std::min(copy_from, full_rows) / (2 * kAmxRows) * (2 * kAmxRows) : 0;
+  for (std::int64_t mb = 0; mb < paired_rows; mb += kPairChunkRows) {
+    const std::int64_t me = std::min(paired_rows, mb + kPairChunkRows);
+    for (std::int64_t g = p0; g + kPanelBlock <= p1; g += kPanelBlock) {
+      const std::int64_t c0 = g * kPanel;
+      if (a.n - c0 < kPanel * kPanelBlock) continue;
+      float bias[kPanel * kPanelBlock];
+      for (int c = 0; c < kPanel * kPanelBlock; ++c) bias[c] = a.bias != nullptr ? dt::load<kBFloat16>(a.bias, c0 + c) : 0.0f;
+      const E* wg = w + g * panel;
+      const std::int64_t group_bytes = kPanelBlock * panel * std::int64_t(sizeof(E));
+      for (std::int64_t i0 = mb; i0 < me; i0 += 2 * kAmxRows) {
+        alignas(64) float acc2[2 * kAmxRows][2 * kPanel];
+        for (int h = 0; h < kPanelBlock; h += 2) {
+          AmxPrefetch pf;
+          if (i0 == 0 && h == 0) {   // the first pass streams the whole group: prefetch it all
+            pf = {reinterpret_cast<const char*>(wg) + prefetch_bytes,
+                  prefetch_bytes > 0 ? group_bytes / (kp / kTileDepth) : 0, stream_end, false};
+          }
+          if (h == 0) {
+            micro_amx_pair<0>(x + i0 * a.ldx, a.ldx, wg, kp, pf, &acc2[0][0]);
+          } else {
+            micro_amx_pair<2>(x + i0 * a.ldx, a.ldx, wg, kp, pf, &acc2[0][0]);
+          }
+          for (int i = 0; i < 2 * kAmxRows; ++i) {
+            E* o = out + (i0 + i) * a.ldo + c0 + h * kPanel;
+            for (int c = 0; c < 2 * kPanel; c += kPanel) {
+              const __m512 v = _mm512_add_ps(_mm512_load_ps(&acc2[i][c]), _mm512_loadu_ps(bias + h * kPanel + c));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c), (__m256i)_mm512_cvtneps_pbh(v));
+            }
+          }
+        }
+      }
+    }
+  }
   for (std::int64_t g = p0; g < p1; g += kPanelBlock) {
     const int tp = static_cast<int>(std::min<std::int64_t>(kPanelBlock, p1 - g));
     const std::int64_t c0 = g * kPanel;
@@ -313,7 +399,8 @@ DSPEC_AMX void panels_amx(const LinearArgs& a, std::int64_t p0, std::int64_t p1)
     const E* wg = w + g * panel;
     const std::int64_t group_bytes = tp * panel * std::int64_t(sizeof(E));
     const std::int64_t blocks = kp / kTileDepth;
-    for (std::int64_t i0 = 0, r = 0; i0 < a.m; i0 += kAmxRows, ++r) {
+    const std::int64_t paired = cols == kPanel * kPanelBlock ? paired_rows : 0;   // done above
+    for (std::int64_t i0 = paired, r = paired / kAmxRows; i0 < a.m; i0 += kAmxRows, ++r) {
       const int mr = static_cast<int>(std::min<std::int64_t>(tile_rows, a.m - i0));
       const bool copied = i0 >= copy_from;
       const E* xs = copied ? padded.data() + (i0 - copy_from) * kp : x + i0 * a.ldx;
@@ -500,6 +587,40 @@ void linear_group_cpu(const LinearArgs* parts, int count) {
   const std::int64_t by_work = weight_elements / kElementsPerThread + 1;
   const std::int64_t cap = std::min<std::int64_t>(a.num_threads, static_cast<std::int64_t>(cpu::max_threads()));
   const int threads = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>({by_work, groups, cap})));
+  // Long inputs (prefills) split by rows: every thread reads all of x under a split by
+  // groups, half of it from the other core's cache when the row-parallel op before wrote it
+  // (a 1630-row prefill gained nothing from faster tiles that way); by rows, each thread
+  // reads its own rows and all the (shared, read-only) weights.  Row ranges are whole
+  // row-block pairs.  Like every split, it changes no result.
+  if (threads > 1 && a.m >= kRowSplitMinRows) {
+    const std::int64_t unit = 2 * 16;
+    const std::int64_t units = (a.m + unit - 1) / unit;
+    cpu::parallel_chunks(threads, threads, [&](int c) {
+      const std::int64_t r0 = units * c / threads * unit;
+      const std::int64_t r1 = std::min(a.m, units * (c + 1) / threads * unit);
+      if (r0 >= r1) return;
+      for (int p = 0; p < count; ++p) {
+        LinearArgs part = parts[p];
+        const std::int64_t item = part.dtype == kFloat32 ? 4 : 2;
+        part.m = r1 - r0;
+        part.x = static_cast<const char*>(part.x) + r0 * part.ldx * item;
+        part.out = static_cast<char*>(part.out) + r0 * part.ldo * item;
+        const std::int64_t panels_of_part = (part.n + kPanel - 1) / kPanel;
+#if DSPEC_AMX_CODE
+        if (amx) {
+          panels_amx(part, 0, panels_of_part);
+          continue;
+        }
+#endif
+        switch (part.dtype) {
+          case kFloat16: panels<kFloat16>(part, table, 0, panels_of_part); break;
+          case kBFloat16: panels<kBFloat16>(part, table, 0, panels_of_part); break;
+          default: panels<kFloat32>(part, table, 0, panels_of_part); break;
+        }
+      }
+    });
+    return;
+  }
   // a few chunks of whole groups per thread, so that a thread that starts late (its core
   // busy) leaves its share to the others.  The split never changes a result: every output
   // is one tile's, in k order.

@@ -60,7 +60,8 @@ def check_close(got, x, w, bias=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m, k, n", [(1, 576, 192), (7, 576, 13), (6, 32, 4), (13, 100, 9), (64, 17, 5),
-                                     (2, 1, 3), (5, 1536, 576), (1, 33, 1), (19, 63, 65), (12, 2, 48), (3, 7, 130)])
+                                     (2, 1, 3), (5, 1536, 576), (1, 33, 1), (19, 63, 65), (12, 2, 48), (3, 7, 130),
+                                     (160, 64, 128)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_float64(dtype, m, k, n, with_bias):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
@@ -72,17 +73,20 @@ def test_linear_matches_float64(dtype, m, k, n, with_bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m, k, n", [(23, 576, 1000), (37, 100, 130)])   # k = 100: AMX's padded copy
+@pytest.mark.parametrize("m, k, n", [(23, 576, 1000), (37, 100, 130),   # k = 100: AMX's padded copy
+                                     (150, 576, 200), (131, 64, 256),   # m >= 128: AMX row-block pairs
+                                     (300, 96, 200)])                   # m >= 256: rows split over threads
 def test_linear_is_batch_and_thread_invariant(dtype, m, k, n):
     """A row's result does not depend on the other rows or on the thread split: a
     verification forward gives each token the bits of a one-token step (on AMX too, whose
-    16-row blocks, padded last block and padded k must not show in a row's bits)."""
+    16-row blocks, paired blocks of long inputs, padded last block and padded k must not
+    show in a row's bits)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
     for isa in isas(dtype):
         whole = run(x, w, threads=2, isa=isa)
-        for i in (0, 5, 6, 22, m - 1):
+        for i in (0, 5, 6, 22, m // 2, m - 1):
             assert torch.equal(run(x[i:i + 1], w, threads=1, isa=isa), whole[i:i + 1])
         assert torch.equal(run(x[3:17], w, threads=1, isa=isa), whole[3:17])
         assert torch.equal(run(x[1:m], w, threads=2, isa=isa), whole[1:m])
