@@ -205,6 +205,16 @@ def test_packed_weight_is_kept_and_follows_in_place_updates():
     torch.testing.assert_close(dense(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bad", [torch.randn(8, 4, device="meta"), torch.randn(8, 4).t(),
+                                 torch.randn(8, 4, dtype=torch.float16), torch.randn(8)])
+def test_packed_weight_refuses_what_the_kernel_cannot_read(bad):
+    """A weight the C++ packing cannot read (another device -- a CUDA model once reached it
+    and crashed --, strided columns, another dtype, not 2-D) is a ValueError naming it."""
+    from dspec.models.dense import packed_weight
+    with pytest.raises(ValueError, match="weight"):
+        packed_weight(bad)
+
+
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("k, n, rank", [(40, 24, 5), (576, 1536, 16), (17, 7, 3)])
 def test_mask_lora_matches_the_torch_update(dtype, atol, k, n, rank):
