@@ -304,6 +304,26 @@ void run(const TokenStatsArgs& a) {
 
 }  // namespace
 
+void token_stats_row_cpu(const TokenStatsArgs& args, std::int64_t row) {
+  const bool sums = !args.argmax_only;
+  switch (args.dtype) {
+    case kFloat32:
+      write_row(args, row, scan<kFloat32>(static_cast<const float*>(args.logits) + row * args.row_stride, 0,
+                                          args.vocab, args.inv_t, sums));
+      break;
+    case kFloat16:
+      write_row(args, row, scan<kFloat16>(static_cast<const std::uint16_t*>(args.logits) + row * args.row_stride, 0,
+                                          args.vocab, args.inv_t, sums));
+      break;
+    case kBFloat16:
+      write_row(args, row, scan<kBFloat16>(static_cast<const std::uint16_t*>(args.logits) + row * args.row_stride, 0,
+                                           args.vocab, args.inv_t, sums));
+      break;
+    default:
+      break;  // unreachable: validated by the bindings
+  }
+}
+
 void token_stats_cpu(const TokenStatsArgs& args) {
   if (args.rows <= 0) return;
   switch (args.dtype) {

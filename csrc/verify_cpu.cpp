@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_avx512.h"
@@ -28,6 +29,7 @@ constexpr std::int64_t kMinWorkPerThread = std::int64_t(1) << 16;
 
 struct Scratch {
   std::vector<double> tw, tp;           // per-tile sums of w and p
+  std::vector<std::uint8_t> have;       // lazy stage 1: which of the row's positions are scanned
   std::vector<std::int64_t> excl;       // tree: excluded tokens at the current node
   std::vector<std::int64_t> excl_sorted;
 };
@@ -208,13 +210,28 @@ std::int64_t draw_row(const VerifyCommon& a, const VerifyWork& wk, const CpuDraw
   return hit >= 0 ? hit : last;
 }
 
+// Stage 1 on demand: the stats of one row (b's position i) before its first read, when
+// verify_*_cpu chose lazy rows (else stage1 computed every row).
+struct RowStats {
+  const TokenStatsArgs* ts = nullptr;  // null: every row is already there
+  std::int64_t base = 0;               // the request's first row
+  void ensure(std::int64_t row, Scratch& s) const {
+    if (ts == nullptr || s.have[static_cast<std::size_t>(row - base)]) return;
+    token_stats_row_cpu(*ts, row);
+    s.have[static_cast<std::size_t>(row - base)] = 1;
+  }
+};
+
 template <int DT>
-void chain_row(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_t b, Scratch& s) {
+void chain_row(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_t b, Scratch& s, RowStats rows) {
   const std::int64_t positions = a.positions, length = positions - 1;
   const std::int64_t n = vf::chain_num_drafts(a, b);
+  rows.base = b * positions;
+  if (rows.ts != nullptr) s.have.assign(static_cast<std::size_t>(positions), 0);
   std::int64_t j = n;
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t x = vf::load_id(a.drafts, a.draft_dtype, b * length + i);
+    rows.ensure(b * positions + i, s);
     if (!vf::chain_accepts(a, wk.argmax, wk.prob, b, i, x)) {
       j = i;
       break;
@@ -223,6 +240,7 @@ void chain_row(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_t b, S
   std::int64_t* out = a.tokens + b * positions;
   for (std::int64_t i = 0; i < positions; ++i) out[i] = i < j ? vf::load_id(a.drafts, a.draft_dtype, b * length + i) : -1;
   a.num_accepted[b] = j;
+  rows.ensure(b * positions + j, s);
   if (a.greedy) {
     out[j] = wk.argmax[b * positions + j];
     return;
@@ -243,8 +261,10 @@ void chain_row(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_t b, S
 }
 
 template <int DT>
-void tree_row(const VerifyTreeArgs& a, const VerifyWork& wk, std::int64_t b, Scratch& s) {
+void tree_row(const VerifyTreeArgs& a, const VerifyWork& wk, std::int64_t b, Scratch& s, RowStats rows) {
   const std::int64_t nodes = a.positions, base = b * nodes;
+  rows.base = base;
+  if (rows.ts != nullptr) s.have.assign(static_cast<std::size_t>(nodes), 0);
   std::int64_t* path = a.path + base;
   std::int64_t* out = a.out + base;
   for (std::int64_t d = 0; d < nodes; ++d) path[d] = out[d] = -1;
@@ -253,6 +273,7 @@ void tree_row(const VerifyTreeArgs& a, const VerifyWork& wk, std::int64_t b, Scr
   for (std::int64_t c = 1; c < nodes; ++c) {
     // cheap pre-check (tree_node is pure: skipping non-children changes nothing)
     if (vf::load_id(a.parents, a.parent_dtype, base + c) != st.node) continue;
+    rows.ensure(base + st.node, s);
     const vf::TreeNode nd = vf::tree_node(a, wk.argmax, wk.prob, b, c);
     const bool seen = !a.greedy && vf::tree_seen(s.excl.data(), st.nex, nd.token);
     bool drop;
@@ -264,6 +285,7 @@ void tree_row(const VerifyTreeArgs& a, const VerifyWork& wk, std::int64_t b, Scr
     }
   }
   a.num_accepted[b] = st.depth;
+  rows.ensure(base + st.node, s);
   if (a.greedy) {
     out[st.depth] = wk.argmax[base + st.node];
     return;
@@ -297,45 +319,76 @@ void for_rows(std::int64_t batch, std::int64_t work_per_row, RowFn row_fn) {
   });
 }
 
+// Lazy rows (CPU only): with at least as many requests as threads, each request scans its
+// rows itself, in the order the acceptance reads them, and none past the row it stops at --
+// a chain never reads the rows after its first rejection, a tree only the nodes it walks
+// (the GPU layout scans all B x P rows up front for parallelism).  The values are those of
+// the up-front scan (token_stats_row_cpu).  Requests go to the threads in chunks taken in
+// turn, since a request that accepts more scans more rows.
 template <class Args>
-VerifyWork stage1(const Args& a, std::int64_t excl_cap) {
+bool lazy_rows(const Args& a) {
+  return a.batch >= cpu::max_threads();
+}
+
+template <class Args>
+VerifyWork stage1(const Args& a, std::int64_t excl_cap, bool lazy) {
   const VerifyLayout l = verify_layout(a.batch, a.positions, a.vocab, a.dtype, excl_cap, !a.greedy, a.ts_splits);
   const VerifyWork wk = verify_work(a.workspace, l);
-  token_stats_cpu(verify_token_stats_args(a, wk));
+  if (!lazy) token_stats_cpu(verify_token_stats_args(a, wk));
   return wk;
 }
 
-template <int DT>
-void chain_rows(const VerifyChainArgs& a, const VerifyWork& wk) {
-  for_rows(a.batch, a.greedy ? a.positions : a.vocab + a.positions,
-           [&](std::int64_t b, Scratch& s) { chain_row<DT>(a, wk, b, s); });
-}
-
-template <int DT>
-void tree_rows(const VerifyTreeArgs& a, const VerifyWork& wk) {
-  for_rows(a.batch, a.greedy ? a.positions : a.vocab + a.positions,
-           [&](std::int64_t b, Scratch& s) { tree_row<DT>(a, wk, b, s); });
+// row_fn(b, scratch, stats) for every request; lazy: chunks of requests taken in turn
+template <class Args, class RowFn>
+void run_rows(const Args& a, const VerifyWork& wk, bool lazy, RowFn row_fn) {
+  if (!lazy) {
+    for_rows(a.batch, a.greedy ? a.positions : a.vocab + a.positions,
+             [&](std::int64_t b, Scratch& s) { row_fn(b, s, RowStats{}); });
+    return;
+  }
+  const TokenStatsArgs ts = verify_token_stats_args(a, wk);
+  const RowStats stats{&ts, 0};
+  const std::int64_t work = a.batch * a.positions * std::max<std::int64_t>(a.vocab, 1);
+  std::int64_t threads = 1;
+  if (work >= kParallelThreshold) {
+    threads = std::min<std::int64_t>({static_cast<std::int64_t>(cpu::max_threads()),
+                                      std::max<std::int64_t>(1, work / kMinWorkPerThread), a.batch});
+  }
+  const std::int64_t chunks = threads <= 1 ? 1 : std::min<std::int64_t>(a.batch, 4 * threads);
+  cpu::parallel_chunks(static_cast<int>(chunks), static_cast<int>(threads), [&](int c) {
+    Scratch s;
+    const std::int64_t b0 = a.batch * c / chunks, b1 = a.batch * (c + 1) / chunks;
+    for (std::int64_t b = b0; b < b1; ++b) row_fn(b, s, stats);
+  });
 }
 
 }  // namespace
 
 void verify_chain_cpu(const VerifyChainArgs& a) {
   if (a.batch <= 0) return;
-  const VerifyWork wk = stage1(a, 1);
+  const bool lazy = lazy_rows(a);
+  const VerifyWork wk = stage1(a, 1, lazy);
+  auto rows = [&](auto dt) {
+    run_rows(a, wk, lazy, [&](std::int64_t b, Scratch& s, RowStats st) { chain_row<decltype(dt)::value>(a, wk, b, s, st); });
+  };
   switch (a.dtype) {
-    case kFloat32: chain_rows<kFloat32>(a, wk); break;
-    case kFloat16: chain_rows<kFloat16>(a, wk); break;
-    default: chain_rows<kBFloat16>(a, wk); break;
+    case kFloat32: rows(std::integral_constant<int, kFloat32>{}); break;
+    case kFloat16: rows(std::integral_constant<int, kFloat16>{}); break;
+    default: rows(std::integral_constant<int, kBFloat16>{}); break;
   }
 }
 
 void verify_tree_cpu(const VerifyTreeArgs& a) {
   if (a.batch <= 0) return;
-  const VerifyWork wk = stage1(a, a.positions);
+  const bool lazy = lazy_rows(a);
+  const VerifyWork wk = stage1(a, a.positions, lazy);
+  auto rows = [&](auto dt) {
+    run_rows(a, wk, lazy, [&](std::int64_t b, Scratch& s, RowStats st) { tree_row<decltype(dt)::value>(a, wk, b, s, st); });
+  };
   switch (a.dtype) {
-    case kFloat32: tree_rows<kFloat32>(a, wk); break;
-    case kFloat16: tree_rows<kFloat16>(a, wk); break;
-    default: tree_rows<kBFloat16>(a, wk); break;
+    case kFloat32: rows(std::integral_constant<int, kFloat32>{}); break;
+    case kFloat16: rows(std::integral_constant<int, kFloat16>{}); break;
+    default: rows(std::integral_constant<int, kBFloat16>{}); break;
   }
 }
 
