@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_avx512.h"
 #include "cpu_features.h"
 #include "cpu_math.h"
 #include "cpu_parallel.h"
@@ -321,6 +322,24 @@ using AmxMicro = void (*)(const std::uint16_t*, std::int64_t, const std::uint16_
                           const AmxPrefetch&, float*);
 constexpr AmxMicro kAmxMicro[kPanelBlock] = {&micro_amx<1>, &micro_amx<2>, &micro_amx<3>, &micro_amx<4>};
 
+// Columns [c0, c0 + cols) of the bias as float32 (zeros without a bias).
+DSPEC_AMX inline void group_bias(const LinearArgs& a, std::int64_t c0, int cols, float* bias) {
+  for (int c = 0; c < cols; ++c) bias[c] = a.bias != nullptr ? dt::load<kBFloat16>(a.bias, c0 + c) : 0.0f;
+}
+
+// rows x cols float32 accumulators (acc_stride floats apart) plus bias, rounded to bf16 rows
+// of out (ldo elements apart).
+DSPEC_AMX inline void store_rows_bf16(const float* acc, std::int64_t acc_stride, const float* bias, int rows, int cols,
+                                      std::uint16_t* out, std::int64_t ldo) {
+  for (int i = 0; i < rows; ++i) {
+    for (int c = 0; c < cols; c += kPanel) {
+      const __mmask16 m = cpu::lanes(cols - c);
+      const __m512 v = _mm512_add_ps(_mm512_load_ps(acc + i * acc_stride + c), _mm512_maskz_loadu_ps(m, bias + c));
+      _mm256_mask_storeu_epi16(out + i * ldo + c, m, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
 // Panels [p0, p1) of one bf16 projection on the tile unit, every row of x: row blocks of 16
 // inside each panel group, so a group's weight (k * 128 bytes) is read from memory once and
 // from L2 for the next blocks.  x is read in place when its rows fill whole tiles; a last
@@ -363,7 +382,7 @@ DSPEC_AMX void panels_amx(const LinearArgs& a, std::int64_t p0, std::int64_t p1)
       const std::int64_t c0 = g * kPanel;
       if (a.n - c0 < kPanel * kPanelBlock) continue;
       float bias[kPanel * kPanelBlock];
-      for (int c = 0; c < kPanel * kPanelBlock; ++c) bias[c] = a.bias != nullptr ? dt::load<kBFloat16>(a.bias, c0 + c) : 0.0f;
+      group_bias(a, c0, kPanel * kPanelBlock, bias);
       const E* wg = w + g * panel;
       const std::int64_t group_bytes = kPanelBlock * panel * std::int64_t(sizeof(E));
       for (std::int64_t i0 = mb; i0 < me; i0 += 2 * kAmxRows) {
@@ -374,18 +393,9 @@ DSPEC_AMX void panels_amx(const LinearArgs& a, std::int64_t p0, std::int64_t p1)
             pf = {reinterpret_cast<const char*>(wg) + prefetch_bytes,
                   prefetch_bytes > 0 ? group_bytes / (kp / kTileDepth) : 0, stream_end, false};
           }
-          if (h == 0) {
-            micro_amx_pair<0>(x + i0 * a.ldx, a.ldx, wg, kp, pf, &acc2[0][0]);
-          } else {
-            micro_amx_pair<2>(x + i0 * a.ldx, a.ldx, wg, kp, pf, &acc2[0][0]);
-          }
-          for (int i = 0; i < 2 * kAmxRows; ++i) {
-            E* o = out + (i0 + i) * a.ldo + c0 + h * kPanel;
-            for (int c = 0; c < 2 * kPanel; c += kPanel) {
-              const __m512 v = _mm512_add_ps(_mm512_load_ps(&acc2[i][c]), _mm512_loadu_ps(bias + h * kPanel + c));
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c), (__m256i)_mm512_cvtneps_pbh(v));
-            }
-          }
+          (h == 0 ? micro_amx_pair<0> : micro_amx_pair<2>)(x + i0 * a.ldx, a.ldx, wg, kp, pf, &acc2[0][0]);
+          store_rows_bf16(&acc2[0][0], 2 * kPanel, bias + h * kPanel, 2 * kAmxRows, 2 * kPanel,
+                          out + i0 * a.ldo + c0 + h * kPanel, a.ldo);
         }
       }
     }
@@ -395,7 +405,7 @@ DSPEC_AMX void panels_amx(const LinearArgs& a, std::int64_t p0, std::int64_t p1)
     const std::int64_t c0 = g * kPanel;
     const int cols = static_cast<int>(std::min<std::int64_t>(kPanel * tp, a.n - c0));
     float bias[kPanel * kPanelBlock];
-    for (int c = 0; c < cols; ++c) bias[c] = a.bias != nullptr ? dt::load<kBFloat16>(a.bias, c0 + c) : 0.0f;
+    group_bias(a, c0, cols, bias);
     const E* wg = w + g * panel;
     const std::int64_t group_bytes = tp * panel * std::int64_t(sizeof(E));
     const std::int64_t blocks = kp / kTileDepth;
@@ -417,16 +427,7 @@ DSPEC_AMX void panels_amx(const LinearArgs& a, std::int64_t p0, std::int64_t p1)
         pf = {next, (share + blocks - 1) / blocks, std::min(next + share, stream_end), true};
       }
       kAmxMicro[tp - 1](xs, copied ? kp : a.ldx, wg, kp, pf, &acc[0][0]);
-      const __mmask16 full = 0xffff;
-      for (int i = 0; i < mr; ++i) {
-        E* o = out + (i0 + i) * a.ldo + c0;
-        for (int c = 0; c < cols; c += kPanel) {
-          const int left = cols - c;
-          const __mmask16 m = left >= kPanel ? full : static_cast<__mmask16>((1u << left) - 1);
-          const __m512 v = _mm512_add_ps(_mm512_load_ps(&acc[i][c]), _mm512_maskz_loadu_ps(m, bias + c));
-          _mm256_mask_storeu_epi16(o + c, m, (__m256i)_mm512_cvtneps_pbh(v));
-        }
-      }
+      store_rows_bf16(&acc[0][0], kPanel * kPanelBlock, bias, mr, cols, out + i0 * a.ldo + c0, a.ldo);
     }
   }
   _tile_release();

@@ -146,8 +146,9 @@ DSPEC_CPU_CLONES void widen_bf16(const std::uint16_t* p, std::int64_t n, float* 
 // the same quantities as the portable code, rounded differently in the last bits.
 // Memory: pass 1 prefetches cpu::kStreamAhead bytes ahead of its loads, and pass 2, which
 // re-reads the chunk from L2 and is exp-bound, brings the thread's next chunk into L2.
-// At 1088 rows x 49152 (2 threads, Xeon with AVX-512, Nov 2026) the portable loops read
-// 7-10 GB/s; these 11-26 GB/s (the DRAM read bandwidth measured beside them: ~22 GB/s).
+// At 1088 rows x 49152 (2 threads, Xeon with AVX-512, Nov 2026, the rows in its 300 MiB L3
+// from the rep before) the portable loops read 7-10 GB/s, these 11-26 GB/s; from memory
+// (bench_logits_cpu flushes the caches) 8-14 GB/s against a DRAM read of ~25 GB/s.
 
 template <int DT>
 DSPEC_AVX512 State scan_avx512(const dt::elem_t<DT>* p, std::int64_t n, std::int64_t col0, float inv_t, bool sums,
@@ -249,6 +250,13 @@ inline void write_row(const TokenStatsArgs& a, std::int64_t row, const State& st
   a.lse[row] = r.lse;
 }
 
+// Row r of a, whole, on the calling thread.
+template <int DT>
+void scan_row(const TokenStatsArgs& a, std::int64_t r) {
+  write_row(a, r, scan<DT>(static_cast<const dt::elem_t<DT>*>(a.logits) + r * a.row_stride, 0, a.vocab, a.inv_t,
+                           !a.argmax_only));
+}
+
 using cpu::max_threads;
 using cpu::parallel_for;
 
@@ -264,8 +272,7 @@ void run(const TokenStatsArgs& a) {
     threads = std::min<std::int64_t>(max_threads(), std::max<std::int64_t>(1, work / kMinElementsPerThread));
   }
   if (threads <= 1) {
-    for (std::int64_t r = 0; r < rows; ++r)
-      write_row(a, r, scan<DT>(logits + r * a.row_stride, 0, vocab, a.inv_t, !a.argmax_only));
+    for (std::int64_t r = 0; r < rows; ++r) scan_row<DT>(a, r);
     return;
   }
 
@@ -305,22 +312,11 @@ void run(const TokenStatsArgs& a) {
 }  // namespace
 
 void token_stats_row_cpu(const TokenStatsArgs& args, std::int64_t row) {
-  const bool sums = !args.argmax_only;
   switch (args.dtype) {
-    case kFloat32:
-      write_row(args, row, scan<kFloat32>(static_cast<const float*>(args.logits) + row * args.row_stride, 0,
-                                          args.vocab, args.inv_t, sums));
-      break;
-    case kFloat16:
-      write_row(args, row, scan<kFloat16>(static_cast<const std::uint16_t*>(args.logits) + row * args.row_stride, 0,
-                                          args.vocab, args.inv_t, sums));
-      break;
-    case kBFloat16:
-      write_row(args, row, scan<kBFloat16>(static_cast<const std::uint16_t*>(args.logits) + row * args.row_stride, 0,
-                                           args.vocab, args.inv_t, sums));
-      break;
-    default:
-      break;  // unreachable: validated by the bindings
+    case kFloat32: scan_row<kFloat32>(args, row); break;
+    case kFloat16: scan_row<kFloat16>(args, row); break;
+    case kBFloat16: scan_row<kBFloat16>(args, row); break;
+    default: break;  // unreachable: validated by the bindings
   }
 }
 

@@ -244,6 +244,23 @@ DSPEC_CPU_INLINE double sum_exp_row(const dt::elem_t<DT>* p, std::int64_t vocab,
   return total;
 }
 
+// pass 1 and pass 2 on the vector code the CPU runs
+template <int DT>
+RowScan select_best(const dt::elem_t<DT>* p, std::int64_t vocab, Best& best) {
+#if DSPEC_AVX512_CODE
+  if (cpu::has_avx512()) return select_row_avx512<DT>(p, vocab, best);
+#endif
+  return select_row<DT>(p, vocab, best);
+}
+
+template <int DT>
+double sum_exp(const dt::elem_t<DT>* p, std::int64_t vocab, float m, float inv_t, const dt::elem_t<DT>* next) {
+#if DSPEC_AVX512_CODE
+  if (cpu::has_avx512()) return sum_exp_row_avx512<DT>(p, vocab, m, inv_t, next);
+#endif
+  return sum_exp_row<DT>(p, vocab, m, inv_t);
+}
+
 template <int DT>
 DSPEC_CPU_INLINE void rows_impl(const TopkArgs& a, std::int64_t lo, std::int64_t hi) {
   using E = dt::elem_t<DT>;
@@ -255,21 +272,8 @@ DSPEC_CPU_INLINE void rows_impl(const TopkArgs& a, std::int64_t lo, std::int64_t
   for (std::int64_t r = lo; r < hi; ++r) {
     const E* p = base + r * a.row_stride;
     best.reset(k);
-#if DSPEC_AVX512_CODE
-    const bool avx512 = cpu::has_avx512();
-#else
-    constexpr bool avx512 = false;
-#endif
-    RowScan s;
-    if (k > kLargeK) {
-      s = select_row_large<DT>(p, a.vocab, k, best, all);
-    } else {
-#if DSPEC_AVX512_CODE
-      s = avx512 ? select_row_avx512<DT>(p, a.vocab, best) : select_row<DT>(p, a.vocab, best);
-#else
-      s = select_row<DT>(p, a.vocab, best);
-#endif
-    }
+    const RowScan s = k > kLargeK ? select_row_large<DT>(p, a.vocab, k, best, all)
+                                  : select_best<DT>(p, a.vocab, best);
     std::int64_t* tok = a.tokens + r * k;
     float* val = a.values + r * k;
     const bool valid = !s.nan && std::isfinite(s.max);
@@ -283,13 +287,8 @@ DSPEC_CPU_INLINE void rows_impl(const TopkArgs& a, std::int64_t lo, std::int64_t
     }
     // the buffer holds at least k values (k <= V and every value of a valid row is a
     // number; -inf ones included)
-#if DSPEC_AVX512_CODE
     const E* next = r + 1 < hi ? base + (r + 1) * a.row_stride : nullptr;
-    const double total = avx512 ? sum_exp_row_avx512<DT>(p, a.vocab, s.max, a.inv_t, next)
-                                : sum_exp_row<DT>(p, a.vocab, s.max, a.inv_t);
-#else
-    const double total = sum_exp_row<DT>(p, a.vocab, s.max, a.inv_t);
-#endif
+    const double total = sum_exp<DT>(p, a.vocab, s.max, a.inv_t, next);
     const float sum = static_cast<float>(total);
     if (!mass) {
       for (std::int64_t j = 0; j < k; ++j) {

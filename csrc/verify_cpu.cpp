@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "cpu_avx512.h"
@@ -298,7 +297,9 @@ void tree_row(const VerifyTreeArgs& a, const VerifyWork& wk, std::int64_t b, Scr
   out[st.depth] = draw_row<DT>(a, wk, sp, a.uniforms[b], s);
 }
 
-// Runs row_fn(b, scratch) for every row, on several threads when the work is large.
+// Runs row_fn(b, scratch) for every row, on several threads when the work is large: the
+// requests in a few chunks per thread taken in turn, since requests that accept more drafts
+// (or scan more rows, lazily) take longer.
 template <class RowFn>
 void for_rows(std::int64_t batch, std::int64_t work_per_row, RowFn row_fn) {
   const std::int64_t work = batch * std::max<std::int64_t>(work_per_row, 1);
@@ -307,14 +308,10 @@ void for_rows(std::int64_t batch, std::int64_t work_per_row, RowFn row_fn) {
     threads = std::min<std::int64_t>(cpu::max_threads(), std::max<std::int64_t>(1, work / kMinWorkPerThread));
     threads = std::min(threads, batch);
   }
-  if (threads <= 1) {
+  const std::int64_t chunks = threads <= 1 ? 1 : std::min<std::int64_t>(batch, 4 * threads);
+  cpu::parallel_chunks(static_cast<int>(chunks), static_cast<int>(threads), [&](int c) {
     Scratch s;
-    for (std::int64_t b = 0; b < batch; ++b) row_fn(b, s);
-    return;
-  }
-  cpu::parallel_for(static_cast<int>(threads), [&](int t) {
-    Scratch s;
-    const std::int64_t b0 = batch * t / threads, b1 = batch * (t + 1) / threads;
+    const std::int64_t b0 = batch * c / chunks, b1 = batch * (c + 1) / chunks;
     for (std::int64_t b = b0; b < b1; ++b) row_fn(b, s);
   });
 }
@@ -323,8 +320,7 @@ void for_rows(std::int64_t batch, std::int64_t work_per_row, RowFn row_fn) {
 // rows itself, in the order the acceptance reads them, and none past the row it stops at --
 // a chain never reads the rows after its first rejection, a tree only the nodes it walks
 // (the GPU layout scans all B x P rows up front for parallelism).  The values are those of
-// the up-front scan (token_stats_row_cpu).  Requests go to the threads in chunks taken in
-// turn, since a request that accepts more scans more rows.
+// the up-front scan (token_stats_row_cpu).
 template <class Args>
 bool lazy_rows(const Args& a) {
   return a.batch >= cpu::max_threads();
@@ -338,28 +334,22 @@ VerifyWork stage1(const Args& a, std::int64_t excl_cap, bool lazy) {
   return wk;
 }
 
-// row_fn(b, scratch, stats) for every request; lazy: chunks of requests taken in turn
-template <class Args, class RowFn>
-void run_rows(const Args& a, const VerifyWork& wk, bool lazy, RowFn row_fn) {
-  if (!lazy) {
-    for_rows(a.batch, a.greedy ? a.positions : a.vocab + a.positions,
-             [&](std::int64_t b, Scratch& s) { row_fn(b, s, RowStats{}); });
-    return;
-  }
-  const TokenStatsArgs ts = verify_token_stats_args(a, wk);
-  const RowStats stats{&ts, 0};
-  const std::int64_t work = a.batch * a.positions * std::max<std::int64_t>(a.vocab, 1);
-  std::int64_t threads = 1;
-  if (work >= kParallelThreshold) {
-    threads = std::min<std::int64_t>({static_cast<std::int64_t>(cpu::max_threads()),
-                                      std::max<std::int64_t>(1, work / kMinWorkPerThread), a.batch});
-  }
-  const std::int64_t chunks = threads <= 1 ? 1 : std::min<std::int64_t>(a.batch, 4 * threads);
-  cpu::parallel_chunks(static_cast<int>(chunks), static_cast<int>(threads), [&](int c) {
-    Scratch s;
-    const std::int64_t b0 = a.batch * c / chunks, b1 = a.batch * (c + 1) / chunks;
-    for (std::int64_t b = b0; b < b1; ++b) row_fn(b, s, stats);
-  });
+// A request's work after stage 1, for for_rows' thread count: its rows when they are
+// scanned lazily, else the draw's row (sampling) or nothing but the acceptance (greedy).
+template <class Args>
+std::int64_t row_work(const Args& a, const RowStats& stats) {
+  if (stats.ts != nullptr) return a.positions * std::max<std::int64_t>(a.vocab, 1);
+  return a.greedy ? a.positions : a.vocab + a.positions;
+}
+
+template <int DT>
+void chain_rows(const VerifyChainArgs& a, const VerifyWork& wk, const RowStats& stats) {
+  for_rows(a.batch, row_work(a, stats), [&](std::int64_t b, Scratch& s) { chain_row<DT>(a, wk, b, s, stats); });
+}
+
+template <int DT>
+void tree_rows(const VerifyTreeArgs& a, const VerifyWork& wk, const RowStats& stats) {
+  for_rows(a.batch, row_work(a, stats), [&](std::int64_t b, Scratch& s) { tree_row<DT>(a, wk, b, s, stats); });
 }
 
 }  // namespace
@@ -368,13 +358,12 @@ void verify_chain_cpu(const VerifyChainArgs& a) {
   if (a.batch <= 0) return;
   const bool lazy = lazy_rows(a);
   const VerifyWork wk = stage1(a, 1, lazy);
-  auto rows = [&](auto dt) {
-    run_rows(a, wk, lazy, [&](std::int64_t b, Scratch& s, RowStats st) { chain_row<decltype(dt)::value>(a, wk, b, s, st); });
-  };
+  const TokenStatsArgs ts = verify_token_stats_args(a, wk);
+  const RowStats stats{lazy ? &ts : nullptr, 0};
   switch (a.dtype) {
-    case kFloat32: rows(std::integral_constant<int, kFloat32>{}); break;
-    case kFloat16: rows(std::integral_constant<int, kFloat16>{}); break;
-    default: rows(std::integral_constant<int, kBFloat16>{}); break;
+    case kFloat32: chain_rows<kFloat32>(a, wk, stats); break;
+    case kFloat16: chain_rows<kFloat16>(a, wk, stats); break;
+    default: chain_rows<kBFloat16>(a, wk, stats); break;
   }
 }
 
@@ -382,13 +371,12 @@ void verify_tree_cpu(const VerifyTreeArgs& a) {
   if (a.batch <= 0) return;
   const bool lazy = lazy_rows(a);
   const VerifyWork wk = stage1(a, a.positions, lazy);
-  auto rows = [&](auto dt) {
-    run_rows(a, wk, lazy, [&](std::int64_t b, Scratch& s, RowStats st) { tree_row<decltype(dt)::value>(a, wk, b, s, st); });
-  };
+  const TokenStatsArgs ts = verify_token_stats_args(a, wk);
+  const RowStats stats{lazy ? &ts : nullptr, 0};
   switch (a.dtype) {
-    case kFloat32: rows(std::integral_constant<int, kFloat32>{}); break;
-    case kFloat16: rows(std::integral_constant<int, kFloat16>{}); break;
-    default: rows(std::integral_constant<int, kBFloat16>{}); break;
+    case kFloat32: tree_rows<kFloat32>(a, wk, stats); break;
+    case kFloat16: tree_rows<kFloat16>(a, wk, stats); break;
+    default: tree_rows<kBFloat16>(a, wk, stats); break;
   }
 }
 
