@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, measure_bandwidth, out_dir, write_json  # noqa: E402
+from common import environment, measure_bandwidth, out_dir, time_fn, write_json  # noqa: E402
 
 
 def cases(batch: int, length: int, vocab: int, dtype: torch.dtype):
@@ -43,22 +43,6 @@ def cases(batch: int, length: int, vocab: int, dtype: torch.dtype):
         "topk_tokens k=8": lambda b: dspec.topk_tokens(logits, 8, backend=b),
         "mass_candidates m=8": lambda b: dspec.mass_candidates(logits, 0.9, 8, backend=b),
     }, logits.numel() * logits.element_size()
-
-
-def time_cold(fn, reps: int, flush: torch.Tensor) -> dict:
-    """Median / p20 / p80 microseconds of fn over reps calls, the caches flushed (flush
-    rewritten) before each, after one warm-up call."""
-    import time
-    fn()
-    raw = []
-    for rep in range(reps):
-        flush.fill_(rep & 0xFF)
-        t0 = time.perf_counter()
-        fn()
-        raw.append((time.perf_counter() - t0) * 1e6)
-    raw.sort()
-    pick = lambda q: raw[min(len(raw) - 1, int(q * (len(raw) - 1) + 0.5))]  # noqa: E731
-    return {"median_us": pick(0.5), "p20_us": pick(0.2), "p80_us": pick(0.8), "raw_us": raw}
 
 
 def main(argv=None) -> int:
@@ -89,14 +73,14 @@ def main(argv=None) -> int:
     # larger than the last-level cache (this project's Xeon has 300 MiB of L3, more than the
     # 214 MB of float32 logits): rewritten before every rep, so that every rep reads the
     # logits from memory as a decode step does (earlier sessions' reps read them from L3)
-    flush = torch.empty(int(args.flush_mib) << 20, dtype=torch.uint8)
-    payload["flush_bytes_between_reps"] = flush.numel()
+    flush_bytes = int(args.flush_mib) << 20
+    payload["flush_bytes_between_reps"] = flush_bytes
     for dtype in (torch.float32, torch.bfloat16):
         ops, nbytes = cases(args.batch, args.length, args.vocab, dtype)
         for op, fn in ops.items():
             for backend in backends:
                 reps = args.reps if backend == "cpp" else max(1, args.reps // 2)
-                t = time_cold(lambda: fn(backend), reps, flush)
+                t = time_fn(lambda: fn(backend), "cpu", reps=reps, warmup=1, flush_bytes=flush_bytes)
                 # the bytes the op must read: every row, except for verification, which reads a
                 # request's rows up to the one it stops at (num_accepted + 1 of them)
                 read = nbytes

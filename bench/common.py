@@ -118,15 +118,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-_FLUSH: dict[str, torch.Tensor] = {}
+_FLUSH: dict[tuple, torch.Tensor] = {}
 
 
-def _flush_buffer(device: str) -> torch.Tensor:
-    """A buffer larger than the last-level cache (256 MiB on GPU: H100/H200 L2 is 50-60 MB)."""
-    if device not in _FLUSH:
+def _flush_buffer(device: str, nbytes: int | None = None) -> torch.Tensor:
+    """A buffer larger than the last-level cache (256 MiB on GPU: H100/H200 L2 is 50-60 MB;
+    64 MiB on CPU unless ``nbytes`` says more -- this project's Xeon has a 300 MiB L3)."""
+    if nbytes is None:
         nbytes = (256 << 20) if device == "cuda" else (64 << 20)
-        _FLUSH[device] = torch.empty(nbytes // 4, dtype=torch.int32, device=device)
-    return _FLUSH[device]
+    key = (device, nbytes)
+    if key not in _FLUSH:
+        _FLUSH[key] = torch.empty(nbytes // 4, dtype=torch.int32, device=device)
+    return _FLUSH[key]
 
 
 def _percentile(sorted_vals: list[float], q: float) -> float:
@@ -142,12 +145,13 @@ def _percentile(sorted_vals: list[float], q: float) -> float:
 
 
 def time_fn(fn: Callable[[], object], device: str, *, reps: int = 20, warmup: int = 5,
-            flush: bool = True, sync_before: bool = False) -> dict:
-    """Time ``fn()``; returns ``{"median_us", "p20_us", "p80_us", "raw_us"}``."""
+            flush: bool = True, sync_before: bool = False, flush_bytes: int | None = None) -> dict:
+    """Time ``fn()``; returns ``{"median_us", "p20_us", "p80_us", "raw_us"}``.  ``flush``
+    rewrites a buffer of ``flush_bytes`` (default: :func:`_flush_buffer`'s) before each rep."""
     for _ in range(max(0, warmup)):
         fn()
     _sync(device)
-    buf = _flush_buffer(device) if flush else None
+    buf = _flush_buffer(device, flush_bytes) if flush else None
     raw: list[float] = []
     if device == "cuda":
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
