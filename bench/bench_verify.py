@@ -266,8 +266,8 @@ def _check(name: str, got, ref, greedy: bool, vocab: int, reference_at=None) -> 
         off = _rows_differ(t_g, t_r)
         if bool(off.any()) and not greedy and not problems and reference_at is not None:
             lo, hi = (tuple(reference_at(d)) for d in (-TIE_TOLERANCE, TIE_TOLERANCE))
-            between = ((torch.minimum(lo[-1], hi[-1]) <= t_g) & (t_g <= torch.maximum(lo[-1], hi[-1])))
-            tied = off & ~_rows_differ(between, torch.ones_like(between))
+            between = (torch.minimum(lo[-1], hi[-1]) <= t_g) & (t_g <= torch.maximum(lo[-1], hi[-1]))
+            tied = off & between.reshape(between.shape[0], -1).all(-1)
             for i in range(len(got) - 1):  # the same acceptance (and path) at both ends
                 tied &= ~_rows_differ(lo[i], got[i]) & ~_rows_differ(hi[i], got[i])
             if bool(tied.any()):
