@@ -5,9 +5,11 @@ One timed call is one forward's worth: the rank-16 update of SmolLM2-135M's seve
 (q, k, v, o, gate, up, down) in each of 30 layers, every layer its own adapter matrices (bf16,
 as the shipped adapter holds them: 9.8 MB, past L2 as in a forward), at M [MASK] rows of bf16
 activations.  Arms, interleaved round-robin per rep (this VM's speed drifts within minutes):
-``cpp`` (the AVX-512 code where the CPU has it), ``cpp-generic`` (the portable loops, the same
-bits) and ``torch`` (MaskLoraLinear's per-op update: index_select, two F.linear, index_add),
-at 1 and all threads.  GFLOP/s counts 2 * M * rank * (k + n) per projection.
+``cpp-amx`` (the tile-unit code on the adapter packed by ``mask_lora_pack``, where the CPU has
+AMX-BF16: what a bf16 forward runs there), ``cpp`` (the AVX-512 code where the CPU has it),
+``cpp-generic`` (the portable loops) and ``torch`` (MaskLoraLinear's per-op update:
+index_select, two F.linear, index_add), at 1 and all threads.  Each timed call includes the
+Python binding's ~1 us per projection (210 calls), which a forward's one-call stack does not pay.  GFLOP/s counts 2 * M * rank * (k + n) per projection.
 
     python bench/bench_mask_lora.py [--rows 1,4,16,32] [--reps 30]
 Writes bench/results/cpu/mask_lora.{json,png}.
@@ -36,7 +38,25 @@ def _adapters(gen: torch.Generator):
               (torch.randn(RANK, n, generator=gen) / 4).bfloat16()) for k, n in SHAPES] for _ in range(LAYERS)]
 
 
-def _arms(rows: int, threads: int, adapters, gen: torch.Generator) -> dict:
+def _packed(adapters):
+    """The adapters as mask_lora_pack lays them out for the AMX code (None without AMX-BF16):
+    made once and shared by every row count, as the cpp arms share ``adapters``."""
+    from dspec import _backend
+    ext, b16 = _backend.extension(), _backend.FLOAT_CODE[torch.bfloat16]
+    if not ext.mask_lora_has_amx(b16, RANK):
+        return None
+    out = []
+    for layer in adapters:
+        row = []
+        for (k, n), (a, bt) in zip(SHAPES, layer):
+            p = torch.empty(ext.mask_lora_packed_size(k, n), dtype=torch.bfloat16)
+            ext.mask_lora_pack(a.data_ptr(), bt.data_ptr(), p.data_ptr(), RANK, k, n, b16)
+            row.append(p)
+        out.append(row)
+    return out
+
+
+def _arms(rows: int, threads: int, adapters, packed, gen: torch.Generator) -> dict:
     from dspec import _backend
     ext = _backend.extension()
     xs = {k: torch.randn(TOTAL_ROWS, k, generator=gen).bfloat16() for k in (576, 1536)}
@@ -44,12 +64,15 @@ def _arms(rows: int, threads: int, adapters, gen: torch.Generator) -> dict:
     index = torch.randperm(TOTAL_ROWS, generator=gen)[:rows].contiguous()
     b16 = _backend.FLOAT_CODE[torch.bfloat16]
 
+    amx = packed is not None
+
     def cpp(isa):
         def run():
-            for layer in adapters:
-                for (k, n), (a, bt) in zip(SHAPES, layer):
+            for layer, row in zip(adapters, packed or adapters):
+                for (k, n), (a, bt), p in zip(SHAPES, layer, row):
                     ext.mask_lora(ys[n].data_ptr(), xs[k].data_ptr(), index.data_ptr(), a.data_ptr(), bt.data_ptr(),
-                                  2.0, b16, rows, TOTAL_ROWS, k, n, RANK, threads, b16, isa)
+                                  2.0, b16, rows, TOTAL_ROWS, k, n, RANK, threads, b16, isa,
+                                  p.data_ptr() if isa == "amx" else 0)   # auto without it: AVX-512
         return run
 
     float_adapters = [[(a.float(), bt.float().t().contiguous()) for a, bt in layer] for layer in adapters]
@@ -61,6 +84,8 @@ def _arms(rows: int, threads: int, adapters, gen: torch.Generator) -> dict:
                 delta = F.linear(F.linear(picked, a), b) * 2.0
                 ys[n].index_add(0, index, delta.to(torch.bfloat16))
     arms = {"cpp": cpp("auto"), "cpp-generic": cpp("generic")}
+    if amx:
+        arms["cpp-amx"] = cpp("amx")
     if threads == 1:
         arms["torch"] = torch_update
     return arms
@@ -80,10 +105,11 @@ def main(argv=None) -> int:
     env = environment("cpu")
     gen = torch.Generator().manual_seed(0)
     adapters = _adapters(gen)
+    packed = _packed(adapters)
     runs = {}
     for m in [int(r) for r in args.rows.split(",")]:
         for t in sorted({1, many}):
-            for name, fn in _arms(m, t, adapters, gen).items():
+            for name, fn in _arms(m, t, adapters, packed, gen).items():
                 runs[(m, t, name)] = fn
     raw = {key: [] for key in runs}
     torch.set_num_threads(1)              # the torch arm on one thread, as in a decode step

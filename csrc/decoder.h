@@ -28,6 +28,7 @@ struct DecoderLayerWeights {
   const void* bias[kProjCount] = {};           // [out] or null
   const void* lora_a[kProjCount] = {};         // [rank, in] (lora_dtype) or null: no adapter on it
   const void* lora_b[kProjCount] = {};         // B transposed: [rank, out]
+  const void* lora_packed[kProjCount] = {};    // mask_lora_pack's layout of both, or null
   float lora_scale[kProjCount] = {};
 };
 

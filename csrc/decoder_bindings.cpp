@@ -50,7 +50,8 @@ void decoder_layers(std::int64_t x, int dtype, std::int64_t batch, std::int64_t 
                     const std::vector<std::int64_t>& weights, const std::vector<std::int64_t>& lora,
                     const std::vector<double>& lora_scales, std::int64_t lora_rank, std::int64_t mask_rows,
                     std::int64_t num_mask_rows, std::int64_t k_out, std::int64_t v_out, std::int64_t hidden_out,
-                    std::int64_t hidden_slots, const std::vector<int>& record, int num_threads, int lora_dtype) {
+                    std::int64_t hidden_slots, const std::vector<int>& record, int num_threads, int lora_dtype,
+                    const std::vector<std::int64_t>& lora_packed) {
   const Checker c{"decoder_layers"};
   c.float_dtype(dtype, "dtype");
   if (lora_dtype != kFloat32 && lora_dtype != kBFloat16) {
@@ -71,6 +72,10 @@ void decoder_layers(std::int64_t x, int dtype, std::int64_t batch, std::int64_t 
   if (!lora.empty() && lora.size() != layers * 2 * kProjCount) {
     c.fail("lora must be empty or hold 2 addresses per projection per layer (" + std::to_string(layers * 2 * kProjCount) +
            "), got " + std::to_string(lora.size()));
+  }
+  if (!lora_packed.empty() && (lora.empty() || lora_packed.size() != layers * kProjCount)) {
+    c.fail("lora_packed must be empty or hold one address per projection per layer (" +
+           std::to_string(layers * kProjCount) + ") beside lora, got " + std::to_string(lora_packed.size()));
   }
   if (!lora.empty() && lora_scales.size() != layers * kProjCount) {
     c.fail("lora_scales must hold one scale per projection per layer (" + std::to_string(layers * kProjCount) +
@@ -129,6 +134,12 @@ void decoder_layers(std::int64_t x, int dtype, std::int64_t batch, std::int64_t 
         lw.lora_a[p] = la == 0 ? nullptr : as_ptr<const void>(la);
         lw.lora_b[p] = lb == 0 ? nullptr : as_ptr<const void>(lb);
         lw.lora_scale[p] = static_cast<float>(lora_scales[l * kProjCount + p]);
+        if (!lora_packed.empty()) {
+          const std::int64_t lp = lora_packed[l * kProjCount + p];
+          if (lp != 0 && la == 0) c.fail("lora_packed: a packed adapter for a projection without one");
+          c.optional_ptr(lp, "lora_packed", 2);
+          lw.lora_packed[p] = lp == 0 ? nullptr : as_ptr<const void>(lp);
+        }
       }
     }
   }
@@ -196,6 +207,7 @@ model's per-op MLP and decoder_layers both use it, so they agree bit for bit.)do
         py::arg("sm_scale"), py::arg("weights"), py::arg("lora"), py::arg("lora_scales"), py::arg("lora_rank"),
         py::arg("mask_rows"), py::arg("num_mask_rows"), py::arg("k_out"), py::arg("v_out"), py::arg("hidden_out"),
         py::arg("hidden_slots"), py::arg("record"), py::arg("num_threads"), py::arg("lora_dtype") = 0,
+        py::arg("lora_packed") = std::vector<std::int64_t>{},
         R"doc(Every decoder layer of a Llama-style model for one inference forward on the CPU (decoder.h).
 
 x [B * N, hidden] (dtype 0 fp32, 1 fp16, 2 bf16) is updated in place; cos / sin float32 [B * N, head_dim]
@@ -204,7 +216,8 @@ being layer 0's and layer l's at + l * prefix_layer_stride elements.  weights: p
 post-attention norm weights, the packed (linear_pack) q, k, v, o, gate, up, down and their biases (0:
 none).  lora: empty, or per layer and projection the A [rank, in] and B^T [rank, out] of a mask adapter
 (0, 0: none; lora_dtype 0 float32 or 2 bfloat16, the math float32 either way) with lora_scales; its update
-is added at the int64 mask_rows.  k_out / v_out
+is added at the int64 mask_rows.  lora_packed: empty, or per layer and projection mask_lora_pack's
+layout of that adapter (0: none), which mask_lora's AMX code reads where it runs.  k_out / v_out
 [layers, B * N, hkv, head_dim] receive each layer's rotated keys and values; record[l] >= 0 copies x
 after layer l into slot record[l] of hidden_out [hidden_slots, B * N, hidden].  Bit-identical to the
 per-op path (rms_norm, linear_group, mask_lora, rope, cascade_attention, silu_mul, torch's adds).)doc");

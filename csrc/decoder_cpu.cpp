@@ -67,6 +67,8 @@ void add_in_place(int dtype, void* x, const void* y, std::int64_t rows, std::int
   }, kLayerOpElementsPerThread);
 }
 
+constexpr std::int64_t kLoraSplitMaxRows = 64;
+
 // Projections of one input (1..3 of them), with the adapter's update after each.
 void project(const DecoderArgs& a, const DecoderLayerWeights& w, const void* x, std::int64_t k,
              std::initializer_list<int> which, std::initializer_list<void*> outs,
@@ -94,11 +96,13 @@ void project(const DecoderArgs& a, const DecoderLayerWeights& w, const void* x, 
   }
   linear_group_cpu(parts, count);
   if (a.num_mask_rows == 0) return;
+  MaskLoraArgs updates[3];
+  int num_updates = 0;
   int i = 0;
   for (int p : which) {
     const LinearArgs& l = parts[i++];
     if (w.lora_a[p] == nullptr) continue;
-    MaskLoraArgs m;
+    MaskLoraArgs& m = updates[num_updates++];
     m.dtype = a.dtype;
     m.num_rows = a.num_mask_rows;
     m.k = k;
@@ -109,11 +113,24 @@ void project(const DecoderArgs& a, const DecoderLayerWeights& w, const void* x, 
     m.weight_dtype = a.lora_dtype;
     m.a = w.lora_a[p];
     m.bt = w.lora_b[p];
+    m.packed = w.lora_packed[p];
     m.scale = w.lora_scale[p];
     m.y = l.out;
     m.num_threads = a.num_threads;
-    mask_lora_cpu(m);
   }
+  // a few [MASK] rows keep one thread per update (each streams its adapter from memory): two
+  // or three updates of one input go to two threads, the first alone, the rest on the other
+  if (num_updates >= 2 && a.num_threads >= 2 && a.num_mask_rows <= kLoraSplitMaxRows) {
+    cpu::parallel_for(2, [&](int t) {
+      for (int u = t == 0 ? 0 : 1; u < (t == 0 ? 1 : num_updates); ++u) {
+        MaskLoraArgs m = updates[u];
+        m.num_threads = 1;
+        mask_lora_cpu(m);
+      }
+    });
+    return;
+  }
+  for (int u = 0; u < num_updates; ++u) mask_lora_cpu(updates[u]);
 }
 
 }  // namespace

@@ -131,10 +131,12 @@ void linear_group(std::int64_t x, int dtype, std::int64_t m, std::int64_t k, con
 
 void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a, std::int64_t bt, double scale,
                int dtype, std::int64_t num_rows, std::int64_t total_rows, std::int64_t k, std::int64_t n,
-               std::int64_t rank, int num_threads, int weight_dtype, const std::string& isa) {
+               std::int64_t rank, int num_threads, int weight_dtype, const std::string& isa, std::int64_t packed) {
   const Checker c{"mask_lora"};
   c.float_dtype(dtype, "dtype");
-  const int which = c.isa(isa, mask_lora_has_avx512(dtype), "AVX-512 (F, BW, VL) and a float32 or bfloat16 dtype");
+  const int which = c.isa(isa, mask_lora_has_avx512(dtype), "AVX-512 (F, BW, VL) and a float32 or bfloat16 dtype",
+                          mask_lora_has_amx(dtype, rank) && packed != 0,
+                          "AMX-BF16, a bfloat16 dtype, rank <= 16 and the packed adapter (packed)");
   if (weight_dtype != kFloat32 && weight_dtype != kBFloat16) {
     c.fail("weight_dtype must be 0 (float32) or 2 (bfloat16), got " + std::to_string(weight_dtype));
   }
@@ -155,6 +157,7 @@ void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a
   const std::int64_t witem = element_size(weight_dtype);
   c.ptr(a, "a", witem);
   c.ptr(bt, "bt", witem);
+  c.optional_ptr(packed, "packed", 2);
   const std::int64_t* r = as_ptr<const std::int64_t>(rows);
   for (std::int64_t i = 0; i < num_rows; ++i) {
     if (r[i] < 0 || r[i] >= total_rows) {
@@ -176,8 +179,30 @@ void mask_lora(std::int64_t y, std::int64_t x, std::int64_t rows, std::int64_t a
   m.y = as_ptr<void>(y);
   m.num_threads = std::max(1, num_threads);
   m.isa = which;
+  m.packed = packed == 0 ? nullptr : as_ptr<const void>(packed);
   py::gil_scoped_release release;
   mask_lora_cpu(m);
+}
+
+void mask_lora_pack(std::int64_t a, std::int64_t bt, std::int64_t packed, std::int64_t rank, std::int64_t k,
+                    std::int64_t n, int weight_dtype) {
+  const Checker c{"mask_lora_pack"};
+  if (weight_dtype != kFloat32 && weight_dtype != kBFloat16) {
+    c.fail("weight_dtype must be 0 (float32) or 2 (bfloat16), got " + std::to_string(weight_dtype));
+  }
+  c.at_least(rank, 1, "rank");
+  if (rank > kMaskLoraAmxRank) c.fail("rank must be <= " + std::to_string(kMaskLoraAmxRank) + ", got " + std::to_string(rank));
+  c.at_least(k, 1, "k");
+  c.at_least(n, 1, "n");
+  c.product(rank, k, "rank * k");
+  c.product(rank, n, "rank * n");
+  const std::int64_t witem = element_size(weight_dtype);
+  c.ptr(a, "a", witem);
+  c.ptr(bt, "bt", witem);
+  c.ptr(packed, "packed", 2);
+  py::gil_scoped_release release;
+  mask_lora_pack_cpu(as_ptr<const void>(a), as_ptr<const void>(bt), weight_dtype, rank, k, n,
+                     as_ptr<std::uint16_t>(packed));
 }
 
 }  // namespace
@@ -208,14 +233,28 @@ together; each output is bit-identical to a linear call on that part alone.)doc"
   m.def("mask_lora", &mask_lora, py::arg("y"), py::arg("x"), py::arg("rows"), py::arg("a"), py::arg("bt"),
         py::arg("scale"), py::arg("dtype"), py::arg("num_rows"), py::arg("total_rows"), py::arg("k"), py::arg("n"),
         py::arg("rank"), py::arg("num_threads") = 1, py::arg("weight_dtype") = 0, py::arg("isa") = "auto",
+        py::arg("packed") = 0,
         R"doc(In place y[r] += (scale * (x[r] @ a^T) @ bt).to(dtype) for r in rows (int64 [num_rows], each in
 [0, total_rows)): the low-rank update of a mask-selective adapter at the [MASK] rows.  x [total_rows, k]
 and y [total_rows, n] contiguous in dtype; a [rank, k] and bt = B^T [rank, n] contiguous in weight_dtype
 (0 float32, 2 bfloat16: widened exactly, the math is float32 either way).
 float32 sums in a fixed order: a row's bits do not depend on the other rows (nor on num_threads, over
 which the rows are split when there are enough).  isa: 'auto' (AVX-512 code for float32 / bfloat16
-where the CPU has AVX-512, else the portable loops), 'generic' (portable loops: separate multiplies and
-adds) or 'avx512' (fused multiply-adds; the last bits differ from 'generic').)doc");
+where the CPU has AVX-512, else the portable loops; the AMX code when packed is given and
+mask_lora_has_amx), 'generic' (portable loops: separate multiplies and adds), 'avx512' (fused
+multiply-adds; the last bits differ from 'generic') or 'amx' (bfloat16 x / y, rank <= 16, packed: the
+adapter as mask_lora_pack lays it out; tile products, h carried as bf16 hi + lo parts, other bits again).
+The GIL is released while it runs.)doc");
+  m.def("mask_lora_packed_size", &mask_lora_packed_size, py::arg("k"), py::arg("n"),
+        "bf16 elements of the packed adapter mask_lora_pack writes for a projection of k inputs, n outputs.");
+  m.def("mask_lora_pack", &mask_lora_pack, py::arg("a"), py::arg("bt"), py::arg("packed"), py::arg("rank"),
+        py::arg("k"), py::arg("n"), py::arg("weight_dtype"),
+        R"doc(Lay out a [rank, k] and bt = B^T [rank, n] (weight_dtype 0 float32, rounded to bf16, or 2
+bfloat16; rank <= 16) for mask_lora's AMX code in packed (mask_lora_packed_size(k, n) bf16 elements):
+A as a tile operand with k in pairs, then B^T's blocks of 16 outputs with ranks in pairs, zero padded.
+Done once per adapter matrix pair.)doc");
+  m.def("mask_lora_has_amx", &mask_lora_has_amx, py::arg("dtype"), py::arg("rank"),
+        "Whether mask_lora's AMX code runs here for this x / y dtype code and rank (given the packed adapter).");
   m.def("linear_prefetch_steps", [](int steps) { return linear_prefetch_steps(steps); }, py::arg("steps") = -1,
         "The linear tiles' software prefetch distance in k steps: steps >= 0 sets it (returns the old value), "
         "-1 reads it. Results never depend on it.");

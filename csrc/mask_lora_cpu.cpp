@@ -1,8 +1,10 @@
 // The mask-selective adapter's update at the [MASK] rows on the CPU; see mask_lora.h.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_avx512.h"
 #include "cpu_features.h"
 #include "cpu_math.h"
@@ -209,6 +211,120 @@ DSPEC_AVX512 void mask_lora_rows_avx512(const MaskLoraArgs& a, std::int64_t r0, 
 }
 #endif
 
+#if DSPEC_AMX_CODE
+// The AMX update of up to 16 rows at a time (see mask_lora.h).  Tiles: 0 accumulates h
+// [16 rows][16 ranks]; 1 holds 32 k of the rows' x, 2 the packed A for those k; 3
+// and 0 accumulate [16 rows][16 outputs] in turn; 4 / 5 hold h's bf16 hi / lo parts [16 rows]
+// [16 ranks]; 6 and 7 the packed B^T of 16 outputs [8 rank pairs][16][2].
+constexpr int kLoraTile = 16;
+constexpr std::int64_t kLoraDepth = 32;                        // k per stage-1 tile product
+constexpr std::int64_t kLoraBBlock = kMaskLoraAmxRank * kLoraTile;  // bf16 of one packed B^T block
+
+DSPEC_AMX_TARGET inline void lora_amx_configure() {
+  cpu::AmxConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = t >= 6 ? kLoraTile / 2 : kLoraTile;
+    c.colsb[t] = t == 4 || t == 5 ? kLoraTile * 2 : cpu::kAmxRowBytes;
+  }
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  _tile_loadconfig(&c);
+}
+
+// Accumulator tile C = h (hi, tile 4, and lo, tile 5) times the packed B^T block at PB (into
+// tile B).  (The tile intrinsics take literal tile numbers.)
+#define DSPEC_LORA_AMX_BLOCK(C, B, PB)          \
+  do {                                          \
+    _tile_zero(C);                              \
+    _tile_loadd(B, (PB), cpu::kAmxRowBytes);    \
+    _tile_dpbf16ps(C, 4, B);                    \
+    _tile_dpbf16ps(C, 5, B);                    \
+  } while (0)
+
+// Rows [i0, i0 + mr) of the call (mr <= 16): x gathered into xg (16 x kp, zero padded),
+// h = x A^T on tiles, its hi / lo bf16 split, then each block of 16 outputs.
+DSPEC_AMX_TARGET void lora_amx_rows(const MaskLoraArgs& a, std::int64_t i0, int mr, std::int64_t kp,
+                                    std::uint16_t* xg) {
+  const auto* x = static_cast<const std::uint16_t*>(a.x);
+  auto* y = static_cast<std::uint16_t*>(a.y);
+  const auto* pa = static_cast<const std::uint16_t*>(a.packed);
+  const std::uint16_t* pb = pa + kp * kMaskLoraAmxRank;
+  // rows past mr keep whatever they held: a tile row's products never reach another row
+  for (int j = 0; j < mr; ++j) {
+    std::memcpy(xg + j * kp, x + a.rows[i0 + j] * a.k, static_cast<std::size_t>(a.k) * 2);
+    std::memset(xg + j * kp + a.k, 0, static_cast<std::size_t>(kp - a.k) * 2);
+  }
+  alignas(64) float acc[kLoraTile][kLoraTile];
+  alignas(64) std::uint16_t hi[kLoraTile][kLoraTile], lo[kLoraTile][kLoraTile];
+  std::atomic_signal_fence(std::memory_order_seq_cst);   // tile loads are asm the compiler cannot see through
+  // h in two chains of 16-k tile products (even k halves into tile 0, odd into tile 3, the
+  // operands in tiles 4 / 6 and 5 / 7), summed once: a chain of dependent products waits
+  // for each one's latency
+  _tile_zero(0);
+  _tile_zero(3);
+  for (std::int64_t d = 0; d < kp / kLoraDepth; ++d) {
+    const std::uint16_t* xd = xg + d * kLoraDepth;
+    const std::uint16_t* ad = pa + d * kLoraDepth * kLoraTile;
+    _tile_loadd(4, xd, kp * 2);
+    _tile_loadd(6, ad, cpu::kAmxRowBytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, xd + kLoraDepth / 2, kp * 2);
+    _tile_loadd(7, ad + kLoraDepth / 2 * kLoraTile, cpu::kAmxRowBytes);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float odd[kLoraTile][kLoraTile];
+  _tile_stored(0, &acc[0][0], cpu::kAmxRowBytes);
+  _tile_stored(3, &odd[0][0], cpu::kAmxRowBytes);
+  for (int j = 0; j < kLoraTile; ++j) {
+    const __m512 h = _mm512_add_ps(_mm512_load_ps(acc[j]), _mm512_load_ps(odd[j]));
+    const __m512i h_hi = cpu::bf16_bits(h);
+    const __m512 rest = _mm512_sub_ps(h, _mm512_castsi512_ps(_mm512_slli_epi32(h_hi, 16)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(hi[j]), _mm512_cvtepi32_epi16(h_hi));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lo[j]), _mm512_cvtepi32_epi16(cpu::bf16_bits(rest)));
+  }
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  _tile_loadd(4, &hi[0][0], kLoraTile * 2);
+  _tile_loadd(5, &lo[0][0], kLoraTile * 2);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  const std::int64_t blocks = (a.n + kLoraTile - 1) / kLoraTile;
+  // two accumulators (3, 0) and B operands (6, 7) in turn: block b + 1's tile products run
+  // while block b is stored and added to y
+  DSPEC_LORA_AMX_BLOCK(3, 6, pb);
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    if (b + 1 < blocks) {
+      if (b % 2 == 0) {
+        DSPEC_LORA_AMX_BLOCK(0, 7, pb + (b + 1) * kLoraBBlock);
+      } else {
+        DSPEC_LORA_AMX_BLOCK(3, 6, pb + (b + 1) * kLoraBBlock);
+      }
+    }
+    if (b % 2 == 0) {
+      _tile_stored(3, &acc[0][0], cpu::kAmxRowBytes);
+    } else {
+      _tile_stored(0, &acc[0][0], cpu::kAmxRowBytes);
+    }
+    const std::int64_t o = b * kLoraTile;
+    const __mmask16 m = cpu::lanes(a.n - o);
+    for (int j = 0; j < mr; ++j) {   // delta.to(bf16), then bf16's add
+      std::uint16_t* yr = y + a.rows[i0 + j] * a.n + o;
+      const __m512 delta = lora_round<kBFloat16>(_mm512_mul_ps(_mm512_load_ps(acc[j]), scale));
+      lora_store<kBFloat16>(yr, _mm512_add_ps(cpu::load_f32<kBFloat16>(yr, m), delta), m);
+    }
+  }
+}
+
+DSPEC_AMX_TARGET void mask_lora_rows_amx(const MaskLoraArgs& a, std::int64_t g0, std::int64_t g1) {
+  const std::int64_t kp = (a.k + kLoraDepth - 1) / kLoraDepth * kLoraDepth;
+  thread_local std::vector<std::uint16_t> xg;
+  if (xg.size() < static_cast<std::size_t>(kLoraTile * kp)) xg.resize(static_cast<std::size_t>(kLoraTile * kp));
+  lora_amx_configure();
+  for (std::int64_t g = g0; g < g1; ++g) {
+    const std::int64_t i0 = g * kLoraTile;
+    lora_amx_rows(a, i0, static_cast<int>(std::min<std::int64_t>(kLoraTile, a.num_rows - i0)), kp, xg.data());
+  }
+  _tile_release();
+}
+#endif
+
 DSPEC_CPU_CLONES void mask_lora_f32(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
   mask_lora_rows<kFloat32, kFloat32>(a, r0, r1);
 }
@@ -239,8 +355,44 @@ bool mask_lora_has_avx512(int dtype) {
 #endif
 }
 
+bool mask_lora_has_amx(int dtype, std::int64_t rank) {
+  return DSPEC_AMX_CODE && dtype == kBFloat16 && rank >= 1 && rank <= kMaskLoraAmxRank && cpu::has_amx_bf16();
+}
+
+std::int64_t mask_lora_packed_size(std::int64_t k, std::int64_t n) {
+  return kMaskLoraAmxRank * ((k + 31) / 32 * 32 + (n + 15) / 16 * 16);
+}
+
+void mask_lora_pack_cpu(const void* a, const void* bt, int weight_dtype, std::int64_t rank, std::int64_t k,
+                        std::int64_t n, std::uint16_t* packed) {
+  const auto value = [weight_dtype](const void* base, std::int64_t i) -> std::uint16_t {
+    return weight_dtype == kBFloat16 ? static_cast<const std::uint16_t*>(base)[i]
+                                     : dt::float_to_bf16(static_cast<const float*>(base)[i]);
+  };
+  const std::int64_t kp = (k + 31) / 32 * 32, rp = kMaskLoraAmxRank;
+  std::fill(packed, packed + mask_lora_packed_size(k, n), std::uint16_t(0));
+  // A: [kp / 32][16 k pairs][16 ranks][2]: element (c, r) at ((c / 2) * rp + r) * 2 + c % 2
+  for (std::int64_t r = 0; r < rank; ++r)
+    for (std::int64_t c = 0; c < k; ++c) packed[((c / 2) * rp + r) * 2 + c % 2] = value(a, r * k + c);
+  // B^T: [np / 16][8 rank pairs][16 outputs][2]: element (r, o) of block o / 16
+  std::uint16_t* pb = packed + kp * rp;
+  for (std::int64_t r = 0; r < rank; ++r)
+    for (std::int64_t o = 0; o < n; ++o)
+      pb[(o / 16) * rp * 16 + ((r / 2) * 16 + o % 16) * 2 + r % 2] = value(bt, r * n + o);
+}
+
 void mask_lora_cpu(const MaskLoraArgs& a) {
   const bool w16 = a.weight_dtype == kBFloat16;
+#if DSPEC_AMX_CODE
+  if (a.packed != nullptr && (a.isa == kLinearAuto || a.isa == kLinearAmx) && mask_lora_has_amx(a.dtype, a.rank)) {
+    // groups of 16 rows; a second thread only from two groups (each reads all of the adapter)
+    const std::int64_t groups = (a.num_rows + kLoraTile - 1) / kLoraTile;
+    cpu::parallel_rows(groups, 1, a.num_threads, [&](std::int64_t g0, std::int64_t g1) {
+      mask_lora_rows_amx(a, g0, g1);
+    }, 1);
+    return;
+  }
+#endif
 #if DSPEC_AVX512_CODE
   if (a.isa != kLinearGeneric && mask_lora_has_avx512(a.dtype)) {
     // every thread streams all of A and B^T: a second thread pays only with two full row

@@ -301,6 +301,79 @@ def test_mask_lora_avx512_and_generic_agree_and_each_is_batch_invariant(dtype, a
                                        scale, CODES[dtype], rows, total, k, n, rank, 1, weight_dtype, "amx")
 
 
+HAS_LORA_AMX = _backend.cpp_available() and hasattr(_backend.extension(), "mask_lora_has_amx") \
+    and _backend.extension().mask_lora_has_amx(CODES[torch.bfloat16], 16)
+
+
+def _packed_adapter(a, bt):
+    ext = _backend.extension()
+    rank, k = a.shape
+    n = bt.shape[1]
+    packed = torch.full((ext.mask_lora_packed_size(k, n),), float("nan"), dtype=torch.bfloat16)
+    ext.mask_lora_pack(a.data_ptr(), bt.data_ptr(), packed.data_ptr(), rank, k, n, CODES[a.dtype])
+    return packed
+
+
+@pytest.mark.skipif(not HAS_LORA_AMX, reason="needs AMX-BF16")
+@pytest.mark.parametrize("k, n, rank, rows", [(576, 1536, 16, 13), (1536, 576, 16, 1), (17, 7, 3, 5), (64, 50, 16, 21),
+                                              (40, 33, 1, 16), (576, 192, 16, 40), (100, 20, 9, 17)])
+def test_mask_lora_amx_matches_the_reference_and_is_batch_invariant(k, n, rank, rows):
+    """The tile-unit update (bf16 x / y, an adapter packed by mask_lora_pack) is the float64
+    update to bf16 rounding -- h carried as bf16 hi + lo parts -- and a row's bits depend on
+    that row alone: alone, in another order, in another group of 16, over two threads;
+    'auto' with the packed adapter is the AMX code.  Ragged k (padded to 32) and n (to 16),
+    ranks 1..16, partial and several row groups."""
+    ext = _backend.extension()
+    g = torch.Generator().manual_seed(k * n + rank)
+    total, scale = rows + 5, 1.75
+    x = torch.randn(total, k, generator=g).bfloat16()
+    y = torch.randn(total, n, generator=g).bfloat16()
+    a = (torch.randn(rank, k, generator=g) / 5).bfloat16()
+    bt = (torch.randn(rank, n, generator=g) / 3).bfloat16()
+    index = torch.randperm(total, generator=g)[:rows]
+    packed = _packed_adapter(a, bt)
+    assert not packed.isnan().any()                 # every element written (zeros in the padding)
+
+    def update(isa, idx, threads=1):
+        out = y.clone()
+        ext.mask_lora(out.data_ptr(), x.data_ptr(), idx.data_ptr(), a.data_ptr(), bt.data_ptr(), scale,
+                      CODES[torch.bfloat16], idx.numel(), total, k, n, rank, threads, 2, isa, packed.data_ptr())
+        return out
+    got = update("amx", index)
+    delta = F.linear(F.linear(x[index].double(), a.double()), bt.double().t()) * scale
+    want = y.index_add(0, index, delta.to(torch.bfloat16))
+    # one bf16 rounding of the delta or of the sum apart at most
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
+    untouched = torch.ones(total, dtype=torch.bool)
+    untouched[index] = False
+    assert torch.equal(got[untouched], y[untouched])
+    assert torch.equal(update("auto", index), got)
+    assert torch.equal(update("amx", index, threads=2), got)
+    assert torch.equal(update("amx", index.flip(0).contiguous()), got)
+    last = index[-1:].contiguous()
+    assert torch.equal(update("amx", last)[last], got[last])
+    # float32 weights are packed rounded to bf16: the same packed bytes from the same values
+    assert torch.equal(_packed_adapter(a.float(), bt.float()), packed)
+
+
+@pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C not built")
+def test_mask_lora_pack_and_amx_refuse_what_they_cannot_take():
+    ext = _backend.extension()
+    a, bt = torch.zeros(17, 32, dtype=torch.bfloat16), torch.zeros(17, 16, dtype=torch.bfloat16)
+    packed = torch.zeros(ext.mask_lora_packed_size(32, 16), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rank must be <= 16"):
+        ext.mask_lora_pack(a.data_ptr(), bt.data_ptr(), packed.data_ptr(), 17, 32, 16, 2)
+    with pytest.raises(ValueError, match="weight_dtype"):
+        ext.mask_lora_pack(a.data_ptr(), bt.data_ptr(), packed.data_ptr(), 16, 32, 16, 1)
+    x, y, rows = torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(2, 16, dtype=torch.bfloat16), torch.tensor([1])
+    with pytest.raises(ValueError, match="isa 'amx' needs"):     # no packed adapter
+        ext.mask_lora(y.data_ptr(), x.data_ptr(), rows.data_ptr(), a.data_ptr(), bt.data_ptr(), 1.0, 2, 1, 2, 32, 16,
+                      16, 1, 2, "amx")
+    with pytest.raises(ValueError, match="isa 'amx' needs"):     # float32 activations
+        ext.mask_lora(y.float().data_ptr(), x.float().data_ptr(), rows.data_ptr(), a.data_ptr(), bt.data_ptr(), 1.0,
+                      0, 1, 2, 32, 16, 16, 1, 2, "amx", packed.data_ptr())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_linear_group_equals_one_call_per_weight(dtype):
     """q / k / v (or gate / up) in one call: each output bit-identical to its own call."""

@@ -64,8 +64,9 @@ def _equal(a, b):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_stack_equals_per_op_path(base32, monkeypatch, dtype):
-    model = base32 if dtype == "float32" else base32.to(torch.bfloat16)
+def test_stack_equals_per_op_path(base32, tmp_path, monkeypatch, dtype):
+    # (Model.to converts in place: a bf16 copy of the module's model is loaded afresh)
+    model = base32 if dtype == "float32" else dspec.load(write_checkpoint(tmp_path, "llama", seed=3), dtype=dtype)
     seqs = [_ids(9, 1), _ids(5, 2), _ids(7, 3)]
     cache = model.new_cache(3)
     with torch.no_grad():
@@ -114,6 +115,31 @@ def test_a_bf16_valued_adapter_is_read_in_bf16_with_the_same_bits(base32, monkey
     assert stack._table(bd16).lora_dtype == 0
     _equal(fused, fused32)
     _equal(per_op, per_op32)
+    _equal(fused, per_op)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_bf16_model_with_a_bf16_adapter_takes_the_packed_update(tmp_path, monkeypatch, threads):
+    """A bf16 model with a bf16-valued adapter: where mask_lora's AMX code runs, the stack and
+    the per-op path both read the packed adapter, with the same bits -- also when the stack
+    gives the q / k / v and gate / up updates to two threads (threads 2), and for more than
+    16 [MASK] rows (two row groups)."""
+    from dspec.models.mask_adapter import MaskLoraLinear
+
+    base16 = dspec.load(write_checkpoint(tmp_path, "llama", seed=3), dtype="bfloat16")
+    bd16 = trained_looking_mask_adapter(base16, mask_token_id=MASK, seed=4)
+    with torch.no_grad():
+        for name, p in bd16.named_parameters():
+            if name.endswith(("lora_A", "lora_B")):
+                p.copy_(p.bfloat16().float())
+    amx = _backend.extension().mask_lora_has_amx(_backend.FLOAT_CODE[torch.bfloat16], 4)
+    adapted = [m for m in bd16.modules() if type(m) is MaskLoraLinear]
+    assert all((m.lora_packed() is not None) == amx for m in adapted)
+    seqs = [_ids(6, 7) + [MASK, 60, MASK, MASK], _ids(2, 8) + [MASK] * 8, [MASK] * 12]
+    run = lambda: bd16(bd16.plan(seqs, attention="block_causal", block_size=4), logits="all").logits  # noqa: E731
+    torch.set_num_threads(threads)
+    fused, per_op = _both(monkeypatch, run)
+    assert all(p != 0 for p, a in zip(stack._table(bd16).lora_packed, stack._table(bd16).lora[::2]) if a) == amx
     _equal(fused, per_op)
 
 

@@ -85,10 +85,12 @@ class MaskLoraLinear(nn.Linear):
             return y
         if self._fused_update(x, y, idx):
             a, bt = self.lora_operands()
+            packed = self.lora_packed()
             _backend.extension().mask_lora(
                 y.data_ptr(), x.data_ptr(), idx.data_ptr(), a.data_ptr(), bt.data_ptr(),
                 float(self.scale), _backend.FLOAT_CODE[y.dtype], idx.numel(), y.numel() // self.out_features,
-                self.in_features, self.out_features, self.lora_A.shape[0], cpu.kernel_threads(), _backend.FLOAT_CODE[a.dtype])
+                self.in_features, self.out_features, self.lora_A.shape[0], cpu.kernel_threads(), _backend.FLOAT_CODE[a.dtype],
+                "auto", 0 if packed is None else packed.data_ptr())
             return y
         picked = x.reshape(-1, self.in_features).index_select(0, idx).to(self.lora_A.dtype)
         delta = F.linear(F.linear(picked, self.lora_A), self.lora_B) * self.scale
@@ -117,6 +119,26 @@ class MaskLoraLinear(nn.Linear):
                     a32, bt32 = a16, bt16
             forms[form] = (a32, bt32)
         return forms[form]
+
+    def lora_packed(self) -> torch.Tensor | None:
+        """The adapter laid out for dspec._C.mask_lora's AMX code (``mask_lora_pack``: bf16,
+        made once and kept with the operands), or None where that code cannot run: no AMX-BF16
+        here, a rank above 16, or an adapter whose values are not all bfloat16 numbers (packing
+        would round them).  The kernel uses it for bfloat16 activations only."""
+        ext = _backend.extension()
+        rank = self.lora_A.shape[0]
+        if not hasattr(ext, "mask_lora_pack") or not ext.mask_lora_has_amx(_backend.FLOAT_CODE[torch.bfloat16], rank):
+            return None
+        a, bt = self.lora_operands()
+        if a.dtype is not torch.bfloat16:
+            return None
+        forms = getattr(self.lora_B, _OPERANDS)[1]
+        if "amx" not in forms:
+            packed = torch.empty(ext.mask_lora_packed_size(self.in_features, self.out_features), dtype=torch.bfloat16)
+            ext.mask_lora_pack(a.data_ptr(), bt.data_ptr(), packed.data_ptr(), rank, self.in_features,
+                               self.out_features, _backend.FLOAT_CODE[torch.bfloat16])
+            forms["amx"] = packed
+        return forms["amx"]
 
     def _fused_update(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> bool:
         """Whether dspec._C.mask_lora adds the update in place (an inference call on the CPU:

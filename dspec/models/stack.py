@@ -37,7 +37,7 @@ _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", 
 class _WeightTable:
     """The addresses ``decoder_layers`` reads, for one model in one state of its weights."""
 
-    __slots__ = ("key", "params", "weights", "lora", "lora_scales", "lora_rank", "lora_dtype")
+    __slots__ = ("key", "params", "weights", "lora", "lora_scales", "lora_rank", "lora_dtype", "lora_packed")
 
     def __init__(self, model):
         modules = [_projections(layer) for layer in model.layers]
@@ -51,7 +51,7 @@ class _WeightTable:
             self.weights += [packed_weight(m.weight).data_ptr() for m in mods]
             self.weights += [0 if m.bias is None else m.bias.data_ptr() for m in mods]
         adapted = [m for mods in modules for m in mods if type(m) is MaskLoraLinear]
-        self.lora, self.lora_scales, self.lora_rank, self.lora_dtype = [], [], 0, 0
+        self.lora, self.lora_scales, self.lora_rank, self.lora_dtype, self.lora_packed = [], [], 0, 0, []
         if adapted:
             self.params += [p for m in adapted for p in (m.lora_A, m.lora_B)]
             self.key = _state(self.params)
@@ -65,9 +65,12 @@ class _WeightTable:
                         self.lora += [a.data_ptr(), bt.data_ptr()]
                         self.lora_scales.append(float(m.scale))
                         self.lora_rank = m.lora_A.shape[0]
+                        packed = m.lora_packed() if low else None
+                        self.lora_packed.append(0 if packed is None else packed.data_ptr())
                     else:
                         self.lora += [0, 0]
                         self.lora_scales.append(0.0)
+                        self.lora_packed.append(0)
 
 
 def _projections(layer) -> list[nn.Module]:
@@ -197,6 +200,6 @@ def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: boo
         table.lora_rank, 0 if rows_index is None else rows_index.data_ptr(),
         0 if rows_index is None else rows_index.numel(), kv[0].data_ptr(), kv[1].data_ptr(),
         0 if hid is None else hid.data_ptr(), len(slots), record, cpu.kernel_threads(),
-        table.lora_dtype if rows_index is not None else 0)
+        table.lora_dtype if rows_index is not None else 0, table.lora_packed if rows_index is not None else [])
     recorded = {i: hid[s] for s, i in enumerate(slots)}
     return x, kv if return_kv else None, recorded
