@@ -55,6 +55,25 @@ def test_real_vocab_sizes(device, backend, vocab):
     check(dspec.token_stats(x, backend=backend), reference(x.cpu()), 1e-6, 1e-4)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("vocab", [37, 1000, 49152])
+def test_cpp_reads_bf16_as_its_float32_widening(temperature, vocab):
+    """The C++ CPU kernel widens bf16 rows exactly: the argmax and lse of bf16 logits are
+    those of the same values in float32, bit for bit (ties and large spreads included).  The
+    decoders rely on it: ``ar`` scores the model's bf16 logits while ``diffusion`` widens its
+    block first, and the self-speculative engine scores the bf16 rows it picks."""
+    from dspec import _backend
+    if not _backend.cpp_available():
+        pytest.skip("dspec._C not built")
+    g = torch.Generator().manual_seed(vocab)
+    for scale in (1.0, 5.0, 30.0):
+        x = (torch.randn(24, vocab, generator=g) * scale).to(torch.bfloat16)
+        x[3, 5] = x[3, 9] = x[3].max()                   # a tie: the lower id
+        a = dspec.token_stats(x, temperature=temperature, backend="cpp")
+        b = dspec.token_stats(x.float(), temperature=temperature, backend="cpp")
+        assert torch.equal(a.token, b.token) and torch.equal(a.lse, b.lse)
+
+
 @device_backends(skip_torch=True)
 def test_leading_shape_and_strides(device, backend):
     g = torch.Generator().manual_seed(3)

@@ -65,8 +65,7 @@ from ..models import AttentionPlan
 from ..ops import topk_tokens
 from ..ops.masks import pack_mask
 from .diffusion import prefill_prompt_blocks
-from .sampling import next_tokens
-from .unmask import confidence, log_probs, rank_masked
+from .unmask import choose, log_probs, rank_masked
 
 Step = tuple[int, int]
 
@@ -200,29 +199,25 @@ def _copies_mask(block_size: int, copies: int, device) -> torch.Tensor:
     return _MASKS[key]
 
 
-def _choose(logits: torch.Tensor, masked: torch.Tensor, temperature: float, generator):
+def _choose(logits_of, masked: torch.Tensor, temperature: float, generator):
     """Every masked slot's choice and confidence, exactly as ``diffusion`` computes them.
 
-    logits [..., bs, V], masked [..., bs] -> (choice [..., bs] int64, confidence [..., bs],
-    -1 where not masked).  On the CPU only the masked rows are scored (the rows are
-    independent, so the values are those of scoring everything); on an accelerator every
-    row is scored, which avoids the host sync of selecting them.
+    logits_of(rows) -> float32 [K, V]: the logits of the flat slots ``rows`` (int64 [K]; None:
+    every slot); masked [..., bs] -> (choice [..., bs] int64, confidence [..., bs], -1 where
+    not masked).  On the CPU only the masked rows are scored (the rows are independent, so
+    the values are those of scoring everything); on an accelerator every row is scored,
+    which avoids the host sync of selecting them.
     """
-    vocab = logits.shape[-1]
-    flat = logits.reshape(-1, vocab)
     need = masked.reshape(-1)
-    choice = torch.zeros(need.shape, dtype=torch.int64, device=logits.device)
-    conf = torch.full(need.shape, -1.0, device=logits.device)
-    if logits.device.type == "cpu":
+    choice = torch.zeros(need.shape, dtype=torch.int64, device=masked.device)
+    conf = torch.full(need.shape, -1.0, device=masked.device)
+    if masked.device.type == "cpu":
         rows = need.nonzero()[:, 0]
         if rows.numel():
-            picked = flat.index_select(0, rows)
-            tok = next_tokens(picked, temperature, generator)
-            choice[rows] = tok
-            conf[rows] = confidence(picked, tok, temperature)
+            choice[rows], conf[rows] = choose(logits_of(rows), temperature, generator)
     else:
-        choice = next_tokens(flat, temperature, generator)
-        conf = torch.where(need, confidence(flat, choice, temperature), conf)
+        choice, every = choose(logits_of(None), temperature, generator)
+        conf = torch.where(need, every, conf)
     return choice.view(masked.shape), conf.view(masked.shape)
 
 
@@ -387,19 +382,40 @@ class _Engine:
         r.out = self.model(plan, return_kv=True)
         self.forwards += 1
         self.suffix_tokens += a_rows * segments * bs
-        r.raw = r.out.logits.float().view(a_rows, segments, bs, vocab)
-        if self.model.shifted:
-            first = self.carry[:, None, :].expand(a_rows, segments, vocab)
-            if r.need_next:
-                last_of_anchor = r.raw[torch.arange(a_rows, device=dev), anchor_copy, bs - 1]
-                first = torch.cat([first[:, :copies], last_of_anchor[:, None]], 1)
-            r.logits = torch.cat([first[:, :, None], r.raw[:, :, :-1]], 2)
-        else:
-            r.logits = r.raw
-        r.c_choice, c_conf = _choose(r.logits, cmasked, self.temperature, self.generator)
+        # the logits stay as the model gives them; only the rows a step reads are taken
+        # (in float32, as `diffusion` scores them): a copy of every row cost more than the
+        # steps' own work at dozens of rows x the vocabulary
+        r.raw = r.out.logits.view(a_rows, segments, bs, vocab)
+        r.anchor_copy, r.segments = anchor_copy, segments
+        r.c_choice, c_conf = _choose(lambda rows: self.slot_logits(r, rows), cmasked, self.temperature,
+                                     self.generator)
         r.c_conf = torch.where(cmasked, c_conf, torch.full_like(c_conf, -1.0))
         step_slot = r.c_conf.argmax(-1)                                  # first max: lower slot
         r.step_slot, r.step_tok = step_slot, r.c_choice.gather(-1, step_slot[..., None])[..., 0]
+
+    def slot_logits(self, r, rows: torch.Tensor | None) -> torch.Tensor:
+        """The logits that score block slots of this round's copies, [K, V] in the model's
+        dtype (the scoring kernels widen bf16 exactly: the values ``diffusion`` scores after
+        its float32 copy): ``rows`` index the flat [A, segments, bs] slots (None: all).  A
+        right-shifted model scores slot j with row j - 1 of its copy and slot 0 with the carry
+        -- for the next block's state, the last row of its anchor copy."""
+        bs, seg = self.bs, r.segments
+        flat = r.raw.reshape(-1, self.vocab)
+        if rows is None:
+            rows = torch.arange(flat.shape[0], device=self.dev)
+        if not self.model.shifted:
+            return flat.index_select(0, rows)
+        out = flat.index_select(0, (rows - 1).clamp(min=0))
+        first = (rows % bs == 0).nonzero()[:, 0]
+        if first.numel():
+            at = rows.index_select(0, first)
+            a, s = at // (seg * bs), at // bs % seg
+            carry = self.carry.index_select(0, a).to(out.dtype)      # exact: widened model logits
+            if r.need_next:
+                last = flat.index_select(0, (a * seg + r.anchor_copy.index_select(0, a)) * bs + bs - 1)
+                carry = torch.where((s == r.copies)[:, None], last, carry)
+            out.index_copy_(0, first, carry)
+        return out
 
     def walk(self, r) -> None:
         """Walk the graph from the root along the real steps: the last exact node u."""
@@ -440,13 +456,15 @@ class _Engine:
         new_masked = new_masked | done_block[:, None]
         self.choice = r.c_choice.gather(1, pick.expand(-1, 1, bs))[:, 0]
         conf = r.c_conf.gather(1, pick.expand(-1, 1, bs))[:, 0]
-        src_logits = r.logits.gather(1, pick[..., None].expand(-1, 1, bs, vocab))[:, 0]
+        arange = torch.arange(r.a_rows, device=self.dev)
+        src_rows = ((arange * r.segments + src)[:, None] * bs + self.slots).reshape(-1)
+        src_logits = self.slot_logits(r, src_rows).view(r.a_rows, bs, vocab)
         self.cand, self.cand_logp = candidates(src_logits, self.choice, self.big_j, self.temperature)
         self.conf = torch.where(new_masked, conf, torch.full_like(conf, -1.0))
         new_known = ~done_block | r.went_next
         # commit complete blocks: the KV and last logits of their copy
         commit_copy = r.final_copy.clamp(min=0)
-        new_carry = r.raw[torch.arange(r.a_rows, device=self.dev), commit_copy, bs - 1]
+        new_carry = r.raw[arange, commit_copy, bs - 1].float()
         self.carry = torch.where(done_block[:, None], new_carry, self.carry)
 
         # greedy: a known state one step from its block's end already holds that block (the

@@ -68,8 +68,7 @@ import torch
 from ..masks import block_diffusion
 from ..models import AttentionPlan
 from ..ops import pack_mask
-from .sampling import next_tokens
-from .unmask import confidence, pick_slots, rank_masked
+from .unmask import choose, pick_slots, rank_masked
 
 #: block size used for a bidirectional model when neither the call nor the model gives one
 DEFAULT_BIDIRECTIONAL_BLOCK_SIZE = 32
@@ -202,9 +201,8 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
                 carry = logits[:, 0] if model.shifted else carry
                 pending = None
             forwards += 1
-            flat = logits.reshape(batch * bs, -1)
-            choice = next_tokens(flat, temperature, generator).view(batch, bs)
-            conf_m, _, rank = rank_masked(confidence(logits, choice, temperature), masked)
+            choice, conf = choose(logits, temperature, generator)
+            conf_m, _, rank = rank_masked(conf, masked)
             pick = pick_slots(masked, conf_m, rank, threshold=threshold, per_step=per_step)
             tokens = torch.where(pick, choice, tokens)
             masked &= ~pick
@@ -266,10 +264,10 @@ def _decode_bidirectional(model, prompts, *, max_new_tokens, temperature, genera
         request_forwards[rows] += 1
         logits = out.logits.float()
         logits[..., mask_id] = float("-inf")                    # never "unmask" to [MASK]
-        choice = next_tokens(logits.reshape(n_rows * bs, -1), temperature, generator).view(n_rows, bs)
+        choice, conf = choose(logits, temperature, generator)
         region_pos = block[rows, None] * bs + slots             # [A, bs] region slots
         masked = undecided[rows].gather(1, region_pos)
-        conf_m, _, rank = rank_masked(confidence(logits, choice, temperature), masked)
+        conf_m, _, rank = rank_masked(conf, masked)
         pick = pick_slots(masked, conf_m, rank, threshold=threshold, per_step=per_step)
         current = tokens.gather(1, pos)
         canvas[rows[:, None], pos] = torch.where(pick, choice, current)

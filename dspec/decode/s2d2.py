@@ -81,10 +81,9 @@ import torch
 from ..models import AttentionPlan
 from ..ops import pack_mask, token_stats, verify_chain
 from .diffusion import prefill_prompt_blocks
-from .unmask import confidence, pick_slots, rank_masked
+from .unmask import choose, pick_slots, rank_masked
 from ._selfspec import check_common
 from .routing import ESTIMATORS, POLICIES, RoutingFeatures, make_router, span_score
-from .sampling import next_tokens
 
 OPTIONS = ("block_size", "threshold", "policy", "min_span", "score_threshold", "hysteresis",
            "ucb_c", "estimator", "draft_len")
@@ -507,9 +506,7 @@ class _Batch:
                 spec_logits = torch.cat([self.carry[:, None], spec_logits[:, :-1]], 1)
             block_logits = torch.where(reuse[:, None, None], spec_logits, block_logits)
         masked = self.masked
-        choice = next_tokens(block_logits.reshape(self.batch * bs, -1), temperature,
-                             self.generator).view(self.batch, bs)
-        conf = confidence(block_logits, choice, temperature)
+        choice, conf = choose(block_logits, temperature, self.generator)
         active = drafting & masked.any(1)
         # fallback: diffusion's threshold rule (ties to the lower slot)
         conf_m, _, rank = rank_masked(conf, masked)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import token_stats
+from .sampling import next_tokens
 
 
 def log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -30,6 +31,19 @@ def log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) ->
 def confidence(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """Probability of ``tokens`` [...] under softmax(logits [..., V] / T) (T = 1 when greedy)."""
     return log_probs(logits, tokens[..., None], temperature)[..., 0].exp()
+
+
+def choose(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each slot's proposal and its confidence: ``next_tokens``' choice (the argmax, or a draw
+    at T > 0) and ``confidence`` of it.  logits float [..., V] -> (tokens int64 [...],
+    confidence float32 [...]).  Greedy takes both from one ``token_stats`` pass (the argmax
+    and the normaliser of the same call ``confidence`` would make: the same bits)."""
+    if temperature <= 0:
+        stats = token_stats(logits)
+        tokens = stats.token
+        return tokens, (logits.gather(-1, tokens[..., None]).float()[..., 0] - stats.lse).exp()
+    tokens = next_tokens(logits.reshape(-1, logits.shape[-1]), temperature, generator).view(logits.shape[:-1])
+    return tokens, confidence(logits, tokens, temperature)
 
 
 def rank_masked(conf: torch.Tensor, masked: torch.Tensor):
