@@ -212,10 +212,12 @@ DSPEC_AVX512 void mask_lora_rows_avx512(const MaskLoraArgs& a, std::int64_t r0, 
 #endif
 
 #if DSPEC_AMX_CODE
-// The AMX update of up to 16 rows at a time (see mask_lora.h).  Tiles: 0 accumulates h
-// [16 rows][16 ranks]; 1 holds 32 k of the rows' x, 2 the packed A for those k; 3
-// and 0 accumulate [16 rows][16 outputs] in turn; 4 / 5 hold h's bf16 hi / lo parts [16 rows]
-// [16 ranks]; 6 and 7 the packed B^T of 16 outputs [8 rank pairs][16][2].
+// The AMX update of up to 16 rows at a time (see mask_lora.h).  Tiles, 16-k operands:
+// stage 1 accumulates h [16 rows][16 ranks] in 0 and 3 (even / odd 16-k halves of each 32),
+// the rows' x in 4 / 5, the packed A in 6 / 7 [8 k pairs][16 ranks][2]; stage 2 holds h's
+// bf16 hi / lo parts [16 rows][16 ranks] in 4 / 5 and accumulates [16 rows][16 outputs] in 3
+// and 0 in turn from the packed B^T blocks in 6 / 7 [8 rank pairs][16 outputs][2].  (1 and 2
+// are unused.)
 constexpr int kLoraTile = 16;
 constexpr std::int64_t kLoraDepth = 32;                        // k per stage-1 tile product
 constexpr std::int64_t kLoraBBlock = kMaskLoraAmxRank * kLoraTile;  // bf16 of one packed B^T block
@@ -240,8 +242,8 @@ DSPEC_AMX_TARGET inline void lora_amx_configure() {
     _tile_dpbf16ps(C, 5, B);                    \
   } while (0)
 
-// Rows [i0, i0 + mr) of the call (mr <= 16): x gathered into xg (16 x kp, zero padded),
-// h = x A^T on tiles, its hi / lo bf16 split, then each block of 16 outputs.
+// Rows [i0, i0 + mr) of the call (mr <= 16): x gathered into xg (16 x kp, each row's k tail
+// zeroed), h = x A^T on tiles, its hi / lo bf16 split, then each block of 16 outputs.
 DSPEC_AMX_TARGET void lora_amx_rows(const MaskLoraArgs& a, std::int64_t i0, int mr, std::int64_t kp,
                                     std::uint16_t* xg) {
   const auto* x = static_cast<const std::uint16_t*>(a.x);

@@ -108,8 +108,10 @@ CONFIGS: tuple[Config, ...] = (
     Config("ssd", "ssd", "dllm"),
     # fewer drafted rows per round, for a CPU where a [MASK] row is not free (README)
     Config("ssd-d2", "ssd", "dllm", {"draft_len": 2}),
+    Config("ssd-d3", "ssd", "dllm", {"draft_len": 3}),
     Config("spiffy", "spiffy", "dllm"),
     Config("spiffy-p3", "spiffy", "dllm", {"prune_to": 3}),
+    Config("spiffy-p8", "spiffy", "dllm", {"prune_to": 8}),
     Config("s2d2", "s2d2", "dllm", expand="policies"),
     Config("diffuspec", "diffuspec", "target"),
     Config("diffuspec-d8", "diffuspec", "target", {"draft_len": 8}),

@@ -213,3 +213,19 @@ def test_bad_options(model, tmp_path):
     causal = dspec.load(write_checkpoint(tmp_path, "llama", seed=1))
     with pytest.raises(ValueError, match="masked-diffusion"):
         dspec.generate(causal, [1, 2], method="ssd", max_new_tokens=2)
+
+
+@pytest.mark.parametrize("block_size, draft_len, prune_to", [(2, 1, 4), (4, 2, 2), (8, 1, 1), (16, 1, 1)])
+def test_cpu_defaults_keep_a_round_within_16_rows(model, block_size, draft_len, prune_to):
+    """On the CPU the default chain / pruned graph is capped so that the root, the drafts and
+    the next block's state fit 16 rows (the 17th costs a second pass over every weight tile):
+    ssd's draft_len min(block_size - 1, 4, max(1, 16 // block_size - 2)), spiffy's prune_to
+    min(8, graph_size, the same cap); explicit values are kept."""
+    from dspec.decode._selfspec import cpu_draft_states
+    assert cpu_draft_states(model, block_size) == max(1, 16 // block_size - 2)
+    got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size)
+    assert got.stats["draft_len"] == draft_len
+    assert dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size,
+                          draft_len=3).stats["draft_len"] == 3
+    got = dspec.generate(model, [3, 4, 5], method="spiffy", max_new_tokens=4, block_size=block_size, graph_size=4)
+    assert got.stats["prune_to"] == prune_to

@@ -202,8 +202,8 @@ def _copies_mask(block_size: int, copies: int, device) -> torch.Tensor:
 def _choose(logits_of, masked: torch.Tensor, temperature: float, generator):
     """Every masked slot's choice and confidence, exactly as ``diffusion`` computes them.
 
-    logits_of(rows) -> float32 [K, V]: the logits of the flat slots ``rows`` (int64 [K]; None:
-    every slot); masked [..., bs] -> (choice [..., bs] int64, confidence [..., bs], -1 where
+    logits_of(rows) -> [K, V]: the logits of the flat slots ``rows`` (int64 [K]; None: every
+    slot); masked [..., bs] -> (choice [..., bs] int64, confidence [..., bs], -1 where
     not masked).  On the CPU only the masked rows are scored (the rows are independent, so
     the values are those of scoring everything); on an accelerator every row is scored,
     which avoids the host sync of selecting them.
@@ -231,6 +231,24 @@ class SelfSpecStats:
     histogram: dict = field(default_factory=dict)
     nodes_forwarded: int = 0
     free_steps: int = 0         # last steps of a request's final block, taken without a forward
+
+
+#: block rows a CPU verification forward carries at about the cost of one: AMX tile products
+#: take 16 rows, and a 17th makes every weight tile be read a second time (a 16-row forward of
+#: SmolLM2-135M costs ~1.25x one row, 17 rows ~1.5x; README, "the 17th row")
+CPU_ROW_BUDGET = 16
+
+
+def cpu_draft_states(model, block_size: int) -> int | None:
+    """The default cap on the draft states (block copies past the root) a round forwards, by
+    the model's device: on the CPU the most whose worst case -- the root, the drafts and the
+    next block's first state, each a block of ``block_size`` rows -- fits ``CPU_ROW_BUDGET``
+    rows (at least 1); None elsewhere (an accelerator's rows are nearly free).  Measured
+    here: `ssd` block 4 draft_len 2 1.26x one-token `diffusion` (1 1.17x, 3 1.14x), block 8
+    draft_len 1 1.06x (2 0.95x, 4 0.85x); `spiffy` prune_to 2 1.17x (8 1.14x)."""
+    if model.device.type != "cpu":
+        return None
+    return max(1, CPU_ROW_BUDGET // block_size - 2)
 
 
 def check_common(model, method: str, block_size):
@@ -383,8 +401,8 @@ class _Engine:
         self.forwards += 1
         self.suffix_tokens += a_rows * segments * bs
         # the logits stay as the model gives them; only the rows a step reads are taken
-        # (in float32, as `diffusion` scores them): a copy of every row cost more than the
-        # steps' own work at dozens of rows x the vocabulary
+        # (slot_logits): a float32 copy of every row cost more than the steps' own work at
+        # dozens of rows x the vocabulary
         r.raw = r.out.logits.view(a_rows, segments, bs, vocab)
         r.anchor_copy, r.segments = anchor_copy, segments
         r.c_choice, c_conf = _choose(lambda rows: self.slot_logits(r, rows), cmasked, self.temperature,
@@ -394,13 +412,16 @@ class _Engine:
         r.step_slot, r.step_tok = step_slot, r.c_choice.gather(-1, step_slot[..., None])[..., 0]
 
     def slot_logits(self, r, rows: torch.Tensor | None) -> torch.Tensor:
-        """The logits that score block slots of this round's copies, [K, V] in the model's
-        dtype (the scoring kernels widen bf16 exactly: the values ``diffusion`` scores after
-        its float32 copy): ``rows`` index the flat [A, segments, bs] slots (None: all).  A
-        right-shifted model scores slot j with row j - 1 of its copy and slot 0 with the carry
-        -- for the next block's state, the last row of its anchor copy."""
+        """The logits that score block slots of this round's copies, [K, V]: ``rows`` index the
+        flat [A, segments, bs] slots (None: all).  A right-shifted model scores slot j with row
+        j - 1 of its copy and slot 0 with the carry -- for the next block's state, the last row
+        of its anchor copy.  On the CPU in the model's dtype (the C++ scoring kernels widen
+        bf16 exactly: the values ``diffusion`` scores after its float32 copy, tested), on
+        other devices in float32 as ``diffusion`` has them."""
         bs, seg = self.bs, r.segments
         flat = r.raw.reshape(-1, self.vocab)
+        if flat.device.type != "cpu":
+            flat = flat.float()
         if rows is None:
             rows = torch.arange(flat.shape[0], device=self.dev)
         if not self.model.shifted:

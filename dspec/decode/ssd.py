@@ -32,7 +32,7 @@ blocks), see :mod:`dspec.decode._selfspec`.
 """
 from __future__ import annotations
 
-from ._selfspec import chain_graph, check_common, decode_self_speculative
+from ._selfspec import chain_graph, check_common, cpu_draft_states, decode_self_speculative
 
 OPTIONS = ("block_size", "draft_len", "mixed_order")
 DRAFTER = False
@@ -52,9 +52,10 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
     block_size : int >= 1, default the model's.
     draft_len : int >= 1, drafted steps per round after the exact root step (the
         verification suffix holds draft_len + 1 block copies, + 1 next-block copy when the
-        chain completes the block); default ``min(block_size - 1, 4)`` (at least 1):
-        longer chains rarely survive past 4 steps on the shipped model and every copy
-        costs compute on a CPU; raise it on an accelerator, where copies are nearly free.
+        chain completes the block); default ``min(block_size - 1, 4)`` (at least 1) -- longer
+        chains rarely survive past 4 steps on the shipped model -- and on the CPU at most
+        what keeps a round within 16 rows (``_selfspec.cpu_draft_states``: 2 at block size
+        4, 1 from 8), where the 17th row costs a second pass over the weights.
     mixed_order : bool, also verify the swapped-pair states (up to draft_len - 1 more copies).
 
     Returns
@@ -69,7 +70,10 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         ``block_size``, ``draft_len``, ``mixed_order``.
     """
     bs = check_common(model, "ssd", block_size)
-    n = draft_len if draft_len is not None else min(max(1, bs - 1), DEFAULT_DRAFT_LEN)
+    n = draft_len
+    if n is None:
+        n = min(max(1, bs - 1), DEFAULT_DRAFT_LEN)
+        n = min(n, cpu_draft_states(model, bs) or n)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"draft_len must be an int >= 1, got {draft_len!r}")
     if not isinstance(mixed_order, bool):

@@ -35,8 +35,8 @@ def confidence(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -
 
 def choose(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Each slot's proposal and its confidence: ``next_tokens``' choice (the argmax, or a draw
-    at T > 0) and ``confidence`` of it.  logits float [..., V] -> (tokens int64 [...],
-    confidence float32 [...]).  Greedy takes both from one ``token_stats`` pass (the argmax
+    at T > 0) and ``confidence`` of it.  logits [..., V] (float32, or bf16 on the CPU, whose
+    kernels widen it exactly) -> (tokens int64 [...], confidence float32 [...]).  Greedy takes both from one ``token_stats`` pass (the argmax
     and the normaliser of the same call ``confidence`` would make: the same bits)."""
     if temperature <= 0:
         stats = token_stats(logits)
