@@ -201,7 +201,7 @@ def test_adaptive_tree_equals_ar(target, row_cost):
     ds = drafters(target, PROMPTS, n, gamma)
     outs = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2, row_cost=row_cost)
     assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
-    full = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2)
+    full = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2, row_cost=None)
     assert outs[0].stats["tree_nodes"] <= full[0].stats["tree_nodes"]
     if row_cost >= 5.0:                                   # costly rows: a node or two per cycle
         assert outs[0].stats["tree_nodes"] <= 3.0
@@ -210,6 +210,23 @@ def test_adaptive_tree_equals_ar(target, row_cost):
     with pytest.raises(ValueError, match="row_cost"):
         dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds["dflash"],
                        branches="resample", row_cost=0.1)
+
+
+def test_cpu_default_row_cost_is_measured_constant(target):
+    """row_cost="auto" (the default) prunes at _cpu_cost.CPU_ROW_COST for a CPU model --
+    the tree of an explicit 0.02 -- and falls back to the full tree for "resample" branches;
+    dflash's default is the same adaptive length."""
+    from dspec.decode._cpu_cost import CPU_ROW_COST, resolve_row_cost
+    n, gamma = 12, 6
+    ds = drafters(target, PROMPTS, n, gamma)
+    auto = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2)
+    fixed = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2, row_cost=CPU_ROW_COST)
+    assert [o.tokens for o in auto] == [o.tokens for o in fixed] == ar_tokens(target, PROMPTS, n)
+    assert auto[0].stats["tree_nodes"] == fixed[0].stats["tree_nodes"]
+    dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds["dflash"], branches="resample")
+    assert resolve_row_cost(target, "auto") == CPU_ROW_COST and resolve_row_cost(target, None) is None
+    with pytest.raises(ValueError, match="row_cost"):
+        resolve_row_cost(target, "fast")
 
 
 def test_adaptive_tree_sampling_preserves_target_distribution(peaked):

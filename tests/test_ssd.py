@@ -221,7 +221,7 @@ def test_cpu_defaults_keep_a_round_within_16_rows(model, block_size, draft_len, 
     the next block's state fit 16 rows (the 17th costs a second pass over every weight tile):
     ssd's draft_len min(block_size - 1, 4, max(1, 16 // block_size - 2)), spiffy's prune_to
     min(8, graph_size, the same cap); explicit values are kept."""
-    from dspec.decode._selfspec import cpu_draft_states
+    from dspec.decode._cpu_cost import cpu_draft_states
     assert cpu_draft_states(model, block_size) == max(1, 16 // block_size - 2)
     got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size)
     assert got.stats["draft_len"] == draft_len

@@ -233,24 +233,6 @@ class SelfSpecStats:
     free_steps: int = 0         # last steps of a request's final block, taken without a forward
 
 
-#: block rows a CPU verification forward carries at about the cost of one: AMX tile products
-#: take 16 rows, and a 17th makes every weight tile be read a second time (a 16-row forward of
-#: SmolLM2-135M costs ~1.25x one row, 17 rows ~1.5x; README, "the 17th row")
-CPU_ROW_BUDGET = 16
-
-
-def cpu_draft_states(model, block_size: int) -> int | None:
-    """The default cap on the draft states (block copies past the root) a round forwards, by
-    the model's device: on the CPU the most whose worst case -- the root, the drafts and the
-    next block's first state, each a block of ``block_size`` rows -- fits ``CPU_ROW_BUDGET``
-    rows (at least 1); None elsewhere (an accelerator's rows are nearly free).  Measured
-    here: `ssd` block 4 draft_len 2 1.26x one-token `diffusion` (1 1.17x, 3 1.14x), block 8
-    draft_len 1 1.06x (2 0.95x, 4 0.85x); `spiffy` prune_to 2 1.17x (8 1.14x)."""
-    if model.device.type != "cpu":
-        return None
-    return max(1, CPU_ROW_BUDGET // block_size - 2)
-
-
 def check_common(model, method: str, block_size):
     if model.mask_token_id is None:
         raise ValueError(f"method {method!r} needs a masked-diffusion model; {model.family!r} has no mask token")

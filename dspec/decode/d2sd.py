@@ -50,6 +50,7 @@ from ..models import AttentionPlan
 from ..models.dflash import MASK, resolve_drafter
 from ..ops import rejection_boundaries, token_stats, verify_tree
 from .dflash import SpeculativeRun, _sync, check_draft_len, draft_block, vocab_ids
+from ._cpu_cost import resolve_row_cost
 from .sampling import sample_from
 
 BRANCH_MODES = ("vp", "resample")
@@ -124,7 +125,8 @@ def prune_tree(first_probs: torch.Tensor, branch_probs: torch.Tensor, lengths: t
 @torch.no_grad()
 def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                 generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
-                draft_len: int | None = None, k: int = 2, branches: str = "vp", row_cost: float | None = None):
+                draft_len: int | None = None, k: int = 2, branches: str = "vp",
+                row_cost: float | str | None = "auto"):
     """D2SD speculative decoding of a ragged batch with an AR target.
 
     Parameters
@@ -141,7 +143,9 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     branches : "vp" (D2SD) or "resample" (K branches sampled from the first draft's q).
     row_cost : None (verify every branch in full) or the cost of one more tree node
         relative to a one-row forward (>= 0): keep the nodes that maximise the expected
-        tokens per cost (:func:`prune_tree`; "vp" branches only).
+        tokens per cost (:func:`prune_tree`; "vp" branches only); "auto" (default): 0.02
+        for a CPU model with "vp" branches (``_cpu_cost.CPU_ROW_COST``, measured), None
+        otherwise.
 
     Returns
     -------
@@ -155,9 +159,9 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         raise ValueError(f"method 'd2sd' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
     if branches not in BRANCH_MODES:
         raise ValueError(f"branches must be one of {BRANCH_MODES}, got {branches!r}")
-    if row_cost is not None and (isinstance(row_cost, bool) or not isinstance(row_cost, (int, float))
-                                 or not 0 <= row_cost < float("inf")):
-        raise ValueError(f"row_cost must be None or a finite number >= 0, got {row_cost!r}")
+    if isinstance(row_cost, str) and row_cost == "auto" and branches != "vp":
+        row_cost = None
+    row_cost = resolve_row_cost(model, row_cost)
     if row_cost is not None and branches != "vp":
         raise ValueError("row_cost prunes the VP-drafter's branches: it needs branches='vp'")
     if isinstance(drafter, str) and "," in drafter:            # the CLI's --drafter DFLASH,VP

@@ -43,6 +43,7 @@ from ..masks import causal
 from ..models import AttentionPlan
 from ..models.dflash import MASK, BlockDrafter, resolve_drafter
 from ..ops import token_stats, verify_chain
+from ._cpu_cost import resolve_row_cost
 from .sampling import next_tokens, sample_from
 
 
@@ -222,7 +223,7 @@ def full_vocab_probs(q: torch.Tensor, vocab: torch.Tensor | None, vocab_size: in
 @torch.no_grad()
 def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                   generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
-                  draft_len: int | None = None, row_cost: float | None = None):
+                  draft_len: int | None = None, row_cost: float | str | None = "auto"):
     """DFlash speculative decoding of a ragged batch with an AR target.
 
     Parameters
@@ -236,7 +237,8 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         training block size minus the anchor).
     row_cost : None (verify every draft) or the cost of one more verified row relative to
         a one-row forward (>= 0): verify the drafts that maximise the expected tokens per
-        cost (:func:`verify_length`; one more host read per cycle).
+        cost (:func:`verify_length`; one more host read per cycle); "auto" (default): 0.02
+        for a CPU model (``_cpu_cost.CPU_ROW_COST``, measured), None elsewhere.
 
     Returns
     -------
@@ -251,9 +253,7 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         raise ValueError(f"method 'dflash' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
     drafter = resolve_drafter(drafter, model, "dflash")
     gamma = check_draft_len(draft_len, drafter)
-    if row_cost is not None and (isinstance(row_cost, bool) or not isinstance(row_cost, (int, float))
-                                 or not 0 <= row_cost < float("inf")):
-        raise ValueError(f"row_cost must be None or a finite number >= 0, got {row_cost!r}")
+    row_cost = resolve_row_cost(model, row_cost)
     run = SpeculativeRun(model, {"drafter": drafter}, prompts, max_new_tokens=max_new_tokens,
                          eos_ids=eos_ids, progress=progress)
     dev = model.device

@@ -30,7 +30,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import spiffy_graph as graphs
-from ._selfspec import DraftGraph, check_common, cpu_draft_states, decode_self_speculative
+from ._cpu_cost import cpu_draft_states
+from ._selfspec import DraftGraph, check_common, decode_self_speculative
 
 OPTIONS = ("block_size", "graph_size", "prune_to", "graph")
 DRAFTER = False
@@ -52,7 +53,7 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         shipped / cached graph, or calibrates one on first use.
     prune_to : D* in [1, D], draft nodes verified per request and round (default
         min(8, D); on the CPU at most what keeps a round within 16 rows,
-        ``_selfspec.cpu_draft_states``: 2 at block size 4).
+        ``_cpu_cost.cpu_draft_states``: 2 at block size 4).
     graph : a :class:`~dspec.decode.spiffy_graph.SpiffyGraph`, a ``DraftGraph`` or a path to
         a graph JSON file, instead of the default graph (then graph_size defaults to its
         size).

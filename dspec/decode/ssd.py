@@ -32,7 +32,8 @@ blocks), see :mod:`dspec.decode._selfspec`.
 """
 from __future__ import annotations
 
-from ._selfspec import chain_graph, check_common, cpu_draft_states, decode_self_speculative
+from ._cpu_cost import cpu_draft_states
+from ._selfspec import chain_graph, check_common, decode_self_speculative
 
 OPTIONS = ("block_size", "draft_len", "mixed_order")
 DRAFTER = False
@@ -54,7 +55,7 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         verification suffix holds draft_len + 1 block copies, + 1 next-block copy when the
         chain completes the block); default ``min(block_size - 1, 4)`` (at least 1) -- longer
         chains rarely survive past 4 steps on the shipped model -- and on the CPU at most
-        what keeps a round within 16 rows (``_selfspec.cpu_draft_states``: 2 at block size
+        what keeps a round within 16 rows (``_cpu_cost.cpu_draft_states``: 2 at block size
         4, 1 from 8), where the 17th row costs a second pass over the weights.
     mixed_order : bool, also verify the swapped-pair states (up to draft_len - 1 more copies).
 

@@ -1,0 +1,41 @@
+"""What a verified row costs on the CPU, for the methods' device-aware defaults.
+
+On a CPU with AMX tiles a verification forward's projections take 16 rows per tile pass:
+up to 16 rows a forward of SmolLM2-135M costs about one row's plus ~1.6 % a row (16 rows
+~1.25x one), and the 17th row makes every weight tile be read a second time (~1.5x).  On an
+accelerator extra rows are nearly free, so these defaults apply to CPU models only; an
+explicit option always wins.  (Measured on an Intel Xeon with AMX-BF16, bf16, 2 threads;
+README, "the 17th row" and the session-19 A/Bs.)
+"""
+from __future__ import annotations
+
+#: block rows a CPU verification forward carries at about the cost of one tile pass
+CPU_ROW_BUDGET = 16
+
+#: one more verified row relative to a one-row forward, for ``row_cost="auto"`` on the CPU
+#: (dflash: 0.02 / 0.06 / 0.12 all 1.25-1.26x ``ar`` against 1.22x verifying every draft;
+#: d2sd K = 2: 0.02 0.98x, 0.06 0.96x, every branch in full 0.82x)
+CPU_ROW_COST = 0.02
+
+
+def cpu_draft_states(model, block_size: int) -> int | None:
+    """The default cap on the draft states (block copies past the root) a self-speculative
+    round forwards: on the CPU the most whose worst case -- the root, the drafts and the next
+    block's first state, each ``block_size`` rows -- fits ``CPU_ROW_BUDGET`` rows (at least
+    1); None elsewhere.  Measured: `ssd` block 4 draft_len 2 1.26x one-token `diffusion` (1
+    1.17x, 3 1.14x), block 8 draft_len 1 1.06x (2 0.95x, 4 0.85x); `spiffy` prune_to 2 1.17x
+    (8 1.14x)."""
+    if model.device.type != "cpu":
+        return None
+    return max(1, CPU_ROW_BUDGET // block_size - 2)
+
+
+def resolve_row_cost(model, row_cost):
+    """``row_cost`` as the methods take it: "auto" (the default) is ``CPU_ROW_COST`` for a CPU
+    model and None (verify everything) elsewhere; None or a finite number >= 0 as given."""
+    if isinstance(row_cost, str) and row_cost == "auto":
+        return CPU_ROW_COST if model.device.type == "cpu" else None
+    if row_cost is not None and (isinstance(row_cost, bool) or not isinstance(row_cost, (int, float))
+                                 or not 0 <= row_cost < float("inf")):
+        raise ValueError(f"row_cost must be 'auto', None or a finite number >= 0, got {row_cost!r}")
+    return row_cost
