@@ -115,6 +115,8 @@ CONFIGS: tuple[Config, ...] = (
     Config("s2d2", "s2d2", "dllm", expand="policies"),
     Config("diffuspec", "diffuspec", "target"),
     Config("diffuspec-d8", "diffuspec", "target", {"draft_len": 8}),
+    # ADL with the paper's bounds (the default elsewhere; a CPU model's are CPU_ADL's 4 / 12 / 2)
+    Config("diffuspec-paper", "diffuspec", "target", {"k_min": 20, "k_max": 30, "delta": 10}),
     Config("diffuspec-noCPS-noADL", "diffuspec", "target",
            {"cps": Option(("cps", "path_search"), False),
             "adl": Option(("adaptive", "adl", "adaptive_draft_len"), False)}),

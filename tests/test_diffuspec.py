@@ -70,6 +70,24 @@ def test_greedy_equals_ar_batch_and_single(pair, opts):
         assert s["mean_accepted"] > 1.2
 
 
+def test_cpu_adl_bounds_are_the_default_unless_one_is_given(pair, monkeypatch):
+    """A CPU model's ADL runs in CPU_ADL's bounds by default; any of k_min / k_max / delta
+    given restores the paper's others; outputs stay ar's either way."""
+    from dspec.decode import diffuspec
+    target, drafter, lm, ar = pair
+    made = []
+    real = diffuspec.AdaptiveDraftLength
+    monkeypatch.setattr(diffuspec, "AdaptiveDraftLength", lambda *a, **kw: made.append(kw) or real(*a, **kw))
+    got = dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=NEW, drafter=drafter, ngram=lm)
+    assert got.tokens == ar[0] and got.stats["adaptive"]
+    assert {k: made[-1][k] for k in ("k_min", "k_max", "delta")} == diffuspec.CPU_ADL
+    assert got.stats["mean_draft_len"] <= diffuspec.CPU_ADL["k_max"]
+    paper = dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=NEW, drafter=drafter, ngram=lm,
+                           delta=10)
+    assert paper.tokens == ar[0]
+    assert (made[-1]["k_min"], made[-1]["k_max"]) == (diffuspec.DEFAULTS["k_min"], diffuspec.DEFAULTS["k_max"])
+
+
 def test_eos_stops_like_ar(tmp_path):
     # a target whose argmax is EOS after a few tokens: make EOS likely by its output bias
     def hook(w):
