@@ -9,7 +9,8 @@ activations.  Arms, interleaved round-robin per rep (this VM's speed drifts with
 AMX-BF16: what a bf16 forward runs there), ``cpp`` (the AVX-512 code where the CPU has it),
 ``cpp-generic`` (the portable loops) and ``torch`` (MaskLoraLinear's per-op update:
 index_select, two F.linear, index_add), at 1 and all threads.  Each timed call includes the
-Python binding's ~1 us per projection (210 calls), which a forward's one-call stack does not pay.  GFLOP/s counts 2 * M * rank * (k + n) per projection.
+Python binding's ~1 us per projection (210 calls), which a forward's one-call stack does not
+pay.  GFLOP/s counts 2 * M * rank * (k + n) per projection.
 
     python bench/bench_mask_lora.py [--rows 1,4,16,32] [--reps 30]
 Writes bench/results/cpu/mask_lora.{json,png}.
@@ -64,15 +65,16 @@ def _arms(rows: int, threads: int, adapters, packed, gen: torch.Generator) -> di
     index = torch.randperm(TOTAL_ROWS, generator=gen)[:rows].contiguous()
     b16 = _backend.FLOAT_CODE[torch.bfloat16]
 
-    amx = packed is not None
-
     def cpp(isa):
+        # only the amx arm passes the packed adapter ('auto' without it runs the AVX-512 code)
+        addresses = [[p.data_ptr() if isa == "amx" else 0 for p in row] for row in packed] if packed \
+            else [[0] * len(SHAPES) for _ in adapters]
+
         def run():
-            for layer, row in zip(adapters, packed or adapters):
+            for layer, row in zip(adapters, addresses):
                 for (k, n), (a, bt), p in zip(SHAPES, layer, row):
                     ext.mask_lora(ys[n].data_ptr(), xs[k].data_ptr(), index.data_ptr(), a.data_ptr(), bt.data_ptr(),
-                                  2.0, b16, rows, TOTAL_ROWS, k, n, RANK, threads, b16, isa,
-                                  p.data_ptr() if isa == "amx" else 0)   # auto without it: AVX-512
+                                  2.0, b16, rows, TOTAL_ROWS, k, n, RANK, threads, b16, isa, p)
         return run
 
     float_adapters = [[(a.float(), bt.float().t().contiguous()) for a, bt in layer] for layer in adapters]
@@ -84,7 +86,7 @@ def _arms(rows: int, threads: int, adapters, packed, gen: torch.Generator) -> di
                 delta = F.linear(F.linear(picked, a), b) * 2.0
                 ys[n].index_add(0, index, delta.to(torch.bfloat16))
     arms = {"cpp": cpp("auto"), "cpp-generic": cpp("generic")}
-    if amx:
+    if packed is not None:
         arms["cpp-amx"] = cpp("amx")
     if threads == 1:
         arms["torch"] = torch_update

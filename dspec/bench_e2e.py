@@ -106,7 +106,8 @@ CONFIGS: tuple[Config, ...] = (
     Config("diffusion-static-2", "diffusion", "dllm", {"tokens_per_step": 2}),
     Config("diffusion-dynamic", "diffusion", "dllm", {"threshold": 0.9}),
     Config("ssd", "ssd", "dllm"),
-    # fewer drafted rows per round, for a CPU where a [MASK] row is not free (README)
+    # pinned draft rows per round: ssd-d2 is the CPU default at block size 4 (the 16-row budget
+    # of decode/_cpu_cost.py; spiffy's is prune_to 2), ssd-d3 / spiffy-p8 the defaults elsewhere
     Config("ssd-d2", "ssd", "dllm", {"draft_len": 2}),
     Config("ssd-d3", "ssd", "dllm", {"draft_len": 3}),
     Config("spiffy", "spiffy", "dllm"),
