@@ -138,21 +138,83 @@ DSPEC_CPU_CLONES void widen_f16(const std::uint16_t* p, std::int64_t n, float* o
 DSPEC_CPU_CLONES void widen_bf16(const std::uint16_t* p, std::int64_t n, float* out) { widen<kBFloat16>(p, n, out); }
 
 #if DSPEC_AVX512_CODE
-// The same two passes written for AVX-512, one vector = the 16 lanes of scan_floats, so
-// pass 1 (max, column, runner-up, NaNs) gives scan_floats' values (a runner-up equal to a
-// later element may keep the other's sign of zero).  16-bit elements widen in the load (no
-// buffer pass).  Pass 2 takes exp(d) as 2^(d log2 e) (exp2_nonpos' polynomial with fused
+// The same two passes written for AVX-512.  Pass 1 (max, column, runner-up, NaNs) gives
+// scan_floats' values (a max or runner-up of 0 may carry the other sign of zero): on integer
+// keys (max_by_keys), or on float compares with 16 lanes where a chunk holds a NaN.  16-bit
+// elements widen in the load (no buffer pass).  Pass 2 takes exp(d) as 2^(d log2 e) (exp2_nonpos' polynomial with fused
 // multiply-adds, 2^n by vscalefps) and sums e * (d log2 e), scaled by ln 2 once per chunk:
 // the same quantities as the portable code, rounded differently in the last bits.
 // Memory: pass 1 prefetches cpu::kStreamAhead bytes ahead of its loads, and pass 2, which
 // re-reads the chunk from L2 and is exp-bound, brings the thread's next chunk into L2.
 // At 1088 rows x 49152 (2 threads, Xeon with AVX-512, Nov 2026, the rows in its 300 MiB L3
 // from the rep before) the portable loops read 7-10 GB/s, these 11-26 GB/s; from memory
-// (bench_logits_cpu flushes the caches) 8-14 GB/s against a DRAM read of ~25 GB/s.
+// (bench_logits_cpu flushes the caches) 8-14 GB/s against a DRAM read of ~25 GB/s.  With the
+// key pass (session 20), bf16: 9.2 -> 6.2 ms from L3, 13.3 -> 9.6-10 ms from memory; the
+// rest from memory is the exp pass's wait on the next chunk (its prefetch rate, one line per
+// ~20 cycles of exps, is about what one core's outstanding misses sustain).
 
+// Pass 1 on the elements' sortable integer keys (cpu::Keys): the max, the runner-up and a
+// NaN check take integer max / min on 512 / w lanes at once, about 3 vector operations per
+// 16 elements where the float compares and column selects took 10, with no loop-carried
+// compare (pass 1 over 1088 x 49152 bf16 was ~40 % of token_stats' time).  The max's column
+// is found afterwards by a scan for its bits that stops at the first match.  False (st
+// untouched) when the chunk holds a NaN: the float pass below counts them.
 template <int DT>
-DSPEC_AVX512 State scan_avx512(const dt::elem_t<DT>* p, std::int64_t n, std::int64_t col0, float inv_t, bool sums,
-                               const dt::elem_t<DT>* next) {
+DSPEC_AVX512 bool max_by_keys(const dt::elem_t<DT>* p, std::int64_t n, std::int64_t col0, State& st) {
+  using K = cpu::Keys<DT>;
+  constexpr int kPer = K::kPer;
+  const __m512i neg_inf = K::set1(K::kNegInfKey);
+  __m512i m1 = neg_inf, m2 = neg_inf, lo = K::set1(K::kPosInf);
+  const std::int64_t body = n / kPer * kPer;
+  for (std::int64_t j = 0; j < body; j += kPer) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + j) + cpu::kStreamAhead, _MM_HINT_T0);
+    const __m512i k = K::key(_mm512_loadu_si512(p + j));
+    m2 = K::max(m2, K::min(m1, k));
+    m1 = K::max(m1, k);
+    lo = K::min(lo, k);
+  }
+  if (body < n) {
+    const std::uint64_t in = (std::uint64_t(1) << (n - body)) - 1;
+    const __m512i k = K::key(K::load(p + body, in));
+    m2 = K::mask_max(m2, in, m2, K::min(m1, k));
+    m1 = K::mask_max(m1, in, m1, k);
+    lo = K::mask_min(lo, in, lo, k);
+  }
+  using Lane = std::conditional_t<DT == kFloat32, std::int32_t, std::int16_t>;
+  alignas(64) Lane l1[kPer], l2[kPer], llo[kPer];
+  _mm512_store_si512(l1, m1);
+  _mm512_store_si512(l2, m2);
+  _mm512_store_si512(llo, lo);
+  std::int64_t top = K::kNegInfKey, runner = K::kNegInfKey, least = K::kPosInf;
+  for (int l = 0; l < kPer; ++l) {          // the two largest of the lanes' m1, and their m2
+    const std::int64_t a = l1[l];
+    runner = std::max(runner, std::max<std::int64_t>(l2[l], std::min(top, a)));
+    top = std::max(top, a);
+    least = std::min<std::int64_t>(least, llo[l]);
+  }
+  if (top > K::kPosInf || least < K::kNegInfKey) return false;   // a NaN
+  st = ts::identity<double>();
+  st.m1 = cpu::key_value<DT>(top);
+  st.m2 = cpu::key_value<DT>(runner);
+  if (!(st.m1 > -INFINITY)) return true;     // every element -inf: no column, as the float pass
+  // the first column equal to the max (+0 and -0 equal)
+  const bool is_zero = st.m1 == 0.0f;
+  const __m512i want = K::key(K::set1(top));  // the max's bits
+  for (std::int64_t j = 0; j < n; j += kPer) {
+    const std::uint64_t in = n - j >= kPer ? ~std::uint64_t(0) : (std::uint64_t(1) << (n - j)) - 1;
+    const __m512i v = K::load(p + j, in);
+    const std::uint64_t hit = (is_zero ? K::zero(v) : K::eq(v, want)) & in;
+    if (hit != 0) {
+      st.i1 = static_cast<std::int32_t>(col0 + j + __builtin_ctzll(hit));
+      return true;
+    }
+  }
+  return true;   // unreachable: the max is one of the elements
+}
+
+// Pass 1 on float compares: max, column, runner-up and the NaN count.
+template <int DT>
+DSPEC_AVX512 State max_by_floats(const dt::elem_t<DT>* p, std::int64_t n, std::int64_t col0, float inv_t) {
   const std::int64_t body = n / kLanes * kLanes;
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   __m512 m1 = neg_inf, m2 = neg_inf;
@@ -181,9 +243,17 @@ DSPEC_AVX512 State scan_avx512(const dt::elem_t<DT>* p, std::int64_t n, std::int
     const int l = static_cast<int>(j - body);
     fold_max(dt::to_float<DT>(p[j]), static_cast<std::int32_t>(col0 + j), lm1[l], lm2[l], li1[l], lnan[l]);
   }
-  State run = lanes_state(lm1, lm2, li1, lnan, inv_t);
+  return lanes_state(lm1, lm2, li1, lnan, inv_t);
+}
+
+template <int DT>
+DSPEC_AVX512 State scan_avx512(const dt::elem_t<DT>* p, std::int64_t n, std::int64_t col0, float inv_t, bool sums,
+                               const dt::elem_t<DT>* next) {
+  State run;
+  if (!max_by_keys<DT>(p, n, col0, run)) run = max_by_floats<DT>(p, n, col0, inv_t);
   const float top = run.m1;
   if (!sums || !(top > -INFINITY)) return run;
+  const std::int64_t body = n / kLanes * kLanes;
   constexpr float kLog2e = 1.44269504088896341f, kLn2 = 0.693147180559945309f;
   const __m512 vtop = _mm512_set1_ps(top), vscale = _mm512_set1_ps(inv_t * kLog2e);
   double s_sum = 0.0, a_sum = 0.0;

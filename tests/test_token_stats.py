@@ -74,6 +74,36 @@ def test_cpp_reads_bf16_as_its_float32_widening(temperature, vocab):
         assert torch.equal(a.token, b.token) and torch.equal(a.lse, b.lse)
 
 
+def key_scan_rows(vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows for the CPU kernels' scans on sortable integer keys: signs of zero, a negative
+    NaN, ties in one lane and across lanes, lane tails (vocab not a multiple of 16 / 32)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = -1.0 - torch.rand(7, vocab, generator=g)
+    late = vocab * 7 // 10
+    x[0, 3], x[0, late] = -0.0, 0.0                       # -0 first: its column wins
+    x[1, 2], x[1, late] = 0.0, -0.0                       # +0 first
+    x[2, late] = -float("nan")                            # a NaN with the sign bit: invalid row
+    x[3, 1] = x[3, -1] = 2.0                              # tie across lanes / the tail
+    x[4] = float("-inf")
+    x[4, late] = -0.0                                     # one finite element
+    x[5, 0] = x[5, min(32, vocab - 1)] = 5.0              # tie in one lane: margin 0
+    x[6, -1] = 9.0                                        # the max in the tail
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [37, 1000, 49157])
+def test_cpp_key_scan_edge_cases(dtype, vocab):
+    from dspec import _backend
+    if not _backend.cpp_available():
+        pytest.skip("dspec._C not built")
+    x = key_scan_rows(vocab, dtype)
+    assert x[2].float().isnan().sum() == 1 and torch.signbit(x[2].float()).all()
+    out = dspec.token_stats(x, backend="cpp")
+    check(out, reference(x), 1e-6, 1e-4)
+    assert out.token.tolist()[:2] == [3, 2] and out.token[2].item() == -1
+
+
 @device_backends(skip_torch=True)
 def test_leading_shape_and_strides(device, backend):
     g = torch.Generator().manual_seed(3)

@@ -6,7 +6,7 @@ import torch
 import dspec
 from dspec.reference import topk as reference
 from conftest import assert_close_nan, backends_for, device_backends
-from test_token_stats import special_rows
+from test_token_stats import key_scan_rows, special_rows
 
 PROVIDED = ("torch", "triton", "cpp")
 DTYPES = [(torch.float32, 1e-6, 1e-4), (torch.float16, 1e-6, 1e-4), (torch.bfloat16, 1e-6, 1e-4)]
@@ -83,6 +83,24 @@ def test_worst_case_ascending_and_ties(device, backend):
     z[0, 1] = -0.0
     z[0, 2] = 0.0
     assert dspec.topk_tokens(z, 2, backend=backend)[0].tolist() == [[1, 2]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [37, 1000, 49157])
+def test_cpp_key_scan_edge_cases(dtype, vocab):
+    """The CPU scan on sortable keys: signs of zero, a negative NaN, ties, lane tails."""
+    if ("cpu", "cpp") not in backends_for("cpu", PROVIDED):
+        pytest.skip("dspec._C not built")
+    x = key_scan_rows(vocab, dtype)
+    for k in (1, 3):
+        tokens, probs = dspec.topk_tokens(x, k, backend="cpp")
+        ref_tokens, ref_probs = reference.topk_tokens(x, k)
+        assert torch.equal(tokens, ref_tokens)
+        assert_close_nan(probs, ref_probs, rtol=1e-4, atol=1e-6)
+        mt, ml, mc = dspec.mass_candidates(x, 0.9, k, backend="cpp")
+        rt, rl, rc = reference.mass_candidates(x, 0.9, k)
+        assert torch.equal(mt, rt) and torch.equal(mc, rc)
+        assert_close_nan(ml, rl, rtol=1e-4, atol=1e-5)
 
 
 def test_mass_semantics():
