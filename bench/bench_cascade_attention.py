@@ -824,9 +824,16 @@ def cpu_variant(name: str, c: dict, x: dict, dtype):
                                                   scale=scale, enable_gqa=True)
 
 
+CPU_SETTLE_S = 0.05
+
+
 def cpu_time(fn, quick: bool, reps: int | None = None, warmup: int | None = None) -> dict:
     """Median / p20 / p80 over ``reps`` calls (default: as many as fit CPU_TIME_BUDGET_S,
     5..200; quick 3..20)."""
+    # the previous variant's thread pool (torch's OpenMP workers after the reference or
+    # SDPA, dspec's after cpp) spins for a while after its last call and takes a core from
+    # the next variant: the reference timed just before cpp made a 41 us cpp case read 70 us
+    time.sleep(CPU_SETTLE_S)
     t0 = time.perf_counter()
     fn()                                          # warm-up (allocations, caches)
     one = time.perf_counter() - t0
