@@ -141,8 +141,9 @@ DSPEC_CPU_CLONES void widen_bf16(const std::uint16_t* p, std::int64_t n, float* 
 // The same two passes written for AVX-512.  Pass 1 (max, column, runner-up, NaNs) gives
 // scan_floats' values (a max or runner-up of 0 may carry the other sign of zero): on integer
 // keys (max_by_keys), or on float compares with 16 lanes where a chunk holds a NaN.  16-bit
-// elements widen in the load (no buffer pass).  Pass 2 takes exp(d) as 2^(d log2 e) (exp2_nonpos' polynomial with fused
-// multiply-adds, 2^n by vscalefps) and sums e * (d log2 e), scaled by ln 2 once per chunk:
+// elements widen in the load (no buffer pass).  Pass 2 takes exp(d) as 2^(d log2 e)
+// (exp2_nonpos' polynomial with fused multiply-adds, 2^n by vscalefps) and sums
+// e * (d log2 e), scaled by ln 2 once per chunk:
 // the same quantities as the portable code, rounded differently in the last bits.
 // Memory: pass 1 prefetches cpu::kStreamAhead bytes ahead of its loads, and pass 2, which
 // re-reads the chunk from L2 and is exp-bound, brings the thread's next chunk into L2.
