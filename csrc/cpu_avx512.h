@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "dtype.h"
 
@@ -94,62 +95,59 @@ DSPEC_AVX512_INLINE __m512 exp2_nonpos16(__m512 t, __m512* clamped = nullptr) {
 // (32 for the 16-bit dtypes) and a NaN shows as a key beyond +-inf.  The map is its own
 // inverse.
 template <int DT>
-struct Keys;
-template <>
-struct Keys<kFloat32> {
-  static constexpr int kPer = 16;
+struct Keys {
+  static constexpr bool kWide = DT == kFloat32;                 // 32-bit lanes, else 16-bit
+  static constexpr int kPer = kWide ? 16 : 32;                  // elements per vector
+  using Mask = std::conditional_t<kWide, __mmask16, __mmask32>;
+  static constexpr std::int64_t kPosInf = DT == kFloat32 ? 0x7f800000 : DT == kBFloat16 ? 0x7f80 : 0x7c00;
+  static constexpr std::int64_t kNegInfKey =                    // the key of -inf, as a signed lane
+      DT == kFloat32 ? 0x807fffff - (std::int64_t(1) << 32) : (DT == kBFloat16 ? 0x807f : 0x83ff) - 0x10000;
+
   DSPEC_AVX512_INLINE static __m512i key(__m512i v) {
-    return _mm512_ternarylogic_epi32(v, _mm512_srai_epi32(v, 31), _mm512_set1_epi32(0x7fffffff), 0x78);
+    if constexpr (kWide) {
+      return _mm512_ternarylogic_epi32(v, _mm512_srai_epi32(v, 31), _mm512_set1_epi32(0x7fffffff), 0x78);
+    } else {
+      return _mm512_ternarylogic_epi32(v, _mm512_srai_epi16(v, 15), _mm512_set1_epi16(0x7fff), 0x78);
+    }
   }
-  DSPEC_AVX512_INLINE static __m512i max(__m512i a, __m512i b) { return _mm512_max_epi32(a, b); }
-  DSPEC_AVX512_INLINE static __m512i min(__m512i a, __m512i b) { return _mm512_min_epi32(a, b); }
-  DSPEC_AVX512_INLINE static __m512i mask_max(__m512i s, std::uint64_t m, __m512i a, __m512i b) {
-    return _mm512_mask_max_epi32(s, static_cast<__mmask16>(m), a, b);
-  }
-  DSPEC_AVX512_INLINE static __m512i mask_min(__m512i s, std::uint64_t m, __m512i a, __m512i b) {
-    return _mm512_mask_min_epi32(s, static_cast<__mmask16>(m), a, b);
+  DSPEC_AVX512_INLINE static __m512i set1(std::int64_t k) {
+    if constexpr (kWide) return _mm512_set1_epi32(static_cast<std::int32_t>(k));
+    else return _mm512_set1_epi16(static_cast<std::int16_t>(k));
   }
   DSPEC_AVX512_INLINE static __m512i load(const void* p, std::uint64_t m) {
-    return _mm512_maskz_loadu_epi32(static_cast<__mmask16>(m), p);
+    if constexpr (kWide) return _mm512_maskz_loadu_epi32(static_cast<Mask>(m), p);
+    else return _mm512_maskz_loadu_epi16(static_cast<Mask>(m), p);
   }
-  DSPEC_AVX512_INLINE static __m512i set1(std::int64_t k) { return _mm512_set1_epi32(static_cast<std::int32_t>(k)); }
-  DSPEC_AVX512_INLINE static std::uint64_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi32_mask(a, b); }
-  DSPEC_AVX512_INLINE static std::uint64_t gt(__m512i a, __m512i b) { return _mm512_cmpgt_epi32_mask(a, b); }
-  DSPEC_AVX512_INLINE static std::uint64_t zero(__m512i a) {       // +0 or -0
-    return _mm512_testn_epi32_mask(a, _mm512_set1_epi32(0x7fffffff));
+  DSPEC_AVX512_INLINE static __m512i max(__m512i a, __m512i b) {
+    if constexpr (kWide) return _mm512_max_epi32(a, b);
+    else return _mm512_max_epi16(a, b);
   }
-  static constexpr std::int64_t kPosInf = 0x7f800000, kNegInfKey = 0x807fffff - (std::int64_t(1) << 32);
-};
-template <int DT16>
-struct Keys16 {
-  static constexpr int kPer = 32;
-  DSPEC_AVX512_INLINE static __m512i key(__m512i v) {
-    return _mm512_ternarylogic_epi32(v, _mm512_srai_epi16(v, 15), _mm512_set1_epi16(0x7fff), 0x78);
+  DSPEC_AVX512_INLINE static __m512i min(__m512i a, __m512i b) {
+    if constexpr (kWide) return _mm512_min_epi32(a, b);
+    else return _mm512_min_epi16(a, b);
   }
-  DSPEC_AVX512_INLINE static __m512i max(__m512i a, __m512i b) { return _mm512_max_epi16(a, b); }
-  DSPEC_AVX512_INLINE static __m512i min(__m512i a, __m512i b) { return _mm512_min_epi16(a, b); }
+  // lanes outside m keep s
   DSPEC_AVX512_INLINE static __m512i mask_max(__m512i s, std::uint64_t m, __m512i a, __m512i b) {
-    return _mm512_mask_max_epi16(s, static_cast<__mmask32>(m), a, b);
+    if constexpr (kWide) return _mm512_mask_max_epi32(s, static_cast<Mask>(m), a, b);
+    else return _mm512_mask_max_epi16(s, static_cast<Mask>(m), a, b);
   }
   DSPEC_AVX512_INLINE static __m512i mask_min(__m512i s, std::uint64_t m, __m512i a, __m512i b) {
-    return _mm512_mask_min_epi16(s, static_cast<__mmask32>(m), a, b);
+    if constexpr (kWide) return _mm512_mask_min_epi32(s, static_cast<Mask>(m), a, b);
+    else return _mm512_mask_min_epi16(s, static_cast<Mask>(m), a, b);
   }
-  DSPEC_AVX512_INLINE static __m512i load(const void* p, std::uint64_t m) {
-    return _mm512_maskz_loadu_epi16(static_cast<__mmask32>(m), p);
+  DSPEC_AVX512_INLINE static std::uint64_t eq(__m512i a, __m512i b) {
+    if constexpr (kWide) return _mm512_cmpeq_epi32_mask(a, b);
+    else return _mm512_cmpeq_epi16_mask(a, b);
   }
-  DSPEC_AVX512_INLINE static __m512i set1(std::int64_t k) { return _mm512_set1_epi16(static_cast<std::int16_t>(k)); }
-  DSPEC_AVX512_INLINE static std::uint64_t eq(__m512i a, __m512i b) { return _mm512_cmpeq_epi16_mask(a, b); }
-  DSPEC_AVX512_INLINE static std::uint64_t gt(__m512i a, __m512i b) { return _mm512_cmpgt_epi16_mask(a, b); }
-  DSPEC_AVX512_INLINE static std::uint64_t zero(__m512i a) {
-    return _mm512_testn_epi16_mask(a, _mm512_set1_epi16(0x7fff));
+  DSPEC_AVX512_INLINE static std::uint64_t gt(__m512i a, __m512i b) {
+    if constexpr (kWide) return _mm512_cmpgt_epi32_mask(a, b);
+    else return _mm512_cmpgt_epi16_mask(a, b);
   }
-  static constexpr std::int64_t kPosInf = DT16 == kBFloat16 ? 0x7f80 : 0x7c00;
-  static constexpr std::int64_t kNegInfKey = (DT16 == kBFloat16 ? 0x807f : 0x83ff) - 0x10000;
+  DSPEC_AVX512_INLINE static std::uint64_t zero(__m512i a) {      // the lanes holding +0 or -0
+    if constexpr (kWide) return _mm512_testn_epi32_mask(a, _mm512_set1_epi32(0x7fffffff));
+    else return _mm512_testn_epi16_mask(a, _mm512_set1_epi16(0x7fff));
+  }
 };
-template <>
-struct Keys<kBFloat16> : Keys16<kBFloat16> {};
-template <>
-struct Keys<kFloat16> : Keys16<kFloat16> {};
 
 // A key back to its value.
 template <int DT>
