@@ -222,11 +222,17 @@ DSPEC_AVX512 double sum_exp_row_avx512(const dt::elem_t<DT>* p, std::int64_t voc
   for (std::int64_t c = 0; c < vocab;) {
     __m512 acc = _mm512_setzero_ps();
     const std::int64_t stop = std::min(vocab, c + std::int64_t(256) * kChunk);
-    for (; c < stop; c += kChunk) {
+    const std::int64_t body = c + (stop - c) / kChunk * kChunk;   // whole vectors, unmasked
+    for (; c < body; c += kChunk) {
       if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + c), _MM_HINT_T1);
+      const __m512 x = cpu::load_f32<DT>(p + c, 0xFFFF);
+      acc = _mm512_add_ps(acc, cpu::exp2_nonpos16(_mm512_mul_ps(_mm512_sub_ps(x, vm), scale)));
+    }
+    if (c < stop) {                                                 // the row's tail
       const __mmask16 in = cpu::lanes(stop - c);
       const __m512 x = _mm512_mask_mov_ps(neg_inf, in, cpu::load_f32<DT>(p + c, in));
       acc = _mm512_add_ps(acc, cpu::exp2_nonpos16(_mm512_mul_ps(_mm512_sub_ps(x, vm), scale)));
+      c = stop;
     }
     _mm512_store_ps(lane, acc);
     for (int l = 0; l < kChunk; ++l) total += lane[l];
