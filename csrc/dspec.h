@@ -60,7 +60,8 @@ inline std::int64_t token_stats_workspace_bytes(std::int64_t rows, std::int64_t 
 void token_stats_cpu(const TokenStatsArgs& args);
 // Row `row` of args alone, on the calling thread, scanned whole: the values token_stats_cpu
 // gives that row in any call of at least as many rows as threads (verification's lazy rows).
-void token_stats_row_cpu(const TokenStatsArgs& args, std::int64_t row);
+// next_row >= 0: a row the caller reads next, brought into L2 while this row's exps run.
+void token_stats_row_cpu(const TokenStatsArgs& args, std::int64_t row, std::int64_t next_row = -1);
 // Launches on `stream` (a cudaStream_t passed as an integer) on the current CUDA device.
 // Throws std::runtime_error with cudaGetErrorString if the launch fails.  Defined only when
 // the module is built with CUDA (DSPEC_WITH_CUDA).

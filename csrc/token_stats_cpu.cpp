@@ -323,9 +323,10 @@ inline void write_row(const TokenStatsArgs& a, std::int64_t row, const State& st
 
 // Row r of a, whole, on the calling thread.
 template <int DT>
-void scan_row(const TokenStatsArgs& a, std::int64_t r) {
-  write_row(a, r, scan<DT>(static_cast<const dt::elem_t<DT>*>(a.logits) + r * a.row_stride, 0, a.vocab, a.inv_t,
-                           !a.argmax_only));
+void scan_row(const TokenStatsArgs& a, std::int64_t r, std::int64_t next_row = -1) {
+  const auto* logits = static_cast<const dt::elem_t<DT>*>(a.logits);
+  write_row(a, r, scan<DT>(logits + r * a.row_stride, 0, a.vocab, a.inv_t, !a.argmax_only,
+                           next_row >= 0 ? logits + next_row * a.row_stride : nullptr));
 }
 
 using cpu::max_threads;
@@ -382,11 +383,11 @@ void run(const TokenStatsArgs& a) {
 
 }  // namespace
 
-void token_stats_row_cpu(const TokenStatsArgs& args, std::int64_t row) {
+void token_stats_row_cpu(const TokenStatsArgs& args, std::int64_t row, std::int64_t next_row) {
   switch (args.dtype) {
-    case kFloat32: scan_row<kFloat32>(args, row); break;
-    case kFloat16: scan_row<kFloat16>(args, row); break;
-    case kBFloat16: scan_row<kBFloat16>(args, row); break;
+    case kFloat32: scan_row<kFloat32>(args, row, next_row); break;
+    case kFloat16: scan_row<kFloat16>(args, row, next_row); break;
+    case kBFloat16: scan_row<kBFloat16>(args, row, next_row); break;
     default: break;  // unreachable: validated by the bindings
   }
 }

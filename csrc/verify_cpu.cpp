@@ -214,9 +214,12 @@ std::int64_t draw_row(const VerifyCommon& a, const VerifyWork& wk, const CpuDraw
 struct RowStats {
   const TokenStatsArgs* ts = nullptr;  // null: every row is already there
   std::int64_t base = 0;               // the request's first row
-  void ensure(std::int64_t row, Scratch& s) const {
+  // next_row >= 0: the row the caller will read after this one (the scan's exp pass brings it
+  // into L2: a sampled verification reads about one row per request, so without it every
+  // request's first row waited on memory)
+  void ensure(std::int64_t row, Scratch& s, std::int64_t next_row = -1) const {
     if (ts == nullptr || s.have[static_cast<std::size_t>(row - base)]) return;
-    token_stats_row_cpu(*ts, row);
+    token_stats_row_cpu(*ts, row, next_row);
     s.have[static_cast<std::size_t>(row - base)] = 1;
   }
 };
@@ -230,7 +233,7 @@ void chain_row(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_t b, S
   std::int64_t j = n;
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t x = vf::load_id(a.drafts, a.draft_dtype, b * length + i);
-    rows.ensure(b * positions + i, s);
+    rows.ensure(b * positions + i, s, i == 0 && b + 1 < a.batch ? (b + 1) * positions : -1);
     if (!vf::chain_accepts(a, wk.argmax, wk.prob, b, i, x)) {
       j = i;
       break;
@@ -272,7 +275,7 @@ void tree_row(const VerifyTreeArgs& a, const VerifyWork& wk, std::int64_t b, Scr
   for (std::int64_t c = 1; c < nodes; ++c) {
     // cheap pre-check (tree_node is pure: skipping non-children changes nothing)
     if (vf::load_id(a.parents, a.parent_dtype, base + c) != st.node) continue;
-    rows.ensure(base + st.node, s);
+    rows.ensure(base + st.node, s, st.node == 0 && b + 1 < a.batch ? base + nodes : -1);
     const vf::TreeNode nd = vf::tree_node(a, wk.argmax, wk.prob, b, c);
     const bool seen = !a.greedy && vf::tree_seen(s.excl.data(), st.nex, nd.token);
     bool drop;
