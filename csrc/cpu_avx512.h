@@ -110,6 +110,10 @@ struct Keys {
       return _mm512_ternarylogic_epi32(v, _mm512_srai_epi16(v, 15), _mm512_set1_epi16(0x7fff), 0x78);
     }
   }
+  // the first min(n, kPer) lanes (n >= 0), as the masked operations below take them
+  DSPEC_AVX512_INLINE static std::uint64_t first(std::int64_t n) {
+    return n >= kPer ? (std::uint64_t(1) << kPer) - 1 : (std::uint64_t(1) << n) - 1;
+  }
   DSPEC_AVX512_INLINE static __m512i set1(std::int64_t k) {
     if constexpr (kWide) return _mm512_set1_epi32(static_cast<std::int32_t>(k));
     else return _mm512_set1_epi16(static_cast<std::int16_t>(k));

@@ -175,7 +175,7 @@ DSPEC_AVX512 bool max_by_keys(const dt::elem_t<DT>* p, std::int64_t n, std::int6
     lo = K::min(lo, k);
   }
   if (body < n) {
-    const std::uint64_t in = (std::uint64_t(1) << (n - body)) - 1;
+    const std::uint64_t in = K::first(n - body);
     const __m512i k = K::key(K::load(p + body, in));
     m2 = K::mask_max(m2, in, m2, K::min(m1, k));
     m1 = K::mask_max(m1, in, m1, k);
@@ -202,7 +202,7 @@ DSPEC_AVX512 bool max_by_keys(const dt::elem_t<DT>* p, std::int64_t n, std::int6
   const bool is_zero = st.m1 == 0.0f;
   const __m512i want = K::key(K::set1(top));  // the max's bits
   for (std::int64_t j = 0; j < n; j += kPer) {
-    const std::uint64_t in = n - j >= kPer ? ~std::uint64_t(0) : (std::uint64_t(1) << (n - j)) - 1;
+    const std::uint64_t in = K::first(n - j);
     const __m512i v = K::load(p + j, in);
     const std::uint64_t hit = (is_zero ? K::zero(v) : K::eq(v, want)) & in;
     if (hit != 0) {

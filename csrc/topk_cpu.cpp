@@ -167,8 +167,7 @@ DSPEC_AVX512 RowScan select_row_avx512(const dt::elem_t<DT>* p, std::int64_t voc
       }
     } else {
       for (std::int64_t c = c0; c < c1; c += kPer) {
-        const std::int64_t n = std::min<std::int64_t>(kPer, c1 - c);
-        const std::uint64_t in = n == 64 ? ~std::uint64_t(0) : (std::uint64_t(1) << n) - 1;
+        const std::uint64_t in = K::first(c1 - c);
         const __m512i k = K::key(K::load(p + c, in));
         bm = K::mask_max(bm, in, bm, k);
         lo = K::mask_min(lo, in, lo, k);

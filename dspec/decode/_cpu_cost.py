@@ -30,11 +30,12 @@ def cpu_draft_states(model, block_size: int) -> int | None:
     return max(1, CPU_ROW_BUDGET // block_size - 2)
 
 
-def resolve_row_cost(model, row_cost):
+def resolve_row_cost(model, row_cost, *, prunes: bool = True):
     """``row_cost`` as the methods take it: "auto" (the default) is ``CPU_ROW_COST`` for a CPU
-    model and None (verify everything) elsewhere; None or a finite number >= 0 as given."""
+    model whose method prunes by it (``prunes``) and None (verify everything) otherwise; None
+    or a finite number >= 0 as given."""
     if isinstance(row_cost, str) and row_cost == "auto":
-        return CPU_ROW_COST if model.device.type == "cpu" else None
+        return CPU_ROW_COST if prunes and model.device.type == "cpu" else None
     if row_cost is not None and (isinstance(row_cost, bool) or not isinstance(row_cost, (int, float))
                                  or not 0 <= row_cost < float("inf")):
         raise ValueError(f"row_cost must be 'auto', None or a finite number >= 0, got {row_cost!r}")

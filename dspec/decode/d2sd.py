@@ -159,9 +159,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         raise ValueError(f"method 'd2sd' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
     if branches not in BRANCH_MODES:
         raise ValueError(f"branches must be one of {BRANCH_MODES}, got {branches!r}")
-    if isinstance(row_cost, str) and row_cost == "auto" and branches != "vp":
-        row_cost = None
-    row_cost = resolve_row_cost(model, row_cost)
+    row_cost = resolve_row_cost(model, row_cost, prunes=branches == "vp")
     if row_cost is not None and branches != "vp":
         raise ValueError("row_cost prunes the VP-drafter's branches: it needs branches='vp'")
     if isinstance(drafter, str) and "," in drafter:            # the CLI's --drafter DFLASH,VP
