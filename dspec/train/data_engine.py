@@ -10,12 +10,18 @@ as uint16 token shards outside the package:
   (SmolLM2's ChatML, as ``dspec generate`` and MT-Bench rows of ``bench_e2e`` use);
 - ``stdlib``: a window of 4-16 lines of a standard-library source file, raw (code
   completion, as HumanEval rows are given);
-- ``arithmetic``: training problems ``"Compute: a op b ="`` (seeds >= 1000), raw.
+- ``arithmetic``: training problems ``"Compute: a op b ="`` (seeds >= 1000), raw;
+- ``gsm``: GSM8K-style word problems from ``reasoning_gym``'s ``gsm_symbolic`` generators
+  (``pip install reasoning-gym==0.1.25``; its instruction suffix dropped), in the chat
+  template (as MATH500 rows of ``bench_e2e`` are sent);
+- ``code_def``: a standard-library function's signature and docstring, dedented, raw
+  (what a HumanEval prompt is: the model writes the body).
 
 Held out: ShareGPT turns and stdlib files in ``dspec.train.data``'s held-out split; every
 turn whose text equals an MT-Bench question; arithmetic problems of the evaluation sets
 (``dspec.tasks.prompt_set("arithmetic", n, seed=0)``, the first 2,000) and the held-out
-tenth of ``is_heldout_problem``.  HumanEval and MATH500 are not among the sources.
+tenth of ``is_heldout_problem``; GSM problems and stdlib files ``_heldout_text`` holds out.
+HumanEval and MATH500 are not among the sources.
 
 Layout of ``out/``::
 
@@ -50,12 +56,17 @@ import torch
 from .. import tasks
 from .data import _heldout_text, is_heldout_problem
 
-__all__ = ["EngineConfig", "prompt_stream", "generate_shards", "GeneratedData", "heldout_split", "ENGINE_SOURCES"]
+__all__ = ["EngineConfig", "prompt_stream", "generate_shards", "GeneratedData", "read_directories", "heldout_split",
+           "ENGINE_SOURCES"]
 
-ENGINE_SOURCES = ("sharegpt", "stdlib", "arithmetic")
+# a shard row's source id is its index here: append new sources, never reorder
+ENGINE_SOURCES = ("sharegpt", "stdlib", "arithmetic", "gsm", "code_def")
 MANIFEST = "manifest.json"
 FORMAT = "dspec-data-1"
 EVAL_ARITHMETIC = 2000          # bench/eval problems drawn with seed 0: never trained on
+GSM_SIZE = 1 << 24              # gsm_symbolic items are a function of (seed, index): draw indices
+GSM_SUFFIX = " Give the result as your final answer. Do not include units."
+MAX_DRAWS = 10_000              # gsm / code_def redraw prompts over budget: refuse a budget none fits
 
 
 @dataclass
@@ -115,16 +126,44 @@ class _Sources:
             bench = _benchmark_texts()
             self.texts["sharegpt"] = [t for t in tasks.sharegpt_texts(roles=("human",))
                                       if t.strip() and not _heldout_text(t) and t.strip() not in bench]
-        if cfg.sources.get("stdlib"):
+        if cfg.sources.get("stdlib") or cfg.sources.get("code_def"):
             files = [f for f in tasks.stdlib_sources()
                      if not _heldout_text(f.read_text(encoding="utf-8", errors="replace"))]
             self.texts["stdlib"] = files
+            self._defs: dict = {}
+        if cfg.sources.get("gsm"):
+            try:
+                import reasoning_gym
+            except ImportError:
+                raise ValueError("source 'gsm' needs reasoning_gym: pip install reasoning-gym==0.1.25") from None
+            self.gsm = reasoning_gym.create_dataset("gsm_symbolic", size=GSM_SIZE, seed=cfg.seed)
         if cfg.sources.get("arithmetic"):
             evals = {p.prompt for p in tasks.prompt_set("arithmetic", EVAL_ARITHMETIC, seed=0)}
             self.arith_evals = evals
         for name, items in self.texts.items():
             if not items:
                 raise ValueError(f"source {name!r} has no training prompts (is its package installed?)")
+
+    def _function_starts(self, path) -> list[str]:
+        """Every documented function of a source file, from its ``def`` through its docstring
+        and dedented: a HumanEval-style prompt whose completion is the body."""
+        if path not in self._defs:
+            import ast
+            import textwrap
+            src = path.read_text(encoding="utf-8", errors="replace")
+            lines = src.splitlines(keepends=True)
+            try:
+                tree = ast.parse(src)
+            except (SyntaxError, ValueError):
+                tree = None
+            starts = []
+            for node in ast.walk(tree) if tree is not None else ():
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node) \
+                        and len(node.body) > 1:
+                    doc = node.body[0]
+                    starts.append(textwrap.dedent("".join(lines[node.lineno - 1:doc.end_lineno])))
+            self._defs[path] = starts
+        return self._defs[path]
 
     def _cut(self, text: str, budget: int) -> str:
         ids = self.tok.encode(text)
@@ -143,6 +182,25 @@ class _Sources:
             start = rng.randrange(max(1, len(lines) - 4))
             window = "".join(lines[start:start + rng.randint(4, 16)]) or "import os\n"
             return self._cut(window, self.cfg.prompt_tokens)
+        if source == "gsm":
+            from ..models.embedded import chat_prompt
+            for _ in range(MAX_DRAWS):      # whole problems only: a cut one has no question
+                q = self.gsm[rng.randrange(GSM_SIZE)]["question"].removesuffix(GSM_SUFFIX)
+                text = chat_prompt(q) if self.chat else q
+                if not _heldout_text(q) and len(self.tok.encode(text)) <= self.cfg.prompt_tokens:
+                    return text
+            raise ValueError(f"source 'gsm': no problem fits prompt_tokens = {self.cfg.prompt_tokens} "
+                             f"in {MAX_DRAWS} draws")
+        if source == "code_def":
+            for _ in range(MAX_DRAWS):
+                f = self.texts["stdlib"][rng.randrange(len(self.texts["stdlib"]))]
+                defs = self._function_starts(f)
+                if defs:
+                    text = defs[rng.randrange(len(defs))]
+                    if len(self.tok.encode(text)) <= self.cfg.prompt_tokens:
+                        return text
+            raise ValueError(f"source 'code_def': no documented function fits prompt_tokens = "
+                             f"{self.cfg.prompt_tokens} in {MAX_DRAWS} draws")
         while True:                                            # arithmetic
             p = tasks.arithmetic(1, seed=1000 + self.cfg.seed * 1_000_003 + index * 31 + rng.randrange(1 << 20))[0]
             if p.prompt not in self.arith_evals and not is_heldout_problem(p.prompt):
@@ -284,6 +342,27 @@ class GeneratedData:
         return list(self)
 
 
+def read_directories(paths) -> tuple[list[tuple[list[int], int]], dict]:
+    """The sequences of one or more engine directories, back to back in the order given, and
+    their info (one directory's, or the totals with each directory's under ``"directories"``).
+
+    Appending a directory keeps every earlier sequence's index, so a feature cache built over
+    the first ones stays a valid prefix and ``heldout_split(start=<their count>)`` holds out
+    only sequences of the new directories."""
+    datas = [GeneratedData(p) for p in paths]
+    if not datas:
+        raise ValueError("data: no directory given")
+    sequences = [s for d in datas for s in d]
+    if len(datas) == 1:
+        return sequences, datas[0].info
+    infos = [d.info for d in datas]
+    info = {"source": "; ".join(dict.fromkeys(i["source"] for i in infos)), "directories": infos}
+    for key in ("shards", "sequences", "tokens", "response_tokens"):
+        info[key] = sum(i[key] for i in infos)
+    info["generation_s"] = round(sum(i["generation_s"] for i in infos), 1)
+    return sequences, info
+
+
 def heldout_split(count: int, held: int, *, seed: int, start: int = 0) -> tuple[list[int], list[int]]:
     """(held-out, training) indices of ``count`` sequences: ``held`` of the indices >= ``start``,
     drawn by a shuffle seeded with ``seed + 17``; every index < ``start`` trains.
@@ -318,6 +397,9 @@ def main(argv=None) -> dict:
                    help="ar calls per shard, the unit of resume (default %(default)s)")
     p.add_argument("--sampled-fraction", type=float, default=d.sampled_fraction,
                    help="share of ar calls sampled at T = 1 (default %(default)s)")
+    p.add_argument("--sources", default=None,
+                   help="source=weight,... of " + ", ".join(ENGINE_SOURCES) + " (default %s)"
+                   % ",".join(f"{k}={v}" for k, v in d.sources.items()))
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the machine's)")
     p.add_argument("--threads", default=None, help="torch threads (default: dspec's policy)")
@@ -326,7 +408,13 @@ def main(argv=None) -> dict:
     from ..cpu import apply_threads
     apply_threads(args.threads)
     try:
-        cfg = EngineConfig(tokens=args.tokens, response_tokens=args.response_tokens, prompt_tokens=args.prompt_tokens,
+        sources = d.sources
+        if args.sources:
+            try:
+                sources = {k: float(v) for k, v in (item.split("=") for item in args.sources.split(","))}
+            except ValueError:
+                raise ValueError(f"--sources must look like gsm=0.6,code_def=0.4, got {args.sources!r}") from None
+        cfg = EngineConfig(tokens=args.tokens, sources=sources, response_tokens=args.response_tokens, prompt_tokens=args.prompt_tokens,
                            batch=args.batch, shard_batches=args.shard_batches,
                            sampled_fraction=args.sampled_fraction, seed=args.seed)
         target = dspec.load(args.target, dtype=args.dtype)

@@ -689,7 +689,8 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     ap.add_argument("--data", default=None,
-                    help="training sequences: a data-engine directory (python -m dspec.train.data_engine) or "
+                    help="training sequences: data-engine directories (python -m dspec.train.data_engine; "
+                         "several, comma-separated, are read back to back) or "
                          "another run's data.pt (default: generate --num-prompts responses here)")
     ap.add_argument("--cache-features", action="store_true",
                     help="compute the target's hidden states once into OUT/features (offline mode) instead "
@@ -739,13 +740,12 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
         raise SystemExit(f"{out / CHECKPOINT} exists: pass --resume to continue or choose another --out")
     sampler = prefix_sampler_factory(cfg) if prefix_sampler_factory else None
     sequences = None
-    if args.data and Path(args.data).is_dir():
-        from .data_engine import GeneratedData
+    if args.data and all(Path(p).is_dir() for p in args.data.split(",")):
+        from .data_engine import read_directories
         try:
-            engine = GeneratedData(args.data)
+            sequences, info = read_directories(args.data.split(","))
         except ValueError as e:
             raise SystemExit(f"--data: {e}")
-        sequences, info = engine.sequences(), engine.info
     elif args.data and not (out / DATA).is_file():
         blob = torch.load(args.data, weights_only=False)
         out.mkdir(parents=True, exist_ok=True)
