@@ -501,7 +501,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m dspec.train.mask_adapter",
                                  description="Train a mask-selective block-diffusion adapter on a causal LM.")
     ap.add_argument("--base", default="smollm2-135m", help="shipped causal model or checkpoint dir")
-    ap.add_argument("--data", required=True, help="a data-engine directory (python -m dspec.train.data_engine)")
+    ap.add_argument("--data", required=True,
+                    help="data-engine directories (python -m dspec.train.data_engine), comma-separated: read back to back")
     ap.add_argument("--out", required=True, help="run directory (checkpoint.pt, train_log.json, adapter/)")
     ap.add_argument("--minutes", type=float, default=None, help="time budget (fixes the schedule length)")
     ap.add_argument("--max-steps", type=int, default=None)
@@ -525,7 +526,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     from ..cpu import apply_threads
     from ..hub import load
-    from .data_engine import GeneratedData
+    from .data_engine import read_directories
     from .lora import base_fingerprint
     apply_threads(args.threads)
     try:
@@ -535,7 +536,7 @@ def main(argv=None) -> dict:
                                 lr=args.lr, mask_token=args.mask_token, autocast=args.autocast, seed=args.seed,
                                 heldout_start=args.heldout_start,
                                 eval_block_sizes=tuple(b for b in (2, 4, 8) if b <= max(sizes)) or (max(sizes),))
-        data = GeneratedData(args.data)
+        sequences, data_info = read_directories(args.data.split(","))
     except ValueError as e:
         ap.error(str(e))
     out = Path(args.out)
@@ -555,9 +556,9 @@ def main(argv=None) -> dict:
             init_mask_adapter(model, adapter_dir(args.init) if args.init in ADAPTED else args.init)
         except ValueError as e:
             ap.error(f"--init: {e}")
-    info = dict(data.info, init=args.init) if args.init else data.info
+    info = dict(data_info, init=args.init) if args.init else data_info
     try:
-        trainer = MaskAdapterTrainer(model, data.sequences(), cfg, out, base_name=str(args.base),
+        trainer = MaskAdapterTrainer(model, sequences, cfg, out, base_name=str(args.base),
                                      base_fingerprint=fingerprint, data_info=info)
     except ValueError as e:
         ap.error(str(e))
