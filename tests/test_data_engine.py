@@ -228,6 +228,9 @@ def test_cli_trains_from_an_engine_directory(tiny, tmp_path):
         main(["--target", "tiny-ar", "--out", str(tmp_path / "bad"), "--max-steps", "2", "--data",
               str(tmp_path / "data"), "--draft-vocab", "-1"])
     assert not (tmp_path / "bad" / "checkpoint.pt").exists()
+    with pytest.raises(SystemExit, match="several sources"):      # a list with a missing directory
+        main(["--target", "tiny-ar", "--out", str(tmp_path / "bad"), "--max-steps", "2", "--data",
+              f"{tmp_path / 'data'},{tmp_path / 'nothing'}"])
     log = json.loads((tmp_path / "run" / "train_log.json").read_text())
     assert log["data"]["source"].startswith("target-generated")
 

@@ -740,6 +740,9 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
         raise SystemExit(f"{out / CHECKPOINT} exists: pass --resume to continue or choose another --out")
     sampler = prefix_sampler_factory(cfg) if prefix_sampler_factory else None
     sequences = None
+    if args.data and "," in args.data and not all(Path(p).is_dir() for p in args.data.split(",")):
+        missing = [p for p in args.data.split(",") if not Path(p).is_dir()]
+        raise SystemExit(f"--data: several sources must all be data-engine directories; not one: {missing}")
     if args.data and all(Path(p).is_dir() for p in args.data.split(",")):
         from .data_engine import read_directories
         try:
