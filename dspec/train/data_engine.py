@@ -57,7 +57,7 @@ from .. import tasks
 from .data import _heldout_text, is_heldout_problem
 
 __all__ = ["EngineConfig", "prompt_stream", "generate_shards", "GeneratedData", "read_directories", "heldout_split",
-           "ENGINE_SOURCES"]
+           "parse_source_weights", "ENGINE_SOURCES"]
 
 # a shard row's source id is its index here: append new sources, never reorder
 ENGINE_SOURCES = ("sharegpt", "stdlib", "arithmetic", "gsm", "code_def")
@@ -342,6 +342,12 @@ class GeneratedData:
         return list(self)
 
 
+def parse_source_weights(text: str) -> dict[str, float]:
+    """``"name=weight,..."`` (the CLIs' ``--sources``) -> {name: weight}; ValueError on any
+    other shape (the caller's config checks the names and weights)."""
+    return {k: float(v) for k, v in (item.split("=") for item in text.split(","))}
+
+
 def read_directories(paths) -> tuple[list[tuple[list[int], int]], dict]:
     """The sequences of one or more engine directories, back to back in the order given, and
     their info (one directory's, or the totals with each directory's under ``"directories"``).
@@ -411,7 +417,7 @@ def main(argv=None) -> dict:
         sources = d.sources
         if args.sources:
             try:
-                sources = {k: float(v) for k, v in (item.split("=") for item in args.sources.split(","))}
+                sources = parse_source_weights(args.sources)
             except ValueError:
                 raise ValueError(f"--sources must look like gsm=0.6,code_def=0.4, got {args.sources!r}") from None
         cfg = EngineConfig(tokens=args.tokens, sources=sources, response_tokens=args.response_tokens, prompt_tokens=args.prompt_tokens,

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from ..decode.dflash import vocab_ids
 from ..models.dflash import MASK, BlockDrafter, block_loss_weights
-from .data_engine import heldout_split
+from .data_engine import heldout_split, parse_source_weights
 from .loop import BudgetedLoop
 
 CHECKPOINT = "checkpoint.pt"
@@ -728,7 +728,7 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
             setattr(cfg, attr, val)
     if args.sources:
         try:
-            cfg.sources = {k: float(v) for k, v in (item.split("=") for item in args.sources.split(","))}
+            cfg.sources = parse_source_weights(args.sources)
         except ValueError:
             raise SystemExit(f"--sources must look like arithmetic=0.3,stdlib=0.7, got {args.sources!r}")
     try:
@@ -740,13 +740,14 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
         raise SystemExit(f"{out / CHECKPOINT} exists: pass --resume to continue or choose another --out")
     sampler = prefix_sampler_factory(cfg) if prefix_sampler_factory else None
     sequences = None
-    if args.data and "," in args.data and not all(Path(p).is_dir() for p in args.data.split(",")):
-        missing = [p for p in args.data.split(",") if not Path(p).is_dir()]
+    data_dirs = args.data.split(",") if args.data else []
+    missing = [p for p in data_dirs if not Path(p).is_dir()]
+    if len(data_dirs) > 1 and missing:
         raise SystemExit(f"--data: several sources must all be data-engine directories; not one: {missing}")
-    if args.data and all(Path(p).is_dir() for p in args.data.split(",")):
+    if data_dirs and not missing:
         from .data_engine import read_directories
         try:
-            sequences, info = read_directories(args.data.split(","))
+            sequences, info = read_directories(data_dirs)
         except ValueError as e:
             raise SystemExit(f"--data: {e}")
     elif args.data and not (out / DATA).is_file():
