@@ -6,8 +6,8 @@ wraps them) ``ar``, then ``dflash`` and ``dflash-adaptive`` (row_cost 0.06) with
 interleaved, greedy, batch 1.  Reports per prompt set and pooled: tok/s, the ratio to ``ar``,
 tokens committed per verification (weighted by cycles) and outputs that differ from ``ar``'s
 (``ab_common.py``).  ``--vp-drafters`` (one per DFlash drafter, in the same order) adds a
-``d2sd`` arm (K = 2, its CPU defaults) per pair; ``--tree N`` a ``dflash`` arm per drafter
-verifying an N-node draft tree (at the CPU's default row cost).
+``d2sd`` arm (K = 2, its CPU defaults) per pair; ``--tree N[,M..]`` a ``dflash`` arm per
+drafter and node count verifying a draft tree (at the CPU's default row cost).
 
     python bench/ab_drafters.py --drafters smollm2-135m-dflash,runs/dflash-r6/drafter
     python bench/ab_drafters.py --drafters smollm2-135m-dflash,runs/dflash-r7/drafter \
@@ -37,8 +37,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--vp-drafters", default=None,
                     help="comma-separated VP drafters, one per --drafters entry: adds a d2sd arm per pair")
     ap.add_argument("--row-cost", type=float, default=0.06, help="dflash-adaptive's row_cost")
-    ap.add_argument("--tree", type=int, default=None,
-                    help="adds a dflash arm per drafter verifying a draft tree of this many nodes")
+    ap.add_argument("--tree", default=None,
+                    help="comma-separated node counts: a dflash arm per drafter and count verifying a draft tree")
     add_run_arguments(ap, prompts=32, name="ab_drafters")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -47,14 +47,17 @@ def main(argv=None) -> dict:
     vps = args.vp_drafters.split(",") if args.vp_drafters else [None] * len(paths)
     if len(vps) != len(paths):
         ap.error(f"--vp-drafters: one per --drafters entry ({len(paths)}), got {len(vps)}")
+    try:
+        trees = [int(n) for n in args.tree.split(",")] if args.tree else []
+    except ValueError:
+        ap.error(f"--tree: comma-separated ints, got {args.tree!r}")
     arms = [Arm("ar", model, "ar")]
     for path, vp in zip(paths, vps):
         d = resolve_drafter(path, model, "dflash")
         arms += [Arm(f"dflash[{path}]", model, "dflash", {"drafter": d}, reference="ar"),
                  Arm(f"adaptive[{path}]", model, "dflash", {"drafter": d, "row_cost": args.row_cost}, reference="ar")]
-        if args.tree is not None:
-            arms.append(Arm(f"tree{args.tree}[{path}]", model, "dflash", {"drafter": d, "tree": args.tree},
-                            reference="ar"))
+        for nodes in trees:
+            arms.append(Arm(f"tree{nodes}[{path}]", model, "dflash", {"drafter": d, "tree": nodes}, reference="ar"))
         if vp is not None:
             pair = {"dflash": d, "vp": resolve_drafter(vp, model, "vp")}
             arms.append(Arm(f"d2sd[{path},{vp}]", model, "d2sd", {"drafter": pair, "k": 2}, reference="ar"))

@@ -48,6 +48,7 @@ cycle 2.05 (chain of 7) -> 2.37 / 2.57 / 2.72 with 7 / 15 / 31 tree nodes.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -55,7 +56,7 @@ import torch
 from ..masks import causal
 from ..models import AttentionPlan
 from ..models.dflash import MASK, BlockDrafter, resolve_drafter
-from ..ops import token_stats, tree_mask, verify_chain, verify_tree
+from ..ops import token_stats, topk_tokens, tree_mask, verify_chain, verify_tree
 from ._cpu_cost import resolve_row_cost
 from .sampling import next_tokens, sample_from
 
@@ -247,29 +248,41 @@ def marginal_tree(probs: torch.Tensor, tokens: torch.Tensor, nodes: int):
     ([[5, 8, 7]], [[0, 1, 0]], [[1, 2, 1]])
     """
     batch, depth_max, k = probs.shape
-    dev = probs.device
-    scores, parents, toks = [], [], []
-    offset = 0
-    prev = torch.ones(batch, 1, dtype=torch.float64, device=dev)
-    for d in range(depth_max):
-        cand = (prev[:, :, None] * probs[:, d, None, :].double()).flatten(1)   # [B, width * k]
-        s, idx = cand.topk(min(nodes, cand.shape[1]), dim=1)
+    factors = probs.double().clamp(0.0, 1.0)           # <= 1: a score never rises along a path
+    scores, picks = [], []
+    prev = factors.new_ones(batch, 1)
+    for d in range(depth_max):                          # the beam: 3 ops per depth, the rest after
+        s, idx = (prev[:, :, None] * factors[:, d, None, :]).flatten(1).topk(min(nodes, prev.shape[1] * k), dim=1)
         scores.append(s)
-        parents.append(idx // k + offset - prev.shape[1] if d else torch.full_like(idx, -1))
-        toks.append(tokens[:, d].gather(1, idx % k))
-        offset += s.shape[1]
+        picks.append(idx)
         prev = s
+    depth, prev_start, slot_base = _tree_columns(tuple(s.shape[1] for s in scores), k, str(probs.device))
     flat_scores = torch.cat(scores, 1)                                     # [B, M], depth-major
-    flat_parents = torch.cat(parents, 1)                                   # flat index, -1: the root
-    flat_depth = torch.cat([torch.full_like(s, d + 1, dtype=torch.int64) for d, s in enumerate(scores)], 1)
+    flat_idx = torch.cat(picks, 1)
+    flat_parent = flat_idx // k + prev_start                               # < 0: the root
+    flat_tokens = tokens.reshape(batch, depth_max * k).gather(1, slot_base + flat_idx % k)
     # stable: on equal scores the shallower (earlier) node ranks first, so a parent precedes its children
     order = flat_scores.sort(dim=1, descending=True, stable=True).indices[:, :nodes]
-    column = torch.full_like(flat_parents, -1)
-    column.scatter_(1, order, torch.arange(order.shape[1], device=dev).expand_as(order))
-    parent_flat = flat_parents.gather(1, order)
-    parent = torch.where(parent_flat >= 0, column.gather(1, parent_flat.clamp_min(0)) + 1, 0)
-    return (torch.cat(toks, 1).gather(1, order), parent, flat_depth.gather(1, order),
-            flat_scores.gather(1, order).float())
+    column = torch.empty_like(flat_idx).scatter_(1, order, torch.arange(1, order.shape[1] + 1, device=order.device)
+                                                 .expand_as(order))
+    parent_flat = flat_parent.gather(1, order)
+    parent = torch.where(parent_flat >= 0, column.gather(1, parent_flat.clamp_min(0)), 0)
+    return flat_tokens.gather(1, order), parent, depth[order], flat_scores.gather(1, order).float()
+
+
+@functools.lru_cache(maxsize=64)
+def _tree_columns(widths: tuple, k: int, device: str):
+    """Per column of :func:`marginal_tree`'s depth-major candidate list (levels of
+    ``widths``): its depth, the first column of the level above (negative at depth 1: the
+    parent is the root) and ``(depth - 1) * k`` (its slot's first candidate)."""
+    depth, prev_start, slot_base = [], [], []
+    start = 0
+    for d, w in enumerate(widths):
+        depth += [d + 1] * w
+        prev_start += [start - (widths[d - 1] if d else sum(widths) + 1)] * w
+        slot_base += [d * k] * w
+        start += w
+    return tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (depth, prev_start, slot_base))
 
 
 def draft_block(drafter: BlockDrafter, context, anchor: torch.Tensor, positions: torch.Tensor,
@@ -397,15 +410,15 @@ def _tree_cycle(run: SpeculativeRun, model, logits, vocab, nodes: int, row_cost,
     """A cycle's tree verification (``tree``): the best nodes over each slot's candidates,
     one target forward under the tree mask, ``verify_tree``, commit of the accepted path.
     Returns (any request still live, draft nodes verified summed over the cycle's requests)."""
-    q = torch.softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
-    top_p, top_i = q.topk(min(TREE_TOP_K, q.shape[-1]), dim=-1)
+    top_i, top_p = topk_tokens(logits, min(TREE_TOP_K, logits.shape[-1]),
+                               temperature=temperature if temperature > 0 else 1.0)
     tokens, parents, depth, scores = marginal_tree(top_p, vocab_ids(top_i, vocab), nodes)
     n = tokens.shape[1] if row_cost is None else best_count(scores, float(row_cost))
     batch = tokens.shape[0]
     root = torch.zeros(batch, 1, dtype=torch.int64, device=tokens.device)
     tokens = torch.cat([run.anchor[:, None], tokens[:, :n]], 1)
     parents = torch.cat([root - 1, parents[:, :n]], 1)
-    positions = run.lengths[:, None] + torch.cat([root, depth[:, :n]], 1)
+    positions = torch.cat([root, depth[:, :n]], 1).add_(run.lengths[:, None])
     words = tree_mask(parents).words
     _sync(run.device)
     t1 = time.perf_counter()
