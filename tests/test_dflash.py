@@ -160,6 +160,21 @@ def test_drafting_forward_in_one_call_equals_the_per_op_loop(target, dtype, monk
         assert torch.equal(d(block, pos, cache, logits_from=1), fused)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_context_kv_equals_the_per_layer_training_path(target, dtype):
+    """Decoding commits context keys / values of all layers in one grouped call; training
+    differentiates the per-layer ``_context_kv``: the two agree bit for bit."""
+    d = BlockDrafter.for_target(target, num_layers=3, block_size=4, seed=5).to(dtype)
+    hidden = [torch.randn(2, 5, target.config.hidden_size, dtype=dtype) for _ in d.target_layer_ids]
+    pos = torch.tensor([[3, 4, 5, 6, 7], [9, 10, 11, 12, 13]])
+    kv = d.context_kv(hidden, pos)
+    features = d.target_features(hidden)
+    cos, sin = d._rope(pos)
+    for i, layer in enumerate(d.layers):
+        k, v = d._context_kv(layer, features, cos, sin)
+        assert torch.equal(kv.keys[i], k) and torch.equal(kv.values[i], v)
+
+
 def test_save_load_round_trip(target, tmp_path):
     d = BlockDrafter.for_target(target, block_size=6, seed=5)
     d.save(tmp_path / "dr")

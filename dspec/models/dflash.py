@@ -306,12 +306,15 @@ class BlockDrafter(nn.Module):
         states [B, N, H] each, for ``KVCache.append`` into :meth:`new_cache`."""
         features = self.target_features(hidden)
         cos, sin = self._rope(positions)
-        keys, values = [], []
-        for layer in self.layers:
-            k, v = self._context_kv(layer, features, cos, sin)
-            keys.append(k)
-            values.append(v)
-        return SuffixKV(keys, values)
+        c = self.config
+        b, t, _ = features.shape
+        # every layer's two projections in one grouped call and one RoPE over all the keys
+        # (a decode cycle commits a few rows: the per-layer calls were ~0.3 ms of op
+        # dispatch); bit-identical to _context_kv per layer, which training differentiates
+        kv = torch.stack(_project([m for layer in self.layers for m in (layer.k_proj, layer.v_proj)], features))
+        kv = kv.view(c.num_layers, 2, b, t, c.num_kv_heads, c.head_dim)
+        keys = _rotate(kv[:, 0], cos, sin)
+        return SuffixKV(stacked=torch.stack([keys, kv[:, 1]]))
 
     def new_cache(self, batch_size: int, *, capacity: int = 0) -> KVCache:
         """An empty drafter-side context cache (projected target features as K/V per layer)."""
