@@ -584,13 +584,16 @@ def test_shipped_drafter_loads_once_per_target_dtype():
 def test_bf16_greedy_equals_ar(family, tmp_path):
     """In bf16 too: a verification forward's rows are bit-identical to one-token steps (the C++
     attention tiles keys at fixed indices, the linear kernel is batch-invariant), so greedy
-    DFlash equals greedy ar token for token, rejections and all."""
+    DFlash equals greedy ar token for token, rejections and all -- with a draft tree too."""
     write_checkpoint(tmp_path, family, seed=3)
     model = dspec.load(tmp_path, dtype="bfloat16")
     n = 24
     ref = ar_tokens(model, PROMPTS, n)
     for d in (BlockDrafter.for_target(model, block_size=5, seed=4),
-              oracle_pair(model, PROMPTS, n, block_size=6, wrong_every=4)):
+              oracle_pair(model, PROMPTS, n, block_size=6, wrong_every=4, runner_up=1.5)):
         outs = [dspec.generate(model, p, method="dflash", max_new_tokens=n, drafter=d) for p in PROMPTS]
         assert [o.tokens for o in outs] == ref
+        trees = [dspec.generate(model, p, method="dflash", max_new_tokens=n, drafter=d, tree=15) for p in PROMPTS]
+        assert [o.tokens for o in trees] == ref          # a tree node's row too (ancestors only)
     assert outs[0].stats["mean_accepted"] > 1.5
+    assert trees[0].stats["mean_accepted"] >= outs[0].stats["mean_accepted"]
