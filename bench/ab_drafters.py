@@ -3,7 +3,7 @@
 This VM's memory bandwidth moves between processes, so a drafter round is judged against the
 previous one inside one run: for every prompt (the e2e grid's sets, chat-wrapped as the grid
 wraps them) ``ar``, then ``dflash`` and ``dflash-adaptive`` (row_cost 0.06) with each drafter,
-interleaved, greedy, batch 1.  Reports per prompt set and pooled: tok/s, the ratio to ``ar``,
+both verifying the chain (``tree=None``), interleaved, greedy, batch 1.  Reports per prompt set and pooled: tok/s, the ratio to ``ar``,
 tokens committed per verification (weighted by cycles) and outputs that differ from ``ar``'s
 (``ab_common.py``).  ``--vp-drafters`` (one per DFlash drafter, in the same order) adds a
 ``d2sd`` arm (K = 2, its CPU defaults) per pair; ``--tree N[,M..]`` a ``dflash`` arm per
@@ -54,8 +54,9 @@ def main(argv=None) -> dict:
     arms = [Arm("ar", model, "ar")]
     for path, vp in zip(paths, vps):
         d = resolve_drafter(path, model, "dflash")
-        arms += [Arm(f"dflash[{path}]", model, "dflash", {"drafter": d}, reference="ar"),
-                 Arm(f"adaptive[{path}]", model, "dflash", {"drafter": d, "row_cost": args.row_cost}, reference="ar")]
+        arms += [Arm(f"dflash[{path}]", model, "dflash", {"drafter": d, "tree": None}, reference="ar"),
+                 Arm(f"adaptive[{path}]", model, "dflash", {"drafter": d, "row_cost": args.row_cost, "tree": None},
+                     reference="ar")]
         for nodes in trees:
             arms.append(Arm(f"tree{nodes}[{path}]", model, "dflash", {"drafter": d, "tree": nodes}, reference="ar"))
         if vp is not None:

@@ -126,8 +126,10 @@ CONFIGS: tuple[Config, ...] = (
     # CPU is row_cost 0.02), and every draft verified (the default elsewhere)
     Config("dflash-adaptive", "dflash", "target", {"row_cost": 0.06}),
     Config("dflash-full", "dflash", "target", {"row_cost": None}),
-    # tree verification over each slot's top candidates: 15 nodes (+ the root: one AMX tile
-    # pass of 16 rows) pruned at the CPU's row cost, and 7 nodes (the chain's 8 rows)
+    # the draft tree (on a CPU, greedy, `dflash` verifies 7 tree nodes: tree="auto"): the
+    # chain as published, 15 nodes (+ the root: one AMX tile pass of 16 rows) pruned at the
+    # CPU's row cost, and 7 nodes every one verified
+    Config("dflash-chain", "dflash", "target", {"tree": None}),
     Config("dflash-tree", "dflash", "target", {"tree": 15}),
     Config("dflash-tree7", "dflash", "target", {"tree": 7, "row_cost": None}),
     *(Config(f"d2sd-K{k}", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), k)})

@@ -282,7 +282,8 @@ def test_adaptive_verification_length_equals_ar(target, row_cost):
     n = 16
     ref = ar_tokens(target, PROMPTS, n)
     d = oracle_pair(target, PROMPTS, n, block_size=5, wrong_every=4)
-    outs = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d, row_cost=row_cost)
+    outs = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d, row_cost=row_cost,
+                          tree=None)
     assert [g.tokens for g in outs] == ref
     s = outs[0].stats
     assert 1 <= s["verified_drafts"] <= 4 and s["mean_accepted"] <= 1 + s["verified_drafts"]
@@ -371,6 +372,13 @@ def test_tree_batch_equals_singles_and_checks_its_option(target):
     for bad in (0, -2, 1.5, True, "15"):
         with pytest.raises(ValueError, match="tree"):
             dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=2, drafter=d, tree=bad)
+    # "auto" (the default): CPU_TREE_NODES nodes when greedy on a CPU model, the chain at T > 0
+    from dspec.decode._cpu_cost import CPU_TREE_NODES
+    assert batch[0].stats["tree"] == 6
+    assert dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4, drafter=d).stats["tree"] == CPU_TREE_NODES
+    assert dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4, drafter=d, tree=None).stats["tree"] is None
+    hot = dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4, drafter=d, temperature=1.0, seed=0)
+    assert hot.stats["tree"] is None
 
 
 def test_batch_ragged_equals_singles(target):
