@@ -46,9 +46,8 @@ import time
 import torch
 
 from ..masks import d2sd_branches, ssd_copies
-from ..models import AttentionPlan
 from ..models.dflash import MASK, resolve_drafter
-from ..ops import rejection_boundaries, token_stats, verify_tree
+from ..ops import rejection_boundaries, token_stats
 from .dflash import SpeculativeRun, _sync, check_draft_len, draft_block, vocab_ids
 from ._cpu_cost import resolve_row_cost
 from .sampling import sample_from
@@ -234,14 +233,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         t2 = time.perf_counter()
         nodes_total += int((tree.parents >= 0).sum()) + len(anchors)
         tree_pos = run.lengths[:, None] + tree.positions
-        out = model(AttentionPlan(tree.tokens, tree_pos, tree.words, run.cache), hidden_states=run.layer_ids)
-        run.nfe["target"] += 1
-        ver = verify_tree(tree.tokens, tree.parents, out.logits, temperature=temperature, generator=generator)
-        host_v = run.fetch(ver.num_accepted, ver.tokens)
-        path = ver.path.cpu()
-        keep = torch.cat([torch.zeros(path.shape[0], 1, dtype=torch.int64), path], 1)
-        run.commit(out, tree_pos, keep=keep)
-        live = run.finish_cycle(host_v)
+        live = run.verify_tree_cycle(tree.tokens, tree.parents, tree_pos, tree.words, temperature, generator)
         _sync(dev)
         t3 = time.perf_counter()
         run.time["draft_s"] += t1 - t0

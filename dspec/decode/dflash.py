@@ -144,6 +144,19 @@ class SpeculativeRun:
         self.cache.append(out.suffix_kv, keep, counts=counts)
         self._commit_context(out.hidden, positions, counts=counts, keep=keep)
 
+    def verify_tree_cycle(self, tokens, parents, positions, words, temperature, generator) -> bool:
+        """One target forward over a token tree (``tokens`` / ``parents`` [B, N], node 0 the
+        anchor; absolute ``positions`` [B, N]; ``words`` its ``tree_mask``), ``verify_tree``,
+        the root and accepted path committed (``keep=[0] + path``) and the outputs extended
+        (:meth:`finish_cycle`).  False when every request is done."""
+        out = self.model(AttentionPlan(tokens, positions, words, self.cache), hidden_states=self.layer_ids)
+        self.nfe["target"] += 1
+        ver = verify_tree(tokens, parents, out.logits, temperature=temperature, generator=generator)
+        host = self.fetch(ver.num_accepted, ver.tokens)
+        path = ver.path.cpu()
+        self.commit(out, positions, keep=torch.cat([torch.zeros(path.shape[0], 1, dtype=torch.int64), path], 1))
+        return self.finish_cycle(host)
+
     def fetch(self, num_accepted: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The cycle's one host sync: [B, 1 + W] int64 on the CPU, column 0 the accepted
         counts, then the verify output's tokens."""
@@ -369,7 +382,7 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         logits, vocab = draft_block(drafter, run.contexts["drafter"], run.anchor, positions, gamma)
         run.nfe["drafter"] += 1
         if tree is not None:
-            live, nodes = _tree_cycle(run, model, logits, vocab, tree, row_cost, temperature, generator, t0)
+            live, nodes = _tree_cycle(run, logits, vocab, tree, row_cost, temperature, generator, t0)
             verified += nodes
             continue
         if temperature > 0:
@@ -408,7 +421,7 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
                                     verified_drafts=verified / run.cycles if run.cycles else 0.0)
 
 
-def _tree_cycle(run: SpeculativeRun, model, logits, vocab, nodes: int, row_cost, temperature, generator,
+def _tree_cycle(run: SpeculativeRun, logits, vocab, nodes: int, row_cost, temperature, generator,
                 t0: float) -> tuple[bool, int]:
     """A cycle's tree verification (``tree``): the best nodes over each slot's candidates,
     one target forward under the tree mask, ``verify_tree``, commit of the accepted path.
@@ -425,13 +438,7 @@ def _tree_cycle(run: SpeculativeRun, model, logits, vocab, nodes: int, row_cost,
     words = tree_mask(parents).words
     _sync(run.device)
     t1 = time.perf_counter()
-    out = model(AttentionPlan(tokens, positions, words, run.cache), hidden_states=run.layer_ids)
-    run.nfe["target"] += 1
-    ver = verify_tree(tokens, parents, out.logits, temperature=temperature, generator=generator)
-    host = run.fetch(ver.num_accepted, ver.tokens)
-    keep = torch.cat([root, ver.path], 1).cpu()
-    run.commit(out, positions, keep=keep)
-    live = run.finish_cycle(host)
+    live = run.verify_tree_cycle(tokens, parents, positions, words, temperature, generator)
     _sync(run.device)
     run.time["draft_s"] += t1 - t0
     run.time["verify_s"] += time.perf_counter() - t1
