@@ -48,13 +48,13 @@ void rope(std::int64_t q, std::int64_t k, std::int64_t cos, std::int64_t sin, in
   c.float_dtype(dtype, "dtype");
   c.at_least(rows, 0, "rows");
   c.at_least(hq, 1, "hq");
-  c.at_least(hkv, 1, "hkv");
+  c.at_least(hkv, 0, "hkv");   // 0: rotate q alone (k unused)
   check_rope_head_dim(c, head_dim);
   c.product(rows, hq * head_dim, "rows * hq * head_dim");
   if (rows == 0) return;
   const std::int64_t item = element_size(dtype);
   c.ptr(q, "q", item);
-  c.ptr(k, "k", item);
+  if (hkv > 0) c.ptr(k, "k", item);
   c.ptr(cos, "cos", 4);
   c.ptr(sin, "sin", 4);
   RopeArgs a;

@@ -167,12 +167,23 @@ def test_context_kv_equals_the_per_layer_training_path(target, dtype):
     d = BlockDrafter.for_target(target, num_layers=3, block_size=4, seed=5).to(dtype)
     hidden = [torch.randn(2, 5, target.config.hidden_size, dtype=dtype) for _ in d.target_layer_ids]
     pos = torch.tensor([[3, 4, 5, 6, 7], [9, 10, 11, 12, 13]])
-    kv = d.context_kv(hidden, pos)
-    features = d.target_features(hidden)
-    cos, sin = d._rope(pos)
-    for i, layer in enumerate(d.layers):
-        k, v = d._context_kv(layer, features, cos, sin)
-        assert torch.equal(kv.keys[i], k) and torch.equal(kv.values[i], v)
+    for step in range(2):
+        if step:                        # a weight changed in place: the stacked copies follow
+            with torch.no_grad():
+                d.layers[1].k_proj.weight.mul_(1.5)
+                d.layers[2].v_proj.weight.add_(0.01)
+        with torch.no_grad():
+            assert d._context_kv_fused(d.target_features(hidden), *d._rope(pos)) is not None
+            kv = d.context_kv(hidden, pos)                                   # the C++ path
+        graded = d.context_kv(hidden, pos)                                   # autograd: per-op
+        assert graded.stacked.requires_grad
+        for got, grad_mode in ((kv, False), (graded, True)):
+            with torch.set_grad_enabled(grad_mode):      # the same projection kernels as got's
+                features = d.target_features(hidden)
+                cos, sin = d._rope(pos)
+                for i, layer in enumerate(d.layers):
+                    k, v = d._context_kv(layer, features, cos, sin)
+                    assert torch.equal(got.keys[i], k) and torch.equal(got.values[i], v), (step, grad_mode, i)
 
 
 def test_save_load_round_trip(target, tmp_path):

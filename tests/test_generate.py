@@ -147,3 +147,31 @@ def test_every_method_decodes_without_grad_mode(method, monkeypatch):
     with torch.enable_grad():
         module.decode(model, [prompt], max_new_tokens=6)
     assert modes and not any(modes), (method, modes)
+
+
+@pytest.mark.parametrize("method", ["ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decode_loops_pass_their_own_value_checks(method, temperature, monkeypatch):
+    """``dspec.generate`` runs a method's loop with the ops' value checks off
+    (``config.trust_decode``: its tensors are its own ops'); with the checks kept on every
+    internal call passes them and the tokens are the same."""
+    from dspec import _validate
+    model = dspec.load("tiny-bd" if method in ("diffusion", "ssd", "spiffy", "s2d2") else "tiny-ar")
+    prompts = [model.tokenizer.encode("The cat sat on"), model.tokenizer.encode("Once upon a time there")]
+    seen = []
+    enabled = _validate.value_checks_enabled
+
+    def spy(t):
+        seen.append(enabled(t))
+        return seen[-1]
+
+    monkeypatch.setattr(_validate, "value_checks_enabled", spy)
+    runs = {}
+    for trust in (True, False):
+        monkeypatch.setattr(_validate.config, "trust_decode", trust)
+        seen.clear()
+        out = dspec.generate(model, prompts, method=method, max_new_tokens=12, temperature=temperature, seed=5)
+        runs[trust] = [g.tokens for g in out]
+        assert (not any(seen)) if trust else (seen and all(seen)), (method, trust, len(seen))
+    assert runs[True] == runs[False]
+    assert _validate.value_checks_enabled(torch.zeros(1))          # the scope was left

@@ -54,6 +54,7 @@ from __future__ import annotations
 import functools
 import time
 
+import numpy as np
 import torch
 
 from ..masks import causal
@@ -98,10 +99,12 @@ class SpeculativeRun:
         self.pick = {role: [ids.index(i) for i in d.target_layer_ids] for role, d in drafters.items()}
         self.max_new_tokens = max_new_tokens
         self.progress = progress
-        # outputs as one host tensor + lengths: a cycle extends every row with tensor ops
-        self._out = torch.full((len(prompts), max_new_tokens), -1, dtype=torch.int64)
-        self._out_len = torch.zeros(len(prompts), dtype=torch.int64)
-        self._eos = torch.tensor(sorted({int(e) for e in eos_ids}) or [-1], dtype=torch.int64)
+        # outputs as one host array + lengths: a cycle extends every row with array ops
+        # (numpy: ~1 us an op on these few-element host arrays, where a torch op costs ~8)
+        self._out = np.full((len(prompts), max_new_tokens), -1, dtype=np.int64)
+        self._out_len = np.zeros(len(prompts), dtype=np.int64)
+        self._eos = np.array(sorted({int(e) for e in eos_ids}) or [-1], dtype=np.int64)
+        self._req = np.arange(len(prompts))
         self.rows = list(range(len(prompts)))
         self.nfe = {"target": 0, **{role: 0 for role in drafters}}
         self.cycles = 0                # verification forwards x live requests
@@ -179,31 +182,33 @@ class SpeculativeRun:
 
     def _extend(self, tokens: torch.Tensor, counts: torch.Tensor, anchor) -> bool:
         """Append each live row's first counts[r] tokens (host tensors [A, W], [A]), cut after
-        an EOS and at max_new_tokens, with tensor ops (no loop over requests or tokens); drop
+        an EOS and at max_new_tokens, with array ops (no loop over requests or tokens); drop
         the finished rows from every cache.  False when all are done."""
-        req = torch.tensor(self.rows, dtype=torch.int64)
+        tokens, counts = tokens.numpy(), counts.numpy()
+        req = self._req
         width = tokens.shape[1]
-        col = torch.arange(width)
-        is_eos = torch.isin(tokens, self._eos) & (col[None, :] < counts[:, None])
-        eos_end = torch.where(is_eos.any(1), is_eos.to(torch.int64).argmax(1) + 1, width + 1)
+        col = np.arange(width)
+        is_eos = (tokens[:, :, None] == self._eos).any(2) & (col < counts[:, None])   # np.isin: ~0.2 ms
+        eos_end = np.where(is_eos.any(1), is_eos.argmax(1) + 1, width + 1)
         length = self._out_len[req]
-        take = torch.minimum(torch.minimum(counts, eos_end), self.max_new_tokens - length)
-        put = col[None, :] < take[:, None]
-        self._out[req[:, None].expand(-1, width)[put], (length[:, None] + col[None, :])[put]] = tokens[put]
+        take = np.minimum(np.minimum(counts, eos_end), self.max_new_tokens - length)
+        r, c = np.nonzero(col < take[:, None])
+        self._out[req[r], length[r] + c] = tokens[r, c]
         self._out_len[req] = length + take
         done = (eos_end <= take) | (length + take >= self.max_new_tokens)
         if self.progress is not None:
             self.progress.update(int(take.sum()) / self._out.shape[0])
-        keep = (~done).nonzero()[:, 0].tolist()
-        if not keep:
+        if not done.any():
+            self.anchor = anchor
+            return True
+        keep = np.flatnonzero(~done)
+        if not len(keep):
             return False
-        if len(keep) < len(self.rows):
-            self.cache = self.cache.select(keep)
-            self.contexts = {role: c.select(keep) for role, c in self.contexts.items()}
-            idx = torch.tensor(keep, device=anchor.device)
-            anchor = anchor.index_select(0, idx)
-            self.rows = [self.rows[r] for r in keep]
-        self.anchor = anchor
+        self.cache = self.cache.select(keep.tolist())
+        self.contexts = {role: c.select(keep.tolist()) for role, c in self.contexts.items()}
+        self.anchor = anchor.index_select(0, torch.from_numpy(keep).to(anchor.device))
+        self._req = req[keep]
+        self.rows = self._req.tolist()
         return True
 
     def stats(self, **extra) -> dict:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import cpu
+from .. import _validate, cpu
 from ..models.stack import frozen_weights
 
 # DESIGN.md's methods, each one module of dspec.decode with the same name.  A method module
@@ -164,7 +164,9 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
     start = time.perf_counter()
     # no grad mode whatever the method module does: under grad mode a CPU forward takes the
     # torch attention and the per-op layers (the C++ kernels have no backward)
-    with torch.no_grad(), frozen_weights(model), cpu.torch_ops_one_thread(), _gc_paused():
+    # the prompts and options are checked: the loop's ops need not re-read their own tensors
+    with torch.no_grad(), frozen_weights(model), cpu.torch_ops_one_thread(), _gc_paused(), \
+            _validate.decode_values_trusted():
         tokens, stats = module.decode(model, prompts, max_new_tokens=max_new_tokens,
                                       temperature=temperature, generator=generator,
                                       eos_ids=model.eos_token_ids, progress=bar, **options)
