@@ -51,6 +51,32 @@ struct TreeMaskArgs {
   std::int64_t* depth = nullptr;  // batch x nodes, contiguous
 };
 
+// draft_tree (CPU only): a block drafter's per-slot candidates -> the best draft tree, rooted
+// at each request's anchor, with its positions and ancestor mask (dspec/decode/dflash.py's
+// draft_tree; the torch composition there is the reference).
+struct DraftTreeArgs {
+  const float* probs = nullptr;          // batch x slots x k, contiguous: candidate probabilities
+  const std::int64_t* tokens = nullptr;  // batch x slots x k, contiguous: candidate ids
+  const std::int64_t* root_tokens = nullptr;     // batch: the anchors
+  const std::int64_t* root_positions = nullptr;  // batch: the anchors' positions
+  std::int64_t batch = 0;
+  std::int64_t slots = 0;
+  std::int64_t k = 0;
+  std::int64_t nodes = 0;       // N >= 1: nodes kept at most (besides the root)
+  double row_cost = -1.0;       // >= 0: prune to the best count per cost (best_count); < 0: none
+  std::int64_t capacity = 0;    // N' = min(N, number of paths): the outputs' node columns
+  // outputs, each batch x (1 + capacity) (node 0 the root), contiguous; the first 1 + n
+  // columns hold the tree, n = the returned count; words batch x (1 + n) x mask_words(1 + n)
+  std::int64_t* out_tokens = nullptr;
+  std::int64_t* out_parents = nullptr;
+  std::int64_t* out_positions = nullptr;
+  float* out_scores = nullptr;  // batch x capacity: the kept nodes' scores (float32 of the double product)
+  std::int32_t* words = nullptr;  // room for batch x (1 + capacity) x mask_words(1 + capacity)
+};
+
+// Returns n, the nodes kept per request (the largest over the batch with row_cost).
+std::int64_t draft_tree_cpu(const DraftTreeArgs& args);
+
 void pack_mask_cpu(const PackMaskArgs& args);
 void unpack_mask_cpu(const UnpackMaskArgs& args);
 // Ancestors in one pass over the nodes in index order (parents precede children); a parent

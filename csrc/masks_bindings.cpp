@@ -1,5 +1,5 @@
 // pybind11 registrations of the masks ops in dspec._C (see masks.h for the layout):
-//   pack_mask, unpack_mask, tree_mask, and the constants tree_mask_max_nodes,
+//   pack_mask, unpack_mask, tree_mask, draft_tree, and the constants tree_mask_max_nodes,
 //   INDEX_INT32 / INDEX_INT64.
 // Tensors cross as integer addresses (tensor.data_ptr()).  Every argument is validated
 // before anything is read or written; a bad one raises ValueError naming it.
@@ -7,6 +7,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -96,6 +97,63 @@ void tree_mask(std::int64_t parents_ptr, int dtype, std::int64_t batch, std::int
   run_op(on_cuda, a, stream, tree_mask_cpu, DSPEC_IF_CUDA(tree_mask_cuda));
 }
 
+std::int64_t draft_tree(std::int64_t probs_ptr, std::int64_t tokens_ptr, std::int64_t root_tokens_ptr,
+                        std::int64_t root_positions_ptr, std::int64_t batch, std::int64_t slots, std::int64_t k,
+                        std::int64_t nodes, double row_cost, std::int64_t capacity, std::int64_t out_tokens_ptr,
+                        std::int64_t out_parents_ptr, std::int64_t out_positions_ptr, std::int64_t out_scores_ptr,
+                        std::int64_t words_ptr) {
+  const Checker c{"draft_tree"};
+  c.at_least(batch, 0, "batch");
+  c.at_least(slots, 1, "slots");
+  c.at_least(k, 1, "k");
+  c.at_least(nodes, 1, "nodes");
+  c.product(batch, slots * k, "batch * slots * k");
+  // the paths a beam of `nodes` per slot can hold: capacity must equal min(nodes, that)
+  std::int64_t paths = 0, width = 1;
+  for (std::int64_t d = 0; d < slots && paths < nodes; ++d) {
+    width = std::min<std::int64_t>(nodes, width * k);
+    paths += width;
+  }
+  if (capacity != std::min(nodes, paths)) {
+    c.fail("capacity must be min(nodes, paths) = " + std::to_string(std::min(nodes, paths)) + ", got " +
+           std::to_string(capacity));
+  }
+  c.product(batch, (1 + capacity) * mask_words(1 + capacity) * 4, "batch * (1 + capacity) * num_words * 4");
+  if (!(row_cost >= 0.0) && row_cost != -1.0) c.fail("row_cost must be >= 0 (or -1: no pruning), got " + std::to_string(row_cost));
+  if (batch == 0) return 0;
+  c.ptr(probs_ptr, "probs_ptr", 4);
+  c.ptr(tokens_ptr, "tokens_ptr", 8);
+  c.ptr(root_tokens_ptr, "root_tokens_ptr", 8);
+  c.ptr(root_positions_ptr, "root_positions_ptr", 8);
+  c.ptr(out_tokens_ptr, "out_tokens_ptr", 8);
+  c.ptr(out_parents_ptr, "out_parents_ptr", 8);
+  c.ptr(out_positions_ptr, "out_positions_ptr", 8);
+  c.ptr(out_scores_ptr, "out_scores_ptr", 4);
+  c.ptr(words_ptr, "words_ptr", 4);
+  const float* probs = as_ptr<const float>(probs_ptr);
+  for (std::int64_t i = 0; i < batch * slots * k; ++i) {
+    if (probs[i] != probs[i]) c.fail("probs holds NaN at flat index " + std::to_string(i));
+  }
+  DraftTreeArgs a;
+  a.probs = probs;
+  a.tokens = as_ptr<const std::int64_t>(tokens_ptr);
+  a.root_tokens = as_ptr<const std::int64_t>(root_tokens_ptr);
+  a.root_positions = as_ptr<const std::int64_t>(root_positions_ptr);
+  a.batch = batch;
+  a.slots = slots;
+  a.k = k;
+  a.nodes = nodes;
+  a.row_cost = row_cost;
+  a.capacity = capacity;
+  a.out_tokens = as_ptr<std::int64_t>(out_tokens_ptr);
+  a.out_parents = as_ptr<std::int64_t>(out_parents_ptr);
+  a.out_positions = as_ptr<std::int64_t>(out_positions_ptr);
+  a.out_scores = as_ptr<float>(out_scores_ptr);
+  a.words = as_ptr<std::int32_t>(words_ptr);
+  py::gil_scoped_release release;
+  return draft_tree_cpu(a);
+}
+
 }  // namespace
 
 void register_masks(py::module_& m) {
@@ -119,6 +177,20 @@ on `stream` on the current device).  rows == 0 or num_keys == 0 is a no-op.)doc"
 words_ptr: rows x num_words int32, unit stride, row_stride elements between rows;
 num_keys <= 32 * num_words (later bits are ignored).  out_ptr: rows x num_keys bytes,
 contiguous.  rows == 0 or num_keys == 0 is a no-op.)doc");
+
+  m.def("draft_tree", &draft_tree, py::arg("probs_ptr"), py::arg("tokens_ptr"), py::arg("root_tokens_ptr"),
+        py::arg("root_positions_ptr"), py::arg("batch"), py::arg("slots"), py::arg("k"), py::arg("nodes"),
+        py::arg("row_cost"), py::arg("capacity"), py::arg("out_tokens_ptr"), py::arg("out_parents_ptr"),
+        py::arg("out_positions_ptr"), py::arg("out_scores_ptr"), py::arg("words_ptr"),
+        R"doc(The best draft tree over a block drafter's per-slot candidates (CPU).
+
+probs_ptr float32 / tokens_ptr int64: batch x slots x k, contiguous (no NaN); the N = nodes
+best paths by product of probabilities (a beam of N per slot), pruned to the count
+maximising (1 + sum of scores) / (1 + row_cost n) when row_cost >= 0 (-1: none), the
+largest over the batch; capacity = min(nodes, paths).  Writes, batch x (1 + capacity)
+int64 each: tokens (column 0 root_tokens), parents (-1 for the root), positions
+(root_positions + depth); out_scores float32 batch x capacity; words int32
+batch x (1 + n) x ceil((1 + n) / 32), contiguous (tree_mask's layout).  Returns n.)doc");
 
   m.def("tree_mask", &tree_mask, py::arg("parents_ptr"), py::arg("dtype"), py::arg("batch"), py::arg("nodes"),
         py::arg("row_stride"), py::arg("words_ptr"), py::arg("depth_ptr"), py::arg("device"),

@@ -342,6 +342,58 @@ def test_marginal_tree_keeps_the_best_paths(nodes):
         assert len(set(paths)) == n
 
 
+def _composed_draft_tree(probs, tokens, nodes, roots, positions, row_cost):
+    """draft_tree's reference: the torch composition (the path every non-CPU device takes)."""
+    import dspec.decode.dflash as dflash_mod
+    ext = dflash_mod._backend.extension
+    try:
+        dflash_mod._backend.extension = lambda: None
+        return dflash_mod.draft_tree(probs, tokens, nodes, roots, positions, row_cost)
+    finally:
+        dflash_mod._backend.extension = ext
+
+
+@pytest.mark.parametrize("batch,slots,k,nodes", [(1, 7, 4, 7), (3, 7, 4, 15), (2, 3, 2, 40), (4, 5, 1, 3),
+                                                  (1, 1, 4, 2), (5, 15, 4, 31), (2, 4, 3, 200)])
+@pytest.mark.parametrize("row_cost", [None, 0.0, 0.02, 0.3])
+def test_cpp_draft_tree_equals_the_composition(batch, slots, k, nodes, row_cost):
+    """dspec._C.draft_tree = marginal_tree + best_count + root + tree_mask, exactly, on
+    continuous probabilities (no exact ties)."""
+    from dspec.decode.dflash import draft_tree
+    g = torch.Generator().manual_seed(batch * 1000 + slots * 10 + nodes)
+    probs = torch.rand(batch, slots, k, generator=g).sort(-1, descending=True).values
+    probs = probs / probs.sum(-1, keepdim=True) * torch.rand(batch, slots, 1, generator=g)
+    tokens = torch.randint(0, 49152, (batch, slots, k), generator=g)
+    roots = torch.randint(0, 49152, (batch,), generator=g)
+    positions = torch.randint(0, 3000, (batch,), generator=g)
+    got = draft_tree(probs, tokens, nodes, roots, positions, row_cost)
+    want = _composed_draft_tree(probs, tokens, nodes, roots, positions, row_cost)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_cpp_draft_tree_on_ties_and_bad_input():
+    """Tied scores (sure slots, equal candidates): a valid tree of the best scores, parents
+    first; NaN probabilities and a wrong capacity raise ValueError naming the argument."""
+    from dspec.decode.dflash import draft_tree
+    probs = torch.tensor([[[1.0, 0.0], [0.5, 0.5], [0.5, 0.5]]])
+    tokens = torch.tensor([[[1, 2], [3, 4], [5, 6]]])
+    tok, par, pos, words = draft_tree(probs, tokens, 5, torch.tensor([9]), torch.tensor([100]))
+    ref = _composed_draft_tree(probs, tokens, 5, torch.tensor([9]), torch.tensor([100]), None)
+    assert tok.shape == ref[0].shape == (1, 6)
+    assert torch.equal(words, dspec.tree_mask(par).words)
+    assert (par[0, 1:] < torch.arange(1, 6)).all() and int(par[0, 0]) == -1
+    assert torch.equal(pos[0], 100 + dspec.tree_mask(par).depth[0])
+    ext = dspec._backend.extension()
+    with pytest.raises(ValueError, match="probs holds NaN"):
+        draft_tree(torch.full((1, 2, 2), float("nan")), tokens[:, :2], 3, torch.tensor([9]), torch.tensor([1]))
+    out = torch.empty(3, 1, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="capacity"):
+        ext.draft_tree(probs.data_ptr(), tokens.data_ptr(), out[0].data_ptr(), out[0].data_ptr(), 1, 3, 2, 5, -1.0,
+                       4, out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(), probs.data_ptr(),
+                       out[0].data_ptr())
+
+
 @pytest.mark.parametrize("tree,row_cost", [(1, None), (3, None), (15, None), (15, 0.3), (40, 0.0)])
 def test_greedy_tree_equals_ar(target, tree, row_cost):
     n = 20
