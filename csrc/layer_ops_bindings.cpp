@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "checks.h"
 #include "layer_ops.h"
@@ -121,6 +122,67 @@ void copy_rows(std::int64_t src, std::int64_t dst, std::int64_t groups, std::int
   copy_rows_cpu(a);
 }
 
+// A KV commit: slot j of request b (keep[b, j] >= 0, a row of the request's n suffix rows)
+// to row lengths[b] + j of its cache, in every layer, for K and V; slots of -1 are skipped.
+void commit_rows(std::int64_t src_k, std::int64_t src_v, std::int64_t dst_k, std::int64_t dst_v,
+                 std::int64_t groups, std::int64_t src_group_stride, std::int64_t dst_group_stride,
+                 std::int64_t batch, std::int64_t n, std::int64_t capacity, std::int64_t keep, std::int64_t slots,
+                 std::int64_t lengths, std::int64_t row_bytes, int num_threads) {
+  const Checker c{"commit_rows"};
+  c.at_least(groups, 0, "groups");
+  c.at_least(batch, 0, "batch");
+  c.at_least(n, 0, "n");
+  c.at_least(capacity, 0, "capacity");
+  c.at_least(slots, 0, "slots");
+  c.at_least(row_bytes, 1, "row_bytes");
+  c.product(batch, std::max(n, capacity), "batch * rows");
+  c.product(batch * std::max(n, capacity), row_bytes, "batch * rows * row_bytes");
+  if (groups > 1 && src_group_stride < batch * n * row_bytes) c.fail("src_group_stride overlaps the groups");
+  if (groups > 1 && dst_group_stride < batch * capacity * row_bytes) c.fail("dst_group_stride overlaps the groups");
+  if (groups == 0 || batch == 0 || slots == 0) return;
+  c.ptr(keep, "keep", 8);
+  c.ptr(lengths, "lengths", 8);
+  const auto* kp = as_ptr<const std::int64_t>(keep);
+  const auto* len = as_ptr<const std::int64_t>(lengths);
+  std::vector<std::int64_t> src_rows, dst_rows;
+  src_rows.reserve(static_cast<std::size_t>(batch * slots));
+  dst_rows.reserve(static_cast<std::size_t>(batch * slots));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t j = 0; j < slots; ++j) {     // every index in range before any byte moves
+      const std::int64_t i = kp[b * slots + j];
+      if (i < 0) continue;
+      if (i >= n) c.fail("keep[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(i) +
+                         " is outside [-1, " + std::to_string(n) + ")");
+      if (len[b] < 0 || len[b] + j >= capacity) {
+        c.fail("lengths[" + std::to_string(b) + "] + " + std::to_string(j) + " is outside the capacity " +
+               std::to_string(capacity));
+      }
+      src_rows.push_back(b * n + i);
+      dst_rows.push_back(b * capacity + len[b] + j);
+    }
+  }
+  if (src_rows.empty()) return;
+  c.ptr(src_k, "src_k", 1);
+  c.ptr(src_v, "src_v", 1);
+  c.ptr(dst_k, "dst_k", 1);
+  c.ptr(dst_v, "dst_v", 1);
+  CopyRowsArgs a;
+  a.groups = groups;
+  a.src_group_stride = src_group_stride;
+  a.dst_group_stride = dst_group_stride;
+  a.rows = static_cast<std::int64_t>(src_rows.size());
+  a.src_rows = src_rows.data();
+  a.dst_rows = dst_rows.data();
+  a.row_bytes = row_bytes;
+  a.num_threads = num_threads < 1 ? 1 : num_threads;
+  py::gil_scoped_release release;
+  for (int half = 0; half < 2; ++half) {
+    a.src = as_ptr<const char>(half ? src_v : src_k);
+    a.dst = as_ptr<char>(half ? dst_v : dst_k);
+    copy_rows_cpu(a);
+  }
+}
+
 }  // namespace
 
 void register_layer_ops(py::module_& m) {
@@ -138,6 +200,14 @@ float32 tables cos / signed sin [rows, D].)doc");
         R"doc(For every group g < groups: destination row dst_rows[i] = source row src_rows[i]
 (row_bytes bytes each; int64 index arrays of `rows` entries, checked against
 src_group_rows / dst_group_rows). Group strides in bytes. The KV cache's commit.)doc");
+  m.def("commit_rows", &commit_rows, py::arg("src_k"), py::arg("src_v"), py::arg("dst_k"), py::arg("dst_v"),
+        py::arg("groups"), py::arg("src_group_stride"), py::arg("dst_group_stride"), py::arg("batch"), py::arg("n"),
+        py::arg("capacity"), py::arg("keep"), py::arg("slots"), py::arg("lengths"), py::arg("row_bytes"),
+        py::arg("num_threads") = 1,
+        R"doc(The KV cache's commit in one call: for every group (layer) g, slot j of request b with
+keep[b, j] >= 0 (int64 [batch, slots]; -1 skipped) copies source row b * n + keep[b, j]
+(src_k / src_v) to destination row b * capacity + lengths[b] + j (dst_k / dst_v; lengths
+int64 [batch]), row_bytes each; group strides in bytes; indices checked first.)doc");
 }
 
 }  // namespace dspec

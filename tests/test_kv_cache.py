@@ -303,3 +303,42 @@ def test_stacked_suffix_kv_commits_like_its_lists():
         SuffixKV(stacked=torch.zeros(3, 1, 1, 1, 1, 1))
     with pytest.raises(ValueError, match="layers"):
         KVCache(2, 2, 2, 8).append(SuffixKV(stacked=stacked))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("checks", [True, False])
+def test_one_call_commit_equals_the_index_path(dtype, checks, monkeypatch):
+    """dspec._C.commit_rows (stacked suffix K / V on the CPU) commits what the index path
+    commits: keep index rows with -1 slots, ragged counts, growth past the capacity, the
+    host path and the device path (value checks off); a bad index raises before a copy."""
+    monkeypatch.setattr(dspec.config, "validate_values", checks)
+    g = torch.Generator().manual_seed(7)
+    a, b = KVCache(4, 3, 2, 8, dtype=dtype), KVCache(4, 3, 2, 8, dtype=dtype)
+    for step in range(12):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        stacked = torch.randn(2, 4, 3, n, 2, 8, generator=g).to(dtype)
+        if step % 3 == 0:
+            keep = torch.randint(0, n + 1, (3,), generator=g)
+            kw = dict(counts=keep)
+        else:
+            width = int(torch.randint(1, n + 1, (1,), generator=g))
+            keep = torch.stack([torch.randperm(n, generator=g)[:width] for _ in range(3)])
+            used = torch.randint(0, width + 1, (3,), generator=g)
+            keep = torch.where(torch.arange(width)[None] < used[:, None], keep, -1)
+            kw = dict(keep=keep)
+        a.append(SuffixKV(stacked=stacked), **kw)
+        b.append(SuffixKV(list(stacked[0].unbind(0)), list(stacked[1].unbind(0))), **kw)
+    assert a.lengths.tolist() == b.lengths.tolist() and a.max_length > 16      # grown at least once
+    for i in range(4):
+        for x, y in zip(a.layer_rows(i), b.layer_rows(i)):
+            assert torch.equal(x, y)
+    ext = dspec._backend.extension()
+    bad = torch.tensor([[0, 5]])
+    lengths = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"keep\[0, 1\] = 5"):
+        ext.commit_rows(a.k.data_ptr(), a.v.data_ptr(), a.k.data_ptr(), a.v.data_ptr(), 1, 0, 0, 1, 2, 4,
+                        bad.data_ptr(), 2, lengths.data_ptr(), 16, 1)
+    good = torch.tensor([[0, 1]])
+    with pytest.raises(ValueError, match="capacity"):
+        ext.commit_rows(a.k.data_ptr(), a.v.data_ptr(), a.k.data_ptr(), a.v.data_ptr(), 1, 0, 0, 1, 2, 1,
+                        good.data_ptr(), 2, lengths.data_ptr(), 16, 1)

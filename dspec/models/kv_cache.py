@@ -254,8 +254,8 @@ class KVCache:
     def _commit(self, suffix_kv: SuffixKV, index: torch.Tensor, host_lengths) -> torch.Tensor:
         """Copy suffix rows ``index`` [B, K] (used slots first, -1 after) behind each
         request's rows, on the device.  Slot j of request b goes to row ``length[b] + j``,
-        so unused slots write (garbage) rows past the new length, never read: no
-        value-dependent shape, no host read.  ``host_lengths``: the new lengths when the
+        so unused slots write (garbage) rows past the new length, never read (the CPU's
+        one-call path skips them): no value-dependent shape, no host read.  ``host_lengths``: the new lengths when the
         host knows them (None: the device path)."""
         batch, n, hkv, d = suffix_kv.shape
         slots = index.shape[1]
@@ -267,6 +267,21 @@ class KVCache:
             # read after device-side appends; doubling keeps it rare)
             self.reserve(self.max_length + slots)
         cap = self.capacity
+        if not _commit_rows_cpu(suffix_kv, self.k, self.v, index, self._device_lengths, cap):
+            self._commit_by_index(suffix_kv, index, cap)
+        if host_lengths is not None:
+            self._lengths = host_lengths
+        else:
+            self._device_lengths = self._device_lengths + added
+            self._host_lengths = None
+            self._bound = min(self._bound + slots, cap)
+        self._changed()
+        return added
+
+    def _commit_by_index(self, suffix_kv: SuffixKV, index: torch.Tensor, cap: int) -> None:
+        """:meth:`_commit`'s copy as index tensors and one gather + scatter per K / V."""
+        batch, n, hkv, d = suffix_kv.shape
+        slots = index.shape[1]
         dev = self.device
         rows = torch.arange(batch, device=dev)[:, None]
         dst = (rows * cap + self._device_lengths[:, None] + torch.arange(slots, device=dev)).reshape(-1)
@@ -277,14 +292,6 @@ class KVCache:
             # every layer in one gather and one scatter (not two ops per layer)
             new = stacked[i] if stacked is not None else torch.stack(suffix_kv.keys if i == 0 else suffix_kv.values)
             _move_rows(new.reshape(layers, batch * n, hkv * d), buf.view(layers, batch * cap, hkv * d), src, dst)
-        if host_lengths is not None:
-            self._lengths = host_lengths
-        else:
-            self._device_lengths = self._device_lengths + added
-            self._host_lengths = None
-            self._bound = min(self._bound + slots, cap)
-        self._changed()
-        return added
 
     def rollback(self, b: int, n: int) -> None:
         """Drop the last ``n`` committed tokens of request ``b``."""
@@ -415,6 +422,30 @@ class KVCache:
         if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.batch_size:
             raise ValueError(f"b must be a request index in [0, {self.batch_size}), got {b!r}")
         return b
+
+
+def _commit_rows_cpu(suffix_kv: SuffixKV, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                     lengths: torch.Tensor, cap: int) -> bool:
+    """The commit as one ``dspec._C.commit_rows`` call (the index arithmetic and both
+    copies; unused slots are skipped, not written past the length); False where it does not
+    apply (another device, per-layer suffix tensors, autograd).  A speculative cycle commits
+    twice (target cache, drafter context) right after a forward, where each of the ~15 small
+    torch ops of the index path costs ~10 us cold."""
+    ext = _backend.extension()
+    stacked = suffix_kv.stacked
+    if ext is None or not hasattr(ext, "commit_rows") or stacked is None or not stacked.is_cpu or \
+            not k.is_cpu or stacked.dtype != k.dtype or not stacked.is_contiguous() or \
+            not k.is_contiguous() or not v.is_contiguous() or not untracked(stacked, k, v):
+        return False
+    layers, batch, n, hkv, d = stacked.shape[1:]
+    index = index.to(torch.int64).contiguous()
+    lengths = lengths.to(torch.int64).contiguous()
+    item = stacked.element_size()
+    row = hkv * d * item
+    ext.commit_rows(stacked[0].data_ptr(), stacked[1].data_ptr(), k.data_ptr(), v.data_ptr(), layers,
+                    batch * n * row, batch * cap * row, batch, n, cap, index.data_ptr(), index.shape[1],
+                    lengths.data_ptr(), row, cpu.kernel_threads())
+    return True
 
 
 def _move_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
