@@ -7,13 +7,14 @@
 #   and with E2E_GRIDS naming them (comma-separated):
 #   t1      the same grid sampled at T = 1 (seed 0): acceptance under sampling;
 #   batch8  the same grid with 8 prompts per generate call: batched tokens/s.
-# Usage: [E2E_GRIDS=t1,batch8] bash bench/e2e_smollm2.sh [PROMPTS_PER_SET] [MAX_NEW_TOKENS]
+#   E2E_CONFIGS (comma-separated) replaces the default configuration list below.
+# Usage: [E2E_GRIDS=t1,batch8] [E2E_CONFIGS=...] bash bench/e2e_smollm2.sh [PROMPTS_PER_SET] [MAX_NEW_TOKENS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 N=${1:-4}
 T=${2:-64}
-CONFIGS=ar,diffusion-static-1,diffusion-dynamic,ssd,ssd-d3,spiffy,spiffy-p8,s2d2-always,s2d2-min_span,diffuspec,diffuspec-paper,diffuspec-d8,diffuspec-noCPS-noADL,dflash,dflash-adaptive,dflash-full,dflash-chain,dflash-tree,dflash-tree7,d2sd-K1,d2sd-K2,d2sd-K4,d2sd-adaptive-K2,d2sd-full-K2,d2sd-resample-K2
+CONFIGS=${E2E_CONFIGS:-ar,diffusion-static-1,diffusion-dynamic,ssd,ssd-d3,spiffy,spiffy-p8,s2d2-always,s2d2-min_span,diffuspec,diffuspec-paper,diffuspec-d8,diffuspec-noCPS-noADL,dflash,dflash-adaptive,dflash-full,dflash-chain,dflash-tree,dflash-tree7,d2sd-K1,d2sd-K2,d2sd-K4,d2sd-adaptive-K2,d2sd-full-K2,d2sd-resample-K2}
 "$PY" -m dspec bench --dllm smollm2-135m-bd --target smollm2-135m --configs "$CONFIGS" \
     --prompt-sets arithmetic,humaneval,mtbench,math500 --prompts "$N" --max-new-tokens "$T" \
     --threads 2 --out bench/results/cpu --name e2e_smollm2
