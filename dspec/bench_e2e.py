@@ -372,9 +372,13 @@ def _check_args(args, parser) -> tuple[list[Config], list[str]]:
     args._wanted = None
     if args.configs:
         wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
-        # a name, a method, or a policy variant "s2d2-<policy>" of an expanding configuration
+        # a name (that configuration alone), a method that is no configuration's name (every
+        # configuration of it), or a policy variant "s2d2-<policy>" of an expanding configuration
+        config_names = {c.name for c in configs}
+
         def selected(c, w):
-            return w in (c.name, c.method) or (c.expand is not None and w.startswith(c.name + "-"))
+            return w == c.name or (w not in config_names and w == c.method) or \
+                (c.expand is not None and w.startswith(c.name + "-"))
         unknown = [w for w in wanted if not any(selected(c, w) for c in configs)]
         if unknown:
             parser.error(f"--configs: unknown {unknown}; known: {[c.name for c in configs]}")
