@@ -8,8 +8,10 @@ one-token-per-step reference); the rows count the prompts where it differs.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import dspec
@@ -27,6 +29,7 @@ class Arm:
     method: str
     options: dict = field(default_factory=dict)
     reference: str | None = None       # the arm whose tokens this one must reproduce
+    scope: Callable | None = None      # a context manager factory entered around each call
 
 
 def add_run_arguments(ap, *, prompts: int, name: str | None) -> None:
@@ -53,18 +56,23 @@ def run_interleaved(arms: list[Arm], texts: dict[str, list[str]], max_new_tokens
     for a in arms:
         if a.reference is not None and names.index(a.reference) > names.index(a.name):
             raise ValueError(f"arm {a.name!r}: its reference {a.reference!r} must come before it")
+    def enter(a):
+        return a.scope() if a.scope is not None else contextlib.nullcontext()
+
     for a in arms:
-        dspec.generate(a.model, "Hello", method=a.method, max_new_tokens=16, **a.options)
+        with enter(a):
+            dspec.generate(a.model, "Hello", method=a.method, max_new_tokens=16, **a.options)
     acc = defaultdict(lambda: dict.fromkeys(FIELDS, 0.0))
     bar = tqdm(total=sum(len(v) for v in texts.values()), desc="prompts")
     for pset, prompts in texts.items():
         for text in prompts:
             outputs = {}
             for a in arms:
-                t0 = time.perf_counter()
-                g = dspec.generate(a.model, text, method=a.method, max_new_tokens=max_new_tokens, **a.options)
-                row = acc[(a.name, pset)]
-                row["s"] += time.perf_counter() - t0
+                with enter(a):
+                    t0 = time.perf_counter()
+                    g = dspec.generate(a.model, text, method=a.method, max_new_tokens=max_new_tokens, **a.options)
+                    row = acc[(a.name, pset)]
+                    row["s"] += time.perf_counter() - t0
                 row["tokens"] += len(g.tokens)
                 cycles = g.stats.get("cycles", 0)
                 row["cycles"] += cycles

@@ -29,7 +29,9 @@ struct Cand {
 
 // Best n (value descending, flat ascending on ties) of cands, in that order.
 void keep_best(std::vector<Cand>& cands, std::int64_t n) {
-  auto better = [](const Cand& a, const Cand& b) { return a.score > b.score || (a.score == b.score && a.flat < b.flat); };
+  auto better = [](const Cand& a, const Cand& b) {
+    return a.score > b.score || (a.score == b.score && a.flat < b.flat);
+  };
   if (static_cast<std::int64_t>(cands.size()) > n) {
     std::partial_sort(cands.begin(), cands.begin() + n, cands.end(), better);
     cands.resize(static_cast<std::size_t>(n));
@@ -118,7 +120,9 @@ std::int64_t draft_tree_cpu(const DraftTreeArgs& a) {
       tok[1 + j] = x.token;
       // a kept node's parent ranks before it (its score is at least the child's, and on a
       // tie the shallower comes first), so it is kept too
-      par[1 + j] = x.level == 0 ? 0 : column[static_cast<std::size_t>(x.level - 1)][static_cast<std::size_t>(x.parent_level_index)];
+      par[1 + j] = x.level == 0 ? 0
+                                : column[static_cast<std::size_t>(x.level - 1)]
+                                        [static_cast<std::size_t>(x.parent_level_index)];
       pos[1 + j] = a.root_positions[b] + x.level + 1;
       sc[j] = static_cast<float>(x.score);
     }

@@ -119,7 +119,9 @@ std::int64_t draft_tree(std::int64_t probs_ptr, std::int64_t tokens_ptr, std::in
            std::to_string(capacity));
   }
   c.product(batch, (1 + capacity) * mask_words(1 + capacity) * 4, "batch * (1 + capacity) * num_words * 4");
-  if (!(row_cost >= 0.0) && row_cost != -1.0) c.fail("row_cost must be >= 0 (or -1: no pruning), got " + std::to_string(row_cost));
+  if (!(row_cost >= 0.0) && row_cost != -1.0) {
+    c.fail("row_cost must be >= 0 (or -1: no pruning), got " + std::to_string(row_cost));
+  }
   if (batch == 0) return 0;
   c.ptr(probs_ptr, "probs_ptr", 4);
   c.ptr(tokens_ptr, "tokens_ptr", 8);

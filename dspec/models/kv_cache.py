@@ -255,8 +255,8 @@ class KVCache:
         """Copy suffix rows ``index`` [B, K] (used slots first, -1 after) behind each
         request's rows, on the device.  Slot j of request b goes to row ``length[b] + j``,
         so unused slots write (garbage) rows past the new length, never read (the CPU's
-        one-call path skips them): no value-dependent shape, no host read.  ``host_lengths``: the new lengths when the
-        host knows them (None: the device path)."""
+        one-call path skips them): no value-dependent shape, no host read.
+        ``host_lengths``: the new lengths when the host knows them (None: the device path)."""
         batch, n, hkv, d = suffix_kv.shape
         slots = index.shape[1]
         added = (index >= 0).sum(1)
