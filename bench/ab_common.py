@@ -56,6 +56,7 @@ def run_interleaved(arms: list[Arm], texts: dict[str, list[str]], max_new_tokens
     for a in arms:
         if a.reference is not None and names.index(a.reference) > names.index(a.name):
             raise ValueError(f"arm {a.name!r}: its reference {a.reference!r} must come before it")
+
     def enter(a):
         return a.scope() if a.scope is not None else contextlib.nullcontext()
 

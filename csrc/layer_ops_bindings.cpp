@@ -135,8 +135,11 @@ void commit_rows(std::int64_t src_k, std::int64_t src_v, std::int64_t dst_k, std
   c.at_least(capacity, 0, "capacity");
   c.at_least(slots, 0, "slots");
   c.at_least(row_bytes, 1, "row_bytes");
+  c.at_least(src_group_stride, 0, "src_group_stride");
+  c.at_least(dst_group_stride, 0, "dst_group_stride");
   c.product(batch, std::max(n, capacity), "batch * rows");
   c.product(batch * std::max(n, capacity), row_bytes, "batch * rows * row_bytes");
+  c.product(groups, std::max(src_group_stride, dst_group_stride), "groups * group stride");
   if (groups > 1 && src_group_stride < batch * n * row_bytes) c.fail("src_group_stride overlaps the groups");
   if (groups > 1 && dst_group_stride < batch * capacity * row_bytes) c.fail("dst_group_stride overlaps the groups");
   if (groups == 0 || batch == 0 || slots == 0) return;

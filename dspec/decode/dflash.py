@@ -312,7 +312,7 @@ def draft_tree(probs: torch.Tensor, tokens: torch.Tensor, nodes: int, root_token
     [B, 1 + n, ceil((1 + n) / 32)], the ``tree_mask`` of ``parents``.
 
     On the CPU one ``dspec._C.draft_tree`` call (the composition below took ~45 small torch
-    ops, ~0.7 ms of a SmolLM2 cycle); elsewhere the composition, which is its reference
+    ops, ~0.6 ms of a SmolLM2 cycle); elsewhere the composition, which is its reference
     (tested equal; they may order nodes differently only where scores tie exactly).
 
     Example
