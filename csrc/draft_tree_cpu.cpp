@@ -102,7 +102,6 @@ std::int64_t draft_tree_cpu(const DraftTreeArgs& a) {
     std::int64_t* tok = a.out_tokens + b * out_cols;
     std::int64_t* par = a.out_parents + b * out_cols;
     std::int64_t* pos = a.out_positions + b * out_cols;
-    float* sc = a.out_scores + b * cap;
     // column of (level, index in level): the columns of the level above, looked up
     std::vector<std::vector<std::int64_t>> column(static_cast<std::size_t>(L));
     for (std::int64_t j = 0; j < static_cast<std::int64_t>(all.size()); ++j) {
@@ -123,7 +122,6 @@ std::int64_t draft_tree_cpu(const DraftTreeArgs& a) {
                                 : column[static_cast<std::size_t>(x.level - 1)]
                                         [static_cast<std::size_t>(x.parent_level_index)];
       pos[1 + j] = a.root_positions[b] + x.level + 1;
-      sc[j] = static_cast<float>(x.score);
     }
     // ancestor words of the first 1 + n columns, [1 + n, words] per request
     std::int32_t* w = a.words + b * cols * words;

@@ -70,7 +70,6 @@ struct DraftTreeArgs {
   std::int64_t* out_tokens = nullptr;
   std::int64_t* out_parents = nullptr;
   std::int64_t* out_positions = nullptr;
-  float* out_scores = nullptr;  // batch x capacity: the kept nodes' scores (float32 of the double product)
   std::int32_t* words = nullptr;  // room for batch x (1 + capacity) x mask_words(1 + capacity)
 };
 

@@ -100,8 +100,7 @@ void tree_mask(std::int64_t parents_ptr, int dtype, std::int64_t batch, std::int
 std::int64_t draft_tree(std::int64_t probs_ptr, std::int64_t tokens_ptr, std::int64_t root_tokens_ptr,
                         std::int64_t root_positions_ptr, std::int64_t batch, std::int64_t slots, std::int64_t k,
                         std::int64_t nodes, double row_cost, std::int64_t capacity, std::int64_t out_tokens_ptr,
-                        std::int64_t out_parents_ptr, std::int64_t out_positions_ptr, std::int64_t out_scores_ptr,
-                        std::int64_t words_ptr) {
+                        std::int64_t out_parents_ptr, std::int64_t out_positions_ptr, std::int64_t words_ptr) {
   const Checker c{"draft_tree"};
   c.at_least(batch, 0, "batch");
   c.at_least(slots, 1, "slots");
@@ -130,7 +129,6 @@ std::int64_t draft_tree(std::int64_t probs_ptr, std::int64_t tokens_ptr, std::in
   c.ptr(out_tokens_ptr, "out_tokens_ptr", 8);
   c.ptr(out_parents_ptr, "out_parents_ptr", 8);
   c.ptr(out_positions_ptr, "out_positions_ptr", 8);
-  c.ptr(out_scores_ptr, "out_scores_ptr", 4);
   c.ptr(words_ptr, "words_ptr", 4);
   const float* probs = as_ptr<const float>(probs_ptr);
   for (std::int64_t i = 0; i < batch * slots * k; ++i) {
@@ -150,7 +148,6 @@ std::int64_t draft_tree(std::int64_t probs_ptr, std::int64_t tokens_ptr, std::in
   a.out_tokens = as_ptr<std::int64_t>(out_tokens_ptr);
   a.out_parents = as_ptr<std::int64_t>(out_parents_ptr);
   a.out_positions = as_ptr<std::int64_t>(out_positions_ptr);
-  a.out_scores = as_ptr<float>(out_scores_ptr);
   a.words = as_ptr<std::int32_t>(words_ptr);
   py::gil_scoped_release release;
   return draft_tree_cpu(a);
@@ -183,7 +180,7 @@ contiguous.  rows == 0 or num_keys == 0 is a no-op.)doc");
   m.def("draft_tree", &draft_tree, py::arg("probs_ptr"), py::arg("tokens_ptr"), py::arg("root_tokens_ptr"),
         py::arg("root_positions_ptr"), py::arg("batch"), py::arg("slots"), py::arg("k"), py::arg("nodes"),
         py::arg("row_cost"), py::arg("capacity"), py::arg("out_tokens_ptr"), py::arg("out_parents_ptr"),
-        py::arg("out_positions_ptr"), py::arg("out_scores_ptr"), py::arg("words_ptr"),
+        py::arg("out_positions_ptr"), py::arg("words_ptr"),
         R"doc(The best draft tree over a block drafter's per-slot candidates (CPU).
 
 probs_ptr float32 / tokens_ptr int64: batch x slots x k, contiguous (no NaN); the N = nodes
@@ -191,8 +188,8 @@ best paths by product of probabilities (a beam of N per slot), pruned to the cou
 maximising (1 + sum of scores) / (1 + row_cost n) when row_cost >= 0 (-1: none), the
 largest over the batch; capacity = min(nodes, paths).  Writes, batch x (1 + capacity)
 int64 each: tokens (column 0 root_tokens), parents (-1 for the root), positions
-(root_positions + depth); out_scores float32 batch x capacity; words int32
-batch x (1 + n) x ceil((1 + n) / 32), contiguous (tree_mask's layout).  Returns n.)doc");
+(root_positions + depth); words int32 batch x (1 + n) x ceil((1 + n) / 32), contiguous
+(tree_mask's layout).  Returns n.)doc");
 
   m.def("tree_mask", &tree_mask, py::arg("parents_ptr"), py::arg("dtype"), py::arg("batch"), py::arg("nodes"),
         py::arg("row_stride"), py::arg("words_ptr"), py::arg("depth_ptr"), py::arg("device"),

@@ -390,8 +390,7 @@ def test_cpp_draft_tree_on_ties_and_bad_input():
     out = torch.empty(3, 1, 4, dtype=torch.int64)
     with pytest.raises(ValueError, match="capacity"):
         ext.draft_tree(probs.data_ptr(), tokens.data_ptr(), out[0].data_ptr(), out[0].data_ptr(), 1, 3, 2, 5, -1.0,
-                       4, out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(), probs.data_ptr(),
-                       out[0].data_ptr())
+                       4, out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(), out[0].data_ptr())
 
 
 @pytest.mark.parametrize("tree,row_cost", [(1, None), (3, None), (15, None), (15, 0.3), (40, 0.0)])

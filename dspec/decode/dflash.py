@@ -105,8 +105,7 @@ class SpeculativeRun:
         self._out = np.full((len(prompts), max_new_tokens), -1, dtype=np.int64)
         self._out_len = np.zeros(len(prompts), dtype=np.int64)
         self._eos = np.array(sorted({int(e) for e in eos_ids}) or [-1], dtype=np.int64)
-        self._req = np.arange(len(prompts))
-        self.rows = list(range(len(prompts)))
+        self.rows = np.arange(len(prompts))          # live batch row -> request index
         self.nfe = {"target": 0, **{role: 0 for role in drafters}}
         self.cycles = 0                # verification forwards x live requests
         self.committed = 0             # tokens those forwards produced (accepted + 1 each)
@@ -186,7 +185,7 @@ class SpeculativeRun:
         an EOS and at max_new_tokens, with array ops (no loop over requests or tokens); drop
         the finished rows from every cache.  False when all are done."""
         tokens, counts = tokens.numpy(), counts.numpy()
-        req = self._req
+        req = self.rows
         width = tokens.shape[1]
         col = np.arange(width)
         is_eos = (tokens[:, :, None] == self._eos).any(2) & (col < counts[:, None])   # np.isin: ~0.2 ms
@@ -208,8 +207,7 @@ class SpeculativeRun:
         self.cache = self.cache.select(keep.tolist())
         self.contexts = {role: c.select(keep.tolist()) for role, c in self.contexts.items()}
         self.anchor = anchor.index_select(0, torch.from_numpy(keep).to(anchor.device))
-        self._req = req[keep]
-        self.rows = self._req.tolist()
+        self.rows = req[keep]
         return True
 
     def stats(self, **extra) -> dict:
@@ -336,20 +334,23 @@ def draft_tree(probs: torch.Tensor, tokens: torch.Tensor, nodes: int, root_token
         roots = root_tokens.to(torch.int64).contiguous()
         root_pos = root_positions.to(torch.int64).contiguous()
         out = torch.empty(3, batch, 1 + cap, dtype=torch.int64)
-        scores = torch.empty(batch, cap, dtype=torch.float32)
-        words = torch.empty(batch * (1 + cap) * ((cap + 32) // 32), dtype=torch.int32)
+        words = torch.empty(batch * (1 + cap) * _mask_words(1 + cap), dtype=torch.int32)
         n = ext.draft_tree(probs.data_ptr(), tokens.data_ptr(), roots.data_ptr(), root_pos.data_ptr(), batch, slots,
                            k, nodes, -1.0 if row_cost is None else float(row_cost), cap, out[0].data_ptr(),
-                           out[1].data_ptr(), out[2].data_ptr(), scores.data_ptr(), words.data_ptr())
+                           out[1].data_ptr(), out[2].data_ptr(), words.data_ptr())
         cols = 1 + n
         return (out[0, :, :cols], out[1, :, :cols], out[2, :, :cols],
-                words[:batch * cols * ((cols + 31) // 32)].view(batch, cols, (cols + 31) // 32))
+                words[:batch * cols * _mask_words(cols)].view(batch, cols, _mask_words(cols)))
     tok, par, depth, scores = marginal_tree(probs, tokens, nodes)
     n = tok.shape[1] if row_cost is None else best_count(scores, float(row_cost))
     root = torch.zeros(batch, 1, dtype=torch.int64, device=tok.device)
     parents = torch.cat([root - 1, par[:, :n]], 1)
     positions = torch.cat([root, depth[:, :n]], 1).add_(root_positions[:, None])
     return torch.cat([root_tokens[:, None], tok[:, :n]], 1), parents, positions, tree_mask(parents).words
+
+
+def _mask_words(nodes: int) -> int:
+    return (nodes + 31) // 32
 
 
 @functools.lru_cache(maxsize=64)
@@ -448,7 +449,8 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         logits, vocab = draft_block(drafter, run.contexts["drafter"], run.anchor, positions, gamma)
         run.nfe["drafter"] += 1
         if tree is not None:
-            live, nodes = _tree_cycle(run, logits, vocab, tree, row_cost, temperature, generator, t0)
+            live, nodes = _tree_cycle(run, logits, vocab, positions[:, 0], tree, row_cost, temperature, generator,
+                                      t0)
             verified += nodes
             continue
         if temperature > 0:
@@ -487,15 +489,16 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
                                     verified_drafts=verified / run.cycles if run.cycles else 0.0)
 
 
-def _tree_cycle(run: SpeculativeRun, logits, vocab, nodes: int, row_cost, temperature, generator,
+def _tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, row_cost, temperature, generator,
                 t0: float) -> tuple[bool, int]:
-    """A cycle's tree verification (``tree``): the best nodes over each slot's candidates,
-    one target forward under the tree mask, ``verify_tree``, commit of the accepted path.
+    """A cycle's tree verification (``tree``): the best nodes over each slot's candidates
+    under the anchors (at ``root_positions`` [B]), one target forward under the tree mask,
+    ``verify_tree``, commit of the accepted path.
     Returns (any request still live, draft nodes verified summed over the cycle's requests)."""
     top_i, top_p = topk_tokens(logits, min(TREE_TOP_K, logits.shape[-1]),
                                temperature=temperature if temperature > 0 else 1.0)
-    tokens, parents, positions, words = draft_tree(top_p, vocab_ids(top_i, vocab), nodes, run.anchor, run.lengths,
-                                                   row_cost)
+    tokens, parents, positions, words = draft_tree(top_p, vocab_ids(top_i, vocab), nodes, run.anchor,
+                                                   root_positions, row_cost)
     _sync(run.device)
     t1 = time.perf_counter()
     live = run.verify_tree_cycle(tokens, parents, positions, words, temperature, generator)

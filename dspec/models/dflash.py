@@ -307,11 +307,11 @@ class BlockDrafter(nn.Module):
         states [B, N, H] each, for ``KVCache.append`` into :meth:`new_cache`."""
         features = self.target_features(hidden)
         cos, sin = self._rope(positions)
-        c = self.config
-        b, t, _ = features.shape
         fused = self._context_kv_fused(features, cos, sin)
         if fused is not None:
             return fused
+        c = self.config
+        b, t, _ = features.shape
         # every layer's two projections in one grouped call and one RoPE over all the keys
         # (a decode cycle commits a few rows: the per-layer calls were ~0.3 ms of op
         # dispatch); bit-identical to _context_kv per layer, which training differentiates
