@@ -16,6 +16,7 @@
 #include "diffuspec_search_bindings.h"
 #include "layer_ops_bindings.h"
 #include "decoder_bindings.h"
+#include "selfspec_bindings.h"
 #include "linear_bindings.h"
 #include "topk_bindings.h"
 #include "masks_bindings.h"
@@ -166,4 +167,5 @@ Raises ValueError for a bad argument, RuntimeError when a CUDA launch fails.)doc
   dspec::register_topk(m);  // csrc/topk_bindings.cpp
   dspec::register_linear(m);  // csrc/linear_bindings.cpp
   dspec::register_decoder(m);  // csrc/decoder_bindings.cpp
+  dspec::register_selfspec(m);  // csrc/selfspec_bindings.cpp
 }

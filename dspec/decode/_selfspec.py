@@ -60,6 +60,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .. import _backend
 from ..masks import ssd_copies
 from ..models import AttentionPlan
 from ..ops import topk_tokens
@@ -155,7 +156,12 @@ class DraftGraph:
         top = torch.tensor([max(i for i, _ in node) for node in self.nodes], dtype=torch.int64)
         out = {k: v.to(device) for k, v in
                dict(assign=assign, size=size, top_rank=top, next_node=nxt).items()}
-        out["parents"] = self.parents()
+        out["parents"] = parents = self.parents()
+        # the same tables packed for dspec._C.selfspec_* (parents as CSR)
+        ptr = torch.tensor([0] + [len(p) for p in parents], dtype=torch.int64).cumsum(0)
+        idx = torch.tensor([q for p in parents for q in p], dtype=torch.int64)
+        out["packed"] = torch.cat([assign.reshape(-1), size, top, nxt.reshape(-1), ptr, idx])
+        out["num_parents"] = int(idx.numel())
         self._cache[key] = out
         return out
 
@@ -189,6 +195,7 @@ def candidates(logits: torch.Tensor, choice: torch.Tensor, num: int, temperature
 
 
 _MASKS: dict = {}
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _copies_mask(block_size: int, copies: int, device) -> torch.Tensor:
@@ -287,9 +294,91 @@ class _Engine:
         self.generated = [[] for _ in range(batch)]
         self.shown = [0] * batch                 # steps reported to the progress bar per request
         self.st = SelfSpecStats()
+        # greedy on the CPU: the round's host-side work in three compiled calls (the torch
+        # composition below is their reference, and the path for sampling and tracing)
+        ext = _backend.extension()
+        self.native = (ext if dev.type == "cpu" and temperature <= 0 and trace is None and ext is not None
+                       and hasattr(ext, "selfspec_expand") else None)
+        self.ws = None
+        if self.native is not None:
+            self.carry = self.carry.float().contiguous().clone()      # updated in place
+
+    def _native_workspace(self) -> SimpleNamespace:
+        """Buffers of the compiled round for the current rows (rebuilt when rows leave)."""
+        a_rows, bs, m, big_j, dev = len(self.rows), self.bs, self.num_nodes, self.big_j, self.dev
+        if self.ws is not None and self.ws.rows == a_rows:
+            return self.ws
+        n_max = (m + 1) * bs
+        nbytes = self.native.selfspec_workspace_bytes(a_rows, bs, m, big_j)
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.ws = SimpleNamespace(
+            rows=a_rows, nbytes=nbytes, scratch=torch.empty(nbytes, dtype=torch.uint8, device=dev),
+            suffix=torch.empty(a_rows * n_max, **i64), positions=torch.empty(a_rows * n_max, **i64),
+            words=torch.empty(a_rows * n_max * ((n_max + 31) // 32), dtype=torch.int32, device=dev),
+            logp=torch.empty(a_rows * n_max, device=dev), conf=torch.empty(a_rows * n_max, device=dev),
+            host=torch.empty(a_rows, 2 * bs + 4, **i64), keep=torch.empty(a_rows, bs, **i64),
+            spare=dict(tokens=torch.empty(a_rows, bs, **i64), masked=torch.empty(a_rows, bs, dtype=torch.bool),
+                       known=torch.empty(a_rows, dtype=torch.bool), choice=torch.empty(a_rows, bs, **i64),
+                       conf=torch.empty(a_rows, bs), cand=torch.empty(a_rows, bs, big_j, **i64),
+                       cand_logp=torch.empty(a_rows, bs, big_j)))
+        return self.ws
+
+    def _native_round(self) -> list[int]:
+        """One round through dspec._C.selfspec_expand / _score / _advance (greedy, CPU): the
+        same transitions as expand / forward / walk / advance; returns the finished rows."""
+        ext, tab, bs, a_rows, big_j = self.native, self.tab, self.bs, len(self.rows), self.big_j
+        graph = self.graph
+        ws = self._native_workspace()
+        g_args = (tab["packed"].data_ptr(), graph.num_nodes, graph.max_rank, graph.num_candidates, graph.depth,
+                  tab["num_parents"])
+        state = (self.conf.data_ptr(), self.masked.data_ptr(), self.known.data_ptr(), self.tokens.data_ptr(),
+                 self.cand.data_ptr(), self.cand_logp.data_ptr())
+        lengths = self.cache.lengths
+        copies, need_next = ext.selfspec_expand(
+            *g_args, *state, lengths.data_ptr(), a_rows, bs, big_j,
+            -1 if self.prune_to is None else self.prune_to, self.mask_id, ws.scratch.data_ptr(), ws.nbytes,
+            ws.suffix.data_ptr(), ws.positions.data_ptr(), ws.words.data_ptr())
+        segments = copies + int(need_next)
+        n = segments * bs
+        plan = AttentionPlan(ws.suffix[: a_rows * n].view(a_rows, n), ws.positions[: a_rows * n].view(a_rows, n),
+                             ws.words[: a_rows * n * ((n + 31) // 32)].view(a_rows, n, -1), self.cache)
+        out = self.model(plan, return_kv=True)
+        self.forwards += 1
+        self.suffix_tokens += a_rows * n
+        logits = out.logits
+        if logits.stride(-1) != 1 or logits.stride(0) != n * logits.stride(1):
+            logits = logits.contiguous()
+        vocab, dtype = logits.shape[-1], _DTYPE_CODES[logits.dtype]
+        ext.selfspec_score(ws.scratch.data_ptr(), ws.nbytes, a_rows, bs, graph.num_nodes, big_j, copies, need_next,
+                           logits.data_ptr(), dtype, logits.stride(1), vocab, self.carry.data_ptr(),
+                           self.model.shifted, ws.logp.data_ptr())
+        # the confidences as the torch path computes them (one vectorised exp, no other copy)
+        torch.exp(ws.logp[: a_rows * n], out=ws.conf[: a_rows * n])
+        new = ws.spare
+        committed = ext.selfspec_advance(
+            *g_args, *state, a_rows, bs, big_j, copies, need_next, self.mask_id, ws.conf.data_ptr(),
+            logits.data_ptr(), dtype, logits.stride(1), vocab, self.carry.data_ptr(), ws.scratch.data_ptr(),
+            ws.nbytes, new["conf"].data_ptr(), new["masked"].data_ptr(), new["known"].data_ptr(),
+            new["tokens"].data_ptr(), new["choice"].data_ptr(), new["cand"].data_ptr(), new["cand_logp"].data_ptr(),
+            ws.host.data_ptr(), ws.keep.data_ptr())
+        ws.spare = {name: getattr(self, name) for name in new}
+        for name, t in new.items():
+            setattr(self, name, t)
+        if committed:
+            self.cache.append(out.suffix_kv, keep=ws.keep)
+        host = ws.host.tolist()
+        r = SimpleNamespace(base=lengths, last_blocks=[h[bs + 4:] if h[bs + 3] else None for h in host])
+        return self.account(r, [h[: bs + 3] for h in host])
 
     def round(self) -> bool:
         """One forward and every row's transition; False when no row is left."""
+        if self.native is not None:
+            a_rows = len(self.rows)
+            finished = self._native_round()
+            self.st.rounds += 1
+            if finished:
+                self.drop(finished, a_rows)
+            return bool(self.rows)
         r = self.expand()
         self.forward(r)
         self.walk(r)
