@@ -106,6 +106,34 @@ def test_eos_stops_like_ar(tmp_path):
     assert [g.tokens for g in got] == ar
 
 
+@pytest.mark.parametrize("opts", [dict(), dict(cps=False, adaptive=False, draft_len=4)], ids=["cps+adl", "plain"])
+def test_draft_vocabulary_keeps_greedy_equal_to_ar(pair, opts):
+    target, drafter, lm, ar = pair
+    v = min(target.config.vocab_size, drafter.config.vocab_size)
+    ids = torch.randperm(v, generator=torch.Generator().manual_seed(0))[: v // 2]
+    got = dspec.generate(target, PROMPTS, method="diffuspec", max_new_tokens=NEW, drafter=drafter, ngram=lm,
+                         draft_vocab=ids, **opts)
+    assert [g.tokens for g in got] == ar
+    s = got[0].stats
+    # EOS ids join the draft vocabulary, the [MASK] leaves it
+    mask_in = int(drafter.mask_token_id in ids.tolist())
+    eos_added = len({e for e in target.eos_token_ids if e < v} - set(ids.tolist()))
+    assert s["draft_vocab"] == v // 2 - mask_in + eos_added
+    # "auto": a drafter that ships no draft vocabulary drafts over the whole vocabulary
+    full = dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=NEW, drafter=drafter, ngram=lm,
+                          **opts)
+    assert full.stats["draft_vocab"] is None and full.tokens == ar[0]
+
+
+def test_draft_vocabulary_checks(pair):
+    target, drafter, lm, _ = pair
+    kw = dict(method="diffuspec", max_new_tokens=4, drafter=drafter, ngram=lm)
+    for bad, match in [([0, 0, 1], "distinct"), ([-1, 2], r"\[0, "), (torch.zeros(2, 2, dtype=torch.int64), "1-D"),
+                       ("all", "'auto'"), ([0.5, 1.0], "token ids"), ([], "non-empty")]:
+        with pytest.raises(ValueError, match=match):
+            dspec.generate(target, PROMPTS[0], draft_vocab=bad, **kw)
+
+
 def exact_two_token_distribution(target, prompt, T):
     """P(first two generated tokens) of the target at temperature T (EOS stops: (eos, -1))."""
     V = target.config.vocab_size
@@ -124,8 +152,9 @@ def exact_two_token_distribution(target, prompt, T):
     return dist
 
 
-@pytest.mark.parametrize("cps", [True, False])
-def test_sampling_preserves_the_target_distribution(tmp_path, cps):
+@pytest.mark.parametrize("cps, draft_vocab", [(True, None), (False, None), (True, [0, 2, 3, 5, 7, 8]),
+                                              (False, [1, 2, 4, 5, 6, 9])])
+def test_sampling_preserves_the_target_distribution(tmp_path, cps, draft_vocab):
     target, drafter = make_pair(tmp_path, "qwen2", "fast_dllm_v2", seed=11, scale=0.5, vocab=10)
     prompt = [5, 7, 4]
     T = 1.0
@@ -135,8 +164,9 @@ def test_sampling_preserves_the_target_distribution(tmp_path, cps):
     # 4 new tokens: the first from the prefill, then a cycle that drafts 2 (the budget left
     # minus the verify's own token); the second token is a verified draft or its correction
     gens = dspec.generate(target, [prompt] * n, method="diffuspec", max_new_tokens=4, drafter=drafter, ngram=lm,
-                          temperature=T, seed=0, cps=cps, adaptive=False, draft_len=2, tau=0.9)
-    assert gens[0].stats["mean_accepted_drafts"] > 0.3      # drafts were really accepted
+                          temperature=T, seed=0, cps=cps, adaptive=False, draft_len=2, tau=0.9,
+                          draft_vocab=draft_vocab)
+    assert gens[0].stats["mean_accepted_drafts"] > 0.2      # drafts were really accepted
     assert gens[0].stats["mean_draft_len"] > 1.0
     counts = {}
     for g in gens:

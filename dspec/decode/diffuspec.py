@@ -61,6 +61,7 @@ from pathlib import Path
 
 import torch
 
+from ..models.dense import dense
 from ..models.stack import frozen_weights
 from ..ops import token_stats, verify_chain
 from .ngram import NgramLM, causal_proxy, load_cached
@@ -68,7 +69,7 @@ from .path_search import build_lattice, path_search
 from .sampling import next_tokens
 
 OPTIONS = ("draft_len", "adaptive", "cps", "beam", "tau", "max_candidates", "lam", "k_min", "k_max",
-           "delta", "rho", "ngram")
+           "delta", "rho", "ngram", "draft_vocab")
 DRAFTER = "model"    # a block-diffusion model (dspec.load: a shipped name or a checkpoint directory)
 # the paper's defaults (DiffuSpec, Li et al. 2025)
 DEFAULTS = dict(draft_len=20, adaptive=True, cps=True, beam=3, tau=0.8, max_candidates=15, lam=0.5,
@@ -257,13 +258,66 @@ def _causal_proxy(model, opts, ngram):
     return lm
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+
+
+def resolve_draft_vocab(model, drafter, draft_vocab, eos_ids) -> torch.Tensor | None:
+    """The token ids the drafter drafts over (int64 [V'] on the model's device), or None for
+    the whole vocabulary.
+
+    "auto" (the default): on a CPU model, the draft vocabulary shipped beside the drafter
+    (``draft_vocab.safetensors`` of a shipped block-diffusion model: the target's most frequent
+    response tokens); None elsewhere.  The drafter's output head then reads only those rows
+    (FR-Spec's frequency-ranked drafting): on the CPU the head is ~20 % of a SmolLM2-135M
+    forward's weight bytes.  The target verifies every token, so greedy outputs are unchanged
+    and sampling stays exact (the drafts' proposal is the drafter's distribution renormalised
+    over the draft vocabulary).  EOS ids are always added; the drafter's [MASK] never drafts.
+    """
+    if isinstance(draft_vocab, str):
+        if draft_vocab != "auto":
+            raise ValueError(f"draft_vocab must be 'auto', None or a 1-D tensor of token ids, got {draft_vocab!r}")
+        path = _shipped_draft_vocab(drafter) if model.device.type == "cpu" else None
+        if path is None:
+            return None
+        from safetensors.torch import load_file
+        draft_vocab = load_file(str(path)).get("ids")
+        if draft_vocab is None:
+            raise ValueError(f"{path} holds no 'ids' tensor")
+    if draft_vocab is None:
+        return None
+    ids = torch.as_tensor(draft_vocab)
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"draft_vocab must be a non-empty 1-D tensor of token ids, got {ids.dtype} {list(ids.shape)}")
+    ids = ids.to(torch.int64).cpu()
+    v = min(model.config.vocab_size, drafter.config.vocab_size)
+    if int(ids.min()) < 0 or int(ids.max()) >= v:
+        raise ValueError(f"draft_vocab ids must lie in [0, {v}), got [{int(ids.min())}, {int(ids.max())}]")
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError("draft_vocab ids must be distinct")
+    eos = torch.tensor(sorted({int(e) for e in eos_ids if 0 <= int(e) < v}), dtype=torch.int64)
+    ids = torch.cat([ids, eos[~torch.isin(eos, ids)]])
+    ids = ids[ids != drafter.mask_token_id]
+    return ids.to(model.device)
+
+
+def _shipped_draft_vocab(drafter):
+    from ..hub import assets_dir
+    name = getattr(drafter, "shipped_name", None)
+    path = assets_dir() / name / DRAFT_VOCAB_FILE if name else None
+    return path if path is not None and path.is_file() else None
+
+
 class _Batch:
     """The active requests' state (committed text, target and drafter caches) and one
     DiffuSpec cycle per :meth:`cycle`: draft, search, verify, commit."""
 
     def __init__(self, model, drafter, prompts, opts, lm, controller, *, max_new_tokens, temperature,
-                 generator, eos_ids, progress):
+                 generator, eos_ids, progress, draft_ids=None):
         self.model, self.drafter, self.opts, self.lm, self.controller = model, drafter, opts, lm, controller
+        self.draft_ids = draft_ids
+        self.draft_head = None
+        if draft_ids is not None:             # the head's draft-vocabulary rows, gathered once a call
+            self.draft_head = drafter.output_weight.detach().index_select(0, draft_ids).contiguous()
         self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
         self.progress = progress
         self.sampling = temperature > 0
@@ -272,6 +326,9 @@ class _Batch:
         self.bs, self.mask_id = drafter.block_size, drafter.mask_token_id
         self.eos = sorted({int(e) for e in eos_ids if 0 <= int(e) < self.V})
         self.eos_set = set(self.eos)
+        if draft_ids is not None:             # the EOS ids' columns among the drafted logits
+            where = {int(t): j for j, t in enumerate(draft_ids.tolist())}
+            self.eos_columns = [where[e] for e in self.eos if e in where]
         batch = self.batch = len(prompts)
         self.active = list(range(batch))
         self.generated = [[] for _ in range(batch)]
@@ -347,13 +404,25 @@ class _Batch:
         # logits row of draft slot j: the slot itself (or the one before, shifted); rows past
         # a request's k only pad the batch (clamped into its sequence, ignored)
         idx = torch.minimum(plen[:, None] - shift + torch.arange(kmax), slen[:, None] - 1).to(self.dev)
-        out = drafter(drafter.plan(seqs, self.dcache), logits=idx)
+        if self.draft_ids is not None:
+            # the final normed rows, and the head over the draft vocabulary only
+            out = drafter(drafter.plan(seqs, self.dcache), logits=None, hidden_states=[-1])
+            rows = out.hidden[0].gather(1, idx[..., None].expand(-1, -1, out.hidden[0].shape[-1]))
+            logits = dense(rows, self.draft_head)
+            if drafter.config.logit_scale != 1.0:
+                logits = logits * drafter.config.logit_scale
+        else:
+            out = drafter(drafter.plan(seqs, self.dcache), logits=idx)
+            logits = out.logits
         self.d_fwd += 1
         commit = [((self.d_start[i] + len(p)) // self.bs) * self.bs - self.d_start[i] for i, p in enumerate(pending)]
         self.dcache.append(out.suffix_kv, counts=commit)
         for i, c in enumerate(commit):
             self.d_start[i] += c
-        logits = out.logits.float()
+        logits = logits.float()
+        if self.draft_ids is not None:               # columns are draft_ids (no [MASK] among them)
+            self._timed("draft", t0)
+            return logits
         if Vd >= V:
             logits = logits[..., :V]
         else:
@@ -374,7 +443,9 @@ class _Batch:
         draft_probs = None
         if opts["cps"]:
             cand_tok, cand_lp = build_lattice(logits, tau=opts["tau"], max_candidates=opts["max_candidates"],
-                                              eos_ids=eos, temperature=self.temperature if self.sampling else 1.0)
+                                              eos_ids=eos if self.draft_ids is None else self.eos_columns,
+                                              temperature=self.temperature if self.sampling else 1.0)
+            cand_tok = self._token_ids(cand_tok)
             hist = torch.tensor([[h[-2] if len(h) >= 2 else -1, h[-1]] for h in
                                  (self.history[r] for r in self.active)])
             uniforms = None
@@ -390,13 +461,16 @@ class _Batch:
                 draft_probs = torch.zeros(n_act, kmax, V, device=self.dev)
                 draft_probs.scatter_add_(-1, ct.clamp(min=0), torch.where(ct >= 0, q, torch.zeros_like(q)))
         else:
-            flat = logits.reshape(n_act * kmax, V)
+            flat = logits.reshape(n_act * kmax, logits.shape[-1])
             if self.sampling:
                 choice = next_tokens(flat, self.temperature, self.generator).view(n_act, kmax)
                 draft_probs = torch.softmax(logits / self.temperature, dim=-1)
+                if self.draft_ids is not None:
+                    draft_probs = torch.zeros(n_act, kmax, V, device=self.dev).scatter_(
+                        -1, self.draft_ids.expand(n_act, kmax, -1), draft_probs)
             else:
                 choice = token_stats(flat).token.view(n_act, kmax)
-            choice = choice.cpu()
+            choice = self._token_ids(choice).cpu()
             draft[:, :kmax] = choice
             # cut after the first EOS and at k
             slot = torch.arange(kmax)
@@ -405,6 +479,13 @@ class _Batch:
             n_draft = torch.minimum(first, k_t)
         self._timed("search", t0)
         return n_draft, draft_probs
+
+    def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Token ids of the drafter's logit columns (-1 stays -1)."""
+        if self.draft_ids is None:
+            return columns
+        ids = self.draft_ids.to(columns.device)
+        return torch.where(columns >= 0, ids[columns.clamp(min=0)], columns)
 
     def verify(self, draft, n_draft, draft_probs):
         """[last] + draft through the target in one forward, ``verify_chain``, and the target
@@ -478,6 +559,7 @@ class _Batch:
             "time_verify_s": self.time["verify"],
             "cps": opts["cps"], "adaptive": opts["adaptive"],
             "search_backend": _search_backend() if opts["cps"] else None,
+            "draft_vocab": None if self.draft_ids is None else int(self.draft_ids.numel()),
         }
 
 
@@ -487,7 +569,7 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
                      draft_len: int | None = None, adaptive: bool | None = None, cps: bool | None = None,
                      beam: int | None = None, tau: float | None = None, max_candidates: int | None = None,
                      lam: float | None = None, k_min: int | None = None, k_max: int | None = None,
-                     delta: int | None = None, rho: float | None = None, ngram=None):
+                     delta: int | None = None, rho: float | None = None, ngram=None, draft_vocab="auto"):
     """DiffuSpec decoding of a ragged batch; returns (tokens per request, stats).
 
     Options (defaults: the paper's): ``draft_len`` (k when ``adaptive`` is False, 20; given
@@ -497,7 +579,9 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     (10) -- for a CPU model 4 / 12 / 2 unless one of the three is given (``CPU_ADL``) --,
     ``rho`` (0.5), ``ngram`` (the causal proxy: an ``NgramLM``, a path to a saved one,
     or None for :func:`dspec.decode.ngram.causal_proxy`: the shipped 3-gram of the target's own
-    responses where there is one, else the corpora 3-gram; unused when ``lam = 1``).
+    responses where there is one, else the corpora 3-gram; unused when ``lam = 1``),
+    ``draft_vocab`` ("auto": on the CPU the drafter's shipped draft vocabulary, see
+    :func:`resolve_draft_vocab`; None: the whole vocabulary; or the token ids to draft).
 
     Stats: ``nfe`` {"target": verify forwards + prefill, "drafter": draft forwards};
     ``mean_accepted``: tokens committed per request per target verification forward
@@ -517,10 +601,12 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
                                          delta=opts["delta"], rho=opts["rho"], k_init=draft_len)
     drafter = resolve_drafter(model, drafter)
     lm = _causal_proxy(model, opts, ngram)
+    draft_ids = resolve_draft_vocab(model, drafter, draft_vocab, eos_ids)
     # the drafter's weight table checked once for the call, as generate does for the target's
     with frozen_weights(drafter):
         run = _Batch(model, drafter, prompts, opts, lm, controller, max_new_tokens=max_new_tokens,
-                     temperature=temperature, generator=generator, eos_ids=eos_ids, progress=progress)
+                     temperature=temperature, generator=generator, eos_ids=eos_ids, progress=progress,
+                     draft_ids=draft_ids)
         while run.active and run.cycle():
             pass
     return run.generated, run.stats()
