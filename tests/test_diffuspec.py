@@ -258,3 +258,38 @@ def test_shipped_pair_tiny_ar_with_tiny_bd():
         got = dspec.generate(target, prompts, method="diffuspec", max_new_tokens=8, **opts)   # drafter: tiny-bd
         assert [g.tokens for g in got] == ar
         assert got[0].stats["nfe"]["drafter"] >= 1
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(cps=False, adaptive=False, draft_len=5)], ids=["cps+adl", "plain"])
+def test_a_mask_adapted_target_drafts_against_the_targets_cache(tmp_path, monkeypatch, opts):
+    from dspec.decode import diffuspec
+    from tiny_checkpoints import trained_looking_mask_adapter
+    target = dspec.load(write_checkpoint(tmp_path / "t", "llama", seed=7, weights_hook=damp(0.3)), dtype="float32")
+    drafter = trained_looking_mask_adapter(target, mask_token_id=5)
+    lm = ngram_from_model(target, num_sequences=16, length=24)
+    ar = [dspec.generate(target, p, method="ar", max_new_tokens=NEW).tokens for p in PROMPTS]
+    kw = dict(method="diffuspec", max_new_tokens=NEW, drafter=drafter, ngram=lm, **opts)
+    shared = dspec.generate(target, PROMPTS, **kw)
+    assert [g.tokens for g in shared] == ar and shared[0].stats["shared_cache"] is True
+    # a drafter with its own cache computes the same keys and values (batched into other
+    # forwards: equal up to the last bit, which can flip a near-tie of this random drafter)
+    monkeypatch.setattr(diffuspec, "shares_target_cache", lambda model, drafter: False)
+    own = dspec.generate(target, PROMPTS, **kw)
+    assert [g.tokens for g in own] == ar and own[0].stats["shared_cache"] is False
+    assert shared[0].stats["mean_accepted"] > 1.0 and own[0].stats["mean_accepted"] > 1.0
+    assert abs(shared[0].stats["mean_accepted"] - own[0].stats["mean_accepted"]) < 0.3
+
+
+def test_shares_target_cache_needs_the_targets_weights(tmp_path):
+    from dspec.decode.diffuspec import shares_target_cache
+    from tiny_checkpoints import trained_looking_mask_adapter
+    target = dspec.load(write_checkpoint(tmp_path / "t", "llama", seed=7), dtype="float32")
+    drafter = trained_looking_mask_adapter(target, mask_token_id=5)
+    assert shares_target_cache(target, drafter)
+    other = dspec.load(write_checkpoint(tmp_path / "o", "llama", seed=8), dtype="float32")
+    assert not shares_target_cache(other, drafter)            # another base
+    changed = trained_looking_mask_adapter(target, mask_token_id=5)
+    with torch.no_grad():
+        changed.norm.weight[0] += 1.0
+    assert not shares_target_cache(target, changed)
+    assert not shares_target_cache(target, target)            # not a mask-adapted model

@@ -14,7 +14,11 @@ One cycle per request (the batch runs cycles in lockstep, every request with its
    Dream / Fast-dLLM v2) from the logits one position earlier (slot 0 from the last pending
    token, which is why such a drafter always keeps one pending token).  Complete blocks of
    pending tokens are committed to the drafter's cache from this same forward (their rows see
-   no [MASK]: block-causal), so the drafter never runs a separate prefill or re-forward.
+   no [MASK]: block-causal), so the drafter never runs a separate prefill or re-forward.  A
+   drafter that is a mask-selective adaptation of the target (``smollm2-135m-bd`` for
+   ``smollm2-135m``: clean tokens computed exactly as the target computes them,
+   :func:`shares_target_cache`) keeps no cache: it drafts against the target's, its forward
+   the last committed token and the [MASK] slots.
 2. **Search** (CPU, C++).  CPS (``cps=True``): the drafter's slot distributions are pruned by
    ``mass_candidates`` (mass ``tau``, at most ``max_candidates``), EOS is always kept, and
    ``dspec.decode.path_search`` picks the path maximising ``lam * dLLM log-prob + (1 - lam) *
@@ -300,6 +304,35 @@ def resolve_draft_vocab(model, drafter, draft_vocab, eos_ids) -> torch.Tensor | 
     return ids.to(model.device)
 
 
+_SHARES_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_SAME_ARCH = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+              "head_dim", "rope_theta", "rms_norm_eps", "rope_scaling", "qkv_bias", "o_bias", "mlp_bias",
+              "qk_norm", "embed_scale")
+
+
+def shares_target_cache(model, drafter) -> bool:
+    """Whether ``drafter`` computes every clean (non-[MASK]) token exactly as the causal
+    ``model`` does -- a mask-selective adaptation of it (``dspec.models.mask_adapter``: clean
+    tokens attend causally and pass no adapter, e.g. ``smollm2-135m-bd`` for ``smollm2-135m``)
+    with the target's architecture and weights.  Its keys and values of the committed text are
+    then the target's (the same computation; only rows batched into other forwards may round
+    differently), so it drafts against the target's KV cache: its forward is the last
+    committed token and the [MASK] slots, with no cache of its own to keep -- fewer rows and
+    no second commit a cycle (checked once per pair: the weights compared tensor by tensor)."""
+    if not drafter.config.clean_causal or getattr(drafter, "mask_adapter", None) is None or \
+            drafter.device != model.device or drafter.dtype != model.dtype:
+        return False
+    if any(getattr(model.config, k) != getattr(drafter.config, k) for k in _SAME_ARCH):
+        return False
+    known = _SHARES_CACHE.setdefault(drafter, weakref.WeakKeyDictionary())
+    if model not in known:
+        ours = model.state_dict()
+        theirs = drafter.state_dict()
+        known[model] = all(k in theirs and theirs[k].shape == v.shape and theirs[k].dtype == v.dtype
+                           and torch.equal(theirs[k], v) for k, v in ours.items())
+    return known[model]
+
+
 def _shipped_draft_vocab(drafter):
     from ..hub import assets_dir
     name = getattr(drafter, "shipped_name", None)
@@ -351,7 +384,10 @@ class _Batch:
         out = model(plan, logits="last")
         self.tcache.append(out.suffix_kv, counts=plan.lengths)
         self.t_fwd += 1
-        self.dcache = drafter.new_cache(batch)
+        # a drafter that computes clean tokens as the target does drafts against the target's
+        # cache (its forward: the last committed token and the [MASK] slots)
+        self.shared = shares_target_cache(model, drafter)
+        self.dcache = None if self.shared else drafter.new_cache(batch)
         first = next_tokens(out.logits[:, -1], temperature, generator).tolist()
         finished = []
         for r, t in enumerate(first):
@@ -396,29 +432,36 @@ class _Batch:
         logits [A, kmax, V] over the target's vocabulary ([MASK] never drafted)."""
         t0 = time.perf_counter()
         drafter, kmax, V, Vd = self.drafter, max(k), self.V, self.Vd
-        pending = [self.history[r][self.d_start[i]:] for i, r in enumerate(self.active)]
+        if self.shared:         # the target's cache holds every committed token but the last
+            pending = [[self.last[r]] for r in self.active]
+        else:
+            pending = [self.history[r][self.d_start[i]:] for i, r in enumerate(self.active)]
         seqs = [pnd + [self.mask_id] * kk or [self.mask_id] for pnd, kk in zip(pending, k)]
+        cache = self.tcache if self.shared else self.dcache
         shift = 1 if drafter.shifted else 0
         plen = torch.tensor([len(p) for p in pending])
         slen = torch.tensor([len(s) for s in seqs])
         # logits row of draft slot j: the slot itself (or the one before, shifted); rows past
         # a request's k only pad the batch (clamped into its sequence, ignored)
         idx = torch.minimum(plen[:, None] - shift + torch.arange(kmax), slen[:, None] - 1).to(self.dev)
+        plan = drafter.plan(seqs, cache)
         if self.draft_ids is not None:
             # the final normed rows, and the head over the draft vocabulary only
-            out = drafter(drafter.plan(seqs, self.dcache), logits=None, hidden_states=[-1])
+            out = drafter(plan, logits=None, hidden_states=[-1], return_kv=not self.shared)
             rows = out.hidden[0].gather(1, idx[..., None].expand(-1, -1, out.hidden[0].shape[-1]))
             logits = dense(rows, self.draft_head)
             if drafter.config.logit_scale != 1.0:
                 logits = logits * drafter.config.logit_scale
         else:
-            out = drafter(drafter.plan(seqs, self.dcache), logits=idx)
+            out = drafter(plan, logits=idx, return_kv=not self.shared)
             logits = out.logits
         self.d_fwd += 1
-        commit = [((self.d_start[i] + len(p)) // self.bs) * self.bs - self.d_start[i] for i, p in enumerate(pending)]
-        self.dcache.append(out.suffix_kv, counts=commit)
-        for i, c in enumerate(commit):
-            self.d_start[i] += c
+        if not self.shared:
+            commit = [((self.d_start[i] + len(p)) // self.bs) * self.bs - self.d_start[i]
+                      for i, p in enumerate(pending)]
+            self.dcache.append(out.suffix_kv, counts=commit)
+            for i, c in enumerate(commit):
+                self.d_start[i] += c
         logits = logits.float()
         if self.draft_ids is not None:               # columns are draft_ids (no [MASK] among them)
             self._timed("draft", t0)
@@ -541,7 +584,8 @@ class _Batch:
         if not keep:
             return
         self.tcache = self.tcache.select(keep)
-        self.dcache = self.dcache.select(keep)
+        if self.dcache is not None:
+            self.dcache = self.dcache.select(keep)
         self.d_start = [self.d_start[i] for i in keep]
         if self.controller is not None:
             self.controller.select(keep)
@@ -560,6 +604,7 @@ class _Batch:
             "cps": opts["cps"], "adaptive": opts["adaptive"],
             "search_backend": _search_backend() if opts["cps"] else None,
             "draft_vocab": None if self.draft_ids is None else int(self.draft_ids.numel()),
+            "shared_cache": self.shared,
         }
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .. import _backend, _validate, cpu
@@ -240,6 +241,19 @@ class KVCache:
                 raise ValueError(f"suffix_kv holds a {t.dtype} {list(t.shape)} tensor on {t.device}; the "
                                  f"cache expects {self.dtype} [{batch}, {n}, {hkv}, {d}] on {self.device}")
         given = keep if isinstance(keep, torch.Tensor) else counts
+        if self.device.type == "cpu":
+            # host data on a host cache: the index in numpy (a decode step appends right after a
+            # forward has streamed the weights, where each of _keep_index's ~15 small torch ops
+            # costs ~10-60 us cold; the same checks here cost a few us)
+            host = _host_keep_index(keep, counts, batch, n)
+            if host is not None:
+                added = host.shape[1] - (host < 0).sum(1) if host.size else np.zeros(batch, dtype=np.int64)
+                added_t = torch.from_numpy(added)
+                if not added.any():
+                    return added_t
+                self._commit(suffix_kv, torch.from_numpy(np.array(host, dtype=np.int64, order="C")), self._lengths + added_t,
+                             added_t)
+                return added_t
         if isinstance(given, torch.Tensor) and given.device == self.device and \
                 not _validate.value_checks_enabled(given):
             index = _device_keep_index(keep, counts, batch, n, self.device)   # [B, K], no reads
@@ -251,15 +265,17 @@ class KVCache:
         self._commit(suffix_kv, index.to(self.device), self._lengths + added)
         return added
 
-    def _commit(self, suffix_kv: SuffixKV, index: torch.Tensor, host_lengths) -> torch.Tensor:
+    def _commit(self, suffix_kv: SuffixKV, index: torch.Tensor, host_lengths, added=None) -> torch.Tensor:
         """Copy suffix rows ``index`` [B, K] (used slots first, -1 after) behind each
         request's rows, on the device.  Slot j of request b goes to row ``length[b] + j``,
         so unused slots write (garbage) rows past the new length, never read (the CPU's
         one-call path skips them): no value-dependent shape, no host read.
-        ``host_lengths``: the new lengths when the host knows them (None: the device path)."""
+        ``host_lengths``: the new lengths when the host knows them (None: the device path);
+        ``added``: the used slots per request when already counted."""
         batch, n, hkv, d = suffix_kv.shape
         slots = index.shape[1]
-        added = (index >= 0).sum(1)
+        if added is None:
+            added = (index >= 0).sum(1)
         if slots == 0:
             return added
         if self._bound + slots > self.capacity:
@@ -524,6 +540,53 @@ def _tensor_keep_index(keep: torch.Tensor, batch: int, n: int) -> torch.Tensor:
     if keep.dim() != 2 or keep.shape[0] != batch:
         raise ValueError(f"keep indices must have shape [K] or [B, K] with B = {batch}, got {list(keep.shape)}")
     return keep
+
+
+def _host_keep_index(keep, counts, batch: int, n: int) -> np.ndarray | None:
+    """:func:`_keep_index` in numpy for the forms a decode loop passes -- ``counts`` an int, a
+    list of ints or a CPU int tensor; ``keep`` None or a CPU int tensor [K] / [B, K] --
+    with the same checks and errors; None for any other form (the torch path decides)."""
+    if counts is not None:
+        if keep is not None:
+            raise ValueError("give keep or counts, not both")
+        if isinstance(counts, int) and not isinstance(counts, bool):
+            c = np.full(batch, counts, dtype=np.int64)
+        elif isinstance(counts, (list, tuple)) and all(type(x) is int for x in counts):
+            c = np.asarray(counts, dtype=np.int64).reshape(-1)
+        elif isinstance(counts, torch.Tensor) and counts.device.type == "cpu" and counts.dim() == 1 and \
+                not counts.is_floating_point() and counts.dtype != torch.bool and not counts.requires_grad:
+            c = counts.numpy().astype(np.int64, copy=False)
+        else:
+            return None
+        if c.shape[0] != batch:
+            raise ValueError(f"counts must have {batch} entries (one per request), got {c.shape[0]}")
+        if c.size and (c.min() < 0 or c.max() > n):
+            raise ValueError(f"counts must lie in [0, N = {n}], got {c.tolist()}")
+        ar = np.arange(n, dtype=np.int64)
+        width = int(c.max()) if c.size else 0
+        return np.where(ar[None, :width] < c[:, None], ar[None, :width], -1)
+    if keep is None:
+        return np.broadcast_to(np.arange(n, dtype=np.int64), (batch, n))
+    if not isinstance(keep, torch.Tensor) or keep.device.type != "cpu" or keep.dtype == torch.bool or \
+            keep.is_floating_point() or keep.requires_grad or keep.dim() not in (1, 2):
+        return None
+    index = keep.numpy().astype(np.int64, copy=False)
+    if index.ndim == 1:
+        index = np.broadcast_to(index, (batch, index.shape[0]))
+    if index.shape[0] != batch:
+        raise ValueError(f"keep indices must have shape [K] or [B, K] with B = {batch}, got {list(keep.shape)}")
+    if index.size:
+        if index.min() < -1 or index.max() >= n:
+            raise ValueError(f"keep indices must lie in [0, N = {n}) (or -1 for an unused slot), "
+                             f"got {index.tolist()[:4]}")
+        valid = index >= 0
+        if (valid[:, 1:] & ~valid[:, :-1]).any():
+            raise ValueError("keep: -1 (unused) slots must come after the used ones in every row")
+        if index.shape[1] > 1:
+            s = np.sort(np.where(valid, index, -1 - np.arange(index.shape[1])[None]), axis=1)
+            if (s[:, 1:] == s[:, :-1]).any():
+                raise ValueError("keep: a request lists the same suffix index twice")
+    return index
 
 
 def _keep_index(keep, counts, batch: int, n: int) -> torch.Tensor:
