@@ -342,3 +342,38 @@ def test_one_call_commit_equals_the_index_path(dtype, checks, monkeypatch):
     with pytest.raises(ValueError, match="capacity"):
         ext.commit_rows(a.k.data_ptr(), a.v.data_ptr(), a.k.data_ptr(), a.v.data_ptr(), 1, 0, 0, 1, 2, 1,
                         good.data_ptr(), 2, lengths.data_ptr(), 16, 1)
+
+
+def test_host_index_equals_the_torch_index():
+    """KVCache.append's numpy index (a CPU cache with host keep / counts) is _keep_index's:
+    the same indices for every form it takes, the same errors for bad ones, None (the torch
+    path) for the rest."""
+    from dspec.models.kv_cache import _host_keep_index, _keep_index
+    g = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        batch, n = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g))
+        counts = torch.randint(0, n + 1, (batch,), generator=g)
+        width = int(torch.randint(0, n + 1, (1,), generator=g))
+        keep = torch.stack([torch.randperm(n, generator=g)[:width] for _ in range(batch)])
+        used = torch.randint(0, width + 1, (batch,), generator=g)
+        keep = torch.where(torch.arange(width)[None] < used[:, None], keep, -1)
+        cases = [dict(counts=counts), dict(counts=counts.tolist()), dict(counts=int(counts[0])), dict(keep=keep),
+                 dict(keep=keep[0]), dict(keep=None)]
+        for kw in cases:
+            host = _host_keep_index(kw.get("keep"), kw.get("counts"), batch, n)
+            ref = _keep_index(kw.get("keep"), kw.get("counts"), batch, n)
+            # the same used slots (the numpy index drops trailing all-unused columns)
+            width = host.shape[1]
+            assert torch.equal(torch.from_numpy(host.copy()), ref[:, :width]), kw
+            assert bool((ref[:, width:] == -1).all()), kw
+    bad = [dict(counts=[5, 0]), dict(counts=[1]), dict(keep=torch.tensor([[0, 4], [0, 1]])),
+           dict(keep=torch.tensor([[-1, 1], [0, 1]])), dict(keep=torch.tensor([[1, 1], [0, 1]])),
+           dict(keep=torch.tensor([[0], [1], [2]])), dict(keep=torch.tensor([[0], [1]]), counts=[1, 1])]
+    for kw in bad:
+        with pytest.raises(ValueError) as host_err:
+            _host_keep_index(kw.get("keep"), kw.get("counts"), 2, 4)
+        with pytest.raises(ValueError) as torch_err:
+            _keep_index(kw.get("keep"), kw.get("counts"), 2, 4)
+        assert str(host_err.value).split(",")[0] == str(torch_err.value).split(",")[0], kw
+    assert _host_keep_index(torch.ones(2, 4, dtype=torch.bool), None, 2, 4) is None      # a mask: torch path
+    assert _host_keep_index([[1], [2]], None, 2, 4) is None                               # lists of lists too
