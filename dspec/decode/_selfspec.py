@@ -298,7 +298,7 @@ class _Engine:
         # composition below is their reference, and the path for sampling and tracing)
         ext = _backend.extension()
         self.native = (ext if dev.type == "cpu" and temperature <= 0 and trace is None and ext is not None
-                       and hasattr(ext, "selfspec_expand") else None)
+                       and hasattr(ext, "selfspec_expand") and model.dtype in _DTYPE_CODES else None)
         self.ws = None
         if self.native is not None:
             self.carry = self.carry.float().contiguous().clone()      # updated in place

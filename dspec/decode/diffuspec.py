@@ -58,6 +58,7 @@ the per-request draft lengths shape the next forward); all else stays on the dev
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 import weakref
@@ -283,10 +284,7 @@ def resolve_draft_vocab(model, drafter, draft_vocab, eos_ids) -> torch.Tensor | 
         path = _shipped_draft_vocab(drafter) if model.device.type == "cpu" else None
         if path is None:
             return None
-        from safetensors.torch import load_file
-        draft_vocab = load_file(str(path)).get("ids")
-        if draft_vocab is None:
-            raise ValueError(f"{path} holds no 'ids' tensor")
+        draft_vocab = _load_draft_vocab(str(path))
     if draft_vocab is None:
         return None
     ids = torch.as_tensor(draft_vocab)
@@ -333,6 +331,30 @@ def shares_target_cache(model, drafter) -> bool:
     return known[model]
 
 
+@functools.lru_cache(maxsize=8)
+def _load_draft_vocab(path: str) -> torch.Tensor:
+    from safetensors.torch import load_file
+    ids = load_file(path).get("ids")
+    if ids is None:
+        raise ValueError(f"{path} holds no 'ids' tensor")
+    return ids
+
+
+_DRAFT_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _draft_head(drafter, ids: torch.Tensor) -> torch.Tensor:
+    """The drafter's output-head rows ``ids`` (gathered once per drafter and vocabulary, again
+    when the head changes)."""
+    w = drafter.output_weight
+    key = (w.data_ptr(), w._version, w.dtype, hash(ids.cpu().numpy().tobytes()))
+    cached = _DRAFT_HEADS.get(drafter)
+    if cached is None or cached[0] != key:
+        cached = (key, w.detach().index_select(0, ids.to(w.device)).contiguous())
+        _DRAFT_HEADS[drafter] = cached
+    return cached[1]
+
+
 def _shipped_draft_vocab(drafter):
     from ..hub import assets_dir
     name = getattr(drafter, "shipped_name", None)
@@ -349,8 +371,8 @@ class _Batch:
         self.model, self.drafter, self.opts, self.lm, self.controller = model, drafter, opts, lm, controller
         self.draft_ids = draft_ids
         self.draft_head = None
-        if draft_ids is not None:             # the head's draft-vocabulary rows, gathered once a call
-            self.draft_head = drafter.output_weight.detach().index_select(0, draft_ids).contiguous()
+        if draft_ids is not None:             # the head's draft-vocabulary rows
+            self.draft_head = _draft_head(drafter, draft_ids)
         self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
         self.progress = progress
         self.sampling = temperature > 0
@@ -360,8 +382,8 @@ class _Batch:
         self.eos = sorted({int(e) for e in eos_ids if 0 <= int(e) < self.V})
         self.eos_set = set(self.eos)
         if draft_ids is not None:             # the EOS ids' columns among the drafted logits
-            where = {int(t): j for j, t in enumerate(draft_ids.tolist())}
-            self.eos_columns = [where[e] for e in self.eos if e in where]
+            eos_t = torch.tensor(self.eos, dtype=torch.int64, device=draft_ids.device)
+            self.eos_columns = (draft_ids[:, None] == eos_t[None]).any(1).nonzero()[:, 0].tolist()
         batch = self.batch = len(prompts)
         self.active = list(range(batch))
         self.generated = [[] for _ in range(batch)]
