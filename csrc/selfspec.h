@@ -42,7 +42,7 @@ struct SelfSpecLayout {
   std::int64_t choice, cand;                                                                  // int64
   std::int64_t logp, cand_logp, score, closed;                                                // float
   std::int64_t node_masked, kept, complete, has_anchor, copy_masked;                          // bytes
-  std::int64_t header;  // int64 [4]: rows, copies, need_next, a call sequence check
+  std::int64_t header;  // int64 [8]: rows, copies, need_next, the call sequence, nodes, big_j, block_size
   std::int64_t bytes;
 };
 

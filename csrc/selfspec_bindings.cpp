@@ -151,12 +151,19 @@ py::tuple expand(std::int64_t graph_ptr, std::int64_t nodes, std::int64_t max_ra
   return py::make_tuple(out.copies, out.need_next);
 }
 
+// The round's shape as selfspec_expand wrote it in the workspace's header: a later call with
+// another shape would read the workspace's arrays at other offsets.
 void check_round(const Checker& c, const std::int64_t* header, std::int64_t rows, std::int64_t copies,
-                 bool need_next, std::int64_t phase, const char* before) {
+                 bool need_next, std::int64_t phase, const char* before, std::int64_t nodes, std::int64_t big_j,
+                 std::int64_t block_size) {
   if (header[3] != phase) c.fail(std::string("must follow ") + before + " on this workspace");
   if (header[0] != rows || header[1] != copies || (header[2] != 0) != need_next) {
     c.fail("rows / copies / need_next must be selfspec_expand's (" + std::to_string(header[0]) + ", " +
            std::to_string(header[1]) + ", " + std::to_string(header[2]) + ")");
+  }
+  if (header[4] != nodes || header[5] != big_j || header[6] != block_size) {
+    c.fail("nodes / big_j / block_size must be selfspec_expand's (" + std::to_string(header[4]) + ", " +
+           std::to_string(header[5]) + ", " + std::to_string(header[6]) + ")");
   }
 }
 
@@ -178,7 +185,7 @@ void score(std::int64_t workspace_ptr, std::int64_t workspace_bytes_, std::int64
   c.at_least(copies, 1, "copies");
   if (copies > nodes) c.fail("copies must be <= nodes");
   const std::int64_t* header = checked_workspace(c, workspace_ptr, workspace_bytes_, rows, block_size, nodes, big_j);
-  check_round(c, header, rows, copies, need_next, 1, "selfspec_expand");
+  check_round(c, header, rows, copies, need_next, 1, "selfspec_expand", nodes, big_j, block_size);
   const std::int64_t seg = copies + (need_next ? 1 : 0);
   check_logits(c, logits_ptr, dtype, rows * seg * block_size, vocab, row_stride);
   c.ptr(carry_ptr, "carry_ptr", 4);
@@ -217,7 +224,7 @@ bool advance(std::int64_t graph_ptr, std::int64_t nodes, std::int64_t max_rank, 
   a.graph = unpack_graph(c, graph_ptr, nodes, max_rank, graph_cands, depth, num_parents);
   check_shape(c, rows, block_size, big_j, graph_cands);
   std::int64_t* header = checked_workspace(c, workspace_ptr, workspace_bytes_, rows, block_size, nodes, big_j);
-  check_round(c, header, rows, copies, need_next, 2, "selfspec_score");
+  check_round(c, header, rows, copies, need_next, 2, "selfspec_score", nodes, big_j, block_size);
   a.state = state_of(c, conf_ptr, masked_ptr, known_ptr, tokens_ptr, cand_ptr, cand_logp_ptr);
   const std::int64_t seg = copies + (need_next ? 1 : 0);
   check_logits(c, logits_ptr, dtype, rows * seg * block_size, vocab, row_stride);

@@ -70,7 +70,7 @@ SelfSpecLayout selfspec_layout(std::int64_t rows, std::int64_t bs, std::int64_t 
     at += align8(bytes);
     return off;
   };
-  l.header = take(4 * 8);
+  l.header = take(8 * 8);
   l.order = take(rows * bs * 8);
   l.rank = take(rows * bs * 8);
   l.node_tokens = take(rows * nodes * bs * 8);
@@ -241,6 +241,9 @@ SelfSpecCopies selfspec_expand_cpu(const SelfSpecExpandArgs& a) {
   w.header[1] = copies;
   w.header[2] = need_next;
   w.header[3] = 1;  // expanded: score may run
+  w.header[4] = M;
+  w.header[5] = J;
+  w.header[6] = bs;
   return SelfSpecCopies{copies, need_next};
 }
 

@@ -155,6 +155,9 @@ def test_bad_arguments_raise_value_error_naming_them():
     with pytest.raises(ValueError, match="copies"):
         ext.selfspec_score(ws.data_ptr(), nbytes, 1, 4, graph.num_nodes, 1, copies + 1, need_next,
                            logits.data_ptr(), 0, 64, 64, carry.data_ptr(), True, logp.data_ptr())
+    with pytest.raises(ValueError, match="nodes / big_j / block_size"):
+        ext.selfspec_score(ws.data_ptr(), nbytes, 1, 4, graph.num_nodes - 1, 1, copies, need_next,
+                           logits.data_ptr(), 0, 64, 64, carry.data_ptr(), True, logp.data_ptr())
     with pytest.raises(ValueError, match="dtype"):
         ext.selfspec_score(ws.data_ptr(), nbytes, 1, 4, graph.num_nodes, 1, copies, need_next,
                            logits.data_ptr(), 5, 64, 64, carry.data_ptr(), True, logp.data_ptr())
