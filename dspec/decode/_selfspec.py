@@ -195,7 +195,6 @@ def candidates(logits: torch.Tensor, choice: torch.Tensor, num: int, temperature
 
 
 _MASKS: dict = {}
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _copies_mask(block_size: int, copies: int, device) -> torch.Tensor:
@@ -298,7 +297,7 @@ class _Engine:
         # composition below is their reference, and the path for sampling and tracing)
         ext = _backend.extension()
         self.native = (ext if dev.type == "cpu" and temperature <= 0 and trace is None and ext is not None
-                       and hasattr(ext, "selfspec_expand") and model.dtype in _DTYPE_CODES else None)
+                       and hasattr(ext, "selfspec_expand") and model.dtype in _backend.FLOAT_CODE else None)
         self.ws = None
         if self.native is not None:
             self.carry = self.carry.float().contiguous().clone()      # updated in place
@@ -348,7 +347,7 @@ class _Engine:
         logits = out.logits
         if logits.stride(-1) != 1 or logits.stride(0) != n * logits.stride(1):
             logits = logits.contiguous()
-        vocab, dtype = logits.shape[-1], _DTYPE_CODES[logits.dtype]
+        vocab, dtype = logits.shape[-1], _backend.FLOAT_CODE[logits.dtype]
         ext.selfspec_score(ws.scratch.data_ptr(), ws.nbytes, a_rows, bs, graph.num_nodes, big_j, copies, need_next,
                            logits.data_ptr(), dtype, logits.stride(1), vocab, self.carry.data_ptr(),
                            self.model.shifted, ws.logp.data_ptr())
@@ -372,22 +371,19 @@ class _Engine:
 
     def round(self) -> bool:
         """One forward and every row's transition; False when no row is left."""
-        if self.native is not None:
-            a_rows = len(self.rows)
-            finished = self._native_round()
-            self.st.rounds += 1
-            if finished:
-                self.drop(finished, a_rows)
-            return bool(self.rows)
+        a_rows = len(self.rows)
+        finished = self._native_round() if self.native is not None else self._torch_round()
+        self.st.rounds += 1
+        if finished:
+            self.drop(finished, a_rows)
+        return bool(self.rows)
+
+    def _torch_round(self) -> list[int]:
+        """One round as torch ops (the compiled round's reference); returns the finished rows."""
         r = self.expand()
         self.forward(r)
         self.walk(r)
-        host = self.advance(r)
-        finished = self.account(r, host)
-        self.st.rounds += 1
-        if finished:
-            self.drop(finished, r.a_rows)
-        return bool(self.rows)
+        return self.account(r, self.advance(r))
 
     def expand(self) -> SimpleNamespace:
         """Each row's graph nodes at its state S (tokens, masks, validity), pruned online;
