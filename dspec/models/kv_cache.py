@@ -241,27 +241,18 @@ class KVCache:
                 raise ValueError(f"suffix_kv holds a {t.dtype} {list(t.shape)} tensor on {t.device}; the "
                                  f"cache expects {self.dtype} [{batch}, {n}, {hkv}, {d}] on {self.device}")
         given = keep if isinstance(keep, torch.Tensor) else counts
-        if self.device.type == "cpu":
-            # host data on a host cache: the index in numpy (a decode step appends right after a
-            # forward has streamed the weights, where each of _keep_index's ~15 small torch ops
-            # costs ~10-60 us cold; the same checks here cost a few us)
-            host = _host_keep_index(keep, counts, batch, n)
-            if host is not None:
-                added = host.shape[1] - (host < 0).sum(1) if host.size else np.zeros(batch, dtype=np.int64)
-                added_t = torch.from_numpy(added)
-                if not added.any():
-                    return added_t
-                self._commit(suffix_kv, torch.from_numpy(np.array(host, dtype=np.int64, order="C")), self._lengths + added_t,
-                             added_t)
-                return added_t
-        if isinstance(given, torch.Tensor) and given.device == self.device and \
+        if self.device.type != "cpu" and isinstance(given, torch.Tensor) and given.device == self.device and \
                 not _validate.value_checks_enabled(given):
             index = _device_keep_index(keep, counts, batch, n, self.device)   # [B, K], no reads
             return self._commit(suffix_kv, index, None)
-        index = _keep_index(keep, counts, batch, n)                       # [B, K] int64, CPU
-        added = (index >= 0).sum(1)
-        if not any(added.tolist()):                                       # host data
+        index = _host_keep_index(keep, counts, batch, n)                  # [B, K] int64, values checked
+        used = (index >= 0).sum(1).astype(np.int64)
+        added = torch.from_numpy(used)
+        if not used.any():                                                # host data, no tensor read
             return added
+        index = torch.from_numpy(np.array(index, dtype=np.int64, order="C")).to(self.device)
+        self._commit(suffix_kv, index, self._lengths + added, added)
+        return added
         self._commit(suffix_kv, index.to(self.device), self._lengths + added)
         return added
 
@@ -505,7 +496,7 @@ def _int_vector(name: str, values, size: int | None) -> torch.Tensor:
 
 
 def _device_keep_index(keep, counts, batch: int, n: int, device) -> torch.Tensor:
-    """``_keep_index`` for tensors on the cache's device, without reading their values
+    """``_host_keep_index`` for tensors on the cache's device, without reading their values
     (value checks are off): shapes and dtypes are checked, the contents trusted."""
     if keep is not None and counts is not None:
         raise ValueError("give keep or counts, not both")
@@ -542,10 +533,13 @@ def _tensor_keep_index(keep: torch.Tensor, batch: int, n: int) -> torch.Tensor:
     return keep
 
 
-def _host_keep_index(keep, counts, batch: int, n: int) -> np.ndarray | None:
-    """:func:`_keep_index` in numpy for the forms a decode loop passes -- ``counts`` an int, a
-    list of ints or a CPU int tensor; ``keep`` None or a CPU int tensor [K] / [B, K] --
-    with the same checks and errors; None for any other form (the torch path decides)."""
+def _host_keep_index(keep, counts, batch: int, n: int) -> np.ndarray:
+    """``keep`` / ``counts`` as suffix indices [B, K] int64 in numpy, -1 = none, their values
+    checked (host data): ``counts`` an int, ints or an int tensor [B] (the first counts[b]
+    positions; K = the largest count); ``keep`` None (all N), a bool mask [N] / [B, N], an
+    index tensor [K] / [B, K] or B sequences of indices.  In numpy because a decode step
+    appends right after a forward has streamed the weights, where each small torch op costs
+    ~10-60 us cold; these checks cost a few us."""
     if counts is not None:
         if keep is not None:
             raise ValueError("give keep or counts, not both")
@@ -553,11 +547,8 @@ def _host_keep_index(keep, counts, batch: int, n: int) -> np.ndarray | None:
             c = np.full(batch, counts, dtype=np.int64)
         elif isinstance(counts, (list, tuple)) and all(type(x) is int for x in counts):
             c = np.asarray(counts, dtype=np.int64).reshape(-1)
-        elif isinstance(counts, torch.Tensor) and counts.device.type == "cpu" and counts.dim() == 1 and \
-                not counts.is_floating_point() and counts.dtype != torch.bool and not counts.requires_grad:
-            c = counts.numpy().astype(np.int64, copy=False)
         else:
-            return None
+            c = _int_vector("counts", counts, None).numpy()
         if c.shape[0] != batch:
             raise ValueError(f"counts must have {batch} entries (one per request), got {c.shape[0]}")
         if c.size and (c.min() < 0 or c.max() > n):
@@ -567,45 +558,8 @@ def _host_keep_index(keep, counts, batch: int, n: int) -> np.ndarray | None:
         return np.where(ar[None, :width] < c[:, None], ar[None, :width], -1)
     if keep is None:
         return np.broadcast_to(np.arange(n, dtype=np.int64), (batch, n))
-    if not isinstance(keep, torch.Tensor) or keep.device.type != "cpu" or keep.dtype == torch.bool or \
-            keep.is_floating_point() or keep.requires_grad or keep.dim() not in (1, 2):
-        return None
-    index = keep.numpy().astype(np.int64, copy=False)
-    if index.ndim == 1:
-        index = np.broadcast_to(index, (batch, index.shape[0]))
-    if index.shape[0] != batch:
-        raise ValueError(f"keep indices must have shape [K] or [B, K] with B = {batch}, got {list(keep.shape)}")
-    if index.size:
-        if index.min() < -1 or index.max() >= n:
-            raise ValueError(f"keep indices must lie in [0, N = {n}) (or -1 for an unused slot), "
-                             f"got {index.tolist()[:4]}")
-        valid = index >= 0
-        if (valid[:, 1:] & ~valid[:, :-1]).any():
-            raise ValueError("keep: -1 (unused) slots must come after the used ones in every row")
-        if index.shape[1] > 1:
-            s = np.sort(np.where(valid, index, -1 - np.arange(index.shape[1])[None]), axis=1)
-            if (s[:, 1:] == s[:, :-1]).any():
-                raise ValueError("keep: a request lists the same suffix index twice")
-    return index
-
-
-def _keep_index(keep, counts, batch: int, n: int) -> torch.Tensor:
-    """Normalise ``keep`` / ``counts`` to suffix indices [B, K] int64 on the CPU, -1 = none."""
-    if counts is not None:
-        if keep is not None:
-            raise ValueError("give keep or counts, not both")
-        if isinstance(counts, int) and not isinstance(counts, bool):
-            c = torch.full((batch,), counts, dtype=torch.int64)
-        else:
-            c = _int_vector("counts", counts, batch)
-        if any(x < 0 or x > n for x in c.tolist()):                      # host data
-            raise ValueError(f"counts must lie in [0, N = {n}], got {c.tolist()}")
-        ar = torch.arange(n)
-        return torch.where(ar[None, :] < c[:, None], ar[None, :], -1)
-    if keep is None:
-        return torch.arange(n).expand(batch, n)
     if isinstance(keep, torch.Tensor):
-        index = _tensor_keep_index(keep.detach().cpu(), batch, n)
+        index = _tensor_keep_index(keep.detach().cpu(), batch, n).numpy()
         if keep.dtype == torch.bool:
             return index                                   # a mask cannot hold bad indices
     elif isinstance(keep, Sequence) and not isinstance(keep, (str, bytes)):
@@ -618,23 +572,22 @@ def _keep_index(keep, counts, batch: int, n: int) -> torch.Tensor:
             if not isinstance(row, Sequence) or any(isinstance(i, bool) or not isinstance(i, int) for i in row):
                 raise ValueError(f"keep[{b}] must be a sequence of ints, got {row!r}")
             rows.append(list(row))
-        width = max((len(r) for r in rows), default=0)
-        index = torch.full((batch, width), -1, dtype=torch.int64)
+        index = np.full((batch, max((len(r) for r in rows), default=0)), -1, dtype=np.int64)
         for b, row in enumerate(rows):
-            if row:
-                index[b, :len(row)] = torch.tensor(row, dtype=torch.int64)
+            index[b, :len(row)] = row
     else:
         raise ValueError(f"keep must be None, an index/bool tensor or a list of index lists, got "
                          f"{type(keep).__name__}")
-    if bool(((index < -1) | (index >= n)).any()):
-        raise ValueError(f"keep indices must lie in [0, N = {n}) (or -1 for an unused slot), "
-                         f"got {index.tolist()[:4]}")
-    valid = index >= 0
-    # unused slots (-1) must come after every used one, and a row must not repeat an index
-    if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
-        raise ValueError("keep: -1 (unused) slots must come after the used ones in every row")
-    if index.shape[1] > 1:
-        s = torch.sort(torch.where(valid, index, -1 - torch.arange(index.shape[1])[None]), dim=1).values
-        if bool((s[:, 1:] == s[:, :-1]).any()):
-            raise ValueError("keep: a request lists the same suffix index twice")
+    if index.size:
+        if index.min() < -1 or index.max() >= n:
+            raise ValueError(f"keep indices must lie in [0, N = {n}) (or -1 for an unused slot), "
+                             f"got {index.tolist()[:4]}")
+        valid = index >= 0
+        # unused slots (-1) must come after every used one, and a row must not repeat an index
+        if (valid[:, 1:] & ~valid[:, :-1]).any():
+            raise ValueError("keep: -1 (unused) slots must come after the used ones in every row")
+        if index.shape[1] > 1:
+            s = np.sort(np.where(valid, index, -1 - np.arange(index.shape[1])[None]), axis=1)
+            if (s[:, 1:] == s[:, :-1]).any():
+                raise ValueError("keep: a request lists the same suffix index twice")
     return index
