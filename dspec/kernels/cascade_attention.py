@@ -209,9 +209,12 @@ def choose_splits(batch, m_blocks, num_kv_heads, max_prefix, block_n, device, mi
 
 def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, sm_scale,
                              return_lse, *, prefix_page_table=None, prefix_lens=None,
-                             max_prefix_len=None, num_splits=None, block_m=None, block_n=None):
+                             max_prefix_len=None, num_splits=None, block_m=None, block_n=None,
+                             num_warps=None, num_stages=None):
     """Ragged prefix (prefix_k [T, Hkv, D] + prefix_indptr) or paged prefix (prefix_k
-    [pages, page_size, Hkv, D] + prefix_page_table [B, max_pages] + prefix_lens [B])."""
+    [pages, page_size, Hkv, D] + prefix_page_table [B, max_pages] + prefix_lens [B]).
+    ``num_splits`` / ``block_m`` / ``block_n`` / ``num_warps`` / ``num_stages``: None picks
+    the defaults below; set, they pin the schedule (bench/tune_cascade_gpu.py sweeps them)."""
     batch, n, hq, head_dim = q.shape
     hkv = k.shape[2]
     group = hq // hkv
@@ -230,6 +233,8 @@ def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, s
         warps = 4 if default_m == 64 else 8
     block_m = block_m or default_m
     block_n = block_n or default_n
+    warps = num_warps or warps
+    stages = num_stages or 2
     d_pad = max(16, next_pow2(head_dim))
     m_blocks = triton.cdiv(n * group, block_m)
     has_prefix = prefix_k is not None
@@ -286,7 +291,7 @@ def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, s
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, SUFFIX_PART=parts - 1, HAS_PREFIX=has_prefix,
         PAGE_SIZE=page_size, HAS_MASK=mask is not lse,
-        WRITE_LSE=return_lse or parts > 1, UPCAST=upcast, num_warps=warps, num_stages=2)
+        WRITE_LSE=return_lse or parts > 1, UPCAST=upcast, num_warps=warps, num_stages=stages)
     if parts > 1:
         rows = batch * n * hq
         block_r = 16
