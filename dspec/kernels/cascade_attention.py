@@ -198,8 +198,16 @@ def _merge_states_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, out_ptr, lse_ptr, num_r
     tl.store(lse_ptr + rows, lse, mask=ok)
 
 
-def choose_splits(batch, m_blocks, num_kv_heads, max_prefix, block_n, device, min_tiles=4):
-    """Prefix chunks so that small batches with long prefixes still fill the GPU."""
+def choose_splits(batch, m_blocks, num_kv_heads, max_prefix, block_n, device, min_tiles=None):
+    """Prefix chunks so that small batches with long prefixes still fill the GPU.
+
+    A split costs a second launch (the merge) and float32 partials: on an H100 with eager
+    launches (bench/results/gpu/h100-2026-11-27/tune_cascade.json) it paid only when every
+    chunk held about 4096 prefix rows -- B1 P4096 N64: fused 69 us, 2 to 16 splits 108-117 us;
+    B1 P32768 N64: fused 425 us, 4 splits 123 us -- so a CUDA chunk is at least 4096 rows.
+    """
+    if min_tiles is None:
+        min_tiles = max(4, 4096 // block_n) if device.type == "cuda" else 4
     programs = batch * m_blocks * num_kv_heads
     want = -(-2 * parallel_units(device) // max(programs, 1))
     tiles = -(-max_prefix // block_n)
@@ -224,17 +232,23 @@ def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, s
     # tiles: 16-bit inputs use tensor cores with 64/128-row query blocks; float32 (upcast)
     # tiles are twice the bytes, so smaller key tiles keep shared memory under ~100 KB
     # (measured ahead of time for sm_90: fp32 d128 64x64 would take 180 KB).
+    # 16-bit tiles as measured on an H100 (bench/results/gpu/h100-2026-11-27/tune_cascade.json,
+    # 216 schedules x 7 cases): 128x64 / 8 warps / 3 stages once the 128-row blocks alone give
+    # half the SMs a program (B64 P4096 N64: 801 us; the old 2 stages 1054), else 64x64 /
+    # 4 warps / 4 stages, twice the programs (B1 P4096 N64: 69 us; the old 128x64 with its
+    # 16 splits 118, fused 135).
     if interp:
-        default_m, default_n, warps = 16, 16, 1
+        default_m, default_n, warps, stages = 16, 16, 1, 1
     elif upcast:
-        default_m, default_n, warps = 64, 32, 4
+        default_m, default_n, warps, stages = 64, 32, 4, 2
+    elif n * group <= 64 or batch * hkv * triton.cdiv(n * group, 128) < parallel_units(dev) // 2:
+        default_m, default_n, warps, stages = 64, 64, 4, 4
     else:
-        default_m, default_n = (64, 64) if n * group <= 64 else (128, 64)
-        warps = 4 if default_m == 64 else 8
+        default_m, default_n, warps, stages = 128, 64, 8, 3
     block_m = block_m or default_m
     block_n = block_n or default_n
     warps = num_warps or warps
-    stages = num_stages or 2
+    stages = num_stages or stages
     d_pad = max(16, next_pow2(head_dim))
     m_blocks = triton.cdiv(n * group, block_m)
     has_prefix = prefix_k is not None
