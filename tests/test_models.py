@@ -299,6 +299,35 @@ def test_logits_selection_and_hidden_states(ckpts):
     torch.testing.assert_close(full.logits[1:, :3], alone.logits, **TOL)
 
 
+@pytest.mark.parametrize("attention", ["causal", "bidirectional", "block_causal"])
+def test_plan_of_a_padded_tensor_with_lengths_equals_the_list_form(ckpts, attention):
+    """model.plan(tokens [B, N], lengths=...) -- a decode loop's array-built ragged batch --
+    is the plan of the list of its valid prefixes (whatever the padding holds), after a cache
+    too; bad lengths are refused."""
+    model = load_checkpoint(ckpts["qwen3"])
+    seqs = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    padded = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 40, 41, 42], [12, 13, 14, 43, 44]])
+    lengths = torch.tensor([5, 2, 3])
+    cache = model.new_cache(3)
+    pre = model.plan([[1, 2, 3], [4], [2, 2]], cache)
+    cache.append(model(pre).suffix_kv, counts=pre.lengths)
+    for c in (None, cache):
+        want = model.plan(seqs, c, attention=attention, block_size=2)
+        got = model.plan(padded, c, attention=attention, block_size=2, lengths=lengths)
+        for field in ("tokens", "positions", "mask", "lengths"):
+            a, b = getattr(got, field), getattr(want, field)
+            assert (a is None and b is None) or torch.equal(a, b), field
+    full = model.plan(padded, lengths=torch.tensor([5, 5, 5]))
+    assert torch.equal(full.tokens, padded) and torch.equal(full.mask, model.plan(padded).mask)
+    for bad, match in ((torch.tensor([5, 0, 3]), "lengths must lie in"), (torch.tensor([5, 6, 3]), "lengths must lie in"),
+                       (torch.tensor([5, 2]), "lengths must be host ints"),
+                       (torch.tensor([5.0, 2.0, 3.0]), "lengths must be host ints")):
+        with pytest.raises(ValueError, match=match):
+            model.plan(padded, lengths=bad)
+    with pytest.raises(ValueError, match="lengths go with a"):
+        model.plan(seqs, lengths=lengths)
+
+
 def test_forward_rejects_bad_plans(ckpts):
     model = load_checkpoint(ckpts["llama"])
     ids = _ids(1, 4)

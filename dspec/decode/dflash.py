@@ -63,6 +63,7 @@ from ..models import AttentionPlan
 from ..models.dflash import MASK, BlockDrafter, resolve_drafter
 from ..ops import token_stats, topk_tokens, tree_mask, verify_chain, verify_tree
 from ._cpu_cost import resolve_row_cost, resolve_tree
+from .outputs import OutputBuffer
 from .sampling import next_tokens, sample_from
 
 
@@ -98,13 +99,7 @@ class SpeculativeRun:
             ids += [i for i in d.target_layer_ids if i not in ids]
         self.layer_ids = ids
         self.pick = {role: [ids.index(i) for i in d.target_layer_ids] for role, d in drafters.items()}
-        self.max_new_tokens = max_new_tokens
-        self.progress = progress
-        # outputs as one host array + lengths: a cycle extends every row with array ops
-        # (numpy: ~1 us an op on these few-element host arrays, where a torch op costs ~8)
-        self._out = np.full((len(prompts), max_new_tokens), -1, dtype=np.int64)
-        self._out_len = np.zeros(len(prompts), dtype=np.int64)
-        self._eos = np.array(sorted({int(e) for e in eos_ids}) or [-1], dtype=np.int64)
+        self.outputs = OutputBuffer(len(prompts), max_new_tokens, eos_ids, progress)
         self.rows = np.arange(len(prompts))          # live batch row -> request index
         self.nfe = {"target": 0, **{role: 0 for role in drafters}}
         self.cycles = 0                # verification forwards x live requests
@@ -178,26 +173,14 @@ class SpeculativeRun:
     @property
     def generated(self) -> list[list[int]]:
         """Each request's generated tokens (up to and including EOS)."""
-        return [row[:n].tolist() for row, n in zip(self._out, self._out_len.tolist())]
+        return self.outputs.generated
 
     def _extend(self, tokens: torch.Tensor, counts: torch.Tensor, anchor) -> bool:
-        """Append each live row's first counts[r] tokens (host tensors [A, W], [A]), cut after
-        an EOS and at max_new_tokens, with array ops (no loop over requests or tokens); drop
-        the finished rows from every cache.  False when all are done."""
-        tokens, counts = tokens.numpy(), counts.numpy()
+        """Append each live row's first counts[r] tokens (host tensors [A, W], [A]) to the
+        outputs (:class:`OutputBuffer`); drop the finished rows from every cache.  False when
+        all are done."""
         req = self.rows
-        width = tokens.shape[1]
-        col = np.arange(width)
-        is_eos = (tokens[:, :, None] == self._eos).any(2) & (col < counts[:, None])   # np.isin: ~0.2 ms
-        eos_end = np.where(is_eos.any(1), is_eos.argmax(1) + 1, width + 1)
-        length = self._out_len[req]
-        take = np.minimum(np.minimum(counts, eos_end), self.max_new_tokens - length)
-        r, c = np.nonzero(col < take[:, None])
-        self._out[req[r], length[r] + c] = tokens[r, c]
-        self._out_len[req] = length + take
-        done = (eos_end <= take) | (length + take >= self.max_new_tokens)
-        if self.progress is not None:
-            self.progress.update(int(take.sum()) / self._out.shape[0])
+        done = self.outputs.extend(req, tokens.numpy(), counts.numpy())
         if not done.any():
             self.anchor = anchor
             return True

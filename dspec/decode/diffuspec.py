@@ -64,12 +64,14 @@ import time
 import weakref
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..models.dense import dense
 from ..models.stack import frozen_weights
 from ..ops import token_stats, verify_chain
 from .ngram import NgramLM, causal_proxy, load_cached
+from .outputs import OutputBuffer
 from .path_search import build_lattice, path_search
 from .sampling import next_tokens
 
@@ -363,8 +365,15 @@ def _shipped_draft_vocab(drafter):
 
 
 class _Batch:
-    """The active requests' state (committed text, target and drafter caches) and one
-    DiffuSpec cycle per :meth:`cycle`: draft, search, verify, commit."""
+    """The live requests' state (committed text, target and drafter caches) and one
+    DiffuSpec cycle per :meth:`cycle`: draft, search, verify, commit -- each with array ops
+    over the batch (no Python loop over requests or tokens).
+
+    ``rows`` maps the live batch rows to request indices.  A request's committed text is its
+    prompt (right-aligned in ``prompt_buf`` [B, P]) followed by its generated tokens
+    (``outputs.tokens``): text position t of request b is column ``P - prompt_len[b] + t`` of
+    their concatenation.
+    """
 
     def __init__(self, model, drafter, prompts, opts, lm, controller, *, max_new_tokens, temperature,
                  generator, eos_ids, progress, draft_ids=None):
@@ -373,27 +382,29 @@ class _Batch:
         self.draft_head = None
         if draft_ids is not None:             # the head's draft-vocabulary rows
             self.draft_head = _draft_head(drafter, draft_ids)
-        self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
-        self.progress = progress
+        self.temperature, self.generator = temperature, generator
         self.sampling = temperature > 0
         self.dev = model.device
         self.V, self.Vd = model.config.vocab_size, drafter.config.vocab_size
         self.bs, self.mask_id = drafter.block_size, drafter.mask_token_id
+        pad = drafter.config.pad_token_id
+        self.pad_id = pad if pad is not None and 0 <= pad < self.Vd else 0
         self.eos = sorted({int(e) for e in eos_ids if 0 <= int(e) < self.V})
-        self.eos_set = set(self.eos)
         if draft_ids is not None:             # the EOS ids' columns among the drafted logits
             eos_t = torch.tensor(self.eos, dtype=torch.int64, device=draft_ids.device)
             self.eos_columns = (draft_ids[:, None] == eos_t[None]).any(1).nonzero()[:, 0].tolist()
         batch = self.batch = len(prompts)
-        self.active = list(range(batch))
-        self.generated = [[] for _ in range(batch)]
-        self.history = [list(p) for p in prompts]            # committed text (prompt + generated)
-        self.last = [p[-1] for p in prompts]                 # the committed token not in the target cache
-                                                             # (from the prefill on: the first generated)
-        self.d_start = [0] * batch                           # drafter cache length (a block boundary)
+        self.rows = np.arange(batch)                         # live batch row -> request index
+        self.outputs = OutputBuffer(batch, max_new_tokens, self.eos, progress)
+        self.prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
+        width = int(self.prompt_len.max())
+        self.prompt_buf = np.full((batch, width), self.pad_id, dtype=np.int64)
+        self.prompt_buf[np.arange(width)[None, :] >= width - self.prompt_len[:, None]] = \
+            np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
+        self.d_start = np.zeros(batch, dtype=np.int64)       # drafter cache length (a block boundary)
         self.t_fwd = self.d_fwd = 0
         self.time = {"draft": 0.0, "search": 0.0, "verify": 0.0}
-        self.rows = self.committed_total = self.drafted_total = self.accepted_total = 0
+        self.row_cycles = self.committed_total = self.drafted_total = self.accepted_total = 0
         self.cycles = 0
 
         # the prompt in one forward and the first token from its last logits, as ar does: every
@@ -410,18 +421,22 @@ class _Batch:
         # cache (its forward: the last committed token and the [MASK] slots)
         self.shared = shares_target_cache(model, drafter)
         self.dcache = None if self.shared else drafter.new_cache(batch)
-        first = next_tokens(out.logits[:, -1], temperature, generator).tolist()
-        finished = []
-        for r, t in enumerate(first):
-            self.history[r].append(t)
-            self.last[r] = t
-            self.generated[r].append(t)
-            if t in self.eos_set or max_new_tokens <= 1:
-                finished.append(r)
-        if self.progress is not None:
-            self.progress.update(1)
-        if finished:
-            self.drop(finished)
+        first = next_tokens(out.logits[:, -1], temperature, generator).cpu().numpy()
+        done = self.outputs.extend(self.rows, first[:, None], np.ones(batch, dtype=np.int64))
+        if done.any():
+            self.drop(done)
+
+    @property
+    def active(self) -> bool:
+        return len(self.rows) > 0
+
+    def _text(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The live rows' committed text: (tokens [A, P + max_new], column of text position 0
+        [A], text length [A])."""
+        req = self.rows
+        text = np.concatenate([self.prompt_buf[req], self.outputs.tokens[req]], 1)
+        start = self.prompt_buf.shape[1] - self.prompt_len[req]
+        return text, start, self.prompt_len[req] + self.outputs.lengths[req]
 
     def _timed(self, phase: str, t0: float) -> None:
         if self.dev.type == "cuda":
@@ -429,44 +444,50 @@ class _Batch:
         self.time[phase] += time.perf_counter() - t0
 
     def cycle(self) -> bool:
-        """One draft-search-verify cycle for every active request; False when none is left."""
+        """One draft-search-verify cycle for every live request; False when none is left."""
         self.cycles += 1
-        n_act = len(self.active)
-        remaining = [self.max_new_tokens - len(self.generated[r]) for r in self.active]
-        k_req = self.controller.k.tolist() if self.controller is not None else [self.opts["draft_len"]] * n_act
-        k = [max(0, min(kk, rem - 1)) for kk, rem in zip(k_req, remaining)]
-        draft = torch.zeros(n_act, max(max(k), 1), dtype=torch.int64)
+        n_act = len(self.rows)
+        remaining = self.outputs.remaining(self.rows)
+        k_req = (self.controller.k.numpy() if self.controller is not None
+                 else np.full(n_act, self.opts["draft_len"], dtype=np.int64))
+        k = np.clip(k_req, 0, remaining - 1)
+        kmax = int(k.max())
+        draft = torch.zeros(n_act, max(kmax, 1), dtype=torch.int64)
         n_draft = torch.zeros(n_act, dtype=torch.int64)
         draft_probs = None
-        if max(k) > 0:
-            logits = self.draft(k)
-            n_draft, draft_probs = self.search(logits, k, draft)
-        acc, new_tok = self.verify(draft, n_draft, draft_probs)
-        finished = self.commit(acc, new_tok, n_draft)
+        text, start, length = self._text()
+        if kmax > 0:
+            logits = self.draft(k, text, start, length)
+            n_draft, draft_probs = self.search(logits, k, draft, text, start, length)
+        acc, new_tok = self.verify(text, start, length, draft, n_draft, draft_probs)
+        done = self.commit(acc, new_tok, n_draft)
         if self.controller is not None:
             self.controller.update(n_draft, acc)
-        if finished:
-            self.drop(finished)
-        return bool(self.active)
+        if done.any():
+            self.drop(done)
+        return self.active
 
-    def draft(self, k: list[int]) -> torch.Tensor:
+    def draft(self, k: np.ndarray, text, start, length) -> torch.Tensor:
         """Pending tokens + k [MASK]s per request in one drafter forward: the draft slots'
         logits [A, kmax, V] over the target's vocabulary ([MASK] never drafted)."""
         t0 = time.perf_counter()
-        drafter, kmax, V, Vd = self.drafter, max(k), self.V, self.Vd
-        if self.shared:         # the target's cache holds every committed token but the last
-            pending = [[self.last[r]] for r in self.active]
-        else:
-            pending = [self.history[r][self.d_start[i]:] for i, r in enumerate(self.active)]
-        seqs = [pnd + [self.mask_id] * kk or [self.mask_id] for pnd, kk in zip(pending, k)]
+        drafter, kmax, V, Vd = self.drafter, int(k.max()), self.V, self.Vd
+        # pending: the committed tokens the drafter's cache lacks (with the target's cache:
+        # only the last one)
+        first = length - 1 if self.shared else self.d_start
+        plen = length - first
+        slen = np.maximum(plen + k, 1)      # a request with nothing to forward gets one [MASK]
+        col = np.arange(int(slen.max()))
+        src = text[np.arange(len(k))[:, None], np.minimum((start + first)[:, None] + col, text.shape[1] - 1)]
+        seqs = np.where(col < plen[:, None], src,
+                        np.where(col < (plen + k)[:, None], self.mask_id, self.pad_id))
+        seqs[plen + k == 0, 0] = self.mask_id
         cache = self.tcache if self.shared else self.dcache
         shift = 1 if drafter.shifted else 0
-        plen = torch.tensor([len(p) for p in pending])
-        slen = torch.tensor([len(s) for s in seqs])
         # logits row of draft slot j: the slot itself (or the one before, shifted); rows past
         # a request's k only pad the batch (clamped into its sequence, ignored)
-        idx = torch.minimum(plen[:, None] - shift + torch.arange(kmax), slen[:, None] - 1).to(self.dev)
-        plan = drafter.plan(seqs, cache)
+        idx = torch.from_numpy(np.minimum(plen[:, None] - shift + np.arange(kmax), slen[:, None] - 1)).to(self.dev)
+        plan = drafter.plan(torch.from_numpy(seqs), cache, lengths=torch.from_numpy(slen))
         if self.draft_ids is not None:
             # the final normed rows, and the head over the draft vocabulary only
             out = drafter(plan, logits=None, hidden_states=[-1], return_kv=not self.shared)
@@ -479,11 +500,9 @@ class _Batch:
             logits = out.logits
         self.d_fwd += 1
         if not self.shared:
-            commit = [((self.d_start[i] + len(p)) // self.bs) * self.bs - self.d_start[i]
-                      for i, p in enumerate(pending)]
-            self.dcache.append(out.suffix_kv, counts=commit)
-            for i, c in enumerate(commit):
-                self.d_start[i] += c
+            commit = (self.d_start + plen) // self.bs * self.bs - self.d_start
+            self.dcache.append(out.suffix_kv, counts=torch.from_numpy(commit))
+            self.d_start += commit
         logits = logits.float()
         if self.draft_ids is not None:               # columns are draft_ids (no [MASK] among them)
             self._timed("draft", t0)
@@ -497,22 +516,23 @@ class _Batch:
         self._timed("draft", t0)
         return logits
 
-    def search(self, logits, k: list[int], draft):
+    def search(self, logits, k: np.ndarray, draft, text, start, length):
         """The draft per request (into ``draft``): the causal-consistency path search over the
         token lattice (CPS), or each slot's choice cut after the first EOS; returns
         (drafted lengths [A], draft probabilities [A, kmax, V] when sampling)."""
         t0 = time.perf_counter()
-        opts, V, eos, kmax = self.opts, self.V, self.eos, max(k)
-        n_act = len(self.active)
-        k_t = torch.tensor(k)
+        opts, V, eos, kmax = self.opts, self.V, self.eos, int(k.max())
+        n_act = len(k)
+        k_t = torch.from_numpy(k)
         draft_probs = None
         if opts["cps"]:
             cand_tok, cand_lp = build_lattice(logits, tau=opts["tau"], max_candidates=opts["max_candidates"],
                                               eos_ids=eos if self.draft_ids is None else self.eos_columns,
                                               temperature=self.temperature if self.sampling else 1.0)
             cand_tok = self._token_ids(cand_tok)
-            hist = torch.tensor([[h[-2] if len(h) >= 2 else -1, h[-1]] for h in
-                                 (self.history[r] for r in self.active)])
+            # the last two committed tokens (-1 before the text's start)
+            at = length[:, None] + np.array([-2, -1])
+            hist = np.where(at >= 0, text[np.arange(n_act)[:, None], start[:, None] + np.maximum(at, 0)], -1)
             uniforms = None
             if self.sampling:
                 uniforms = torch.rand(n_act, kmax, generator=self.generator, device=self.dev).cpu()
@@ -552,68 +572,52 @@ class _Batch:
         ids = self.draft_ids.to(columns.device)
         return torch.where(columns >= 0, ids[columns.clamp(min=0)], columns)
 
-    def verify(self, draft, n_draft, draft_probs):
+    def verify(self, text, start, length, draft, n_draft, draft_probs):
         """[last] + draft through the target in one forward, ``verify_chain``, and the target
         cache commit; returns (accepted drafts [A], tokens [A, L + 1]) on the host."""
         t0 = time.perf_counter()
-        n_list = n_draft.tolist()
-        seqs = [[self.last[r]] + draft[i, :n].tolist() for i, (r, n) in enumerate(zip(self.active, n_list))]
-        lmax = max(n_list)
-        out = self.model(self.model.plan(seqs, self.tcache), logits="all")
+        lmax = int(n_draft.max())
+        last = torch.from_numpy(text[np.arange(len(length)), start + length - 1])
+        seqs = torch.cat([last[:, None], draft[:, :lmax]], 1)
+        out = self.model(self.model.plan(seqs, self.tcache, lengths=n_draft + 1), logits="all")
         self.t_fwd += 1
-        tl = out.logits[:, :lmax + 1]                # the longest row has lmax + 1 tokens
         dp = draft_probs[:, :lmax] if draft_probs is not None else None
-        ver = verify_chain(draft[:, :lmax].to(self.dev), tl, draft_probs=dp, num_drafts=n_draft.to(self.dev),
+        ver = verify_chain(draft[:, :lmax].to(self.dev), out.logits, draft_probs=dp, num_drafts=n_draft.to(self.dev),
                            temperature=self.temperature, generator=self.generator)
         acc = ver.num_accepted.cpu()
         new_tok = ver.tokens.cpu()
-        self.tcache.append(out.suffix_kv, counts=(acc + 1).tolist())
+        self.tcache.append(out.suffix_kv, counts=acc + 1)
         self._timed("verify", t0)
         return acc, new_tok
 
-    def commit(self, acc, new_tok, n_draft) -> list[int]:
-        """Append each request's accepted drafts and drawn token; returns the finished rows."""
-        finished = []
-        n_list = n_draft.tolist()
-        for i, (r, a) in enumerate(zip(self.active, acc.tolist())):
-            toks = new_tok[i, :a + 1].tolist()
-            self.history[r].extend(toks)
-            self.last[r] = toks[-1]
-            self.rows += 1
-            self.committed_total += a + 1
-            self.drafted_total += n_list[i]
-            self.accepted_total += a
-            gen = self.generated[r]
-            before, done = len(gen), False
-            for t in toks:
-                if len(gen) >= self.max_new_tokens:
-                    done = True
-                    break
-                gen.append(t)
-                if t in self.eos_set:
-                    done = True
-                    break
-            done |= len(gen) >= self.max_new_tokens
-            if self.progress is not None:
-                self.progress.update((len(gen) - before) / self.batch)
-            if done:
-                finished.append(i)
-        return finished
+    def commit(self, acc, new_tok, n_draft) -> np.ndarray:
+        """Append each request's accepted drafts and drawn token; returns which rows are done."""
+        acc, n = acc.numpy(), n_draft.numpy()
+        self.row_cycles += len(acc)
+        self.committed_total += int(acc.sum()) + len(acc)
+        self.drafted_total += int(n.sum())
+        self.accepted_total += int(acc.sum())
+        return self.outputs.extend(self.rows, new_tok.numpy(), acc + 1)
 
-    def drop(self, finished) -> None:
-        keep = [i for i in range(len(self.active)) if i not in set(finished)]
-        self.active = [self.active[i] for i in keep]
-        if not keep:
+    def drop(self, done: np.ndarray) -> None:
+        """Forget the rows ``done`` (bool [A]) in every per-row state and cache."""
+        keep = np.flatnonzero(~done)
+        self.rows = self.rows[keep]
+        if not len(keep):
             return
-        self.tcache = self.tcache.select(keep)
+        self.tcache = self.tcache.select(keep.tolist())
         if self.dcache is not None:
-            self.dcache = self.dcache.select(keep)
-        self.d_start = [self.d_start[i] for i in keep]
+            self.dcache = self.dcache.select(keep.tolist())
+        self.d_start = self.d_start[keep]
         if self.controller is not None:
             self.controller.select(keep)
 
+    @property
+    def generated(self) -> list[list[int]]:
+        return self.outputs.generated
+
     def stats(self) -> dict:
-        rows, opts = max(self.rows, 1), self.opts
+        rows, opts = max(self.row_cycles, 1), self.opts
         return {
             "nfe": {"target": self.t_fwd, "drafter": self.d_fwd},
             "mean_accepted": self.committed_total / rows,

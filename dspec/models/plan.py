@@ -60,9 +60,13 @@ class AttentionPlan:
 
     @classmethod
     def sequences(cls, seqs, *, attention: str = "causal", block_size: int | None = None,
-                  cache: KVCache | None = None, pad_id: int = 0, device=None) -> "AttentionPlan":
+                  cache: KVCache | None = None, pad_id: int = 0, device=None,
+                  lengths=None) -> "AttentionPlan":
         """The plan of a batch of token sequences (ragged: right-padded with ``pad_id``)
-        appended after each request's cached prefix, under ``attention``:
+        appended after each request's cached prefix, under ``attention``.  ``seqs``: a list of
+        id lists, or a [B, N] tensor -- every row valid, or its first ``lengths[b]`` tokens
+        (``lengths``: ints [B] in [1, N], on the host; the rest is padding, replaced by
+        ``pad_id``), so that a decode loop builds a ragged batch with array ops.
 
         - "causal": token i sees tokens j <= i;
         - "bidirectional": every valid token sees every valid token;
@@ -80,7 +84,7 @@ class AttentionPlan:
             raise ValueError(f"attention must be 'causal', 'bidirectional' or 'block_causal', got {attention!r}")
         if attention == "block_causal" and (not isinstance(block_size, int) or block_size < 1):
             raise ValueError(f"block_causal attention needs block_size >= 1, got {block_size!r}")
-        tokens, lengths = _pad(seqs, pad_id, device)
+        tokens, lengths = _pad(seqs, pad_id, device, lengths)
         batch, n = tokens.shape
         if cache is not None and cache.batch_size != batch:
             raise ValueError(f"cache holds {cache.batch_size} requests, seqs {batch}")
@@ -150,13 +154,30 @@ def _as_ids(name, t) -> torch.Tensor:
     return t.to(torch.int64)
 
 
-def _pad(seqs, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A list of id sequences (or a [B, N] / [N] tensor) -> right-padded [B, N] + lengths [B]."""
+def _pad(seqs, pad_id: int, device, lengths=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A list of id sequences (or a [B, N] / [N] tensor, optionally with valid ``lengths``)
+    -> right-padded [B, N] + lengths [B]."""
     if isinstance(seqs, torch.Tensor):
         t = _as_ids("seqs", seqs)
+        if lengths is not None:
+            lengths = torch.as_tensor(lengths)
+            if lengths.shape != (t.shape[0],) or lengths.is_floating_point() or lengths.dtype == torch.bool \
+                    or lengths.device.type != "cpu":
+                raise ValueError(f"lengths must be host ints of shape [B = {t.shape[0]}], got "
+                                 f"{lengths.dtype} {list(lengths.shape)} on {lengths.device}")
+            lengths = lengths.to(torch.int64)
+            if t.shape[1] and (bool((lengths < 1).any()) or bool((lengths > t.shape[1]).any())):
+                raise ValueError(f"lengths must lie in [1, N = {t.shape[1]}], got {lengths.tolist()}")
+            if bool((lengths < t.shape[1]).any()):
+                t = torch.where(torch.arange(t.shape[1], device=t.device)[None] < lengths.to(t.device)[:, None],
+                                t, torch.full_like(t, int(pad_id)))
+        else:
+            lengths = torch.full((t.shape[0],), t.shape[1], dtype=torch.int64)
         if device is not None:
             t = t.to(device)
-        return t, torch.full((t.shape[0],), t.shape[1], dtype=torch.int64)
+        return t, lengths
+    if lengths is not None:
+        raise ValueError("lengths go with a [B, N] tensor of seqs, not with a list of sequences")
     if not isinstance(seqs, Sequence) or isinstance(seqs, (str, bytes)) or not seqs:
         raise ValueError("seqs must be a non-empty list of token-id sequences or a [B, N] tensor")
     if all(isinstance(x, int) and not isinstance(x, bool) for x in seqs):

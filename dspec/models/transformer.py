@@ -382,16 +382,17 @@ class Model(nn.Module):
                        device=self.device, capacity=capacity, layout=layout)
 
     def plan(self, seqs, cache: KVCache | None = None, *, attention: str | None = None,
-             block_size: int | None = None) -> AttentionPlan:
+             block_size: int | None = None, lengths=None) -> AttentionPlan:
         """The plan of token sequences (ragged, right-padded) after ``cache``'s prefixes,
         under the model's own attention (or ``attention``); block-causal attention uses
         ``block_size`` (default: the model's), which must be the block size the caller
-        decodes with so the committed prompt blocks match the decoded ones."""
+        decodes with so the committed prompt blocks match the decoded ones.  ``lengths``:
+        with a [B, N] tensor of seqs, each row's valid tokens (``AttentionPlan.sequences``)."""
         pad = self.config.pad_token_id
         pad = pad if pad is not None and 0 <= pad < self.config.vocab_size else 0
         return AttentionPlan.sequences(seqs, attention=attention or self.config.attention,
                                        block_size=block_size or self.config.block_size, cache=cache,
-                                       pad_id=pad, device=self.device)
+                                       pad_id=pad, device=self.device, lengths=lengths)
 
     # ------------------------------------------------------------------------- forward
 
