@@ -58,6 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from .. import _backend
@@ -66,6 +67,7 @@ from ..models import AttentionPlan
 from ..ops import topk_tokens
 from ..ops.masks import pack_mask
 from .diffusion import prefill_prompt_blocks
+from .outputs import OutputBuffer
 from .unmask import choose, log_probs, rank_masked
 
 Step = tuple[int, int]
@@ -270,7 +272,6 @@ class _Engine:
         self.ranks_used = min(graph.max_rank, bs)
         self.slots = torch.arange(bs, device=dev)
         self.node_ids = torch.arange(self.num_nodes, device=dev)
-        self.eos = set(int(e) for e in eos_ids)
 
         self.cache = model.new_cache(batch)
         plen = torch.tensor([len(p) for p in prompts], device=dev)
@@ -289,9 +290,10 @@ class _Engine:
         self.conf = torch.full((batch, bs), -1.0, device=dev)
         self.cand = torch.zeros(batch, bs, self.big_j, dtype=torch.int64, device=dev)
         self.cand_logp = torch.zeros(batch, bs, self.big_j, device=dev)
-        self.rows = list(range(batch))
-        self.generated = [[] for _ in range(batch)]
-        self.shown = [0] * batch                 # steps reported to the progress bar per request
+        self.rows = np.arange(batch)             # live batch row -> request index
+        self.prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
+        self.outputs = OutputBuffer(batch, max_new_tokens, eos_ids)
+        self.shown = np.zeros(batch, dtype=np.int64)  # steps reported to the progress bar per request
         self.st = SelfSpecStats()
         # greedy on the CPU: the round's host-side work in three compiled calls (the torch
         # composition below is their reference, and the path for sampling and tracing)
@@ -322,7 +324,7 @@ class _Engine:
                        cand_logp=torch.empty(a_rows, bs, big_j)))
         return self.ws
 
-    def _native_round(self) -> list[int]:
+    def _native_round(self) -> np.ndarray:
         """One round through dspec._C.selfspec_expand / _score / _advance (greedy, CPU): the
         same transitions as expand / forward / walk / advance; returns the finished rows."""
         ext, tab, bs, a_rows, big_j = self.native, self.tab, self.bs, len(self.rows), self.big_j
@@ -365,20 +367,17 @@ class _Engine:
             setattr(self, name, t)
         if committed:
             self.cache.append(out.suffix_kv, keep=ws.keep)
-        host = ws.host.tolist()
-        r = SimpleNamespace(base=lengths, last_blocks=[h[bs + 4:] if h[bs + 3] else None for h in host])
-        return self.account(r, [h[: bs + 3] for h in host])
+        return self.account(SimpleNamespace(base=lengths), ws.host.numpy())
 
     def round(self) -> bool:
         """One forward and every row's transition; False when no row is left."""
-        a_rows = len(self.rows)
         finished = self._native_round() if self.native is not None else self._torch_round()
         self.st.rounds += 1
-        if finished:
-            self.drop(finished, a_rows)
-        return bool(self.rows)
+        if finished.any():
+            self.drop(finished)
+        return len(self.rows) > 0
 
-    def _torch_round(self) -> list[int]:
+    def _torch_round(self) -> np.ndarray:
         """One round as torch ops (the compiled round's reference); returns the finished rows."""
         r = self.expand()
         self.forward(r)
@@ -529,7 +528,7 @@ class _Engine:
         r.went_next = r.done_block & (u == r.anchor) & r.has_anchor
         r.steps = torch.where(known, tab["size"][u], 0)
 
-    def advance(self, r) -> list:
+    def advance(self, r) -> np.ndarray:
         """The next state of every row (u, or the next block's first state after the anchor),
         its candidates, the committed blocks' KV and carry; returns the round's host rows
         [committed, steps, block tokens..., nodes kept]."""
@@ -561,81 +560,67 @@ class _Engine:
         filled = torch.where(new_masked, self.choice, new_tokens)
         host = torch.cat([done_block[:, None].to(torch.int64), r.steps[:, None], block_tokens,
                           r.num_kept[:, None], last_step[:, None].to(torch.int64), filled],
-                         1).tolist()                                               # host sync 2
-        r.last_blocks = [h[bs + 4:] if h[bs + 3] else None for h in host]
-        host = [h[: bs + 3] for h in host]
+                         1).cpu().numpy()                                          # host sync 2
         if self.trace is not None:
-            self.trace(dict(rows=list(self.rows), known=self.known.tolist(), tokens=self.tokens.tolist(),
-                            order=r.order.tolist(), cand=r.cand_r.tolist(), host=host))
+            self.trace(dict(rows=self.rows.tolist(), known=self.known.tolist(), tokens=self.tokens.tolist(),
+                            order=r.order.tolist(), cand=r.cand_r.tolist(), host=host[:, : bs + 3].tolist()))
         keep = torch.where(done_block[:, None], commit_copy[:, None] * bs + self.slots, -1)
-        if any(h[0] for h in host):
+        if host[:, 0].any():
             self.cache.append(r.out.suffix_kv, keep=keep.cpu())
         self.tokens, self.masked, self.known = new_tokens, new_masked, new_known
         return host
 
-    def account(self, r, host) -> list[int]:
-        """Statistics, progress and output tokens of the round; returns the finished rows."""
-        st, bs = self.st, self.bs
-        finished = []
-        block_start = r.base.tolist()
-        for a, b in enumerate(self.rows):
-            commit, n_steps, kept_here = host[a][0], host[a][1], host[a][-1]
-            st.nodes_forwarded += kept_here
-            if n_steps:                       # a verification round of a state with logits
-                st.verify_rows += 1
-                st.steps += n_steps
-                st.histogram[n_steps] = st.histogram.get(n_steps, 0) + 1
-                st.drafts += kept_here - 1
-                st.accepted_drafts += n_steps - 1
-                self._show(b, n_steps)
-            gen = self.generated[b]
-            if commit:
-                gen[:] = self._committed(b, gen, host[a][2:2 + bs], block_start[a])
-                if self._done(gen):
-                    finished.append(a)
-                    continue
-            last = r.last_blocks[a]
-            if last is not None:
-                # no forward for a block that ends the request: nothing would read its KV
-                ended = self._committed(b, gen, last, block_start[a] + bs * commit)
-                if self._done(ended):
-                    gen[:] = ended
-                    st.free_steps += 1
-                    self._show(b, 1)
-                    finished.append(a)
+    def account(self, r, host: np.ndarray) -> np.ndarray:
+        """Statistics, progress and output tokens of the round; returns which rows finished
+        (bool [A]).  ``host`` [A, 2 bs + 4]: committed, steps, the committed block, nodes kept,
+        then (greedy) whether the next state is one step from its block's end and that
+        block; ``r.base``: each row's block start (cache length) before the round."""
+        st, bs, req = self.st, self.bs, self.rows
+        commit, n_steps, block, kept = host[:, 0] != 0, host[:, 1], host[:, 2:2 + bs], host[:, bs + 2]
+        last_step, last_block = host[:, bs + 3] != 0, host[:, bs + 4:]
+        st.nodes_forwarded += int(kept.sum())
+        verified = n_steps > 0                # a verification round of a state with logits
+        st.verify_rows += int(verified.sum())
+        st.steps += int(n_steps.sum())
+        st.drafts += int((kept[verified] - 1).sum())
+        st.accepted_drafts += int((n_steps[verified] - 1).sum())
+        for n, count in zip(*np.unique(n_steps[verified], return_counts=True)):     # histogram bins
+            st.histogram[int(n)] = st.histogram.get(int(n), 0) + int(count)
+        self._show(req[verified], n_steps[verified])
+        base, plen = r.base.cpu().numpy(), self.prompt_len[req]
+        finished = np.zeros(len(req), dtype=bool)
+        c = np.flatnonzero(commit)
+        if len(c):
+            finished[c] = self.outputs.extend_block(req[c], block[c], base[c], plen[c])
+        # no forward for a block that ends the request: nothing would read its KV
+        f = np.flatnonzero(last_step & ~finished)
+        if len(f):
+            ends = self.outputs.extend_block(req[f], last_block[f], base[f] + bs * commit[f], plen[f],
+                                             only_done=True)
+            st.free_steps += int(ends.sum())
+            self._show(req[f[ends]], np.ones(int(ends.sum()), dtype=np.int64))
+            finished[f[ends]] = True
         return finished
 
-    def _show(self, b, steps) -> None:
-        """Advance the progress bar by request b's steps, never past max_new_tokens."""
-        if self.progress is not None:
-            delta = min(steps, self.max_new_tokens - self.shown[b])
-            self.shown[b] += delta
-            self.progress.update(delta / self.batch)
+    def _show(self, requests: np.ndarray, steps: np.ndarray) -> None:
+        """Advance the progress bar by each request's steps, never past max_new_tokens."""
+        if self.progress is not None and len(requests):
+            delta = np.minimum(steps, self.max_new_tokens - self.shown[requests])
+            self.shown[requests] += delta
+            self.progress.update(int(delta.sum()) / self.batch)
 
-    def _committed(self, b, gen, block, block_start) -> list[int]:
-        """``gen`` extended by a complete block's generated tokens (to EOS or the budget)."""
-        out = list(gen)
-        for slot_i, t in enumerate(block):
-            if block_start + slot_i < len(self.prompts[b]):
-                continue                      # the prompt's tail
-            if len(out) == self.max_new_tokens:
-                break
-            out.append(int(t))
-            if t in self.eos:
-                break
-        return out
+    @property
+    def generated(self) -> list[list[int]]:
+        return self.outputs.generated
 
-    def _done(self, gen) -> bool:
-        return len(gen) >= self.max_new_tokens or bool(gen and gen[-1] in self.eos)
-
-    def drop(self, finished, a_rows) -> None:
-        """Remove finished rows from the batch state and the cache."""
-        stay = [a for a in range(a_rows) if a not in set(finished)]
-        self.rows = [self.rows[a] for a in stay]
-        if not self.rows:
+    def drop(self, finished: np.ndarray) -> None:
+        """Remove the finished rows (bool [A]) from the batch state and the cache."""
+        stay = np.flatnonzero(~finished)
+        self.rows = self.rows[stay]
+        if not len(stay):
             return
-        idx = torch.tensor(stay, device=self.dev)
-        self.cache = self.cache.select(stay)
+        idx = torch.from_numpy(stay).to(self.dev)
+        self.cache = self.cache.select(stay.tolist())
         for name in ("tokens", "masked", "known", "choice", "conf", "cand", "cand_logp", "carry"):
             setattr(self, name, getattr(self, name)[idx])
 

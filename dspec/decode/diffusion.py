@@ -63,11 +63,13 @@ unmasking, the finished test) stays on the device.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..masks import block_diffusion
 from ..models import AttentionPlan
 from ..ops import pack_mask
+from .outputs import OutputBuffer
 from .unmask import choose, pick_slots, rank_masked
 
 #: block size used for a bidirectional model when neither the call nor the model gives one
@@ -167,7 +169,14 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
     plen = torch.tensor([len(p) for p in prompts], device=dev)
     carry, forwards = prefill_prompt_blocks(model, prompts, cache, bs)
 
-    generated = [[] for _ in range(batch)]
+    outputs = OutputBuffer(batch, max_new_tokens, eos_ids)
+    # the prompts left-aligned: a block's prompt tail is a gather, not a loop over requests
+    width = int(plen.max())
+    prompt_buf = torch.zeros(batch, width + bs, dtype=torch.int64)
+    prompt_buf[torch.arange(width + bs)[None] < plen.cpu()[:, None]] = \
+        torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
+    prompt_buf = prompt_buf.to(dev)
+    requests = np.arange(batch)
     finished = torch.zeros(batch, dtype=torch.bool, device=dev)
     slots = torch.arange(bs, device=dev)
     block_mask = block_diffusion(bs, device=dev)
@@ -180,12 +189,9 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
         # the block's slots: prompt tail where it reaches into the block, [MASK] elsewhere
         block_start = cache.lengths.to(dev) + (0 if pending is None else bs)
         pos = block_start[:, None] + slots
-        tokens = torch.full((batch, bs), mask_id, dtype=torch.int64, device=dev)
-        for b, p in enumerate(prompts):
-            tail = [t for i, t in enumerate(p) if int(block_start[b]) <= i < int(block_start[b]) + bs]
-            if tail:
-                tokens[b, : len(tail)] = torch.tensor(tail, device=dev)
-        masked = (pos >= plen[:, None]) & ~finished[:, None]
+        in_prompt = pos < plen[:, None]
+        tokens = torch.where(in_prompt, prompt_buf.gather(1, pos.clamp(max=width + bs - 1)), mask_id)
+        masked = ~in_prompt & ~finished[:, None]
         while bool(masked.any()):
             if pending is None:
                 out = model(AttentionPlan(tokens, pos, block_mask.words, cache), return_kv=False)
@@ -209,18 +215,11 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
             if progress is not None:
                 progress.update(int(pick.sum()) / batch)
         pending = (tokens, pos)                     # committed by the next block's first step
-        for b in range(batch):
-            if finished[b]:
-                continue
-            new = [int(t) for t, q in zip(tokens[b].tolist(), pos[b].tolist()) if q >= int(plen[b])]
-            for t in new:
-                if len(generated[b]) == max_new_tokens:
-                    break
-                generated[b].append(t)
-                if t in eos_ids:
-                    break
-            done_eos = bool(generated[b]) and generated[b][-1] in eos_ids
-            finished[b] = done_eos or len(generated[b]) >= max_new_tokens
+        live = np.flatnonzero(~finished.cpu().numpy())
+        done = outputs.extend_block(requests[live], tokens.cpu().numpy()[live], block_start.cpu().numpy()[live],
+                                    plen.cpu().numpy()[live])
+        finished[torch.from_numpy(live[done]).to(dev)] = True
+    generated = outputs.generated
     steps = max(forwards, 1)
     # mean_accepted: new tokens per model forward (prefill and block commits included)
     return generated, {"nfe": {"target": forwards},

@@ -18,22 +18,36 @@ class OutputBuffer:
         self.max_new_tokens = max_new_tokens
         self.progress = progress
 
-    def extend(self, requests: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    def extend(self, requests: np.ndarray, tokens: np.ndarray, counts: np.ndarray, *,
+               only_done: bool = False) -> np.ndarray:
         """Append ``tokens[a, :counts[a]]`` to request ``requests[a]`` (host arrays [A], [A, W],
         [A]), cut after an EOS and at ``max_new_tokens``; returns which of the A requests are
-        done (bool [A])."""
+        done (bool [A]).  ``only_done``: append only to the requests this would finish."""
         width = tokens.shape[1]
         col = np.arange(width)
         is_eos = (tokens[:, :, None] == self.eos).any(2) & (col < counts[:, None])   # np.isin: ~0.2 ms
         eos_end = np.where(is_eos.any(1), is_eos.argmax(1) + 1, width + 1)
         length = self.lengths[requests]
         take = np.minimum(np.minimum(counts, eos_end), self.max_new_tokens - length)
+        done = (eos_end <= take) | (length + take >= self.max_new_tokens)
+        if only_done:
+            take = np.where(done, take, 0)
         r, c = np.nonzero(col < take[:, None])
         self.tokens[requests[r], length[r] + c] = tokens[r, c]
         self.lengths[requests] = length + take
         if self.progress is not None:
             self.progress.update(int(take.sum()) / self.tokens.shape[0])
-        return (eos_end <= take) | (length + take >= self.max_new_tokens)
+        return done
+
+    def extend_block(self, requests: np.ndarray, block: np.ndarray, block_start: np.ndarray,
+                     prompt_len: np.ndarray, *, only_done: bool = False) -> np.ndarray:
+        """:meth:`extend` by complete blocks of a block-diffusion decode: ``block`` [A, bs]
+        holds text positions ``block_start[a] .. + bs``, of which those before
+        ``prompt_len[a]`` (the prompt's tail) are not output."""
+        bs = block.shape[1]
+        skip = np.clip(prompt_len - block_start, 0, bs)
+        at = np.minimum(skip[:, None] + np.arange(bs), bs - 1)
+        return self.extend(requests, np.take_along_axis(block, at, 1), bs - skip, only_done=only_done)
 
     def remaining(self, requests: np.ndarray) -> np.ndarray:
         """Tokens each of ``requests`` may still generate."""

@@ -76,11 +76,13 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
 import torch
 
 from ..models import AttentionPlan
 from ..ops import pack_mask, token_stats, verify_chain
 from .diffusion import prefill_prompt_blocks
+from .outputs import OutputBuffer
 from .unmask import choose, pick_slots, rank_masked
 from ._selfspec import check_common
 from .routing import ESTIMATORS, POLICIES, RoutingFeatures, make_router, span_score
@@ -341,7 +343,7 @@ class _Batch:
         self.shifted = bool(model.shifted)
         self.clean_causal = bool(getattr(model.config, "clean_causal", False))
         self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
-        self.eos, self.progress = set(eos_ids), progress
+        self.progress = progress
         dev = self.dev = model.device
         batch = self.batch = len(prompts)
         bs = self.bs
@@ -353,6 +355,7 @@ class _Batch:
         # prefill: the prompts' complete blocks, as ``diffusion`` commits them
         self.cache = model.new_cache(batch)
         self.plen_list = [len(p) for p in prompts]
+        self.plen_host = np.array(self.plen_list, dtype=np.int64)
         self.plen = torch.tensor(self.plen_list, device=dev)
         prompt_pad = torch.full((batch, max(self.plen_list)), self.mask_id, dtype=torch.int64)
         for b, p in enumerate(prompts):
@@ -369,7 +372,7 @@ class _Batch:
         self.draft_probs = None                                               # [B, bs, V] when sampling
         self.span_start = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.span_len = torch.zeros(batch, dtype=torch.int64, device=dev)
-        self.generated = [[] for _ in range(batch)]
+        self.outputs = OutputBuffer(batch, max_new_tokens, eos_ids)
         # a block finished but not in the cache: it rides in front of the next block's first
         # drafting forward, which appends its KV and carries its last logits
         self.pending = torch.zeros(batch, dtype=torch.bool, device=dev)
@@ -562,8 +565,8 @@ class _Batch:
         self.pending = torch.zeros_like(self.pending)
         complete = (nxt == COMMIT) & ~spec_final            # finished, KV not appended above
         finishing = complete | spec_final
-        fin_host = finishing.tolist()
-        if not any(fin_host):
+        fin_host = finishing.cpu().numpy()
+        if not fin_host.any():
             return
         done = torch.zeros(self.batch, dtype=torch.bool)
         done[self.emit(fin_host)] = True
@@ -576,25 +579,17 @@ class _Batch:
         self.masked = torch.where(finishing[:, None], new_masked, self.masked)
         nxt.copy_(torch.where(finishing, torch.where(done, DONE, DRAFT), nxt))
 
-    def emit(self, fin_host) -> list[int]:
-        """Output the finished blocks' generated tokens; returns the rows now done."""
-        block_host, start_host = self.tokens.tolist(), self.block_start.tolist()
-        done_rows = []
-        for b, fin in enumerate(fin_host):
-            if not fin:
-                continue
-            gen = self.generated[b]
-            for t, pos in zip(block_host[b], range(start_host[b], start_host[b] + self.bs)):
-                if pos < self.plen_list[b]:
-                    continue
-                if len(gen) == self.max_new_tokens:
-                    break
-                gen.append(t)
-                if t in self.eos:
-                    break
-            if (gen and gen[-1] in self.eos) or len(gen) >= self.max_new_tokens:
-                done_rows.append(b)
-        return done_rows
+    def emit(self, fin_host: np.ndarray) -> torch.Tensor:
+        """Output the finished blocks (rows ``fin_host``, bool [B]) generated tokens; returns
+        the rows now done."""
+        rows = np.flatnonzero(fin_host)
+        done = self.outputs.extend_block(rows, self.tokens.cpu().numpy()[rows],
+                                         self.block_start.cpu().numpy()[rows], self.plen_host[rows])
+        return torch.from_numpy(rows[done])
+
+    @property
+    def generated(self) -> list[list[int]]:
+        return self.outputs.generated
 
     def stats(self) -> dict:
         n_verify, n_committed_by_verify, n_accepted, n_drafted, reused, from_spec = self.stats_dev.tolist()
