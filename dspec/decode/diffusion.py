@@ -290,7 +290,8 @@ def _decode_bidirectional(model, prompts, *, max_new_tokens, temperature, genera
         if bool(done.any()):                                    # the one host sync per step
             rows = rows[~done]
             if rows.numel():
-                plan = model.plan([canvas[b, : int(plen[b]) + region].tolist() for b in rows.tolist()])
+                lens = (plen[rows] + region).cpu()
+                plan = model.plan(canvas[rows, : int(lens.max())], lengths=lens)
     generated = []
     for b in range(batch):
         gen = canvas[b, int(plen[b]): int(plen[b]) + max_new_tokens].tolist()
