@@ -439,6 +439,57 @@ def prefix_tree(sequences, root_token, *, pad_token: int = 0, device=None) -> Tr
     return TreeSuffix(*(t.to(dev) for t in out))
 
 
+def padded_prefix_tree(branches, lengths, root_tokens, *, pad_token: int = 0, device=None) -> TreeSuffix:
+    """:func:`prefix_tree` of a batch given as arrays, built with array ops (no loop over
+    requests, branches or tokens): what a decode loop calls every cycle.
+
+    branch k of request b is ``branches[b, k, :lengths[b, k]]`` (int [B, K, M]; lengths int
+    [B, K] in [0, M]); ``root_tokens`` int [B].  Returns the batched :func:`prefix_tree` of
+    those branches, node for node (insertion order: branch 0's nodes first), on ``device``.
+
+    Two branches share a node at depth d exactly when their first d + 1 tokens are equal, so
+    the node of (k, d) belongs to the first branch with that prefix, and nodes are numbered
+    in (branch, depth) order, as the trie inserts them.
+    """
+    pad_token = _int("pad_token", pad_token, minimum=0)
+    br, ln, roots = (torch.as_tensor(x) for x in (branches, lengths, root_tokens))
+    for name, t, dim in (("branches", br, 3), ("lengths", ln, 2), ("root_tokens", roots, 1)):
+        if t.dim() != dim or t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be a {dim}-D integer tensor, got {t.dtype} {list(t.shape)}")
+    br, ln, roots = (t.detach().to("cpu", torch.int64) for t in (br, ln, roots))
+    batch, k, m = br.shape
+    if ln.shape != (batch, k) or roots.shape != (batch,):
+        raise ValueError(f"lengths must be [B, K] = [{batch}, {k}] and root_tokens [B] = [{batch}], got "
+                         f"{list(ln.shape)} and {list(roots.shape)}")
+    if bool((ln < 0).any()) or bool((ln > m).any()):
+        raise ValueError(f"lengths must lie in [0, M = {m}]")
+    depth = torch.arange(m)
+    valid = depth < ln[..., None]                                                  # [B, K, M]
+    if bool((br[valid] < 0).any()) or bool((roots < 0).any()):
+        raise ValueError("branches (within lengths) and root_tokens must be token ids >= 0")
+    # same[b, k, j, d]: branches k and j hold the same first d + 1 tokens
+    same = torch.cumprod((br[:, :, None] == br[:, None]).to(torch.int64), -1).bool()
+    same &= valid[:, :, None] & valid[:, None]
+    owner = same.to(torch.int8).argmax(2)                    # the first branch with that prefix
+    is_node = valid & (owner == torch.arange(k)[None, :, None])
+    flat = is_node.reshape(batch, k * m)
+    ids = (torch.cumsum(flat, 1) * flat).view(batch, k, m)  # node ids of the owned (k, d), root = 0
+    node = torch.where(valid, ids.gather(1, owner), 0)       # node id of every valid (k, d)
+    parent = torch.cat([torch.zeros(batch, k, 1, dtype=torch.int64), node[..., :-1]], 2)
+    nodes = int(flat.sum(1).max()) + 1 if batch else 1
+    tokens = torch.full((batch, nodes), pad_token, dtype=torch.int64)
+    parents = torch.full((batch, nodes), -1, dtype=torch.int64)
+    tokens[:, 0] = roots
+    b_idx = torch.arange(batch)[:, None, None].expand(batch, k, m)
+    tokens[b_idx[is_node], ids[is_node]] = br[is_node]
+    parents[b_idx[is_node], ids[is_node]] = parent[is_node]
+    last = (ln - 1).clamp(min=0)
+    leaves = torch.where(ln > 0, node.gather(2, last[..., None])[..., 0], 0)
+    words, positions = tree_mask(parents)
+    dev = _device(device)
+    return TreeSuffix(*(t.to(dev) for t in (tokens, parents, words, positions, leaves)))
+
+
 def d2sd_branches(root_token, first_draft, prefix_lengths, redrafts, *, pad_token: int = 0,
                   device=None) -> TreeSuffix:
     """D2SD's K+1 branches as one prefix tree.

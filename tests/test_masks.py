@@ -309,6 +309,34 @@ def test_numpy_inputs():
         M.prefix_tree(np.array([[1.0, 2.0]]), 0)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_padded_prefix_tree_equals_prefix_tree(seed):
+    """The array-built tree (what D2SD calls per cycle) is prefix_tree's, node for node, on
+    random branches over a 3-token alphabet (many shared prefixes), empty branches and
+    ragged lengths included."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(60):
+        b, k, m = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 5), (1, 6), (1, 8)))
+        branches = torch.randint(0, 3, (b, k, m), generator=g)
+        lengths = torch.randint(0, m + 1, (b, k), generator=g)
+        roots = torch.randint(0, 50, (b,), generator=g)
+        got = M.padded_prefix_tree(branches, lengths, roots, pad_token=7)
+        want = M.prefix_tree([[branches[i, j, :lengths[i, j]].tolist() for j in range(k)] for i in range(b)],
+                             roots.tolist(), pad_token=7)
+        for field in got._fields:
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+
+def test_padded_prefix_tree_rejects_bad_input():
+    br, ln, roots = torch.zeros(2, 3, 4, dtype=torch.int64), torch.full((2, 3), 4), torch.tensor([1, 2])
+    for args, match in (((br.float(), ln, roots), "branches must be a 3-D integer"),
+                        ((br, ln[:, :2], roots), "lengths must be"), ((br, ln, roots[:1]), "lengths must be"),
+                        ((br, ln + 1, roots), "lengths must lie in"), ((br - 1, ln, roots), "token ids >= 0"),
+                        ((br, ln, roots - 5), "token ids >= 0")):
+        with pytest.raises(ValueError, match=match):
+            M.padded_prefix_tree(*args)
+
+
 def test_verify_tree_accepts_a_prefix_tree():
     t = M.d2sd_branches(1, [10, 11, 12], [1, 0], [[20, 21], [30]])
     n, vocab = t.tokens.shape[0], 40

@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from ..masks import d2sd_branches, ssd_copies
+from ..masks import padded_prefix_tree, ssd_copies
 from ..models.dflash import MASK, resolve_drafter
 from ..ops import rejection_boundaries, token_stats
 from .dflash import SpeculativeRun, _sync, check_draft_len, draft_block, vocab_ids
@@ -215,21 +215,23 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         parts = [run.anchor[:, None], first, lengths, alt.flatten(1)]
         if row_cost is not None:
             parts += [first_keep[:, None], branch_keep]
-        host = torch.cat(parts, 1).cpu().tolist()
+        host = torch.cat(parts, 1).cpu()
         _sync(dev)
         t1 = time.perf_counter()
-        anchors = [h[0] for h in host]
-        firsts = [h[1:gamma] for h in host]
-        prefix = [h[gamma:gamma + k] for h in host]
-        redrafts = [[h[gamma + k + j * (gamma - 1) + n: gamma + k + (j + 1) * (gamma - 1)]
-                     for j, n in enumerate(p)] for h, p in zip(host, prefix)]
+        # branch 0 the first draft, branch 1 + j the j-th re-draft (its first n_j tokens the
+        # first draft's), as one [B, K + 1, L] array; lengths cut them where pruning did
+        big_l = gamma - 1
+        anchors, prefix = host[:, 0], host[:, gamma:gamma + k]
+        branch_tokens = torch.cat([host[:, None, 1:gamma], host[:, gamma + k:gamma + k + k * big_l].view(-1, k, big_l)],
+                                  1)
+        branch_len = torch.full((host.shape[0], k + 1), big_l, dtype=torch.int64)
         if row_cost is not None:
-            # kept prefixes only; a branch with no kept node shrinks to a path of the kept draft
-            keeps = [h[-k - 1:] for h in host]
-            firsts = [f[:kp[0]] for f, kp in zip(firsts, keeps)]
-            prefix = [[n if kp[1 + j] else min(n, kp[0]) for j, n in enumerate(p)] for p, kp in zip(prefix, keeps)]
-            redrafts = [[r[:kp[1 + j]] for j, r in enumerate(rs)] for rs, kp in zip(redrafts, keeps)]
-        tree = d2sd_branches(anchors, firsts, prefix, redrafts, device=dev)
+            # kept nodes only; a branch with no kept node shrinks to a path of the kept draft
+            keep_first, keep_branch = host[:, -k - 1], host[:, -k:]
+            branch_len[:, 0] = keep_first
+            branch_len[:, 1:] = torch.where(keep_branch > 0, prefix + keep_branch,
+                                            torch.minimum(prefix, keep_first[:, None]))
+        tree = padded_prefix_tree(branch_tokens, branch_len, anchors, device=dev)
         t2 = time.perf_counter()
         nodes_total += int((tree.parents >= 0).sum()) + len(anchors)
         tree_pos = run.lengths[:, None] + tree.positions
