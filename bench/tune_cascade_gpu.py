@@ -1,6 +1,6 @@
 """Sweep the Triton cascade-attention schedule on a GPU: tiles, warps, stages, prefix splits.
 
-    python bench/tune_cascade_gpu.py --out tune_cascade.json [--jobs 12] [--budget 200]
+    python bench/tune_cascade_gpu.py --out tune_cascade.json [--jobs 12] [--budget 200] [--graph]
     TRITON_INTERPRET=1 python bench/tune_cascade_gpu.py --smoke --out /tmp/t.json   # CPU dry run
 
 Why: the first H100 run (bench/results/gpu/h100-2026-11-26) measured the op's own choice at
@@ -16,7 +16,10 @@ Phase 2 times every (case, configuration) in this process with ``triton.testing.
 (bf16, atol 2e-2), writes the JSON after each case and prints, per case, the default's time
 and split count, the best fused / split / overall configuration and the roofline time
 (prefix K/V read once + q, k, v, out; measured copy bandwidth).  ``--budget`` seconds bound
-the whole run: cases not reached are listed as such.
+the whole run: cases not reached are listed as such.  ``--graph`` times CUDA-graph replays
+(``triton.testing.do_bench_cudagraph``) instead of eager calls: the kernels' own time, without
+the ~20 us of host work per Triton launch that set the eager numbers of small cases (the first
+sweep's B1 rows); an engine that captures its decode step sees these.
 """
 from __future__ import annotations
 
@@ -89,7 +92,10 @@ def _compile_shard(args) -> list[tuple[int, str | None]]:
     return out
 
 
-def timer(device: str):
+def timer(device: str, graph: bool = False):
+    if device == "cuda" and graph:
+        from triton.testing import do_bench_cudagraph
+        return lambda fn: do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
     if device == "cuda":
         from triton.testing import do_bench
         return lambda fn: do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
@@ -117,6 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--budget", type=float, default=200.0, help="seconds for the whole run")
     ap.add_argument("--smoke", action="store_true", help="tiny case, 2 configurations (CPU dry run)")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (kernel time, no launch cost)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -138,9 +145,10 @@ def main(argv=None) -> int:
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
             "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype),
             "heads": HEADS, "compile_s": round(t_compile, 1), "copy_gbs": copy_bandwidth(device),
-            "timer": "triton.testing.do_bench(warmup=5, rep=20, median), L2 cleared per rep",
+            "timer": ("triton.testing.do_bench_cudagraph(rep=20, median): graph replays" if args.graph else
+                      "triton.testing.do_bench(warmup=5, rep=20, median), L2 cleared per rep"),
             "failed_configs": {json.dumps(cfgs[i]): e for i, e in errors.items()}}
-    measure = timer(device)
+    measure = timer(device, args.graph)
     payload = {"meta": meta, "cases": [], "not_reached": []}
     for b, lens, n in cases:
         name = case_name(b, lens, n)
