@@ -326,7 +326,8 @@ class _Engine:
 
     def _native_round(self) -> np.ndarray:
         """One round through dspec._C.selfspec_expand / _score / _advance (greedy, CPU): the
-        same transitions as expand / forward / walk / advance; returns the finished rows."""
+        same transitions as expand / forward / walk / advance; returns which rows finished
+        (bool [A])."""
         ext, tab, bs, a_rows, big_j = self.native, self.tab, self.bs, len(self.rows), self.big_j
         graph = self.graph
         ws = self._native_workspace()
@@ -378,7 +379,8 @@ class _Engine:
         return len(self.rows) > 0
 
     def _torch_round(self) -> np.ndarray:
-        """One round as torch ops (the compiled round's reference); returns the finished rows."""
+        """One round as torch ops (the compiled round's reference); returns which rows
+        finished (bool [A])."""
         r = self.expand()
         self.forward(r)
         self.walk(r)
@@ -531,7 +533,7 @@ class _Engine:
     def advance(self, r) -> np.ndarray:
         """The next state of every row (u, or the next block's first state after the anchor),
         its candidates, the committed blocks' KV and carry; returns the round's host rows
-        [committed, steps, block tokens..., nodes kept]."""
+        [A, 2 bs + 4] (see :meth:`account`)."""
         bs, vocab, u = self.bs, self.vocab, r.u
         done_block = r.done_block
         src = torch.where(r.went_next, r.copies, r.final_copy)
