@@ -35,7 +35,7 @@ import torch
 from .ops.masks import pack_mask, tree_mask, unpack_mask
 
 __all__ = ["SuffixMask", "TreeSuffix", "block_diffusion", "causal", "d2sd_branches",
-           "prefix_tree", "s2d2_two_l", "spiffy_draft_graph", "ssd_copies", "tree"]
+           "padded_prefix_tree", "prefix_tree", "s2d2_two_l", "spiffy_draft_graph", "ssd_copies", "tree"]
 
 
 class SuffixMask(NamedTuple):
