@@ -66,7 +66,7 @@ from ..masks import ssd_copies
 from ..models import AttentionPlan
 from ..ops import topk_tokens
 from ..ops.masks import pack_mask
-from .diffusion import prefill_prompt_blocks
+from .diffusion import PromptTails, prefill_prompt_blocks
 from .outputs import OutputBuffer
 from .unmask import choose, log_probs, rank_masked
 
@@ -279,12 +279,8 @@ class _Engine:
         self.carry, self.forwards = prefill_prompt_blocks(model, prompts, self.cache, bs)
         self.suffix_tokens = 0      # block tokens forwarded after the prefill (compute proxy)
 
-        self.tokens = torch.full((batch, bs), self.mask_id, dtype=torch.int64, device=dev)
-        for b, p in enumerate(prompts):
-            tail = p[int(start[b]):]
-            if tail:
-                self.tokens[b, : len(tail)] = torch.tensor(tail, device=dev)
-        self.masked = (start[:, None] + self.slots) >= plen[:, None]
+        self.tokens, in_prompt = PromptTails(prompts, self.mask_id, bs, dev).block(start)
+        self.masked = ~in_prompt
         self.known = torch.zeros(batch, dtype=torch.bool, device=dev)
         self.choice = torch.zeros(batch, bs, dtype=torch.int64, device=dev)
         self.conf = torch.full((batch, bs), -1.0, device=dev)

@@ -93,6 +93,29 @@ def _schedule(block_size, tokens_per_step, threshold, default_block_size) -> tup
     return bs, per_step
 
 
+class PromptTails:
+    """The prompts left-aligned on the device, so that a block reaching into a prompt (the
+    first decoded one) is one gather for the whole batch: :meth:`block`."""
+
+    def __init__(self, prompts: list[list[int]], mask_id: int, block_size: int, device):
+        self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        width = int(self.lengths.max())
+        buf = torch.full((len(prompts), width), mask_id, dtype=torch.int64)
+        buf[torch.arange(width)[None] < self.lengths[:, None]] = torch.tensor([t for p in prompts for t in p],
+                                                                              dtype=torch.int64)
+        self.tokens, self.lengths = buf.to(device), self.lengths.to(device)
+        self.mask_id = mask_id
+        self.slots = torch.arange(block_size, device=device)
+
+    def block(self, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks starting at positions ``start`` [B]: (tokens [B, bs] -- the prompt's
+        where it reaches into the block, [MASK] elsewhere --, in_prompt bool [B, bs])."""
+        pos = start[:, None] + self.slots
+        in_prompt = pos < self.lengths[:, None]
+        tail = self.tokens.gather(1, pos.clamp(max=self.tokens.shape[1] - 1))
+        return torch.where(in_prompt, tail, self.mask_id), in_prompt
+
+
 def prefill_prompt_blocks(model, prompts: list[list[int]], cache, bs: int) -> tuple[torch.Tensor, int]:
     """Commit every prompt's complete blocks (block size ``bs``) to ``cache`` in one forward.
 
@@ -166,17 +189,12 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
     batch = len(prompts)
     mask_id = model.mask_token_id
     cache = model.new_cache(batch)
-    plen = torch.tensor([len(p) for p in prompts], device=dev)
     carry, forwards = prefill_prompt_blocks(model, prompts, cache, bs)
 
     outputs = OutputBuffer(batch, max_new_tokens, eos_ids)
-    # the prompts left-aligned: a block's prompt tail is a gather, not a loop over requests
-    width = int(plen.max())
-    prompt_buf = torch.zeros(batch, width + bs, dtype=torch.int64)
-    prompt_buf[torch.arange(width + bs)[None] < plen.cpu()[:, None]] = \
-        torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
-    prompt_buf = prompt_buf.to(dev)
+    tails = PromptTails(prompts, mask_id, bs, dev)
     requests = np.arange(batch)
+    prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
     finished = torch.zeros(batch, dtype=torch.bool, device=dev)
     slots = torch.arange(bs, device=dev)
     block_mask = block_diffusion(bs, device=dev)
@@ -189,8 +207,7 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
         # the block's slots: prompt tail where it reaches into the block, [MASK] elsewhere
         block_start = cache.lengths.to(dev) + (0 if pending is None else bs)
         pos = block_start[:, None] + slots
-        in_prompt = pos < plen[:, None]
-        tokens = torch.where(in_prompt, prompt_buf.gather(1, pos.clamp(max=width + bs - 1)), mask_id)
+        tokens, in_prompt = tails.block(block_start)
         masked = ~in_prompt & ~finished[:, None]
         while bool(masked.any()):
             if pending is None:
@@ -217,7 +234,7 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
         pending = (tokens, pos)                     # committed by the next block's first step
         live = np.flatnonzero(~finished.cpu().numpy())
         done = outputs.extend_block(requests[live], tokens.cpu().numpy()[live], block_start.cpu().numpy()[live],
-                                    plen.cpu().numpy()[live])
+                                    prompt_len[live])
         finished[torch.from_numpy(live[done]).to(dev)] = True
     generated = outputs.generated
     steps = max(forwards, 1)

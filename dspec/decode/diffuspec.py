@@ -387,8 +387,6 @@ class _Batch:
         self.dev = model.device
         self.V, self.Vd = model.config.vocab_size, drafter.config.vocab_size
         self.bs, self.mask_id = drafter.block_size, drafter.mask_token_id
-        pad = drafter.config.pad_token_id
-        self.pad_id = pad if pad is not None and 0 <= pad < self.Vd else 0
         self.eos = sorted({int(e) for e in eos_ids if 0 <= int(e) < self.V})
         if draft_ids is not None:             # the EOS ids' columns among the drafted logits
             eos_t = torch.tensor(self.eos, dtype=torch.int64, device=draft_ids.device)
@@ -398,7 +396,7 @@ class _Batch:
         self.outputs = OutputBuffer(batch, max_new_tokens, self.eos, progress)
         self.prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
         width = int(self.prompt_len.max())
-        self.prompt_buf = np.full((batch, width), self.pad_id, dtype=np.int64)
+        self.prompt_buf = np.zeros((batch, width), dtype=np.int64)
         self.prompt_buf[np.arange(width)[None, :] >= width - self.prompt_len[:, None]] = \
             np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
         self.d_start = np.zeros(batch, dtype=np.int64)       # drafter cache length (a block boundary)
@@ -476,12 +474,12 @@ class _Batch:
         # only the last one)
         first = length - 1 if self.shared else self.d_start
         plen = length - first
-        slen = np.maximum(plen + k, 1)      # a request with nothing to forward gets one [MASK]
+        # then the [MASK]s; past slen, padding (Model.plan writes its pad id there); a request
+        # with nothing to forward gets one [MASK]
+        slen = np.maximum(plen + k, 1)
         col = np.arange(int(slen.max()))
         src = text[np.arange(len(k))[:, None], np.minimum((start + first)[:, None] + col, text.shape[1] - 1)]
-        seqs = np.where(col < plen[:, None], src,
-                        np.where(col < (plen + k)[:, None], self.mask_id, self.pad_id))
-        seqs[plen + k == 0, 0] = self.mask_id
+        seqs = np.where(col < plen[:, None], src, self.mask_id)
         cache = self.tcache if self.shared else self.dcache
         shift = 1 if drafter.shifted else 0
         # logits row of draft slot j: the slot itself (or the one before, shifted); rows past

@@ -81,7 +81,7 @@ import torch
 
 from ..models import AttentionPlan
 from ..ops import pack_mask, token_stats, verify_chain
-from .diffusion import prefill_prompt_blocks
+from .diffusion import PromptTails, prefill_prompt_blocks
 from .outputs import OutputBuffer
 from .unmask import choose, pick_slots, rank_masked
 from ._selfspec import check_common
@@ -357,10 +357,7 @@ class _Batch:
         self.plen_list = [len(p) for p in prompts]
         self.plen_host = np.array(self.plen_list, dtype=np.int64)
         self.plen = torch.tensor(self.plen_list, device=dev)
-        prompt_pad = torch.full((batch, max(self.plen_list)), self.mask_id, dtype=torch.int64)
-        for b, p in enumerate(prompts):
-            prompt_pad[b, :len(p)] = torch.tensor(p, dtype=torch.int64)
-        self.prompt_pad = prompt_pad.to(dev)
+        self.tails = PromptTails(prompts, self.mask_id, bs, dev)
         self.carry, self.forwards = prefill_prompt_blocks(model, prompts, self.cache, bs)
 
         self.slots = torch.arange(bs, device=dev)
@@ -384,10 +381,8 @@ class _Batch:
         self.shown = 0.0                                 # progress shown (tokens per request)
 
     def fresh_block(self, start):
-        pos = start[:, None] + self.slots
-        tail = self.prompt_pad.gather(1, pos.clamp(max=self.prompt_pad.shape[1] - 1))
-        is_prompt = pos < self.plen[:, None]
-        return torch.where(is_prompt, tail, self.mask_id), ~is_prompt
+        tokens, in_prompt = self.tails.block(start)
+        return tokens, ~in_prompt
 
     def advance(self, step: float) -> None:
         """Advance the progress bar by ``step`` tokens per request, never past
