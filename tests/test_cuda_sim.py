@@ -220,3 +220,35 @@ def test_merge_states_matches_reference(kernels_sim, dtype, rows, dim):
         assert torch.equal(o[1], o_b[1]) and torch.equal(o[2], o_a[2]) and torch.equal(lse[1], l_b[1])
         assert torch.equal(o[4], o_b[4])
         assert bool(o[3].isnan().all()) and lse[3].isnan() and bool(o[6].isnan().all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_token_stats_group_fast_path_cases(kernels_sim, dtype):
+    """The kernel folds each 16-byte vector as one group (its max first, the column and the
+    runner-up only when the group beats the running max): the runner-up inside the winning
+    group, a tie inside one group, a later group equal to the max, two +inf (lse +inf, not
+    NaN), a NaN after the max is set, a NaN in an all -inf prefix, and -inf groups between
+    finite ones."""
+    vocab = TILE + 77
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(8, vocab, generator=g).clamp(-4, 4)).to(dtype)
+    x[0, 16:24] = torch.tensor([1.0, 9.0, 2.0, 8.5, 0.0, 3.0, 1.0, 2.0])   # runner-up in the group
+    x[1, 40:48] = torch.tensor([0.0, 9.0, 1.0, 9.0, 2.0, 0.0, 0.0, 0.0])   # tie inside one group
+    x[2, 8] = 9.0
+    x[2, 3000] = 9.0                                                        # equal, later group
+    x[3, 5] = float("inf")
+    x[3, 2000] = float("inf")                                               # two +inf
+    x[4, 100] = 12.0
+    x[4, 3001] = float("nan")                                               # NaN after the max
+    x[5, :2048] = float("-inf")
+    x[5, 700] = float("nan")                                                # NaN among -inf
+    x[6, ::16] = float("-inf")
+    x[6, 4:12] = float("-inf")                                              # -inf groups
+    x[7] = float("-inf")
+    x[7, 1234] = 1.0
+    x[7, 4000] = 1.0                                                        # two finite, tied
+    for t in (1.0, 0.5):
+        for splits in (1, 2):
+            out = sim_token_stats(kernels_sim, x, t, splits)
+            assert out.lse[3].item() == float("inf")
+            check_ts(out, x, t, f"T={t} splits={splits}")

@@ -26,7 +26,7 @@ def cases():
                    dict(logits_ptr=dt, row_stride="i64", vocab="i32", cols_per_split="i32",
                         inv_t="fp32", part_f_ptr=F32, part_i_ptr=I32, token_ptr=I64, prob_ptr=F32,
                         margin_ptr=F32, entropy_ptr=F32, lse_ptr=F32),
-                   dict(BLOCK=1024, NUM_SPLITS=splits), 4)
+                   dict(BLOCK=1024, GROUP=4 if dt == "*fp32" else 8, NUM_SPLITS=splits), 4)
             for mass in (False, True):
                 yield (topk._topk_kernel,
                        dict(logits_ptr=dt, row_stride="i64", vocab="i32", cols_per_split="i32",
