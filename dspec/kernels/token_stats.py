@@ -169,7 +169,12 @@ def token_stats_triton(logits: torch.Tensor, temperature: float = 1.0, *,
     rows, vocab = x.shape
     dev = x.device
     group = 16 // x.element_size()  # columns per 16-byte load
-    block = max(block or min(next_pow2(vocab), 1024), group)
+    # Tiles from bench/tune_token_stats_gpu.py on an H100 (bench/results/gpu/h100-2026-11-27-s26):
+    # 1024 x 151936 bf16 in 126 us with 2048-column tiles and 8 warps (83 % of copy
+    # bandwidth; 1024 columns / 4 warps: 137 us); float32 groups are 4 columns, so twice the
+    # columns keep the same bytes per thread.
+    widest = 4096 if x.element_size() == 4 else 2048
+    block = max(block or min(next_pow2(vocab), widest), group)
     if num_splits is None:
         num_splits = vocab_splits(rows, vocab, block, dev)
     num_splits = max(1, min(int(num_splits), -(-vocab // block)))
@@ -184,7 +189,7 @@ def token_stats_triton(logits: torch.Tensor, temperature: float = 1.0, *,
         else:
             part_f = part_i = prob  # unused
         inv_t = 1.0 / temperature
-        num_warps = num_warps or (4 if block >= 512 else 1)
+        num_warps = num_warps or (8 if block >= 2048 else 4 if block >= 512 else 1)
         _token_stats_kernel[(rows, num_splits)](
             x, x.stride(0), vocab, cols_per_split, inv_t, part_f, part_i,
             token, prob, margin, entropy, lse,
