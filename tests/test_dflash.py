@@ -400,7 +400,7 @@ def test_greedy_tree_equals_ar(target, tree, row_cost):
     d = oracle_pair(target, PROMPTS, n, block_size=6, wrong_every=3, runner_up=1.5)
     chain = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d, row_cost=None)
     outs = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d, tree=tree,
-                          row_cost=row_cost)
+                          row_cost=row_cost, lookup=None)   # the tree alone (lookup: test_lookup.py)
     assert [g.tokens for g in outs] == [g.tokens for g in chain] == ref
     s = outs[0].stats
     assert 1 <= s["verified_drafts"] <= tree

@@ -59,3 +59,23 @@ def resolve_tree(model, tree, temperature: float):
     if tree is not None and (isinstance(tree, bool) or not isinstance(tree, int) or tree < 1):
         raise ValueError(f"tree must be 'auto', None (a chain) or an int >= 1 (draft nodes per tree), got {tree!r}")
     return tree
+
+
+# Prompt-lookup drafts grafted onto a greedy DFlash tree (dflash(lookup=K)): measured on
+# SmolLM2-135M (bench/results/cpu/ab_dflash_lookup.json).
+CPU_LOOKUP_DRAFTS = 7
+
+
+def resolve_lookup(lookup, tree):
+    """``lookup`` as ``dflash`` takes it: "auto" (the default) is ``CPU_LOOKUP_DRAFTS`` where
+    the cycle verifies a tree (``tree``, resolved) and None otherwise; None, 0 (off) or an
+    int >= 1 as given, which needs a tree."""
+    if isinstance(lookup, str) and lookup == "auto":
+        return CPU_LOOKUP_DRAFTS if tree is not None else None
+    if lookup is not None and (isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0):
+        raise ValueError(f"lookup must be 'auto', None, 0 or an int >= 1 (lookup drafts per cycle), got {lookup!r}")
+    if lookup and tree is None:
+        raise ValueError("lookup: prompt-lookup drafts are grafted onto the verification tree; pass tree=N "
+                         "(the chain, tree=None, has no place for them)")
+    return lookup or None
+

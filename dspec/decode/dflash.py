@@ -62,7 +62,8 @@ from ..masks import causal
 from ..models import AttentionPlan
 from ..models.dflash import MASK, BlockDrafter, resolve_drafter
 from ..ops import token_stats, topk_tokens, tree_mask, verify_chain, verify_tree
-from ._cpu_cost import resolve_row_cost, resolve_tree
+from ._cpu_cost import resolve_lookup, resolve_row_cost, resolve_tree
+from .lookup import PromptLookup, graft_chain
 from .outputs import OutputBuffer
 from .sampling import next_tokens, sample_from
 
@@ -381,7 +382,7 @@ def full_vocab_probs(q: torch.Tensor, vocab: torch.Tensor | None, vocab_size: in
 def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                   generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
                   draft_len: int | None = None, row_cost: float | str | None = "auto",
-                  tree: int | str | None = "auto"):
+                  tree: int | str | None = "auto", lookup: int | str | None = "auto"):
     """DFlash speculative decoding of a ragged batch with an AR target.
 
     Parameters
@@ -402,6 +403,12 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         (:func:`marginal_tree`; with ``row_cost``, the best n <= N of them); "auto"
         (default): ``_cpu_cost.CPU_TREE_NODES`` (7, measured) for a CPU model decoding
         greedily, the chain otherwise.
+    lookup : None / 0 (off) or K >= 1: graft a prompt-lookup chain of up to K tokens
+        (:mod:`dspec.decode.lookup`: what followed the latest earlier occurrence of the
+        text's last 3- or 2-gram, prompt and output alike) onto each cycle's tree, sharing
+        the tree's nodes where they agree; needs ``tree``.  "auto" (default):
+        ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) where a tree is verified, off otherwise.  The
+        output is unchanged (the target verifies every node).
 
     Returns
     -------
@@ -411,11 +418,13 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
     (request, cycle) pair; 1.0 = no draft ever accepted; at most gamma), ``draft_s`` /
     ``verify_s`` (wall time of the drafter forwards / target forwards + verification +
     commit), ``draft_len``, ``verify_forwards``, ``cycles``, ``verified_drafts`` (drafts or
-    tree nodes verified per request per cycle), ``tree`` (the node cap used, None: a chain).
+    tree nodes verified per request per cycle, lookup nodes included), ``tree`` (the node cap
+    used, None: a chain), ``lookup`` (the lookup drafts cap, None: off).
     """
     if model.attention != "causal":
         raise ValueError(f"method 'dflash' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
     tree = resolve_tree(model, tree, temperature)
+    lookup = resolve_lookup(lookup, tree)
     drafter = resolve_drafter(drafter, model, "dflash")
     gamma = check_draft_len(draft_len, drafter)
     row_cost = resolve_row_cost(model, row_cost)
@@ -425,6 +434,7 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
     offsets = torch.arange(gamma, device=dev)
     chains = {}
     verified = 0
+    finder = PromptLookup(prompts, run.outputs, num_drafts=lookup, min_ngram=2) if lookup else None
     live = run.start(temperature, generator)
     while live:
         t0 = time.perf_counter()
@@ -433,7 +443,7 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         run.nfe["drafter"] += 1
         if tree is not None:
             live, nodes = _tree_cycle(run, logits, vocab, positions[:, 0], tree, row_cost, temperature, generator,
-                                      t0)
+                                      t0, finder)
             verified += nodes
             continue
         if temperature > 0:
@@ -468,20 +478,26 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         t2 = time.perf_counter()
         run.time["draft_s"] += t1 - t0
         run.time["verify_s"] += t2 - t1
-    return run.generated, run.stats(draft_len=gamma - 1, tree=tree,
+    return run.generated, run.stats(draft_len=gamma - 1, tree=tree, lookup=lookup,
                                     verified_drafts=verified / run.cycles if run.cycles else 0.0)
 
 
 def _tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, row_cost, temperature, generator,
-                t0: float) -> tuple[bool, int]:
+                t0: float, finder: PromptLookup | None = None) -> tuple[bool, int]:
     """A cycle's tree verification (``tree``): the best nodes over each slot's candidates
-    under the anchors (at ``root_positions`` [B]), one target forward under the tree mask,
-    ``verify_tree``, commit of the accepted path.
+    under the anchors (at ``root_positions`` [B]), with ``finder``'s lookup chains grafted
+    on, one target forward under the tree mask, ``verify_tree``, commit of the accepted path.
     Returns (any request still live, draft nodes verified summed over the cycle's requests)."""
     top_i, top_p = topk_tokens(logits, min(TREE_TOP_K, logits.shape[-1]),
                                temperature=temperature if temperature > 0 else 1.0)
     tokens, parents, positions, words = draft_tree(top_p, vocab_ids(top_i, vocab), nodes, run.anchor,
                                                    root_positions, row_cost)
+    if finder is not None:
+        chain, counts = finder.drafts(run.rows)
+        if counts.any():
+            tokens, parents, positions = (torch.from_numpy(a).to(run.device) for a in graft_chain(
+                *(t.cpu().numpy() for t in (tokens, parents, positions)), chain, counts))
+            words = tree_mask(parents).words
     _sync(run.device)
     t1 = time.perf_counter()
     live = run.verify_tree_cycle(tokens, parents, positions, words, temperature, generator)
@@ -491,6 +507,6 @@ def _tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, 
     return live, (tokens.shape[1] - 1) * tokens.shape[0]
 
 
-OPTIONS = ("draft_len", "row_cost", "tree")
+OPTIONS = ("draft_len", "row_cost", "tree", "lookup")
 DRAFTER = "block"    # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_dflash
