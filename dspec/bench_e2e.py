@@ -132,12 +132,15 @@ CONFIGS: tuple[Config, ...] = (
     Config("dflash-chain", "dflash", "target", {"tree": None}),
     Config("dflash-tree", "dflash", "target", {"tree": 15}),
     Config("dflash-tree7", "dflash", "target", {"tree": 7, "row_cost": None}),
+    # without the prompt-lookup branch grafted onto the tree (on by default on a CPU, greedy)
+    Config("dflash-nolookup", "dflash", "target", {"lookup": None}),
     *(Config(f"d2sd-K{k}", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), k)})
       for k in (1, 2, 4)),
     # the tree pruned at a higher cost of a verified row (the default on a CPU is 0.02), and
     # every branch verified in full (the default elsewhere)
     Config("d2sd-adaptive-K2", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), 2), "row_cost": 0.06}),
     Config("d2sd-full-K2", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), 2), "row_cost": None}),
+    Config("d2sd-nolookup-K2", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), 2), "lookup": None}),
     # the naive control: DFlash with K branches resampled from the first draft
     *(Config(f"d2sd-resample-K{k}", "d2sd", "target",
              {"k": Option(("k", "num_branches", "top_k"), k), "branches": "resample"})

@@ -195,3 +195,36 @@ def test_smollm2_lookup_equals_ar_in_fp32():
     ar = dspec.generate(model, prompts, method="ar", max_new_tokens=40)
     looked = dspec.generate(model, prompts, method="dflash", max_new_tokens=40, lookup=7)
     assert [g.tokens for g in looked] == [g.tokens for g in ar]
+
+
+@pytest.mark.parametrize("lookup", [7, 3])
+def test_d2sd_lookup_branch_equals_ar(target, lookup):
+    n = 24
+    ref = [dspec.generate(target, p, method="ar", max_new_tokens=n).tokens for p in PROMPTS]
+    singles = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, lookup=lookup) for p in PROMPTS]
+    batch = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, lookup=lookup)
+    off = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, lookup=None)
+    assert [g.tokens for g in singles] == [g.tokens for g in batch] == [g.tokens for g in off] == ref
+    assert batch[0].stats["lookup"] == lookup and off[0].stats["lookup"] is None
+    assert batch[0].stats["mean_accepted"] >= off[0].stats["mean_accepted"]
+    hot = dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=8, temperature=1.0, seed=0, lookup=4)
+    assert hot.stats["lookup"] == 4                       # d2sd always verifies a tree
+
+
+def test_diffuspec_lookup_tree_equals_ar(target):
+    """DiffuSpec's searched draft verified as a tree with the lookup chain grafted on: equal
+    to ar, batch = singles, ADL fed the dLLM draft's own accepted prefix."""
+    drafter = dspec.load("tiny-bd")
+    n = 24
+    ref = [dspec.generate(target, p, method="ar", max_new_tokens=n).tokens for p in PROMPTS]
+    for opts in ({"lookup": 7}, {"lookup": 2, "cps": False}, {"lookup": 5, "adaptive": False, "draft_len": 3}):
+        singles = [dspec.generate(target, p, method="diffuspec", max_new_tokens=n, drafter=drafter, **opts)
+                   for p in PROMPTS]
+        batch = dspec.generate(target, PROMPTS, method="diffuspec", max_new_tokens=n, drafter=drafter, **opts)
+        assert [g.tokens for g in singles] == [g.tokens for g in batch] == ref, opts
+        assert batch[0].stats["lookup"] == opts["lookup"]
+    off = dspec.generate(target, PROMPTS, method="diffuspec", max_new_tokens=n, drafter=drafter, lookup=None)
+    assert [g.tokens for g in off] == ref and off[0].stats["lookup"] is None
+    with pytest.raises(ValueError, match="lookup"):
+        dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=2, drafter=drafter, lookup=3,
+                       temperature=1.0, seed=0)

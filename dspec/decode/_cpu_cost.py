@@ -61,21 +61,21 @@ def resolve_tree(model, tree, temperature: float):
     return tree
 
 
-# Prompt-lookup drafts grafted onto a greedy DFlash tree (dflash(lookup=K)): measured on
-# SmolLM2-135M (bench/results/cpu/ab_dflash_lookup.json).
+# Prompt-lookup drafts grafted onto the verification tree of a CPU model decoding greedily
+# (dflash / d2sd / diffuspec ``lookup``): measured on SmolLM2-135M (bench/results/cpu/ab_dflash_lookup.json).
 CPU_LOOKUP_DRAFTS = 7
 
 
-def resolve_lookup(lookup, tree):
-    """``lookup`` as ``dflash`` takes it: "auto" (the default) is ``CPU_LOOKUP_DRAFTS`` where
-    the cycle verifies a tree (``tree``, resolved) and None otherwise; None, 0 (off) or an
-    int >= 1 as given, which needs a tree."""
+def resolve_lookup(model, lookup, *, tree: bool, temperature: float):
+    """``lookup`` as ``dflash`` / ``d2sd`` / ``diffuspec`` take it: "auto" (the default) is
+    ``CPU_LOOKUP_DRAFTS`` for a CPU model decoding greedily whose cycles verify a tree
+    (``tree``) and None otherwise; None, 0 (off) or an int >= 1 as given, which needs a tree."""
     if isinstance(lookup, str) and lookup == "auto":
-        return CPU_LOOKUP_DRAFTS if tree is not None else None
+        on = tree and model.device.type == "cpu" and temperature <= 0
+        return CPU_LOOKUP_DRAFTS if on else None
     if lookup is not None and (isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0):
         raise ValueError(f"lookup must be 'auto', None, 0 or an int >= 1 (lookup drafts per cycle), got {lookup!r}")
-    if lookup and tree is None:
-        raise ValueError("lookup: prompt-lookup drafts are grafted onto the verification tree; pass tree=N "
-                         "(the chain, tree=None, has no place for them)")
+    if lookup and not tree:
+        raise ValueError("lookup: prompt-lookup drafts are grafted onto a verification tree, which this "
+                         "configuration does not build (dflash: tree=None, the chain; diffuspec: T > 0)")
     return lookup or None
-

@@ -44,12 +44,14 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import nn
 
 from ..masks import padded_prefix_tree, ssd_copies
 from ..models.dflash import MASK, resolve_drafter
 from ..ops import rejection_boundaries, token_stats
 from .dflash import SpeculativeRun, _sync, check_draft_len, draft_block, vocab_ids
-from ._cpu_cost import resolve_row_cost
+from ._cpu_cost import resolve_lookup, resolve_row_cost
+from .lookup import PromptLookup
 from .sampling import sample_from
 
 BRANCH_MODES = ("vp", "resample")
@@ -125,7 +127,7 @@ def prune_tree(first_probs: torch.Tensor, branch_probs: torch.Tensor, lengths: t
 def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                 generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
                 draft_len: int | None = None, k: int = 2, branches: str = "vp",
-                row_cost: float | str | None = "auto"):
+                row_cost: float | str | None = "auto", lookup: int | str | None = "auto"):
     """D2SD speculative decoding of a ragged batch with an AR target.
 
     Parameters
@@ -145,6 +147,10 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         tokens per cost (:func:`prune_tree`; "vp" branches only); "auto" (default): 0.02
         for a CPU model with "vp" branches (``_cpu_cost.CPU_ROW_COST``, measured), None
         otherwise.
+    lookup : None / 0 (off) or K' >= 1: one more branch, the prompt-lookup chain of up to
+        K' tokens (:mod:`dspec.decode.lookup`), merged into the tree like the others;
+        "auto" (default): ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding
+        greedily, off otherwise.
 
     Returns
     -------
@@ -152,13 +158,14 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     (re-drafts)}, ``mean_accepted`` = tokens committed per request per verification forward
     (accepted path + the drawn token, averaged over (request, cycle) pairs), ``draft_s``
     (both drafter forwards and the boundary scoring), ``tree_s``, ``verify_s``, ``k``,
-    ``branches``, ``draft_len``, ``tree_nodes``.
+    ``branches``, ``draft_len``, ``tree_nodes``, ``lookup``.
     """
     if model.attention != "causal":
         raise ValueError(f"method 'd2sd' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
     if branches not in BRANCH_MODES:
         raise ValueError(f"branches must be one of {BRANCH_MODES}, got {branches!r}")
     row_cost = resolve_row_cost(model, row_cost, prunes=branches == "vp")
+    lookup = resolve_lookup(model, lookup, tree=True, temperature=temperature)
     if row_cost is not None and branches != "vp":
         raise ValueError("row_cost prunes the VP-drafter's branches: it needs branches='vp'")
     if isinstance(drafter, str) and "," in drafter:            # the CLI's --drafter DFLASH,VP
@@ -192,6 +199,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         # greedy decoding still needs random branches: a fixed private stream, reproducible
         resample_gen = torch.Generator(device=dev).manual_seed(0)
     nodes_total = 0
+    finder = PromptLookup(prompts, run.outputs, num_drafts=lookup, min_ngram=2) if lookup else None
     live = run.start(temperature, generator)
     while live:
         t0 = time.perf_counter()
@@ -231,6 +239,13 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
             branch_len[:, 0] = keep_first
             branch_len[:, 1:] = torch.where(keep_branch > 0, prefix + keep_branch,
                                             torch.minimum(prefix, keep_first[:, None]))
+        if finder is not None:
+            chain, counts = finder.drafts(run.rows)
+            width = max(big_l, chain.shape[1])
+            branch_tokens = torch.cat([nn.functional.pad(branch_tokens, (0, width - big_l)),
+                                       nn.functional.pad(torch.from_numpy(chain).clamp_(min=0),
+                                                         (0, width - chain.shape[1]))[:, None]], 1)
+            branch_len = torch.cat([branch_len, torch.from_numpy(counts)[:, None]], 1)
         tree = padded_prefix_tree(branch_tokens, branch_len, anchors, device=dev)
         t2 = time.perf_counter()
         nodes_total += int((tree.parents >= 0).sum()) + len(anchors)
@@ -241,10 +256,10 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         run.time["draft_s"] += t1 - t0
         run.time["tree_s"] += t2 - t1
         run.time["verify_s"] += t3 - t2
-    return run.generated, run.stats(k=k, branches=branches, draft_len=gamma - 1,
+    return run.generated, run.stats(k=k, branches=branches, draft_len=gamma - 1, lookup=lookup,
                                     tree_nodes=nodes_total / run.cycles if run.cycles else 0.0)
 
 
-OPTIONS = ("draft_len", "k", "branches", "row_cost")
+OPTIONS = ("draft_len", "k", "branches", "row_cost", "lookup")
 DRAFTER = "block"    # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_d2sd

@@ -67,16 +67,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..models import AttentionPlan
 from ..models.dense import dense
 from ..models.stack import frozen_weights
-from ..ops import token_stats, verify_chain
+from ..ops import token_stats, tree_mask, verify_chain, verify_tree
+from ._cpu_cost import resolve_lookup
+from .lookup import PromptLookup, graft_chain
 from .ngram import NgramLM, causal_proxy, load_cached
 from .outputs import OutputBuffer
 from .path_search import build_lattice, path_search
 from .sampling import next_tokens
 
 OPTIONS = ("draft_len", "adaptive", "cps", "beam", "tau", "max_candidates", "lam", "k_min", "k_max",
-           "delta", "rho", "ngram", "draft_vocab")
+           "delta", "rho", "ngram", "draft_vocab", "lookup")
 DRAFTER = "model"    # a block-diffusion model (dspec.load: a shipped name or a checkpoint directory)
 # the paper's defaults (DiffuSpec, Li et al. 2025)
 DEFAULTS = dict(draft_len=20, adaptive=True, cps=True, beam=3, tau=0.8, max_candidates=15, lam=0.5,
@@ -376,7 +379,7 @@ class _Batch:
     """
 
     def __init__(self, model, drafter, prompts, opts, lm, controller, *, max_new_tokens, temperature,
-                 generator, eos_ids, progress, draft_ids=None):
+                 generator, eos_ids, progress, draft_ids=None, lookup=None):
         self.model, self.drafter, self.opts, self.lm, self.controller = model, drafter, opts, lm, controller
         self.draft_ids = draft_ids
         self.draft_head = None
@@ -394,6 +397,8 @@ class _Batch:
         batch = self.batch = len(prompts)
         self.rows = np.arange(batch)                         # live batch row -> request index
         self.outputs = OutputBuffer(batch, max_new_tokens, self.eos, progress)
+        self.finder = PromptLookup(prompts, self.outputs, num_drafts=lookup, min_ngram=2) if lookup else None
+        self.lookup = lookup
         self.prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
         width = int(self.prompt_len.max())
         self.prompt_buf = np.zeros((batch, width), dtype=np.int64)
@@ -403,6 +408,7 @@ class _Batch:
         self.t_fwd = self.d_fwd = 0
         self.time = {"draft": 0.0, "search": 0.0, "verify": 0.0}
         self.row_cycles = self.committed_total = self.drafted_total = self.accepted_total = 0
+        self.lookup_nodes = 0
         self.cycles = 0
 
         # the prompt in one forward and the first token from its last logits, as ar does: every
@@ -457,10 +463,17 @@ class _Batch:
         if kmax > 0:
             logits = self.draft(k, text, start, length)
             n_draft, draft_probs = self.search(logits, k, draft, text, start, length)
-        acc, new_tok = self.verify(text, start, length, draft, n_draft, draft_probs)
+        if self.finder is not None:
+            acc, new_tok = self.verify_tree(text, start, length, draft, n_draft)
+            # ADL sizes the dLLM's draft: its own accepted prefix, not a lookup branch's
+            own = (new_tok[:, :draft.shape[1]] == draft) & (torch.arange(draft.shape[1]) < n_draft[:, None])
+            own = own.to(torch.int64).cumprod(1).sum(1).minimum(acc)
+        else:
+            acc, new_tok = self.verify(text, start, length, draft, n_draft, draft_probs)
+            own = acc
         done = self.commit(acc, new_tok, n_draft)
         if self.controller is not None:
-            self.controller.update(n_draft, acc)
+            self.controller.update(n_draft, own)
         if done.any():
             self.drop(done)
         return self.active
@@ -588,6 +601,30 @@ class _Batch:
         self._timed("verify", t0)
         return acc, new_tok
 
+    def verify_tree(self, text, start, length, draft, n_draft):
+        """:meth:`verify` with the draft as a chain under the last committed token and the
+        prompt-lookup chain grafted on (``lookup``, greedy): one forward under the tree mask,
+        ``verify_tree``, the accepted path committed."""
+        t0 = time.perf_counter()
+        n_act, width = len(length), draft.shape[1] + 1
+        last = text[np.arange(n_act), start + length - 1]
+        depth = np.arange(width)
+        tokens = np.concatenate([last[:, None], draft.numpy()], 1)
+        parents = np.where(depth <= n_draft.numpy()[:, None], depth - 1, -1)   # past n_draft: padding
+        chain, counts = self.finder.drafts(self.rows)
+        tokens, parents, depth = graft_chain(tokens, parents, np.broadcast_to(depth, tokens.shape), chain, counts)
+        parents_t = torch.from_numpy(parents).to(self.dev)
+        tokens_t = torch.from_numpy(tokens).to(self.dev)
+        positions = self.tcache.lengths.to(self.dev)[:, None] + torch.from_numpy(depth).to(self.dev)
+        out = self.model(AttentionPlan(tokens_t, positions, tree_mask(parents_t).words, self.tcache), logits="all")
+        self.t_fwd += 1
+        ver = verify_tree(tokens_t, parents_t, out.logits)
+        acc, path = ver.num_accepted.cpu(), ver.path.cpu()
+        self.tcache.append(out.suffix_kv, torch.cat([torch.zeros(n_act, 1, dtype=torch.int64), path], 1))
+        self.lookup_nodes += int((parents[:, draft.shape[1] + 1:] >= 0).sum())
+        self._timed("verify", t0)
+        return acc, ver.tokens.cpu()
+
     def commit(self, acc, new_tok, n_draft) -> np.ndarray:
         """Append each request's accepted drafts and drawn token; returns which rows are done."""
         acc, n = acc.numpy(), n_draft.numpy()
@@ -629,6 +666,7 @@ class _Batch:
             "search_backend": _search_backend() if opts["cps"] else None,
             "draft_vocab": None if self.draft_ids is None else int(self.draft_ids.numel()),
             "shared_cache": self.shared,
+            "lookup": self.lookup, "lookup_nodes": self.lookup_nodes / rows,
         }
 
 
@@ -638,7 +676,8 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
                      draft_len: int | None = None, adaptive: bool | None = None, cps: bool | None = None,
                      beam: int | None = None, tau: float | None = None, max_candidates: int | None = None,
                      lam: float | None = None, k_min: int | None = None, k_max: int | None = None,
-                     delta: int | None = None, rho: float | None = None, ngram=None, draft_vocab="auto"):
+                     delta: int | None = None, rho: float | None = None, ngram=None, draft_vocab="auto",
+                     lookup: int | str | None = "auto"):
     """DiffuSpec decoding of a ragged batch; returns (tokens per request, stats).
 
     Options (defaults: the paper's): ``draft_len`` (k when ``adaptive`` is False, 20; given
@@ -650,7 +689,11 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     or None for :func:`dspec.decode.ngram.causal_proxy`: the shipped 3-gram of the target's own
     responses where there is one, else the corpora 3-gram; unused when ``lam = 1``),
     ``draft_vocab`` ("auto": on the CPU the drafter's shipped draft vocabulary, see
-    :func:`resolve_draft_vocab`; None: the whole vocabulary; or the token ids to draft).
+    :func:`resolve_draft_vocab`; None: the whole vocabulary; or the token ids to draft),
+    ``lookup`` (greedy only: verify the searched draft as a token tree with a prompt-lookup
+    chain of up to K tokens grafted on, :mod:`dspec.decode.lookup`; "auto": 7 for a CPU model
+    decoding greedily, else off; None / 0: off).  ADL then sees the dLLM draft's own accepted
+    prefix.
 
     Stats: ``nfe`` {"target": verify forwards + prefill, "drafter": draft forwards};
     ``mean_accepted``: tokens committed per request per target verification forward
@@ -668,6 +711,7 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     if opts["adaptive"]:
         controller = AdaptiveDraftLength(len(prompts), k_min=opts["k_min"], k_max=opts["k_max"],
                                          delta=opts["delta"], rho=opts["rho"], k_init=draft_len)
+    lookup = resolve_lookup(model, lookup, tree=temperature <= 0, temperature=temperature)
     drafter = resolve_drafter(model, drafter)
     lm = _causal_proxy(model, opts, ngram)
     draft_ids = resolve_draft_vocab(model, drafter, draft_vocab, eos_ids)
@@ -675,7 +719,7 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     with frozen_weights(drafter):
         run = _Batch(model, drafter, prompts, opts, lm, controller, max_new_tokens=max_new_tokens,
                      temperature=temperature, generator=generator, eos_ids=eos_ids, progress=progress,
-                     draft_ids=draft_ids)
+                     draft_ids=draft_ids, lookup=lookup)
         while run.active and run.cycle():
             pass
     return run.generated, run.stats()
