@@ -116,6 +116,9 @@ CONFIGS: tuple[Config, ...] = (
     Config("s2d2", "s2d2", "dllm", expand="policies"),
     Config("diffuspec", "diffuspec", "target"),
     Config("diffuspec-d8", "diffuspec", "target", {"draft_len": 8}),
+    # without the prompt-lookup branch (on by default on a CPU, greedy: the draft is then
+    # verified as a tree with the lookup chain grafted on)
+    Config("diffuspec-nolookup", "diffuspec", "target", {"lookup": None}),
     # ADL with the paper's bounds (the default elsewhere; a CPU model's are CPU_ADL's 4 / 12 / 2)
     Config("diffuspec-paper", "diffuspec", "target", {"k_min": 20, "k_max": 30, "delta": 10}),
     Config("diffuspec-noCPS-noADL", "diffuspec", "target",
