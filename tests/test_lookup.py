@@ -179,6 +179,10 @@ def test_dflash_lookup_option_checks(target):
     assert dspec.generate(target, p, method="dflash", max_new_tokens=4, lookup=0).stats["lookup"] is None
     hot = dspec.generate(target, p, method="dflash", max_new_tokens=4, temperature=1.0, seed=0)
     assert hot.stats["lookup"] is None                      # T > 0: the chain, no tree
+    from dspec.decode._cpu_cost import CPU_LOOKUP_MAX_BATCH
+    many = [p] * (CPU_LOOKUP_MAX_BATCH + 1)                 # every verified row is compute there
+    assert dspec.generate(target, many, method="dflash", max_new_tokens=4)[0].stats["lookup"] is None
+    assert dspec.generate(target, many[:-1], method="dflash", max_new_tokens=4)[0].stats["lookup"] == 7
     for bad in (-1, 1.5, True, "7"):
         with pytest.raises(ValueError, match="lookup"):
             dspec.generate(target, p, method="dflash", max_new_tokens=2, lookup=bad)

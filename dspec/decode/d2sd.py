@@ -150,7 +150,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     lookup : None / 0 (off) or K' >= 1: one more branch, the prompt-lookup chain of up to
         K' tokens (:mod:`dspec.decode.lookup`), merged into the tree like the others;
         "auto" (default): ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding
-        greedily, off otherwise.
+        greedily a batch of at most ``CPU_LOOKUP_MAX_BATCH`` (4) requests, off otherwise.
 
     Returns
     -------
@@ -165,7 +165,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     if branches not in BRANCH_MODES:
         raise ValueError(f"branches must be one of {BRANCH_MODES}, got {branches!r}")
     row_cost = resolve_row_cost(model, row_cost, prunes=branches == "vp")
-    lookup = resolve_lookup(model, lookup, tree=True, temperature=temperature)
+    lookup = resolve_lookup(model, lookup, tree=True, temperature=temperature, batch=len(prompts))
     if row_cost is not None and branches != "vp":
         raise ValueError("row_cost prunes the VP-drafter's branches: it needs branches='vp'")
     if isinstance(drafter, str) and "," in drafter:            # the CLI's --drafter DFLASH,VP

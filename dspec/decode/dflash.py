@@ -407,8 +407,8 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         (:mod:`dspec.decode.lookup`: what followed the latest earlier occurrence of the
         text's last 3- or 2-gram, prompt and output alike) onto each cycle's tree, sharing
         the tree's nodes where they agree; needs ``tree``.  "auto" (default):
-        ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding greedily with a tree,
-        off otherwise.  The output is unchanged (the target verifies every node).
+        ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding greedily with a tree
+        a batch of at most ``CPU_LOOKUP_MAX_BATCH`` (4) requests, off otherwise.  The output is unchanged (the target verifies every node).
 
     Returns
     -------
@@ -424,7 +424,7 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
     if model.attention != "causal":
         raise ValueError(f"method 'dflash' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
     tree = resolve_tree(model, tree, temperature)
-    lookup = resolve_lookup(model, lookup, tree=tree is not None, temperature=temperature)
+    lookup = resolve_lookup(model, lookup, tree=tree is not None, temperature=temperature, batch=len(prompts))
     drafter = resolve_drafter(drafter, model, "dflash")
     gamma = check_draft_len(draft_len, drafter)
     row_cost = resolve_row_cost(model, row_cost)

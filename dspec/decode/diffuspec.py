@@ -692,7 +692,7 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     :func:`resolve_draft_vocab`; None: the whole vocabulary; or the token ids to draft),
     ``lookup`` (greedy only: verify the searched draft as a token tree with a prompt-lookup
     chain of up to K tokens grafted on, :mod:`dspec.decode.lookup`; "auto": 7 for a CPU model
-    decoding greedily, else off; None / 0: off).  ADL then sees the dLLM draft's own accepted
+    decoding greedily at most 4 requests, else off; None / 0: off).  ADL then sees the dLLM draft's own accepted
     prefix.
 
     Stats: ``nfe`` {"target": verify forwards + prefill, "drafter": draft forwards};
@@ -711,7 +711,7 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     if opts["adaptive"]:
         controller = AdaptiveDraftLength(len(prompts), k_min=opts["k_min"], k_max=opts["k_max"],
                                          delta=opts["delta"], rho=opts["rho"], k_init=draft_len)
-    lookup = resolve_lookup(model, lookup, tree=temperature <= 0, temperature=temperature)
+    lookup = resolve_lookup(model, lookup, tree=temperature <= 0, temperature=temperature, batch=len(prompts))
     drafter = resolve_drafter(model, drafter)
     lm = _causal_proxy(model, opts, ngram)
     draft_ids = resolve_draft_vocab(model, drafter, draft_vocab, eos_ids)
