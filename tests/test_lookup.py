@@ -55,7 +55,7 @@ def test_suffix_match_drafts_checks_arguments():
 def test_prompt_lookup_reads_prompt_and_outputs():
     prompts = [[1, 2, 3, 4], [7, 7], [5]]
     out = OutputBuffer(3, 6, eos_ids=())
-    finder = PromptLookup(prompts, out, num_drafts=3)
+    finder = PromptLookup(prompts, out, num_drafts=3, min_ngram=1)
     out.extend(np.arange(3), np.array([[1, 2, 0], [7, 0, 0], [9, 5, 0]]), np.array([2, 1, 2]))
     drafts, counts = finder.drafts(np.array([0, 1, 2]))
     for a, p in enumerate(prompts):

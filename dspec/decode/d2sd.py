@@ -199,7 +199,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         # greedy decoding still needs random branches: a fixed private stream, reproducible
         resample_gen = torch.Generator(device=dev).manual_seed(0)
     nodes_total = 0
-    finder = PromptLookup(prompts, run.outputs, num_drafts=lookup, min_ngram=2) if lookup else None
+    finder = PromptLookup(prompts, run.outputs, num_drafts=lookup) if lookup else None
     live = run.start(temperature, generator)
     while live:
         t0 = time.perf_counter()

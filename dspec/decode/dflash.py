@@ -407,8 +407,9 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         (:mod:`dspec.decode.lookup`: what followed the latest earlier occurrence of the
         text's last 3- or 2-gram, prompt and output alike) onto each cycle's tree, sharing
         the tree's nodes where they agree; needs ``tree``.  "auto" (default):
-        ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding greedily with a tree
-        a batch of at most ``CPU_LOOKUP_MAX_BATCH`` (4) requests, off otherwise.  The output is unchanged (the target verifies every node).
+        ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding greedily with a tree,
+        at most ``CPU_LOOKUP_MAX_BATCH`` (4) requests; off otherwise.  The output is
+        unchanged (the target verifies every node).
 
     Returns
     -------
@@ -434,7 +435,7 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
     offsets = torch.arange(gamma, device=dev)
     chains = {}
     verified = 0
-    finder = PromptLookup(prompts, run.outputs, num_drafts=lookup, min_ngram=2) if lookup else None
+    finder = PromptLookup(prompts, run.outputs, num_drafts=lookup) if lookup else None
     live = run.start(temperature, generator)
     while live:
         t0 = time.perf_counter()

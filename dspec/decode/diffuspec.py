@@ -397,7 +397,7 @@ class _Batch:
         batch = self.batch = len(prompts)
         self.rows = np.arange(batch)                         # live batch row -> request index
         self.outputs = OutputBuffer(batch, max_new_tokens, self.eos, progress)
-        self.finder = PromptLookup(prompts, self.outputs, num_drafts=lookup, min_ngram=2) if lookup else None
+        self.finder = PromptLookup(prompts, self.outputs, num_drafts=lookup) if lookup else None
         self.lookup = lookup
         self.prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
         width = int(self.prompt_len.max())
@@ -692,8 +692,8 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     :func:`resolve_draft_vocab`; None: the whole vocabulary; or the token ids to draft),
     ``lookup`` (greedy only: verify the searched draft as a token tree with a prompt-lookup
     chain of up to K tokens grafted on, :mod:`dspec.decode.lookup`; "auto": 7 for a CPU model
-    decoding greedily at most 4 requests, else off; None / 0: off).  ADL then sees the dLLM draft's own accepted
-    prefix.
+    decoding greedily at most 4 requests, else off; None / 0: off; ADL then sizes the draft
+    by the dLLM draft's own accepted prefix).
 
     Stats: ``nfe`` {"target": verify forwards + prefill, "drafter": draft forwards};
     ``mean_accepted``: tokens committed per request per target verification forward

@@ -3,10 +3,10 @@ last n-gram (Saxena 2023, "prompt lookup decoding"; vLLM's and SGLang's n-gram s
 
 Free to compute (host array ops over the request's tokens, no model), right exactly where a
 small drafter is weakest: code that repeats its prompt's names, a math answer that restates
-the problem, and the loops a small model falls into.  Used as one more branch of DFlash's
-verification tree (``dflash(lookup=K)``), grafted onto the drafter's tree where the two
-agree (:func:`graft_chain`), so the target verifies both in one forward and the output is
-unchanged.
+the problem, and the loops a small model falls into.  Used as one more branch of the
+verification tree of ``dflash`` / ``d2sd`` / ``diffuspec`` (``lookup=K``), merged with the
+drafters' nodes where they agree (:func:`graft_chain`, or D2SD's ``padded_prefix_tree``), so
+the target verifies everything in one forward and the output is unchanged.
 
 Measured before building it (bench/results/cpu/lookup_estimate.md): on 8 grid prompts per
 set, DFlash's own cycles with the best of (its accepted drafts, the lookup chain's matching
@@ -80,11 +80,13 @@ class PromptLookup:
     drafts per decode cycle (:func:`suffix_match_drafts`).
 
     ``outputs`` is the decode's :class:`OutputBuffer`; the generated tokens are copied in
-    when drafts are asked for, so the caller only keeps extending ``outputs``.
+    when drafts are asked for, so the caller only keeps extending ``outputs``.  n-grams 3..2
+    by default: unigram matches add proposals (each up to ``num_drafts`` verified rows) and
+    almost no accepted tokens (bench/results/cpu/lookup_estimate.md).
     """
 
     def __init__(self, prompts, outputs: OutputBuffer, *, num_drafts: int = 7, max_ngram: int = 3,
-                 min_ngram: int = 1):
+                 min_ngram: int = 2):
         self.prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         width = int(self.prompt_lengths.max(initial=0)) + outputs.max_new_tokens
         self.text = np.full((len(prompts), width), -1, dtype=np.int64)
@@ -126,7 +128,6 @@ def graft_chain(tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, 
     """
     rows, width = tokens.shape
     k = chain.shape[1]
-    r = np.arange(rows)
     new_tok = np.zeros((rows, k), dtype=np.int64)
     new_par = np.full((rows, k), -1, dtype=np.int64)
     new_pos = np.zeros((rows, k), dtype=np.int64)
