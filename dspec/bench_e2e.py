@@ -137,6 +137,9 @@ CONFIGS: tuple[Config, ...] = (
     Config("dflash-tree7", "dflash", "target", {"tree": 7, "row_cost": None}),
     # without the prompt-lookup branch grafted onto the tree (on by default on a CPU, greedy)
     Config("dflash-nolookup", "dflash", "target", {"lookup": None}),
+    # at T > 0 `dflash` verifies the chain with the drafter's q and no lookup; this verifies
+    # the 7-node tree (drafts one-hot) with the lookup branch at any temperature
+    Config("dflash-tree-lookup", "dflash", "target", {"tree": 7, "lookup": 7}),
     *(Config(f"d2sd-K{k}", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), k)})
       for k in (1, 2, 4)),
     # the tree pruned at a higher cost of a verified row (the default on a CPU is 0.02), and
