@@ -409,7 +409,8 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         the tree's nodes where they agree; needs ``tree``.  "auto" (default):
         ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding greedily with a tree,
         at most ``CPU_LOOKUP_MAX_BATCH`` (4) requests; off otherwise.  The output is
-        unchanged (the target verifies every node).
+        unchanged (the target verifies every node); the graft runs on the host (on a GPU:
+        one more synchronisation a cycle).
 
     Returns
     -------
