@@ -232,3 +232,16 @@ def test_diffuspec_lookup_tree_equals_ar(target):
     with pytest.raises(ValueError, match="lookup"):
         dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=2, drafter=drafter, lookup=3,
                        temperature=1.0, seed=0)
+
+
+def test_suffix_match_drafts_with_offsets_equal_the_loop():
+    """Texts that start past column 0 (right-aligned prompts): nothing outside is matched."""
+    rng = np.random.default_rng(7)
+    rows, width, k = 12, 30, 5
+    hist = rng.integers(0, 3, (rows, width))
+    offsets = rng.integers(0, 12, rows)
+    lengths = rng.integers(0, width - offsets + 1)
+    drafts, counts = suffix_match_drafts(hist, lengths, offsets=offsets, max_ngram=3, min_ngram=1, num_drafts=k)
+    for a in range(rows):
+        text = hist[a, offsets[a]:offsets[a] + lengths[a]].tolist()
+        assert drafts[a, :counts[a]].tolist() == loop_drafts(text, 3, 1, k)

@@ -67,12 +67,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..masks import padded_prefix_tree
 from ..models import AttentionPlan
 from ..models.dense import dense
 from ..models.stack import frozen_weights
-from ..ops import token_stats, tree_mask, verify_chain, verify_tree
+from ..ops import token_stats, verify_chain, verify_tree
 from ._cpu_cost import resolve_lookup
-from .lookup import PromptLookup, graft_chain
+from .lookup import MIN_NGRAM, suffix_match_drafts
 from .ngram import NgramLM, causal_proxy, load_cached
 from .outputs import OutputBuffer
 from .path_search import build_lattice, path_search
@@ -397,7 +398,6 @@ class _Batch:
         batch = self.batch = len(prompts)
         self.rows = np.arange(batch)                         # live batch row -> request index
         self.outputs = OutputBuffer(batch, max_new_tokens, self.eos, progress)
-        self.finder = PromptLookup(prompts, self.outputs, num_drafts=lookup) if lookup else None
         self.lookup = lookup
         self.prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
         width = int(self.prompt_len.max())
@@ -463,10 +463,11 @@ class _Batch:
         if kmax > 0:
             logits = self.draft(k, text, start, length)
             n_draft, draft_probs = self.search(logits, k, draft, text, start, length)
-        if self.finder is not None:
+        if self.lookup:
             acc, new_tok = self.verify_tree(text, start, length, draft, n_draft)
             # ADL sizes the dLLM's draft: its own accepted prefix, not a lookup branch's
-            own = (new_tok[:, :draft.shape[1]] == draft) & (torch.arange(draft.shape[1]) < n_draft[:, None])
+            w = min(draft.shape[1], new_tok.shape[1])         # the tree may be narrower than draft
+            own = (new_tok[:, :w] == draft[:, :w]) & (torch.arange(w) < n_draft[:, None])
             own = own.to(torch.int64).cumprod(1).sum(1).minimum(acc)
         else:
             acc, new_tok = self.verify(text, start, length, draft, n_draft, draft_probs)
@@ -602,26 +603,26 @@ class _Batch:
         return acc, new_tok
 
     def verify_tree(self, text, start, length, draft, n_draft):
-        """:meth:`verify` with the draft as a chain under the last committed token and the
-        prompt-lookup chain grafted on (``lookup``, greedy): one forward under the tree mask,
-        ``verify_tree``, the accepted path committed."""
+        """:meth:`verify` with the draft and the prompt-lookup chain (``lookup``, greedy) as two
+        branches of one prefix tree under the last committed token: one forward under the
+        tree mask, ``verify_tree``, the accepted path committed."""
         t0 = time.perf_counter()
-        n_act, width = len(length), draft.shape[1] + 1
+        n_act = len(length)
         last = text[np.arange(n_act), start + length - 1]
-        depth = np.arange(width)
-        tokens = np.concatenate([last[:, None], draft.numpy()], 1)
-        parents = np.where(depth <= n_draft.numpy()[:, None], depth - 1, -1)   # past n_draft: padding
-        chain, counts = self.finder.drafts(self.rows)
-        tokens, parents, depth = graft_chain(tokens, parents, np.broadcast_to(depth, tokens.shape), chain, counts)
-        parents_t = torch.from_numpy(parents).to(self.dev)
-        tokens_t = torch.from_numpy(tokens).to(self.dev)
-        positions = self.tcache.lengths.to(self.dev)[:, None] + torch.from_numpy(depth).to(self.dev)
-        out = self.model(AttentionPlan(tokens_t, positions, tree_mask(parents_t).words, self.tcache), logits="all")
+        chain, counts = suffix_match_drafts(text, length, offsets=start, min_ngram=MIN_NGRAM,
+                                            num_drafts=self.lookup)
+        width = max(draft.shape[1], chain.shape[1])
+        branches = np.zeros((n_act, 2, width), dtype=np.int64)
+        branches[:, 0, :draft.shape[1]] = draft.numpy()
+        branches[:, 1, :chain.shape[1]] = np.maximum(chain, 0)
+        tree = padded_prefix_tree(branches, np.stack([n_draft.numpy(), counts], 1), last, device=self.dev)
+        positions = self.tcache.lengths.to(self.dev)[:, None] + tree.positions
+        out = self.model(AttentionPlan(tree.tokens, positions, tree.words, self.tcache), logits="all")
         self.t_fwd += 1
-        ver = verify_tree(tokens_t, parents_t, out.logits)
+        ver = verify_tree(tree.tokens, tree.parents, out.logits)
         acc, path = ver.num_accepted.cpu(), ver.path.cpu()
         self.tcache.append(out.suffix_kv, torch.cat([torch.zeros(n_act, 1, dtype=torch.int64), path], 1))
-        self.lookup_nodes += int((parents[:, draft.shape[1] + 1:] >= 0).sum())
+        self.lookup_nodes += int((tree.parents >= 0).sum()) - int(n_draft.sum())
         self._timed("verify", t0)
         return acc, ver.tokens.cpu()
 

@@ -19,26 +19,34 @@ import numpy as np
 
 from .outputs import OutputBuffer
 
-__all__ = ["suffix_match_drafts", "PromptLookup", "graft_chain"]
+__all__ = ["MIN_NGRAM", "suffix_match_drafts", "PromptLookup", "graft_chain"]
 
 
-def suffix_match_drafts(history: np.ndarray, lengths: np.ndarray, *, max_ngram: int = 3, min_ngram: int = 1,
+#: the shortest n-gram matched by the decode methods: unigram matches add proposals (each up
+#: to ``num_drafts`` verified rows) and almost no accepted tokens
+#: (bench/results/cpu/lookup_estimate.md)
+MIN_NGRAM = 2
+
+
+def suffix_match_drafts(history: np.ndarray, lengths: np.ndarray, *, offsets: np.ndarray | None = None,
+                        max_ngram: int = 3, min_ngram: int = 1,
                         num_drafts: int = 7) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the tokens after the latest earlier occurrence of its last n-gram.
 
     Parameters
     ----------
-    history : int64 [A, L]; row a's text is ``history[a, :lengths[a]]``.
-    lengths : int64 [A], in [0, L].
+    history : int64 [A, L]; row a's text is ``history[a, o : o + lengths[a]]``,
+        o = ``offsets[a]`` (0 without ``offsets``): what lies outside is never matched.
+    lengths : int64 [A]; offsets : int64 [A] or None; o + lengths[a] <= L.
     max_ngram, min_ngram : the n-gram sizes tried, longest first (1 <= min <= max).
     num_drafts : K >= 1, the most tokens drafted.
 
     Returns
     -------
     (drafts int64 [A, K] (-1 past a row's count), counts int64 [A]): with n the longest size
-    whose last n tokens occur earlier (the occurrence starting at s < lengths - n, the latest
-    such s), ``drafts[a, :counts[a]] = history[a, s + n : s + n + K]`` cut at the row's end;
-    count 0 where no size matches.
+    whose last n tokens occur earlier in the text (the occurrence starting at column s, the
+    latest such s with at least one token after it), ``drafts[a, :counts[a]] =
+    history[a, s + n : s + n + K]`` cut at the text's end; count 0 where no size matches.
 
     Example
     -------
@@ -52,26 +60,28 @@ def suffix_match_drafts(history: np.ndarray, lengths: np.ndarray, *, max_ngram: 
     if num_drafts < 1:
         raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
     history = np.asarray(history, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
     rows, width = history.shape
-    start = np.full(rows, -1, dtype=np.int64)           # where the drafts start, -1: none yet
+    first = np.zeros(rows, dtype=np.int64) if offsets is None else np.asarray(offsets, dtype=np.int64)
+    end = first + np.asarray(lengths, dtype=np.int64)  # one past each text's last column
+    begin = np.full(rows, -1, dtype=np.int64)           # where the drafts begin, -1: none yet
     r = np.arange(rows)
     for n in range(max_ngram, min_ngram - 1, -1):
         if width < n + 1:
             continue
         windows = width - n + 1                         # window s covers history[:, s : s + n]
-        tail = history[r[:, None], np.clip(lengths[:, None] - n + np.arange(n), 0, width - 1)]
+        tail = history[r[:, None], np.clip(end[:, None] - n + np.arange(n), 0, width - 1)]
         equal = np.ones((rows, windows), dtype=bool)
         for k in range(n):                              # n <= max_ngram compares of [A, L]
             equal &= history[:, k:k + windows] == tail[:, k:k + 1]
-        equal &= np.arange(windows) < (lengths - n)[:, None]   # earlier, with >= 1 token after
-        found = equal.any(1) & (start < 0)
+        s = np.arange(windows)
+        equal &= (s >= first[:, None]) & (s < (end - n)[:, None])   # earlier, >= 1 token after
+        found = equal.any(1) & (begin < 0)
         latest = windows - 1 - np.argmax(equal[:, ::-1], 1)
-        start = np.where(found, latest + n, start)
-    counts = np.where(start >= 0, np.minimum(num_drafts, lengths - start), 0)
+        begin = np.where(found, latest + n, begin)
+    counts = np.where(begin >= 0, np.minimum(num_drafts, end - begin), 0)
     cols = np.arange(num_drafts)
     take = cols < counts[:, None]
-    drafts = np.where(take, history[r[:, None], np.clip(start[:, None] + cols, 0, width - 1)], -1)
+    drafts = np.where(take, history[r[:, None], np.clip(begin[:, None] + cols, 0, width - 1)], -1)
     return drafts, counts
 
 
@@ -81,12 +91,11 @@ class PromptLookup:
 
     ``outputs`` is the decode's :class:`OutputBuffer`; the generated tokens are copied in
     when drafts are asked for, so the caller only keeps extending ``outputs``.  n-grams 3..2
-    by default: unigram matches add proposals (each up to ``num_drafts`` verified rows) and
-    almost no accepted tokens (bench/results/cpu/lookup_estimate.md).
+    by default (``MIN_NGRAM``).
     """
 
     def __init__(self, prompts, outputs: OutputBuffer, *, num_drafts: int = 7, max_ngram: int = 3,
-                 min_ngram: int = 2):
+                 min_ngram: int = MIN_NGRAM):
         self.prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         width = int(self.prompt_lengths.max(initial=0)) + outputs.max_new_tokens
         self.text = np.full((len(prompts), width), -1, dtype=np.int64)
