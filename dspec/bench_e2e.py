@@ -114,6 +114,8 @@ CONFIGS: tuple[Config, ...] = (
     Config("spiffy-p3", "spiffy", "dllm", {"prune_to": 3}),
     Config("spiffy-p8", "spiffy", "dllm", {"prune_to": 8}),
     Config("s2d2", "s2d2", "dllm", expand="policies"),
+    # S2D2 as published: the speculative block alone (no redraft blocks), its default policy
+    Config("s2d2-noredraft", "s2d2", "dllm", {"redraft": False}),
     Config("diffuspec", "diffuspec", "target"),
     Config("diffuspec-d8", "diffuspec", "target", {"draft_len": 8}),
     # without the prompt-lookup branch (on by default on a CPU, greedy: the draft is then

@@ -260,6 +260,18 @@ def test_hub_loads_a_mask_adapter_on_its_base(base, bd, tmp_path, monkeypatch):
     assert "smollm2-135m-bd" in hub.available_models()
 
 
+def test_s2d2_redraft_blocks_share_the_chain_rows(tmp_path, monkeypatch):
+    """On a model whose clean rows attend causally the redraft blocks keep only their own
+    rows and read the chain's before them: their drafts (and the next block's) are still
+    those of plain drafting forwards of the states they stand for (float32)."""
+    from test_s2d2 import redraft_checks
+    base = dspec.load(write_checkpoint(tmp_path, "llama", seed=0, hidden=256, inter=768, layers=4))
+    model = trained_looking_mask_adapter(base, mask_token_id=MASK)
+    done = redraft_checks(model, [_ids(3, 3), _ids(9, 9), _ids(70, 70), _ids(30, 30)], monkeypatch,
+                          max_new_tokens=48)
+    assert done["reuse"] > 0 and done["next"] > 0
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_s2d2_caches_the_bases_kv_bit_for_bit(tmp_path, dtype):
     """Greedy ``s2d2`` (policy always) on a mask-adapted model leaves in its cache exactly the

@@ -123,12 +123,13 @@ def test_policy_never_equals_diffusion(model, temperature):
         assert got.stats["verifications"] == 0 and got.stats["verify_rate"] == 0.0
 
 
+@pytest.mark.parametrize("redraft", [True, False])
 @pytest.mark.parametrize("block_size,draft_len", [(BS, 1), (BS, 2), (BS, 3), (BS, BS)])
-def test_greedy_always_equals_block_size_one_decoding(model, block_size, draft_len):
-    saved = 0
+def test_greedy_always_equals_block_size_one_decoding(model, block_size, draft_len, redraft):
+    saved = ahead = 0
     for prompt in ([5, 17, 42], [5, 17, 42, 9, 11, 13, 8, 2], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1]):
         got = _run(model, prompt, policy="always", draft_len=draft_len, threshold=0.5,
-                   max_new_tokens=12, block_size=block_size)
+                   max_new_tokens=12, block_size=block_size, redraft=redraft)
         assert got.tokens == block_size_one_greedy(model, prompt, 12, block_size)
         st = got.stats
         assert st["verify_rate"] == 1.0
@@ -136,17 +137,73 @@ def test_greedy_always_equals_block_size_one_decoding(model, block_size, draft_l
         assert 1.0 <= st["mean_accepted"] <= draft_len + 1
         # one sequence: every forward is the prefill, a drafting or a verifying one (a block
         # finished otherwise than by its drafts rides in front of the next drafting forward),
-        # and every drafting forward is followed by a verification (policy always)
+        # and every verification follows a drafting forward or drafts rode in a verification
+        # (policy always)
         kinds = st["forwards_with"]
         assert st["nfe"]["target"] == (len(prompt) >= block_size) + kinds["draft"] + kinds["verify"]
         assert kinds["verify"] == st["verifications"]
-        assert kinds["draft"] + st["spec_block_drafts"] == st["verifications"]
+        assert kinds["draft"] + st["spec_block_drafts"] + st["next_block_drafts"] == st["verifications"]
+        ahead += st["next_block_drafts"]
         blocks = -(-(len(prompt) % block_size + 12) // block_size)
         # every block is committed (by a later drafting forward or by its verification) but
         # maybe the last one, which nothing reads
         assert blocks - 1 <= kinds["commit"] + st["spec_block_commits"] <= blocks
         saved += st["spec_block_drafts"] + st["spec_block_commits"]
-    assert saved > 0                    # the speculative-block path is exercised
+    assert saved > 0                    # the redraft-block path is exercised
+    # the next block's first state rides in a verification forward only with redraft blocks
+    if not redraft:
+        assert ahead == 0
+
+
+def redraft_checks(model, prompts, monkeypatch, **kw) -> dict:
+    """Decode each prompt alone (greedy, policy always, redraft blocks) and check every draft
+    a verification forward computed against a plain drafting forward of the state it stands
+    for: a reused redraft block -- the block as it now stands, the drawn slot [MASK] again --
+    and the next block's first state after the finished block.  Returns how many of each
+    were checked."""
+    from dspec.decode import s2d2
+    done = {"reuse": 0, "stale": 0, "next": 0}
+    verify, draft = s2d2._Batch.verify, s2d2._Batch.draft
+
+    def spy_verify(self, logits, nxt):
+        span = self.span_start.clone()
+        out = verify(self, logits, nxt)
+        self._outcome = (span, out[0].clone(), out[2].clone(), out[3].clone())
+        return out
+
+    def expected(self, tokens):
+        pos = self.block_start[:, None] + self.slots
+        out = model(AttentionPlan(tokens, pos, self.block_mask_words, self.cache), return_kv=False)
+        return self.shift(out.logits.float())
+
+    def spy_draft(self, block_logits, drafting, nxt, stale=None):
+        masked = self.masked[0]
+        if stale is not None and self.has["verify"] and bool(self._outcome[1][0]):
+            span, _, acc, was_stale = self._outcome
+            tokens = self.tokens.clone()
+            if bool(was_stale[0]):
+                tokens[0, span[0] + acc[0]] = model.mask_token_id
+                done["stale"] += 1
+            torch.testing.assert_close(block_logits[0, masked], expected(self, tokens)[0, masked],
+                                       atol=2e-4, rtol=2e-4)
+            done["reuse"] += 1
+        elif stale is None and self.has["verify"] and bool(drafting[0]):     # the next block
+            torch.testing.assert_close(block_logits[0, masked], expected(self, self.tokens)[0, masked],
+                                       atol=2e-4, rtol=2e-4)
+            done["next"] += 1
+        return draft(self, block_logits, drafting, nxt, stale)
+
+    monkeypatch.setattr(s2d2._Batch, "verify", spy_verify)
+    monkeypatch.setattr(s2d2._Batch, "draft", spy_draft)
+    for prompt in prompts:
+        dspec.generate(model, prompt, method="s2d2", policy="always", **kw)
+    return done
+
+
+def test_redraft_blocks_are_the_outcome_states(model, monkeypatch):
+    prompts = [[5, 17, 42], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1], [100, 2, 33, 4, 8]]
+    done = redraft_checks(model, prompts, monkeypatch, max_new_tokens=24, block_size=BS, threshold=0.5)
+    assert done["reuse"] > 0 and done["stale"] > 0
 
 
 @pytest.mark.parametrize("policy,extra", [("always", {}), ("min_span", {"min_span": 3}),

@@ -32,15 +32,29 @@ under a per-row packed mask (DESIGN.md's one attention shape):
     are accepted and slot ``s + L`` is still masked inside the block.  The accepted drafts
     and the drawn token are committed into the block; decoding continues on the rest.
 
-    The same forward also runs a *speculative block*: the current block with the drafts in
-    place, bidirectional within itself, after the committed prefix (SSD's trick of merging
-    the next state into the current forward).  When every draft passes, it is exactly the
-    block as it now stands (with the bonus slot still [MASK]), so its logits serve as the
-    next drafting step and that forward is saved; when the drafts also complete the block,
-    it *is* the finished block and its KV is committed directly, saving the commit forward.
-    On a rejection it is discarded.  (With a bonus token, the reused drafting step has not
-    seen the bonus: verification stays exact since any fixed q is a valid proposal, but a
-    fallback step right after commits diffusion choices made one token earlier.)
+    The same forward also runs the *redraft blocks* (``redraft=True``, the default): for
+    every outcome r = 0 .. L (the first r drafts pass, draft r is rejected; r = L: all
+    pass), the block as it would then stand -- drafts before slot s + r in place, the span
+    from s + r on [MASK] --, bidirectional within itself after the committed prefix (SSD's
+    trick of merging the next state into the current forward, once per rejection point).
+    Whatever the verification decides, the block of its outcome holds the block as it now
+    stands but for the drawn token, still [MASK] there: its logits are the next drafts, and
+    the drafting forward that would follow the verification is saved.  Those drafts are
+    proposals (any fixed q keeps the verification exact), not a diffusion state: a row
+    drafting from them verifies (a fallback would commit diffusion choices made without the
+    drawn token; it takes a drafting forward instead).  When the span ends the block, the
+    next block's all-[MASK] first state rides too, attending to the block with every draft
+    in place: if they all pass, that block is finished, its KV is committed from this
+    forward and the next block's first drafts are already computed.  A model whose clean
+    rows attend causally (``clean_causal``) shares the chain's rows before each redraft
+    block's first [MASK] (the same keys, bit for bit), so the blocks cost only their
+    [MASK] rows, and skips the outcome r = 0 when the span's first draft came from a clean
+    row (right-shifted: the very logits the verification recomputes) and the outcome that
+    fills the block's last masked slot; at block size 4 a verification then forwards at
+    most 13 rows.  ``redraft=False`` runs S2D2's *speculative block* alone: the block with
+    every draft in place, reused when every draft passes (with a bonus token the reused
+    drafting step has not seen the bonus, and a fallback right after commits diffusion
+    choices made one token earlier).
 
 ``commit``
     a block completed otherwise (by the fallback, or by a rejected / bonus token) is
@@ -51,11 +65,12 @@ under a per-row packed mask (DESIGN.md's one attention shape):
     last block is never forwarded again.
 
 Rows in different states share a forward: the suffix is as wide as the widest row (a
-block, two with a pending block; ``u + 2L + 1 + block_size`` for a position-aligned
-verification, ``u + L + block_size`` for a right-shifted one), narrower rows are padded
-with tokens that see only themselves, and the LM head runs on ``block_size + 1`` gathered rows per sequence
-(``2 block_size + 1`` when a row verifies).  So a batch costs one forward per
-iteration whatever its rows do, and a sequence's tokens are those of its single run.
+block, two with a pending block; a verification's chain, its 2L copies for a
+position-aligned model, its redraft blocks), narrower rows are padded with tokens that see
+only themselves, and the LM head runs once, on ``block_size + 1`` gathered rows per
+sequence plus a verifying row's redraft rows that predict a masked slot.  So a batch costs
+one forward per iteration whatever its rows do, and a sequence's tokens are those of its
+single run.
 
 Losslessness: for the verified slots, the committed tokens are exact samples of the
 block-size-1 distribution given everything before them (drafts are sampled from the very
@@ -75,6 +90,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -88,14 +104,16 @@ from ._selfspec import check_common
 from .routing import ESTIMATORS, POLICIES, RoutingFeatures, make_router, span_score
 
 OPTIONS = ("block_size", "threshold", "policy", "min_span", "score_threshold", "hysteresis",
-           "ucb_c", "estimator", "draft_len")
+           "ucb_c", "estimator", "draft_len", "redraft")
 DRAFTER = False
 
 # COMMIT marks a row whose block is complete, between its transition and ``commit``: a
 # row never forwards in it (the block rides in front of the next one's drafting forward)
 DRAFT, VERIFY, COMMIT, DONE = 0, 1, 2, 3
 
-DEFAULTS = {"threshold": 0.9, "policy": "min_span", "min_span": 2, "score_threshold": 1.0,
+# policy: "always" with redraft blocks (a verification costs no forward of its own), else
+# "min_span" (a verification costs the forward after it; :func:`decode_s2d2`)
+DEFAULTS = {"threshold": 0.9, "policy": "always", "min_span": 2, "score_threshold": 1.0,
             "hysteresis": (1.5, 0.75), "ucb_c": 1.0, "estimator": "product"}
 # which option tunes which policy (giving one to another policy is a mistake worth a ValueError)
 _POLICY_OPTION = {"min_span": "min_span", "score_threshold": ("score", "score_dynamic"),
@@ -117,10 +135,12 @@ def _real(name, value, lo=None, hi=None, *, lo_open=False) -> float:
 
 
 def _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
-                   ucb_c, estimator, draft_len) -> dict:
+                   ucb_c, estimator, draft_len, redraft=True) -> dict:
     bs = check_common(model, "s2d2", block_size)
+    if not isinstance(redraft, bool):
+        raise ValueError(f"redraft must be a bool, got {redraft!r}")
     if policy is None:
-        policy = DEFAULTS["policy"]
+        policy = DEFAULTS["policy"] if redraft else "min_span"
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     given = {"min_span": min_span, "score_threshold": score_threshold, "hysteresis": hysteresis,
@@ -160,7 +180,7 @@ def _check_options(model, block_size, threshold, policy, min_span, score_thresho
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     return dict(block_size=bs, threshold=threshold, policy=policy, min_span=min_span,
                 score_threshold=score_threshold, hysteresis=(on, off), ucb_c=ucb_c,
-                estimator=estimator, draft_len=draft_len)
+                estimator=estimator, draft_len=draft_len, redraft=redraft)
 
 
 # ------------------------------------------------------------------------------- the plan
@@ -184,23 +204,125 @@ def two_l_dense(context: int, span: int, copies: int | None = None) -> torch.Ten
     return chain_part | copy_part
 
 
-def _verify_width(span_start, span_len, *, bs, shifted, speculative):
-    """Suffix tokens of a verifying row: chain (+ L + 1 copies) (+ the speculative block)."""
-    return span_start + (span_len if shifted else 2 * span_len + 1) + (bs if speculative else 0)
+NO_BLOCKS, SPEC_BLOCK, REDRAFT = "none", "spec", "redraft"
+
+
+def _redraft_blocks(verify, span_start, span_len, *, bs, blocks, share_prefix, skip=None):
+    """Per verifying row, the redraft blocks of a verification forward: (used [B, bs + 1]
+    -- block r forwarded: the block as it stands if the first r drafts pass and draft r is
+    rejected (r = L: all pass) --, sizes [B, bs + 1] -- its own suffix rows --, first
+    [B, bs + 1] -- the block slot of its first own row: 0, or with ``share_prefix`` s + r,
+    the slots before it read from the chain --, has_next [B] -- the next block's all-[MASK]
+    state rides too).  ``skip`` [B, bs + 1]: redraft blocks not worth forwarding (the last
+    one, r = L, is always forwarded: it is the finished block when every draft passes)."""
+    r = torch.arange(bs + 1, device=span_start.device)[None]
+    s, n = span_start[:, None], span_len[:, None]
+    if blocks == REDRAFT:
+        used = r <= n
+    elif blocks == SPEC_BLOCK:
+        used = r == n
+    else:
+        used = torch.zeros_like(r, dtype=torch.bool)
+    used = used & verify[:, None]
+    if skip is not None:
+        used = used & (~skip | (r == n))
+    first = (s + r).clamp(max=bs) if share_prefix and blocks == REDRAFT else torch.zeros_like(s + r)
+    sizes = torch.where(used, bs - first, 0)
+    has_next = verify & (span_start + span_len == bs) if blocks == REDRAFT else torch.zeros_like(verify)
+    return used, sizes, first, has_next
+
+
+def _drafting_logit_counts(used, span_start, has_next, *, bs, shifted):
+    """Logit rows a verifying row's redraft blocks need: per block r [B, bs + 1] the rows
+    that predict its slots after s + r (every slot the outcome r leaves masked lies there),
+    and the extra rows [B]: the finished block's last row (its carry, right-shifted models)
+    and the next block's rows that predict its slots."""
+    r = torch.arange(bs + 1, device=span_start.device)[None]
+    per_block = torch.where(used, (bs - 1 - span_start[:, None] - r).clamp(min=0), 0)
+    extra = int(shifted) + has_next.long() * (bs - 1 if shifted else bs)
+    return per_block, torch.where(used.any(1), extra, 0)
+
+
+def _verify_width(span_start, span_len, *, bs, shifted, blocks, share_prefix, skip=None):
+    """Suffix tokens of a verifying row: chain (+ L + 1 copies) (+ redraft blocks (+ the next
+    block))."""
+    verify = torch.ones_like(span_start, dtype=torch.bool)
+    used, sizes, _, has_next = _redraft_blocks(verify, span_start, span_len, bs=bs, blocks=blocks,
+                                               share_prefix=share_prefix, skip=skip)
+    per_block, extra = _drafting_logit_counts(used, span_start, has_next, bs=bs, shifted=shifted)
+    width = span_start + (span_len if shifted else 2 * span_len + 1) + sizes.sum(1) + bs * has_next.long()
+    return width, per_block.sum(1) + extra
+
+
+class _Layout(NamedTuple):
+    """Where a forward's verifying rows keep their redraft blocks (see :func:`_row_layout`)."""
+    offset: torch.Tensor        # [B] suffix index of the first redraft block
+    starts: torch.Tensor        # [B, bs + 1] suffix offset of block r after ``offset``
+    first: torch.Tensor         # [B, bs + 1] block slot of block r's first row
+    next_off: torch.Tensor      # [B] suffix index of the next block's rows (valid where has_next)
+    has_next: torch.Tensor      # [B] bool
+    logit_starts: torch.Tensor  # [B, bs + 1] block r's first drafting logit row after the base rows
+    logit_blocks: torch.Tensor  # [B] drafting logit rows of all blocks
+    verify: torch.Tensor        # [B] bool, the verifying rows
+    used: torch.Tensor          # [B, bs + 1] bool, redraft block r forwarded
+
+    def block_rows(self, r: torch.Tensor, bs: int) -> torch.Tensor:
+        """Suffix rows [B, bs] holding the slots of redraft block r [B] (shared-prefix slots:
+        the chain's rows, which sit at their slot)."""
+        t = torch.arange(bs, device=r.device)[None]
+        first = self.first.gather(1, r[:, None])
+        own = self.offset[:, None] + self.starts.gather(1, r[:, None]) + t - first
+        return torch.where(t < first, t, own)
+
+    def drafting_rows(self, span_start, span_len, count: int, *, bs: int, shifted: bool) -> torch.Tensor:
+        """Suffix rows [B, count] whose logits the redraft blocks need, in the order of
+        :func:`_drafting_logit_counts`: block 0's, block 1's, ... (the rows predicting its
+        slots s + r + 1 ..), then (right-shifted) the last redraft block's slot bs - 1 row,
+        then the next block's rows; padding: row 0."""
+        k = torch.arange(count, device=span_start.device)[None]
+        starts = self.logit_starts
+        ends = torch.cat([starts[:, 1:], self.logit_blocks[:, None]], 1)               # [B, R]
+        r = (k[..., None] >= ends[:, None, :]).sum(-1).clamp(max=bs)                    # [B, K]
+        slot = span_start[:, None] + r + (k - starts.gather(1, r)) + (0 if shifted else 1)
+        first = self.first.gather(1, r)
+        own = self.offset[:, None] + self.starts.gather(1, r) + slot - first
+        rows = torch.where(slot < first, slot, own)
+        after = k - self.logit_blocks[:, None]
+        if shifted:
+            rows = torch.where(after == 0, self.block_rows(span_len, bs)[:, -1:], rows)
+            after = after - 1
+        rows = torch.where(self.has_next[:, None] & (after >= 0), self.next_off[:, None] + after, rows)
+        total = self.logit_blocks + int(shifted) + self.has_next.long() * (bs - int(shifted))
+        return torch.where(self.verify[:, None] & (k < total[:, None]), rows, 0)
+
+    def drafting_index(self, span_start, outcome, *, bs: int, shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices into :meth:`drafting_rows` of the slot-aligned drafting logits [B, bs] of
+        redraft block ``outcome`` [B] (valid at the slots after s + outcome) and of the next
+        block's first state [B, bs] (valid where ``has_next``)."""
+        t = torch.arange(bs, device=span_start.device)[None]
+        base = span_start + outcome + 1
+        block = self.logit_starts.gather(1, outcome[:, None]) + (t - base[:, None]).clamp(min=0)
+        # right-shifted: slot 0 reads the carry row, which comes first
+        return block, self.logit_blocks[:, None] + t
 
 
 def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_start, *, bs, shifted,
-                mask_id, width, speculative, pending=None, prev_tokens=None):
-    """Per-row suffix tokens [B, W], positions [B, W], dense mask [B, W, W] and the offset
-    [B] of each verifying row's speculative block (see the module doc).
+                mask_id, width, blocks, share_prefix=False, skip=None, pending=None, prev_tokens=None):
+    """Per-row suffix tokens [B, W], positions [B, W], dense mask [B, W, W] and the
+    :class:`_Layout` of the verifying rows' redraft blocks (see the module doc).
 
     Drafting rows: the block, bidirectional; a drafting row whose previous block
     is ``pending`` (finished, not yet in the cache) puts that block first (``prev_tokens``,
-    bidirectional within itself) and the new one after it, seeing both.  Verifying rows: the token-causal
-    chain (block slots before the span + drafts), then (position-aligned models) the L + 1
-    [MASK] copies, then with ``speculative`` the block with the drafts in place,
-    bidirectional within itself and seeing nothing else of the suffix.  Finished rows and
-    padding: tokens that see only themselves.
+    bidirectional within itself) and the new one after it, seeing both.  Verifying rows: the
+    token-causal chain (block slots before the span + drafts), then (position-aligned models)
+    the L + 1 [MASK] copies, then the redraft blocks (``blocks``: "spec" the block with every
+    draft in place, "redraft" one block per rejection point r = 0 .. L -- drafts before r
+    in place, span slots from r on [MASK] -- and, when the span ends the block, the next
+    block's all-[MASK] state), each bidirectional within itself and seeing nothing else of
+    the suffix but, with ``share_prefix`` (a model whose clean rows attend causally), the
+    chain rows before its first row, and the next block its finished block (the chain with
+    ``share_prefix``, else the last redraft block).  Finished rows and padding: tokens that
+    see only themselves.
     """
     dev = tokens.device
     verify = phase == VERIFY
@@ -210,36 +332,57 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     pend = pending & (phase == DRAFT)
     chain_len = torch.where(block_rows, torch.where(pend, 2 * bs, bs), torch.where(verify, span_start + span_len, 0))
     n_copies = torch.where(verify & (not shifted), span_len + 1, 0)
-    spec_off = chain_len + n_copies
-    n_spec = torch.where(verify, bs, 0) if speculative else torch.zeros_like(chain_len)
+    offset = chain_len + n_copies
+    used, sizes, first, has_next = _redraft_blocks(verify, span_start, span_len, bs=bs, blocks=blocks,
+                                                   share_prefix=share_prefix, skip=skip)
+    ends = sizes.cumsum(1)                                              # [B, R]
+    total = ends[:, -1]
     i = torch.arange(width, device=dev)[None]                           # [1, W]
-    cl, so, s = chain_len[:, None], spec_off[:, None], span_start[:, None]
+    cl, off, s, n = chain_len[:, None], offset[:, None], span_start[:, None], span_len[:, None]
+    u = i - off
     in_chain = i < cl
-    in_copies = (i >= cl) & (i < so)
-    in_spec = (i >= so) & (i < so + n_spec[:, None])
-    q_chain, k_chain = in_chain[:, :, None], in_chain[:, None, :]
-    q_spec, k_spec = in_spec[:, :, None], in_spec[:, None, :]
+    in_copies = (i >= cl) & (i < off)
+    in_red = (u >= 0) & (u < total[:, None])
+    in_next = has_next[:, None] & (u >= total[:, None]) & (u < total[:, None] + bs)
+    rb = (u[..., None] >= ends[:, None, :]).sum(-1).clamp(max=bs)      # redraft block of each row
+    red_slot = first.gather(1, rb) + u - (ends - sizes).gather(1, rb)
+    red_first = first.gather(1, rb)
     q, k = i[:, :, None], i[:, None, :]
     pair = (k // bs <= q // bs) | ~pend[:, None, None]           # a pending block, then the new one
-    chain_part = q_chain & k_chain & ((block_rows[:, None, None] & pair) | (k <= q))
+    chain_part = in_chain[:, :, None] & in_chain[:, None, :] & ((block_rows[:, None, None] & pair) | (k <= q))
     copy_part = in_copies[:, :, None] & ((k < s[:, :, None] + (q - cl[:, :, None])) | (k == q))
-    valid = in_chain | in_copies | in_spec
-    dense = chain_part | copy_part | (q_spec & k_spec) | ((k == q) & ~valid[:, :, None])
+    red_q, red_k = in_red[:, :, None], in_red[:, None, :]
+    red_part = red_q & ((red_k & (rb[:, :, None] == rb[:, None, :])) | (in_chain[:, None, :] & (k < red_first[:, :, None])))
+    if share_prefix:
+        finished = in_chain[:, None, :]
+    else:
+        finished = red_k & (rb[:, None, :] == n[:, :, None])
+    next_part = in_next[:, :, None] & (in_next[:, None, :] | finished)
+    valid = in_chain | in_copies | in_red | in_next
+    dense = chain_part | copy_part | red_part | next_part | ((k == q) & ~valid[:, :, None])
     in_prev = pend[:, None] & (i < bs)
-    slot = torch.where(in_chain, i, torch.where(in_copies, s + i - cl, torch.where(in_spec, i - so, 0)))
+    slot = torch.where(in_chain, i, torch.where(in_copies, s + i - cl, torch.where(in_red, red_slot, 0)))
     slot = torch.where(pend[:, None] & in_chain, slot - bs, slot)            # prev block: -bs .. -1
     source = torch.where(verify[:, None], drafts_in_block, tokens)
     suffix_tokens = source.gather(1, slot.clamp(0, bs - 1))
     if prev_tokens is not None:
         suffix_tokens = torch.where(in_prev, prev_tokens.gather(1, (slot + bs).clamp(0, bs - 1)), suffix_tokens)
-    suffix_tokens = torch.where(in_chain | in_spec, suffix_tokens, mask_id)
-    return suffix_tokens, block_start[:, None] + slot.clamp(-bs, bs), dense, spec_off
+    # a redraft block: the span's slots from its rejection point on are [MASK] again
+    red_keep = ~((red_slot >= s + rb) & (red_slot < s + n))
+    suffix_tokens = torch.where(in_chain | (in_red & red_keep), suffix_tokens, mask_id)
+    slot = torch.where(in_next, bs + u - total[:, None], slot)
+    positions = block_start[:, None] + slot.clamp(-bs, 2 * bs - 1)
+    per_block, _ = _drafting_logit_counts(used, span_start, has_next, bs=bs, shifted=shifted)
+    layout = _Layout(offset, ends - sizes, first, offset + total, has_next, per_block.cumsum(1) - per_block,
+                     per_block.sum(1), verify, used)
+    return suffix_tokens, positions, dense, layout
 
 
-def _logit_rows(phase, span_start, span_len, spec_off, *, bs, shifted, speculative, pending=None):
-    """Suffix indices [B, bs + 1] (+ [B, bs] of the speculative block) whose logits each row
-    needs (see the module doc); a drafting row with a pending block: its new block's rows,
-    then the pending block's last row (the carry)."""
+def _logit_rows(phase, span_start, span_len, *, bs, shifted, pending=None):
+    """Suffix indices [B, bs + 1] whose logits each row needs (see the module doc): a
+    verifying row's block-size-1 rows; a drafting row's block rows (with a pending block: its
+    new block's rows, then the pending block's last row, the carry).  A verification
+    forward appends its redraft blocks' rows (:meth:`_Layout.drafting_rows`)."""
     dev = phase.device
     j = torch.arange(bs + 1, device=dev)[None]
     block = j.clamp(max=bs - 1)
@@ -252,11 +395,7 @@ def _logit_rows(phase, span_start, span_len, spec_off, *, bs, shifted, speculati
     else:
         ver = torch.minimum(chain + j, chain + span_len[:, None])
     block = torch.where((phase == DONE)[:, None], 0, block)          # a finished row: one padding token
-    rows = torch.where((phase == VERIFY)[:, None], ver, block.expand(len(phase), -1))
-    if not speculative:
-        return rows
-    spec = torch.where((phase == VERIFY)[:, None], spec_off[:, None] + j[:, :bs], 0)
-    return torch.cat([rows, spec], 1)
+    return torch.where((phase == VERIFY)[:, None], ver, block.expand(len(phase), -1))
 
 
 def ar_view_logits(model, cache, block_tokens, block_start, span_start, span_len, *, carry=None):
@@ -281,11 +420,12 @@ def ar_view_logits(model, cache, block_tokens, block_start, span_start, span_len
     dev = model.device
     batch, bs = block_tokens.shape
     phase = torch.full((batch,), VERIFY, dtype=torch.int64, device=dev)
-    width = int(_verify_width(span_start, span_len, bs=bs, shifted=model.shifted, speculative=False).max())
-    tokens, positions, dense, spec_off = _row_layout(
+    width = int(_verify_width(span_start, span_len, bs=bs, shifted=model.shifted, blocks=NO_BLOCKS,
+                              share_prefix=False)[0].max())
+    tokens, positions, dense, _ = _row_layout(
         phase, block_tokens, block_tokens, span_start, span_len, block_start.to(dev), bs=bs,
-        shifted=model.shifted, mask_id=model.mask_token_id, width=width, speculative=False)
-    rows = _logit_rows(phase, span_start, span_len, spec_off, bs=bs, shifted=model.shifted, speculative=False)
+        shifted=model.shifted, mask_id=model.mask_token_id, width=width, blocks=NO_BLOCKS)
+    rows = _logit_rows(phase, span_start, span_len, bs=bs, shifted=model.shifted)
     out = model(AttentionPlan(tokens, positions, pack_mask(dense), cache), logits=rows, return_kv=False)
     logits = out.logits.float()
     if model.shifted:
@@ -341,7 +481,9 @@ class _Batch:
         self.model, self.opt = model, opt
         self.bs, self.thr, self.L_max = opt["block_size"], opt["threshold"], opt["draft_len"]
         self.shifted = bool(model.shifted)
-        self.clean_causal = bool(getattr(model.config, "clean_causal", False))
+        # redraft blocks share the chain's rows before them where clean rows attend causally
+        self.share_prefix = bool(getattr(model.config, "clean_causal", False))
+        self.blocks = REDRAFT if opt["redraft"] else SPEC_BLOCK
         self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
         self.progress = progress
         dev = self.dev = model.device
@@ -369,6 +511,7 @@ class _Batch:
         self.draft_probs = None                                               # [B, bs, V] when sampling
         self.span_start = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.span_len = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.exact_first = torch.zeros(batch, dtype=torch.bool, device=dev)   # see useless_blocks
         self.outputs = OutputBuffer(batch, max_new_tokens, eos_ids)
         # a block finished but not in the cache: it rides in front of the next block's first
         # drafting forward, which appends its KV and carries its last logits
@@ -376,8 +519,9 @@ class _Batch:
         self.prev_tokens = torch.zeros(batch, bs, dtype=torch.int64, device=dev)
         self.hist = torch.zeros(self.L_max + 1, dtype=torch.int64, device=dev)
         self.kinds = {"draft": 0, "verify": 0, "commit": 0}
-        # verifications, tokens they committed, accepted drafts, verified drafts, reused / final spec blocks
-        self.stats_dev = torch.zeros(6, dtype=torch.int64, device=dev)
+        # verifications, tokens they committed, accepted drafts, verified drafts, redraft blocks
+        # reused / committed, next blocks drafted in a verification forward
+        self.stats_dev = torch.zeros(7, dtype=torch.int64, device=dev)
         self.shown = 0.0                                 # progress shown (tokens per request)
 
     def fresh_block(self, start):
@@ -401,63 +545,102 @@ class _Batch:
         if not self.read_phases():
             return False
         out, logits = self.forward()
+        bs = self.bs
         if self.any_pending and self.shifted:          # the pending block's last row predicts slot 0
-            self.carry = torch.where(self.pending[:, None], logits[:, self.bs], self.carry)
+            self.carry = torch.where(self.pending[:, None], logits[:, bs], self.carry)
         nxt = self.phase.clone()
+        block_logits = self.shift(logits[:, :bs])
         reuse = spec_final = self.chain_final = torch.zeros_like(self.is_verify)
+        next_logits = None
         if self.has["verify"]:
-            reuse, spec_final = self.verify(logits, nxt)
+            reuse, spec_final, accepted, stale = self.verify(logits, nxt)
+            redraft, next_logits = self.redraft_logits(logits, accepted, spec_final)
+            block_logits = torch.where(reuse[:, None, None], redraft, block_logits)
         if self.has["draft"] or self.has["verify"]:
-            self.draft(logits, reuse, nxt)
-        self.commit(out, logits, spec_final, nxt)
+            self.draft(block_logits, self.is_draft | reuse, nxt, stale=stale if self.has["verify"] else None)
+        self.append_kv(out, spec_final)
+        opened = self.finish_blocks(nxt, spec_final)
+        if next_logits is not None:
+            # a block its drafts completed: the next block's first drafting step rode along
+            ahead = opened & spec_final & self.layout.has_next
+            self.stats_dev[6] += ahead.sum()
+            self.draft(next_logits, ahead, nxt)
+            self.finish_blocks(nxt, torch.zeros_like(spec_final))
         self.phase = nxt
         return True
 
+    def shift(self, block_logits):
+        """A right-shifted model's slot logits: slot 0 from the carry, slot i from row i - 1."""
+        if not self.shifted:
+            return block_logits
+        return torch.cat([self.carry[:, None], block_logits[:, :-1]], 1)
+
+    def useless_blocks(self) -> torch.Tensor:
+        """Redraft blocks [B, bs + 1] a verifying row need not forward: r = L - 1 when no slot
+        after the span is masked (that outcome fills the block), and r = 0 when the span's
+        first draft is exact -- drafted from a clean row of a model whose clean rows attend
+        causally (right-shifted), i.e. from the very logits the verification recomputes, so
+        it is rejected only by rounding; that rare outcome then takes a drafting forward."""
+        r = torch.arange(self.bs + 1, device=self.dev)[None]
+        n = self.span_len[:, None]
+        after = (self.slots[None] >= (self.span_start + self.span_len)[:, None]) & self.masked
+        useless = (r == n - 1) & ~after.any(1, keepdim=True)
+        if self.shifted and self.share_prefix:
+            useless |= (r == 0) & self.exact_first[:, None]
+        return useless
+
     def read_phases(self) -> bool:
         """The one host read per iteration: row states and the suffix width they need."""
-        width_row = torch.where(self.phase == VERIFY,
-                                _verify_width(self.span_start, self.span_len, bs=self.bs, shifted=self.shifted,
-                                              speculative=True),
+        self.skip = self.useless_blocks()
+        verify_width, logit_rows = _verify_width(self.span_start, self.span_len, bs=self.bs, shifted=self.shifted,
+                                                 blocks=self.blocks, share_prefix=self.share_prefix, skip=self.skip)
+        width_row = torch.where(self.phase == VERIFY, verify_width,
                                 torch.where(self.phase == DONE, 1, torch.where(self.pending, 2 * self.bs, self.bs)))
-        host = torch.stack([self.phase, width_row, self.pending.long()]).tolist()
+        host = torch.stack([self.phase, width_row, self.pending.long(),
+                            torch.where(self.phase == VERIFY, logit_rows, 0)]).tolist()
         self.phases, self.width, self.any_pending = host[0], max(host[1]), any(host[2])
+        self.drafting_rows = max(host[3])
         if all(p == DONE for p in self.phases):
             return False
         self.has = {"draft": DRAFT in self.phases, "verify": VERIFY in self.phases, "commit": self.any_pending}
-        self.spec = self.has["verify"]
         self.is_draft, self.is_verify = self.phase == DRAFT, self.phase == VERIFY
         return True
 
     def forward(self):
         """Every row's suffix in one forward: plain blocks, or per-row layouts when one verifies."""
         bs, slots = self.bs, self.slots
+        verifying = self.has["verify"]
         if all(p == DRAFT for p in self.phases) and not self.any_pending:
             # every row forwards its plain block: diffusion's own plan (shared mask, all logits)
-            self.spec_off = torch.zeros_like(self.span_start)
             plan = AttentionPlan(self.tokens, self.block_start[:, None] + slots, self.block_mask_words, self.cache)
             rows = "all"
         else:
             in_block = self.tokens
-            if self.spec:
+            if verifying:
                 rel = slots[None] - self.span_start[:, None]
                 in_span = (rel >= 0) & (rel < self.span_len[:, None])
                 in_block = torch.where(in_span, self.drafts.gather(1, rel.clamp(0, bs - 1)), self.tokens)
-            suffix, positions, dense, self.spec_off = _row_layout(
+            suffix, positions, dense, self.layout = _row_layout(
                 self.phase, self.tokens, in_block, self.span_start, self.span_len, self.block_start, bs=bs,
-                shifted=self.shifted, mask_id=self.mask_id, width=self.width, speculative=self.spec,
+                shifted=self.shifted, mask_id=self.mask_id, width=self.width,
+                blocks=self.blocks if verifying else NO_BLOCKS, share_prefix=self.share_prefix, skip=self.skip,
                 pending=self.pending, prev_tokens=self.prev_tokens)
-            rows = _logit_rows(self.phase, self.span_start, self.span_len, self.spec_off, bs=bs,
-                               shifted=self.shifted, speculative=self.spec, pending=self.pending)
+            rows = _logit_rows(self.phase, self.span_start, self.span_len, bs=bs, shifted=self.shifted,
+                               pending=self.pending)
+            if verifying:        # the redraft blocks' drafting rows: one LM head call for all
+                rows = torch.cat([rows, self.layout.drafting_rows(self.span_start, self.span_len, self.drafting_rows,
+                                                                  bs=bs, shifted=self.shifted)], 1)
             plan = AttentionPlan(suffix, positions, pack_mask(dense), self.cache)
-        out = self.model(plan, logits=rows, return_kv=self.has["commit"] or self.spec)
+        out = self.model(plan, logits=rows, return_kv=self.has["commit"] or verifying)
         self.forwards += 1
         for k in self.kinds:
             self.kinds[k] += self.has[k]
-        return out, out.logits.float()                       # [B, bs (+ 1 (+ bs)), V]
+        return out, out.logits.float()                       # [B, bs (+ 1), V]
 
     def verify(self, logits, nxt):
         """Accept each verifying row's span against its block-size-1 logits; returns the rows
-        whose speculative block is the next drafting step (reuse) / the finished block."""
+        whose redraft block is the next drafting step (reuse), whose block is finished and
+        committed from this forward (spec_final), and the accepted drafts [B]."""
         bs, is_verify = self.bs, self.is_verify
         target = logits[:, :bs + 1]
         if self.shifted:
@@ -468,41 +651,55 @@ class _Batch:
             self.tokens, self.masked, self.drafts, target, self.span_start, num,
             draft_probs=self.draft_probs if self.temperature > 0 else None, temperature=self.temperature,
             generator=self.generator)
-        # every draft accepted: the speculative block holds the block as it now stands
-        # (but for a bonus token, still [MASK] there), so its logits are the next
-        # drafting step; with no bonus and nothing left masked it is the finished block
+        # the redraft block of the outcome holds the block as it now stands but for the drawn
+        # token (still [MASK] there), so its logits are the next drafting step; with every
+        # draft passed, no bonus and nothing left masked it is the finished block
         all_in = is_verify & (acc == self.span_len)
         left = self.masked.any(1)
-        reuse = all_in & left
+        reuse = is_verify & left & self.layout.used.gather(1, acc[:, None])[:, 0]
         spec_final = all_in & ~left & (committed == acc)
-        if self.clean_causal:
+        if self.share_prefix:
             # a chain covering the whole block is that block's causal forward, key for key
-            # where the commit forward would put it: commit those rows, not the speculative
-            # block's (the same values, rounded at other key indices in bf16)
+            # where the commit forward would put it: its rows are the block's (the redraft
+            # blocks' own rows round at other key indices in bf16)
             self.chain_final = spec_final & (self.span_start + self.span_len == bs)
-        self.router.observe(is_verify, True, committed, torch.where(reuse | spec_final, 1, 2))
+        saved = reuse | spec_final if self.blocks == SPEC_BLOCK else reuse | (spec_final & self.layout.has_next)
+        self.router.observe(is_verify, True, committed, torch.where(saved, 1, 2))
         L_max = self.L_max
         self.hist += torch.bincount(torch.where(is_verify, acc, L_max + 1), minlength=L_max + 2)[:L_max + 1]
-        self.stats_dev += torch.stack([is_verify.sum(), committed.sum(), torch.where(is_verify, acc, 0).sum(),
-                                       num.sum(), reuse.sum(), spec_final.sum()])
+        self.stats_dev[:6] += torch.stack([is_verify.sum(), committed.sum(), torch.where(is_verify, acc, 0).sum(),
+                                           num.sum(), reuse.sum(), spec_final.sum()])
         self.advance(float(committed.sum()) / self.batch)
         nxt.copy_(torch.where(is_verify, torch.where(left, DRAFT, COMMIT), nxt))
-        return reuse, spec_final
+        # a drawn token the reused block has not seen: its logits are drafts, not a state
+        return reuse, spec_final, acc, reuse & (committed > acc)
 
-    def draft(self, logits, reuse, nxt):
-        """Drafting rows (and verified rows whose speculative block is reused): draft every
-        masked slot, route, and either keep the span for verification or fall back to the
-        confidence-threshold step."""
-        bs, slots, temperature, opt = self.bs, self.slots, self.temperature, self.opt
-        drafting = self.is_draft | reuse
-        block_logits = logits[:, :bs]
+    def redraft_logits(self, logits, accepted, spec_final):
+        """The drafting logits of each verifying row's redraft block for its outcome (slot-
+        aligned [B, bs, V], valid at the slots it leaves masked) and of the next block's first
+        state (None without redraft blocks); carries the finished blocks' last logits."""
+        bs = self.bs
+        base = bs + 1                                     # the block-size-1 rows come first
+        r = torch.where(self.is_verify, accepted, 0)
+        block_idx, next_idx = self.layout.drafting_index(self.span_start, r, bs=bs, shifted=self.shifted)
+        idx = torch.cat([block_idx, next_idx], 1) + base
+        picked = logits.gather(1, idx.clamp(max=logits.shape[1] - 1)[..., None].expand(-1, -1, logits.shape[-1]))
         if self.shifted:
-            block_logits = torch.cat([self.carry[:, None], block_logits[:, :-1]], 1)
-        if self.spec:
-            spec_logits = logits[:, bs + 1:]
-            if self.shifted:
-                spec_logits = torch.cat([self.carry[:, None], spec_logits[:, :-1]], 1)
-            block_logits = torch.where(reuse[:, None, None], spec_logits, block_logits)
+            # a chain covering the block is its causal forward: its last row (the verification
+            # row L) carries exactly what a commit forward would (redraft rows round otherwise)
+            last = logits.gather(1, (base + self.layout.logit_blocks)[:, None, None].expand(-1, 1, logits.shape[-1]))
+            last = torch.where(self.chain_final[:, None], logits[:, bs], last[:, 0])
+            self.carry = torch.where(spec_final[:, None], last, self.carry)
+        return picked[:, :bs], (picked[:, bs:] if self.blocks == REDRAFT else None)
+
+    def draft(self, block_logits, drafting, nxt, stale=None):
+        """Rows ``drafting`` [B] (drafting rows, verified rows whose redraft block is reused,
+        rows whose next block rode along): draft every masked slot from ``block_logits``
+        [B, bs, V] (slot-aligned), route, and either keep the span for verification or fall
+        back to the confidence-threshold step.  ``stale`` rows' logits miss a drawn token:
+        they draft, but a fallback would commit diffusion choices of a state that is not the
+        block's, so those rows take a drafting forward instead."""
+        bs, slots, temperature, opt = self.bs, self.slots, self.temperature, self.opt
         masked = self.masked
         choice, conf = choose(block_logits, temperature, self.generator)
         active = drafting & masked.any(1)
@@ -520,10 +717,11 @@ class _Batch:
             tstats = token_stats(block_logits, temperature=temperature if temperature > 0 else 1.0)
             score = span_score(tstats, conf, first, length, opt["estimator"])
         verify = self.router.decide(RoutingFeatures(active, length, score, pick.sum(1)))
-        fall = pick & (active & ~verify)[:, None]
+        falls = active & ~verify if stale is None else active & ~verify & ~stale
+        fall = pick & falls[:, None]
         self.tokens = torch.where(fall, choice, self.tokens)
         self.masked = masked = masked & ~fall
-        self.router.observe(active & ~verify, False, pick.sum(1), 1)
+        self.router.observe(falls, False, pick.sum(1), 1)
         self.advance(float(fall.sum()) / self.batch)
         # verifying rows keep their span drafts (and q rows when sampling), left-aligned
         src = (first[:, None] + slots[None]).clamp(max=bs - 1)
@@ -535,44 +733,48 @@ class _Batch:
                                                                               self.draft_probs)
         self.span_start = torch.where(verify, first, self.span_start)
         self.span_len = torch.where(verify, length, self.span_len)
+        self.exact_first = torch.where(verify, True if stale is None else ~stale, self.exact_first)
         nxt.copy_(torch.where(drafting, torch.where(verify, VERIFY, torch.where(masked.any(1), DRAFT, COMMIT)),
                               nxt))
 
-    def commit(self, out, logits, spec_final, nxt):
-        """Append the KV of the blocks committed by this forward (a pending block: the rows in
-        front of its successor; a verified row: its chain or speculative block) and carry the
-        latter's last logits; output the blocks finished in this iteration and open their
-        successors (a block finished by fallback or by a rejection / bonus token is pending:
-        its KV rides in front of the next block's first drafting forward; the last one is
-        never forwarded again)."""
+    def append_kv(self, out, spec_final):
+        """Append the KV of the blocks committed by this forward: a pending block (the rows in
+        front of its successor) or a verified row's finished block (its chain, or its last
+        redraft block)."""
         bs, slots = self.bs, self.slots
         appended = self.pending | spec_final
-        if self.any_pending or self.spec:
-            keep_off = torch.where(self.pending | self.chain_final, 0, self.spec_off)
-            keep = torch.where(appended[:, None], keep_off[:, None] + slots[None], -1)
+        if self.any_pending or self.has["verify"]:
+            keep = slots[None].expand(self.batch, -1)
+            if self.has["verify"]:
+                final_rows = self.layout.block_rows(torch.where(self.is_verify, self.span_len, 0), bs)
+                keep = torch.where((spec_final & ~self.chain_final)[:, None], final_rows, keep)
+            keep = torch.where(appended[:, None], keep, -1)
             if bool(appended.any()):
                 self.cache.append(out.suffix_kv, keep=keep.cpu())
-            # logits row of slot bs - 1: the chain's last (verification row bs), the spec block's
-            last = torch.where(self.chain_final, bs, 2 * bs)
-            self.carry = torch.where(spec_final[:, None],
-                                     logits.gather(1, last.clamp(max=logits.shape[1] - 1)[:, None, None]
-                                                   .expand(-1, 1, self.vocab))[:, 0], self.carry)
         self.pending = torch.zeros_like(self.pending)
+
+    def finish_blocks(self, nxt, spec_final):
+        """Output the blocks finished in this iteration and open their successors (a block
+        finished by fallback or by a rejection / bonus token is pending: its KV rides in
+        front of the next block's first drafting forward; the last one is never forwarded
+        again).  Returns the rows whose next block was opened [B]."""
+        bs = self.bs
         complete = (nxt == COMMIT) & ~spec_final            # finished, KV not appended above
         finishing = complete | spec_final
         fin_host = finishing.cpu().numpy()
         if not fin_host.any():
-            return
+            return finishing
         done = torch.zeros(self.batch, dtype=torch.bool)
         done[self.emit(fin_host)] = True
         done = done.to(self.dev)
         self.prev_tokens = torch.where(complete[:, None], self.tokens, self.prev_tokens)
-        self.pending = complete & ~done
+        self.pending = self.pending | (complete & ~done)
         self.block_start = torch.where(finishing, self.block_start + bs, self.block_start)
         new_tokens, new_masked = self.fresh_block(self.block_start)
         self.tokens = torch.where(finishing[:, None], new_tokens, self.tokens)
         self.masked = torch.where(finishing[:, None], new_masked, self.masked)
         nxt.copy_(torch.where(finishing, torch.where(done, DONE, DRAFT), nxt))
+        return finishing & ~done
 
     def emit(self, fin_host: np.ndarray) -> torch.Tensor:
         """Output the finished blocks (rows ``fin_host``, bool [B]) generated tokens; returns
@@ -587,7 +789,7 @@ class _Batch:
         return self.outputs.generated
 
     def stats(self) -> dict:
-        n_verify, n_committed_by_verify, n_accepted, n_drafted, reused, from_spec = self.stats_dev.tolist()
+        n_verify, n_committed_by_verify, n_accepted, n_drafted, reused, from_spec, ahead = self.stats_dev.tolist()
         decisions = self.router.stats()["decisions"]
         total = sum(len(g) for g in self.generated)
         opt = self.opt
@@ -600,10 +802,10 @@ class _Batch:
             "accepted_hist": self.hist.tolist(),
             "tokens_per_forward": total / self.batch / max(self.forwards, 1),
             "forwards_with": self.kinds,
-            "spec_block_drafts": reused, "spec_block_commits": from_spec,
+            "spec_block_drafts": reused, "spec_block_commits": from_spec, "next_block_drafts": ahead,
             "router": self.router.stats(),
             "block_size": self.bs, "threshold": self.thr, "draft_len": self.L_max, "policy": opt["policy"],
-            "estimator": opt["estimator"],
+            "estimator": opt["estimator"], "redraft": opt["redraft"],
         }
 
 
@@ -612,7 +814,8 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
                 generator: torch.Generator | None = None, eos_ids=(), progress=None,
                 block_size: int | None = None, threshold: float | None = None, policy: str | None = None,
                 min_span: int | None = None, score_threshold: float | None = None, hysteresis=None,
-                ucb_c: float | None = None, estimator: str | None = None, draft_len: int | None = None):
+                ucb_c: float | None = None, estimator: str | None = None, draft_len: int | None = None,
+                redraft: bool = True):
     """S2D2 decoding of a ragged batch; returns (tokens per request, stats).
 
     Parameters
@@ -620,8 +823,11 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     block_size : int, default the model's.
     threshold : float in (0, 1], default 0.9: the confidence-threshold fallback (as
         ``diffusion``'s dynamic schedule).
-    policy : one of ``dspec.decode.routing.POLICIES``, default ``"min_span"`` (robust without
-        calibration: the score policies need thresholds matched to the model's confidence).
+    policy : one of ``dspec.decode.routing.POLICIES``; default ``"always"`` with redraft
+        blocks (every forward then verifies: a verification no longer costs a forward of its
+        own), ``"min_span"`` without (robust without calibration: the score policies need
+        thresholds matched to the model's confidence).  ``ucb`` learns a verification's cost
+        from the forwards it really takes; ``score_dynamic``'s rule assumes two.
     min_span : int >= 1 (policy ``min_span``, default 2).
     score_threshold : float (policies ``score``: the least estimated accepted length;
         ``score_dynamic``: the factor by which verifying's expected tokens per forward must
@@ -633,6 +839,11 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         score-based policies route on (default "product").
     draft_len : int >= 1, the most drafts one verification checks (default and cap: the
         block size).
+    redraft : bool, default True: a verification forward also forwards the block as it would
+        stand at each rejection point (and, when the span ends the block, the next block's
+        first state), so whatever the verification decides the next drafts are computed and
+        no drafting forward follows it (the module doc); False: only the block with every
+        draft in place (S2D2's speculative block), reused when every draft passes.
 
     Stats
     -----
@@ -643,12 +854,13 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     drafts / verified drafts; accepted_hist[n] = verifications that accepted n drafts;
     tokens_per_forward; forwards_with (forwards with at least one sequence drafting /
     verifying / committing a pending block -- the latter are drafting forwards too);
-    spec_block_drafts / spec_block_commits (verifications whose
-    speculative block served as the next drafting step / as the committed block, each a
-    forward saved); router (per-policy counters).
+    spec_block_drafts / spec_block_commits / next_block_drafts (verifications whose
+    redraft block served as the next drafting step / as the committed block / whose next
+    block's first state was drafted along, each a forward saved); router (per-policy
+    counters).
     """
     opt = _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
-                         ucb_c, estimator, draft_len)
+                         ucb_c, estimator, draft_len, redraft)
     run = _Batch(model, prompts, opt, max_new_tokens=max_new_tokens, temperature=temperature,
                  generator=generator, eos_ids=eos_ids, progress=progress)
     while run.step():

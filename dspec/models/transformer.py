@@ -352,6 +352,13 @@ class Model(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on final normed hidden states [..., D] (``hidden_states=[-1]``) ->
+        logits [..., V] in the model's dtype, as ``forward`` computes them."""
+        out = dense(hidden, self.output_weight)
+        scale = self.config.logit_scale
+        return out * scale if scale != 1.0 else out
+
     def extra_repr(self) -> str:
         c = self.config
         return (f"family={c.family}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}/"
@@ -467,10 +474,7 @@ class Model(nn.Module):
 
         out_logits = None
         if logits is not None and logits is not False:
-            sel = self._select(x, logits, plan, batch, n)
-            out_logits = dense(sel, self.output_weight)
-            if cfg.logit_scale != 1.0:
-                out_logits = out_logits * cfg.logit_scale
+            out_logits = self.head(self._select(x, logits, plan, batch, n))
         hidden = None
         if hidden_states is not None:
             hidden = [recorded[j] for j in self._hidden_order(hidden_states)]
