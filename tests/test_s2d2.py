@@ -209,11 +209,12 @@ def test_redraft_blocks_are_the_outcome_states(model, monkeypatch):
 @pytest.mark.parametrize("policy,extra", [("always", {}), ("min_span", {"min_span": 3}),
                                           ("score_dynamic", {"score_threshold": 0.2}),
                                           ("hysteresis", {"hysteresis": (1.0, 0.3)})])
-def test_batch_equals_single_runs(model, policy, extra):
+@pytest.mark.parametrize("redraft", [True, False])
+def test_batch_equals_single_runs(model, policy, extra, redraft):
     """Per-sequence routing and acceptance: rows in different states share each forward.
     (``ucb`` is left out on purpose: its bandit statistics are shared by the batch.)"""
     prompts = [[5, 17, 42, 9, 11], [7], [100, 2, 33, 4]]
-    kw = dict(max_new_tokens=11, threshold=0.2, policy=policy, **extra)
+    kw = dict(max_new_tokens=11, threshold=0.2, policy=policy, redraft=redraft, **extra)
     batch = _run(model, prompts, **kw)
     singles = [_run(model, p, **kw) for p in prompts]
     assert [g.tokens for g in batch] == [g.tokens for g in singles]
@@ -449,6 +450,22 @@ def test_bad_options(model, tmp_path):
     bad("ucb_c", policy="ucb", ucb_c=-1.0)
     bad("score_threshold", policy="score", score_threshold=float("nan"))
     bad("does not take", tokens_per_step=2)
+    bad("redraft", redraft="sometimes")
+    bad("redraft", redraft=1)
+
+
+def test_redraft_auto(model):
+    """"auto": redraft blocks for one request on the CPU (their rows are nearly free), S2D2's
+    speculative block alone for a batch (the rows are compute); the policy follows."""
+    from dspec.decode.s2d2 import _check_options
+    one = _check_options(model, None, None, None, None, None, None, None, None, None, batch=1)
+    many = _check_options(model, None, None, None, None, None, None, None, None, None, batch=2)
+    assert (one["redraft"], one["policy"]) == (True, "always")
+    assert (many["redraft"], many["policy"]) == (False, "min_span")
+    assert _run(model, [[5, 6], [7]], max_new_tokens=4)[0].stats["redraft"] is False
+
+
+def test_bad_model(tmp_path):
     causal = dspec.load(write_checkpoint(tmp_path, "llama", seed=1))
     with pytest.raises(ValueError, match="masked-diffusion model"):
         dspec.generate(causal, [1, 2], method="s2d2", max_new_tokens=2)

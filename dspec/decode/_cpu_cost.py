@@ -85,3 +85,22 @@ def resolve_lookup(model, lookup, *, tree: bool, temperature: float, batch: int)
         raise ValueError("lookup: prompt-lookup drafts are grafted onto a verification tree, which this "
                          "configuration does not build (dflash: tree=None, the chain; diffuspec: T > 0)")
     return lookup or None
+
+
+# S2D2's redraft blocks (``s2d2(redraft=...)``) on a CPU model, for batches of at most
+# CPU_REDRAFT_MAX_BATCH requests: their rows are nearly free while a forward is one row's
+# weight pass, and compute once a batch fills the tiles.  Measured on smollm2-135m-bd
+# (bench/results/cpu/e2e_smollm2_s2d2_*_s27.json, greedy, policy always against S2D2's own
+# speculative block): batch 1 (128 prompts) 1.08x against 0.99x ``ar``; batch 2 92.4 against
+# 94.3 tok/s, batch 4 114.5 against 122.8, batch 8 120.3 against 143.1 (8 prompts per set).
+CPU_REDRAFT_MAX_BATCH = 1
+
+
+def resolve_redraft(model, redraft, *, batch: int) -> bool:
+    """``redraft`` as ``s2d2`` takes it: "auto" (the default) is True except for a CPU model
+    decoding more than ``CPU_REDRAFT_MAX_BATCH`` requests; a bool as given."""
+    if isinstance(redraft, str) and redraft == "auto":
+        return not (model.device.type == "cpu" and batch > CPU_REDRAFT_MAX_BATCH)
+    if not isinstance(redraft, bool):
+        raise ValueError(f"redraft must be 'auto' or a bool, got {redraft!r}")
+    return redraft

@@ -32,7 +32,8 @@ under a per-row packed mask (DESIGN.md's one attention shape):
     are accepted and slot ``s + L`` is still masked inside the block.  The accepted drafts
     and the drawn token are committed into the block; decoding continues on the rest.
 
-    The same forward also runs the *redraft blocks* (``redraft=True``, the default): for
+    The same forward also runs the *redraft blocks* (``redraft=True``; the default "auto" on
+    a CPU model decoding one request, and on other devices): for
     every outcome r = 0 .. L (the first r drafts pass, draft r is rejected; r = L: all
     pass), the block as it would then stand -- drafts before slot s + r in place, the span
     from s + r on [MASK] --, bidirectional within itself after the committed prefix (SSD's
@@ -100,6 +101,7 @@ from ..ops import pack_mask, token_stats, verify_chain
 from .diffusion import PromptTails, prefill_prompt_blocks
 from .outputs import OutputBuffer
 from .unmask import choose, pick_slots, rank_masked
+from ._cpu_cost import resolve_redraft
 from ._selfspec import check_common
 from .routing import ESTIMATORS, POLICIES, RoutingFeatures, make_router, span_score
 
@@ -135,10 +137,9 @@ def _real(name, value, lo=None, hi=None, *, lo_open=False) -> float:
 
 
 def _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
-                   ucb_c, estimator, draft_len, redraft=True) -> dict:
+                   ucb_c, estimator, draft_len, redraft="auto", batch: int = 1) -> dict:
     bs = check_common(model, "s2d2", block_size)
-    if not isinstance(redraft, bool):
-        raise ValueError(f"redraft must be a bool, got {redraft!r}")
+    redraft = resolve_redraft(model, redraft, batch=batch)
     if policy is None:
         policy = DEFAULTS["policy"] if redraft else "min_span"
     if policy not in POLICIES:
@@ -815,7 +816,7 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
                 block_size: int | None = None, threshold: float | None = None, policy: str | None = None,
                 min_span: int | None = None, score_threshold: float | None = None, hysteresis=None,
                 ucb_c: float | None = None, estimator: str | None = None, draft_len: int | None = None,
-                redraft: bool = True):
+                redraft: bool | str = "auto"):
     """S2D2 decoding of a ragged batch; returns (tokens per request, stats).
 
     Parameters
@@ -839,11 +840,13 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         score-based policies route on (default "product").
     draft_len : int >= 1, the most drafts one verification checks (default and cap: the
         block size).
-    redraft : bool, default True: a verification forward also forwards the block as it would
-        stand at each rejection point (and, when the span ends the block, the next block's
-        first state), so whatever the verification decides the next drafts are computed and
-        no drafting forward follows it (the module doc); False: only the block with every
-        draft in place (S2D2's speculative block), reused when every draft passes.
+    redraft : bool or "auto" (default): True -- a verification forward also forwards the
+        block as it would stand at each rejection point (and, when the span ends the block,
+        the next block's first state), so whatever the verification decides the next
+        drafts are computed and no drafting forward follows it (the module doc); False --
+        only the block with every draft in place (S2D2's speculative block), reused when
+        every draft passes.  "auto": True but for a CPU model decoding more than
+        ``_cpu_cost.CPU_REDRAFT_MAX_BATCH`` (1) requests, where the rows are compute.
 
     Stats
     -----
@@ -860,7 +863,7 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     counters).
     """
     opt = _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
-                         ucb_c, estimator, draft_len, redraft)
+                         ucb_c, estimator, draft_len, redraft, batch=len(prompts))
     run = _Batch(model, prompts, opt, max_new_tokens=max_new_tokens, temperature=temperature,
                  generator=generator, eos_ids=eos_ids, progress=progress)
     while run.step():
