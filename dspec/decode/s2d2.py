@@ -53,9 +53,8 @@ under a per-row packed mask (DESIGN.md's one attention shape):
     row (right-shifted: the very logits the verification recomputes) and the outcome that
     fills the block's last masked slot; at block size 4 a verification then forwards at
     most 13 rows.  ``redraft=False`` runs S2D2's *speculative block* alone: the block with
-    every draft in place, reused when every draft passes (with a bonus token the reused
-    drafting step has not seen the bonus, and a fallback right after commits diffusion
-    choices made one token earlier).
+    every draft in place, reused when every draft passes (after a bonus token, which it has
+    not seen, like a redraft block: the row verifies or takes a drafting forward).
 
 ``commit``
     a block completed otherwise (by the fallback, or by a rejected / bonus token) is
@@ -641,7 +640,8 @@ class _Batch:
     def verify(self, logits, nxt):
         """Accept each verifying row's span against its block-size-1 logits; returns the rows
         whose redraft block is the next drafting step (reuse), whose block is finished and
-        committed from this forward (spec_final), and the accepted drafts [B]."""
+        committed from this forward (spec_final), the accepted drafts [B] and the reused rows
+        whose block has not seen their drawn token (stale)."""
         bs, is_verify = self.bs, self.is_verify
         target = logits[:, :bs + 1]
         if self.shifted:
