@@ -309,6 +309,53 @@ def test_sampling_accept_resample_yields_block_size_one_law(tmp_path):
     assert stat_q > dof_q + 6 * math.sqrt(2 * dof_q), (stat_q, dof_q)
 
 
+def test_sampling_with_redraft_blocks_yields_block_size_one_law(tmp_path):
+    """Frequency test of the decoder: two sampled slots of one block, the second drafted from
+    a redraft block when the first draft is rejected (a stale proposal) or from the block
+    with every draft in place, follow the block-size-1 law p(x1) p(x2 | x1) -- checked on
+    both marginals, each of which the test can tell from the diffusion law."""
+    model = dspec.load(write_checkpoint(tmp_path, "sdar", seed=2))
+    prompt, temperature, n = [5, 17, 42, 9, 11, 13], 0.7, 20000
+    vocab = model.config.vocab_size
+    mask = model.mask_token_id
+    cache = model.new_cache(vocab)
+    plan = model.plan([prompt[:BS]] * vocab, cache)
+    cache.append(model(plan).suffix_kv, counts=plan.lengths)
+    causal = [prompt[BS:] + [x, mask] for x in range(vocab)]
+    p2 = model(model.plan(causal, cache, attention="causal"), logits="last").logits[:, 0].double()
+    one = _cache_of(model, prompt[:BS])
+    p1 = model(model.plan([prompt[BS:] + [mask]], one, attention="causal"), logits="last").logits[0, 0].double()
+    law1 = torch.softmax(p1 / temperature, -1)
+    law2 = law1 @ torch.softmax(p2 / temperature, -1)                    # the marginal of x2
+    # the diffusion law of both slots at the all-[MASK] state: what the drafts follow
+    block = torch.tensor([prompt[BS:] + [mask, mask]])
+    q = model(AttentionPlan(block, torch.arange(BS, 2 * BS)[None], None, one)).logits[0, 2:].double()
+    drafts = torch.softmax(q / temperature, -1)
+    got = _run(model, [prompt] * n, max_new_tokens=2, temperature=temperature, seed=7, policy="always",
+               redraft=True)
+    assert got[0].stats["spec_block_drafts"] > 0                       # redraft blocks were reused
+    x = torch.tensor([g.tokens for g in got])
+    def chi2(counts, law):
+        big = law * n >= 5
+        obs = torch.cat([counts[big], counts[~big].sum()[None]])
+        exp = torch.cat([law[big] * n, law[~big].sum()[None] * n])
+        return float(((obs - exp) ** 2 / exp).sum()), int(big.sum())
+
+    for slot, law in ((0, law1), (1, law2)):
+        counts = torch.bincount(x[:, slot], minlength=vocab).double()
+        stat, dof = chi2(counts, law)
+        assert stat < dof + 6 * math.sqrt(2 * dof), (slot, stat, dof)
+        stat, dof = chi2(counts, drafts[slot])                          # the test tells the laws apart
+        assert stat > dof + 6 * math.sqrt(2 * dof), (slot, stat, dof)
+
+
+def _cache_of(model, tokens):
+    cache = model.new_cache(1)
+    plan = model.plan([tokens], cache)
+    cache.append(model(plan).suffix_kv, counts=plan.lengths)
+    return cache
+
+
 def test_sampling_decoder_passes_the_drafters_q_and_the_verifiers_p(tmp_path, monkeypatch):
     """In the decoder, the verified slot's q row is the diffusion law of that slot and the
     target row the block-size-1 law (checked against independent forwards)."""
