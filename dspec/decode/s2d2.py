@@ -549,23 +549,25 @@ class _Batch:
         if self.any_pending and self.shifted:          # the pending block's last row predicts slot 0
             self.carry = torch.where(self.pending[:, None], logits[:, bs], self.carry)
         nxt = self.phase.clone()
-        block_logits = self.shift(logits[:, :bs])
         reuse = spec_final = self.chain_final = torch.zeros_like(self.is_verify)
-        next_logits = None
+        next_logits = stale = None
         if self.has["verify"]:
             reuse, spec_final, accepted, stale = self.verify(logits, nxt)
-            redraft, next_logits = self.redraft_logits(logits, accepted, spec_final)
-            block_logits = torch.where(reuse[:, None, None], redraft, block_logits)
-        if self.has["draft"] or self.has["verify"]:
-            self.draft(block_logits, self.is_draft | reuse, nxt, stale=stale if self.has["verify"] else None)
+            block_logits, next_logits = self.redraft_logits(logits, accepted, spec_final)
+            if self.has["draft"]:
+                block_logits = torch.where(reuse[:, None, None], block_logits, self.shift(logits[:, :bs]))
+        else:
+            block_logits = self.shift(logits[:, :bs])
+        self.draft(block_logits, self.is_draft | reuse, nxt, stale=stale)
         self.append_kv(out, spec_final)
         opened = self.finish_blocks(nxt, spec_final)
         if next_logits is not None:
             # a block its drafts completed: the next block's first drafting step rode along
             ahead = opened & spec_final & self.layout.has_next
-            self.stats_dev[6] += ahead.sum()
-            self.draft(next_logits, ahead, nxt)
-            self.finish_blocks(nxt, torch.zeros_like(spec_final))
+            if bool(ahead.any()):
+                self.stats_dev[6] += ahead.sum()
+                self.draft(next_logits, ahead, nxt)
+                self.finish_blocks(nxt, torch.zeros_like(spec_final))
         self.phase = nxt
         return True
 
@@ -670,7 +672,8 @@ class _Batch:
         self.hist += torch.bincount(torch.where(is_verify, acc, L_max + 1), minlength=L_max + 2)[:L_max + 1]
         self.stats_dev[:6] += torch.stack([is_verify.sum(), committed.sum(), torch.where(is_verify, acc, 0).sum(),
                                            num.sum(), reuse.sum(), spec_final.sum()])
-        self.advance(float(committed.sum()) / self.batch)
+        if self.progress is not None:
+            self.advance(float(committed.sum()) / self.batch)
         nxt.copy_(torch.where(is_verify, torch.where(left, DRAFT, COMMIT), nxt))
         # a drawn token the reused block has not seen: its logits are drafts, not a state
         return reuse, spec_final, acc, reuse & (committed > acc)
@@ -704,9 +707,11 @@ class _Batch:
         masked = self.masked
         choice, conf = choose(block_logits, temperature, self.generator)
         active = drafting & masked.any(1)
-        # fallback: diffusion's threshold rule (ties to the lower slot)
-        conf_m, _, rank = rank_masked(conf, masked)
-        pick = pick_slots(masked, conf_m, rank, threshold=self.thr) & drafting[:, None]
+        if opt["policy"] == "always":                 # never falls back: nothing to rank
+            pick = torch.zeros_like(masked)
+        else:                                         # diffusion's threshold rule (ties to the lower slot)
+            conf_m, _, rank = rank_masked(conf, masked)
+            pick = pick_slots(masked, conf_m, rank, threshold=self.thr) & drafting[:, None]
         # the first contiguous masked span, capped at draft_len
         first = torch.where(masked.any(1), masked.long().argmax(1), 0)
         run = masked.gather(1, (first[:, None] + slots[None]).clamp(max=bs - 1)) \
@@ -723,7 +728,8 @@ class _Batch:
         self.tokens = torch.where(fall, choice, self.tokens)
         self.masked = masked = masked & ~fall
         self.router.observe(falls, False, pick.sum(1), 1)
-        self.advance(float(fall.sum()) / self.batch)
+        if self.progress is not None:
+            self.advance(float(fall.sum()) / self.batch)
         # verifying rows keep their span drafts (and q rows when sampling), left-aligned
         src = (first[:, None] + slots[None]).clamp(max=bs - 1)
         self.drafts = torch.where(verify[:, None], choice.gather(1, src), self.drafts)
