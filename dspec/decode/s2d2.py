@@ -84,8 +84,8 @@ random draws).
 Host synchronisation: one small read per iteration (each row's state, suffix width and
 redraft logit rows, to size the suffix), one flag vector after the forward (which rows
 finished their block, for the output and the next block), and the token lists of a finished
-block; with redraft blocks, when a verification finished a block, one flag (did a next
-block's drafts ride along) and, if so, the flag vector of that drafting step.  The
+block; with redraft blocks, after each verification forward one flag (did a finished
+block's next-block drafts ride along) and, if so, the flag vector of that drafting step.  The
 drafting, routing, verification and commit arithmetic is vectorised over the batch on the
 device.
 """
