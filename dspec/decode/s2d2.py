@@ -210,14 +210,26 @@ def two_l_dense(context: int, span: int, copies: int | None = None) -> torch.Ten
 NO_BLOCKS, SPEC_BLOCK, REDRAFT = "none", "spec", "redraft"
 
 
-def _redraft_blocks(verify, span_start, span_len, *, bs, blocks, share_prefix, skip=None):
-    """Per verifying row, the redraft blocks of a verification forward: (used [B, bs + 1]
-    -- block r forwarded: the block as it stands if the first r drafts pass and draft r is
-    rejected (r = L: all pass) --, sizes [B, bs + 1] -- its own suffix rows --, first
-    [B, bs + 1] -- the block slot of its first own row: 0, or with ``share_prefix`` s + r,
-    the slots before it read from the chain --, has_next [B] -- the next block's all-[MASK]
-    state rides too).  ``skip`` [B, bs + 1]: redraft blocks not worth forwarding (the last
-    one, r = L, is always forwarded: it is the finished block when every draft passes)."""
+class _Blocks(NamedTuple):
+    """The redraft blocks of each verifying row of one forward (:func:`_redraft_blocks`)."""
+    used: torch.Tensor          # [B, bs + 1] bool, block r forwarded
+    sizes: torch.Tensor         # [B, bs + 1] its own suffix rows
+    first: torch.Tensor         # [B, bs + 1] the block slot of its first own row
+    has_next: torch.Tensor      # [B] bool, the next block's all-[MASK] state rides too
+    logit_rows: torch.Tensor    # [B, bs + 1] its rows that predict a slot the outcome r leaves masked
+    logit_extra: torch.Tensor   # [B] the carry row (right-shifted) and the next block's predicting rows
+
+
+def _redraft_blocks(verify, span_start, span_len, *, bs, shifted, blocks, share_prefix, skip=None) -> _Blocks:
+    """Per verifying row (``verify`` [B]), the redraft blocks of a verification forward:
+    block r is the block as it stands if the first r drafts pass and draft r is rejected
+    (r = L: all pass); its first own row is at slot 0, or with ``share_prefix`` at s + r,
+    the slots before it read from the chain.  Its logit rows are those that predict its
+    slots after s + r (every slot the outcome r leaves masked lies there); the extra rows are
+    the finished block's last row (its carry, right-shifted models) and the next block's
+    rows that predict its slots.  ``skip`` [B, bs + 1]: redraft blocks not worth forwarding
+    (the last one, r = L, is always forwarded: it is the finished block when every draft
+    passes)."""
     r = torch.arange(bs + 1, device=span_start.device)[None]
     s, n = span_start[:, None], span_len[:, None]
     if blocks == REDRAFT:
@@ -232,29 +244,16 @@ def _redraft_blocks(verify, span_start, span_len, *, bs, blocks, share_prefix, s
     first = (s + r).clamp(max=bs) if share_prefix and blocks == REDRAFT else torch.zeros_like(s + r)
     sizes = torch.where(used, bs - first, 0)
     has_next = verify & (span_start + span_len == bs) if blocks == REDRAFT else torch.zeros_like(verify)
-    return used, sizes, first, has_next
-
-
-def _drafting_logit_counts(used, span_start, has_next, *, bs, shifted):
-    """Logit rows a verifying row's redraft blocks need: per block r [B, bs + 1] the rows
-    that predict its slots after s + r (every slot the outcome r leaves masked lies there),
-    and the extra rows [B]: the finished block's last row (its carry, right-shifted models)
-    and the next block's rows that predict its slots."""
-    r = torch.arange(bs + 1, device=span_start.device)[None]
-    per_block = torch.where(used, (bs - 1 - span_start[:, None] - r).clamp(min=0), 0)
+    logit_rows = torch.where(used, (bs - 1 - s - r).clamp(min=0), 0)
     extra = int(shifted) + has_next.long() * (bs - 1 if shifted else bs)
-    return per_block, torch.where(used.any(1), extra, 0)
+    return _Blocks(used, sizes, first, has_next, logit_rows, torch.where(used.any(1), extra, 0))
 
 
-def _verify_width(span_start, span_len, *, bs, shifted, blocks, share_prefix, skip=None):
-    """Suffix tokens of a verifying row: chain (+ L + 1 copies) (+ redraft blocks (+ the next
-    block))."""
-    verify = torch.ones_like(span_start, dtype=torch.bool)
-    used, sizes, _, has_next = _redraft_blocks(verify, span_start, span_len, bs=bs, blocks=blocks,
-                                               share_prefix=share_prefix, skip=skip)
-    per_block, extra = _drafting_logit_counts(used, span_start, has_next, bs=bs, shifted=shifted)
-    width = span_start + (span_len if shifted else 2 * span_len + 1) + sizes.sum(1) + bs * has_next.long()
-    return width, per_block.sum(1) + extra
+def _verify_width(span_start, span_len, blk: _Blocks, *, bs, shifted):
+    """Suffix tokens [B] of each verifying row -- chain (+ L + 1 copies) (+ redraft blocks (+
+    the next block)) -- and the redraft logit rows [B] it adds."""
+    width = span_start + (span_len if shifted else 2 * span_len + 1) + blk.sizes.sum(1) + bs * blk.has_next.long()
+    return width, blk.logit_rows.sum(1) + blk.logit_extra
 
 
 class _Layout(NamedTuple):
@@ -269,17 +268,20 @@ class _Layout(NamedTuple):
     verify: torch.Tensor        # [B] bool, the verifying rows
     used: torch.Tensor          # [B, bs + 1] bool, redraft block r forwarded
 
+    def row_of(self, r: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """Suffix rows [B, K] of block slots ``slot`` [B, K] in redraft blocks ``r`` [B, K]
+        (shared-prefix slots: the chain's rows, which sit at their slot)."""
+        first = self.first.gather(1, r)
+        return torch.where(slot < first, slot, self.offset[:, None] + self.starts.gather(1, r) + slot - first)
+
     def block_rows(self, r: torch.Tensor, bs: int) -> torch.Tensor:
-        """Suffix rows [B, bs] holding the slots of redraft block r [B] (shared-prefix slots:
-        the chain's rows, which sit at their slot)."""
+        """Suffix rows [B, bs] holding the slots of redraft block r [B]."""
         t = torch.arange(bs, device=r.device)[None]
-        first = self.first.gather(1, r[:, None])
-        own = self.offset[:, None] + self.starts.gather(1, r[:, None]) + t - first
-        return torch.where(t < first, t, own)
+        return self.row_of(r[:, None].expand(-1, bs), t.expand(len(r), -1))
 
     def drafting_rows(self, span_start, span_len, count: int, *, bs: int, shifted: bool) -> torch.Tensor:
         """Suffix rows [B, count] whose logits the redraft blocks need, in the order of
-        :func:`_drafting_logit_counts`: block 0's, block 1's, ... (the rows predicting its
+        :class:`_Blocks`' logit rows: block 0's, block 1's, ... (the rows predicting its
         slots s + r + 1 ..), then (right-shifted) the last redraft block's slot bs - 1 row,
         then the next block's rows; padding: row 0."""
         k = torch.arange(count, device=span_start.device)[None]
@@ -287,9 +289,7 @@ class _Layout(NamedTuple):
         ends = torch.cat([starts[:, 1:], self.logit_blocks[:, None]], 1)               # [B, R]
         r = (k[..., None] >= ends[:, None, :]).sum(-1).clamp(max=bs)                    # [B, K]
         slot = span_start[:, None] + r + (k - starts.gather(1, r)) + (0 if shifted else 1)
-        first = self.first.gather(1, r)
-        own = self.offset[:, None] + self.starts.gather(1, r) + slot - first
-        rows = torch.where(slot < first, slot, own)
+        rows = self.row_of(r, slot)
         after = k - self.logit_blocks[:, None]
         if shifted:
             rows = torch.where(after == 0, self.block_rows(span_len, bs)[:, -1:], rows)
@@ -310,18 +310,18 @@ class _Layout(NamedTuple):
 
 
 def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_start, *, bs, shifted,
-                mask_id, width, blocks, share_prefix=False, skip=None, pending=None, prev_tokens=None):
+                mask_id, width, blk: _Blocks, share_prefix=False, pending=None, prev_tokens=None):
     """Per-row suffix tokens [B, W], positions [B, W], dense mask [B, W, W] and the
-    :class:`_Layout` of the verifying rows' redraft blocks (see the module doc).
+    :class:`_Layout` of the verifying rows' redraft blocks ``blk`` (see the module doc).
 
     Drafting rows: the block, bidirectional; a drafting row whose previous block
     is ``pending`` (finished, not yet in the cache) puts that block first (``prev_tokens``,
     bidirectional within itself) and the new one after it, seeing both.  Verifying rows: the
     token-causal chain (block slots before the span + drafts), then (position-aligned models)
-    the L + 1 [MASK] copies, then the redraft blocks (``blocks``: "spec" the block with every
-    draft in place, "redraft" one block per rejection point r = 0 .. L -- drafts before r
-    in place, span slots from r on [MASK] -- and, when the span ends the block, the next
-    block's all-[MASK] state), each bidirectional within itself and seeing nothing else of
+    the L + 1 [MASK] copies, then the redraft blocks (with ``blocks`` "spec" the block with
+    every draft in place, "redraft" one block per rejection point r = 0 .. L -- drafts
+    before r in place, span slots from r on [MASK] -- and, when the span ends the block, the
+    next block's all-[MASK] state), each bidirectional within itself and seeing nothing else of
     the suffix but, with ``share_prefix`` (a model whose clean rows attend causally), the
     chain rows before its first row, and the next block its finished block (the chain with
     ``share_prefix``, else the last redraft block).  Finished rows and padding: tokens that
@@ -336,8 +336,7 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     chain_len = torch.where(block_rows, torch.where(pend, 2 * bs, bs), torch.where(verify, span_start + span_len, 0))
     n_copies = torch.where(verify & (not shifted), span_len + 1, 0)
     offset = chain_len + n_copies
-    used, sizes, first, has_next = _redraft_blocks(verify, span_start, span_len, bs=bs, blocks=blocks,
-                                                   share_prefix=share_prefix, skip=skip)
+    used, sizes, first, has_next = blk.used, blk.sizes, blk.first, blk.has_next
     ends = sizes.cumsum(1)                                              # [B, R]
     total = ends[:, -1]
     i = torch.arange(width, device=dev)[None]                           # [1, W]
@@ -348,14 +347,16 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     in_red = (u >= 0) & (u < total[:, None])
     in_next = has_next[:, None] & (u >= total[:, None]) & (u < total[:, None] + bs)
     rb = (u[..., None] >= ends[:, None, :]).sum(-1).clamp(max=bs)      # redraft block of each row
-    red_slot = first.gather(1, rb) + u - (ends - sizes).gather(1, rb)
     red_first = first.gather(1, rb)
+    red_slot = red_first + u - (ends - sizes).gather(1, rb)
     q, k = i[:, :, None], i[:, None, :]
     pair = (k // bs <= q // bs) | ~pend[:, None, None]           # a pending block, then the new one
     chain_part = in_chain[:, :, None] & in_chain[:, None, :] & ((block_rows[:, None, None] & pair) | (k <= q))
     copy_part = in_copies[:, :, None] & ((k < s[:, :, None] + (q - cl[:, :, None])) | (k == q))
     red_q, red_k = in_red[:, :, None], in_red[:, None, :]
-    red_part = red_q & ((red_k & (rb[:, :, None] == rb[:, None, :])) | (in_chain[:, None, :] & (k < red_first[:, :, None])))
+    # a redraft block sees itself and (shared prefix) the chain rows before its first row
+    red_part = red_q & ((red_k & (rb[:, :, None] == rb[:, None, :]))
+                        | (in_chain[:, None, :] & (k < red_first[:, :, None])))
     if share_prefix:
         finished = in_chain[:, None, :]
     else:
@@ -375,7 +376,7 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     suffix_tokens = torch.where(in_chain | (in_red & red_keep), suffix_tokens, mask_id)
     slot = torch.where(in_next, bs + u - total[:, None], slot)
     positions = block_start[:, None] + slot.clamp(-bs, 2 * bs - 1)
-    per_block, _ = _drafting_logit_counts(used, span_start, has_next, bs=bs, shifted=shifted)
+    per_block = blk.logit_rows
     layout = _Layout(offset, ends - sizes, first, offset + total, has_next, per_block.cumsum(1) - per_block,
                      per_block.sum(1), verify, used)
     return suffix_tokens, positions, dense, layout
@@ -423,11 +424,12 @@ def ar_view_logits(model, cache, block_tokens, block_start, span_start, span_len
     dev = model.device
     batch, bs = block_tokens.shape
     phase = torch.full((batch,), VERIFY, dtype=torch.int64, device=dev)
-    width = int(_verify_width(span_start, span_len, bs=bs, shifted=model.shifted, blocks=NO_BLOCKS,
-                              share_prefix=False)[0].max())
+    blk = _redraft_blocks(phase == VERIFY, span_start, span_len, bs=bs, shifted=model.shifted, blocks=NO_BLOCKS,
+                          share_prefix=False)
+    width = int(_verify_width(span_start, span_len, blk, bs=bs, shifted=model.shifted)[0].max())
     tokens, positions, dense, _ = _row_layout(
         phase, block_tokens, block_tokens, span_start, span_len, block_start.to(dev), bs=bs,
-        shifted=model.shifted, mask_id=model.mask_token_id, width=width, blocks=NO_BLOCKS)
+        shifted=model.shifted, mask_id=model.mask_token_id, width=width, blk=blk)
     rows = _logit_rows(phase, span_start, span_len, bs=bs, shifted=model.shifted)
     out = model(AttentionPlan(tokens, positions, pack_mask(dense), cache), logits=rows, return_kv=False)
     logits = out.logits.float()
@@ -596,9 +598,11 @@ class _Batch:
 
     def read_phases(self) -> bool:
         """The one host read per iteration: row states and the suffix width they need."""
-        self.skip = self.useless_blocks()
-        verify_width, logit_rows = _verify_width(self.span_start, self.span_len, bs=self.bs, shifted=self.shifted,
-                                                 blocks=self.blocks, share_prefix=self.share_prefix, skip=self.skip)
+        self.redraft_plan = _redraft_blocks(self.phase == VERIFY, self.span_start, self.span_len, bs=self.bs,
+                                            shifted=self.shifted, blocks=self.blocks,
+                                            share_prefix=self.share_prefix, skip=self.useless_blocks())
+        verify_width, logit_rows = _verify_width(self.span_start, self.span_len, self.redraft_plan, bs=self.bs,
+                                                 shifted=self.shifted)
         width_row = torch.where(self.phase == VERIFY, verify_width,
                                 torch.where(self.phase == DONE, 1, torch.where(self.pending, 2 * self.bs, self.bs)))
         host = torch.stack([self.phase, width_row, self.pending.long(),
@@ -628,8 +632,8 @@ class _Batch:
             suffix, positions, dense, self.layout = _row_layout(
                 self.phase, self.tokens, in_block, self.span_start, self.span_len, self.block_start, bs=bs,
                 shifted=self.shifted, mask_id=self.mask_id, width=self.width,
-                blocks=self.blocks if verifying else NO_BLOCKS, share_prefix=self.share_prefix, skip=self.skip,
-                pending=self.pending, prev_tokens=self.prev_tokens)
+                blk=self.redraft_plan, share_prefix=self.share_prefix, pending=self.pending,
+                prev_tokens=self.prev_tokens)
             rows = _logit_rows(self.phase, self.span_start, self.span_len, bs=bs, shifted=self.shifted,
                                pending=self.pending)
             if verifying:        # the redraft blocks' drafting rows: one LM head call for all
