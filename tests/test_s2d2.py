@@ -259,9 +259,7 @@ def _one_slot_laws(model, prompt, temperature):
     (the prompt fills all but that slot), computed independently of the decoder."""
     mask = model.mask_token_id
     start = (len(prompt) // BS) * BS
-    cache = model.new_cache(1)
-    plan = model.plan([prompt[:start]], cache)
-    cache.append(model(plan).suffix_kv, counts=plan.lengths)
+    cache = _cache_of(model, prompt[:start])
     block = torch.tensor([prompt[start:] + [mask]])
     ar = model(model.plan(block.tolist(), cache, attention="causal"), logits="last").logits[0, 0]
     dif = model(AttentionPlan(block, torch.arange(start, start + BS)[None], None, cache)).logits[0, -1]
@@ -275,9 +273,7 @@ def test_sampling_accept_resample_yields_block_size_one_law(tmp_path):
     model = dspec.load(write_checkpoint(tmp_path, "sdar", seed=2))
     prompt, temperature, n = [5, 17, 42, 9, 11, 13, 8], 0.7, 40000
     ar, dif = _one_slot_laws(model, prompt, temperature)
-    cache = model.new_cache(1)
-    plan = model.plan([prompt[:4]], cache)
-    cache.append(model(plan).suffix_kv, counts=plan.lengths)
+    cache = _cache_of(model, prompt[:4])
     view = ar_view_logits(model, cache, torch.tensor([prompt[4:] + [0]]), cache.lengths,
                           torch.tensor([3]), torch.tensor([1]))
     torch.testing.assert_close(view[0, 0], ar, rtol=1e-5, atol=1e-5)
@@ -318,9 +314,7 @@ def test_sampling_with_redraft_blocks_yields_block_size_one_law(tmp_path):
     prompt, temperature, n = [5, 17, 42, 9, 11, 13], 0.7, 20000
     vocab = model.config.vocab_size
     mask = model.mask_token_id
-    cache = model.new_cache(vocab)
-    plan = model.plan([prompt[:BS]] * vocab, cache)
-    cache.append(model(plan).suffix_kv, counts=plan.lengths)
+    cache = _cache_of(model, prompt[:BS], copies=vocab)
     causal = [prompt[BS:] + [x, mask] for x in range(vocab)]
     p2 = model(model.plan(causal, cache, attention="causal"), logits="last").logits[:, 0].double()
     one = _cache_of(model, prompt[:BS])
@@ -349,9 +343,10 @@ def test_sampling_with_redraft_blocks_yields_block_size_one_law(tmp_path):
         assert stat > dof + 6 * math.sqrt(2 * dof), (slot, stat, dof)
 
 
-def _cache_of(model, tokens):
-    cache = model.new_cache(1)
-    plan = model.plan([tokens], cache)
+def _cache_of(model, tokens, copies=1):
+    """A cache holding ``tokens`` committed (``copies`` identical rows)."""
+    cache = model.new_cache(copies)
+    plan = model.plan([tokens] * copies, cache)
     cache.append(model(plan).suffix_kv, counts=plan.lengths)
     return cache
 
