@@ -17,6 +17,7 @@
 #include "layer_ops_bindings.h"
 #include "decoder_bindings.h"
 #include "selfspec_bindings.h"
+#include "s2d2_bindings.h"
 #include "linear_bindings.h"
 #include "topk_bindings.h"
 #include "masks_bindings.h"
@@ -168,4 +169,5 @@ Raises ValueError for a bad argument, RuntimeError when a CUDA launch fails.)doc
   dspec::register_linear(m);  // csrc/linear_bindings.cpp
   dspec::register_decoder(m);  // csrc/decoder_bindings.cpp
   dspec::register_selfspec(m);  // csrc/selfspec_bindings.cpp
+  dspec::register_s2d2(m);  // csrc/s2d2_bindings.cpp
 }

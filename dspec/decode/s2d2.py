@@ -93,11 +93,13 @@ from __future__ import annotations
 
 import math
 import numbers
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from .. import _backend
 from ..models import AttentionPlan
 from ..ops import pack_mask, token_stats, verify_chain
 from .diffusion import PromptTails, prefill_prompt_blocks
@@ -478,6 +480,17 @@ def accept_span(tokens, masked, drafts, target_logits, span_start, span_len, *, 
 # ------------------------------------------------------------------------------- decode
 
 
+def native_extension(model, opt: dict, temperature: float):
+    """dspec._C where its compiled step (csrc/s2d2.h) runs this decode -- greedy, policy
+    "always", a CPU model, a block size it takes --, else None (the torch step)."""
+    ext = _backend.extension()
+    if (ext is None or not hasattr(ext, "s2d2_plan") or model.device.type != "cpu" or temperature > 0
+            or opt["policy"] != "always" or opt["block_size"] > ext.s2d2_max_block
+            or model.dtype not in _backend.FLOAT_CODE):
+        return None
+    return ext
+
+
 class _Batch:
     """The batch's S2D2 state machine: per row its phase, block, drafted span and the logits
     carried from the last committed block; one :meth:`step` = one model forward."""
@@ -528,6 +541,10 @@ class _Batch:
         # reused / committed, next blocks drafted in a verification forward
         self.stats_dev = torch.zeros(7, dtype=torch.int64, device=dev)
         self.shown = 0.0                                 # progress shown (tokens per request)
+        # greedy "always" on the CPU: the step's host-side work in three compiled calls (the
+        # torch composition below is their reference, and the path for everything else)
+        self.native = native_extension(model, opt, temperature)
+        self.nat = None
 
     def fresh_block(self, start):
         tokens, in_prompt = self.tails.block(start)
@@ -547,6 +564,8 @@ class _Batch:
 
     def step(self) -> bool:
         """One forward for the whole batch and every row's transition; False when all are done."""
+        if self.native is not None:
+            return self.native_step()
         if not self.read_phases():
             return False
         out, logits = self.forward()
@@ -574,6 +593,75 @@ class _Batch:
                 self.draft(next_logits, ahead, nxt)
                 self.finish_blocks(nxt, torch.zeros_like(spec_final))
         self.phase = nxt
+        return True
+
+    # ------------------------------------------------------------------ the compiled step
+
+    def native_state(self):
+        """The row records of dspec._C.s2d2_* (csrc/s2d2.h) from the torch state, and the
+        step's buffers."""
+        ext, bs, batch = self.native, self.bs, self.batch
+        scalars = ext.s2d2_record_scalars
+        state = torch.zeros(batch, ext.s2d2_record_width(bs), dtype=torch.int64)
+        carry = token_stats(self.carry).token if self.shifted else torch.zeros(batch, dtype=torch.int64)
+        # kPhase, kSpanStart, kSpanLen, kExactFirst, kPending, kBlockStart, kCarry, kPromptLen, kTailStart
+        head = [self.phase, self.span_start, self.span_len, self.exact_first.long(), self.pending.long(),
+                self.block_start, carry, self.plen, self.block_start]
+        state[:, :len(head)] = torch.stack(head, 1).cpu()
+        state[:, scalars: scalars + 5 * bs] = torch.cat([self.tokens, self.masked.long(), self.drafts,
+                                                         self.prev_tokens, self.tokens], 1).cpu()
+        width, words, rows = ext.s2d2_buffer_sizes(bs)
+        i64 = dict(dtype=torch.int64)
+        flags = int(self.shifted) | 2 * int(self.share_prefix) | 4 * int(self.blocks == REDRAFT)
+        return SimpleNamespace(
+            state=state, args=(state.data_ptr(), batch, bs, self.L_max, self.mask_id, flags),
+            tokens=state[:, scalars: scalars + bs], block_start=state[:, 5], finishing=state[:, 15],
+            suffix=torch.empty(batch * width, **i64), positions=torch.empty(batch * width, **i64),
+            words=torch.empty(batch * words, dtype=torch.int32), rows=torch.empty(batch * rows, **i64),
+            argmax=torch.empty(batch * rows, **i64), keep=torch.empty(batch, bs, **i64),
+            done=torch.zeros(batch, dtype=torch.bool),
+            counters=torch.zeros(9 + self.L_max + 1, **i64))
+
+    def native_step(self) -> bool:
+        """:meth:`step` through dspec._C.s2d2_plan / _advance / _open (greedy, policy "always",
+        CPU): the same forwards, transitions and counters."""
+        ext, bs, batch = self.native, self.bs, self.batch
+        if self.nat is None:
+            self.nat = self.native_state()
+        nat = self.nat
+        width, nrows, plain, any_draft, any_verify, any_pending = ext.s2d2_plan(
+            *nat.args, nat.suffix.data_ptr(), nat.positions.data_ptr(), nat.words.data_ptr(), nat.rows.data_ptr())
+        if width == 0:
+            return False
+        if plain:               # every row forwards its plain block: diffusion's own plan
+            plan = AttentionPlan(nat.tokens.contiguous(), nat.block_start[:, None] + self.slots,
+                                 self.block_mask_words, self.cache)
+            rows = "all"
+        else:
+            nw = (width + 31) // 32
+            plan = AttentionPlan(nat.suffix[: batch * width].view(batch, width),
+                                 nat.positions[: batch * width].view(batch, width),
+                                 nat.words[: batch * width * nw].view(batch, width, nw), self.cache)
+            rows = nat.rows[: batch * nrows].view(batch, nrows)
+        out = self.model(plan, logits=rows, return_kv=any_pending or any_verify)
+        self.forwards += 1
+        for kind, present in (("draft", any_draft), ("verify", any_verify), ("commit", any_pending)):
+            self.kinds[kind] += present
+        logits = out.logits
+        if logits.stride(-1) != 1 or logits.stride(0) != nrows * logits.stride(1):
+            logits = logits.contiguous()
+        committed, append, finishing = ext.s2d2_advance(
+            *nat.args, nrows, any_verify, any_pending, logits.data_ptr(), _backend.FLOAT_CODE[logits.dtype],
+            logits.stride(1), logits.shape[-1], nat.argmax.data_ptr(), nat.keep.data_ptr(), nat.counters.data_ptr())
+        if self.progress is not None:
+            self.advance(committed / batch)
+        if append:
+            self.cache.append(out.suffix_kv, keep=nat.keep)
+        while finishing:
+            nat.done.zero_()
+            nat.done[self.emit(nat.finishing.numpy().astype(bool), nat.tokens, nat.block_start)] = True
+            finishing = ext.s2d2_open(*nat.args, nrows, any_verify, any_pending, nat.done.data_ptr(),
+                                      nat.argmax.data_ptr(), nat.counters.data_ptr())
         return True
 
     def shift(self, block_logits):
@@ -790,12 +878,15 @@ class _Batch:
         nxt.copy_(torch.where(finishing, torch.where(done, DONE, DRAFT), nxt))
         return finishing & ~done
 
-    def emit(self, fin_host: np.ndarray) -> torch.Tensor:
-        """Output the finished blocks (rows ``fin_host``, bool [B]) generated tokens; returns
+    def emit(self, fin_host: np.ndarray, tokens=None, block_start=None) -> torch.Tensor:
+        """Output the finished blocks (rows ``fin_host``, bool [B]) generated tokens (the
+        blocks ``tokens`` [B, bs] at ``block_start`` [B], default the torch state's); returns
         the rows now done."""
+        tokens = self.tokens if tokens is None else tokens
+        block_start = self.block_start if block_start is None else block_start
         rows = np.flatnonzero(fin_host)
-        done = self.outputs.extend_block(rows, self.tokens.cpu().numpy()[rows],
-                                         self.block_start.cpu().numpy()[rows], self.plen_host[rows])
+        done = self.outputs.extend_block(rows, tokens.cpu().numpy()[rows], block_start.cpu().numpy()[rows],
+                                         self.plen_host[rows])
         return torch.from_numpy(rows[done])
 
     @property
@@ -803,6 +894,10 @@ class _Batch:
         return self.outputs.generated
 
     def stats(self) -> dict:
+        if self.nat is not None:        # the compiled step's counters (csrc/s2d2.h S2D2Counters)
+            c = self.nat.counters
+            self.stats_dev, self.hist = c[:7].clone(), c[9:].clone()
+            self.router._decisions, self.router._verifies = c[7].clone(), c[8].clone()
         n_verify, n_committed_by_verify, n_accepted, n_drafted, reused, from_spec, ahead = self.stats_dev.tolist()
         decisions = self.router.stats()["decisions"]
         total = sum(len(g) for g in self.generated)
