@@ -498,14 +498,19 @@ def test_bad_options(model, tmp_path):
 
 
 def test_redraft_auto(model):
-    """"auto": redraft blocks for one request on the CPU (their rows are nearly free), S2D2's
-    speculative block alone for a batch (the rows are compute); the policy follows."""
+    """"auto": redraft blocks for up to two requests on the CPU (their rows are nearly free),
+    S2D2's speculative block alone for a larger batch (the rows are compute); the policy is
+    "always" with redraft blocks or where the compiled step runs it (greedy on the CPU), else
+    "min_span"."""
     from dspec.decode.s2d2 import _check_options
-    one = _check_options(model, None, None, None, None, None, None, None, None, None, batch=1)
-    many = _check_options(model, None, None, None, None, None, None, None, None, None, batch=2)
+    opts = (model, None, None, None, None, None, None, None, None, None)
+    one, two = _check_options(*opts, batch=1), _check_options(*opts, batch=2)
+    many, sampled = _check_options(*opts, batch=3), _check_options(*opts, batch=3, temperature=0.7)
     assert (one["redraft"], one["policy"]) == (True, "always")
-    assert (many["redraft"], many["policy"]) == (False, "min_span")
-    assert _run(model, [[5, 6], [7]], max_new_tokens=4)[0].stats["redraft"] is False
+    assert (two["redraft"], two["policy"]) == (True, "always")
+    assert (many["redraft"], many["policy"]) == (False, "always")
+    assert (sampled["redraft"], sampled["policy"]) == (False, "min_span")
+    assert _run(model, [[5, 6], [7], [8]], max_new_tokens=4)[0].stats["redraft"] is False
 
 
 def test_bad_model(tmp_path):

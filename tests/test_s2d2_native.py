@@ -122,11 +122,16 @@ def test_decode_uses_the_compiled_step_where_it_applies(model, monkeypatch):
     native = s2d2.decode_s2d2(model, prompts, max_new_tokens=20, policy="always")
     monkeypatch.setattr(s2d2, "native_extension", lambda *a: None)
     assert s2d2.decode_s2d2(model, prompts, max_new_tokens=20, policy="always") == native
-    opt = s2d2._check_options(model, None, None, "always", None, None, None, None, None, None)
+    assert native[1]["policy"] == "always"
     monkeypatch.undo()
-    assert s2d2.native_extension(model, opt, 0.0) is ext
-    assert s2d2.native_extension(model, opt, 0.7) is None
-    assert s2d2.native_extension(model, dict(opt, policy="min_span"), 0.0) is None
+    assert s2d2.native_extension(model, 4, 0.0) is ext
+    assert s2d2.native_extension(model, 4, 0.7) is None
+    assert s2d2.native_extension(model, ext.s2d2_max_block + 1, 0.0) is None
+    for policy, temperature, native in (("always", 0.0, True), ("min_span", 0.0, False), ("always", 0.7, False)):
+        opt = s2d2._check_options(model, None, None, policy, None, None, None, None, None, None)
+        run = s2d2._Batch(model, prompts, opt, max_new_tokens=4, temperature=temperature,
+                          generator=torch.Generator().manual_seed(0), eos_ids=(), progress=None)
+        assert (run.native is not None) == native, (policy, temperature)
 
 
 def _state(rows=1, bs=4):

@@ -89,11 +89,12 @@ def resolve_lookup(model, lookup, *, tree: bool, temperature: float, batch: int)
 
 # S2D2's redraft blocks (``s2d2(redraft=...)``) on a CPU model, for batches of at most
 # CPU_REDRAFT_MAX_BATCH requests: their rows are nearly free while a forward is one row's
-# weight pass, and compute once a batch fills the tiles.  Measured on smollm2-135m-bd
-# (bench/results/cpu/e2e_smollm2_s2d2_*_s27.json, greedy, policy always against S2D2's own
-# speculative block): batch 1 (128 prompts) 1.08x against 0.99x ``ar``; batch 2 92.4 against
-# 94.3 tok/s, batch 4 114.5 against 122.8, batch 8 120.3 against 143.1 (8 prompts per set).
-CPU_REDRAFT_MAX_BATCH = 1
+# weight pass, and compute once a batch fills the tiles.  Measured on smollm2-135m-bd with
+# S2D2's compiled step (bench/results/cpu/e2e_s2d2_native_batch*_s28.json, greedy, policy
+# always, 8 prompts per set, against S2D2's own speculative block alone): batch 2 131.3
+# against 121.1 tok/s, batch 4 163.9 against 168.9, batch 8 201.1 against 214.3 (the torch
+# step with policy min_span: 105.5 / 134.5 / 159.0; ``ar`` 120.4 / 215.9 / 366.4).
+CPU_REDRAFT_MAX_BATCH = 2
 
 
 def resolve_redraft(model, redraft, *, batch: int) -> bool:
