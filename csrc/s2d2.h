@@ -1,11 +1,11 @@
 // S2D2's host-side step on the CPU (dspec/decode/s2d2.py, greedy, policy "always"): two calls
-// around the model forward and one after the finished blocks are output replace the ~500
-// small torch ops of a step -- lay out every row's suffix (drafting block, verification chain
-// with its 2L copies and redraft blocks, pending block), then take the argmax of every logit
-// row once and run every row's transition (acceptance, the redraft block of the outcome, the
-// next drafts), then open the blocks that finished.  The torch composition in s2d2._Batch
-// stays the reference (tested equal, token for token and stat for stat) and the path for
-// sampling, the other policies and other devices.
+// around the model forward and one after the finished blocks are output replace the several
+// hundred small torch ops of a step -- lay out every row's suffix (drafting block,
+// verification chain with its 2L copies and redraft blocks, pending block), then take the
+// argmax of every logit row once and run every row's transition (acceptance, the redraft
+// block of the outcome, the next drafts), then open the blocks that finished.  The torch
+// composition in s2d2._Batch stays the reference (tested equal, step by step) and the path
+// for sampling, the other policies and other devices.
 //
 // Each row's state is one int64 record (S2D2Record): scalars, then [bs] arrays, then
 // [bs + 1] arrays per redraft block.  Rows are independent; every array is contiguous.

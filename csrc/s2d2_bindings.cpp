@@ -133,9 +133,32 @@ bool open(std::int64_t state_ptr, std::int64_t rows, std::int64_t block_size, st
 
 void register_s2d2(py::module_& m) {
   m.def(
-      "s2d2_record_width", [](std::int64_t bs) { return S2D2Record{bs}.width(); }, py::arg("block_size"),
-      "int64 fields of one row's S2D2 record (s2d2.h) at this block size.");
-  m.attr("s2d2_record_scalars") = py::int_(static_cast<std::int64_t>(S2D2Record::kScalars));
+      "s2d2_record_layout",
+      [](std::int64_t bs) {
+        const Checker c{"s2d2_record_layout"};
+        c.at_least(bs, 1, "block_size");
+        const S2D2Record f{bs};
+        py::dict d;
+        const char* scalars[] = {"phase", "span_start", "span_len", "exact_first", "pending", "block_start", "carry",
+                                 "prompt_len", "tail_start", "has_next", "offset", "redraft_rows", "logit_blocks",
+                                 "chain_final", "spec_final", "finishing", "complete"};
+        static_assert(sizeof(scalars) / sizeof(scalars[0]) == S2D2Record::kScalars, "a name per scalar field");
+        for (std::int64_t k = 0; k < S2D2Record::kScalars; ++k) d[scalars[k]] = k;
+        d["tokens"] = f.tokens();
+        d["masked"] = f.masked();
+        d["drafts"] = f.drafts();
+        d["prev"] = f.prev();
+        d["tail"] = f.tail();
+        d["used"] = f.used();
+        d["first"] = f.first();
+        d["starts"] = f.starts();
+        d["logit_starts"] = f.logit_starts();
+        d["width"] = f.width();
+        return d;
+      },
+      py::arg("block_size"),
+      "Offsets of a row record's fields (s2d2.h S2D2Record): each scalar's, each [bs] / [bs + 1] array's first, "
+      "and the record's width.");
   m.attr("s2d2_max_block") = py::int_(kS2D2MaxBlock);
   m.def(
       "s2d2_buffer_sizes",

@@ -1,5 +1,5 @@
-// Registration of S2D2's compiled step (s2d2_record_width, s2d2_plan, s2d2_advance,
-// s2d2_open) in dspec._C; called from PYBIND11_MODULE in bindings.cpp.  Defined in
+// Registration of S2D2's compiled step (s2d2_record_layout, s2d2_buffer_sizes,
+// s2d2_plan, s2d2_advance, s2d2_open) in dspec._C; called from PYBIND11_MODULE in bindings.cpp.  Defined in
 // s2d2_bindings.cpp.
 #pragma once
 

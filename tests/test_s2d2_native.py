@@ -59,21 +59,22 @@ def batches(model, prompts, *, max_new_tokens, **options):
 def assert_same_state(native, torch_path):
     """The native records hold the torch step's row state (spans only where they are live)."""
     st, bs = native.nat.state, native.bs
-    sc = ext.s2d2_record_scalars
-    assert torch.equal(st[:, 0], torch_path.phase)
-    assert torch.equal(st[:, 5], torch_path.block_start)
-    assert torch.equal(st[:, 4].bool(), torch_path.pending)
-    assert torch.equal(st[:, sc: sc + bs], torch_path.tokens)
-    assert torch.equal(st[:, sc + bs: sc + 2 * bs].bool(), torch_path.masked)
+    f = ext.s2d2_record_layout(bs)
+    assert torch.equal(st[:, f["phase"]], torch_path.phase)
+    assert torch.equal(st[:, f["block_start"]], torch_path.block_start)
+    assert torch.equal(st[:, f["pending"]].bool(), torch_path.pending)
+    assert torch.equal(st[:, f["tokens"]: f["tokens"] + bs], torch_path.tokens)
+    assert torch.equal(st[:, f["masked"]: f["masked"] + bs].bool(), torch_path.masked)
     verify = torch_path.phase == s2d2.VERIFY
-    for col, ref in ((1, torch_path.span_start), (2, torch_path.span_len), (3, torch_path.exact_first.long())):
-        assert torch.equal(st[verify, col], ref[verify])
+    for name, ref in (("span_start", torch_path.span_start), ("span_len", torch_path.span_len),
+                      ("exact_first", torch_path.exact_first.long())):
+        assert torch.equal(st[verify, f[name]], ref[verify])
     n = torch_path.span_len
     live = verify[:, None] & (torch.arange(bs)[None] < n[:, None])
-    assert torch.equal(st[:, sc + 2 * bs: sc + 3 * bs][live], torch_path.drafts[live])
+    assert torch.equal(st[:, f["drafts"]: f["drafts"] + bs][live], torch_path.drafts[live])
     if torch_path.shifted:         # the carry: the argmax of the torch step's carry logits
         drafting = torch_path.phase == s2d2.DRAFT
-        assert torch.equal(st[drafting, 6], torch_path.carry[drafting].argmax(-1))
+        assert torch.equal(st[drafting, f["carry"]], torch_path.carry[drafting].argmax(-1))
 
 
 @pytest.mark.parametrize("block_size, draft_len, redraft", [(4, None, True), (4, None, False), (4, 2, True),
@@ -135,17 +136,19 @@ def test_decode_uses_the_compiled_step_where_it_applies(model, monkeypatch):
 
 
 def _state(rows=1, bs=4):
-    return torch.zeros(rows, ext.s2d2_record_width(bs), dtype=torch.int64)
+    return torch.zeros(rows, ext.s2d2_record_layout(bs)["width"], dtype=torch.int64)
 
 
 @pytest.mark.parametrize("field, value, match", [
-    (0, 7, "phase"), (1, 4, "span_start"), (2, 3, "span_len"), (4, 2, "flags"),
+    ("phase", 7, "phase"), ("span_start", 4, "span_start"), ("span_len", 3, "span_len"), ("pending", 2, "flags"),
+    ("masked", 2, "masked"),
 ])
 def test_bad_state_raises_value_error(field, value, match):
+    f = ext.s2d2_record_layout(4)
     st = _state()
-    st[0, 0] = s2d2.VERIFY
-    st[0, 1], st[0, 2] = 2, 1
-    st[0, field] = value
+    st[0, f["phase"]] = s2d2.VERIFY
+    st[0, f["span_start"]], st[0, f["span_len"]] = 2, 1
+    st[0, f[field]] = value
     buf = torch.zeros(256, dtype=torch.int64)
     words = torch.zeros(256, dtype=torch.int32)
     with pytest.raises(ValueError, match=match):

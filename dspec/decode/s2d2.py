@@ -85,7 +85,7 @@ The compiled step: greedy decoding with policy ``always`` on the CPU runs each i
 host-side work -- the layout above, the argmax of every logit row, the acceptance, the
 redraft block of the outcome, the next drafts and the block openings -- in three calls of
 ``dspec._C`` (``s2d2_plan`` / ``s2d2_advance`` / ``s2d2_open``, csrc/s2d2_cpu.cpp) instead
-of ~500 small torch ops (~4 ms a step against a ~15 ms forward of SmolLM2-135M); the torch
+of several hundred small torch ops (~4 ms a step against a ~15 ms forward of SmolLM2-135M); the torch
 composition below is their reference (tests/test_s2d2_native.py: every forward's inputs and
 every row's state equal, step by step) and the path for sampling, the other policies and
 other devices.
@@ -611,21 +611,24 @@ class _Batch:
         """The row records of dspec._C.s2d2_* (csrc/s2d2.h) from the torch state, and the
         step's buffers."""
         ext, bs, batch = self.native, self.bs, self.batch
-        scalars = ext.s2d2_record_scalars
-        state = torch.zeros(batch, ext.s2d2_record_width(bs), dtype=torch.int64)
+        f = ext.s2d2_record_layout(bs)
+        state = torch.zeros(batch, f["width"], dtype=torch.int64)
         carry = token_stats(self.carry).token if self.shifted else torch.zeros(batch, dtype=torch.int64)
-        # kPhase, kSpanStart, kSpanLen, kExactFirst, kPending, kBlockStart, kCarry, kPromptLen, kTailStart
-        head = [self.phase, self.span_start, self.span_len, self.exact_first.long(), self.pending.long(),
-                self.block_start, carry, self.plen, self.block_start]
-        state[:, :len(head)] = torch.stack(head, 1).cpu()
-        state[:, scalars: scalars + 5 * bs] = torch.cat([self.tokens, self.masked.long(), self.drafts,
-                                                         self.prev_tokens, self.tokens], 1).cpu()
+        fields = {"phase": self.phase, "span_start": self.span_start, "span_len": self.span_len,
+                  "exact_first": self.exact_first, "pending": self.pending, "block_start": self.block_start,
+                  "carry": carry, "prompt_len": self.plen, "tail_start": self.block_start}
+        for name, value in fields.items():
+            state[:, f[name]] = value.cpu()
+        for name, value in (("tokens", self.tokens), ("masked", self.masked), ("drafts", self.drafts),
+                            ("prev", self.prev_tokens), ("tail", self.tokens)):
+            state[:, f[name]: f[name] + bs] = value.cpu()
         width, words, rows = ext.s2d2_buffer_sizes(bs)
         i64 = dict(dtype=torch.int64)
         flags = int(self.shifted) | 2 * int(self.share_prefix) | 4 * int(self.blocks == REDRAFT)
         return SimpleNamespace(
             state=state, args=(state.data_ptr(), batch, bs, self.L_max, self.mask_id, flags),
-            tokens=state[:, scalars: scalars + bs], block_start=state[:, 5], finishing=state[:, 15],
+            tokens=state[:, f["tokens"]: f["tokens"] + bs], block_start=state[:, f["block_start"]],
+            finishing=state[:, f["finishing"]],
             suffix=torch.empty(batch * width, **i64), positions=torch.empty(batch * width, **i64),
             words=torch.empty(batch * words, dtype=torch.int32), rows=torch.empty(batch * rows, **i64),
             argmax=torch.empty(batch * rows, **i64), keep=torch.empty(batch, bs, **i64),
