@@ -5,8 +5,8 @@ on the e2e grid's prompts.
 one-token-per-step ``diffusion`` (their lossless reference), each with the round's host-side
 work in three compiled calls (``dspec._C.selfspec_*``) and with the torch composition it
 replaced (~200 small ops a round, run cold right after the forward has streamed the
-weights); ``s2d2`` (policy ``always``, ``dspec._C.s2d2_*`` against its torch step of several hundred small ops)
-against ``ar`` on the target (``smollm2-135m``), its lossless reference.  Interleaved per
+weights); ``s2d2`` (policy ``always``, ``dspec._C.s2d2_*`` against its torch step of several
+hundred small ops) against ``ar`` on the target (``smollm2-135m``), its lossless reference.  Interleaved per
 prompt, greedy, batch 1.  Outputs must equal the reference's in both arms.
 
     python bench/ab_selfspec.py --prompts 8

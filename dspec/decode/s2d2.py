@@ -90,11 +90,12 @@ composition below is their reference (tests/test_s2d2_native.py: every forward's
 every row's state equal, step by step) and the path for sampling, the other policies and
 other devices.
 
-Host synchronisation (torch step): one small read per iteration (each row's state, suffix width and
-redraft logit rows, to size the suffix), one flag vector after the forward (which rows
-finished their block, for the output and the next block), and the token lists of a finished
-block; with redraft blocks, after each verification forward one flag (did a finished
-block's next-block drafts ride along) and, if so, the flag vector of that drafting step.  The
+Host synchronisation (torch step): one small read per iteration (each row's state, suffix
+width and redraft logit rows, to size the suffix), one flag vector after the forward (which
+rows finished their block, for the output and the next block), and the token lists of a
+finished block; with redraft blocks, after each verification forward one flag (did a
+finished block's next-block drafts ride along) and, if so, the flag vector of that drafting
+step.  The
 drafting, routing, verification and commit arithmetic is vectorised over the batch on the
 device.
 """
