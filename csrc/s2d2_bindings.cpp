@@ -159,6 +159,24 @@ void register_s2d2(py::module_& m) {
       py::arg("block_size"),
       "Offsets of a row record's fields (s2d2.h S2D2Record): each scalar's, each [bs] / [bs + 1] array's first, "
       "and the record's width.");
+  m.def(
+      "s2d2_counter_layout",
+      []() {
+        py::dict d;
+        d["verifications"] = static_cast<std::int64_t>(S2D2Counters::kVerifications);
+        d["committed"] = static_cast<std::int64_t>(S2D2Counters::kCommitted);
+        d["accepted"] = static_cast<std::int64_t>(S2D2Counters::kAccepted);
+        d["drafted"] = static_cast<std::int64_t>(S2D2Counters::kDrafted);
+        d["reused"] = static_cast<std::int64_t>(S2D2Counters::kReused);
+        d["spec_final"] = static_cast<std::int64_t>(S2D2Counters::kSpecFinal);
+        d["ahead"] = static_cast<std::int64_t>(S2D2Counters::kAhead);
+        d["decisions"] = static_cast<std::int64_t>(S2D2Counters::kDecisions);
+        d["verify_decisions"] = static_cast<std::int64_t>(S2D2Counters::kVerifyDecisions);
+        d["hist"] = static_cast<std::int64_t>(S2D2Counters::kHist);
+        return d;
+      },
+      "Indices of the counters s2d2_advance / s2d2_open add to (s2d2.h S2D2Counters); the accepted-drafts "
+      "histogram starts at 'hist' (draft_len + 1 entries).");
   m.attr("s2d2_max_block") = py::int_(kS2D2MaxBlock);
   m.def(
       "s2d2_buffer_sizes",
@@ -190,7 +208,8 @@ alone (nothing written: the shared block mask and every row's logits).)doc");
 
 logits: [rows x logit_rows, vocab] (dtype 0 float32, 1 float16, 2 bfloat16).  Writes argmax
 int64 [rows, logit_rows], keep int64 [rows, block_size] (suffix rows of the block KV to
-append, -1: none), the row records, and adds to counters int64 [9 + draft_len + 1].
+append, -1: none), the row records, and adds to counters int64 [hist + draft_len + 1]
+(s2d2_counter_layout).
 Returns (tokens committed by verifications, append, finishing).)doc");
   m.def("s2d2_open", &open, py::arg("state_ptr"), py::arg("rows"), py::arg("block_size"), py::arg("draft_len"),
         py::arg("mask_id"), py::arg("flags"), py::arg("logit_rows"), py::arg("any_verify"), py::arg("any_pending"),

@@ -42,6 +42,12 @@ struct Row {
   }
 };
 
+// Logit row i of a row's argmax [nr], clamped into it as the torch step's gathers clamp: the
+// layout fields that index it come from the caller's record.
+std::int64_t argmax_at(const std::int64_t* a, std::int64_t i, std::int64_t nr) {
+  return a[std::clamp<std::int64_t>(i, 0, nr - 1)];
+}
+
 // _redraft_blocks + useless_blocks + _verify_width: the redraft blocks of a verifying row and
 // the row's suffix width; returns the drafting logit rows the row adds (0 unless verifying).
 std::int64_t plan_row(const S2D2Config& cfg, const Row& row, std::int64_t& width) {
@@ -327,11 +333,11 @@ S2D2Advance s2d2_advance(const S2D2Config& cfg, const S2D2Plan& plan, std::int64
       stale = reuse && committed > acc;
       // _Batch.redraft_logits: the outcome's redraft block (slot-aligned) and the carry
       const std::int64_t base = bs + 1;
-      if (cfg.shifted && spec_final) row[R::kCarry] = chain_final ? a[bs] : a[base + row[R::kLogitBlocks]];
+      if (cfg.shifted && spec_final) row[R::kCarry] = chain_final ? a[bs] : argmax_at(a, base + row[R::kLogitBlocks], nr);
       if (reuse) {
         for (std::int64_t t = 0; t < bs; ++t) {
           const std::int64_t idx = row.logit_starts()[acc] + std::max<std::int64_t>(t - (s + acc + 1), 0);
-          choice[t] = a[std::min(base + idx, nr - 1)];
+          choice[t] = argmax_at(a, base + idx, nr);
         }
       }
     }
@@ -382,7 +388,7 @@ bool s2d2_open(const S2D2Config& cfg, const S2D2Plan& plan, std::int64_t* state,
     // the next block's first drafting step rode along (_Batch.step)
     counters[S2D2Counters::kAhead] += 1;
     const std::int64_t* a = argmax + b * nr;
-    for (std::int64_t t = 0; t < bs; ++t) choice[t] = a[std::min(bs + 1 + row[R::kLogitBlocks] + t, nr - 1)];
+    for (std::int64_t t = 0; t < bs; ++t) choice[t] = argmax_at(a, bs + 1 + row[R::kLogitBlocks] + t, nr);
     row[R::kPhase] = draft_row(cfg, row, choice, false, counters);
     if (row[R::kPhase] == kS2D2Commit) {
       row[R::kFinishing] = row[R::kComplete] = 1;

@@ -173,3 +173,27 @@ def test_bad_arguments_raise_value_error(args, match):
     with pytest.raises(ValueError, match="logit_rows"):
         ext.s2d2_advance(st.data_ptr(), 1, 4, 4, MASK, 7, 3, True, False, buf.data_ptr(), 2, 64, 64,
                          buf.data_ptr(), buf.data_ptr(), buf.data_ptr())
+
+
+def test_advance_reads_only_its_logit_rows():
+    """Layout fields of a record (written by s2d2_plan) that index the argmax rows are clamped
+    into them: a corrupted record cannot read past the forward's logit rows."""
+    f, bs, vocab = ext.s2d2_record_layout(4), 4, 16
+    st = _state()
+    st[0, f["phase"]], st[0, f["span_start"]], st[0, f["span_len"]] = s2d2.VERIFY, 0, 4
+    st[0, f["masked"]: f["masked"] + bs] = 1
+    st[0, f["pending"]] = 0
+    words = torch.zeros(4096, dtype=torch.int32)
+    buf = [torch.zeros(1024, dtype=torch.int64) for _ in range(3)]
+    width, nrows, plain, _, any_verify, any_pending = ext.s2d2_plan(
+        st.data_ptr(), 1, bs, bs, MASK, 5, buf[0].data_ptr(), buf[1].data_ptr(), words.data_ptr(), buf[2].data_ptr())
+    assert not plain and any_verify
+    st[0, f["logit_blocks"]] = 10 ** 6
+    st[0, f["logit_starts"]: f["logit_starts"] + bs + 1] = -10 ** 6
+    logits = torch.randn(nrows, vocab)
+    argmax, keep = torch.zeros(nrows, dtype=torch.int64), torch.zeros(bs, dtype=torch.int64)
+    counters = torch.zeros(32, dtype=torch.int64)
+    ext.s2d2_advance(st.data_ptr(), 1, bs, bs, MASK, 5, nrows, any_verify, any_pending, logits.data_ptr(), 0,
+                     vocab, vocab, argmax.data_ptr(), keep.data_ptr(), counters.data_ptr())
+    assert torch.equal(argmax, logits.argmax(-1))
+    assert int(counters[ext.s2d2_counter_layout()["verifications"]]) == 1

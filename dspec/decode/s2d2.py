@@ -85,19 +85,18 @@ The compiled step: greedy decoding with policy ``always`` on the CPU runs each i
 host-side work -- the layout above, the argmax of every logit row, the acceptance, the
 redraft block of the outcome, the next drafts and the block openings -- in three calls of
 ``dspec._C`` (``s2d2_plan`` / ``s2d2_advance`` / ``s2d2_open``, csrc/s2d2_cpu.cpp) instead
-of several hundred small torch ops (~4 ms a step against a ~15 ms forward of SmolLM2-135M); the torch
-composition below is their reference (tests/test_s2d2_native.py: every forward's inputs and
-every row's state equal, step by step) and the path for sampling, the other policies and
-other devices.
+of several hundred small torch ops (~4 ms a step against a ~15 ms forward of SmolLM2-135M);
+the torch composition below is their reference (tests/test_s2d2_native.py: every forward's
+inputs and every row's state equal, step by step) and the path for sampling, the other
+policies and other devices.
 
 Host synchronisation (torch step): one small read per iteration (each row's state, suffix
 width and redraft logit rows, to size the suffix), one flag vector after the forward (which
 rows finished their block, for the output and the next block), and the token lists of a
 finished block; with redraft blocks, after each verification forward one flag (did a
 finished block's next-block drafts ride along) and, if so, the flag vector of that drafting
-step.  The
-drafting, routing, verification and commit arithmetic is vectorised over the batch on the
-device.
+step.  The drafting, routing, verification and commit arithmetic is vectorised over the
+batch on the device.
 """
 from __future__ import annotations
 
@@ -634,12 +633,12 @@ class _Batch:
             words=torch.empty(batch * words, dtype=torch.int32), rows=torch.empty(batch * rows, **i64),
             argmax=torch.empty(batch * rows, **i64), keep=torch.empty(batch, bs, **i64),
             done=torch.zeros(batch, dtype=torch.bool),
-            counters=torch.zeros(9 + self.L_max + 1, **i64))
+            counters=torch.zeros(ext.s2d2_counter_layout()["hist"] + self.L_max + 1, **i64))
 
     def native_step(self) -> bool:
         """:meth:`step` through dspec._C.s2d2_plan / _advance / _open (greedy, policy "always",
         CPU): the same forwards, transitions and counters."""
-        ext, bs, batch = self.native, self.bs, self.batch
+        ext, batch = self.native, self.batch
         if self.nat is None:
             self.nat = self.native_state()
         nat = self.nat
@@ -909,9 +908,12 @@ class _Batch:
 
     def stats(self) -> dict:
         if self.nat is not None:        # the compiled step's counters (csrc/s2d2.h S2D2Counters)
-            c = self.nat.counters
-            self.stats_dev, self.hist = c[:7].clone(), c[9:].clone()
-            self.router._decisions, self.router._verifies = c[7].clone(), c[8].clone()
+            c, k = self.nat.counters, self.native.s2d2_counter_layout()
+            # stats_dev's seven counters, in its order: verifications .. ahead
+            self.stats_dev = c[k["verifications"]: k["ahead"] + 1].clone()
+            self.hist = c[k["hist"]:].clone()
+            self.router._decisions = c[k["decisions"]].clone()
+            self.router._verifies = c[k["verify_decisions"]].clone()
         n_verify, n_committed_by_verify, n_accepted, n_drafted, reused, from_spec, ahead = self.stats_dev.tolist()
         decisions = self.router.stats()["decisions"]
         total = sum(len(g) for g in self.generated)
