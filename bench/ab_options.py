@@ -8,6 +8,7 @@ batch 1.  Each option set must reproduce the first one's output where the method
 
     python bench/ab_options.py --model smollm2-135m --method diffuspec \\
         --options '{}' '{"k_min": 4, "k_max": 12}' --prompts 4
+    python bench/ab_options.py --method d2sd --options '{"tree": null}' '{}' --others dflash
 Writes bench/results/cpu/<name>.json.
 """
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--method", required=True)
     ap.add_argument("--options", nargs="+", required=True, metavar="JSON",
                     help="option sets as JSON objects, e.g. '{}' '{\"row_cost\": 0.02}'")
+    ap.add_argument("--others", default="", metavar="METHODS",
+                    help="comma-separated methods decoded beside, with their defaults (e.g. dflash next to d2sd)")
     add_run_arguments(ap, prompts=8, name=None)                    # default name: ab_<method>
     args = ap.parse_args(argv)
     try:
@@ -44,6 +47,8 @@ def main(argv=None) -> dict:
     model = dspec.load(args.model)
     base = ("ar", {}) if model.attention == "causal" else ("diffusion", {"tokens_per_step": 1})
     arms = [Arm(base[0], model, base[0], base[1])]
+    for other in filter(None, args.others.split(",")):
+        arms.append(Arm(other, model, other, {}, reference=base[0] if base[0] == "ar" else None))
     first = None
     for opts in sets:
         name = f"{args.method}{json.dumps(opts, sort_keys=True)}"

@@ -149,6 +149,9 @@ CONFIGS: tuple[Config, ...] = (
     Config("d2sd-adaptive-K2", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), 2), "row_cost": 0.06}),
     Config("d2sd-full-K2", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), 2), "row_cost": None}),
     Config("d2sd-nolookup-K2", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), 2), "lookup": None}),
+    # the first draft verified as a chain, the branches merged onto it (on a CPU, greedy,
+    # `d2sd` grafts them onto DFlash's 7-node draft tree: tree="auto")
+    Config("d2sd-chain-K2", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), 2), "tree": None}),
     # the naive control: DFlash with K branches resampled from the first draft
     *(Config(f"d2sd-resample-K{k}", "d2sd", "target",
              {"k": Option(("k", "num_branches", "top_k"), k), "branches": "resample"})

@@ -1,5 +1,6 @@
-"""D2SD: branch construction, prefix-tree dedup, greedy == ar (K in {1, 2, 4}), batch ==
-singles, the resample control, lossless sampling.
+"""D2SD: branch construction, prefix-tree dedup, the union with DFlash's draft tree, greedy ==
+ar (K in {1, 2, 4}, chain or tree first draft), batch == singles, the resample control,
+lossless sampling.
 
 The oracle-ish drafters of ``test_dflash`` make acceptance non-trivial: the first drafter
 is wrong (and less confident) at every ``wrong_every``-th position, the VP-drafter always
@@ -62,21 +63,70 @@ def test_prefix_tree_dedup():
     assert tree.leaf_of_branch.tolist() == [3, 4, 3]
 
 
+@pytest.mark.parametrize("tree", [None, "auto", 12])
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_greedy_equals_ar(target, k):
+def test_greedy_equals_ar(target, k, tree):
     n, gamma = 20, 6
     ref = ar_tokens(target, PROMPTS, n)
     ds = drafters(target, PROMPTS, n, gamma)
-    outs = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=ds, k=k) for p in PROMPTS]
+    outs = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=ds, k=k, tree=tree, row_cost=None)
+            for p in PROMPTS]
     assert [o.tokens for o in outs] == ref
     s = outs[0].stats
-    assert s["k"] == k and s["branches"] == "vp" and s["draft_len"] == gamma - 1
+    nodes = {None: None, "auto": 7, 12: 12}[tree]       # "auto": CPU_TREE_NODES on this CPU model
+    assert s["k"] == k and s["branches"] == "vp" and s["draft_len"] == gamma - 1 and s["tree"] == nodes
     assert s["nfe"]["target"] == s["verify_forwards"] + 1
     assert s["nfe"]["drafter"] == s["nfe"]["vp_drafter"] == s["verify_forwards"]
-    assert 1 + gamma - 1 <= s["tree_nodes"] <= 1 + (k + 1) * (gamma - 1)
-    # the VP re-drafts fix the first draft's planted errors: more accepted than DFlash
-    dfl = dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=n, drafter=ds["dflash"])
+    first_nodes = gamma - 1 if tree is None else nodes
+    assert 1 + min(first_nodes, gamma - 1) <= s["tree_nodes"] <= 1 + first_nodes + k * (gamma - 1)
+    # the VP re-drafts fix the first draft's planted errors: more accepted than DFlash (its
+    # tree: the same tree without the re-drafts)
+    dfl = dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=n, drafter=ds["dflash"], tree=nodes,
+                         row_cost=None)
     assert s["mean_accepted"] > dfl.stats["mean_accepted"]
+
+
+def _paths(tokens, parents):
+    """Every node's token path from the root (root excluded), one request's tree."""
+    paths = []
+    for j in range(len(tokens)):
+        path, u = [], j
+        while u > 0:
+            path.append(int(tokens[u]))
+            u = int(parents[u])
+        paths.append(tuple(reversed(path)))
+    return paths
+
+
+def test_union_tree_holds_the_draft_tree_and_every_branch():
+    """d2sd's tree with ``tree``: DFlash's draft tree unchanged (its columns first), each
+    re-drafted branch and the lookup chain as paths, no two siblings with one token."""
+    from dspec.decode.dflash import draft_tree
+    gen = torch.Generator().manual_seed(3)
+    batch, slots, top, k = 5, 6, 3, 2
+    probs = torch.rand(batch, slots, top, generator=gen).sort(-1, descending=True).values
+    tokens = torch.rand(batch, slots, 9, generator=gen).argsort(-1)[..., :top]     # distinct per slot
+    first = tuple(t.numpy() for t in draft_tree(probs, tokens, 8, torch.full((batch,), 50), torch.full((batch,), 10))[:3])
+    branch_tokens = torch.randint(0, 9, (batch, k, slots), generator=gen)
+    branch_tokens[:, 0, :2] = tokens[:, :2, 0]                     # branch 0 shares the best path's start
+    branch_len = torch.randint(0, slots + 1, (batch, k), generator=gen)
+    chain = torch.randint(0, 9, (batch, 4), generator=gen).numpy()
+    counts = torch.randint(0, 5, (batch,), generator=gen).numpy()
+    tok, par, pos = d2sd._union_tree(first, branch_tokens, branch_len, chain, counts)
+    width = first[0].shape[1]
+    assert (tok[:, :width] == first[0]).all() and (par[:, :width] == first[1]).all()
+    for b in range(batch):
+        live = [0] + [j for j in range(1, tok.shape[1]) if par[b, j] >= 0]
+        paths = _paths(tok[b], par[b])
+        have = {paths[j] for j in live}
+        assert len(have) == len(live)                             # siblings never repeat a token
+        assert all(pos[b, j] == 10 + len(paths[j]) for j in live)
+        wanted = [tuple(branch_tokens[b, j, :branch_len[b, j]].tolist()) for j in range(k)]
+        wanted.append(tuple(chain[b, :counts[b]].tolist()))
+        for path in wanted:
+            assert all(path[:d] in have for d in range(len(path) + 1))
+        old = {paths[j] for j in range(width) if j == 0 or first[1][b, j] >= 0}
+        assert have == old | {p[:d] for p in wanted for d in range(len(p) + 1)}
 
 
 @pytest.mark.parametrize("branches", ["vp", "resample"])
@@ -128,6 +178,9 @@ def test_bad_options(target):
         dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, k=4)
     with pytest.raises(ValueError, match="branches"):
         dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, branches="tree")
+    for bad in (0, -2, True, "big", 2.5):
+        with pytest.raises(ValueError, match="tree"):
+            dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, tree=bad)
     with pytest.raises(ValueError, match="keys"):
         dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter={"first": ds["dflash"]})
     with pytest.raises(ValueError, match="'vp'"):
@@ -136,14 +189,15 @@ def test_bad_options(target):
                        drafter={"dflash": ds["dflash"], "vp": ds["dflash"]})
 
 
-@pytest.mark.parametrize("branches", ["vp", "resample"])
-def test_sampling_preserves_target_distribution(peaked, branches):
+@pytest.mark.parametrize("branches,tree", [("vp", "auto"), ("resample", "auto"), ("vp", 6)])
+def test_sampling_preserves_target_distribution(peaked, branches, tree):
     prompt = [5, 6, 7]
     probs = _second_token_marginal(peaked, prompt, 1.0)
     ds = drafters(peaked, [prompt], 6, 4, wrong_every=3)
     drafter = ds if branches == "vp" else ds["dflash"]
     out = dspec.generate(peaked, [prompt] * 1500, method="d2sd", max_new_tokens=3, drafter=drafter,
-                         temperature=1.0, seed=0, k=2, branches=branches)
+                         temperature=1.0, seed=0, k=2, branches=branches, tree=tree)
+    assert out[0].stats["tree"] == (None if tree == "auto" else tree)     # "auto" at T > 0: the chain
     counts = torch.bincount(torch.tensor([g.tokens[1] for g in out]), minlength=peaked.config.vocab_size)
     stat, limit = chi_square_ok(counts, probs)
     assert stat < limit, (stat, limit)

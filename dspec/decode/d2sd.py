@@ -21,7 +21,11 @@ Per cycle, for every unfinished request (ragged batch, per-request acceptance):
    / ``prefix_tree``: shared prefixes are one set of nodes), one target forward over the
    tree (``cascade_attention`` under the tree mask, the committed prefix read once for all
    nodes), ``dspec.verify_tree`` (greedy: equals ``ar``; sampling: lossless for any
-   siblings).
+   siblings).  With ``tree = N`` the first draft enters as DFlash's draft tree (its N best
+   paths over each slot's top candidates, :func:`dspec.decode.dflash.draft_tree`, whose best
+   path is the first draft) instead of a chain, and the K re-drafted branches and the
+   lookup chain are grafted onto it (:func:`dspec.decode.lookup.graft_chain`): the tree
+   verifies everything ``dflash`` would plus the re-drafts.
 5. **commit** -- the root and the accepted path: ``KVCache.append(keep=[0] + path)`` in the
    target cache and the drafter context caches; the drawn token is the next anchor.
 
@@ -49,9 +53,10 @@ from torch import nn
 from ..masks import padded_prefix_tree, ssd_copies
 from ..models.dflash import MASK, resolve_drafter
 from ..ops import rejection_boundaries, token_stats
-from .dflash import SpeculativeRun, _sync, check_draft_len, draft_block, vocab_ids
-from ._cpu_cost import resolve_lookup, resolve_row_cost
-from .lookup import PromptLookup
+from ..ops import topk_tokens, tree_mask
+from .dflash import TREE_TOP_K, SpeculativeRun, _sync, check_draft_len, draft_block, draft_tree, vocab_ids
+from ._cpu_cost import resolve_lookup, resolve_row_cost, resolve_tree
+from .lookup import PromptLookup, graft_chain
 from .sampling import sample_from
 
 BRANCH_MODES = ("vp", "resample")
@@ -123,11 +128,28 @@ def prune_tree(first_probs: torch.Tensor, branch_probs: torch.Tensor, lengths: t
     return first_keep, branch_keep
 
 
+def _union_tree(first_tree, branch_tokens: torch.Tensor, branch_len: torch.Tensor, chain, counts):
+    """DFlash's draft tree of the first draft (``first_tree``: numpy tokens, parents,
+    absolute positions [B, W]) with the re-drafted branches (``branch_tokens`` [B, K, L],
+    ``branch_len`` [B, K]) and the lookup chain (``chain`` [B, K'], ``counts`` [B], or None)
+    grafted on as tries: a branch continues in the tree's nodes as long as it agrees with
+    them, then adds its own."""
+    tokens, parents, positions = first_tree
+    grafts = [(branch_tokens[:, j].numpy(), branch_len[:, j].numpy()) for j in range(branch_tokens.shape[1])]
+    if chain is not None:
+        grafts.append((chain, counts))
+    for toks, lens in grafts:
+        if lens.any():
+            tokens, parents, positions = graft_chain(tokens, parents, positions, toks, lens)
+    return tokens, parents, positions
+
+
 @torch.no_grad()
 def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                 generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
                 draft_len: int | None = None, k: int = 2, branches: str = "vp",
-                row_cost: float | str | None = "auto", lookup: int | str | None = "auto"):
+                row_cost: float | str | None = "auto", lookup: int | str | None = "auto",
+                tree: int | str | None = "auto"):
     """D2SD speculative decoding of a ragged batch with an AR target.
 
     Parameters
@@ -151,6 +173,10 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         K' tokens (:mod:`dspec.decode.lookup`), merged into the tree like the others;
         "auto" (default): ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding
         greedily a batch of at most ``CPU_LOOKUP_MAX_BATCH`` (4) requests, off otherwise.
+    tree : None (the first draft verified as a chain) or N >= 1: the first draft's N best
+        paths over each slot's ``TREE_TOP_K`` candidates (``dflash``'s ``tree``, pruned with
+        ``row_cost`` as there), the branches grafted on; "auto" (default): as ``dflash``'s
+        (``_cpu_cost.CPU_TREE_NODES`` for a CPU model decoding greedily, None otherwise).
 
     Returns
     -------
@@ -158,7 +184,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     (re-drafts)}, ``mean_accepted`` = tokens committed per request per verification forward
     (accepted path + the drawn token, averaged over (request, cycle) pairs), ``draft_s``
     (both drafter forwards and the boundary scoring), ``tree_s``, ``verify_s``, ``k``,
-    ``branches``, ``draft_len``, ``tree_nodes``, ``lookup``.
+    ``branches``, ``draft_len``, ``tree_nodes``, ``lookup``, ``tree``.
     """
     if model.attention != "causal":
         raise ValueError(f"method 'd2sd' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
@@ -184,6 +210,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         first_drafter = resolve_drafter(drafter, model, "dflash")
         vp = None
     gamma = check_draft_len(draft_len, first_drafter)
+    tree = resolve_tree(model, tree, temperature)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= gamma - 1:
         raise ValueError(f"k must be an int in [1, draft_len = {gamma - 1}], got {k!r}")
     roles = {"drafter": first_drafter}
@@ -206,20 +233,29 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         positions = run.lengths[:, None] + offsets
         logits, vocab = draft_block(first_drafter, run.contexts["drafter"], run.anchor, positions, gamma)
         run.nfe["drafter"] += 1
-        stats = token_stats(logits, temperature=temperature if temperature > 0 else 1.0)
-        first = vocab_ids(stats.token, vocab)                                   # [B, L]
+        scale = temperature if temperature > 0 else 1.0
+        if tree is None:
+            stats = token_stats(logits, temperature=scale)
+            first, first_probs = vocab_ids(stats.token, vocab), stats.prob      # [B, L]
+        else:
+            top_i, top_p = topk_tokens(logits, min(TREE_TOP_K, logits.shape[-1]), temperature=scale)
+            top_i = vocab_ids(top_i, vocab)
+            first, first_probs = top_i[..., 0], top_p[..., 0]
         if branches == "vp":
-            lengths, _ = rejection_boundaries(stats.prob, k)
+            lengths, _ = rejection_boundaries(first_probs, k)
             alt, alt_probs = redraft(roles["vp_drafter"], run.contexts["vp_drafter"], run.anchor, first, lengths,
                                      positions, gamma, with_probs=True)
             run.nfe["vp_drafter"] += 1
             if row_cost is not None:
-                first_keep, branch_keep = prune_tree(stats.prob, alt_probs, lengths, float(row_cost))
+                first_keep, branch_keep = prune_tree(first_probs, alt_probs, lengths, float(row_cost))
         else:
             q = torch.softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
             u = torch.rand((q.shape[0], k, q.shape[1]), generator=resample_gen, device=dev)
             alt = vocab_ids(sample_from(q[:, None].expand(-1, k, -1, -1), u), vocab)
             lengths = torch.zeros(q.shape[0], k, dtype=torch.int64, device=dev)
+        if tree is not None:
+            first_tree = tuple(t.cpu().numpy() for t in draft_tree(top_p, top_i, tree, run.anchor, positions[:, 0],
+                                                                   row_cost)[:3])
         parts = [run.anchor[:, None], first, lengths, alt.flatten(1)]
         if row_cost is not None:
             parts += [first_keep[:, None], branch_keep]
@@ -237,29 +273,40 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
             # kept nodes only; a branch with no kept node shrinks to a path of the kept draft
             keep_first, keep_branch = host[:, -k - 1], host[:, -k:]
             branch_len[:, 0] = keep_first
-            branch_len[:, 1:] = torch.where(keep_branch > 0, prefix + keep_branch,
-                                            torch.minimum(prefix, keep_first[:, None]))
+            # (a union tree holds the first draft's kept path already: nothing to add)
+            fallback = torch.minimum(prefix, keep_first[:, None]) if tree is None else torch.zeros_like(prefix)
+            branch_len[:, 1:] = torch.where(keep_branch > 0, prefix + keep_branch, fallback)
+        chain = counts = None
         if finder is not None:
             chain, counts = finder.drafts(run.rows)
-            width = max(big_l, chain.shape[1])
-            branch_tokens = torch.cat([nn.functional.pad(branch_tokens, (0, width - big_l)),
-                                       nn.functional.pad(torch.from_numpy(chain).clamp_(min=0),
-                                                         (0, width - chain.shape[1]))[:, None]], 1)
-            branch_len = torch.cat([branch_len, torch.from_numpy(counts)[:, None]], 1)
-        tree = padded_prefix_tree(branch_tokens, branch_len, anchors, device=dev)
+        if tree is None:
+            if chain is not None:
+                width = max(big_l, chain.shape[1])
+                branch_tokens = torch.cat([nn.functional.pad(branch_tokens, (0, width - big_l)),
+                                           nn.functional.pad(torch.from_numpy(chain).clamp_(min=0),
+                                                             (0, width - chain.shape[1]))[:, None]], 1)
+                branch_len = torch.cat([branch_len, torch.from_numpy(counts)[:, None]], 1)
+            merged = padded_prefix_tree(branch_tokens, branch_len, anchors, device=dev)
+            tree_tokens, tree_parents, tree_words = merged.tokens, merged.parents, merged.words
+            tree_pos = run.lengths[:, None] + merged.positions
+        else:
+            tree_tokens, tree_parents, tree_pos = _union_tree(first_tree, branch_tokens[:, 1:], branch_len[:, 1:],
+                                                              chain, counts)
+            tree_tokens, tree_parents, tree_pos = (torch.from_numpy(a).to(dev) for a in
+                                                   (tree_tokens, tree_parents, tree_pos))
+            tree_words = tree_mask(tree_parents).words
         t2 = time.perf_counter()
-        nodes_total += int((tree.parents >= 0).sum()) + len(anchors)
-        tree_pos = run.lengths[:, None] + tree.positions
-        live = run.verify_tree_cycle(tree.tokens, tree.parents, tree_pos, tree.words, temperature, generator)
+        nodes_total += int((tree_parents >= 0).sum()) + len(anchors)
+        live = run.verify_tree_cycle(tree_tokens, tree_parents, tree_pos, tree_words, temperature, generator)
         _sync(dev)
         t3 = time.perf_counter()
         run.time["draft_s"] += t1 - t0
         run.time["tree_s"] += t2 - t1
         run.time["verify_s"] += t3 - t2
-    return run.generated, run.stats(k=k, branches=branches, draft_len=gamma - 1, lookup=lookup,
+    return run.generated, run.stats(k=k, branches=branches, draft_len=gamma - 1, lookup=lookup, tree=tree,
                                     tree_nodes=nodes_total / run.cycles if run.cycles else 0.0)
 
 
-OPTIONS = ("draft_len", "k", "branches", "row_cost", "lookup")
+OPTIONS = ("draft_len", "k", "branches", "row_cost", "lookup", "tree")
 DRAFTER = "block"    # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_d2sd
