@@ -118,6 +118,53 @@ def test_loss_trains_only_the_adapter(base):
         mask_adapter_loss(model, clean, valid, torch.tensor([0, 0]), 1)
 
 
+def test_distill_loss_and_agreement(base, bd):
+    """distill = a mixes the data CE with KL(base || adapter) at the same slots; the teacher
+    is the base model's logits given the true prefix (a causal forward of the clean ids);
+    nll_sum stays the data CE; agree counts argmax matches; the KL trains only the adapter."""
+    L, bs = 14, 4
+    clean = torch.tensor([_ids(L, 31), _ids(L, 32)])
+    valid = torch.ones_like(clean, dtype=torch.bool)
+    valid[1, 11:] = False
+    starts = torch.tensor([2, 0])
+    g = lambda: torch.Generator().manual_seed(7)                       # noqa: E731 -- same noise per call
+    plain = mask_adapter_loss(bd, clean, valid, starts, bs, generator=g())
+    assert torch.isnan(plain.agree)
+    for a in (0.0, 0.3, 1.0):
+        out = mask_adapter_loss(bd, clean, valid, starts, bs, generator=g(), distill=a, agreement=True)
+        assert torch.equal(out.nll_sum, plain.nll_sum) and torch.equal(out.count, plain.count)
+        # the reference: the masked slots, the student's and the base's logits row by row
+        noisy, masked = noise_blocks(clean, valid, bs, MASK, g())
+        j = torch.arange(L)
+        want = masked & (j % bs != 0) & (j >= starts[:, None])
+        student = two_stream_logits(bd, clean, noisy, valid, bs, (j - 1).clamp_min(0).expand(2, L)).float()
+        ce, kl, agree = 0.0, 0.0, 0
+        for b in range(2):
+            n = int(valid[b].sum())
+            with torch.no_grad():
+                teacher = base(AttentionPlan(clean[b:b + 1, :n], torch.arange(n)[None],
+                                             pack_mask(torch.ones(n, n, dtype=torch.bool).tril())),
+                               logits="all").logits[0].float()
+            for i in torch.nonzero(want[b]).flatten().tolist():
+                log_q = torch.log_softmax(student[b, i], -1)
+                log_p = torch.log_softmax(teacher[i - 1], -1)
+                ce += float(-log_q[clean[b, i]])
+                kl += float((log_p.exp() * (log_p - log_q)).sum())
+                agree += int(student[b, i].argmax() == teacher[i - 1].argmax())
+        count = float(want.sum())
+        assert float(out.count) == count
+        torch.testing.assert_close(float(out.loss), ((1 - a) * ce + a * kl) / count, rtol=1e-4, atol=1e-4)
+        assert int(out.agree) == agree
+    model = mask_diffusion_model(base, block_size=4, mask_token_id=MASK, rank=4)
+    model.mask_adapter.trainable(model)
+    mask_adapter_loss(model, clean, valid, starts, bs, generator=g(), distill=1.0).loss.backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all(n.endswith(("lora_A", "lora_B")) or n == "mask_adapter.mask_embedding" for n in grads)
+    for bad in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="distill"):
+            mask_adapter_loss(bd, clean, valid, starts, bs, distill=bad)
+
+
 def test_bf16_frozen_projections_train_as_autocast_does(base):
     """Under bf16 autocast the frozen projections held in bf16 give the loss and gradients
     of float32 weights rounded per call, up to the clean stream (float32 matmuls before),

@@ -13,7 +13,10 @@ diffusion, split into its two streams because only one of them can learn:
 Right-shifted (Fast-dLLM v2) prediction: slot j is read from the logits of slot j - 1 of
 the noisy stream; the first slot of a block would be read from the clean stream, which has
 no trainable parameter, so it is left out of the loss (block sizes >= 2).  The loss is the
-mean cross-entropy of the masked response tokens.
+mean cross-entropy of the masked response tokens, optionally mixed with the KL to the base
+model's own next-token distribution at each of them (``distill``: the clean stream computes
+it but for the output head; the base model is the verifier of S2D2, so its distribution is
+the target the drafts are judged by).
 
 :func:`two_stream_logits` is checked in ``tests/test_mask_adapter.py`` against the inference
 forward (``Model.forward`` of the 2L layout under the clean-causal rule), so trained weights
@@ -27,6 +30,7 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +42,10 @@ from .data_engine import heldout_split
 from .dflash import lr_at
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .loop import BudgetedLoop
-from .objectives import LossOutput, additive_mask
+from .objectives import additive_mask
 
-__all__ = ["two_stream_logits", "noisy_mask", "frozen_projections_bf16", "mask_adapter_loss", "noise_blocks",
-           "mask_diffusion_model", "save_mask_adapter", "load_mask_adapter", "is_mask_adapter", "MaskAdapterConfig",
+__all__ = ["two_stream_logits", "noisy_mask", "frozen_projections_bf16", "mask_adapter_loss", "MaskAdapterLoss",
+           "noise_blocks", "mask_diffusion_model", "save_mask_adapter", "load_mask_adapter", "is_mask_adapter", "MaskAdapterConfig",
            "MaskAdapterTrainer", "ADAPTER_FORMAT"]
 
 
@@ -65,11 +69,14 @@ def _sdpa(q, k, v, mask, gqa):
 
 
 def two_stream_logits(model: Model, clean: torch.Tensor, noisy: torch.Tensor, valid: torch.Tensor,
-                      block_size: int, logits_index: torch.Tensor) -> torch.Tensor:
+                      block_size: int, logits_index: torch.Tensor, *, teacher: bool = False):
     """Logits of the noisy stream at ``logits_index`` [B, K] (differentiable in the adapter).
 
     clean, noisy : int64 [B, L] (noisy = clean with some positions set to [MASK]);
     valid : bool [B, L] (right padding False).  Positions are 0 .. L-1.
+    teacher : also return the clean stream's logits at ``logits_index`` (no gradient): the
+        base model's next-token distribution given the true prefix, which the clean stream
+        computes anyway but for its output head -> (student, teacher).
     """
     adapter: MaskAdapter = model.mask_adapter
     if adapter is None:
@@ -94,6 +101,7 @@ def two_stream_logits(model: Model, clean: torch.Tensor, noisy: torch.Tensor, va
                                                is_causal=True, enable_gqa=gqa).transpose(1, 2)
             x = x + attn.o_proj(o.reshape(batch, length, hq * d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        clean_x = x
     is_mask = noisy == adapter.mask_token_id
     mask = additive_mask(noisy_mask(positions, is_mask, valid, block_size))[:, None]
     x = adapter.begin(noisy, model.embed_tokens(noisy), is_mask, bool(is_mask.any()))
@@ -108,7 +116,12 @@ def two_stream_logits(model: Model, clean: torch.Tensor, noisy: torch.Tensor, va
         adapter.end()
     x = model.norm(x)
     x = torch.gather(x, 1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
-    return F.linear(x, model.output_weight)
+    student = F.linear(x, model.output_weight)
+    if not teacher:
+        return student
+    with torch.no_grad():
+        t = torch.gather(model.norm(clean_x), 1, logits_index[..., None].expand(-1, -1, clean_x.shape[-1]))
+        return student, F.linear(t, model.output_weight)
 
 
 def frozen_projections_bf16(model: Model) -> int:
@@ -153,10 +166,32 @@ def noise_blocks(clean: torch.Tensor, valid: torch.Tensor, block_size: int, mask
     return torch.where(masked, torch.full_like(clean, mask_token_id), clean), masked
 
 
+class MaskAdapterLoss(NamedTuple):
+    """``objectives.LossOutput``'s fields plus ``agree``: how many of the ``count`` predicted
+    tokens have the student's argmax equal to the base model's (the teacher's, given the
+    true prefix) -- what a greedy self-speculative verification accepts; NaN unless asked."""
+
+    loss: torch.Tensor
+    nll_sum: torch.Tensor
+    count: torch.Tensor
+    agree: torch.Tensor
+
+
 def mask_adapter_loss(model: Model, clean: torch.Tensor, valid: torch.Tensor, loss_from: torch.Tensor,
-                      block_size: int, *, generator: torch.Generator | None = None) -> LossOutput:
-    """Mean cross-entropy of the masked tokens at positions >= ``loss_from`` [B] (e.g. the
-    prompt length) that are not the first slot of their block (right-shifted prediction)."""
+                      block_size: int, *, generator: torch.Generator | None = None, distill: float = 0.0,
+                      agreement: bool = False) -> MaskAdapterLoss:
+    """Loss over the masked tokens at positions >= ``loss_from`` [B] (e.g. the prompt length)
+    that are not the first slot of their block (right-shifted prediction).
+
+    ``distill`` = a in [0, 1]: the loss is ``(1 - a) * CE(data token) + a * KL(teacher ||
+    student)``, the teacher being the frozen base model's distribution at the same slot given
+    the true prefix (the clean stream's logits, free but for its output head): the soft
+    target tells the adapter which tokens the verifier would pick, where a sampled data token
+    tells it one draw.  ``nll_sum`` is always the data tokens' cross-entropy, so held-out
+    losses compare across ``distill``.  ``agreement``: count the argmax agreements too.
+    """
+    if not isinstance(distill, (int, float)) or isinstance(distill, bool) or not 0.0 <= distill <= 1.0:
+        raise ValueError(f"distill must be a number in [0, 1], got {distill!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
         raise ValueError(f"block_size must be an int >= 2 (a block's first slot is the base model's), got {block_size!r}")
     adapter = model.mask_adapter
@@ -170,12 +205,23 @@ def mask_adapter_loss(model: Model, clean: torch.Tensor, valid: torch.Tensor, lo
     order = torch.sort((~want).to(torch.int8), dim=1, stable=True).indices[:, :k]      # wanted first
     have = torch.arange(k, device=clean.device)[None] < count[:, None]
     src = (order - 1).clamp_min(0)
-    logits = two_stream_logits(model, clean, noisy, valid, block_size, src)
+    teacher = distill > 0 or agreement
+    out = two_stream_logits(model, clean, noisy, valid, block_size, src, teacher=teacher)
+    logits, teacher_logits = out if teacher else (out, None)
     targets = clean.gather(1, order)
-    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(batch, k)
-    ce = ce * have
+    log_q = F.log_softmax(logits.float(), -1)                                  # [B, k, V]
+    ce = -log_q.gather(-1, targets[..., None])[..., 0] * have
     n = have.sum().float()
-    return LossOutput(ce.sum() / n.clamp_min(1), ce.sum().detach(), n.detach())
+    loss = ce.sum()
+    agree = torch.tensor(float("nan"))
+    if teacher:
+        log_p = F.log_softmax(teacher_logits.float(), -1)
+        if distill > 0:
+            kl = (log_p.exp() * (log_p - log_q)).sum(-1) * have
+            loss = (1.0 - distill) * loss + distill * kl.sum()
+        if agreement:
+            agree = ((logits.argmax(-1) == teacher_logits.argmax(-1)) & have).sum().float()
+    return MaskAdapterLoss(loss / n.clamp_min(1), ce.sum().detach(), n.detach(), agree)
 
 
 def mask_diffusion_model(base: Model, *, block_size: int, mask_token_id: int, rank: int = 16,
@@ -305,6 +351,8 @@ class MaskAdapterConfig:
         the earlier sequence count).
     eval_every : steps; checkpoint_every_s : seconds.  autocast : "auto" (bf16 on CUDA and
     on CPUs with native bf16 matmul), "bf16", "none".
+    distill : the weight a in [0, 1] of the KL to the base model's distribution in the loss
+        (:func:`mask_adapter_loss`); 0 trains on the data tokens alone.
     """
 
     rank: int = 16
@@ -329,6 +377,7 @@ class MaskAdapterConfig:
     checkpoint_every_s: float = 600.0
     autocast: str = "auto"
     seed: int = 0
+    distill: float = 0.0
 
     def __post_init__(self):
         for name in ("rank", "block_size", "batch_size", "max_len", "max_steps", "eval_every", "heldout_sequences"):
@@ -343,6 +392,9 @@ class MaskAdapterConfig:
         if len(self.block_weights) != len(self.block_sizes) or any(w < 0 for w in self.block_weights) \
                 or sum(self.block_weights) <= 0:
             raise ValueError(f"block_weights must be {len(self.block_sizes)} weights >= 0, got {self.block_weights}")
+        if isinstance(self.distill, bool) or not isinstance(self.distill, (int, float)) \
+                or not 0.0 <= self.distill <= 1.0:
+            raise ValueError(f"distill must be a number in [0, 1], got {self.distill!r}")
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
         if isinstance(self.heldout_start, bool) or not isinstance(self.heldout_start, int) or self.heldout_start < 0:
@@ -421,7 +473,7 @@ class MaskAdapterTrainer(BudgetedLoop):
         clean, valid, starts = self._rows([self.train_set[i] for i in pick])
         bs = self.block_size_at(self.step)
         with self._autocast():
-            out = mask_adapter_loss(self.model, clean, valid, starts, bs, generator=g)
+            out = mask_adapter_loss(self.model, clean, valid, starts, bs, generator=g, distill=cfg.distill)
         self.opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_([p for group in self.opt.param_groups for p in group["params"]], cfg.grad_clip)
@@ -433,18 +485,21 @@ class MaskAdapterTrainer(BudgetedLoop):
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Held-out masked-token loss per eval block size (fixed noise); returns the mean."""
+        """Held-out masked-token loss per eval block size (fixed noise), and ``agree_bs{b}``:
+        the fraction of those tokens whose argmax is the base model's; returns the mean loss."""
         record = {"step": self.step}
         for bs in self.cfg.eval_block_sizes:
-            nll, count = 0.0, 0.0
+            nll, count, agree = 0.0, 0.0, 0.0
             for start in range(0, len(self.heldout), self.cfg.batch_size):
                 clean, valid, starts = self._rows(self.heldout[start:start + self.cfg.batch_size])
                 with self._autocast():
                     out = mask_adapter_loss(self.model, clean, valid, starts, bs,
-                                            generator=self._gen(start, salt=1000 + bs))
+                                            generator=self._gen(start, salt=1000 + bs), agreement=True)
                 nll += float(out.nll_sum)
                 count += float(out.count)
+                agree += float(out.agree)
             record[f"bs{bs}"] = nll / max(count, 1.0)
+            record[f"agree_bs{bs}"] = agree / max(count, 1.0)
         record["heldout_loss"] = sum(record[f"bs{b}"] for b in self.cfg.eval_block_sizes) / len(self.cfg.eval_block_sizes)
         self.evals.append(record)
         return record["heldout_loss"]
@@ -514,6 +569,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
     ap.add_argument("--mask-token", default=d.mask_token, help="an unused token string used as [MASK] (default %(default)s)")
     ap.add_argument("--autocast", choices=("auto", "bf16", "none"), default=d.autocast)
+    ap.add_argument("--distill", type=float, default=d.distill,
+                    help="weight in [0, 1] of the KL to the base model's next-token distribution (default %(default)s)")
     ap.add_argument("--threads", default=None, help="torch threads (default: dspec's policy)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heldout-start", type=int, default=0,
@@ -534,7 +591,7 @@ def main(argv=None) -> dict:
         weights = d.block_weights if sizes == d.block_sizes else (1.0,) * len(sizes)
         cfg = MaskAdapterConfig(rank=args.rank, block_sizes=sizes, block_weights=weights, batch_size=args.batch_size,
                                 lr=args.lr, mask_token=args.mask_token, autocast=args.autocast, seed=args.seed,
-                                heldout_start=args.heldout_start,
+                                heldout_start=args.heldout_start, distill=args.distill,
                                 eval_block_sizes=tuple(b for b in (2, 4, 8) if b <= max(sizes)) or (max(sizes),))
         sequences, data_info = read_directories(args.data.split(","))
     except ValueError as e:
