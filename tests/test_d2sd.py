@@ -106,7 +106,8 @@ def test_union_tree_holds_the_draft_tree_and_every_branch():
     batch, slots, top, k = 5, 6, 3, 2
     probs = torch.rand(batch, slots, top, generator=gen).sort(-1, descending=True).values
     tokens = torch.rand(batch, slots, 9, generator=gen).argsort(-1)[..., :top]     # distinct per slot
-    first = tuple(t.numpy() for t in draft_tree(probs, tokens, 8, torch.full((batch,), 50), torch.full((batch,), 10))[:3])
+    roots, root_pos = torch.full((batch,), 50), torch.full((batch,), 10)
+    first = tuple(t.numpy() for t in draft_tree(probs, tokens, 8, roots, root_pos)[:3])
     branch_tokens = torch.randint(0, 9, (batch, k, slots), generator=gen)
     branch_tokens[:, 0, :2] = tokens[:, :2, 0]                     # branch 0 shares the best path's start
     branch_len = torch.randint(0, slots + 1, (batch, k), generator=gen)

@@ -52,8 +52,7 @@ from torch import nn
 
 from ..masks import padded_prefix_tree, ssd_copies
 from ..models.dflash import MASK, resolve_drafter
-from ..ops import rejection_boundaries, token_stats
-from ..ops import topk_tokens, tree_mask
+from ..ops import rejection_boundaries, token_stats, topk_tokens, tree_mask
 from .dflash import TREE_TOP_K, SpeculativeRun, _sync, check_draft_len, draft_block, draft_tree, vocab_ids
 from ._cpu_cost import resolve_lookup, resolve_row_cost, resolve_tree
 from .lookup import PromptLookup, graft_chain

@@ -45,8 +45,8 @@ from .loop import BudgetedLoop
 from .objectives import additive_mask
 
 __all__ = ["two_stream_logits", "noisy_mask", "frozen_projections_bf16", "mask_adapter_loss", "MaskAdapterLoss",
-           "noise_blocks", "mask_diffusion_model", "save_mask_adapter", "load_mask_adapter", "is_mask_adapter", "MaskAdapterConfig",
-           "MaskAdapterTrainer", "ADAPTER_FORMAT"]
+           "noise_blocks", "mask_diffusion_model", "save_mask_adapter", "load_mask_adapter", "is_mask_adapter",
+           "MaskAdapterConfig", "MaskAdapterTrainer", "ADAPTER_FORMAT"]
 
 
 def noisy_mask(positions: torch.Tensor, is_mask: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
