@@ -27,8 +27,7 @@ import dspec  # noqa: E402
 from dspec.hub import ADAPTED, adapter_dir  # noqa: E402
 from dspec.train.data_engine import read_directories  # noqa: E402
 from dspec.train.lora import base_fingerprint  # noqa: E402
-from dspec.train.mask_adapter import (MaskAdapterConfig, MaskAdapterTrainer, init_mask_adapter,  # noqa: E402
-                                      mask_diffusion_model)
+from dspec.train.mask_adapter import MaskAdapterConfig, MaskAdapterTrainer, load_mask_adapter  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -46,14 +45,12 @@ def main(argv=None) -> dict:
     cfg = MaskAdapterConfig(heldout_start=args.heldout_start, heldout_sequences=args.heldout_sequences)
     rows = []
     for name in args.adapters.split(","):
-        base = dspec.load(args.base, dtype="float32")
-        mask_id = base.tokenizer.token_to_id(cfg.mask_token)
-        model = mask_diffusion_model(base, block_size=cfg.block_size, mask_token_id=mask_id, rank=cfg.rank,
-                                     targets=cfg.targets)
-        init_mask_adapter(model, adapter_dir(name) if name in ADAPTED else name)
+        base = dspec.load(args.base, dtype="float32")      # fresh: training conversions change weights in place
+        fingerprint = base_fingerprint(base)
+        model = load_mask_adapter(base, adapter_dir(name) if name in ADAPTED else name)
         with tempfile.TemporaryDirectory() as tmp:
             trainer = MaskAdapterTrainer(model, sequences, cfg, tmp, base_name=args.base,
-                                         base_fingerprint=base_fingerprint(base), progress=False)
+                                         base_fingerprint=fingerprint, progress=False)
             trainer.evaluate()
         record = dict(trainer.evals[-1], adapter=name)
         record.pop("step")
