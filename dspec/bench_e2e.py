@@ -152,6 +152,9 @@ CONFIGS: tuple[Config, ...] = (
     # the first draft verified as a chain, the branches merged onto it (on a CPU, greedy,
     # `d2sd` grafts them onto DFlash's 7-node draft tree: tree="auto")
     Config("d2sd-chain-K2", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), 2), "tree": None}),
+    # the VP-drafter forward in every cycle (the paper's D2SD; on a CPU `d2sd` re-drafts only
+    # where the first draft's boundary probabilities reach redraft_min="auto")
+    Config("d2sd-ungated-K2", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), 2), "redraft_min": 0}),
     # the naive control: DFlash with K branches resampled from the first draft
     *(Config(f"d2sd-resample-K{k}", "d2sd", "target",
              {"k": Option(("k", "num_branches", "top_k"), k), "branches": "resample"})

@@ -69,8 +69,8 @@ def test_greedy_equals_ar(target, k, tree):
     n, gamma = 20, 6
     ref = ar_tokens(target, PROMPTS, n)
     ds = drafters(target, PROMPTS, n, gamma)
-    outs = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=ds, k=k, tree=tree, row_cost=None)
-            for p in PROMPTS]
+    outs = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=ds, k=k, tree=tree, row_cost=None,
+                           redraft_min=0) for p in PROMPTS]
     assert [o.tokens for o in outs] == ref
     s = outs[0].stats
     nodes = {None: None, "auto": 7, 12: 12}[tree]       # "auto": CPU_TREE_NODES on this CPU model
@@ -84,6 +84,68 @@ def test_greedy_equals_ar(target, k, tree):
     dfl = dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=n, drafter=ds["dflash"], tree=nodes,
                          row_cost=None)
     assert s["mean_accepted"] > dfl.stats["mean_accepted"]
+
+
+@pytest.mark.parametrize("tree", [None, "auto"])
+def test_redraft_gate(target, tree):
+    """redraft_min gates the VP-drafter per request and cycle: output unchanged, fewer
+    re-drafts as it rises, and at inf every cycle is DFlash's (same forwards, same tree)."""
+    n, gamma = 20, 6
+    ref = ar_tokens(target, PROMPTS, n)
+    ds = drafters(target, PROMPTS, n, gamma)
+    rates, vp_forwards = [], []
+    for gate in (0, 0.2, 0.6, 0.95, float("inf")):
+        outs = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=ds, k=2, tree=tree,
+                               redraft_min=gate) for p in PROMPTS]
+        assert [o.tokens for o in outs] == ref, gate
+        s = [o.stats for o in outs]
+        assert all(x["redraft_min"] == gate for x in s)
+        rates.append(sum(x["redraft_rate"] for x in s))
+        vp_forwards.append(sum(x["nfe"]["vp_drafter"] for x in s))
+        assert all(x["nfe"]["vp_drafter"] <= x["verify_forwards"] for x in s)
+    assert rates[0] == len(PROMPTS) and rates[-1] == 0 and vp_forwards[-1] == 0
+    assert 0 < vp_forwards[1] and sorted(rates, reverse=True) == rates
+    # never re-drafting, a cycle is DFlash's: the same verification forwards and acceptance
+    for p, o in zip(PROMPTS, outs):
+        dfl = dspec.generate(target, p, method="dflash", max_new_tokens=n, drafter=ds["dflash"], tree=tree)
+        assert dfl.stats["nfe"]["target"] == o.stats["nfe"]["target"]
+        assert dfl.stats["mean_accepted"] == o.stats["mean_accepted"]
+
+
+def test_ungated_cycles_are_dflash_cycles_when_sampling(peaked):
+    """At T = 1 a cycle nobody re-drafts is DFlash's chain cycle (verified against q): with
+    the gate shut the output equals ``dflash``'s token for token, same seed."""
+    prompt = [5, 6, 7]
+    ds = drafters(peaked, [prompt], 12, 4, wrong_every=3)
+    kw = dict(max_new_tokens=12, temperature=1.0, seed=3)
+    d2 = dspec.generate(peaked, [prompt] * 6, method="d2sd", drafter=ds, k=2, redraft_min=float("inf"), **kw)
+    df = dspec.generate(peaked, [prompt] * 6, method="dflash", drafter=ds["dflash"], **kw)
+    assert [o.tokens for o in d2] == [o.tokens for o in df]
+    assert d2[0].stats["nfe"]["vp_drafter"] == 0 and d2[0].stats["mean_accepted"] == df[0].stats["mean_accepted"]
+
+
+def test_redraft_gate_in_a_batch(target):
+    """A batch whose requests pass the gate in different cycles equals its requests alone."""
+    n, gamma = 16, 6
+    ds = drafters(target, PROMPTS, n, gamma)
+    batch = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2, redraft_min=0.8)
+    assert [o.tokens for o in batch] == ar_tokens(target, PROMPTS, n)
+    assert 0 < batch[0].stats["redraft_rate"] < 1
+
+
+def test_redraft_gate_options(target):
+    from dspec.decode._cpu_cost import CPU_REDRAFT_MIN, resolve_redraft_min
+    ds = drafters(target, PROMPTS[:1], 4, 4)
+    assert resolve_redraft_min(target, "auto", redrafts=True) == CPU_REDRAFT_MIN
+    assert resolve_redraft_min(target, "auto", redrafts=False) == 0.0
+    out = dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds)
+    assert out.stats["redraft_min"] == CPU_REDRAFT_MIN
+    for bad in (-0.1, float("nan"), True, "sometimes", None):
+        with pytest.raises(ValueError, match="redraft_min"):
+            dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, redraft_min=bad)
+    with pytest.raises(ValueError, match="redraft_min"):
+        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds["dflash"],
+                       branches="resample", redraft_min=0.5)
 
 
 def _paths(tokens, parents):
@@ -190,14 +252,15 @@ def test_bad_options(target):
                        drafter={"dflash": ds["dflash"], "vp": ds["dflash"]})
 
 
-@pytest.mark.parametrize("branches,tree", [("vp", "auto"), ("resample", "auto"), ("vp", 6)])
-def test_sampling_preserves_target_distribution(peaked, branches, tree):
+@pytest.mark.parametrize("branches,tree,gate", [("vp", "auto", "auto"), ("vp", "auto", 0), ("resample", "auto", "auto"),
+                                                ("vp", 6, 0.4)])
+def test_sampling_preserves_target_distribution(peaked, branches, tree, gate):
     prompt = [5, 6, 7]
     probs = _second_token_marginal(peaked, prompt, 1.0)
     ds = drafters(peaked, [prompt], 6, 4, wrong_every=3)
     drafter = ds if branches == "vp" else ds["dflash"]
     out = dspec.generate(peaked, [prompt] * 1500, method="d2sd", max_new_tokens=3, drafter=drafter,
-                         temperature=1.0, seed=0, k=2, branches=branches, tree=tree)
+                         temperature=1.0, seed=0, k=2, branches=branches, tree=tree, redraft_min=gate)
     assert out[0].stats["tree"] == (None if tree == "auto" else tree)     # "auto" at T > 0: the chain
     counts = torch.bincount(torch.tensor([g.tokens[1] for g in out]), minlength=peaked.config.vocab_size)
     stat, limit = chi_square_ok(counts, probs)

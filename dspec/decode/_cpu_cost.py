@@ -105,3 +105,26 @@ def resolve_redraft(model, redraft, *, batch: int) -> bool:
     if not isinstance(redraft, bool):
         raise ValueError(f"redraft must be 'auto' or a bool, got {redraft!r}")
     return redraft
+
+
+# D2SD's re-draft gate (``d2sd(redraft_min=...)``) on a CPU model: the VP-drafter forward
+# costs ~17 % of a cycle of SmolLM2-135M (3.5 of 25.4 ms, session 29) where the re-drafts
+# add 2-4 % tokens per cycle, so it runs only for requests whose first draft puts a real
+# probability on a rejection at the K boundaries.  Value measured by the sweep in the README
+# (session 30); on an accelerator the drafter forward is small against the target's and
+# every cycle re-drafts (0).
+CPU_REDRAFT_MIN = 0.5
+
+
+def resolve_redraft_min(model, redraft_min, *, redrafts: bool) -> float:
+    """``redraft_min`` as ``d2sd`` takes it: "auto" (the default) is ``CPU_REDRAFT_MIN`` for a
+    CPU model whose branches are the VP-drafter's (``redrafts``) and 0 (re-draft every
+    cycle) otherwise; a number >= 0 as given (the boundaries are disjoint events, their
+    probabilities sum to at most 1: any value above 1, or inf, never re-drafts)."""
+    if isinstance(redraft_min, str) and redraft_min == "auto":
+        return CPU_REDRAFT_MIN if redrafts and model.device.type == "cpu" else 0.0
+    if isinstance(redraft_min, bool) or not isinstance(redraft_min, (int, float)) or not redraft_min >= 0:
+        raise ValueError(f"redraft_min must be 'auto' or a number >= 0 (inf: never re-draft), got {redraft_min!r}")
+    if redraft_min > 0 and not redrafts:
+        raise ValueError("redraft_min gates the VP-drafter's re-drafts: it needs branches='vp'")
+    return float(redraft_min)

@@ -38,6 +38,13 @@ maximising ``(1 + sum of their probabilities) / (1 + row_cost * m)`` (:func:`pru
 the probabilities fall along every path, so the kept nodes form a subtree).  The output is
 unchanged (the target decides every token); ``None`` verifies every branch in full.
 
+``redraft_min`` (the re-draft gate): step 3 runs for a request only in cycles where its K
+boundaries carry probability ``sum_k r_{n_k} >= redraft_min`` -- where the first draft is
+confident the re-drafts cannot pay for their forward, which on a CPU costs a sizeable part
+of a cycle -- and a cycle where no request passes is DFlash's own cycle (``dflash``'s
+chain, verified against the drafter's q at T > 0, or its draft tree with the lookup chain;
+no VP-drafter forward).  0 re-drafts in every cycle, as the paper does.
+
 Host work: one sync per cycle for the draft tokens and boundaries (the prefix tree is built
 on the host from <= (K+1)(gamma-1) tokens per request) and one for the accepted path, like
 DFlash's.  ``stats`` adds ``k``, ``branches``, ``tree_nodes`` (mean nodes per request per
@@ -53,8 +60,9 @@ from torch import nn
 from ..masks import padded_prefix_tree, ssd_copies
 from ..models.dflash import MASK, resolve_drafter
 from ..ops import rejection_boundaries, token_stats, topk_tokens, tree_mask
-from .dflash import TREE_TOP_K, SpeculativeRun, _sync, check_draft_len, draft_block, draft_tree, vocab_ids
-from ._cpu_cost import resolve_lookup, resolve_row_cost, resolve_tree
+from .dflash import (TREE_TOP_K, SpeculativeRun, _chain_cycle, _sync, _tree_cycle, check_draft_len, draft_block,
+                     draft_tree, vocab_ids)
+from ._cpu_cost import resolve_lookup, resolve_redraft_min, resolve_row_cost, resolve_tree
 from .lookup import PromptLookup, graft_chain
 from .sampling import sample_from
 
@@ -148,7 +156,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
                 generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
                 draft_len: int | None = None, k: int = 2, branches: str = "vp",
                 row_cost: float | str | None = "auto", lookup: int | str | None = "auto",
-                tree: int | str | None = "auto"):
+                tree: int | str | None = "auto", redraft_min: float | str = "auto"):
     """D2SD speculative decoding of a ragged batch with an AR target.
 
     Parameters
@@ -176,6 +184,12 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         paths over each slot's ``TREE_TOP_K`` candidates (``dflash``'s ``tree``, pruned with
         ``row_cost`` as there), the branches grafted on; "auto" (default): as ``dflash``'s
         (``_cpu_cost.CPU_TREE_NODES`` for a CPU model decoding greedily, None otherwise).
+    redraft_min : re-draft a request only in cycles where its K boundaries' probabilities
+        ``sum_k r_{n_k}`` (the first drafter's estimate that the target stops at one of them)
+        reach this value; a cycle where no request does is ``dflash``'s cycle (no
+        VP-drafter forward).  0 re-drafts every cycle (the paper's D2SD), inf never;
+        "auto" (default): ``_cpu_cost.CPU_REDRAFT_MIN`` for a CPU model with "vp" branches,
+        0 otherwise.  The output is unchanged (the target decides every token).
 
     Returns
     -------
@@ -183,13 +197,15 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     (re-drafts)}, ``mean_accepted`` = tokens committed per request per verification forward
     (accepted path + the drawn token, averaged over (request, cycle) pairs), ``draft_s``
     (both drafter forwards and the boundary scoring), ``tree_s``, ``verify_s``, ``k``,
-    ``branches``, ``draft_len``, ``tree_nodes``, ``lookup``, ``tree``.
+    ``branches``, ``draft_len``, ``tree_nodes``, ``lookup``, ``tree``, ``redraft_min`` and
+    ``redraft_rate`` (share of (request, cycle) pairs re-drafted).
     """
     if model.attention != "causal":
         raise ValueError(f"method 'd2sd' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
     if branches not in BRANCH_MODES:
         raise ValueError(f"branches must be one of {BRANCH_MODES}, got {branches!r}")
     row_cost = resolve_row_cost(model, row_cost, prunes=branches == "vp")
+    redraft_min = resolve_redraft_min(model, redraft_min, redrafts=branches == "vp")
     lookup = resolve_lookup(model, lookup, tree=True, temperature=temperature, batch=len(prompts))
     if row_cost is not None and branches != "vp":
         raise ValueError("row_cost prunes the VP-drafter's branches: it needs branches='vp'")
@@ -224,7 +240,8 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     if branches == "resample" and generator is None:
         # greedy decoding still needs random branches: a fixed private stream, reproducible
         resample_gen = torch.Generator(device=dev).manual_seed(0)
-    nodes_total = 0
+    nodes_total = redrafted = pairs = 0
+    chains = {}                 # DFlash's causal masks, for cycles that do not re-draft
     finder = PromptLookup(prompts, run.outputs, num_drafts=lookup) if lookup else None
     live = run.start(temperature, generator)
     while live:
@@ -240,11 +257,27 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
             top_i, top_p = topk_tokens(logits, min(TREE_TOP_K, logits.shape[-1]), temperature=scale)
             top_i = vocab_ids(top_i, vocab)
             first, first_probs = top_i[..., 0], top_p[..., 0]
+        # requests re-drafted this cycle (all of them unless redraft_min gates)
+        wanted = torch.ones(first.shape[0], dtype=torch.bool, device=dev)
         if branches == "vp":
-            lengths, _ = rejection_boundaries(first_probs, k)
+            lengths, reach = rejection_boundaries(first_probs, k)
+            if redraft_min > 0:
+                wanted = reach.sum(1) >= redraft_min
+                if not bool(wanted.any()):      # nobody re-drafts: DFlash's own cycle
+                    if tree is None:
+                        live, drafts = _chain_cycle(run, logits, vocab, positions, row_cost, temperature, generator,
+                                                    t0, chains)
+                    else:
+                        live, drafts = _tree_cycle(run, logits, vocab, positions[:, 0], tree, row_cost, temperature,
+                                                   generator, t0, finder)
+                    nodes_total += drafts + len(positions)
+                    pairs += len(positions)
+                    continue
             alt, alt_probs = redraft(roles["vp_drafter"], run.contexts["vp_drafter"], run.anchor, first, lengths,
                                      positions, gamma, with_probs=True)
             run.nfe["vp_drafter"] += 1
+            if redraft_min > 0:     # a request not re-drafted has no branch nodes to prune
+                alt_probs = alt_probs * wanted[:, None, None]
             if row_cost is not None:
                 first_keep, branch_keep = prune_tree(first_probs, alt_probs, lengths, float(row_cost))
         else:
@@ -258,6 +291,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         parts = [run.anchor[:, None], first, lengths, alt.flatten(1)]
         if row_cost is not None:
             parts += [first_keep[:, None], branch_keep]
+        parts.append(wanted[:, None].long())
         host = torch.cat(parts, 1).cpu()
         _sync(dev)
         t1 = time.perf_counter()
@@ -270,11 +304,15 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         branch_len = torch.full((host.shape[0], k + 1), big_l, dtype=torch.int64)
         if row_cost is not None:
             # kept nodes only; a branch with no kept node shrinks to a path of the kept draft
-            keep_first, keep_branch = host[:, -k - 1], host[:, -k:]
+            keep_first, keep_branch = host[:, -k - 2], host[:, -k - 1:-1]
             branch_len[:, 0] = keep_first
             # (a union tree holds the first draft's kept path already: nothing to add)
             fallback = torch.minimum(prefix, keep_first[:, None]) if tree is None else torch.zeros_like(prefix)
             branch_len[:, 1:] = torch.where(keep_branch > 0, prefix + keep_branch, fallback)
+        skipped = host[:, -1] == 0
+        branch_len[:, 1:][skipped] = 0
+        redrafted += int(host.shape[0] - skipped.sum())
+        pairs += host.shape[0]
         chain = counts = None
         if finder is not None:
             chain, counts = finder.drafts(run.rows)
@@ -303,9 +341,10 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         run.time["tree_s"] += t2 - t1
         run.time["verify_s"] += t3 - t2
     return run.generated, run.stats(k=k, branches=branches, draft_len=gamma - 1, lookup=lookup, tree=tree,
-                                    tree_nodes=nodes_total / run.cycles if run.cycles else 0.0)
+                                    tree_nodes=nodes_total / run.cycles if run.cycles else 0.0,
+                                    redraft_min=redraft_min, redraft_rate=redrafted / pairs if pairs else 0.0)
 
 
-OPTIONS = ("draft_len", "k", "branches", "row_cost", "lookup", "tree")
+OPTIONS = ("draft_len", "k", "branches", "row_cost", "lookup", "tree", "redraft_min")
 DRAFTER = "block"    # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_d2sd

@@ -448,40 +448,52 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
                                       t0, finder)
             verified += nodes
             continue
-        if temperature > 0:
-            q = torch.softmax(logits / temperature, dim=-1)
-            u = torch.rand(q.shape[:-1], generator=generator, device=dev)
-            picked = sample_from(q, u)
-            probs = q.gather(-1, picked[..., None])[..., 0]
-            drafts = vocab_ids(picked, vocab)
-        else:
-            q = None
-            stats = token_stats(logits)
-            probs, drafts = stats.prob, vocab_ids(stats.token, vocab)
-        n = gamma - 1 if row_cost is None else verify_length(probs, float(row_cost))
-        if n < gamma - 1:
-            drafts, positions = drafts[:, :n], positions[:, :n + 1]
-            q = None if q is None else q[:, :n]
-        if q is not None:
-            q = full_vocab_probs(q, vocab, model.config.vocab_size)
-        verified += n * drafts.shape[0]                  # per (request, cycle), like mean_accepted
-        if n + 1 not in chains:
-            chains[n + 1] = causal(n + 1, device=dev).words
-        _sync(dev)
-        t1 = time.perf_counter()
-        suffix = torch.cat([run.anchor[:, None], drafts], 1)
-        out = model(AttentionPlan(suffix, positions, chains[n + 1], run.cache), hidden_states=run.layer_ids)
-        run.nfe["target"] += 1
-        ver = verify_chain(drafts, out.logits, draft_probs=q, temperature=temperature, generator=generator)
-        host = run.fetch(ver.num_accepted, ver.tokens)
-        run.commit(out, positions, counts=host[:, 0] + 1)
-        live = run.finish_cycle(host)
-        _sync(dev)
-        t2 = time.perf_counter()
-        run.time["draft_s"] += t1 - t0
-        run.time["verify_s"] += t2 - t1
+        live, nodes = _chain_cycle(run, logits, vocab, positions, row_cost, temperature, generator, t0, chains)
+        verified += nodes
     return run.generated, run.stats(draft_len=gamma - 1, tree=tree, lookup=lookup,
                                     verified_drafts=verified / run.cycles if run.cycles else 0.0)
+
+
+def _chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, temperature, generator, t0: float,
+                 chains: dict) -> tuple[bool, int]:
+    """A cycle's chain verification (DFlash as published): the drafts (greedy: the drafter's
+    argmax; T > 0: sampled from its q) cut to ``verify_length`` with ``row_cost``, one target
+    forward over ``[anchor, drafts]`` at ``positions`` [B, gamma], ``verify_chain`` (at T > 0
+    against q), commit.  ``chains`` caches the causal mask words per length.  Returns (any
+    request still live, drafts verified summed over the cycle's requests)."""
+    dev = run.device
+    if temperature > 0:
+        q = torch.softmax(logits / temperature, dim=-1)
+        u = torch.rand(q.shape[:-1], generator=generator, device=dev)
+        picked = sample_from(q, u)
+        probs = q.gather(-1, picked[..., None])[..., 0]
+        drafts = vocab_ids(picked, vocab)
+    else:
+        q = None
+        stats = token_stats(logits)
+        probs, drafts = stats.prob, vocab_ids(stats.token, vocab)
+    n = drafts.shape[1] if row_cost is None else verify_length(probs, float(row_cost))
+    if n < drafts.shape[1]:
+        drafts, positions = drafts[:, :n], positions[:, :n + 1]
+        q = None if q is None else q[:, :n]
+    if q is not None:
+        q = full_vocab_probs(q, vocab, run.model.config.vocab_size)
+    if n + 1 not in chains:
+        chains[n + 1] = causal(n + 1, device=dev).words
+    _sync(dev)
+    t1 = time.perf_counter()
+    suffix = torch.cat([run.anchor[:, None], drafts], 1)
+    out = run.model(AttentionPlan(suffix, positions, chains[n + 1], run.cache), hidden_states=run.layer_ids)
+    run.nfe["target"] += 1
+    ver = verify_chain(drafts, out.logits, draft_probs=q, temperature=temperature, generator=generator)
+    host = run.fetch(ver.num_accepted, ver.tokens)
+    run.commit(out, positions, counts=host[:, 0] + 1)
+    live = run.finish_cycle(host)
+    _sync(dev)
+    t2 = time.perf_counter()
+    run.time["draft_s"] += t1 - t0
+    run.time["verify_s"] += t2 - t1
+    return live, n * drafts.shape[0]
 
 
 def _tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, row_cost, temperature, generator,
