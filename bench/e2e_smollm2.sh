@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 N=${1:-4}
 T=${2:-64}
-CONFIGS=${E2E_CONFIGS:-ar,diffusion-static-1,diffusion-dynamic,ssd,ssd-d3,spiffy,spiffy-p8,s2d2-always,s2d2-min_span,s2d2-noredraft,diffuspec,diffuspec-paper,diffuspec-d8,diffuspec-noCPS-noADL,diffuspec-nolookup,dflash,dflash-adaptive,dflash-full,dflash-chain,dflash-tree,dflash-tree7,dflash-nolookup,d2sd-K1,d2sd-K2,d2sd-K4,d2sd-adaptive-K2,d2sd-full-K2,d2sd-nolookup-K2,d2sd-chain-K2,d2sd-resample-K2}
+CONFIGS=${E2E_CONFIGS:-ar,diffusion-static-1,diffusion-dynamic,ssd,ssd-d3,spiffy,spiffy-p8,s2d2-always,s2d2-min_span,s2d2-noredraft,diffuspec,diffuspec-paper,diffuspec-d8,diffuspec-noCPS-noADL,diffuspec-nolookup,dflash,dflash-adaptive,dflash-full,dflash-chain,dflash-tree,dflash-tree7,dflash-nolookup,d2sd-K1,d2sd-K2,d2sd-K4,d2sd-adaptive-K2,d2sd-full-K2,d2sd-nolookup-K2,d2sd-chain-K2,d2sd-auto,d2sd-resample-K2}
 "$PY" -m dspec bench --dllm smollm2-135m-bd --target smollm2-135m --configs "$CONFIGS" \
     --prompt-sets arithmetic,humaneval,mtbench,math500 --prompts "$N" --max-new-tokens "$T" \
     --threads 2 --out bench/results/cpu --name e2e_smollm2

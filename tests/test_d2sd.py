@@ -202,7 +202,8 @@ def test_draft_vocabs_keep_greedy_equal_to_ar(target, branches):
     ds["dflash"].set_draft_vocab(torch.arange(0, v, 2))
     ds["vp"].set_draft_vocab(torch.arange(0, v, 3))
     drafter = ds if branches == "vp" else ds["dflash"]
-    outs = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=drafter, k=2, branches=branches)
+    outs = [dspec.generate(target, p, method="d2sd",
+                           redraft_min=0, max_new_tokens=n, drafter=drafter, k=2, branches=branches)
             for p in PROMPTS]
     assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
 
@@ -211,7 +212,8 @@ def test_random_drafters_equal_ar(target):
     n = 12
     first = BlockDrafter.for_target(target, block_size=4, seed=1)
     vp = BlockDrafter.for_target(target, kind="vp", block_size=4, seed=2)
-    got = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter={"dflash": first, "vp": vp}, k=3)
+    got = [dspec.generate(target, p, method="d2sd",
+                          redraft_min=0, max_new_tokens=n, drafter={"dflash": first, "vp": vp}, k=3)
            for p in PROMPTS]
     assert [g.tokens for g in got] == ar_tokens(target, PROMPTS, n)
 
@@ -219,7 +221,7 @@ def test_random_drafters_equal_ar(target):
 def test_resample_control_equals_ar(target):
     n, gamma = 16, 5
     ds = drafters(target, PROMPTS, n, gamma)
-    outs = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds["dflash"], k=2,
+    outs = dspec.generate(target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=ds["dflash"], k=2,
                           branches="resample")
     assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
     s = outs[0].stats
@@ -229,8 +231,9 @@ def test_resample_control_equals_ar(target):
 def test_batch_equals_singles(target):
     n, gamma = 16, 5
     ds = drafters(target, PROMPTS, n, gamma, wrong_every=3)
-    singles = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=ds, k=2) for p in PROMPTS]
-    batch = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2)
+    singles = [dspec.generate(target, p, method="d2sd",
+                              redraft_min=0, max_new_tokens=n, drafter=ds, k=2) for p in PROMPTS]
+    batch = dspec.generate(target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=ds, k=2)
     assert [g.tokens for g in batch] == [g.tokens for g in singles] == ar_tokens(target, PROMPTS, n)
     assert batch[0].stats["cycles"] == sum(g.stats["cycles"] for g in singles)
 
@@ -238,17 +241,18 @@ def test_batch_equals_singles(target):
 def test_bad_options(target):
     ds = drafters(target, PROMPTS[:1], 4, 4)
     with pytest.raises(ValueError, match="k must"):
-        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, k=4)
+        dspec.generate(target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=4, drafter=ds, k=4)
     with pytest.raises(ValueError, match="branches"):
-        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, branches="tree")
+        dspec.generate(target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=4, drafter=ds, branches="tree")
     for bad in (0, -2, True, "big", 2.5):
         with pytest.raises(ValueError, match="tree"):
-            dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, tree=bad)
+            dspec.generate(target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=4, drafter=ds, tree=bad)
     with pytest.raises(ValueError, match="keys"):
-        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter={"first": ds["dflash"]})
+        dspec.generate(target, PROMPTS[0], method="d2sd",
+                       redraft_min=0, max_new_tokens=4, drafter={"first": ds["dflash"]})
     with pytest.raises(ValueError, match="'vp'"):
         # a DFlash drafter where the VP-drafter belongs
-        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4,
+        dspec.generate(target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=4,
                        drafter={"dflash": ds["dflash"], "vp": ds["dflash"]})
 
 
@@ -272,7 +276,7 @@ def test_shipped_tiny_ar_drafters():
     from test_dflash import SHIPPED_PROMPTS, shipped_tiny_ar
     model = shipped_tiny_ar()
     ref = [g.tokens for g in dspec.generate(model, SHIPPED_PROMPTS, method="ar", max_new_tokens=24)]
-    out = dspec.generate(model, SHIPPED_PROMPTS, method="d2sd", max_new_tokens=24, k=2)
+    out = dspec.generate(model, SHIPPED_PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=24, k=2)
     assert [g.tokens for g in out] == ref
     assert out[0].stats["mean_accepted"] > 1.2
 
@@ -317,16 +321,18 @@ def test_prune_tree_keeps_the_best_subtree(row_cost):
 def test_adaptive_tree_equals_ar(target, row_cost):
     n, gamma = 20, 6
     ds = drafters(target, PROMPTS, n, gamma)
-    outs = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2, row_cost=row_cost)
+    outs = dspec.generate(target, PROMPTS, method="d2sd",
+                          redraft_min=0, max_new_tokens=n, drafter=ds, k=2, row_cost=row_cost)
     assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
-    full = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2, row_cost=None)
+    full = dspec.generate(target, PROMPTS, method="d2sd",
+                          redraft_min=0, max_new_tokens=n, drafter=ds, k=2, row_cost=None)
     assert outs[0].stats["tree_nodes"] <= full[0].stats["tree_nodes"]
     if row_cost >= 5.0:                                   # costly rows: a node or two per cycle
         assert outs[0].stats["tree_nodes"] <= 3.0
     with pytest.raises(ValueError, match="row_cost"):
-        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds, row_cost=-0.1)
+        dspec.generate(target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=2, drafter=ds, row_cost=-0.1)
     with pytest.raises(ValueError, match="row_cost"):
-        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds["dflash"],
+        dspec.generate(target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=2, drafter=ds["dflash"],
                        branches="resample", row_cost=0.1)
 
 
@@ -337,11 +343,13 @@ def test_cpu_default_row_cost_is_measured_constant(target):
     from dspec.decode._cpu_cost import CPU_ROW_COST, resolve_row_cost
     n, gamma = 12, 6
     ds = drafters(target, PROMPTS, n, gamma)
-    auto = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2)
-    fixed = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds, k=2, row_cost=CPU_ROW_COST)
+    auto = dspec.generate(target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=ds, k=2)
+    fixed = dspec.generate(target, PROMPTS, method="d2sd",
+                           redraft_min=0, max_new_tokens=n, drafter=ds, k=2, row_cost=CPU_ROW_COST)
     assert [o.tokens for o in auto] == [o.tokens for o in fixed] == ar_tokens(target, PROMPTS, n)
     assert auto[0].stats["tree_nodes"] == fixed[0].stats["tree_nodes"]
-    dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds["dflash"], branches="resample")
+    dspec.generate(target, PROMPTS[0], method="d2sd",
+                   redraft_min=0, max_new_tokens=2, drafter=ds["dflash"], branches="resample")
     assert resolve_row_cost(target, "auto") == CPU_ROW_COST and resolve_row_cost(target, None) is None
     with pytest.raises(ValueError, match="row_cost"):
         resolve_row_cost(target, "fast")
@@ -351,7 +359,7 @@ def test_adaptive_tree_sampling_preserves_target_distribution(peaked):
     prompt = [5, 6, 7]
     probs = _second_token_marginal(peaked, prompt, 1.0)
     ds = drafters(peaked, [prompt], 6, 4, wrong_every=3)
-    out = dspec.generate(peaked, [prompt] * 1500, method="d2sd", max_new_tokens=3, drafter=ds,
+    out = dspec.generate(peaked, [prompt] * 1500, method="d2sd", redraft_min=0, max_new_tokens=3, drafter=ds,
                          temperature=1.0, seed=0, k=2, row_cost=0.3)
     counts = torch.bincount(torch.tensor([g.tokens[1] for g in out]), minlength=peaked.config.vocab_size)
     stat, limit = chi_square_ok(counts, probs)

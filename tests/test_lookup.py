@@ -205,13 +205,15 @@ def test_smollm2_lookup_equals_ar_in_fp32():
 def test_d2sd_lookup_branch_equals_ar(target, lookup):
     n = 24
     ref = [dspec.generate(target, p, method="ar", max_new_tokens=n).tokens for p in PROMPTS]
-    singles = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, lookup=lookup) for p in PROMPTS]
-    batch = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, lookup=lookup)
-    off = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, lookup=None)
+    singles = [dspec.generate(target, p, method="d2sd",
+                              redraft_min=0, max_new_tokens=n, lookup=lookup) for p in PROMPTS]
+    batch = dspec.generate(target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, lookup=lookup)
+    off = dspec.generate(target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, lookup=None)
     assert [g.tokens for g in singles] == [g.tokens for g in batch] == [g.tokens for g in off] == ref
     assert batch[0].stats["lookup"] == lookup and off[0].stats["lookup"] is None
     assert batch[0].stats["mean_accepted"] >= off[0].stats["mean_accepted"]
-    hot = dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=8, temperature=1.0, seed=0, lookup=4)
+    hot = dspec.generate(target, PROMPTS[0], method="d2sd",
+                         redraft_min=0, max_new_tokens=8, temperature=1.0, seed=0, lookup=4)
     assert hot.stats["lookup"] == 4                       # d2sd always verifies a tree
 
 

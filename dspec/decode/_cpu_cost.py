@@ -107,13 +107,16 @@ def resolve_redraft(model, redraft, *, batch: int) -> bool:
     return redraft
 
 
-# D2SD's re-draft gate (``d2sd(redraft_min=...)``) on a CPU model: the VP-drafter forward
-# costs ~17 % of a cycle of SmolLM2-135M (3.5 of 25.4 ms, session 29) where the re-drafts
-# add 2-4 % tokens per cycle, so it runs only for requests whose first draft puts a real
-# probability on a rejection at the K boundaries.  Value measured by the sweep in the README
-# (session 30); on an accelerator the drafter forward is small against the target's and
-# every cycle re-drafts (0).
-CPU_REDRAFT_MIN = 0.5
+# D2SD's re-draft gate (``d2sd(redraft_min=...)``) on a CPU model: never re-draft.  The
+# VP-drafter forward, its extra tree nodes and their pruning cost ~20 % of a cycle of
+# SmolLM2-135M, where the shipped VP-drafter's re-drafts add ~3 % tokens per cycle, and no
+# gate recovers the difference: one process, 32 grid prompts x 128 tokens, greedy, K = 2
+# (bench/results/cpu/ab_d2sd_gate_s30.json): redraft_min 0 / 0.3 / 0.5 / 0.7 / 0.85 / inf
+# 107.0 / 106.9 / 107.4 / 109.0 / 113.7 / 127.3 tok/s at 3.48 / 3.48 / 3.48 / 3.43 / 3.41 /
+# 3.37 mean accepted, `dflash` 133.0 (3.37); at T = 1 and at batch 8 the re-drafts lose too
+# (e2e_smollm2_t1.json, e2e_smollm2_batch8.json).  On an accelerator the drafter forward
+# is small against the target's and every cycle re-drafts (0), as the paper does.
+CPU_REDRAFT_MIN = float("inf")
 
 
 def resolve_redraft_min(model, redraft_min, *, redrafts: bool) -> float:

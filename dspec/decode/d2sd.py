@@ -243,12 +243,27 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     nodes_total = redrafted = pairs = 0
     chains = {}                 # DFlash's causal masks, for cycles that do not re-draft
     finder = PromptLookup(prompts, run.outputs, num_drafts=lookup) if lookup else None
+
+    def dflash_cycle(logits, vocab, positions, t0) -> bool:
+        nonlocal nodes_total, pairs
+        if tree is None:
+            alive, drafts = _chain_cycle(run, logits, vocab, positions, row_cost, temperature, generator, t0, chains)
+        else:
+            alive, drafts = _tree_cycle(run, logits, vocab, positions[:, 0], tree, row_cost, temperature, generator,
+                                        t0, finder)
+        nodes_total += drafts + len(positions)
+        pairs += len(positions)
+        return alive
+
     live = run.start(temperature, generator)
     while live:
         t0 = time.perf_counter()
         positions = run.lengths[:, None] + offsets
         logits, vocab = draft_block(first_drafter, run.contexts["drafter"], run.anchor, positions, gamma)
         run.nfe["drafter"] += 1
+        if redraft_min == float("inf"):         # never re-drafts: nothing to score
+            live = dflash_cycle(logits, vocab, positions, t0)
+            continue
         scale = temperature if temperature > 0 else 1.0
         if tree is None:
             stats = token_stats(logits, temperature=scale)
@@ -264,14 +279,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
             if redraft_min > 0:
                 wanted = reach.sum(1) >= redraft_min
                 if not bool(wanted.any()):      # nobody re-drafts: DFlash's own cycle
-                    if tree is None:
-                        live, drafts = _chain_cycle(run, logits, vocab, positions, row_cost, temperature, generator,
-                                                    t0, chains)
-                    else:
-                        live, drafts = _tree_cycle(run, logits, vocab, positions[:, 0], tree, row_cost, temperature,
-                                                   generator, t0, finder)
-                    nodes_total += drafts + len(positions)
-                    pairs += len(positions)
+                    live = dflash_cycle(logits, vocab, positions, t0)
                     continue
             alt, alt_probs = redraft(roles["vp_drafter"], run.contexts["vp_drafter"], run.anchor, first, lengths,
                                      positions, gamma, with_probs=True)
