@@ -230,7 +230,10 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         raise ValueError(f"k must be an int in [1, draft_len = {gamma - 1}], got {k!r}")
     roles = {"drafter": first_drafter}
     if branches == "vp":
-        roles["vp_drafter"] = resolve_drafter(vp, model, "vp")
+        vp_drafter = resolve_drafter(vp, model, "vp")          # resolved (and checked) even when gated off
+        if redraft_min != float("inf"):
+            # (a VP-drafter that never re-drafts needs no context: its per-token commits would cost)
+            roles["vp_drafter"] = vp_drafter
     run = SpeculativeRun(model, roles, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                          progress=progress)
     run.time["tree_s"] = 0.0
@@ -348,6 +351,8 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         run.time["draft_s"] += t1 - t0
         run.time["tree_s"] += t2 - t1
         run.time["verify_s"] += t3 - t2
+    if branches == "vp":
+        run.nfe.setdefault("vp_drafter", 0)     # reported 0 where the gate kept it off
     return run.generated, run.stats(k=k, branches=branches, draft_len=gamma - 1, lookup=lookup, tree=tree,
                                     tree_nodes=nodes_total / run.cycles if run.cycles else 0.0,
                                     redraft_min=redraft_min, redraft_rate=redrafted / pairs if pairs else 0.0)
