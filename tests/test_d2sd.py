@@ -112,7 +112,7 @@ def test_redraft_gate(target, tree):
         assert dfl.stats["mean_accepted"] == o.stats["mean_accepted"]
 
 
-def test_ungated_cycles_are_dflash_cycles_when_sampling(peaked):
+def test_gated_off_cycles_are_dflash_cycles_when_sampling(peaked):
     """At T = 1 a cycle nobody re-drafts is DFlash's chain cycle (verified against q): with
     the gate shut the output equals ``dflash``'s token for token, same seed."""
     prompt = [5, 6, 7]
