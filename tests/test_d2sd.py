@@ -221,7 +221,7 @@ def test_random_drafters_equal_ar(target):
 def test_resample_control_equals_ar(target):
     n, gamma = 16, 5
     ds = drafters(target, PROMPTS, n, gamma)
-    outs = dspec.generate(target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=ds["dflash"], k=2,
+    outs = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds["dflash"], k=2,
                           branches="resample")
     assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
     s = outs[0].stats
@@ -241,18 +241,17 @@ def test_batch_equals_singles(target):
 def test_bad_options(target):
     ds = drafters(target, PROMPTS[:1], 4, 4)
     with pytest.raises(ValueError, match="k must"):
-        dspec.generate(target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=4, drafter=ds, k=4)
+        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, k=4)
     with pytest.raises(ValueError, match="branches"):
-        dspec.generate(target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=4, drafter=ds, branches="tree")
+        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, branches="tree")
     for bad in (0, -2, True, "big", 2.5):
         with pytest.raises(ValueError, match="tree"):
-            dspec.generate(target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=4, drafter=ds, tree=bad)
+            dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, tree=bad)
     with pytest.raises(ValueError, match="keys"):
-        dspec.generate(target, PROMPTS[0], method="d2sd",
-                       redraft_min=0, max_new_tokens=4, drafter={"first": ds["dflash"]})
+        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter={"first": ds["dflash"]})
     with pytest.raises(ValueError, match="'vp'"):
         # a DFlash drafter where the VP-drafter belongs
-        dspec.generate(target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=4,
+        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4,
                        drafter={"dflash": ds["dflash"], "vp": ds["dflash"]})
 
 
@@ -332,7 +331,7 @@ def test_adaptive_tree_equals_ar(target, row_cost):
     with pytest.raises(ValueError, match="row_cost"):
         dspec.generate(target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=2, drafter=ds, row_cost=-0.1)
     with pytest.raises(ValueError, match="row_cost"):
-        dspec.generate(target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=2, drafter=ds["dflash"],
+        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds["dflash"],
                        branches="resample", row_cost=0.1)
 
 
@@ -348,8 +347,7 @@ def test_cpu_default_row_cost_is_measured_constant(target):
                            redraft_min=0, max_new_tokens=n, drafter=ds, k=2, row_cost=CPU_ROW_COST)
     assert [o.tokens for o in auto] == [o.tokens for o in fixed] == ar_tokens(target, PROMPTS, n)
     assert auto[0].stats["tree_nodes"] == fixed[0].stats["tree_nodes"]
-    dspec.generate(target, PROMPTS[0], method="d2sd",
-                   redraft_min=0, max_new_tokens=2, drafter=ds["dflash"], branches="resample")
+    dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds["dflash"], branches="resample")
     assert resolve_row_cost(target, "auto") == CPU_ROW_COST and resolve_row_cost(target, None) is None
     with pytest.raises(ValueError, match="row_cost"):
         resolve_row_cost(target, "fast")
