@@ -158,6 +158,10 @@ CONFIGS: tuple[Config, ...] = (
     # `d2sd` grafts them onto DFlash's 7-node draft tree: tree="auto")
     Config("d2sd-chain-K2", "d2sd", "target",
            {"k": Option(("k", "num_branches", "top_k"), 2), "tree": None, "redraft_min": 0}),
+    # the paper's D2SD against the paper's DFlash (`dflash-chain`): the first draft a chain,
+    # the K re-drafted branches merged onto it, no prompt-lookup branch
+    Config("d2sd-chain-nolookup-K2", "d2sd", "target",
+           {"k": Option(("k", "num_branches", "top_k"), 2), "tree": None, "lookup": None, "redraft_min": 0}),
     # the method's defaults: on a CPU the re-draft gate (redraft_min="auto") never re-drafts,
     # so every cycle is DFlash's (measured: no gate pays on this CPU, _cpu_cost.CPU_REDRAFT_MIN)
     Config("d2sd-auto", "d2sd", "target", {}),
