@@ -4,7 +4,10 @@ A drafter learns the distribution it must predict at decoding time, so its train
 the target's own continuations.  The engine draws prompts from three offline sources that
 exclude every benchmark prompt, continues each with dspec's batched ``ar`` on the target
 (greedy for most, sampled at T = 1 for ``sampled_fraction`` of them) and stores the results
-as uint16 token shards outside the package:
+as uint16 token shards outside the package.  ``method="diffusion"`` continues them instead with
+a masked-diffusion model's own one-token-per-step ``diffusion`` (its default block size): the
+fixed points that ``ssd`` / ``spiffy`` verify against, for self-consistency training of the
+mask adapter (``dspec.train.mask_adapter``).  Sources:
 
 - ``sharegpt``: human turns of ShareGPT conversations, in the target's chat template
   (SmolLM2's ChatML, as ``dspec generate`` and MT-Bench rows of ``bench_e2e`` use);
@@ -67,6 +70,7 @@ EVAL_ARITHMETIC = 2000          # bench/eval problems drawn with seed 0: never t
 GSM_SIZE = 1 << 24              # gsm_symbolic items are a function of (seed, index): draw indices
 GSM_SUFFIX = " Give the result as your final answer. Do not include units."
 MAX_DRAWS = 10_000              # gsm / code_def redraw prompts over budget: refuse a budget none fits
+GENERATION_METHODS = ("ar", "diffusion")
 
 
 @dataclass
@@ -79,6 +83,8 @@ class EngineConfig:
     sources : source -> weight.  sampled_fraction : responses drawn at T = 1.
     batch : sequences per ``ar`` call; shard_batches : calls per shard (the unit of resume).
     seed : everything else.
+    method : ``"ar"`` (the target's autoregressive continuation) or ``"diffusion"`` (a
+        masked-diffusion model's one-token-per-step decoding at its default block size).
     """
 
     tokens: int = 2_000_000
@@ -89,6 +95,7 @@ class EngineConfig:
     batch: int = 64
     shard_batches: int = 16
     seed: int = 0
+    method: str = "ar"
 
     def __post_init__(self):
         for name in ("tokens", "response_tokens", "prompt_tokens", "batch", "shard_batches"):
@@ -101,6 +108,8 @@ class EngineConfig:
             raise ValueError(f"sources must map some of {ENGINE_SOURCES} to weights >= 0, got {self.sources!r}")
         if not 0.0 <= self.sampled_fraction <= 1.0:
             raise ValueError(f"sampled_fraction must lie in [0, 1], got {self.sampled_fraction!r}")
+        if self.method not in GENERATION_METHODS:
+            raise ValueError(f"method must be one of {GENERATION_METHODS}, got {self.method!r}")
 
 
 # ------------------------------------------------------------------------------ prompts
@@ -243,14 +252,19 @@ def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", pr
 
     from ..cpu import machine as machine_record
     from ..decode.ar import decode_ar
+    from ..decode.diffusion import decode_diffusion
     if target.tokenizer is None:
         raise ValueError("target: the engine needs a model with a tokenizer")
     if target.config.vocab_size > 65536:
         raise ValueError("target: uint16 shards need a vocabulary of at most 65,536 ids")
+    if cfg.method == "diffusion" and getattr(target, "mask_token_id", None) is None:
+        raise ValueError("target: method='diffusion' needs a masked-diffusion model (mask_token_id set)")
+    decode = decode_ar if cfg.method == "ar" else decode_diffusion
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     manifest = _read_manifest(out)
     if manifest is not None:
+        manifest["config"] = {"method": "ar"} | manifest["config"]     # directories made before `method`
         if manifest["config"] != asdict(cfg) | {"tokens": manifest["config"]["tokens"]}:
             raise ValueError(f"out: {out} holds data of another config ({manifest['config']}); "
                              "use another directory or the same settings")
@@ -272,7 +286,7 @@ def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", pr
             sampled = int((call + 1) * cfg.sampled_fraction) > int(call * cfg.sampled_fraction)
             gen = torch.Generator(device=target.device).manual_seed(cfg.seed * 1_000_003 + call)
             t0 = time.perf_counter()
-            responses, _ = decode_ar(target, [p for p, _ in prompts], max_new_tokens=cfg.response_tokens,
+            responses, _ = decode(target, [p for p, _ in prompts], max_new_tokens=cfg.response_tokens,
                                      temperature=1.0 if sampled else 0.0, generator=gen if sampled else None,
                                      eos_ids=target.eos_token_ids)
             dt = time.perf_counter() - t0
@@ -407,6 +421,9 @@ def main(argv=None) -> dict:
                    help="source=weight,... of " + ", ".join(ENGINE_SOURCES) + " (default %s)"
                    % ",".join(f"{k}={v}" for k, v in d.sources.items()))
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--method", default=d.method, choices=GENERATION_METHODS,
+                   help="ar: the target continues each prompt; diffusion: a masked-diffusion model's own "
+                        "one-token-per-step decoding (default %(default)s)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the machine's)")
     p.add_argument("--threads", default=None, help="torch threads (default: dspec's policy)")
     args = p.parse_args(argv)
@@ -422,7 +439,7 @@ def main(argv=None) -> dict:
                 raise ValueError(f"--sources must look like gsm=0.6,code_def=0.4, got {args.sources!r}") from None
         cfg = EngineConfig(tokens=args.tokens, sources=sources, response_tokens=args.response_tokens, prompt_tokens=args.prompt_tokens,
                            batch=args.batch, shard_batches=args.shard_batches,
-                           sampled_fraction=args.sampled_fraction, seed=args.seed)
+                           sampled_fraction=args.sampled_fraction, seed=args.seed, method=args.method)
         target = dspec.load(args.target, dtype=args.dtype)
         manifest = generate_shards(target, args.out, cfg, target_name=args.target)
     except ValueError as e:
