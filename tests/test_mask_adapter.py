@@ -3,6 +3,8 @@ base bit for bit; with one, only [MASK] rows are adapted, clean queries attend c
 the training forward (two streams) equals the inference forward of the 2L layout."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -279,9 +281,14 @@ def test_trainer_lowers_the_heldout_loss_and_resumes(tmp_path):
     assert (tmp_path / "a" / "adapter" / "loss_curve.png").is_file()
     # the CLI end to end, then the adapter loads on its base
     result = main(["--base", "tiny-ar", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "cli"),
-                   "--max-steps", "2", "--rank", "2", "--block-sizes", "2,4", "--mask-token", "<|MASK|>",
-                   "--autocast", "none", "--batch-size", "2"])
+                   "--max-steps", "2", "--rank", "2", "--block-sizes", "2,4", "--block-weights", "1,3",
+                   "--mask-token", "<|MASK|>", "--autocast", "none", "--batch-size", "2"])
     assert result["step"] == 2
+    logged = json.loads((tmp_path / "cli" / "train_log.json").read_text())["config"]
+    assert logged["block_sizes"] == [2, 4] and logged["block_weights"] == [1.0, 3.0]
+    with pytest.raises(SystemExit):
+        main(["--base", "tiny-ar", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "bad"),
+              "--block-sizes", "2,4", "--block-weights", "1"])
     from dspec.train.mask_adapter import load_mask_adapter
     model = load_mask_adapter(tiny, tmp_path / "cli" / "adapter")
     assert model.mask_token_id == 1 and model.mask_adapter.rank == 2

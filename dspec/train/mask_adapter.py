@@ -565,6 +565,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--rank", type=int, default=d.rank, help="LoRA rank (default %(default)s)")
     ap.add_argument("--block-sizes", default=",".join(map(str, d.block_sizes)),
                     help="block sizes drawn per step (default %(default)s)")
+    ap.add_argument("--block-weights", default=None,
+                    help="their sampling weights, comma-separated (default %s for the default sizes, else "
+                         "uniform)" % ",".join(map(str, d.block_weights)))
     ap.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step (default %(default)s)")
     ap.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
     ap.add_argument("--mask-token", default=d.mask_token, help="an unused token string used as [MASK] (default %(default)s)")
@@ -588,7 +591,10 @@ def main(argv=None) -> dict:
     apply_threads(args.threads)
     try:
         sizes = tuple(int(b) for b in args.block_sizes.split(","))
-        weights = d.block_weights if sizes == d.block_sizes else (1.0,) * len(sizes)
+        if args.block_weights is not None:
+            weights = tuple(float(w) for w in args.block_weights.split(","))
+        else:
+            weights = d.block_weights if sizes == d.block_sizes else (1.0,) * len(sizes)
         cfg = MaskAdapterConfig(rank=args.rank, block_sizes=sizes, block_weights=weights, batch_size=args.batch_size,
                                 lr=args.lr, mask_token=args.mask_token, autocast=args.autocast, seed=args.seed,
                                 heldout_start=args.heldout_start, distill=args.distill,
