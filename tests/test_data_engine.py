@@ -279,6 +279,7 @@ def test_diffusion_method_stores_the_models_own_one_step_decoding(tmp_path):
     want, _ = decode_diffusion(bd, prompts, max_new_tokens=cfg.response_tokens, eos_ids=bd.eos_token_ids)
     assert [s[plen:] for s, plen in seqs[: len(prompts)]] == want
     assert json.loads((tmp_path / "d" / "manifest.json").read_text())["config"]["method"] == "diffusion"
+    assert data.info["source"].startswith("target-generated (dspec diffusion, ")
 
 
 def test_bad_method_is_refused(tiny, tmp_path):

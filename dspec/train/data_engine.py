@@ -339,7 +339,8 @@ class GeneratedData:
     @property
     def info(self) -> dict:
         shards = self.manifest["shards"]
-        return {"source": f"target-generated (dspec ar, {self.manifest['target']}, {self.manifest['dtype']})",
+        method = self.manifest["config"].get("method", "ar")
+        return {"source": f"target-generated (dspec {method}, {self.manifest['target']}, {self.manifest['dtype']})",
                 "path": str(self.path), "shards": len(shards),
                 "sequences": sum(s["sequences"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
                 "response_tokens": sum(s["response_tokens"] for s in shards),
