@@ -41,6 +41,8 @@ CLI::
 
     python -m dspec.train.data_engine --target smollm2-135m --out data/smollm2-135m \\
         --tokens 2000000 --batch 64
+    python -m dspec.train.data_engine --target smollm2-135m-bd --method diffusion \\
+        --out data/smollm2-135m-bd-self --tokens 280000 --batch 64
 """
 from __future__ import annotations
 
@@ -287,8 +289,8 @@ def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", pr
             gen = torch.Generator(device=target.device).manual_seed(cfg.seed * 1_000_003 + call)
             t0 = time.perf_counter()
             responses, _ = decode(target, [p for p, _ in prompts], max_new_tokens=cfg.response_tokens,
-                                     temperature=1.0 if sampled else 0.0, generator=gen if sampled else None,
-                                     eos_ids=target.eos_token_ids)
+                                  temperature=1.0 if sampled else 0.0, generator=gen if sampled else None,
+                                  eos_ids=target.eos_token_ids)
             dt = time.perf_counter() - t0
             seconds += dt
             sampled_calls += sampled
