@@ -99,6 +99,11 @@ class Config:
     expand: str | None = None                      # "policies": one config per POLICIES entry
 
 
+def _d2sd_k(k: int) -> Option:
+    """D2SD's branch count K, under each name ``d2sd`` might declare for it."""
+    return Option(("k", "num_branches", "top_k"), k)
+
+
 # The default grid: every method and its ablations.
 CONFIGS: tuple[Config, ...] = (
     Config("ar", "ar", "target"),
@@ -144,30 +149,25 @@ CONFIGS: tuple[Config, ...] = (
     Config("dflash-tree-lookup", "dflash", "target", {"tree": 7, "lookup": 7}),
     # D2SD with the VP-drafter's re-drafts in every cycle (redraft_min=0, the paper's method;
     # on a CPU the default gate never re-drafts: `d2sd-auto`, below)
-    *(Config(f"d2sd-K{k}", "d2sd", "target", {"k": Option(("k", "num_branches", "top_k"), k), "redraft_min": 0})
+    *(Config(f"d2sd-K{k}", "d2sd", "target", {"k": _d2sd_k(k), "redraft_min": 0})
       for k in (1, 2, 4)),
     # the tree pruned at a higher cost of a verified row (the default on a CPU is 0.02), and
     # every branch verified in full (the default elsewhere)
-    Config("d2sd-adaptive-K2", "d2sd", "target",
-           {"k": Option(("k", "num_branches", "top_k"), 2), "row_cost": 0.06, "redraft_min": 0}),
-    Config("d2sd-full-K2", "d2sd", "target",
-           {"k": Option(("k", "num_branches", "top_k"), 2), "row_cost": None, "redraft_min": 0}),
-    Config("d2sd-nolookup-K2", "d2sd", "target",
-           {"k": Option(("k", "num_branches", "top_k"), 2), "lookup": None, "redraft_min": 0}),
+    Config("d2sd-adaptive-K2", "d2sd", "target", {"k": _d2sd_k(2), "row_cost": 0.06, "redraft_min": 0}),
+    Config("d2sd-full-K2", "d2sd", "target", {"k": _d2sd_k(2), "row_cost": None, "redraft_min": 0}),
+    Config("d2sd-nolookup-K2", "d2sd", "target", {"k": _d2sd_k(2), "lookup": None, "redraft_min": 0}),
     # the first draft verified as a chain, the branches merged onto it (on a CPU, greedy,
     # `d2sd` grafts them onto DFlash's 7-node draft tree: tree="auto")
-    Config("d2sd-chain-K2", "d2sd", "target",
-           {"k": Option(("k", "num_branches", "top_k"), 2), "tree": None, "redraft_min": 0}),
+    Config("d2sd-chain-K2", "d2sd", "target", {"k": _d2sd_k(2), "tree": None, "redraft_min": 0}),
     # the paper's D2SD against the paper's DFlash (`dflash-chain`): the first draft a chain,
     # the K re-drafted branches merged onto it, no prompt-lookup branch
     Config("d2sd-chain-nolookup-K2", "d2sd", "target",
-           {"k": Option(("k", "num_branches", "top_k"), 2), "tree": None, "lookup": None, "redraft_min": 0}),
+           {"k": _d2sd_k(2), "tree": None, "lookup": None, "redraft_min": 0}),
     # the method's defaults: on a CPU the re-draft gate (redraft_min="auto") never re-drafts,
     # so every cycle is DFlash's (measured: no gate pays on this CPU, _cpu_cost.CPU_REDRAFT_MIN)
     Config("d2sd-auto", "d2sd", "target", {}),
     # the naive control: DFlash with K branches resampled from the first draft
-    *(Config(f"d2sd-resample-K{k}", "d2sd", "target",
-             {"k": Option(("k", "num_branches", "top_k"), k), "branches": "resample"})
+    *(Config(f"d2sd-resample-K{k}", "d2sd", "target", {"k": _d2sd_k(k), "branches": "resample"})
       for k in (1, 2, 4)),
 )
 BASELINE_AR = "ar"

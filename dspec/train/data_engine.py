@@ -83,7 +83,7 @@ class EngineConfig:
         reaches it).
     response_tokens : max new tokens per prompt; prompt_tokens : max prompt tokens.
     sources : source -> weight.  sampled_fraction : responses drawn at T = 1.
-    batch : sequences per ``ar`` call; shard_batches : calls per shard (the unit of resume).
+    batch : sequences per decoding call; shard_batches : calls per shard (the unit of resume).
     seed : everything else.
     method : ``"ar"`` (the target's autoregressive continuation) or ``"diffusion"`` (a
         masked-diffusion model's one-token-per-step decoding at its default block size).
@@ -415,11 +415,11 @@ def main(argv=None) -> dict:
                    help="max new tokens per prompt (default %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens,
                    help="max prompt tokens (default %(default)s)")
-    p.add_argument("--batch", type=int, default=d.batch, help="sequences per ar call (default %(default)s)")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per decoding call (default %(default)s)")
     p.add_argument("--shard-batches", type=int, default=d.shard_batches,
-                   help="ar calls per shard, the unit of resume (default %(default)s)")
+                   help="decoding calls per shard, the unit of resume (default %(default)s)")
     p.add_argument("--sampled-fraction", type=float, default=d.sampled_fraction,
-                   help="share of ar calls sampled at T = 1 (default %(default)s)")
+                   help="share of decoding calls sampled at T = 1 (default %(default)s)")
     p.add_argument("--sources", default=None,
                    help="source=weight,... of " + ", ".join(ENGINE_SOURCES) + " (default %s)"
                    % ",".join(f"{k}={v}" for k, v in d.sources.items()))
