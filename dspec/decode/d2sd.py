@@ -247,13 +247,13 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     chains = {}                 # DFlash's causal masks, for cycles that do not re-draft
     finder = PromptLookup(prompts, run.outputs, num_drafts=lookup) if lookup else None
 
-    def dflash_cycle(logits, vocab, positions, t0) -> bool:
+    def dflash_cycle(logits, vocab, positions, t0, top=None) -> bool:
         nonlocal nodes_total, pairs
         if tree is None:
             alive, drafts = _chain_cycle(run, logits, vocab, positions, row_cost, temperature, generator, t0, chains)
         else:
             alive, drafts = _tree_cycle(run, logits, vocab, positions[:, 0], tree, row_cost, temperature, generator,
-                                        t0, finder)
+                                        t0, finder, top)
         nodes_total += drafts + len(positions)
         pairs += len(positions)
         return alive
@@ -282,7 +282,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
             if redraft_min > 0:
                 wanted = reach.sum(1) >= redraft_min
                 if not bool(wanted.any()):      # nobody re-drafts: DFlash's own cycle
-                    live = dflash_cycle(logits, vocab, positions, t0)
+                    live = dflash_cycle(logits, vocab, positions, t0, None if tree is None else (top_i, top_p))
                     continue
             alt, alt_probs = redraft(roles["vp_drafter"], run.contexts["vp_drafter"], run.anchor, first, lengths,
                                      positions, gamma, with_probs=True)

@@ -497,15 +497,18 @@ def _chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, temper
 
 
 def _tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, row_cost, temperature, generator,
-                t0: float, finder: PromptLookup | None = None) -> tuple[bool, int]:
+                t0: float, finder: PromptLookup | None = None, top=None) -> tuple[bool, int]:
     """A cycle's tree verification (``tree``): the best nodes over each slot's candidates
     under the anchors (at ``root_positions`` [B]), with ``finder``'s lookup chains grafted
     on, one target forward under the tree mask, ``verify_tree``, commit of the accepted path.
-    Returns (any request still live, draft nodes verified summed over the cycle's requests)."""
-    top_i, top_p = topk_tokens(logits, min(TREE_TOP_K, logits.shape[-1]),
-                               temperature=temperature if temperature > 0 else 1.0)
-    tokens, parents, positions, words = draft_tree(top_p, vocab_ids(top_i, vocab), nodes, run.anchor,
-                                                   root_positions, row_cost)
+    ``top``: the draft's (target-vocabulary ids, probabilities) top-``TREE_TOP_K`` where the
+    caller has them already (D2SD's gate scored them). Returns (any request still live,
+    draft nodes verified summed over the cycle's requests)."""
+    if top is None:
+        top_i, top_p = topk_tokens(logits, min(TREE_TOP_K, logits.shape[-1]),
+                                   temperature=temperature if temperature > 0 else 1.0)
+        top = vocab_ids(top_i, vocab), top_p
+    tokens, parents, positions, words = draft_tree(top[1], top[0], nodes, run.anchor, root_positions, row_cost)
     if finder is not None:
         chain, counts = finder.drafts(run.rows)
         if counts.any():
