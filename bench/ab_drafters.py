@@ -5,13 +5,16 @@ previous one inside one run: for every prompt (the e2e grid's sets, chat-wrapped
 wraps them) ``ar``, then ``dflash`` and ``dflash-adaptive`` (row_cost 0.06) with each drafter,
 both verifying the chain (``tree=None``), interleaved, greedy, batch 1.  Reports per prompt set and pooled: tok/s, the ratio to ``ar``,
 tokens committed per verification (weighted by cycles) and outputs that differ from ``ar``'s
-(``ab_common.py``).  ``--vp-drafters`` (one per DFlash drafter, in the same order) adds a
-``d2sd`` arm (K = 2, its CPU defaults) per pair; ``--tree N[,M..]`` a ``dflash`` arm per
-drafter and node count verifying a draft tree (at the CPU's default row cost).
+(``ab_common.py``).  ``--vp-drafters`` (one per DFlash drafter, in the same order, or any
+number with one DFlash drafter) adds per pair the two D2SD settings of the e2e grid, K = 2,
+re-drafting in every cycle (``redraft_min=0``): ``d2sd-chain`` (the papers': the first draft
+a chain, no prompt-lookup branch; against ``dflash``, the chain) and ``d2sd-tree`` (the
+CPU's: grafted onto DFlash's draft tree with the lookup branch), plus per DFlash drafter
+``dflash-tree`` (``dflash`` at its CPU defaults, the tree's baseline); ``--tree N[,M..]`` a
+``dflash`` arm per drafter and node count verifying a draft tree (at the CPU's default row cost).
 
     python bench/ab_drafters.py --drafters smollm2-135m-dflash,runs/dflash-r6/drafter
-    python bench/ab_drafters.py --drafters smollm2-135m-dflash,runs/dflash-r7/drafter \
-        --vp-drafters smollm2-135m-vp,runs/vp-r3/drafter
+    python bench/ab_drafters.py --drafters smollm2-135m-dflash --vp-drafters smollm2-135m-vp,runs/vp-r4/drafter
 Writes bench/results/cpu/<name>.json.
 """
 from __future__ import annotations
@@ -35,7 +38,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--drafters", required=True, help="comma-separated drafter names or directories")
     ap.add_argument("--vp-drafters", default=None,
-                    help="comma-separated VP drafters, one per --drafters entry: adds a d2sd arm per pair")
+                    help="comma-separated VP drafters, one per --drafters entry (or any number with one "
+                         "DFlash drafter): adds the d2sd-chain and d2sd-tree arms per pair")
     ap.add_argument("--row-cost", type=float, default=0.06, help="dflash-adaptive's row_cost")
     ap.add_argument("--tree", default=None,
                     help="comma-separated node counts: a dflash arm per drafter and count verifying a draft tree")
@@ -44,24 +48,31 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     model = dspec.load(args.target)
     paths = args.drafters.split(",")
-    vps = args.vp_drafters.split(",") if args.vp_drafters else [None] * len(paths)
+    vps = [[v] for v in args.vp_drafters.split(",")] if args.vp_drafters else [[] for _ in paths]
+    if len(paths) == 1 and len(vps) > 1:
+        vps = [[v[0] for v in vps]]
     if len(vps) != len(paths):
-        ap.error(f"--vp-drafters: one per --drafters entry ({len(paths)}), got {len(vps)}")
+        ap.error(f"--vp-drafters: one per --drafters entry ({len(paths)}) or any number with one, got {len(vps)}")
     try:
         trees = [int(n) for n in args.tree.split(",")] if args.tree else []
     except ValueError:
         ap.error(f"--tree: comma-separated ints, got {args.tree!r}")
     arms = [Arm("ar", model, "ar")]
-    for path, vp in zip(paths, vps):
+    for path, vp_list in zip(paths, vps):
         d = resolve_drafter(path, model, "dflash")
         arms += [Arm(f"dflash[{path}]", model, "dflash", {"drafter": d, "tree": None}, reference="ar"),
                  Arm(f"adaptive[{path}]", model, "dflash", {"drafter": d, "row_cost": args.row_cost, "tree": None},
                      reference="ar")]
         for nodes in trees:
             arms.append(Arm(f"tree{nodes}[{path}]", model, "dflash", {"drafter": d, "tree": nodes}, reference="ar"))
-        if vp is not None:
+        if vp_list:
+            arms.append(Arm(f"dflash-tree[{path}]", model, "dflash", {"drafter": d}, reference="ar"))
+        for vp in vp_list:
             pair = {"dflash": d, "vp": resolve_drafter(vp, model, "vp")}
-            arms.append(Arm(f"d2sd[{path},{vp}]", model, "d2sd", {"drafter": pair, "k": 2}, reference="ar"))
+            arms += [Arm(f"d2sd-chain[{path},{vp}]", model, "d2sd",
+                         {"drafter": pair, "k": 2, "tree": None, "lookup": None, "redraft_min": 0}, reference="ar"),
+                     Arm(f"d2sd-tree[{path},{vp}]", model, "d2sd", {"drafter": pair, "k": 2, "redraft_min": 0},
+                         reference="ar")]
     acc = run_interleaved(arms, grid_texts(model, args.prompts), args.max_new_tokens)
     rows = summary_rows(arms, acc, {"ar": "ar"})
     payload = {"bench": "ab_drafters", "env": environment("cpu"), "config": vars(args), "rows": rows}

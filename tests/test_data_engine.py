@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import dspec
 from conftest import requires_sharegpt
 from dspec import tasks
 from dspec.train.data_engine import (ENGINE_SOURCES, EngineConfig, GeneratedData, generate_shards, heldout_split,
-                                     prompt_stream, read_directories, _Sources)
+                                     parse_directory, prompt_stream, read_directories, _Sources)
 from dspec.train.dflash import DrafterTrainConfig, DrafterTrainer, main
 from dspec.train.features import FeatureCache, build_features
 
@@ -130,6 +131,27 @@ def test_directories_read_back_to_back(tiny, tmp_path):
     assert read_directories([tmp_path / "a"]) == (a.sequences(), a.info)
     with pytest.raises(ValueError, match="no directory"):
         read_directories([])
+
+
+def test_directory_shard_prefix(tiny, tmp_path):
+    """"DIR:N" reads the first N shards (a prefix: earlier indices and a feature cache hold)."""
+    generate_shards(tiny, tmp_path / "a", small(tokens=60, sources={"arithmetic": 1.0}, shard_batches=1),
+                    progress=False)
+    whole = GeneratedData(tmp_path / "a")
+    shards = whole.manifest["shards"]
+    assert len(shards) >= 3
+    two = GeneratedData(tmp_path / "a", shards=2)
+    assert two.sequences() == whole.sequences()[:shards[0]["sequences"] + shards[1]["sequences"]]
+    assert two.info["shards"] == 2 and two.info["tokens"] == shards[0]["tokens"] + shards[1]["tokens"]
+    seqs, info = read_directories([f"{tmp_path / 'a'}:1", tmp_path / "a"])
+    assert seqs == whole.sequences()[:shards[0]["sequences"]] + whole.sequences()
+    assert parse_directory("data/x:12") == (Path("data/x"), 12) and parse_directory("data/x") == (Path("data/x"), None)
+    assert parse_directory("C:/data/x") == (Path("C:/data/x"), None)
+    for bad in (0, len(shards) + 1):
+        with pytest.raises(ValueError, match="shards"):
+            GeneratedData(tmp_path / "a", shards=bad)
+    with pytest.raises(ValueError, match="N >= 1"):
+        read_directories([f"{tmp_path / 'a'}:0"])
 
 
 @requires_sharegpt

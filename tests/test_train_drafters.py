@@ -11,9 +11,9 @@ import torch
 import dspec
 from dspec.decode.ar import decode_ar
 from dspec.models.dflash import MASK, block_loss_weights, load_drafter
-from dspec.train.dflash import (DrafterTrainConfig, DrafterTrainer, block_loss, greedy_accepted, main, make_blocks,
-                                pad_sequences)
-from dspec.train.vp_drafter import prefix_prior, prefix_sampler, sample_prefix_lengths
+from dspec.train.dflash import (DrafterTrainConfig, DrafterTrainer, ban_tokens, block_loss, greedy_accepted, main,
+                                make_blocks, pad_sequences, rejection_prefixes, target_hidden)
+from dspec.train.vp_drafter import main as vp_main, prefix_prior, prefix_sampler, sample_prefix_lengths
 
 from tiny_checkpoints import write_checkpoint
 
@@ -216,7 +216,8 @@ def test_draft_vocab_training_reads_only_its_columns(target, sequences, tmp_path
     trainer = DrafterTrainer(target, cfg, tmp_path, sequences=sequences, progress=False)
     ids = trainer.drafter.draft_vocab
     assert ids.numel() == 12 and set(target.eos_token_ids) <= set(ids.tolist())
-    tokens, lengths, blocks, labels, valid, starts, prefix, hidden = trainer.batch(0)
+    tokens, lengths, blocks, labels, valid, starts, prefix, hidden, banned = trainer.batch(0)
+    assert banned is None
     loss, total, logits = block_loss(trainer.drafter, target, tokens, lengths, blocks, labels, valid, starts,
                                      prefix, cfg.decay, hidden, draft_index=trainer.draft_index,
                                      return_logits=True)
@@ -236,3 +237,105 @@ def test_draft_vocab_training_reads_only_its_columns(target, sequences, tmp_path
     assert 1.0 <= rec["heldout_accepted"] <= cfg.block_size and len(rec["slot_accuracy"]) == cfg.block_size - 1
     trainer.drafter.save(tmp_path / "saved")
     assert torch.equal(load_drafter(tmp_path / "saved", target).draft_vocab, ids)
+
+
+# ------------------------------------------------------------------ VP prefixes at DFlash's rejections
+
+def test_ban_tokens_removes_one_logit_at_the_first_redrafted_slot():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 5, 7, generator=gen)
+    prefix = torch.tensor([[0, 2, 3], [1, 0, 0]])
+    banned = torch.tensor([[4, 6, -1], [0, 2, 5]])
+    out = ban_tokens(logits, prefix, banned)
+    expect = logits.clone()
+    for b in range(2):
+        for m in range(3):
+            if banned[b, m] >= 0:
+                expect[b, m, prefix[b, m] + 1, banned[b, m]] = float("-inf")
+    assert torch.equal(out, expect)
+    # over a draft vocabulary: the banned id's column; an id outside it bans nothing
+    draft_index = torch.full((20,), -1)
+    draft_ids = torch.tensor([11, 4, 9, 0, 13, 2, 7])
+    draft_index[draft_ids] = torch.arange(7)
+    banned_ids = torch.where(banned >= 0, draft_ids[banned.clamp_min(0)], -1)
+    banned_ids[1, 2] = 19                                       # outside the draft vocabulary
+    expect[1, 2, 1, 5] = logits[1, 2, 1, 5]
+    assert torch.equal(ban_tokens(logits, prefix, banned_ids, draft_index), expect)
+
+
+def test_rejection_prefixes_match_a_per_block_loop(target, sequences):
+    """prefix = the first draft's leading correct slots, rejected = its token at the next
+    slot, has = that slot lies inside the sequence; against a plain per-block loop."""
+    cfg = small_cfg(max_steps=3, block_size=5, anchors_per_seq=6)
+    first = DrafterTrainer(target, cfg, "/tmp/unused-first", sequences=sequences, progress=False).drafter.eval()
+    rows = sequences[:6]
+    tokens, lengths, plens = pad_sequences(rows, target.device)
+    g = torch.Generator().manual_seed(3)
+    blocks, labels, valid, starts, _ = make_blocks(tokens, lengths, plens, block_size=5, anchors=6, generator=g)
+    hidden = target_hidden(target, tokens, first.target_layer_ids)
+    prefix, rejected, has = rejection_prefixes(first, hidden, lengths, blocks, labels, valid, starts)
+    with torch.no_grad():
+        draft = first.forward_train(hidden, blocks, starts, context_length=lengths).argmax(-1)
+    seen = 0
+    for b in range(6):
+        for m in range(6):
+            n = 0
+            while n < 4 and valid[b, m, n + 1] and draft[b, m, n + 1] == labels[b, m, n + 1]:
+                n += 1
+            inside = n < 4 and bool(valid[b, m, n + 1])
+            assert bool(has[b, m]) == inside
+            assert int(prefix[b, m]) == min(n, 3)
+            if inside:
+                seen += 1
+                assert int(rejected[b, m]) == int(draft[b, m, n + 1]) != int(labels[b, m, n + 1])
+    assert seen > 0
+
+
+def test_rejection_mode_trains_on_the_first_drafters_rejections(target, sequences, tmp_path):
+    """prefix_mode='rejection': blocks given up to the first draft's rejection, the rejected
+    draft banned, rejection-free blocks weigh 0; the loss falls; config and drafter are checked."""
+    first = DrafterTrainer(target, small_cfg(max_steps=3), tmp_path / "first", sequences=sequences,
+                           progress=False)
+    first.train(max_steps=3)
+    cfg = small_cfg(kind="vp", prefix_mode="rejection")
+    trainer = DrafterTrainer(target, cfg, tmp_path / "vp", sequences=sequences, progress=False,
+                             first_drafter=first.drafter)
+    tokens, lengths, blocks, labels, valid, starts, prefix, hidden, banned = trainer.batch(0)
+    j = torch.arange(cfg.block_size)
+    inside = starts[..., None] + j < lengths[:, None, None]
+    given = (j <= prefix[..., None]) & inside
+    assert torch.equal(blocks, torch.where(given, labels, torch.full_like(labels, MASK)))
+    assert not valid[banned < 0].any() and valid[banned >= 0].any()
+    assert ((j > prefix[..., None]) | ~valid).all()
+    at = (prefix + 1).clamp_max(cfg.block_size - 1)[..., None]
+    assert (labels.gather(-1, at)[..., 0] != banned)[banned >= 0].all()
+    trainer.held_idx = trainer.train_idx[:16]
+    before = trainer.evaluate()
+    trainer.train(max_steps=40)
+    rec = trainer.evals[-1]
+    assert rec["heldout_loss"] < before and 0 < rec["rejected_fraction"] <= 1
+    assert 1.0 <= rec["heldout_accepted"] <= cfg.block_size
+    with pytest.raises(ValueError, match="first_drafter"):
+        DrafterTrainer(target, cfg, tmp_path / "none", sequences=sequences, progress=False)
+    with pytest.raises(ValueError, match="block size"):
+        DrafterTrainer(target, small_cfg(kind="vp", prefix_mode="rejection", block_size=6), tmp_path / "bs",
+                       sequences=sequences, progress=False, first_drafter=first.drafter)
+    with pytest.raises(ValueError, match="kind must be 'vp'"):
+        small_cfg(prefix_mode="rejection")
+    with pytest.raises(ValueError, match="prefix_mode"):
+        small_cfg(kind="vp", prefix_mode="boundary")
+
+
+def test_vp_cli_rejection_mode(ckpt, target, tmp_path):
+    first = tmp_path / "first"
+    main(["--target", str(ckpt), "--out", str(first), "--max-steps", "2", "--num-prompts", "8",
+          "--response-tokens", "6", "--sources", "arithmetic=1", "--block-size", "4", "--batch-size", "4"])
+    out = tmp_path / "vp"
+    result = vp_main(["--target", str(ckpt), "--out", str(out), "--max-steps", "2", "--data",
+                      str(first / "data.pt"), "--block-size", "4", "--batch-size", "4", "--prefix", "rejection",
+                      "--dflash-drafter", str(first / "drafter")])
+    assert result["step"] == 2
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["config"]["prefix_mode"] == "rejection" and log["data"]["rejections_of"] == str(first / "drafter")
+    assert "first rejection" in (out / "drafter" / "README.md").read_text()
+    load_drafter(out / "drafter", target, kind="vp")

@@ -61,7 +61,7 @@ import torch
 from .. import tasks
 from .data import _heldout_text, is_heldout_problem
 
-__all__ = ["EngineConfig", "prompt_stream", "generate_shards", "GeneratedData", "read_directories", "heldout_split",
+__all__ = ["EngineConfig", "prompt_stream", "generate_shards", "GeneratedData", "parse_directory", "read_directories", "heldout_split",
            "parse_source_weights", "ENGINE_SOURCES"]
 
 # a shard row's source id is its index here: append new sources, never reorder
@@ -327,13 +327,20 @@ class GeneratedData:
 
     ``sequences()`` -> [(token ids list, prompt length)] in shard order (a resumed run only
     appends); ``info`` summarises the manifest.  Trainers split it with :func:`heldout_split`.
+    ``shards``: read only the first ``shards`` shards (a prefix of the directory, so a feature
+    cache built over it stays valid when more are read later); None reads all.
     """
 
-    def __init__(self, path):
+    def __init__(self, path, shards: int | None = None):
         self.path = Path(path)
         manifest = _read_manifest(self.path)
         if manifest is None or manifest.get("format") != FORMAT:
             raise ValueError(f"data: {self.path} is not a dspec data-engine directory (no {MANIFEST})")
+        if shards is not None:
+            have = len(manifest["shards"])
+            if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= have:
+                raise ValueError(f"data: shards must be an int in [1, {have}] for {self.path}, got {shards!r}")
+            manifest = dict(manifest, shards=manifest["shards"][:shards])
         self.manifest = manifest
         self.tokens = [np.load(self.path / f"tokens-{s['index']:05d}.npy", mmap_mode="r") for s in manifest["shards"]]
         self.rows = [np.load(self.path / f"rows-{s['index']:05d}.npy") for s in manifest["shards"]]
@@ -365,14 +372,28 @@ def parse_source_weights(text: str) -> dict[str, float]:
     return {k: float(v) for k, v in (item.split("=") for item in text.split(","))}
 
 
+def parse_directory(spec) -> tuple[Path, int | None]:
+    """A ``--data`` entry: ``"DIR"`` (every shard) or ``"DIR:N"`` (its first N shards) ->
+    (path, shards or None); ValueError when N is not a positive integer."""
+    text = str(spec)
+    head, sep, tail = text.rpartition(":")
+    if not sep or not head or "/" in tail or not tail.strip().lstrip("-").isdigit():
+        return Path(text), None
+    n = int(tail)
+    if n < 1:
+        raise ValueError(f"data: {text!r} asks for {n} shards; DIR:N needs N >= 1")
+    return Path(head), n
+
+
 def read_directories(paths) -> tuple[list[tuple[list[int], int]], dict]:
-    """The sequences of one or more engine directories, back to back in the order given, and
-    their info (one directory's, or the totals with each directory's under ``"directories"``).
+    """The sequences of one or more engine directories (``"DIR"`` or ``"DIR:N"``, its first N
+    shards), back to back in the order given, and their info (one directory's, or the totals
+    with each directory's under ``"directories"``).
 
     Appending a directory keeps every earlier sequence's index, so a feature cache built over
     the first ones stays a valid prefix and ``heldout_split(start=<their count>)`` holds out
     only sequences of the new directories."""
-    datas = [GeneratedData(p) for p in paths]
+    datas = [GeneratedData(*parse_directory(p)) for p in paths]
     if not datas:
         raise ValueError("data: no directory given")
     sequences = [s for d in datas for s in d]

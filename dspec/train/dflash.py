@@ -18,6 +18,14 @@ generated token); block m is ``[x_p, x_{p+1} .. x_{p+i}, MASK ...]`` of G slots,
 drafted slot weighs 1, later ones less, as a later slot only counts when all before it are
 accepted), normalised by the weight sum; slots past the sequence end weigh 0.
 
+VP prefixes at DFlash's own rejections (``prefix_mode="rejection"``, :func:`rejection_prefixes`):
+D2SD's re-draft at boundary i changes the output only in cycles where the first draft is
+rejected exactly at slot i + 1, and then its draft there is known to be wrong.  So each
+block is first drafted by the frozen DFlash drafter (no grad, the same target features);
+the VP-drafter gets i = the drafts it had accepted and learns slots > i with the rejected
+draft's logit removed at slot i + 1 (as :func:`dspec.decode.d2sd.redraft` bans it at decode
+time); blocks the first draft gets wholly right, or that end before its rejection, weigh 0.
+
 Optimisation: AdamW, linear warmup + cosine decay, gradient clipping; bf16 autocast on CUDA and on CPUs with native bf16 matmul;
 a time budget (``--minutes``) fixes the total step count after a few measured steps;
 checkpoints (``checkpoint.pt``: drafter, optimizer, step, schedule, log) every
@@ -71,6 +79,8 @@ class DrafterTrainConfig:
     lr, min_lr, warmup_steps, max_steps, weight_decay, grad_clip : AdamW + cosine schedule.
     loss_decay : the decay of the slot weights exp(-(j - i - 1) / decay) (None: G / 2).
     prefix_accept : VP prefix prior parameter a, P(i) proportional to a^i on [0, G-2].
+    prefix_mode : (vp) "prior" (i from the prefix prior) or "rejection" (i where a frozen
+        DFlash drafter's greedy draft is first rejected; the trainer is given that drafter).
     num_prompts, prompt_tokens, response_tokens, sampled_fraction, gen_batch : data
         generation (prompts, max prompt length, tokens generated per prompt, fraction of
         responses sampled at T = 1, batch of the ``ar`` generation).
@@ -98,6 +108,7 @@ class DrafterTrainConfig:
     grad_clip: float = 1.0
     loss_decay: float | None = None
     prefix_accept: float = 0.7
+    prefix_mode: str = "prior"
     num_prompts: int = 2048
     prompt_tokens: int = 48
     response_tokens: int = 64
@@ -124,6 +135,10 @@ class DrafterTrainConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not 0 < self.prefix_accept < 1:
             raise ValueError(f"prefix_accept must lie in (0, 1), got {self.prefix_accept}")
+        if self.prefix_mode not in ("prior", "rejection"):
+            raise ValueError(f"prefix_mode must be 'prior' or 'rejection', got {self.prefix_mode!r}")
+        if self.prefix_mode == "rejection" and self.kind != "vp":
+            raise ValueError("prefix_mode='rejection' trains a VP drafter: kind must be 'vp'")
         if not 0 <= self.sampled_fraction <= 1 or not 0 < self.heldout_fraction < 1:
             raise ValueError("sampled_fraction must lie in [0, 1] and heldout_fraction in (0, 1)")
         if self.autocast not in ("auto", "bf16", "none"):
@@ -259,21 +274,41 @@ def make_blocks(tokens, lengths, prompt_lens, *, block_size: int, anchors: int, 
     return blocks, labels, valid, starts, prefix
 
 
+def target_hidden(target, tokens: torch.Tensor, layer_ids) -> list[torch.Tensor]:
+    """The frozen target's hidden states of ``tokens`` [B, T] at ``layer_ids`` (no grad)."""
+    # the frozen target runs in its own dtype (autocast would hand bf16 to its fp32 kernels)
+    with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
+        plan = target.plan(tokens)
+        return target(plan, logits=None, hidden_states=layer_ids, return_kv=False).hidden
+
+
+def ban_tokens(logits: torch.Tensor, prefix: torch.Tensor, banned: torch.Tensor,
+               draft_index: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits`` [B, M, G, V] with token ``banned[b, m]`` (a target id; -1 none) removed at
+    slot ``prefix[b, m] + 1``, the first re-drafted slot (-inf; a copy).  ``draft_index``: the
+    logits cover a draft vocabulary (a banned id outside it has no column to remove)."""
+    col = banned if draft_index is None else torch.where(banned >= 0, draft_index[banned.clamp_min(0)], -1)
+    g, v = logits.shape[-2], logits.shape[-1]
+    at_slot = torch.arange(g, device=logits.device) == (prefix + 1)[..., None]               # [B, M, G]
+    hit = (torch.arange(v, device=logits.device) == col[..., None]) & (col >= 0)[..., None]  # [B, M, V]
+    return logits.masked_fill(at_slot[..., None] & hit[:, :, None, :], float("-inf"))
+
+
 def block_loss(drafter: BlockDrafter, target, tokens, lengths, blocks, labels, valid, starts, prefix,
                decay: float, hidden: list[torch.Tensor] | None = None, *, draft_index: torch.Tensor | None = None,
-               return_logits: bool = False):
+               banned: torch.Tensor | None = None, return_logits: bool = False):
     """Weighted cross-entropy of a batch of blocks (the recipe's objective) -> (loss, weight sum)
     (+ the logits with ``return_logits``).  ``hidden``: the target's hidden states of
     ``tokens`` when cached (else one target forward).  ``draft_index``: int64 [V], a target
     id's column in the drafter's draft vocabulary (-1 outside): the logits cover only the
-    draft vocabulary and slots labelled outside it weigh 0."""
+    draft vocabulary and slots labelled outside it weigh 0.  ``banned``: int64 [B, M], a
+    target id excluded at slot prefix + 1 (:func:`ban_tokens`; -1 none)."""
     if hidden is None:
-        # the frozen target runs in its own dtype (autocast would hand bf16 to its fp32 kernels)
-        with torch.no_grad(), torch.autocast(tokens.device.type, enabled=False):
-            plan = target.plan(tokens)
-            hidden = target(plan, logits=None, hidden_states=drafter.target_layer_ids, return_kv=False).hidden
+        hidden = target_hidden(target, tokens, drafter.target_layer_ids)
     logits = drafter.forward_train(hidden, blocks, starts, context_length=lengths,
                                    draft_vocab=draft_index is not None)
+    if banned is not None:
+        logits = ban_tokens(logits, prefix, banned, draft_index)
     if draft_index is not None:
         labels = draft_index[labels]
         valid = valid & (labels >= 0)
@@ -306,6 +341,27 @@ def greedy_accepted(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Ten
     return (run & drafted).sum(-1), correct
 
 
+@torch.no_grad()
+def rejection_prefixes(first_drafter: BlockDrafter, hidden, lengths, blocks, labels, valid, starts):
+    """Where a (DFlash) first drafter's greedy draft of each block is first rejected.
+
+    ``blocks``, ``labels``, ``valid``, ``starts``: :func:`make_blocks` output with prefix 0
+    (the first draft's input).  Returns (prefix [B, M]: the drafts accepted before the first
+    rejection, clamped to G - 2; rejected [B, M]: the first drafter's token at the rejected
+    slot (a target id); has [B, M] bool: the block has a rejection inside the sequence --
+    False where every draft is right or the sequence ends first)."""
+    g = blocks.shape[-1]
+    logits = first_drafter.forward_train(hidden, blocks, starts, context_length=lengths,
+                                         draft_vocab=first_drafter.draft_vocab is not None)
+    ids = first_drafter.draft_vocab
+    zero = torch.zeros_like(starts)
+    accepted, _ = greedy_accepted(logits, labels, valid, zero, ids)
+    slot = (accepted + 1).clamp_max(g - 1)[..., None]
+    has = (accepted < g - 1) & valid.gather(-1, slot).squeeze(-1)
+    rejected = vocab_ids(logits.argmax(-1), ids).gather(-1, slot).squeeze(-1)
+    return accepted.clamp_max(g - 2), rejected, has
+
+
 # ---------------------------------------------------------------------------- trainer
 
 class DrafterTrainer(BudgetedLoop):
@@ -320,6 +376,8 @@ class DrafterTrainer(BudgetedLoop):
         from ``out_dir/data.pt``).
     prefix_sampler : callable(generator, shape) -> prefix lengths int64 (the VP prior);
         None for DFlash (i = 0).
+    first_drafter : (``prefix_mode="rejection"``) the frozen DFlash drafter whose rejections
+        place the VP prefixes (:func:`rejection_prefixes`); same block size and target layers.
     features : a directory for the target's hidden states of every sequence, computed once
         (:mod:`dspec.train.features`; built or resumed here); None re-runs the target in
         every step.
@@ -330,7 +388,18 @@ class DrafterTrainer(BudgetedLoop):
         return f"train {self.cfg.kind} drafter"
 
     def __init__(self, target, cfg: DrafterTrainConfig, out_dir, *, sequences=None, prefix_sampler=None,
-                 features=None, progress: bool = True):
+                 first_drafter=None, features=None, progress: bool = True):
+        if (cfg.prefix_mode == "rejection") != (first_drafter is not None):
+            raise ValueError("first_drafter: given exactly when cfg.prefix_mode is 'rejection'")
+        if first_drafter is not None:
+            fc = first_drafter.config
+            if fc.block_size != cfg.block_size:
+                raise ValueError(f"first_drafter: block size {fc.block_size}, the recipe's {cfg.block_size}")
+            want = cfg.target_layer_ids
+            if want is not None and list(fc.target_layer_ids) != list(want):
+                raise ValueError(f"first_drafter: target layers {fc.target_layer_ids}, the recipe's {want}")
+            first_drafter = first_drafter.requires_grad_(False).eval()
+        self.first_drafter = first_drafter
         self.target = target.requires_grad_(False).eval()
         self.cfg = cfg
         self.out = Path(out_dir)
@@ -340,7 +409,10 @@ class DrafterTrainer(BudgetedLoop):
         self.device = target.device
         self.drafter = BlockDrafter.for_target(target, kind=cfg.kind, num_layers=cfg.num_layers,
                                                block_size=cfg.block_size,
-                                               target_layer_ids=cfg.target_layer_ids, seed=cfg.seed)
+                                               target_layer_ids=(cfg.target_layer_ids or
+                                                                 (first_drafter.config.target_layer_ids
+                                                                  if first_drafter is not None else None)),
+                                               seed=cfg.seed)
         self.drafter.float().train()
         self.data_info = {}
         self.sequences = self._data(sequences)
@@ -403,7 +475,8 @@ class DrafterTrainer(BudgetedLoop):
     def batch(self, step: int, indices=None, *, salt: int = 0):
         """Step ``step``'s sequences and blocks (a pure function of (seed, step)); ``indices``
         (into ``self.sequences``) fixes the sequences.  Returns (tokens, lengths, blocks,
-        labels, valid, starts, prefix, hidden) with ``hidden`` None without a feature cache."""
+        labels, valid, starts, prefix, hidden, banned) with ``hidden`` None without a feature
+        cache (and no first drafter) and ``banned`` None outside the rejection mode."""
         g = self._gen(step, salt)
         if indices is None:
             pick = torch.randint(len(self.train_idx), (self.cfg.batch_size,), generator=g).tolist()
@@ -414,9 +487,22 @@ class DrafterTrainer(BudgetedLoop):
         if self.prefix_sampler is not None:
             prefix = self.prefix_sampler(g, (len(rows), self.cfg.anchors_per_seq))
         hidden = None if self.features is None else self.features.gather(indices, tokens.shape[1], self.device)
-        return (tokens, lengths) + make_blocks(tokens, lengths, plens, block_size=self.cfg.block_size,
-                                               anchors=self.cfg.anchors_per_seq, prefix_lengths=prefix,
-                                               generator=g) + (hidden,)
+        blocks, labels, valid, starts, prefix = make_blocks(tokens, lengths, plens, block_size=self.cfg.block_size,
+                                                            anchors=self.cfg.anchors_per_seq, prefix_lengths=prefix,
+                                                            generator=g)
+        banned = None
+        if self.first_drafter is not None:
+            if hidden is None:
+                hidden = target_hidden(self.target, tokens, self.drafter.target_layer_ids)
+            with self._autocast():
+                prefix, banned, has = rejection_prefixes(self.first_drafter, hidden, lengths, blocks, labels,
+                                                         valid, starts)
+            j = torch.arange(self.cfg.block_size, device=blocks.device)
+            in_range = valid | (j == 0)                      # the anchor is always inside the sequence
+            blocks = torch.where((j <= prefix[..., None]) & in_range, labels, torch.full_like(labels, MASK))
+            valid = in_range & (j > prefix[..., None]) & has[..., None]
+            banned = torch.where(has, banned, -1)
+        return tokens, lengths, blocks, labels, valid, starts, prefix, hidden, banned
 
     # ------------------------------------------------------------------ steps
     def _autocast(self):
@@ -430,10 +516,10 @@ class DrafterTrainer(BudgetedLoop):
         lr = lr_at(self.step, cfg, self.total_steps or cfg.max_steps)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        tokens, lengths, blocks, labels, valid, starts, prefix, hidden = self.batch(self.step)
+        tokens, lengths, blocks, labels, valid, starts, prefix, hidden, banned = self.batch(self.step)
         with self._autocast():
             loss, _ = block_loss(self.drafter, self.target, tokens, lengths, blocks, labels, valid, starts,
-                                 prefix, cfg.decay, hidden, draft_index=self.draft_index)
+                                 prefix, cfg.decay, hidden, draft_index=self.draft_index, banned=banned)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
@@ -448,26 +534,30 @@ class DrafterTrainer(BudgetedLoop):
         """Held-out weighted loss over fixed anchors (seeded, identical across calls); the
         record also holds ``heldout_accepted`` (teacher-forced greedy tokens per cycle,
         accepted drafts + 1, :func:`greedy_accepted`) and ``slot_accuracy`` (top-1 agreement
-        of drafted slots 1..G-1)."""
+        of drafted slots 1..G-1).  In the rejection mode both count only blocks with a
+        rejection (``heldout_accepted`` is then the tokens a re-draft at the true rejection
+        boundary commits: its accepted slots + the target's own token) and the record adds
+        ``rejected_fraction``, the share of blocks the first draft gets wrong in range."""
         self.drafter.eval()
         total, weight = 0.0, 0.0
-        accepted, blocks_seen = 0, 0
+        accepted, blocks_seen, blocks_all = 0, 0, 0
         g = self.cfg.block_size
         hits, counts = torch.zeros(g), torch.zeros(g)
         held = self.held_idx[:max_sequences]
         for start in range(0, len(held), self.cfg.batch_size):
-            tokens, lengths, blocks, labels, valid, starts, prefix, hidden = self.batch(
+            tokens, lengths, blocks, labels, valid, starts, prefix, hidden, banned = self.batch(
                 start, held[start:start + self.cfg.batch_size], salt=99991)
             with self._autocast():
                 loss, w, logits = block_loss(self.drafter, self.target, tokens, lengths, blocks, labels, valid,
                                              starts, prefix, self.cfg.decay, hidden,
-                                             draft_index=self.draft_index, return_logits=True)
+                                             draft_index=self.draft_index, banned=banned, return_logits=True)
             total += float(loss) * float(w)
             weight += float(w)
             acc, correct = greedy_accepted(logits, labels, valid, prefix,
                                            self.drafter.draft_vocab if self.draft_index is not None else None)
             accepted += int(acc.sum())
-            blocks_seen += acc.numel()
+            blocks_seen += acc.numel() if banned is None else int((banned >= 0).sum())
+            blocks_all += acc.numel()
             hits += correct.sum((0, 1)).cpu()
             counts += valid.sum((0, 1)).cpu()
         self.drafter.train()
@@ -475,7 +565,9 @@ class DrafterTrainer(BudgetedLoop):
         self.evals.append({"step": self.step, "heldout_loss": value,
                            "heldout_accepted": 1 + accepted / max(blocks_seen, 1),
                            "slot_accuracy": [round(float(h / c), 4) if c else None
-                                             for h, c in zip(hits[1:], counts[1:])]})
+                                             for h, c in zip(hits[1:], counts[1:])],
+                           **({"rejected_fraction": blocks_seen / max(blocks_all, 1)}
+                              if self.first_drafter is not None else {})})
         return value
 
     # ------------------------------------------------------------------ checkpoints
@@ -623,7 +715,11 @@ def model_card(trainer: DrafterTrainer, result: dict, acceptance: dict | None, t
              f"are reused, not stored); block size {d.block_size}",
              f"- data: {json.dumps(trainer.data_info)}",
              f"- objective: exponentially decayed block cross-entropy, decay {c.decay}"
-             + (f"; prefix length ~ truncated geometric prior a = {c.prefix_accept}" if c.kind == "vp" else ""),
+             + (f"; prefix length ~ truncated geometric prior a = {c.prefix_accept}"
+                if c.kind == "vp" and c.prefix_mode == "prior" else "")
+             + ("; prefix = the DFlash drafter's accepted drafts before its first rejection, the rejected "
+                "draft banned at the first re-drafted slot (blocks without a rejection weigh 0)"
+                if c.prefix_mode == "rejection" else ""),
              f"- training: {result['step']} steps of {c.batch_size} sequences x {c.anchors_per_seq} blocks, "
              f"AdamW lr {c.lr} -> {c.min_lr}, wall time {result['wall_s'] / 60:.1f} min on "
              f"{trainer.device.type} ({cpu_model() + ', ' if trainer.device.type == 'cpu' else ''}"
@@ -632,7 +728,12 @@ def model_card(trainer: DrafterTrainer, result: dict, acceptance: dict | None, t
              + (f"; offline target features ({trainer.features.meta['tokens']:,} tokens)" if trainer.features else ""),
              f"- held-out loss: {result['heldout_loss']:.4f} nats (weighted, {len(trainer.heldout)} held-out sequences)"]
     last = trainer.evals[-1] if trainer.evals else {}
-    if "heldout_accepted" in last:
+    if "heldout_accepted" in last and "rejected_fraction" in last:
+        lines.append(f"- held-out, teacher-forced, greedy, over the blocks the DFlash drafter's first draft gets "
+                     f"wrong ({last['rejected_fraction']:.1%} of them): tokens a re-draft at the true rejection "
+                     f"boundary commits (its accepted slots + the target's token) {last['heldout_accepted']:.3f}; "
+                     f"top-1 agreement of slots 1..{c.block_size - 1} past the prefix: {last['slot_accuracy']}")
+    elif "heldout_accepted" in last:
         lines.append(f"- held-out teacher-forced greedy tokens per cycle (accepted drafts + 1): "
                      f"{last['heldout_accepted']:.3f}; top-1 agreement of drafted slots 1..{c.block_size - 1}: "
                      f"{last['slot_accuracy']}")
@@ -690,7 +791,7 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     ap.add_argument("--data", default=None,
                     help="training sequences: data-engine directories (python -m dspec.train.data_engine; "
-                         "several, comma-separated, are read back to back) or "
+                         "several, comma-separated, are read back to back; DIR:N reads its first N shards) or "
                          "another run's data.pt (default: generate --num-prompts responses here)")
     ap.add_argument("--cache-features", action="store_true",
                     help="compute the target's hidden states once into OUT/features (offline mode) instead "
@@ -698,7 +799,13 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--autocast", choices=("auto", "bf16", "none"), default="auto",
                     help="bf16 autocast: auto = on CUDA and on CPUs with native bf16 matmul (default %(default)s)")
     ap.add_argument("--dflash-drafter", default=None,
-                    help="(vp) a DFlash drafter directory for the acceptance measurement")
+                    help="(vp) the DFlash drafter (directory or shipped name; default the shipped one) of the "
+                         "acceptance measurement and of --prefix rejection")
+    if kind == "vp":
+        ap.add_argument("--prefix", choices=("prior", "rejection"), default="prior",
+                        help="where the given prefix ends: drawn from the truncated geometric prior, or where the "
+                             "DFlash drafter's greedy draft is first rejected (its rejected draft banned at the "
+                             "first re-drafted slot, as D2SD does) (default %(default)s)")
     ap.add_argument("--init", default=None,
                     help="warm start from a drafter directory or shipped drafter name of the same shape "
                          "(e.g. the shipped DFlash drafter for a VP run, or a previous round), or of the "
@@ -718,7 +825,8 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     target = load(args.target, device=args.device)
     if args.draft_vocab and not 0 < args.draft_vocab <= target.config.vocab_size:
         raise SystemExit(f"--draft-vocab must lie in [1, {target.config.vocab_size}] (0: none), got {args.draft_vocab}")
-    cfg = DrafterTrainConfig(kind=kind, num_layers=args.layers, seed=args.seed, autocast=args.autocast)
+    cfg = DrafterTrainConfig(kind=kind, num_layers=args.layers, seed=args.seed, autocast=args.autocast,
+                             prefix_mode=getattr(args, "prefix", "prior"))
     cfg = tiny_defaults(cfg, target)
     for attr, val in (("block_size", args.block_size), ("batch_size", args.batch_size),
                       ("num_prompts", args.num_prompts), ("response_tokens", args.response_tokens),
@@ -741,7 +849,11 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     sampler = prefix_sampler_factory(cfg) if prefix_sampler_factory else None
     sequences = None
     data_dirs = args.data.split(",") if args.data else []
-    missing = [p for p in data_dirs if not Path(p).is_dir()]
+    from .data_engine import parse_directory
+    try:
+        missing = [p for p in data_dirs if not parse_directory(p)[0].is_dir()]
+    except ValueError as e:
+        raise SystemExit(f"--data: {e}")
     if len(data_dirs) > 1 and missing:
         raise SystemExit(f"--data: several sources must all be data-engine directories; not one: {missing}")
     if data_dirs and not missing:
@@ -754,13 +866,25 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
         blob = torch.load(args.data, weights_only=False)
         out.mkdir(parents=True, exist_ok=True)
         torch.save(blob, out / DATA)            # the run's own copy: resume and the card see it
+    first_drafter = None
+    if cfg.prefix_mode == "rejection":
+        from ..models.dflash import resolve_drafter
+        try:
+            first_drafter = resolve_drafter(args.dflash_drafter, target, "dflash")
+        except ValueError as e:
+            raise SystemExit(f"--dflash-drafter: {e}")
+        sampler = None
     try:
         trainer = DrafterTrainer(target, cfg, out, prefix_sampler=sampler, sequences=sequences,
+                                 first_drafter=first_drafter,
                                  features=out / "features" if args.cache_features else None)
     except ValueError as e:
         raise SystemExit(str(e))
     if sequences is not None:
         trainer.data_info = info
+    if first_drafter is not None:
+        trainer.data_info = dict(trainer.data_info,
+                                 rejections_of=str(args.dflash_drafter or f"{target.shipped_name}-dflash"))
     if args.init and not (args.resume and (out / CHECKPOINT).is_file()):
         try:
             trainer.init_from(args.init)
