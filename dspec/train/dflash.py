@@ -684,8 +684,9 @@ def draft_vocabulary(sequences, size: int, vocab_size: int, *, always=()) -> tor
 @torch.no_grad()
 def measure_acceptance(target, drafters: dict, prompts: list[list[int]], *, max_new_tokens: int = 48,
                        draft_len: int | None = None, k: int = 2) -> dict:
-    """Mean accepted length (greedy) of dflash and, with a "vp" drafter, d2sd (K = ``k``) and
-    the resample control on ``prompts``; also checks the outputs equal ``ar``."""
+    """Mean accepted length (greedy) of dflash and, with a "vp" drafter, d2sd (K = ``k``,
+    re-drafting in every cycle: on a CPU its default gate never re-drafts, which would measure
+    DFlash again) and the resample control on ``prompts``; also checks the outputs equal ``ar``."""
     from ..decode import ar, d2sd, dflash
     ref, _ = ar.decode(target, prompts, max_new_tokens=max_new_tokens, eos_ids=target.eos_token_ids)
     res = {"prompts": len(prompts), "max_new_tokens": max_new_tokens}
@@ -696,7 +697,7 @@ def measure_acceptance(target, drafters: dict, prompts: list[list[int]], *, max_
         for mode in ("vp", "resample"):
             toks, s = d2sd.decode(target, prompts, max_new_tokens=max_new_tokens, eos_ids=target.eos_token_ids,
                                   drafter={"dflash": drafters["dflash"], "vp": drafters["vp"]},
-                                  draft_len=draft_len, k=k, branches=mode)
+                                  draft_len=draft_len, k=k, branches=mode, redraft_min=0)
             res[f"d2sd_{mode}_k{k}"] = {"mean_accepted": s["mean_accepted"], "equals_ar": toks == ref}
     return res
 
