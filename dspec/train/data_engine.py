@@ -61,8 +61,8 @@ import torch
 from .. import tasks
 from .data import _heldout_text, is_heldout_problem
 
-__all__ = ["EngineConfig", "prompt_stream", "generate_shards", "GeneratedData", "parse_directory", "read_directories", "heldout_split",
-           "parse_source_weights", "ENGINE_SOURCES"]
+__all__ = ["EngineConfig", "prompt_stream", "generate_shards", "GeneratedData", "parse_directory", "read_directories",
+           "heldout_split", "parse_source_weights", "ENGINE_SOURCES"]
 
 # a shard row's source id is its index here: append new sources, never reorder
 ENGINE_SOURCES = ("sharegpt", "stdlib", "arithmetic", "gsm", "code_def")
