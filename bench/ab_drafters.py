@@ -12,6 +12,8 @@ a chain, no prompt-lookup branch; against ``dflash``, the chain) and ``d2sd-tree
 CPU's: grafted onto DFlash's draft tree with the lookup branch), plus per DFlash drafter
 ``dflash-tree`` (``dflash`` at its CPU defaults, the tree's baseline); ``--tree N[,M..]`` a
 ``dflash`` arm per drafter and node count verifying a draft tree (at the CPU's default row cost).
+``--verify-all``: the ``dflash``, ``dflash-tree`` and D2SD arms verify every drafted node
+(``row_cost=None``) instead of pruning at the CPU's row cost -- acceptance as the papers count it.
 
     python bench/ab_drafters.py --drafters smollm2-135m-dflash,runs/dflash-r6/drafter
     python bench/ab_drafters.py --drafters smollm2-135m-dflash --vp-drafters smollm2-135m-vp,runs/vp-r4/drafter
@@ -43,6 +45,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--row-cost", type=float, default=0.06, help="dflash-adaptive's row_cost")
     ap.add_argument("--tree", default=None,
                     help="comma-separated node counts: a dflash arm per drafter and count verifying a draft tree")
+    ap.add_argument("--verify-all", action="store_true",
+                    help="dflash / dflash-tree / d2sd arms verify every drafted node (row_cost=None)")
     add_run_arguments(ap, prompts=32, name="ab_drafters")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -57,21 +61,23 @@ def main(argv=None) -> dict:
         trees = [int(n) for n in args.tree.split(",")] if args.tree else []
     except ValueError:
         ap.error(f"--tree: comma-separated ints, got {args.tree!r}")
+    full = {"row_cost": None} if args.verify_all else {}
     arms = [Arm("ar", model, "ar")]
     for path, vp_list in zip(paths, vps):
         d = resolve_drafter(path, model, "dflash")
-        arms += [Arm(f"dflash[{path}]", model, "dflash", {"drafter": d, "tree": None}, reference="ar"),
+        arms += [Arm(f"dflash[{path}]", model, "dflash", {"drafter": d, "tree": None, **full}, reference="ar"),
                  Arm(f"adaptive[{path}]", model, "dflash", {"drafter": d, "row_cost": args.row_cost, "tree": None},
                      reference="ar")]
         for nodes in trees:
             arms.append(Arm(f"tree{nodes}[{path}]", model, "dflash", {"drafter": d, "tree": nodes}, reference="ar"))
         if vp_list:
-            arms.append(Arm(f"dflash-tree[{path}]", model, "dflash", {"drafter": d}, reference="ar"))
+            arms.append(Arm(f"dflash-tree[{path}]", model, "dflash", {"drafter": d, **full}, reference="ar"))
         for vp in vp_list:
             pair = {"dflash": d, "vp": resolve_drafter(vp, model, "vp")}
             arms += [Arm(f"d2sd-chain[{path},{vp}]", model, "d2sd",
-                         {"drafter": pair, "k": 2, "tree": None, "lookup": None, "redraft_min": 0}, reference="ar"),
-                     Arm(f"d2sd-tree[{path},{vp}]", model, "d2sd", {"drafter": pair, "k": 2, "redraft_min": 0},
+                         {"drafter": pair, "k": 2, "tree": None, "lookup": None, "redraft_min": 0, **full},
+                         reference="ar"),
+                     Arm(f"d2sd-tree[{path},{vp}]", model, "d2sd", {"drafter": pair, "k": 2, "redraft_min": 0, **full},
                          reference="ar")]
     acc = run_interleaved(arms, grid_texts(model, args.prompts), args.max_new_tokens)
     rows = summary_rows(arms, acc, {"ar": "ar"})

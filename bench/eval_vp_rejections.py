@@ -9,7 +9,10 @@ per sequence at seeded anchors, and every VP drafter re-drafts each block from t
 rejection point, its rejected draft banned (:func:`dspec.train.dflash.rejection_prefixes`).
 Reports per prompt set and pooled, per VP drafter: tokens a re-draft at the true rejection
 boundary commits (accepted re-drafted slots + the target's token), the share of blocks with a
-rejection and the weighted loss.
+rejection and the weighted loss; and for the first drafter, how often D2SD's K boundaries
+(``dspec.rejection_boundaries`` of its confidences, K in ``--boundary-k``) hold the true
+rejection point -- D2SD's gain per rejected block is about that rate times the re-draft's
+accepted slots.
 
     python bench/eval_vp_rejections.py --vp-drafters smollm2-135m-vp,runs/vp-r4/drafter --prompts 16
 
@@ -30,7 +33,9 @@ from common import environment, write_json  # noqa: E402
 
 import dspec  # noqa: E402
 from dspec.models.dflash import load_drafter, resolve_drafter  # noqa: E402
-from dspec.train.dflash import DrafterTrainConfig, DrafterTrainer  # noqa: E402
+from dspec.ops import rejection_boundaries  # noqa: E402
+from dspec.train.dflash import (DrafterTrainConfig, DrafterTrainer, greedy_accepted, make_blocks,  # noqa: E402
+                                pad_sequences, target_hidden)
 
 
 def grid_sequences(model, prompts_per_set: int, max_new_tokens: int) -> tuple[list, list[str]]:
@@ -66,6 +71,33 @@ def rejection_eval(model, first, vp, sequences, *, anchors: int, work: Path) -> 
     return trainer.evals[-1]
 
 
+@torch.no_grad()
+def boundary_hits(model, first, sequences, *, anchors: int, ks: list[int], batch: int = 8) -> dict:
+    """Over blocks wholly inside their sequence that the first draft gets wrong: the share
+    whose true rejection point is among the top-K ``rejection_boundaries`` (per K)."""
+    g = first.block_size
+    hits, rejected, blocks_in = dict.fromkeys(ks, 0), 0, 0
+    for i in range(0, len(sequences), batch):
+        tokens, lengths, plens = pad_sequences(sequences[i:i + batch], model.device)
+        gen = torch.Generator().manual_seed(i)
+        blocks, labels, valid, starts, _ = make_blocks(tokens, lengths, plens, block_size=g, anchors=anchors,
+                                                       generator=gen)
+        hidden = target_hidden(model, tokens, first.target_layer_ids)
+        logits = first.forward_train(hidden, blocks, starts, context_length=lengths,
+                                     draft_vocab=first.draft_vocab is not None).float()
+        accepted, _ = greedy_accepted(logits, labels, valid, torch.zeros_like(starts), first.draft_vocab)
+        inside = valid[..., 1:].all(-1)
+        wrong = inside & (accepted < g - 1)
+        conf = logits.softmax(-1).amax(-1)[..., 1:].reshape(-1, g - 1)
+        for k in ks:
+            top = rejection_boundaries(conf, k)[0].view(*accepted.shape, k)
+            hits[k] += int(((top == accepted[..., None]).any(-1) & wrong).sum())
+        rejected += int(wrong.sum())
+        blocks_in += int(inside.sum())
+    return {"blocks": blocks_in, "rejected": rejected,
+            **{f"hit_top{k}": round(hits[k] / max(rejected, 1), 4) for k in ks}}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
@@ -74,6 +106,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=16, help="prompts per set (default %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--anchors", type=int, default=64, help="blocks drawn per sequence (default %(default)s)")
+    ap.add_argument("--boundary-k", default="1,2,4", help="K values of the boundary hit rate (default %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="vp_rejections_grid")
     args = ap.parse_args(argv)
@@ -81,10 +114,13 @@ def main(argv=None) -> dict:
     model = dspec.load(args.target)
     first = resolve_drafter(args.dflash_drafter, model, "dflash")
     seqs, sets = grid_sequences(model, args.prompts, args.max_new_tokens)
-    rows = []
+    ks = [int(k) for k in args.boundary_k.split(",")]
+    rows, boundaries = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for pset in [*dict.fromkeys(sets), "all"]:
             part = [s for s, p in zip(seqs, sets) if pset in ("all", p)]
+            boundaries.append({"prompt_set": pset, **boundary_hits(model, first, part, anchors=args.anchors, ks=ks)})
+            print(f"{'boundaries (first drafter)':40s} {pset:11s} {boundaries[-1]}", flush=True)
             for name in args.vp_drafters.split(","):
                 vp = load_drafter(name, model, kind="vp")
                 rec = rejection_eval(model, first, vp, part, anchors=args.anchors, work=Path(tmp) / pset)
@@ -94,7 +130,8 @@ def main(argv=None) -> dict:
                              "loss": round(rec["heldout_loss"], 4), "slot_accuracy": rec["slot_accuracy"]})
                 print(f"{name:40s} {pset:11s} re-draft commits {rows[-1]['redraft_tokens']:.3f}  "
                       f"rejected {rows[-1]['rejected_fraction']:.3f}  loss {rows[-1]['loss']:.3f}", flush=True)
-    payload = {"bench": "eval_vp_rejections", "env": environment("cpu"), "config": vars(args), "rows": rows}
+    payload = {"bench": "eval_vp_rejections", "env": environment("cpu"), "config": vars(args), "rows": rows,
+               "boundaries": boundaries}
     write_json(Path(__file__).resolve().parent / "results" / "cpu" / f"{args.name}.json", payload)
     return payload
 
