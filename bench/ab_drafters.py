@@ -52,11 +52,13 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     model = dspec.load(args.target)
     paths = args.drafters.split(",")
-    vps = [[v] for v in args.vp_drafters.split(",")] if args.vp_drafters else [[] for _ in paths]
-    if len(paths) == 1 and len(vps) > 1:
-        vps = [[v[0] for v in vps]]
-    if len(vps) != len(paths):
-        ap.error(f"--vp-drafters: one per --drafters entry ({len(paths)}) or any number with one, got {len(vps)}")
+    vp_names = args.vp_drafters.split(",") if args.vp_drafters else []
+    if len(paths) == 1:
+        vps = [vp_names]                          # every VP drafter against the one DFlash drafter
+    elif not vp_names or len(vp_names) == len(paths):
+        vps = [[v] for v in vp_names] or [[] for _ in paths]
+    else:
+        ap.error(f"--vp-drafters: one per --drafters entry ({len(paths)}) or any number with one, got {len(vp_names)}")
     try:
         trees = [int(n) for n in args.tree.split(",")] if args.tree else []
     except ValueError:

@@ -34,8 +34,8 @@ from common import environment, write_json  # noqa: E402
 import dspec  # noqa: E402
 from dspec.models.dflash import load_drafter, resolve_drafter  # noqa: E402
 from dspec.ops import rejection_boundaries  # noqa: E402
-from dspec.train.dflash import (DrafterTrainConfig, DrafterTrainer, greedy_accepted, make_blocks,  # noqa: E402
-                                pad_sequences, target_hidden)
+from dspec.train.dflash import (DrafterTrainConfig, DrafterTrainer, make_blocks, pad_sequences,  # noqa: E402
+                                rejection_prefixes, target_hidden)
 
 
 def grid_sequences(model, prompts_per_set: int, max_new_tokens: int) -> tuple[list, list[str]]:
@@ -62,10 +62,7 @@ def rejection_eval(model, first, vp, sequences, *, anchors: int, work: Path) -> 
                              features=work / "features", progress=False)
     trainer.drafter.load_state_dict(vp.state_dict())
     if vp.draft_vocab is not None:           # the VP's own vocabulary, not one of these few sequences
-        trainer.drafter.set_draft_vocab(vp.draft_vocab)
-        index = torch.full((model.config.vocab_size,), -1, dtype=torch.int64, device=model.device)
-        index[vp.draft_vocab] = torch.arange(vp.draft_vocab.numel(), device=model.device)
-        trainer.draft_index = index
+        trainer.use_draft_vocab(vp.draft_vocab)
     trainer.held_idx = list(range(len(sequences)))
     trainer.evaluate(max_sequences=len(sequences))
     return trainer.evals[-1]
@@ -83,15 +80,14 @@ def boundary_hits(model, first, sequences, *, anchors: int, ks: list[int], batch
         blocks, labels, valid, starts, _ = make_blocks(tokens, lengths, plens, block_size=g, anchors=anchors,
                                                        generator=gen)
         hidden = target_hidden(model, tokens, first.target_layer_ids)
-        logits = first.forward_train(hidden, blocks, starts, context_length=lengths,
-                                     draft_vocab=first.draft_vocab is not None).float()
-        accepted, _ = greedy_accepted(logits, labels, valid, torch.zeros_like(starts), first.draft_vocab)
+        prefix, _, has, logits = rejection_prefixes(first, hidden, lengths, blocks, labels, valid, starts,
+                                                    return_logits=True)
         inside = valid[..., 1:].all(-1)
-        wrong = inside & (accepted < g - 1)
-        conf = logits.softmax(-1).amax(-1)[..., 1:].reshape(-1, g - 1)
+        wrong = inside & has
+        conf = logits.float().softmax(-1).amax(-1)[..., 1:].reshape(-1, g - 1)
         for k in ks:
-            top = rejection_boundaries(conf, k)[0].view(*accepted.shape, k)
-            hits[k] += int(((top == accepted[..., None]).any(-1) & wrong).sum())
+            top = rejection_boundaries(conf, k)[0].view(*prefix.shape, k)
+            hits[k] += int(((top == prefix[..., None]).any(-1) & wrong).sum())
         rejected += int(wrong.sum())
         blocks_in += int(inside.sum())
     return {"blocks": blocks_in, "rejected": rejected,

@@ -342,14 +342,16 @@ def greedy_accepted(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Ten
 
 
 @torch.no_grad()
-def rejection_prefixes(first_drafter: BlockDrafter, hidden, lengths, blocks, labels, valid, starts):
+def rejection_prefixes(first_drafter: BlockDrafter, hidden, lengths, blocks, labels, valid, starts, *,
+                       return_logits: bool = False):
     """Where a (DFlash) first drafter's greedy draft of each block is first rejected.
 
     ``blocks``, ``labels``, ``valid``, ``starts``: :func:`make_blocks` output with prefix 0
     (the first draft's input).  Returns (prefix [B, M]: the drafts accepted before the first
     rejection, clamped to G - 2; rejected [B, M]: the first drafter's token at the rejected
     slot (a target id); has [B, M] bool: the block has a rejection inside the sequence --
-    False where every draft is right or the sequence ends first)."""
+    False where every draft is right or the sequence ends first) (+ the first drafter's logits
+    [B, M, G, V'] with ``return_logits``)."""
     g = blocks.shape[-1]
     logits = first_drafter.forward_train(hidden, blocks, starts, context_length=lengths,
                                          draft_vocab=first_drafter.draft_vocab is not None)
@@ -359,7 +361,8 @@ def rejection_prefixes(first_drafter: BlockDrafter, hidden, lengths, blocks, lab
     slot = (accepted + 1).clamp_max(g - 1)[..., None]
     has = (accepted < g - 1) & valid.gather(-1, slot).squeeze(-1)
     rejected = vocab_ids(logits.argmax(-1), ids).gather(-1, slot).squeeze(-1)
-    return accepted.clamp_max(g - 2), rejected, has
+    out = (accepted.clamp_max(g - 2), rejected, has)
+    return out + (logits,) if return_logits else out
 
 
 # ---------------------------------------------------------------------------- trainer
@@ -424,12 +427,8 @@ class DrafterTrainer(BudgetedLoop):
         self.train_set = [self.sequences[i] for i in self.train_idx]
         self.draft_index = None
         if cfg.draft_vocab:
-            vocab = target.config.vocab_size
-            ids = draft_vocabulary(self.train_set, cfg.draft_vocab, vocab, always=target.eos_token_ids)
-            self.drafter.set_draft_vocab(ids)
-            self.draft_index = torch.full((vocab,), -1, dtype=torch.int64)
-            self.draft_index[ids] = torch.arange(ids.numel())
-            self.draft_index = self.draft_index.to(self.device)
+            self.use_draft_vocab(draft_vocabulary(self.train_set, cfg.draft_vocab, target.config.vocab_size,
+                                                  always=target.eos_token_ids))
         self.features = None
         if features is not None:
             from .features import build_features
@@ -444,6 +443,14 @@ class DrafterTrainer(BudgetedLoop):
         self.log: list[dict] = []
         self.evals: list[dict] = []
         self.wall_s = 0.0
+
+    def use_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Train and evaluate over draft vocabulary ``ids`` (int64 [V'] target ids): the
+        drafter's head and ``draft_index`` (a target id's column, -1 outside)."""
+        self.drafter.set_draft_vocab(ids)
+        index = torch.full((self.target.config.vocab_size,), -1, dtype=torch.int64)
+        index[ids.cpu()] = torch.arange(ids.numel())
+        self.draft_index = index.to(self.device)
 
     # ------------------------------------------------------------------ data
     def _data(self, sequences):
