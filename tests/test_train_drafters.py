@@ -190,6 +190,22 @@ def test_warm_start_deepens_a_shallower_drafter(target, sequences, tmp_path):
         src.init_from(tmp_path / "two")
 
 
+def test_new_weight_oversamples_the_appended_sequences(target, sequences, tmp_path):
+    """``new_weight = w``: each training sequence from ``heldout_start`` on appears w times in
+    the list a step draws from uniformly; the held-out split and the earlier sequences are
+    unchanged."""
+    one = DrafterTrainer(target, small_cfg(heldout_start=30), tmp_path / "one", sequences=sequences, progress=False)
+    three = DrafterTrainer(target, small_cfg(heldout_start=30, new_weight=3), tmp_path / "three",
+                           sequences=sequences, progress=False)
+    assert three.held_idx == one.held_idx and min(one.held_idx) >= 30
+    counts = {i: three.train_idx.count(i) for i in set(three.train_idx)}
+    assert set(counts) == set(one.train_idx)
+    assert all(c == (3 if i >= 30 else 1) for i, c in counts.items())
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="new_weight"):
+            small_cfg(new_weight=bad)
+
+
 def test_greedy_accepted_counts_the_leading_agreeing_drafts():
     labels = torch.tensor([[[7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4]]])
     preds = torch.tensor([[[0, 1, 2, 9, 4], [0, 9, 2, 3, 4], [0, 1, 2, 3, 4], [0, 0, 2, 3, 9]]])

@@ -18,13 +18,21 @@ mask adapter (``dspec.train.mask_adapter``).  Sources:
   (``pip install reasoning-gym==0.1.25``; its instruction suffix dropped), in the chat
   template (as MATH500 rows of ``bench_e2e`` are sent);
 - ``code_def``: a standard-library function's signature and docstring, dedented, raw
-  (what a HumanEval prompt is: the model writes the body).
+  (what a HumanEval prompt is: the model writes the body);
+- ``magpie``: the target writes the user turn itself (Magpie, Xu et al. 2024): given its chat
+  template up to an open user turn, it samples an instruction at T = 1, then answers it. The
+  instructions follow the model's own instruction-tuning distribution (SmolLM2's includes
+  Magpie-Ultra), which is what MT-Bench-style questions look like to it;
+- ``magpie_math``: the same, with the user turn opened by a competition-math opening
+  (``"Let $"``, ``"Find"``, ``"How many"``, ...), so the model writes LaTeX problems, and
+  closed by the request for a ``\\boxed{}`` answer that ``bench_e2e``'s MATH500 rows carry.
 
 Held out: ShareGPT turns and stdlib files in ``dspec.train.data``'s held-out split; every
 turn whose text equals an MT-Bench question; arithmetic problems of the evaluation sets
 (``dspec.tasks.prompt_set("arithmetic", n, seed=0)``, the first 2,000) and the held-out
 tenth of ``is_heldout_problem``; GSM problems and stdlib files ``_heldout_text`` holds out.
-HumanEval and MATH500 are not among the sources.
+HumanEval and MATH500 are not among the sources; a Magpie turn equal to an MT-Bench question,
+a MATH500 problem or a HumanEval prompt is dropped from its batch.
 
 Layout of ``out/``::
 
@@ -61,11 +69,16 @@ import torch
 from .. import tasks
 from .data import _heldout_text, is_heldout_problem
 
-__all__ = ["EngineConfig", "prompt_stream", "generate_shards", "GeneratedData", "parse_directory", "read_directories",
-           "heldout_split", "parse_source_weights", "ENGINE_SOURCES"]
+__all__ = ["EngineConfig", "prompt_stream", "write_user_turns", "generate_shards", "GeneratedData",
+           "parse_directory", "read_directories", "heldout_split", "parse_source_weights", "ENGINE_SOURCES"]
 
 # a shard row's source id is its index here: append new sources, never reorder
-ENGINE_SOURCES = ("sharegpt", "stdlib", "arithmetic", "gsm", "code_def")
+ENGINE_SOURCES = ("sharegpt", "stdlib", "arithmetic", "gsm", "code_def", "magpie", "magpie_math")
+MAGPIE_SOURCES = ("magpie", "magpie_math")
+MAGPIE_MATH_OPENINGS = ("Let $", "Find", "Compute", "If $", "What is the", "How many", "Suppose",
+                        "Evaluate", "Solve", "Determine", "Simplify", "In triangle $", "The sum of")
+MAGPIE_MATH_CLOSE = "\nPut the final answer in \\boxed{}."
+MAGPIE_TURN_TOKENS = 96         # a sampled user turn longer than this (or than the budget) is cut
 MANIFEST = "manifest.json"
 FORMAT = "dspec-data-1"
 EVAL_ARITHMETIC = 2000          # bench/eval problems drawn with seed 0: never trained on
@@ -116,12 +129,13 @@ class EngineConfig:
 
 # ------------------------------------------------------------------------------ prompts
 
-def _benchmark_texts() -> set[str]:
+def _benchmark_texts(sets=("mtbench",)) -> set[str]:
     out = set()
-    try:
-        out |= {p.prompt.strip() for p in tasks.mtbench()}
-    except ValueError:                     # package absent: nothing to exclude from it
-        pass
+    for name in sets:
+        try:
+            out |= {p.prompt.strip() for p in getattr(tasks, name)()}
+        except ValueError:                 # package absent: nothing to exclude from it
+            pass
     return out
 
 
@@ -151,6 +165,23 @@ class _Sources:
         if cfg.sources.get("arithmetic"):
             evals = {p.prompt for p in tasks.prompt_set("arithmetic", EVAL_ARITHMETIC, seed=0)}
             self.arith_evals = evals
+        if any(cfg.sources.get(s) for s in MAGPIE_SOURCES):
+            if not self.chat:
+                raise ValueError("sources 'magpie' / 'magpie_math' need a chat model (a tokenizer with <|im_start|>)")
+            from ..models.embedded import chat_prompt
+            head = chat_prompt([{"role": "user", "content": "\0"}], add_generation_prompt=False)
+            self.magpie_head = head[: head.index("\0")]
+            self.magpie_head_text = tokenizer.decode(tokenizer.encode(self.magpie_head))   # special tokens dropped
+            self.magpie_tail = tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n")
+            self.magpie_close = tokenizer.encode(MAGPIE_MATH_CLOSE)
+            self.magpie_end = tokenizer.token_to_id("<|im_end|>")
+            self.magpie_bench = {t.strip() for t in _benchmark_texts(("mtbench", "math500", "humaneval"))}
+            room = cfg.prompt_tokens - len(tokenizer.encode(self.magpie_head + MAGPIE_MATH_OPENINGS[0])) \
+                - len(self.magpie_tail) - len(self.magpie_close)
+            if room < 8:
+                raise ValueError(f"prompt_tokens = {cfg.prompt_tokens} leaves a Magpie user turn {room} tokens; "
+                                 "give at least 8")
+            self.magpie_room = min(MAGPIE_TURN_TOKENS, room)
         for name, items in self.texts.items():
             if not items:
                 raise ValueError(f"source {name!r} has no training prompts (is its package installed?)")
@@ -202,6 +233,10 @@ class _Sources:
                     return text
             raise ValueError(f"source 'gsm': no problem fits prompt_tokens = {self.cfg.prompt_tokens} "
                              f"in {MAX_DRAWS} draws")
+        if source == "magpie":
+            return self.magpie_head
+        if source == "magpie_math":
+            return self.magpie_head + MAGPIE_MATH_OPENINGS[rng.randrange(len(MAGPIE_MATH_OPENINGS))]
         if source == "code_def":
             for _ in range(MAX_DRAWS):
                 f = self.texts["stdlib"][rng.randrange(len(self.texts["stdlib"]))]
@@ -220,7 +255,8 @@ class _Sources:
 
 def prompt_stream(tokenizer, cfg: EngineConfig, call: int, *, sources: _Sources | None = None) -> list[tuple[list[int], int]]:
     """The prompts of ``ar`` call ``call`` (shard s holds calls s * shard_batches ..):
-    ``cfg.batch`` (token ids, source id) pairs, a pure function of (cfg.seed, call)."""
+    ``cfg.batch`` (token ids, source id) pairs, a pure function of (cfg.seed, call).  A Magpie
+    row's ids end in its open user turn: :func:`write_user_turns` has the target fill it."""
     src = sources or _Sources(tokenizer, cfg)
     rng = random.Random(cfg.seed * 7_919 + call)
     names = [s for s in ENGINE_SOURCES if cfg.sources.get(s)]
@@ -231,6 +267,31 @@ def prompt_stream(tokenizer, cfg: EngineConfig, call: int, *, sources: _Sources 
         ids = tokenizer.encode(src.draw(name, rng, call * cfg.batch + i))[: cfg.prompt_tokens]
         out.append((ids or tokenizer.encode("\n"), ENGINE_SOURCES.index(name)))
     return out
+
+
+@torch.no_grad()
+def write_user_turns(target, prompts, cfg: EngineConfig, call: int, sources: _Sources):
+    """Magpie rows of ``prompts``: the target samples each user turn (T = 1, up to the prompt
+    budget, ended by ``<|im_end|>``), in one batched ``ar`` call seeded by (seed, call); the row
+    becomes the whole chat prompt, up to the open assistant turn.  An empty turn, or one equal
+    to a benchmark prompt, drops its row.  Other rows pass unchanged."""
+    from ..decode.ar import decode_ar
+    rows = [i for i, (_, s) in enumerate(prompts) if ENGINE_SOURCES[s] in MAGPIE_SOURCES]
+    if not rows:
+        return prompts
+    gen = torch.Generator(device=target.device).manual_seed(cfg.seed * 1_000_003 + call + (1 << 40))
+    turns, _ = decode_ar(target, [prompts[i][0] for i in rows], max_new_tokens=sources.magpie_room,
+                         temperature=1.0, generator=gen, eos_ids=[sources.magpie_end])
+    out = list(prompts)
+    for i, turn in zip(rows, turns):
+        ids, src = prompts[i]
+        turn = turn[:-1] if turn and turn[-1] == sources.magpie_end else turn
+        if ENGINE_SOURCES[src] == "magpie_math":
+            turn = turn + sources.magpie_close
+        text = target.tokenizer.decode(ids + turn).removeprefix(sources.magpie_head_text).strip()
+        empty = not target.tokenizer.decode(turn).replace(MAGPIE_MATH_CLOSE, "").strip()
+        out[i] = None if empty or text in sources.magpie_bench else (ids + turn + sources.magpie_tail, src)
+    return [p for p in out if p is not None]
 
 
 # ---------------------------------------------------------------------------- generation
@@ -283,11 +344,12 @@ def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", pr
     while done < cfg.tokens:
         flat, rows, offset, resp, seconds, sampled_calls = [], [], 0, 0, 0.0, 0
         for call in range(shard * cfg.shard_batches, (shard + 1) * cfg.shard_batches):
+            t0 = time.perf_counter()
             prompts = prompt_stream(target.tokenizer, cfg, call, sources=sources)
+            prompts = write_user_turns(target, prompts, cfg, call, sources)
             # call c samples at T = 1 when the running share of sampled calls is below the target
             sampled = int((call + 1) * cfg.sampled_fraction) > int(call * cfg.sampled_fraction)
             gen = torch.Generator(device=target.device).manual_seed(cfg.seed * 1_000_003 + call)
-            t0 = time.perf_counter()
             responses, _ = decode(target, [p for p, _ in prompts], max_new_tokens=cfg.response_tokens,
                                   temperature=1.0 if sampled else 0.0, generator=gen if sampled else None,
                                   eos_ids=target.eos_token_ids)

@@ -87,6 +87,8 @@ class DrafterTrainConfig:
     sources : prompt sources (``PROMPT_SOURCES``) and their weights.
     heldout_fraction : fraction of sequences held out; heldout_start : hold out only sequences
         from this index on (a later round on grown data: the earlier sequence count).
+    new_weight : training sequences from ``heldout_start`` on (the directories a later round
+        appends) are drawn ``new_weight`` times as often as the earlier ones (an int >= 1).
     draft_vocab : train and draft over the ``draft_vocab`` most frequent response tokens of
         the training split (EAGLE-3's reduced head; slots whose label lies outside weigh 0);
         0 = the whole vocabulary.
@@ -117,6 +119,7 @@ class DrafterTrainConfig:
     sources: dict = field(default_factory=lambda: {"arithmetic": 0.3, "stdlib": 0.4, "sharegpt": 0.3})
     heldout_fraction: float = 0.1
     heldout_start: int = 0
+    new_weight: int = 1
     draft_vocab: int = 0
     eval_every: int = 100
     checkpoint_every_s: float = 120.0
@@ -127,7 +130,8 @@ class DrafterTrainConfig:
         if self.kind not in ("dflash", "vp"):
             raise ValueError(f"kind must be 'dflash' or 'vp', got {self.kind!r}")
         for name in ("block_size", "num_layers", "batch_size", "anchors_per_seq", "max_steps",
-                     "num_prompts", "prompt_tokens", "response_tokens", "gen_batch", "eval_every"):
+                     "num_prompts", "prompt_tokens", "response_tokens", "gen_batch", "eval_every",
+                     "new_weight"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -423,6 +427,9 @@ class DrafterTrainer(BudgetedLoop):
         self.held_idx, self.train_idx = heldout_split(len(self.sequences), n_held, seed=cfg.seed,
                                                       start=cfg.heldout_start)
         self.train_idx = self.train_idx or self.held_idx
+        # oversampling repeats the new indices: the draw stays one uniform pick over a list
+        self.train_idx = self.train_idx + [i for i in self.train_idx
+                                           if i >= cfg.heldout_start] * (cfg.new_weight - 1)
         self.heldout = [self.sequences[i] for i in self.held_idx]
         self.train_set = [self.sequences[i] for i in self.train_idx]
         self.draft_index = None
@@ -791,6 +798,9 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--heldout-start", type=int, default=0,
                     help="hold out only sequences from this index on: a later round on a data directory "
                          "resumed to more tokens passes the earlier sequence count (default %(default)s)")
+    ap.add_argument("--new-weight", type=int, default=None,
+                    help="draw training sequences from --heldout-start on (the directories this round "
+                         "appends) this many times as often as the earlier ones (default 1)")
     ap.add_argument("--sources", default=None,
                     help="prompt sources and weights, e.g. arithmetic=0.3,stdlib=0.4,sharegpt=0.3")
     ap.add_argument("--device", default="cpu")
@@ -839,7 +849,8 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     for attr, val in (("block_size", args.block_size), ("batch_size", args.batch_size),
                       ("num_prompts", args.num_prompts), ("response_tokens", args.response_tokens),
                       ("lr", args.lr), ("min_lr", args.min_lr), ("weight_decay", args.weight_decay),
-                      ("heldout_start", args.heldout_start), ("draft_vocab", args.draft_vocab)):
+                      ("heldout_start", args.heldout_start), ("new_weight", args.new_weight),
+                      ("draft_vocab", args.draft_vocab)):
         if val is not None:
             setattr(cfg, attr, val)
     if args.sources:
