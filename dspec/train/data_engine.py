@@ -51,6 +51,8 @@ CLI::
         --tokens 2000000 --batch 64
     python -m dspec.train.data_engine --target smollm2-135m-bd --method diffusion \\
         --out data/smollm2-135m-bd-self --tokens 280000 --batch 64
+    python -m dspec.train.data_engine --target smollm2-135m --out data/smollm2-135m-magpie \\
+        --sources magpie=0.55,magpie_math=0.45 --tokens 1200000 --batch 64
 """
 from __future__ import annotations
 
