@@ -248,6 +248,16 @@ def test_draft_vocab_training_reads_only_its_columns(target, sequences, tmp_path
     ce = -torch.log_softmax(full[..., ids].float(), -1).gather(-1, col[..., None])[..., 0]
     torch.testing.assert_close(loss, (ce * w).sum() / w.sum(), rtol=1e-5, atol=1e-5)
     assert float(total) == pytest.approx(float(w.sum()))
+    # banning column 0 everywhere: a weight-0 slot (label outside, clamped to column 0) must not
+    # turn the loss into inf * 0 = nan; weighted slots keep their value unless banned themselves
+    everywhere = torch.full(prefix.shape, int(ids[0]))
+    banned_loss, banned_total = block_loss(trainer.drafter, target, tokens, lengths, blocks, labels, valid,
+                                           starts, prefix, cfg.decay, hidden, draft_index=trainer.draft_index,
+                                           banned=everywhere)
+    assert float(banned_total) == pytest.approx(float(w.sum()))
+    at_ban = torch.arange(blocks.shape[-1]) == (prefix + 1)[..., None]
+    if not bool((at_ban & (labels == ids[0]) & inside).any()):
+        assert torch.isfinite(banned_loss)
     trainer.train(max_steps=4)
     rec = trainer.evals[-1]
     assert 1.0 <= rec["heldout_accepted"] <= cfg.block_size and len(rec["slot_accuracy"]) == cfg.block_size - 1

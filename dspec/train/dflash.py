@@ -320,7 +320,8 @@ def block_loss(drafter: BlockDrafter, target, tokens, lengths, blocks, labels, v
     w = block_loss_weights(blocks.shape[-1], prefix, decay) * valid
     ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(w)
     total = w.sum()
-    loss = (ce * w).sum() / total.clamp_min(1e-6)
+    # a weight-0 slot may hold -inf at its (clamped) label: a banned column; inf * 0 is nan
+    loss = (ce.masked_fill(w == 0, 0.0) * w).sum() / total.clamp_min(1e-6)
     return (loss, total, logits) if return_logits else (loss, total)
 
 
