@@ -140,6 +140,9 @@ def test_magpie_rows_get_a_user_turn_written_by_the_target(tiny):
             assert text == src.magpie_head_text
         elif s == ids["magpie_math"]:
             assert text.removeprefix(src.magpie_head_text) in MAGPIE_MATH_OPENINGS
+    for opening in MAGPIE_MATH_OPENINGS:           # the turn's room fits the longest opening too
+        assert len(tok.encode(src.magpie_head + opening)) + src.magpie_room + len(src.magpie_tail) \
+            + len(src.magpie_close) <= cfg.prompt_tokens
     written = write_user_turns(m, drawn, cfg, 0, src)
     assert written == write_user_turns(m, drawn, cfg, 0, src)           # a function of (seed, call)
     assert len(written) == len(drawn)

@@ -178,8 +178,8 @@ class _Sources:
             self.magpie_close = tokenizer.encode(MAGPIE_MATH_CLOSE)
             self.magpie_end = tokenizer.token_to_id("<|im_end|>")
             self.magpie_bench = {t.strip() for t in _benchmark_texts(("mtbench", "math500", "humaneval"))}
-            room = cfg.prompt_tokens - len(tokenizer.encode(self.magpie_head + MAGPIE_MATH_OPENINGS[0])) \
-                - len(self.magpie_tail) - len(self.magpie_close)
+            opened = max(len(tokenizer.encode(self.magpie_head + o)) for o in MAGPIE_MATH_OPENINGS)
+            room = cfg.prompt_tokens - opened - len(self.magpie_tail) - len(self.magpie_close)
             if room < 8:
                 raise ValueError(f"prompt_tokens = {cfg.prompt_tokens} leaves a Magpie user turn {room} tokens; "
                                  "give at least 8")
