@@ -124,12 +124,18 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=200.0, help="seconds for the whole run")
     ap.add_argument("--smoke", action="store_true", help="tiny case, 2 configurations (CPU dry run)")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (kernel time, no launch cost)")
+    ap.add_argument("--cases", default="", help="comma-separated indexes into CASES (default: all)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfgs = configs(args.smoke)
     cases = [(1, [64], 16), (2, [40, 70], 16)] if args.smoke else list(CASES)
+    if args.cases and not args.smoke:
+        picked = [int(i) for i in args.cases.split(",")]
+        if any(not 0 <= i < len(CASES) for i in picked):
+            raise ValueError(f"--cases: indexes must lie in [0, {len(CASES)}), got {args.cases}")
+        cases = [CASES[i] for i in picked]
 
     # phase 1: compile in parallel
     errors: dict[int, str] = {}
