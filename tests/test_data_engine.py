@@ -194,6 +194,18 @@ def test_directory_shard_prefix(tiny, tmp_path):
             GeneratedData(tmp_path / "a", shards=bad)
     with pytest.raises(ValueError, match="N >= 1"):
         read_directories([f"{tmp_path / 'a'}:0"])
+    # "DIR:A-B": shards A <= i < B, so "DIR:1" then "DIR:1-n" reads the directory once, in order
+    n = len(shards)
+    assert parse_directory(f"data/x:1-{n}") == (Path("data/x"), (1, n))
+    seqs, info = read_directories([f"{tmp_path / 'a'}:1", f"{tmp_path / 'a'}:1-{n}"])
+    assert seqs == whole.sequences() and info["shards"] == n
+    middle = GeneratedData(tmp_path / "a", shards=(1, 2))
+    assert middle.sequences() == whole.sequences()[shards[0]["sequences"]:][:shards[1]["sequences"]]
+    for bad in ((0, n + 1), (2, 2), (-1, 1)):
+        with pytest.raises(ValueError, match="shard range"):
+            GeneratedData(tmp_path / "a", shards=bad)
+    with pytest.raises(ValueError, match="A < B"):
+        read_directories([f"{tmp_path / 'a'}:2-1"])
 
 
 @requires_sharegpt

@@ -392,19 +392,30 @@ class GeneratedData:
     ``sequences()`` -> [(token ids list, prompt length)] in shard order (a resumed run only
     appends); ``info`` summarises the manifest.  Trainers split it with :func:`heldout_split`.
     ``shards``: read only the first ``shards`` shards (a prefix of the directory, so a feature
-    cache built over it stays valid when more are read later); None reads all.
+    cache built over it stays valid when more are read later), or ``(start, stop)``: shards
+    ``start <= i < stop`` (the rest of a directory whose first shards an earlier entry read,
+    appended after other directories without invalidating their cache); None reads all.
     """
 
-    def __init__(self, path, shards: int | None = None):
+    def __init__(self, path, shards: int | tuple[int, int] | None = None):
         self.path = Path(path)
         manifest = _read_manifest(self.path)
         if manifest is None or manifest.get("format") != FORMAT:
             raise ValueError(f"data: {self.path} is not a dspec data-engine directory (no {MANIFEST})")
         if shards is not None:
             have = len(manifest["shards"])
-            if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= have:
+            if isinstance(shards, tuple):
+                ok = (len(shards) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in shards)
+                      and 0 <= shards[0] < shards[1] <= have)
+                if not ok:
+                    raise ValueError(f"data: a shard range must be (start, stop) with 0 <= start < stop <= {have} "
+                                     f"for {self.path}, got {shards!r}")
+                start, stop = shards
+            elif isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= have:
                 raise ValueError(f"data: shards must be an int in [1, {have}] for {self.path}, got {shards!r}")
-            manifest = dict(manifest, shards=manifest["shards"][:shards])
+            else:
+                start, stop = 0, shards
+            manifest = dict(manifest, shards=manifest["shards"][start:stop])
         self.manifest = manifest
         self.tokens = [np.load(self.path / f"tokens-{s['index']:05d}.npy", mmap_mode="r") for s in manifest["shards"]]
         self.rows = [np.load(self.path / f"rows-{s['index']:05d}.npy") for s in manifest["shards"]]
@@ -436,12 +447,22 @@ def parse_source_weights(text: str) -> dict[str, float]:
     return {k: float(v) for k, v in (item.split("=") for item in text.split(","))}
 
 
-def parse_directory(spec) -> tuple[Path, int | None]:
-    """A ``--data`` entry: ``"DIR"`` (every shard) or ``"DIR:N"`` (its first N shards) ->
-    (path, shards or None); ValueError when N is not a positive integer."""
+def parse_directory(spec) -> tuple[Path, int | tuple[int, int] | None]:
+    """A ``--data`` entry: ``"DIR"`` (every shard), ``"DIR:N"`` (its first N shards) or
+    ``"DIR:A-B"`` (shards A <= i < B) -> (path, None | N | (A, B)); ValueError when N is not
+    a positive integer or the range is empty (the directory checks the upper bound)."""
     text = str(spec)
     head, sep, tail = text.rpartition(":")
-    if not sep or not head or "/" in tail or not tail.strip().lstrip("-").isdigit():
+    if not sep or not head or "/" in tail:
+        return Path(text), None
+    tail = tail.strip()
+    a, dash, b = tail.partition("-")
+    if dash and a.isdigit() and b.isdigit():
+        start, stop = int(a), int(b)
+        if not start < stop:
+            raise ValueError(f"data: {text!r} asks for shards {start} <= i < {stop}; DIR:A-B needs A < B")
+        return Path(head), (start, stop)
+    if not tail.lstrip("-").isdigit():
         return Path(text), None
     n = int(tail)
     if n < 1:
@@ -450,9 +471,9 @@ def parse_directory(spec) -> tuple[Path, int | None]:
 
 
 def read_directories(paths) -> tuple[list[tuple[list[int], int]], dict]:
-    """The sequences of one or more engine directories (``"DIR"`` or ``"DIR:N"``, its first N
-    shards), back to back in the order given, and their info (one directory's, or the totals
-    with each directory's under ``"directories"``).
+    """The sequences of one or more engine directories (``"DIR"``, ``"DIR:N"``, its first N
+    shards, or ``"DIR:A-B"``, shards A <= i < B), back to back in the order given, and their
+    info (one directory's, or the totals with each directory's under ``"directories"``).
 
     Appending a directory keeps every earlier sequence's index, so a feature cache built over
     the first ones stays a valid prefix and ``heldout_split(start=<their count>)`` holds out

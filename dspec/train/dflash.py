@@ -810,7 +810,7 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     ap.add_argument("--data", default=None,
                     help="training sequences: data-engine directories (python -m dspec.train.data_engine; "
-                         "several, comma-separated, are read back to back; DIR:N reads its first N shards) or "
+                         "several, comma-separated, are read back to back; DIR:N reads its first N shards, DIR:A-B shards A <= i < B) or "
                          "another run's data.pt (default: generate --num-prompts responses here)")
     ap.add_argument("--cache-features", action="store_true",
                     help="compute the target's hidden states once into OUT/features (offline mode) instead "

@@ -558,7 +558,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--base", default="smollm2-135m", help="shipped causal model or checkpoint dir")
     ap.add_argument("--data", required=True,
                     help="data-engine directories (python -m dspec.train.data_engine), comma-separated: read back "
-                         "to back; DIR:N reads its first N shards")
+                         "to back; DIR:N reads its first N shards, DIR:A-B shards A <= i < B")
     ap.add_argument("--out", required=True, help="run directory (checkpoint.pt, train_log.json, adapter/)")
     ap.add_argument("--minutes", type=float, default=None, help="time budget (fixes the schedule length)")
     ap.add_argument("--max-steps", type=int, default=None)
