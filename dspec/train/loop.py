@@ -6,8 +6,8 @@ ends inside the budget, then re-plans it every ``REPLAN_EVERY`` steps over the f
 ``REPLAN_FRACTION`` of the budget from the pace measured so far, evaluations and checkpoints
 included (the first steps of a run over a cold memory-mapped feature cache ran 1.6x slower
 than the rest: a length fixed on them left 38 % of a 60-minute budget unused).  The length
-is checkpointed so ``--resume`` continues the same schedule.  A subclass provides ``cfg`` (``max_steps``, ``eval_every``,
-``checkpoint_every_s``), ``step``, ``total_steps``, ``log``, ``evals``, ``wall_s``,
+is checkpointed so ``--resume`` continues the same schedule.  A subclass provides ``cfg``
+(``max_steps``, ``eval_every``, ``checkpoint_every_s``), ``step``, ``total_steps``, ``log``, ``evals``, ``wall_s``,
 ``progress``, ``progress_desc`` and the methods ``train_step() -> float``, ``evaluate() ->
 float`` (appending ``{"step", "heldout_loss", ...}`` to ``evals``) and ``save_checkpoint()``.
 """
@@ -30,8 +30,8 @@ class BudgetedLoop:
         """Train until ``max_steps`` (default cfg.max_steps) or the time budget; a budget
         fixes the schedule's length after 10 measured steps, re-plans it over the first
         quarter of the budget (the length is kept on resume) and stops the call past 1.1x
-        the budget even if steps got slower than measured.  ``steps``
-        stops this call after that many steps (the schedule is unchanged: resume later)."""
+        the budget even if steps got slower than measured.  ``steps`` stops this call after
+        that many steps (the schedule is unchanged: resume later)."""
         from tqdm.auto import tqdm
         cap = max_steps or self.cfg.max_steps
         if self.total_steps is None and minutes is None:
