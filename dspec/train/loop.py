@@ -7,9 +7,10 @@ ends inside the budget, then re-plans it every ``REPLAN_EVERY`` steps over the f
 included (the first steps of a run over a cold memory-mapped feature cache ran 1.6x slower
 than the rest: a length fixed on them left 38 % of a 60-minute budget unused).  The length
 is checkpointed so ``--resume`` continues the same schedule.  A subclass provides ``cfg``
-(``max_steps``, ``eval_every``, ``checkpoint_every_s``), ``step``, ``total_steps``, ``log``, ``evals``, ``wall_s``,
-``progress``, ``progress_desc`` and the methods ``train_step() -> float``, ``evaluate() ->
-float`` (appending ``{"step", "heldout_loss", ...}`` to ``evals``) and ``save_checkpoint()``.
+(``max_steps``, ``eval_every``, ``checkpoint_every_s``), ``step``, ``total_steps``, ``log``,
+``evals``, ``wall_s``, ``progress``, ``progress_desc`` and the methods ``train_step() ->
+float``, ``evaluate() -> float`` (appending ``{"step", "heldout_loss", ...}`` to ``evals``)
+and ``save_checkpoint()``.
 """
 from __future__ import annotations
 
