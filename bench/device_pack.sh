@@ -19,23 +19,23 @@ LARGE=(
   data
   bench/results/cpu
 )
+# move_all FROM TO: every LARGE path under FROM to the same path under TO (none overwritten)
+move_all() {
+  local from=$1 to=$2 p
+  for p in "${LARGE[@]}"; do
+    [ -e "$from/$p" ] || continue
+    if [ -e "$to/$p" ]; then echo "device_pack: $to/$p exists: resolve by hand" >&2; exit 1; fi
+    mkdir -p "$to/$(dirname "$p")"
+    mv "$from/$p" "$to/$p"
+  done
+}
 case ${1:-} in
   out)
-    for p in "${LARGE[@]}"; do
-      [ -e "$p" ] || continue
-      if [ -e "$STASH/$p" ]; then echo "device_pack: $STASH/$p exists: run 'back' first" >&2; exit 1; fi
-      mkdir -p "$STASH/$(dirname "$p")"
-      mv "$p" "$STASH/$p"
-    done
+    move_all . "$STASH"
     echo "moved to $STASH; travelling: $(git ls-files -z | xargs -0 du -ck 2>/dev/null | tail -1 | cut -f1) KiB tracked"
     ;;
   back)
-    for p in "${LARGE[@]}"; do
-      [ -e "$STASH/$p" ] || continue
-      if [ -e "$p" ]; then echo "device_pack: $p exists here and in $STASH: resolve by hand" >&2; exit 1; fi
-      mkdir -p "$(dirname "$p")"
-      mv "$STASH/$p" "$p"
-    done
+    move_all "$STASH" .
     git status --short | grep '^ D' && { echo "device_pack: tracked files still missing" >&2; exit 1; }
     echo "restored"
     ;;
