@@ -10,6 +10,8 @@ with ``dspec.pack_mask`` and passed as int32 words [B, N, ceil(N/32)]
 Variants (backend names):
   triton          dspec.cascade_attention(backend="triton", max_prefix_len=P_max): the public
                   op, its own fused-vs-split choice (the chosen num_splits is recorded)
+  triton_unchecked  the same with dspec.config.validate_values = False: no value checks,
+                  so no host synchronisation (what CUDA-graph capture and engines get)
   triton_fused    dspec.kernels.cascade_attention.cascade_attention_triton(num_splits=1)
   triton_split8   the same with num_splits=8 (--splits): split prefix + suffix part + merge
   torch           the dspec reference (small cases only: B*Hq*N*(P+N) <= 2^27 on GPU)
@@ -72,6 +74,7 @@ import common  # noqa: E402
 BENCH = "cascade_attention"
 OP = "cascade_attention"
 AUTO, FUSED = "triton", "triton_fused"
+UNCHECKED = "triton_unchecked"   # AUTO with dspec.config.validate_values = False (no host syncs)
 REF = "torch"
 SDPA_DENSE, SDPA_BRANCH = "sdpa_dense", "sdpa_branch"
 FI_MASK, FI_CASCADE = "flashinfer_mask", "flashinfer_cascade"
@@ -86,7 +89,7 @@ HEADS_GPU = ((32, 8, 128), (16, 16, 64))
 HEADS_CPU = ((4, 2, 64), (2, 2, 64))
 RAGGED_GPU = (500, 32768, 4096, 1000, 16384, 2000, 8192, 24576)  # B = 8, N = 64
 RAGGED_CPU = (200, 64, 131)                                      # B = 3, N = 16
-for _name, _color in ((FUSED, "tab:cyan"), (SDPA_DENSE, "tab:red"),
+for _name, _color in ((FUSED, "tab:cyan"), (UNCHECKED, "tab:gray"), (SDPA_DENSE, "tab:red"),
                       (SDPA_BRANCH, "tab:pink"), (FI_MASK, "tab:brown"), (FI_CASCADE, "tab:purple")):
     common._COLORS.setdefault(_name, _color)
 
@@ -184,6 +187,7 @@ def mem_estimates(c: dict, itemsize: int, splits: int) -> dict:
     s_branch = _ceil16(max_p + length)
     return {
         AUTO: inputs + b * n * hq * (2 * splits + 2) * (d + 1) * 4,
+        UNCHECKED: inputs + b * n * hq * (2 * splits + 2) * (d + 1) * 4,
         FUSED: inputs,
         "split": inputs + b * n * hq * (splits + 1) * (d + 1) * 4,
         REF: inputs + 4 * (hq * n * (max_p + n) * 4 + 2 * (max_p + n) * hq * d * 4),
@@ -424,7 +428,7 @@ def main(argv=None) -> int:
         from dspec.kernels import cascade_attention as ca_mod  # Triton imported only when used
     fi, fi_reason = (None, "flashinfer not requested (--backends)") \
         if wanted is not None and not ({FI_MASK, FI_CASCADE} & wanted) else load_flashinfer(device)
-    variants = ([AUTO, FUSED, split] if has_triton else []) + [REF, SDPA_DENSE, SDPA_BRANCH] + \
+    variants = ([AUTO, UNCHECKED, FUSED, split] if has_triton else []) + [REF, SDPA_DENSE, SDPA_BRANCH] + \
         ([FI_MASK, FI_CASCADE] if fi is not None else [])
     variants = common.select(variants, wanted)
     reps, warmup = common.reps_for(args, device, default_gpu=20, default_cpu=5, quick=3)
@@ -521,6 +525,16 @@ def main(argv=None) -> int:
                         finally:
                             ca_mod.choose_splits = orig
                         extra["num_splits"] = chosen[-1] if chosen else None
+                    elif v == UNCHECKED:
+                        def fn():
+                            dspec.config.validate_values = False
+                            try:
+                                return dspec.cascade_attention(x["q"], x["k"], x["v"], x["words"],
+                                                               **dspec_kw, max_prefix_len=x["max_p"],
+                                                               backend="triton")
+                            finally:
+                                dspec.config.validate_values = True
+                        got = fn()
                     elif v in (FUSED, split):
                         ns = 1 if v == FUSED else args.splits
                         extra["num_splits"] = ns
@@ -711,14 +725,15 @@ def headline_lines(payload: dict, markdown: bool = False) -> list[str]:
 
 
 def fused_split_lines(payload: dict, markdown: bool = False) -> list[str]:
-    """Per case: auto (its splits), fused, forced split µs; which schedule wins; auto / best."""
+    """Per case: auto (its splits), auto without value checks, fused, forced split µs; which schedule wins; auto / best."""
     groups = _by_case(payload.get("results", []))
-    header = ["case", "auto µs (splits)", "fused µs", "split µs (splits)", "winner", "auto / best forced"]
+    header = ["case", "auto µs (splits)", "unchecked µs", "fused µs", "split µs (splits)", "winner", "auto / best forced"]
     lines = []
     for case, g in groups.items():
         fused = g.get(FUSED)
         split = next((r for b, r in g.items() if b.startswith("triton_split")), None)
         auto = g.get(AUTO)
+        unchecked = g.get(UNCHECKED)
         if not (fused or split or auto):
             continue
         forced = [r for r in (fused, split) if r]
@@ -729,14 +744,15 @@ def fused_split_lines(payload: dict, markdown: bool = False) -> list[str]:
         ratio = round(auto["median_us"] / best["median_us"], 2) if auto and best else None
         lines.append([case,
                       f"{auto['median_us']:.1f} ({auto.get('num_splits')})" if auto else "-",
+                      f"{unchecked['median_us']:.1f}" if unchecked else "-",
                       f"{fused['median_us']:.1f}" if fused else "-",
                       f"{split['median_us']:.1f} ({split.get('num_splits')})" if split else "-",
                       winner, "-" if ratio is None else f"{ratio}"])
     title = "Fused (num_splits=1) vs split prefix + merge, per case (auto = the op's own choice)"
     if not lines:
         return [f"## {title}", "", "no triton rows", ""] if markdown else [f"{title}: no triton rows"]
-    n_f = sum(1 for x in lines if x[4] == "fused")
-    n_s = sum(1 for x in lines if x[4] == "split")
+    n_f = sum(1 for x in lines if x[5] == "fused")
+    n_s = sum(1 for x in lines if x[5] == "split")
     summary = f"fused wins {n_f}, split wins {n_s} of {n_f + n_s} cases with both"
     if markdown:
         out = [f"## {title}", "", summary, "", "| " + " | ".join(header) + " |",

@@ -126,6 +126,23 @@ def test_triton_split_prefix_equals_fused(splits):
     check_against_oracle(out, lse, case, torch.float32)
 
 
+def test_choose_splits_schedules(monkeypatch):
+    """The split rule on a 132-SM GPU: eager launches split only with >= 4096-row chunks;
+    graph capture at batch 1 aims at one program per SM (the measured graph-replay bests:
+    B1 P512 -> 2, P4096 -> 4-5, P32768 -> 4-8); capture at batch 8 keeps the eager rule."""
+    pytest.importorskip("triton")
+    from dspec.kernels import cascade_attention as ca
+    monkeypatch.setattr(ca, "parallel_units", lambda device: 132)
+    cuda = torch.device("cuda")
+    # B1 N64 32/8 heads, 64x64 tiles: 4 query blocks x 8 KV heads = 32 programs
+    eager = [ca.choose_splits(1, 4, 8, p, 64, cuda) for p in (512, 4096, 32768)]
+    graph = [ca.choose_splits(1, 4, 8, p, 64, cuda, capturing=True) for p in (512, 4096, 32768)]
+    assert eager == [1, 1, 8] and graph == [2, 5, 5]
+    assert ca.choose_splits(1, 4, 8, 128, 64, cuda, capturing=True) == 1   # 2 tiles: no split
+    for p in (4096, 32768):  # B8, 128x64 tiles: 2 query blocks x 8 heads x 8 requests
+        assert ca.choose_splits(8, 2, 8, p, 64, cuda, capturing=True) == ca.choose_splits(8, 2, 8, p, 64, cuda)
+
+
 def test_dense_bool_mask_is_packed():
     q, k, v, words, pk, pv, indptr = make_case(2, 40, 2, 1, 16, [3, 4], torch.float32, 4)
     dense = pack_reference.unpack_mask(words, 40)

@@ -198,19 +198,31 @@ def _merge_states_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, out_ptr, lse_ptr, num_r
     tl.store(lse_ptr + rows, lse, mask=ok)
 
 
-def choose_splits(batch, m_blocks, num_kv_heads, max_prefix, block_n, device, min_tiles=None):
+def choose_splits(batch, m_blocks, num_kv_heads, max_prefix, block_n, device, min_tiles=None,
+                  capturing=False):
     """Prefix chunks so that small batches with long prefixes still fill the GPU.
 
     A split costs a second launch (the merge) and float32 partials: on an H100 with eager
     launches (bench/results/gpu/h100-2026-11-27/tune_cascade.json) it paid only when every
     chunk held about 4096 prefix rows -- B1 P4096 N64: fused 69 us, 2 to 16 splits 108-117 us;
     B1 P32768 N64: fused 425 us, 4 splits 123 us -- so a CUDA chunk is at least 4096 rows.
+
+    ``capturing`` (a CUDA graph is being recorded) at batch 1: replays launch the merge with
+    no host cost, and the few programs of one request leave most SMs idle.  Measured under
+    graph replay (64x64 tiles, 32 programs, 132 SMs; bench/results/gpu/
+    h100-2026-11-27-s26/tune_cascade_graph.json, h200-2026-11-28/tune_cascade_graph2.json):
+    P512: 1 split 21.7 us, 2 18.6; P4096: 1 65.2, 2 31.4, 4 33.3, 8 40.5; P32768: 4 118,
+    8 124 -- about one program per SM, every chunk at least 4 tiles.  Larger batches keep
+    the eager rule: it was the best schedule, or within 1 %, in their four measured cases.
     """
+    programs = batch * m_blocks * num_kv_heads
+    tiles = -(-max_prefix // block_n)
+    if capturing and batch == 1 and min_tiles is None:
+        splits = min(-(-parallel_units(device) // max(programs, 1)), tiles // 4)
+        return splits if splits >= 2 else 1
     if min_tiles is None:
         min_tiles = max(4, 4096 // block_n) if device.type == "cuda" else 4
-    programs = batch * m_blocks * num_kv_heads
     want = -(-2 * parallel_units(device) // max(programs, 1))
-    tiles = -(-max_prefix // block_n)
     splits = min(want, tiles // min_tiles)
     return splits if splits >= 2 else 1
 
@@ -253,8 +265,8 @@ def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, s
     m_blocks = triton.cdiv(n * group, block_m)
     has_prefix = prefix_k is not None
     paged = prefix_page_table is not None
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if has_prefix and max_prefix_len is None:
-        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if paged:  # an upper bound without reading the lengths when capturing
             max_prefix_len = (prefix_page_table.shape[1] * prefix_k.shape[1] if capturing
                               else int(prefix_lens.max()) if batch else 0)
@@ -262,7 +274,8 @@ def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, s
             max_prefix_len = (prefix_k.shape[0] if capturing or batch == 1
                               else int((prefix_indptr[1:] - prefix_indptr[:-1]).max()))
     if has_prefix and num_splits is None:
-        num_splits = choose_splits(batch, m_blocks, hkv, max_prefix_len, block_n, dev)
+        num_splits = choose_splits(batch, m_blocks, hkv, max_prefix_len, block_n, dev,
+                                   capturing=capturing)
     num_splits = num_splits if has_prefix else 1
     chunk = 0
     if num_splits > 1:
