@@ -16,11 +16,18 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["BudgetedLoop", "REPLAN_EVERY", "REPLAN_FRACTION"]
+__all__ = ["BudgetedLoop", "REPLAN_EVERY", "REPLAN_FRACTION", "fit_length"]
 
 REPLAN_EVERY = 50         # steps between re-plans of the schedule's length
 REPLAN_FRACTION = 0.25    # re-plan only while this much of the budget has passed (the cosine
                           # has barely left its peak there, so a new length moves the lr little)
+
+
+def fit_length(step: int, seconds_left: float, seconds_per_step: float, cap: int, margin: float) -> int:
+    """A schedule length that ends within ``margin`` of the budget left, at the measured
+    pace: at least one step past ``step`` and at most ``cap`` (both trainers' re-plans; they
+    differ in how they measure the pace and when they re-plan)."""
+    return max(step + 1, min(cap, step + int(margin * seconds_left / seconds_per_step)))
 
 
 class BudgetedLoop:
@@ -58,7 +65,7 @@ class BudgetedLoop:
                         or (self.step % REPLAN_EVERY == 0 and now - start < REPLAN_FRACTION * budget)):
                     per_step = (now - measured_from[1]) / (self.step - measured_from[0])
                     left = budget - (now - start)
-                    self.total_steps = max(self.step + 1, min(cap, self.step + int(left * 0.97 / per_step)))
+                    self.total_steps = fit_length(self.step, left, per_step, cap, 0.97)
                     planned_here = True
                     bar.total = self.total_steps
                     bar.refresh()

@@ -27,6 +27,7 @@ import torch
 
 from ..models.transformer import Model
 from .data import PackedData
+from .loop import fit_length
 from .objectives import block_diffusion_batch, block_diffusion_loss, causal_lm_loss
 
 OBJECTIVES = ("causal", "block_diffusion")
@@ -363,7 +364,7 @@ class Trainer:
                         per_step = step_s if per_step is None else 0.7 * per_step + 0.3 * step_s
                         calib_from, calib_t = self.step, now
                         left = minutes * 60 - (now - start)
-                        self.total_steps = min(cfg.max_steps, self.step + max(int(0.95 * left / per_step), 1))
+                        self.total_steps = fit_length(self.step, left, per_step, cfg.max_steps, 0.95)
                         timed = True
                         if bar is not None:
                             bar.total = self.total_steps
