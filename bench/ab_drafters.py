@@ -14,6 +14,9 @@ CPU's: grafted onto DFlash's draft tree with the lookup branch), plus per DFlash
 ``dflash`` arm per drafter and node count verifying a draft tree (at the CPU's default row cost).
 ``--verify-all``: the ``dflash``, ``dflash-tree`` and D2SD arms verify every drafted node
 (``row_cost=None``) instead of pruning at the CPU's row cost -- acceptance as the papers count it.
+``--d2sd-variants JSON ...`` adds a d2sd-chain arm per pair and JSON dict of d2sd options
+(e.g. ``boundary_pool``, ``prior_weight``); ``--only`` keeps the arms whose names start with
+the given prefixes (and ``ar``).
 
     python bench/ab_drafters.py --drafters smollm2-135m-dflash,runs/dflash-r6/drafter
     python bench/ab_drafters.py --drafters smollm2-135m-dflash --vp-drafters smollm2-135m-vp,runs/vp-r4/drafter
@@ -22,6 +25,7 @@ Writes bench/results/cpu/<name>.json.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -47,6 +51,11 @@ def main(argv=None) -> dict:
                     help="comma-separated node counts: a dflash arm per drafter and count verifying a draft tree")
     ap.add_argument("--verify-all", action="store_true",
                     help="dflash / dflash-tree / d2sd arms verify every drafted node (row_cost=None)")
+    ap.add_argument("--d2sd-variants", nargs="*", default=[], metavar="JSON",
+                    help="per DFlash / VP pair, one more d2sd-chain arm per JSON dict of d2sd options, e.g. "
+                         "'{\"boundary_pool\": 4}' '{\"prior_weight\": 1.0}'")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated arm-name prefixes to run (ar always runs), e.g. 'dflash[,d2sd-chain'")
     add_run_arguments(ap, prompts=32, name="ab_drafters")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -63,6 +72,12 @@ def main(argv=None) -> dict:
         trees = [int(n) for n in args.tree.split(",")] if args.tree else []
     except ValueError:
         ap.error(f"--tree: comma-separated ints, got {args.tree!r}")
+    try:
+        variants = [json.loads(v) for v in args.d2sd_variants]
+    except json.JSONDecodeError as exc:
+        ap.error(f"--d2sd-variants: {exc}")
+    if not all(isinstance(v, dict) for v in variants):
+        ap.error("--d2sd-variants: each must be a JSON object of d2sd options")
     full = {"row_cost": None} if args.verify_all else {}
     arms = [Arm("ar", model, "ar")]
     for path, vp_list in zip(paths, vps):
@@ -81,6 +96,14 @@ def main(argv=None) -> dict:
                          reference="ar"),
                      Arm(f"d2sd-tree[{path},{vp}]", model, "d2sd", {"drafter": pair, "k": 2, "redraft_min": 0, **full},
                          reference="ar")]
+            for extra in variants:
+                label = ",".join(f"{key}={val}" for key, val in extra.items())
+                arms.append(Arm(f"d2sd-chain{{{label}}}[{path},{vp}]", model, "d2sd",
+                                {"drafter": pair, "k": 2, "tree": None, "lookup": None, "redraft_min": 0, **full,
+                                 **extra}, reference="ar"))
+    if args.only:
+        prefixes = tuple(args.only.split(","))
+        arms = [a for a in arms if a.name == "ar" or a.name.startswith(prefixes)]
     acc = run_interleaved(arms, grid_texts(model, args.prompts), args.max_new_tokens)
     rows = summary_rows(arms, acc, {"ar": "ar"})
     payload = {"bench": "ab_drafters", "env": environment("cpu"), "config": vars(args), "rows": rows}

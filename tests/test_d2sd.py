@@ -208,6 +208,35 @@ def test_draft_vocabs_keep_greedy_equal_to_ar(target, branches):
     assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
 
 
+@pytest.mark.parametrize("pool,weight", [(4, 0.0), (2, 1.0), (4, 0.5)])
+@pytest.mark.parametrize("tree", [None, "auto"])
+def test_boundary_pool_and_prior_keep_greedy_equal_to_ar(target, pool, weight, tree):
+    """Re-drafting at more boundaries than kept and mixing the first drafter's opinion into
+    the first re-drafted slot (over different draft vocabularies) change only which
+    branches are verified."""
+    n, gamma = 16, 6
+    ds = drafters(target, PROMPTS, n, gamma)
+    v = target.config.vocab_size
+    ds["dflash"].set_draft_vocab(torch.arange(0, v, 2))
+    ds["vp"].set_draft_vocab(torch.arange(0, v, 3))
+    outs = [dspec.generate(target, p, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=ds, k=2, tree=tree,
+                           boundary_pool=pool, prior_weight=weight, row_cost=None) for p in PROMPTS]
+    assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
+    s = outs[0].stats
+    assert s["boundary_pool"] == pool and s["prior_weight"] == weight and s["k"] == 2
+
+
+def test_vocab_map_and_first_prior():
+    cols = d2sd.vocab_map(torch.tensor([5, 2, 9]), torch.tensor([2, 7, 9]), 10)
+    assert cols.tolist() == [1, -1, 2]
+    assert d2sd.vocab_map(None, torch.tensor([3, 4]), 10).tolist() == [3, 4]
+    assert d2sd.vocab_map(torch.tensor([4, 3]), None, 5).tolist() == [-1, -1, -1, 1, 0]
+    logits = torch.tensor([[[0.0, 1.0, 2.0]]])
+    logp = logits.log_softmax(-1)
+    prior = d2sd.first_prior(logits, cols, 0.5)
+    assert torch.allclose(prior, 0.5 * torch.stack([logp[..., 1], logp[..., 0], logp[..., 2]], -1))
+
+
 def test_random_drafters_equal_ar(target):
     n = 12
     first = BlockDrafter.for_target(target, block_size=4, seed=1)
@@ -247,6 +276,15 @@ def test_bad_options(target):
     for bad in (0, -2, True, "big", 2.5):
         with pytest.raises(ValueError, match="tree"):
             dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, tree=bad)
+    for bad in (1, 5, True, 2.0):
+        with pytest.raises(ValueError, match="boundary_pool"):
+            dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, k=2, boundary_pool=bad)
+    for bad in (-0.1, True, "x", float("nan")):
+        with pytest.raises(ValueError, match="prior_weight"):
+            dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, prior_weight=bad)
+    with pytest.raises(ValueError, match="branches='vp'"):
+        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds["dflash"],
+                       branches="resample", prior_weight=1.0)
     with pytest.raises(ValueError, match="keys"):
         dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter={"first": ds["dflash"]})
     with pytest.raises(ValueError, match="'vp'"):

@@ -69,7 +69,8 @@ from .sampling import sample_from
 BRANCH_MODES = ("vp", "resample")
 
 
-def redraft(vp_drafter, context, anchor, first, lengths, positions, gamma, *, with_probs: bool = False):
+def redraft(vp_drafter, context, anchor, first, lengths, positions, gamma, *, with_probs: bool = False,
+            prior: torch.Tensor | None = None):
     """One VP-drafter forward re-drafting K branches per request.
 
     anchor [B], first [B, L] (the first draft), lengths [B, K] (prefix lengths in [0, L-1]),
@@ -77,7 +78,9 @@ def redraft(vp_drafter, context, anchor, first, lengths, positions, gamma, *, wi
     is ``first[:n_k]`` followed by the VP-drafter's argmax at slots n_k+1 .. L, where slot
     n_k + 1 never repeats the rejected ``first[n_k]``.  ``with_probs``: also the
     VP-drafter's probability of each re-drafted token [B, K, L] (float32; at slot n_k + 1
-    renormalised without the rejected token; meaningless at the given slots).
+    renormalised without the rejected token; meaningless at the given slots).  ``prior``
+    [B, L, V'] (over the VP-drafter's columns): log-weights added to its log-probabilities
+    at slot n_k + 1 only (:func:`first_prior`: the first drafter's opinion there).
     """
     batch, k = lengths.shape
     dev = first.device
@@ -97,10 +100,33 @@ def redraft(vp_drafter, context, anchor, first, lengths, positions, gamma, *, wi
     else:
         banned = rejected[..., None] == vocab                                   # [B, K, V']
     ban = banned[:, :, None, :] & first_redrafted[..., None]
+    if prior is not None:
+        logits = torch.where(first_redrafted[..., None], logits.log_softmax(-1) + prior[:, None], logits)
     logits = logits.masked_fill(ban, float("-inf"))
     stats = token_stats(logits)
     branches = torch.where(given, first[:, None, :], vocab_ids(stats.token, vocab))
     return (branches, stats.prob) if with_probs else branches
+
+
+def vocab_map(source: torch.Tensor | None, dest: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """For every column of draft vocabulary ``dest`` (None: the whole vocabulary), its
+    column in ``source`` or -1 where ``source`` lacks the id: int64 [V'_dest]."""
+    dest_ids = torch.arange(vocab_size) if dest is None else dest.cpu().long()
+    if source is None:
+        return dest_ids
+    where = torch.full((vocab_size,), -1, dtype=torch.int64)
+    where[source.cpu().long()] = torch.arange(source.numel())
+    return where[dest_ids]
+
+
+def first_prior(logits: torch.Tensor, columns: torch.Tensor, weight: float) -> torch.Tensor:
+    """``weight`` x the first drafter's log-probabilities [B, L, V] moved to another
+    drafter's columns (``columns`` from :func:`vocab_map`); an id it lacks gets its row's
+    lowest log-probability."""
+    logp = logits.log_softmax(-1)
+    moved = logp[..., columns.clamp_min(0)]
+    moved = torch.where(columns >= 0, moved, logp.amin(-1, keepdim=True))
+    return weight * moved
 
 
 def prune_tree(first_probs: torch.Tensor, branch_probs: torch.Tensor, lengths: torch.Tensor,
@@ -156,7 +182,8 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
                 generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
                 draft_len: int | None = None, k: int = 2, branches: str = "vp",
                 row_cost: float | str | None = "auto", lookup: int | str | None = "auto",
-                tree: int | str | None = "auto", redraft_min: float | str = "auto"):
+                tree: int | str | None = "auto", redraft_min: float | str = "auto",
+                boundary_pool: int | None = None, prior_weight: float = 0.0):
     """D2SD speculative decoding of a ragged batch with an AR target.
 
     Parameters
@@ -228,9 +255,21 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     tree = resolve_tree(model, tree, temperature)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= gamma - 1:
         raise ValueError(f"k must be an int in [1, draft_len = {gamma - 1}], got {k!r}")
+    pool = k if boundary_pool is None else boundary_pool
+    if isinstance(pool, bool) or not isinstance(pool, int) or not k <= pool <= gamma - 1:
+        raise ValueError(f"boundary_pool must be None or an int in [k = {k}, draft_len = {gamma - 1}], "
+                         f"got {boundary_pool!r}")
+    if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) or not prior_weight >= 0:
+        raise ValueError(f"prior_weight must be a float >= 0, got {prior_weight!r}")
+    if branches != "vp" and (pool != k or prior_weight):
+        raise ValueError("boundary_pool and prior_weight shape the VP-drafter's re-drafts: they need branches='vp'")
     roles = {"drafter": first_drafter}
+    columns = None
     if branches == "vp":
         vp_drafter = resolve_drafter(vp, model, "vp")          # resolved (and checked) even when gated off
+        if prior_weight:
+            columns = vocab_map(first_drafter.draft_vocab, vp_drafter.draft_vocab,
+                                model.config.vocab_size).to(model.device)
         if redraft_min != float("inf"):
             # (a VP-drafter that never re-drafts needs no context: its per-token commits would cost)
             roles["vp_drafter"] = vp_drafter
@@ -278,15 +317,22 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         # requests re-drafted this cycle (all of them unless redraft_min gates)
         wanted = torch.ones(first.shape[0], dtype=torch.bool, device=dev)
         if branches == "vp":
-            lengths, reach = rejection_boundaries(first_probs, k)
+            lengths, reach = rejection_boundaries(first_probs, pool)
             if redraft_min > 0:
-                wanted = reach.sum(1) >= redraft_min
+                wanted = reach[:, :k].sum(1) >= redraft_min
                 if not bool(wanted.any()):      # nobody re-drafts: DFlash's own cycle
                     live = dflash_cycle(logits, vocab, positions, t0, None if tree is None else (top_i, top_p))
                     continue
+            prior = first_prior(logits, columns, float(prior_weight)) if prior_weight else None
             alt, alt_probs = redraft(roles["vp_drafter"], run.contexts["vp_drafter"], run.anchor, first, lengths,
-                                     positions, gamma, with_probs=True)
+                                     positions, gamma, with_probs=True, prior=prior)
             run.nfe["vp_drafter"] += 1
+            if pool > k:    # keep the k branches most likely to be accepted past their boundary
+                head = alt_probs.gather(2, lengths[..., None]).squeeze(-1)
+                keep = (reach * head).topk(k, dim=1).indices
+                lengths = lengths.gather(1, keep)
+                alt = alt.gather(1, keep[..., None].expand(-1, -1, alt.shape[2]))
+                alt_probs = alt_probs.gather(1, keep[..., None].expand(-1, -1, alt_probs.shape[2]))
             if redraft_min > 0:     # a request not re-drafted has no branch nodes to prune
                 alt_probs = alt_probs * wanted[:, None, None]
             if row_cost is not None:
@@ -354,10 +400,12 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     if branches == "vp":
         run.nfe.setdefault("vp_drafter", 0)     # reported 0 where the gate kept it off
     return run.generated, run.stats(k=k, branches=branches, draft_len=gamma - 1, lookup=lookup, tree=tree,
+                                    boundary_pool=pool, prior_weight=float(prior_weight),
                                     tree_nodes=nodes_total / run.cycles if run.cycles else 0.0,
                                     redraft_min=redraft_min, redraft_rate=redrafted / pairs if pairs else 0.0)
 
 
-OPTIONS = ("draft_len", "k", "branches", "row_cost", "lookup", "tree", "redraft_min")
+OPTIONS = ("draft_len", "k", "branches", "row_cost", "lookup", "tree", "redraft_min", "boundary_pool",
+           "prior_weight")
 DRAFTER = "block"    # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_d2sd
