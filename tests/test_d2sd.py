@@ -293,15 +293,16 @@ def test_bad_options(target):
                        drafter={"dflash": ds["dflash"], "vp": ds["dflash"]})
 
 
-@pytest.mark.parametrize("branches,tree,gate", [("vp", "auto", "auto"), ("vp", "auto", 0), ("resample", "auto", "auto"),
-                                                ("vp", 6, 0.4)])
-def test_sampling_preserves_target_distribution(peaked, branches, tree, gate):
+@pytest.mark.parametrize("branches,tree,gate,shape", [("vp", "auto", "auto", {}), ("vp", "auto", 0, {}),
+                                                      ("resample", "auto", "auto", {}), ("vp", 6, 0.4, {}),
+                                                      ("vp", None, 0, {"boundary_pool": 3, "prior_weight": 1.0})])
+def test_sampling_preserves_target_distribution(peaked, branches, tree, gate, shape):
     prompt = [5, 6, 7]
     probs = _second_token_marginal(peaked, prompt, 1.0)
     ds = drafters(peaked, [prompt], 6, 4, wrong_every=3)
     drafter = ds if branches == "vp" else ds["dflash"]
     out = dspec.generate(peaked, [prompt] * 1500, method="d2sd", max_new_tokens=3, drafter=drafter,
-                         temperature=1.0, seed=0, k=2, branches=branches, tree=tree, redraft_min=gate)
+                         temperature=1.0, seed=0, k=2, branches=branches, tree=tree, redraft_min=gate, **shape)
     assert out[0].stats["tree"] == (None if tree == "auto" else tree)     # "auto" at T > 0: the chain
     counts = torch.bincount(torch.tensor([g.tokens[1] for g in out]), minlength=peaked.config.vocab_size)
     stat, limit = chi_square_ok(counts, probs)
