@@ -15,6 +15,8 @@ Per cycle, for every unfinished request (ragged batch, per-request acceptance):
    request's drafter context once).  Branch k keeps ``d_1 .. d_{n_k}`` and continues with
    the VP-drafter's argmax, the rejected token ``d_{n_k + 1}`` excluded at the first
    re-drafted slot (the branch exists for the case where it is rejected).
+   ``boundary_pool`` / ``prior_weight`` (off by default) re-draft at more boundaries and keep
+   the K likeliest, and mix the first drafter's opinion into the first re-drafted slot.
    ``branches="resample"`` is the naive control: K branches drawn independently from the
    first draft's distribution q (temperature T, 1 when greedy), no second forward.
 4. **verify** -- the K+1 branches merged as one prefix tree (``dspec.masks.d2sd_branches``
@@ -217,6 +219,14 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         VP-drafter forward).  0 re-drafts every cycle (the paper's D2SD), inf never;
         "auto" (default): ``_cpu_cost.CPU_REDRAFT_MIN`` for a CPU model with "vp" branches,
         0 otherwise.  The output is unchanged (the target decides every token).
+    boundary_pool : None (= k, the paper's) or P in [k, draft_len]: the VP-drafter re-drafts
+        at the P likeliest boundaries (one forward over P blocks) and the tree keeps the k
+        branches most likely to be accepted past their boundary, ``r_{n} x`` the
+        VP-drafter's probability of its first re-drafted token ("vp" branches only).
+    prior_weight : w >= 0 (default 0, the paper's): at each branch's first re-drafted slot
+        the VP-drafter's log-probabilities plus w x the first drafter's there (the rejected
+        token stays banned; ids outside the first drafter's vocabulary get its lowest
+        log-probability).  Both change only which branches are verified.
 
     Returns
     -------
