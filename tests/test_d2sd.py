@@ -226,6 +226,15 @@ def test_boundary_pool_and_prior_keep_greedy_equal_to_ar(target, pool, weight, t
     assert s["boundary_pool"] == pool and s["prior_weight"] == weight and s["k"] == 2
 
 
+def test_prior_weight_default(target):
+    ds = drafters(target, PROMPTS[:1], 4, 4)
+    vp = dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, redraft_min=0)
+    control = dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds["dflash"],
+                             branches="resample")
+    assert vp.stats["prior_weight"] == d2sd.PRIOR_WEIGHT and control.stats["prior_weight"] == 0.0
+    assert vp.stats["boundary_pool"] == vp.stats["k"]
+
+
 def test_vocab_map_and_first_prior():
     cols = d2sd.vocab_map(torch.tensor([5, 2, 9]), torch.tensor([2, 7, 9]), 10)
     assert cols.tolist() == [1, -1, 2]
