@@ -9,6 +9,7 @@ one-token-per-step reference); the rows count the prompts where it differs.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -38,6 +39,18 @@ def add_run_arguments(ap, *, prompts: int, name: str | None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default=name, help="output JSON name under bench/results/cpu/")
+
+
+def option_sets(ap, flag: str, values: list[str]) -> list[dict]:
+    """Command-line option sets, each a JSON object of ``dspec.generate`` options (``ap.error``
+    naming ``flag`` otherwise)."""
+    try:
+        sets = [json.loads(v) for v in values]
+    except json.JSONDecodeError as e:
+        ap.error(f"{flag}: not JSON ({e})")
+    if not all(isinstance(s, dict) for s in sets):
+        ap.error(f"{flag}: each must be a JSON object")
+    return sets
 
 
 def grid_texts(model, prompts_per_set: int, seed: int = 0) -> dict[str, list[str]]:

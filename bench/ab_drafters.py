@@ -25,14 +25,13 @@ Writes bench/results/cpu/<name>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows  # noqa: E402
+from ab_common import Arm, add_run_arguments, grid_texts, option_sets, run_interleaved, summary_rows  # noqa: E402
 from common import environment, write_json  # noqa: E402
 
 import dspec  # noqa: E402
@@ -72,12 +71,7 @@ def main(argv=None) -> dict:
         trees = [int(n) for n in args.tree.split(",")] if args.tree else []
     except ValueError:
         ap.error(f"--tree: comma-separated ints, got {args.tree!r}")
-    try:
-        variants = [json.loads(v) for v in args.d2sd_variants]
-    except json.JSONDecodeError as exc:
-        ap.error(f"--d2sd-variants: {exc}")
-    if not all(isinstance(v, dict) for v in variants):
-        ap.error("--d2sd-variants: each must be a JSON object of d2sd options")
+    variants = option_sets(ap, "--d2sd-variants", args.d2sd_variants)
     full = {"row_cost": None} if args.verify_all else {}
     arms = [Arm("ar", model, "ar")]
     for path, vp_list in zip(paths, vps):

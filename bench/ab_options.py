@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows  # noqa: E402
+from ab_common import Arm, add_run_arguments, grid_texts, option_sets, run_interleaved, summary_rows  # noqa: E402
 from common import environment, write_json  # noqa: E402
 
 import dspec  # noqa: E402
@@ -37,12 +37,7 @@ def main(argv=None) -> dict:
                     help="comma-separated methods decoded beside, with their defaults (e.g. dflash next to d2sd)")
     add_run_arguments(ap, prompts=8, name=None)                    # default name: ab_<method>
     args = ap.parse_args(argv)
-    try:
-        sets = [json.loads(o) for o in args.options]
-    except json.JSONDecodeError as e:
-        ap.error(f"--options: not JSON ({e})")
-    if not all(isinstance(s, dict) for s in sets):
-        ap.error("--options: each must be a JSON object")
+    sets = option_sets(ap, "--options", args.options)
     torch.set_num_threads(args.threads)
     model = dspec.load(args.model)
     base = ("ar", {}) if model.attention == "causal" else ("diffusion", {"tokens_per_step": 1})
