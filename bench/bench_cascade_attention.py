@@ -185,9 +185,10 @@ def mem_estimates(c: dict, itemsize: int, splits: int) -> dict:
     s_dense = _ceil16(max_p + n)
     length = max(1, n // BRANCHES)
     s_branch = _ceil16(max_p + length)
+    auto = inputs + b * n * hq * (2 * splits + 2) * (d + 1) * 4
     return {
-        AUTO: inputs + b * n * hq * (2 * splits + 2) * (d + 1) * 4,
-        UNCHECKED: inputs + b * n * hq * (2 * splits + 2) * (d + 1) * 4,
+        AUTO: auto,
+        UNCHECKED: auto,
         FUSED: inputs,
         "split": inputs + b * n * hq * (splits + 1) * (d + 1) * 4,
         REF: inputs + 4 * (hq * n * (max_p + n) * 4 + 2 * (max_p + n) * hq * d * 4),
@@ -512,10 +513,11 @@ def main(argv=None) -> int:
                 ctx = None
                 fn = None
                 try:
+                    def public_op():
+                        return dspec.cascade_attention(x["q"], x["k"], x["v"], x["words"], **dspec_kw,
+                                                       max_prefix_len=x["max_p"], backend="triton")
                     if v == AUTO:
-                        def fn():
-                            return dspec.cascade_attention(x["q"], x["k"], x["v"], x["words"], **dspec_kw,
-                                                           max_prefix_len=x["max_p"], backend="triton")
+                        fn = public_op
                         # record the split count the op chooses (spy on choose_splits once)
                         chosen = []
                         orig = ca_mod.choose_splits
@@ -527,13 +529,11 @@ def main(argv=None) -> int:
                         extra["num_splits"] = chosen[-1] if chosen else None
                     elif v == UNCHECKED:
                         def fn():
-                            dspec.config.validate_values = False
+                            was, dspec.config.validate_values = dspec.config.validate_values, False
                             try:
-                                return dspec.cascade_attention(x["q"], x["k"], x["v"], x["words"],
-                                                               **dspec_kw, max_prefix_len=x["max_p"],
-                                                               backend="triton")
+                                return public_op()
                             finally:
-                                dspec.config.validate_values = True
+                                dspec.config.validate_values = was
                         got = fn()
                     elif v in (FUSED, split):
                         ns = 1 if v == FUSED else args.splits

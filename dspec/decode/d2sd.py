@@ -65,7 +65,7 @@ from ..masks import padded_prefix_tree, ssd_copies
 from ..models.dflash import MASK, resolve_drafter
 from ..ops import rejection_boundaries, token_stats, topk_tokens, tree_mask
 from .dflash import (TREE_TOP_K, SpeculativeRun, _chain_cycle, _sync, _tree_cycle, check_draft_len, draft_block,
-                     draft_tree, vocab_ids)
+                     draft_columns, draft_tree, vocab_ids)
 from ._cpu_cost import resolve_lookup, resolve_redraft_min, resolve_row_cost, resolve_tree
 from .lookup import PromptLookup, graft_chain
 from .sampling import sample_from
@@ -122,11 +122,7 @@ def vocab_map(source: torch.Tensor | None, dest: torch.Tensor | None, vocab_size
     """For every column of draft vocabulary ``dest`` (None: the whole vocabulary), its
     column in ``source`` or -1 where ``source`` lacks the id: int64 [V'_dest]."""
     dest_ids = torch.arange(vocab_size) if dest is None else dest.cpu().long()
-    if source is None:
-        return dest_ids
-    where = torch.full((vocab_size,), -1, dtype=torch.int64)
-    where[source.cpu().long()] = torch.arange(source.numel())
-    return where[dest_ids]
+    return dest_ids if source is None else draft_columns(source.cpu(), vocab_size)[dest_ids]
 
 
 def first_prior(logits: torch.Tensor, columns: torch.Tensor, weight: float) -> torch.Tensor:

@@ -369,6 +369,14 @@ def vocab_ids(columns: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor
     return columns if vocab is None else vocab[columns]
 
 
+def draft_columns(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The inverse of :func:`vocab_ids`: every target id's column in draft vocabulary
+    ``vocab`` (int [V']), -1 for an id outside it -> int64 [vocab_size] on ``vocab``'s device."""
+    index = torch.full((vocab_size,), -1, dtype=torch.int64, device=vocab.device)
+    index[vocab.long()] = torch.arange(vocab.numel(), device=vocab.device)
+    return index
+
+
 def full_vocab_probs(q: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     """A draft distribution over ``vocab``'s ids [..., V'] as one over every id [..., V]
     (zero outside the draft vocabulary), what ``verify_chain`` compares against."""

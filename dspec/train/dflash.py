@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..decode.dflash import vocab_ids
+from ..decode.dflash import draft_columns, vocab_ids
 from ..models.dflash import MASK, BlockDrafter, block_loss_weights
 from .data_engine import heldout_split, parse_source_weights
 from .loop import BudgetedLoop
@@ -456,9 +456,7 @@ class DrafterTrainer(BudgetedLoop):
         """Train and evaluate over draft vocabulary ``ids`` (int64 [V'] target ids): the
         drafter's head and ``draft_index`` (a target id's column, -1 outside)."""
         self.drafter.set_draft_vocab(ids)
-        index = torch.full((self.target.config.vocab_size,), -1, dtype=torch.int64)
-        index[ids.cpu()] = torch.arange(ids.numel())
-        self.draft_index = index.to(self.device)
+        self.draft_index = draft_columns(ids.cpu(), self.target.config.vocab_size).to(self.device)
 
     # ------------------------------------------------------------------ data
     def _data(self, sequences):
