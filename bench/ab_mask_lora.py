@@ -23,7 +23,7 @@ from common import environment, write_json  # noqa: E402
 import dspec  # noqa: E402
 
 CONFIGS = (("diffusion-static-1", "diffusion", {"tokens_per_step": 1}), ("ssd", "ssd", {}),
-           ("ssd-d2", "ssd", {"draft_len": 2}), ("s2d2-always", "s2d2", {"policy": "always"}))
+           ("ssd-d2", "ssd", {"draft_len": 2, "mixed_order": False}), ("s2d2-always", "s2d2", {"policy": "always"}))
 
 
 def main(argv=None) -> dict:

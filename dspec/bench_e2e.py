@@ -111,11 +111,14 @@ CONFIGS: tuple[Config, ...] = (
     Config("diffusion-static-2", "diffusion", "dllm", {"tokens_per_step": 2}),
     Config("diffusion-dynamic", "diffusion", "dllm", {"threshold": 0.9}),
     Config("ssd", "ssd", "dllm"),
-    # pinned draft rows per round: ssd-d2 is the CPU default at block size 4 (the 16-row budget
-    # of decode/_cpu_cost.py; spiffy's is prune_to 2), ssd-d3 / spiffy-p8 the defaults elsewhere
-    Config("ssd-d2", "ssd", "dllm", {"draft_len": 2}),
-    Config("ssd-d3", "ssd", "dllm", {"draft_len": 3}),
+    # pinned draft rows per round: the CPU defaults at block size 4 are draft_len 3 with the
+    # swapped states / prune_to 6 (32 rows, decode/_cpu_cost.py); ssd-d2 / spiffy-p2 are the
+    # 16-row defaults before session 37, ssd-d3 the chain without swaps, spiffy-p8 the default
+    # on accelerators
+    Config("ssd-d2", "ssd", "dllm", {"draft_len": 2, "mixed_order": False}),
+    Config("ssd-d3", "ssd", "dllm", {"draft_len": 3, "mixed_order": False}),
     Config("spiffy", "spiffy", "dllm"),
+    Config("spiffy-p2", "spiffy", "dllm", {"prune_to": 2}),
     Config("spiffy-p3", "spiffy", "dllm", {"prune_to": 3}),
     Config("spiffy-p8", "spiffy", "dllm", {"prune_to": 8}),
     Config("s2d2", "s2d2", "dllm", expand="policies"),

@@ -239,6 +239,24 @@ def test_warm_start_copies_a_saved_adapter(base, bd, tmp_path):
         init_mask_adapter(fresh, tmp_path)
 
 
+@pytest.mark.parametrize("alpha", [None, 8.0])
+def test_warm_start_grows_the_rank_without_changing_the_function(base, bd, tmp_path, alpha):
+    from dspec.train.lora import base_fingerprint
+    from dspec.train.mask_adapter import init_mask_adapter, save_mask_adapter
+    save_mask_adapter(bd, tmp_path / "a", base_name="tiny-llama", base_fingerprint=base_fingerprint(base),
+                      dtype=torch.float32)
+    wide = mask_diffusion_model(base, block_size=4, mask_token_id=MASK, rank=2 * bd.mask_adapter.rank,
+                                alpha=alpha, seed=3)
+    init_mask_adapter(wide, tmp_path / "a")
+    r = bd.mask_adapter.rank
+    layer = wide.layers[0].self_attn.q_proj
+    assert torch.equal(layer.lora_A[:r], bd.layers[0].self_attn.q_proj.lora_A)
+    assert not layer.lora_B[:, r:].any() and layer.lora_A[r:].abs().sum() > 0
+    seq = [_ids(9, 5) + [MASK, 33, MASK]]
+    with torch.no_grad():
+        torch.testing.assert_close(wide(wide.plan(seq)).logits, bd(bd.plan(seq)).logits, atol=1e-5, rtol=1e-5)
+
+
 @requires_sharegpt
 def test_trainer_lowers_the_heldout_loss_and_resumes(tmp_path):
     from dspec.train.data_engine import EngineConfig, GeneratedData, generate_shards

@@ -136,7 +136,8 @@ def test_mixed_order_is_used_and_lossless(tmp_path_factory):
         m = tiny(tmp_path_factory, family)
         for prompt in ([5, 17, 42], [9, 4, 4, 12, 30]):
             ref = dspec.generate(m, prompt, method="diffusion", max_new_tokens=8, block_size=3)
-            a = dspec.generate(m, prompt, method="ssd", max_new_tokens=8, block_size=3, draft_len=2)
+            a = dspec.generate(m, prompt, method="ssd", max_new_tokens=8, block_size=3, draft_len=2,
+                                   mixed_order=False)
             b = dspec.generate(m, prompt, method="ssd", max_new_tokens=8, block_size=3, draft_len=2,
                                mixed_order=True)
             assert a.tokens == b.tokens == ref.tokens
@@ -215,17 +216,32 @@ def test_bad_options(model, tmp_path):
         dspec.generate(causal, [1, 2], method="ssd", max_new_tokens=2)
 
 
-@pytest.mark.parametrize("block_size, draft_len, prune_to", [(2, 1, 4), (4, 2, 2), (8, 1, 1), (16, 1, 1)])
-def test_cpu_defaults_keep_a_round_within_16_rows(model, block_size, draft_len, prune_to):
-    """On the CPU the default chain / pruned graph is capped so that the root, the drafts and
-    the next block's state fit 16 rows (the 17th costs a second pass over every weight tile):
-    ssd's draft_len min(block_size - 1, 4, max(1, 16 // block_size - 2)), spiffy's prune_to
-    min(8, graph_size, the same cap); explicit values are kept."""
-    from dspec.decode._cpu_cost import cpu_draft_states
-    assert cpu_draft_states(model, block_size) == max(1, 16 // block_size - 2)
+@pytest.mark.parametrize("block_size, draft_len, mixed, prune_to",
+                         [(2, 1, False, 4), (4, 3, True, 4), (8, 1, False, 2), (16, 1, False, 1)])
+def test_cpu_defaults_keep_a_round_within_32_rows(model, block_size, draft_len, mixed, prune_to):
+    """On the CPU the default chain / pruned graph is capped so that the root, the drafts
+    (with ssd's swapped states) and the next block's state fit 32 rows (two passes over every
+    weight tile): ssd's draft_len the longest of min(block_size - 1, 4) that fits with
+    mixed_order, spiffy's prune_to min(8, graph_size, 32 // block_size - 2); explicit values
+    are kept."""
+    from dspec.decode._cpu_cost import cpu_block_copies
+    assert cpu_block_copies(model, block_size) == max(3, 32 // block_size)
     got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size)
-    assert got.stats["draft_len"] == draft_len
-    assert dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size,
-                          draft_len=3).stats["draft_len"] == 3
+    assert (got.stats["draft_len"], got.stats["mixed_order"]) == (draft_len, mixed)
+    got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size, draft_len=3)
+    assert got.stats["draft_len"] == 3 and got.stats["mixed_order"] == (block_size <= 4)
+    got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size,
+                         mixed_order=False)
+    assert got.stats["mixed_order"] is False
     got = dspec.generate(model, [3, 4, 5], method="spiffy", max_new_tokens=4, block_size=block_size, graph_size=4)
     assert got.stats["prune_to"] == prune_to
+
+
+def test_default_chain_without_a_device_cap():
+    from dspec.decode.ssd import chain_copies, default_chain
+    assert default_chain(None, 4, None, None) == (3, True)
+    assert default_chain(None, 16, None, None) == (4, True)
+    assert default_chain(None, 16, 2, False) == (2, False)
+    assert default_chain(8, 4, None, False) == (3, False) and chain_copies(3, False) == 5
+    assert default_chain(3, 16, 3, None) == (3, False)          # explicit draft_len kept, swaps dropped
+    assert default_chain(None, 1, None, None) == (1, False)

@@ -5,29 +5,39 @@ up to 16 rows a forward of SmolLM2-135M costs about one row's plus ~1.6 % a row 
 ~1.25x one), and the 17th row makes every weight tile be read a second time (~1.5x).  On an
 accelerator extra rows are nearly free, so these defaults apply to CPU models only; an
 explicit option always wins.  (Measured on an Intel Xeon with AMX-BF16, bf16, 2 threads;
-README, "the 17th row" and the session-19 A/Bs.)
+README, "the 17th row" and the session-19 A/Bs; the self-speculative rounds of ``ssd`` /
+``spiffy`` take two tile passes since session 37, below.)
 """
 from __future__ import annotations
 
-#: block rows a CPU verification forward carries at about the cost of one tile pass
-CPU_ROW_BUDGET = 16
+#: block rows a CPU self-speculative round (``ssd``, ``spiffy``) carries by default: two
+#: passes over every AMX weight tile.  Re-measured with the self-consistent round-8 adapter
+#: (smollm2-135m-bd, block size 4, 32 grid prompts, one process each, session 37;
+#: bench/results/cpu/ab_ssd_draft_len_s37.json, ab_spiffy_prune_s37.json,
+#: ab_ssd_block8_s37.json): its drafts now survive long enough that a second tile pass
+#: pays -- `ssd` draft_len 2 (12 + 4 rows) 1.61x one-token `diffusion` at 1.82 mean
+#: accepted, draft_len 3 with the swapped states (28 rows) 1.69x at 2.49; `spiffy` prune_to
+#: 2 1.57x at 1.81, 4 1.56x, 6 (32 rows) 1.63x at 2.58, 8 1.51x, 12 1.36x; at block size 8
+#: `ssd` draft_len 1 (24 rows) 82.3 tok/s, 2 (32) 77.7, 2 with swaps (40) 81.4.
+CPU_ROW_BUDGET = 32
+
+
+def cpu_block_copies(model, block_size: int) -> int | None:
+    """The most block copies (root, drafts, the next block's first state) a self-speculative
+    round forwards by default on the CPU: ``CPU_ROW_BUDGET // block_size``, at least 3 (the
+    root, one draft and the next block); None elsewhere (extra rows are nearly free on an
+    accelerator at these sizes).  The budget was 16 rows while the adapter's drafts died
+    sooner (session 19, an earlier adapter: `ssd` block 4 draft_len 2 1.26x one-token
+    `diffusion`, 3 1.14x; `spiffy` prune_to 2 1.17x, 8 1.14x)."""
+    if model.device.type != "cpu":
+        return None
+    return max(3, CPU_ROW_BUDGET // block_size)
+
 
 #: one more verified row relative to a one-row forward, for ``row_cost="auto"`` on the CPU
 #: (dflash: 0.02 / 0.06 / 0.12 all 1.25-1.26x ``ar`` against 1.22x verifying every draft;
 #: d2sd K = 2: 0.02 0.98x, 0.06 0.96x, every branch in full 0.82x)
 CPU_ROW_COST = 0.02
-
-
-def cpu_draft_states(model, block_size: int) -> int | None:
-    """The default cap on the draft states (block copies past the root) a self-speculative
-    round forwards: on the CPU the most whose worst case -- the root, the drafts and the next
-    block's first state, each ``block_size`` rows -- fits ``CPU_ROW_BUDGET`` rows (at least
-    1); None elsewhere.  Measured: `ssd` block 4 draft_len 2 1.26x one-token `diffusion` (1
-    1.17x, 3 1.14x), block 8 draft_len 1 1.06x (2 0.95x, 4 0.85x); `spiffy` prune_to 2 1.17x
-    (8 1.14x)."""
-    if model.device.type != "cpu":
-        return None
-    return max(1, CPU_ROW_BUDGET // block_size - 2)
 
 
 def resolve_row_cost(model, row_cost, *, prunes: bool = True):

@@ -32,7 +32,7 @@ blocks), see :mod:`dspec.decode._selfspec`.
 """
 from __future__ import annotations
 
-from ._cpu_cost import cpu_draft_states
+from ._cpu_cost import cpu_block_copies
 from ._selfspec import chain_graph, check_common, decode_self_speculative
 
 OPTIONS = ("block_size", "draft_len", "mixed_order")
@@ -42,7 +42,7 @@ DEFAULT_DRAFT_LEN = 4
 
 def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, generator=None,
            eos_ids=(), progress=None, block_size: int | None = None, draft_len: int | None = None,
-           mixed_order: bool = False):
+           mixed_order: bool | None = None):
     """SSD decoding of a ragged batch; returns (tokens per request, stats).
 
     Parameters
@@ -54,11 +54,13 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
     draft_len : int >= 1, drafted steps per round after the exact root step (the
         verification suffix holds draft_len + 1 block copies, + 1 next-block copy when the
         chain completes the block); default ``min(block_size - 1, 4)`` (at least 1) -- longer
-        chains rarely survive past 4 steps on the shipped model -- and on the CPU at most
-        what keeps a round within 16 rows (``_cpu_cost.cpu_draft_states``: 2 at block size
-        4, 1 from 8), where the 17th row costs a second pass over the weights.
-    mixed_order : bool, also verify the swapped-pair states (up to draft_len - 1 more copies).
-
+        chains rarely survive past 4 steps on the shipped model -- and on the CPU the longest
+        whose round (with ``mixed_order``'s swapped states) fits ``CPU_ROW_BUDGET`` = 32 rows
+        (:func:`dspec.decode._cpu_cost.cpu_block_copies`: 3 at block size 4, 1 at 8).
+    mixed_order : bool or None, also verify the swapped-pair states (draft_len - 1 more
+        copies: a node verifies its grandchild when two drafts come out of order).  None
+        (default): on, except on the CPU where an explicit draft_len's round would not fit
+        the row budget with them.
     Returns
     -------
     tokens : B lists of generated ids.
@@ -71,17 +73,40 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         ``block_size``, ``draft_len``, ``mixed_order``.
     """
     bs = check_common(model, "ssd", block_size)
-    n = draft_len
-    if n is None:
-        n = min(max(1, bs - 1), DEFAULT_DRAFT_LEN)
-        n = min(n, cpu_draft_states(model, bs) or n)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if draft_len is not None and (isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1):
         raise ValueError(f"draft_len must be an int >= 1, got {draft_len!r}")
-    if not isinstance(mixed_order, bool):
-        raise ValueError(f"mixed_order must be a bool, got {mixed_order!r}")
+    if mixed_order is not None and not isinstance(mixed_order, bool):
+        raise ValueError(f"mixed_order must be a bool or None, got {mixed_order!r}")
+    n, mixed_order = default_chain(cpu_block_copies(model, bs), bs, draft_len, mixed_order)
     tokens, stats = decode_self_speculative(
         model, prompts, graph=chain_graph(n, mixed_order), prune_to=None,
         max_new_tokens=max_new_tokens, temperature=temperature, generator=generator,
         eos_ids=eos_ids, progress=progress, block_size=bs)
     stats.update(draft_len=n, mixed_order=mixed_order)
     return tokens, stats
+
+
+def chain_copies(draft_len: int, mixed_order: bool) -> int:
+    """Block copies of a round's worst case: the root, the drafts, the swapped states, the
+    next block's first state."""
+    return draft_len + 2 + (draft_len - 1 if mixed_order else 0)
+
+
+def default_chain(max_copies: int | None, block_size: int, draft_len: int | None,
+                  mixed_order: bool | None) -> tuple[int, bool]:
+    """(draft_len, mixed_order) with the defaults resolved: ``max_copies`` None (no device
+    cap) or the CPU's block-copy budget, which the defaults respect and explicit values
+    override; mixed_order is reported False where the chain has no pair to swap."""
+    fits = (lambda n, mixed: True) if max_copies is None else \
+        (lambda n, mixed: chain_copies(n, mixed) <= max_copies)
+    mixed = mixed_order
+    if draft_len is None:
+        n = min(max(1, block_size - 1), DEFAULT_DRAFT_LEN)
+        while n > 1 and not fits(n, mixed is not False):
+            n -= 1
+        mixed = mixed is not False
+    else:
+        n = draft_len
+        if mixed is None:
+            mixed = fits(n, True)
+    return n, bool(mixed and n >= 2)

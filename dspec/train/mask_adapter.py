@@ -307,21 +307,35 @@ def load_mask_adapter(base: Model, adapter_dir, *, check_fingerprint: bool = Tru
     return model
 
 
-def _copy_adapter_weights(model: Model, path: Path) -> None:
+def _copy_adapter_weights(model: Model, path: Path, *, lora_b_scale: float = 1.0) -> None:
+    """Copy the saved tensors in; a saved LoRA of lower rank goes into the leading rank
+    slice (rows of ``lora_A``, columns of ``lora_B``, the rest of ``lora_B`` zeroed)."""
     from safetensors.torch import load_file
     state = load_file(str(path / ADAPTER_WEIGHTS))
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, t in state.items():
             dest = model.mask_adapter.mask_embedding if name == "mask_embedding" else params.get(name)
+            if dest is not None and name.endswith(".lora_A") and t.dim() == 2 and t.shape[1] == dest.shape[1] \
+                    and t.shape[0] <= dest.shape[0]:
+                dest = dest[:t.shape[0]]
+            elif dest is not None and name.endswith(".lora_B") and t.dim() == 2 and t.shape[0] == dest.shape[0] \
+                    and t.shape[1] <= dest.shape[1]:
+                dest.zero_()
+                dest = dest[:, :t.shape[1]]
+                t = t.to(dest.dtype) * lora_b_scale
             if dest is None or dest.shape != t.shape:
                 raise ValueError(f"adapter {path}: tensor {name!r} {list(t.shape)} does not fit this base")
             dest.copy_(t.to(dest.dtype))
 
 
 def init_mask_adapter(model: Model, adapter_dir) -> None:
-    """Warm start: copy a saved adapter's weights into ``model``'s adapter (same rank,
-    targets and [MASK] id; ValueError otherwise), e.g. the shipped one for a next round."""
+    """Warm start: copy a saved adapter's weights into ``model``'s adapter, e.g. the shipped
+    one for a next round.  Same targets and [MASK] id (ValueError otherwise); the rank may
+    grow: a rank-r adapter fills the first r rows of ``lora_A`` and the first r columns of
+    ``lora_B`` (rescaled by the ratio of the two LoRA scales), the new columns of ``lora_B``
+    stay zero, so the model starts as the saved one exactly (its new ``lora_A`` rows keep
+    their random draw, which lets gradients reach the new columns)."""
     path = Path(adapter_dir)
     if not is_mask_adapter(path) or not (path / ADAPTER_WEIGHTS).is_file():
         raise ValueError(f"adapter_dir: {path} holds no {ADAPTER_FORMAT} adapter")
@@ -329,11 +343,13 @@ def init_mask_adapter(model: Model, adapter_dir) -> None:
     adapter = model.mask_adapter
     if adapter is None:
         raise ValueError("model: has no mask adapter")
-    for key, mine in (("rank", adapter.rank), ("targets", list(adapter.targets)),
-                      ("mask_token_id", adapter.mask_token_id)):
+    for key, mine in (("targets", list(adapter.targets)), ("mask_token_id", adapter.mask_token_id)):
         if config[key] != mine:
             raise ValueError(f"adapter {path}: {key} = {config[key]!r}, this model's adapter has {mine!r}")
-    _copy_adapter_weights(model, path)
+    if config["rank"] > adapter.rank:
+        raise ValueError(f"adapter {path}: rank = {config['rank']!r}, above this model's adapter rank {adapter.rank!r}")
+    rescale = (float(config["alpha"]) / config["rank"]) / (adapter.alpha / adapter.rank)
+    _copy_adapter_weights(model, path, lora_b_scale=rescale)
 
 
 # ---------------------------------------------------------------------- training
@@ -582,8 +598,9 @@ def main(argv=None) -> dict:
                          "to more tokens passes the earlier sequence count (default %(default)s)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     ap.add_argument("--init", default=None,
-                    help="warm start: an adapter directory or a shipped adapted name (smollm2-135m-bd) of the same "
-                         "rank and targets; a new schedule starts from its weights")
+                    help="warm start: an adapter directory or a shipped adapted name (smollm2-135m-bd) with the same "
+                         "targets and a rank <= --rank (a lower rank fills the leading slice: the same function at "
+                         "step 0); a new schedule starts from its weights")
     args = ap.parse_args(argv)
     from ..cpu import apply_threads
     from ..hub import load
