@@ -137,7 +137,7 @@ def test_mixed_order_is_used_and_lossless(tmp_path_factory):
         for prompt in ([5, 17, 42], [9, 4, 4, 12, 30]):
             ref = dspec.generate(m, prompt, method="diffusion", max_new_tokens=8, block_size=3)
             a = dspec.generate(m, prompt, method="ssd", max_new_tokens=8, block_size=3, draft_len=2,
-                                   mixed_order=False)
+                               mixed_order=False)
             b = dspec.generate(m, prompt, method="ssd", max_new_tokens=8, block_size=3, draft_len=2,
                                mixed_order=True)
             assert a.tokens == b.tokens == ref.tokens

@@ -61,6 +61,7 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         copies: a node verifies its grandchild when two drafts come out of order).  None
         (default): on, except on the CPU where an explicit draft_len's round would not fit
         the row budget with them.
+
     Returns
     -------
     tokens : B lists of generated ids.
