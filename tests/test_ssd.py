@@ -238,8 +238,9 @@ def test_cpu_defaults_keep_a_round_within_32_rows(model, block_size, draft_len, 
 
 
 @pytest.mark.parametrize("block_size, draft_len, prune_to", [(2, 3, 6), (4, 1, 2), (8, 1, 1)])
-def test_cpu_defaults_in_a_batch_keep_16_rows_a_request(model, block_size, draft_len, prune_to):
-    """A batch's forward makes every row compute: the per-request budget drops to 16 rows."""
+def test_cpu_defaults_in_a_batch_or_sampling_keep_16_rows_a_request(model, block_size, draft_len, prune_to):
+    """A batch's forward makes every row compute, and sampling accepts too little to pay for
+    a second tile pass: the per-request budget drops to 16 rows."""
     from dspec.decode._cpu_cost import cpu_block_copies
     assert cpu_block_copies(model, block_size, 2) == max(3, 16 // block_size)
     prompts = [[3, 4, 5], [7, 8]]
@@ -247,6 +248,12 @@ def test_cpu_defaults_in_a_batch_keep_16_rows_a_request(model, block_size, draft
     assert got[0].stats["draft_len"] == min(draft_len, block_size - 1)
     got = dspec.generate(model, prompts, method="spiffy", max_new_tokens=4, block_size=block_size, graph_size=8)
     assert got[0].stats["prune_to"] == prune_to
+    sampled = dict(max_new_tokens=4, block_size=block_size, temperature=1.0, seed=0)
+    assert cpu_block_copies(model, block_size, 1, 1.0) == max(3, 16 // block_size)
+    got = dspec.generate(model, [3, 4, 5], method="ssd", **sampled)
+    assert got.stats["draft_len"] == min(draft_len, block_size - 1)
+    got = dspec.generate(model, [3, 4, 5], method="spiffy", graph_size=8, **sampled)
+    assert got.stats["prune_to"] == prune_to
 
 
 def test_default_chain_without_a_device_cap():

@@ -21,24 +21,27 @@ from __future__ import annotations
 #: `ssd` draft_len 1 (24 rows) 82.3 tok/s, 2 (32) 77.7, 2 with swaps (40) 81.4.
 CPU_ROW_BUDGET = 32
 
-#: the same per request when a forward carries several requests: there every row is compute
-#: (batch 8, 32 prompts per set, e2e_smollm2_batch8_s37.json / _small_s37.json: against
-#: one-token `diffusion` `ssd` draft_len 1 1.03x, 2 1.00x, 2 with swaps 0.88x, 3 with swaps
-#: 0.79x; `spiffy` prune_to 1 1.01x, 2 0.98x, 6 0.75x)
-CPU_BATCH_ROW_BUDGET = 16
+#: the budget per request otherwise: in a batch every row is compute (batch 8, 32 prompts
+#: per set, e2e_smollm2_batch8_s37.json / _small_s37.json: against one-token `diffusion`
+#: `ssd` draft_len 1 1.03x, 2 1.00x, 2 with swaps 0.88x, 3 with swaps 0.79x; `spiffy`
+#: prune_to 1 1.01x, 2 0.98x, 6 0.75x), and sampling accepts too little to pay for the
+#: second tile pass (T = 1, batch 1, 16 prompts per set, e2e_smollm2_t1_s37.json: `ssd`
+#: draft_len 2 1.01x against 3 with swaps 0.90x, `spiffy` prune_to 2 1.05x against 6 0.99x)
+CPU_SMALL_ROW_BUDGET = 16
 
 
-def cpu_block_copies(model, block_size: int, batch: int = 1) -> int | None:
+def cpu_block_copies(model, block_size: int, batch: int = 1, temperature: float = 0.0) -> int | None:
     """The most block copies (root, drafts, the next block's first state) a self-speculative
     round forwards per request by default on the CPU: ``CPU_ROW_BUDGET // block_size`` for
-    one request, ``CPU_BATCH_ROW_BUDGET // block_size`` for a batch, at least 3 (the root,
-    one draft and the next block); None elsewhere (extra rows are nearly free on an
-    accelerator at these sizes).  The budget was 16 rows at every batch size while the
-    adapter's drafts died sooner (session 19, an earlier adapter: `ssd` block 4 draft_len 2
-    1.26x one-token `diffusion`, 3 1.14x; `spiffy` prune_to 2 1.17x, 8 1.14x)."""
+    one request decoded greedily, else ``CPU_SMALL_ROW_BUDGET // block_size``, at least 3
+    (the root, one draft and the next block); None elsewhere (extra rows are nearly free on
+    an accelerator at these sizes).  The budget was 16 rows everywhere while the adapter's
+    drafts died sooner (session 19, an earlier adapter: `ssd` block 4 draft_len 2 1.26x
+    one-token `diffusion`, 3 1.14x; `spiffy` prune_to 2 1.17x, 8 1.14x)."""
     if model.device.type != "cpu":
         return None
-    return max(3, (CPU_ROW_BUDGET if batch <= 1 else CPU_BATCH_ROW_BUDGET) // block_size)
+    greedy_single = batch <= 1 and temperature <= 0
+    return max(3, (CPU_ROW_BUDGET if greedy_single else CPU_SMALL_ROW_BUDGET) // block_size)
 
 
 #: one more verified row relative to a one-row forward, for ``row_cost="auto"`` on the CPU

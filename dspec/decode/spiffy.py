@@ -53,9 +53,9 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         shipped / cached graph, or calibrates one on first use.
     prune_to : D* in [1, D], draft nodes verified per request and round (default
         min(8, D); on the CPU at most what keeps a round -- the root, the drafts and the
-        next block's first state -- within 32 rows for one request, 16 per request in a
-        batch (:func:`dspec.decode._cpu_cost.cpu_block_copies` - 2: at block size 4 6 for
-        one request, 2 in a batch).
+        next block's first state -- within 32 rows for one request decoded greedily, else 16
+        per request (:func:`dspec.decode._cpu_cost.cpu_block_copies` - 2: at block size 4 6
+        and 2).
     graph : a :class:`~dspec.decode.spiffy_graph.SpiffyGraph`, a ``DraftGraph`` or a path to
         a graph JSON file, instead of the default graph (then graph_size defaults to its
         size).
@@ -88,7 +88,7 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
             raise ValueError(f"graph_size={graph_size} does not match the given graph's {d} draft nodes")
     if prune_to is None:
         prune_to = min(DEFAULT_PRUNE_TO, max(d, 1))
-        copies = cpu_block_copies(model, bs, len(prompts))   # the root and the next block's state ride too
+        copies = cpu_block_copies(model, bs, len(prompts), temperature)  # + the root and the next block
         prune_to = min(prune_to, copies - 2) if copies is not None else prune_to
     if isinstance(prune_to, bool) or not isinstance(prune_to, int) or not 1 <= prune_to <= max(d, 1):
         raise ValueError(f"prune_to must be an int in [1, graph_size = {d}], got {prune_to!r}")

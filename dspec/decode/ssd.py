@@ -55,9 +55,9 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         verification suffix holds draft_len + 1 block copies, + 1 next-block copy when the
         chain completes the block); default ``min(block_size - 1, 4)`` (at least 1) -- longer
         chains rarely survive past 4 steps on the shipped model -- and on the CPU the longest
-        whose round (with ``mixed_order``'s swapped states) fits 32 rows for one request, 16
-        per request in a batch (:func:`dspec.decode._cpu_cost.cpu_block_copies`: 3 at block
-        size 4 for one request, else 1).
+        whose round (with ``mixed_order``'s swapped states) fits 32 rows for one request
+        decoded greedily, else 16 per request (:func:`dspec.decode._cpu_cost.cpu_block_copies`:
+        at block size 4 3 and 1).
     mixed_order : bool or None, also verify the swapped-pair states (draft_len - 1 more
         copies: a node verifies its grandchild when two drafts come out of order).  None
         (default): on, except on the CPU where an explicit draft_len's round would not fit
@@ -79,7 +79,8 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         raise ValueError(f"draft_len must be an int >= 1, got {draft_len!r}")
     if mixed_order is not None and not isinstance(mixed_order, bool):
         raise ValueError(f"mixed_order must be a bool or None, got {mixed_order!r}")
-    n, mixed_order = default_chain(cpu_block_copies(model, bs, len(prompts)), bs, draft_len, mixed_order)
+    n, mixed_order = default_chain(cpu_block_copies(model, bs, len(prompts), temperature), bs, draft_len,
+                                   mixed_order)
     tokens, stats = decode_self_speculative(
         model, prompts, graph=chain_graph(n, mixed_order), prune_to=None,
         max_new_tokens=max_new_tokens, temperature=temperature, generator=generator,
