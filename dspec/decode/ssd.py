@@ -100,16 +100,15 @@ def default_chain(max_copies: int | None, block_size: int, draft_len: int | None
     """(draft_len, mixed_order) with the defaults resolved: ``max_copies`` None (no device
     cap) or the CPU's block-copy budget, which the defaults respect and explicit values
     override; mixed_order is reported False where the chain has no pair to swap."""
-    fits = (lambda n, mixed: True) if max_copies is None else \
-        (lambda n, mixed: chain_copies(n, mixed) <= max_copies)
-    mixed = mixed_order
+    def fits(n: int, mixed: bool) -> bool:
+        return max_copies is None or chain_copies(n, mixed) <= max_copies
+
     if draft_len is None:
+        mixed = mixed_order is not False
         n = min(max(1, block_size - 1), DEFAULT_DRAFT_LEN)
-        while n > 1 and not fits(n, mixed is not False):
+        while n > 1 and not fits(n, mixed):
             n -= 1
-        mixed = mixed is not False
     else:
         n = draft_len
-        if mixed is None:
-            mixed = fits(n, True)
-    return n, bool(mixed and n >= 2)
+        mixed = fits(n, True) if mixed_order is None else mixed_order
+    return n, mixed and n >= 2
