@@ -23,6 +23,7 @@ struct S2D2Record {
     kPhase, kSpanStart, kSpanLen, kExactFirst, kPending, kBlockStart, kCarry, kPromptLen, kTailStart,
     // the step's layout and outcome (written by s2d2_plan / s2d2_advance)
     kHasNext, kOffset, kRedraftRows, kLogitBlocks, kChainFinal, kSpecFinal, kFinishing, kComplete,
+    kHasBoundary, kBounded,
     kScalars
   };
   std::int64_t bs;
@@ -40,14 +41,18 @@ struct S2D2Record {
 
 struct S2D2Config {
   std::int64_t rows = 0, bs = 0, draft_len = 0, mask_id = 0;
-  bool shifted = false, share_prefix = false, redraft = false;
+  // boundary: with redraft blocks on a right-shifted model whose clean rows attend causally,
+  // the next block's state also rides behind redraft block L - 1 when the span ends the block
+  // (drafts for a rejected last draft, verified behind the pending block: s2d2.py)
+  bool shifted = false, share_prefix = false, redraft = false, boundary = false;
 };
 
-// Largest suffix (tokens per row) and logit rows per row a step may need.
-constexpr std::int64_t s2d2_max_width(std::int64_t bs) { return bs * bs + 4 * bs + 1; }
+// Largest suffix (tokens per row) and logit rows per row a step may need: a pending block,
+// the chain, its 2L copies or the boundary state, the redraft blocks and the next block.
+constexpr std::int64_t s2d2_max_width(std::int64_t bs) { return bs * bs + 5 * bs + 1; }
 constexpr std::int64_t kS2D2MaxBlock = 30;  // the step's scratch lives on the stack
 constexpr std::int64_t kS2D2MaxWidth = s2d2_max_width(kS2D2MaxBlock);
-constexpr std::int64_t s2d2_max_logit_rows(std::int64_t bs) { return bs * bs + 3 * bs + 1; }
+constexpr std::int64_t s2d2_max_logit_rows(std::int64_t bs) { return bs * bs + 4 * bs + 1; }
 
 struct S2D2Plan {
   std::int64_t width = 0;        // suffix tokens per row (0: every row is done)
@@ -62,23 +67,26 @@ struct S2D2Plan {
 S2D2Plan s2d2_plan(const S2D2Config& cfg, std::int64_t* state, std::int64_t* suffix, std::int64_t* positions,
                    std::int32_t* words, std::int64_t* logit_rows);
 
-struct S2D2Counters {  // int64 [9 + draft_len + 1], accumulated
+struct S2D2Counters {  // int64 [10 + draft_len + 1], accumulated
   // verifications, tokens they committed, accepted drafts, verified drafts, redraft blocks
-  // reused, blocks committed from a verification, next blocks drafted along, routing
-  // decisions, verify decisions; then the accepted-drafts histogram
-  enum : std::int64_t { kVerifications, kCommitted, kAccepted, kDrafted, kReused, kSpecFinal, kAhead,
+  // reused, blocks committed from a verification, next blocks drafted along (every draft
+  // passed / the last one rejected: the boundary state), routing decisions, verify
+  // decisions; then the accepted-drafts histogram
+  enum : std::int64_t { kVerifications, kCommitted, kAccepted, kDrafted, kReused, kSpecFinal, kAhead, kBoundary,
                         kDecisions, kVerifyDecisions, kHist };
 };
 
 struct S2D2Advance {
   std::int64_t committed = 0;   // tokens the verifications committed
-  bool append = false;          // some row's block KV is in this forward (keep [rows, bs])
+  bool append = false;          // some row's block KV is in this forward (keep [rows, 2 * bs])
+  bool two_blocks = false;      // keep's second half is in use (a verifying row has a pending block)
   bool finishing = false;       // some row finished its block (kFinishing)
 };
 
 // The transition after the forward: argmax of every logit row (argmax [rows, logit_rows],
-// written), then each row's acceptance, drafts and phase; keep [rows, bs]: the suffix rows of
-// the block KV to append (-1: none).
+// written), then each row's acceptance, drafts and phase; keep [rows, 2 * bs]: the suffix rows
+// of the block KV to append, in order (-1: none; two blocks where a verifying row's pending
+// block rides in front of a block its drafts finish).
 S2D2Advance s2d2_advance(const S2D2Config& cfg, const S2D2Plan& plan, std::int64_t* state, const void* logits,
                          int dtype, std::int64_t row_stride, std::int64_t vocab, std::int64_t* argmax,
                          std::int64_t* keep, std::int64_t* counters);

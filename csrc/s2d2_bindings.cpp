@@ -17,7 +17,8 @@ namespace py = pybind11;
 namespace dspec {
 namespace {
 
-// flags: 1 right-shifted, 2 shared prefix (clean rows attend causally), 4 redraft blocks
+// flags: 1 right-shifted, 2 shared prefix (clean rows attend causally), 4 redraft blocks,
+// 8 the boundary state (with all three)
 S2D2Config config_of(const Checker& c, std::int64_t rows, std::int64_t bs, std::int64_t draft_len,
                      std::int64_t mask_id, std::int64_t flags) {
   c.at_least(rows, 1, "rows");
@@ -27,7 +28,8 @@ S2D2Config config_of(const Checker& c, std::int64_t rows, std::int64_t bs, std::
   c.at_least(draft_len, 1, "draft_len");
   if (draft_len > bs) c.fail("draft_len must be <= block_size, got " + std::to_string(draft_len));
   c.at_least(mask_id, 0, "mask_id");
-  if (flags < 0 || flags > 7) c.fail("flags must be in 0 .. 7, got " + std::to_string(flags));
+  if (flags < 0 || flags > 15) c.fail("flags must be in 0 .. 15, got " + std::to_string(flags));
+  if ((flags & 8) && (flags & 7) != 7) c.fail("flags 8 (boundary state) needs 1, 2 and 4, got " + std::to_string(flags));
   S2D2Config cfg;
   cfg.rows = rows;
   cfg.bs = bs;
@@ -36,6 +38,7 @@ S2D2Config config_of(const Checker& c, std::int64_t rows, std::int64_t bs, std::
   cfg.shifted = flags & 1;
   cfg.share_prefix = flags & 2;
   cfg.redraft = flags & 4;
+  cfg.boundary = flags & 8;
   return cfg;
 }
 
@@ -112,7 +115,7 @@ py::tuple advance(std::int64_t state_ptr, std::int64_t rows, std::int64_t block_
   const S2D2Advance a = s2d2_advance(cfg, p, state, as_ptr<const void>(logits_ptr), dtype, row_stride, vocab,
                                      as_ptr<std::int64_t>(argmax_ptr), as_ptr<std::int64_t>(keep_ptr),
                                      as_ptr<std::int64_t>(counters_ptr));
-  return py::make_tuple(a.committed, a.append, a.finishing);
+  return py::make_tuple(a.committed, a.append, a.finishing, a.two_blocks);
 }
 
 bool open(std::int64_t state_ptr, std::int64_t rows, std::int64_t block_size, std::int64_t draft_len,
@@ -141,7 +144,7 @@ void register_s2d2(py::module_& m) {
         py::dict d;
         const char* scalars[] = {"phase", "span_start", "span_len", "exact_first", "pending", "block_start", "carry",
                                  "prompt_len", "tail_start", "has_next", "offset", "redraft_rows", "logit_blocks",
-                                 "chain_final", "spec_final", "finishing", "complete"};
+                                 "chain_final", "spec_final", "finishing", "complete", "has_boundary", "bounded"};
         static_assert(sizeof(scalars) / sizeof(scalars[0]) == S2D2Record::kScalars, "a name per scalar field");
         for (std::int64_t k = 0; k < S2D2Record::kScalars; ++k) d[scalars[k]] = k;
         d["tokens"] = f.tokens();
@@ -170,6 +173,7 @@ void register_s2d2(py::module_& m) {
         d["reused"] = static_cast<std::int64_t>(S2D2Counters::kReused);
         d["spec_final"] = static_cast<std::int64_t>(S2D2Counters::kSpecFinal);
         d["ahead"] = static_cast<std::int64_t>(S2D2Counters::kAhead);
+        d["boundary"] = static_cast<std::int64_t>(S2D2Counters::kBoundary);
         d["decisions"] = static_cast<std::int64_t>(S2D2Counters::kDecisions);
         d["verify_decisions"] = static_cast<std::int64_t>(S2D2Counters::kVerifyDecisions);
         d["hist"] = static_cast<std::int64_t>(S2D2Counters::kHist);
@@ -194,7 +198,8 @@ void register_s2d2(py::module_& m) {
         R"doc(Lay out every row's suffix for S2D2's next forward (CPU).
 
 state: int64 [rows, s2d2_record_width(block_size)] row records (s2d2.h), their layout
-fields written.  flags: 1 right-shifted, 2 clean rows attend causally, 4 redraft blocks.
+fields written.  flags: 1 right-shifted, 2 clean rows attend causally, 4 redraft blocks,
+8 the boundary state (with 1, 2 and 4).
 Writes, compactly at each buffer's start (room: s2d2_buffer_sizes per row), suffix /
 positions int64 [rows, width], mask words int32 [rows, width, ceil(width / 32)] and the
 logit rows int64 [rows, logit_rows].  Returns (width, logit_rows, plain, any_draft,
@@ -207,10 +212,11 @@ alone (nothing written: the shared block mask and every row's logits).)doc");
         R"doc(Every row's transition after the forward (CPU, greedy, policy "always").
 
 logits: [rows x logit_rows, vocab] (dtype 0 float32, 1 float16, 2 bfloat16).  Writes argmax
-int64 [rows, logit_rows], keep int64 [rows, block_size] (suffix rows of the block KV to
-append, -1: none), the row records, and adds to counters int64 [hist + draft_len + 1]
+int64 [rows, logit_rows], keep int64 [rows, 2 * block_size] (suffix rows of the block KV to
+append, in order, -1: none), the row records, and adds to counters int64 [hist + draft_len + 1]
 (s2d2_counter_layout).
-Returns (tokens committed by verifications, append, finishing).)doc");
+Returns (tokens committed by verifications, append, finishing, two_blocks): two_blocks --
+keep's second half is in use.)doc");
   m.def("s2d2_open", &open, py::arg("state_ptr"), py::arg("rows"), py::arg("block_size"), py::arg("draft_len"),
         py::arg("mask_id"), py::arg("flags"), py::arg("logit_rows"), py::arg("any_verify"), py::arg("any_pending"),
         py::arg("done_ptr"), py::arg("argmax_ptr"), py::arg("counters_ptr"),

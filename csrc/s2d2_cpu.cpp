@@ -34,11 +34,13 @@ struct Row {
       if (p[f.masked() + t]) return true;
     return false;
   }
+  // _Layout.lead: the chain rows before block slot 0 (a verifying row's pending block)
+  std::int64_t lead() const { return p[R::kPending] && p[R::kPhase] == kS2D2Verify ? f.bs : 0; }
   // _Layout.row_of: the suffix row of block slot `slot` in redraft block r (shared-prefix
-  // slots are the chain's rows, at their slot)
+  // slots are the chain's rows, at their slot after the lead)
   std::int64_t row_of(std::int64_t r, std::int64_t slot) const {
     const std::int64_t fr = first()[r];
-    return slot < fr ? slot : p[R::kOffset] + starts()[r] + slot - fr;
+    return slot < fr ? lead() + slot : p[R::kOffset] + starts()[r] + slot - fr;
   }
 };
 
@@ -56,11 +58,13 @@ std::int64_t plan_row(const S2D2Config& cfg, const Row& row, std::int64_t& width
   bool after_masked = false;  // a masked slot after the span
   for (std::int64_t t = s + n; t < bs; ++t)
     if (row.masked()[t]) after_masked = true;
+  // outcome L - 1 fills the block: useless, unless the boundary state rides behind it
+  const bool fills = !after_masked && !(cfg.boundary && s + n == bs);
   std::int64_t total = 0, logit_blocks = 0;
   bool any_used = false;
   for (std::int64_t r = 0; r <= bs; ++r) {
     bool used = verify && (cfg.redraft ? r <= n : r == n);
-    const bool useless = (r == n - 1 && !after_masked) ||
+    const bool useless = (r == n - 1 && fills) ||
                          (cfg.shifted && cfg.share_prefix && r == 0 && row[R::kExactFirst]);
     if (r != n && useless) used = false;
     const std::int64_t first = cfg.share_prefix && cfg.redraft ? std::min(s + r, bs) : 0;
@@ -75,19 +79,22 @@ std::int64_t plan_row(const S2D2Config& cfg, const Row& row, std::int64_t& width
     }
   }
   const bool has_next = verify && cfg.redraft && s + n == bs;
+  const bool has_boundary = cfg.boundary && has_next && row.used()[std::max<std::int64_t>(n - 1, 0)];
   const bool pend = row[R::kPending] && phase == kS2D2Draft;
-  const std::int64_t chain = phase == kS2D2Draft ? (pend ? 2 * bs : bs) : verify ? s + n : 0;
+  const std::int64_t chain = phase == kS2D2Draft ? (pend ? 2 * bs : bs) : verify ? row.lead() + s + n : 0;
   row[R::kHasNext] = has_next;
+  row[R::kHasBoundary] = has_boundary;
   row[R::kOffset] = chain + (verify && !cfg.shifted ? n + 1 : 0);
   row[R::kRedraftRows] = total;
   row[R::kLogitBlocks] = logit_blocks;
   if (verify) {
-    width = row[R::kOffset] + total + (has_next ? bs : 0);
+    width = row[R::kOffset] + total + (has_next ? bs : 0) + (has_boundary ? bs : 0);
   } else {
     width = phase == kS2D2Done ? 1 : row[R::kPending] ? 2 * bs : bs;
   }
   if (!verify || !any_used) return 0;
-  return logit_blocks + (cfg.shifted ? 1 : 0) + (has_next ? (cfg.shifted ? bs - 1 : bs) : 0);
+  return logit_blocks + (cfg.shifted ? 1 : 0) + (has_next ? (cfg.shifted ? bs - 1 : bs) : 0) +
+         (has_boundary ? bs : 0);
 }
 
 // _row_layout for one row: suffix tokens, positions and mask words of `width` rows.
@@ -96,13 +103,14 @@ void layout_row(const S2D2Config& cfg, const Row& row, std::int64_t width, std::
   const std::int64_t bs = cfg.bs, phase = row[R::kPhase], s = row[R::kSpanStart], n = row[R::kSpanLen];
   const bool verify = phase == kS2D2Verify, block_rows = phase == kS2D2Draft;
   const bool pend = row[R::kPending] && block_rows;
-  const std::int64_t cl = block_rows ? (pend ? 2 * bs : bs) : verify ? s + n : 0;
+  const std::int64_t lead = row.lead();
+  const std::int64_t cl = block_rows ? (pend ? 2 * bs : bs) : verify ? lead + s + n : 0;
   const std::int64_t off = row[R::kOffset], total = row[R::kRedraftRows];
-  const bool has_next = row[R::kHasNext];
+  const bool has_next = row[R::kHasNext], has_boundary = row[R::kHasBoundary];
   const std::int64_t* first = row.first();
   const std::int64_t* starts = row.starts();
   // per suffix row: its region and, in a redraft block, the block and its block slot
-  enum Region : std::uint8_t { kPad, kChain, kCopy, kRed, kNext };
+  enum Region : std::uint8_t { kPad, kChain, kCopy, kRed, kNext, kBound };
   Region region[kS2D2MaxWidth];
   std::int64_t rb[kS2D2MaxWidth], red_first[kS2D2MaxWidth];
   for (std::int64_t i = 0; i < width; ++i) {
@@ -116,6 +124,7 @@ void layout_row(const S2D2Config& cfg, const Row& row, std::int64_t width, std::
                 : i < off                       ? kCopy
                 : (u >= 0 && u < total)         ? kRed
                 : (has_next && u >= total && u < total + bs) ? kNext
+                : (has_boundary && u >= total + bs && u < total + 2 * bs) ? kBound
                                                 : kPad;
   }
   const std::int64_t nw = mask_words(width);
@@ -133,13 +142,18 @@ void layout_row(const S2D2Config& cfg, const Row& row, std::int64_t width, std::
           see = rk == kChain && ((block_rows && (!pend || k / bs <= q / bs)) || k <= q);
           break;
         case kCopy:  // copy j: the context and drafts before s + j, and itself
-          see = k < s + (q - cl) || k == q;
+          see = k < lead + s + (q - cl) || k == q;
           break;
-        case kRed:  // its own block and, shared prefix, the chain rows before its first row
-          see = (rk == kRed && rb[k] == rb[q]) || (rk == kChain && k < red_first[q]);
+        case kRed:  // its own block and, shared prefix, the chain rows before its first row (block
+                    // L - 1 with the boundary state behind it: one [MASK] run with it)
+          see = (rk == kRed && rb[k] == rb[q]) || (rk == kChain && k < lead + red_first[q]) ||
+                (rk == kBound && rb[q] == n - 1);
           break;
         case kNext:  // itself and the finished block
           see = rk == kNext || (cfg.share_prefix ? rk == kChain : (rk == kRed && rb[k] == n));
+          break;
+        case kBound:  // itself, the chain before the block's last slot and redraft block L - 1
+          see = rk == kBound || (rk == kChain && k < lead + bs - 1) || (rk == kRed && rb[k] == n - 1);
           break;
         case kPad:
           see = k == q;
@@ -152,15 +166,16 @@ void layout_row(const S2D2Config& cfg, const Row& row, std::int64_t width, std::
     const Region ri = region[i];
     const std::int64_t u = i - off;
     const std::int64_t red_slot = red_first[i] + u - starts[rb[i]];
-    std::int64_t slot = ri == kChain ? i : ri == kCopy ? s + i - cl : ri == kRed ? red_slot : 0;
+    std::int64_t slot = ri == kChain ? i - lead : ri == kCopy ? s + i - cl : ri == kRed ? red_slot : 0;
     if (pend && ri == kChain) slot -= bs;
     const std::int64_t c = std::clamp<std::int64_t>(slot, 0, bs - 1);
     // the block with the span's drafts in place (verifying rows)
     std::int64_t tok = verify && c >= s && c < s + n ? drafts[c - s] : tokens[c];
-    if (pend && i < bs) tok = row.prev()[std::clamp<std::int64_t>(slot + bs, 0, bs - 1)];
+    if ((pend || lead > 0) && i < bs) tok = row.prev()[std::clamp<std::int64_t>(slot + bs, 0, bs - 1)];
     const bool red_keep = !(red_slot >= s + rb[i] && red_slot < s + n);
     suffix[i] = ri == kChain || (ri == kRed && red_keep) ? tok : cfg.mask_id;
     if (ri == kNext) slot = bs + u - total;
+    if (ri == kBound) slot = u - total;
     positions[i] = row[R::kBlockStart] + std::clamp<std::int64_t>(slot, -bs, 2 * bs - 1);
   }
 }
@@ -169,12 +184,12 @@ void layout_row(const S2D2Config& cfg, const Row& row, std::int64_t width, std::
 void logit_rows_of(const S2D2Config& cfg, const Row& row, std::int64_t count, std::int64_t* out) {
   const std::int64_t bs = cfg.bs, phase = row[R::kPhase], s = row[R::kSpanStart], n = row[R::kSpanLen];
   const bool pend = row[R::kPending] && phase == kS2D2Draft;
-  const std::int64_t chain = s + n;
+  const std::int64_t lead = row.lead(), chain = lead + s + n;
   for (std::int64_t j = 0; j <= bs; ++j) {
     std::int64_t block = std::min(j, bs - 1);
     if (pend) block = j < bs ? bs + j : bs - 1;
     if (phase == kS2D2Done) block = 0;
-    const std::int64_t ver = cfg.shifted ? std::min(std::max<std::int64_t>(s - 1 + j, 0),
+    const std::int64_t ver = cfg.shifted ? std::min(std::max<std::int64_t>(lead + s - 1 + j, 0),
                                                     std::max<std::int64_t>(chain - 1, 0))
                                          : std::min(chain + j, chain + n);
     out[j] = phase == kS2D2Verify ? ver : block;
@@ -182,10 +197,11 @@ void logit_rows_of(const S2D2Config& cfg, const Row& row, std::int64_t count, st
   const std::int64_t extra = count - (bs + 1);
   const bool verify = phase == kS2D2Verify;
   const std::int64_t logit_blocks = row[R::kLogitBlocks];
-  const bool has_next = row[R::kHasNext];
+  const bool has_next = row[R::kHasNext], has_boundary = row[R::kHasBoundary];
   const std::int64_t* ls = row.logit_starts();
   const std::int64_t next_off = row[R::kOffset] + row[R::kRedraftRows];
-  const std::int64_t last = logit_blocks + (cfg.shifted ? 1 : 0) + (has_next ? bs - (cfg.shifted ? 1 : 0) : 0);
+  const std::int64_t last = logit_blocks + (cfg.shifted ? 1 : 0) + (has_next ? bs - (cfg.shifted ? 1 : 0) : 0) +
+                            (has_boundary ? bs : 0);
   for (std::int64_t k = 0; k < extra; ++k) {
     std::int64_t r = 0;  // the blocks whose logit rows end at or before k
     for (std::int64_t e = 0; e <= bs; ++e) r += k >= (e < bs ? ls[e + 1] : logit_blocks);
@@ -198,6 +214,10 @@ void logit_rows_of(const S2D2Config& cfg, const Row& row, std::int64_t count, st
       after -= 1;
     }
     if (has_next && after >= 0) rows = next_off + after;
+    // the boundary state (right-shifted): block L - 1's [MASK] row predicts slot 0
+    after -= bs - 1;
+    if (has_boundary && after == 0) rows = row.row_of(std::max<std::int64_t>(n - 1, 0), bs - 1);
+    if (has_boundary && after > 0) rows = next_off + bs + after - 1;
     out[bs + 1 + k] = verify && k < last ? rows : 0;
   }
 }
@@ -304,11 +324,15 @@ S2D2Advance s2d2_advance(const S2D2Config& cfg, const S2D2Plan& plan, std::int64
     const std::int64_t* a = argmax + b * nr;
     const std::int64_t phase = row[R::kPhase], s = row[R::kSpanStart], n = row[R::kSpanLen];
     const bool pending = row[R::kPending];
-    if (plan.any_pending && cfg.shifted && pending) row[R::kCarry] = a[bs];  // the pending block's last row
+    // the pending block's last row predicts slot 0 (a verifying row's: its chain's row 0)
+    const std::int64_t lead = row.lead();
+    if (plan.any_pending && cfg.shifted && pending) row[R::kCarry] = lead ? a[0] : a[bs];
     std::int64_t nxt = phase;
-    bool reuse = false, spec_final = false, chain_final = false, stale = false;
+    bool reuse = false, spec_final = false, chain_final = false, stale = false, bounded = false;
     if (plan.any_verify && phase == kS2D2Verify) {  // _Batch.verify + accept_span
-      const auto target = [&](std::int64_t j) { return cfg.shifted && j == 0 && s == 0 ? row[R::kCarry] : a[j]; };
+      const auto target = [&](std::int64_t j) {
+        return cfg.shifted && j == 0 && s == 0 && !lead ? row[R::kCarry] : a[j];
+      };
       std::int64_t acc = 0;
       while (acc < n && row.drafts()[acc] == target(acc)) ++acc;
       const bool bonus_ok = s + n < bs && row.masked()[std::min(s + n, bs - 1)];
@@ -321,6 +345,7 @@ S2D2Advance s2d2_advance(const S2D2Config& cfg, const S2D2Plan& plan, std::int64
       reuse = left && row.used()[acc];
       spec_final = acc == n && !left && committed == acc;
       chain_final = cfg.share_prefix && spec_final && s + n == bs;
+      bounded = row[R::kHasBoundary] && acc == n - 1 && !left;
       counters[S2D2Counters::kVerifications] += 1;
       counters[S2D2Counters::kCommitted] += committed;
       counters[S2D2Counters::kAccepted] += acc;
@@ -347,13 +372,18 @@ S2D2Advance s2d2_advance(const S2D2Config& cfg, const S2D2Plan& plan, std::int64
       }
       nxt = draft_row(cfg, row, choice, stale, counters);
     }
-    // _Batch.append_kv: a pending block (the rows in front) or a finished verified block
+    // _Batch.append_kv: a pending block (the rows in front) and / or a finished verified block
     const bool appended = keeps && (pending || spec_final);
+    std::int64_t* kb = keep + b * 2 * bs;
     for (std::int64_t t = 0; t < bs; ++t) {
-      keep[b * bs + t] = !appended ? -1 : spec_final && !chain_final ? row.row_of(n, t) : t;
+      const std::int64_t fin = !keeps || !spec_final ? -1 : chain_final ? lead + t : row.row_of(n, t);
+      kb[t] = keeps && pending ? t : fin;
+      kb[bs + t] = keeps && pending ? fin : -1;
     }
     res.append = res.append || appended;
+    res.two_blocks = res.two_blocks || lead > 0;
     row[R::kPending] = 0;
+    row[R::kBounded] = bounded;
     const bool complete = nxt == kS2D2Commit && !spec_final;
     row[R::kChainFinal] = chain_final;
     row[R::kSpecFinal] = spec_final;
@@ -383,13 +413,17 @@ bool s2d2_open(const S2D2Config& cfg, const S2D2Plan& plan, std::int64_t* state,
     row[R::kFinishing] = 0;
     row[R::kComplete] = 0;
     const bool ahead = cfg.redraft && !ended && row[R::kSpecFinal] && row[R::kHasNext];
+    const bool bounded = cfg.boundary && !ended && row[R::kBounded];
     row[R::kSpecFinal] = 0;
-    if (!ahead) continue;
-    // the next block's first drafting step rode along (_Batch.step)
-    counters[S2D2Counters::kAhead] += 1;
+    row[R::kBounded] = 0;
+    if (!ahead && !bounded) continue;
+    // the next block's first drafting step rode along (_Batch.step): after every draft
+    // passed, or (proposals, not yet seeing the drawn token) the boundary state's
+    counters[ahead ? S2D2Counters::kAhead : S2D2Counters::kBoundary] += 1;
     const std::int64_t* a = argmax + b * nr;
-    for (std::int64_t t = 0; t < bs; ++t) choice[t] = argmax_at(a, bs + 1 + row[R::kLogitBlocks] + t, nr);
-    row[R::kPhase] = draft_row(cfg, row, choice, false, counters);
+    const std::int64_t from = bs + 1 + row[R::kLogitBlocks] + (bounded ? bs : 0);
+    for (std::int64_t t = 0; t < bs; ++t) choice[t] = argmax_at(a, from + t, nr);
+    row[R::kPhase] = draft_row(cfg, row, choice, bounded, counters);
     if (row[R::kPhase] == kS2D2Commit) {
       row[R::kFinishing] = row[R::kComplete] = 1;
       again = true;

@@ -124,6 +124,8 @@ CONFIGS: tuple[Config, ...] = (
     Config("s2d2", "s2d2", "dllm", expand="policies"),
     # S2D2 as published: the speculative block alone (no redraft blocks), its default policy
     Config("s2d2-noredraft", "s2d2", "dllm", {"redraft": False}),
+    # redraft blocks without the boundary state (the default before session 38)
+    Config("s2d2-noboundary", "s2d2", "dllm", {"boundary": False}),
     Config("diffuspec", "diffuspec", "target"),
     Config("diffuspec-d8", "diffuspec", "target", {"draft_len": 8}),
     # without the prompt-lookup branch (on by default on a CPU, greedy: the draft is then

@@ -334,33 +334,37 @@ def test_hub_loads_a_mask_adapter_on_its_base(base, bd, tmp_path, monkeypatch):
 
 def test_s2d2_redraft_blocks_share_the_chain_rows(tmp_path, monkeypatch):
     """On a model whose clean rows attend causally the redraft blocks keep only their own
-    rows and read the chain's before them: their drafts (and the next block's) are still
-    those of plain drafting forwards of the states they stand for (float32)."""
+    rows and read the chain's before them: their drafts (the next block's, and the boundary
+    state's after a rejected last draft) are still those of plain drafting forwards of the
+    states they stand for (float32)."""
     from test_s2d2 import redraft_checks
     base = dspec.load(write_checkpoint(tmp_path, "llama", seed=0, hidden=256, inter=768, layers=4))
     model = trained_looking_mask_adapter(base, mask_token_id=MASK)
     done = redraft_checks(model, [_ids(3, 3), _ids(9, 9), _ids(70, 70), _ids(30, 30)], monkeypatch,
-                          max_new_tokens=48)
-    assert done["reuse"] > 0 and done["next"] > 0
+                          max_new_tokens=48, boundary=True)
+    assert done["reuse"] > 0 and done["next"] > 0 and done["boundary"] > 0
 
 
+@pytest.mark.parametrize("boundary", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_s2d2_caches_the_bases_kv_bit_for_bit(tmp_path, dtype):
+def test_s2d2_caches_the_bases_kv_bit_for_bit(tmp_path, dtype, boundary):
     """Greedy ``s2d2`` (policy always) on a mask-adapted model leaves in its cache exactly the
     keys and values one causal forward of the base computes over the same tokens: a block its
     drafts complete is committed from the verified chain, whose rows sit at the key indices of
-    their positions (the speculative block's rows, after the chain, round differently)."""
+    their positions (the speculative block's rows, after the chain, round differently) -- also
+    a block the boundary state finished, committed behind the next verification's chain."""
     from dspec.decode import s2d2
     base = dspec.load(write_checkpoint(tmp_path, "llama", seed=0, hidden=256, inter=768, layers=4), dtype=dtype)
     model = trained_looking_mask_adapter(base, mask_token_id=MASK)
     prompts = [_ids(3, 3), _ids(9, 9), _ids(70, 70), _ids(30, 30)]
-    opt = s2d2._check_options(model, None, None, "always", None, None, None, None, None, None)
+    opt = s2d2._check_options(model, None, None, "always", None, None, None, None, None, None, boundary=boundary)
     with torch.no_grad():
         run = s2d2._Batch(model, prompts, opt, max_new_tokens=64, temperature=0.0, generator=None, eos_ids=(),
                           progress=None)
         while run.step():
             pass
         assert run.stats()["spec_block_commits"] > 0
+        assert (run.stats()["boundary_drafts"] > 0) == boundary
         # a tiny base can write the [MASK] id itself (a real one never does): not comparable
         rows = [b for b in range(len(prompts)) if MASK not in run.generated[b]]
         assert len(rows) >= 2

@@ -8,6 +8,7 @@ import dspec
 from dspec.decode import routing
 from dspec.decode.s2d2 import accept_span, ar_view_logits, two_l_dense
 from dspec.models import AttentionPlan
+from dspec.ops import pack_mask
 from tiny_checkpoints import write_checkpoint
 
 BS = 4
@@ -142,7 +143,8 @@ def test_greedy_always_equals_block_size_one_decoding(model, block_size, draft_l
         kinds = st["forwards_with"]
         assert st["nfe"]["target"] == (len(prompt) >= block_size) + kinds["draft"] + kinds["verify"]
         assert kinds["verify"] == st["verifications"]
-        assert kinds["draft"] + st["spec_block_drafts"] + st["next_block_drafts"] == st["verifications"]
+        assert kinds["draft"] + st["spec_block_drafts"] + st["next_block_drafts"] + st["boundary_drafts"] \
+            == st["verifications"]
         ahead += st["next_block_drafts"]
         blocks = -(-(len(prompt) % block_size + 12) // block_size)
         # every block is committed (by a later drafting forward or by its verification) but
@@ -158,27 +160,56 @@ def test_greedy_always_equals_block_size_one_decoding(model, block_size, draft_l
 def redraft_checks(model, prompts, monkeypatch, **kw) -> dict:
     """Decode each prompt alone (greedy, policy always, redraft blocks) and check every draft
     a verification forward computed against a plain drafting forward of the state it stands
-    for: a reused redraft block -- the block as it now stands, the drawn slot [MASK] again --
-    and the next block's first state after the finished block.  Returns how many of each
-    were checked."""
+    for: a reused redraft block -- the block as it now stands, the drawn slot [MASK] again --,
+    the next block's first state after the finished block and (right-shifted, clean rows
+    causal) the boundary state -- the finished block's last slot [MASK] again, the next block
+    all [MASK], bidirectional together.  Returns how many of each were checked."""
     from dspec.decode import s2d2
-    done = {"reuse": 0, "stale": 0, "next": 0}
+    done = {"reuse": 0, "stale": 0, "next": 0, "boundary": 0}
     verify, draft = s2d2._Batch.verify, s2d2._Batch.draft
 
     def spy_verify(self, logits, nxt):
         span = self.span_start.clone()
         out = verify(self, logits, nxt)
         self._outcome = (span, out[0].clone(), out[2].clone(), out[3].clone())
+        self._draft_calls = 0
         return out
 
+    def boundary_expected(self):
+        bs = self.bs
+        tokens = torch.cat([self.prev_tokens[:, :bs - 1], torch.full((1, bs + 1), model.mask_token_id)], 1)
+        pos = self.block_start[:, None] - bs + torch.arange(2 * bs)[None]
+        i = torch.arange(2 * bs)
+        dense = (i[None, :] <= i[:, None]) | ((i[:, None] >= bs - 1) & (i[None, :] >= bs - 1))
+        out = model(AttentionPlan(tokens, pos, pack_mask(dense[None]), self.cache), return_kv=False)
+        return out.logits.float()[:, bs - 1: 2 * bs - 1]
+
     def expected(self, tokens):
-        pos = self.block_start[:, None] + self.slots
-        out = model(AttentionPlan(tokens, pos, self.block_mask_words, self.cache), return_kv=False)
-        return self.shift(out.logits.float())
+        if not bool(self.pending[0]):
+            pos = self.block_start[:, None] + self.slots
+            out = model(AttentionPlan(tokens, pos, self.block_mask_words, self.cache), return_kv=False)
+            return self.shift(out.logits.float())
+        # a verifying row behind its pending block (not in the cache yet): both blocks, as a
+        # drafting forward with a pending block lays them out
+        bs = self.bs
+        pos = self.block_start[:, None] - bs + torch.arange(2 * bs)[None]
+        i = torch.arange(2 * bs)
+        pair = i[None, :] // bs <= i[:, None] // bs
+        out = model(AttentionPlan(torch.cat([self.prev_tokens, tokens], 1), pos, pack_mask(pair[None]), self.cache),
+                    return_kv=False)
+        logits = out.logits.float()
+        return logits[:, bs - 1: 2 * bs - 1] if self.shifted else logits[:, bs:]
 
     def spy_draft(self, block_logits, drafting, nxt, stale=None):
         masked = self.masked[0]
-        if stale is not None and self.has["verify"] and bool(self._outcome[1][0]):
+        call = -1
+        if self.has["verify"]:
+            call, self._draft_calls = self._draft_calls, self._draft_calls + 1
+        if call == 1 and bool(stale[0]):        # the boundary state's drafts
+            torch.testing.assert_close(block_logits[0, masked], boundary_expected(self)[0, masked],
+                                       atol=2e-4, rtol=2e-4)
+            done["boundary"] += 1
+        elif call == 0 and bool(self._outcome[1][0]):
             span, _, acc, was_stale = self._outcome
             tokens = self.tokens.clone()
             if bool(was_stale[0]):
@@ -187,7 +218,7 @@ def redraft_checks(model, prompts, monkeypatch, **kw) -> dict:
             torch.testing.assert_close(block_logits[0, masked], expected(self, tokens)[0, masked],
                                        atol=2e-4, rtol=2e-4)
             done["reuse"] += 1
-        elif stale is None and self.has["verify"] and bool(drafting[0]):     # the next block
+        elif call == 1 and bool(drafting[0]):     # the next block
             torch.testing.assert_close(block_logits[0, masked], expected(self, self.tokens)[0, masked],
                                        atol=2e-4, rtol=2e-4)
             done["next"] += 1
@@ -495,6 +526,9 @@ def test_bad_options(model, tmp_path):
     bad("does not take", tokens_per_step=2)
     bad("redraft", redraft="sometimes")
     bad("redraft", redraft=1)
+    bad("boundary", boundary="yes")
+    bad("boundary", boundary=True)              # neither tiny model's clean rows attend causally
+    bad("boundary", boundary=True, redraft=False)
 
 
 def test_redraft_auto(model):
@@ -511,6 +545,7 @@ def test_redraft_auto(model):
     assert (many["redraft"], many["policy"]) == (False, "always")
     assert (sampled["redraft"], sampled["policy"]) == (False, "min_span")
     assert _run(model, [[5, 6], [7], [8]], max_new_tokens=4)[0].stats["redraft"] is False
+    assert not one["boundary"]                  # needs causal clean rows (and, on a CPU, is off)
 
 
 def test_bad_model(tmp_path):

@@ -46,7 +46,8 @@ class Recorder:
 
 def batches(model, prompts, *, max_new_tokens, **options):
     opt = s2d2._check_options(model, options.get("block_size"), None, "always", None, None, None, None, None,
-                              options.get("draft_len"), options.get("redraft", True), batch=len(prompts))
+                              options.get("draft_len"), options.get("redraft", True), batch=len(prompts),
+                              boundary=options.get("boundary"))
     kw = dict(max_new_tokens=max_new_tokens, temperature=0.0, generator=None,
               eos_ids=options.get("eos_ids", model.eos_token_ids), progress=None)
     native = s2d2._Batch(Recorder(model), prompts, opt, **kw)
@@ -79,9 +80,14 @@ def assert_same_state(native, torch_path):
 
 @pytest.mark.parametrize("block_size, draft_len, redraft", [(4, None, True), (4, None, False), (4, 2, True),
                                                             (2, None, True), (8, None, True), (5, 3, False)])
-def test_every_step_equals_the_torch_composition(model, block_size, draft_len, redraft):
+@pytest.mark.parametrize("boundary", [None, True])
+def test_every_step_equals_the_torch_composition(model, block_size, draft_len, redraft, boundary):
+    applies = redraft and model.shifted and bool(model.config.clean_causal)
+    if boundary and not applies:
+        pytest.skip("the boundary state needs redraft blocks, right-shifted, clean rows causal")
     prompts = [[9, 17, 42, 7, 11], [7], [60, 2, 33, 4, 9, 9, 1, 8, 21], [30, 31]]
-    a, b = batches(model, prompts, max_new_tokens=23, block_size=block_size, draft_len=draft_len, redraft=redraft)
+    a, b = batches(model, prompts, max_new_tokens=23, block_size=block_size, draft_len=draft_len, redraft=redraft,
+                   boundary=boundary)
     steps = 0
     while True:
         more_a, more_b = a.step(), b.step()
@@ -99,6 +105,9 @@ def test_every_step_equals_the_torch_composition(model, block_size, draft_len, r
     assert stats["verifications"] > 0
     if (block_size, redraft) == (4, True):     # reused redraft blocks and pending blocks were walked
         assert stats["spec_block_drafts"] > 0 and stats["forwards_with"]["commit"] > 0
+        # the boundary state (right-shifted, clean rows causal): drafts after a rejected last
+        # draft, verified behind the pending block
+        assert (stats["boundary_drafts"] > 0) == bool(boundary)
 
 
 def test_eos_and_ragged_prompts_end_alike(model):
@@ -158,7 +167,8 @@ def test_bad_state_raises_value_error(field, value, match):
 
 @pytest.mark.parametrize("args, match", [
     (dict(rows=0), "rows"), (dict(block_size=31), "block_size"), (dict(draft_len=5), "draft_len"),
-    (dict(mask_id=-1), "mask_id"), (dict(flags=8), "flags"), (dict(suffix_ptr=0), "suffix_ptr"),
+    (dict(mask_id=-1), "mask_id"), (dict(flags=16), "flags"), (dict(flags=13), "flags"),
+    (dict(suffix_ptr=0), "suffix_ptr"),
 ])
 def test_bad_arguments_raise_value_error(args, match):
     st = _state()
@@ -191,7 +201,7 @@ def test_advance_reads_only_its_logit_rows():
     st[0, f["logit_blocks"]] = 10 ** 6
     st[0, f["logit_starts"]: f["logit_starts"] + bs + 1] = -10 ** 6
     logits = torch.randn(nrows, vocab)
-    argmax, keep = torch.zeros(nrows, dtype=torch.int64), torch.zeros(bs, dtype=torch.int64)
+    argmax, keep = torch.zeros(nrows, dtype=torch.int64), torch.zeros(2 * bs, dtype=torch.int64)
     counters = torch.zeros(32, dtype=torch.int64)
     ext.s2d2_advance(st.data_ptr(), 1, bs, bs, MASK, 5, nrows, any_verify, any_pending, logits.data_ptr(), 0,
                      vocab, vocab, argmax.data_ptr(), keep.data_ptr(), counters.data_ptr())

@@ -127,6 +127,28 @@ def resolve_redraft(model, redraft, *, batch: int) -> bool:
     return redraft
 
 
+# S2D2's boundary state (``s2d2(boundary=...)``) on a CPU model: off.  It saves the drafting
+# forward after a rejected last draft (7 % fewer forwards, 1.69 -> 1.82 tokens per forward),
+# but it takes a verification from 13 rows to 18 (26 behind a pending block), past the
+# 16-row AMX tile, where a forward of smollm2-135m-bd costs 18.2 / 19.9 ms against 15.1 ms
+# (in-situ medians, 2 threads): measured on 32 grid prompts, greedy, batch 1, the compiled
+# step (bench/results/cpu/ab_s2d2_boundary_s38.json), 104.6 against 116.3 tok/s, outputs
+# equal.  Other devices, where such rows are free: on.
+def resolve_boundary(model, boundary, *, redraft: bool) -> bool:
+    """``boundary`` as ``s2d2`` takes it: None (the default) is True where it applies --
+    redraft blocks on a right-shifted model whose clean rows attend causally -- except on a
+    CPU model; True where it does not apply raises ValueError."""
+    applies = redraft and bool(model.shifted) and bool(getattr(model.config, "clean_causal", False))
+    if boundary is None:
+        return applies and model.device.type != "cpu"
+    if not isinstance(boundary, bool):
+        raise ValueError(f"boundary must be None or a bool, got {boundary!r}")
+    if boundary and not applies:
+        raise ValueError("boundary=True needs redraft blocks (redraft=True) on a right-shifted model whose clean "
+                         "rows attend causally (config.clean_causal)")
+    return boundary
+
+
 # D2SD's re-draft gate (``d2sd(redraft_min=...)``) on a CPU model: never re-draft.  The
 # VP-drafter forward, its extra tree nodes and their pruning cost ~20 % of a cycle of
 # SmolLM2-135M, where the shipped VP-drafter's re-drafts add ~3 % tokens per cycle, and no

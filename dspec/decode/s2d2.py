@@ -56,6 +56,19 @@ under a per-row packed mask (DESIGN.md's one attention shape):
     every draft in place, reused when every draft passes (after a bonus token, which it has
     not seen, like a redraft block: the row verifies or takes a drafting forward).
 
+    The *boundary state* (``boundary``; on wherever the redraft blocks share the chain's
+    rows on a right-shifted model, but on a CPU): the outcome that fills the block's last slot with a
+    drawn token (the last draft rejected) left no next-block drafts, so a drafting forward
+    followed -- 22 % of all forwards of ``smollm2-135m-bd`` at block size 4.  When the span
+    ends the block, the verification forward also forwards that slot as [MASK] again with
+    the next block's all-[MASK] state behind it, one bidirectional run of bs + 1 rows after
+    the chain (at block size 4: 18 rows in all after an exact first draft).  On that
+    outcome its logits draft the next block (proposals: they have not seen the drawn
+    token), and the finished block, pending, rides at the head of the next
+    *verification's* token-causal chain instead of a drafting forward: its last row gives
+    slot 0's block-size-1 logits, its KV is appended from that forward (with the new
+    block's, when the new drafts all pass).
+
 ``commit``
     a block completed otherwise (by the fallback, or by a rejected / bonus token) is
     *pending*: it rides in front of the next block's first drafting forward (bidirectional
@@ -114,12 +127,12 @@ from ..ops import pack_mask, token_stats, verify_chain
 from .diffusion import PromptTails, prefill_prompt_blocks
 from .outputs import OutputBuffer
 from .unmask import choose, pick_slots, rank_masked
-from ._cpu_cost import resolve_redraft
+from ._cpu_cost import resolve_boundary, resolve_redraft
 from ._selfspec import check_common
 from .routing import ESTIMATORS, POLICIES, RoutingFeatures, make_router, span_score
 
 OPTIONS = ("block_size", "threshold", "policy", "min_span", "score_threshold", "hysteresis",
-           "ucb_c", "estimator", "draft_len", "redraft")
+           "ucb_c", "estimator", "draft_len", "redraft", "boundary")
 DRAFTER = False
 
 # COMMIT marks a row whose block is complete, between its transition and ``commit``: a
@@ -151,9 +164,11 @@ def _real(name, value, lo=None, hi=None, *, lo_open=False) -> float:
 
 
 def _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
-                   ucb_c, estimator, draft_len, redraft="auto", batch: int = 1, temperature: float = 0.0) -> dict:
+                   ucb_c, estimator, draft_len, redraft="auto", batch: int = 1, temperature: float = 0.0,
+                   boundary=None) -> dict:
     bs = check_common(model, "s2d2", block_size)
     redraft = resolve_redraft(model, redraft, batch=batch)
+    boundary = resolve_boundary(model, boundary, redraft=redraft)
     if policy is None:
         compiled = native_extension(model, bs, temperature) is not None
         policy = DEFAULTS["policy"] if redraft or compiled else "min_span"
@@ -196,7 +211,7 @@ def _check_options(model, block_size, threshold, policy, min_span, score_thresho
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     return dict(block_size=bs, threshold=threshold, policy=policy, min_span=min_span,
                 score_threshold=score_threshold, hysteresis=(on, off), ucb_c=ucb_c,
-                estimator=estimator, draft_len=draft_len, redraft=redraft)
+                estimator=estimator, draft_len=draft_len, redraft=redraft, boundary=boundary)
 
 
 # ------------------------------------------------------------------------------- the plan
@@ -231,9 +246,11 @@ class _Blocks(NamedTuple):
     has_next: torch.Tensor      # [B] bool, the next block's all-[MASK] state rides too
     logit_rows: torch.Tensor    # [B, bs + 1] its rows that predict a slot the outcome r leaves masked
     logit_extra: torch.Tensor   # [B] the carry row (right-shifted) and the next block's predicting rows
+    has_boundary: torch.Tensor  # [B] bool, the next block's state behind redraft block L - 1 rides too
 
 
-def _redraft_blocks(verify, span_start, span_len, *, bs, shifted, blocks, share_prefix, skip=None) -> _Blocks:
+def _redraft_blocks(verify, span_start, span_len, *, bs, shifted, blocks, share_prefix, skip=None,
+                    boundary=False) -> _Blocks:
     """Per verifying row (``verify`` [B]), the redraft blocks of a verification forward:
     block r is the block as it stands if the first r drafts pass and draft r is rejected
     (r = L: all pass); its first own row is at slot 0, or with ``share_prefix`` at s + r,
@@ -242,7 +259,11 @@ def _redraft_blocks(verify, span_start, span_len, *, bs, shifted, blocks, share_
     the finished block's last row (its carry, right-shifted models) and the next block's
     rows that predict its slots.  ``skip`` [B, bs + 1]: redraft blocks not worth forwarding
     (the last one, r = L, is always forwarded: it is the finished block when every draft
-    passes)."""
+    passes).  ``boundary`` (right-shifted, shared prefix): where the span ends the block and
+    redraft block L - 1 (the block's last slot [MASK] again) is forwarded, the next block's
+    all-[MASK] state rides behind it too -- the *boundary state*, whose logits draft the next
+    block when the last draft is rejected (its extra logit rows: block L - 1's row and the
+    boundary state's first bs - 1 rows)."""
     r = torch.arange(bs + 1, device=span_start.device)[None]
     s, n = span_start[:, None], span_len[:, None]
     if blocks == REDRAFT:
@@ -258,14 +279,19 @@ def _redraft_blocks(verify, span_start, span_len, *, bs, shifted, blocks, share_
     sizes = torch.where(used, bs - first, 0)
     has_next = verify & (span_start + span_len == bs) if blocks == REDRAFT else torch.zeros_like(verify)
     logit_rows = torch.where(used, (bs - 1 - s - r).clamp(min=0), 0)
-    extra = int(shifted) + has_next.long() * (bs - 1 if shifted else bs)
-    return _Blocks(used, sizes, first, has_next, logit_rows, torch.where(used.any(1), extra, 0))
+    has_boundary = has_next & used.gather(1, (n - 1).clamp(min=0))[:, 0] if boundary else torch.zeros_like(has_next)
+    extra = int(shifted) + has_next.long() * (bs - 1 if shifted else bs) + has_boundary.long() * bs
+    return _Blocks(used, sizes, first, has_next, logit_rows, torch.where(used.any(1), extra, 0), has_boundary)
 
 
-def _verify_width(span_start, span_len, blk: _Blocks, *, bs, shifted):
-    """Suffix tokens [B] of each verifying row -- chain (+ L + 1 copies) (+ redraft blocks (+
-    the next block)) -- and the redraft logit rows [B] it adds."""
-    width = span_start + (span_len if shifted else 2 * span_len + 1) + blk.sizes.sum(1) + bs * blk.has_next.long()
+def _verify_width(span_start, span_len, blk: _Blocks, *, bs, shifted, pending=None):
+    """Suffix tokens [B] of each verifying row -- (its pending block +) chain (+ L + 1 copies)
+    (+ redraft blocks (+ the next block (+ the boundary state))) -- and the redraft logit
+    rows [B] it adds."""
+    width = span_start + (span_len if shifted else 2 * span_len + 1) + blk.sizes.sum(1) \
+        + bs * (blk.has_next.long() + blk.has_boundary.long())
+    if pending is not None:
+        width = width + bs * pending.long()
     return width, blk.logit_rows.sum(1) + blk.logit_extra
 
 
@@ -280,12 +306,15 @@ class _Layout(NamedTuple):
     logit_blocks: torch.Tensor  # [B] drafting logit rows of all blocks
     verify: torch.Tensor        # [B] bool, the verifying rows
     used: torch.Tensor          # [B, bs + 1] bool, redraft block r forwarded
+    lead: torch.Tensor          # [B] chain rows before block slot 0 (a verifying row's pending block)
+    has_boundary: torch.Tensor  # [B] bool, the boundary state rides (after the next block's rows)
 
     def row_of(self, r: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """Suffix rows [B, K] of block slots ``slot`` [B, K] in redraft blocks ``r`` [B, K]
-        (shared-prefix slots: the chain's rows, which sit at their slot)."""
+        (shared-prefix slots: the chain's rows, which sit at their slot after the lead)."""
         first = self.first.gather(1, r)
-        return torch.where(slot < first, slot, self.offset[:, None] + self.starts.gather(1, r) + slot - first)
+        return torch.where(slot < first, self.lead[:, None] + slot,
+                           self.offset[:, None] + self.starts.gather(1, r) + slot - first)
 
     def block_rows(self, r: torch.Tensor, bs: int) -> torch.Tensor:
         """Suffix rows [B, bs] holding the slots of redraft block r [B]."""
@@ -296,7 +325,8 @@ class _Layout(NamedTuple):
         """Suffix rows [B, count] whose logits the redraft blocks need, in the order of
         :class:`_Blocks`' logit rows: block 0's, block 1's, ... (the rows predicting its
         slots s + r + 1 ..), then (right-shifted) the last redraft block's slot bs - 1 row,
-        then the next block's rows; padding: row 0."""
+        then the next block's rows, then (the boundary state) redraft block L - 1's slot
+        bs - 1 row and the boundary state's first bs - 1 rows; padding: row 0."""
         k = torch.arange(count, device=span_start.device)[None]
         starts = self.logit_starts
         ends = torch.cat([starts[:, 1:], self.logit_blocks[:, None]], 1)               # [B, R]
@@ -308,18 +338,26 @@ class _Layout(NamedTuple):
             rows = torch.where(after == 0, self.block_rows(span_len, bs)[:, -1:], rows)
             after = after - 1
         rows = torch.where(self.has_next[:, None] & (after >= 0), self.next_off[:, None] + after, rows)
-        total = self.logit_blocks + int(shifted) + self.has_next.long() * (bs - int(shifted))
+        # the boundary state (right-shifted only): block L - 1's [MASK] row predicts slot 0
+        after = after - (bs - 1)
+        last_masked = self.row_of((span_len - 1).clamp(min=0)[:, None], torch.full_like(span_len, bs - 1)[:, None])
+        rows = torch.where(self.has_boundary[:, None] & (after == 0), last_masked, rows)
+        rows = torch.where(self.has_boundary[:, None] & (after > 0), self.next_off[:, None] + bs + after - 1, rows)
+        total = self.logit_blocks + int(shifted) + self.has_next.long() * (bs - int(shifted)) \
+            + self.has_boundary.long() * bs
         return torch.where(self.verify[:, None] & (k < total[:, None]), rows, 0)
 
-    def drafting_index(self, span_start, outcome, *, bs: int, shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indices into :meth:`drafting_rows` of the slot-aligned drafting logits [B, bs] of
-        redraft block ``outcome`` [B] (valid at the slots after s + outcome) and of the next
-        block's first state [B, bs] (valid where ``has_next``)."""
+    def drafting_index(self, span_start, outcome, *, bs: int, shifted: bool) -> torch.Tensor:
+        """Indices [B, 3 * bs] into :meth:`drafting_rows` of the slot-aligned drafting logits of
+        redraft block ``outcome`` [B] (valid at the slots after s + outcome), of the next
+        block's first state (valid where ``has_next``) and of the boundary state's next block
+        (valid where ``has_boundary``)."""
         t = torch.arange(bs, device=span_start.device)[None]
         base = span_start + outcome + 1
         block = self.logit_starts.gather(1, outcome[:, None]) + (t - base[:, None]).clamp(min=0)
         # right-shifted: slot 0 reads the carry row, which comes first
-        return block, self.logit_blocks[:, None] + t
+        nxt = self.logit_blocks[:, None] + t
+        return torch.cat([block, nxt, nxt + bs], 1)
 
 
 def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_start, *, bs, shifted,
@@ -337,8 +375,12 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     next block's all-[MASK] state), each bidirectional within itself and seeing nothing else of
     the suffix but, with ``share_prefix`` (a model whose clean rows attend causally), the
     chain rows before its first row, and the next block its finished block (the chain with
-    ``share_prefix``, else the last redraft block).  Finished rows and padding: tokens that
-    see only themselves.
+    ``share_prefix``, else the last redraft block); the boundary state (``blk.has_boundary``)
+    comes last and forms one bidirectional [MASK] run with redraft block L - 1 (the block's
+    last slot), after the chain before that slot.  A verifying row whose previous block is ``pending`` (it finished by a rejected
+    last draft, and the boundary state drafted this block) puts that block at the head of its
+    token-causal chain (``_Layout.lead``).  Finished rows and padding: tokens that see only
+    themselves.
     """
     dev = tokens.device
     verify = phase == VERIFY
@@ -346,7 +388,8 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     if pending is None:
         pending = torch.zeros_like(verify)
     pend = pending & (phase == DRAFT)
-    chain_len = torch.where(block_rows, torch.where(pend, 2 * bs, bs), torch.where(verify, span_start + span_len, 0))
+    lead = torch.where(pending & verify, bs, 0)
+    chain_len = torch.where(block_rows, torch.where(pend, 2 * bs, bs), torch.where(verify, lead + span_start + span_len, 0))
     n_copies = torch.where(verify & (not shifted), span_len + 1, 0)
     offset = chain_len + n_copies
     used, sizes, first, has_next = blk.used, blk.sizes, blk.first, blk.has_next
@@ -359,26 +402,32 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     in_copies = (i >= cl) & (i < off)
     in_red = (u >= 0) & (u < total[:, None])
     in_next = has_next[:, None] & (u >= total[:, None]) & (u < total[:, None] + bs)
+    in_bound = blk.has_boundary[:, None] & (u >= total[:, None] + bs) & (u < total[:, None] + 2 * bs)
     rb = (u[..., None] >= ends[:, None, :]).sum(-1).clamp(max=bs)      # redraft block of each row
     red_first = first.gather(1, rb)
     red_slot = red_first + u - (ends - sizes).gather(1, rb)
     q, k = i[:, :, None], i[:, None, :]
     pair = (k // bs <= q // bs) | ~pend[:, None, None]           # a pending block, then the new one
     chain_part = in_chain[:, :, None] & in_chain[:, None, :] & ((block_rows[:, None, None] & pair) | (k <= q))
-    copy_part = in_copies[:, :, None] & ((k < s[:, :, None] + (q - cl[:, :, None])) | (k == q))
+    ld = lead[:, None, None]
+    copy_part = in_copies[:, :, None] & ((k < ld + s[:, :, None] + (q - cl[:, :, None])) | (k == q))
     red_q, red_k = in_red[:, :, None], in_red[:, None, :]
-    # a redraft block sees itself and (shared prefix) the chain rows before its first row
+    # a redraft block sees itself and (shared prefix) the chain rows before its first row;
+    # block L - 1 with the boundary state behind it is one [MASK] run with it
     red_part = red_q & ((red_k & (rb[:, :, None] == rb[:, None, :]))
-                        | (in_chain[:, None, :] & (k < red_first[:, :, None])))
+                        | (in_chain[:, None, :] & (k < ld + red_first[:, :, None]))
+                        | ((rb[:, :, None] == n[:, :, None] - 1) & in_bound[:, None, :]))
     if share_prefix:
         finished = in_chain[:, None, :]
     else:
         finished = red_k & (rb[:, None, :] == n[:, :, None])
     next_part = in_next[:, :, None] & (in_next[:, None, :] | finished)
-    valid = in_chain | in_copies | in_red | in_next
-    dense = chain_part | copy_part | red_part | next_part | ((k == q) & ~valid[:, :, None])
-    in_prev = pend[:, None] & (i < bs)
-    slot = torch.where(in_chain, i, torch.where(in_copies, s + i - cl, torch.where(in_red, red_slot, 0)))
+    bound_part = in_bound[:, :, None] & (in_bound[:, None, :] | (in_chain[:, None, :] & (k < ld + bs - 1))
+                                         | (red_k & (rb[:, None, :] == n[:, :, None] - 1)))
+    valid = in_chain | in_copies | in_red | in_next | in_bound
+    dense = chain_part | copy_part | red_part | next_part | bound_part | ((k == q) & ~valid[:, :, None])
+    in_prev = (pend | (lead > 0))[:, None] & (i < bs)
+    slot = torch.where(in_chain, i - lead[:, None], torch.where(in_copies, s + i - cl, torch.where(in_red, red_slot, 0)))
     slot = torch.where(pend[:, None] & in_chain, slot - bs, slot)            # prev block: -bs .. -1
     source = torch.where(verify[:, None], drafts_in_block, tokens)
     suffix_tokens = source.gather(1, slot.clamp(0, bs - 1))
@@ -388,26 +437,31 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     red_keep = ~((red_slot >= s + rb) & (red_slot < s + n))
     suffix_tokens = torch.where(in_chain | (in_red & red_keep), suffix_tokens, mask_id)
     slot = torch.where(in_next, bs + u - total[:, None], slot)
+    slot = torch.where(in_bound, u - total[:, None], slot)
     positions = block_start[:, None] + slot.clamp(-bs, 2 * bs - 1)
     per_block = blk.logit_rows
     layout = _Layout(offset, ends - sizes, first, offset + total, has_next, per_block.cumsum(1) - per_block,
-                     per_block.sum(1), verify, used)
+                     per_block.sum(1), verify, used, lead, blk.has_boundary)
     return suffix_tokens, positions, dense, layout
 
 
 def _logit_rows(phase, span_start, span_len, *, bs, shifted, pending=None):
     """Suffix indices [B, bs + 1] whose logits each row needs (see the module doc): a
     verifying row's block-size-1 rows; a drafting row's block rows (with a pending block: its
-    new block's rows, then the pending block's last row, the carry).  A verification
-    forward appends its redraft blocks' rows (:meth:`_Layout.drafting_rows`)."""
+    new block's rows, then the pending block's last row, the carry; a verifying row with a
+    pending block: its rows shift past it, and the pending block's last row verifies slot
+    0).  A verification forward appends its redraft blocks' rows
+    (:meth:`_Layout.drafting_rows`)."""
     dev = phase.device
     j = torch.arange(bs + 1, device=dev)[None]
     block = j.clamp(max=bs - 1)
+    lead = torch.zeros_like(span_start)
     if pending is not None:
         block = torch.where(pending[:, None] & (phase == DRAFT)[:, None], torch.where(j < bs, bs + j, bs - 1), block)
-    chain = (span_start + span_len)[:, None]
+        lead = torch.where(pending & (phase == VERIFY), bs, 0)
+    chain = (lead + span_start + span_len)[:, None]
     if shifted:
-        ver = (span_start[:, None] - 1 + j).clamp(min=0)
+        ver = (lead[:, None] + span_start[:, None] - 1 + j).clamp(min=0)
         ver = torch.minimum(ver, (chain - 1).clamp(min=0))
     else:
         ver = torch.minimum(chain + j, chain + span_len[:, None])
@@ -512,6 +566,8 @@ class _Batch:
         # redraft blocks share the chain's rows before them where clean rows attend causally
         self.share_prefix = bool(getattr(model.config, "clean_causal", False))
         self.blocks = REDRAFT if opt["redraft"] else SPEC_BLOCK
+        # the boundary state: the next block drafted for a rejected last draft (module doc)
+        self.boundary = opt["boundary"]
         self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
         self.progress = progress
         dev = self.dev = model.device
@@ -548,8 +604,9 @@ class _Batch:
         self.hist = torch.zeros(self.L_max + 1, dtype=torch.int64, device=dev)
         self.kinds = {"draft": 0, "verify": 0, "commit": 0}
         # verifications, tokens they committed, accepted drafts, verified drafts, redraft blocks
-        # reused / committed, next blocks drafted in a verification forward
-        self.stats_dev = torch.zeros(7, dtype=torch.int64, device=dev)
+        # reused / committed, next blocks drafted in a verification forward (after every draft
+        # passed / after the last one was rejected: the boundary state)
+        self.stats_dev = torch.zeros(8, dtype=torch.int64, device=dev)
         self.shown = 0.0                                 # progress shown (tokens per request)
         # greedy "always" on the CPU: the step's host-side work in three compiled calls (the
         # torch composition below is their reference, and the path for everything else)
@@ -581,13 +638,13 @@ class _Batch:
         out, logits = self.forward()
         bs = self.bs
         if self.any_pending and self.shifted:          # the pending block's last row predicts slot 0
-            self.carry = torch.where(self.pending[:, None], logits[:, bs], self.carry)
+            self.carry = torch.where((self.pending & self.is_draft)[:, None], logits[:, bs], self.carry)
         nxt = self.phase.clone()
-        reuse = spec_final = self.chain_final = torch.zeros_like(self.is_verify)
+        reuse = spec_final = self.chain_final = self.bounded = torch.zeros_like(self.is_verify)
         next_logits = stale = None
         if self.has["verify"]:
             reuse, spec_final, accepted, stale = self.verify(logits, nxt)
-            block_logits, next_logits = self.redraft_logits(logits, accepted, spec_final)
+            block_logits, next_logits, boundary_logits = self.redraft_logits(logits, accepted, spec_final)
             if self.has["draft"]:
                 block_logits = torch.where(reuse[:, None, None], block_logits, self.shift(logits[:, :bs]))
         else:
@@ -596,11 +653,16 @@ class _Batch:
         self.append_kv(out, spec_final)
         opened = self.finish_blocks(nxt, spec_final)
         if next_logits is not None:
-            # a block its drafts completed: the next block's first drafting step rode along
+            # a block its drafts completed: the next block's first drafting step rode along;
+            # a block its rejected last draft completed: the boundary state's drafts are
+            # proposals (they have not seen the drawn token), verified behind the pending block
             ahead = opened & spec_final & self.layout.has_next
-            if bool(ahead.any()):
+            bounded = opened & self.bounded
+            if bool((ahead | bounded).any()):
                 self.stats_dev[6] += ahead.sum()
-                self.draft(next_logits, ahead, nxt)
+                self.stats_dev[7] += bounded.sum()
+                self.draft(torch.where(bounded[:, None, None], boundary_logits, next_logits), ahead | bounded, nxt,
+                           stale=bounded)
                 self.finish_blocks(nxt, torch.zeros_like(spec_final))
         self.phase = nxt
         return True
@@ -624,14 +686,14 @@ class _Batch:
             state[:, f[name]: f[name] + bs] = value.cpu()
         width, words, rows = ext.s2d2_buffer_sizes(bs)
         i64 = dict(dtype=torch.int64)
-        flags = int(self.shifted) | 2 * int(self.share_prefix) | 4 * int(self.blocks == REDRAFT)
+        flags = int(self.shifted) | 2 * int(self.share_prefix) | 4 * int(self.blocks == REDRAFT) | 8 * int(self.boundary)
         return SimpleNamespace(
             state=state, args=(state.data_ptr(), batch, bs, self.L_max, self.mask_id, flags),
             tokens=state[:, f["tokens"]: f["tokens"] + bs], block_start=state[:, f["block_start"]],
             finishing=state[:, f["finishing"]],
             suffix=torch.empty(batch * width, **i64), positions=torch.empty(batch * width, **i64),
             words=torch.empty(batch * words, dtype=torch.int32), rows=torch.empty(batch * rows, **i64),
-            argmax=torch.empty(batch * rows, **i64), keep=torch.empty(batch, bs, **i64),
+            argmax=torch.empty(batch * rows, **i64), keep=torch.empty(batch, 2 * bs, **i64),
             done=torch.zeros(batch, dtype=torch.bool),
             counters=torch.zeros(ext.s2d2_counter_layout()["hist"] + self.L_max + 1, **i64))
 
@@ -663,13 +725,13 @@ class _Batch:
         logits = out.logits
         if logits.stride(-1) != 1 or logits.stride(0) != nrows * logits.stride(1):
             logits = logits.contiguous()
-        committed, append, finishing = ext.s2d2_advance(
+        committed, append, finishing, two_blocks = ext.s2d2_advance(
             *nat.args, nrows, any_verify, any_pending, logits.data_ptr(), _backend.FLOAT_CODE[logits.dtype],
             logits.stride(1), logits.shape[-1], nat.argmax.data_ptr(), nat.keep.data_ptr(), nat.counters.data_ptr())
         if self.progress is not None:
             self.advance(committed / batch)
         if append:
-            self.cache.append(out.suffix_kv, keep=nat.keep)
+            self.cache.append(out.suffix_kv, keep=nat.keep if two_blocks else nat.keep[:, :self.bs])
         while finishing:
             nat.done.zero_()
             nat.done[self.emit(nat.finishing.numpy().astype(bool), nat.tokens, nat.block_start)] = True
@@ -692,7 +754,11 @@ class _Batch:
         r = torch.arange(self.bs + 1, device=self.dev)[None]
         n = self.span_len[:, None]
         after = (self.slots[None] >= (self.span_start + self.span_len)[:, None]) & self.masked
-        useless = (r == n - 1) & ~after.any(1, keepdim=True)
+        # ... unless the boundary state rides behind it (the span ends the block)
+        fills = ~after.any(1, keepdim=True)
+        if self.boundary:
+            fills &= (self.span_start + self.span_len < self.bs)[:, None]
+        useless = (r == n - 1) & fills
         if self.shifted and self.share_prefix:
             useless |= (r == 0) & self.exact_first[:, None]
         return useless
@@ -701,14 +767,16 @@ class _Batch:
         """The one host read per iteration: row states and the suffix width they need."""
         self.redraft_plan = _redraft_blocks(self.phase == VERIFY, self.span_start, self.span_len, bs=self.bs,
                                             shifted=self.shifted, blocks=self.blocks,
-                                            share_prefix=self.share_prefix, skip=self.useless_blocks())
+                                            share_prefix=self.share_prefix, skip=self.useless_blocks(),
+                                            boundary=self.boundary)
         verify_width, logit_rows = _verify_width(self.span_start, self.span_len, self.redraft_plan, bs=self.bs,
-                                                 shifted=self.shifted)
+                                                 shifted=self.shifted, pending=self.pending)
         width_row = torch.where(self.phase == VERIFY, verify_width,
                                 torch.where(self.phase == DONE, 1, torch.where(self.pending, 2 * self.bs, self.bs)))
         host = torch.stack([self.phase, width_row, self.pending.long(),
                             torch.where(self.phase == VERIFY, logit_rows, 0)]).tolist()
         self.phases, self.width, self.any_pending = host[0], max(host[1]), any(host[2])
+        self.any_lead = any(p == VERIFY and pend for p, pend in zip(host[0], host[2]))
         self.drafting_rows = max(host[3])
         if all(p == DONE for p in self.phases):
             return False
@@ -755,7 +823,10 @@ class _Batch:
         bs, is_verify = self.bs, self.is_verify
         target = logits[:, :bs + 1]
         if self.shifted:
-            first = torch.where((self.span_start == 0)[:, None], self.carry, target[:, 0])
+            # slot 0: the carry, or the last row of a pending block at the chain's head
+            lead = self.pending & is_verify
+            self.carry = torch.where(lead[:, None], target[:, 0], self.carry)
+            first = torch.where(((self.span_start == 0) & ~lead)[:, None], self.carry, target[:, 0])
             target = torch.cat([first[:, None], target[:, 1:]], 1)
         num = torch.where(is_verify, self.span_len, 0)
         self.tokens, self.masked, committed, acc = accept_span(
@@ -769,6 +840,7 @@ class _Batch:
         left = self.masked.any(1)
         reuse = is_verify & left & self.layout.used.gather(1, acc[:, None])[:, 0]
         spec_final = all_in & ~left & (committed == acc)
+        self.bounded = is_verify & self.layout.has_boundary & (acc == self.span_len - 1) & ~left
         if self.share_prefix:
             # a chain covering the whole block is that block's causal forward, key for key
             # where the commit forward would put it: its rows are the block's (the redraft
@@ -788,13 +860,13 @@ class _Batch:
 
     def redraft_logits(self, logits, accepted, spec_final):
         """The drafting logits of each verifying row's redraft block for its outcome (slot-
-        aligned [B, bs, V], valid at the slots it leaves masked) and of the next block's first
-        state (None without redraft blocks); carries the finished blocks' last logits."""
+        aligned [B, bs, V], valid at the slots it leaves masked), of the next block's first
+        state and of the boundary state's next block (None, None without redraft blocks);
+        carries the finished blocks' last logits."""
         bs = self.bs
         base = bs + 1                                     # the block-size-1 rows come first
         r = torch.where(self.is_verify, accepted, 0)
-        block_idx, next_idx = self.layout.drafting_index(self.span_start, r, bs=bs, shifted=self.shifted)
-        idx = torch.cat([block_idx, next_idx], 1) + base
+        idx = self.layout.drafting_index(self.span_start, r, bs=bs, shifted=self.shifted) + base
         picked = logits.gather(1, idx.clamp(max=logits.shape[1] - 1)[..., None].expand(-1, -1, logits.shape[-1]))
         if self.shifted:
             # a chain covering the block is its causal forward: its last row (the verification
@@ -802,7 +874,9 @@ class _Batch:
             last = logits.gather(1, (base + self.layout.logit_blocks)[:, None, None].expand(-1, 1, logits.shape[-1]))
             last = torch.where(self.chain_final[:, None], logits[:, bs], last[:, 0])
             self.carry = torch.where(spec_final[:, None], last, self.carry)
-        return picked[:, :bs], (picked[:, bs:] if self.blocks == REDRAFT else None)
+        if self.blocks != REDRAFT:
+            return picked[:, :bs], None, None
+        return picked[:, :bs], picked[:, bs:2 * bs], picked[:, 2 * bs:]
 
     def draft(self, block_logits, drafting, nxt, stale=None):
         """Rows ``drafting`` [B] (drafting rows, verified rows whose redraft block is reused,
@@ -859,11 +933,14 @@ class _Batch:
         bs, slots = self.bs, self.slots
         appended = self.pending | spec_final
         if self.any_pending or self.has["verify"]:
-            keep = slots[None].expand(self.batch, -1)
+            keep = torch.where(self.pending[:, None], slots[None], -1)       # the pending block, in front
             if self.has["verify"]:
-                final_rows = self.layout.block_rows(torch.where(self.is_verify, self.span_len, 0), bs)
-                keep = torch.where((spec_final & ~self.chain_final)[:, None], final_rows, keep)
-            keep = torch.where(appended[:, None], keep, -1)
+                final_rows = torch.where(self.chain_final[:, None], self.layout.lead[:, None] + slots[None],
+                                         self.layout.block_rows(torch.where(self.is_verify, self.span_len, 0), bs))
+                final_rows = torch.where(spec_final[:, None], final_rows, -1)
+                keep = torch.where(self.pending[:, None], keep, final_rows)
+                if self.any_lead:      # a verifying row with a pending block may finish its block too
+                    keep = torch.cat([keep, torch.where(self.pending[:, None], final_rows, -1)], 1)
             if bool(appended.any()):
                 self.cache.append(out.suffix_kv, keep=keep.cpu())
         self.pending = torch.zeros_like(self.pending)
@@ -909,12 +986,13 @@ class _Batch:
     def stats(self) -> dict:
         if self.nat is not None:        # the compiled step's counters (csrc/s2d2.h S2D2Counters)
             c, k = self.nat.counters, self.native.s2d2_counter_layout()
-            # stats_dev's seven counters, in its order: verifications .. ahead
-            self.stats_dev = c[k["verifications"]: k["ahead"] + 1].clone()
+            # stats_dev's eight counters, in its order: verifications .. boundary
+            self.stats_dev = c[k["verifications"]: k["boundary"] + 1].clone()
             self.hist = c[k["hist"]:].clone()
             self.router._decisions = c[k["decisions"]].clone()
             self.router._verifies = c[k["verify_decisions"]].clone()
-        n_verify, n_committed_by_verify, n_accepted, n_drafted, reused, from_spec, ahead = self.stats_dev.tolist()
+        n_verify, n_committed_by_verify, n_accepted, n_drafted, reused, from_spec, ahead, bounded = \
+            self.stats_dev.tolist()
         decisions = self.router.stats()["decisions"]
         total = sum(len(g) for g in self.generated)
         opt = self.opt
@@ -928,6 +1006,7 @@ class _Batch:
             "tokens_per_forward": total / self.batch / max(self.forwards, 1),
             "forwards_with": self.kinds,
             "spec_block_drafts": reused, "spec_block_commits": from_spec, "next_block_drafts": ahead,
+            "boundary_drafts": bounded,
             "router": self.router.stats(),
             "block_size": self.bs, "threshold": self.thr, "draft_len": self.L_max, "policy": opt["policy"],
             "estimator": opt["estimator"], "redraft": opt["redraft"],
@@ -940,7 +1019,7 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
                 block_size: int | None = None, threshold: float | None = None, policy: str | None = None,
                 min_span: int | None = None, score_threshold: float | None = None, hysteresis=None,
                 ucb_c: float | None = None, estimator: str | None = None, draft_len: int | None = None,
-                redraft: bool | str = "auto"):
+                redraft: bool | str = "auto", boundary: bool | None = None):
     """S2D2 decoding of a ragged batch; returns (tokens per request, stats).
 
     Parameters
@@ -973,6 +1052,16 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         only the block with every draft in place (S2D2's speculative block), reused when
         every draft passes.  "auto": True but for a CPU model decoding more than
         ``_cpu_cost.CPU_REDRAFT_MAX_BATCH`` (2) requests, where the rows are compute.
+    boundary : bool or None (default: True wherever it applies -- redraft blocks on a
+        right-shifted model whose clean rows attend causally, such as ``smollm2-135m-bd`` --
+        but on a CPU, where its rows cost more than the forwards it saves:
+        ``_cpu_cost.resolve_boundary``):
+        when the span ends the block, the verification forward also forwards the block's
+        last slot [MASK] again with the next block's all-[MASK] state behind it (the
+        *boundary state*, bs + 1 rows).  A rejected last draft then finishes the block
+        without a drafting forward: the boundary state's drafts (proposals that have not
+        seen the drawn token) are verified in the next forward behind the finished block,
+        which rides at the head of the chain and supplies slot 0's block-size-1 logits.
 
     Stats
     -----
@@ -989,7 +1078,8 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     counters).
     """
     opt = _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
-                         ucb_c, estimator, draft_len, redraft, batch=len(prompts), temperature=temperature)
+                         ucb_c, estimator, draft_len, redraft, batch=len(prompts), temperature=temperature,
+                         boundary=boundary)
     run = _Batch(model, prompts, opt, max_new_tokens=max_new_tokens, temperature=temperature,
                  generator=generator, eos_ids=eos_ids, progress=progress)
     while run.step():
