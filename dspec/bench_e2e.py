@@ -124,8 +124,8 @@ CONFIGS: tuple[Config, ...] = (
     Config("s2d2", "s2d2", "dllm", expand="policies"),
     # S2D2 as published: the speculative block alone (no redraft blocks), its default policy
     Config("s2d2-noredraft", "s2d2", "dllm", {"redraft": False}),
-    # redraft blocks without the boundary state (the default before session 38)
-    Config("s2d2-noboundary", "s2d2", "dllm", {"boundary": False}),
+    # with the boundary state (off by default on a CPU, on elsewhere; decode/_cpu_cost.py)
+    Config("s2d2-boundary", "s2d2", "dllm", {"policy": "always", "boundary": True}),
     Config("diffuspec", "diffuspec", "target"),
     Config("diffuspec-d8", "diffuspec", "target", {"draft_len": 8}),
     # without the prompt-lookup branch (on by default on a CPU, greedy: the draft is then
@@ -502,11 +502,17 @@ LOSSLESS_REFERENCE = {"ssd": "diffusion-static-1", "spiffy": "diffusion-static-1
                       "d2sd": BASELINE_AR, "diffuspec": BASELINE_AR}
 
 
+# the s2d2 configurations that verify every span (policy "always"): lossless against ``ar``
+# when the dLLM's block-size-1 mode is the target
+S2D2_LOSSLESS = ("s2d2-always", "s2d2-boundary")
+
+
 def add_lossless_checks(summaries: list[dict], calls: list[dict], temperature: float) -> None:
     """``same_as_reference``: the share of prompts whose completion text equals that of the
     lossless method's reference configuration (greedy runs only: sampled outputs differ by
-    design), with ``reference`` naming it.  ``s2d2-always`` is compared with ``ar`` too: equal
-    when the dLLM's block-size-1 mode is the target (a mask-selective adapter)."""
+    design), with ``reference`` naming it.  ``s2d2-always`` and ``s2d2-boundary`` are compared
+    with ``ar`` too: equal when the dLLM's block-size-1 mode is the target (a mask-selective
+    adapter)."""
     if temperature > 0:
         return
     texts: dict = {}
@@ -514,7 +520,7 @@ def add_lossless_checks(summaries: list[dict], calls: list[dict], temperature: f
         for tid, text in zip(c["task_ids"], c.get("texts", [])):
             texts[(c["config"], c["prompt_set"], tid)] = text
     for s in summaries:
-        ref = LOSSLESS_REFERENCE.get(s["method"]) or (BASELINE_AR if s["config"] == "s2d2-always" else None)
+        ref = LOSSLESS_REFERENCE.get(s["method"]) or (BASELINE_AR if s["config"] in S2D2_LOSSLESS else None)
         if ref is None:
             continue
         pairs = [(t, texts.get((ref, s["prompt_set"], k[2]))) for k, t in texts.items()
