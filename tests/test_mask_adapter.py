@@ -380,3 +380,47 @@ def test_s2d2_caches_the_bases_kv_bit_for_bit(tmp_path, dtype, boundary):
                 k, v = cache.layer_rows(layer)
                 assert torch.equal(k[:n], run.cache.k[layer, b, :n]), (b, layer)
                 assert torch.equal(v[:n], run.cache.v[layer, b, :n]), (b, layer)
+
+
+def test_s2d2_boundary_state_samples_the_block_size_one_law(tmp_path):
+    """Frequency test across a block boundary (T = 1, redraft blocks with the boundary state):
+    two sampled slots end a block -- a rejected last draft finishes it, and the next block's
+    first draft comes from the boundary state (a proposal that has not seen the drawn token),
+    verified behind the finished block -- and the next block's first slot follows.  Each
+    slot's counts follow the block-size-1 law given the sampled slots before it (the mean of
+    the base model's conditionals over the samples)."""
+    import math
+    base_model = dspec.load(write_checkpoint(tmp_path, "llama", seed=3, vocab=64), dtype="float32")
+    model = trained_looking_mask_adapter(base_model, mask_token_id=MASK)
+    vocab, n, bs = model.config.vocab_size, 12000, model.block_size
+    prompt = [11, 23, 35, 47, 9, 14]                        # block 1: two prompt slots, two to decode
+    assert len(prompt) % bs == 2
+    from dspec.decode.s2d2 import decode_s2d2
+    tokens, stats = decode_s2d2(model, [prompt] * n, max_new_tokens=3, temperature=1.0,
+                                generator=torch.Generator().manual_seed(3), eos_ids=(), policy="always",
+                                redraft=True, boundary=True)          # no EOS: every sample has 3 slots
+    assert stats["boundary_drafts"] > n // 10                 # the boundary path carries many samples
+    x = torch.tensor(tokens)
+    assert x.shape == (n, 3)
+
+    def conditional_law(slot):
+        """Mean over the samples of p(x_slot | prompt, x_<slot) (block-size-1 = the base)."""
+        if slot == 0:
+            prefixes, inverse = x[:1, :0], torch.zeros(n, dtype=torch.int64)
+        else:
+            prefixes, inverse = torch.unique(x[:, :slot], dim=0, return_inverse=True)
+        seqs = [prompt + p.tolist() for p in prefixes]
+        cache = base_model.new_cache(len(seqs))
+        logits = base_model(base_model.plan(seqs, cache), logits="last").logits[:, 0].double()
+        laws = torch.softmax(logits, -1)
+        return laws[inverse].mean(0)
+
+    for slot in range(3):
+        counts = torch.bincount(x[:, slot], minlength=vocab).double()
+        law = conditional_law(slot)
+        big = law * n >= 5
+        obs = torch.cat([counts[big], counts[~big].sum()[None]])
+        exp = torch.cat([law[big] * n, law[~big].sum()[None] * n])
+        keep = exp > 0
+        stat, dof = float(((obs - exp)[keep] ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+        assert stat < dof + 6 * math.sqrt(2 * dof), (slot, stat, dof)
