@@ -90,7 +90,8 @@ def main(argv=None) -> dict:
         print(f"{args.method}{label}: {t['tokens_per_s']:.1f} tok/s, {t['tokens_per_forward']:.3f} tokens / forward")
     for r in rows:
         if r["forwards"] >= 5:
-            print(f"  {r['backend']:>28} width {r['width']:>3}: {r['forwards']:>5} forwards, median {r['median_ms']:.2f} ms")
+            print(f"  {r['backend']:>28} width {r['width']:>3}: {r['forwards']:>5} forwards, "
+                  f"median {r['median_ms']:.2f} ms")
     payload = {"bench": "forward_widths", "env": environment("cpu"), "config": vars(args), "totals": totals,
                "rows": rows}
     path = Path(__file__).resolve().parent / "results" / "cpu" / f"{args.name or 'widths_' + args.method}.json"

@@ -57,9 +57,9 @@ under a per-row packed mask (DESIGN.md's one attention shape):
     not seen, like a redraft block: the row verifies or takes a drafting forward).
 
     The *boundary state* (``boundary``; on wherever the redraft blocks share the chain's
-    rows on a right-shifted model, but on a CPU): the outcome that fills the block's last slot with a
-    drawn token (the last draft rejected) left no next-block drafts, so a drafting forward
-    followed -- 22 % of all forwards of ``smollm2-135m-bd`` at block size 4.  When the span
+    rows on a right-shifted model, but on a CPU): the outcome that fills the block's last
+    slot with a drawn token (the last draft rejected) left no next-block drafts, so a
+    drafting forward followed -- 22 % of all forwards of ``smollm2-135m-bd`` at block size 4.  When the span
     ends the block, the verification forward also forwards that slot as [MASK] again with
     the next block's all-[MASK] state behind it, one bidirectional run of bs + 1 rows after
     the chain (at block size 4: 18 rows in all after an exact first draft).  On that
@@ -377,10 +377,10 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     chain rows before its first row, and the next block its finished block (the chain with
     ``share_prefix``, else the last redraft block); the boundary state (``blk.has_boundary``)
     comes last and forms one bidirectional [MASK] run with redraft block L - 1 (the block's
-    last slot), after the chain before that slot.  A verifying row whose previous block is ``pending`` (it finished by a rejected
-    last draft, and the boundary state drafted this block) puts that block at the head of its
-    token-causal chain (``_Layout.lead``).  Finished rows and padding: tokens that see only
-    themselves.
+    last slot), after the chain before that slot.  A verifying row whose previous block is
+    ``pending`` (it finished by a rejected last draft, and the boundary state drafted this
+    block) puts that block at the head of its token-causal chain (``_Layout.lead``).
+    Finished rows and padding: tokens that see only themselves.
     """
     dev = tokens.device
     verify = phase == VERIFY
@@ -389,7 +389,8 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
         pending = torch.zeros_like(verify)
     pend = pending & (phase == DRAFT)
     lead = torch.where(pending & verify, bs, 0)
-    chain_len = torch.where(block_rows, torch.where(pend, 2 * bs, bs), torch.where(verify, lead + span_start + span_len, 0))
+    chain_len = torch.where(block_rows, torch.where(pend, 2 * bs, bs),
+                            torch.where(verify, lead + span_start + span_len, 0))
     n_copies = torch.where(verify & (not shifted), span_len + 1, 0)
     offset = chain_len + n_copies
     used, sizes, first, has_next = blk.used, blk.sizes, blk.first, blk.has_next
@@ -427,7 +428,8 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     valid = in_chain | in_copies | in_red | in_next | in_bound
     dense = chain_part | copy_part | red_part | next_part | bound_part | ((k == q) & ~valid[:, :, None])
     in_prev = (pend | (lead > 0))[:, None] & (i < bs)
-    slot = torch.where(in_chain, i - lead[:, None], torch.where(in_copies, s + i - cl, torch.where(in_red, red_slot, 0)))
+    slot = torch.where(in_chain, i - lead[:, None],
+                       torch.where(in_copies, s + i - cl, torch.where(in_red, red_slot, 0)))
     slot = torch.where(pend[:, None] & in_chain, slot - bs, slot)            # prev block: -bs .. -1
     source = torch.where(verify[:, None], drafts_in_block, tokens)
     suffix_tokens = source.gather(1, slot.clamp(0, bs - 1))
@@ -686,7 +688,8 @@ class _Batch:
             state[:, f[name]: f[name] + bs] = value.cpu()
         width, words, rows = ext.s2d2_buffer_sizes(bs)
         i64 = dict(dtype=torch.int64)
-        flags = int(self.shifted) | 2 * int(self.share_prefix) | 4 * int(self.blocks == REDRAFT) | 8 * int(self.boundary)
+        flags = (int(self.shifted) | 2 * int(self.share_prefix) | 4 * int(self.blocks == REDRAFT)
+                 | 8 * int(self.boundary))
         return SimpleNamespace(
             state=state, args=(state.data_ptr(), batch, bs, self.L_max, self.mask_id, flags),
             tokens=state[:, f["tokens"]: f["tokens"] + bs], block_start=state[:, f["block_start"]],
@@ -1009,7 +1012,7 @@ class _Batch:
             "boundary_drafts": bounded,
             "router": self.router.stats(),
             "block_size": self.bs, "threshold": self.thr, "draft_len": self.L_max, "policy": opt["policy"],
-            "estimator": opt["estimator"], "redraft": opt["redraft"],
+            "estimator": opt["estimator"], "redraft": opt["redraft"], "boundary": opt["boundary"],
         }
 
 
@@ -1074,8 +1077,9 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     verifying / committing a pending block -- the latter are drafting forwards too);
     spec_block_drafts / spec_block_commits / next_block_drafts (verifications whose
     redraft block served as the next drafting step / as the committed block / whose next
-    block's first state was drafted along, each a forward saved); router (per-policy
-    counters).
+    block's first state was drafted along, each a forward saved); boundary_drafts
+    (verifications whose rejected last draft finished the block and whose boundary state
+    drafted the next one, each a forward saved); router (per-policy counters).
     """
     opt = _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
                          ucb_c, estimator, draft_len, redraft, batch=len(prompts), temperature=temperature,
