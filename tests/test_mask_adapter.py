@@ -424,3 +424,21 @@ def test_s2d2_boundary_state_samples_the_block_size_one_law(tmp_path):
         keep = exp > 0
         stat, dof = float(((obs - exp)[keep] ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
         assert stat < dof + 6 * math.sqrt(2 * dof), (slot, stat, dof)
+
+
+@pytest.mark.parametrize("policy, extra", [("always", {}), ("min_span", {"min_span": 2}),
+                                           ("hysteresis", {"hysteresis": (1.0, 0.3)})])
+def test_s2d2_boundary_state_batch_equals_single_runs(tmp_path, policy, extra):
+    """With the boundary state rows in every phase share each forward -- a verification
+    behind its pending block beside drafting rows and plain verifications -- and each
+    request decodes what it decodes alone (float32, greedy); a router that does not verify
+    a boundary row's drafts (they are proposals, not a diffusion state) takes a drafting
+    forward behind the pending block instead."""
+    base_model = dspec.load(write_checkpoint(tmp_path, "llama", seed=0, hidden=256, inter=768, layers=4))
+    model = trained_looking_mask_adapter(base_model, mask_token_id=MASK)
+    prompts = [_ids(3, 3), _ids(9, 9), _ids(70, 70), _ids(30, 30)]
+    kw = dict(method="s2d2", max_new_tokens=40, policy=policy, redraft=True, boundary=True, threshold=0.9, **extra)
+    batch = dspec.generate(model, prompts, **kw)
+    singles = [dspec.generate(model, p, **kw) for p in prompts]
+    assert [g.tokens for g in batch] == [g.tokens for g in singles]
+    assert sum(g.stats["boundary_drafts"] for g in singles) > 0
