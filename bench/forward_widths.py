@@ -63,20 +63,18 @@ def main(argv=None) -> dict:
     model = dspec.load(args.model)
     timed = _Timed(model)
     labels = [json.dumps(o, sort_keys=True) for o in sets]
-    totals = {label: {"tokens": 0, "forwards": 0, "s": 0.0} for label in labels}
-    for opts, label in zip(sets, labels):                          # warm-up, untimed
+    totals = {label: {"tokens": 0, "s": 0.0} for label in labels}
+    for opts in sets:                                              # warm-up, untimed
         dspec.generate(model, "Hello", method=args.method, max_new_tokens=16, **opts)
     from tqdm.auto import tqdm
     texts = [t for ps in grid_texts(model, args.prompts).values() for t in ps]
     for text in tqdm(texts, desc="prompts"):
         for opts, label in zip(sets, labels):
             timed.label = label
-            before = sum(len(v) for (lab, _), v in timed.times.items() if lab == label)
             t0 = time.perf_counter()
             g = dspec.generate(timed, text, method=args.method, max_new_tokens=args.max_new_tokens, **opts)
             totals[label]["s"] += time.perf_counter() - t0
             totals[label]["tokens"] += len(g.tokens)
-            totals[label]["forwards"] += sum(len(v) for (lab, _), v in timed.times.items() if lab == label) - before
     rows = []
     for (label, width), samples in sorted(timed.times.items()):
         ms = sorted(s[0] for s in samples)
@@ -85,6 +83,7 @@ def main(argv=None) -> dict:
                      "forwards": len(ms), "median_ms": statistics.median(ms), "p10_ms": q[0], "p90_ms": q[-1],
                      "mean_mask_rows": sum(s[1] for s in samples) / len(samples)})
     for label, t in totals.items():
+        t["forwards"] = sum(len(v) for (lab, _), v in timed.times.items() if lab == label)
         t["tokens_per_s"] = t["tokens"] / t["s"] if t["s"] else 0.0
         t["tokens_per_forward"] = t["tokens"] / t["forwards"] if t["forwards"] else 0.0
         print(f"{args.method}{label}: {t['tokens_per_s']:.1f} tok/s, {t['tokens_per_forward']:.3f} tokens / forward")

@@ -130,10 +130,10 @@ def resolve_redraft(model, redraft, *, batch: int) -> bool:
 # S2D2's boundary state (``s2d2(boundary=...)``) on a CPU model: off.  It saves the drafting
 # forward after a rejected last draft (7 % fewer forwards, 1.69 -> 1.82 tokens per forward),
 # but it takes a verification from 13 rows to 18 (26 behind a pending block), past the
-# 16-row AMX tile, where a forward of smollm2-135m-bd costs 18.2 / 19.9 ms against 15.1 ms
-# (in-situ medians, 2 threads): measured on 32 grid prompts, greedy, batch 1, the compiled
-# step (bench/results/cpu/ab_s2d2_boundary_s38.json), 104.6 against 116.3 tok/s, outputs
-# equal.  Other devices, where such rows are free: on.
+# 16-row AMX tile, where a forward of smollm2-135m-bd costs 19.2 / 20.9 ms against 16.2 ms
+# (in-situ medians, 2 threads, bench/results/cpu/widths_s2d2_s38.json): measured on 32 grid
+# prompts, greedy, batch 1, the compiled step (bench/results/cpu/ab_s2d2_boundary_s38.json),
+# 101.4 against 110.4 tok/s, outputs equal.  Other devices, where such rows are free: on.
 def resolve_boundary(model, boundary, *, redraft: bool) -> bool:
     """``boundary`` as ``s2d2`` takes it: None (the default) is True where it applies --
     redraft blocks on a right-shifted model whose clean rows attend causally -- except on a

@@ -360,6 +360,12 @@ class _Layout(NamedTuple):
         return torch.cat([block, nxt, nxt + bs], 1)
 
 
+def _lead(phase, pending, bs: int) -> torch.Tensor:
+    """Chain rows [B] before block slot 0: a verifying row's pending block (the boundary
+    state drafted its block), 0 otherwise (:class:`_Layout`'s ``lead``)."""
+    return torch.where(pending & (phase == VERIFY), bs, 0)
+
+
 def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_start, *, bs, shifted,
                 mask_id, width, blk: _Blocks, share_prefix=False, pending=None, prev_tokens=None):
     """Per-row suffix tokens [B, W], positions [B, W], dense mask [B, W, W] and the
@@ -388,7 +394,7 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     if pending is None:
         pending = torch.zeros_like(verify)
     pend = pending & (phase == DRAFT)
-    lead = torch.where(pending & verify, bs, 0)
+    lead = _lead(phase, pending, bs)
     chain_len = torch.where(block_rows, torch.where(pend, 2 * bs, bs),
                             torch.where(verify, lead + span_start + span_len, 0))
     n_copies = torch.where(verify & (not shifted), span_len + 1, 0)
@@ -460,7 +466,7 @@ def _logit_rows(phase, span_start, span_len, *, bs, shifted, pending=None):
     lead = torch.zeros_like(span_start)
     if pending is not None:
         block = torch.where(pending[:, None] & (phase == DRAFT)[:, None], torch.where(j < bs, bs + j, bs - 1), block)
-        lead = torch.where(pending & (phase == VERIFY), bs, 0)
+        lead = _lead(phase, pending, bs)
     chain = (lead + span_start + span_len)[:, None]
     if shifted:
         ver = (lead[:, None] + span_start[:, None] - 1 + j).clamp(min=0)
