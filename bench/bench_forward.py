@@ -8,14 +8,21 @@ weight-streaming floor (weights' bytes / the measured DRAM read bandwidth, same 
 measured in the same run.  Rows: ``dspec`` and ``transformers`` (LlamaForCausalLM on the same safetensors
 checkpoint, a DynamicCache cropped back to P after each rep).
 
+With ``--masks F`` (a model with a [MASK] token, such as ``smollm2-135m-bd``) each N also
+runs with its last ceil(F N) suffix tokens [MASK] (engine ``dspec+masks``): what the mask
+adapter's update adds to a forward of that many rows.
+
     python bench/bench_forward.py                       # SmolLM2-135M, fp32 and bf16
     python bench/bench_forward.py --quick --model tiny-ar
+    python bench/bench_forward.py --model smollm2-135m-bd --dtypes bfloat16 --prefixes 256 \
+        --suffixes 1,4,8,13,16,17,24,32 --masks 0.7 --no-hf --name forward_masks
 Writes bench/results/cpu/forward.{json,png}.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 import sys
 import time
@@ -52,8 +59,10 @@ def _time_interleaved(runs: dict, reps: int, warmup: int) -> dict:
     return {key: _summary(v) for key, v in raw.items()}
 
 
-def dspec_forward(model, prefix: int, n: int, gen: torch.Generator):
+def dspec_forward(model, prefix: int, n: int, gen: torch.Generator, masks: int = 0):
     ids = torch.randint(0, model.config.vocab_size, (1, prefix + n), generator=gen)
+    if masks:
+        ids[0, prefix + n - masks:] = model.mask_token_id
     cache = model.new_cache(1, capacity=prefix + n)
     out = model(model.plan(ids[:, :prefix], cache), logits=None)
     cache.append(out.suffix_kv)
@@ -96,11 +105,15 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default=None, help="torch threads (default: dspec's auto policy)")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    p.add_argument("--masks", type=float, default=0.0,
+                   help="also time each N with its last ceil(F N) tokens [MASK] (engine dspec+masks)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="forward")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
+    if not 0.0 <= args.masks <= 1.0:
+        p.error(f"--masks must be in [0, 1], got {args.masks}")
     import dspec
     from dspec.cpu import apply_threads
     apply_threads(args.threads)
@@ -120,6 +133,10 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     for dtype in dtypes:
         model = dspec.load(args.model, dtype=dtype)
+        if args.masks and model.mask_token_id is None:
+            p.error(f"--masks: {args.model} has no [MASK] token")
+        engines = ("dspec", "dspec+masks", "transformers") if args.masks else ("dspec", "transformers")
+        masks_of = lambda n, engine: math.ceil(args.masks * n) if engine == "dspec+masks" else 0  # noqa: E731
         weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
         floor_ms = weight_bytes / (bw["read_GBs"] * 1e6)
         hf = None
@@ -132,24 +149,26 @@ def main(argv=None) -> int:
             base = {}
             runs = {}
             for n in suffixes:
-                for engine in ("dspec", "transformers"):
+                for engine in engines:
                     if engine == "transformers" and hf is None:
                         continue
-                    run = (dspec_forward(model, prefix, n, gen) if engine == "dspec"
-                           else hf_forward(hf, prefix, n, gen))
+                    run = (hf_forward(hf, prefix, n, gen) if engine == "transformers"
+                           else dspec_forward(model, prefix, n, gen, masks_of(n, engine)))
                     # dspec's forwards as a decode loop runs them (dspec.generate's scope:
                     # torch's own ops on one thread, so no OpenMP team spins beside the pool)
-                    scope = dspec.cpu.torch_ops_one_thread if engine == "dspec" else contextlib.nullcontext
+                    scope = contextlib.nullcontext if engine == "transformers" else dspec.cpu.torch_ops_one_thread
                     runs[(n, engine)] = (run, scope)
             timed = _time_interleaved(runs, reps, warmup)
             for n in suffixes:
-                for engine in ("dspec", "transformers"):
+                for engine in engines:
                     if (n, engine) not in timed:
                         continue
                     t = timed[(n, engine)]
-                    base.setdefault(engine, t["median_ms"])
+                    # [MASK] rows against the mask-free forward of the smallest N
+                    base.setdefault(engine.removesuffix("+masks"), t["median_ms"])
                     row = {"engine": engine, "dtype": str(dtype).removeprefix("torch."), "prefix": prefix,
-                           "n": n, **t, "vs_n1": t["median_ms"] / base[engine],
+                           "n": n, "masks": masks_of(n, engine), **t,
+                           "vs_n1": t["median_ms"] / base[engine.removesuffix("+masks")],
                            "floor_ms": floor_ms, "vs_floor": t["median_ms"] / floor_ms,
                            "weight_bytes": weight_bytes}
                     rows.append(row)
