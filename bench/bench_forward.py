@@ -114,6 +114,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not 0.0 <= args.masks <= 1.0:
         p.error(f"--masks must be in [0, 1], got {args.masks}")
+    engines = ("dspec", "dspec+masks", "transformers") if args.masks else ("dspec", "transformers")
+
+    def masks_of(n: int, engine: str) -> int:
+        return math.ceil(args.masks * n) if engine == "dspec+masks" else 0
+
     import dspec
     from dspec.cpu import apply_threads
     apply_threads(args.threads)
@@ -135,8 +140,6 @@ def main(argv=None) -> int:
         model = dspec.load(args.model, dtype=dtype)
         if args.masks and model.mask_token_id is None:
             p.error(f"--masks: {args.model} has no [MASK] token")
-        engines = ("dspec", "dspec+masks", "transformers") if args.masks else ("dspec", "transformers")
-        masks_of = lambda n, engine: math.ceil(args.masks * n) if engine == "dspec+masks" else 0  # noqa: E731
         weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
         floor_ms = weight_bytes / (bw["read_GBs"] * 1e6)
         hf = None
