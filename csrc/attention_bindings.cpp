@@ -11,6 +11,7 @@
 
 #include "cascade_attention.h"
 #include "checks.h"
+#include "cpu_features.h"
 #include "cpu_parallel.h"
 #include "merge_states.h"
 
@@ -98,7 +99,8 @@ bool cascade_args(const Checker& c, CascadeAttentionArgs& a, std::int64_t q, std
   c.at_least(head_dim, 1, "head_dim");
   if (!std::isfinite(sm_scale)) c.fail("sm_scale must be finite, got " + std::to_string(sm_scale));
   a.isa = c.isa(isa, cascade_attention_has_avx512(), "a CPU with AVX512F/BW/VL and FMA",  // CascadeIsa codes
-                cascade_attention_has_amx(kBFloat16, 64), "a CPU with AMX-BF16 that the kernel enables");
+                cascade_attention_has_amx(kBFloat16, 64), "a CPU with AMX-BF16 that the kernel enables",
+                cpu::has_avx2(), "a CPU with AVX2, FMA and F16C");
   // element offsets of every view fit in int64 (also for the outputs and the mask)
   view_extent(c, "q", batch, n, hq, head_dim, q_s0, q_s1, q_s2);
   view_extent(c, "k", batch, n, hkv, head_dim, k_s0, k_s1, k_s2);
@@ -274,18 +276,18 @@ int32 [B, max_pages] (page_table_stride entries between requests), prefix_lens i
 prefix_rows = num_pages.  sm_scale multiplies q.k; a query that sees no key gets out = 0,
 lse = -inf.  num_threads: at most this many threads (and DSPEC_CPU_THREADS), small calls
 run on the calling thread; the result does not depend on it.  isa: 'auto', 'generic'
-(portable loops), 'avx512' or 'amx' (AMX-BF16 tiles for bf16 with head_dim a multiple of 32,
+(portable loops), 'avx2' (AVX2 + FMA tiles), 'avx512' or 'amx' (AMX-BF16 tiles for bf16 with head_dim a multiple of 32,
 the AVX-512 tiles for other inputs; 'auto' picks it where the CPU has it; its bits differ
 from the AVX-512 tiles').  The GIL is released while it runs.  Raises ValueError for a
 bad argument (including prefix indptr / lengths / page ids out of range).)doc");
   m.def("cascade_attention_isa",
         [](int dtype, std::int64_t head_dim) {
           if (dtype >= 0 && cascade_attention_has_amx(dtype, head_dim)) return std::string("amx");
-          return std::string(cascade_attention_has_avx512() ? "avx512" : "generic");
+          return std::string(cascade_attention_has_avx512() ? "avx512" : cpu::has_avx2() ? "avx2" : "generic");
         },
         py::arg("dtype") = -1, py::arg("head_dim") = 64,
         "The tile code cascade_attention runs on this CPU with isa='auto' for inputs of this dtype code (0 fp32, "
-        "1 fp16, 2 bf16) and head_dim: 'amx', 'avx512' or 'generic'; without a dtype, the code of float32 inputs.");
+        "1 fp16, 2 bf16) and head_dim: 'amx', 'avx512', 'avx2' or 'generic' (within $DSPEC_CPU_ISA); without a dtype, the code of float32 inputs.");
 }
 
 }  // namespace dspec

@@ -8,9 +8,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 
 #include "checks.h"
+#include "cpu_features.h"
 #include "dspec.h"
 #include "attention_bindings.h"
 #include "diffuspec_search_bindings.h"
@@ -117,6 +119,8 @@ void token_stats(std::int64_t logits_ptr, int dtype, std::int64_t rows, std::int
 
 }  // namespace
 
+constexpr const char* kIsaNames[4] = {"generic", "avx2", "avx512", "amx"};
+
 PYBIND11_MODULE(_C, m) {
   m.doc() =
       "dspec compiled kernels (C++ CPU code and, when built with nvcc, CUDA kernels).\n"
@@ -156,6 +160,28 @@ device.  num_splits > 1 (CUDA) splits each row's vocabulary over num_splits bloc
 workspace_ptr with token_stats_workspace_bytes(rows, num_splits) bytes; the CPU code
 validates but otherwise ignores num_splits / workspace_ptr.  rows == 0 is a no-op.
 Raises ValueError for a bad argument, RuntimeError when a CUDA launch fails.)doc");
+
+  m.def("cpu_isa", [] { return std::string(kIsaNames[dspec::cpu::isa_level()]); },
+        "The instruction-set level dspec's C++ CPU kernels run at: 'generic', 'avx2', 'avx512' or 'amx' "
+        "(the CPU's highest, capped by $DSPEC_CPU_ISA or set_cpu_isa_cap).");
+  m.def("cpu_isa_of_cpu", [] { return std::string(kIsaNames[dspec::cpu::cpu_level()]); },
+        "The highest instruction-set level of this CPU that dspec has code for, the cap aside.");
+  m.def(
+      "set_cpu_isa_cap",
+      [](const std::string& level) {
+        for (int i = 0; i < 4; ++i) {
+          if (level == kIsaNames[i]) {
+            const std::string old = kIsaNames[dspec::cpu::isa_cap()];
+            dspec::cpu::set_isa_cap(i);
+            return old;
+          }
+        }
+        throw std::invalid_argument("level must be 'generic', 'avx2', 'avx512' or 'amx', got '" + level + "'");
+      },
+      py::arg("level"),
+      "Caps the instruction-set level of every C++ CPU kernel for this process (what $DSPEC_CPU_ISA sets at "
+      "load; 'amx' is no cap) and returns the previous cap.  Packed weights stay valid; results may change "
+      "bits between levels (AMX and AVX512_BF16 sum bf16 pairs in their own orders).");
 
   m.def("token_stats_workspace_bytes", &workspace_bytes, py::arg("rows"), py::arg("num_splits"),
         "Bytes of workspace token_stats needs for num_splits > 1 (rows * num_splits * 24), else 0.");

@@ -16,10 +16,11 @@ namespace dspec {
 
 enum CascadePrefix : int { kPrefixNone = 0, kPrefixRagged = 1, kPrefixPaged = 2 };
 // Which vector code runs the tiles: the best the CPU has, the portable C++ loops (compiled
-// for AVX2+FMA and baseline x86-64), or AVX-512 (refused by the bindings when missing).
-// auto: AMX tiles for bf16 (head_dim a multiple of 32) where the process may use them, else
-// AVX-512 where the CPU has it.
-enum CascadeIsa : int { kIsaAuto = 0, kIsaGeneric = 1, kIsaAvx512 = 2, kIsaAmx = 3 };
+// for AVX2+FMA and baseline x86-64), AVX2 + FMA tiles or AVX-512 (each refused by the
+// bindings when missing).  auto: AMX tiles for bf16 (head_dim a multiple of 32) where the
+// process may use them, else AVX-512 where the CPU has it, else AVX2; all within
+// $DSPEC_CPU_ISA (cpu_features.h).
+enum CascadeIsa : int { kIsaAuto = 0, kIsaGeneric = 1, kIsaAvx512 = 2, kIsaAmx = 3, kIsaAvx2 = 4 };
 
 struct CascadeAttentionArgs {
   int dtype = kFloat32;           // q, k, v, out, prefix_k, prefix_v

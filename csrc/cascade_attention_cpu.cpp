@@ -40,8 +40,8 @@
 // for any number of threads.
 //
 // The tile kernels exist twice: AVX-512 intrinsics (picked at run time when the CPU has
-// AVX512F/BW/VL + FMA) and portable loops compiled for AVX2+FMA and baseline x86-64 (GCC
-// target_clones, like token_stats_cpu.cpp).  The driver (tiling, prefix addressing, mask
+// AVX512F/BW/VL + FMA) and portable loops compiled for AVX2+FMA and baseline x86-64
+// (DSPEC_CPU_MULTI_V3, picked by the capped instruction-set level).  The driver (tiling, prefix addressing, mask
 // words, threads) is shared; the kernels are called once per tile and head.
 //
 // Measured (1 thread, Xeon with AVX-512, fp32): qk runs at the FMA peak, pv near it; the
@@ -63,12 +63,6 @@
 #include "cpu_parallel.h"
 #include "dspec.h"
 #include "dtype.h"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__ELF__)
-#define DSPEC_CA_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define DSPEC_CA_CLONES
-#endif
 
 #define DSPEC_CA_INLINE inline __attribute__((always_inline))
 
@@ -135,8 +129,8 @@ DSPEC_CA_INLINE void pack_k_rows(const void* const* rows, int kt, std::int64_t d
   }
 }
 
-DSPEC_CA_CLONES void pack_k_generic(const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp,
-                                    float* out) {
+DSPEC_CPU_MULTI_V3(void, pack_k_generic, (const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp, float* out),
+                (rows, kt, dtype, d, dp, out)) {
   const int cols = (kt + 15) / 16 * 16;
   switch (dtype) {
     case kFloat16: pack_k_rows<kFloat16>(rows, kt, d, out); break;
@@ -162,8 +156,8 @@ DSPEC_CA_INLINE void pack_v_rows(const void* const* rows, int kt, std::int64_t d
   }
 }
 
-DSPEC_CA_CLONES void pack_v_generic(const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp,
-                                    float* out) {
+DSPEC_CPU_MULTI_V3(void, pack_v_generic, (const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp, float* out),
+                (rows, kt, dtype, d, dp, out)) {
   switch (dtype) {
     case kFloat16: pack_v_rows<kFloat16>(rows, kt, d, dp, out); break;
     case kBFloat16: pack_v_rows<kBFloat16>(rows, kt, d, dp, out); break;
@@ -172,8 +166,8 @@ DSPEC_CA_CLONES void pack_v_generic(const void* const* rows, int kt, int dtype, 
 }
 
 // (pre-scaled Q rows: scale is 1)
-DSPEC_CA_CLONES void qk_generic(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv,
-                                float* s, float) {
+DSPEC_CPU_MULTI_V3(void, qk_generic, (const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s, float unused6),
+                (qp, m, dp, kt, nv, s, unused6)) {
   const int cols = 16 * nv;
   for (std::int64_t r = 0; r < m; ++r) {
     alignas(64) float acc[kKeyTile] = {};
@@ -187,8 +181,8 @@ DSPEC_CA_CLONES void qk_generic(const float* qp, std::int64_t m, std::int64_t dp
   }
 }
 
-DSPEC_CA_CLONES void softmax_generic(float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits,
-                                     float* mrun, float* lrun, float* alpha) {
+DSPEC_CPU_MULTI_V3(void, softmax_generic, (float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits, float* mrun, float* lrun, float* alpha),
+                (s, m, kt, nv, bits, mrun, lrun, alpha)) {
   const int cols = 16 * nv;
   const std::uint64_t kt_bits = kt >= 64 ? ~std::uint64_t(0) : ((std::uint64_t(1) << kt) - 1);
   for (std::int64_t r = 0; r < m; ++r) {
@@ -220,8 +214,8 @@ DSPEC_CA_CLONES void softmax_generic(float* s, std::int64_t m, int kt, int nv, c
   }
 }
 
-DSPEC_CA_CLONES void pv_generic(const float* p, std::int64_t m, int kt, const float* const* vrows,
-                                std::int64_t dp, const float* alpha, float* o) {
+DSPEC_CPU_MULTI_V3(void, pv_generic, (const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t dp, const float* alpha, float* o),
+                (p, m, kt, vrows, dp, alpha, o)) {
   for (std::int64_t r = 0; r < m; ++r) {
     float* orow = o + r * dp;
     const float al = alpha[r];
@@ -237,6 +231,126 @@ DSPEC_CA_CLONES void pv_generic(const float* p, std::int64_t m, int kt, const fl
 }
 
 constexpr Ops kGenericOps = {pack_k_generic, pack_v_generic, qk_generic, softmax_generic, pv_generic};
+
+// ---- AVX2 + FMA tiles ------------------------------------------------------------------
+// qk and pv register-blocked on 8-lane vectors (the portable loops keep an output row in
+// memory and the pv update re-reads it for every key): a block holds MR rows x NC vectors
+// of accumulators (MR * NC <= 12 of the 16 registers); every row sums in the portable
+// loops' order (qk over d, pv over keys), so a row's result does not depend on the others.
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define DSPEC_CA_AVX2 __attribute__((target("avx2,fma")))
+#define DSPEC_CA_AVX2_INLINE DSPEC_CA_AVX2 inline __attribute__((always_inline))
+
+// s[r][c0 + 8c ...] for MR rows, NC vectors of key columns
+template <int MR, int NC>
+DSPEC_CA_AVX2_INLINE void qk_block_avx2(const float* q, std::int64_t dp, const float* kt, float* s) {
+  __m256 acc[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (std::int64_t dd = 0; dd < dp; ++dd) {
+    __m256 kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = _mm256_load_ps(kt + dd * kKeyTile + 8 * c);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 qb = _mm256_broadcast_ss(q + r * dp + dd);
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_fmadd_ps(qb, kv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) _mm256_store_ps(s + r * kKeyTile + 8 * c, acc[r][c]);
+}
+
+template <int NC, int R>
+DSPEC_CA_AVX2_INLINE void qk_tail_avx2(std::int64_t rem, const float* q, std::int64_t dp, const float* kt, float* s) {
+  if constexpr (R > 0) {
+    if (rem == R) {
+      qk_block_avx2<R, NC>(q, dp, kt, s);
+    } else {
+      qk_tail_avx2<NC, R - 1>(rem, q, dp, kt, s);
+    }
+  }
+}
+
+template <int NC>
+DSPEC_CA_AVX2_INLINE void qk_cols_avx2(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, float* s) {
+  constexpr int MR = 12 / NC;
+  std::int64_t r = 0;
+  for (; r + MR <= m; r += MR) qk_block_avx2<MR, NC>(qp + r * dp, dp, kt, s + r * kKeyTile);
+  qk_tail_avx2<NC, MR - 1>(m - r, qp + r * dp, dp, kt, s + r * kKeyTile);
+}
+
+// (pre-scaled Q rows: scale is 1); key columns in chunks of at most 32
+DSPEC_CA_AVX2 void qk_avx2(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s,
+                           float) {
+  for (int c0 = 0; c0 < 16 * nv; c0 += 32) {
+    if (16 * nv - c0 >= 32) {
+      qk_cols_avx2<4>(qp, m, dp, kt + c0, s + c0);
+    } else {
+      qk_cols_avx2<2>(qp, m, dp, kt + c0, s + c0);
+    }
+  }
+}
+
+// O rows [MR] x NC vectors of d from d0: alpha * O + P V
+template <int MR, int NC>
+DSPEC_CA_AVX2_INLINE void pv_block_avx2(const float* p, int kt, const float* const* vrows, std::int64_t d0,
+                                        std::int64_t dp, const float* alpha, float* o) {
+  __m256 acc[MR][NC];
+  for (int r = 0; r < MR; ++r) {
+    const __m256 al = _mm256_set1_ps(alpha[r]);
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_mul_ps(_mm256_loadu_ps(o + r * dp + d0 + 8 * c), al);
+  }
+  for (int j = 0; j < kt; ++j) {
+    const float* v = vrows[j] + d0;
+    __m256 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm256_loadu_ps(v + 8 * c);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 pb = _mm256_broadcast_ss(p + r * kKeyTile + j);
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_fmadd_ps(pb, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + r * dp + d0 + 8 * c, acc[r][c]);
+}
+
+template <int NC, int R>
+DSPEC_CA_AVX2_INLINE void pv_tail_avx2(std::int64_t rem, const float* p, int kt, const float* const* vrows,
+                                       std::int64_t d0, std::int64_t dp, const float* alpha, float* o) {
+  if constexpr (R > 0) {
+    if (rem == R) {
+      pv_block_avx2<R, NC>(p, kt, vrows, d0, dp, alpha, o);
+    } else {
+      pv_tail_avx2<NC, R - 1>(rem, p, kt, vrows, d0, dp, alpha, o);
+    }
+  }
+}
+
+template <int NC>
+DSPEC_CA_AVX2_INLINE void pv_rows_avx2(const float* p, std::int64_t m, int kt, const float* const* vrows,
+                                       std::int64_t d0, std::int64_t dp, const float* alpha, float* o) {
+  constexpr int MR = 12 / NC;
+  std::int64_t r = 0;
+  for (; r + MR <= m; r += MR) pv_block_avx2<MR, NC>(p + r * kKeyTile, kt, vrows, d0, dp, alpha + r, o + r * dp);
+  pv_tail_avx2<NC, MR - 1>(m - r, p + r * kKeyTile, kt, vrows, d0, dp, alpha + r, o + r * dp);
+}
+
+// d in chunks of 32 (dp is a multiple of 16)
+DSPEC_CA_AVX2 void pv_avx2(const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t dp,
+                           const float* alpha, float* o) {
+  for (std::int64_t d0 = 0; d0 < dp; d0 += 32) {
+    if (dp - d0 >= 32) {
+      pv_rows_avx2<4>(p, m, kt, vrows, d0, dp, alpha, o);
+    } else {
+      pv_rows_avx2<2>(p, m, kt, vrows, d0, dp, alpha, o);
+    }
+  }
+}
+
+constexpr Ops kAvx2Ops = {pack_k_generic, pack_v_generic, qk_avx2, softmax_generic, pv_avx2};
+#define DSPEC_CA_HAS_AVX2 1
+#else
+#define DSPEC_CA_HAS_AVX2 0
+#endif
 
 // ---- AVX-512 ---------------------------------------------------------------------------
 #if DSPEC_AVX512_CODE
@@ -1306,10 +1420,12 @@ const Ops& pick_ops(const CascadeAttentionArgs& a) {
 #if DSPEC_AMX_CODE
   if ((a.isa == kIsaAuto || a.isa == kIsaAmx) && cascade_attention_has_amx(a.dtype, a.head_dim)) return kAmxOps;
 #endif
-  if (a.isa != kIsaGeneric && cascade_attention_has_avx512()) return kAvx512Ops;
-#else
-  (void)a;
+  if (a.isa != kIsaGeneric && a.isa != kIsaAvx2 && cascade_attention_has_avx512()) return kAvx512Ops;
 #endif
+#if DSPEC_CA_HAS_AVX2
+  if (a.isa != kIsaGeneric && cpu::has_avx2()) return kAvx2Ops;
+#endif
+  (void)a;
   return kGenericOps;
 }
 

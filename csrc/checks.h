@@ -61,24 +61,29 @@ struct Checker {
     return on_cuda;
   }
   // The `isa` argument of the CPU kernels: 0 "auto", 1 "generic", 2 "avx512" (which needs
-  // avx512_ok; `needs` says what it needs) or, for a kernel with AMX tiles (amx_needs not
-  // null), 3 "amx" (which needs amx_ok).
+  // avx512_ok; `needs` says what it needs), for a kernel with AMX tiles (amx_needs not null)
+  // 3 "amx" (which needs amx_ok), and for a kernel with AVX2 tiles (avx2_needs not null)
+  // 4 "avx2" (which needs avx2_ok).
   int isa(const std::string& name, bool avx512_ok, const char* needs, bool amx_ok = false,
-          const char* amx_needs = nullptr) const {
+          const char* amx_needs = nullptr, bool avx2_ok = false, const char* avx2_needs = nullptr) const {
     if (name == "auto") return 0;
     if (name == "generic") return 1;
     if (name == "avx512") {
       if (!avx512_ok) fail(std::string("isa 'avx512' needs ") + needs);
       return 2;
     }
-    if (amx_needs != nullptr) {
-      if (name == "amx") {
-        if (!amx_ok) fail(std::string("isa 'amx' needs ") + amx_needs);
-        return 3;
-      }
-      fail("isa must be 'auto', 'generic', 'avx512' or 'amx', got '" + name + "'");
+    if (amx_needs != nullptr && name == "amx") {
+      if (!amx_ok) fail(std::string("isa 'amx' needs ") + amx_needs);
+      return 3;
     }
-    fail("isa must be 'auto', 'generic' or 'avx512', got '" + name + "'");
+    if (avx2_needs != nullptr && name == "avx2") {
+      if (!avx2_ok) fail(std::string("isa 'avx2' needs ") + avx2_needs);
+      return 4;
+    }
+    std::string names = "'auto', 'generic'";
+    if (avx2_needs != nullptr) names += ", 'avx2'";
+    names += amx_needs != nullptr ? ", 'avx512' or 'amx'" : " or 'avx512'";
+    fail("isa must be " + names + ", got '" + name + "'");
   }
   void at_least(std::int64_t v, std::int64_t lo, const char* name) const {
     if (v < lo) fail(std::string(name) + " must be >= " + std::to_string(lo) + ", got " + std::to_string(v));

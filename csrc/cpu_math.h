@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "cpu_features.h"
 #include "dtype.h"
 
 namespace dspec {
@@ -12,13 +13,40 @@ namespace cpu {
 #define DSPEC_CPU_INLINE inline __attribute__((always_inline))
 #endif
 
-// An entry point compiled for AVX-512, AVX2 + FMA and baseline x86-64, picked at load time
-// by the ifunc resolver (GCC on ELF; elsewhere one baseline copy): the branch-free loops
-// below vectorise in each, and every call on one machine runs the same copy.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__ELF__)
-#define DSPEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// An entry point compiled for AVX-512 (x86-64-v4), AVX2 + FMA (x86-64-v3) and baseline
+// x86-64, picked at each call by the instruction-set level the kernels run at
+// (cpu::isa_level(): the CPU's, capped by $DSPEC_CPU_ISA): the branch-free loops of the
+// body vectorise in each copy.  Written
+//
+//   DSPEC_CPU_MULTI(void, name, (const Args& a, std::int64_t lo), (a, lo)) { body }
+//
+// the body becomes an always-inlined function that each copy inlines.  The copies compute
+// the same bits (the files whose results must not depend on the copy are compiled without
+// FMA contraction, CMakeLists.txt).  DSPEC_CPU_MULTI_V3 makes only the AVX2 and baseline
+// copies (code with its own AVX-512 intrinsics beside it).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DSPEC_TARGET_V4 __attribute__((target("arch=x86-64-v4")))
+#define DSPEC_TARGET_V3 __attribute__((target("arch=x86-64-v3")))
+#define DSPEC_CPU_MULTI(ret, name, params, args)                                               \
+  static inline __attribute__((always_inline)) ret name##_body params;                       \
+  DSPEC_TARGET_V4 static ret name##_v4 params { return name##_body args; }                   \
+  DSPEC_TARGET_V3 static ret name##_v3 params { return name##_body args; }                   \
+  static ret name##_v1 params { return name##_body args; }                                   \
+  ret name params {                                                                          \
+    const int level = ::dspec::cpu::isa_level();                                             \
+    return level >= ::dspec::cpu::kLevelAvx512 ? name##_v4 args                              \
+                                               : (level >= ::dspec::cpu::kLevelAvx2 ? name##_v3 args : name##_v1 args); \
+  }                                                                                          \
+  static inline __attribute__((always_inline)) ret name##_body params
+#define DSPEC_CPU_MULTI_V3(ret, name, params, args)                                            \
+  static inline __attribute__((always_inline)) ret name##_body params;                       \
+  DSPEC_TARGET_V3 static ret name##_v3 params { return name##_body args; }                   \
+  static ret name##_v1 params { return name##_body args; }                                   \
+  ret name params { return ::dspec::cpu::has_avx2() ? name##_v3 args : name##_v1 args; }     \
+  static inline __attribute__((always_inline)) ret name##_body params
 #else
-#define DSPEC_CPU_CLONES
+#define DSPEC_CPU_MULTI(ret, name, params, args) ret name params
+#define DSPEC_CPU_MULTI_V3(ret, name, params, args) ret name params
 #endif
 
 // exp(x) for x <= 0 (the only arguments the algorithm produces; -inf and NaN give 0).

@@ -30,15 +30,18 @@ DSPEC_CPU_INLINE void silu_mul_range(std::int64_t lo, std::int64_t hi, const voi
   }
 }
 
-// One entry point per dtype (DSPEC_CPU_CLONES: AVX-512, AVX2 + FMA and baseline copies).
+// One entry point per dtype (DSPEC_CPU_MULTI: AVX-512, AVX2 + FMA and baseline copies).
 
-DSPEC_CPU_CLONES void silu_mul_f32(std::int64_t lo, std::int64_t hi, const void* g, const void* u, void* o) {
+DSPEC_CPU_MULTI(void, silu_mul_f32, (std::int64_t lo, std::int64_t hi, const void* g, const void* u, void* o),
+                (lo, hi, g, u, o)) {
   silu_mul_range<kFloat32>(lo, hi, g, u, o);
 }
-DSPEC_CPU_CLONES void silu_mul_f16(std::int64_t lo, std::int64_t hi, const void* g, const void* u, void* o) {
+DSPEC_CPU_MULTI(void, silu_mul_f16, (std::int64_t lo, std::int64_t hi, const void* g, const void* u, void* o),
+                (lo, hi, g, u, o)) {
   silu_mul_range<kFloat16>(lo, hi, g, u, o);
 }
-DSPEC_CPU_CLONES void silu_mul_bf16(std::int64_t lo, std::int64_t hi, const void* g, const void* u, void* o) {
+DSPEC_CPU_MULTI(void, silu_mul_bf16, (std::int64_t lo, std::int64_t hi, const void* g, const void* u, void* o),
+                (lo, hi, g, u, o)) {
   silu_mul_range<kBFloat16>(lo, hi, g, u, o);
 }
 
@@ -48,9 +51,12 @@ DSPEC_CPU_INLINE void add_rows(void* x, const void* y, std::int64_t count) {
   for (std::int64_t i = 0; i < count; ++i) dt::store<DT>(x, i, dt::load<DT>(x, i) + dt::load<DT>(y, i));
 }
 
-DSPEC_CPU_CLONES void add_f32(void* x, const void* y, std::int64_t count) { add_rows<kFloat32>(x, y, count); }
-DSPEC_CPU_CLONES void add_f16(void* x, const void* y, std::int64_t count) { add_rows<kFloat16>(x, y, count); }
-DSPEC_CPU_CLONES void add_bf16(void* x, const void* y, std::int64_t count) { add_rows<kBFloat16>(x, y, count); }
+DSPEC_CPU_MULTI(void, add_f32, (void* x, const void* y, std::int64_t count),
+                (x, y, count)) { add_rows<kFloat32>(x, y, count); }
+DSPEC_CPU_MULTI(void, add_f16, (void* x, const void* y, std::int64_t count),
+                (x, y, count)) { add_rows<kFloat16>(x, y, count); }
+DSPEC_CPU_MULTI(void, add_bf16, (void* x, const void* y, std::int64_t count),
+                (x, y, count)) { add_rows<kBFloat16>(x, y, count); }
 
 // x[rows, width] += y, over the pool's threads by rows
 void add_in_place(int dtype, void* x, const void* y, std::int64_t rows, std::int64_t width, int num_threads) {

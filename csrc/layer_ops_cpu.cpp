@@ -79,12 +79,18 @@ DSPEC_CPU_INLINE void rope_rows(const RopeArgs& a, std::int64_t lo, std::int64_t
 
 // One entry point per dtype, compiled for AVX-512, AVX2 + FMA and baseline x86-64 (the
 // loops above vectorise; the baseline build alone ran a 16-row RMSNorm at ~1 ns an element).
-DSPEC_CPU_CLONES void rms_f32(const RmsNormArgs& a, std::int64_t lo, std::int64_t hi) { rms_rows<kFloat32>(a, lo, hi); }
-DSPEC_CPU_CLONES void rms_f16(const RmsNormArgs& a, std::int64_t lo, std::int64_t hi) { rms_rows<kFloat16>(a, lo, hi); }
-DSPEC_CPU_CLONES void rms_bf16(const RmsNormArgs& a, std::int64_t lo, std::int64_t hi) { rms_rows<kBFloat16>(a, lo, hi); }
-DSPEC_CPU_CLONES void rope_f32(const RopeArgs& a, std::int64_t lo, std::int64_t hi) { rope_rows<kFloat32>(a, lo, hi); }
-DSPEC_CPU_CLONES void rope_f16(const RopeArgs& a, std::int64_t lo, std::int64_t hi) { rope_rows<kFloat16>(a, lo, hi); }
-DSPEC_CPU_CLONES void rope_bf16(const RopeArgs& a, std::int64_t lo, std::int64_t hi) { rope_rows<kBFloat16>(a, lo, hi); }
+DSPEC_CPU_MULTI(void, rms_f32, (const RmsNormArgs& a, std::int64_t lo, std::int64_t hi),
+                (a, lo, hi)) { rms_rows<kFloat32>(a, lo, hi); }
+DSPEC_CPU_MULTI(void, rms_f16, (const RmsNormArgs& a, std::int64_t lo, std::int64_t hi),
+                (a, lo, hi)) { rms_rows<kFloat16>(a, lo, hi); }
+DSPEC_CPU_MULTI(void, rms_bf16, (const RmsNormArgs& a, std::int64_t lo, std::int64_t hi),
+                (a, lo, hi)) { rms_rows<kBFloat16>(a, lo, hi); }
+DSPEC_CPU_MULTI(void, rope_f32, (const RopeArgs& a, std::int64_t lo, std::int64_t hi),
+                (a, lo, hi)) { rope_rows<kFloat32>(a, lo, hi); }
+DSPEC_CPU_MULTI(void, rope_f16, (const RopeArgs& a, std::int64_t lo, std::int64_t hi),
+                (a, lo, hi)) { rope_rows<kFloat16>(a, lo, hi); }
+DSPEC_CPU_MULTI(void, rope_bf16, (const RopeArgs& a, std::int64_t lo, std::int64_t hi),
+                (a, lo, hi)) { rope_rows<kBFloat16>(a, lo, hi); }
 
 }  // namespace
 

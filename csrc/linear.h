@@ -23,8 +23,10 @@
 
 namespace dspec {
 
-// auto: AMX for bfloat16 where the process may use it, else AVX-512 where the CPU has it.
-enum LinearIsa : int { kLinearAuto = 0, kLinearGeneric = 1, kLinearAvx512 = 2, kLinearAmx = 3 };
+// auto: AMX for bfloat16 where the process may use it, else AVX-512 where the CPU has it
+// (float32 / bfloat16), else AVX2 + FMA + F16C, else the portable loops; each capped by
+// $DSPEC_CPU_ISA (cpu_features.h).
+enum LinearIsa : int { kLinearAuto = 0, kLinearGeneric = 1, kLinearAvx512 = 2, kLinearAmx = 3, kLinearAvx2 = 4 };
 
 // Output columns per panel of the packed weight.
 constexpr int kPanel = 16;
@@ -71,6 +73,9 @@ int linear_prefetch_steps(int steps);
 // in weight, bias, out, n and ldo; the panels of all parts are split over
 // the threads together.  Each output is bit-identical to linear_cpu on that part alone.
 void linear_group_cpu(const LinearArgs* parts, int count);
+
+// Whether the AVX2 + FMA + F16C tiles may run (every dtype) on this CPU under the cap.
+bool linear_has_avx2(int dtype);
 
 // Whether the AVX-512 code runs for this dtype on this CPU (bfloat16 needs AVX512_BF16).
 bool linear_has_avx512(int dtype);

@@ -83,7 +83,8 @@ void linear(std::int64_t x, std::int64_t weight, std::int64_t bias, std::int64_t
   c.product(m, ldo, "m * ldo");
   const int code = c.isa(isa, linear_has_avx512(dtype),  // LinearIsa codes
                          "float32 / bfloat16 and a CPU with AVX-512 (AVX512_BF16 for bfloat16)",
-                         linear_has_amx(dtype), "bfloat16 and a CPU with AMX-BF16 that the kernel enables");
+                         linear_has_amx(dtype), "bfloat16 and a CPU with AMX-BF16 that the kernel enables",
+                         linear_has_avx2(dtype), "a CPU with AVX2, FMA and F16C");
   if (m == 0 || n == 0) return;
   const std::int64_t item = element_size(dtype);
   c.ptr(x, "x", item);
@@ -222,8 +223,8 @@ for the 16-bit dtypes, zero padded.  Done once per weight; linear and linear_gro
 given packed by linear_pack: float32 accumulation, one rounding to dtype (0 fp32, 1 fp16, 2 bf16); row
 strides ldx / ldo in elements, unit stride along k and n; bias 0 for none.  Each output is reduced in an
 order independent of m and of the thread count (batch-invariant).  isa: 'auto' (AMX tiles for bf16 where
-the CPU has AMX-BF16, else AVX-512, with AVX512_BF16 for bf16, where the CPU has it), 'generic', 'avx512'
-or 'amx'.  AMX and vdpbf16ps sum a k pair in different orders: their bf16 bits differ, so one process
+the CPU has AMX-BF16, else AVX-512, with AVX512_BF16 for bf16, where the CPU has it, else AVX2 + FMA +
+F16C, each within $DSPEC_CPU_ISA), 'generic', 'avx2', 'avx512' or 'amx'.  AMX and vdpbf16ps sum a k pair in different orders: their bf16 bits differ, so one process
 keeps one isa for every row count.  The GIL is released while it runs.)doc");
   m.def("linear_group", &linear_group, py::arg("x"), py::arg("dtype"), py::arg("m"), py::arg("k"),
         py::arg("weights"), py::arg("biases"), py::arg("outs"), py::arg("ns"), py::arg("num_threads") = 1,
@@ -259,7 +260,11 @@ Done once per adapter matrix pair.)doc");
         "The linear tiles' software prefetch distance in k steps: steps >= 0 sets it (returns the old value), "
         "-1 reads it. Results never depend on it.");
   m.def("linear_isa",
-        [](int dtype) { return std::string(linear_has_amx(dtype) ? "amx" : linear_has_avx512(dtype) ? "avx512" : "generic"); },
+        [](int dtype) {
+          return std::string(linear_has_amx(dtype) ? "amx"
+                             : linear_has_avx512(dtype) ? "avx512"
+                             : linear_has_avx2(dtype) ? "avx2" : "generic");
+        },
         py::arg("dtype"), "The code linear runs for this dtype code on this CPU with isa='auto'.");
 }
 

@@ -327,22 +327,28 @@ DSPEC_AMX_TARGET void mask_lora_rows_amx(const MaskLoraArgs& a, std::int64_t g0,
 }
 #endif
 
-DSPEC_CPU_CLONES void mask_lora_f32(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
+DSPEC_CPU_MULTI(void, mask_lora_f32, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1),
+                (a, r0, r1)) {
   mask_lora_rows<kFloat32, kFloat32>(a, r0, r1);
 }
-DSPEC_CPU_CLONES void mask_lora_f16(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
+DSPEC_CPU_MULTI(void, mask_lora_f16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1),
+                (a, r0, r1)) {
   mask_lora_rows<kFloat16, kFloat32>(a, r0, r1);
 }
-DSPEC_CPU_CLONES void mask_lora_bf16(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
+DSPEC_CPU_MULTI(void, mask_lora_bf16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1),
+                (a, r0, r1)) {
   mask_lora_rows<kBFloat16, kFloat32>(a, r0, r1);
 }
-DSPEC_CPU_CLONES void mask_lora_f32_w16(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
+DSPEC_CPU_MULTI(void, mask_lora_f32_w16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1),
+                (a, r0, r1)) {
   mask_lora_rows<kFloat32, kBFloat16>(a, r0, r1);
 }
-DSPEC_CPU_CLONES void mask_lora_f16_w16(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
+DSPEC_CPU_MULTI(void, mask_lora_f16_w16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1),
+                (a, r0, r1)) {
   mask_lora_rows<kFloat16, kBFloat16>(a, r0, r1);
 }
-DSPEC_CPU_CLONES void mask_lora_bf16_w16(const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1) {
+DSPEC_CPU_MULTI(void, mask_lora_bf16_w16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1),
+                (a, r0, r1)) {
   mask_lora_rows<kBFloat16, kBFloat16>(a, r0, r1);
 }
 

@@ -123,10 +123,11 @@ DSPEC_CPU_INLINE State scan_floats(const float* p, std::int64_t n, std::int64_t 
 }
 
 // The float32 scan and the 16-bit dtypes' conversion to float32, each compiled for
-// AVX-512, AVX2 + FMA and baseline x86-64 (DSPEC_CPU_CLONES).  A 16-bit chunk is first
+// AVX-512, AVX2 + FMA and baseline x86-64 (DSPEC_CPU_MULTI).  A 16-bit chunk is first
 // widened into a per-thread float32 buffer (at most one row, in L2) and scanned there: one
 // simple conversion loop and one float32 scan vectorise where the fused loop did not.
-DSPEC_CPU_CLONES State scan_f32(const float* p, std::int64_t n, std::int64_t col0, float inv_t, bool sums) {
+DSPEC_CPU_MULTI(State, scan_f32, (const float* p, std::int64_t n, std::int64_t col0, float inv_t, bool sums),
+                (p, n, col0, inv_t, sums)) {
   return scan_floats(p, n, col0, inv_t, sums);
 }
 
@@ -134,8 +135,10 @@ template <int DT>
 DSPEC_CPU_INLINE void widen(const std::uint16_t* p, std::int64_t n, float* out) {
   for (std::int64_t i = 0; i < n; ++i) out[i] = dt::to_float<DT>(p[i]);
 }
-DSPEC_CPU_CLONES void widen_f16(const std::uint16_t* p, std::int64_t n, float* out) { widen<kFloat16>(p, n, out); }
-DSPEC_CPU_CLONES void widen_bf16(const std::uint16_t* p, std::int64_t n, float* out) { widen<kBFloat16>(p, n, out); }
+DSPEC_CPU_MULTI(void, widen_f16, (const std::uint16_t* p, std::int64_t n, float* out),
+                (p, n, out)) { widen<kFloat16>(p, n, out); }
+DSPEC_CPU_MULTI(void, widen_bf16, (const std::uint16_t* p, std::int64_t n, float* out),
+                (p, n, out)) { widen<kBFloat16>(p, n, out); }
 
 #if DSPEC_AVX512_CODE
 // The same two passes written for AVX-512.  Pass 1 (max, column, runner-up, NaNs) gives

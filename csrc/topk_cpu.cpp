@@ -364,9 +364,12 @@ DSPEC_CPU_INLINE void rows_impl(const TopkArgs& a, std::int64_t lo, std::int64_t
   }
 }
 
-DSPEC_CPU_CLONES void rows_f32(const TopkArgs& a, std::int64_t lo, std::int64_t hi) { rows_impl<kFloat32>(a, lo, hi); }
-DSPEC_CPU_CLONES void rows_f16(const TopkArgs& a, std::int64_t lo, std::int64_t hi) { rows_impl<kFloat16>(a, lo, hi); }
-DSPEC_CPU_CLONES void rows_bf16(const TopkArgs& a, std::int64_t lo, std::int64_t hi) { rows_impl<kBFloat16>(a, lo, hi); }
+DSPEC_CPU_MULTI(void, rows_f32, (const TopkArgs& a, std::int64_t lo, std::int64_t hi),
+                (a, lo, hi)) { rows_impl<kFloat32>(a, lo, hi); }
+DSPEC_CPU_MULTI(void, rows_f16, (const TopkArgs& a, std::int64_t lo, std::int64_t hi),
+                (a, lo, hi)) { rows_impl<kFloat16>(a, lo, hi); }
+DSPEC_CPU_MULTI(void, rows_bf16, (const TopkArgs& a, std::int64_t lo, std::int64_t hi),
+                (a, lo, hi)) { rows_impl<kBFloat16>(a, lo, hi); }
 
 }  // namespace
 

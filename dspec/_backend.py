@@ -36,8 +36,27 @@ def extension():
     return _load_extension()
 
 
+#: the instruction-set levels of dspec's C++ CPU kernels, lowest first; ``$DSPEC_CPU_ISA``
+#: caps them (like oneDNN's ``ONEDNN_MAX_CPU_ISA``), so a lower level's code can be tested
+#: and measured on a CPU that has a higher one
+CPU_ISA_LEVELS = ("generic", "avx2", "avx512", "amx")
+
+
+def check_cpu_isa_env() -> str | None:
+    """``$DSPEC_CPU_ISA`` as a level name (None when unset, empty or ``auto``); a ValueError
+    names the variable for any other value, before the extension loads."""
+    raw = os.environ.get("DSPEC_CPU_ISA")
+    if raw is None or raw.lower() in ("", "auto"):
+        return None
+    if raw.lower() not in CPU_ISA_LEVELS:
+        raise ValueError(f"DSPEC_CPU_ISA must be one of {', '.join(CPU_ISA_LEVELS)} or 'auto' (any case), "
+                         f"got {raw!r}")
+    return raw.lower()
+
+
 @functools.lru_cache(maxsize=None)
 def _load_extension():
+    check_cpu_isa_env()
     try:
         from dspec import _C  # noqa: PLC0415
     except ImportError:

@@ -204,8 +204,18 @@ def torch_ops_one_thread():
                 _scope_threads = None
 
 
+def isa() -> str | None:
+    """The instruction-set level dspec's C++ CPU kernels run at here: ``"generic"``,
+    ``"avx2"``, ``"avx512"`` or ``"amx"`` -- the CPU's highest that dspec has code for,
+    capped by ``$DSPEC_CPU_ISA`` -- or None without the compiled extension."""
+    from . import _backend
+    ext = _backend.extension()
+    return ext.cpu_isa() if ext is not None and hasattr(ext, "cpu_isa") else None
+
+
 def machine() -> dict:
     """What a benchmark records about the CPU it ran on."""
     return {"cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "native_bf16": native_bf16(),
-            "cores": cores(), "torch_threads": kernel_threads(),
+            "cores": cores(), "torch_threads": kernel_threads(), "dspec_cpu_isa": isa(),
+            "dspec_cpu_isa_cap": os.environ.get("DSPEC_CPU_ISA") or None,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "loadavg": loadavg()}

@@ -280,7 +280,9 @@ from dspec.ops import attention as attention_ops  # noqa: E402
 
 HAS_CPP = _backend.cpp_available()
 needs_cpp = pytest.mark.skipif(not HAS_CPP, reason="dspec._C is not built")
-ISAS = ["generic"] + (["avx512"] if HAS_CPP and _backend.extension().cascade_attention_isa() == "avx512" else []) \
+_LEVELS = ("generic", "avx2", "avx512")
+# every tile code of this CPU under the ISA cap: the portable loops, then AVX2, AVX-512, AMX
+ISAS = (list(_LEVELS[:_LEVELS.index(_backend.extension().cascade_attention_isa()) + 1]) if HAS_CPP else ["generic"]) \
     + (["amx"] if HAS_CPP and _backend.extension().cascade_attention_isa(2, 64) == "amx" else [])
 
 
