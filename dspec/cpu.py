@@ -204,6 +204,31 @@ def torch_ops_one_thread():
                 _scope_threads = None
 
 
+_ISA_EPOCH = [0]
+
+
+def isa_epoch() -> int:
+    """A counter that ``set_isa_cap`` bumps: decisions cached per ISA level key on it."""
+    return _ISA_EPOCH[0]
+
+
+def set_isa_cap(level: str) -> str:
+    """Caps the instruction-set level of dspec's C++ CPU kernels for this process (what
+    ``$DSPEC_CPU_ISA`` sets at start; ``"amx"`` is no cap) and returns the previous cap:
+    ``"generic"``, ``"avx2"``, ``"avx512"`` or ``"amx"``.  The tests run every level of
+    the CPU in one process with it.  Packed weights stay valid; bits may change between
+    levels, so a decode keeps one level from start to end."""
+    from . import _backend
+    if level not in _backend.CPU_ISA_LEVELS:
+        raise ValueError(f"level must be one of {', '.join(_backend.CPU_ISA_LEVELS)}, got {level!r}")
+    ext = _backend.extension()
+    if ext is None:
+        raise ValueError("set_isa_cap needs the compiled extension dspec._C")
+    old = ext.set_cpu_isa_cap(level)
+    _ISA_EPOCH[0] += 1
+    return old
+
+
 def isa() -> str | None:
     """The instruction-set level dspec's C++ CPU kernels run at here: ``"generic"``,
     ``"avx2"``, ``"avx512"`` or ``"amx"`` -- the CPU's highest that dspec has code for,

@@ -180,7 +180,7 @@ def test_dense_routes_packed_rows_and_keeps_autograd(monkeypatch):
     w = torch.randn(6, 10)
     b = torch.randn(6)
     x = torch.randn(2, 3, 10)
-    assert packed_path(x, w)
+    assert packed_path(x, w) == (dense_mod.linear_isa(torch.float32) != "generic")
     torch.testing.assert_close(dense(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     assert not packed_path(x.transpose(0, 1), w)      # not contiguous: the library GEMM
     assert not packed_path(x.double(), w.double())
@@ -190,6 +190,54 @@ def test_dense_routes_packed_rows_and_keeps_autograd(monkeypatch):
     monkeypatch.setitem(dense_mod.PACKED_MAX_ROWS, torch.float32, 5)
     assert not packed_path(x, w)                      # 6 rows > 5
     assert dense(torch.randn(0, 10), w).shape == (0, 6)
+
+
+@pytest.mark.parametrize("level", ["generic", "avx2", "avx512", "amx"])
+def test_dense_dispatch_follows_the_isa_table(level):
+    """At each ISA level of this CPU (set_isa_cap), ``dense`` takes the packed tiles where
+    the measured table says they beat torch (every SIMD level) and F.linear where dspec has
+    no SIMD code (generic); the results agree with F.linear either way."""
+    from dspec import cpu
+    ext = _backend.extension()
+    if _LEVELS.index(level) > _LEVELS.index(ext.cpu_isa_of_cpu()):
+        pytest.skip(f"this CPU has no {level} code path")
+    old = cpu.set_isa_cap(level)
+    try:
+        w = torch.randn(40, 24)
+        x = torch.randn(5, 24)
+        for dtype in (torch.float32, torch.bfloat16):
+            packed = packed_path(x.to(dtype), w.to(dtype))
+            assert packed == (dense_mod.PACKED_MAX_ROWS_BY_ISA[dense_mod.linear_isa(dtype)][dtype] != 0)
+            assert packed == (level != "generic")
+            y = dense(x.to(dtype), w.to(dtype))
+            check_close(y, x.to(dtype), w.to(dtype))
+    finally:
+        cpu.set_isa_cap(old)
+    assert ext.cpu_isa() == ext.cpu_isa_of_cpu() or old != "amx"
+
+
+def test_cpu_isa_cap_is_validated(monkeypatch):
+    """$DSPEC_CPU_ISA and set_isa_cap take the four level names only (ValueError naming
+    them); the cap never raises the level above the CPU's."""
+    from dspec import cpu
+    monkeypatch.setenv("DSPEC_CPU_ISA", "sse4")
+    with pytest.raises(ValueError, match="DSPEC_CPU_ISA"):
+        _backend.check_cpu_isa_env()
+    monkeypatch.setenv("DSPEC_CPU_ISA", "AVX2")
+    assert _backend.check_cpu_isa_env() == "avx2"
+    monkeypatch.delenv("DSPEC_CPU_ISA")
+    assert _backend.check_cpu_isa_env() is None
+    with pytest.raises(ValueError, match="level"):
+        cpu.set_isa_cap("avx3")
+    ext = _backend.extension()
+    old = cpu.set_isa_cap("amx")
+    try:
+        assert ext.cpu_isa() == ext.cpu_isa_of_cpu()
+        cpu.set_isa_cap("generic")
+        assert ext.cpu_isa() == "generic" and cpu.isa() == "generic"
+        assert ext.linear_isa(0) == "generic" and ext.cascade_attention_isa() == "generic"
+    finally:
+        cpu.set_isa_cap(old)
 
 
 def test_packed_weight_is_kept_and_follows_in_place_updates():
@@ -395,7 +443,7 @@ def test_linear_group_equals_one_call_per_weight(dtype):
     many = dense_many(x, ws, bs)                       # the model's entry point (fp16: F.linear each)
     for w, b, o in zip(ws, bs, many):
         torch.testing.assert_close(o, F.linear(x, w, b), atol=2e-2, rtol=2e-2)
-        if dtype != torch.float16:
+        if dtype != torch.float16 and dense_mod.linear_isa(dtype) != "generic":   # generic: torch runs
             assert torch.equal(o.view(10, -1), run(x.view(10, 72), w, b, threads=1))
     with pytest.raises(ValueError, match="same length"):
         ext.linear_group(x.data_ptr(), CODES[dtype], 10, 72, [packed[0].data_ptr()], [], [outs[0].data_ptr()], [40])

@@ -3,10 +3,11 @@
 A decode or verification step multiplies a handful of rows by each weight matrix; there a
 library GEMM spends more time setting up than computing, and its result for a row depends
 on how many rows it was given.  ``dense`` sends every call it can (CPU, float32 /
-bfloat16, no autograd, contiguous rows, at most ``PACKED_MAX_ROWS`` rows: no limit by
-default) to ``dspec._C.linear``: the weight packed once into panels of 16 output columns
-(``packed_weight``, kept with the weight; AMX tiles for bfloat16 on CPUs with AMX-BF16,
-AVX512_BF16 / AVX-512 dot products otherwise), float32 accumulation, and a reduction order
+bfloat16, no autograd, contiguous rows, a CPU with AVX2 or better, at most
+``PACKED_MAX_ROWS_BY_ISA`` rows: no limit where there are SIMD tiles) to ``dspec._C.linear``:
+the weight packed once into panels of 16 output columns (``packed_weight``, kept with the
+weight; AMX tiles for bfloat16 on CPUs with AMX-BF16, AVX512_BF16 / AVX-512 dot products,
+else AVX2 FMAs on weights widened in registers), float32 accumulation, and a reduction order
 that does not depend on the number of rows or threads, so a token's projections are
 bit-identical in a one-token step, in a verification and in a prompt's prefill of any
 length.  Everything else (training, float64, strided rows) goes to
@@ -21,14 +22,44 @@ import torch.nn.functional as F
 
 from .. import _backend, _library, cpu
 
-#: the largest row count (batch x suffix tokens) sent to dspec._C.linear per dtype (None:
-#: no limit).  A limit trades prefill bits for nothing on the machines measured: SmolLM2-135M
-#: forwards of 65-2048 prompt tokens ran 1.2-1.4x (bf16) and 2.1-2.5x (fp32) faster on the
-#: packed path than with oneDNN above 64 / 128 rows (AVX512_BF16 EPYC, 2 threads, Nov 2026),
-#: and a limit lets a prompt's KV round differently when prefilled whole (``ar``) or in
-#: blocks (the block-diffusion methods).  Tests lower it to exercise the library GEMM.
+#: the largest row count (batch x suffix tokens) sent to dspec._C.linear per ISA level of
+#: its tiles (``dspec._C.linear_isa``) and dtype: None is no limit, 0 never (torch's
+#: F.linear runs).  Measured, SmolLM2-135M forwards against transformers on the same
+#: weights, torch capped to the same ISA (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA):
+#: - amx / avx512: prefills of 65-2048 tokens 1.2-1.4x (bf16) and 2.1-2.5x (fp32) faster on
+#:   the packed path than with oneDNN above 64 / 128 rows (AVX512_BF16 EPYC, 2 threads);
+#: - avx2: every N faster (fp32 N = 1 / 16 / 64 / 128 / 512: 2.6 / 1.7 / 1.2 / 1.17 / 1.15x;
+#:   bf16, which oneDNN emulates there, 2.7 / 3.2 / 3.9 / 4.5 / 4.1x; EPYC Zen 4 under
+#:   DSPEC_CPU_ISA=avx2, one thread; bench_forward, bench/results/cpu/avx2/);
+#: - generic (no AVX2, or not x86): the portable loops are 10-30x slower than oneDNN, so
+#:   torch runs every projection there (a row's bits then depend on the rows of its call,
+#:   which the lossless methods' equality with their references assumes they do not:
+#:   docs/performance.md).
+#: A limit also lets a prompt's KV round differently when prefilled whole (``ar``) or in
+#: blocks (the block-diffusion methods).
+PACKED_MAX_ROWS_BY_ISA: dict = {
+    "generic": {torch.float32: 0, torch.bfloat16: 0},
+    "avx2": {torch.float32: None, torch.bfloat16: None},
+    "avx512": {torch.float32: None, torch.bfloat16: None},
+    "amx": {torch.float32: None, torch.bfloat16: None},
+}
+#: a further cap per dtype (None: none); tests lower it to exercise the library GEMM
 PACKED_MAX_ROWS: dict = {torch.float32: None, torch.bfloat16: None}
 _CODES = {torch.float32: 0, torch.bfloat16: 2}
+_ISA_OF = {}
+
+
+def linear_isa(dtype: torch.dtype) -> str:
+    """The tiles ``dspec._C.linear`` runs for ``dtype`` under the current ISA cap
+    ("generic" without the extension); cached per ``dspec.cpu.isa_epoch()``."""
+    key = (cpu.isa_epoch(), dtype)
+    got = _ISA_OF.get(key)
+    if got is None:
+        ext = _backend.extension()
+        got = ext.linear_isa(_CODES[dtype]) if ext is not None and hasattr(ext, "linear_isa") else "generic"
+        _ISA_OF.clear()
+        _ISA_OF[key] = got
+    return got
 
 
 def _packed_rows(x: torch.Tensor) -> int:
@@ -41,7 +72,11 @@ def _packed_rows(x: torch.Tensor) -> int:
 
 
 def within_packed_rows(rows: int, dtype: torch.dtype) -> bool:
-    """Whether ``rows`` rows of ``dtype`` may take the packed path (``PACKED_MAX_ROWS``)."""
+    """Whether ``rows`` rows of ``dtype`` may take the packed path (``PACKED_MAX_ROWS_BY_ISA``
+    for the tiles of this CPU, then ``PACKED_MAX_ROWS``)."""
+    by_isa = PACKED_MAX_ROWS_BY_ISA[linear_isa(dtype)][dtype]
+    if by_isa is not None and rows > by_isa:
+        return False
     cap = PACKED_MAX_ROWS[dtype]
     return cap is None or rows <= cap
 
