@@ -7,9 +7,15 @@ many threads to use.
 - ``native_bf16()``: whether bf16 matmul runs in hardware (AMX-BF16 or AVX512_BF16, read
   from ``/proc/cpuinfo``).  Without it oneDNN emulates bf16: on an AVX-512 Xeon without
   those flags a bf16 576x1536 linear at M = 16 took 3x the fp32 time (measured November
-  2026), so the weights stay fp32.
+  2026).
+- ``isa()``: the instruction-set level dspec's C++ kernels run at (``$DSPEC_CPU_ISA`` caps it).
 - ``default_dtype(device)``: what ``dspec.load`` uses when ``dtype=None`` -- bf16 on a CPU
-  with native bf16 matmul, fp32 on other CPUs; on CUDA, None (the checkpoint's dtype).
+  with native bf16 matmul or with dspec's AVX2 tiles (they widen bf16 weights to fp32 in
+  registers and stream half the bytes: SmolLM2-135M forwards after 256 tokens, one thread,
+  AVX2, bf16 / fp32 time: N = 1 0.53x, N = 4 1.11x, N = 16 1.01x, N = 64 1.05x;
+  bench/results/cpu/avx2/dispatch_zen4.json), fp32 on other CPUs (torch's bf16 is
+  emulated there); on CUDA, None (the checkpoint's dtype).  bf16 rounds the weights and
+  every activation: lossless methods then equal ``ar`` in bf16, not in fp32.
   ``$DSPEC_DTYPE`` (float32 / bfloat16 / float16) overrides it (the test suite pins
   float32 so that its exactness checks do not depend on the CPU they run on).
 - ``kernel_threads()`` / ``torch_ops_one_thread()``: the threads dspec's C++ CPU kernels
@@ -91,7 +97,7 @@ def default_dtype(device="cpu") -> torch.dtype | None:
         return _DTYPE_NAMES[env]
     if kind != "cpu":
         return None
-    return torch.bfloat16 if native_bf16() else torch.float32
+    return torch.bfloat16 if native_bf16() or isa() in ("avx2", "avx512", "amx") else torch.float32
 
 
 def loadavg() -> list[float] | None:

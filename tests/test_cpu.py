@@ -12,16 +12,19 @@ def flags(monkeypatch):
     return set_flags
 
 
-@pytest.mark.parametrize("names, expected", [
-    (("avx2", "avx512f"), torch.float32),
-    (("avx2", "avx512f", "avx512_bf16"), torch.bfloat16),
-    (("avx512f", "amx_tile", "amx_bf16"), torch.bfloat16),
-    ((), torch.float32),
+@pytest.mark.parametrize("names, level, expected", [
+    (("avx2", "avx512f"), "generic", torch.float32),
+    (("avx2", "avx512f"), "avx2", torch.bfloat16),          # dspec's AVX2 tiles widen bf16
+    (("avx2", "avx512f", "avx512_bf16"), "generic", torch.bfloat16),
+    (("avx512f", "amx_tile", "amx_bf16"), "amx", torch.bfloat16),
+    ((), "generic", torch.float32),
+    ((), None, torch.float32),                               # no extension
 ])
-def test_default_dtype_follows_native_bf16(flags, monkeypatch, names, expected):
+def test_default_dtype_follows_native_bf16_and_dspec_tiles(flags, monkeypatch, names, level, expected):
     monkeypatch.delenv("DSPEC_DTYPE", raising=False)
     flags(*names)
-    assert cpu.native_bf16() == (expected == torch.bfloat16)
+    monkeypatch.setattr(cpu, "isa", lambda: level)
+    assert cpu.native_bf16() == any(n in names for n in ("avx512_bf16", "amx_bf16"))
     assert cpu.default_dtype("cpu") == expected
     assert cpu.default_dtype("cuda") is None
 
@@ -52,7 +55,10 @@ def test_load_uses_default_dtype(flags, monkeypatch, tmp_path):
     assert dspec.load(path, dtype="float32").dtype == torch.float32
     assert dspec.load("tiny-ar").dtype == torch.float32          # pinned: see hub.SHIPPED_DTYPES
     flags("avx2")
+    monkeypatch.setattr(cpu, "isa", lambda: "generic")            # no dspec SIMD tiles: fp32
     assert dspec.load(path).dtype == torch.float32
+    monkeypatch.setattr(cpu, "isa", lambda: "avx2")
+    assert dspec.load(path).dtype == torch.bfloat16
 
 
 def test_threads_env_and_auto(monkeypatch):

@@ -64,8 +64,10 @@ def linear_isa(dtype: torch.dtype) -> str:
 
 def _packed_rows(x: torch.Tensor) -> int:
     """x's row count when the packed path can take x (else 0)."""
+    if x.dtype not in _CODES or PACKED_MAX_ROWS_BY_ISA[linear_isa(x.dtype)][x.dtype] == 0:
+        return 0                              # no SIMD tiles here: torch, decided first
     ext = _backend.extension()
-    if ext is None or not hasattr(ext, "linear_pack") or x.dtype not in _CODES or not x.is_cpu or x.dim() == 0:
+    if ext is None or not hasattr(ext, "linear_pack") or not x.is_cpu or x.dim() == 0:
         return 0
     rows = x.numel() // max(x.shape[-1], 1)
     return rows if rows and x.is_contiguous() and within_packed_rows(rows, x.dtype) else 0
