@@ -81,6 +81,11 @@ struct Tile {
   std::int64_t s0 = 0, s1 = 0;
   float* acc = nullptr;
   bool first = true, last = true;
+  // the next chunk's weight lines (null: none), prefetched by the first row block's
+  // second-half pass, pf_lines per k step, up to pf_end
+  const char* pf = nullptr;
+  const char* pf_end = nullptr;
+  int pf_lines = 0;
 };
 
 // The prefetch distance in k steps (x T cache lines of the stream); linear_prefetch_steps
@@ -333,7 +338,7 @@ DSPEC_AVX2_INLINE void avx2_elem(__m256 (&acc)[MR][T][NH], const dt::elem_t<DT>*
 
 // One pass: MR rows x halves [H0, H0 + NH) of the group's T panels over the tile's k steps.
 template <int DT, int MR, int T, int H0, int NH>
-DSPEC_AVX2_INLINE void avx2_pass(const Tile& t, int r0) {
+DSPEC_AVX2_INLINE void avx2_pass(const Tile& t, int r0, bool fetch) {
   using E = dt::elem_t<DT>;
   constexpr int S = step_of(DT);
   constexpr std::int64_t kAccStride = kPanel * kPanelBlock;
@@ -356,6 +361,12 @@ DSPEC_AVX2_INLINE void avx2_pass(const Tile& t, int r0) {
 #pragma GCC unroll 2
   for (std::int64_t s = t.s0; s < whole; ++s) {
     const E* ws = w + s * T * kPanel * S;
+    if (fetch) {
+      const char* line = t.pf + (s - t.s0) * t.pf_lines * 64;
+      for (int j = 0; j < t.pf_lines; ++j) {
+        if (line + 64 * j < t.pf_end) _mm_prefetch(line + 64 * j, _MM_HINT_T0);
+      }
+    }
     avx2_elem<DT, MR, T, H0, NH, 0>(acc, ws, rows, s * S);
     if constexpr (S == 2) avx2_elem<DT, MR, T, H0, NH, 1>(acc, ws, rows, s * S);
   }
@@ -392,10 +403,11 @@ DSPEC_AVX2_INLINE void avx2_rows(const Tile& t) {
   if constexpr (R0 < MR) {
     constexpr int R = MR - R0 == 4 ? 2 : (MR - R0 < 3 ? MR - R0 : 3);   // 4 rows as 2 + 2, else blocks of 3
     if constexpr (R == 1) {
-      avx2_pass<DT, 1, T, 0, 2>(t, R0);
+      avx2_pass<DT, 1, T, 0, 2>(t, R0, false);
     } else {
-      avx2_pass<DT, R, T, 0, 1>(t, R0);
-      avx2_pass<DT, R, T, 1, 1>(t, R0);
+      avx2_pass<DT, R, T, 0, 1>(t, R0, false);
+      // the first compute-only pass (its lines came in with the first) fetches the next chunk
+      avx2_pass<DT, R, T, 1, 1>(t, R0, R0 == 0 && t.pf != nullptr);
     }
     avx2_rows<DT, MR, T, R0 + R>(t);
   }
@@ -406,7 +418,7 @@ DSPEC_AVX2 void micro_avx2(const Tile& t) {
   avx2_rows<DT, MR, T, 0>(t);
 }
 
-// The 16-bit dtypes with more rows than one block: each k chunk of a group is widened once
+// The 16-bit dtypes from kAvx2WidenRows rows: each k chunk of a group is widened once
 // into a float32 buffer in the float32 panel layout (group steps [p0, p1) -> k elements
 // [2 p0, min(2 p1, k)), tp panels), and x once into float32 rows, so that the float32 tiles
 // run every pass and row block from them: the widening (shifts on the FMA pipes) is paid
@@ -757,6 +769,11 @@ int vector_isa(int dtype, int isa) {
 // measured slower (46.7 / 73.9 ms at 128 steps): the hardware prefetchers follow the passes'
 // sequential line stream better.
 constexpr std::int64_t kAvx2ChunkSteps = 128;
+// From this many rows the 16-bit dtypes run the float32 tiles on widened chunks
+// (widened_panels).  SmolLM2-135M's bf16 projections, all 30 layers from memory, one
+// thread, widened / 16-bit tiles: 4 rows 40.4 / 26.4 ms, 6 rows 35.9 / 30.6, 9 rows
+// 40.7 / 43.8, 16 rows 66.6 / 74.3 (warm in cache the widened chunks win from 4 rows).
+constexpr std::int64_t kAvx2WidenRows = 9;
 constexpr std::int64_t kAvx2RowBlock = 3;
 
 #if DSPEC_LINEAR_X86
@@ -797,6 +814,12 @@ void widened_panels(const LinearArgs& a, const float* xf, const Tile& t, int tp,
       const int mr = static_cast<int>(std::min<std::int64_t>(kAvx2RowBlock, a.m - i0));
       f.x = xf + i0 * a.k + 2 * q0;
       f.acc = partial.data() + i0 * kPanel * kPanelBlock;
+      // the packed 16-bit lines of the next chunk: tp a pair step, over the chunk's 2x steps
+      // (bf16, 6 / 16 rows: 39.4 / 56.5 ms against 48.6 / 77.0 without it)
+      const bool more = q1 < pairs && i0 == 0;
+      f.pf = more ? reinterpret_cast<const char*>(static_cast<const E*>(t.w) + q1 * tp * kPanel * 2) : nullptr;
+      f.pf_end = static_cast<const char*>(t.stream_end);
+      f.pf_lines = (tp + 1) / 2;
       f32.fn[mr - 1][tp - 1](f);
     }
   }
@@ -819,10 +842,8 @@ void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64
   float bias[kPanel * kPanelBlock];
   const int prefetch = g_prefetch_steps.load(std::memory_order_relaxed);
   const char* stream_end = w + p1 * panel * item;
-  // the 16-bit dtypes' AVX2 tiles with more rows than one block: float32 tiles on widened
-  // chunks (SmolLM2's 576 x 576 bf16, warm, one thread: 16 rows 127 us against 216 us with
-  // the 16-bit tiles, 6 rows 60 against 82; 2-3 rows are faster on the 16-bit tiles)
-  const bool widen = DSPEC_LINEAR_X86 && DT != kFloat32 && chunk_k && a.m > kAvx2RowBlock;
+  // the 16-bit dtypes' AVX2 tiles from kAvx2WidenRows rows: float32 tiles on widened chunks
+  const bool widen = DSPEC_LINEAR_X86 && DT != kFloat32 && chunk_k && a.m >= kAvx2WidenRows;
   thread_local std::vector<float> xf;
   if (widen) widen_rows<DT>(a, xf);
   for (std::int64_t g = p0; g < p1; g += kPanelBlock) {
@@ -853,9 +874,15 @@ void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64
           t.x = x + i0 * a.ldx * item;
           t.out = out + (i0 * a.ldo + c0) * item;
           t.acc = partial.data() + i0 * kPanel * kPanelBlock;
+          // (float32 measured slower with it: 6 / 16 rows 34.5 / 54.1 ms against 28.2 / 49.4)
+          const bool more = DT != kFloat32 && t.s1 < steps && i0 == 0;
+          t.pf = more ? static_cast<const char*>(t.w) + t.s1 * tp * kPanel * step_of(DT) * item : nullptr;
+          t.pf_end = stream_end;
+          t.pf_lines = tp;
           table.fn[mr - 1][tp - 1](t);
         }
       }
+      t.pf = nullptr;
       continue;
     }
     for (std::int64_t i0 = 0; i0 < a.m; i0 += kRowBlock) {
