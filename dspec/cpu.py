@@ -10,14 +10,13 @@ many threads to use.
   2026).
 - ``isa()``: the instruction-set level dspec's C++ kernels run at (``$DSPEC_CPU_ISA`` caps it).
 - ``default_dtype(device)``: what ``dspec.load`` uses when ``dtype=None`` -- bf16 on a CPU
-  with native bf16 matmul or with dspec's AVX2 tiles (they widen bf16 weights to fp32 in
-  registers and stream half the bytes: SmolLM2-135M forwards after 256 tokens, one thread,
-  AVX2, bf16 / fp32 time: N = 1 0.53x, N = 4 1.11x, N = 16 1.01x, N = 64 1.05x;
-  bench/results/cpu/avx2/dispatch_zen4.json), fp32 on other CPUs (torch's bf16 is
-  emulated there); on CUDA, None (the checkpoint's dtype).  bf16 rounds the weights and
-  every activation: lossless methods then equal ``ar`` in bf16, not in fp32.
-  ``$DSPEC_DTYPE`` (float32 / bfloat16 / float16) overrides it (the test suite pins
-  float32 so that its exactness checks do not depend on the CPU they run on).
+  with native bf16 matmul or with dspec's SIMD tiles (on AVX2 they widen bf16 weights in
+  registers and stream half the bytes), fp32 where neither runs (torch's bf16 is emulated
+  there); on CUDA, None (the checkpoint's dtype).  AVX2, SmolLM2-135M, 2 threads, 8 grid
+  prompts: ``ar`` 71.4 tok/s in bf16 against 44.2 in fp32, the fastest lossless decode of
+  either dtype (fp32 ``dflash`` 55.7; bench/results/cpu/avx2/e2e_smollm2_avx2_*.json); a
+  forward's rows cost more in bf16 there (N = 16 is 6.7x N = 1, fp32 3.3x).  bf16 rounds
+  the weights and every activation: lossless methods then equal ``ar`` in bf16, not fp32.
 - ``kernel_threads()`` / ``torch_ops_one_thread()``: the threads dspec's C++ CPU kernels
   use (torch's intra-op count), and the scope every ``dspec.generate`` call decodes in:
   torch's own CPU ops run on one thread inside it while dspec's kernels keep the count.

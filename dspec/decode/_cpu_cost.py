@@ -10,6 +10,46 @@ README, "the 17th row" and the session-19 A/Bs; the self-speculative rounds of `
 """
 from __future__ import annotations
 
+import torch
+
+_BF16_FP32 = (torch.bfloat16, torch.float32)
+
+#: A forward of N rows of SmolLM2-135M after 256 cached tokens relative to a one-row forward,
+#: per CPU cost class (``cost_class``) and dtype, measured in situ (weights from memory, reps
+#: interleaved): "tiles" -- AMX / AVX512_BF16 tiles, where a forward's rows are nearly free up
+#: to a tile (Intel Xeon AMX, bf16, 2 threads, README "forward N = 16 / N = 1"); "avx2" --
+#: dspec's AVX2 tiles, where every row is FMA work (EPYC Zen 4 under DSPEC_CPU_ISA=avx2, one
+#: thread, bench/results/cpu/avx2/forward_zen4_capped.json and dispatch_zen4.json).  The
+#: "tiles" defaults below were tuned end to end on the AMX machine; the "avx2" ones follow
+#: from this table (rows at their measured marginal cost).
+FORWARD_COST = {
+    "tiles": {"bfloat16": {1: 1.0, 8: 1.03, 16: 1.16, 32: 1.38, 64: 1.92},
+              "float32": {1: 1.0, 16: 1.57, 64: 3.45}},
+    "avx2": {"bfloat16": {1: 1.0, 4: 2.38, 8: 3.78, 16: 6.70, 32: 11.54},
+             "float32": {1: 1.0, 4: 1.53, 8: 2.14, 16: 3.28, 32: 5.84}},
+}
+
+
+def cost_class(model) -> str | None:
+    """The CPU cost class of ``model``'s forwards: "tiles" where its projections run AMX or
+    AVX-512 tiles, "avx2" where they run the AVX2 tiles or torch (no SIMD tiles), None off
+    the CPU."""
+    if model.device.type != "cpu":
+        return None
+    from ..models.dense import _CODES, linear_isa
+    if model.dtype not in _CODES:
+        return "avx2"
+    return "tiles" if linear_isa(model.dtype) in ("avx512", "amx") else "avx2"
+
+
+def row_cost_of(model) -> float:
+    """One more verified row relative to a one-row forward for ``model`` on its CPU class:
+    ``CPU_ROW_COST`` on the tiles, the measured slope of ``FORWARD_COST`` to 8 rows on AVX2."""
+    if cost_class(model) != "avx2":
+        return CPU_ROW_COST
+    table = FORWARD_COST["avx2"][str(model.dtype).removeprefix("torch.") if model.dtype in _BF16_FP32 else "float32"]
+    return round((table[8] - 1.0) / 7, 3)
+
 #: block rows a CPU self-speculative round (``ssd``, ``spiffy``) carries by default: two
 #: passes over every AMX weight tile.  Re-measured with the self-consistent round-8 adapter
 #: (smollm2-135m-bd, block size 4, 32 grid prompts, one process each, session 37;
@@ -29,6 +69,11 @@ CPU_ROW_BUDGET = 32
 #: draft_len 2 1.01x against 3 with swaps 0.90x, `spiffy` prune_to 2 1.05x against 6 0.99x)
 CPU_SMALL_ROW_BUDGET = 16
 
+#: the budget on the "avx2" cost class, greedy or not: every row is FMA work there (12 rows
+#: of fp32 cost ~2.8 one-row forwards, bf16 ~5.3: ``FORWARD_COST``), so a round carries the
+#: fewest copies a round can (the root, one draft, the next block at block size 4)
+CPU_AVX2_ROW_BUDGET = 12
+
 
 def cpu_block_copies(model, block_size: int, batch: int = 1, temperature: float = 0.0) -> int | None:
     """The most block copies (root, drafts, the next block's first state) a self-speculative
@@ -40,6 +85,8 @@ def cpu_block_copies(model, block_size: int, batch: int = 1, temperature: float 
     one-token `diffusion`, 3 1.14x; `spiffy` prune_to 2 1.17x, 8 1.14x)."""
     if model.device.type != "cpu":
         return None
+    if cost_class(model) == "avx2":
+        return max(3, CPU_AVX2_ROW_BUDGET // block_size)
     greedy_single = batch <= 1 and temperature <= 0
     return max(3, (CPU_ROW_BUDGET if greedy_single else CPU_SMALL_ROW_BUDGET) // block_size)
 
@@ -51,11 +98,12 @@ CPU_ROW_COST = 0.02
 
 
 def resolve_row_cost(model, row_cost, *, prunes: bool = True):
-    """``row_cost`` as the methods take it: "auto" (the default) is ``CPU_ROW_COST`` for a CPU
-    model whose method prunes by it (``prunes``) and None (verify everything) otherwise; None
-    or a finite number >= 0 as given."""
+    """``row_cost`` as the methods take it: "auto" (the default) is ``row_cost_of(model)`` for
+    a CPU model whose method prunes by it (``prunes``) -- ``CPU_ROW_COST`` on the tiles, the
+    measured AVX2 slope there -- and None (verify everything) otherwise; None or a finite
+    number >= 0 as given."""
     if isinstance(row_cost, str) and row_cost == "auto":
-        return CPU_ROW_COST if prunes and model.device.type == "cpu" else None
+        return row_cost_of(model) if prunes and model.device.type == "cpu" else None
     if row_cost is not None and (isinstance(row_cost, bool) or not isinstance(row_cost, (int, float))
                                  or not 0 <= row_cost < float("inf")):
         raise ValueError(f"row_cost must be 'auto', None or a finite number >= 0, got {row_cost!r}")
@@ -71,11 +119,15 @@ CPU_TREE_NODES = 7
 
 def resolve_tree(model, tree, temperature: float):
     """``tree`` as ``dflash`` takes it: "auto" (the default) is ``CPU_TREE_NODES`` for a CPU
-    model decoding greedily and None (the chain) otherwise -- at T > 0 ``verify_tree`` takes
+    model of the "tiles" cost class decoding greedily and None (the chain) otherwise -- at T > 0 ``verify_tree`` takes
     the drafts as one-hot, the chain compares against the drafter's q; None or an int >= 1
     as given."""
     if isinstance(tree, str) and tree == "auto":
-        return CPU_TREE_NODES if model.device.type == "cpu" and temperature <= 0 else None
+        # the "avx2" class: a tree's extra rows cost more than its extra accepts (SmolLM2-135M,
+        # 8 grid prompts, 2 threads, AVX2: bf16 chain 67.6 tok/s, tree 7 59.9; fp32 56.4 /
+        # 55.7; bench/results/cpu/avx2/e2e_smollm2_avx2_*.json)
+        on = model.device.type == "cpu" and temperature <= 0 and cost_class(model) != "avx2"
+        return CPU_TREE_NODES if on else None
     if tree is not None and (isinstance(tree, bool) or not isinstance(tree, int) or tree < 1):
         raise ValueError(f"tree must be 'auto', None (a chain) or an int >= 1 (draft nodes per tree), got {tree!r}")
     return tree
