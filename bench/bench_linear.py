@@ -1,5 +1,5 @@
 """The small-row projection (dspec._C.linear on the packed weight, what ``dspec.models.dense``
-runs for every row count it packs, ``PACKED_MAX_ROWS``) against torch's F.linear (oneDNN) on SmolLM2-135M's
+runs for every row count it packs, ``PACKED_MAX_ROWS_BY_ISA``) against torch's F.linear (oneDNN) on SmolLM2-135M's
 weight shapes.  The weight is packed once, outside the timing (a model packs it on its
 first forward).
 
@@ -11,7 +11,8 @@ batch x suffix), weight [N, K] cold in cache (a 64 MiB buffer is written between
 decode step streams 270 MB of weights past the cache).  GB/s counts the weight's bytes: at
 small M the op is a weight stream, so the read bandwidth measured in the same run is its
 roofline.  Per op, F.linear catches up from ~128 rows; a whole forward stays faster on
-the packed path (prefill of 65-2048 tokens), so ``dense.PACKED_MAX_ROWS`` has no limit.
+the packed path (prefill of 65-2048 tokens), so ``dense.PACKED_MAX_ROWS_BY_ISA`` has no limit
+where dspec has SIMD tiles.  ``DSPEC_CPU_ISA=avx2`` times the AVX2 tiles on a bigger CPU.
 
     python bench/bench_linear.py                 # bf16 and fp32
     python bench/bench_linear.py --quick

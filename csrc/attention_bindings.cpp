@@ -287,7 +287,8 @@ bad argument (including prefix indptr / lengths / page ids out of range).)doc");
         },
         py::arg("dtype") = -1, py::arg("head_dim") = 64,
         "The tile code cascade_attention runs on this CPU with isa='auto' for inputs of this dtype code (0 fp32, "
-        "1 fp16, 2 bf16) and head_dim: 'amx', 'avx512', 'avx2' or 'generic' (within $DSPEC_CPU_ISA); without a dtype, the code of float32 inputs.");
+        "1 fp16, 2 bf16) and head_dim: 'amx', 'avx512', 'avx2' or 'generic' (within $DSPEC_CPU_ISA); without a "
+        "dtype, the code of float32 inputs.");
 }
 
 }  // namespace dspec

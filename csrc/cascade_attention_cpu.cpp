@@ -129,7 +129,8 @@ DSPEC_CA_INLINE void pack_k_rows(const void* const* rows, int kt, std::int64_t d
   }
 }
 
-DSPEC_CPU_MULTI_V3(void, pack_k_generic, (const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp, float* out),
+DSPEC_CPU_MULTI_V3(void, pack_k_generic,
+                (const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp, float* out),
                 (rows, kt, dtype, d, dp, out)) {
   const int cols = (kt + 15) / 16 * 16;
   switch (dtype) {
@@ -156,7 +157,8 @@ DSPEC_CA_INLINE void pack_v_rows(const void* const* rows, int kt, std::int64_t d
   }
 }
 
-DSPEC_CPU_MULTI_V3(void, pack_v_generic, (const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp, float* out),
+DSPEC_CPU_MULTI_V3(void, pack_v_generic,
+                (const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp, float* out),
                 (rows, kt, dtype, d, dp, out)) {
   switch (dtype) {
     case kFloat16: pack_v_rows<kFloat16>(rows, kt, d, dp, out); break;
@@ -166,7 +168,8 @@ DSPEC_CPU_MULTI_V3(void, pack_v_generic, (const void* const* rows, int kt, int d
 }
 
 // (pre-scaled Q rows: scale is 1)
-DSPEC_CPU_MULTI_V3(void, qk_generic, (const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s, float unused6),
+DSPEC_CPU_MULTI_V3(void, qk_generic,
+                (const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s, float unused6),
                 (qp, m, dp, kt, nv, s, unused6)) {
   const int cols = 16 * nv;
   for (std::int64_t r = 0; r < m; ++r) {
@@ -181,7 +184,9 @@ DSPEC_CPU_MULTI_V3(void, qk_generic, (const float* qp, std::int64_t m, std::int6
   }
 }
 
-DSPEC_CPU_MULTI_V3(void, softmax_generic, (float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits, float* mrun, float* lrun, float* alpha),
+DSPEC_CPU_MULTI_V3(void, softmax_generic,
+                (float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits, float* mrun, float* lrun,
+                 float* alpha),
                 (s, m, kt, nv, bits, mrun, lrun, alpha)) {
   const int cols = 16 * nv;
   const std::uint64_t kt_bits = kt >= 64 ? ~std::uint64_t(0) : ((std::uint64_t(1) << kt) - 1);
@@ -214,7 +219,9 @@ DSPEC_CPU_MULTI_V3(void, softmax_generic, (float* s, std::int64_t m, int kt, int
   }
 }
 
-DSPEC_CPU_MULTI_V3(void, pv_generic, (const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t dp, const float* alpha, float* o),
+DSPEC_CPU_MULTI_V3(void, pv_generic,
+                (const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t dp,
+                 const float* alpha, float* o),
                 (p, m, kt, vrows, dp, alpha, o)) {
   for (std::int64_t r = 0; r < m; ++r) {
     float* orow = o + r * dp;

@@ -115,9 +115,8 @@ inline bool has_amx_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
   static const bool granted = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!cpu_has_avx512() || !__builtin_cpu_supports("avx512bf16") || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
-      return false;
-    }
+    if (!cpu_has_avx512() || !__builtin_cpu_supports("avx512bf16")) return false;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     if ((edx >> 22 & 1u) == 0 || (edx >> 24 & 1u) == 0) return false;
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;

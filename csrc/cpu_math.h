@@ -34,8 +34,8 @@ namespace cpu {
   static ret name##_v1 params { return name##_body args; }                                   \
   ret name params {                                                                          \
     const int level = ::dspec::cpu::isa_level();                                             \
-    return level >= ::dspec::cpu::kLevelAvx512 ? name##_v4 args                              \
-                                               : (level >= ::dspec::cpu::kLevelAvx2 ? name##_v3 args : name##_v1 args); \
+    if (level >= ::dspec::cpu::kLevelAvx512) return name##_v4 args;                          \
+    return level >= ::dspec::cpu::kLevelAvx2 ? name##_v3 args : name##_v1 args;              \
   }                                                                                          \
   static inline __attribute__((always_inline)) ret name##_body params
 #define DSPEC_CPU_MULTI_V3(ret, name, params, args)                                            \

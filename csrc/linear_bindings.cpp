@@ -224,8 +224,9 @@ given packed by linear_pack: float32 accumulation, one rounding to dtype (0 fp32
 strides ldx / ldo in elements, unit stride along k and n; bias 0 for none.  Each output is reduced in an
 order independent of m and of the thread count (batch-invariant).  isa: 'auto' (AMX tiles for bf16 where
 the CPU has AMX-BF16, else AVX-512, with AVX512_BF16 for bf16, where the CPU has it, else AVX2 + FMA +
-F16C, each within $DSPEC_CPU_ISA), 'generic', 'avx2', 'avx512' or 'amx'.  AMX and vdpbf16ps sum a k pair in different orders: their bf16 bits differ, so one process
-keeps one isa for every row count.  The GIL is released while it runs.)doc");
+F16C, each within $DSPEC_CPU_ISA), 'generic', 'avx2', 'avx512' or 'amx'.  AMX and vdpbf16ps sum a k pair in
+different orders (and AVX2 as two FMAs): their bf16 bits differ, so one process keeps one isa for every
+row count.  The GIL is released while it runs.)doc");
   m.def("linear_group", &linear_group, py::arg("x"), py::arg("dtype"), py::arg("m"), py::arg("k"),
         py::arg("weights"), py::arg("biases"), py::arg("outs"), py::arg("ns"), py::arg("num_threads") = 1,
         R"doc(linear for several packed weights of one x in one call: outs[p][m, ns[p]] = x[m, k] @ W_p^T

@@ -304,7 +304,8 @@ DSPEC_AVX2_INLINE void avx2_store(dt::elem_t<DT>* out, __m256 v, int cols) {
       std::memcpy(out, tmp, sizeof(float) * static_cast<std::size_t>(cols));
     }
   } else {
-    const __m128i h = DT == kBFloat16 ? avx2_round_bf16(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m128i h =
+        DT == kBFloat16 ? avx2_round_bf16(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     if (cols >= 8) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out), h);
     } else {
@@ -351,7 +352,8 @@ DSPEC_AVX2_INLINE void avx2_pass(const Tile& t, int r0, bool fetch) {
     for (int p = 0; p < T; ++p)
 #pragma GCC unroll 2
       for (int h = 0; h < NH; ++h) {
-        acc[i][p][h] = t.first ? _mm256_setzero_ps() : _mm256_loadu_ps(carried + i * kAccStride + p * kPanel + 8 * (H0 + h));
+        const float* c = carried + i * kAccStride + p * kPanel + 8 * (H0 + h);
+        acc[i][p][h] = t.first ? _mm256_setzero_ps() : _mm256_loadu_ps(c);
       }
   const E* rows[MR];
 #pragma GCC unroll 3
@@ -377,7 +379,9 @@ DSPEC_AVX2_INLINE void avx2_pass(const Tile& t, int r0, bool fetch) {
 #pragma GCC unroll 4
       for (int p = 0; p < T; ++p)
 #pragma GCC unroll 2
-        for (int h = 0; h < NH; ++h) _mm256_storeu_ps(carried + i * kAccStride + p * kPanel + 8 * (H0 + h), acc[i][p][h]);
+        for (int h = 0; h < NH; ++h) {
+          _mm256_storeu_ps(carried + i * kAccStride + p * kPanel + 8 * (H0 + h), acc[i][p][h]);
+        }
     return;
   }
 #pragma GCC unroll 4
