@@ -73,11 +73,12 @@ def test_greedy_equals_ar(target, k, tree):
                            redraft_min=0) for p in PROMPTS]
     assert [o.tokens for o in outs] == ref
     s = outs[0].stats
-    nodes = {None: None, "auto": 7, 12: 12}[tree]       # "auto": CPU_TREE_NODES on this CPU model
+    from dspec.decode._cpu_cost import resolve_tree
+    nodes = {None: None, "auto": resolve_tree(target, "auto", 0.0), 12: 12}[tree]   # "auto": this CPU's class
     assert s["k"] == k and s["branches"] == "vp" and s["draft_len"] == gamma - 1 and s["tree"] == nodes
     assert s["nfe"]["target"] == s["verify_forwards"] + 1
     assert s["nfe"]["drafter"] == s["nfe"]["vp_drafter"] == s["verify_forwards"]
-    first_nodes = gamma - 1 if tree is None else nodes
+    first_nodes = gamma - 1 if nodes is None else nodes
     assert 1 + min(first_nodes, gamma - 1) <= s["tree_nodes"] <= 1 + first_nodes + k * (gamma - 1)
     # the VP re-drafts fix the first draft's planted errors: more accepted than DFlash (its
     # tree: the same tree without the re-drafts)
@@ -384,19 +385,21 @@ def test_adaptive_tree_equals_ar(target, row_cost):
 
 
 def test_cpu_default_row_cost_is_measured_constant(target):
-    """row_cost="auto" (the default) prunes at _cpu_cost.CPU_ROW_COST for a CPU model --
-    the tree of an explicit 0.02 -- and falls back to the full tree for "resample" branches;
-    dflash's default is the same adaptive length."""
-    from dspec.decode._cpu_cost import CPU_ROW_COST, resolve_row_cost
+    """row_cost="auto" (the default) prunes at the measured row cost of the CPU's class
+    (_cpu_cost.row_cost_of: CPU_ROW_COST on the tiles) -- the tree of that explicit value --
+    and falls back to the full tree for "resample" branches; dflash's default is the same
+    adaptive length."""
+    from dspec.decode._cpu_cost import CPU_ROW_COST, cost_class, resolve_row_cost, row_cost_of
     n, gamma = 12, 6
     ds = drafters(target, PROMPTS, n, gamma)
     auto = dspec.generate(target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=ds, k=2)
     fixed = dspec.generate(target, PROMPTS, method="d2sd",
-                           redraft_min=0, max_new_tokens=n, drafter=ds, k=2, row_cost=CPU_ROW_COST)
+                           redraft_min=0, max_new_tokens=n, drafter=ds, k=2, row_cost=row_cost_of(target))
     assert [o.tokens for o in auto] == [o.tokens for o in fixed] == ar_tokens(target, PROMPTS, n)
     assert auto[0].stats["tree_nodes"] == fixed[0].stats["tree_nodes"]
     dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds["dflash"], branches="resample")
-    assert resolve_row_cost(target, "auto") == CPU_ROW_COST and resolve_row_cost(target, None) is None
+    assert resolve_row_cost(target, "auto") == row_cost_of(target) and resolve_row_cost(target, None) is None
+    assert (row_cost_of(target) == CPU_ROW_COST) == (cost_class(target) == "tiles")
     with pytest.raises(ValueError, match="row_cost"):
         resolve_row_cost(target, "fast")
 

@@ -124,3 +124,36 @@ def test_copy_rows_rejects_bad_indices_before_copying():
         ext.copy_rows(*args[:10], 0, 1)
     with pytest.raises(ValueError, match="dst_group_stride overlaps"):
         ext.copy_rows(*args[:4], 8, *args[5:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_isa_level_gives_the_same_bits(dtype):
+    """RMSNorm and RoPE run a copy compiled per instruction-set level (DSPEC_CPU_MULTI), picked
+    by the capped level at each call: every level this CPU has gives the same bits (no FMA
+    contraction in any copy), and the cap really switches the copy without changing them."""
+    from dspec import cpu
+    levels = ("generic", "avx2", "avx512", "amx")
+    ext = _backend.extension()
+    mine = levels[:levels.index(ext.cpu_isa_of_cpu()) + 1]
+    torch.manual_seed(2)
+    x = (torch.randn(37, 576) * 3).to(dtype)
+    w = torch.randn(576).to(dtype)
+    q, k = (torch.randn(5, 9, 64) * 2).to(dtype), (torch.randn(5, 3, 64) * 2).to(dtype)
+    cos, sin = rope_tables(torch.arange(5)[None], 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)))
+    results = {}
+    old = cpu.set_isa_cap("amx")
+    try:
+        for level in mine:
+            cpu.set_isa_cap(level)
+            assert ext.cpu_isa() == level
+            out = torch.empty_like(x)
+            ext.rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), _backend.FLOAT_CODE[dtype], 37, 576, 1e-5, 1)
+            rq, rk = q.clone(), k.clone()
+            ext.rope(rq.data_ptr(), rk.data_ptr(), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
+                     _backend.FLOAT_CODE[dtype], 5, 9, 3, 64, 1)
+            results[level] = (out, rq, rk)
+    finally:
+        cpu.set_isa_cap(old)
+    first = results[mine[0]]
+    for level in mine[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, results[level])), level

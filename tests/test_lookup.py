@@ -171,8 +171,10 @@ def test_dflash_lookup_equals_ar_and_batch_equals_singles(target, lookup, tree):
     assert batch[0].stats["mean_accepted"] >= off[0].stats["mean_accepted"]
 
 
-def test_dflash_lookup_option_checks(target):
+def test_dflash_lookup_option_checks(target, monkeypatch):
+    from dspec.decode import _cpu_cost
     from dspec.decode._cpu_cost import CPU_LOOKUP_DRAFTS
+    monkeypatch.setattr(_cpu_cost, "cost_class", lambda model: "tiles")   # the tree-default class
     p = PROMPTS[0]
     assert dspec.generate(target, p, method="dflash", max_new_tokens=4).stats["lookup"] == CPU_LOOKUP_DRAFTS
     assert dspec.generate(target, p, method="dflash", max_new_tokens=4, tree=None).stats["lookup"] is None
@@ -197,7 +199,7 @@ def test_smollm2_lookup_equals_ar_in_fp32():
     prompts = [model.tokenizer.encode("def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n"),
                model.tokenizer.encode("List the numbers one to ten, comma separated:")]
     ar = dspec.generate(model, prompts, method="ar", max_new_tokens=40)
-    looked = dspec.generate(model, prompts, method="dflash", max_new_tokens=40, lookup=7)
+    looked = dspec.generate(model, prompts, method="dflash", max_new_tokens=40, lookup=7, tree=7)
     assert [g.tokens for g in looked] == [g.tokens for g in ar]
 
 

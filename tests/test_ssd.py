@@ -218,13 +218,15 @@ def test_bad_options(model, tmp_path):
 
 @pytest.mark.parametrize("block_size, draft_len, mixed, prune_to",
                          [(2, 1, False, 4), (4, 3, True, 4), (8, 1, False, 2), (16, 1, False, 1)])
-def test_cpu_defaults_keep_a_round_within_32_rows(model, block_size, draft_len, mixed, prune_to):
-    """On the CPU the default chain / pruned graph is capped so that the root, the drafts
-    (with ssd's swapped states) and the next block's state fit 32 rows (two passes over every
-    weight tile): ssd's draft_len the longest of min(block_size - 1, 4) that fits with
-    mixed_order, spiffy's prune_to min(8, graph_size, 32 // block_size - 2); explicit values
-    are kept."""
+def test_cpu_defaults_keep_a_round_within_32_rows(model, block_size, draft_len, mixed, prune_to, monkeypatch):
+    """On a CPU of the "tiles" cost class the default chain / pruned graph is capped so that
+    the root, the drafts (with ssd's swapped states) and the next block's state fit 32 rows
+    (two passes over every weight tile): ssd's draft_len the longest of min(block_size - 1, 4)
+    that fits with mixed_order, spiffy's prune_to min(8, graph_size, 32 // block_size - 2);
+    explicit values are kept."""
+    from dspec.decode import _cpu_cost
     from dspec.decode._cpu_cost import cpu_block_copies
+    monkeypatch.setattr(_cpu_cost, "cost_class", lambda model: "tiles")
     assert cpu_block_copies(model, block_size) == max(3, 32 // block_size)
     got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size)
     assert (got.stats["draft_len"], got.stats["mixed_order"]) == (draft_len, mixed)
@@ -238,10 +240,13 @@ def test_cpu_defaults_keep_a_round_within_32_rows(model, block_size, draft_len, 
 
 
 @pytest.mark.parametrize("block_size, draft_len, prune_to", [(2, 3, 6), (4, 1, 2), (8, 1, 1)])
-def test_cpu_defaults_in_a_batch_or_sampling_keep_16_rows_a_request(model, block_size, draft_len, prune_to):
+def test_cpu_defaults_in_a_batch_or_sampling_keep_16_rows_a_request(model, block_size, draft_len, prune_to,
+                                                                     monkeypatch):
     """A batch's forward makes every row compute, and sampling accepts too little to pay for
-    a second tile pass: the per-request budget drops to 16 rows."""
+    a second tile pass: the per-request budget drops to 16 rows (the "tiles" cost class)."""
+    from dspec.decode import _cpu_cost
     from dspec.decode._cpu_cost import cpu_block_copies
+    monkeypatch.setattr(_cpu_cost, "cost_class", lambda model: "tiles")
     assert cpu_block_copies(model, block_size, 2) == max(3, 16 // block_size)
     prompts = [[3, 4, 5], [7, 8]]
     got = dspec.generate(model, prompts, method="ssd", max_new_tokens=4, block_size=block_size)
@@ -264,3 +269,20 @@ def test_default_chain_without_a_device_cap():
     assert default_chain(8, 4, None, False) == (3, False) and chain_copies(3, False) == 5
     assert default_chain(3, 16, 3, None) == (3, False)          # explicit draft_len kept, swaps dropped
     assert default_chain(None, 1, None, None) == (1, False)
+
+
+def test_cpu_defaults_on_the_avx2_class_keep_12_rows(model, monkeypatch):
+    """On the "avx2" cost class every verified row is FMA work (``_cpu_cost.FORWARD_COST``): a
+    round carries ``CPU_AVX2_ROW_BUDGET`` rows (at least the root, one draft and the next
+    block), greedy or not, and the row cost the pruning methods take is the measured slope."""
+    from dspec.decode import _cpu_cost
+    monkeypatch.setattr(_cpu_cost, "cost_class", lambda model: "avx2")
+    for block_size in (2, 4, 8):
+        want = max(3, _cpu_cost.CPU_AVX2_ROW_BUDGET // block_size)
+        assert _cpu_cost.cpu_block_copies(model, block_size) == want
+        assert _cpu_cost.cpu_block_copies(model, block_size, 2, 1.0) == want
+    table = _cpu_cost.FORWARD_COST["avx2"]["float32"]
+    assert _cpu_cost.row_cost_of(model) == round((table[8] - 1) / 7, 3) > _cpu_cost.CPU_ROW_COST
+    assert _cpu_cost.resolve_tree(model, "auto", 0.0) is None
+    got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=4)
+    assert got.stats["draft_len"] >= 1
