@@ -8,7 +8,8 @@ measured on a bigger one.  In it, per op, the path dspec's dispatch picks (``dis
 against the plain torch path (``torch``), reps interleaved round-robin:
 
 - ``dense``: SmolLM2-135M's projection shapes (q / k, gate / up, down, the tied LM head)
-  at M = 1 / 4 / 16 / 64 rows, ``dspec.models.dense.dense`` vs ``F.linear``;
+  at M = 1 / 4 / 16 / 64 rows, ``dspec.models.dense.dense`` vs ``F.linear``, the weight
+  warm in cache (a forward streams its weights from memory: the ``forward`` rows);
 - ``cascade_attention``: 9 / 3 heads of 64, 256 cached keys, N = 1 / 4 / 16 / 64 causal
   suffix rows, ``backend=None`` vs ``backend="torch"``;
 - ``rms_norm`` / ``rope``: the model's layer ops with and without the fused kernels;
@@ -137,11 +138,11 @@ def child(args) -> dict:
                       lambda: dspec.token_stats(logits, backend="torch"), reps, warmup)
                 _pair(rows, "topk_tokens", f"N={n} V={VOCAB} k=8", dtype, lambda: dspec.topk_tokens(logits, 8),
                       lambda: dspec.topk_tokens(logits, 8, backend="torch"), reps, warmup)
-                tl = logits[None]
                 drafts = torch.randint(0, VOCAB, (1, max(n - 1, 1)))
                 tl = torch.randn(1, drafts.shape[1] + 1, VOCAB).to(dtype) * 4
-                _pair(rows, "verify_chain", f"N={drafts.shape[1]} greedy", dtype, lambda: dspec.verify_chain(drafts, tl),
-                      lambda: dspec.verify_chain(drafts, tl, backend="torch"), reps, warmup)
+                _pair(rows, "verify_chain", f"N={drafts.shape[1]} greedy", dtype,
+                      lambda: dspec.verify_chain(drafts, tl), lambda: dspec.verify_chain(drafts, tl, backend="torch"),
+                      reps, warmup)
         if not args.no_forward:
             from bench_forward import dspec_forward, hf_forward, load_hf
             gen = torch.Generator().manual_seed(0)

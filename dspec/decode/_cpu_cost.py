@@ -47,7 +47,8 @@ def row_cost_of(model) -> float:
     ``CPU_ROW_COST`` on the tiles, the measured slope of ``FORWARD_COST`` to 8 rows on AVX2."""
     if cost_class(model) != "avx2":
         return CPU_ROW_COST
-    table = FORWARD_COST["avx2"][str(model.dtype).removeprefix("torch.") if model.dtype in _BF16_FP32 else "float32"]
+    name = str(model.dtype).removeprefix("torch.") if model.dtype in _BF16_FP32 else "float32"
+    table = FORWARD_COST["avx2"][name]
     return round((table[8] - 1.0) / 7, 3)
 
 #: block rows a CPU self-speculative round (``ssd``, ``spiffy``) carries by default: two
@@ -119,9 +120,9 @@ CPU_TREE_NODES = 7
 
 def resolve_tree(model, tree, temperature: float):
     """``tree`` as ``dflash`` takes it: "auto" (the default) is ``CPU_TREE_NODES`` for a CPU
-    model of the "tiles" cost class decoding greedily and None (the chain) otherwise -- at T > 0 ``verify_tree`` takes
-    the drafts as one-hot, the chain compares against the drafter's q; None or an int >= 1
-    as given."""
+    model of the "tiles" cost class decoding greedily and None (the chain) otherwise -- at
+    T > 0 ``verify_tree`` takes the drafts as one-hot, the chain compares against the
+    drafter's q; None or an int >= 1 as given."""
     if isinstance(tree, str) and tree == "auto":
         # the "avx2" class: a tree's extra rows cost more than its extra accepts (SmolLM2-135M,
         # 8 grid prompts, 2 threads, AVX2: bf16 chain 67.6 tok/s, tree 7 59.9; fp32 56.4 /

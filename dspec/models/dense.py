@@ -33,8 +33,7 @@ from .. import _backend, _library, cpu
 #:   DSPEC_CPU_ISA=avx2, one thread; bench_forward, bench/results/cpu/avx2/);
 #: - generic (no AVX2, or not x86): the portable loops are 10-30x slower than oneDNN, so
 #:   torch runs every projection there (a row's bits then depend on the rows of its call,
-#:   which the lossless methods' equality with their references assumes they do not:
-#:   docs/performance.md).
+#:   which the lossless methods' exact equality with their references assumes they do not).
 #: A limit also lets a prompt's KV round differently when prefilled whole (``ar``) or in
 #: blocks (the block-diffusion methods).
 PACKED_MAX_ROWS_BY_ISA: dict = {
@@ -57,7 +56,8 @@ def linear_isa(dtype: torch.dtype) -> str:
     if got is None:
         ext = _backend.extension()
         got = ext.linear_isa(_CODES[dtype]) if ext is not None and hasattr(ext, "linear_isa") else "generic"
-        _ISA_OF.clear()
+        if any(k[0] != key[0] for k in _ISA_OF):              # a new cap: the old answers go
+            _ISA_OF.clear()
         _ISA_OF[key] = got
     return got
 
