@@ -206,9 +206,9 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     branches : "vp" (D2SD) or "resample" (K branches sampled from the first draft's q).
     row_cost : None (verify every branch in full) or the cost of one more tree node
         relative to a one-row forward (>= 0): keep the nodes that maximise the expected
-        tokens per cost (:func:`prune_tree`; "vp" branches only); "auto" (default): 0.02
-        for a CPU model with "vp" branches (``_cpu_cost.CPU_ROW_COST``, measured), None
-        otherwise.
+        tokens per cost (:func:`prune_tree`; "vp" branches only); "auto" (default): the
+        CPU class's measured row cost for a CPU model with "vp" branches
+        (``_cpu_cost.row_cost_of``: 0.02 on AMX / AVX-512 tiles), None otherwise.
     lookup : None / 0 (off) or K' >= 1: one more branch, the prompt-lookup chain of up to
         K' tokens (:mod:`dspec.decode.lookup`), merged into the tree like the others;
         "auto" (default): ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding
@@ -216,7 +216,8 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     tree : None (the first draft verified as a chain) or N >= 1: the first draft's N best
         paths over each slot's ``TREE_TOP_K`` candidates (``dflash``'s ``tree``, pruned with
         ``row_cost`` as there), the branches grafted on; "auto" (default): as ``dflash``'s
-        (``_cpu_cost.CPU_TREE_NODES`` for a CPU model decoding greedily, None otherwise).
+        (``_cpu_cost.resolve_tree``: CPU_TREE_NODES on AMX / AVX-512 tiles decoding greedily,
+        None otherwise).
     redraft_min : re-draft a request only in cycles where its K boundaries' probabilities
         ``sum_k r_{n_k}`` (the first drafter's estimate that the target stops at one of them)
         reach this value; a cycle where no request does is ``dflash``'s cycle (no

@@ -404,13 +404,15 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         training block size minus the anchor).
     row_cost : None (verify every draft) or the cost of one more verified row relative to
         a one-row forward (>= 0): verify the drafts that maximise the expected tokens per
-        cost (:func:`verify_length`; one more host read per cycle); "auto" (default): 0.02
-        for a CPU model (``_cpu_cost.CPU_ROW_COST``, measured), None elsewhere.
+        cost (:func:`verify_length`; one more host read per cycle); "auto" (default): the
+        measured row cost of the CPU's class for a CPU model (``_cpu_cost.row_cost_of``: 0.02
+        on AMX / AVX-512 tiles, the AVX2 forwards' slope there), None elsewhere.
     tree : None (verify a chain of drafts, DFlash as published) or N >= 1: verify up to N
         draft nodes as a token tree over each slot's ``TREE_TOP_K`` best candidates
         (:func:`marginal_tree`; with ``row_cost``, the best n <= N of them); "auto"
-        (default): ``_cpu_cost.CPU_TREE_NODES`` (7, measured) for a CPU model decoding
-        greedily, the chain otherwise.
+        (default): ``_cpu_cost.CPU_TREE_NODES`` (7, measured) for a CPU model of the AMX /
+        AVX-512 tiles decoding greedily, the chain otherwise (on AVX2 a tree's rows cost more
+        than they win: ``_cpu_cost.resolve_tree``).
     lookup : None / 0 (off) or K >= 1: graft a prompt-lookup chain of up to K tokens
         (:mod:`dspec.decode.lookup`: what followed the latest earlier occurrence of the
         text's last 3- or 2-gram, prompt and output alike) onto each cycle's tree, sharing

@@ -54,8 +54,8 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
     prune_to : D* in [1, D], draft nodes verified per request and round (default
         min(8, D); on the CPU at most what keeps a round -- the root, the drafts and the
         next block's first state -- within 32 rows for one request decoded greedily, else 16
-        per request (:func:`dspec.decode._cpu_cost.cpu_block_copies` - 2: at block size 4 6
-        and 2).
+        per request, and 12 on AVX2 tiles (:func:`dspec.decode._cpu_cost.cpu_block_copies` -
+        2: at block size 4 6 and 2 on the AMX / AVX-512 tiles).
     graph : a :class:`~dspec.decode.spiffy_graph.SpiffyGraph`, a ``DraftGraph`` or a path to
         a graph JSON file, instead of the default graph (then graph_size defaults to its
         size).
