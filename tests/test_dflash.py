@@ -19,6 +19,7 @@ import dspec
 from dspec.models.dflash import (MASK, BlockDrafter, DrafterConfig, block_loss_weights,
                                  default_layer_ids, load_drafter)
 
+from conftest import needs_packed_tiles
 from tiny_checkpoints import write_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
@@ -539,6 +540,7 @@ def test_sampling_preserves_target_distribution(peaked, vocab):
 
 # ----------------------------------------------------------------------------- draft vocabulary
 
+@needs_packed_tiles
 def test_draft_vocab_checks_and_round_trip(target, tmp_path):
     d = BlockDrafter.for_target(target, block_size=4, seed=2)
     v = target.config.vocab_size
