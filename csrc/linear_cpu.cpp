@@ -724,9 +724,7 @@ struct PickAvx512 {
     static constexpr Micro fn = &micro_avx512<S, MR, T>;
   };
 };
-#endif
 
-#if DSPEC_LINEAR_X86
 template <int DT>
 struct PickAvx2 {
   template <int MR, int T>
@@ -806,8 +804,10 @@ void widened_panels(const LinearArgs& a, const float* xf, const Tile& t, int tp,
   Tile f = t;
   f.ldx = a.k;
   f.w = wf.data();
-  f.acc = nullptr;
   f.last = false;
+  // the packed 16-bit lines of the next chunk: tp a pair step, over the chunk's 2x steps
+  f.pf_end = static_cast<const char*>(t.stream_end);
+  f.pf_lines = (tp + 1) / 2;
   for (std::int64_t q0 = 0; q0 < pairs; q0 += kPairs) {
     const std::int64_t q1 = std::min(pairs, q0 + kPairs);
     avx2_widen_chunk<DT>(static_cast<const E*>(t.w), tp, q0, q1, a.k, wf.data());
@@ -818,12 +818,9 @@ void widened_panels(const LinearArgs& a, const float* xf, const Tile& t, int tp,
       const int mr = static_cast<int>(std::min<std::int64_t>(kAvx2RowBlock, a.m - i0));
       f.x = xf + i0 * a.k + 2 * q0;
       f.acc = partial.data() + i0 * kPanel * kPanelBlock;
-      // the packed 16-bit lines of the next chunk: tp a pair step, over the chunk's 2x steps
-      // (bf16, 6 / 16 rows: 39.4 / 56.5 ms against 48.6 / 77.0 without it)
+      // the next chunk's prefetch (bf16, 6 / 16 rows: 39.4 / 56.5 ms against 48.6 / 77.0 without it)
       const bool more = q1 < pairs && i0 == 0;
       f.pf = more ? reinterpret_cast<const char*>(static_cast<const E*>(t.w) + q1 * tp * kPanel * 2) : nullptr;
-      f.pf_end = static_cast<const char*>(t.stream_end);
-      f.pf_lines = (tp + 1) / 2;
       f32.fn[mr - 1][tp - 1](f);
     }
   }
@@ -868,6 +865,8 @@ void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64
       const std::int64_t steps = (a.k + step_of(DT) - 1) / step_of(DT);
       thread_local std::vector<float> partial;
       partial.resize(static_cast<std::size_t>(a.m * kPanel * kPanelBlock));
+      t.pf_end = stream_end;
+      t.pf_lines = tp;
       for (std::int64_t s0 = 0; s0 < steps; s0 += kAvx2ChunkSteps) {
         t.s0 = s0;
         t.s1 = std::min(steps, s0 + kAvx2ChunkSteps);
@@ -878,15 +877,13 @@ void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64
           t.x = x + i0 * a.ldx * item;
           t.out = out + (i0 * a.ldo + c0) * item;
           t.acc = partial.data() + i0 * kPanel * kPanelBlock;
-          // (float32 measured slower with it: 6 / 16 rows 34.5 / 54.1 ms against 28.2 / 49.4)
+          // the next chunk's prefetch, 16-bit weights only (float32 measured slower with it: 6 / 16
+          // rows 34.5 / 54.1 ms against 28.2 / 49.4)
           const bool more = DT != kFloat32 && t.s1 < steps && i0 == 0;
           t.pf = more ? static_cast<const char*>(t.w) + t.s1 * tp * kPanel * step_of(DT) * item : nullptr;
-          t.pf_end = stream_end;
-          t.pf_lines = tp;
           table.fn[mr - 1][tp - 1](t);
         }
       }
-      t.pf = nullptr;
       continue;
     }
     for (std::int64_t i0 = 0; i0 < a.m; i0 += kRowBlock) {

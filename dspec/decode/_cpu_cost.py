@@ -36,8 +36,8 @@ def cost_class(model) -> str | None:
     the CPU."""
     if model.device.type != "cpu":
         return None
-    from ..models.dense import _CODES, linear_isa
-    if model.dtype not in _CODES:
+    from ..models.dense import linear_isa
+    if model.dtype not in _BF16_FP32:                 # no packed tiles for other dtypes
         return "avx2"
     return "tiles" if linear_isa(model.dtype) in ("avx512", "amx") else "avx2"
 

@@ -64,22 +64,29 @@ def linear_isa(dtype: torch.dtype) -> str:
 
 def _packed_rows(x: torch.Tensor) -> int:
     """x's row count when the packed path can take x (else 0)."""
-    if x.dtype not in _CODES or PACKED_MAX_ROWS_BY_ISA[linear_isa(x.dtype)][x.dtype] == 0:
+    if x.dtype not in _CODES:
+        return 0
+    cap = _max_rows(x.dtype)
+    if cap == 0:
         return 0                              # no SIMD tiles here: torch, decided first
     ext = _backend.extension()
     if ext is None or not hasattr(ext, "linear_pack") or not x.is_cpu or x.dim() == 0:
         return 0
     rows = x.numel() // max(x.shape[-1], 1)
-    return rows if rows and x.is_contiguous() and within_packed_rows(rows, x.dtype) else 0
+    return rows if rows and x.is_contiguous() and (cap is None or rows <= cap) else 0
+
+
+def _max_rows(dtype: torch.dtype) -> int | None:
+    """The most rows of ``dtype`` the packed path takes (None: any): the smaller of
+    ``PACKED_MAX_ROWS_BY_ISA`` for the tiles of this CPU and ``PACKED_MAX_ROWS``."""
+    caps = [c for c in (PACKED_MAX_ROWS_BY_ISA[linear_isa(dtype)][dtype], PACKED_MAX_ROWS[dtype]) if c is not None]
+    return min(caps) if caps else None
 
 
 def within_packed_rows(rows: int, dtype: torch.dtype) -> bool:
     """Whether ``rows`` rows of ``dtype`` may take the packed path (``PACKED_MAX_ROWS_BY_ISA``
     for the tiles of this CPU, then ``PACKED_MAX_ROWS``)."""
-    by_isa = PACKED_MAX_ROWS_BY_ISA[linear_isa(dtype)][dtype]
-    if by_isa is not None and rows > by_isa:
-        return False
-    cap = PACKED_MAX_ROWS[dtype]
+    cap = _max_rows(dtype)
     return cap is None or rows <= cap
 
 
