@@ -7,9 +7,11 @@ run.
 tokens/s counts generated tokens (up to and including EOS) of all requests / wall time of
 the call, prefill included; the same prompts (HumanEval, raw text) for every engine.  For
 dspec the decode step alone is timed too (``decode_step_ms``: one token per request after
-the prompts, prefill excluded), the rate batching is about.
+the prompts, prefill excluded), the rate batching is about.  ``--methods dflash`` also times
+lossless dspec methods at batch 1 on the same prompts (greedy: the tokens must equal `ar`'s,
+recorded as ``equal_to_ar``), so dspec's fastest lossless decode meets llama.cpp in one run.
 
-    python bench/bench_ar.py [--batches 1,4,16] [--tokens 64] [--dtype float32]
+    python bench/bench_ar.py [--batches 1,4,16] [--tokens 64] [--dtype float32] [--methods dflash]
 Writes bench/results/cpu/ar.{json,png}.
 """
 from __future__ import annotations
@@ -31,10 +33,10 @@ def _prompts(n: int) -> list[str]:
     return [p.prompt for p in prompt_set("humaneval", n)]
 
 
-def run_dspec(model, prompts, tokens):
+def run_dspec(model, prompts, tokens, method="ar"):
     import dspec
     t0 = time.perf_counter()
-    outs = dspec.generate(model, prompts, method="ar", max_new_tokens=tokens)
+    outs = dspec.generate(model, prompts, method=method, max_new_tokens=tokens)
     wall = time.perf_counter() - t0
     return sum(len(o.tokens) for o in outs), wall, [o.tokens for o in outs]
 
@@ -101,6 +103,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default=None)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-llama", action="store_true")
+    p.add_argument("--methods", default="",
+                   help="comma-separated lossless dspec methods timed beside `ar` at batch 1 on the same "
+                        "prompts (e.g. dflash: the shipped drafter), each checked equal to `ar` token for token")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="ar")
     p.add_argument("--no-plot", action="store_true")
@@ -120,6 +125,9 @@ def main(argv=None) -> int:
           f"{bw['read_GBs']:.1f} GB/s -> floor {floor_ms:.1f} ms/step ({1e3 / floor_ms:.1f} tok/s at batch 1)",
           flush=True)
     engines = {"dspec": lambda ps: run_dspec(model, ps, args.tokens)}
+    methods = [m for m in args.methods.split(",") if m and m != "ar"]
+    for m in methods:
+        engines[f"dspec {m}"] = lambda ps, m=m: run_dspec(model, ps, args.tokens, method=m)
     if not args.no_hf:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         hf = AutoModelForCausalLM.from_pretrained(str(model.name_or_path), dtype=dtype).eval()
@@ -144,10 +152,11 @@ def main(argv=None) -> int:
                "notes": [n for n in (llama_note,) if n]}
     path = out_dir(args, "cpu") / f"{args.name}.json"
     prompts_all = _prompts(max(batches))
+    ar_tokens = {}
     for batch in batches:
         prompts = prompts_all[:batch]
         for engine, fn in engines.items():
-            if engine.startswith("llama") and batch > 1:
+            if (engine.startswith("llama") or engine.startswith("dspec ")) and batch > 1:
                 continue
             fn(prompts[:1])                                          # warm-up
             samples = [fn(prompts) for _ in range(args.calls)]
@@ -155,7 +164,10 @@ def main(argv=None) -> int:
             row = {"engine": engine, "batch": batch, "tokens_per_s": statistics.median(tps),
                    "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
                    "generated": samples[0][0], "loadavg": loadavg()}
+            if engine.startswith("dspec ") and ("dspec", batch) in ar_tokens:
+                row["equal_to_ar"] = all(s[2] == ar_tokens[("dspec", batch)] for s in samples)
             if engine == "dspec":
+                ar_tokens[("dspec", batch)] = samples[0][2]
                 row["decode_step_ms"] = dspec_step_ms(model, prompts)
                 row["decode_tokens_per_s"] = batch * 1e3 / row["decode_step_ms"]
             if batch == 1:
@@ -170,6 +182,14 @@ def main(argv=None) -> int:
     for batch in batches:
         if ("transformers", batch) in by:
             ratios[f"dspec/transformers batch {batch}"] = by[("dspec", batch)] / by[("transformers", batch)]
+        for m in methods:
+            if (f"dspec {m}", batch) in by:
+                ratios[f"dspec {m}/ar batch {batch}"] = by[(f"dspec {m}", batch)] / by[("dspec", batch)]
+                if ("llama.cpp (Q4_1)", batch) in by:
+                    ratios[f"dspec {m}/llama.cpp batch {batch}"] = (by[(f"dspec {m}", batch)]
+                                                                     / by[("llama.cpp (Q4_1)", batch)])
+        if ("llama.cpp (Q4_1)", batch) in by:
+            ratios[f"dspec/llama.cpp batch {batch}"] = by[("dspec", batch)] / by[("llama.cpp (Q4_1)", batch)]
         if batch > 1:
             ratios[f"dspec batch {batch}/batch 1"] = by[("dspec", batch)] / by[("dspec", 1)]
             steps = {r["batch"]: r["decode_tokens_per_s"] for r in rows if r["engine"] == "dspec"}
