@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,7 +32,9 @@ def load_state(path, what: str, *, keys=(), map_location="cpu") -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{what}: {path} is not a file")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():        # a bare pickle's protocol note is noise here
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            state = torch.load(path, map_location=map_location, weights_only=True)
     except OSError:
         raise
     except Exception as e:  # noqa: BLE001 - every unpickling failure is a bad file
@@ -49,8 +52,11 @@ def load_state(path, what: str, *, keys=(), map_location="cpu") -> dict:
 def _reason(exc: Exception) -> str:
     """The gist of torch's (long, multi-paragraph) weights-only refusal."""
     text = str(exc)
-    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"Unsupported operand \d+", text)
+    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
     if m:
-        return f"it asks to build {m.group(1)}" if m.groups() else m.group(0)
+        return f"it asks to build {m.group(1)}"
+    m = re.search(r"Unsupported operand (\d+)", text)
+    if m:
+        return f"it uses a pickle instruction (operand {m.group(1)}) the weights-only reader refuses"
     first = next((line.strip() for line in text.splitlines() if line.strip()), "")
     return f"{type(exc).__name__}: {first[:200]}" if first else type(exc).__name__
