@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .._cli import dumps, run_command
 from .. import tasks
+from .._cli import dumps, run_command
 from ..decode.generate import generate
 from .data import is_heldout_problem
 

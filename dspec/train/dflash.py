@@ -53,9 +53,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .._cli import dumps, run_command
 from ..decode.dflash import draft_columns, vocab_ids
 from ..models.dflash import MASK, BlockDrafter, block_loss_weights
-from .._cli import dumps, run_command
 from .data_engine import heldout_split, parse_source_weights
 from .loop import BudgetedLoop
 
