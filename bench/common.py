@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import platform
 import socket
@@ -41,6 +40,7 @@ if str(REPO_ROOT) not in sys.path:  # run as `python bench/bench_x.py` from anyw
     sys.path.insert(0, str(REPO_ROOT))
 
 from dspec.bench_e2e import device_name, device_slug  # noqa: E402  (one copy of the machine helpers)
+from dspec._cli import dumps  # noqa: E402  (strict JSON: non-finite floats as null)
 
 ANCHOR = "chain"  # backend name of the naive multi-kernel PyTorch anchor rows
 REFERENCE = "torch"  # backend name of the dspec torch reference rows
@@ -309,7 +309,7 @@ def out_dir(args, device: str) -> Path:
 
 def write_json(path: Path, payload: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str))
+    tmp.write_text(dumps(payload, indent=1, default=str))
     os.replace(tmp, path)
 
 

@@ -218,7 +218,7 @@ device = os.environ["DEVICE"]
 t0 = time.perf_counter()
 base = dspec.load("smollm2-135m", device=device, dtype=torch.float32).eval()
 bd = dspec.load("smollm2-135m-bd", device=device, dtype=torch.float32).eval()
-data = torch.load(run_dir / "data.pt", weights_only=False)
+data = torch.load(run_dir / "data.pt", weights_only=True)
 nbytes_of = token_byte_lengths(bd.tokenizer).to(device)
 n_rows = int(os.environ["EVAL_ROWS"])
 

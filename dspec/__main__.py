@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 
+from dspec._cli import dumps, error_line, json_safe, run_command
 from dspec.bench_e2e import parse_value  # noqa: F401  (re-exported: the CLI's value parser)
 
 # the method options with a flag of their own (DESIGN.md's common names)
@@ -71,10 +72,6 @@ def read_batch_file(path: str) -> list[str]:
     return prompts
 
 
-def _json_safe(stats: dict) -> dict:
-    return json.loads(json.dumps(stats, default=str))
-
-
 def _generate(args, parser) -> int:
     import dspec
     from dspec.bench_e2e import is_chat_model
@@ -119,7 +116,7 @@ def _generate(args, parser) -> int:
             kw["drafter"] = drafter
         outs = dspec.generate(model, texts if args.batch_file is not None else texts[0], **kw)
     except ValueError as e:
-        msg = str(e)
+        msg = error_line(e)
         if args.drafter and "drafter" in msg:
             msg = msg.replace("drafter=", "--drafter ")
         print(f"\nerror: {msg}", file=sys.stderr)
@@ -127,8 +124,8 @@ def _generate(args, parser) -> int:
     outs = outs if isinstance(outs, list) else [outs]
     if args.json:
         for p, out in zip(prompts, outs):
-            print(json.dumps({"prompt": p, "text": out.text, "tokens": out.tokens,
-                              "stats": _json_safe(out.stats)}))
+            print(dumps({"prompt": p, "text": out.text, "tokens": out.tokens,
+                         "stats": json_safe(out.stats)}))
         return 0
     for i, out in enumerate(outs):
         if len(outs) > 1:
@@ -136,7 +133,7 @@ def _generate(args, parser) -> int:
         print(out.text)
     stats = {k: v for k, v in outs[0].stats.items() if k != "new_tokens"}
     stats["new_tokens"] = [len(o.tokens) for o in outs] if len(outs) > 1 else len(outs[0].tokens)
-    print(json.dumps(_json_safe(stats)), file=sys.stderr)
+    print(dumps(json_safe(stats)), file=sys.stderr)
     return 0
 
 
@@ -233,6 +230,13 @@ def _bench(args, parser) -> int:
 
 
 def main(argv=None) -> int:
+    """Run one command; returns its exit status.  Bad flags exit 2 through argparse; user
+    errors of the command (a bad value, a missing model or file, an unusable path) print one
+    ``error:`` line and return 2; Ctrl-C returns 130 (``dspec._cli.run_command``)."""
+    return run_command(_main, argv)
+
+
+def _main(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from dspec.cpu import apply_threads

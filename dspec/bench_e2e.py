@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
+import math
 import os
 import platform
 import re
@@ -70,6 +70,7 @@ from pathlib import Path
 
 import torch
 
+from ._cli import dumps, json_safe, run_command
 from .cpu import cpu_model, loadavg
 
 NAME = "e2e"
@@ -260,10 +261,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _json_safe(obj):
-    return json.loads(json.dumps(obj, default=str))
-
-
 def parse_value(text: str):
     """``--option`` values: true/false -> bool, none -> None, then int, float, else str."""
     low = text.strip().lower()
@@ -385,11 +382,43 @@ def add_threads_argument(p) -> None:
                         "shared with another busy job use fewer threads than cores)")
 
 
+# seeds: each timed call adds its prompt offset to --seed, and torch's generators take < 2**64
+MAX_SEED = 2 ** 63 - 1
+
+
+def _check_global_flags(args, parser) -> None:
+    """The flags every configuration shares, checked before anything runs: a value no
+    configuration could run with is an argparse error (exit 2), never a grid of skips."""
+    for flag in ("prompts", "max_new_tokens", "batch"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not math.isfinite(args.temperature):
+        parser.error(f"--temperature must be a finite number (<= 0: greedy), got {args.temperature}")
+    if not 0 <= args.seed <= MAX_SEED:
+        parser.error(f"--seed must lie in [0, 2**63 - 1], got {args.seed}")
+    try:
+        torch.device(args.device)
+    except (RuntimeError, TypeError, ValueError):
+        parser.error(f"--device must be a torch device such as cpu or cuda, got {args.device!r}")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out} is a file, not a directory")
+    if args.drafter is not None:
+        from .hub import available_models
+        from .models.dflash import ASSETS
+        models = available_models()
+        for part in args.drafter.split(","):
+            if not part.strip():
+                parser.error(f"--drafter {args.drafter!r}: an empty name")
+            if not (Path(part).expanduser().is_dir() or part in models or (ASSETS / part).is_dir()):
+                drafters = sorted(p.name for p in ASSETS.iterdir() if p.is_dir()) if ASSETS.is_dir() else []
+                parser.error(f"--drafter {part!r} is neither a directory, a shipped model ({models}) nor a "
+                             f"shipped drafter ({drafters})")
+
+
 def _check_args(args, parser) -> tuple[list[Config], list[str]]:
+    _check_global_flags(args, parser)
     if args.quick:
         args.prompts, args.max_new_tokens = min(args.prompts, 2), 16
-    if args.prompts < 1 or args.max_new_tokens < 1 or args.batch < 1:
-        parser.error("--prompts, --max-new-tokens and --batch must be >= 1")
     if args.model:
         args.dllm = args.target = args.model
     sets = [s.strip() for s in args.prompt_sets.split(",") if s.strip()]
@@ -561,7 +590,7 @@ def _load_drafter(spec: str, method: str, model, device, dtype, loaded: dict):
 
 def _write(path: Path, payload: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str))
+    tmp.write_text(dumps(payload, indent=1, default=str))
     os.replace(tmp, path)
 
 
@@ -649,7 +678,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             continue
         todo.append((c, opts, model))
     payload["configs"] = [{"name": c.name, "method": c.method, "family": c.family,
-                           "model": names[c.family], "options": _json_safe(o)} for c, o, _ in todo]
+                           "model": names[c.family], "options": json_safe(o)} for c, o, _ in todo]
     _write(path, payload)
 
     drafters = {}
@@ -722,7 +751,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
                        "nfe": {k: int(v) for k, v in stats.get("nfe", {}).items()},
                        "mean_accepted": stats.get("mean_accepted"), "correct": correct,
                        "wall_split_s": _wall_split(stats),
-                       "stats": _json_safe({k: v for k, v in stats.items()
+                       "stats": json_safe({k: v for k, v in stats.items()
                                             if k not in ("wall_s", "tokens_per_s", "nfe")}),
                        "texts": [g.text for g in gens]}
                 calls_of[(c.name, pset)].append(row)
@@ -741,7 +770,8 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     summaries.sort(key=lambda r: (order.get(r["config"], len(order)), sets.get(r["prompt_set"], len(sets))))
     bar.close()
     payload["env"]["loadavg_end"] = loadavg()
-    payload["complete"] = True
+    # a grid where no configuration ran (every one skipped or failed) measured nothing
+    payload["complete"] = bool(summaries)
     add_speedups(summaries)
     add_lossless_checks(summaries, payload["calls"], args.temperature)
     _write(path, payload)
@@ -753,6 +783,10 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         except Exception as e:  # noqa: BLE001 - a plot failure must not lose the JSON
             print(f"plot failed: {e!r}", file=sys.stderr)
     print(report(payload))
+    if not summaries:
+        print(f"error: no configuration ran ({len(payload['skipped'])} skipped, {len(payload['errors'])} "
+              f"failed; the reasons are in {path})", file=sys.stderr)
+        return 1
     return 1 if payload["errors"] else 0
 
 
@@ -851,9 +885,12 @@ def build_parser(prog: str | None = "python -m dspec bench") -> argparse.Argumen
 
 
 def main(argv=None, prog: str | None = "python -m dspec bench") -> int:
-    """Parse ``argv`` (default ``sys.argv[1:]``) and run the grid; returns the exit status."""
-    parser = build_parser(prog)
-    return run(parser.parse_args(argv), parser)
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the grid; returns the exit status
+    (user errors: one ``error:`` line and 2, Ctrl-C: 130; ``dspec._cli.run_command``)."""
+    def _main():
+        parser = build_parser(prog)
+        return run(parser.parse_args(argv), parser)
+    return run_command(_main)
 
 
 if __name__ == "__main__":

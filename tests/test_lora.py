@@ -107,7 +107,7 @@ def test_bd_adapt_lora_trains_only_the_adapter_and_loads_through_the_hub(llama, 
     from dspec.train.lora import read_adapter_config
     out = tmp_path / "run"
     first = run_lora_adapt(llama, out, 1)
-    start = torch.load(out / "checkpoint.pt", weights_only=False)
+    start = torch.load(out / "checkpoint.pt", weights_only=True)
     assert set(start["model"]) == {k for k in start["model"] if k.endswith(("lora_A", "lora_B", ".rows"))}
     summary = run_lora_adapt(llama, out, 12, resume=True)
     assert summary["family"] == "fast_dllm_v2" and summary["steps"] == 12 and summary["lora_rank"] == 4
@@ -115,7 +115,7 @@ def test_bd_adapt_lora_trains_only_the_adapter_and_loads_through_the_hub(llama, 
     loss = [r["loss"] for r in json.loads((out / "train_log.json").read_text())["train"]]
     assert loss[-1] < loss[0]
     assert summary["heldout"]["arithmetic/bs4"]["nats_per_token"] < first["heldout"]["arithmetic/bs4"]["nats_per_token"]
-    end = torch.load(out / "checkpoint.pt", weights_only=False)
+    end = torch.load(out / "checkpoint.pt", weights_only=True)
     assert any(not torch.equal(start["model"][k], end["model"][k]) for k in start["model"])
     config = read_adapter_config(out / "adapter")
     assert config["meta"]["block_diffusion"]["family"] == "fast_dllm_v2"

@@ -258,5 +258,5 @@ def test_bd_adapt(tmp_path, source, family):
     out = dspec.generate(adapted, [5, 6, 7], method="diffusion", max_new_tokens=4)
     assert len(out.tokens) == 4
     # step 0 of the adaptation (zero q/k/v biases) is the source model itself
-    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     assert any(k.endswith("q_proj.bias") for k in state["model"]) == (family == "fast_dllm_v2")

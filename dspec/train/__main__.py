@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from .._cli import dumps, error_line, run_command
 
 
 def main(argv=None) -> int:
@@ -69,11 +70,11 @@ def main(argv=None) -> int:
                              lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                              lora_targets=tuple(args.lora_targets.split(",")) if args.lora_targets else None)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return 2
-    print(json.dumps(summary, indent=2))
+    print(dumps(summary, indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

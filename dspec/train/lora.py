@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._cli import dumps
 from ..models.dense import dense
 from ..models.transformer import Model
 from .trainer import Trainer
@@ -312,7 +313,7 @@ def save_adapter(out_dir, model: Model, base_name: str, meta: dict | None = None
     config = {"format": ADAPTER_FORMAT, "base_name": base_name, "base_fingerprint": base_fingerprint(model),
               "base_family": model.family, "lora": asdict(cfg), "num_tensors": len(state),
               "num_parameters": int(sum(t.numel() for t in state.values())), "meta": meta or {}}
-    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / ADAPTER_CONFIG).write_text(dumps(config, indent=2) + "\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
         os.replace(tmp / f, out_dir / f)

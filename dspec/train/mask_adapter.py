@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._cli import dumps, run_command
 from ..models.mask_adapter import MaskAdapter
 from ..models.transformer import Model, rope_tables
 from .data_engine import heldout_split
@@ -47,6 +48,16 @@ from .objectives import additive_mask
 __all__ = ["two_stream_logits", "noisy_mask", "frozen_projections_bf16", "mask_adapter_loss", "MaskAdapterLoss",
            "noise_blocks", "mask_diffusion_model", "save_mask_adapter", "load_mask_adapter", "is_mask_adapter",
            "MaskAdapterConfig", "MaskAdapterTrainer", "ADAPTER_FORMAT"]
+
+
+CHECKPOINT_KEYS = ("adapter", "opt", "step", "total_steps", "log", "evals", "wall_s")
+
+
+def read_checkpoint(path, *, map_location="cpu") -> dict:
+    """A mask-adapter run's ``checkpoint.pt``, read without running code from it
+    (:func:`dspec.train.state_files.load_state`); ValueError when it is not one."""
+    from .state_files import load_state
+    return load_state(path, "resume: checkpoint.pt", keys=CHECKPOINT_KEYS, map_location=map_location)
 
 
 def noisy_mask(positions: torch.Tensor, is_mask: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -274,7 +285,7 @@ def save_mask_adapter(model: Model, out_dir, *, base_name: str, base_fingerprint
               "rank": adapter.rank, "alpha": adapter.alpha, "targets": list(adapter.targets),
               "mask_token_id": adapter.mask_token_id, "block_size": model.block_size,
               "num_parameters": int(sum(t.numel() for t in state.values())), "meta": meta or {}}
-    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / ADAPTER_CONFIG).write_text(dumps(config, indent=2) + "\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
         os.replace(tmp / f, out_dir / f)
@@ -534,11 +545,14 @@ class MaskAdapterTrainer(BudgetedLoop):
         self.export()
         return path
 
-    def resume(self) -> bool:
+    def resume(self, state: dict | None = None) -> bool:
+        """Load ``checkpoint.pt`` when present (or ``state``, read earlier by
+        :func:`read_checkpoint`); True if it did."""
         path = self.out / "checkpoint.pt"
-        if not path.is_file():
-            return False
-        state = torch.load(path, weights_only=False, map_location=self.device)
+        if state is None:
+            if not path.is_file():
+                return False
+            state = read_checkpoint(path, map_location=self.device)
         if state.get("base_fingerprint") != self.base_fingerprint:
             raise ValueError(f"resume: {path} was trained on other base weights")
         params = dict(self.model.named_parameters())
@@ -556,7 +570,7 @@ class MaskAdapterTrainer(BudgetedLoop):
         meta = {"data": self.data_info, "step": self.step, "total_steps": self.total_steps,
                 "wall_s": round(self.wall_s, 1), "heldout": self.evals[-1] if self.evals else None,
                 "config": asdict(self.cfg)}
-        (self.out / "train_log.json").write_text(json.dumps(dict(meta, train=self.log, evals=self.evals), indent=1))
+        (self.out / "train_log.json").write_text(dumps(dict(meta, train=self.log, evals=self.evals), indent=1))
         path = save_mask_adapter(self.model, self.out / "adapter", base_name=self.base_name,
                                  base_fingerprint=self.base_fingerprint, meta=meta)
         evals = [{"step": e["step"], **{f"bs{b}": {"nats_per_token": e[f"bs{b}"]} for b in self.cfg.eval_block_sizes}}
@@ -606,6 +620,10 @@ def main(argv=None) -> dict:
     from ..hub import load
     from .data_engine import read_directories
     from .lora import base_fingerprint
+    out = Path(args.out)
+    # the checkpoint to continue is read (and checked) before any work; it never runs code
+    ckpt = out / "checkpoint.pt"
+    resume_state = read_checkpoint(ckpt) if args.resume and ckpt.is_file() else None
     apply_threads(args.threads)
     try:
         sizes = tuple(int(b) for b in args.block_sizes.split(","))
@@ -620,7 +638,6 @@ def main(argv=None) -> dict:
         sequences, data_info = read_directories(args.data.split(","))
     except ValueError as e:
         ap.error(str(e))
-    out = Path(args.out)
     if (out / "checkpoint.pt").exists() and not args.resume:
         ap.error(f"{out / 'checkpoint.pt'} exists: pass --resume to continue or choose another --out")
     base = load(args.base, dtype="float32")
@@ -631,7 +648,7 @@ def main(argv=None) -> dict:
     model = mask_diffusion_model(base, block_size=cfg.block_size, mask_token_id=mask_id, rank=cfg.rank,
                                  alpha=cfg.alpha, targets=cfg.targets, seed=cfg.seed)
     del base
-    if args.init and not (args.resume and (out / "checkpoint.pt").is_file()):
+    if args.init and resume_state is None:
         from ..hub import ADAPTED, adapter_dir
         try:
             init_mask_adapter(model, adapter_dir(args.init) if args.init in ADAPTED else args.init)
@@ -643,13 +660,15 @@ def main(argv=None) -> dict:
                                      base_fingerprint=fingerprint, data_info=info)
     except ValueError as e:
         ap.error(str(e))
-    if args.resume:
-        trainer.resume()
+    if resume_state is not None:
+        trainer.resume(resume_state)
+        del resume_state
     result = trainer.train(minutes=args.minutes, max_steps=args.max_steps)
     result["adapter"] = str(out / "adapter")
-    print(json.dumps(result, indent=1))
+    print(dumps(result, indent=1))
     return result
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    sys.exit(run_command(main))

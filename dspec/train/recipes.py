@@ -27,7 +27,6 @@ directory (``<out>/model``) that ``dspec.load`` reads.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import time
@@ -36,13 +35,14 @@ from pathlib import Path
 
 import torch
 
+from .._cli import dumps
 from ..models.config import FAMILIES, parse_config
 from ..models.loader import checkpoint_names
 from ..models.shipped import SHIPPED
 from ..models.transformer import Model
 from .data import DataSpec, PackedData, build_data, token_byte_lengths, tokenizer_corpus
 from .tokenizer import MASK_TOKEN, save_tokenizer, train_tokenizer
-from .trainer import TrainConfig, Trainer
+from .trainer import TrainConfig, Trainer, read_checkpoint
 
 __all__ = ["Recipe", "RECIPES", "get_recipe", "run_recipe", "tiny_config", "export_checkpoint",
            "adapt_causal_model", "load_adapted"]
@@ -219,9 +219,9 @@ def export_checkpoint(model: Model, raw_config: dict, tokenizer_dir, out_dir, *,
     raw = dict(raw_config, torch_dtype=dtype)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(tmp / "model.safetensors", 0o644)          # safetensors writes 0600
-    (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (tmp / "config.json").write_text(dumps(raw, indent=2) + "\n")
     gen = {"eos_token_id": raw.get("eos_token_id"), "pad_token_id": raw.get("pad_token_id")}
-    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    (tmp / "generation_config.json").write_text(dumps(gen, indent=2) + "\n")
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         src = Path(tokenizer_dir) / f
         if src.is_file():
@@ -235,6 +235,17 @@ def export_checkpoint(model: Model, raw_config: dict, tokenizer_dir, out_dir, *,
 
 
 # --------------------------------------------------------------------------- running
+
+
+def load_packed_data(path) -> PackedData:
+    """A run's ``data.pt`` (:meth:`PackedData.state`), read without running code from it."""
+    from .state_files import load_state
+    state = load_state(path, "data.pt", keys=("train", "train_source", "heldout"))
+    if not (torch.is_tensor(state["train"]) and torch.is_tensor(state["train_source"])
+            and isinstance(state["heldout"], dict)):
+        raise ValueError(f"data.pt: {path} does not hold packed rows (train, train_source tensors and a "
+                         f"heldout dict)")
+    return PackedData(state["train"], state["train_source"], state["heldout"], int(state.get("seed", 0)))
 
 
 def _tokenizer_dir(recipe: Recipe, out: Path, tokenizer, init_dir: Path | None, progress: bool) -> Path:
@@ -324,6 +335,8 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
     ckpt = out / "checkpoint.pt"
     if ckpt.exists() and not resume:
         raise ValueError(f"{ckpt} exists: pass resume=True (--resume) to continue it, or another out")
+    # read (and check) the checkpoint before any data or model work; it never runs code
+    resume_state = read_checkpoint(ckpt) if resume and ckpt.is_file() else None
     out.mkdir(parents=True, exist_ok=True)
     if minutes is None and max_steps is None and not resume:
         minutes = recipe.minutes
@@ -374,8 +387,7 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
     data_file = out / "data.pt"
     rows = num_rows or recipe.num_rows
     if data_file.is_file():
-        state = torch.load(data_file, weights_only=False)
-        data = PackedData(**state)
+        data = load_packed_data(data_file)
     else:
         if progress:
             print(f"[{recipe.name}] tokenising the corpus into {rows} rows of {data_spec.seq_len}", flush=True)
@@ -408,8 +420,9 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
 
     trainer = trainer_cls(model, data, tcfg, out, device=device, mask_token_id=mask_id,
                           byte_lengths=token_byte_lengths(tok), export=export, meta=meta, plot=plot)
-    if resume:
-        trainer.resume()
+    if resume_state is not None:
+        trainer.resume(resume_state)
+        del resume_state
     final = trainer.train(minutes=minutes, max_steps=max_steps, progress=progress)
     summary = {"recipe": recipe.name, "family": family, "parameters": n_params, "steps": trainer.step,
                "total_steps": trainer.total_steps, "tokens_seen": trainer.tokens_seen,
@@ -419,5 +432,5 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
         summary.pop("model_dir")
         summary.update(adapter_dir=str(out / "adapter"), lora_rank=lora_rank,
                        trainable_parameters=meta["trainable_parameters"])
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.json").write_text(dumps(summary, indent=2) + "\n")
     return summary

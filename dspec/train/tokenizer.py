@@ -15,9 +15,10 @@ transformers' ``PreTrainedTokenizerFast``) read.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
+
+from .._cli import dumps
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|MASK|>"
@@ -82,8 +83,8 @@ def save_tokenizer(tok, directory) -> Path:
               "clean_up_tokenization_spaces": False, "add_bos_token": False,
               "add_eos_token": False, "bos_token": None, "unk_token": None,
               "added_tokens_decoder": added, **specials}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (directory / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
+    (directory / "tokenizer_config.json").write_text(dumps(config, indent=2) + "\n")
+    (directory / "special_tokens_map.json").write_text(dumps(specials, indent=2) + "\n")
     return directory
 
 

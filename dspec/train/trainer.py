@@ -16,7 +16,6 @@
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .._cli import dumps
 from ..models.transformer import Model
 from .data import PackedData
 from .loop import fit_length
@@ -105,6 +105,16 @@ class TrainConfig:
                     or sum(self.block_weights) <= 0:
                 raise ValueError("block_weights must be one weight >= 0 per block size, not all 0")
         self.eval_block_sizes = tuple(int(b) for b in self.eval_block_sizes)
+
+
+CHECKPOINT_KEYS = ("model", "optimizer", "step", "total_steps", "tokens_seen", "wall_s", "log", "evals")
+
+
+def read_checkpoint(path, *, map_location="cpu") -> dict:
+    """A :class:`Trainer`'s checkpoint.pt, read without running code from it
+    (:func:`dspec.train.state_files.load_state`); ValueError when it is not one."""
+    from .state_files import load_state
+    return load_state(path, "resume: checkpoint.pt", keys=CHECKPOINT_KEYS, map_location=map_location)
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int | None) -> float:
@@ -207,11 +217,13 @@ class Trainer:
             self.export(self.model, self)
         return self.checkpoint_path
 
-    def resume(self) -> bool:
-        """Load checkpoint.pt from ``out_dir`` when it exists; True when it did."""
-        if not self.checkpoint_path.is_file():
-            return False
-        state = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+    def resume(self, state: dict | None = None) -> bool:
+        """Load checkpoint.pt from ``out_dir`` when it exists (or ``state``, read earlier by
+        :func:`read_checkpoint`); True when it did."""
+        if state is None:
+            if not self.checkpoint_path.is_file():
+                return False
+            state = read_checkpoint(self.checkpoint_path, map_location=self.device)
         self.load_state_dict(state)
         return True
 
@@ -220,7 +232,7 @@ class Trainer:
         summary = {"config": asdict(self.cfg), "meta": self.meta, "step": self.step,
                    "total_steps": self.total_steps, "tokens_seen": self.tokens_seen,
                    "wall_s": round(self.wall_s, 1), "train": self.log, "heldout": self.evals}
-        (self.out_dir / LOG_JSON).write_text(json.dumps(summary, indent=1) + "\n")
+        (self.out_dir / LOG_JSON).write_text(dumps(summary, indent=1) + "\n")
         if not self.plot:
             return
         try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .._cli import run_command
 from .dflash import DrafterTrainConfig, main as _main
 
 
@@ -59,4 +60,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    sys.exit(run_command(main))
