@@ -3,8 +3,10 @@ NaN / inf rows and malformed trees (invalid inputs included on purpose), and eac
 must either raise ValueError or equal the torch oracle (``backend="torch"``) -- never any
 other exception.  Seeded (derandomize) and bounded: FUZZ_EXAMPLES cases per op.
 """
+import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -220,3 +222,64 @@ def test_cascade_attention_and_merge(data):
     lse_a = floats(data, (rows,), torch.float32, low=-5, high=5)
     lse_b = floats(data, (rows,), torch.float32, low=-5, high=5)
     check(dspec.merge_states, o_a, lse_a, o_b, lse_b, atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------------- dspec.generate's options
+#
+# Every method's options on the tiny models: any value decodes or raises ValueError -- never
+# another exception, a hang (the deadline) or a huge allocation (the size bounds reject the
+# huge values before any work).  A few examples per method, so the whole sweep takes seconds.
+
+GENERATE_EXAMPLES = int(os.environ.get("DSPEC_GENERATE_FUZZ_EXAMPLES", "12"))
+GENERATE_FUZZ = settings(max_examples=GENERATE_EXAMPLES, deadline=20_000, derandomize=True, database=None,
+                         suppress_health_check=list(HealthCheck))
+_MODELS = {}
+#: past every size bound of the tiny models (context 4096, MAX_DRAFT_LEN 256, ...)
+HUGE = (5000, 10 ** 6, 10 ** 9, 2 ** 62)
+ANY_VALUE = st.one_of(st.integers(-3, 10), st.sampled_from(HUGE),
+                      st.sampled_from([None, True, False, 0.0, 0.5, 1.0, 2.5, -1.0, float("nan"), float("inf"),
+                                       "auto", "x", "1,2", [], [1, 2], {"a": 1}]))
+#: values that would make ``spiffy`` calibrate a new graph (minutes): only the shipped ones
+SHIPPED_ONLY = {("spiffy", "block_size"): (None, 4, 8, 16), ("spiffy", "graph_size"): (None, 16)}
+
+
+def _tiny(name):
+    if name not in _MODELS:
+        _MODELS[name] = dspec.load(name)
+    return _MODELS[name]
+
+
+def _option_value(data, method, name):
+    if (method, name) in SHIPPED_ONLY:
+        return data.draw(st.one_of(st.sampled_from(SHIPPED_ONLY[method, name]), st.sampled_from(HUGE),
+                                   st.sampled_from([-1, 0, 2.5, "x", float("nan")])), label=name)
+    return data.draw(ANY_VALUE, label=name)
+
+
+@pytest.mark.parametrize("method", ["ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd"])
+def test_generate_options(method, tmp_path_factory, monkeypatch):
+    from dspec.decode.generate import method_module
+    monkeypatch.setenv("DSPEC_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    module = method_module(method)
+    model = _tiny("tiny-ar" if method in ("ar", "diffuspec", "dflash", "d2sd") else "tiny-bd")
+    names = list(module.OPTIONS)
+
+    @GENERATE_FUZZ
+    @given(st.data())
+    def run(data):
+        chosen = data.draw(st.lists(st.sampled_from(names), max_size=3, unique=True), label="options") \
+            if names else []
+        options = {name: _option_value(data, method, name) for name in chosen}
+        temperature = data.draw(st.sampled_from([0.0, 1.0]), label="temperature")
+        start = time.perf_counter()
+        try:
+            out = dspec.generate(model, "def add(a, b):", method=method, max_new_tokens=6, temperature=temperature,
+                                 seed=0, **options)
+        except ValueError:
+            return
+        finally:
+            assert time.perf_counter() - start < 15, options
+        assert 1 <= len(out.tokens) <= 6
+        json.dumps(out.stats, allow_nan=False)
+
+    run()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ._bounds import MAX_DRAFT_LEN, MAX_TREE_NODES, check_max
+
 _BF16_FP32 = (torch.bfloat16, torch.float32)
 
 #: A forward of N rows of SmolLM2-135M after 256 cached tokens relative to a one-row forward,
@@ -122,7 +124,7 @@ def resolve_tree(model, tree, temperature: float):
     """``tree`` as ``dflash`` takes it: "auto" (the default) is ``CPU_TREE_NODES`` for a CPU
     model of the "tiles" cost class decoding greedily and None (the chain) otherwise -- at
     T > 0 ``verify_tree`` takes the drafts as one-hot, the chain compares against the
-    drafter's q; None or an int >= 1 as given."""
+    drafter's q; None or an int in [1, ``MAX_TREE_NODES``] as given."""
     if isinstance(tree, str) and tree == "auto":
         # the "avx2" class: a tree's extra rows cost more than its extra accepts (SmolLM2-135M,
         # 8 grid prompts, 2 threads, AVX2: bf16 chain 67.6 tok/s, tree 7 59.9; fp32 56.4 /
@@ -131,6 +133,7 @@ def resolve_tree(model, tree, temperature: float):
         return CPU_TREE_NODES if on else None
     if tree is not None and (isinstance(tree, bool) or not isinstance(tree, int) or tree < 1):
         raise ValueError(f"tree must be 'auto', None (a chain) or an int >= 1 (draft nodes per tree), got {tree!r}")
+    check_max("tree", tree, MAX_TREE_NODES, "MAX_TREE_NODES")
     return tree
 
 
@@ -148,12 +151,13 @@ def resolve_lookup(model, lookup, *, tree: bool, temperature: float, batch: int)
     """``lookup`` as ``dflash`` / ``d2sd`` / ``diffuspec`` take it: "auto" (the default) is
     ``CPU_LOOKUP_DRAFTS`` for a CPU model decoding greedily a batch of at most
     ``CPU_LOOKUP_MAX_BATCH`` requests whose cycles verify a tree (``tree``), None otherwise;
-    None, 0 (off) or an int >= 1 as given, which needs a tree."""
+    None, 0 (off) or an int in [1, ``MAX_DRAFT_LEN``] as given, which needs a tree."""
     if isinstance(lookup, str) and lookup == "auto":
         on = tree and model.device.type == "cpu" and temperature <= 0 and batch <= CPU_LOOKUP_MAX_BATCH
         return CPU_LOOKUP_DRAFTS if on else None
     if lookup is not None and (isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0):
         raise ValueError(f"lookup must be 'auto', None, 0 or an int >= 1 (lookup drafts per cycle), got {lookup!r}")
+    check_max("lookup", lookup, MAX_DRAFT_LEN, "MAX_DRAFT_LEN")
     if lookup and not tree:
         raise ValueError("lookup: prompt-lookup drafts are grafted onto a verification tree, which this "
                          "configuration does not build (dflash: tree=None, the chain; diffuspec: T > 0)")

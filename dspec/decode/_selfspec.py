@@ -68,6 +68,7 @@ from ..ops import topk_tokens
 from ..ops.masks import pack_mask
 from .diffusion import PromptTails, prefill_prompt_blocks
 from .outputs import OutputBuffer
+from .sampling import non_finite_error, require_finite
 from .unmask import choose, log_probs, rank_masked
 
 Step = tuple[int, int]
@@ -350,6 +351,10 @@ class _Engine:
         ext.selfspec_score(ws.scratch.data_ptr(), ws.nbytes, a_rows, bs, graph.num_nodes, big_j, copies, need_next,
                            logits.data_ptr(), dtype, logits.stride(1), vocab, self.carry.data_ptr(),
                            self.model.shifted, ws.logp.data_ptr())
+        # a non-finite logits row scores NaN (its choice is the ops' -1 mark): stop here, as
+        # the torch path's choose does (require_finite), before the round commits anything
+        if bool(torch.isnan(ws.logp[: a_rows * n]).any()):
+            raise non_finite_error()
         # the confidences as the torch path computes them (one vectorised exp, no other copy)
         torch.exp(ws.logp[: a_rows * n], out=ws.conf[: a_rows * n])
         new = ws.spare
@@ -362,6 +367,7 @@ class _Engine:
         ws.spare = {name: getattr(self, name) for name in new}
         for name, t in new.items():
             setattr(self, name, t)
+        require_finite(self.tokens)         # a row of +inf scores no NaN but steps to the -1 mark
         if committed:
             self.cache.append(out.suffix_kv, keep=ws.keep)
         return self.account(SimpleNamespace(base=lengths), ws.host.numpy())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import next_tokens
+from .sampling import next_tokens, non_finite_error
 
 
 @torch.no_grad()
@@ -20,8 +20,10 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     request ends.
 
     Host synchronisation: the step (forward, next-token choice, cache append) reads nothing
-    on the host; the tokens stay on the device until the end.  The loop reads one count per
-    step (how many requests have hit EOS) to stop early and to drop finished requests.
+    on the host; the tokens stay on the device until the end.  The loop reads two counts per
+    step in one read (how many requests have hit EOS, to stop early and to drop finished
+    requests; how many tokens are -1, the ops' mark of a non-finite logits row: ValueError,
+    :func:`dspec.decode.sampling.require_finite`).
     """
     if model.attention != "causal":
         raise ValueError(f"method: 'ar' needs a causal LM; {model.family!r} attends {model.attention!r}: "
@@ -39,7 +41,7 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     active = torch.arange(batch, device=device)        # the requests still in the batch
     done = torch.zeros(batch, dtype=torch.bool, device=device)   # per active row: EOS seen
     ones = [1] * batch
-    token = next_tokens(out.logits[:, -1], temperature, generator)
+    token = next_tokens(out.logits[:, -1], temperature, generator, check=False)
     steps = 0
     for step in range(max_new_tokens):
         produced[active, step] = token
@@ -48,7 +50,9 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         done |= torch.isin(token, eos)
         if progress is not None:
             progress.update(1)
-        n_done = int(done.sum())
+        n_done, n_bad = torch.stack([done.sum(), (token < 0).sum()]).tolist()
+        if n_bad:
+            raise non_finite_error()
         if step + 1 == max_new_tokens or n_done == len(active):
             break
         if n_done * 4 >= len(active):
@@ -61,7 +65,7 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         out = model(model.plan(token[:, None], cache), logits="last")
         cache.append(out.suffix_kv, counts=ones)
         forwards += 1
-        token = next_tokens(out.logits[:, -1], temperature, generator)
+        token = next_tokens(out.logits[:, -1], temperature, generator, check=False)
     generated = [[t for t, k in zip(row, keep) if k]
                  for row, keep in zip(produced[:, :steps].tolist(), kept[:, :steps].tolist())]
     return generated, {"nfe": {"target": forwards}, "mean_accepted": 1.0}

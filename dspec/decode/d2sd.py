@@ -64,11 +64,12 @@ from torch import nn
 from ..masks import padded_prefix_tree, ssd_copies
 from ..models.dflash import MASK, resolve_drafter
 from ..ops import rejection_boundaries, token_stats, topk_tokens, tree_mask
-from .dflash import (TREE_TOP_K, SpeculativeRun, _chain_cycle, _sync, _tree_cycle, check_draft_len, draft_block,
-                     draft_columns, draft_tree, vocab_ids)
+from ._bounds import check_rows
+from .dflash import (TREE_TOP_K, SpeculativeRun, _chain_cycle, _sync, _tree_cycle, check_cycle_rows, check_draft_len,
+                     draft_block, draft_columns, draft_tree, vocab_ids)
 from ._cpu_cost import resolve_lookup, resolve_redraft_min, resolve_row_cost, resolve_tree
 from .lookup import PromptLookup, graft_chain
-from .sampling import sample_from
+from .sampling import require_finite, sample_from
 
 BRANCH_MODES = ("vp", "resample")
 # The first drafter's weight at a branch's first re-drafted slot (``prior_weight``), measured
@@ -114,7 +115,8 @@ def redraft(vp_drafter, context, anchor, first, lengths, positions, gamma, *, wi
         logits = torch.where(first_redrafted[..., None], logits.log_softmax(-1) + prior[:, None], logits)
     logits = logits.masked_fill(ban, float("-inf"))
     stats = token_stats(logits)
-    branches = torch.where(given, first[:, None, :], vocab_ids(stats.token, vocab))
+    # (the ban leaves every other token of a finite row: -1 marks a non-finite one)
+    branches = torch.where(given, first[:, None, :], vocab_ids(require_finite(stats.token, "VP-drafter"), vocab))
     return (branches, stats.prob) if with_probs else branches
 
 
@@ -201,7 +203,11 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         names (a string "DFLASH_DIR,VP_DIR" from the CLI), or a single "dflash" drafter
         (the VP-drafter is then the shipped one; ``branches="resample"`` needs none).
     draft_len : tokens drafted per cycle, gamma - 1 (default: the DFlash drafter's block
-        size minus the anchor).
+        size minus the anchor), at most ``MAX_DRAFT_LEN``.  Context bound
+        (:mod:`dspec.decode._bounds`): after the longest prompt, the re-draft forward
+        (``boundary_pool * (draft_len + 1)`` rows) and the verification tree (1 + the first
+        draft's ``draft_len`` nodes or ``tree`` + ``k * draft_len`` + ``lookup``) must fit
+        ``max_position_embeddings``.
     k : K, re-drafted branches (1 <= K <= gamma - 1); the tree holds K + 1 branches.
     branches : "vp" (D2SD) or "resample" (K branches sampled from the first draft's q).
     row_cost : None (verify every branch in full) or the cost of one more tree node
@@ -240,8 +246,10 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     (re-drafts)}, ``mean_accepted`` = tokens committed per request per verification forward
     (accepted path + the drawn token, averaged over (request, cycle) pairs), ``draft_s``
     (both drafter forwards and the boundary scoring), ``tree_s``, ``verify_s``, ``k``,
-    ``branches``, ``draft_len``, ``tree_nodes``, ``lookup``, ``tree``, ``redraft_min`` and
-    ``redraft_rate`` (share of (request, cycle) pairs re-drafted).
+    ``branches``, ``draft_len``, ``tree_nodes``, ``lookup``, ``tree``, ``redraft_min`` (the
+    gate used; None where it never re-drafts, e.g. the CPU default inf: stats hold no
+    inf / NaN, so they are strict JSON) and ``redraft_rate`` (share of (request, cycle)
+    pairs re-drafted).
     """
     if model.attention != "causal":
         raise ValueError(f"method 'd2sd' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
@@ -277,10 +285,20 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
                          f"got {boundary_pool!r}")
     if prior_weight is None:
         prior_weight = PRIOR_WEIGHT if branches == "vp" else 0.0
-    if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) or not prior_weight >= 0:
-        raise ValueError(f"prior_weight must be a float >= 0, got {prior_weight!r}")
+    if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) \
+            or not 0 <= prior_weight < float("inf"):
+        raise ValueError(f"prior_weight must be a finite float >= 0, got {prior_weight!r}")
     if branches != "vp" and (pool != k or prior_weight):
         raise ValueError("boundary_pool and prior_weight shape the VP-drafter's re-drafts: they need branches='vp'")
+    # the context bound: the first draft, the re-draft forward (pool blocks) and the tree
+    # (the first draft's chain or tree, K branches of up to draft_len nodes, the lookup chain)
+    check_cycle_rows(model, first_drafter, prompts, draft_len, gamma, tree, lookup)
+    check_rows(model, prompts, "k", k, 1 + (tree if tree is not None else gamma - 1) + k * (gamma - 1) + (lookup or 0),
+               f"1 + {'tree' if tree is not None else 'draft_len'} + k * draft_len" + (" + lookup" if lookup else ""),
+               drafter=first_drafter)
+    if branches == "vp" and redraft_min != float("inf"):
+        check_rows(model, prompts, "boundary_pool" if boundary_pool is not None else "k", pool, pool * gamma,
+                   "boundary_pool * (draft_len + 1)", drafter=first_drafter)
     roles = {"drafter": first_drafter}
     columns = None
     if branches == "vp":
@@ -327,9 +345,10 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         scale = temperature if temperature > 0 else 1.0
         if tree is None:
             stats = token_stats(logits, temperature=scale)
-            first, first_probs = vocab_ids(stats.token, vocab), stats.prob      # [B, L]
+            first, first_probs = vocab_ids(require_finite(stats.token, "drafter"), vocab), stats.prob      # [B, L]
         else:
             top_i, top_p = topk_tokens(logits, min(TREE_TOP_K, logits.shape[-1]), temperature=scale)
+            require_finite(top_i[..., 0], "drafter")
             top_i = vocab_ids(top_i, vocab)
             first, first_probs = top_i[..., 0], top_p[..., 0]
         # requests re-drafted this cycle (all of them unless redraft_min gates)
@@ -358,7 +377,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         else:
             q = torch.softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
             u = torch.rand((q.shape[0], k, q.shape[1]), generator=resample_gen, device=dev)
-            alt = vocab_ids(sample_from(q[:, None].expand(-1, k, -1, -1), u), vocab)
+            alt = vocab_ids(require_finite(sample_from(q[:, None].expand(-1, k, -1, -1), u), "drafter"), vocab)
             lengths = torch.zeros(q.shape[0], k, dtype=torch.int64, device=dev)
         if tree is not None:
             first_tree = tuple(t.cpu().numpy() for t in draft_tree(top_p, top_i, tree, run.anchor, positions[:, 0],
@@ -420,7 +439,8 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     return run.generated, run.stats(k=k, branches=branches, draft_len=gamma - 1, lookup=lookup, tree=tree,
                                     boundary_pool=pool, prior_weight=float(prior_weight),
                                     tree_nodes=nodes_total / run.cycles if run.cycles else 0.0,
-                                    redraft_min=redraft_min, redraft_rate=redrafted / pairs if pairs else 0.0)
+                                    redraft_min=None if redraft_min == float("inf") else redraft_min,
+                                    redraft_rate=redrafted / pairs if pairs else 0.0)
 
 
 OPTIONS = ("draft_len", "k", "branches", "row_cost", "lookup", "tree", "redraft_min", "boundary_pool",

@@ -62,10 +62,11 @@ from ..masks import causal
 from ..models import AttentionPlan
 from ..models.dflash import MASK, BlockDrafter, resolve_drafter
 from ..ops import token_stats, topk_tokens, tree_mask, verify_chain, verify_tree
+from ._bounds import MAX_DRAFT_LEN, check_max, check_rows
 from ._cpu_cost import resolve_lookup, resolve_row_cost, resolve_tree
 from .lookup import PromptLookup, graft_chain
 from .outputs import OutputBuffer
-from .sampling import next_tokens, sample_from
+from .sampling import next_tokens, non_finite_error, require_finite, sample_from
 
 
 def _sync(device: torch.device) -> None:
@@ -81,7 +82,20 @@ def check_draft_len(draft_len, drafter: BlockDrafter, name: str = "draft_len") -
         return drafter.block_size
     if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
         raise ValueError(f"{name} must be an int >= 1 (tokens drafted per cycle), got {draft_len!r}")
+    check_max(name, draft_len, MAX_DRAFT_LEN, "MAX_DRAFT_LEN")
     return draft_len + 1
+
+
+def check_cycle_rows(model, drafter, prompts, draft_len, gamma: int, tree, lookup) -> None:
+    """The context bound of a DFlash cycle (:mod:`dspec.decode._bounds`): the drafter's block
+    (gamma rows) and the verification (the chain's gamma rows, or the tree's root, its
+    ``tree`` nodes and the ``lookup`` chain) each after the longest prompt must fit the
+    target's and the drafter's context."""
+    name, value = ("draft_len", draft_len) if draft_len is not None else ("drafter", f"a block of {gamma}")
+    check_rows(model, prompts, name, value, gamma, "draft_len + 1", drafter=drafter)
+    if tree is not None:
+        check_rows(model, prompts, "tree", tree, 1 + tree + (lookup or 0), "1 + tree" + (" + lookup" if lookup else ""),
+                   drafter=drafter)
 
 
 class SpeculativeRun:
@@ -122,7 +136,7 @@ class SpeculativeRun:
 
     def start(self, temperature, generator) -> bool:
         """Pick the first token from the prefill logits; False when every request is done."""
-        first = next_tokens(self._first_logits, temperature, generator)
+        first = next_tokens(self._first_logits, temperature, generator, who="target model")
         self._first_logits = None
         return self._extend(first[:, None].cpu(), torch.ones(len(self.rows), dtype=torch.int64), first)
 
@@ -165,10 +179,13 @@ class SpeculativeRun:
         """Extend the outputs with each row's accepted drafts + drawn token (``host`` from
         :meth:`fetch`); the drawn token becomes the anchor.  False when all are done."""
         n = host[:, 0] + 1
+        drawn = host[:, 1:].gather(1, host[:, :1])[:, 0]
+        if bool((drawn < 0).any()):             # the ops' -1 mark: a non-finite target row
+            raise non_finite_error("target model")
         self.cycles += len(self.rows)
         self.verify_forwards += 1
         self.committed += int(n.sum())
-        anchor = host[:, 1:].gather(1, host[:, :1])[:, 0].to(self.device)
+        anchor = drawn.to(self.device)
         return self._extend(host[:, 1:], n, anchor)
 
     @property
@@ -401,7 +418,10 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
     drafter : a :class:`~dspec.models.dflash.BlockDrafter` of kind "dflash", a drafter
         directory or shipped name, or None for the one dspec ships for ``model``.
     draft_len : tokens drafted per cycle (gamma - 1; default: the drafter's
-        training block size minus the anchor).
+        training block size minus the anchor), at most ``MAX_DRAFT_LEN``.  The drafter's block
+        (draft_len + 1 rows) and the verification (the chain's draft_len + 1 rows, or 1 +
+        ``tree`` + ``lookup`` tree nodes) after the longest prompt must fit the target's (and
+        the drafter's) ``max_position_embeddings`` (:mod:`dspec.decode._bounds`).
     row_cost : None (verify every draft) or the cost of one more verified row relative to
         a one-row forward (>= 0): verify the drafts that maximise the expected tokens per
         cost (:func:`verify_length`; one more host read per cycle); "auto" (default): the
@@ -439,6 +459,7 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
     lookup = resolve_lookup(model, lookup, tree=tree is not None, temperature=temperature, batch=len(prompts))
     drafter = resolve_drafter(drafter, model, "dflash")
     gamma = check_draft_len(draft_len, drafter)
+    check_cycle_rows(model, drafter, prompts, draft_len, gamma, tree, lookup)
     row_cost = resolve_row_cost(model, row_cost)
     run = SpeculativeRun(model, {"drafter": drafter}, prompts, max_new_tokens=max_new_tokens,
                          eos_ids=eos_ids, progress=progress)
@@ -475,13 +496,13 @@ def _chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, temper
     if temperature > 0:
         q = torch.softmax(logits / temperature, dim=-1)
         u = torch.rand(q.shape[:-1], generator=generator, device=dev)
-        picked = sample_from(q, u)
+        picked = require_finite(sample_from(q, u), "drafter")
         probs = q.gather(-1, picked[..., None])[..., 0]
         drafts = vocab_ids(picked, vocab)
     else:
         q = None
         stats = token_stats(logits)
-        probs, drafts = stats.prob, vocab_ids(stats.token, vocab)
+        probs, drafts = stats.prob, vocab_ids(require_finite(stats.token, "drafter"), vocab)
     n = drafts.shape[1] if row_cost is None else verify_length(probs, float(row_cost))
     if n < drafts.shape[1]:
         drafts, positions = drafts[:, :n], positions[:, :n + 1]
@@ -517,6 +538,7 @@ def _tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, 
     if top is None:
         top_i, top_p = topk_tokens(logits, min(TREE_TOP_K, logits.shape[-1]),
                                    temperature=temperature if temperature > 0 else 1.0)
+        require_finite(top_i[..., 0], "drafter")       # a row's best candidate: -1 where it is not finite
         top = vocab_ids(top_i, vocab), top_p
     tokens, parents, positions, words = draft_tree(top[1], top[0], nodes, run.anchor, root_positions, row_cost)
     if finder is not None:

@@ -69,6 +69,7 @@ import torch
 from ..masks import block_diffusion
 from ..models import AttentionPlan
 from ..ops import pack_mask
+from ._bounds import check_rows
 from .outputs import OutputBuffer
 from .unmask import choose, pick_slots, rank_masked
 
@@ -152,7 +153,11 @@ def decode_diffusion(model, prompts: list[list[int]], *, max_new_tokens: int,
     eos_ids : ids that end a request (kept in its output).
     progress : a tqdm bar advanced by generated tokens per request, or None.
     block_size : denoising block length (default: the model's; 32 for bidirectional
-        models without one).
+        models without one).  Bounded by the context (:mod:`dspec.decode._bounds`): a
+        block-causal step forwards up to two blocks (the finished one and the next), so
+        the longest prompt + 2 * block_size must fit ``max_position_embeddings``; a
+        bidirectional step forwards the prompt and the generation region
+        (``max_new_tokens`` rounded up to whole blocks), which must fit it too.
     tokens_per_step : static schedule, slots unmasked per step (default 1).
     threshold : dynamic schedule in (0, 1] (exclusive with ``tokens_per_step``).
 
@@ -170,6 +175,8 @@ def decode_diffusion(model, prompts: list[list[int]], *, max_new_tokens: int,
     if model.attention == "bidirectional":
         bs, per_step = _schedule(block_size, tokens_per_step, threshold,
                                  model.block_size or DEFAULT_BIDIRECTIONAL_BLOCK_SIZE)
+        check_rows(model, prompts, "block_size", bs, -(-max_new_tokens // bs) * bs,
+                   "the generation region (max_new_tokens rounded up to whole blocks)")
         return _decode_bidirectional(model, prompts, max_new_tokens=max_new_tokens,
                                      temperature=temperature, generator=generator, eos_ids=eos_ids,
                                      progress=progress, bs=bs, per_step=per_step, threshold=threshold)
@@ -177,6 +184,7 @@ def decode_diffusion(model, prompts: list[list[int]], *, max_new_tokens: int,
         raise ValueError(f"method 'diffusion' runs block-causal (SDAR, Fast-dLLM v2) or bidirectional "
                          f"(LLaDA, Dream) models; {model.family!r} attends {model.attention!r}")
     bs, per_step = _schedule(block_size, tokens_per_step, threshold, model.block_size)
+    check_rows(model, prompts, "block_size", bs, 2 * bs, "2 * block_size")
     return _decode_block_causal(model, prompts, max_new_tokens=max_new_tokens,
                                 temperature=temperature, generator=generator, eos_ids=eos_ids,
                                 progress=progress, bs=bs, per_step=per_step, threshold=threshold)

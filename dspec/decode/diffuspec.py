@@ -72,12 +72,13 @@ from ..models import AttentionPlan
 from ..models.dense import dense
 from ..models.stack import frozen_weights
 from ..ops import token_stats, verify_chain, verify_tree
+from ._bounds import MAX_BEAM, MAX_DRAFT_LEN, check_max, check_rows
 from ._cpu_cost import resolve_lookup
 from .lookup import MIN_NGRAM, suffix_match_drafts
 from .ngram import NgramLM, causal_proxy, load_cached
 from .outputs import OutputBuffer
 from .path_search import build_lattice, path_search
-from .sampling import next_tokens
+from .sampling import next_tokens, non_finite_error, require_finite
 
 OPTIONS = ("draft_len", "adaptive", "cps", "beam", "tau", "max_candidates", "lam", "k_min", "k_max",
            "delta", "rho", "ngram", "draft_vocab", "lookup")
@@ -241,6 +242,10 @@ def _options(draft_len, adaptive, **given) -> dict:
     _int_option("draft_len", opts["draft_len"], 1)
     _int_option("beam", opts["beam"], 1)
     _int_option("max_candidates", opts["max_candidates"], 1)
+    check_max("draft_len", opts["draft_len"], MAX_DRAFT_LEN, "MAX_DRAFT_LEN")
+    check_max("beam", opts["beam"], MAX_BEAM, "MAX_BEAM")
+    for name in ("k_min", "k_max"):                  # (their types: AdaptiveDraftLength)
+        check_max(name, opts[name], MAX_DRAFT_LEN, "MAX_DRAFT_LEN")
     for flag in ("adaptive", "cps"):
         if not isinstance(opts[flag], bool):
             raise ValueError(f"{flag} must be a bool, got {opts[flag]!r}")
@@ -425,7 +430,7 @@ class _Batch:
         # cache (its forward: the last committed token and the [MASK] slots)
         self.shared = shares_target_cache(model, drafter)
         self.dcache = None if self.shared else drafter.new_cache(batch)
-        first = next_tokens(out.logits[:, -1], temperature, generator).cpu().numpy()
+        first = next_tokens(out.logits[:, -1], temperature, generator, who="target model").cpu().numpy()
         done = self.outputs.extend(self.rows, first[:, None], np.ones(batch, dtype=np.int64))
         if done.any():
             self.drop(done)
@@ -541,6 +546,7 @@ class _Batch:
             cand_tok, cand_lp = build_lattice(logits, tau=opts["tau"], max_candidates=opts["max_candidates"],
                                               eos_ids=eos if self.draft_ids is None else self.eos_columns,
                                               temperature=self.temperature if self.sampling else 1.0)
+            require_finite(cand_tok[..., 0], "drafter")    # every finite row keeps its best candidate
             cand_tok = self._token_ids(cand_tok)
             # the last two committed tokens (-1 before the text's start)
             at = length[:, None] + np.array([-2, -1])
@@ -560,13 +566,13 @@ class _Batch:
         else:
             flat = logits.reshape(n_act * kmax, logits.shape[-1])
             if self.sampling:
-                choice = next_tokens(flat, self.temperature, self.generator).view(n_act, kmax)
+                choice = next_tokens(flat, self.temperature, self.generator, who="drafter").view(n_act, kmax)
                 draft_probs = torch.softmax(logits / self.temperature, dim=-1)
                 if self.draft_ids is not None:
                     draft_probs = torch.zeros(n_act, kmax, V, device=self.dev).scatter_(
                         -1, self.draft_ids.expand(n_act, kmax, -1), draft_probs)
             else:
-                choice = token_stats(flat).token.view(n_act, kmax)
+                choice = require_finite(token_stats(flat).token, "drafter").view(n_act, kmax)
             choice = self._token_ids(choice).cpu()
             draft[:, :kmax] = choice
             # cut after the first EOS and at k
@@ -629,6 +635,8 @@ class _Batch:
     def commit(self, acc, new_tok, n_draft) -> np.ndarray:
         """Append each request's accepted drafts and drawn token; returns which rows are done."""
         acc, n = acc.numpy(), n_draft.numpy()
+        if bool((new_tok.numpy()[np.arange(len(acc)), acc] < 0).any()):   # the drawn token: -1 marks a
+            raise non_finite_error("target model")                        # non-finite target row
         self.row_cycles += len(acc)
         self.committed_total += int(acc.sum()) + len(acc)
         self.drafted_total += int(n.sum())
@@ -696,6 +704,12 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     decoding greedily at most 4 requests, else off; None / 0: off; ADL then sizes the draft
     by the dLLM draft's own accepted prefix).
 
+    Bounds (:mod:`dspec.decode._bounds`): ``draft_len``, ``k_min``, ``k_max`` and ``lookup`` at
+    most ``MAX_DRAFT_LEN``, ``beam`` at most ``MAX_BEAM`` (``max_candidates`` is capped by the
+    vocabulary); the longest prompt + the drafter's block size + 2 k + 1 (+ ``lookup``) must
+    fit the target's and the drafter's ``max_position_embeddings``, k = ``k_max`` with ADL, else
+    ``draft_len`` (what one drafter forward and one verification carry at most).
+
     Stats: ``nfe`` {"target": verify forwards + prefill, "drafter": draft forwards};
     ``mean_accepted``: tokens committed per request per target verification forward
     (accepted drafts + the verify's own token, averaged over every (request, cycle) pair in
@@ -714,6 +728,14 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
                                          delta=opts["delta"], rho=opts["rho"], k_init=draft_len)
     lookup = resolve_lookup(model, lookup, tree=temperature <= 0, temperature=temperature, batch=len(prompts))
     drafter = resolve_drafter(model, drafter)
+    # the context bound: the drafter forwards its pending tokens (< its block size + the last
+    # cycle's k + 1) and k [MASK] slots, the target the last token, the draft and the lookup chain
+    k = max(opts["k_max"], opts["k_min"]) if opts["adaptive"] else opts["draft_len"]
+    name = ("k_max" if k_max is not None else "draft_len" if draft_len is not None else "drafter") \
+        if opts["adaptive"] else "draft_len"
+    check_rows(model, prompts, name, k, drafter.block_size + 2 * k + 1 + (lookup or 0),
+               f"the drafter's block size + 2 * {'k_max' if opts['adaptive'] else 'draft_len'} + 1"
+               + (" + lookup" if lookup else ""), drafter=drafter)
     lm = _causal_proxy(model, opts, ngram)
     draft_ids = resolve_draft_vocab(model, drafter, draft_vocab, eos_ids)
     # the drafter's weight table checked once for the call, as generate does for the target's

@@ -178,6 +178,6 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
     for ids in tokens:
         text = model.tokenizer.decode(ids) if model.tokenizer is not None else ""
         s = dict(stats, wall_s=wall, new_tokens=len(ids), batch_size=len(prompts),
-                 tokens_per_s=total / wall if wall > 0 else float("inf"))
+                 tokens_per_s=total / wall if wall > 0 else None)      # stats are strict JSON: no inf
         results.append(Generation(text, ids, s))
     return results if batched else results[0]

@@ -126,7 +126,9 @@ from ..models import AttentionPlan
 from ..ops import pack_mask, token_stats, verify_chain
 from .diffusion import PromptTails, prefill_prompt_blocks
 from .outputs import OutputBuffer
+from .sampling import require_finite
 from .unmask import choose, pick_slots, rank_masked
+from ._bounds import check_rows
 from ._cpu_cost import resolve_boundary, resolve_redraft
 from ._selfspec import check_common
 from .routing import ESTIMATORS, POLICIES, RoutingFeatures, make_router, span_score
@@ -163,10 +165,23 @@ def _real(name, value, lo=None, hi=None, *, lo_open=False) -> float:
     return v
 
 
+def verify_rows(bs: int, draft_len: int, *, shifted: bool, redraft: bool, boundary: bool) -> tuple[int, str]:
+    """The most suffix rows one forward carries (a verification's worst case: a pending block
+    at the chain's head, the chain, the L + 1 copies of a position-aligned model, the redraft
+    blocks -- or the speculative block --, the next block and the boundary state) and the
+    formula, for the context bound."""
+    blocks = (draft_len + 1) * bs if redraft else bs
+    rows = 2 * bs + (0 if shifted else draft_len + 1) + blocks + bs + (bs if boundary else 0)
+    formula = (f"{4 if boundary else 3} * block_size{'' if shifted else ' + draft_len + 1'}"
+               f"{' + (draft_len + 1) * block_size' if redraft else ' + block_size'}")
+    return rows, formula
+
+
 def _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
                    ucb_c, estimator, draft_len, redraft="auto", batch: int = 1, temperature: float = 0.0,
-                   boundary=None) -> dict:
+                   boundary=None, prompt_len: int = 0) -> dict:
     bs = check_common(model, "s2d2", block_size)
+    check_rows(model, prompt_len, "block_size", bs, 3 * bs, "3 * block_size")  # before anything sized by it
     redraft = resolve_redraft(model, redraft, batch=batch)
     boundary = resolve_boundary(model, boundary, redraft=redraft)
     if policy is None:
@@ -188,6 +203,8 @@ def _check_options(model, block_size, threshold, policy, min_span, score_thresho
     if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
         raise ValueError(f"draft_len must be an int >= 1, got {draft_len!r}")
     draft_len = min(draft_len, bs)
+    rows, formula = verify_rows(bs, draft_len, shifted=bool(model.shifted), redraft=redraft, boundary=boundary)
+    check_rows(model, prompt_len, "block_size", bs, rows, f"{formula} with draft_len = {draft_len}")
     min_span = DEFAULTS["min_span"] if min_span is None else min_span
     if isinstance(min_span, bool) or not isinstance(min_span, int) or min_span < 1:
         raise ValueError(f"min_span must be an int >= 1, got {min_span!r}")
@@ -683,7 +700,7 @@ class _Batch:
         ext, bs, batch = self.native, self.bs, self.batch
         f = ext.s2d2_record_layout(bs)
         state = torch.zeros(batch, f["width"], dtype=torch.int64)
-        carry = token_stats(self.carry).token if self.shifted else torch.zeros(batch, dtype=torch.int64)
+        carry = require_finite(token_stats(self.carry).token) if self.shifted else torch.zeros(batch, dtype=torch.int64)
         fields = {"phase": self.phase, "span_start": self.span_start, "span_len": self.span_len,
                   "exact_first": self.exact_first, "pending": self.pending, "block_start": self.block_start,
                   "carry": carry, "prompt_len": self.plen, "tail_start": self.block_start}
@@ -737,6 +754,7 @@ class _Batch:
         committed, append, finishing, two_blocks = ext.s2d2_advance(
             *nat.args, nrows, any_verify, any_pending, logits.data_ptr(), _backend.FLOAT_CODE[logits.dtype],
             logits.stride(1), logits.shape[-1], nat.argmax.data_ptr(), nat.keep.data_ptr(), nat.counters.data_ptr())
+        require_finite(nat.argmax[: batch * nrows])       # every logit row's argmax: -1 marks a non-finite row
         if self.progress is not None:
             self.advance(committed / batch)
         if append:
@@ -842,6 +860,7 @@ class _Batch:
             self.tokens, self.masked, self.drafts, target, self.span_start, num,
             draft_probs=self.draft_probs if self.temperature > 0 else None, temperature=self.temperature,
             generator=self.generator)
+        require_finite(self.tokens)          # a drawn token of a non-finite row is the -1 mark
         # the redraft block of the outcome holds the block as it now stands but for the drawn
         # token (still [MASK] there), so its logits are the next drafting step; with every
         # draft passed, no bonus and nothing left masked it is the finished block
@@ -1054,6 +1073,11 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         score-based policies route on (default "product").
     draft_len : int >= 1, the most drafts one verification checks (default and cap: the
         block size).
+
+    Bounds (:mod:`dspec.decode._bounds`): a verification forward carries up to
+    :func:`verify_rows` rows -- with redraft blocks about ``(draft_len + 4) * block_size``
+    --, so the longest prompt plus them must fit ``max_position_embeddings``
+    (e.g. ``tiny-bd``'s 4096 positions: block sizes up to about 60 with redraft blocks).
     redraft : bool or "auto" (default): True -- a verification forward also forwards the
         block as it would stand at each rejection point (and, when the span ends the block,
         the next block's first state), so whatever the verification decides the next
@@ -1089,7 +1113,7 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     """
     opt = _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
                          ucb_c, estimator, draft_len, redraft, batch=len(prompts), temperature=temperature,
-                         boundary=boundary)
+                         boundary=boundary, prompt_len=max(len(p) for p in prompts))
     run = _Batch(model, prompts, opt, max_new_tokens=max_new_tokens, temperature=temperature,
                  generator=generator, eos_ids=eos_ids, progress=progress)
     while run.step():

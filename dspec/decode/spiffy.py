@@ -30,6 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import spiffy_graph as graphs
+from ._bounds import MAX_GRAPH_NODES, check_max, check_rows
 from ._cpu_cost import cpu_block_copies
 from ._selfspec import DraftGraph, check_common, decode_self_speculative
 
@@ -49,8 +50,8 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
     model : a block-causal masked-diffusion ``Model`` (SDAR, Fast-dLLM v2).
     prompts, max_new_tokens, temperature, generator, eos_ids, progress : as ``diffusion``.
     block_size : int >= 1, default the model's.
-    graph_size : D >= 1, draft nodes of the calibrated graph (default 16); selects the
-        shipped / cached graph, or calibrates one on first use.
+    graph_size : D in [1, ``MAX_GRAPH_NODES``], draft nodes of the calibrated graph (default
+        16); selects the shipped / cached graph, or calibrates one on first use.
     prune_to : D* in [1, D], draft nodes verified per request and round (default
         min(8, D); on the CPU at most what keeps a round -- the root, the drafts and the
         next block's first state -- within 32 rows for one request decoded greedily, else 16
@@ -59,6 +60,12 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
     graph : a :class:`~dspec.decode.spiffy_graph.SpiffyGraph`, a ``DraftGraph`` or a path to
         a graph JSON file, instead of the default graph (then graph_size defaults to its
         size).
+
+    Bounds (:mod:`dspec.decode._bounds`, checked before a graph is calibrated or a round's
+    buffers are made): a round's buffers hold every graph node and the next block as block
+    copies, so the longest prompt + ``(D + 2) * block_size`` must fit
+    ``max_position_embeddings`` (and ``3 * block_size`` for the block size alone: the root,
+    one draft, the next block); D is at most ``MAX_GRAPH_NODES``.
 
     Returns
     -------
@@ -71,8 +78,12 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
     if graph_size is not None and (isinstance(graph_size, bool) or not isinstance(graph_size, int)
                                    or graph_size < 1):
         raise ValueError(f"graph_size must be an int >= 1, got {graph_size!r}")
+    check_max("graph_size", graph_size, MAX_GRAPH_NODES, "MAX_GRAPH_NODES")
+    check_rows(model, prompts, "block_size", bs, 3 * bs, "3 * block_size")
     if graph is None:
         d = graph_size if graph_size is not None else DEFAULT_GRAPH_SIZE
+        check_rows(model, prompts, "graph_size" if graph_size is not None else "block_size",
+                   d if graph_size is not None else bs, (d + 2) * bs, f"(graph_size + 2) * block_size with graph_size = {d}")
         draft_graph = graphs.default_graph(model, bs, d, progress=progress is not None).graph
     else:
         if isinstance(graph, (str, Path)):
@@ -86,6 +97,9 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         d = draft_graph.num_nodes - 1
         if graph_size is not None and graph_size != d:
             raise ValueError(f"graph_size={graph_size} does not match the given graph's {d} draft nodes")
+        check_max("graph (its draft nodes)", d, MAX_GRAPH_NODES, "MAX_GRAPH_NODES")
+        check_rows(model, prompts, "graph", f"a graph of {d} draft nodes", (d + 2) * bs,
+                   f"(draft nodes + 2) * block_size with {d} draft nodes")
     if prune_to is None:
         prune_to = min(DEFAULT_PRUNE_TO, max(d, 1))
         copies = cpu_block_copies(model, bs, len(prompts), temperature)  # + the root and the next block

@@ -32,6 +32,7 @@ blocks), see :mod:`dspec.decode._selfspec`.
 """
 from __future__ import annotations
 
+from ._bounds import MAX_DRAFT_LEN, check_max, check_rows
 from ._cpu_cost import cpu_block_copies
 from ._selfspec import chain_graph, check_common, decode_self_speculative
 
@@ -51,7 +52,7 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
     prompts : B lists of prompt token ids (ragged).
     max_new_tokens, temperature, generator, eos_ids, progress : as ``diffusion``.
     block_size : int >= 1, default the model's.
-    draft_len : int >= 1, drafted steps per round after the exact root step (the
+    draft_len : int in [1, ``MAX_DRAFT_LEN``], drafted steps per round after the exact root step (the
         verification suffix holds draft_len + 1 block copies, + 1 next-block copy when the
         chain completes the block); default ``min(block_size - 1, 4)`` (at least 1) -- longer
         chains rarely survive past 4 steps on the shipped model -- and on the CPU the longest
@@ -62,6 +63,11 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         copies: a node verifies its grandchild when two drafts come out of order).  None
         (default): on, except on the CPU where an explicit draft_len's round would not fit
         the row budget with them.
+
+    Bounds (:mod:`dspec.decode._bounds`, checked before anything is built): a round
+    forwards at most :func:`chain_copies` block copies, so the longest prompt +
+    ``chain_copies(draft_len, mixed_order) * block_size`` (at least ``3 * block_size``: the
+    root, one draft, the next block) must fit ``max_position_embeddings``.
 
     Returns
     -------
@@ -79,8 +85,14 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         raise ValueError(f"draft_len must be an int >= 1, got {draft_len!r}")
     if mixed_order is not None and not isinstance(mixed_order, bool):
         raise ValueError(f"mixed_order must be a bool or None, got {mixed_order!r}")
+    check_max("draft_len", draft_len, MAX_DRAFT_LEN, "MAX_DRAFT_LEN")
+    check_rows(model, prompts, "block_size", bs, chain_copies(1, False) * bs, "3 * block_size")
     n, mixed_order = default_chain(cpu_block_copies(model, bs, len(prompts), temperature), bs, draft_len,
                                    mixed_order)
+    # (an explicit draft_len is the option to blame; else the block size, with the default draft_len)
+    check_rows(model, prompts, "draft_len" if draft_len is not None else "block_size",
+               n if draft_len is not None else bs, chain_copies(n, mixed_order) * bs,
+               f"(draft_len + 2{' + draft_len - 1' if mixed_order else ''}) * block_size with draft_len = {n}")
     tokens, stats = decode_self_speculative(
         model, prompts, graph=chain_graph(n, mixed_order), prune_to=None,
         max_new_tokens=max_new_tokens, temperature=temperature, generator=generator,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import token_stats
-from .sampling import next_tokens
+from .sampling import next_tokens, require_finite
 
 
 def log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -37,10 +37,11 @@ def choose(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.T
     """Each slot's proposal and its confidence: ``next_tokens``' choice (the argmax, or a draw
     at T > 0) and ``confidence`` of it.  logits [..., V] (float32, or bf16 on the CPU, whose
     kernels widen it exactly) -> (tokens int64 [...], confidence float32 [...]).  Greedy takes both from one ``token_stats`` pass (the argmax
-    and the normaliser of the same call ``confidence`` would make: the same bits)."""
+    and the normaliser of the same call ``confidence`` would make: the same bits).  A row
+    holding NaN or inf raises ValueError (:func:`dspec.decode.sampling.require_finite`)."""
     if temperature <= 0:
         stats = token_stats(logits)
-        tokens = stats.token
+        tokens = require_finite(stats.token)
         return tokens, (logits.gather(-1, tokens[..., None]).float()[..., 0] - stats.lse).exp()
     tokens = next_tokens(logits.reshape(-1, logits.shape[-1]), temperature, generator).view(logits.shape[:-1])
     return tokens, confidence(logits, tokens, temperature)

@@ -27,6 +27,7 @@ stream: nothing a clean token computes depends on an adapter parameter.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -47,12 +48,25 @@ TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 
 class MaskRows:
     """The flat row index [R] of the [MASK] tokens of the current forward (None: no
-    [MASK], every adapted projection is its base)."""
+    [MASK], every adapted projection is its base).  Per thread: forwards of one model on
+    several Python threads each see their own rows."""
 
-    __slots__ = ("index",)
+    __slots__ = ("_local",)
 
     def __init__(self):
-        self.index: torch.Tensor | None = None
+        self._local = threading.local()
+
+    @property
+    def index(self) -> torch.Tensor | None:
+        return getattr(self._local, "index", None)
+
+    @index.setter
+    def index(self, value: torch.Tensor | None) -> None:
+        self._local.index = value
+
+    def __reduce__(self):
+        # copies and pickles of a model start with no forward in flight
+        return (MaskRows, ())
 
 
 class MaskLoraLinear(nn.Linear):

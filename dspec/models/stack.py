@@ -13,10 +13,16 @@ matrices) is made once and reused while no weight changes (``_WeightTable``).  C
 that costs a Python pass over every parameter (~270 for SmolLM2-135M, a few per cent of a
 decode step), so a decode call that cannot change weights checks once for all its forwards
 (:func:`frozen_weights`).
+
+Threads: one model may decode from several Python threads at once.  The frozen scope's
+depth counter and the table it holds are updated under one lock (the scope ends when the
+last thread's scope ends), and a table keeps a reference to every tensor whose address it
+holds, so a packed weight re-made by another thread never frees memory a forward reads.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from torch import nn
@@ -37,9 +43,18 @@ _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", 
 class _WeightTable:
     """The addresses ``decoder_layers`` reads, for one model in one state of its weights."""
 
-    __slots__ = ("key", "params", "weights", "lora", "lora_scales", "lora_rank", "lora_dtype", "lora_packed")
+    __slots__ = ("key", "params", "weights", "lora", "lora_scales", "lora_rank", "lora_dtype", "lora_packed",
+                 "keep")
 
     def __init__(self, model):
+        # every tensor whose address the table holds: a packed weight or adapter operand that
+        # another thread re-makes (and re-attaches) stays alive while this table is in use
+        self.keep = keep = []
+
+        def address(t: torch.Tensor) -> int:
+            keep.append(t)
+            return t.data_ptr()
+
         modules = [_projections(layer) for layer in model.layers]
         self.params = [p for layer, mods in zip(model.layers, modules)
                        for p in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -48,7 +63,7 @@ class _WeightTable:
         self.weights = []
         for layer, mods in zip(model.layers, modules):
             self.weights += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
-            self.weights += [packed_weight(m.weight).data_ptr() for m in mods]
+            self.weights += [address(packed_weight(m.weight)) for m in mods]
             self.weights += [0 if m.bias is None else m.bias.data_ptr() for m in mods]
         adapted = [m for mods in modules for m in mods if type(m) is MaskLoraLinear]
         self.lora, self.lora_scales, self.lora_rank, self.lora_dtype, self.lora_packed = [], [], 0, 0, []
@@ -62,11 +77,11 @@ class _WeightTable:
                 for m in mods:
                     if type(m) is MaskLoraLinear:
                         a, bt = m.lora_operands(float32=not low)
-                        self.lora += [a.data_ptr(), bt.data_ptr()]
+                        self.lora += [address(a), address(bt)]
                         self.lora_scales.append(float(m.scale))
                         self.lora_rank = m.lora_A.shape[0]
                         packed = m.lora_packed() if low else None
-                        self.lora_packed.append(0 if packed is None else packed.data_ptr())
+                        self.lora_packed.append(0 if packed is None else address(packed))
                     else:
                         self.lora += [0, 0]
                         self.lora_scales.append(0.0)
@@ -103,6 +118,10 @@ def _eligible(model) -> bool:
     return True
 
 
+#: guards every model's ``_stack_frozen`` (depth, table) and the building of ``_stack_table``
+_LOCK = threading.RLock()
+
+
 def _table(model) -> _WeightTable | None:
     frozen = model.__dict__.get("_stack_frozen")
     if frozen is not None:
@@ -110,31 +129,40 @@ def _table(model) -> _WeightTable | None:
     table = model.__dict__.get("_stack_table")
     if table is not None and _state(table.params) == table.key:
         return table
-    if not _eligible(model):
-        return None
-    table = _WeightTable(model)
-    model.__dict__["_stack_table"] = table
-    return table
+    with _LOCK:
+        table = model.__dict__.get("_stack_table")       # another thread may have built it meanwhile
+        if table is not None and _state(table.params) == table.key:
+            return table
+        if not _eligible(model):
+            return None
+        table = _WeightTable(model)
+        model.__dict__["_stack_table"] = table
+        return table
 
 
 @contextlib.contextmanager
 def frozen_weights(model):
     """A scope in which the weights of ``model`` (a dspec transformer) do not change, such as
     one decode call: the weight table is checked once on entry instead of once per forward.
-    Nests; any other object passes through."""
+    Nests, also across threads (scopes of several threads on one model share one table; the
+    state goes when the last scope closes, whichever thread opened first); any other object
+    passes through."""
     from .transformer import Model            # a function-level import: transformer imports this module
     if not isinstance(model, Model):
         yield
         return
-    depth, table = model.__dict__.get("_stack_frozen") or (0, None)
-    model.__dict__["_stack_frozen"] = (depth + 1, table if depth else _table(model))
+    with _LOCK:
+        depth, table = model.__dict__.get("_stack_frozen") or (0, None)
+        model.__dict__["_stack_frozen"] = (depth + 1, table if depth else _table(model))
     try:
         yield
     finally:
-        if depth:
-            model.__dict__["_stack_frozen"] = (depth, model.__dict__["_stack_frozen"][1])
-        else:
-            del model.__dict__["_stack_frozen"]
+        with _LOCK:
+            depth, table = model.__dict__["_stack_frozen"]
+            if depth > 1:
+                model.__dict__["_stack_frozen"] = (depth - 1, table)
+            else:
+                del model.__dict__["_stack_frozen"]
 
 
 def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: bool):
