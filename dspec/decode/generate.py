@@ -7,9 +7,11 @@ import importlib
 import operator
 import os
 import time
+from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .. import _validate, cpu
@@ -27,6 +29,8 @@ from ..models.stack import frozen_weights
 # ``progress`` a tqdm bar (or None) to advance by generated tokens per request, and stats
 # hold at least ``nfe`` ({model role: forwards}) and ``mean_accepted``.
 ALL_METHODS = ("ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd")
+# the largest seed: torch.Generator.manual_seed takes an unsigned 64-bit integer
+MAX_SEED = 2**64 - 1
 
 
 @contextlib.contextmanager
@@ -89,27 +93,88 @@ class Generation(NamedTuple):
     stats: dict
 
 
-def _prompt_ids(model, prompt) -> list[int]:
+_PROMPT_FORMS = ("a str, a list of int token ids or a 1-D integer tensor / array (for a batch: a list of "
+                 "those, or a 2-D tensor)")
+
+
+def _is_prompt(p) -> bool:
+    """Whether ``p`` is one prompt's form (what a batch is a list of)."""
+    return isinstance(p, (str, bytes, bytearray, memoryview, list, tuple)) or \
+        ((torch.is_tensor(p) or isinstance(p, np.ndarray)) and p.ndim == 1)
+
+
+def _prompt_ids(model, prompt, where: str = "prompt") -> list[int]:
+    """One prompt as token ids; ValueError naming ``where`` for anything else (bytes
+    included: iterating them would read each byte as a token id)."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise ValueError(f"{where}: bytes are not a prompt (each byte would be read as a token id); pass "
+                         f"a str (prompt.decode()) or a list of int token ids")
     if isinstance(prompt, str):
         if model.tokenizer is None:
-            raise ValueError("prompt: this model has no tokenizer; pass the prompt as token ids")
+            raise ValueError(f"{where}: this model has no tokenizer; pass the prompt as token ids")
         ids = model.tokenizer.encode(prompt)
     else:
-        if torch.is_tensor(prompt):
-            if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
-                raise ValueError(f"prompt: a tensor prompt must be 1-D integer token ids (a 2-D tensor is a "
-                                 f"batch, one row per prompt), got {prompt.dtype} {list(prompt.shape)}")
+        if torch.is_tensor(prompt) or isinstance(prompt, np.ndarray):
+            integer = (not (prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool)
+                       if torch.is_tensor(prompt) else np.issubdtype(prompt.dtype, np.integer))
+            if prompt.ndim != 1 or not integer:
+                raise ValueError(f"{where}: a tensor / array prompt must be 1-D integer token ids (a 2-D "
+                                 f"tensor is a batch, one row per prompt), got {prompt.dtype} {list(prompt.shape)}")
             prompt = prompt.tolist()
+        elif not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"{where} must be {_PROMPT_FORMS}, got {type(prompt).__name__}")
         try:
+            if any(isinstance(t, (bool, np.bool_)) for t in prompt):
+                raise TypeError
             ids = [operator.index(t) for t in prompt]
         except TypeError:
-            raise ValueError(f"prompt must be a string or a sequence of int token ids, got {prompt!r:.80}") from None
+            raise ValueError(f"{where} must be {_PROMPT_FORMS}, got {prompt!r:.80}") from None
     if not ids:
-        raise ValueError("the prompt is empty")
+        raise ValueError(f"{where}: the prompt is empty")
     vocab = model.config.vocab_size
     if min(ids) < 0 or max(ids) >= vocab:
-        raise ValueError(f"prompt ids must lie in [0, {vocab})")
+        raise ValueError(f"{where}: prompt ids must lie in [0, {vocab})")
     return ids
+
+
+def _check_model(model, name: str = "model") -> None:
+    """``model`` is a loaded dspec model with data (ValueError naming ``name`` otherwise)."""
+    from ..models.transformer import Model
+    if isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"{name} must be a loaded model: generate takes dspec.load({os.fspath(model)!r}), "
+                         f"not a name or path")
+    if not isinstance(model, Model):
+        raise ValueError(f"{name} must be a dspec model (dspec.load(...)), got {type(model).__name__}")
+    if any(t.is_meta for t in model.parameters()):
+        raise ValueError(f"{name}: its weights are on the meta device (no data to decode with); load it with "
+                         f"dspec.load(..., device='cpu') or 'cuda'")
+
+
+def _check_model_drafter(method: str, drafter) -> None:
+    """The ``drafter=`` of a method that drafts with a model (``DRAFTER == "model"``): None,
+    a dspec model, or a checkpoint directory / shipped model name that ``dspec.load`` takes.
+    ValueError naming ``drafter`` and what it takes otherwise; whether the model fits the
+    target (block diffusion, same tokenizer) is the method's check."""
+    from ..models.dflash import ASSETS as DRAFTER_ASSETS, BlockDrafter
+    from ..models.transformer import Model
+    takes = (f"method {method!r} drafts with a block-diffusion model (a dLLM sharing the target's tokenizer): "
+             f"a dspec model, its checkpoint directory or a shipped model name such as 'tiny-bd'")
+    block = " (a block drafter: those draft in methods 'dflash' and 'd2sd')"
+    if drafter is None:
+        return
+    if isinstance(drafter, Model):
+        _check_model(drafter, "drafter")
+        return
+    if isinstance(drafter, (str, os.PathLike)) and isinstance(os.fspath(drafter), str) and os.fspath(drafter):
+        from ..hub import ADAPTED, SHIPPED, available_models
+        name = os.fspath(drafter)
+        if name in SHIPPED or name in ADAPTED or Path(name).expanduser().is_dir():
+            return
+        hint = block if "/" not in name and (DRAFTER_ASSETS / name).is_dir() else ""
+        raise ValueError(f"drafter: {takes}; {name!r} is neither a checkpoint directory nor a shipped model "
+                         f"({available_models()}){hint}")
+    hint = block if isinstance(drafter, BlockDrafter) else ""
+    raise ValueError(f"drafter: {takes}; got {type(drafter).__name__}{hint}")
 
 
 def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
@@ -121,18 +186,27 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
     counts model forwards per model; ``tokens_per_s`` counts generated tokens over the whole
     call's wall time (prefill included).
 
+    Every argument is checked before any forward, with a ValueError naming it: ``model``
+    must be a loaded dspec model with data (a name or path is not loaded here: call
+    ``dspec.load`` first; meta tensors are refused), ``prompt`` one of the forms above
+    (bytes are refused: they would read as token ids), ``seed`` None or an int in
+    [0, 2**64 - 1], ``drafter`` what the method drafts with.
+
     Example
     -------
     >>> import dspec
     >>> model = dspec.load("smollm2-135m")                                   # doctest: +SKIP
     >>> dspec.generate(model, "def add(a, b):", method="ar", max_new_tokens=16).text  # doctest: +SKIP
     """
+    _check_model(model)
     module = method_module(method)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     takes_drafter = getattr(module, "DRAFTER", False)
     if drafter is not None and not takes_drafter:
         raise ValueError(f"method {method!r} takes no drafter")
+    if takes_drafter == "model":
+        _check_model_drafter(method, drafter)    # block drafters: load_drafter checks what it is given
     unknown = sorted(set(options) - set(module.OPTIONS))
     if unknown:
         raise ValueError(f"method {method!r} does not take {unknown}; it takes {list(module.OPTIONS)}")
@@ -140,13 +214,14 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
         options["drafter"] = drafter
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature != temperature:
         raise ValueError(f"temperature must be a number (<= 0: greedy), got {temperature!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"seed must be None or an int >= 0, got {seed!r}")
-    if torch.is_tensor(prompt) and prompt.dim() == 2:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise ValueError(f"seed must be None or an int in [0, 2**64 - 1] (what torch.Generator.manual_seed "
+                         f"takes), got {seed!r:.80}")
+    if (torch.is_tensor(prompt) or isinstance(prompt, np.ndarray)) and prompt.ndim == 2:
         prompt = list(prompt)                            # a batch, one row per prompt
-    batched = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and \
-        (isinstance(prompt[0], (str, list, tuple)) or (torch.is_tensor(prompt[0]) and prompt[0].dim() == 1))
-    prompts = [_prompt_ids(model, p) for p in (prompt if batched else [prompt])]
+    batched = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and _is_prompt(prompt[0])
+    prompts = [_prompt_ids(model, p, f"prompt[{i}]" if batched else "prompt")
+               for i, p in enumerate(prompt if batched else [prompt])]
     context = model.config.max_position_embeddings
     longest = max(len(p) for p in prompts)
     if context and longest + max_new_tokens > context:

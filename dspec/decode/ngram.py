@@ -56,6 +56,8 @@ import numpy as np
 
 METHODS = ("kneser_ney", "stupid_backoff")
 FORMAT_VERSION = 1
+# what an ngram= option takes (the message for a path that holds no n-gram file)
+NGRAM_FORMS = "ngram= takes an NgramLM, the path of one saved with NgramLM.save (.npz), or None"
 STUPID_BACKOFF_ALPHA = 0.4
 CORPORA = ("sharegpt", "stdlib", "arithmetic")
 # n-grams shipped for shipped targets: <shipped_name>.npz (what default_ngram would build)
@@ -293,7 +295,7 @@ class NgramLM:
     def load(cls, path) -> "NgramLM":
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"no n-gram file at {path}")
+            raise ValueError(f"ngram: no n-gram file at {str(path)!r} ({NGRAM_FORMS})")
         try:
             with np.load(path, allow_pickle=False) as z:
                 header = json.loads(bytes(z["header"]).decode())
@@ -361,7 +363,7 @@ def load_cached(path) -> NgramLM:
     try:
         st = path.stat()
     except OSError:
-        raise ValueError(f"no n-gram file at {path}") from None
+        raise ValueError(f"ngram: no n-gram file at {str(path)!r} ({NGRAM_FORMS})") from None
     key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
     lm = _LOADED.pop(key, None)
     if lm is None:

@@ -112,14 +112,22 @@ class ModelConfig:
 # ------------------------------------------------------------------------------------------
 
 
+# The largest sizes a config.json may declare: above every released model of the supported
+# families (Llama 3.1 405B: 126 layers, hidden 16384, 128 heads, intermediate 53248; the
+# largest vocabularies ~256k; contexts up to ~10M), and small enough that a lying config
+# cannot make the loader build a huge parameter table or the decoder a huge position range.
+# The loader then checks each size against the weights' actual shapes.
+LIMITS = {"num_layers": 1024, "hidden_size": 65536, "num_heads": 1024, "head_dim": 4096,
+          "intermediate_size": 1 << 20, "vocab_size": 1 << 22, "context": 1 << 24}
+
+
 def detect_family(raw: dict) -> Family:
     """The family of a parsed config.json, from ``architectures`` then ``model_type``."""
     if not isinstance(raw, dict):
         raise ValueError(f"config.json must hold a JSON object, got {type(raw).__name__}")
-    archs = raw.get("architectures") or []
-    if isinstance(archs, str):
-        archs = [archs]
-    model_type = str(raw.get("model_type") or "").lower()
+    archs = _architectures(raw)
+    model_type = raw.get("model_type")
+    model_type = model_type.lower() if isinstance(model_type, str) else ""
     for arch in archs:
         for fam in FAMILIES.values():
             if arch in fam.architectures:
@@ -133,6 +141,15 @@ def detect_family(raw: dict) -> Family:
                      f"model_type={raw.get('model_type')!r}; supported: {supported}")
 
 
+def _architectures(raw: dict) -> list[str]:
+    archs = raw.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"config.json: architectures must be a list of class names, got {archs!r:.80}")
+    return archs
+
+
 def _get(raw: dict, key: str, default=None, *, required: bool = False, family: str = ""):
     if key in raw and raw[key] is not None:
         return raw[key]
@@ -141,28 +158,71 @@ def _get(raw: dict, key: str, default=None, *, required: bool = False, family: s
     return default
 
 
-def _int(raw, key, family, default=None, required=True) -> int:
+def _int(raw, key, family, default=None, required=True, *, lo=0, hi=None) -> int:
+    """An integer config value in [lo, hi] (ValueError naming the key otherwise); None when
+    absent and neither required nor defaulted."""
     value = _get(raw, key, default, required=required and default is None, family=family)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 0:
-        raise ValueError(f"config.json ({family}): {key} must be a non-negative integer, got {value!r}")
-    return int(value)
-
-
-def _positive(raw, key, family, default=None) -> int:
-    value = _int(raw, key, family, default)
-    if value < 1:
-        raise ValueError(f"config.json ({family}): {key} must be >= 1, got {value}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (isinstance(value, float) and not (math.isfinite(value) and value.is_integer())):
+        raise ValueError(f"config.json ({family}): {key} must be an integer, got {value!r:.80}")
+    value = int(value)
+    if value < lo:
+        raise ValueError(f"config.json ({family}): {key} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"config.json ({family}): {key} = {value} is above the largest size dspec "
+                         f"accepts ({hi})")
     return value
 
 
-def _ids(value) -> tuple[int, ...]:
+def _positive(raw, key, family, default=None, *, limit=None) -> int:
+    return _int(raw, key, family, default, lo=1, hi=LIMITS[limit] if limit else None)
+
+
+def finite(value) -> bool:
+    """Whether the number ``value`` is finite as a float (an int too large for one is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _float(raw, key, family, default, *, positive=True, where=None) -> float:
+    """A finite number (> 0 when ``positive``) from ``raw[key]`` (ValueError naming it otherwise)."""
+    value = _get(raw, key, default, family=family)
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and finite(value) \
+        and (value > 0 or not positive)
+    if not ok:
+        raise ValueError(f"config.json ({family}): {where or key} must be a finite "
+                         f"{'positive ' if positive else ''}number, got {value!r:.80}")
+    return float(value)
+
+
+def _flag(raw, key, family, default=False) -> bool:
+    """A true / false config value (null: the default)."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"config.json ({family}): {key} must be true or false, got {value!r:.80}")
+
+
+def _ids(value, key: str = "token id", where: str = "config.json") -> tuple[int, ...]:
+    """A token id, a list of them or null (ValueError naming the file and key otherwise)."""
     if value is None:
         return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value if v is not None)
-    return (int(value),)
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for v in items:
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                (isinstance(v, float) and not (math.isfinite(v) and v.is_integer())):
+            raise ValueError(f"{where}: {key} must be an integer token id or a list of them, got {value!r:.80}")
+        out.append(int(v))
+    return tuple(out)
 
 
 def _rope(raw: dict, family: str) -> tuple[float, dict | None]:
@@ -177,53 +237,68 @@ def _rope(raw: dict, family: str) -> tuple[float, dict | None]:
         theta = params.get("rope_theta", theta)
         if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
             scaling = params
-    theta = float(theta if theta is not None else 10000.0)
-    if not (theta > 0 and math.isfinite(theta)):
-        raise ValueError(f"config.json ({family}): rope_theta must be positive, got {theta}")
+    theta = _float({"rope_theta": theta}, "rope_theta", family, 10000.0)
     if not scaling:
         return theta, None
     if not isinstance(scaling, dict):
-        raise ValueError(f"config.json ({family}): rope_scaling must be an object, got {scaling!r}")
+        raise ValueError(f"config.json ({family}): rope_scaling must be an object, got {scaling!r:.80}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return theta, None
+
+    def number(key):
+        if key not in scaling:
+            raise ValueError(f"config.json ({family}): {kind} rope_scaling lacks {key!r}")
+        return _float(scaling, key, family, None, where=f"rope_scaling.{key}")
+
     if kind == "linear":
-        return theta, {"rope_type": "linear", "factor": float(scaling["factor"])}
+        return theta, {"rope_type": "linear", "factor": number("factor")}
     if kind == "llama3":
-        try:
-            out = {"rope_type": "llama3", "factor": float(scaling["factor"]),
-                   "low_freq_factor": float(scaling["low_freq_factor"]),
-                   "high_freq_factor": float(scaling["high_freq_factor"]),
-                   "original_max_position_embeddings": int(scaling["original_max_position_embeddings"])}
-        except KeyError as e:
-            raise ValueError(f"config.json ({family}): llama3 rope_scaling lacks {e.args[0]!r}") from None
+        out = {"rope_type": "llama3", "factor": number("factor"),
+               "low_freq_factor": number("low_freq_factor"), "high_freq_factor": number("high_freq_factor")}
+        if "original_max_position_embeddings" not in scaling:
+            raise ValueError(f"config.json ({family}): llama3 rope_scaling lacks 'original_max_position_embeddings'")
+        out["original_max_position_embeddings"] = _int(scaling, "original_max_position_embeddings", family,
+                                                       lo=1, hi=LIMITS["context"])
         return theta, out
-    raise ValueError(f"config.json ({family}): rope_scaling type {kind!r} is not supported "
+    raise ValueError(f"config.json ({family}): rope_scaling type {kind!r:.80} is not supported "
                      f"(supported: default, linear, llama3)")
 
 
 def parse_config(raw: dict, generation_config: dict | None = None) -> ModelConfig:
-    """Normalise a config.json (and optional generation_config.json) into a ModelConfig."""
+    """Normalise a config.json (and optional generation_config.json) into a ModelConfig.
+
+    Every value is type-checked and every size bounded (:data:`LIMITS`): a malformed or
+    lying config is a ValueError naming the file and key, before anything is allocated."""
     fam = detect_family(raw)
     name = fam.name
-    archs = raw.get("architectures") or [""]
-    common = dict(family=name, attention=fam.attention, shifted=fam.shifted,
-                  architecture=str(archs[0] if isinstance(archs, list) else archs),
-                  model_type=str(raw.get("model_type") or ""), raw=dict(raw))
+    if generation_config is not None and not isinstance(generation_config, dict):
+        raise ValueError(f"generation_config.json must hold a JSON object, got {type(generation_config).__name__}")
+    archs = _architectures(raw) or [""]
+    model_type = raw.get("model_type")
+    common = dict(family=name, attention=fam.attention, shifted=fam.shifted, architecture=archs[0],
+                  model_type=model_type if isinstance(model_type, str) else "", raw=dict(raw))
     if fam.base == "llada":
         cfg = _parse_llada(raw, name, common)
     else:
         cfg = _parse_hf(raw, fam, name, common)
 
-    eos = _ids(raw.get("eos_token_id"))
+    where = f"config.json ({name})"
+    gen_where = f"generation_config.json ({name})"
+    eos = _ids(raw.get("eos_token_id"), "eos_token_id", where)
     if generation_config:
-        eos = eos + tuple(i for i in _ids(generation_config.get("eos_token_id")) if i not in eos)
-    bos = raw.get("bos_token_id")
-    if bos is None and generation_config:
-        bos = generation_config.get("bos_token_id")
-    bos = _ids(bos)
-    pad = _ids(raw.get("pad_token_id"))
-    mask = raw.get("mask_token_id")
+        eos = eos + tuple(i for i in _ids(generation_config.get("eos_token_id"), "eos_token_id", gen_where)
+                          if i not in eos)
+    bos = _ids(raw.get("bos_token_id"), "bos_token_id", where)
+    if not bos and generation_config:
+        bos = _ids(generation_config.get("bos_token_id"), "bos_token_id", gen_where)
+    for key, ids in (("eos_token_id", eos), ("bos_token_id", bos)):
+        bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"{where} / generation_config.json: {key} {bad[0]} is outside the vocabulary "
+                             f"[0, {cfg.vocab_size})")
+    pad = _ids(raw.get("pad_token_id"), "pad_token_id", where)   # out of range: no pad (plan pads with 0)
+    mask = _int(raw, "mask_token_id", name, required=False)
     block = None
     if fam.attention == "block_causal":
         block = _int(raw, "block_size", name, required=False)
@@ -231,68 +306,78 @@ def parse_config(raw: dict, generation_config: dict | None = None) -> ModelConfi
             block = _int(raw, "bd_size", name, default=fam.block_size)
         if block < 1:
             raise ValueError(f"config.json ({name}): block_size must be >= 1, got {block}")
+        context = cfg.max_position_embeddings or LIMITS["context"]
+        if block > context:
+            raise ValueError(f"config.json ({name}): block_size = {block} is larger than the context "
+                             f"({context} tokens)")
     cfg = cfg.replace(eos_token_ids=eos, bos_token_id=bos[0] if bos else None,
-                      pad_token_id=pad[0] if pad else None, block_size=block,
-                      mask_token_id=None if mask is None else int(mask))
+                      pad_token_id=pad[0] if pad else None, block_size=block, mask_token_id=mask)
     _check_consistency(cfg)
     return cfg
 
 
+def _context(raw, key, name) -> int | None:
+    """The context length (None when the config has none); >= 1 when given."""
+    return _int(raw, key, name, required=False, lo=1, hi=LIMITS["context"])
+
+
 def _parse_hf(raw, fam: Family, name: str, common: dict) -> ModelConfig:
-    hidden = _positive(raw, "hidden_size", name)
-    heads = _positive(raw, "num_attention_heads", name)
-    kv_heads = _positive(raw, "num_key_value_heads", name, default=heads)
-    head_dim = _get(raw, "head_dim")
+    hidden = _positive(raw, "hidden_size", name, limit="hidden_size")
+    heads = _positive(raw, "num_attention_heads", name, limit="num_heads")
+    kv_heads = _positive(raw, "num_key_value_heads", name, default=heads, limit="num_heads")
+    head_dim = _int(raw, "head_dim", name, required=False, lo=1, hi=LIMITS["head_dim"])
     if head_dim is None:
         if hidden % heads:
             raise ValueError(f"config.json ({name}): hidden_size {hidden} is not a multiple of "
                              f"num_attention_heads {heads} and head_dim is not given")
         head_dim = hidden // heads
-    head_dim = int(head_dim)
     act = _get(raw, "hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise ValueError(f"config.json ({name}): hidden_act {act!r} is not supported (SwiGLU with silu only)")
+        raise ValueError(f"config.json ({name}): hidden_act {act!r:.80} is not supported (SwiGLU with silu only)")
     if raw.get("use_sliding_window"):
         raise ValueError(f"config.json ({name}): use_sliding_window=true is not supported")
     theta, scaling = _rope(raw, name)
-    attn_bias = bool(raw.get("attention_bias", False))
+    attn_bias = _flag(raw, "attention_bias", name)
     if fam.base == "qwen2":
         qkv_bias, o_bias = True, False
     else:
         qkv_bias = o_bias = attn_bias
     return ModelConfig(
-        vocab_size=_positive(raw, "vocab_size", name), hidden_size=hidden,
-        intermediate_size=_positive(raw, "intermediate_size", name), num_layers=_positive(raw, "num_hidden_layers", name),
+        vocab_size=_positive(raw, "vocab_size", name, limit="vocab_size"), hidden_size=hidden,
+        intermediate_size=_positive(raw, "intermediate_size", name, limit="intermediate_size"),
+        num_layers=_positive(raw, "num_hidden_layers", name, limit="num_layers"),
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta, rope_scaling=scaling,
-        rms_norm_eps=float(_get(raw, "rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_position_embeddings=_int(raw, "max_position_embeddings", name, required=False),
-        qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=bool(raw.get("mlp_bias", False)) if fam.base == "llama" else False,
+        rms_norm_eps=_float(raw, "rms_norm_eps", name, 1e-6),
+        tie_word_embeddings=_flag(raw, "tie_word_embeddings", name),
+        max_position_embeddings=_context(raw, "max_position_embeddings", name),
+        qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=_flag(raw, "mlp_bias", name) if fam.base == "llama" else False,
         qk_norm=fam.base == "qwen3", **common)
 
 
 def _parse_llada(raw, name: str, common: dict) -> ModelConfig:
     """LLaDA's OLMo-style config (d_model, n_layers, n_heads, mlp_hidden_size, ...)."""
-    hidden = _positive(raw, "d_model", name)
-    heads = _positive(raw, "n_heads", name)
-    kv = raw.get("n_kv_heads")
-    if kv is None:
-        kv = 1 if raw.get("multi_query_attention") else heads
-    kv_heads = int(kv)
+    hidden = _positive(raw, "d_model", name, limit="hidden_size")
+    heads = _positive(raw, "n_heads", name, limit="num_heads")
+    default_kv = 1 if _flag(raw, "multi_query_attention", name) else heads
+    kv_heads = _positive(raw, "n_kv_heads", name, default=default_kv, limit="num_heads")
     if hidden % heads:
         raise ValueError(f"config.json ({name}): d_model {hidden} is not a multiple of n_heads {heads}")
-    mlp = raw.get("mlp_hidden_size")
+    mlp = _int(raw, "mlp_hidden_size", name, required=False, lo=1, hi=LIMITS["intermediate_size"])
     if mlp is None:
-        mlp = int(_get(raw, "mlp_ratio", 4)) * hidden
-    vocab = _positive(raw, "vocab_size", name)
-    emb = raw.get("embedding_size") or vocab
+        ratio = _positive(raw, "mlp_ratio", name, default=4, limit="intermediate_size")
+        mlp = ratio * hidden
+        if mlp > LIMITS["intermediate_size"]:
+            raise ValueError(f"config.json ({name}): mlp_ratio * d_model = {mlp} is above the largest size "
+                             f"dspec accepts ({LIMITS['intermediate_size']})")
+    vocab = _positive(raw, "vocab_size", name, limit="vocab_size")
+    emb = _int(raw, "embedding_size", name, required=False, lo=1, hi=LIMITS["vocab_size"]) or vocab
     unsupported = []
     if _get(raw, "block_type", "llama") != "llama":
-        unsupported.append(f"block_type={raw.get('block_type')!r} (only 'llama')")
+        unsupported.append(f"block_type={raw.get('block_type')!r:.40} (only 'llama')")
     if _get(raw, "activation_type", "silu") not in ("silu", "swiglu"):
-        unsupported.append(f"activation_type={raw.get('activation_type')!r}")
+        unsupported.append(f"activation_type={raw.get('activation_type')!r:.40}")
     if _get(raw, "layer_norm_type", "rms") != "rms":
-        unsupported.append(f"layer_norm_type={raw.get('layer_norm_type')!r} (only 'rms')")
+        unsupported.append(f"layer_norm_type={raw.get('layer_norm_type')!r:.40} (only 'rms')")
     if raw.get("include_bias"):
         unsupported.append("include_bias=true")
     if raw.get("attention_layer_norm"):
@@ -303,15 +388,15 @@ def _parse_llada(raw, name: str, common: dict) -> ModelConfig:
         raise ValueError(f"config.json ({name}): unsupported LLaDA options: {', '.join(unsupported)}")
     theta, scaling = _rope(raw, name)
     return ModelConfig(
-        vocab_size=int(emb), hidden_size=hidden, intermediate_size=int(mlp),
-        num_layers=_positive(raw, "n_layers", name), num_heads=heads, num_kv_heads=kv_heads,
+        vocab_size=emb, hidden_size=hidden, intermediate_size=mlp,
+        num_layers=_positive(raw, "n_layers", name, limit="num_layers"), num_heads=heads, num_kv_heads=kv_heads,
         head_dim=hidden // heads, rope_theta=theta, rope_scaling=scaling,
-        rms_norm_eps=float(_get(raw, "rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(raw.get("weight_tying", False)),
-        max_position_embeddings=_int(raw, "max_sequence_length", name, required=False),
-        qkv_bias=bool(raw.get("include_qkv_bias", False)),
-        embed_scale=math.sqrt(hidden) if raw.get("input_emb_norm") else 1.0,
-        logit_scale=1.0 / math.sqrt(hidden) if raw.get("scale_logits") else 1.0, **common)
+        rms_norm_eps=_float(raw, "rms_norm_eps", name, 1e-5),
+        tie_word_embeddings=_flag(raw, "weight_tying", name),
+        max_position_embeddings=_context(raw, "max_sequence_length", name),
+        qkv_bias=_flag(raw, "include_qkv_bias", name),
+        embed_scale=math.sqrt(hidden) if _flag(raw, "input_emb_norm", name) else 1.0,
+        logit_scale=1.0 / math.sqrt(hidden) if _flag(raw, "scale_logits", name) else 1.0, **common)
 
 
 def _check_consistency(cfg: ModelConfig) -> None:

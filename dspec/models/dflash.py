@@ -90,24 +90,38 @@ class DrafterConfig:
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> "DrafterConfig":
+        from .config import LIMITS, finite
         if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        for name in ("hidden_size", "vocab_size", "target_num_layers", "block_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r:.80}")
+        limits = {"hidden_size": LIMITS["hidden_size"], "vocab_size": LIMITS["vocab_size"],
+                  "target_num_layers": LIMITS["num_layers"], "block_size": 4096, "num_layers": LIMITS["num_layers"],
+                  "num_heads": LIMITS["num_heads"], "num_kv_heads": LIMITS["num_heads"],
+                  "head_dim": LIMITS["head_dim"], "intermediate_size": LIMITS["intermediate_size"]}
+        for name, hi in limits.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+                raise ValueError(f"{name} must be an int >= 1, got {v!r:.80}")
+            if v > hi:
+                raise ValueError(f"{name} = {v} is above the largest size dspec accepts ({hi})")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (an anchor and at least one draft), got {self.block_size}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (RoPE), got {self.head_dim}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (finite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite positive number, got {v!r:.80}")
+        if self.target is not None and not isinstance(self.target, str):
+            raise ValueError(f"target must be a str or None, got {self.target!r:.80}")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"extra must be a dict, got {type(self.extra).__name__}")
         ids = self.target_layer_ids
-        if not isinstance(ids, (list, tuple)) or not ids or any(
+        if not isinstance(ids, (list, tuple)) or not ids or len(ids) > self.target_num_layers + 1 or any(
                 isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= self.target_num_layers for i in ids):
             raise ValueError(f"target_layer_ids must be a non-empty list of ints in [0, "
-                             f"{self.target_num_layers}], got {ids!r}")
+                             f"{self.target_num_layers}], got {ids!r:.80}")
         self.target_layer_ids = list(ids)
         return self
 
@@ -551,15 +565,19 @@ def _shard(state: dict, limit: int) -> list[dict]:
 
 
 def _weight_files(path: Path) -> list[Path]:
-    """``model.safetensors``, or the shards ``model-XXXXX-of-NNNNN.safetensors`` when all present."""
-    if (path / "model.safetensors").is_file():
+    """``model.safetensors``, or the shards ``model-XXXXX-of-NNNNN.safetensors`` when all present
+    (regular files only: ValueError for a FIFO, device or directory of such a name)."""
+    from ._files import is_regular_file
+    if is_regular_file(path / "model.safetensors"):
         return [path / "model.safetensors"]
     shards = sorted(path.glob("model-*-of-*.safetensors"))
     if not shards:
         return []
     total = shards[0].name.rsplit("-of-", 1)[1].split(".")[0]
-    if len(shards) != int(total):
-        raise ValueError(f"drafter directory {path} has {len(shards)} of {int(total)} weight shards")
+    if not total.isdigit() or len(shards) != int(total):
+        raise ValueError(f"drafter directory {path} has {len(shards)} of {total!r} weight shards")
+    for f in shards:
+        is_regular_file(f)
     return shards
 
 
@@ -600,40 +618,71 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
     """Load a drafter directory (or a shipped drafter name such as ``"tiny-ar-dflash"``) and
     bind it to ``target``.
 
-    Raises ValueError when the directory is missing or incomplete, when ``kind`` is given
-    and differs from the file's, or when the drafter does not fit the target (hidden size,
-    vocabulary, target depth / layer ids).  Weights go to the target's device and dtype
-    unless ``device`` / ``dtype`` say otherwise.
+    Raises ValueError when ``path_or_name`` is not a BlockDrafter, a path or a name (a dspec
+    model included: models draft in ``diffuspec``, not as block drafters), when the
+    directory is missing or incomplete, when ``kind`` is given and differs from the file's,
+    or when the drafter does not fit the target (hidden size, vocabulary, target depth /
+    layer ids) or its weights (sizes checked against the safetensors headers before any
+    tensor is built).  Weights go to the target's device and dtype unless ``device`` /
+    ``dtype`` say otherwise.
     """
+    from safetensors import safe_open
     from safetensors.torch import load_file
+    from ._files import is_regular_file, read_json
     if isinstance(path_or_name, BlockDrafter):
         drafter = path_or_name
         if kind is not None and drafter.config.kind != kind:
             raise ValueError(f"drafter is a {drafter.config.kind!r} drafter, expected {kind!r}")
+        if any(t.is_meta for t in drafter.parameters()):
+            raise ValueError("drafter: its weights are on the meta device (no data): load or build it on "
+                             "'cpu' or 'cuda'")
         return drafter.bind(target)
+    names = sorted(p.name for p in ASSETS.iterdir() if p.is_dir()) if ASSETS.is_dir() else []
+    if isinstance(path_or_name, (bytes, bytearray)) or not isinstance(path_or_name, (str, os.PathLike)):
+        hint = ""
+        if hasattr(path_or_name, "config") and hasattr(path_or_name, "plan"):
+            hint = (" (a dspec model is not a block drafter: block-diffusion models draft for an AR target in "
+                    "method 'diffuspec')")
+        raise ValueError(f"drafter must be a BlockDrafter, a drafter directory or a shipped drafter name "
+                         f"({names}), got {type(path_or_name).__name__}{hint}")
+    if not os.fspath(path_or_name):
+        raise ValueError(f"drafter must name a drafter directory or a shipped drafter ({names}), got ''")
     path = Path(os.fspath(path_or_name)).expanduser()
     if not path.is_dir():
         shipped = ASSETS / os.fspath(path_or_name)
-        if shipped.is_dir():
+        if os.fspath(path_or_name) in names:
             path = shipped
         else:
-            names = sorted(p.name for p in ASSETS.iterdir() if p.is_dir()) if ASSETS.is_dir() else []
             raise ValueError(f"drafter {os.fspath(path_or_name)!r} is neither a directory nor a shipped "
                              f"drafter ({names})")
     weight_files = _weight_files(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"drafter directory {path} has no config.json")
+    raw = read_json(path / "config.json", required=True, missing=f"drafter directory {path} has no config.json",
+                    want=dict)
     if not weight_files:
         raise ValueError(f"drafter directory {path} has no model.safetensors")
-    raw = json.loads((path / "config.json").read_text())
     try:
         cfg = DrafterConfig(**raw)
     except TypeError as e:
         raise ValueError(f"{path / 'config.json'} is not a drafter config: {e}") from None
-    cfg.validate()
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from None
     if kind is not None and cfg.kind != kind:
         raise ValueError(f"{path} holds a {cfg.kind!r} drafter, expected {kind!r}")
     check_compatible(cfg, target)
+    # names and shapes from the headers (no data) before the drafter's modules are built
+    got = {}
+    for f in weight_files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                got.update({k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()})
+        except Exception as e:  # noqa: BLE001  (safetensors raises SafetensorError / OSError)
+            raise ValueError(f"{f}: cannot read safetensors ({e})") from None
+    layers = {k.split(".", 2)[1] for k in got if k.startswith("layers.") and k.count(".") >= 2}
+    if cfg.num_layers > len(layers):
+        raise ValueError(f"{path / 'config.json'}: num_layers = {cfg.num_layers}, but the weights hold "
+                         f"{len(layers)} layers")
     recorded = cfg.extra.get("target_fingerprint")
     if recorded and recorded != target_fingerprint(target):
         import warnings
@@ -641,24 +690,23 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
                       f"target {target_fingerprint(target)}): it fits the shapes but may draft poorly; retrain it",
                       stacklevel=2)
     drafter = BlockDrafter(cfg, device="meta")
-    state = {}
-    for f in weight_files:
-        state.update(load_file(str(f)))
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state.items()}
     if expected != got:
         missing = sorted(set(expected) - set(got))
         extra = sorted(set(got) - set(expected))
         wrong = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
         raise ValueError(f"{path / 'model.safetensors'} does not match its config: missing {missing[:4]}, "
                          f"unexpected {extra[:4]}, wrong shapes {wrong[:4]}")
+    state = {}
+    for f in weight_files:
+        state.update(load_file(str(f)))
     drafter = drafter.to_empty(device=device or target.device)
     drafter.load_state_dict(state)
     drafter.to(dtype=dtype or target.dtype)
     drafter._inv_freq = {}
     drafter.eval()
     drafter.bind(target)
-    if (path / DRAFT_VOCAB_FILE).is_file():
+    if is_regular_file(path / DRAFT_VOCAB_FILE):
         ids = load_file(str(path / DRAFT_VOCAB_FILE)).get("ids")
         if ids is None:
             raise ValueError(f"{path / DRAFT_VOCAB_FILE} holds no 'ids' tensor")

@@ -5,14 +5,18 @@ listed by model.safetensors.index.json) and tokenizer.json via the ``tokenizers`
 No ``trust_remote_code`` and no transformers at runtime: each family's weight names are
 mapped onto the lean transformer here.  Every problem (missing config, unknown family,
 missing / unexpected weights, wrong shapes) is a ValueError that says what and where.
+The config is read first and bounded (types, sizes, ids) and its sizes are checked against
+the safetensors headers (names and shapes, no data) before any per-layer table or tensor is
+built, so a lying config.json can neither hang the loader nor exhaust memory; only regular
+files inside the directory are opened.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from ._files import inside, is_regular_file, read_json
 from .config import FAMILIES, ModelConfig, parse_config
 from .tokenizer import Tokenizer
 from .transformer import Model
@@ -33,23 +37,24 @@ def load_checkpoint(path, *, device="cpu", dtype=None) -> Model:
     dtype : torch dtype or name ("float32", "bfloat16", "float16"); None / "auto" keeps the
         dtype the weights are stored in.
     """
+    device = check_device(device)
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"checkpoint path {str(path)!r} is not a directory")
     raw = _read_json(root / "config.json", required=True)
     gen = _read_json(root / "generation_config.json", required=False)
-    cfg = parse_config(raw, gen)
+    cfg = parse_config(raw, gen)                       # types and sane bounds (config.LIMITS)
+    tensors = _index_weights(root)                     # name -> (file, shape, dtype): headers only
+    _check_sizes(root, cfg, tensors)                   # the config's sizes against the weights' shapes
     tokenizer = Tokenizer.from_dir(root)
     cfg = _resolve_ids(cfg, tokenizer, root)
 
-    tensors = _index_weights(root)                     # name -> (file, shape, dtype)
     mapping = checkpoint_names(cfg)                    # canonical -> checkpoint name
     expected = expected_shapes(cfg)
     _check_weights(root, cfg, tensors, mapping, expected)
 
     first = mapping["embed_tokens.weight"]
     target_dtype = _dtype(dtype, tensors[first][2])
-    device = torch.device(device)
     model = Model(cfg, tokenizer=tokenizer, device=device, dtype=target_dtype, _meta=True)
     state = _read_tensors(root, tensors, mapping, device, target_dtype)
     model.load_state_dict(state, strict=True, assign=True)
@@ -136,40 +141,56 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
 
 
 def _read_json(file: Path, *, required: bool):
-    if not file.is_file():
-        if required:
-            raise ValueError(f"{file.parent}: no {file.name} (not a Hugging Face checkpoint directory?)")
-        return None
+    return read_json(file, required=required,
+                     missing=f"{file.parent}: no {file.name} (not a Hugging Face checkpoint directory?)")
+
+
+def check_device(device) -> torch.device:
+    """``device`` as a torch.device a model can decode on: ValueError naming ``device`` for
+    what is not a device, a CUDA device on a machine without one, or the meta device (its
+    tensors hold no data: every forward would fail inside its first kernel)."""
     try:
-        return json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r:.80}") from None
+    if dev.type == "meta":
+        raise ValueError("device='meta' holds no data to decode with: load the model on 'cpu' or 'cuda'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: this machine has no CUDA device (torch.cuda.is_available() "
+                         f"is False); use device='cpu'")
+    return dev
 
 
 def _weight_files(root: Path) -> list[Path]:
     index = root / "model.safetensors.index.json"
-    if index.is_file():
+    if is_regular_file(index):
         data = _read_json(index, required=True)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: has no weight_map")
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (root / f).is_file()]
+        bad = next((v for v in weight_map.values() if not isinstance(v, str)), None)
+        if bad is not None:
+            raise ValueError(f"{index}: weight_map values must be shard file names, got {bad!r:.80}")
+        files = [inside(root, f) for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not is_regular_file(f)]
         if missing:
             raise ValueError(f"{root}: shards listed in {index.name} are missing: {missing[:5]}")
-        return [root / f for f in files]
+        return files
     single = root / "model.safetensors"
-    if single.is_file():
+    if is_regular_file(single):
         return [single]
     files = sorted(root.glob("*.safetensors"))
     if not files:
         other = [p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf")]
         hint = f" (found {other[:3]}: only safetensors are read)" if other else ""
         raise ValueError(f"{root}: no *.safetensors weights{hint}")
+    for f in files:
+        is_regular_file(f)                              # ValueError for a FIFO / device / directory
     return files
 
 
 def _index_weights(root: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """Every tensor's file, shape and dtype, from the safetensors headers alone (no data read)."""
     from safetensors import safe_open
     out = {}
     for file in _weight_files(root):
@@ -181,6 +202,48 @@ def _index_weights(root: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
         except Exception as e:  # noqa: BLE001  (safetensors raises SafetensorError / OSError)
             raise ValueError(f"{file}: cannot read safetensors ({e})") from None
     return out
+
+
+# the config.json keys each size comes from, per weight layout
+_KEYS = {"hf": {"num_layers": "num_hidden_layers", "vocab_size": "vocab_size", "hidden_size": "hidden_size",
+                "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+                "intermediate_size": "intermediate_size"},
+         "llada": {"num_layers": "n_layers", "vocab_size": "embedding_size / vocab_size", "hidden_size": "d_model",
+                   "num_heads": "n_heads", "num_kv_heads": "n_kv_heads", "intermediate_size": "mlp_hidden_size"}}
+
+
+def _check_sizes(root: Path, cfg: ModelConfig, tensors: dict) -> None:
+    """The config's sizes against the weights' actual shapes, before any per-layer table is
+    built: the layer count against the distinct layers the weights hold, the vocabulary and
+    hidden size against the embedding, the heads and MLP width against layer 0.  ValueError
+    naming the config key; weights that are absent are reported by ``_check_weights``."""
+    llada = cfg.family == "llada"
+    keys = _KEYS["llada" if llada else "hf"]
+    where = f"{root}: config.json ({cfg.family})"
+    prefix = "model.transformer.blocks." if llada else "model.layers."
+    layers = {name[len(prefix):].split(".", 1)[0] for name in tensors if name.startswith(prefix)}
+    if cfg.num_layers > len(layers):
+        raise ValueError(f"{where}: {keys['num_layers']} = {cfg.num_layers}, but the weights hold "
+                         f"{len(layers)} layers")
+
+    def shape(canon):
+        name = _llada_name(canon) if llada else ("model." + canon)
+        got = tensors.get(name)
+        return (name, got[1]) if got is not None and len(got[1]) == 2 else (None, None)
+
+    def check(canon, dim, want, key, what):
+        name, got = shape(canon)
+        if name is not None and got[dim] != want:
+            raise ValueError(f"{where}: {key} gives {what} {want}, but {name} has shape {list(got)}")
+
+    d = cfg.head_dim
+    check("embed_tokens.weight", 0, cfg.vocab_size, keys["vocab_size"], "a vocabulary of")
+    check("embed_tokens.weight", 1, cfg.hidden_size, keys["hidden_size"], "a hidden size of")
+    check("layers.0.self_attn.q_proj.weight", 0, cfg.num_heads * d, f"{keys['num_heads']} x head_dim",
+          "query rows")
+    check("layers.0.self_attn.k_proj.weight", 0, cfg.num_kv_heads * d, f"{keys['num_kv_heads']} x head_dim",
+          "key rows")
+    check("layers.0.mlp.gate_proj.weight", 0, cfg.intermediate_size, keys["intermediate_size"], "an MLP width of")
 
 
 def _check_weights(root, cfg, tensors, mapping, expected) -> None:
@@ -256,8 +319,12 @@ def _resolve_ids(cfg: ModelConfig, tokenizer: Tokenizer | None, root: Path) -> M
                              f"[0, {cfg.vocab_size}); set mask_token_id in config.json")
         changes["mask_token_id"] = int(mask)
     if tokenizer is not None:
-        if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:
-            changes["eos_token_ids"] = (tokenizer.eos_token_id,)
-        if cfg.bos_token_id is None and tokenizer.bos_token_id is not None:
-            changes["bos_token_id"] = tokenizer.bos_token_id
+        for key, field, token, tid in (("eos_token_ids", "eos_token", tokenizer.eos_token, tokenizer.eos_token_id),
+                                       ("bos_token_id", "bos_token", tokenizer.bos_token, tokenizer.bos_token_id)):
+            if tid is None or getattr(cfg, key) not in ((), None):
+                continue
+            if not 0 <= tid < cfg.vocab_size:
+                raise ValueError(f"{root / 'tokenizer_config.json'}: {field} {token!r} has id {tid}, outside the "
+                                 f"model's vocabulary [0, {cfg.vocab_size})")
+            changes[key] = (tid,) if key == "eos_token_ids" else tid
     return cfg.replace(**changes)

@@ -1,7 +1,6 @@
 """A thin wrapper around a ``tokenizers.Tokenizer`` read from a checkpoint's tokenizer.json."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -24,10 +23,13 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path) -> "Tokenizer | None":
-        """The tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
+        """The tokenizer of a checkpoint directory, or None when it has no tokenizer.json.
+        ValueError naming the file for a tokenizer.json / tokenizer_config.json that is not a
+        regular file, not UTF-8 JSON, or (tokenizer_config.json) not a JSON object."""
+        from ._files import is_regular_file, read_json
         path = Path(path)
         file = path / "tokenizer.json"
-        if not file.is_file():
+        if not is_regular_file(file):
             return None
         from tokenizers import Tokenizer as _HFTokenizer
         try:
@@ -35,12 +37,8 @@ class Tokenizer:
         except Exception as e:  # noqa: BLE001  (tokenizers raises its own Exception type)
             raise ValueError(f"{file}: not a valid tokenizer.json ({e})") from None
         specials = {}
-        cfg_file = path / "tokenizer_config.json"
-        if cfg_file.is_file():
-            try:
-                cfg = json.loads(cfg_file.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+        cfg = read_json(path / "tokenizer_config.json", required=False, want=dict)
+        if cfg is not None:
             for key in ("bos_token", "eos_token", "pad_token", "mask_token", "chat_template"):
                 value = cfg.get(key)
                 if isinstance(value, dict):          # AddedToken serialised as an object
