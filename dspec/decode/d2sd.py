@@ -68,7 +68,7 @@ from .dflash import (TREE_TOP_K, SpeculativeRun, _chain_cycle, _sync, _tree_cycl
                      draft_columns, draft_tree, vocab_ids)
 from ._cpu_cost import resolve_lookup, resolve_redraft_min, resolve_row_cost, resolve_tree
 from .lookup import PromptLookup, graft_chain
-from .sampling import sample_from
+from .sampling import RequestStreams, request_streams, sample_from
 
 BRANCH_MODES = ("vp", "resample")
 # The first drafter's weight at a branch's first re-drafted slot (``prior_weight``), measured
@@ -296,10 +296,11 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     run.time["tree_s"] = 0.0
     dev = model.device
     offsets = torch.arange(gamma, device=dev)
+    generator = request_streams(generator, len(prompts), dev)     # one random stream per request
     resample_gen = generator
     if branches == "resample" and generator is None:
-        # greedy decoding still needs random branches: a fixed private stream, reproducible
-        resample_gen = torch.Generator(device=dev).manual_seed(0)
+        # greedy decoding still needs random branches: fixed private streams, reproducible
+        resample_gen = RequestStreams.seeded(0, len(prompts), dev)
     nodes_total = redrafted = pairs = 0
     chains = {}                 # DFlash's causal masks, for cycles that do not re-draft
     finder = PromptLookup(prompts, run.outputs, num_drafts=lookup) if lookup else None
@@ -357,7 +358,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
                 first_keep, branch_keep = prune_tree(first_probs, alt_probs, lengths, float(row_cost))
         else:
             q = torch.softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
-            u = torch.rand((q.shape[0], k, q.shape[1]), generator=resample_gen, device=dev)
+            u = resample_gen.uniforms(run.rows, k * q.shape[1]).view(q.shape[0], k, q.shape[1])
             alt = vocab_ids(sample_from(q[:, None].expand(-1, k, -1, -1), u), vocab)
             lengths = torch.zeros(q.shape[0], k, dtype=torch.int64, device=dev)
         if tree is not None:

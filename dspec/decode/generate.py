@@ -5,7 +5,6 @@ import contextlib
 import gc
 import importlib
 import operator
-import os
 import time
 from types import ModuleType
 from typing import NamedTuple
@@ -14,6 +13,7 @@ import torch
 
 from .. import _validate, cpu
 from ..models.stack import frozen_weights
+from .sampling import RequestStreams
 
 # DESIGN.md's methods, each one module of dspec.decode with the same name.  A method module
 # defines
@@ -23,7 +23,8 @@ from ..models.stack import frozen_weights
 #                              (a BlockDrafter, its directory or a shipped drafter name)
 #   decode(model, prompts, *, max_new_tokens, temperature, generator, eos_ids, progress,
 #          [drafter,] **options) -> (tokens: list[list[int]], stats: dict)
-# where ``prompts`` are lists of ids (a batch), ``generator`` is None when greedy,
+# where ``prompts`` are lists of ids (a batch), ``generator`` is None when greedy, else a
+# ``sampling.RequestStreams`` (one random stream per request; a torch.Generator is accepted too),
 # ``progress`` a tqdm bar (or None) to advance by generated tokens per request, and stats
 # hold at least ``nfe`` ({model role: forwards}) and ``mean_accepted``.
 ALL_METHODS = ("ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd")
@@ -121,6 +122,18 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
     counts model forwards per model; ``tokens_per_s`` counts generated tokens over the whole
     call's wall time (prefill included).
 
+    Sampling (``temperature > 0``) gives each request its own random stream, so a batch
+    decodes as its requests one by one: with ``seed=s``, request i of a batch gives exactly
+    the single call ``generate(model, prompt_i, seed=dspec.decode.sampling.request_seed(s, i))``
+    (``request_seed(s, 0) == s``: a batch's first request is the single call with ``seed=s``),
+    whatever the other requests are and when they finish.  (The batch's forwards must give
+    each row's logits as a single call does: fp32, or the CPU's row-invariant kernels.)
+    Limits: ``s2d2`` with ``policy="ucb"`` (its bandit learns from every row of the batch),
+    ``dflash`` / ``d2sd`` with a ``row_cost`` (one verify length or tree size for the whole
+    batch; pass ``row_cost=None``) and ``d2sd`` with ``redraft_min > 0`` (a cycle where no row
+    re-drafts is DFlash's own) decide per batch, not per request.  ``seed=None`` draws
+    fresh OS entropy; the global RNG is never read or reseeded.
+
     Example
     -------
     >>> import dspec
@@ -154,9 +167,10 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
                          f"is {longest + max_new_tokens} tokens, past the model's context of {context}")
     generator = None
     if temperature > 0:
-        generator = torch.Generator(device=model.device)
-        # without a seed: fresh OS entropy (torch.seed() would reseed the user's global RNG)
-        generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        # one stream per request (request i seeded request_seed(seed, i)): a request's draws
+        # never depend on the rest of its batch; without a seed, fresh OS entropy (the user's
+        # global RNG is neither read nor reseeded)
+        generator = RequestStreams.seeded(seed, len(prompts), model.device)
     bar = None
     if progress:
         from tqdm.auto import tqdm

@@ -126,6 +126,7 @@ from ..models import AttentionPlan
 from ..ops import pack_mask, token_stats, verify_chain
 from .diffusion import PromptTails, prefill_prompt_blocks
 from .outputs import OutputBuffer
+from .sampling import request_streams
 from .unmask import choose, pick_slots, rank_masked
 from ._cpu_cost import resolve_boundary, resolve_redraft
 from ._selfspec import check_common
@@ -576,10 +577,12 @@ class _Batch:
         self.blocks = REDRAFT if opt["redraft"] else SPEC_BLOCK
         # the boundary state: the next block drafted for a rejected last draft (module doc)
         self.boundary = opt["boundary"]
-        self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.progress = progress
         dev = self.dev = model.device
         batch = self.batch = len(prompts)
+        # one random stream per request (rows stay in the batch: row b is request b)
+        self.streams, self.requests = request_streams(generator, batch, dev), list(range(batch))
         bs = self.bs
         self.mask_id, self.vocab = model.mask_token_id, model.config.vocab_size
         self.router = make_router(opt["policy"], batch, dev, min_span=opt["min_span"],
@@ -838,10 +841,12 @@ class _Batch:
             first = torch.where(((self.span_start == 0) & ~lead)[:, None], self.carry, target[:, 0])
             target = torch.cat([first[:, None], target[:, 1:]], 1)
         num = torch.where(is_verify, self.span_len, 0)
+        rand = {} if self.streams is None else \
+            self.streams.chain(self.requests, self.drafts.shape[1], advance=is_verify.cpu())
         self.tokens, self.masked, committed, acc = accept_span(
             self.tokens, self.masked, self.drafts, target, self.span_start, num,
             draft_probs=self.draft_probs if self.temperature > 0 else None, temperature=self.temperature,
-            generator=self.generator)
+            **rand)
         # the redraft block of the outcome holds the block as it now stands but for the drawn
         # token (still [MASK] there), so its logits are the next drafting step; with every
         # draft passed, no bonus and nothing left masked it is the finished block
@@ -896,8 +901,10 @@ class _Batch:
         block's, so those rows take a drafting forward instead."""
         bs, slots, temperature, opt = self.bs, self.slots, self.temperature, self.opt
         masked = self.masked
-        choice, conf = choose(block_logits, temperature, self.generator)
         active = drafting & masked.any(1)
+        # a draw per slot for the rows that draft (the others keep their streams' counters)
+        u = None if self.streams is None else self.streams.uniforms(self.requests, bs, advance=active.cpu())
+        choice, conf = choose(block_logits, temperature, uniforms=u)
         if opt["policy"] == "always":                 # never falls back: nothing to rank
             pick = torch.zeros_like(masked)
         else:                                         # diffusion's threshold rule (ties to the lower slot)
