@@ -208,7 +208,9 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         relative to a one-row forward (>= 0): keep the nodes that maximise the expected
         tokens per cost (:func:`prune_tree`; "vp" branches only); "auto" (default): the
         CPU class's measured row cost for a CPU model with "vp" branches
-        (``_cpu_cost.row_cost_of``: 0.02 on AMX / AVX-512 tiles), None otherwise.
+        (``_cpu_cost.row_cost_of``: 0.02 on AMX / AVX-512 tiles), None otherwise.  At T > 0
+        a seeded batch is sure to equal its seeded single calls with ``row_cost=None`` (a DFlash cycle
+        and ``tree`` prune to one size for the whole batch).
     lookup : None / 0 (off) or K' >= 1: one more branch, the prompt-lookup chain of up to
         K' tokens (:mod:`dspec.decode.lookup`), merged into the tree like the others;
         "auto" (default): ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding
@@ -223,7 +225,9 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         reach this value; a cycle where no request does is ``dflash``'s cycle (no
         VP-drafter forward).  0 re-drafts every cycle (the paper's D2SD), inf never;
         "auto" (default): ``_cpu_cost.CPU_REDRAFT_MIN`` for a CPU model with "vp" branches,
-        0 otherwise.  The output is unchanged (the target decides every token).
+        0 otherwise.  The output is unchanged (the target decides every token).  At T > 0 a
+        gate > 0 makes a cycle where no row of the batch re-drafts DFlash's own, so a seeded
+        batch equals its seeded single calls with ``redraft_min`` 0 (or inf).
     boundary_pool : None (= k, the paper's) or P in [k, draft_len]: the VP-drafter re-drafts
         at the P likeliest boundaries (one forward over P blocks) and the tree keeps the k
         branches most likely to be accepted past their boundary, ``r_{n} x`` the

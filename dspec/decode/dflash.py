@@ -410,7 +410,9 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         a one-row forward (>= 0): verify the drafts that maximise the expected tokens per
         cost (:func:`verify_length`; one more host read per cycle); "auto" (default): the
         measured row cost of the CPU's class for a CPU model (``_cpu_cost.row_cost_of``: 0.02
-        on AMX / AVX-512 tiles, the AVX2 forwards' slope there), None elsewhere.
+        on AMX / AVX-512 tiles, the AVX2 forwards' slope there), None elsewhere.  With a
+        row cost the verified length (``tree``: node count) is one for the whole batch, so
+        at T > 0 a seeded batch is sure to equal its seeded single calls with ``row_cost=None``.
     tree : None (verify a chain of drafts, DFlash as published) or N >= 1: verify up to N
         draft nodes as a token tree over each slot's ``TREE_TOP_K`` best candidates
         (:func:`marginal_tree`; with ``row_cost``, the best n <= N of them); "auto"

@@ -128,10 +128,11 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
     (``request_seed(s, 0) == s``: a batch's first request is the single call with ``seed=s``),
     whatever the other requests are and when they finish.  (The batch's forwards must give
     each row's logits as a single call does: fp32, or the CPU's row-invariant kernels.)
-    Limits: ``s2d2`` with ``policy="ucb"`` (its bandit learns from every row of the batch),
-    ``dflash`` / ``d2sd`` with a ``row_cost`` (one verify length or tree size for the whole
-    batch; pass ``row_cost=None``) and ``d2sd`` with ``redraft_min > 0`` (a cycle where no row
-    re-drafts is DFlash's own) decide per batch, not per request.  ``seed=None`` draws
+    Limits, where a method decides per batch, not per request: ``s2d2`` with
+    ``redraft="auto"`` (off above 2 requests on a CPU; pass True or False) or
+    ``policy="ucb"`` (its bandit learns from every row), ``dflash`` / ``d2sd`` with a
+    ``row_cost`` (one verify length or tree size for the batch; pass ``row_cost=None``) and
+    ``d2sd`` with ``redraft_min > 0`` (a cycle where no row re-drafts is DFlash's own).  ``seed=None`` draws
     fresh OS entropy; the global RNG is never read or reseeded.
 
     Example

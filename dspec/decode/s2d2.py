@@ -1067,7 +1067,10 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         drafts are computed and no drafting forward follows it (the module doc); False --
         only the block with every draft in place (S2D2's speculative block), reused when
         every draft passes.  "auto": True but for a CPU model decoding more than
-        ``_cpu_cost.CPU_REDRAFT_MAX_BATCH`` (2) requests, where the rows are compute.
+        ``_cpu_cost.CPU_REDRAFT_MAX_BATCH`` (2) requests, where the rows are compute.  At
+        T > 0 the drafting logits differ between the two, so a seeded batch equals its seeded
+        single calls with ``redraft`` given (True or False), not "auto", and a ``policy`` other
+        than "ucb" (whose bandit learns from every row of the batch).
     boundary : bool or None (default: True wherever it applies -- redraft blocks on a
         right-shifted model whose clean rows attend causally, such as ``smollm2-135m-bd`` --
         but on a CPU, where its rows cost more than the forwards it saves:
