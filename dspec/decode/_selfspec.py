@@ -68,7 +68,7 @@ from ..ops import topk_tokens
 from ..ops.masks import pack_mask
 from .diffusion import PromptTails, prefill_prompt_blocks
 from .outputs import OutputBuffer
-from .sampling import non_finite_error, require_finite
+from .sampling import non_finite_error, request_streams, require_finite
 from .unmask import choose, log_probs, rank_masked
 
 Step = tuple[int, int]
@@ -208,8 +208,9 @@ def _copies_mask(block_size: int, copies: int, device) -> torch.Tensor:
     return _MASKS[key]
 
 
-def _choose(logits_of, masked: torch.Tensor, temperature: float, generator):
-    """Every masked slot's choice and confidence, exactly as ``diffusion`` computes them.
+def _choose(logits_of, masked: torch.Tensor, temperature: float, uniforms=None):
+    """Every masked slot's choice and confidence, exactly as ``diffusion`` computes them
+    (at T > 0 with ``uniforms`` [..., bs], one per slot).
 
     logits_of(rows) -> [K, V]: the logits of the flat slots ``rows`` (int64 [K]; None: every
     slot); masked [..., bs] -> (choice [..., bs] int64, confidence [..., bs], -1 where
@@ -223,9 +224,10 @@ def _choose(logits_of, masked: torch.Tensor, temperature: float, generator):
     if masked.device.type == "cpu":
         rows = need.nonzero()[:, 0]
         if rows.numel():
-            choice[rows], conf[rows] = choose(logits_of(rows), temperature, generator)
+            u = None if uniforms is None else uniforms.reshape(-1).index_select(0, rows)
+            choice[rows], conf[rows] = choose(logits_of(rows), temperature, uniforms=u)
     else:
-        choice, every = choose(logits_of(None), temperature, generator)
+        choice, every = choose(logits_of(None), temperature, uniforms=uniforms)
         conf = torch.where(need, every, conf)
     return choice.view(masked.shape), conf.view(masked.shape)
 
@@ -264,9 +266,10 @@ class _Engine:
         dev = self.dev = model.device
         bs = self.bs = block_size
         self.model, self.graph, self.prune_to = model, graph, prune_to
-        self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.progress, self.trace, self.prompts = progress, trace, prompts
         batch = self.batch = len(prompts)
+        self.streams = request_streams(generator, batch, dev)     # one random stream per request
         self.mask_id, self.vocab = model.mask_token_id, model.config.vocab_size
         self.tab = graph.tables(dev)
         self.num_nodes, self.big_j = graph.num_nodes, max(graph.num_candidates, num_candidates)
@@ -475,8 +478,13 @@ class _Engine:
         # dozens of rows x the vocabulary
         r.raw = r.out.logits.view(a_rows, segments, bs, vocab)
         r.anchor_copy, r.segments = anchor_copy, segments
-        r.c_choice, c_conf = _choose(lambda rows: self.slot_logits(r, rows), cmasked, self.temperature,
-                                     self.generator)
+        u = None
+        if self.streams is not None:
+            # a row's draw: the next block's state in its first bs uniforms, copy k in the
+            # (k + 1)-th bs, so a row's uniforms do not move with the batch's copy count
+            drawn = self.streams.uniforms(self.rows, (copies + 1) * bs).view(a_rows, copies + 1, bs)
+            u = torch.cat([drawn[:, 1:], drawn[:, :1]], 1) if r.need_next else drawn[:, 1:]
+        r.c_choice, c_conf = _choose(lambda rows: self.slot_logits(r, rows), cmasked, self.temperature, u)
         r.c_conf = torch.where(cmasked, c_conf, torch.full_like(c_conf, -1.0))
         step_slot = r.c_conf.argmax(-1)                                  # first max: lower slot
         r.step_slot, r.step_tok = step_slot, r.c_choice.gather(-1, step_slot[..., None])[..., 0]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import next_tokens, non_finite_error
+from .sampling import next_tokens, non_finite_error, request_streams
 
 
 @torch.no_grad()
@@ -30,6 +30,7 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
                          f"decode it with 'diffusion', 'ssd', 'spiffy' or 's2d2'")
     batch = len(prompts)
     device = model.device
+    streams = request_streams(generator, batch, device)     # one random stream per request
     cache = model.new_cache(batch)
     plan = model.plan(prompts, cache)
     out = model(plan, logits="last")
@@ -41,7 +42,11 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     active = torch.arange(batch, device=device)        # the requests still in the batch
     done = torch.zeros(batch, dtype=torch.bool, device=device)   # per active row: EOS seen
     ones = [1] * batch
-    token = next_tokens(out.logits[:, -1], temperature, generator, check=False)
+    requests = list(range(batch))                       # active, on the host (the streams' rows)
+
+    def uniforms():
+        return None if streams is None else streams.uniforms(requests, 1)[:, 0]
+    token = next_tokens(out.logits[:, -1], temperature, uniforms=uniforms(), check=False)
     steps = 0
     for step in range(max_new_tokens):
         produced[active, step] = token
@@ -61,11 +66,12 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
             keep = (~done).nonzero()[:, 0]
             cache = cache.select(keep.tolist())
             active, token, done = active[keep], token[keep], done[keep]
+            requests = [requests[i] for i in keep.tolist()]
             ones = [1] * len(active)
         out = model(model.plan(token[:, None], cache), logits="last")
         cache.append(out.suffix_kv, counts=ones)
         forwards += 1
-        token = next_tokens(out.logits[:, -1], temperature, generator, check=False)
+        token = next_tokens(out.logits[:, -1], temperature, uniforms=uniforms(), check=False)
     generated = [[t for t, k in zip(row, keep) if k]
                  for row, keep in zip(produced[:, :steps].tolist(), kept[:, :steps].tolist())]
     return generated, {"nfe": {"target": forwards}, "mean_accepted": 1.0}

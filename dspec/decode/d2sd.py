@@ -69,7 +69,7 @@ from .dflash import (TREE_TOP_K, SpeculativeRun, _chain_cycle, _sync, _tree_cycl
                      draft_block, draft_columns, draft_tree, vocab_ids)
 from ._cpu_cost import resolve_lookup, resolve_redraft_min, resolve_row_cost, resolve_tree
 from .lookup import PromptLookup, graft_chain
-from .sampling import require_finite, sample_from
+from .sampling import RequestStreams, request_streams, require_finite, sample_from
 
 BRANCH_MODES = ("vp", "resample")
 # The first drafter's weight at a branch's first re-drafted slot (``prior_weight``), measured
@@ -214,7 +214,9 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         relative to a one-row forward (>= 0): keep the nodes that maximise the expected
         tokens per cost (:func:`prune_tree`; "vp" branches only); "auto" (default): the
         CPU class's measured row cost for a CPU model with "vp" branches
-        (``_cpu_cost.row_cost_of``: 0.02 on AMX / AVX-512 tiles), None otherwise.
+        (``_cpu_cost.row_cost_of``: 0.02 on AMX / AVX-512 tiles), None otherwise.  At T > 0
+        a seeded batch is sure to equal its seeded single calls with ``row_cost=None`` (a DFlash cycle
+        and ``tree`` prune to one size for the whole batch).
     lookup : None / 0 (off) or K' >= 1: one more branch, the prompt-lookup chain of up to
         K' tokens (:mod:`dspec.decode.lookup`), merged into the tree like the others;
         "auto" (default): ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding
@@ -229,7 +231,9 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         reach this value; a cycle where no request does is ``dflash``'s cycle (no
         VP-drafter forward).  0 re-drafts every cycle (the paper's D2SD), inf never;
         "auto" (default): ``_cpu_cost.CPU_REDRAFT_MIN`` for a CPU model with "vp" branches,
-        0 otherwise.  The output is unchanged (the target decides every token).
+        0 otherwise.  The output is unchanged (the target decides every token).  At T > 0 a
+        gate > 0 makes a cycle where no row of the batch re-drafts DFlash's own, so a seeded
+        batch equals its seeded single calls with ``redraft_min`` 0 (or inf).
     boundary_pool : None (= k, the paper's) or P in [k, draft_len]: the VP-drafter re-drafts
         at the P likeliest boundaries (one forward over P blocks) and the tree keeps the k
         branches most likely to be accepted past their boundary, ``r_{n} x`` the
@@ -314,10 +318,11 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     run.time["tree_s"] = 0.0
     dev = model.device
     offsets = torch.arange(gamma, device=dev)
+    generator = request_streams(generator, len(prompts), dev)     # one random stream per request
     resample_gen = generator
     if branches == "resample" and generator is None:
-        # greedy decoding still needs random branches: a fixed private stream, reproducible
-        resample_gen = torch.Generator(device=dev).manual_seed(0)
+        # greedy decoding still needs random branches: fixed private streams, reproducible
+        resample_gen = RequestStreams.seeded(0, len(prompts), dev)
     nodes_total = redrafted = pairs = 0
     chains = {}                 # DFlash's causal masks, for cycles that do not re-draft
     finder = PromptLookup(prompts, run.outputs, num_drafts=lookup) if lookup else None
@@ -376,7 +381,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
                 first_keep, branch_keep = prune_tree(first_probs, alt_probs, lengths, float(row_cost))
         else:
             q = torch.softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
-            u = torch.rand((q.shape[0], k, q.shape[1]), generator=resample_gen, device=dev)
+            u = resample_gen.uniforms(run.rows, k * q.shape[1]).view(q.shape[0], k, q.shape[1])
             alt = vocab_ids(require_finite(sample_from(q[:, None].expand(-1, k, -1, -1), u), "drafter"), vocab)
             lengths = torch.zeros(q.shape[0], k, dtype=torch.int64, device=dev)
         if tree is not None:

@@ -66,7 +66,8 @@ from ._bounds import MAX_DRAFT_LEN, check_max, check_rows
 from ._cpu_cost import resolve_lookup, resolve_row_cost, resolve_tree
 from .lookup import PromptLookup, graft_chain
 from .outputs import OutputBuffer
-from .sampling import next_tokens, non_finite_error, require_finite, sample_from
+from .sampling import (RequestStreams, next_tokens, non_finite_error, request_streams, require_finite,
+                       sample_from)
 
 
 def _sync(device: torch.device) -> None:
@@ -136,7 +137,8 @@ class SpeculativeRun:
 
     def start(self, temperature, generator) -> bool:
         """Pick the first token from the prefill logits; False when every request is done."""
-        first = next_tokens(self._first_logits, temperature, generator, who="target model")
+        u = generator.uniforms(self.rows, 1)[:, 0] if isinstance(generator, RequestStreams) else None
+        first = next_tokens(self._first_logits, temperature, generator, uniforms=u, who="target model")
         self._first_logits = None
         return self._extend(first[:, None].cpu(), torch.ones(len(self.rows), dtype=torch.int64), first)
 
@@ -164,7 +166,10 @@ class SpeculativeRun:
         (:meth:`finish_cycle`).  False when every request is done."""
         out = self.model(AttentionPlan(tokens, positions, words, self.cache), hidden_states=self.layer_ids)
         self.nfe["target"] += 1
-        ver = verify_tree(tokens, parents, out.logits, temperature=temperature, generator=generator)
+        rand = {"generator": generator}
+        if temperature > 0 and isinstance(generator, RequestStreams):    # each request's own stream
+            rand = generator.tree(self.rows, tokens.shape[1])
+        ver = verify_tree(tokens, parents, out.logits, temperature=temperature, **rand)
         host = self.fetch(ver.num_accepted, ver.tokens)
         path = ver.path.cpu()
         self.commit(out, positions, keep=torch.cat([torch.zeros(path.shape[0], 1, dtype=torch.int64), path], 1))
@@ -426,7 +431,9 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         a one-row forward (>= 0): verify the drafts that maximise the expected tokens per
         cost (:func:`verify_length`; one more host read per cycle); "auto" (default): the
         measured row cost of the CPU's class for a CPU model (``_cpu_cost.row_cost_of``: 0.02
-        on AMX / AVX-512 tiles, the AVX2 forwards' slope there), None elsewhere.
+        on AMX / AVX-512 tiles, the AVX2 forwards' slope there), None elsewhere.  With a
+        row cost the verified length (``tree``: node count) is one for the whole batch, so
+        at T > 0 a seeded batch is sure to equal its seeded single calls with ``row_cost=None``.
     tree : None (verify a chain of drafts, DFlash as published) or N >= 1: verify up to N
         draft nodes as a token tree over each slot's ``TREE_TOP_K`` best candidates
         (:func:`marginal_tree`; with ``row_cost``, the best n <= N of them); "auto"
@@ -464,6 +471,7 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
     run = SpeculativeRun(model, {"drafter": drafter}, prompts, max_new_tokens=max_new_tokens,
                          eos_ids=eos_ids, progress=progress)
     dev = model.device
+    generator = request_streams(generator, len(prompts), dev)     # one random stream per request
     offsets = torch.arange(gamma, device=dev)
     chains = {}
     verified = 0
@@ -495,7 +503,8 @@ def _chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, temper
     dev = run.device
     if temperature > 0:
         q = torch.softmax(logits / temperature, dim=-1)
-        u = torch.rand(q.shape[:-1], generator=generator, device=dev)
+        u = generator.uniforms(run.rows, q.shape[1]) if generator is not None else \
+            torch.rand(q.shape[:-1], device=dev)
         picked = require_finite(sample_from(q, u), "drafter")
         probs = q.gather(-1, picked[..., None])[..., 0]
         drafts = vocab_ids(picked, vocab)
@@ -516,7 +525,8 @@ def _chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, temper
     suffix = torch.cat([run.anchor[:, None], drafts], 1)
     out = run.model(AttentionPlan(suffix, positions, chains[n + 1], run.cache), hidden_states=run.layer_ids)
     run.nfe["target"] += 1
-    ver = verify_chain(drafts, out.logits, draft_probs=q, temperature=temperature, generator=generator)
+    rand = generator.chain(run.rows, drafts.shape[1]) if temperature > 0 and generator is not None else {}
+    ver = verify_chain(drafts, out.logits, draft_probs=q, temperature=temperature, **rand)
     host = run.fetch(ver.num_accepted, ver.tokens)
     run.commit(out, positions, counts=host[:, 0] + 1)
     live = run.finish_cycle(host)

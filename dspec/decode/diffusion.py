@@ -71,6 +71,7 @@ from ..models import AttentionPlan
 from ..ops import pack_mask
 from ._bounds import check_rows
 from .outputs import OutputBuffer
+from .sampling import request_streams
 from .unmask import choose, pick_slots, rank_masked
 
 #: block size used for a bidirectional model when neither the call nor the model gives one
@@ -196,6 +197,7 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
     dev = model.device
     batch = len(prompts)
     mask_id = model.mask_token_id
+    streams = request_streams(generator, batch, dev)     # one random stream per request
     cache = model.new_cache(batch)
     carry, forwards = prefill_prompt_blocks(model, prompts, cache, bs)
 
@@ -232,7 +234,10 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
                 carry = logits[:, 0] if model.shifted else carry
                 pending = None
             forwards += 1
-            choice, conf = choose(logits, temperature, generator)
+            # a draw per slot, advancing only the rows still unmasking (a row whose block is
+            # done waits for the others without drawing, as it would not step alone)
+            u = None if streams is None else streams.uniforms(requests, bs, advance=masked.any(1).cpu())
+            choice, conf = choose(logits, temperature, uniforms=u)
             conf_m, _, rank = rank_masked(conf, masked)
             pick = pick_slots(masked, conf_m, rank, threshold=threshold, per_step=per_step)
             tokens = torch.where(pick, choice, tokens)
@@ -259,6 +264,7 @@ def _decode_bidirectional(model, prompts, *, max_new_tokens, temperature, genera
     dev = model.device
     batch = len(prompts)
     mask_id = model.mask_token_id
+    streams = request_streams(generator, batch, dev)     # one random stream per request
     num_blocks = -(-max_new_tokens // bs)
     region = num_blocks * bs                                   # generation region length
     plen = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=dev)
@@ -288,7 +294,9 @@ def _decode_bidirectional(model, prompts, *, max_new_tokens, temperature, genera
         request_forwards[rows] += 1
         logits = out.logits.float()
         logits[..., mask_id] = float("-inf")                    # never "unmask" to [MASK]
-        choice, conf = choose(logits, temperature, generator)
+        # every running row steps: a draw per slot of its current block
+        choice, conf = choose(logits, temperature,
+                              uniforms=None if streams is None else streams.uniforms(rows.cpu(), bs))
         region_pos = block[rows, None] * bs + slots             # [A, bs] region slots
         masked = undecided[rows].gather(1, region_pos)
         conf_m, _, rank = rank_masked(conf, masked)

@@ -78,7 +78,7 @@ from .lookup import MIN_NGRAM, suffix_match_drafts
 from .ngram import NgramLM, causal_proxy, load_cached
 from .outputs import OutputBuffer
 from .path_search import build_lattice, path_search
-from .sampling import next_tokens, non_finite_error, require_finite
+from .sampling import next_tokens, non_finite_error, request_streams, require_finite
 
 OPTIONS = ("draft_len", "adaptive", "cps", "beam", "tau", "max_candidates", "lam", "k_min", "k_max",
            "delta", "rho", "ngram", "draft_vocab", "lookup")
@@ -391,9 +391,10 @@ class _Batch:
         self.draft_head = None
         if draft_ids is not None:             # the head's draft-vocabulary rows
             self.draft_head = _draft_head(drafter, draft_ids)
-        self.temperature, self.generator = temperature, generator
+        self.temperature = temperature
         self.sampling = temperature > 0
         self.dev = model.device
+        self.streams = request_streams(generator, len(prompts), self.dev)   # one stream per request
         self.V, self.Vd = model.config.vocab_size, drafter.config.vocab_size
         self.bs, self.mask_id = drafter.block_size, drafter.mask_token_id
         self.eos = sorted({int(e) for e in eos_ids if 0 <= int(e) < self.V})
@@ -430,7 +431,10 @@ class _Batch:
         # cache (its forward: the last committed token and the [MASK] slots)
         self.shared = shares_target_cache(model, drafter)
         self.dcache = None if self.shared else drafter.new_cache(batch)
-        first = next_tokens(out.logits[:, -1], temperature, generator, who="target model").cpu().numpy()
+        first = next_tokens(out.logits[:, -1], temperature,
+                            uniforms=self.streams.uniforms(self.rows, 1)[:, 0] if self.sampling else None,
+                            who="target model")
+        first = first.cpu().numpy()
         done = self.outputs.extend(self.rows, first[:, None], np.ones(batch, dtype=np.int64))
         if done.any():
             self.drop(done)
@@ -552,8 +556,8 @@ class _Batch:
             at = length[:, None] + np.array([-2, -1])
             hist = np.where(at >= 0, text[np.arange(n_act)[:, None], start[:, None] + np.maximum(at, 0)], -1)
             uniforms = None
-            if self.sampling:
-                uniforms = torch.rand(n_act, kmax, generator=self.generator, device=self.dev).cpu()
+            if self.sampling:     # the rows that draft (k > 0) draw, one uniform per slot
+                uniforms = self.streams.uniforms(self.rows, kmax, advance=k > 0).cpu()
             res = path_search(cand_tok, cand_lp, k_t, hist, eos, self.lm, beam=opts["beam"], lam=opts["lam"],
                               uniforms=uniforms)
             draft[:, :kmax] = res.tokens.clamp(min=0)
@@ -566,7 +570,8 @@ class _Batch:
         else:
             flat = logits.reshape(n_act * kmax, logits.shape[-1])
             if self.sampling:
-                choice = next_tokens(flat, self.temperature, self.generator, who="drafter").view(n_act, kmax)
+                u = self.streams.uniforms(self.rows, kmax, advance=k > 0)
+                choice = next_tokens(flat, self.temperature, uniforms=u.reshape(-1), who="drafter").view(n_act, kmax)
                 draft_probs = torch.softmax(logits / self.temperature, dim=-1)
                 if self.draft_ids is not None:
                     draft_probs = torch.zeros(n_act, kmax, V, device=self.dev).scatter_(
@@ -600,8 +605,9 @@ class _Batch:
         out = self.model(self.model.plan(seqs, self.tcache, lengths=n_draft + 1), logits="all")
         self.t_fwd += 1
         dp = draft_probs[:, :lmax] if draft_probs is not None else None
+        rand = self.streams.chain(self.rows, lmax) if self.sampling else {}
         ver = verify_chain(draft[:, :lmax].to(self.dev), out.logits, draft_probs=dp, num_drafts=n_draft.to(self.dev),
-                           temperature=self.temperature, generator=self.generator)
+                           temperature=self.temperature, **rand)
         acc = ver.num_accepted.cpu()
         new_tok = ver.tokens.cpu()
         self.tcache.append(out.suffix_kv, counts=acc + 1)

@@ -16,6 +16,7 @@ import torch
 
 from .. import _validate, cpu
 from ..models.stack import frozen_weights
+from .sampling import RequestStreams
 
 # DESIGN.md's methods, each one module of dspec.decode with the same name.  A method module
 # defines
@@ -25,7 +26,8 @@ from ..models.stack import frozen_weights
 #                              (a BlockDrafter, its directory or a shipped drafter name)
 #   decode(model, prompts, *, max_new_tokens, temperature, generator, eos_ids, progress,
 #          [drafter,] **options) -> (tokens: list[list[int]], stats: dict)
-# where ``prompts`` are lists of ids (a batch), ``generator`` is None when greedy,
+# where ``prompts`` are lists of ids (a batch), ``generator`` is None when greedy, else a
+# ``sampling.RequestStreams`` (one random stream per request; a torch.Generator is accepted too),
 # ``progress`` a tqdm bar (or None) to advance by generated tokens per request, and stats
 # hold at least ``nfe`` ({model role: forwards}) and ``mean_accepted``.
 ALL_METHODS = ("ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd")
@@ -192,6 +194,19 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
     (bytes are refused: they would read as token ids), ``seed`` None or an int in
     [0, 2**64 - 1], ``drafter`` what the method drafts with.
 
+    Sampling (``temperature > 0``) gives each request its own random stream, so a batch
+    decodes as its requests one by one: with ``seed=s``, request i of a batch gives exactly
+    the single call ``generate(model, prompt_i, seed=dspec.decode.sampling.request_seed(s, i))``
+    (``request_seed(s, 0) == s``: a batch's first request is the single call with ``seed=s``),
+    whatever the other requests are and when they finish.  (The batch's forwards must give
+    each row's logits as a single call does: fp32, or the CPU's row-invariant kernels.)
+    Limits, where a method decides per batch, not per request: ``s2d2`` with
+    ``redraft="auto"`` (off above 2 requests on a CPU; pass True or False) or
+    ``policy="ucb"`` (its bandit learns from every row), ``dflash`` / ``d2sd`` with a
+    ``row_cost`` (one verify length or tree size for the batch; pass ``row_cost=None``) and
+    ``d2sd`` with ``redraft_min > 0`` (a cycle where no row re-drafts is DFlash's own).  ``seed=None`` draws
+    fresh OS entropy; the global RNG is never read or reseeded.
+
     Example
     -------
     >>> import dspec
@@ -229,9 +244,10 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
                          f"is {longest + max_new_tokens} tokens, past the model's context of {context}")
     generator = None
     if temperature > 0:
-        generator = torch.Generator(device=model.device)
-        # without a seed: fresh OS entropy (torch.seed() would reseed the user's global RNG)
-        generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        # one stream per request (request i seeded request_seed(seed, i)): a request's draws
+        # never depend on the rest of its batch; without a seed, fresh OS entropy (the user's
+        # global RNG is neither read nor reseeded)
+        generator = RequestStreams.seeded(seed, len(prompts), model.device)
     bar = None
     if progress:
         from tqdm.auto import tqdm

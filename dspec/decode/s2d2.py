@@ -126,7 +126,7 @@ from ..models import AttentionPlan
 from ..ops import pack_mask, token_stats, verify_chain
 from .diffusion import PromptTails, prefill_prompt_blocks
 from .outputs import OutputBuffer
-from .sampling import require_finite
+from .sampling import request_streams, require_finite
 from .unmask import choose, pick_slots, rank_masked
 from ._bounds import check_rows
 from ._cpu_cost import resolve_boundary, resolve_redraft
@@ -593,10 +593,12 @@ class _Batch:
         self.blocks = REDRAFT if opt["redraft"] else SPEC_BLOCK
         # the boundary state: the next block drafted for a rejected last draft (module doc)
         self.boundary = opt["boundary"]
-        self.max_new_tokens, self.temperature, self.generator = max_new_tokens, temperature, generator
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.progress = progress
         dev = self.dev = model.device
         batch = self.batch = len(prompts)
+        # one random stream per request (rows stay in the batch: row b is request b)
+        self.streams, self.requests = request_streams(generator, batch, dev), list(range(batch))
         bs = self.bs
         self.mask_id, self.vocab = model.mask_token_id, model.config.vocab_size
         self.router = make_router(opt["policy"], batch, dev, min_span=opt["min_span"],
@@ -856,10 +858,12 @@ class _Batch:
             first = torch.where(((self.span_start == 0) & ~lead)[:, None], self.carry, target[:, 0])
             target = torch.cat([first[:, None], target[:, 1:]], 1)
         num = torch.where(is_verify, self.span_len, 0)
+        rand = {} if self.streams is None else \
+            self.streams.chain(self.requests, self.drafts.shape[1], advance=is_verify.cpu())
         self.tokens, self.masked, committed, acc = accept_span(
             self.tokens, self.masked, self.drafts, target, self.span_start, num,
             draft_probs=self.draft_probs if self.temperature > 0 else None, temperature=self.temperature,
-            generator=self.generator)
+            **rand)
         require_finite(self.tokens)          # a drawn token of a non-finite row is the -1 mark
         # the redraft block of the outcome holds the block as it now stands but for the drawn
         # token (still [MASK] there), so its logits are the next drafting step; with every
@@ -915,8 +919,10 @@ class _Batch:
         block's, so those rows take a drafting forward instead."""
         bs, slots, temperature, opt = self.bs, self.slots, self.temperature, self.opt
         masked = self.masked
-        choice, conf = choose(block_logits, temperature, self.generator)
         active = drafting & masked.any(1)
+        # a draw per slot for the rows that draft (the others keep their streams' counters)
+        u = None if self.streams is None else self.streams.uniforms(self.requests, bs, advance=active.cpu())
+        choice, conf = choose(block_logits, temperature, uniforms=u)
         if opt["policy"] == "always":                 # never falls back: nothing to rank
             pick = torch.zeros_like(masked)
         else:                                         # diffusion's threshold rule (ties to the lower slot)
@@ -1084,7 +1090,10 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         drafts are computed and no drafting forward follows it (the module doc); False --
         only the block with every draft in place (S2D2's speculative block), reused when
         every draft passes.  "auto": True but for a CPU model decoding more than
-        ``_cpu_cost.CPU_REDRAFT_MAX_BATCH`` (2) requests, where the rows are compute.
+        ``_cpu_cost.CPU_REDRAFT_MAX_BATCH`` (2) requests, where the rows are compute.  At
+        T > 0 the drafting logits differ between the two, so a seeded batch equals its seeded
+        single calls with ``redraft`` given (True or False), not "auto", and a ``policy`` other
+        than "ucb" (whose bandit learns from every row of the batch).
     boundary : bool or None (default: True wherever it applies -- redraft blocks on a
         right-shifted model whose clean rows attend causally, such as ``smollm2-135m-bd`` --
         but on a CPU, where its rows cost more than the forwards it saves:

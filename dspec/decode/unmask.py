@@ -33,9 +33,11 @@ def confidence(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -
     return log_probs(logits, tokens[..., None], temperature)[..., 0].exp()
 
 
-def choose(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
+def choose(logits: torch.Tensor, temperature: float, generator=None,
+           uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each slot's proposal and its confidence: ``next_tokens``' choice (the argmax, or a draw
-    at T > 0) and ``confidence`` of it.  logits [..., V] (float32, or bf16 on the CPU, whose
+    at T > 0, with ``uniforms`` [...] one per slot when given, else from ``generator``) and
+    ``confidence`` of it.  logits [..., V] (float32, or bf16 on the CPU, whose
     kernels widen it exactly) -> (tokens int64 [...], confidence float32 [...]).  Greedy takes both from one ``token_stats`` pass (the argmax
     and the normaliser of the same call ``confidence`` would make: the same bits).  A row
     holding NaN or inf raises ValueError (:func:`dspec.decode.sampling.require_finite`)."""
@@ -43,7 +45,8 @@ def choose(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.T
         stats = token_stats(logits)
         tokens = require_finite(stats.token)
         return tokens, (logits.gather(-1, tokens[..., None]).float()[..., 0] - stats.lse).exp()
-    tokens = next_tokens(logits.reshape(-1, logits.shape[-1]), temperature, generator).view(logits.shape[:-1])
+    tokens = next_tokens(logits.reshape(-1, logits.shape[-1]), temperature, generator,
+                         None if uniforms is None else uniforms.reshape(-1)).view(logits.shape[:-1])
     return tokens, confidence(logits, tokens, temperature)
 
 
