@@ -119,8 +119,7 @@ def real(name: str, value, *, what: str = "a real number") -> float:
             raise ValueError(f"{name} must be {what}, got a {str(value.dtype).replace('torch.', '')} "
                              f"{value.device.type} tensor of shape {list(value.shape)}")
         value = value.item()
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or type(value).__name__ in ("bool_", "bool8")):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):   # numpy bools are not Real
         raise ValueError(f"{name} must be {what}, got {_describe(value)}")
     return float(value)
 
@@ -142,7 +141,7 @@ def temperature(value) -> float:
 
 def flag(name: str, value) -> bool:
     """A bool (or a numpy bool); an int or a string is not taken as one."""
-    if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool8"):
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
         return bool(value)
     raise ValueError(f"{name} must be a bool, got {_describe(value)}")
 
