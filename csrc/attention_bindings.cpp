@@ -22,18 +22,20 @@ namespace {
 
 void merge_states(std::int64_t o_a, std::int64_t lse_a, std::int64_t o_b, std::int64_t lse_b,
                   std::int64_t out, std::int64_t lse_out, int dtype, std::int64_t rows,
-                  std::int64_t head_dim, const std::string& device, std::int64_t stream) {
+                  std::int64_t head_dim, const std::string& device, std::int64_t stream, int num_threads) {
   const Checker c{"merge_states"};
   c.float_dtype(dtype, "dtype");
   c.at_least(rows, 0, "rows");
-  c.at_least(head_dim, 1, "head_dim");
+  c.at_least(head_dim, 0, "head_dim");
   c.product(rows, head_dim, "rows * head_dim");
   const bool cuda = c.device(device);
   if (rows == 0) return;
   const std::int64_t item = element_size(dtype);
-  c.ptr(o_a, "o_a", item);
-  c.ptr(o_b, "o_b", item);
-  c.ptr(out, "out", item);
+  if (head_dim > 0) {  // D = 0: empty o tensors may report data_ptr() == 0 (never read)
+    c.ptr(o_a, "o_a", item);
+    c.ptr(o_b, "o_b", item);
+    c.ptr(out, "out", item);
+  }
   c.ptr(lse_a, "lse_a", 4);
   c.ptr(lse_b, "lse_b", 4);
   c.ptr(lse_out, "lse_out", 4);
@@ -47,6 +49,7 @@ void merge_states(std::int64_t o_a, std::int64_t lse_a, std::int64_t o_b, std::i
   args.dtype = dtype;
   args.rows = rows;
   args.head_dim = head_dim;
+  args.num_threads = caller_threads(num_threads);
   if (cuda) {
 #ifdef DSPEC_WITH_CUDA
     merge_states_cuda(args, stream);
@@ -97,7 +100,9 @@ bool cascade_args(const Checker& c, CascadeAttentionArgs& a, std::int64_t q, std
   c.at_least(hq, 1, "hq");
   if (hq % hkv != 0) c.fail("hq (" + std::to_string(hq) + ") must be a multiple of hkv (" + std::to_string(hkv) + ")");
   c.at_least(head_dim, 1, "head_dim");
-  if (!std::isfinite(sm_scale)) c.fail("sm_scale must be finite, got " + std::to_string(sm_scale));
+  if (!std::isfinite(sm_scale) || !std::isfinite(static_cast<float>(sm_scale))) {
+    c.fail("sm_scale must be finite (as float32), got " + std::to_string(sm_scale));
+  }
   a.isa = c.isa(isa, cascade_attention_has_avx512(), "a CPU with AVX512F/BW/VL and FMA",  // CascadeIsa codes
                 cascade_attention_has_amx(kBFloat16, 64), "a CPU with AMX-BF16 that the kernel enables",
                 cpu::has_avx2(), "a CPU with AVX2, FMA and F16C");
@@ -249,9 +254,10 @@ void cascade_attention(std::int64_t q, std::int64_t k, std::int64_t v, std::int6
 void register_attention(py::module_& m) {
   m.def("merge_states", &merge_states, py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"),
         py::arg("out"), py::arg("lse_out"), py::arg("dtype"), py::arg("rows"), py::arg("head_dim"),
-        py::arg("device"), py::arg("stream") = 0,
+        py::arg("device"), py::arg("stream") = 0, py::arg("num_threads") = 0,
         R"doc(Merge two partial attention states: o [rows, head_dim] (dtype code 0 fp32, 1 fp16,
-2 bf16, contiguous) with lse [rows] float32 each, into out / lse_out.  Raises ValueError for a
+2 bf16, contiguous; head_dim 0 merges only the lse) with lse [rows] float32 each, into out /
+lse_out.  num_threads: CPU threads at most (0: dspec.cpu.kernel_threads()).  Raises ValueError for a
 bad argument, RuntimeError when a CUDA launch fails.)doc");
   m.def("cascade_attention", &cascade_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
         py::arg("lse"), py::arg("mask"), py::arg("prefix_k"), py::arg("prefix_v"), py::arg("prefix_indptr"),

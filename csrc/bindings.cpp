@@ -66,7 +66,7 @@ std::int64_t workspace_bytes(std::int64_t rows, std::int64_t num_splits) {
 void token_stats(std::int64_t logits_ptr, int dtype, std::int64_t rows, std::int64_t vocab, std::int64_t row_stride,
                  double inv_temperature, std::int64_t token_ptr, std::int64_t prob_ptr, std::int64_t margin_ptr,
                  std::int64_t entropy_ptr, std::int64_t lse_ptr, const std::string& device, std::int64_t stream,
-                 std::int64_t num_splits, std::int64_t workspace_ptr) {
+                 std::int64_t num_splits, std::int64_t workspace_ptr, int num_threads) {
   // ---- validation: nothing is read or written before all of it passes ----
   const Checker c{"token_stats"};
   const bool on_cuda = c.device(device);
@@ -114,6 +114,7 @@ void token_stats(std::int64_t logits_ptr, int dtype, std::int64_t rows, std::int
   a.lse = as_ptr<float>(lse_ptr);
   a.num_splits = num_splits;
   a.workspace = as_ptr<void>(workspace_ptr);
+  if (!on_cuda) a.num_threads = dspec::caller_threads(num_threads);
   dspec::run_op(on_cuda, a, stream, dspec::token_stats_cpu, DSPEC_IF_CUDA(dspec::token_stats_cuda));
 }
 
@@ -149,7 +150,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("token_stats", &token_stats, py::arg("logits_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("vocab"),
         py::arg("row_stride"), py::arg("inv_temperature"), py::arg("token_ptr"), py::arg("prob_ptr"),
         py::arg("margin_ptr"), py::arg("entropy_ptr"), py::arg("lse_ptr"), py::arg("device"),
-        py::arg("stream") = 0, py::arg("num_splits") = 1, py::arg("workspace_ptr") = 0,
+        py::arg("stream") = 0, py::arg("num_splits") = 1, py::arg("workspace_ptr") = 0, py::arg("num_threads") = 0,
         R"doc(Per-row argmax, its probability, top-1 minus top-2 probability, entropy and logsumexp.
 
 logits_ptr: rows x vocab logits, unit stride along vocab, row_stride elements between rows;
@@ -158,7 +159,8 @@ entropy, lse float32.  device "cpu" runs the C++ code (GIL released, std::thread
 inputs); device "cuda" launches on `stream` (a cudaStream_t as an int) on the current CUDA
 device.  num_splits > 1 (CUDA) splits each row's vocabulary over num_splits blocks and needs
 workspace_ptr with token_stats_workspace_bytes(rows, num_splits) bytes; the CPU code
-validates but otherwise ignores num_splits / workspace_ptr.  rows == 0 is a no-op.
+validates but otherwise ignores num_splits / workspace_ptr.  num_threads: CPU threads at most
+(0: dspec.cpu.kernel_threads()).  rows == 0 is a no-op.
 Raises ValueError for a bad argument, RuntimeError when a CUDA launch fails.)doc");
 
   m.def("cpu_isa", [] { return std::string(kIsaNames[dspec::cpu::isa_level()]); },

@@ -1041,8 +1041,62 @@ DSPEC_AVX512 void store_rows_avx512(const CascadeAttentionArgs& a, const Geometr
 }
 #endif
 
+// Whether query row i of request b sees at least one key: a prefix row, or a suffix key
+// its mask row lets it see (every suffix key without a mask).
+inline bool sees_a_key(const CascadeAttentionArgs& a, std::int64_t b, std::int64_t i, std::int64_t plen) {
+  if (plen > 0 || a.mask == nullptr) return plen > 0 || a.n > 0;
+  const std::int32_t* row = a.mask + b * a.mask_stride[0] + i * a.mask_stride[1];
+  const std::int64_t words = (a.n + 31) / 32;
+  for (std::int64_t w = 0; w < words; ++w) {
+    const std::int64_t keys = std::min<std::int64_t>(32, a.n - 32 * w);
+    const std::uint32_t valid = keys == 32 ? 0xffffffffu : ((1u << keys) - 1u);
+    if ((static_cast<std::uint32_t>(row[w]) & valid) != 0) return true;
+  }
+  return false;
+}
+
+// A NaN in a query row makes every score of that row NaN: the row's out and lse are NaN
+// (IEEE semantics, as the torch reference gives), unless the row sees no key at all (out
+// 0, lse -inf as for any such row).  The tile code treats NaN scores as -inf (its exp2
+// maps NaN to 0), so the rows are found here, from q, and overwritten after the store.
+template <int DT>
+void store_nan_queries(const CascadeAttentionArgs& a, const Geometry& g, const Unit& u, std::int64_t H) {
+  using T = dt::elem_t<DT>;
+  const T* q = static_cast<const T*>(a.q);
+  T* out = static_cast<T*>(a.out);
+  const std::int64_t D = a.head_dim, G = g.group;
+  for (std::int64_t i = u.i0; i < u.i1; ++i) {
+    for (std::int64_t head = u.h0 * G; head < (u.h0 + H) * G; ++head) {
+      const T* src = q + u.b * a.q_stride[0] + i * a.q_stride[1] + head * a.q_stride[2];
+      bool nan = false;
+      for (std::int64_t dd = 0; dd < D && !nan; ++dd) nan = std::isnan(dt::to_float<DT>(src[dd]));
+      if (!nan || !sees_a_key(a, u.b, i, u.plen)) continue;
+      T* dst = out + u.b * a.out_stride[0] + i * a.out_stride[1] + head * a.out_stride[2];
+      for (std::int64_t dd = 0; dd < D; ++dd) dt::store<DT>(dst, dd, NAN);
+      if (a.lse) a.lse[(u.b * a.n + i) * a.hq + head] = NAN;
+    }
+  }
+}
+
+void store_nan_rows(const CascadeAttentionArgs& a, const Geometry& g, const Unit& u, std::int64_t H) {
+  switch (a.dtype) {
+    case kFloat16: store_nan_queries<kFloat16>(a, g, u, H); break;
+    case kBFloat16: store_nan_queries<kBFloat16>(a, g, u, H); break;
+    default: store_nan_queries<kFloat32>(a, g, u, H); break;
+  }
+}
+
+void store_state_rows(const CascadeAttentionArgs& a, const Geometry& g, const Workspace& ws, const Unit& u,
+                      std::int64_t H, bool folded);
+
 void store_state(const CascadeAttentionArgs& a, const Geometry& g, const Workspace& ws, const Unit& u,
                  std::int64_t H, bool folded) {
+  store_state_rows(a, g, ws, u, H, folded);
+  store_nan_rows(a, g, u, H);
+}
+
+void store_state_rows(const CascadeAttentionArgs& a, const Geometry& g, const Workspace& ws, const Unit& u,
+                      std::int64_t H, bool folded) {
 #if DSPEC_AVX512_CODE
   if (a.dtype != kFloat16 && cpu::has_avx512()) {
     for (std::int64_t hi = 0; hi < H; ++hi) {

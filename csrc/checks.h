@@ -35,6 +35,22 @@ T* as_ptr(std::int64_t p) {
   return reinterpret_cast<T*>(static_cast<std::intptr_t>(p));
 }
 
+// The thread count of a kernel call: num_threads when >= 1 (the Python wrappers pass
+// dspec.cpu.kernel_threads()), else (0, the bindings' default) that same count asked of
+// dspec.cpu here, with the GIL held: the caller's DSPEC_NUM_THREADS / torch.set_num_threads,
+// never the hardware's count.  1 when dspec.cpu cannot be imported.
+inline int caller_threads(int num_threads) {
+  if (num_threads >= 1) return num_threads;
+  try {
+    const int n = pybind11::module_::import("dspec.cpu").attr("kernel_threads")().cast<int>();
+    return n >= 1 ? n : 1;
+  } catch (const pybind11::error_already_set&) {
+    return 1;
+  } catch (const pybind11::cast_error&) {
+    return 1;
+  }
+}
+
 struct Checker {
   const char* op;  // the op's name in dspec._C, the prefix of every message
 

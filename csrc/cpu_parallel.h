@@ -5,6 +5,13 @@
 // core to any other runnable thread: torch's own OpenMP workers share these cores), then
 // sleeps on a condition variable.  One call at a time: a call that finds the pool busy (a
 // second Python thread with the GIL released) runs on fresh threads instead.
+//
+// fork: a child has none of the parent's workers, and the pool's mutexes and condition
+// variable hold the state of threads that do not exist there (a worker asleep in
+// wait() leaves the condition variable's waiter count raised, so the child's first
+// notify_all() blocks forever).  A pthread_atfork child handler therefore drops the
+// parent's pool (leaked on purpose: destroying those objects is undefined) and the
+// child's first call builds a fresh one.
 #pragma once
 
 #include <algorithm>
@@ -19,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -50,8 +58,20 @@ inline void cpu_relax() {
 // it waits only for chunks already started.
 class ThreadPool {
  public:
+  // The process's pool, built on first use (and again in a forked child); never destroyed:
+  // workers outlive static teardown.
   static ThreadPool& instance() {
-    static ThreadPool* pool = new ThreadPool();  // never destroyed: workers outlive static teardown
+    static const bool registered = [] {
+      pthread_atfork(nullptr, nullptr, &forget_in_child);
+      return true;
+    }();
+    (void)registered;
+    std::atomic<ThreadPool*>& slot = current();
+    ThreadPool* pool = slot.load(std::memory_order_acquire);
+    if (pool != nullptr) return *pool;
+    ThreadPool* fresh = new ThreadPool();
+    if (slot.compare_exchange_strong(pool, fresh, std::memory_order_acq_rel)) return *fresh;
+    delete fresh;  // another thread installed one first (no worker started on ours yet)
     return *pool;
   }
 
@@ -87,6 +107,15 @@ class ThreadPool {
 
   ThreadPool() = default;
 
+  static std::atomic<ThreadPool*>& current() {
+    static std::atomic<ThreadPool*> pool{nullptr};
+    return pool;
+  }
+
+  // Runs in the child right after fork(), on its only thread: the inherited pool's
+  // threads do not exist here and its synchronisation objects may be mid-use by them.
+  static void forget_in_child() { current().store(nullptr, std::memory_order_release); }
+
   void work() {
     for (int c = next_.fetch_add(1, std::memory_order_acq_rel); c < chunks_;
          c = next_.fetch_add(1, std::memory_order_acq_rel)) {
@@ -96,10 +125,6 @@ class ThreadPool {
   }
 
   bool ensure_workers(int count) {
-    if (owner_ != getpid()) {  // a forked child inherits the vector, not the threads
-      workers_.clear();
-      owner_ = getpid();
-    }
     const std::uint64_t current = generation_.load(std::memory_order_acquire);
     while (static_cast<int>(workers_.size()) < count) {
       const int id = static_cast<int>(workers_.size()) + 1;
@@ -150,7 +175,6 @@ class ThreadPool {
   int chunks_ = 0;
   int helpers_ = 0;
   std::vector<std::thread> workers_;
-  pid_t owner_ = getpid();
 };
 
 // Runs fn(c) once for each chunk c in [0, chunks) on up to `threads` threads (the calling

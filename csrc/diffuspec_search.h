@@ -39,6 +39,7 @@ struct PathSearchArgs {
   std::int64_t* out_length = nullptr;  // [B]
   double* out_score = nullptr;         // [B]
   float* out_q = nullptr;              // [B, L, M]
+  int num_threads = 1;                 // at most this many threads (the caller's count)
 };
 
 // log p(w | u, v) of the 3-gram (u, v = -1: no such history token); the exact arithmetic of

@@ -27,7 +27,8 @@ void diffuspec_search(std::int64_t cand_tokens_ptr, std::int64_t cand_logprobs_p
                       std::int64_t unigram_bow_ptr, std::int64_t bigram_keys_ptr, std::int64_t bigram_logp_ptr,
                       std::int64_t bigram_bow_ptr, std::int64_t num_bigrams, std::int64_t trigram_keys_ptr,
                       std::int64_t trigram_logp_ptr, std::int64_t num_trigrams, std::int64_t out_tokens_ptr,
-                      std::int64_t out_length_ptr, std::int64_t out_score_ptr, std::int64_t out_q_ptr) {
+                      std::int64_t out_length_ptr, std::int64_t out_score_ptr, std::int64_t out_q_ptr,
+                      int num_threads) {
   const Checker c{"diffuspec_search"};
   c.at_least(batch, 0, "batch");
   c.at_least(slots, 0, "slots");
@@ -134,6 +135,7 @@ void diffuspec_search(std::int64_t cand_tokens_ptr, std::int64_t cand_logprobs_p
     }
     return;
   }
+  a.num_threads = caller_threads(num_threads);
   py::gil_scoped_release release;
   diffuspec_search_cpu(a);
 }
@@ -148,6 +150,7 @@ void register_diffuspec_search(py::module_& m) {
         py::arg("bigram_logp_ptr"), py::arg("bigram_bow_ptr"), py::arg("num_bigrams"),
         py::arg("trigram_keys_ptr"), py::arg("trigram_logp_ptr"), py::arg("num_trigrams"),
         py::arg("out_tokens_ptr"), py::arg("out_length_ptr"), py::arg("out_score_ptr"), py::arg("out_q_ptr"),
+        py::arg("num_threads") = 0,
         R"doc(DiffuSpec's causal-consistency path search over a pruned token lattice (CPU).
 
 cand_tokens int64 [B, L, M] (-1 = none), cand_logprobs float32 [B, L, M], lengths int64 [B],
@@ -155,7 +158,8 @@ history int64 [B, 2], eos int64 [num_eos]; uniforms float32 [B, L] samples one p
 right (0 = beam search of width `beam`); the 3-gram tables of dspec.decode.ngram.NgramLM
 (vocab = 0: no n-gram, lam must be 1).  Outputs: tokens int64 [B, L] (-1 past the path),
 length int64 [B], score float64 [B], q float32 [B, L, M].  Semantics: the docstring of
-dspec/reference/path_search.py, which this code equals exactly.  Use
+dspec/reference/path_search.py, which this code equals exactly.  num_threads:
+threads at most (0: dspec.cpu.kernel_threads()).  Use
 dspec.decode.path_search.path_search rather than this raw entry point.)doc");
 }
 

@@ -199,9 +199,9 @@ double ngram_logprob(const NgramTables& t, std::int64_t u, std::int64_t v, std::
 void diffuspec_search_cpu(const PathSearchArgs& a) {
   const Searcher s(a);
   const std::int64_t work = a.slots * a.cands * std::max<std::int64_t>(a.beam, 1);
-  // requests are independent: the pool splits them (capped by $DSPEC_CPU_THREADS), small
-  // searches stay on the calling thread
-  cpu::parallel_rows(a.batch, work, static_cast<int>(cpu::max_threads()),
+  // requests are independent: the pool splits them over the caller's threads (capped by
+  // $DSPEC_CPU_THREADS), small searches stay on the calling thread
+  cpu::parallel_rows(a.batch, work, a.num_threads,
                      [&](std::int64_t lo, std::int64_t hi) {
                        for (std::int64_t b = lo; b < hi; ++b) s.run(b);
                      }, 20000);

@@ -48,6 +48,7 @@ struct TokenStatsArgs {
   // CPU: only `token` is wanted (greedy verification): no exp pass; prob / margin / entropy /
   // lse are then written but meaningless.  The CUDA kernels compute everything anyway.
   bool argmax_only = false;
+  int num_threads = 1;  // CPU: at most this many threads (the caller's count)
 };
 
 // Bytes of workspace the CUDA launcher needs (0 when num_splits == 1).  Arguments are

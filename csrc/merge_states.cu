@@ -9,6 +9,7 @@
 // DSPEC_LAUNCH (cuda_launch.h) for that.
 #include "cuda_launch.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 
@@ -43,7 +44,7 @@ __global__ void merge_states_kernel(MergeStatesArgs a, std::int64_t chunks_per_r
 }  // namespace
 
 void merge_states_cuda(const MergeStatesArgs& args, std::int64_t stream) {
-  const std::int64_t chunks = (args.head_dim + kVec - 1) / kVec;
+  const std::int64_t chunks = std::max<std::int64_t>(1, (args.head_dim + kVec - 1) / kVec);  // D = 0: lse only
   const std::int64_t blocks = (args.rows * chunks + kThreads - 1) / kThreads;
   if (blocks > 2147483647LL) throw std::invalid_argument("merge_states: rows * head_dim too large for one launch");
   const cudaStream_t s = as_stream(stream);

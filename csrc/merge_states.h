@@ -20,7 +20,8 @@ struct MergeStatesArgs {
   float* lse_out = nullptr;   // [rows]
   int dtype = kFloat32;
   std::int64_t rows = 0;
-  std::int64_t head_dim = 0;
+  std::int64_t head_dim = 0;   // >= 0 (0: only the lse is merged)
+  int num_threads = 1;         // CPU: at most this many threads (the caller's count)
 };
 
 void merge_states_cpu(const MergeStatesArgs& args);

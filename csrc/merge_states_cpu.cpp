@@ -32,7 +32,7 @@ void merge_states_cpu(const MergeStatesArgs& args) {
       default: merge_rows<kFloat32>(args, lo, hi); break;
     }
   };
-  cpu::parallel_rows(args.rows, args.head_dim, static_cast<int>(cpu::max_threads()), body);
+  cpu::parallel_rows(args.rows, std::max<std::int64_t>(args.head_dim, 1), args.num_threads, body);
 }
 
 }  // namespace dspec

@@ -45,6 +45,7 @@ struct S2D2Config {
   // the next block's state also rides behind redraft block L - 1 when the span ends the block
   // (drafts for a rejected last draft, verified behind the pending block: s2d2.py)
   bool shifted = false, share_prefix = false, redraft = false, boundary = false;
+  int num_threads = 1;  // at most this many threads (the caller's count)
 };
 
 // Largest suffix (tokens per row) and logit rows per row a step may need: a pending block,

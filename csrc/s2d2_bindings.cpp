@@ -100,9 +100,10 @@ S2D2Plan plan_of(const Checker& c, const S2D2Config& cfg, std::int64_t logit_row
 py::tuple advance(std::int64_t state_ptr, std::int64_t rows, std::int64_t block_size, std::int64_t draft_len,
                   std::int64_t mask_id, std::int64_t flags, std::int64_t logit_rows, bool any_verify, bool any_pending,
                   std::int64_t logits_ptr, int dtype, std::int64_t row_stride, std::int64_t vocab,
-                  std::int64_t argmax_ptr, std::int64_t keep_ptr, std::int64_t counters_ptr) {
+                  std::int64_t argmax_ptr, std::int64_t keep_ptr, std::int64_t counters_ptr, int num_threads) {
   const Checker c{"s2d2_advance"};
-  const S2D2Config cfg = config_of(c, rows, block_size, draft_len, mask_id, flags);
+  S2D2Config cfg = config_of(c, rows, block_size, draft_len, mask_id, flags);
+  cfg.num_threads = caller_threads(num_threads);
   const S2D2Plan p = plan_of(c, cfg, logit_rows, any_verify, any_pending);
   std::int64_t* state = checked_state(c, cfg, state_ptr);
   c.float_dtype(dtype, "dtype");
@@ -208,7 +209,7 @@ alone (nothing written: the shared block mask and every row's logits).)doc");
   m.def("s2d2_advance", &advance, py::arg("state_ptr"), py::arg("rows"), py::arg("block_size"),
         py::arg("draft_len"), py::arg("mask_id"), py::arg("flags"), py::arg("logit_rows"), py::arg("any_verify"),
         py::arg("any_pending"), py::arg("logits_ptr"), py::arg("dtype"), py::arg("row_stride"), py::arg("vocab"),
-        py::arg("argmax_ptr"), py::arg("keep_ptr"), py::arg("counters_ptr"),
+        py::arg("argmax_ptr"), py::arg("keep_ptr"), py::arg("counters_ptr"), py::arg("num_threads") = 0,
         R"doc(Every row's transition after the forward (CPU, greedy, policy "always").
 
 logits: [rows x logit_rows, vocab] (dtype 0 float32, 1 float16, 2 bfloat16).  Writes argmax
@@ -216,7 +217,7 @@ int64 [rows, logit_rows], keep int64 [rows, 2 * block_size] (suffix rows of the 
 append, in order, -1: none), the row records, and adds to counters int64 [hist + draft_len + 1]
 (s2d2_counter_layout).
 Returns (tokens committed by verifications, append, finishing, two_blocks): two_blocks --
-keep's second half is in use.)doc");
+keep's second half is in use.  num_threads: threads at most (0: dspec.cpu.kernel_threads()).)doc");
   m.def("s2d2_open", &open, py::arg("state_ptr"), py::arg("rows"), py::arg("block_size"), py::arg("draft_len"),
         py::arg("mask_id"), py::arg("flags"), py::arg("logit_rows"), py::arg("any_verify"), py::arg("any_pending"),
         py::arg("done_ptr"), py::arg("argmax_ptr"), py::arg("counters_ptr"),

@@ -310,6 +310,7 @@ S2D2Advance s2d2_advance(const S2D2Config& cfg, const S2D2Plan& plan, std::int64
   ts.row_stride = row_stride;
   ts.token = argmax;
   ts.argmax_only = true;
+  ts.num_threads = cfg.num_threads;
   std::vector<float> unused(static_cast<std::size_t>(4 * ts.rows));  // the statistics argmax_only leaves
   ts.prob = unused.data();
   ts.margin = ts.prob + ts.rows;

@@ -89,6 +89,7 @@ struct SelfSpecScoreArgs {
   const float* carry = nullptr;  // [A, vocab] float32: last logits of each row's committed block
   std::uint8_t* workspace = nullptr;  // expand's (choices and candidates are written into it)
   float* logp = nullptr;  // [A, S, bs]: log-probability of each masked slot's choice (-inf elsewhere)
+  int num_threads = 1;    // at most this many threads (the caller's count)
 };
 
 void selfspec_score_cpu(const SelfSpecScoreArgs& args);

@@ -178,7 +178,7 @@ void check_logits(const Checker& c, std::int64_t logits_ptr, int dtype, std::int
 void score(std::int64_t workspace_ptr, std::int64_t workspace_bytes_, std::int64_t rows, std::int64_t block_size,
            std::int64_t nodes, std::int64_t big_j, std::int64_t copies, bool need_next, std::int64_t logits_ptr,
            int dtype, std::int64_t row_stride, std::int64_t vocab, std::int64_t carry_ptr, bool shifted,
-           std::int64_t logp_ptr) {
+           std::int64_t logp_ptr, int num_threads) {
   const Checker c{"selfspec_score"};
   check_shape(c, rows, block_size, big_j, 1);
   c.at_least(nodes, 1, "nodes");
@@ -205,6 +205,7 @@ void score(std::int64_t workspace_ptr, std::int64_t workspace_bytes_, std::int64
   a.carry = as_ptr<const float>(carry_ptr);
   a.workspace = as_ptr<std::uint8_t>(workspace_ptr);
   a.logp = as_ptr<float>(logp_ptr);
+  a.num_threads = caller_threads(num_threads);
   py::gil_scoped_release release;
   selfspec_score_cpu(a);
 }
@@ -295,14 +296,15 @@ Returns (copies, need_next).)doc");
   m.def("selfspec_score", &score, py::arg("workspace_ptr"), py::arg("workspace_bytes"), py::arg("rows"),
         py::arg("block_size"), py::arg("nodes"), py::arg("big_j"), py::arg("copies"), py::arg("need_next"),
         py::arg("logits_ptr"), py::arg("dtype"), py::arg("row_stride"), py::arg("vocab"), py::arg("carry_ptr"),
-        py::arg("shifted"), py::arg("logp_ptr"),
+        py::arg("shifted"), py::arg("logp_ptr"), py::arg("num_threads") = 0,
         R"doc(Score every slot of the forwarded copies, greedy (CPU), after selfspec_expand.
 
 logits: [rows x S x block_size, vocab] of the forward (dtype 0 float32, 1 float16, 2
 bfloat16); carry float32 [rows, vocab]; shifted: slot j scored by row j - 1 (slot 0 by the
 carry, or for the next block's state by its anchor copy's last row).  Writes logp float32
 [rows, S, block_size] (the choice's log-probability where masked, -inf elsewhere) and the
-choices and candidates into the workspace.)doc");
+choices and candidates into the workspace.  num_threads: threads at most (0:
+dspec.cpu.kernel_threads()).)doc");
   m.def("selfspec_advance", &advance, py::arg("graph_ptr"), py::arg("nodes"), py::arg("max_rank"),
         py::arg("graph_cands"), py::arg("depth"), py::arg("num_parents"), py::arg("conf_ptr"), py::arg("masked_ptr"),
         py::arg("known_ptr"), py::arg("tokens_ptr"), py::arg("cand_ptr"), py::arg("cand_logp_ptr"), py::arg("rows"),

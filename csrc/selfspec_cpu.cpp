@@ -313,7 +313,7 @@ void selfspec_score_cpu(const SelfSpecScoreArgs& a) {
       for (std::int64_t j = 0; j < J; ++j) cand_logp[j] = element(row, dtype, cand[j]) / 1.0f - lse;
     }
   };
-  cpu::parallel_rows(slots, V, static_cast<int>(cpu::max_threads()), body);
+  cpu::parallel_rows(slots, V, a.num_threads, body);
   w.header[3] = 2;  // scored: advance may run
 }
 

@@ -344,7 +344,8 @@ void run(const TokenStatsArgs& a) {
 
   std::int64_t threads = 1;
   if (work >= kParallelThreshold) {
-    threads = std::min<std::int64_t>(max_threads(), std::max<std::int64_t>(1, work / kMinElementsPerThread));
+    threads = std::min<std::int64_t>({static_cast<std::int64_t>(max_threads()), std::max(a.num_threads, 1),
+                                       std::max<std::int64_t>(1, work / kMinElementsPerThread)});
   }
   if (threads <= 1) {
     for (std::int64_t r = 0; r < rows; ++r) scan_row<DT>(a, r);

@@ -59,6 +59,7 @@ struct VerifyCommon {
   std::int64_t ts_splits = 1;      // token_stats vocabulary splits (CUDA)
   std::int64_t draw_splits = 1;    // blocks per row of the draw tile sums (CUDA)
   void* workspace = nullptr;       // verify_layout(...).bytes bytes, 16-byte aligned
+  int num_threads = 1;             // CPU: at most this many threads (the caller's count)
 };
 
 struct VerifyChainArgs : VerifyCommon {
@@ -185,6 +186,7 @@ inline TokenStatsArgs verify_token_stats_args(const VerifyCommon& a, const Verif
   ts.num_splits = a.ts_splits;
   ts.workspace = w.ts_partial;
   ts.argmax_only = a.greedy;  // greedy acceptance reads the argmax alone (CPU: no exp pass)
+  ts.num_threads = a.num_threads;
   return ts;
 }
 

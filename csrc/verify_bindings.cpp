@@ -118,7 +118,8 @@ void verify_chain(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::i
                   std::int64_t q_ptr, int q_dtype, std::int64_t q_stride_b, std::int64_t q_stride_l,
                   std::int64_t coins_ptr, std::int64_t uniforms_ptr, double temperature, std::int64_t num_accepted_ptr,
                   std::int64_t tokens_ptr, const std::string& device, std::int64_t stream, std::int64_t ts_splits,
-                  std::int64_t draw_splits, std::int64_t workspace_ptr, std::int64_t workspace_bytes) {
+                  std::int64_t draw_splits, std::int64_t workspace_ptr, std::int64_t workspace_bytes,
+                  int num_threads) {
   const Checker ck{"verify_chain"};
   // ---- validation: nothing is read or written before all of it passes ----
   ck.at_least(length, 0, "length");
@@ -158,6 +159,7 @@ void verify_chain(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::i
   a.q_stride_l = q_stride_l;
   a.num_accepted = as_ptr<std::int64_t>(num_accepted_ptr);
   a.tokens = as_ptr<std::int64_t>(tokens_ptr);
+  if (!on_cuda) a.num_threads = caller_threads(num_threads);
   run_op(on_cuda, a, stream, verify_chain_cpu, DSPEC_IF_CUDA(verify_chain_cuda));
 }
 
@@ -166,7 +168,7 @@ void verify_tree(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::in
                  int parent_dtype, std::int64_t coins_ptr, std::int64_t uniforms_ptr, double temperature,
                  std::int64_t num_accepted_ptr, std::int64_t path_ptr, std::int64_t out_ptr, const std::string& device,
                  std::int64_t stream, std::int64_t ts_splits, std::int64_t draw_splits, std::int64_t workspace_ptr,
-                 std::int64_t workspace_bytes) {
+                 std::int64_t workspace_bytes, int num_threads) {
   const Checker ck{"verify_tree"};
   if (nodes < 1) ck.fail("nodes must be >= 1 (node 0 is the root), got " + std::to_string(nodes));
   ck.id_dtype(token_dtype, "token_dtype");
@@ -190,6 +192,7 @@ void verify_tree(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::in
   a.num_accepted = as_ptr<std::int64_t>(num_accepted_ptr);
   a.path = as_ptr<std::int64_t>(path_ptr);
   a.out = as_ptr<std::int64_t>(out_ptr);
+  if (!on_cuda) a.num_threads = caller_threads(num_threads);
   run_op(on_cuda, a, stream, verify_tree_cpu, DSPEC_IF_CUDA(verify_tree_cuda));
 }
 
@@ -239,6 +242,7 @@ void register_verify(py::module_& m) {
         py::arg("coins_ptr"), py::arg("uniforms_ptr"), py::arg("temperature"), py::arg("num_accepted_ptr"),
         py::arg("tokens_ptr"), py::arg("device"), py::arg("stream") = 0, py::arg("ts_splits") = 1,
         py::arg("draw_splits") = 1, py::arg("workspace_ptr") = 0, py::arg("workspace_bytes") = 0,
+        py::arg("num_threads") = 0,
         R"doc(Fused speculative verification of a chain of drafts (dspec.verify_chain).
 
 logits_ptr: the target logits as batch * (length + 1) rows of vocab (dtype 0 float32,
@@ -254,7 +258,8 @@ drafts, the final token, then -1).  device "cpu" (C++, GIL released) or "cuda" (
 vocabulary splits, draw_splits: blocks per row of the draw (CUDA; the CPU ignores both but
 the workspace layout depends on ts_splits).  workspace_ptr / workspace_bytes: at least
 verify_chain_workspace_bytes(batch, length, vocab, dtype, temperature > 0, ts_splits)
-bytes, 16-byte aligned.  batch == 0 is a no-op.  Ids outside [0, vocab) are never read (a
+bytes, 16-byte aligned.  num_threads: CPU threads at most (0: dspec.cpu.kernel_threads()).
+batch == 0 is a no-op.  Ids outside [0, vocab) are never read (a
 draft holding one is rejected).  Raises ValueError for a bad argument (before any work),
 RuntimeError when a CUDA launch fails.)doc");
 
@@ -263,7 +268,7 @@ RuntimeError when a CUDA launch fails.)doc");
         py::arg("parents_ptr"), py::arg("parent_dtype"), py::arg("coins_ptr"), py::arg("uniforms_ptr"),
         py::arg("temperature"), py::arg("num_accepted_ptr"), py::arg("path_ptr"), py::arg("out_ptr"),
         py::arg("device"), py::arg("stream") = 0, py::arg("ts_splits") = 1, py::arg("draw_splits") = 1,
-        py::arg("workspace_ptr") = 0, py::arg("workspace_bytes") = 0,
+        py::arg("workspace_ptr") = 0, py::arg("workspace_bytes") = 0, py::arg("num_threads") = 0,
         R"doc(Fused speculative verification of a token tree (dspec.verify_tree).
 
 logits_ptr: batch * nodes rows of vocab (as verify_chain).  tokens_ptr, parents_ptr:

@@ -304,11 +304,12 @@ void tree_row(const VerifyTreeArgs& a, const VerifyWork& wk, std::int64_t b, Scr
 // requests in a few chunks per thread taken in turn, since requests that accept more drafts
 // (or scan more rows, lazily) take longer.
 template <class RowFn>
-void for_rows(std::int64_t batch, std::int64_t work_per_row, RowFn row_fn) {
+void for_rows(std::int64_t batch, std::int64_t work_per_row, int num_threads, RowFn row_fn) {
   const std::int64_t work = batch * std::max<std::int64_t>(work_per_row, 1);
   std::int64_t threads = 1;
   if (work >= kParallelThreshold) {
-    threads = std::min<std::int64_t>(cpu::max_threads(), std::max<std::int64_t>(1, work / kMinWorkPerThread));
+    threads = std::min<std::int64_t>({static_cast<std::int64_t>(cpu::max_threads()), std::max(num_threads, 1),
+                                       std::max<std::int64_t>(1, work / kMinWorkPerThread)});
     threads = std::min(threads, batch);
   }
   const std::int64_t chunks = threads <= 1 ? 1 : std::min<std::int64_t>(batch, 4 * threads);
@@ -326,7 +327,7 @@ void for_rows(std::int64_t batch, std::int64_t work_per_row, RowFn row_fn) {
 // the up-front scan (token_stats_row_cpu).
 template <class Args>
 bool lazy_rows(const Args& a) {
-  return a.batch >= cpu::max_threads();
+  return a.batch >= std::min<std::int64_t>(std::max(a.num_threads, 1), cpu::max_threads());
 }
 
 template <class Args>
@@ -347,12 +348,12 @@ std::int64_t row_work(const Args& a, const RowStats& stats) {
 
 template <int DT>
 void chain_rows(const VerifyChainArgs& a, const VerifyWork& wk, const RowStats& stats) {
-  for_rows(a.batch, row_work(a, stats), [&](std::int64_t b, Scratch& s) { chain_row<DT>(a, wk, b, s, stats); });
+  for_rows(a.batch, row_work(a, stats), a.num_threads, [&](std::int64_t b, Scratch& s) { chain_row<DT>(a, wk, b, s, stats); });
 }
 
 template <int DT>
 void tree_rows(const VerifyTreeArgs& a, const VerifyWork& wk, const RowStats& stats) {
-  for_rows(a.batch, row_work(a, stats), [&](std::int64_t b, Scratch& s) { tree_row<DT>(a, wk, b, s, stats); });
+  for_rows(a.batch, row_work(a, stats), a.num_threads, [&](std::int64_t b, Scratch& s) { tree_row<DT>(a, wk, b, s, stats); });
 }
 
 }  // namespace

@@ -91,8 +91,11 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     """[..., C] -> [rows, C] with a unit stride along C and rows that do not overlap (a copy
     only when needed: e.g. a broadcast ``expand`` gives rows with stride 0)."""
     x2 = x.reshape(-1, x.shape[-1])
-    overlapping = x2.shape[0] > 1 and x2.stride(0) < x2.shape[1]
-    return x2 if x2.stride(-1) == 1 and not overlapping else x2.contiguous()
+    if x2.stride(-1) == 1 and (x2.shape[0] == 0 or x2.stride(0) >= x2.shape[1]):
+        return x2
+    # a fresh row-major copy: contiguous() would keep the stride of a size-1 row dimension
+    # (a [1, C] broadcast may report row stride 0), and the kernels take the row stride as given
+    return x2.clone(memory_format=torch.contiguous_format)
 
 
 def launch_context(device: torch.device, cuda: bool):
@@ -120,6 +123,9 @@ def resolve(op: str, backend: str | None, device: torch.device, provided: tuple[
     unsupported = unsupported or {}
     from_env = backend is None
     requested = backend if backend is not None else os.environ.get("DSPEC_BACKEND", "auto")
+    if not isinstance(requested, str):
+        raise ValueError(f"{op}: backend must be None or one of {BACKENDS}, got {type(requested).__name__} "
+                         f"{requested!r}")
     requested = (requested or "auto").lower()
     if requested not in BACKENDS:
         where = "$DSPEC_BACKEND" if from_env else "backend"

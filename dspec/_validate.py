@@ -1,8 +1,13 @@
-"""Input checks shared by the public ops: every failure is a ValueError naming the argument."""
+"""Input checks shared by the public ops: every failure is a ValueError naming the argument.
+
+Types are checked here too, before any value is read: tensors (never meta tensors: they
+have no data), real numbers (bool is not a number), ``torch.Generator`` and devices.
+"""
 from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import threading
 
 import torch
@@ -59,10 +64,23 @@ def value_checks_enabled(t: torch.Tensor) -> bool:
     return True
 
 
+def _describe(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def not_meta(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` is not a meta tensor (shape only, no data: nothing could be computed from it)."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor (shape only, no data); give a tensor on a real device")
+    return t
+
+
 def tensor(name: str, t, *, min_dim: int | None = None, dim: int | None = None,
            dtypes=None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    not_meta(name, t)
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(t.shape)}")
     if min_dim is not None and t.dim() < min_dim:
@@ -76,6 +94,8 @@ def tensor(name: str, t, *, min_dim: int | None = None, dim: int | None = None,
 def same_device(device: torch.device, like: str, **tensors) -> None:
     """Every given tensor (None skipped) lives on ``device``, the device of ``like``."""
     for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
         if t is not None and t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device} like {like}")
 
@@ -87,14 +107,73 @@ def logits(name: str, t) -> torch.Tensor:
     return t
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def real(name: str, value, *, what: str = "a real number") -> float:
+    """A real number as a float: int, float, a numpy scalar or a 0-d real tensor; never a
+    bool, a string or anything else ``float()`` would happen to convert."""
+    if isinstance(value, torch.Tensor):
+        if (value.dim() != 0 or value.dtype == torch.bool or value.is_complex()
+                or value.device.type == "meta"):
+            raise ValueError(f"{name} must be {what}, got a {str(value.dtype).replace('torch.', '')} "
+                             f"{value.device.type} tensor of shape {list(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):   # numpy bools are not Real
+        raise ValueError(f"{name} must be {what}, got {_describe(value)}")
+    return float(value)
+
+
+def finite(name: str, value, *, what: str = "a finite number") -> float:
+    """A real number finite as a float32 (what the kernels compute with)."""
+    v = real(name, value, what=what)
+    if not (math.isfinite(v) and abs(v) <= _FLOAT32_MAX):
+        raise ValueError(f"{name} must be {what} (within float32 range), got {value!r}")
+    return v
+
+
 def temperature(value) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"temperature must be a positive finite number, got {value!r}") from None
+    value = real("temperature", value, what="a positive finite number")
     if not (value > 0.0 and math.isfinite(value)):
         raise ValueError(f"temperature must be a positive finite number, got {value!r}")
     return value
+
+
+def flag(name: str, value) -> bool:
+    """A bool (or a numpy bool); an int or a string is not taken as one."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise ValueError(f"{name} must be a bool, got {_describe(value)}")
+
+
+def generator(value, device: torch.device, like: str = "the logits"):
+    """None or a ``torch.Generator`` on ``device``'s type (a CPU generator for CPU tensors)."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {_describe(value)}")
+    gdev = value.device
+    if gdev.type != device.type or (device.type == "cuda" and gdev.index is not None
+                                    and device.index is not None and gdev.index != device.index):
+        raise ValueError(f"generator is on {gdev}, expected a generator on {device} like {like}")
+    return value
+
+
+def device(name: str, value, *, default: str | None = None) -> torch.device:
+    """A torch.device (a device, a device string such as "cpu" / "cuda:0", or a CUDA index);
+    None gives ``default``.  The meta device is refused: it holds no data."""
+    if value is None and default is not None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (torch.device, str, int)):
+        raise ValueError(f"{name} must be a torch.device or a device string, got {_describe(value)}")
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{name} must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
+                         f"got {value!r}") from None
+    if dev.type == "meta":
+        raise ValueError(f"{name} must be a real device, got {value!r} (meta tensors hold no data)")
+    return dev
 
 
 def positive_int(name: str, value, *, upper: int | None = None, upper_name: str = "") -> int:

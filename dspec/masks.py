@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import _validate
 from .ops.masks import pack_mask, tree_mask, unpack_mask
 
 __all__ = ["SuffixMask", "TreeSuffix", "block_diffusion", "causal", "d2sd_branches",
@@ -88,6 +89,8 @@ class TreeSuffix(NamedTuple):
 
 
 def _int(name: str, value, *, minimum: int = 1) -> int:
+    if isinstance(value, torch.Tensor):
+        _validate.not_meta(name, value)
     if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
             and value.dtype != torch.bool:
         value = int(value)
@@ -100,10 +103,7 @@ def _int(name: str, value, *, minimum: int = 1) -> int:
 
 
 def _device(device) -> torch.device:
-    try:
-        return torch.device("cpu" if device is None else device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch.device or a device string, got {device!r}") from None
+    return _validate.device("device", device, default="cpu")
 
 
 def _numpy_to_list(name: str, value, ndim: int):
@@ -119,6 +119,7 @@ def _numpy_to_list(name: str, value, ndim: int):
 def _int_list(name: str, values, *, minimum: int | None = 0) -> list[int]:
     """A sequence of ints (list, tuple, or 1-D integer tensor)."""
     if isinstance(values, torch.Tensor):
+        _validate.not_meta(name, values)
         if values.dim() != 1 or values.is_floating_point() or values.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-D integer tensor or a sequence of ints, got "
                              f"a {values.dtype} tensor of shape {list(values.shape)}")
@@ -129,7 +130,7 @@ def _int_list(name: str, values, *, minimum: int | None = 0) -> list[int]:
     out = []
     for i, v in enumerate(values):
         if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point():
-            v = int(v)
+            v = int(_validate.not_meta(f"{name}[{i}]", v))
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise ValueError(f"{name}[{i}] must be an int, got {v!r}")
         v = int(v)
@@ -338,6 +339,7 @@ def tree(parents, *, device=None, backend: str | None = None) -> SuffixMask:
 
 def _branches(name: str, value) -> list[list[int]]:
     if isinstance(value, torch.Tensor):
+        _validate.not_meta(name, value)
         if value.dim() != 2 or value.is_floating_point() or value.dtype == torch.bool:
             raise ValueError(f"{name} must be a 2-D integer tensor or a list of token lists, got "
                              f"a {value.dtype} tensor of shape {list(value.shape)}")
@@ -452,7 +454,15 @@ def padded_prefix_tree(branches, lengths, root_tokens, *, pad_token: int = 0, de
     in (branch, depth) order, as the trie inserts them.
     """
     pad_token = _int("pad_token", pad_token, minimum=0)
-    br, ln, roots = (torch.as_tensor(x) for x in (branches, lengths, root_tokens))
+    tensors = []
+    for name, x in (("branches", branches), ("lengths", lengths), ("root_tokens", root_tokens)):
+        if isinstance(x, torch.Tensor):
+            _validate.not_meta(name, x)
+        try:
+            tensors.append(torch.as_tensor(x))
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"{name} must be an integer tensor or array, got {type(x).__name__}") from None
+    br, ln, roots = tensors
     for name, t, dim in (("branches", br, 3), ("lengths", ln, 2), ("root_tokens", roots, 1)):
         if t.dim() != dim or t.is_floating_point() or t.dtype == torch.bool:
             raise ValueError(f"{name} must be a {dim}-D integer tensor, got {t.dtype} {list(t.shape)}")

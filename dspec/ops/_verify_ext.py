@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _backend
+from .. import _backend, cpu
 from ..types import TreeVerifyOutput, VerifyOutput
 
 def _ptr(t) -> int:
@@ -60,7 +60,8 @@ def verify_chain_ext(draft_tokens, target_logits, draft_probs, num_drafts, tempe
             _ptr(q), _backend.FLOAT_CODE[q.dtype] if q is not None else 0,
             q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
             _ptr(coins_t), _ptr(uniforms_t), float(temperature), num.data_ptr(), out.data_ptr(),
-            "cuda" if cuda else "cpu", stream, ts_splits, draw_splits, ws.data_ptr(), ws.numel())
+            "cuda" if cuda else "cpu", stream, ts_splits, draw_splits, ws.data_ptr(), ws.numel(),
+            cpu.kernel_threads())
     return VerifyOutput(num, out)
 
 
@@ -90,5 +91,5 @@ def verify_tree_ext(tokens, parents, target_logits, temperature, coins, sample_u
             tok.data_ptr(), _backend.ID_CODE[tok.dtype], par.data_ptr(), _backend.ID_CODE[par.dtype],
             _ptr(coins_t), _ptr(uniforms_t), float(temperature), num.data_ptr(), path.data_ptr(),
             out.data_ptr(), "cuda" if cuda else "cpu", stream, ts_splits, draw_splits, ws.data_ptr(),
-            ws.numel())
+            ws.numel(), cpu.kernel_threads())
     return TreeVerifyOutput(num, path, out)

@@ -101,6 +101,9 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
     _validate.tensor("v", v, dim=4, dtypes=(q.dtype,))
     batch, n, hq, head_dim = q.shape
     device = q.device
+    if hq == 0 or head_dim == 0:
+        raise ValueError(f"q must have at least one head and a head dim D >= 1 (shape [B, N, Hq, D]), "
+                         f"got {list(q.shape)}")
     if k.shape != v.shape or k.shape[:2] != (batch, n) or k.shape[3] != head_dim:
         raise ValueError(f"k and v must have shape [B, N, Hkv, D] = [{batch}, {n}, Hkv, {head_dim}], "
                          f"got {list(k.shape)} and {list(v.shape)}")
@@ -116,12 +119,18 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
     else:
         prefix_k, prefix_v = _check_ragged_prefix(prefix_k, prefix_v, prefix_indptr, batch, hkv,
                                                   head_dim, q.dtype, device)
-    if sm_scale is not None:
-        sm_scale = float(sm_scale)
+    sm_scale = _sm_scale(sm_scale)
+    return_lse = _validate.flag("return_lse", return_lse)
     name = _resolve_backend(backend, device, q.dtype, _needs_grad(q, k, v, prefix_k, prefix_v))
     _check_max_prefix_len(max_prefix_len)
     return _launch(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens,
-                   sm_scale, bool(return_lse), max_prefix_len, name)
+                   sm_scale, return_lse, max_prefix_len, name)
+
+
+def _sm_scale(sm_scale) -> float | None:
+    """None (1 / sqrt(D)) or a finite real number: every backend takes the same values (a
+    NaN or an infinite scale has no meaningful softmax)."""
+    return None if sm_scale is None else _validate.finite("sm_scale", sm_scale)
 
 
 def _needs_grad(*tensors) -> bool:
@@ -311,7 +320,7 @@ class CascadeAttentionPlan:
             raise ValueError(f"the query heads ({hq}) must be a multiple of the KV heads ({hkv})")
         if dtype not in _REFERENCE_DTYPES:
             raise ValueError(f"dtype must be one of {_REFERENCE_DTYPES}, got {dtype}")
-        device = torch.device(device)
+        device = _validate.device("device", device)
         self.batch, self.n, self.hq, self.hkv, self.head_dim = batch, n, hq, hkv, head_dim
         self.dtype, self.device = dtype, device
         self.mask = _check_mask(mask, batch, n, device)
@@ -346,7 +355,7 @@ class CascadeAttentionPlan:
         self.prefix_indptr, self.prefix_page_table, self.prefix_lens = prefix_indptr, prefix_page_table, prefix_lens
         _check_max_prefix_len(max_prefix_len)
         self.max_prefix_len = max_prefix_len
-        self.sm_scale = None if sm_scale is None else float(sm_scale)
+        self.sm_scale = _sm_scale(sm_scale)
         self._requested = backend
         self.backend = _resolve_backend(backend, device, dtype, False)
         self._q_shape = (batch, n, hq, head_dim)
@@ -551,5 +560,6 @@ def _merge_states_ext(o_a, lse_a, o_b, lse_b, *, cuda: bool):
     with _backend.launch_context(o_a.device, cuda):
         _backend.extension().merge_states(
             oa.data_ptr(), la.data_ptr(), ob.data_ptr(), lb.data_ptr(), out.data_ptr(),
-            lse.data_ptr(), _backend.FLOAT_CODE[oa.dtype], rows, head_dim, "cuda" if cuda else "cpu", stream)
+            lse.data_ptr(), _backend.FLOAT_CODE[oa.dtype], rows, head_dim, "cuda" if cuda else "cpu", stream,
+            cpu.kernel_threads())
     return out.reshape(o_a.shape), lse.reshape(lse_a.shape)

@@ -175,7 +175,7 @@ def _tree_mask_impl(parents: torch.Tensor, name: str):
                         device=parents.device)
     depth = torch.empty(batch, nodes, dtype=torch.int64, device=parents.device)
     if batch:
-        par = parents if parents.stride(-1) == 1 else parents.contiguous()
+        par = _backend.as_rows(parents)     # rows apart by >= N ids (a broadcast gives stride 0)
         with _backend.launch_context(par.device, cuda):
             _backend.extension().tree_mask(par.data_ptr(), _backend.ID_CODE[par.dtype], batch, nodes,
                                            par.stride(0), words.data_ptr(), depth.data_ptr(),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _backend, _library, _validate
+from .. import _backend, _library, _validate, cpu
 from ..reference.token_stats import token_stats as _token_stats_reference
 from ..types import TokenStats
 
@@ -77,5 +77,5 @@ def _token_stats_ext(logits: torch.Tensor, temperature: float, *, cuda: bool):
             ext.token_stats(x.data_ptr(), _backend.FLOAT_CODE[x.dtype], rows, vocab, x.stride(0),
                             1.0 / temperature, token.data_ptr(), prob.data_ptr(), margin.data_ptr(),
                             entropy.data_ptr(), lse.data_ptr(), "cuda" if cuda else "cpu",
-                            stream, splits, workspace)
+                            stream, splits, workspace, cpu.kernel_threads())
     return tuple(t.reshape(lead) for t in (token, prob, margin, entropy, lse))

@@ -100,10 +100,7 @@ def mass_candidates(logits: torch.Tensor, tau: float, max_m: int, *, temperature
     """
     _validate.logits("logits", logits)
     max_m = _validate.positive_int("max_m", max_m, upper=logits.shape[-1], upper_name="V")
-    try:
-        tau = float(tau)
-    except (TypeError, ValueError):
-        raise ValueError(f"tau must be a number in (0, 1], got {tau!r}") from None
+    tau = _validate.real("tau", tau, what="a number in (0, 1]")
     if not (0.0 < tau <= 1.0) or math.isnan(tau):
         raise ValueError(f"tau must be in (0, 1], got {tau!r}")
     temperature = _validate.temperature(temperature)

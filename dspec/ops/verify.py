@@ -13,10 +13,7 @@ _PROVIDED = ("torch", "triton", "cuda", "cpp")
 
 
 def _temperature(value) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"temperature must be a number (<= 0 for greedy), got {value!r}") from None
+    value = _validate.real("temperature", value, what="a number (<= 0 for greedy)")
     if math.isnan(value) or value == math.inf:
         raise ValueError(f"temperature must be finite (<= 0 for greedy), got {value!r}")
     return value
@@ -101,10 +98,13 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
     if vocab == 0:
         raise ValueError("target_logits has an empty vocabulary (last dimension is 0)")
     device = target_logits.device
+    if draft_probs is not None:
+        _validate.tensor("draft_probs", draft_probs, dim=3, dtypes=_validate.FLOAT_DTYPES)
+    if num_drafts is not None:
+        _validate.tensor("num_drafts", num_drafts, dim=1, dtypes=_validate.ID_DTYPES)
     _validate.same_device(device, "the logits", draft_tokens=draft_tokens, draft_probs=draft_probs,
                           num_drafts=num_drafts)
     if draft_probs is not None:
-        _validate.tensor("draft_probs", draft_probs, dim=3, dtypes=_validate.FLOAT_DTYPES)
         if tuple(draft_probs.shape) != (batch, length, vocab):
             raise ValueError(f"draft_probs must have shape [B, L, V] = [{batch}, {length}, {vocab}], "
                              f"got {list(draft_probs.shape)}")
@@ -115,7 +115,6 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
                 raise ValueError(f"draft_probs must hold probabilities in [0, 1] (finite); "
                                  f"draft_probs[{b}, {i}, {v}] = {float(draft_probs[b, i, v])}")
     if num_drafts is not None:
-        _validate.tensor("num_drafts", num_drafts, dim=1, dtypes=_validate.ID_DTYPES)
         if num_drafts.shape[0] != batch:
             raise ValueError(f"num_drafts must have shape [B] = [{batch}], got {list(num_drafts.shape)}")
         if batch and _validate.value_checks_enabled(num_drafts):
@@ -123,6 +122,7 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
             if lo < 0 or hi > length:
                 raise ValueError(f"num_drafts must lie in [0, L] = [0, {length}], got values in [{lo}, {hi}]")
     temperature = _temperature(temperature)
+    _validate.generator(generator, device)
     _ids_in_vocab("draft_tokens", draft_tokens, lambda: torch.arange(length, device=device)[None, :] < (
         num_drafts[:, None] if num_drafts is not None else length), vocab)
     if temperature > 0:
@@ -210,6 +210,7 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     _check_tree(parents)
     _ids_in_vocab("tokens", tokens, lambda: parents >= 0, vocab)
     temperature = _temperature(temperature)
+    _validate.generator(generator, device)
     if temperature > 0:
         coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, nodes),
                                              batch, device)

@@ -3,7 +3,8 @@
 Explicit masked softmax over [prefix keys | suffix keys] per request, in float32 (float64
 when the inputs are float64: the tests' oracle).  Query (b, i) sees every prefix row of its
 request and the suffix keys j whose mask bit (i, j) is set.  A query that sees no key gets
-out = 0 and lse = -inf.  lse is the natural-log logsumexp of the scaled scores.
+out = 0 and lse = -inf; a NaN score (a NaN in a query or a visible key) gives a NaN out and
+lse for that query.  lse is the natural-log logsumexp of the scaled scores.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def cascade_attention(q, k, v, mask=None, *, prefix_k=None, prefix_v=None, prefi
         scores = torch.matmul(qg, keys.to(acc).permute(1, 2, 0)) * scale   # [Hkv, G*N, S]
         scores = scores.masked_fill(~visible.repeat(group, 1)[None], float("-inf"))
         row_lse = torch.logsumexp(scores, -1)                     # [Hkv, G*N]; -inf when empty
-        probs = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
+        # a row that sees no key (lse = -inf) gets 0; a NaN score (a NaN query or key) stays NaN
+        probs = torch.exp(scores - row_lse[..., None]).masked_fill((row_lse == float("-inf"))[..., None], 0.0)
         o = torch.matmul(probs, values.to(acc).transpose(0, 1))   # [Hkv, G*N, D]
         out[b] = o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
         lse[b] = row_lse.view(hkv, group, n).permute(2, 0, 1).reshape(n, hq).float()
