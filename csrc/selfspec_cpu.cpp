@@ -287,7 +287,9 @@ void selfspec_score_cpu(const SelfSpecScoreArgs& a) {
       const bool masked = w.copy_masked[k] != 0;
       const std::int64_t choice = masked ? token : 0;
       w.choice[k] = choice;
-      a.logp[k] = masked ? element(row, dtype, choice) - lse : kNegInf;
+      // a non-finite row's choice is the -1 mark (its logp NaN): never read before the row
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      a.logp[k] = !masked ? kNegInf : choice < 0 ? nan : element(row, dtype, choice) - lse;
       // candidates: the choice, then the most likely other tokens (probability order)
       std::int64_t* cand = w.cand + k * J;
       float* cand_logp = w.cand_logp + k * J;
@@ -310,7 +312,8 @@ void selfspec_score_cpu(const SelfSpecScoreArgs& a) {
         }
         for (; n < J; ++n) cand[n] = choice;  // V < J: unreachable through the engine (J <= V)
       }
-      for (std::int64_t j = 0; j < J; ++j) cand_logp[j] = element(row, dtype, cand[j]) / 1.0f - lse;
+      for (std::int64_t j = 0; j < J; ++j)
+        cand_logp[j] = cand[j] < 0 ? nan : element(row, dtype, cand[j]) / 1.0f - lse;
     }
   };
   cpu::parallel_rows(slots, V, a.num_threads, body);

@@ -221,3 +221,30 @@ def test_confidence_and_log_probs_are_softmax(dtype, atol, temperature):
     torch.testing.assert_close(got[finite], want[finite], atol=1e-5, rtol=1e-5)
     conf = confidence(logits, tokens[..., 1], temperature)
     torch.testing.assert_close(conf, want[..., 1].exp(), atol=atol, rtol=1e-5)
+
+
+def test_block_ends_follows_extend_blocks_rule():
+    """OutputBuffer.block_ends: a request ends inside its block exactly when outputting the
+    block as it stands (uncommitted slots still [MASK]) would finish it."""
+    import numpy as np
+    from dspec.decode.outputs import OutputBuffer
+    rng = np.random.default_rng(0)
+    mask, eos, bs = 99, 7, 6
+    for _ in range(500):
+        buf = OutputBuffer(3, int(rng.integers(1, 12)), [eos])
+        buf.lengths[:] = rng.integers(0, buf.max_new_tokens, 3)
+        block = rng.integers(0, 10, (3, bs))
+        known = rng.random((3, bs)) < 0.6
+        block = np.where(known, block, mask)
+        start = rng.integers(0, 12, 3)
+        plen = start + rng.integers(-2, bs, 3)
+        ends = buf.block_ends(np.arange(3), block, known, start, plen)
+        # the reference: output the committed run only, and see whether it finishes the request
+        skip = np.clip(plen - start, 0, bs)
+        for r in range(3):
+            run = 0
+            while skip[r] + run < bs and known[r, skip[r] + run]:
+                run += 1
+            seg = block[r, skip[r]: skip[r] + run].tolist()
+            want = eos in seg or run >= buf.max_new_tokens - buf.lengths[r]
+            assert bool(ends[r]) == want

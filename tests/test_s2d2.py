@@ -157,6 +157,32 @@ def test_greedy_always_equals_block_size_one_decoding(model, block_size, draft_l
         assert ahead == 0
 
 
+@pytest.mark.parametrize("method", ["s2d2", "diffusion"])
+def test_a_request_stops_inside_its_last_block(model, method):
+    """Decoding stops once a block's committed run reaches max_new_tokens: the tokens are the
+    prefix of a longer run, and the forwards that would decode the block's later slots (never
+    output) are not spent."""
+    for prompt in ([5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 2, 1]):
+        for n in (1, 5, 9):
+            short = _run(model, prompt, method=method, max_new_tokens=n)
+            long = _run(model, prompt, method=method, max_new_tokens=n + 2 * BS)
+            assert short.tokens == long.tokens[:len(short.tokens)]
+            assert len(short.tokens) == n or set(model.eos_token_ids) & set(short.tokens)
+            assert short.stats["nfe"]["target"] <= long.stats["nfe"]["target"]
+
+
+def test_tiny_bd_at_block_eight_costs_no_more_forwards_than_block_size_one():
+    """tiny-bd's drafts rarely pass; its last block used to be decoded to its end (53 forwards
+    for these 48 tokens, against 49 for block-size-1 decoding)."""
+    bd = dspec.load("tiny-bd")
+    prompt = "def fibonacci(n):\n"
+    got = dspec.generate(bd, prompt, method="s2d2", max_new_tokens=48)
+    one = dspec.generate(bd, prompt, method="diffusion", block_size=1, max_new_tokens=48)
+    assert len(got.tokens) == 48
+    assert got.stats["nfe"]["target"] <= one.stats["nfe"]["target"]
+    assert got.tokens == dspec.generate(bd, prompt, method="s2d2", max_new_tokens=64).tokens[:48]
+
+
 def redraft_checks(model, prompts, monkeypatch, **kw) -> dict:
     """Decode each prompt alone (greedy, policy always, redraft blocks) and check every draft
     a verification forward computed against a plain drafting forward of the state it stands

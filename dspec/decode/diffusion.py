@@ -193,7 +193,9 @@ def decode_diffusion(model, prompts: list[list[int]], *, max_new_tokens: int,
 
 def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generator, eos_ids,
                          progress, bs, per_step, threshold):
-    """Block-causal models with an exact KV cache (see the module docstring)."""
+    """Block-causal models with an exact KV cache (see the module docstring).  A request stops
+    decoding its block once the block's committed run from its first generated slot holds an
+    EOS or reaches ``max_new_tokens`` (the later slots would never be output)."""
     dev = model.device
     batch = len(prompts)
     mask_id = model.mask_token_id
@@ -244,6 +246,12 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
             masked &= ~pick
             if progress is not None:
                 progress.update(int(pick.sum()) / batch)
+            # a request whose committed run reaches an EOS or max_new_tokens stops decoding
+            # its block: the later slots are never output
+            ended = outputs.block_ends(requests, tokens.cpu().numpy(), (~masked).cpu().numpy(),
+                                       block_start.cpu().numpy(), prompt_len)
+            if ended.any():
+                masked &= ~torch.from_numpy(ended).to(dev)[:, None]
         pending = (tokens, pos)                     # committed by the next block's first step
         live = np.flatnonzero(~finished.cpu().numpy())
         done = outputs.extend_block(requests[live], tokens.cpu().numpy()[live], block_start.cpu().numpy()[live],

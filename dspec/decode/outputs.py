@@ -49,6 +49,24 @@ class OutputBuffer:
         at = np.minimum(skip[:, None] + np.arange(bs), bs - 1)
         return self.extend(requests, np.take_along_axis(block, at, 1), bs - skip, only_done=only_done)
 
+    def block_ends(self, requests: np.ndarray, block: np.ndarray, known: np.ndarray, block_start: np.ndarray,
+                   prompt_len: np.ndarray) -> np.ndarray:
+        """Which of ``requests`` (host [A]) end inside their unfinished block: ``block`` [A, bs]
+        at text positions ``block_start`` [A] .., ``known`` [A, bs] bool its committed slots
+        (the prompt's tail and the generated slots decoded so far).  A request ends there when
+        the committed run of its generated slots from the block's first one holds an EOS or
+        reaches ``max_new_tokens``: :meth:`extend_block` of the block as it stands then
+        outputs exactly what the finished block would, and marks the request done, so its
+        decoding may stop before the block's later slots are decoded (bool [A])."""
+        bs = block.shape[1]
+        skip = np.clip(prompt_len - block_start, 0, bs)
+        col = np.arange(bs)
+        gen = col >= skip[:, None]
+        run = np.cumprod(np.where(gen, known, True), axis=1).astype(bool) & gen      # the committed run
+        count = run.sum(1)
+        eos = (run & (block[:, :, None] == self.eos).any(2)).any(1)
+        return eos | (count >= self.max_new_tokens - self.lengths[requests])
+
     def remaining(self, requests: np.ndarray) -> np.ndarray:
         """Tokens each of ``requests`` may still generate."""
         return self.max_new_tokens - self.lengths[requests]

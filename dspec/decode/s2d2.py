@@ -75,7 +75,9 @@ under a per-row packed mask (DESIGN.md's one attention shape):
     within itself, the new block seeing it, as ``diffusion`` commits it), which appends its
     KV (exact: the rows of a separate commit forward, at the same key indices) and takes its
     last logits as the right-shifted model's prediction for the new block's slot 0.  The
-    last block is never forwarded again.
+    last block is never forwarded again, and it ends as soon as its committed run from its
+    first generated slot holds an EOS or reaches ``max_new_tokens`` (its later slots are never
+    output): a request costs no forward past its last token.
 
 Rows in different states share a forward: the suffix is as wide as the widest row (a
 block, two with a pending block; a verification's chain, its 2L copies for a
@@ -671,6 +673,11 @@ class _Batch:
         next_logits = stale = None
         if self.has["verify"]:
             reuse, spec_final, accepted, stale = self.verify(logits, nxt)
+            # a verification whose committed run ends the request: its redraft block is not
+            # reused, no drafting decision follows
+            ended = self.end_early(nxt, spec_final | ~self.is_verify)
+            self.stats_dev[4] -= (reuse & ended).sum()
+            reuse = reuse & ~ended
             block_logits, next_logits, boundary_logits = self.redraft_logits(logits, accepted, spec_final)
             if self.has["draft"]:
                 block_logits = torch.where(reuse[:, None, None], block_logits, self.shift(logits[:, :bs]))
@@ -678,6 +685,7 @@ class _Batch:
             block_logits = self.shift(logits[:, :bs])
         self.draft(block_logits, self.is_draft | reuse, nxt, stale=stale)
         self.append_kv(out, spec_final)
+        self.end_early(nxt, spec_final)             # (a fallback's commits)
         opened = self.finish_blocks(nxt, spec_final)
         if next_logits is not None:
             # a block its drafts completed: the next block's first drafting step rode along;
@@ -761,11 +769,37 @@ class _Batch:
             self.advance(committed / batch)
         if append:
             self.cache.append(out.suffix_kv, keep=nat.keep if two_blocks else nat.keep[:, :self.bs])
+        finishing = self.native_end_early() or finishing
         while finishing:
             nat.done.zero_()
             nat.done[self.emit(nat.finishing.numpy().astype(bool), nat.tokens, nat.block_start)] = True
             finishing = ext.s2d2_open(*nat.args, nrows, any_verify, any_pending, nat.done.data_ptr(),
                                       nat.argmax.data_ptr(), nat.counters.data_ptr())
+        return True
+
+    def native_end_early(self) -> bool:
+        """:meth:`end_early` on the compiled step's records: such a row's block is complete
+        (s2d2_open then outputs it and ends the request); True when a row ends so."""
+        nat, bs = self.nat, self.bs
+        f = self.native.s2d2_record_layout(bs)
+        st = nat.state.numpy()
+        live = (st[:, f["phase"]] != DONE) & (st[:, f["finishing"]] == 0)
+        if not live.any():
+            return False
+        ended = self.outputs.block_ends(np.arange(self.batch), st[:, f["tokens"]: f["tokens"] + bs],
+                                        st[:, f["masked"]: f["masked"] + bs] == 0, st[:, f["block_start"]],
+                                        self.plen_host) & live
+        if not ended.any():
+            return False
+        # a row the verification ended drafting from its reused redraft block: neither the
+        # reuse nor the drafting decision happen (the torch step makes neither)
+        decided = int((st[ended, f["phase"]] == VERIFY).sum())
+        c = self.native.s2d2_counter_layout()
+        for name in ("decisions", "verify_decisions", "reused"):
+            nat.counters[c[name]] -= decided
+        for name, value in (("phase", COMMIT), ("complete", 1), ("finishing", 1), ("spec_final", 0),
+                            ("bounded", 0)):
+            st[ended, f[name]] = value
         return True
 
     def shift(self, block_logits):
@@ -978,6 +1012,20 @@ class _Batch:
             if bool(appended.any()):
                 self.cache.append(out.suffix_kv, keep=keep.cpu())
         self.pending = torch.zeros_like(self.pending)
+
+    def end_early(self, nxt, skip) -> torch.Tensor:
+        """Rows (but ``skip`` [B]) whose block's committed run already ends the request (an
+        EOS, or ``max_new_tokens`` reached: :meth:`OutputBuffer.block_ends`) finish the block
+        now (``nxt`` COMMIT): the slots after the run are never output, so no forward decodes
+        them.  Returns those rows [B]."""
+        live = (nxt != DONE) & (nxt != COMMIT) & ~skip
+        host = torch.cat([self.tokens, self.masked.long(), self.block_start[:, None], live.long()[:, None]], 1).cpu()
+        bs, rows = self.bs, np.arange(self.batch)
+        h = host.numpy()
+        ended = self.outputs.block_ends(rows, h[:, :bs], h[:, bs:2 * bs] == 0, h[:, 2 * bs], self.plen_host)
+        ended = torch.from_numpy(ended & (h[:, 2 * bs + 1] == 1)).to(self.dev)
+        nxt.copy_(torch.where(ended, COMMIT, nxt))
+        return ended
 
     def finish_blocks(self, nxt, spec_final):
         """Output the blocks finished in this iteration and open their successors (a block
