@@ -373,7 +373,8 @@ class _Engine:
         require_finite(self.tokens)         # a row of +inf scores no NaN but steps to the -1 mark
         if committed:
             self.cache.append(out.suffix_kv, keep=ws.keep)
-        return self.account(SimpleNamespace(base=lengths), ws.host.numpy())
+        return self.account(SimpleNamespace(base=lengths), ws.host.numpy(),
+                            (self.tokens.numpy(), self.masked.numpy()))
 
     def round(self) -> bool:
         """One forward and every row's transition; False when no row is left."""
@@ -571,8 +572,8 @@ class _Engine:
         last_step = new_known & (new_masked.sum(1) == 1) & (self.temperature == 0)
         filled = torch.where(new_masked, self.choice, new_tokens)
         host = torch.cat([done_block[:, None].to(torch.int64), r.steps[:, None], block_tokens,
-                          r.num_kept[:, None], last_step[:, None].to(torch.int64), filled],
-                         1).cpu().numpy()                                          # host sync 2
+                          r.num_kept[:, None], last_step[:, None].to(torch.int64), filled,
+                          new_tokens, new_masked.to(torch.int64)], 1).cpu().numpy()   # host sync 2
         if self.trace is not None:
             self.trace(dict(rows=self.rows.tolist(), known=self.known.tolist(), tokens=self.tokens.tolist(),
                             order=r.order.tolist(), cand=r.cand_r.tolist(), host=host[:, : bs + 3].tolist()))
@@ -582,14 +583,19 @@ class _Engine:
         self.tokens, self.masked, self.known = new_tokens, new_masked, new_known
         return host
 
-    def account(self, r, host: np.ndarray) -> np.ndarray:
+    def account(self, r, host: np.ndarray, state=None) -> np.ndarray:
         """Statistics, progress and output tokens of the round; returns which rows finished
         (bool [A]).  ``host`` [A, 2 bs + 4]: committed, steps, the committed block, nodes kept,
         then (greedy) whether the next state is one step from its block's end and that
-        block; ``r.base``: each row's block start (cache length) before the round."""
+        block (the torch round appends the next state's block and mask, [A, 2 bs], which
+        ``state`` otherwise gives); ``r.base``: each row's block start (cache length) before
+        the round."""
+        if state is None:
+            bs = self.bs
+            state = host[:, 2 * bs + 4: 3 * bs + 4], host[:, 3 * bs + 4:] != 0
         st, bs, req = self.st, self.bs, self.rows
         commit, n_steps, block, kept = host[:, 0] != 0, host[:, 1], host[:, 2:2 + bs], host[:, bs + 2]
-        last_step, last_block = host[:, bs + 3] != 0, host[:, bs + 4:]
+        last_step, last_block = host[:, bs + 3] != 0, host[:, bs + 4: 2 * bs + 4]
         st.nodes_forwarded += int(kept.sum())
         verified = n_steps > 0                # a verification round of a state with logits
         st.verify_rows += int(verified.sum())
@@ -612,6 +618,15 @@ class _Engine:
             st.free_steps += int(ends.sum())
             self._show(req[f[ends]], np.ones(int(ends.sum()), dtype=np.int64))
             finished[f[ends]] = True
+        # a block whose committed run already ends the request (an EOS, max_new_tokens) is
+        # output as it stands: its later slots would never be output
+        e = np.flatnonzero(~finished)
+        if len(e):
+            tokens, masked = state
+            start = base + bs * commit
+            e = e[self.outputs.block_ends(req[e], tokens[e], ~masked[e], start[e], plen[e])]
+            if len(e):
+                finished[e] = self.outputs.extend_block(req[e], tokens[e], start[e], plen[e])
         return finished
 
     def _show(self, requests: np.ndarray, steps: np.ndarray) -> None:

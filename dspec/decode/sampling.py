@@ -20,6 +20,7 @@ import os
 import numpy as np
 import torch
 
+from .._validate import config
 from ..ops import token_stats, verify_chain
 from ..reference.verify import draw
 
@@ -137,10 +138,14 @@ def request_streams(generator, batch: int, device) -> RequestStreams | None:
 
 
 def next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
-                uniforms: torch.Tensor | None = None, *, who: str = "model", check: bool = True):
+                uniforms: torch.Tensor | None = None, *, who: str = "model", check: bool | None = None):
     """logits [B, V] -> token ids [B] (int64).  At T > 0 the draw uses ``uniforms`` [B] when
     given (the rows' :class:`RequestStreams` draws), else ``generator``.  ValueError where a
-    row is not finite (:func:`require_finite`; ``check=False`` leaves the -1 to the caller)."""
+    row is not finite (:func:`require_finite`, one host read; ``check=False`` leaves the -1 to
+    the caller; default: ``dspec.config.validate_values``, so a sync-free engine loop that
+    switched value checks off reads nothing back)."""
+    if check is None:
+        check = config.validate_values
     if temperature <= 0:
         tokens = token_stats(logits).token
     else:
