@@ -659,3 +659,20 @@ def test_cpp_rows_depend_only_on_the_keys_they_see(isa, monkeypatch, dtype, plen
                 assert torch.equal(one[0, at], out[0, i]) and torch.equal(one_lse[0, at], lse[0, i]), (name, i)
     finally:
         torch.set_num_threads(before)
+
+
+def test_default_backend_yields_to_torch_past_16_rows_without_simd_tiles():
+    """Measured: the portable loops lose to torch's attention past 16 suffix rows, so the
+    default backend runs the torch reference there; an explicit backend='cpp' does not."""
+    from dspec.ops import attention as A
+    prev = dspec.cpu.set_isa_cap("generic")
+    try:
+        assert A._by_rows("cpp", None, A._GENERIC_CPP_MAX_ROWS + 1) == "torch"
+        assert A._by_rows("cpp", "auto", 64) == "torch"
+        assert A._by_rows("cpp", None, A._GENERIC_CPP_MAX_ROWS) == "cpp"
+        assert A._by_rows("cpp", "cpp", 64) == "cpp"
+        assert A._by_rows("triton", None, 64) == "triton"
+    finally:
+        dspec.cpu.set_isa_cap(prev)
+    if dspec.cpu.isa() != "generic":
+        assert A._by_rows("cpp", None, 64) == "cpp"

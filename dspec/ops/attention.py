@@ -14,6 +14,11 @@ _CASCADE_BACKENDS = ("torch", "triton", "cpp")
 # Tile code of the "cpp" backend: "auto" (AVX-512 where the CPU has it), "generic" (the
 # portable loops) or "avx512"; the tests pin "generic" to cover both.
 _CPP_ISA = "auto"
+# Without SIMD tiles (DSPEC_CPU_ISA=generic, or a CPU without AVX2) the portable loops lose to
+# torch's attention past ~16 suffix rows (bench/results/cpu/amx/dispatch_xeon_amx.json, level
+# generic: 1.03 / 0.98x torch's time at N = 16, 1.14 / 1.07x at N = 64, fp32 / bf16), so the
+# default backend runs the torch reference there; an explicit backend="cpp" still runs them.
+_GENERIC_CPP_MAX_ROWS = 16
 _Tensor = torch.Tensor
 
 
@@ -121,7 +126,8 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
                                                   head_dim, q.dtype, device)
     sm_scale = _sm_scale(sm_scale)
     return_lse = _validate.flag("return_lse", return_lse)
-    name = _resolve_backend(backend, device, q.dtype, _needs_grad(q, k, v, prefix_k, prefix_v))
+    name = _by_rows(_resolve_backend(backend, device, q.dtype, _needs_grad(q, k, v, prefix_k, prefix_v)),
+                    backend, n)
     _check_max_prefix_len(max_prefix_len)
     return _launch(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens,
                    sm_scale, return_lse, max_prefix_len, name)
@@ -149,6 +155,14 @@ def _resolve_backend(backend, device, dtype, needs_grad: bool) -> str:
     name = _library.resolve("cascade_attention", backend, device, _CASCADE_BACKENDS, unsupported)
     if name == "triton" and dtype == torch.float64:
         raise ValueError("cascade_attention: the Triton kernel takes float32/float16/bfloat16, got float64")
+    return name
+
+
+def _by_rows(name: str, backend, n: int) -> str:
+    """The default backend for ``n`` suffix rows: "cpp" yields to "torch" where only the
+    portable loops would run and ``n`` exceeds :data:`_GENERIC_CPP_MAX_ROWS` (measured)."""
+    if name == "cpp" and backend in (None, "auto") and n > _GENERIC_CPP_MAX_ROWS and cpu.isa() == "generic":
+        return "torch"
     return name
 
 
@@ -357,7 +371,7 @@ class CascadeAttentionPlan:
         self.max_prefix_len = max_prefix_len
         self.sm_scale = _sm_scale(sm_scale)
         self._requested = backend
-        self.backend = _resolve_backend(backend, device, dtype, False)
+        self.backend = _by_rows(_resolve_backend(backend, device, dtype, False), backend, n)
         self._q_shape = (batch, n, hq, head_dim)
         self._kv_shape = (batch, n, hkv, head_dim)
         self._prefix_tail = (hkv, head_dim)
