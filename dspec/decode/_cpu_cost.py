@@ -19,7 +19,7 @@ _BF16_FP32 = (torch.bfloat16, torch.float32)
 #: A forward of N rows of SmolLM2-135M after 256 cached tokens relative to a one-row forward,
 #: per CPU cost class (``cost_class``) and dtype, measured in situ (weights from memory, reps
 #: interleaved): "tiles" -- AMX / AVX512_BF16 tiles, where a forward's rows are nearly free up
-#: to a tile (Intel Xeon AMX, bf16, 2 threads, README "forward N = 16 / N = 1"); "avx2" --
+#: to a tile (Intel Xeon AMX, bf16, 2 threads, docs/performance.md); "avx2" --
 #: dspec's AVX2 tiles, where every row is FMA work (EPYC Zen 4 under DSPEC_CPU_ISA=avx2, one
 #: thread, bench/results/cpu/avx2/forward_zen4_capped.json and dispatch_zen4.json).  The
 #: "tiles" defaults below were tuned end to end on the AMX machine; the "avx2" ones follow
