@@ -3,7 +3,7 @@
 Two changes to the drafter's forward on the CPU, each switchable: the draft vocabulary
 (``draft_vocab="auto"``: the head reads only the 16,384 most frequent response tokens) and
 the shared KV cache (a mask-adapted target drafts against the target's cache: no pending
-rows, no second commit).  Arms: ``ar``; ``diffuspec`` with neither (the session-23 path);
+rows, no second commit).  Arms: ``ar``; ``diffuspec`` with neither (the path before both changes);
 with the draft vocabulary only; with both (the default).  Interleaved per prompt, greedy,
 batch 1; every arm's output must equal ``ar``'s.
 

@@ -1,10 +1,10 @@
-"""Session 23's decode-glue changes, on and off, A/B in one process on the e2e grid's prompts.
+"""The decode-glue changes, on and off, A/B in one process on the e2e grid's prompts.
 
 A speculative cycle on the CPU runs its host-side glue (tree building, verification
 bookkeeping, KV commits, the drafter's context projection) right after a forward has
 streamed ~300 MB of weights through the caches, where each small torch op costs ~10-60 us
 cold instead of ~1-8 us warm.  This bench decodes every prompt with ``ar`` and, per method,
-with the glue of this session (value checks trusted in decode loops, ``dspec._C.draft_tree``,
+with the current glue (value checks trusted in decode loops, ``dspec._C.draft_tree``,
 ``dspec._C.commit_rows``, the drafter context in three C++ calls) and with those four turned
 off (each falls back to the path it replaced: checks on, the torch composition, the index
 commit, the per-op context projection), interleaved per prompt, greedy, batch 1.  Outputs
@@ -36,7 +36,7 @@ from dspec.models.dflash import BlockDrafter  # noqa: E402
 
 @contextlib.contextmanager
 def glue_off():
-    """This session's four glue changes off (the paths they replaced)."""
+    """The four glue changes off (the paths they replaced)."""
     saved = (_validate.config.trust_decode, dflash_mod._backend, kv_cache_mod._commit_rows_cpu,
              BlockDrafter._context_kv_fused)
     _validate.config.trust_decode = False

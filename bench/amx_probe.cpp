@@ -1,9 +1,9 @@
 // What the AMX tile unit of this CPU does, one core, no dspec code: the clock (a dependent
-// integer-add chain, one add per cycle: under KVM it read 2.2-3.25 GHz in one session, so the
+// integer-add chain, one add per cycle: under KVM it read 2.2-3.25 GHz within one hour, so the
 // nanoseconds are the numbers to compare), the rate of 16 x 32 x 16 tdpbf16ps with four
 // independent accumulators and as one dependent chain, and what a 1 KiB B tile load costs
-// from working sets of growing size (L1, L2, memory).  The README's session-17 paragraph
-// quotes its output.
+// from working sets of growing size (L1, L2, memory).  docs/performance.md quotes its
+// output.
 //
 //   g++ -O2 -mamx-tile -mamx-bf16 -mavx512f bench/amx_probe.cpp -o /tmp/amx_probe && /tmp/amx_probe
 #include <immintrin.h>

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     backends = ["cpp"] + ([] if args.no_reference else ["torch"])
     # larger than the last-level cache (this project's Xeon has 300 MiB of L3, more than the
     # 214 MB of float32 logits): rewritten before every rep, so that every rep reads the
-    # logits from memory as a decode step does (earlier sessions' reps read them from L3)
+    # logits from memory as a decode step does (without the flush the reps read them from L3)
     flush_bytes = int(args.flush_mib) << 20
     payload["flush_bytes_between_reps"] = flush_bytes
     for dtype in (torch.float32, torch.bfloat16):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every model-level CPU benchmark in one call, alone on the machine, in the order the
-# README's performance table reads them: the projection kernel, forward cost vs N, `ar`
+# docs/performance.md reads them: the projection kernel, forward cost vs N, `ar`
 # against transformers (and llama.cpp when installed), cascade attention, the logits-side
 # ops, the thread policy and bf16 rounding.  JSON + PNG under bench/results/cpu/; a log per
 # script under $LOGS.  Usage: bash bench/cpu_suite.sh [THREADS]   (~25 min on 2 cores)

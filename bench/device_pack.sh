@@ -7,7 +7,7 @@
 # The device copies the working tree (tracked + untracked-not-ignored files) and takes at
 # most 64 MiB; the SmolLM2 assets, data/ and the CPU results are ~130 MB.  Tests that need
 # them skip there.  The tiny models' drafters and n-gram table stay: the CUDA tests of dflash,
-# d2sd and diffuspec load them (session 35 packed them too and lost 26 tests to it).
+# d2sd and diffuspec load them (packing them too skips 26 tests there).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STASH=${DSPEC_DEVICE_STASH:-/tmp/dspec_device_stash}

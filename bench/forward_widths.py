@@ -10,7 +10,7 @@ per option set, tokens, forwards and wall seconds.  The PNG plots the median aga
 width, one line per option set -- where a row count crosses a tile boundary, it shows.
 
     python bench/forward_widths.py --model smollm2-135m-bd --method s2d2 \\
-        --options '{"boundary": false}' '{"boundary": true}' --prompts 4 --name widths_s2d2_s38
+        --options '{"boundary": false}' '{"boundary": true}' --prompts 4 --name widths_s2d2_2026-11-29
 Writes bench/results/cpu/<name>.json and .png.
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@
 #   TESTS_CAP=seconds     the tests' time cap (default 180, or 520 with SKIP_BENCH=1)
 # Before the first call: `bash bench/device_pack.sh out` (the device takes a 64 MiB tree; the
 # SmolLM2 assets, data/ and CPU results are ~130 MB), and `bash bench/device_pack.sh back` after.
-# The first GPU session should make two calls: SKIP_BENCH=1 (tests, up to ~9 min), then
+# A first run on a fresh GPU machine should make two calls: SKIP_BENCH=1 (tests, up to ~9 min), then
 # SKIP_TESTS=1 (benchmarks); each rebuilds dspec._C (the machine starts bare).
 #   BENCH_ARGS="..."      extra args for every bench_*.py (e.g. --quick, --reps 10)
 #   BENCHES="token_stats verify cascade_attention boundary topk"   which benches, in order

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# smollm2-135m-bd: LoRA adaptation of SmolLM2-135M-Instruct to block diffusion (issue 9).
+# smollm2-135m-bd: LoRA adaptation of SmolLM2-135M-Instruct to block diffusion (a full LoRA, the GPU recipe).
 #
 #   bash bench/train_smollm2_bd.sh stage          # HERE (CPU, once): build .bdstage/p0..pK
 #   bash bench/train_smollm2_bd.sh run [OUT_DIR]  # on the GPU machine, once per staged part

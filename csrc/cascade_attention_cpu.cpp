@@ -74,8 +74,8 @@ constexpr int kPvChunk = 4;                // d vectors per P V register block (
 constexpr std::int64_t kMaxTileRows = 128;  // rows (token x head) of a work unit, at most
 // Threads: below kMinParallelFlops (~50 us of work on one core) a call runs on the calling
 // thread (waking a sleeping worker costs tens of microseconds, more on a busy machine);
-// above, at most one thread per kFlopsPerThread.  (16e6 / 8e6 until session 18: calls of
-// 4-10 MFLOP then ran alone at 50-90 us where two threads take 32-51 us -- 32/8/128 and
+// above, at most one thread per kFlopsPerThread.  (With 16e6 / 8e6 calls of
+// 4-10 MFLOP ran alone at 50-90 us where two threads take 32-51 us -- 32/8/128 and
 // 9/3/64 heads, N 16, no prefix, fp32 and bf16, alternating processes, 2-core Xeon.)
 // A decode step's attention (N = 1) is a read of the cached K / V: below kMinParallelFlops
 // it still takes the pool (workers spin between the kernels of a step) from

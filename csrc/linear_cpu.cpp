@@ -564,7 +564,7 @@ DSPEC_AMX void micro_amx_pair(const std::uint16_t* x, std::int64_t ldx, const st
 }
 
 // From this many rows a full group's row blocks go in pairs (micro_amx_pair).  Forwards of
-// 16-64 rows measured 0.94-0.97x with pairs (session 17): their first row block streams the
+// 16-64 rows measured 0.94-0.97x with pairs: their first row block streams the
 // weights from memory either way.
 constexpr std::int64_t kPairMinRows = 128;
 constexpr std::int64_t kPairChunkRows = 256;

@@ -153,7 +153,7 @@ DSPEC_CPU_MULTI(void, widen_bf16, (const std::uint16_t* p, std::int64_t n, float
 // At 1088 rows x 49152 (2 threads, Xeon with AVX-512, Nov 2026, the rows in its 300 MiB L3
 // from the rep before) the portable loops read 7-10 GB/s, these 11-26 GB/s; from memory
 // (bench_logits_cpu flushes the caches) 8-14 GB/s against a DRAM read of ~25 GB/s.  With the
-// key pass (session 20), bf16: 9.2 -> 6.2 ms from L3, 13.3 -> 9.6-10 ms from memory; the
+// key pass, bf16: 9.2 -> 6.2 ms from L3, 13.3 -> 9.6-10 ms from memory; the
 // rest from memory is the exp pass's wait on the next chunk (its prefetch rate, one line per
 // ~20 cycles of exps, is about what one core's outstanding misses sustain).
 

@@ -139,7 +139,7 @@ DSPEC_CPU_INLINE RowScan select_row(const dt::elem_t<DT>* p, std::int64_t vocab,
 // (of sortable keys), compared with the k-th value in one mask test; a block that beats it
 // offers select_row's insertion only the columns whose keys beat the k-th value (the first
 // block, while the buffer fills, all of them), so the chosen (value, id) pairs are the same.
-// Session 20 (keys and the masked insertion; B 64 x 17 x 49152, 2 threads, Xeon, from
+// Measured (keys and the masked insertion against the float compares; B 64 x 17 x 49152, 2 threads, Xeon, from
 // memory): k = 8 bf16 13.5 -> 10.8 ms, fp32 15.5 -> 12.4 ms.  Pass 1 prefetches
 // cpu::kStreamAhead bytes ahead; pass 2 (exp-bound, re-reading the row from L2) brings the
 // thread's next row into L2.

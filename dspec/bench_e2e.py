@@ -114,7 +114,7 @@ CONFIGS: tuple[Config, ...] = (
     Config("ssd", "ssd", "dllm"),
     # pinned draft rows per round: the CPU defaults at block size 4 are draft_len 3 with the
     # swapped states / prune_to 6 (32 rows, decode/_cpu_cost.py); ssd-d2 / spiffy-p2 are the
-    # 16-row defaults before session 37, ssd-d3 the chain without swaps, spiffy-p8 the default
+    # earlier 16-row defaults (CPU_SMALL_ROW_BUDGET), ssd-d3 the chain without swaps, spiffy-p8 the default
     # on accelerators
     Config("ssd-d2", "ssd", "dllm", {"draft_len": 2, "mixed_order": False}),
     Config("ssd-d3", "ssd", "dllm", {"draft_len": 3, "mixed_order": False}),

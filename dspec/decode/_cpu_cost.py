@@ -5,8 +5,8 @@ up to 16 rows a forward of SmolLM2-135M costs about one row's plus ~1.6 % a row 
 ~1.25x one), and the 17th row makes every weight tile be read a second time (~1.5x).  On an
 accelerator extra rows are nearly free, so these defaults apply to CPU models only; an
 explicit option always wins.  (Measured on an Intel Xeon with AMX-BF16, bf16, 2 threads;
-README, "the 17th row" and the session-19 A/Bs; the self-speculative rounds of ``ssd`` /
-``spiffy`` take two tile passes since session 37, below.)
+docs/performance.md and bench/results/cpu/ab_*.json; the self-speculative rounds of ``ssd`` /
+``spiffy`` take two tile passes, below.)
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ _BF16_FP32 = (torch.bfloat16, torch.float32)
 #: A forward of N rows of SmolLM2-135M after 256 cached tokens relative to a one-row forward,
 #: per CPU cost class (``cost_class``) and dtype, measured in situ (weights from memory, reps
 #: interleaved): "tiles" -- AMX / AVX512_BF16 tiles, where a forward's rows are nearly free up
-#: to a tile (Intel Xeon AMX, bf16, 2 threads, README "forward N = 16 / N = 1"); "avx2" --
+#: to a tile (Intel Xeon AMX, bf16, 2 threads, docs/performance.md); "avx2" --
 #: dspec's AVX2 tiles, where every row is FMA work (EPYC Zen 4 under DSPEC_CPU_ISA=avx2, one
 #: thread, bench/results/cpu/avx2/forward_zen4_capped.json and dispatch_zen4.json).  The
 #: "tiles" defaults below were tuned end to end on the AMX machine; the "avx2" ones follow
@@ -55,9 +55,9 @@ def row_cost_of(model) -> float:
 
 #: block rows a CPU self-speculative round (``ssd``, ``spiffy``) carries by default: two
 #: passes over every AMX weight tile.  Re-measured with the self-consistent round-8 adapter
-#: (smollm2-135m-bd, block size 4, 32 grid prompts, one process each, session 37;
-#: bench/results/cpu/ab_ssd_draft_len_s37.json, ab_spiffy_prune_s37.json,
-#: ab_ssd_block8_s37.json): its drafts now survive long enough that a second tile pass
+#: (smollm2-135m-bd, block size 4, 32 grid prompts, one process each;
+#: bench/results/cpu/ab_ssd_draft_len_2026-11-29.json, ab_spiffy_prune_2026-11-29.json,
+#: ab_ssd_block8_2026-11-29.json): its drafts now survive long enough that a second tile pass
 #: pays -- `ssd` draft_len 2 (12 + 4 rows) 1.61x one-token `diffusion` at 1.82 mean
 #: accepted, draft_len 3 with the swapped states (28 rows) 1.69x at 2.49; `spiffy` prune_to
 #: 2 1.57x at 1.81, 4 1.56x, 6 (32 rows) 1.63x at 2.58, 8 1.51x, 12 1.36x; at block size 8
@@ -65,10 +65,10 @@ def row_cost_of(model) -> float:
 CPU_ROW_BUDGET = 32
 
 #: the budget per request otherwise: in a batch every row is compute (batch 8, 32 prompts
-#: per set, e2e_smollm2_batch8_s37.json / _small_s37.json: against one-token `diffusion`
+#: per set, e2e_smollm2_batch8_2026-11-29.json / _small_2026-11-29.json: against one-token `diffusion`
 #: `ssd` draft_len 1 1.03x, 2 1.00x, 2 with swaps 0.88x, 3 with swaps 0.79x; `spiffy`
 #: prune_to 1 1.01x, 2 0.98x, 6 0.75x), and sampling accepts too little to pay for the
-#: second tile pass (T = 1, batch 1, 16 prompts per set, e2e_smollm2_t1_s37.json: `ssd`
+#: second tile pass (T = 1, batch 1, 16 prompts per set, e2e_smollm2_t1_2026-11-29.json: `ssd`
 #: draft_len 2 1.01x against 3 with swaps 0.90x, `spiffy` prune_to 2 1.05x against 6 0.99x)
 CPU_SMALL_ROW_BUDGET = 16
 
@@ -84,7 +84,7 @@ def cpu_block_copies(model, block_size: int, batch: int = 1, temperature: float 
     one request decoded greedily, else ``CPU_SMALL_ROW_BUDGET // block_size``, at least 3
     (the root, one draft and the next block); None elsewhere (extra rows are nearly free on
     an accelerator at these sizes).  The budget was 16 rows everywhere while the adapter's
-    drafts died sooner (session 19, an earlier adapter: `ssd` block 4 draft_len 2 1.26x
+    drafts died sooner (an earlier adapter, ab_ssd_draft_len_2026-11-27.json: `ssd` block 4 draft_len 2 1.26x
     one-token `diffusion`, 3 1.14x; `spiffy` prune_to 2 1.17x, 8 1.14x)."""
     if model.device.type != "cpu":
         return None
@@ -139,7 +139,7 @@ def resolve_tree(model, tree, temperature: float):
 
 # Prompt-lookup drafts grafted onto the verification tree of a CPU model decoding greedily
 # (dflash / d2sd / diffuspec ``lookup``), for batches of at most CPU_LOOKUP_MAX_BATCH
-# requests. Measured on SmolLM2-135M (bench/results/cpu/e2e_smollm2_*lookup*_s26.json,
+# requests. Measured on SmolLM2-135M (bench/results/cpu/e2e_smollm2_*lookup*_2026-11-27.json,
 # 32 prompts): batch 1 dflash 1.55x -> 1.99x ar, diffuspec 1.24x -> 1.39x; batch 4 1.151x ->
 # 1.245x and 0.914x -> 0.962x; batch 8, where every verified row is compute, 0.905x ->
 # 0.871x and 0.714x -> 0.692x.
@@ -167,7 +167,7 @@ def resolve_lookup(model, lookup, *, tree: bool, temperature: float, batch: int)
 # S2D2's redraft blocks (``s2d2(redraft=...)``) on a CPU model, for batches of at most
 # CPU_REDRAFT_MAX_BATCH requests: their rows are nearly free while a forward is one row's
 # weight pass, and compute once a batch fills the tiles.  Measured on smollm2-135m-bd with
-# S2D2's compiled step (bench/results/cpu/e2e_s2d2_native_batch*_s28.json, greedy, policy
+# S2D2's compiled step (bench/results/cpu/e2e_s2d2_native_batch*_2026-11-28.json, greedy, policy
 # always, 8 prompts per set, against S2D2's own speculative block alone): batch 2 131.3
 # against 121.1 tok/s, batch 4 163.9 against 168.9, batch 8 201.1 against 214.3 (the torch
 # step with policy min_span: 105.5 / 134.5 / 159.0; ``ar`` 120.4 / 215.9 / 366.4).
@@ -188,8 +188,8 @@ def resolve_redraft(model, redraft, *, batch: int) -> bool:
 # forward after a rejected last draft (7 % fewer forwards, 1.69 -> 1.82 tokens per forward),
 # but it takes a verification from 13 rows to 18 (26 behind a pending block), past the
 # 16-row AMX tile, where a forward of smollm2-135m-bd costs 19.2 / 20.9 ms against 16.2 ms
-# (in-situ medians, 2 threads, bench/results/cpu/widths_s2d2_s38.json): measured on 32 grid
-# prompts, greedy, batch 1, the compiled step (bench/results/cpu/ab_s2d2_boundary_s38.json),
+# (in-situ medians, 2 threads, bench/results/cpu/widths_s2d2_2026-11-29.json): measured on 32 grid
+# prompts, greedy, batch 1, the compiled step (bench/results/cpu/ab_s2d2_boundary_2026-11-29.json),
 # 101.4 against 110.4 tok/s, outputs equal.  Other devices, where such rows are free: on.
 def resolve_boundary(model, boundary, *, redraft: bool) -> bool:
     """``boundary`` as ``s2d2`` takes it: None (the default) is True where it applies --
@@ -210,7 +210,7 @@ def resolve_boundary(model, boundary, *, redraft: bool) -> bool:
 # VP-drafter forward, its extra tree nodes and their pruning cost ~20 % of a cycle of
 # SmolLM2-135M, where the shipped VP-drafter's re-drafts add ~3 % tokens per cycle, and no
 # gate recovers the difference: one process, 32 grid prompts x 128 tokens, greedy, K = 2
-# (bench/results/cpu/ab_d2sd_gate_s30.json): redraft_min 0 / 0.3 / 0.5 / 0.7 / 0.85 / inf
+# (bench/results/cpu/ab_d2sd_gate_2026-11-28.json): redraft_min 0 / 0.3 / 0.5 / 0.7 / 0.85 / inf
 # 107.0 / 106.9 / 107.4 / 109.0 / 113.7 / 127.3 tok/s at 3.48 / 3.48 / 3.48 / 3.43 / 3.41 /
 # 3.37 mean accepted, `dflash` 133.0 (3.37); at T = 1 and at batch 8 the re-drafts lose too
 # (e2e_smollm2_t1.json, e2e_smollm2_batch8.json).  On an accelerator the drafter forward

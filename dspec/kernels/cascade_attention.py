@@ -210,7 +210,7 @@ def choose_splits(batch, m_blocks, num_kv_heads, max_prefix, block_n, device, mi
     ``capturing`` (a CUDA graph is being recorded) at batch 1: replays launch the merge with
     no host cost, and the few programs of one request leave most SMs idle.  Measured under
     graph replay (64x64 tiles, 32 programs, 132 SMs; bench/results/gpu/
-    h100-2026-11-27-s26/tune_cascade_graph.json, h200-2026-11-28/tune_cascade_graph2.json):
+    h100-2026-11-27-token-stats/tune_cascade_graph.json, h200-2026-11-28/tune_cascade_graph2.json):
     P512: 1 split 21.7 us, 2 18.6; P4096: 1 65.2, 2 31.4, 4 33.3, 8 40.5; P32768: 4 118,
     8 124 -- about one program per SM, every chunk at least 4 tiles.  Larger batches keep
     the eager rule: it was the best schedule, or within 1 %, in their four measured cases.

@@ -169,7 +169,7 @@ def token_stats_triton(logits: torch.Tensor, temperature: float = 1.0, *,
     rows, vocab = x.shape
     dev = x.device
     group = 16 // x.element_size()  # columns per 16-byte load
-    # Tiles from bench/tune_token_stats_gpu.py on an H100 (bench/results/gpu/h100-2026-11-27-s26):
+    # Tiles from bench/tune_token_stats_gpu.py on an H100 (bench/results/gpu/h100-2026-11-27-token-stats):
     # 1024 x 151936 bf16 in 126 us with 2048-column tiles and 8 warps (83 % of copy
     # bandwidth; 1024 columns / 4 warps: 137 us); float32 groups are 4 columns, so twice the
     # columns keep the same bytes per thread.
