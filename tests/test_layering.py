@@ -16,7 +16,8 @@ The layers, bottom to top (a module may import its own layer and the ones below 
 base       what every layer shares and that imports only its own layer: ``dspec._C`` (the
            extension), ``_backend``, ``_library``, ``_validate``, ``types``, ``cpu``,
            ``_cli`` (the command-line plumbing of every dspec command, training's included),
-           ``tasks`` (problem sets), ``testing`` (test helpers)
+           ``tasks`` (problem sets), ``corpora`` (training documents, data-engine
+           directories), ``testing`` (test helpers)
 kernels    ``dspec.kernels``: the Triton wrappers
 reference  ``dspec.reference``: the torch oracles of the ops
 ops        ``dspec.ops`` and ``dspec.masks`` (the suffix-mask builders over ``ops.masks``)
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent / "dspec"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("dspec._C", "dspec._backend", "dspec._library", "dspec._validate", "dspec.types",
-              "dspec.cpu", "dspec._cli", "dspec.tasks", "dspec.testing")),
+              "dspec.cpu", "dspec._cli", "dspec.tasks", "dspec.corpora", "dspec.testing")),
     ("kernels", ("dspec.kernels",)),
     ("reference", ("dspec.reference",)),
     ("ops", ("dspec.ops", "dspec.masks")),
