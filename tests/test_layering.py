@@ -232,3 +232,18 @@ def test_layer_below_train_names_no_train(name):
         seen.add(node)
         todo.extend(t for t, _, _ in EDGES[node])
     assert not [m for m in seen if m.startswith("dspec.train")]
+
+
+def test_loading_and_decoding_import_no_trainer():
+    """At run time too: importing dspec, its loader (adapters included) and every method
+    leaves dspec.train unimported (a fresh interpreter, so no other test's import counts)."""
+    import subprocess
+    import sys
+    code = ("import importlib, sys, dspec, dspec.hub, dspec.models.adapters\n"
+            "g = importlib.import_module('dspec.decode.generate')\n"
+            "[g.method_module(m) for m in g.ALL_METHODS]\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('dspec.train'))\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT.parent)
+    assert r.returncode == 0, r.stderr
