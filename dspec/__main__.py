@@ -16,8 +16,7 @@ import argparse
 import json
 import sys
 
-from dspec._cli import dumps, error_line, json_safe, run_command
-from dspec.bench_e2e import parse_value  # noqa: F401  (re-exported: the CLI's value parser)
+from dspec._cli import add_threads_argument, dumps, error_line, json_safe, parse_value, run_command
 
 # the method options with a flag of their own (DESIGN.md's common names)
 OPTION_FLAGS = (("block_size", int, "block length of block diffusion"),
@@ -74,9 +73,8 @@ def read_batch_file(path: str) -> list[str]:
 
 def _generate(args, parser) -> int:
     import dspec
-    from dspec.bench_e2e import is_chat_model
     from dspec.decode.generate import method_module
-    from dspec.models.embedded import chat_prompt
+    from dspec.models.embedded import chat_prompt, is_chat_model
 
     options = parse_options(args.option, parser)
     for name, _, _ in OPTION_FLAGS:
@@ -160,8 +158,7 @@ def _method_options_text() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dspec.bench_e2e import add_arguments as add_bench_arguments
-    from dspec.bench_e2e import add_threads_argument
+    from dspec.bench_e2e import add_arguments as add_bench_arguments     # the bench command's own flags
     from dspec.decode.generate import available_methods
     from dspec.hub import DEFAULT_MODEL, available_models
 

@@ -7,6 +7,8 @@
 * :func:`dumps` / :func:`finite`: strict JSON (RFC 8259): non-finite floats (NaN, +-inf,
   which ``json.dumps`` writes as the non-JSON literals ``NaN`` / ``Infinity``) become
   ``null``, and ``allow_nan=False`` guarantees that nothing else slips through.
+* :func:`parse_value` (``--option`` values) and :func:`add_threads_argument` (``--threads``):
+  flags that ``python -m dspec generate`` and ``bench`` share.
 """
 from __future__ import annotations
 
@@ -111,3 +113,28 @@ def json_safe(obj):
     """``obj`` as the plain JSON data it is written as: strict (non-finite floats None),
     anything JSON has no type for as its ``str``."""
     return json.loads(dumps(obj, default=str))
+
+
+def parse_value(text: str):
+    """``--option`` values: true/false -> bool, none -> None, then int, float, else str."""
+    low = text.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def add_threads_argument(p) -> None:
+    """``--threads`` of every CLI command (applied by ``python -m dspec`` before the command)."""
+    p.add_argument("--threads", default=None, metavar="N|auto",
+                   help="CPU threads for torch and dspec's C++ kernels (default: "
+                        "$DSPEC_NUM_THREADS, else auto = the cores idle now; on a machine "
+                        "shared with another busy job use fewer threads than cores)")

@@ -70,8 +70,9 @@ from pathlib import Path
 
 import torch
 
-from ._cli import dumps, json_safe, run_command
+from ._cli import add_threads_argument, dumps, json_safe, parse_value, run_command  # noqa: F401  (re-exported)
 from .cpu import cpu_model, loadavg
+from .models.embedded import is_chat_model  # noqa: F401  (re-exported)
 
 NAME = "e2e"
 FAMILIES = ("target", "dllm")
@@ -188,13 +189,6 @@ def _prompt_text(chat: bool, pset: str, problem) -> str:
     return chat_prompt(problem.prompt) if chat and pset in CHAT_SETS else problem.prompt
 
 
-def is_chat_model(model) -> bool:
-    """Whether ``model``'s tokenizer carries SmolLM2's ChatML turn tokens."""
-    tok = getattr(model, "tokenizer", None)
-    return tok is not None and tok.token_to_id("<|im_start|>") is not None \
-        and tok.token_to_id("<|im_end|>") is not None
-
-
 def _git(*cmd) -> str | None:
     if not (REPO_ROOT / ".git").exists():
         return None
@@ -259,24 +253,6 @@ def default_out_dir(device: str) -> Path:
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def parse_value(text: str):
-    """``--option`` values: true/false -> bool, none -> None, then int, float, else str."""
-    low = text.strip().lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    if low in ("none", "null"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
 
 
 def parse_config_spec(spec: str) -> Config:
@@ -372,14 +348,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
-
-
-def add_threads_argument(p) -> None:
-    """``--threads`` of every CLI command (applied by ``python -m dspec`` before the command)."""
-    p.add_argument("--threads", default=None, metavar="N|auto",
-                   help="CPU threads for torch and dspec's C++ kernels (default: "
-                        "$DSPEC_NUM_THREADS, else auto = the cores idle now; on a machine "
-                        "shared with another busy job use fewer threads than cores)")
 
 
 # seeds: each timed call adds its prompt offset to --seed, and torch's generators take < 2**64

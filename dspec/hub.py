@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .cpu import default_dtype
 from .models import Model, load_checkpoint
+from .models.adapters import is_mask_adapter, load_adapted, load_mask_adapter
 
 from .models.shipped import ASSETS, SHIPPED  # noqa: F401  (re-exported: dspec.hub.SHIPPED)
 
@@ -33,7 +34,7 @@ from .models.shipped import ASSETS, SHIPPED  # noqa: F401  (re-exported: dspec.h
 # slower and their rounding changes greedy decodes
 SHIPPED_DTYPES = {"tiny-ar": "float32", "tiny-bd": "float32"}
 # shipped adapters: name -> the shipped base they go on top of (mask adapters, or
-# ``bd-adapt --lora-rank`` results merged at load time by dspec.train.recipes.load_adapted)
+# ``bd-adapt --lora-rank`` results merged at load time by dspec.models.adapters.load_adapted)
 ADAPTED = {"smollm2-135m-bd": "smollm2-135m"}
 # how each adapter is produced (the message when it is absent)
 ADAPTER_COMMANDS = {"smollm2-135m-bd": "python -m dspec.train.data_engine --out data/smollm2-135m, then "
@@ -114,12 +115,10 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
     if path.is_dir():
         return load_checkpoint(path, device=device, dtype=dtype)
     if name in ADAPTED:
-        from .train.mask_adapter import is_mask_adapter, load_mask_adapter
         where = adapter_dir(name)
         if is_mask_adapter(where):           # mask-selective: the base stays exact
             model = load_mask_adapter(load(ADAPTED[name], device=device, dtype=dtype), where)
         else:
-            from .train.recipes import load_adapted
             model = load_adapted(ADAPTED[name], where, device=device, dtype=dtype)
         model.shipped_name = name
         return model

@@ -472,7 +472,7 @@ def test_auto_backend_float64_and_autograd():
     q, k, v, words, pk, pv, indptr = make_case(1, 4, 2, 1, 16, [5], torch.float32, 2)
     kw = dict(prefix_k=pk, prefix_v=pv, prefix_indptr=indptr)
     if HAS_CPP:
-        assert attention_ops._resolve_backend(None, q.device, q.dtype, False) == "cpp"
+        assert attention_ops.resolve_backend(None, q.device, q.dtype, False) == "cpp"
         with pytest.raises(ValueError, match="got float64"):
             dspec.cascade_attention(q.double(), k.double(), v.double(), words, backend="cpp")
         with pytest.raises(ValueError, match="no backward"):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dspec import _backend
-from dspec.models.transformer import RMSNorm, _rotate, rope_tables
+from dspec.models.layers import rotate
+from dspec.models.transformer import RMSNorm, rope_tables
 
 pytestmark = pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C not built")
 
@@ -51,7 +52,7 @@ def test_rope_matches_torch(dtype, batch, n, hq, hkv, d):
     cos, sin = rope_tables(positions, inv)
     q = (torch.randn(batch, n, hq, d) * 2).to(dtype)
     k = (torch.randn(batch, n, hkv, d) * 2).to(dtype)
-    want_q, want_k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    want_q, want_k = rotate(q, cos, sin), rotate(k, cos, sin)
     ext = _backend.extension()
     got_q, got_k = q.clone(), k.clone()
     ext.rope(got_q.data_ptr(), got_k.data_ptr(), cos.data_ptr(), sin.data_ptr(), _backend.FLOAT_CODE[dtype],

@@ -65,8 +65,8 @@ from ..masks import padded_prefix_tree, ssd_copies
 from ..models.dflash import MASK, resolve_drafter
 from ..ops import rejection_boundaries, token_stats, topk_tokens, tree_mask
 from ._bounds import check_rows
-from .dflash import (TREE_TOP_K, SpeculativeRun, _chain_cycle, _sync, _tree_cycle, check_cycle_rows, check_draft_len,
-                     draft_block, draft_columns, draft_tree, vocab_ids)
+from .dflash import (TREE_TOP_K, SpeculativeRun, chain_cycle, check_cycle_rows, check_draft_len, draft_block,
+                     draft_columns, draft_tree, sync_device, tree_cycle, vocab_ids)
 from ._cpu_cost import resolve_lookup, resolve_redraft_min, resolve_row_cost, resolve_tree
 from .lookup import PromptLookup, graft_chain
 from .sampling import RequestStreams, request_streams, require_finite, sample_from
@@ -330,10 +330,10 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     def dflash_cycle(logits, vocab, positions, t0, top=None) -> bool:
         nonlocal nodes_total, pairs
         if tree is None:
-            alive, drafts = _chain_cycle(run, logits, vocab, positions, row_cost, temperature, generator, t0, chains)
+            alive, drafts = chain_cycle(run, logits, vocab, positions, row_cost, temperature, generator, t0, chains)
         else:
-            alive, drafts = _tree_cycle(run, logits, vocab, positions[:, 0], tree, row_cost, temperature, generator,
-                                        t0, finder, top)
+            alive, drafts = tree_cycle(run, logits, vocab, positions[:, 0], tree, row_cost, temperature, generator,
+                                       t0, finder, top)
         nodes_total += drafts + len(positions)
         pairs += len(positions)
         return alive
@@ -392,7 +392,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
             parts += [first_keep[:, None], branch_keep]
         parts.append(wanted[:, None].long())
         host = torch.cat(parts, 1).cpu()
-        _sync(dev)
+        sync_device(dev)
         t1 = time.perf_counter()
         # branch 0 the first draft, branch 1 + j the j-th re-draft (its first n_j tokens the
         # first draft's), as one [B, K + 1, L] array; lengths cut them where pruning did
@@ -434,7 +434,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         t2 = time.perf_counter()
         nodes_total += int((tree_parents >= 0).sum()) + len(anchors)
         live = run.verify_tree_cycle(tree_tokens, tree_parents, tree_pos, tree_words, temperature, generator)
-        _sync(dev)
+        sync_device(dev)
         t3 = time.perf_counter()
         run.time["draft_s"] += t1 - t0
         run.time["tree_s"] += t2 - t1

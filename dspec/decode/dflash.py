@@ -70,8 +70,9 @@ from .sampling import (RequestStreams, next_tokens, non_finite_error, request_st
                        sample_from)
 
 
-def _sync(device: torch.device) -> None:
-    # the draft / verify time split needs the device work finished (CUDA only)
+def sync_device(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA only): the draft / verify time split of a
+    cycle (here and in d2sd, which runs these cycles) needs it finished."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -483,18 +484,18 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         logits, vocab = draft_block(drafter, run.contexts["drafter"], run.anchor, positions, gamma)
         run.nfe["drafter"] += 1
         if tree is not None:
-            live, nodes = _tree_cycle(run, logits, vocab, positions[:, 0], tree, row_cost, temperature, generator,
-                                      t0, finder)
+            live, nodes = tree_cycle(run, logits, vocab, positions[:, 0], tree, row_cost, temperature, generator,
+                                     t0, finder)
             verified += nodes
             continue
-        live, nodes = _chain_cycle(run, logits, vocab, positions, row_cost, temperature, generator, t0, chains)
+        live, nodes = chain_cycle(run, logits, vocab, positions, row_cost, temperature, generator, t0, chains)
         verified += nodes
     return run.generated, run.stats(draft_len=gamma - 1, tree=tree, lookup=lookup,
                                     verified_drafts=verified / run.cycles if run.cycles else 0.0)
 
 
-def _chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, temperature, generator, t0: float,
-                 chains: dict) -> tuple[bool, int]:
+def chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, temperature, generator, t0: float,
+                chains: dict) -> tuple[bool, int]:
     """A cycle's chain verification (DFlash as published): the drafts (greedy: the drafter's
     argmax; T > 0: sampled from its q) cut to ``verify_length`` with ``row_cost``, one target
     forward over ``[anchor, drafts]`` at ``positions`` [B, gamma], ``verify_chain`` (at T > 0
@@ -520,7 +521,7 @@ def _chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, temper
         q = full_vocab_probs(q, vocab, run.model.config.vocab_size)
     if n + 1 not in chains:
         chains[n + 1] = causal(n + 1, device=dev).words
-    _sync(dev)
+    sync_device(dev)
     t1 = time.perf_counter()
     suffix = torch.cat([run.anchor[:, None], drafts], 1)
     out = run.model(AttentionPlan(suffix, positions, chains[n + 1], run.cache), hidden_states=run.layer_ids)
@@ -530,15 +531,15 @@ def _chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, temper
     host = run.fetch(ver.num_accepted, ver.tokens)
     run.commit(out, positions, counts=host[:, 0] + 1)
     live = run.finish_cycle(host)
-    _sync(dev)
+    sync_device(dev)
     t2 = time.perf_counter()
     run.time["draft_s"] += t1 - t0
     run.time["verify_s"] += t2 - t1
     return live, n * drafts.shape[0]
 
 
-def _tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, row_cost, temperature, generator,
-                t0: float, finder: PromptLookup | None = None, top=None) -> tuple[bool, int]:
+def tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, row_cost, temperature, generator,
+               t0: float, finder: PromptLookup | None = None, top=None) -> tuple[bool, int]:
     """A cycle's tree verification (``tree``): the best nodes over each slot's candidates
     under the anchors (at ``root_positions`` [B]), with ``finder``'s lookup chains grafted
     on, one target forward under the tree mask, ``verify_tree``, commit of the accepted path.
@@ -557,10 +558,10 @@ def _tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, 
             tokens, parents, positions = (torch.from_numpy(a).to(run.device) for a in graft_chain(
                 *(t.cpu().numpy() for t in (tokens, parents, positions)), chain, counts))
             words = tree_mask(parents).words
-    _sync(run.device)
+    sync_device(run.device)
     t1 = time.perf_counter()
     live = run.verify_tree_cycle(tokens, parents, positions, words, temperature, generator)
-    _sync(run.device)
+    sync_device(run.device)
     run.time["draft_s"] += t1 - t0
     run.time["verify_s"] += time.perf_counter() - t1
     return live, (tokens.shape[1] - 1) * tokens.shape[0]

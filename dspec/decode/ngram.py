@@ -54,6 +54,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..corpora import GeneratedData, documents
+
 METHODS = ("kneser_ney", "stupid_backoff")
 FORMAT_VERSION = 1
 # what an ngram= option takes (the message for a path that holds no n-gram file)
@@ -405,10 +407,9 @@ def _tokenizer_fingerprint(tokenizer) -> str:
 
 def corpus_texts(corpus: str, max_chars: int) -> list[str]:
     """Up to about ``max_chars`` characters of training documents of a :data:`CORPORA`
-    source: ``dspec.train.data.documents(corpus, "train")``, the documents dspec's own tiny
+    source: ``dspec.corpora.documents(corpus, "train")``, the documents dspec's own tiny
     models are trained on (their held-out documents and arithmetic problems excluded, so an
     evaluation on them never sees its answers in the proxy)."""
-    from ..train.data import documents
     if corpus not in CORPORA:
         raise ValueError(f"corpus must be one of {CORPORA}, got {corpus!r}")
     out, seen = [], 0
@@ -484,12 +485,11 @@ SELFGEN_SUFFIX = "-selfgen"
 
 def ngram_from_data(model, data, *, method: str = "kneser_ney") -> NgramLM:
     """A 3-gram of the responses in a data-engine directory ``data``
-    (:class:`dspec.train.data_engine.GeneratedData`: the target's own greedy and sampled
+    (:class:`dspec.corpora.GeneratedData`: the target's own greedy and sampled
     answers to prompts that exclude every benchmark prompt); prompts are not counted.  The
     proxy then scores a draft by how the target itself continues, which is what verification
     accepts.  ``model`` gives the vocabulary and the tokenizer fingerprint (checked against
     the data's target name when both are known)."""
-    from ..train.data_engine import GeneratedData
     gen = GeneratedData(data)
     target = gen.manifest.get("target")
     name = getattr(model, "shipped_name", None)

@@ -320,7 +320,7 @@ def main(argv=None) -> int:
     name, else the cache)."""
     import argparse
 
-    import dspec
+    from ..hub import load
 
     p = argparse.ArgumentParser(prog="python -m dspec.decode.spiffy_graph",
                                 description="Calibrate Spiffy draft graphs for a block-diffusion model.")
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--out", default=None, help="output folder (default: shipped folder or cache)")
     args = p.parse_args(argv)
-    model = dspec.load(args.model)
+    model = load(args.model)
     shipped = getattr(model, "shipped_name", None)
     out = Path(args.out) if args.out else (ASSETS if shipped else cache_dir())
     key = shipped if (shipped and out == ASSETS) else fingerprint(model)

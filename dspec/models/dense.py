@@ -44,7 +44,7 @@ PACKED_MAX_ROWS_BY_ISA: dict = {
 }
 #: a further cap per dtype (None: none); tests lower it to exercise the library GEMM
 PACKED_MAX_ROWS: dict = {torch.float32: None, torch.bfloat16: None}
-_CODES = {torch.float32: 0, torch.bfloat16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 2}
 _ISA_OF = {}
 
 
@@ -55,7 +55,7 @@ def linear_isa(dtype: torch.dtype) -> str:
     got = _ISA_OF.get(key)
     if got is None:
         ext = _backend.extension()
-        got = ext.linear_isa(_CODES[dtype]) if ext is not None and hasattr(ext, "linear_isa") else "generic"
+        got = ext.linear_isa(DTYPE_CODES[dtype]) if ext is not None and hasattr(ext, "linear_isa") else "generic"
         if any(k[0] != key[0] for k in _ISA_OF):              # a new cap: the old answers go
             _ISA_OF.clear()
         _ISA_OF[key] = got
@@ -64,7 +64,7 @@ def linear_isa(dtype: torch.dtype) -> str:
 
 def _packed_rows(x: torch.Tensor) -> int:
     """x's row count when the packed path can take x (else 0)."""
-    if x.dtype not in _CODES:
+    if x.dtype not in DTYPE_CODES:
         return 0
     cap = _max_rows(x.dtype)
     if cap == 0:
@@ -122,12 +122,12 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     kept = getattr(weight, _PACKED, None)
     if kept is not None and kept[0] == key:
         return kept[1]
-    if not weight.is_cpu or weight.dim() != 2 or weight.stride(1) != 1 or weight.dtype not in _CODES:
+    if not weight.is_cpu or weight.dim() != 2 or weight.stride(1) != 1 or weight.dtype not in DTYPE_CODES:
         raise ValueError(f"weight: packing takes a 2-D CPU float32 / bfloat16 tensor with unit column "
                          f"stride, got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
     ext = _backend.extension()
     n, k = weight.shape
-    code = _CODES[weight.dtype]
+    code = DTYPE_CODES[weight.dtype]
     packed = torch.empty(ext.linear_packed_size(n, k, code), dtype=weight.dtype)
     ext.linear_pack(weight.data_ptr(), packed.data_ptr(), code, n, k, weight.stride(0), cpu.kernel_threads())
     setattr(weight, _PACKED, (key, packed))
@@ -143,7 +143,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     n = weight.shape[0]
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
     _backend.extension().linear(x.data_ptr(), packed_weight(weight).data_ptr(),
-                                0 if bias is None else bias.data_ptr(), out.data_ptr(), _CODES[x.dtype], rows, k, n,
+                                0 if bias is None else bias.data_ptr(), out.data_ptr(), DTYPE_CODES[x.dtype], rows, k, n,
                                 k, n, cpu.kernel_threads())
     return out
 
@@ -161,7 +161,7 @@ def dense_many(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
         return [dense(x, w, b) for w, b in zip(weights, biases)]
     lead = x.shape[:-1]
     outs = [torch.empty(lead + (w.shape[0],), dtype=x.dtype) for w in weights]
-    ext.linear_group(x.data_ptr(), _CODES[x.dtype], rows, x.shape[-1], [packed_weight(w).data_ptr() for w in weights],
+    ext.linear_group(x.data_ptr(), DTYPE_CODES[x.dtype], rows, x.shape[-1], [packed_weight(w).data_ptr() for w in weights],
                      [0 if b is None else b.data_ptr() for b in biases], [o.data_ptr() for o in outs],
                      [w.shape[0] for w in weights], cpu.kernel_threads())
     return outs

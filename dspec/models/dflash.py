@@ -49,7 +49,8 @@ from ..ops.attention import cascade_attention
 from .dense import dense, dense_many
 from .kv_cache import KVCache, SuffixKV
 from .stack import run_layers
-from .transformer import MLP, RMSNorm, _fused_cpu, _linear, _project, _rotate, plan_attention, rope_tables
+from .layers import fused_cpu, linear, project, rotate
+from .transformer import MLP, RMSNorm, plan_attention, rope_tables
 
 #: token id meaning "this block slot is masked" in :meth:`BlockDrafter.forward` inputs.
 MASK = -1
@@ -306,15 +307,15 @@ class BlockDrafter(nn.Module):
             raise ValueError(f"hidden must hold {len(self.config.target_layer_ids)} tensors (one per "
                              f"target layer id), got {len(hidden)}")
         x = torch.cat([h.to(self.dtype) for h in hidden], dim=-1)
-        return self.context_norm(_linear(self.context_proj, x))
+        return self.context_norm(linear(self.context_proj, x))
 
     def _context_kv(self, layer: DrafterLayer, features: torch.Tensor, cos, sin):
         b, t, _ = features.shape
         c = self.config
-        k, v = _project((layer.k_proj, layer.v_proj), features)
+        k, v = project((layer.k_proj, layer.v_proj), features)
         k = k.view(b, t, c.num_kv_heads, c.head_dim)
         v = v.view(b, t, c.num_kv_heads, c.head_dim)
-        return _rotate(k, cos, sin), v
+        return rotate(k, cos, sin), v
 
     def context_kv(self, hidden: list[torch.Tensor], positions: torch.Tensor) -> SuffixKV:
         """Per-layer context keys (RoPE at ``positions`` [B, N]) and values of target hidden
@@ -329,9 +330,9 @@ class BlockDrafter(nn.Module):
         # every layer's two projections in one grouped call and one RoPE over all the keys
         # (a decode cycle commits a few rows: the per-layer calls were ~0.3 ms of op
         # dispatch); bit-identical to _context_kv per layer, which training differentiates
-        kv = torch.stack(_project([m for layer in self.layers for m in (layer.k_proj, layer.v_proj)], features))
+        kv = torch.stack(project([m for layer in self.layers for m in (layer.k_proj, layer.v_proj)], features))
         kv = kv.view(c.num_layers, 2, b, t, c.num_kv_heads, c.head_dim)
-        keys = _rotate(kv[:, 0], cos, sin)
+        keys = rotate(kv[:, 0], cos, sin)
         return SuffixKV(stacked=torch.stack([keys, kv[:, 1]]))
 
     def _context_kv_fused(self, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> SuffixKV | None:
@@ -344,7 +345,7 @@ class BlockDrafter(nn.Module):
         per-op version's ~15 ops were ~0.3 ms of a ~20 ms SmolLM2 cycle.  The same column
         dot products and the same float32 RoPE arithmetic: bit-identical (tested)."""
         layers = [m for layer in self.layers for m in (layer.k_proj, layer.v_proj)]
-        if not all(type(m) is nn.Linear for m in layers) or not _fused_cpu(features, cos, sin) \
+        if not all(type(m) is nn.Linear for m in layers) or not fused_cpu(features, cos, sin) \
                 or any(m.weight.requires_grad and torch.is_grad_enabled() for m in layers) \
                 or cos.dtype != torch.float32:
             return None
@@ -441,12 +442,12 @@ class BlockDrafter(nn.Module):
             x = fused
         for i, layer in enumerate(self.layers if fused is None else ()):
             h = layer.input_layernorm(x)
-            q, k, v = _project((layer.q_proj, layer.k_proj, layer.v_proj), h)
-            q = _rotate(q.view(b, n, c.num_heads, c.head_dim), cos, sin)
-            k = _rotate(k.view(b, n, c.num_kv_heads, c.head_dim), cos, sin)
+            q, k, v = project((layer.q_proj, layer.k_proj, layer.v_proj), h)
+            q = rotate(q.view(b, n, c.num_heads, c.head_dim), cos, sin)
+            k = rotate(k.view(b, n, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.view(b, n, c.num_kv_heads, c.head_dim)
             o = cascade_attention(q, k, v, mask, backend=backend, **cache.prefix(i))
-            x = x + _linear(layer.o_proj, o.reshape(b, n, -1))
+            x = x + linear(layer.o_proj, o.reshape(b, n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.head(x[:, logits_from:] if logits_from else x, draft_vocab=draft_vocab)
 
@@ -456,7 +457,7 @@ class BlockDrafter(nn.Module):
         the context read in place as the cache's pages; None where the per-op loop must run
         (autograd, another device or backend).  A drafting step's ~30 small kernel calls from
         Python cost about as much as their arithmetic."""
-        if not _fused_cpu(x, self.norm.weight, cos, sin):
+        if not fused_cpu(x, self.norm.weight, cos, sin):
             return None
         b, n = x.shape[:2]
         plan, prefix = plan_attention(self.config, self.dtype, self.device, b, n, mask, cache, backend)
@@ -503,8 +504,8 @@ class BlockDrafter(nn.Module):
         for layer in self.layers:
             kc, vc = self._context_kv(layer, features, cos_c, sin_c)
             h = layer.input_layernorm(x)
-            q = _rotate(layer.q_proj(h).view(bsz, m * g, c.num_heads, c.head_dim), cos_b, sin_b)
-            kb = _rotate(layer.k_proj(h).view(bsz, m * g, c.num_kv_heads, c.head_dim), cos_b, sin_b)
+            q = rotate(layer.q_proj(h).view(bsz, m * g, c.num_heads, c.head_dim), cos_b, sin_b)
+            kb = rotate(layer.k_proj(h).view(bsz, m * g, c.num_kv_heads, c.head_dim), cos_b, sin_b)
             vb = layer.v_proj(h).view(bsz, m * g, c.num_kv_heads, c.head_dim)
             k = torch.cat([kc, kb], 1).repeat_interleave(rep, 2)
             v = torch.cat([vc, vb], 1).repeat_interleave(rep, 2)

@@ -175,6 +175,13 @@ def smollm2_checkpoint(cache_dir=None, *, progress: bool = True, force: bool = F
     return final
 
 
+def is_chat_model(model) -> bool:
+    """Whether ``model``'s tokenizer carries SmolLM2's ChatML turn tokens."""
+    tok = getattr(model, "tokenizer", None)
+    return tok is not None and tok.token_to_id("<|im_start|>") is not None \
+        and tok.token_to_id("<|im_end|>") is not None
+
+
 def chat_prompt(messages, *, add_generation_prompt: bool = True, system: str | None = None) -> str:
     """SmolLM2's ChatML chat template, in plain Python (no jinja2).
 

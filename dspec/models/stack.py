@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from .. import _backend, cpu
-from .dense import _CODES, packed_weight, within_packed_rows
+from .base import DecoderModel
+from .dense import DTYPE_CODES, packed_weight, within_packed_rows
 from .mask_adapter import MaskLoraLinear
 
 __all__ = ["frozen_weights", "run_layers"]
@@ -102,7 +103,7 @@ def _state(params) -> tuple:
 def _eligible(model) -> bool:
     """The model's layers are what decoder_layers computes (checked once per model)."""
     cfg = model.config
-    if getattr(cfg, "qk_norm", False) or model.dtype not in _CODES or model.device.type != "cpu":
+    if getattr(cfg, "qk_norm", False) or model.dtype not in DTYPE_CODES or model.device.type != "cpu":
         return False  # the C++ layers read host memory: a GPU model keeps the per-op path
     for layer in model.layers:
         for m in _projections(layer):
@@ -147,8 +148,7 @@ def frozen_weights(model):
     Nests, also across threads (scopes of several threads on one model share one table; the
     state goes when the last scope closes, whichever thread opened first); any other object
     passes through."""
-    from .transformer import Model            # a function-level import: transformer imports this module
-    if not isinstance(model, Model):
+    if not isinstance(model, DecoderModel):
         yield
         return
     with _LOCK:
@@ -179,7 +179,7 @@ def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: boo
     """
     ext = _backend.extension()
     meta = attention._meta
-    if not ENABLED or meta is None or ext is None or not hasattr(ext, "decoder_layers") or x.dtype not in _CODES:
+    if not ENABLED or meta is None or ext is None or not hasattr(ext, "decoder_layers") or x.dtype not in DTYPE_CODES:
         return None
     cfg = model.config
     batch, n, hidden = x.shape

@@ -17,13 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _backend, _library, _validate, cpu
+from .. import _backend, _validate, cpu
 from ..ops.attention import CascadeAttentionPlan
-from ..ops.attention import _resolve_backend as resolve_cascade_backend
+from ..ops.attention import resolve_backend as resolve_cascade_backend
+from .base import DecoderModel
 from .config import ModelConfig
-from .dense import dense, dense_many
+from .dense import dense
 from .kv_cache import KVCache, SuffixKV
-from .mask_adapter import MaskLoraLinear, clean_causal_words
+from .layers import fused_cpu, linear, project, rotate
+from .mask_adapter import clean_causal_words
 from .plan import AttentionPlan
 from .stack import run_layers
 
@@ -51,10 +53,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
-        """``fused``: whether dspec._C may run it (None: decided here, see ``_fused_cpu``)."""
+        """``fused``: whether dspec._C may run it (None: decided here, see ``fused_cpu``)."""
         dtype = x.dtype
         if fused is None:
-            fused = _fused_cpu(x, self.weight)
+            fused = fused_cpu(x, self.weight)
         if fused and x.is_contiguous() and self.weight.dtype == dtype:
             out = torch.empty_like(x)
             _backend.extension().rms_norm(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(),
@@ -87,12 +89,12 @@ class Attention(nn.Module):
         whether dspec._C may run the element-wise parts (None: decided here)."""
         batch, n = h.shape[:2]
         hq, hkv, d = self.shape
-        q, k, v = _project((self.q_proj, self.k_proj, self.v_proj), h)
+        q, k, v = project((self.q_proj, self.k_proj, self.v_proj), h)
         q, k, v = q.view(batch, n, hq, d), k.view(batch, n, hkv, d), v.view(batch, n, hkv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q, fused), self.k_norm(k, fused)
         if fused is None:
-            fused = _fused_cpu(q, k, cos, sin)
+            fused = fused_cpu(q, k, cos, sin)
         if fused and q.is_contiguous() and k.is_contiguous() and \
                 cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() and \
                 k.dtype == q.dtype and cos.shape == (batch, n, 1, d) and sin.shape == cos.shape:
@@ -101,7 +103,7 @@ class Attention(nn.Module):
                                       _backend.FLOAT_CODE[q.dtype], batch * n, hq, hkv, d,
                                       cpu.kernel_threads())
             return q, k, v
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
 class MLP(nn.Module):
@@ -112,14 +114,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _project((self.gate_proj, self.up_proj), x)
-        return _linear(self.down_proj, silu_mul(gate, up))
+        gate, up = project((self.gate_proj, self.up_proj), x)
+        return linear(self.down_proj, silu_mul(gate, up))
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up``; on the CPU without autograd dspec._C.silu_mul (into gate, a
     fresh projection), the SiLU the one-call layer stack uses, so the two agree bit for bit."""
-    if _fused_cpu(gate, up) and gate.is_contiguous() and up.is_contiguous() and gate.dtype == up.dtype \
+    if fused_cpu(gate, up) and gate.is_contiguous() and up.is_contiguous() and gate.dtype == up.dtype \
             and gate.shape == up.shape and hasattr(_backend.extension(), "silu_mul") and gate.numel():
         width = gate.shape[-1]
         _backend.extension().silu_mul(gate.data_ptr(), up.data_ptr(), gate.data_ptr(), _backend.FLOAT_CODE[gate.dtype],
@@ -158,36 +160,6 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A projection: ``dense`` on a plain ``nn.Linear`` (no module-call overhead, ~30 per
-    layer matter at one token per step), else the module itself (a LoRA wrapper)."""
-    if type(module) is nn.Linear:
-        return dense(x, module.weight, module.bias)
-    return module(x)
-
-
-def _project(modules, x: torch.Tensor) -> list[torch.Tensor]:
-    """``[_linear(m, x) for m in modules]``: plain projections (and mask adapters' bases) of
-    one input in one ``dense_many`` call; any other wrapper runs as its own module."""
-    kinds = [type(m) for m in modules]
-    if all(t is nn.Linear or t is MaskLoraLinear for t in kinds):
-        ys = dense_many(x, [m.weight for m in modules], [m.bias for m in modules])
-        return [y if t is nn.Linear else m.update(x, y) for m, t, y in zip(modules, kinds, ys)]
-    return [_linear(m, x) for m in modules]
-
-
-def _fused_cpu(*tensors: torch.Tensor) -> bool:
-    """Whether dspec._C's fused layer ops (RMSNorm, RoPE) can run on these tensors: the
-    extension is built, every tensor is a plain CPU tensor of one float dtype it takes, and
-    autograd need not record the call (training keeps the torch ops)."""
-    first = tensors[0]
-    if first.dtype not in _backend.FLOAT_CODE or not first.is_cpu or _backend.extension() is None:
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return _library.call_directly(*tensors) and all(t.is_cpu for t in tensors)
-
-
 def _no_prefix(layer: int) -> tuple[None, None]:
     return None, None
 
@@ -221,7 +193,7 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, *,
                 table: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables of positions [...] -> (cos, signed sin), each [..., 1, D] float32 (a head
     axis to broadcast over): ``signed sin = (-sin, +sin)`` over the two halves, what
-    ``_rotate`` takes.  Computed once per forward and shared by every layer.
+    ``rotate`` takes.  Computed once per forward and shared by every layer.
 
     On the CPU the rows are gathered from a table of positions 0 .. P-1 kept with
     ``inv_freq`` (grown by doubling): torch's CPU sin / cos call MKL's vector math, which
@@ -268,15 +240,7 @@ def _cpu_rope_table(inv_freq: torch.Tensor, positions: int) -> tuple[torch.Tenso
     return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE, ``x * cos + (x2, x1) * signed_sin``, in float32 (tables from
-    ``rope_tables``): the half swap is one flip of a [2, D/2] view."""
-    xf = x.float()
-    swapped = xf.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-    return (xf * cos + swapped * signed_sin).to(x.dtype)
-
-
-class Model(nn.Module):
+class Model(DecoderModel):
     """A loaded checkpoint: the lean transformer plus what describes it.
 
     Attributes: ``config`` (ModelConfig), ``family``, ``tokenizer`` (or None),
@@ -450,7 +414,7 @@ class Model(nn.Module):
         keys, values = [], []
         d, hq = cfg.head_dim, cfg.num_heads
         # decided once for every layer: the fused C++ element-wise ops apply (CPU, no autograd)
-        fused = _fused_cpu(x, self.norm.weight, cos, sin)
+        fused = fused_cpu(x, self.norm.weight, cos, sin)
         stacked = run_layers(self, x.clone() if 0 in want else x, cos, sin, attention, layer_prefix, want,
                              return_kv) if fused else None
         stacked_kv = None
@@ -461,7 +425,7 @@ class Model(nn.Module):
             attn = layer.self_attn
             q, k, v = attn.rotated_qkv(layer.input_layernorm(x, fused), cos, sin, fused)
             o = attention.run(q, k, v, *layer_prefix(i))
-            x = x + _linear(attn.o_proj, o.reshape(batch, n, hq * d))
+            x = x + linear(attn.o_proj, o.reshape(batch, n, hq * d))
             x = x + layer.mlp.forward(layer.post_attention_layernorm(x, fused))
             if i + 1 in want and i + 1 < cfg.num_layers:
                 recorded[i + 1] = x

@@ -21,9 +21,8 @@ def _launch_config(ext, rows: int, batch: int, vocab: int, dtype_code: int, dev:
     """(ts_splits, draw_splits, stream) for a launch on ``dev``."""
     if not cuda:
         return 1, 1, 0
-    from ..kernels._utils import vocab_splits
-    ts_splits = vocab_splits(rows, vocab, ext.token_stats_tile, dev, min_tiles_per_split=2)
-    draw_splits = vocab_splits(batch, vocab, ext.verify_draw_tile(dtype_code), dev, min_tiles_per_split=2)
+    ts_splits = _backend.vocab_splits(rows, vocab, ext.token_stats_tile, dev, min_tiles_per_split=2)
+    draw_splits = _backend.vocab_splits(batch, vocab, ext.verify_draw_tile(dtype_code), dev, min_tiles_per_split=2)
     return ts_splits, draw_splits, _backend.cuda_stream(dev, True)
 
 

@@ -126,7 +126,7 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
                                                   head_dim, q.dtype, device)
     sm_scale = _sm_scale(sm_scale)
     return_lse = _validate.flag("return_lse", return_lse)
-    name = _by_rows(_resolve_backend(backend, device, q.dtype, _needs_grad(q, k, v, prefix_k, prefix_v)),
+    name = _by_rows(resolve_backend(backend, device, q.dtype, _needs_grad(q, k, v, prefix_k, prefix_v)),
                     backend, n)
     _check_max_prefix_len(max_prefix_len)
     return _launch(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens,
@@ -143,7 +143,7 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _resolve_backend(backend, device, dtype, needs_grad: bool) -> str:
+def resolve_backend(backend, device, dtype, needs_grad: bool) -> str:
     """The backend name.  The C++ code takes no float64 and has no backward: "auto" (and a
     ``$DSPEC_BACKEND`` preference) then runs the torch reference, as before the C++ code
     existed; an explicit ``backend="cpp"`` is an error."""
@@ -371,7 +371,7 @@ class CascadeAttentionPlan:
         self.max_prefix_len = max_prefix_len
         self.sm_scale = _sm_scale(sm_scale)
         self._requested = backend
-        self.backend = _by_rows(_resolve_backend(backend, device, dtype, False), backend, n)
+        self.backend = _by_rows(resolve_backend(backend, device, dtype, False), backend, n)
         self._q_shape = (batch, n, hq, head_dim)
         self._kv_shape = (batch, n, hkv, head_dim)
         self._prefix_tail = (hkv, head_dim)
@@ -446,7 +446,7 @@ class CascadeAttentionPlan:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         name = self.backend
         if name == "cpp" and _needs_grad(q, k, v, prefix_k, prefix_v):
-            name = _resolve_backend(self._requested, self.device, dtype, True)
+            name = resolve_backend(self._requested, self.device, dtype, True)
         if self.has_prefix and prefix_k.shape[0] != self._checked_rows:
             if self.paged:
                 _check_paged_prefix(prefix_k, prefix_v, None, self.prefix_page_table, self.prefix_lens,

@@ -67,8 +67,7 @@ def _token_stats_ext(logits: torch.Tensor, temperature: float, *, cuda: bool):
     if rows:
         splits, workspace, stream = 1, 0, 0
         if cuda:
-            from ..kernels._utils import vocab_splits
-            splits = vocab_splits(rows, vocab, ext.token_stats_tile, dev, min_tiles_per_split=2)
+            splits = _backend.vocab_splits(rows, vocab, ext.token_stats_tile, dev, min_tiles_per_split=2)
             if splits > 1:
                 ws = torch.empty(ext.token_stats_workspace_bytes(rows, splits), dtype=torch.uint8, device=dev)
                 workspace = ws.data_ptr()

@@ -26,19 +26,14 @@ have seen.
 from __future__ import annotations
 
 import random
-import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import tasks
+from ..corpora import (ARITH_HELDOUT_SEED, ARITH_TRAIN_SEED, HELDOUT_MODULUS, SOURCES,  # noqa: F401
+                       SPLITS, documents, is_heldout_problem, is_heldout_text)
 
-SOURCES = ("stdlib", "sharegpt", "arithmetic")
-SPLITS = ("train", "heldout")
-HELDOUT_MODULUS = 50            # 1 in 50 stdlib files / ShareGPT turns is held out
-ARITH_TRAIN_SEED = 1000
-ARITH_HELDOUT_SEED = 2000
 
 __all__ = ["SOURCES", "DataSpec", "PackedData", "documents", "tokenizer_corpus", "pack_rows",
            "build_data", "is_heldout_problem", "token_byte_lengths"]
@@ -78,45 +73,6 @@ class DataSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-
-
-def is_heldout_problem(prompt: str) -> bool:
-    """True for the tenth of arithmetic problems that training never shows."""
-    return zlib.crc32(prompt.encode()) % 10 == 0
-
-
-def _heldout_text(text: str) -> bool:
-    return zlib.crc32(text.encode("utf-8", "replace")) % HELDOUT_MODULUS == 0
-
-
-def documents(source: str, split: str = "train", *, max_chars: int = 6_000_000,
-              arithmetic_problems: int = 120_000) -> Iterator[str]:
-    """Documents (str) of ``source`` in its ``split`` ("train" or "heldout"), in a fixed order,
-    up to about ``max_chars`` characters (the held-out split reads the same range and keeps
-    its own documents)."""
-    if source not in SOURCES:
-        raise ValueError(f"source must be one of {list(SOURCES)}, got {source!r}")
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
-    want_heldout = split == "heldout"
-    if source == "arithmetic":
-        seed = ARITH_HELDOUT_SEED if want_heldout else ARITH_TRAIN_SEED
-        n = arithmetic_problems if not want_heldout else max(arithmetic_problems // 20, 200)
-        for p in tasks.arithmetic(n, seed=seed):
-            if want_heldout or not is_heldout_problem(p.prompt):
-                yield p.prompt + p.answer
-        return
-    if source == "stdlib":
-        texts = (f.read_text(encoding="utf-8", errors="replace") for f in tasks.stdlib_sources())
-    else:
-        texts = tasks.sharegpt_texts()
-    seen = 0
-    for text in texts:
-        if seen >= max_chars:
-            return
-        seen += len(text)
-        if _heldout_text(text) == want_heldout and text.strip():
-            yield text
 
 
 def tokenizer_corpus(*, max_chars_per_source: int = 2_000_000) -> Iterator[str]:

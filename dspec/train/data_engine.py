@@ -30,7 +30,7 @@ mask adapter (``dspec.train.mask_adapter``).  Sources:
 Held out: ShareGPT turns and stdlib files in ``dspec.train.data``'s held-out split; every
 turn whose text equals an MT-Bench question; arithmetic problems of the evaluation sets
 (``dspec.tasks.prompt_set("arithmetic", n, seed=0)``, the first 2,000) and the held-out
-tenth of ``is_heldout_problem``; GSM problems and stdlib files ``_heldout_text`` holds out.
+tenth of ``is_heldout_problem``; GSM problems and stdlib files ``is_heldout_text`` holds out.
 HumanEval and MATH500 are not among the sources; a Magpie turn equal to an MT-Bench question,
 a MATH500 problem or a HumanEval prompt is dropped from its batch.
 
@@ -57,20 +57,19 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 
 from .._cli import dumps, run_command
 from .. import tasks
-from .data import _heldout_text, is_heldout_problem
+from ..corpora import FORMAT, MANIFEST, GeneratedData, read_manifest  # noqa: F401  (GeneratedData re-exported)
+from .data import is_heldout_text, is_heldout_problem
 
 __all__ = ["EngineConfig", "prompt_stream", "write_user_turns", "generate_shards", "GeneratedData",
            "parse_directory", "read_directories", "heldout_split", "parse_source_weights", "ENGINE_SOURCES"]
@@ -82,8 +81,6 @@ MAGPIE_MATH_OPENINGS = ("Let $", "Find", "Compute", "If $", "What is the", "How 
                         "Evaluate", "Solve", "Determine", "Simplify", "In triangle $", "The sum of")
 MAGPIE_MATH_CLOSE = "\nPut the final answer in \\boxed{}."
 MAGPIE_TURN_TOKENS = 96         # a sampled user turn longer than this (or than the budget) is cut
-MANIFEST = "manifest.json"
-FORMAT = "dspec-data-1"
 EVAL_ARITHMETIC = 2000          # bench/eval problems drawn with seed 0: never trained on
 GSM_SIZE = 1 << 24              # gsm_symbolic items are a function of (seed, index): draw indices
 GSM_SUFFIX = " Give the result as your final answer. Do not include units."
@@ -153,10 +150,10 @@ class _Sources:
         if cfg.sources.get("sharegpt"):
             bench = _benchmark_texts()
             self.texts["sharegpt"] = [t for t in tasks.sharegpt_texts(roles=("human",))
-                                      if t.strip() and not _heldout_text(t) and t.strip() not in bench]
+                                      if t.strip() and not is_heldout_text(t) and t.strip() not in bench]
         if cfg.sources.get("stdlib") or cfg.sources.get("code_def"):
             files = [f for f in tasks.stdlib_sources()
-                     if not _heldout_text(f.read_text(encoding="utf-8", errors="replace"))]
+                     if not is_heldout_text(f.read_text(encoding="utf-8", errors="replace"))]
             self.texts["stdlib"] = files
             self._defs: dict = {}
         if cfg.sources.get("gsm"):
@@ -232,7 +229,7 @@ class _Sources:
             for _ in range(MAX_DRAWS):      # whole problems only: a cut one has no question
                 q = self.gsm[rng.randrange(GSM_SIZE)]["question"].removesuffix(GSM_SUFFIX)
                 text = chat_prompt(q) if self.chat else q
-                if not _heldout_text(q) and len(self.tok.encode(text)) <= self.cfg.prompt_tokens:
+                if not is_heldout_text(q) and len(self.tok.encode(text)) <= self.cfg.prompt_tokens:
                     return text
             raise ValueError(f"source 'gsm': no problem fits prompt_tokens = {self.cfg.prompt_tokens} "
                              f"in {MAX_DRAWS} draws")
@@ -299,11 +296,6 @@ def write_user_turns(target, prompts, cfg: EngineConfig, call: int, sources: _So
 
 # ---------------------------------------------------------------------------- generation
 
-def _read_manifest(out: Path) -> dict | None:
-    path = out / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def _write_json(path: Path, obj) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(dumps(obj, indent=1) + "\n")
@@ -328,7 +320,7 @@ def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", pr
     decode = decode_ar if cfg.method == "ar" else decode_diffusion
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    manifest = _read_manifest(out)
+    manifest = read_manifest(out)
     if manifest is not None:
         manifest["config"] = {"method": "ar"} | manifest["config"]     # directories made before `method`
         if manifest["config"] != asdict(cfg) | {"tokens": manifest["config"]["tokens"]}:
@@ -386,61 +378,6 @@ def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", pr
 
 
 # ------------------------------------------------------------------------------- reading
-
-class GeneratedData:
-    """The engine's output, memory-mapped.
-
-    ``sequences()`` -> [(token ids list, prompt length)] in shard order (a resumed run only
-    appends); ``info`` summarises the manifest.  Trainers split it with :func:`heldout_split`.
-    ``shards``: read only the first ``shards`` shards (a prefix of the directory, so a feature
-    cache built over it stays valid when more are read later), or ``(start, stop)``: shards
-    ``start <= i < stop`` (the rest of a directory whose first shards an earlier entry read,
-    appended after other directories without invalidating their cache); None reads all.
-    """
-
-    def __init__(self, path, shards: int | tuple[int, int] | None = None):
-        self.path = Path(path)
-        manifest = _read_manifest(self.path)
-        if manifest is None or manifest.get("format") != FORMAT:
-            raise ValueError(f"data: {self.path} is not a dspec data-engine directory (no {MANIFEST})")
-        if shards is not None:
-            have = len(manifest["shards"])
-            if isinstance(shards, tuple):
-                ok = (len(shards) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in shards)
-                      and 0 <= shards[0] < shards[1] <= have)
-                if not ok:
-                    raise ValueError(f"data: a shard range must be (start, stop) with 0 <= start < stop <= {have} "
-                                     f"for {self.path}, got {shards!r}")
-                start, stop = shards
-            elif isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= have:
-                raise ValueError(f"data: shards must be an int in [1, {have}] for {self.path}, got {shards!r}")
-            else:
-                start, stop = 0, shards
-            manifest = dict(manifest, shards=manifest["shards"][start:stop])
-        self.manifest = manifest
-        self.tokens = [np.load(self.path / f"tokens-{s['index']:05d}.npy", mmap_mode="r") for s in manifest["shards"]]
-        self.rows = [np.load(self.path / f"rows-{s['index']:05d}.npy") for s in manifest["shards"]]
-
-    @property
-    def info(self) -> dict:
-        shards = self.manifest["shards"]
-        method = self.manifest["config"].get("method", "ar")
-        return {"source": f"target-generated (dspec {method}, {self.manifest['target']}, {self.manifest['dtype']})",
-                "path": str(self.path), "shards": len(shards),
-                "sequences": sum(s["sequences"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
-                "response_tokens": sum(s["response_tokens"] for s in shards),
-                "sources": self.manifest["config"]["sources"],
-                "sampled_fraction": self.manifest["config"]["sampled_fraction"],
-                "generation_s": round(sum(s["seconds"] for s in shards), 1)}
-
-    def __iter__(self) -> Iterator[tuple[list[int], int]]:
-        for toks, rows in zip(self.tokens, self.rows):
-            for off, n, plen, _, _ in rows:
-                yield toks[off:off + n].astype(np.int64).tolist(), int(plen)
-
-    def sequences(self) -> list[tuple[list[int], int]]:
-        return list(self)
-
 
 def parse_source_weights(text: str) -> dict[str, float]:
     """``"name=weight,..."`` (the CLIs' ``--sources``) -> {name: weight}; ValueError on any

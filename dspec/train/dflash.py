@@ -43,7 +43,6 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import time
@@ -58,6 +57,7 @@ from ..decode.dflash import draft_columns, vocab_ids
 from ..models.dflash import MASK, BlockDrafter, block_loss_weights
 from .data_engine import heldout_split, parse_source_weights
 from .loop import BudgetedLoop
+from .trainer import lr_at
 
 CHECKPOINT = "checkpoint.pt"
 DATA = "data.pt"
@@ -181,14 +181,6 @@ class DrafterTrainConfig:
     @property
     def decay(self) -> float:
         return float(self.loss_decay) if self.loss_decay else self.block_size / 2
-
-
-def lr_at(step: int, cfg: DrafterTrainConfig, total: int) -> float:
-    """Linear warmup to ``lr`` then cosine decay to ``min_lr`` at ``total`` steps."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
 
 
 # -------------------------------------------------------------------------------- data

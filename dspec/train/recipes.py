@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 
 from .._cli import dumps
+from ..models.adapters import adapt_causal_model, load_adapted, resolve_source  # noqa: F401  (re-exported)
 from ..models.config import FAMILIES, parse_config
 from ..models.loader import checkpoint_names
-from ..models.shipped import SHIPPED
 from ..models.transformer import Model
 from .data import DataSpec, PackedData, build_data, token_byte_lengths, tokenizer_corpus
 from .tokenizer import MASK_TOKEN, save_tokenizer, train_tokenizer
@@ -137,71 +137,6 @@ def tiny_config(family: str, model: dict, *, vocab_size: int, eos_token_id: int,
     return raw
 
 
-def _adapted_config(src_raw: dict, src_family: str, *, mask_token_id: int, block_size: int) -> tuple[dict, str]:
-    """config.json of the block-diffusion model adapted from a causal one, and its family."""
-    raw = {k: v for k, v in src_raw.items() if k not in ("architectures", "model_type", "auto_map")}
-    if src_family == "qwen3":
-        raw.update(architectures=["SDARForCausalLM"], model_type="sdar", block_size=block_size,
-                   mask_token_id=mask_token_id)
-        return raw, "sdar"
-    if src_family in ("llama", "qwen2"):
-        if src_raw.get("mlp_bias"):
-            raise ValueError("bd-adapt: a Llama source with mlp_bias has no Fast-dLLM v2 counterpart")
-        if src_family == "llama" and src_raw.get("attention_bias"):
-            raise ValueError("bd-adapt: a Llama source with attention_bias (o_proj bias) is not supported")
-        raw.update(architectures=["Fast_dLLM_QwenForCausalLM"], model_type="Fast_dLLM_Qwen",
-                   bd_size=block_size, mask_token_id=mask_token_id, use_sliding_window=False)
-        return raw, "fast_dllm_v2"
-    raise ValueError(f"bd-adapt needs a causal source (qwen3, llama or qwen2), got family {src_family!r}")
-
-
-def adapt_causal_model(src_model: Model, *, mask_token_id: int, block_size: int) -> tuple[Model, dict, str]:
-    """The block-diffusion model bd-adapt starts from: ``src_model``'s weights (float32)
-    under the adapted config (:func:`_adapted_config`; a Llama's absent q/k/v biases become
-    zeros).  Returns (model, its config.json dict, family).  Shared by the recipe and by
-    :func:`load_adapted`, so an adapter is always applied to the same base."""
-    raw, family = _adapted_config(src_model.config.raw, src_model.family, mask_token_id=mask_token_id,
-                                  block_size=block_size)
-    raw.setdefault("eos_token_id", list(src_model.eos_token_ids) or None)
-    cfg = parse_config(raw).replace(mask_token_id=mask_token_id)
-    model = Model(cfg, tokenizer=src_model.tokenizer, device=src_model.device)
-    state = src_model.state_dict()
-    own = model.state_dict()
-    for k in own:                                   # zero q/k/v biases of a Llama source
-        own[k] = state[k].float() if k in state else torch.zeros_like(own[k], dtype=torch.float32)
-    model.load_state_dict(own)
-    model.name_or_path = src_model.name_or_path
-    return model, raw, family
-
-
-def load_adapted(source, adapter_dir, *, device="cpu", dtype=None) -> Model:
-    """A bd-adapt LoRA result: load ``source`` (checkpoint directory or shipped name, the
-    base the adapter was trained on), convert it to the block-diffusion family as bd-adapt
-    does, load the adapter (base fingerprint checked) and merge it into the weights.
-
-    dtype : of the returned weights (None: the source checkpoint's dtype); the merge itself
-        runs in float32.
-    """
-    from ..models.loader import load_checkpoint
-    from .lora import load_adapter, read_adapter_config
-    config = read_adapter_config(adapter_dir)
-    bd = config.get("meta", {}).get("block_diffusion")
-    if not bd:
-        raise ValueError(f"adapter_dir: {adapter_dir} is not a bd-adapt adapter (no meta.block_diffusion)")
-    src_dir = _resolve_init(source)
-    src = load_checkpoint(src_dir, device=device, dtype=torch.float32)
-    out_dtype = dtype if dtype is not None else src.config.raw.get("torch_dtype") or "float32"
-    model, raw, family = adapt_causal_model(src, mask_token_id=int(bd["mask_token_id"]),
-                                            block_size=int(bd["block_size"]))
-    del src
-    load_adapter(model, adapter_dir, merge=True)
-    if isinstance(out_dtype, str):
-        out_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
-            out_dtype, torch.float32)
-    model.name_or_path = str(adapter_dir)
-    return model.to(dtype=out_dtype)
-
-
 def export_checkpoint(model: Model, raw_config: dict, tokenizer_dir, out_dir, *, dtype: str = "bfloat16",
                       extra_files: dict | None = None) -> Path:
     """Write a Hugging Face checkpoint directory: config.json, generation_config.json,
@@ -270,16 +205,6 @@ def _tokenizer_dir(recipe: Recipe, out: Path, tokenizer, init_dir: Path | None, 
     return save_tokenizer(tok, tdir)
 
 
-def _resolve_init(init) -> Path:
-    p = Path(os.fspath(init)).expanduser()
-    if p.is_dir():
-        return p
-    name = os.fspath(init)
-    if name in SHIPPED:
-        return Path(SHIPPED[name]())
-    raise ValueError(f"init must be a checkpoint directory or a shipped name {sorted(SHIPPED)}, got {init!r}")
-
-
 def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | None = None,
                device: str = "cpu", resume: bool = False, init=None, tokenizer=None,
                mask_token: str | None = None, num_rows: int | None = None, threads: int | None = None,
@@ -345,7 +270,7 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
     tcfg = dataclasses.replace(recipe.train, seed=seed, **(train_overrides or {}))
     t_start = time.perf_counter()
 
-    init_dir = _resolve_init(init) if init is not None else None
+    init_dir = resolve_source(init) if init is not None else None
     tdir = _tokenizer_dir(recipe, out, tokenizer, init_dir, progress)
     from ..models.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(tdir)

@@ -117,9 +117,12 @@ def read_checkpoint(path, *, map_location="cpu") -> dict:
     return load_state(path, "resume: checkpoint.pt", keys=CHECKPOINT_KEYS, map_location=map_location)
 
 
-def lr_at(step: int, cfg: TrainConfig, total_steps: int | None) -> float:
+def lr_at(step: int, cfg, total_steps: int | None) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warmup over
-    ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at ``total_steps``."""
+    ``warmup_steps``, then cosine from ``lr`` to ``min_lr`` at ``total_steps`` (None:
+    ``cfg.max_steps``).  The one schedule of every dspec trainer: ``cfg`` is any config with
+    ``lr``, ``min_lr``, ``warmup_steps`` and ``max_steps`` (TrainConfig, the drafter's and the
+    mask adapter's)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     total = total_steps or cfg.max_steps
