@@ -321,3 +321,33 @@ def test_bad_weights_raise(target, tmp_path):
         load_drafter(_bad(target, tmp_path, cfg, bad), target)
     with pytest.raises(ValueError, match="expected 'vp'"):
         load_drafter(_bad(target, tmp_path, cfg, w), target, kind="vp")
+
+
+def test_cli_trains_and_saves_a_zlab_drafter(target, tmp_path):
+    """``python -m dspec.train.dflash --format zlab``: z-lab's config keys and weight names,
+    loaded back (into dspec, as z-lab's format) to the same drafts, lossless."""
+    from dspec.train.dflash import main
+    out = tmp_path / "run"
+    main(["--target", "tiny-ar", "--out", str(out), "--max-steps", "2", "--num-prompts", "8",
+          "--response-tokens", "6", "--sources", "arithmetic=1", "--block-size", "4", "--batch-size", "4",
+          "--layers", "2", "--format", "zlab", "--mask-token-id", "17"])
+    cfg = json.loads((out / "drafter" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"]["mask_token_id"] == 17 and cfg["block_size"] == 4
+    assert cfg["num_target_layers"] == target.config.num_layers and cfg["num_hidden_layers"] == 2
+    from safetensors import safe_open
+    with safe_open(str(out / "drafter" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        weights = {k: f.get_tensor(k).float() for k in names}
+    assert names == set(zlab_weights(cfg))
+    d = load_drafter(out / "drafter", target)
+    assert d.target_layer_ids == [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]]
+    got = dspec_drafts(d, target, CONTEXTS[:1], [5])[0][0]
+    torch.testing.assert_close(got, reference_drafts(target, cfg, weights, CONTEXTS[0], 5), atol=2e-5, rtol=1e-5)
+    p = CONTEXTS[0]
+    assert dspec.generate(target, p, method="dflash", drafter=out / "drafter", max_new_tokens=10).tokens == \
+        dspec.generate(target, p, method="ar", max_new_tokens=10).tokens
+    with pytest.raises(SystemExit, match="draft vocabulary"):
+        main(["--target", "tiny-ar", "--out", str(tmp_path / "v"), "--format", "zlab", "--draft-vocab", "100"])
+    with pytest.raises(SystemExit, match="needs --format zlab"):
+        main(["--target", "tiny-ar", "--out", str(tmp_path / "m"), "--mask-token-id", "3"])

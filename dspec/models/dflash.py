@@ -210,9 +210,11 @@ class BlockDrafter(nn.Module):
     @classmethod
     def for_target(cls, target, *, kind: str = "dflash", num_layers: int = 1, block_size: int = 16,
                    target_layer_ids=None, num_heads=None, num_kv_heads=None, head_dim=None,
-                   intermediate_size=None, seed: int | None = 0, std: float = 0.02) -> "BlockDrafter":
+                   intermediate_size=None, seed: int | None = 0, std: float = 0.02, qk_norm: bool = False,
+                   mask_token_id: int | None = None) -> "BlockDrafter":
         """A randomly initialised drafter shaped for ``target`` (heads / MLP width default to
-        the target's), on the target's device and dtype."""
+        the target's), on the target's device and dtype.  ``qk_norm`` / ``mask_token_id``:
+        see :class:`DrafterConfig` (both set: a drafter z-lab's format holds)."""
         tc = target.config
         cfg = DrafterConfig(
             kind=kind, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
@@ -223,7 +225,8 @@ class BlockDrafter(nn.Module):
             head_dim=head_dim or tc.head_dim, intermediate_size=intermediate_size or tc.intermediate_size,
             rope_theta=float(tc.rope_theta), rms_norm_eps=float(tc.rms_norm_eps),
             target=getattr(target, "shipped_name", None) or getattr(target, "name_or_path", None)
-            and str(target.name_or_path), extra={"target_fingerprint": target_fingerprint(target)})
+            and str(target.name_or_path), extra={"target_fingerprint": target_fingerprint(target)},
+            qk_norm=qk_norm, mask_token_id=mask_token_id)
         drafter = cls(cfg, device=target.device)
         drafter.init_random_(std=std, seed=seed)
         drafter.to(dtype=target.dtype)
