@@ -351,3 +351,13 @@ def test_cli_trains_and_saves_a_zlab_drafter(target, tmp_path):
         main(["--target", "tiny-ar", "--out", str(tmp_path / "v"), "--format", "zlab", "--draft-vocab", "100"])
     with pytest.raises(SystemExit, match="needs --format zlab"):
         main(["--target", "tiny-ar", "--out", str(tmp_path / "m"), "--mask-token-id", "3"])
+
+
+def test_missing_layer_ids_take_zlabs_default(target, tmp_path):
+    from dspec.models.dflash import zlab_default_layer_ids
+    assert zlab_default_layer_ids(36, 5) == [1, 9, 17, 25, 33]      # z-lab's Qwen3-8B drafter's ids
+    assert zlab_default_layer_ids(4, 1) == [2]
+    cfg = zlab_config(target, num_layers=1)
+    del cfg["dflash_config"]["target_layer_ids"]
+    w = zlab_weights(dict(cfg, dflash_config={"target_layer_ids": [2]}))
+    assert load_drafter(write_zlab(tmp_path / "z", cfg, w), target).target_layer_ids == [3]

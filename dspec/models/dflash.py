@@ -25,7 +25,9 @@ read only those rows of the target's head: decoding is unchanged (the target ver
 drafts just never propose an id outside it.  Files: a directory with ``config.json``,
 ``model.safetensors`` (or its shards when larger than 15 MB), optionally
 ``draft_vocab.safetensors``, and a model card ``README.md``; :func:`load_drafter` checks it
-fits the target.
+fits the target.  It also reads (and :meth:`BlockDrafter.save` with ``format="zlab"``
+writes) z-lab's DFlash format (:func:`config_from_zlab`): per-head q / k RMSNorm and a
+mask slot embedding the target's ``mask_token_id`` are options of the same drafter.
 
     >>> drafter = BlockDrafter.for_target(target, num_layers=1, block_size=8)  # doctest: +SKIP
     >>> drafter.save("my-drafter")                                           # doctest: +SKIP
@@ -801,7 +803,7 @@ def zlab_default_layer_ids(num_target_layers: int, num_layers: int) -> list[int]
     if num_layers == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
-    return [int(round(1 + i * span / (num_layers - 1))) for i in range(num_layers)]
+    return [round(1 + i * span / (num_layers - 1)) for i in range(num_layers)]
 
 
 def config_from_zlab(raw: dict, where: str = "config.json") -> DrafterConfig:
