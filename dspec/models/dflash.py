@@ -25,7 +25,9 @@ read only those rows of the target's head: decoding is unchanged (the target ver
 drafts just never propose an id outside it.  Files: a directory with ``config.json``,
 ``model.safetensors`` (or its shards when larger than 15 MB), optionally
 ``draft_vocab.safetensors``, and a model card ``README.md``; :func:`load_drafter` checks it
-fits the target.
+fits the target.  It also reads (and :meth:`BlockDrafter.save` with ``format="zlab"``
+writes) z-lab's DFlash format (:func:`config_from_zlab`): per-head q / k RMSNorm and a
+mask slot embedding the target's ``mask_token_id`` are options of the same drafter.
 
     >>> drafter = BlockDrafter.for_target(target, num_layers=1, block_size=8)  # doctest: +SKIP
     >>> drafter.save("my-drafter")                                           # doctest: +SKIP
@@ -49,7 +51,7 @@ from ..ops.attention import cascade_attention
 from .dense import dense, dense_many
 from .kv_cache import KVCache, SuffixKV
 from .stack import run_layers
-from .layers import fused_cpu, linear, project, rotate
+from .layers import fused_cpu, head_norm, linear, project, rotate
 from .transformer import MLP, RMSNorm, plan_attention, rope_tables
 
 #: token id meaning "this block slot is masked" in :meth:`BlockDrafter.forward` inputs.
@@ -72,6 +74,11 @@ class DrafterConfig:
     num_layers, num_heads, num_kv_heads, head_dim, intermediate_size : the drafter's layers.
     rope_theta, rms_norm_eps : RoPE base and norm epsilon (the target's by default).
     target : the shipped target name (e.g. "tiny-ar") or a free description.
+    qk_norm : per-head RMSNorm of the queries and keys (context keys included) before RoPE,
+        as z-lab's DFlash drafters have (False: dspec's own drafters).
+    mask_token_id : None = masked slots hold the learned ``mask_embedding``; a token id =
+        they hold the target's embedding of that token (z-lab's drafters; no mask
+        embedding is stored then).
     """
 
     kind: str
@@ -89,6 +96,8 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     target: str | None = None
     extra: dict = field(default_factory=dict)
+    qk_norm: bool = False
+    mask_token_id: int | None = None
 
     def validate(self) -> "DrafterConfig":
         from .config import LIMITS, finite
@@ -118,6 +127,11 @@ class DrafterConfig:
             raise ValueError(f"target must be a str or None, got {self.target!r:.80}")
         if not isinstance(self.extra, dict):
             raise ValueError(f"extra must be a dict, got {type(self.extra).__name__}")
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"qk_norm must be a bool, got {self.qk_norm!r:.80}")
+        m = self.mask_token_id
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < self.vocab_size):
+            raise ValueError(f"mask_token_id must be None or a token id in [0, {self.vocab_size}), got {m!r:.80}")
         ids = self.target_layer_ids
         if not isinstance(ids, (list, tuple)) or not ids or len(ids) > self.target_num_layers + 1 or any(
                 isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= self.target_num_layers for i in ids):
@@ -152,6 +166,11 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(SimpleNamespace(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                                        mlp_bias=False))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
 
 class BlockDrafter(nn.Module):
@@ -171,7 +190,10 @@ class BlockDrafter(nn.Module):
         with torch.device(device or "cpu"):
             self.context_proj = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
             self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-            self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
+            if c.mask_token_id is None:
+                self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
+            else:
+                self.mask_embedding = None      # masked slots embed the target's mask_token_id
             self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_layers))
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if dtype is not None:
@@ -190,9 +212,11 @@ class BlockDrafter(nn.Module):
     @classmethod
     def for_target(cls, target, *, kind: str = "dflash", num_layers: int = 1, block_size: int = 16,
                    target_layer_ids=None, num_heads=None, num_kv_heads=None, head_dim=None,
-                   intermediate_size=None, seed: int | None = 0, std: float = 0.02) -> "BlockDrafter":
+                   intermediate_size=None, seed: int | None = 0, std: float = 0.02, qk_norm: bool = False,
+                   mask_token_id: int | None = None) -> "BlockDrafter":
         """A randomly initialised drafter shaped for ``target`` (heads / MLP width default to
-        the target's), on the target's device and dtype."""
+        the target's), on the target's device and dtype.  ``qk_norm`` / ``mask_token_id``:
+        see :class:`DrafterConfig` (both set: a drafter z-lab's format holds)."""
         tc = target.config
         cfg = DrafterConfig(
             kind=kind, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
@@ -203,7 +227,8 @@ class BlockDrafter(nn.Module):
             head_dim=head_dim or tc.head_dim, intermediate_size=intermediate_size or tc.intermediate_size,
             rope_theta=float(tc.rope_theta), rms_norm_eps=float(tc.rms_norm_eps),
             target=getattr(target, "shipped_name", None) or getattr(target, "name_or_path", None)
-            and str(target.name_or_path), extra={"target_fingerprint": target_fingerprint(target)})
+            and str(target.name_or_path), extra={"target_fingerprint": target_fingerprint(target)},
+            qk_norm=qk_norm, mask_token_id=mask_token_id)
         drafter = cls(cfg, device=target.device)
         drafter.init_random_(std=std, seed=seed)
         drafter.to(dtype=target.dtype)
@@ -235,11 +260,11 @@ class BlockDrafter(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.mask_embedding.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.mask_embedding.dtype
+        return self.norm.weight.dtype
 
     @property
     def block_size(self) -> int:
@@ -313,7 +338,7 @@ class BlockDrafter(nn.Module):
         b, t, _ = features.shape
         c = self.config
         k, v = project((layer.k_proj, layer.v_proj), features)
-        k = k.view(b, t, c.num_kv_heads, c.head_dim)
+        k = head_norm(layer.k_norm, k.view(b, t, c.num_kv_heads, c.head_dim))
         v = v.view(b, t, c.num_kv_heads, c.head_dim)
         return rotate(k, cos, sin), v
 
@@ -332,7 +357,10 @@ class BlockDrafter(nn.Module):
         # dispatch); bit-identical to _context_kv per layer, which training differentiates
         kv = torch.stack(project([m for layer in self.layers for m in (layer.k_proj, layer.v_proj)], features))
         kv = kv.view(c.num_layers, 2, b, t, c.num_kv_heads, c.head_dim)
-        keys = rotate(kv[:, 0], cos, sin)
+        keys = kv[:, 0]
+        if c.qk_norm:
+            keys = torch.stack([layer.k_norm(keys[i]) for i, layer in enumerate(self.layers)])
+        keys = rotate(keys, cos, sin)
         return SuffixKV(stacked=torch.stack([keys, kv[:, 1]]))
 
     def _context_kv_fused(self, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> SuffixKV | None:
@@ -345,7 +373,7 @@ class BlockDrafter(nn.Module):
         per-op version's ~15 ops were ~0.3 ms of a ~20 ms SmolLM2 cycle.  The same column
         dot products and the same float32 RoPE arithmetic: bit-identical (tested)."""
         layers = [m for layer in self.layers for m in (layer.k_proj, layer.v_proj)]
-        if not all(type(m) is nn.Linear for m in layers) or not fused_cpu(features, cos, sin) \
+        if self.config.qk_norm or not all(type(m) is nn.Linear for m in layers) or not fused_cpu(features, cos, sin) \
                 or any(m.weight.requires_grad and torch.is_grad_enabled() for m in layers) \
                 or cos.dtype != torch.float32:
             return None
@@ -386,10 +414,14 @@ class BlockDrafter(nn.Module):
         """Block ids [B, N] (``MASK`` = -1 for a masked slot) -> input embeddings [B, N, H]."""
         target = self.target
         masked = tokens < 0
-        x = target.embed_tokens(tokens.clamp_min(0)).to(self.dtype)
+        mask_id = self.config.mask_token_id
+        x = target.embed_tokens(tokens.clamp_min(0) if mask_id is None else tokens.masked_fill(masked, mask_id))
+        x = x.to(self.dtype)
         scale = target.config.embed_scale
         if scale != 1.0:
             x = x * scale
+        if mask_id is not None:
+            return x
         return torch.where(masked[..., None], self.mask_embedding.to(x.dtype), x)
 
     def head(self, x: torch.Tensor, *, draft_vocab: bool = False) -> torch.Tensor:
@@ -443,8 +475,8 @@ class BlockDrafter(nn.Module):
         for i, layer in enumerate(self.layers if fused is None else ()):
             h = layer.input_layernorm(x)
             q, k, v = project((layer.q_proj, layer.k_proj, layer.v_proj), h)
-            q = rotate(q.view(b, n, c.num_heads, c.head_dim), cos, sin)
-            k = rotate(k.view(b, n, c.num_kv_heads, c.head_dim), cos, sin)
+            q = rotate(head_norm(layer.q_norm, q.view(b, n, c.num_heads, c.head_dim)), cos, sin)
+            k = rotate(head_norm(layer.k_norm, k.view(b, n, c.num_kv_heads, c.head_dim)), cos, sin)
             v = v.view(b, n, c.num_kv_heads, c.head_dim)
             o = cascade_attention(q, k, v, mask, backend=backend, **cache.prefix(i))
             x = x + linear(layer.o_proj, o.reshape(b, n, -1))
@@ -504,8 +536,9 @@ class BlockDrafter(nn.Module):
         for layer in self.layers:
             kc, vc = self._context_kv(layer, features, cos_c, sin_c)
             h = layer.input_layernorm(x)
-            q = rotate(layer.q_proj(h).view(bsz, m * g, c.num_heads, c.head_dim), cos_b, sin_b)
-            kb = rotate(layer.k_proj(h).view(bsz, m * g, c.num_kv_heads, c.head_dim), cos_b, sin_b)
+            q = rotate(head_norm(layer.q_norm, layer.q_proj(h).view(bsz, m * g, c.num_heads, c.head_dim)), cos_b, sin_b)
+            kb = rotate(head_norm(layer.k_norm, layer.k_proj(h).view(bsz, m * g, c.num_kv_heads, c.head_dim)),
+                        cos_b, sin_b)
             vb = layer.v_proj(h).view(bsz, m * g, c.num_kv_heads, c.head_dim)
             k = torch.cat([kc, kb], 1).repeat_interleave(rep, 2)
             v = torch.cat([vc, vb], 1).repeat_interleave(rep, 2)
@@ -517,15 +550,30 @@ class BlockDrafter(nn.Module):
 
     # ----------------------------------------------------------------------- files
 
-    def save(self, path: str | os.PathLike, *, card: str | None = None) -> Path:
+    def save(self, path: str | os.PathLike, *, card: str | None = None, format: str = "dspec") -> Path:
         """Write ``config.json``, ``model.safetensors`` (drafter weights only; above 15 MB as
         shards ``model-XXXXX-of-NNNNN.safetensors``, so that every shipped file stays under
-        16 MB) and a model card ``README.md`` (``card``, or a generated one) into ``path``."""
+        16 MB) and a model card ``README.md`` (``card``, or a generated one) into ``path``.
+
+        ``format="zlab"`` writes z-lab's DFlash format instead (:func:`config_to_zlab`'s
+        config, z-lab's weight names: what vLLM / SGLang load with ``--speculative-algorithm
+        DFLASH``); ValueError for a drafter that format cannot hold (see
+        :func:`config_to_zlab`; a draft vocabulary neither)."""
         from safetensors.torch import save_file
+        if format not in ("dspec", "zlab"):
+            raise ValueError(f"format must be 'dspec' or 'zlab', got {format!r:.80}")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if format == "zlab":
+            config = config_to_zlab(self.config)
+            if self._draft_ids is not None:
+                raise ValueError("z-lab's format has no draft vocabulary: set_draft_vocab(None) or save in "
+                                 "format='dspec'")
+            state = {weight_name_to_zlab(k): v for k, v in state.items()}
+        else:
+            config = asdict(self.config)
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for old in out.glob("model*.safetensors"):
             old.unlink()
         shards = _shard(state, MAX_FILE_BYTES)
@@ -661,14 +709,18 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
                     want=dict)
     if not weight_files:
         raise ValueError(f"drafter directory {path} has no model.safetensors")
-    try:
-        cfg = DrafterConfig(**raw)
-    except TypeError as e:
-        raise ValueError(f"{path / 'config.json'} is not a drafter config: {e}") from None
-    try:
-        cfg.validate()
-    except ValueError as e:
-        raise ValueError(f"{path / 'config.json'}: {e}") from None
+    zlab = is_zlab_config(raw)
+    if zlab:
+        cfg = config_from_zlab(raw, str(path / "config.json"))
+    else:
+        try:
+            cfg = DrafterConfig(**raw)
+        except TypeError as e:
+            raise ValueError(f"{path / 'config.json'} is not a drafter config: {e}") from None
+        try:
+            cfg.validate()
+        except ValueError as e:
+            raise ValueError(f"{path / 'config.json'}: {e}") from None
     if kind is not None and cfg.kind != kind:
         raise ValueError(f"{path} holds a {cfg.kind!r} drafter, expected {kind!r}")
     check_compatible(cfg, target)
@@ -680,6 +732,10 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
                 got.update({k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()})
         except Exception as e:  # noqa: BLE001  (safetensors raises SafetensorError / OSError)
             raise ValueError(f"{f}: cannot read safetensors ({e})") from None
+    rename = {}
+    if zlab:                    # z-lab's names -> dspec's (an unknown name is marked: reported below)
+        rename = {k: weight_name_from_zlab(k) or f"?{k}" for k in got}
+        got = {rename[k]: v for k, v in got.items()}
     layers = {k.split(".", 2)[1] for k in got if k.startswith("layers.") and k.count(".") >= 2}
     if cfg.num_layers > len(layers):
         raise ValueError(f"{path / 'config.json'}: num_layers = {cfg.num_layers}, but the weights hold "
@@ -696,11 +752,17 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
         missing = sorted(set(expected) - set(got))
         extra = sorted(set(got) - set(expected))
         wrong = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
+        back = {v: k for k, v in rename.items()}
+        named = (lambda k: back.get(k, weight_name_to_zlab(k))) if zlab else (lambda k: k)   # as the file names them
+        missing, extra = [named(k) for k in missing], [named(k) for k in extra]
+        wrong = [f"{named(k)} {list(got[k])} (expected {list(expected[k])})" for k in wrong]
         raise ValueError(f"{path / 'model.safetensors'} does not match its config: missing {missing[:4]}, "
                          f"unexpected {extra[:4]}, wrong shapes {wrong[:4]}")
     state = {}
     for f in weight_files:
         state.update(load_file(str(f)))
+    if rename:
+        state = {rename[k]: v for k, v in state.items()}
     drafter = drafter.to_empty(device=device or target.device)
     drafter.load_state_dict(state)
     drafter.to(dtype=dtype or target.dtype)
@@ -713,6 +775,154 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
             raise ValueError(f"{path / DRAFT_VOCAB_FILE} holds no 'ids' tensor")
         drafter.set_draft_vocab(ids)
     return drafter
+
+
+# --------------------------------------------------------------------------- z-lab's format
+
+#: ``architectures`` entry of z-lab's DFlash drafters (the checkpoints vLLM, SGLang and
+#: llama.cpp load with ``--speculative-algorithm DFLASH``)
+ZLAB_ARCHITECTURE = "DFlashDraftModel"
+_ZLAB_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size", "block_size", "num_target_layers", "dflash_config")
+_ZLAB_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+_ZLAB_TOP = {"fc.weight": "context_proj.weight", "hidden_norm.weight": "context_norm.weight",
+             "norm.weight": "norm.weight"}
+
+
+def is_zlab_config(raw: dict) -> bool:
+    """Whether a drafter ``config.json`` is in z-lab's DFlash format (a Qwen3 config plus
+    ``block_size``, ``num_target_layers`` and ``dflash_config``)."""
+    arch = raw.get("architectures")
+    return "dflash_config" in raw or (isinstance(arch, list) and ZLAB_ARCHITECTURE in arch)
+
+
+def zlab_default_layer_ids(num_target_layers: int, num_layers: int) -> list[int]:
+    """z-lab's layer choice when ``dflash_config`` names none, in z-lab's convention (0 =
+    the output of the target's first decoder layer): the middle layer for a one-layer
+    drafter, else ``num_layers`` ids spread evenly over 1 .. num_target_layers - 3."""
+    if num_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_layers - 1)) for i in range(num_layers)]
+
+
+def config_from_zlab(raw: dict, where: str = "config.json") -> DrafterConfig:
+    """A z-lab DFlash ``config.json`` -> the :class:`DrafterConfig` of the same drafter.
+
+    Translations: z-lab's ``target_layer_ids`` count decoder-layer outputs from 0 (id i
+    reads transformers' ``hidden_states[i + 1]``); dspec's count ``hidden_states`` indices
+    (0 = embeddings, L = final normed), so dspec's id is z-lab's plus one.  Masked slots
+    embed the target's ``mask_token_id``; every layer has per-head q / k RMSNorm.
+    ValueError for a missing key, a value of the wrong kind, or an option dspec's drafter
+    does not compute (attention biases, sliding windows, scaled RoPE, another activation).
+    """
+    missing = [k for k in _ZLAB_REQUIRED if k not in raw]
+    if missing:
+        raise ValueError(f"{where}: a z-lab DFlash drafter config needs {missing}")
+    dc = raw["dflash_config"]
+    if not isinstance(dc, dict):
+        raise ValueError(f"{where}: dflash_config must be an object, got {type(dc).__name__}")
+    if "mask_token_id" not in dc or dc["mask_token_id"] is None:
+        raise ValueError(f"{where}: dflash_config needs mask_token_id (the token masked slots embed)")
+
+    def whole(name, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {name} must be an int >= 1, got {value!r:.80}")
+        return value
+
+    sizes = {k: whole(k, raw[k]) for k in _ZLAB_REQUIRED[:-1]}
+    heads = sizes["num_attention_heads"]
+    head_dim = raw.get("head_dim")
+    if head_dim is None:
+        if sizes["hidden_size"] % heads:
+            raise ValueError(f"{where}: no head_dim, and hidden_size is not a multiple of num_attention_heads")
+        head_dim = sizes["hidden_size"] // heads
+    whole("head_dim", head_dim)
+    if raw.get("attention_bias", False) is not False:
+        raise ValueError(f"{where}: attention_bias = {raw['attention_bias']!r}: dspec's drafter layers have no "
+                         f"attention biases")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act = {raw['hidden_act']!r}: dspec's drafter MLP is SiLU-gated")
+    if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
+        raise ValueError(f"{where}: sliding-window layers are not supported in a DFlash drafter")
+    rope = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or not isinstance(scaling, dict):
+        raise ValueError(f"{where}: rope_parameters / rope_scaling must be objects")
+    for table in (rope, scaling):
+        kind = table.get("rope_type", table.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{where}: RoPE type {kind!r}: dspec's drafter takes default RoPE only")
+    theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+    eps = raw.get("rms_norm_eps", 1e-6)
+    ids = dc.get("target_layer_ids")
+    if ids is None:
+        ids = zlab_default_layer_ids(sizes["num_target_layers"], sizes["num_hidden_layers"])
+    n = sizes["num_target_layers"]
+    if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int)
+                                                   or not 0 <= i < n for i in ids):
+        raise ValueError(f"{where}: dflash_config.target_layer_ids must be a non-empty list of decoder-layer "
+                         f"ids in [0, {n}) (num_target_layers = {n}), got {ids!r:.80}")
+    cfg = DrafterConfig(
+        kind="dflash", hidden_size=sizes["hidden_size"], vocab_size=sizes["vocab_size"],
+        target_layer_ids=[i + 1 for i in ids], target_num_layers=n, block_size=sizes["block_size"],
+        num_layers=sizes["num_hidden_layers"], num_heads=heads, num_kv_heads=sizes["num_key_value_heads"],
+        head_dim=head_dim, intermediate_size=sizes["intermediate_size"], rope_theta=theta, rms_norm_eps=eps,
+        target=raw.get("_name_or_path") if isinstance(raw.get("_name_or_path"), str) else None,
+        extra={"format": "zlab"}, qk_norm=True, mask_token_id=dc["mask_token_id"])
+    try:
+        return cfg.validate()
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def config_to_zlab(cfg: DrafterConfig) -> dict:
+    """The z-lab DFlash ``config.json`` of a drafter that z-lab's format can express (a
+    "dflash" drafter with q / k norm, a ``mask_token_id`` and target layer ids >= 1)."""
+    if cfg.kind != "dflash" or not cfg.qk_norm or cfg.mask_token_id is None or min(cfg.target_layer_ids) < 1:
+        raise ValueError("z-lab's format holds 'dflash' drafters with qk_norm=True, a mask_token_id and "
+                         f"target_layer_ids >= 1; this one is kind={cfg.kind!r}, qk_norm={cfg.qk_norm}, "
+                         f"mask_token_id={cfg.mask_token_id}, target_layer_ids={cfg.target_layer_ids}")
+    return {
+        "architectures": [ZLAB_ARCHITECTURE], "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu", "use_sliding_window": False,
+        "sliding_window": None, "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers,
+        "dflash_config": {"target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
+                          "mask_token_id": cfg.mask_token_id},
+    }
+
+
+def weight_name_from_zlab(name: str) -> str | None:
+    """A z-lab drafter weight name -> dspec's (None for a name z-lab's drafter has not)."""
+    if name in _ZLAB_TOP:
+        return _ZLAB_TOP[name]
+    parts = name.split(".")
+    if len(parts) == 5 and parts[0] == "layers" and parts[1].isdigit() and parts[4] == "weight":
+        if parts[2] == "self_attn" and parts[3] in _ZLAB_ATTENTION:
+            return f"layers.{parts[1]}.{parts[3]}.weight"
+        if parts[2] == "mlp" and parts[3] in ("gate_proj", "up_proj", "down_proj"):
+            return name
+    if len(parts) == 4 and parts[0] == "layers" and parts[1].isdigit() and parts[3] == "weight" \
+            and parts[2] in ("input_layernorm", "post_attention_layernorm"):
+        return name
+    return None
+
+
+def weight_name_to_zlab(name: str) -> str:
+    """dspec's drafter weight name -> z-lab's (the inverse of :func:`weight_name_from_zlab`)."""
+    for theirs, ours in _ZLAB_TOP.items():
+        if name == ours:
+            return theirs
+    parts = name.split(".")
+    if len(parts) == 4 and parts[2] in _ZLAB_ATTENTION:
+        return f"layers.{parts[1]}.self_attn.{parts[2]}.weight"
+    return name
 
 
 def resolve_drafter(drafter, target, kind: str) -> BlockDrafter:

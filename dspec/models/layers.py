@@ -4,7 +4,8 @@
 - :func:`linear` / :func:`project`: a projection, or several of one input, through
   ``dense`` (no module-call overhead on plain ``nn.Linear``; mask adapters add their update);
 - :func:`fused_cpu`: whether dspec._C's fused RMSNorm / RoPE ops can run on some tensors;
-- :func:`rotate`: rotate-half RoPE in float32 from ``rope_tables``' tables.
+- :func:`rotate`: rotate-half RoPE in float32 from ``rope_tables``' tables;
+- :func:`head_norm`: an optional per-head norm (Qwen3's q / k RMSNorm).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from .. import _backend, _library
 from .dense import dense, dense_many
 from .mask_adapter import MaskLoraLinear
 
-__all__ = ["fused_cpu", "linear", "project", "rotate"]
+__all__ = ["fused_cpu", "head_norm", "linear", "project", "rotate"]
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -54,3 +55,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     xf = x.float()
     swapped = xf.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
     return (xf * cos + swapped * signed_sin).to(x.dtype)
+
+
+def head_norm(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` over the last (head) dimension of x [..., heads, D], or x when ``norm``
+    is None (a layer without per-head q / k norm)."""
+    return x if norm is None else norm(x)

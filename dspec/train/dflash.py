@@ -148,6 +148,8 @@ class DrafterTrainConfig:
     checkpoint_every_s: float = 120.0
     autocast: str = "auto"
     seed: int = 0
+    qk_norm: bool = False
+    mask_token_id: int | None = None
 
     def __post_init__(self):
         if self.kind not in ("dflash", "vp"):
@@ -174,6 +176,11 @@ class DrafterTrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"qk_norm must be a bool, got {self.qk_norm!r}")
+        m = self.mask_token_id
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ValueError(f"mask_token_id must be None or a token id >= 0, got {m!r}")
         bad = set(self.sources) - set(PROMPT_SOURCES)
         if bad or not self.sources or sum(self.sources.values()) <= 0:
             raise ValueError(f"sources must map some of {PROMPT_SOURCES} to weights, got {self.sources!r}")
@@ -435,7 +442,7 @@ class DrafterTrainer(BudgetedLoop):
                                                target_layer_ids=(cfg.target_layer_ids or
                                                                  (first_drafter.config.target_layer_ids
                                                                   if first_drafter is not None else None)),
-                                               seed=cfg.seed)
+                                               seed=cfg.seed, qk_norm=cfg.qk_norm, mask_token_id=cfg.mask_token_id)
         self.drafter.float().train()
         self.data_info = {}
         self.sequences = self._data(sequences)
@@ -791,6 +798,13 @@ def tiny_defaults(cfg: DrafterTrainConfig, target) -> DrafterTrainConfig:
     return cfg
 
 
+def zlab_mask_token_id(target) -> int:
+    """The token a z-lab-format drafter's masked slots embed by default: the target's own
+    mask token when it has one, else the last id of its vocabulary."""
+    mask_id = getattr(target.config, "mask_token_id", None)
+    return int(mask_id) if mask_id is not None else target.config.vocab_size - 1
+
+
 def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dict:
     name = "dflash" if kind == "dflash" else "vp_drafter"
     ap = argparse.ArgumentParser(prog=f"python -m dspec.train.{name}",
@@ -848,7 +862,21 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
                     help="train and draft over this many ids (the most frequent response tokens of the "
                          "training sequences, saved as the drafter's draft vocabulary; 0 = the whole vocabulary)")
     ap.add_argument("--ship", default=None, help="also copy the final drafter directory here")
+    if kind == "dflash":
+        ap.add_argument("--format", choices=("dspec", "zlab"), default="dspec",
+                        help="zlab: train a drafter with per-head q / k norm whose masked slots embed the target's "
+                             "--mask-token-id, saved in z-lab's DFlash format (config.json with "
+                             "architectures [DFlashDraftModel], dflash_config {target_layer_ids, mask_token_id}; "
+                             "the checkpoints vLLM / SGLang load with --speculative-algorithm DFLASH)")
+        ap.add_argument("--mask-token-id", type=int, default=None,
+                        help="(--format zlab) the token masked slots embed (default: the target's mask token, "
+                             "else the last id of its vocabulary)")
     args = ap.parse_args(argv)
+    fmt = getattr(args, "format", "dspec")
+    if fmt != "zlab" and getattr(args, "mask_token_id", None) is not None:
+        raise SystemExit("--mask-token-id needs --format zlab")
+    if fmt == "zlab" and args.draft_vocab:
+        raise SystemExit("--format zlab: z-lab's format has no draft vocabulary (drop --draft-vocab)")
     if args.weight_decay is not None and not 0 <= args.weight_decay < float("inf"):
         raise SystemExit(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
     import shutil
@@ -862,8 +890,14 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     target = load(args.target, device=args.device)
     if args.draft_vocab and not 0 < args.draft_vocab <= target.config.vocab_size:
         raise SystemExit(f"--draft-vocab must lie in [1, {target.config.vocab_size}] (0: none), got {args.draft_vocab}")
+    zlab = {}
+    if fmt == "zlab":
+        mask_id = args.mask_token_id if args.mask_token_id is not None else zlab_mask_token_id(target)
+        if not 0 <= mask_id < target.config.vocab_size:
+            raise SystemExit(f"--mask-token-id must lie in [0, {target.config.vocab_size}), got {mask_id}")
+        zlab = {"qk_norm": True, "mask_token_id": mask_id}
     cfg = DrafterTrainConfig(kind=kind, num_layers=args.layers, seed=args.seed, autocast=args.autocast,
-                             prefix_mode=getattr(args, "prefix", "prior"))
+                             prefix_mode=getattr(args, "prefix", "prior"), **zlab)
     cfg = tiny_defaults(cfg, target)
     for attr, val in (("block_size", args.block_size), ("batch_size", args.batch_size),
                       ("num_prompts", args.num_prompts), ("response_tokens", args.response_tokens),
@@ -948,7 +982,7 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     card = model_card(trainer, result, acceptance, target_name,
                       command=" ".join([f"python -m dspec.train.{name}"] + list(argv if argv is not None else
                                                                               __import__("sys").argv[1:])))
-    path = drafter.save(out / "drafter", card=card)
+    path = drafter.save(out / "drafter", card=card, format=fmt)
     result.update(drafter=str(path), acceptance=acceptance)
     if args.ship:
         shutil.copytree(path, args.ship, dirs_exist_ok=True)
