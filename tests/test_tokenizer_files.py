@@ -45,7 +45,8 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 def _train(qwen2: bool, vocab_size: int = 700):
     """A byte-level BPE trained on CORPUS (its merges are realistic for both regexes)."""
-    from tokenizers import Regex, Tokenizer as HF, models, pre_tokenizers, trainers
+    from tokenizers import Regex, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HF
     tok = HF(models.BPE())
     if qwen2:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -147,7 +148,7 @@ def test_gpt2_layout_with_endoftext_in_vocab(tmp_path):
     """GPT-2's own layout: <|endoftext|> inside vocab.json, no side files but the class."""
     path = write_bpe_dir(tmp_path / "tok", qwen2=False, specials_in_vocab=True,
                          tokenizer_config={"tokenizer_class": "GPT2Tokenizer", "add_bos_token": True})
-    ours, ref = _assert_same(path)
+    ours, _ = _assert_same(path)
     assert ours.bos_token == ours.eos_token == "<|endoftext|>"
     assert ours.encode("hi", add_special_tokens=True)[0] == ours.bos_token_id
     assert ours.bos_token_id == len(json.loads((path / "vocab.json").read_text())) - 1
@@ -201,8 +202,9 @@ def test_smollm2_vocab_and_merges_equal_transformers(tmp_path):
 
 def test_load_gives_the_checkpoint_its_tokenizer(tmp_path):
     """dspec.load on a checkpoint with vocab.json + merges.txt and no tokenizer.json."""
-    import dspec
     from tiny_checkpoints import write_checkpoint
+
+    import dspec
     path = write_checkpoint(tmp_path / "ckpt", "qwen2", tokenizer=False, vocab=768)
     write_bpe_dir(path, qwen2=True)
     cfg = json.loads((path / "config.json").read_text())
@@ -272,3 +274,24 @@ def test_broken_files_name_the_file(tmp_path, case, file, words):
         Tokenizer.from_dir(path)
     msg = str(err.value)
     assert str(path / file) in msg and words in msg, msg
+
+
+def test_dream_tokenizer_class_is_qwen2s(tmp_path):
+    """Dream ships vocab.json + merges.txt with its own copy of Qwen2Tokenizer
+    (``DreamTokenizer``) and a [MASK] among the added tokens: the ids are Qwen2Tokenizer's."""
+    import shutil
+    path = write_bpe_dir(tmp_path / "dream", qwen2=True)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    n = max(map(int, cfg["added_tokens_decoder"])) + 1
+    cfg["added_tokens_decoder"][str(n)] = {"content": "<|mask|>", "special": True, "normalized": False}
+    cfg["mask_token"] = "<|mask|>"
+    ref_dir = tmp_path / "qwen2"
+    shutil.copytree(path, ref_dir)
+    (ref_dir / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "Qwen2Tokenizer"}))
+    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "DreamTokenizer",
+                                                             "auto_map": {"AutoTokenizer": [
+                                                                 "tokenization_dream.DreamTokenizer", None]}}))
+    ours, ref = Tokenizer.from_dir(path), _reference(ref_dir)
+    assert ours.mask_token_id == n == ref.convert_tokens_to_ids("<|mask|>")
+    for text in TEXTS + ["a <|mask|><|mask|> b"]:
+        assert ours.encode(text) == ref(text, add_special_tokens=False)["input_ids"], text

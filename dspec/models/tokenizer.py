@@ -1,11 +1,13 @@
-"""A thin wrapper around a ``tokenizers.Tokenizer`` read from a checkpoint's tokenizer.json."""
+"""A thin wrapper around a ``tokenizers.Tokenizer`` read from a checkpoint's tokenizer.json, or
+built from its vocab.json + merges.txt (the byte-level BPE of GPT-2 / Qwen2-era checkpoints)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 
 class Tokenizer:
-    """tokenizer.json (via the ``tokenizers`` library) plus tokenizer_config.json's specials.
+    """tokenizer.json or vocab.json + merges.txt (via the ``tokenizers`` library) plus
+    tokenizer_config.json's specials.
 
     ``encode(text)`` returns token ids (no special tokens added unless asked);
     ``decode(ids)`` drops special tokens by default.  ``inner`` is the
@@ -22,7 +24,7 @@ class Tokenizer:
         self.chat_template = chat_template
 
     @classmethod
-    def from_dir(cls, path) -> "Tokenizer | None":
+    def from_dir(cls, path) -> Tokenizer | None:
         """The tokenizer of a checkpoint directory, or None when it has none dspec can read.
 
         tokenizer.json when present; otherwise a byte-level BPE built from vocab.json +
@@ -256,9 +258,8 @@ def byte_level_bpe(root, cfg: dict | None = None):
     special_tokens_map.json's values when it has no ``added_tokens_decoder``), defaulting as
     the transformers class does (``<|endoftext|>``); added tokens keep their ids.
     ``add_bos_token`` / ``add_eos_token`` become the post-processor of ``add_special_tokens``."""
-    from tokenizers import Regex, normalizers, pre_tokenizers, processors
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
     from tokenizers import Tokenizer as _HFTokenizer
-    from tokenizers import decoders
     from tokenizers.models import BPE
 
     from ._files import read_json
