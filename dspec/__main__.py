@@ -178,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter)
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"shipped model name ({', '.join(available_models())}) or a checkpoint directory")
-    g.add_argument("--method", default="ar", choices=available_methods(), help="decoding method")
+    g.add_argument("--method", default="ar", choices=available_methods(),
+                   help="decoding method; ssd is Self Speculative Decoding for dLLMs (arXiv 2510.04147), "
+                        "not Speculative Speculative Decoding (arXiv 2603.03251)")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="What is the capital of France?", help="the prompt text")
     src.add_argument("--batch-file", default=None, metavar="FILE",

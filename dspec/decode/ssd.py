@@ -1,4 +1,7 @@
-"""Method ``ssd``: lossless self-speculative decoding (SSD) for block-causal dLLMs.
+"""Method ``ssd``: lossless Self Speculative Decoding (SSD) for block-causal dLLMs.
+
+Self Speculative Decoding for dLLMs is arXiv 2510.04147; it is not "Speculative Speculative
+Decoding" (arXiv 2603.03251), a different method that is also called SSD.
 
 Equal to ``diffusion`` with one token per step (greedy: the same tokens; sampling: the same
 distribution), in fewer forwards.  One forward both verifies the previous round's drafts

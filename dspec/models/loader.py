@@ -1,7 +1,8 @@
 """Load a local Hugging Face checkpoint directory into dspec's lean transformer.
 
 Reads config.json (+ generation_config.json), the safetensors weights (one file, or shards
-listed by model.safetensors.index.json) and tokenizer.json via the ``tokenizers`` library.
+listed by model.safetensors.index.json) and the tokenizer via the ``tokenizers`` library:
+tokenizer.json, or a byte-level BPE built from vocab.json + merges.txt.
 No ``trust_remote_code`` and no transformers at runtime: each family's weight names are
 mapped onto the lean transformer here.  Every problem (missing config, unknown family,
 missing / unexpected weights, wrong shapes) is a ValueError that says what and where.
@@ -30,9 +31,11 @@ def load_checkpoint(path, *, device="cpu", dtype=None) -> Model:
     """A local HF checkpoint directory -> ``Model`` (inference mode: ``requires_grad`` off).
 
     path : directory with config.json, *.safetensors (sharded with
-        model.safetensors.index.json or not) and optionally tokenizer.json /
-        tokenizer_config.json / generation_config.json.  Without tokenizer.json the model
-        loads with ``tokenizer=None``.
+        model.safetensors.index.json or not) and optionally the tokenizer (tokenizer.json, or
+        vocab.json + merges.txt as GPT-2 / Qwen2-era checkpoints ship it, with
+        tokenizer_config.json / special_tokens_map.json / added_tokens.json) and
+        generation_config.json.  Without either tokenizer layout the model loads with
+        ``tokenizer=None``.
     device : where the weights go.
     dtype : torch dtype or name ("float32", "bfloat16", "float16"); None / "auto" keeps the
         dtype the weights are stored in.
