@@ -609,7 +609,7 @@ def main(argv=None) -> int:
                 rec.add([row])
                 fn = None
                 common.free_cuda(device)
-            del x, ref
+            x = ref = None  # frees the tensors; not `del`: closures above read them
             common.free_cuda(device)
     except _Stopped as exc:
         stopped = f"stopped by {exc} after {len({r['case'] for r in rec.rows})} cases"
@@ -950,7 +950,7 @@ def main_cpu(args) -> int:
                 if sd is not None and r["median_us"] > 0:
                     r["speedup_vs_sdpa"] = round(sd["median_us"] / r["median_us"], 2)
             rec.add(case_rows)
-            del x
+            x = None  # frees the tensors; not `del`: closures above read them
     except _Stopped as exc:
         stopped = f"stopped by {exc} after {len({(r['case'], r['dtype']) for r in rec.rows})} cases"
         print(f"[{CPU_BENCH}] {stopped}", file=sys.stderr)

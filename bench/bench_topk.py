@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                     op=op, backend=name, case=case, params={"k": k, "rows": rows, "V": vocab},
                     dtype=dname, timing=t, bytes_moved=nbytes, copy_GBs=rec.copy_GBs, check=check))
         rec.add(out_rows)
-        del x
+        x = None  # frees the tensors; not `del`: closures above read them
         common.free_cuda(device)
 
     rec.finish(no_plot=args.no_plot)

@@ -436,9 +436,9 @@ def main(argv=None) -> int:
                         if base in by and r["median_us"] > 0:
                             r[field] = round(by[base]["median_us"] / r["median_us"], 2)
                 rec.add([row])  # written per backend: a hung/killed later backend loses nothing
-            del q, ref, fns
+            q = ref = fns = None  # frees the tensors; not `del`: closures above read them
             common.free_cuda(device)
-        del logits
+        logits = None  # frees the tensors; not `del`: closures above read them
         common.free_cuda(device)
 
     rec.finish(plot_kwargs={"panel_keys": ("op", "mode")}, no_plot=args.no_plot)

@@ -28,16 +28,6 @@ METHODS = ("ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d
 AR_METHODS = ("ar", "diffuspec", "dflash", "d2sd")
 
 
-@pytest.fixture(scope="module")
-def ar():
-    return dspec.load("tiny-ar")
-
-
-@pytest.fixture(scope="module")
-def bd():
-    return dspec.load("tiny-bd")
-
-
 def _model_for(method, ar, bd):
     return ar if method in AR_METHODS else bd
 

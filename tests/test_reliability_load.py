@@ -22,8 +22,6 @@ from dspec.models import load_checkpoint
 from dspec.models.dflash import BlockDrafter, load_drafter
 from tiny_checkpoints import write_checkpoint
 
-from test_tiny_models import ar, bd  # noqa: F401  (the shipped tiny models as fixtures)
-
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120
 

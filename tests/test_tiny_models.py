@@ -13,16 +13,6 @@ from dspec import hub, tasks
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
-@pytest.fixture(scope="module")
-def ar():
-    return dspec.load("tiny-ar")
-
-
-@pytest.fixture(scope="module")
-def bd():
-    return dspec.load("tiny-bd")
-
-
 def test_both_load_as_shipped_models(ar, bd):
     assert ar.shipped_name == "tiny-ar" and bd.shipped_name == "tiny-bd"
     assert ar.family == "qwen3" and ar.attention == "causal" and ar.mask_token_id is None

@@ -247,7 +247,7 @@ def test_ext_constants():
 # ------------------------------------------------------------------------------------------
 # the CUDA kernel (csrc/tree_mask.cu) in the host simulator of tests/cuda_sim
 
-from masks_sim import masks_sim, sim_tree  # noqa: E402,F401  (fixture)
+from masks_sim import sim_tree  # noqa: E402  (the masks_sim fixture: conftest.py)
 
 
 @pytest.mark.parametrize("nodes", NODES)
