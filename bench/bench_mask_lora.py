@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, out_dir, write_json  # noqa: E402
+from common import environment, out_dir, write_json
 
 # (k, n) of SmolLM2-135M's q, k, v, o, gate, up, down
 SHAPES = ((576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576))

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import add_run_arguments, grid_texts, option_sets  # noqa: E402
-from common import environment, write_json  # noqa: E402
+from ab_common import add_run_arguments, grid_texts, option_sets
+from common import environment, write_json
 
-import dspec  # noqa: E402
+import dspec
 
 
 class _Timed:

@@ -17,10 +17,10 @@ if not torch.cuda.is_available():
 # exactness checks of the suite are stated in float32 whatever CPU runs them
 os.environ.setdefault("DSPEC_DTYPE", "float32")
 
-import pytest  # noqa: E402
+import pytest
 
-import dspec  # noqa: E402
-from dspec import _backend  # noqa: E402
+import dspec
+from dspec import _backend
 
 #: the ``masks_sim`` fixture (the CUDA mask kernels in the host simulator of tests/cuda_sim)
 pytest_plugins = ["masks_sim"]

@@ -252,7 +252,7 @@ def test_paged_prefix_equals_ragged(device, backend, page_size):
         t = torch.arange(int(lens[b]))
         cache_k[table[b].long()[t // page_size], t % page_size] = pk[int(indptr[b]) + t]
         cache_v[table[b].long()[t // page_size], t % page_size] = pv[int(indptr[b]) + t]
-    dev = lambda t: t.to(device)  # noqa: E731
+    dev = lambda t: t.to(device)
     paged = dspec.cascade_attention(dev(q), dev(k), dev(v), dev(words), prefix_k=dev(cache_k),
                                     prefix_v=dev(cache_v), prefix_page_table=dev(table),
                                     prefix_lens=dev(lens), return_lse=True, backend=backend)

@@ -104,7 +104,7 @@ def test_triton_small_tiles_and_splits():
     for qq in (None, q):
         exp = reference.verify_chain(drafts, logits, draft_probs=qq, num_drafts=n, temperature=0.8,
                                      coins=coins, sample_uniforms=u)
-        dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+        dev = lambda t: None if t is None else t.to(device)
         same(verify_chain_triton(dev(drafts), dev(logits), dev(qq), dev(n), 0.8, dev(coins), dev(u),
                                  block=64), exp)
     tokens, parents, logits, coins, u = random_tree(7, 12, 700, 5)

@@ -556,7 +556,7 @@ def test_cuda_chain_several_tiles_and_splits(dtype, batch, length, vocab, temper
     for qq in ((None, q) if temperature > 0 else (None,)):
         exp = reference.verify_chain(drafts, logits, draft_probs=qq, num_drafts=n, temperature=temperature,
                                      coins=coins, sample_uniforms=u)
-        dev = (lambda t: None if t is None else t.cuda())  # noqa: E731
+        dev = (lambda t: None if t is None else t.cuda())
         out = dspec.verify_chain(dev(drafts), dev(logits), draft_probs=dev(qq), num_drafts=dev(n),
                                  temperature=temperature, coins=dev(coins), sample_uniforms=dev(u), backend="cuda")
         close(out, exp)
@@ -583,7 +583,7 @@ def test_cuda_graph_capture():
     args = [t.cuda() for t in (drafts, logits, q, n, coins, u)]
     dspec.config.validate_values = False
     try:
-        run = lambda: dspec.verify_chain(args[0], args[1], draft_probs=args[2], num_drafts=args[3],  # noqa: E731
+        run = lambda: dspec.verify_chain(args[0], args[1], draft_probs=args[2], num_drafts=args[3],
                                          temperature=1.0, coins=args[4], sample_uniforms=args[5], backend="cuda")
         run()
         torch.cuda.synchronize()
