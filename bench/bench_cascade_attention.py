@@ -725,9 +725,11 @@ def headline_lines(payload: dict, markdown: bool = False) -> list[str]:
 
 
 def fused_split_lines(payload: dict, markdown: bool = False) -> list[str]:
-    """Per case: auto (its splits), auto without value checks, fused, forced split µs; which schedule wins; auto / best."""
+    """Per case: auto (its splits), auto without value checks, fused, forced split µs; which schedule wins;
+    auto / best."""
     groups = _by_case(payload.get("results", []))
-    header = ["case", "auto µs (splits)", "unchecked µs", "fused µs", "split µs (splits)", "winner", "auto / best forced"]
+    header = ["case", "auto µs (splits)", "unchecked µs", "fused µs", "split µs (splits)", "winner",
+              "auto / best forced"]
     lines = []
     for case, g in groups.items():
         fused = g.get(FUSED)
@@ -887,7 +889,8 @@ def main_cpu(args) -> int:
                  if (not args.match or args.match in cpu_case_name(c))
                  and (args.dtype is None or c["dtype"] == args.dtype)]
     rec = common.Recorder(CPU_BENCH, args, device, bw, {
-        "variants": variants, "threads": threads, "cpp_isa": {"fp32": dspec._backend.extension().cascade_attention_isa(0, 64),
+        "variants": variants, "threads": threads,
+        "cpp_isa": {"fp32": dspec._backend.extension().cascade_attention_isa(0, 64),
                     "bf16": dspec._backend.extension().cascade_attention_isa(2, 64)}
         if dspec._backend.cpp_available() else None,
         "suffix_mask": "causal; dspec: packed int32 words [N, ceil(N/32)] shared by the batch",

@@ -208,7 +208,8 @@ def _chain_args():
     (lambda d, l: dspec.verify_chain(d, l, draft_probs=torch.zeros(2, 3, 9)), "draft_probs must have shape"),
     (lambda d, l: dspec.verify_chain(d, l, temperature=1.0, coins=torch.zeros(2, 2)), "coins must have shape"),
     (lambda d, l: dspec.verify_chain(d, l, temperature=1.0, coins=torch.ones(2, 3)), r"\[0, 1\)"),
-    (lambda d, l: dspec.verify_chain(d, l, temperature=1.0, sample_uniforms=torch.zeros(3)), "sample_uniforms must have shape"),
+    (lambda d, l: dspec.verify_chain(d, l, temperature=1.0, sample_uniforms=torch.zeros(3)),
+     "sample_uniforms must have shape"),
     (lambda d, l: dspec.verify_chain(d, l, temperature=float("nan")), "temperature"),
 ])
 def test_chain_bad_input(call, match):

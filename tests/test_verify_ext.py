@@ -146,8 +146,9 @@ def test_cpp_edge_cases():
              reference.verify_chain(torch.zeros(3, 0, dtype=torch.int64), logits, **kw))
         logits = torch.randn(2, 1, 5)
         kw = dict(temperature=t, coins=torch.rand(2, 1), sample_uniforms=torch.rand(2))
-        same(dspec.verify_tree(torch.zeros(2, 1, dtype=torch.int64), torch.full((2, 1), -1), logits, backend="cpp", **kw),
-             reference.verify_tree(torch.zeros(2, 1, dtype=torch.int64), torch.full((2, 1), -1), logits, **kw))
+        tok, parents = torch.zeros(2, 1, dtype=torch.int64), torch.full((2, 1), -1)
+        same(dspec.verify_tree(tok, parents, logits, backend="cpp", **kw),
+             reference.verify_tree(tok, parents, logits, **kw))
     # invalid rows: NaN, +inf, all -inf -> the row stops there with final token -1
     logits, drafts, _, _, coins, u = chain_case(3, 4, 30, torch.float32, 1, with_q=False)
     drafts[:] = logits.argmax(-1)[:, :4]
