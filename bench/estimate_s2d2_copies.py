@@ -26,9 +26,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import grid_texts
-
 import dspec
+from ab_common import grid_texts
 from dspec.decode.diffusion import prefill_prompt_blocks
 from dspec.masks import block_diffusion
 from dspec.models import AttentionPlan

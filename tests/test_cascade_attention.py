@@ -5,10 +5,9 @@ import pytest
 import torch
 
 import dspec
-from dspec import _backend
-from dspec.reference import attention as reference
-from dspec.reference import pack_mask as pack_reference
 from conftest import backends_for, device_backends
+from dspec import _backend
+from dspec.reference import attention as reference, pack_mask as pack_reference
 
 PROVIDED = ("torch", "triton", "cpp")
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import dspec
+from conftest import device_backends
 from dspec import _backend
 from dspec.reference.pack_mask import pack_mask as ref_pack, unpack_mask as ref_unpack
-from conftest import device_backends
 
 
 def oracle_pack(mask: torch.Tensor) -> torch.Tensor:

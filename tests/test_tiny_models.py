@@ -9,7 +9,6 @@ import torch
 import dspec
 from dspec import hub, tasks
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import dspec
+from conftest import device_backends
 from dspec import _backend
 from dspec.ops import masks as ops_masks
 from dspec.reference.pack_mask import pack_mask as ref_pack
 from dspec.reference.tree_mask import tree_mask as ref_tree
-from conftest import device_backends
 
 
 def oracle(parents: torch.Tensor):

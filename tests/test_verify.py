@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import dspec
-from dspec.reference import verify as reference
 from conftest import DEVICES, backends_for, device_backends
+from dspec.reference import verify as reference
 
 PROVIDED = ("torch", "triton", "cuda", "cpp")
 LOGIT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
