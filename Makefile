@@ -2,7 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip
 
-.PHONY: install demo test test-fast bench-cpu clean
+.PHONY: install demo lint test test-fast bench-cpu clean
 
 install:
 	$(PIP) install -q torch==2.13.0
@@ -13,6 +13,10 @@ install:
 # README's first command: install, then decode with the embedded default model (SmolLM2-135M)
 demo: install
 	$(PY) -m dspec generate --prompt "What is the capital of France?" --max-new-tokens 32
+
+# ruff (pyproject.toml [tool.ruff]); .ci/run runs it after the install, before the tests
+lint:
+	$(PY) -m ruff check dspec tests bench examples
 
 # the C++ kernels' tests again at each lower instruction-set level (DSPEC_CPU_ISA caps the
 # code every kernel may run; a level the CPU lacks changes nothing; the Triton cases do not

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows  # noqa: E402
-from common import environment, write_json  # noqa: E402
+from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows
+from common import environment, write_json
 
-import dspec  # noqa: E402
-from dspec.hub import ADAPTED  # noqa: E402
-from dspec.train.mask_adapter import load_mask_adapter  # noqa: E402
+import dspec
+from dspec.hub import ADAPTED
+from dspec.train.mask_adapter import load_mask_adapter
 
 
 def load_adapted(name: str, base_name: str):

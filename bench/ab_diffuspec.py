@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows  # noqa: E402
-from common import environment, write_json  # noqa: E402
-
-import dspec  # noqa: E402
-from dspec.decode import diffuspec  # noqa: E402
+import dspec
+from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows
+from common import environment, write_json
+from dspec.decode import diffuspec
 
 
 @contextlib.contextmanager

@@ -3,8 +3,8 @@
 This VM's memory bandwidth moves between processes, so a drafter round is judged against the
 previous one inside one run: for every prompt (the e2e grid's sets, chat-wrapped as the grid
 wraps them) ``ar``, then ``dflash`` and ``dflash-adaptive`` (row_cost 0.06) with each drafter,
-both verifying the chain (``tree=None``), interleaved, greedy, batch 1.  Reports per prompt set and pooled: tok/s, the ratio to ``ar``,
-tokens committed per verification (weighted by cycles) and outputs that differ from ``ar``'s
+both verifying the chain (``tree=None``), interleaved, greedy, batch 1.  Reports per prompt set and pooled:
+tok/s, the ratio to ``ar``, tokens committed per verification (weighted by cycles) and outputs that differ from ``ar``'s
 (``ab_common.py``).  ``--vp-drafters`` (one per DFlash drafter, in the same order, or any
 number with one DFlash drafter) adds per pair the two D2SD settings of the e2e grid, K = 2,
 re-drafting in every cycle (``redraft_min=0``): ``d2sd-chain`` (the papers': the first draft
@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import Arm, add_run_arguments, grid_texts, option_sets, run_interleaved, summary_rows  # noqa: E402
-from common import environment, write_json  # noqa: E402
+from ab_common import Arm, add_run_arguments, grid_texts, option_sets, run_interleaved, summary_rows
+from common import environment, write_json
 
-import dspec  # noqa: E402
-from dspec.models.dflash import resolve_drafter  # noqa: E402
+import dspec
+from dspec.models.dflash import resolve_drafter
 
 
 def main(argv=None) -> dict:

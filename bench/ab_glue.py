@@ -24,14 +24,14 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows  # noqa: E402
-from common import environment, write_json  # noqa: E402
+from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows
+from common import environment, write_json
 
-import dspec  # noqa: E402
-import dspec.decode.dflash as dflash_mod  # noqa: E402
-import dspec.models.kv_cache as kv_cache_mod  # noqa: E402
-from dspec import _validate  # noqa: E402
-from dspec.models.dflash import BlockDrafter  # noqa: E402
+import dspec
+import dspec.decode.dflash as dflash_mod
+import dspec.models.kv_cache as kv_cache_mod
+from dspec import _validate
+from dspec.models.dflash import BlockDrafter
 
 
 @contextlib.contextmanager

@@ -17,10 +17,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows  # noqa: E402
-from common import environment, write_json  # noqa: E402
-
-import dspec  # noqa: E402
+import dspec
+from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows
+from common import environment, write_json
 
 CONFIGS = (("diffusion-static-1", "diffusion", {"tokens_per_step": 1}), ("ssd", "ssd", {}),
            ("ssd-d2", "ssd", {"draft_len": 2, "mixed_order": False}), ("s2d2-always", "s2d2", {"policy": "always"}))

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, measure_bandwidth, out_dir, write_json  # noqa: E402
+from common import environment, measure_bandwidth, out_dir, write_json
 
 
 def _prompts(n: int) -> list[str]:

@@ -65,11 +65,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
 
-import common  # noqa: E402
+import common
 
 BENCH = "cascade_attention"
 OP = "cascade_attention"
@@ -98,7 +98,7 @@ class _Stopped(Exception):
     """Raised by the SIGTERM handler (the suite's `timeout`): finish with what was measured."""
 
 
-def _on_term(signum, frame):  # noqa: ARG001
+def _on_term(signum, frame):
     raise _Stopped(f"signal {signum}")
 
 
@@ -298,11 +298,11 @@ def load_flashinfer(device: str):
     if device != "cuda":
         return None, "flashinfer unavailable: CUDA only (device is cpu)"
     try:
-        import flashinfer  # noqa: PLC0415
-        import flashinfer.cascade  # noqa: PLC0415, F401
-        import flashinfer.prefill  # noqa: PLC0415, F401
-        flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper  # noqa: B018
-        flashinfer.cascade.merge_state  # noqa: B018
+        import flashinfer
+        import flashinfer.cascade
+        import flashinfer.prefill
+        flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper
+        flashinfer.cascade.merge_state
     except Exception as exc:  # noqa: BLE001 - any import/ABI failure just disables the baseline
         return None, f"flashinfer unavailable: {type(exc).__name__}: {exc}"
     return flashinfer, None
@@ -434,7 +434,7 @@ def main(argv=None) -> int:
     variants = common.select(variants, wanted)
     reps, warmup = common.reps_for(args, device, default_gpu=20, default_cpu=5, quick=3)
     flush = not args.no_flush
-    sdpa_ctx_factory = lambda: sdpa_context(device)  # noqa: E731
+    sdpa_ctx_factory = lambda: sdpa_context(device)
     sdpa_kernels = sdpa_context(device)[1]
     mem_limit = int(args.mem_limit_gib * 2**30) if device == "cuda" else None
     all_cases = [c for c in cases(device, args.quick) if not args.match or args.match in case_name(c)]
@@ -560,7 +560,7 @@ def main(argv=None) -> int:
                                 raise
                             rec.payload["env"]["sdpa_fallback"] = \
                                 f"{name} {v}: {type(exc).__name__}: {str(exc)[:200]}"
-                            ctx = lambda: sdpa_context(device, ("EFFICIENT_ATTENTION",))  # noqa: E731
+                            ctx = lambda: sdpa_context(device, ("EFFICIENT_ATTENTION",))
                             with ctx()[0]:
                                 got = fn()
                         extra["sdpa_kernels"] = ctx()[1]
@@ -609,7 +609,7 @@ def main(argv=None) -> int:
                 rec.add([row])
                 fn = None
                 common.free_cuda(device)
-            del x, ref
+            x = ref = None  # frees the tensors; not `del`: closures above read them
             common.free_cuda(device)
     except _Stopped as exc:
         stopped = f"stopped by {exc} after {len({r['case'] for r in rec.rows})} cases"
@@ -725,9 +725,11 @@ def headline_lines(payload: dict, markdown: bool = False) -> list[str]:
 
 
 def fused_split_lines(payload: dict, markdown: bool = False) -> list[str]:
-    """Per case: auto (its splits), auto without value checks, fused, forced split µs; which schedule wins; auto / best."""
+    """Per case: auto (its splits), auto without value checks, fused, forced split µs; which schedule wins;
+    auto / best."""
     groups = _by_case(payload.get("results", []))
-    header = ["case", "auto µs (splits)", "unchecked µs", "fused µs", "split µs (splits)", "winner", "auto / best forced"]
+    header = ["case", "auto µs (splits)", "unchecked µs", "fused µs", "split µs (splits)", "winner",
+              "auto / best forced"]
     lines = []
     for case, g in groups.items():
         fused = g.get(FUSED)
@@ -887,7 +889,8 @@ def main_cpu(args) -> int:
                  if (not args.match or args.match in cpu_case_name(c))
                  and (args.dtype is None or c["dtype"] == args.dtype)]
     rec = common.Recorder(CPU_BENCH, args, device, bw, {
-        "variants": variants, "threads": threads, "cpp_isa": {"fp32": dspec._backend.extension().cascade_attention_isa(0, 64),
+        "variants": variants, "threads": threads,
+        "cpp_isa": {"fp32": dspec._backend.extension().cascade_attention_isa(0, 64),
                     "bf16": dspec._backend.extension().cascade_attention_isa(2, 64)}
         if dspec._backend.cpp_available() else None,
         "suffix_mask": "causal; dspec: packed int32 words [N, ceil(N/32)] shared by the batch",
@@ -950,7 +953,7 @@ def main_cpu(args) -> int:
                 if sd is not None and r["median_us"] > 0:
                     r["speedup_vs_sdpa"] = round(sd["median_us"] / r["median_us"], 2)
             rec.add(case_rows)
-            del x
+            x = None  # frees the tensors; not `del`: closures above read them
     except _Stopped as exc:
         stopped = f"stopped by {exc} after {len({(r['case'], r['dtype']) for r in rec.rows})} cases"
         print(f"[{CPU_BENCH}] {stopped}", file=sys.stderr)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run from a checkout
 
-from dspec.bench_e2e import main  # noqa: E402
+from dspec.bench_e2e import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="bench/bench_e2e.py"))

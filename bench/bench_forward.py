@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, measure_bandwidth, out_dir, write_json  # noqa: E402
+from common import environment, measure_bandwidth, out_dir, write_json
 
 SUFFIX = (1, 2, 4, 8, 16, 32, 64)
 PREFIX = (256, 2048)

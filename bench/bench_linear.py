@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DTYPE_NAMES, DTYPES, Recorder, base_parser, make_row, reps_for, setup, time_fn  # noqa: E402
+from common import DTYPE_NAMES, DTYPES, Recorder, base_parser, make_row, reps_for, setup, time_fn
 
 # (name, N, K) of SmolLM2-135M: q / o, k / v, gate / up, down, the tied LM head
 SHAPES = (("q_proj", 576, 576), ("k_proj", 192, 576), ("gate_proj", 1536, 576), ("down_proj", 576, 1536),

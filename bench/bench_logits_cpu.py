@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, measure_bandwidth, out_dir, time_fn, write_json  # noqa: E402
+from common import environment, measure_bandwidth, out_dir, time_fn, write_json
 
 
 def cases(batch: int, length: int, vocab: int, dtype: torch.dtype):

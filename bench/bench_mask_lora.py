@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, out_dir, write_json  # noqa: E402
+from common import environment, out_dir, write_json
 
 # (k, n) of SmolLM2-135M's q, k, v, o, gate, up, down
 SHAPES = ((576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576))
@@ -129,7 +129,8 @@ def main(argv=None) -> int:
         rows.append({"rows": m, "threads": t, "arm": name, "median_us": med, "p20_us": s[len(s) // 5],
                      "p80_us": s[(4 * len(s)) // 5], "us_per_row_layer": med / m / LAYERS, "GFLOP_s": flops / med / 1e3,
                      "raw_us": [round(x, 1) for x in v]})
-        print(f"M {m:3d} threads {t} {name:12s} {med:9.1f} us per forward ({med / m / LAYERS:6.2f} us per row and layer, "
+        print(f"M {m:3d} threads {t} {name:12s} {med:9.1f} us per forward "
+              f"({med / m / LAYERS:6.2f} us per row and layer, "
               f"{flops / med / 1e3:6.1f} GFLOP/s)", flush=True)
     payload = {"bench": "mask_lora", "env": env, "loadavg_end": loadavg(),
                "shape": {"layers": LAYERS, "rank": RANK, "projections": SHAPES, "dtype": "bfloat16",

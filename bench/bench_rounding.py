@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, out_dir, write_json  # noqa: E402
+from common import environment, out_dir, write_json
 
 
 @torch.no_grad()

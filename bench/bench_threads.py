@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, out_dir, write_json  # noqa: E402
+from common import environment, out_dir, write_json
 
 CHILD = r"""
 import json, sys, torch, dspec

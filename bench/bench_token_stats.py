@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
-import common  # noqa: E402
+import common
 
 BENCH = "token_stats"
 PROVIDED = ("torch", "triton", "cuda", "cpp")

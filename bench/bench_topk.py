@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
-import common  # noqa: E402
+import common
 
 BENCH = "topk"
 PROVIDED = ("torch", "triton")
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                     op=op, backend=name, case=case, params={"k": k, "rows": rows, "V": vocab},
                     dtype=dname, timing=t, bytes_moved=nbytes, copy_GBs=rec.copy_GBs, check=check))
         rec.add(out_rows)
-        del x
+        x = None  # frees the tensors; not `del`: closures above read them
         common.free_cuda(device)
 
     rec.finish(no_plot=args.no_plot)

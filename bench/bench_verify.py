@@ -39,10 +39,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
-import common  # noqa: E402
+import common
 
 BENCH = "verify"
 PROVIDED = ("torch", "triton")
@@ -114,8 +114,8 @@ def load_flashinfer(device: str):
     if device != "cuda":
         return None, "flashinfer unavailable: CUDA only (device is cpu)"
     try:
-        import flashinfer  # noqa: PLC0415
-        import flashinfer.sampling  # noqa: PLC0415, F401
+        import flashinfer
+        import flashinfer.sampling
         fn = flashinfer.sampling.chain_speculative_sampling
         inspect.signature(fn)
     except Exception as exc:  # noqa: BLE001 - any import/ABI failure just disables the anchor
@@ -436,9 +436,9 @@ def main(argv=None) -> int:
                         if base in by and r["median_us"] > 0:
                             r[field] = round(by[base]["median_us"] / r["median_us"], 2)
                 rec.add([row])  # written per backend: a hung/killed later backend loses nothing
-            del q, ref, fns
+            q = ref = fns = None  # frees the tensors; not `del`: closures above read them
             common.free_cuda(device)
-        del logits
+        logits = None  # frees the tensors; not `del`: closures above read them
         common.free_cuda(device)
 
     rec.finish(plot_kwargs={"panel_keys": ("op", "mode")}, no_plot=args.no_plot)

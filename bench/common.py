@@ -195,7 +195,7 @@ def measure_bandwidth(device: str, *, quick: bool = False) -> dict:
     reps = 10 if device == "cuda" else 5
     t_copy = time_fn(lambda: dst.copy_(src), device, reps=reps, warmup=2, flush=False)
     t_read = time_fn(lambda: src.sum(), device, reps=reps, warmup=2, flush=False)
-    del src, dst
+    src = dst = None  # frees the tensors; not `del`: closures above read them
     if device == "cuda":
         torch.cuda.empty_cache()
     return {

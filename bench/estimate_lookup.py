@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import grid_texts  # noqa: E402
+from ab_common import grid_texts
 
-import dspec  # noqa: E402
-from dspec.decode import dflash  # noqa: E402
-from dspec.decode.lookup import suffix_match_drafts  # noqa: E402
+import dspec
+from dspec.decode import dflash
+from dspec.decode.lookup import suffix_match_drafts
 
 
 def main(argv=None):

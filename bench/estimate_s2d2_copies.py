@@ -26,12 +26,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import grid_texts  # noqa: E402
-
-import dspec  # noqa: E402
-from dspec.decode.diffusion import prefill_prompt_blocks  # noqa: E402
-from dspec.masks import block_diffusion  # noqa: E402
-from dspec.models import AttentionPlan  # noqa: E402
+import dspec
+from ab_common import grid_texts
+from dspec.decode.diffusion import prefill_prompt_blocks
+from dspec.masks import block_diffusion
+from dspec.models import AttentionPlan
 
 
 @torch.no_grad()

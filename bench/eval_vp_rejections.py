@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import grid_texts  # noqa: E402
-from common import environment, write_json  # noqa: E402
+from ab_common import grid_texts
+from common import environment, write_json
 
-import dspec  # noqa: E402
-from dspec.models.dflash import load_drafter, resolve_drafter  # noqa: E402
-from dspec.ops import rejection_boundaries  # noqa: E402
-from dspec.train.dflash import (DrafterTrainConfig, DrafterTrainer, make_blocks, pad_sequences,  # noqa: E402
+import dspec
+from dspec.models.dflash import load_drafter, resolve_drafter
+from dspec.ops import rejection_boundaries
+from dspec.train.dflash import (DrafterTrainConfig, DrafterTrainer, make_blocks, pad_sequences,
                                 rejection_prefixes, target_hidden)
 
 

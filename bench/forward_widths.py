@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import add_run_arguments, grid_texts, option_sets  # noqa: E402
-from common import environment, write_json  # noqa: E402
-
-import dspec  # noqa: E402
+import dspec
+from ab_common import add_run_arguments, grid_texts, option_sets
+from common import environment, write_json
 
 
 class _Timed:

@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_json  # noqa: E402
+from common import environment, write_json
 
-import dspec  # noqa: E402
-from dspec.hub import ADAPTED, adapter_dir  # noqa: E402
-from dspec.train.data_engine import read_directories  # noqa: E402
-from dspec.train.lora import base_fingerprint  # noqa: E402
-from dspec.train.mask_adapter import MaskAdapterConfig, MaskAdapterTrainer, load_mask_adapter  # noqa: E402
+import dspec
+from dspec.hub import ADAPTED, adapter_dir
+from dspec.train.data_engine import read_directories
+from dspec.train.lora import base_fingerprint
+from dspec.train.mask_adapter import MaskAdapterConfig, MaskAdapterTrainer, load_mask_adapter
 
 
 def main(argv=None) -> dict:

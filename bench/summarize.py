@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
+import common
 
 BACKEND_ORDER = ["torch", common.ANCHOR, "torch_plain", "sdpa_dense", "sdpa_branch", "flashinfer",
                  "flashinfer_mask", "flashinfer_cascade", "triton", "triton_fused", "cuda", "cpp"]
@@ -104,7 +104,7 @@ def verify_headline(benches: dict, markdown: bool = True) -> list[str]:
     if not data:
         return []
     try:
-        import bench_verify  # noqa: PLC0415 - same folder (sys.path set above)
+        import bench_verify  # same folder (sys.path set above)
     except Exception as exc:  # noqa: BLE001
         return [f"(verify headline unavailable: cannot import bench_verify: {exc!r})", ""]
     lines = bench_verify.headline_lines(data, markdown=markdown)
@@ -121,7 +121,7 @@ def cascade_headline(benches: dict, markdown: bool = True) -> list[str]:
     if not data:
         return []
     try:
-        import bench_cascade_attention as bca  # noqa: PLC0415 - same folder
+        import bench_cascade_attention as bca  # same folder
     except Exception as exc:  # noqa: BLE001
         return [f"(cascade_attention headline unavailable: cannot import its bench: {exc!r})", ""]
     lines = bca.headline_lines(data, markdown=markdown)

@@ -206,7 +206,7 @@ def main(argv=None) -> int:
                          f"w{r['num_warps']} s{r['num_stages']} S{r['num_splits']}")
         print(line, flush=True)
         Path(args.out).write_text(json.dumps(payload, indent=1))
-        del x, ref
+        x = ref = None  # frees the tensors; not `del`: closures above read them
         if device == "cuda":
             torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(payload, indent=1))

@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import dspec  # noqa: E402
-from dspec.kernels.token_stats import token_stats_triton  # noqa: E402
-from dspec.reference.token_stats import token_stats as reference  # noqa: E402
+import dspec
+from dspec.kernels.token_stats import token_stats_triton
+from dspec.reference.token_stats import token_stats as reference
 
 BLOCKS = (1024, 2048, 4096, 8192)
 WARPS = (4, 8, 16)

@@ -7,7 +7,7 @@ from .ops import (CascadeAttentionPlan, boundary_posterior, cascade_attention, e
                   mass_candidates, merge_states, pack_mask, rejection_boundaries, token_stats,
                   topk_tokens, tree_mask, unpack_mask, verify_chain, verify_tree)
 from .types import TokenStats, TreeMask, TreeVerifyOutput, VerifyOutput
-from . import masks  # noqa: E402  (suffix-mask builders: dspec.masks)
+from . import masks  # suffix-mask builders: dspec.masks
 from .decode import Generation, generate
 from .hub import load
 

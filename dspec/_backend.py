@@ -58,7 +58,7 @@ def check_cpu_isa_env() -> str | None:
 def _load_extension():
     check_cpu_isa_env()
     try:
-        from dspec import _C  # noqa: PLC0415
+        from dspec import _C
     except ImportError:
         return None
     return _C

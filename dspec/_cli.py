@@ -2,8 +2,8 @@
 
 * :func:`run_command`: the one place where a command's user errors become a one-line
   ``error: ...`` on stderr with exit status 2 (no traceback), a failed allocation one line
-  with status 1, and Ctrl-C a quiet exit with status 130.  ``python -m dspec`` (generate, bench), ``python -m dspec.bench_e2e`` and the
-  training commands (``python -m dspec.train ...``) all run through it.
+  with status 1, and Ctrl-C a quiet exit with status 130.  ``python -m dspec`` (generate, bench),
+  ``python -m dspec.bench_e2e`` and the training commands (``python -m dspec.train ...``) all run through it.
 * :func:`dumps` / :func:`finite`: strict JSON (RFC 8259): non-finite floats (NaN, +-inf,
   which ``json.dumps`` writes as the non-JSON literals ``NaN`` / ``Infinity``) become
   ``null``, and ``allow_nan=False`` guarantees that nothing else slips through.

@@ -17,9 +17,13 @@ if not torch.cuda.is_available():
 # exactness checks of the suite are stated in float32 whatever CPU runs them
 os.environ.setdefault("DSPEC_DTYPE", "float32")
 
-import pytest  # noqa: E402
+import pytest
 
-from dspec import _backend  # noqa: E402
+import dspec
+from dspec import _backend
+
+#: the ``masks_sim`` fixture (the CUDA mask kernels in the host simulator of tests/cuda_sim)
+pytest_plugins = ["masks_sim"]
 
 #: the data engine's default prompt mix streams ShareGPT from this package
 #: (requirements-nodeps.txt); a machine without the project's data packages skips such tests
@@ -79,3 +83,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ar():
+    """The shipped tiny-ar model (causal, Qwen3)."""
+    return dspec.load("tiny-ar")
+
+
+@pytest.fixture(scope="module")
+def bd():
+    """The shipped tiny-bd model (SDAR block diffusion, block size 8)."""
+    return dspec.load("tiny-bd")

@@ -1,7 +1,7 @@
 """The CUDA kernels of csrc/pack_mask.cu and csrc/tree_mask.cu run by the host simulator of
 tests/cuda_sim (no GPU needed): a session fixture that builds them and Python callers.
 
-Import the fixture into a test module with ``from masks_sim import masks_sim``.
+conftest.py registers this module as a plugin: every test module can take the fixture.
 """
 import ctypes
 import pathlib

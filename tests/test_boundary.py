@@ -2,8 +2,8 @@ import pytest
 import torch
 
 import dspec
-from dspec.reference import boundary as reference
 from conftest import assert_close_nan, device_backends
+from dspec.reference import boundary as reference
 
 PROVIDED = ("torch", "triton")
 DTYPES = [(torch.float32, 1e-30, 1e-4), (torch.float16, 1e-30, 1e-4), (torch.bfloat16, 1e-30, 1e-4)]

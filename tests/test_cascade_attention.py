@@ -5,10 +5,9 @@ import pytest
 import torch
 
 import dspec
-from dspec import _backend
-from dspec.reference import attention as reference
-from dspec.reference import pack_mask as pack_reference
 from conftest import backends_for, device_backends
+from dspec import _backend
+from dspec.reference import attention as reference, pack_mask as pack_reference
 
 PROVIDED = ("torch", "triton", "cpp")
 
@@ -252,7 +251,7 @@ def test_paged_prefix_equals_ragged(device, backend, page_size):
         t = torch.arange(int(lens[b]))
         cache_k[table[b].long()[t // page_size], t % page_size] = pk[int(indptr[b]) + t]
         cache_v[table[b].long()[t // page_size], t % page_size] = pv[int(indptr[b]) + t]
-    dev = lambda t: t.to(device)  # noqa: E731
+    dev = lambda t: t.to(device)
     paged = dspec.cascade_attention(dev(q), dev(k), dev(v), dev(words), prefix_k=dev(cache_k),
                                     prefix_v=dev(cache_v), prefix_page_table=dev(table),
                                     prefix_lens=dev(lens), return_lse=True, backend=backend)

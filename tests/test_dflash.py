@@ -440,7 +440,8 @@ def test_tree_batch_equals_singles_and_checks_its_option(target):
     assert batch[0].stats["tree"] == 6
     auto = resolve_tree(target, "auto", 0.0)                     # CPU_TREE_NODES on the tiles, the chain on AVX2
     assert dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4, drafter=d).stats["tree"] == auto
-    assert dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4, drafter=d, tree=None).stats["tree"] is None
+    chain = dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4, drafter=d, tree=None)
+    assert chain.stats["tree"] is None
     hot = dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4, drafter=d, temperature=1.0, seed=0)
     assert hot.stats["tree"] is None
 

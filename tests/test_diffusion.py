@@ -227,6 +227,7 @@ def test_block_ends_follows_extend_blocks_rule():
     """OutputBuffer.block_ends: a request ends inside its block exactly when outputting the
     block as it stands (uncommitted slots still [MASK]) would finish it."""
     import numpy as np
+
     from dspec.decode.outputs import OutputBuffer
     rng = np.random.default_rng(0)
     mask, eos, bs = 99, 7, 6

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import dspec
-from dspec.models import AttentionPlan
 from tiny_checkpoints import write_checkpoint
 
 

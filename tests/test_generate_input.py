@@ -6,9 +6,6 @@ import torch
 import dspec
 
 
-from test_tiny_models import ar, bd  # noqa: F401  (the shipped tiny models as fixtures)
-
-
 def test_context_length_checked_before_any_forward(ar, monkeypatch):
     ctx = ar.config.max_position_embeddings
     calls = []

@@ -11,7 +11,7 @@ from dspec.train.lora import (LoraConfig, apply_lora, base_fingerprint, load_ada
                               lora_state_dict, merge_lora, save_adapter)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_checkpoints import write_checkpoint  # noqa: E402
+from tiny_checkpoints import write_checkpoint
 
 
 def logits_of(model, seqs):

@@ -129,7 +129,7 @@ def test_distill_loss_and_agreement(base, bd):
     valid = torch.ones_like(clean, dtype=torch.bool)
     valid[1, 11:] = False
     starts = torch.tensor([2, 0])
-    g = lambda: torch.Generator().manual_seed(7)                       # noqa: E731 -- same noise per call
+    g = lambda: torch.Generator().manual_seed(7)                       # same noise per call
     plain = mask_adapter_loss(bd, clean, valid, starts, bs, generator=g())
     assert torch.isnan(plain.agree)
     for a in (0.0, 0.3, 1.0):

@@ -319,7 +319,8 @@ def test_plan_of_a_padded_tensor_with_lengths_equals_the_list_form(ckpts, attent
             assert (a is None and b is None) or torch.equal(a, b), field
     full = model.plan(padded, lengths=torch.tensor([5, 5, 5]))
     assert torch.equal(full.tokens, padded) and torch.equal(full.mask, model.plan(padded).mask)
-    for bad, match in ((torch.tensor([5, 0, 3]), "lengths must lie in"), (torch.tensor([5, 6, 3]), "lengths must lie in"),
+    for bad, match in ((torch.tensor([5, 0, 3]), "lengths must lie in"),
+                       (torch.tensor([5, 6, 3]), "lengths must lie in"),
                        (torch.tensor([5, 2]), "lengths must be host ints"),
                        (torch.tensor([5.0, 2.0, 3.0]), "lengths must be host ints")):
         with pytest.raises(ValueError, match=match):

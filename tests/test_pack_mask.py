@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import dspec
+from conftest import device_backends
 from dspec import _backend
 from dspec.reference.pack_mask import pack_mask as ref_pack, unpack_mask as ref_unpack
-from conftest import device_backends
 
 
 def oracle_pack(mask: torch.Tensor) -> torch.Tensor:
@@ -193,7 +193,7 @@ def test_ext_cuda_device_without_cuda_build():
 # ------------------------------------------------------------------------------------------
 # the CUDA kernels (csrc/pack_mask.cu) in the host simulator of tests/cuda_sim
 
-from masks_sim import masks_sim, sim_pack, sim_unpack  # noqa: E402,F401  (fixture)
+from masks_sim import sim_pack, sim_unpack  # noqa: E402  (the masks_sim fixture: conftest.py)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 31), (5, 32), (7, 33), (4, 64), (3, 100), (2, 257), (9, 1000)],

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import dspec
 from dspec import _cli
 from dspec.__main__ import main
 

@@ -28,16 +28,6 @@ METHODS = ("ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d
 AR_METHODS = ("ar", "diffuspec", "dflash", "d2sd")
 
 
-@pytest.fixture(scope="module")
-def ar():
-    return dspec.load("tiny-ar")
-
-
-@pytest.fixture(scope="module")
-def bd():
-    return dspec.load("tiny-bd")
-
-
 def _model_for(method, ar, bd):
     return ar if method in AR_METHODS else bd
 
@@ -226,6 +216,7 @@ def test_threads_on_one_mask_adapted_model(tmp_path):
 def test_mask_rows_survive_copies(tmp_path):
     import copy
     import pickle
+
     from tiny_checkpoints import trained_looking_mask_adapter, write_checkpoint
     base = dspec.load(write_checkpoint(tmp_path / "llama", "llama", seed=3), dtype="float32")
     model = trained_looking_mask_adapter(base, mask_token_id=5)

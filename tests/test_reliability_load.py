@@ -22,8 +22,6 @@ from dspec.models import load_checkpoint
 from dspec.models.dflash import BlockDrafter, load_drafter
 from tiny_checkpoints import write_checkpoint
 
-from test_tiny_models import ar, bd  # noqa: F401  (the shipped tiny models as fixtures)
-
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120
 
@@ -426,8 +424,7 @@ def test_drafter_fifo_is_refused_without_blocking(ar, drafter_dir):
 # ------------------------------------------------------------------- fuzzing
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 LOADER_EXAMPLES = int(os.environ.get("DSPEC_LOADER_FUZZ_EXAMPLES", "60"))
 LOADER_FUZZ = settings(max_examples=LOADER_EXAMPLES, deadline=None, derandomize=True, database=None,

@@ -204,7 +204,8 @@ def test_cascade_attention_bad_sm_scale(backend, scale):
 @pytest.mark.parametrize("scale", [0.5, 2, -0.25, 0.0, torch.tensor(0.5)])
 def test_cascade_attention_finite_sm_scale_agrees(backend, scale):
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(1, 3, 2, 8, generator=g), torch.randn(1, 3, 1, 8, generator=g), torch.randn(1, 3, 1, 8, generator=g)
+    q = torch.randn(1, 3, 2, 8, generator=g)
+    k, v = torch.randn(1, 3, 1, 8, generator=g), torch.randn(1, 3, 1, 8, generator=g)
     got = dspec.cascade_attention(q, k, v, sm_scale=scale, backend=backend)
     exp = ref_attention.cascade_attention(q.double(), k.double(), v.double(), sm_scale=float(scale))
     torch.testing.assert_close(got.double(), exp, atol=1e-5, rtol=1e-5)

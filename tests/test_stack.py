@@ -108,7 +108,7 @@ def test_a_bf16_valued_adapter_is_read_in_bf16_with_the_same_bits(base32, monkey
     adapted = [m for m in bd16.modules() if type(m) is MaskLoraLinear]
     assert all(m.lora_operands()[0].dtype is torch.bfloat16 for m in adapted)
     seqs = [_ids(6, 7) + [MASK, 60, MASK, MASK], _ids(6, 8) + [MASK] * 4]
-    run = lambda: bd16(bd16.plan(seqs, attention="block_causal", block_size=4), logits="all").logits  # noqa: E731
+    run = lambda: bd16(bd16.plan(seqs, attention="block_causal", block_size=4), logits="all").logits
     fused, per_op = _both(monkeypatch, run)
     assert stack._table(bd16).lora_dtype == 2
     real = MaskLoraLinear.lora_operands
@@ -139,7 +139,7 @@ def test_a_bf16_model_with_a_bf16_adapter_takes_the_packed_update(tmp_path, monk
     adapted = [m for m in bd16.modules() if type(m) is MaskLoraLinear]
     assert all((m.lora_packed() is not None) == amx for m in adapted)
     seqs = [_ids(6, 7) + [MASK, 60, MASK, MASK], _ids(2, 8) + [MASK] * 8, [MASK] * 12]
-    run = lambda: bd16(bd16.plan(seqs, attention="block_causal", block_size=4), logits="all").logits  # noqa: E731
+    run = lambda: bd16(bd16.plan(seqs, attention="block_causal", block_size=4), logits="all").logits
     torch.set_num_threads(threads)
     fused, per_op = _both(monkeypatch, run)
     assert all(p != 0 for p, a in zip(stack._table(bd16).lora_packed, stack._table(bd16).lora[::2]) if a) == amx
@@ -155,7 +155,7 @@ def test_a_strided_adapter_runs_fused_with_the_same_bits(tmp_path, monkeypatch):
     base = dspec.load(write_checkpoint(tmp_path, "llama", seed=3), dtype="float32")
     bd = trained_looking_mask_adapter(base, mask_token_id=MASK, seed=2)
     seqs = [_ids(6, 9) + [MASK, 61, MASK, MASK], _ids(5, 10) + [MASK] * 4]
-    run = lambda: bd(bd.plan(seqs, attention="block_causal", block_size=4), logits="all").logits  # noqa: E731
+    run = lambda: bd(bd.plan(seqs, attention="block_causal", block_size=4), logits="all").logits
     with torch.no_grad():
         want = run()
         for m in bd.modules():

@@ -9,18 +9,7 @@ import torch
 import dspec
 from dspec import hub, tasks
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
-
-
-@pytest.fixture(scope="module")
-def ar():
-    return dspec.load("tiny-ar")
-
-
-@pytest.fixture(scope="module")
-def bd():
-    return dspec.load("tiny-bd")
 
 
 def test_both_load_as_shipped_models(ar, bd):

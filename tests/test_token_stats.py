@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import dspec
-from dspec.reference.token_stats import token_stats as reference
 from conftest import assert_close_nan, device_backends
+from dspec.reference.token_stats import token_stats as reference
 
 # (dtype, atol, rtol): every backend upcasts to float32, so the tolerance is float32
 # accumulation error over V terms, not the logits' precision.

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import dspec
-from dspec.reference import topk as reference
 from conftest import assert_close_nan, backends_for, device_backends
+from dspec.reference import topk as reference
 from test_token_stats import key_scan_rows, special_rows
 
 PROVIDED = ("torch", "triton", "cpp")

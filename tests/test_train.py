@@ -175,7 +175,8 @@ def test_resume_continues_identically(tokenizer, tmp_path):
     data = small_data(tokenizer)
     cfg = TrainConfig(objective="block_diffusion", batch_size=4, micro_batch_size=2, lr=5e-3, min_lr=5e-4,
                       warmup_steps=2, max_steps=6, eval_every=0, block_sizes=(1, 2, 4), checkpoint_every_s=1e9)
-    straight = Trainer(small_model("sdar", tokenizer.vocab_size), data, cfg, tmp_path / "a", mask_token_id=1, plot=False)
+    straight = Trainer(small_model("sdar", tokenizer.vocab_size), data, cfg, tmp_path / "a", mask_token_id=1,
+                       plot=False)
     straight.train(progress=False)
     first = Trainer(small_model("sdar", tokenizer.vocab_size), data, cfg, tmp_path / "b", mask_token_id=1, plot=False)
     first.train(max_steps=3, progress=False)

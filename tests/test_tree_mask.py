@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import dspec
+from conftest import device_backends
 from dspec import _backend
 from dspec.ops import masks as ops_masks
 from dspec.reference.pack_mask import pack_mask as ref_pack
 from dspec.reference.tree_mask import tree_mask as ref_tree
-from conftest import device_backends
 
 
 def oracle(parents: torch.Tensor):
@@ -247,7 +247,7 @@ def test_ext_constants():
 # ------------------------------------------------------------------------------------------
 # the CUDA kernel (csrc/tree_mask.cu) in the host simulator of tests/cuda_sim
 
-from masks_sim import masks_sim, sim_tree  # noqa: E402,F401  (fixture)
+from masks_sim import sim_tree  # noqa: E402  (the masks_sim fixture: conftest.py)
 
 
 @pytest.mark.parametrize("nodes", NODES)

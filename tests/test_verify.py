@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import dspec
-from dspec.reference import verify as reference
 from conftest import DEVICES, backends_for, device_backends
+from dspec.reference import verify as reference
 
 PROVIDED = ("torch", "triton", "cuda", "cpp")
 LOGIT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -104,7 +104,7 @@ def test_triton_small_tiles_and_splits():
     for qq in (None, q):
         exp = reference.verify_chain(drafts, logits, draft_probs=qq, num_drafts=n, temperature=0.8,
                                      coins=coins, sample_uniforms=u)
-        dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+        dev = lambda t: None if t is None else t.to(device)
         same(verify_chain_triton(dev(drafts), dev(logits), dev(qq), dev(n), 0.8, dev(coins), dev(u),
                                  block=64), exp)
     tokens, parents, logits, coins, u = random_tree(7, 12, 700, 5)
@@ -208,7 +208,8 @@ def _chain_args():
     (lambda d, l: dspec.verify_chain(d, l, draft_probs=torch.zeros(2, 3, 9)), "draft_probs must have shape"),
     (lambda d, l: dspec.verify_chain(d, l, temperature=1.0, coins=torch.zeros(2, 2)), "coins must have shape"),
     (lambda d, l: dspec.verify_chain(d, l, temperature=1.0, coins=torch.ones(2, 3)), r"\[0, 1\)"),
-    (lambda d, l: dspec.verify_chain(d, l, temperature=1.0, sample_uniforms=torch.zeros(3)), "sample_uniforms must have shape"),
+    (lambda d, l: dspec.verify_chain(d, l, temperature=1.0, sample_uniforms=torch.zeros(3)),
+     "sample_uniforms must have shape"),
     (lambda d, l: dspec.verify_chain(d, l, temperature=float("nan")), "temperature"),
 ])
 def test_chain_bad_input(call, match):

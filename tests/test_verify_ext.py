@@ -146,8 +146,9 @@ def test_cpp_edge_cases():
              reference.verify_chain(torch.zeros(3, 0, dtype=torch.int64), logits, **kw))
         logits = torch.randn(2, 1, 5)
         kw = dict(temperature=t, coins=torch.rand(2, 1), sample_uniforms=torch.rand(2))
-        same(dspec.verify_tree(torch.zeros(2, 1, dtype=torch.int64), torch.full((2, 1), -1), logits, backend="cpp", **kw),
-             reference.verify_tree(torch.zeros(2, 1, dtype=torch.int64), torch.full((2, 1), -1), logits, **kw))
+        tok, parents = torch.zeros(2, 1, dtype=torch.int64), torch.full((2, 1), -1)
+        same(dspec.verify_tree(tok, parents, logits, backend="cpp", **kw),
+             reference.verify_tree(tok, parents, logits, **kw))
     # invalid rows: NaN, +inf, all -inf -> the row stops there with final token -1
     logits, drafts, _, _, coins, u = chain_case(3, 4, 30, torch.float32, 1, with_q=False)
     drafts[:] = logits.argmax(-1)[:, :4]
@@ -556,7 +557,7 @@ def test_cuda_chain_several_tiles_and_splits(dtype, batch, length, vocab, temper
     for qq in ((None, q) if temperature > 0 else (None,)):
         exp = reference.verify_chain(drafts, logits, draft_probs=qq, num_drafts=n, temperature=temperature,
                                      coins=coins, sample_uniforms=u)
-        dev = (lambda t: None if t is None else t.cuda())  # noqa: E731
+        dev = (lambda t: None if t is None else t.cuda())
         out = dspec.verify_chain(dev(drafts), dev(logits), draft_probs=dev(qq), num_drafts=dev(n),
                                  temperature=temperature, coins=dev(coins), sample_uniforms=dev(u), backend="cuda")
         close(out, exp)
@@ -583,7 +584,7 @@ def test_cuda_graph_capture():
     args = [t.cuda() for t in (drafts, logits, q, n, coins, u)]
     dspec.config.validate_values = False
     try:
-        run = lambda: dspec.verify_chain(args[0], args[1], draft_probs=args[2], num_drafts=args[3],  # noqa: E731
+        run = lambda: dspec.verify_chain(args[0], args[1], draft_probs=args[2], num_drafts=args[3],
                                          temperature=1.0, coins=args[4], sample_uniforms=args[5], backend="cuda")
         run()
         torch.cuda.synchronize()

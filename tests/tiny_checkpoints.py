@@ -114,7 +114,8 @@ def family_weights(family: str, cfg: dict, *, seed=0, std=0.2) -> dict[str, torc
 
     out = {}
     if family == "llada":
-        h, nh, kvh, inter, v = cfg["d_model"], cfg["n_heads"], cfg["n_kv_heads"], cfg["mlp_hidden_size"], cfg["embedding_size"]
+        h, nh, kvh = cfg["d_model"], cfg["n_heads"], cfg["n_kv_heads"]
+        inter, v = cfg["mlp_hidden_size"], cfg["embedding_size"]
         d = h // nh
         p = "model.transformer."
         out[p + "wte.weight"] = rnd(v, h, scale=1.0)

@@ -13,8 +13,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dspec.kernels import (boundary, cascade_attention, pack_mask, token_stats, topk,  # noqa: E402
-                           tree_mask, verify)
+from dspec.kernels import boundary, cascade_attention, pack_mask, token_stats, topk, tree_mask, verify  # noqa: E402
 
 F32, I32, I64 = "*fp32", "*i32", "*i64"
 

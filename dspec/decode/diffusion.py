@@ -291,7 +291,6 @@ def _decode_bidirectional(model, prompts, *, max_new_tokens, temperature, genera
 
     rows = torch.arange(batch, device=dev)                      # requests still running
     while rows.numel():
-        n_rows = rows.numel()
         tokens = canvas[rows, : plan.tokens.shape[1]]
         first = plen[rows] + block[rows] * bs                   # current block's first position
         pos = first[:, None] + slots                            # [A, bs] canvas columns

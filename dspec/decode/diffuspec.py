@@ -174,7 +174,8 @@ def resolve_drafter(model, drafter):
                                  f"that shares its tokenizer.  {e}") from None
         if name not in SHIPPED_DRAFTERS:
             raise ValueError("method 'diffuspec' needs drafter= (a block-diffusion model sharing the target's "
-                             f"tokenizer); dspec ships drafters for {sorted(k for k, v in SHIPPED_DRAFTERS.items() if v)}")
+                             "tokenizer); dspec ships drafters for "
+                             f"{sorted(k for k, v in SHIPPED_DRAFTERS.items() if v)}")
         drafter = SHIPPED_DRAFTERS[name]
     if isinstance(drafter, (str, Path)):
         key = (str(drafter), str(model.device), model.dtype)

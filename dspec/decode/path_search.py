@@ -197,7 +197,8 @@ def _host(name: str, x, dtype, dim: int) -> np.ndarray:
     a = np.asarray(x)
     if a.dtype == np.bool_ or (np.issubdtype(dtype, np.integer) and not np.issubdtype(a.dtype, np.integer)
                                and a.size):
-        raise ValueError(f"{name} must hold {'integers' if np.issubdtype(dtype, np.integer) else 'numbers'}, got {a.dtype}")
+        raise ValueError(f"{name} must hold {'integers' if np.issubdtype(dtype, np.integer) else 'numbers'}, "
+                         f"got {a.dtype}")
     if a.ndim != dim:
         raise ValueError(f"{name} must have {dim} dimensions, got shape {list(a.shape)}")
     return np.ascontiguousarray(a, dtype=dtype)

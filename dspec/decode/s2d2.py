@@ -126,14 +126,14 @@ import torch
 from .. import _backend
 from ..models import AttentionPlan
 from ..ops import pack_mask, token_stats, verify_chain
-from .diffusion import PromptTails, prefill_prompt_blocks
-from .outputs import OutputBuffer
-from .sampling import request_streams, require_finite
-from .unmask import choose, pick_slots, rank_masked
 from ._bounds import check_rows
 from ._cpu_cost import resolve_boundary, resolve_redraft
 from ._selfspec import check_common
+from .diffusion import PromptTails, prefill_prompt_blocks
+from .outputs import OutputBuffer
 from .routing import ESTIMATORS, POLICIES, RoutingFeatures, make_router, span_score
+from .sampling import request_streams, require_finite
+from .unmask import choose, pick_slots, rank_masked
 
 OPTIONS = ("block_size", "threshold", "policy", "min_span", "score_threshold", "hysteresis",
            "ucb_c", "estimator", "draft_len", "redraft", "boundary")

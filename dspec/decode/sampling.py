@@ -73,7 +73,8 @@ class RequestStreams:
     rows share the step nor on when they finish, and a draw padded wider than the row needs
     holds the row's own draw as its prefix.  Draw 0 of a request seeded ``s`` is
     ``torch.Generator().manual_seed(s)``'s first values (for ``s < 2**32``).  The uniforms are
-    drawn on the host and copied to the device: the same uniforms on every device.  ``torch``'s global RNG is never read or advanced.
+    drawn on the host and copied to the device: the same uniforms on every device.  ``torch``'s global RNG is never
+    read or advanced.
     """
 
     def __init__(self, seeds, device="cpu"):

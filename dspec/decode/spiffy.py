@@ -83,7 +83,8 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
     if graph is None:
         d = graph_size if graph_size is not None else DEFAULT_GRAPH_SIZE
         check_rows(model, prompts, "graph_size" if graph_size is not None else "block_size",
-                   d if graph_size is not None else bs, (d + 2) * bs, f"(graph_size + 2) * block_size with graph_size = {d}")
+                   d if graph_size is not None else bs, (d + 2) * bs,
+                   f"(graph_size + 2) * block_size with graph_size = {d}")
         draft_graph = graphs.default_graph(model, bs, d, progress=progress is not None).graph
     else:
         if isinstance(graph, (str, Path)):

@@ -38,9 +38,9 @@ def choose(logits: torch.Tensor, temperature: float, generator=None,
     """Each slot's proposal and its confidence: ``next_tokens``' choice (the argmax, or a draw
     at T > 0, with ``uniforms`` [...] one per slot when given, else from ``generator``) and
     ``confidence`` of it.  logits [..., V] (float32, or bf16 on the CPU, whose
-    kernels widen it exactly) -> (tokens int64 [...], confidence float32 [...]).  Greedy takes both from one ``token_stats`` pass (the argmax
-    and the normaliser of the same call ``confidence`` would make: the same bits).  A row
-    holding NaN or inf raises ValueError (:func:`dspec.decode.sampling.require_finite`)."""
+    kernels widen it exactly) -> (tokens int64 [...], confidence float32 [...]).  Greedy takes both from one
+    ``token_stats`` pass (the argmax and the normaliser of the same call ``confidence`` would make: the same
+    bits).  A row holding NaN or inf raises ValueError (:func:`dspec.decode.sampling.require_finite`)."""
     if temperature <= 0:
         stats = token_stats(logits)
         tokens = require_finite(stats.token)

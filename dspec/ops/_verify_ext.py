@@ -13,6 +13,7 @@ import torch
 from .. import _backend, cpu
 from ..types import TreeVerifyOutput, VerifyOutput
 
+
 def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 

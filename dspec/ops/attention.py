@@ -5,8 +5,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import _backend, _library, _validate, cpu
-from ..reference import attention as _reference
-from ..reference import pack_mask as _pack_reference
+from ..reference import attention as _reference, pack_mask as _pack_reference
 
 _ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REFERENCE_DTYPES = _ATTN_DTYPES + (torch.float64,)

@@ -6,12 +6,10 @@ key ``32 w + j``; bits past the last key are 0.
 """
 from __future__ import annotations
 
-
 import torch
 
 from .. import _backend, _library, _validate
-from ..reference import pack_mask as _ref_pack
-from ..reference import tree_mask as _ref_tree
+from ..reference import pack_mask as _ref_pack, tree_mask as _ref_tree
 from ..types import TreeMask
 
 _PROVIDED = ("torch", "triton", "cuda", "cpp")

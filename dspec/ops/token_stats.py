@@ -8,7 +8,6 @@ from ..reference.token_stats import token_stats as _token_stats_reference
 from ..types import TokenStats
 
 
-
 def token_stats(logits: torch.Tensor, *, temperature: float = 1.0,
                 backend: str | None = None) -> TokenStats:
     """Per-row statistics of ``softmax(logits / temperature)`` from a single pass.
