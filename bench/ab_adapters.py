@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dspec
 from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows
 from common import environment, write_json
-
-import dspec
 from dspec.hub import ADAPTED
 from dspec.train.mask_adapter import load_mask_adapter
 

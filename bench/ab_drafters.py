@@ -31,10 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dspec
 from ab_common import Arm, add_run_arguments, grid_texts, option_sets, run_interleaved, summary_rows
 from common import environment, write_json
-
-import dspec
 from dspec.models.dflash import resolve_drafter
 
 

@@ -24,12 +24,11 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows
-from common import environment, write_json
-
 import dspec
 import dspec.decode.dflash as dflash_mod
 import dspec.models.kv_cache as kv_cache_mod
+from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows
+from common import environment, write_json
 from dspec import _validate
 from dspec.models.dflash import BlockDrafter
 

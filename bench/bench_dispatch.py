@@ -81,11 +81,10 @@ def child(args) -> dict:
     import torch.nn.functional as F
 
     import dspec
+    from common import environment
     from dspec import _backend
     from dspec.models import dense as dense_mod
     from dspec.models.transformer import RMSNorm, _rotate
-
-    from common import environment
     dspec.cpu.apply_threads(args.threads)
     torch.manual_seed(0)
     reps, warmup = (5, 2) if args.quick else (args.reps, 3)
@@ -196,8 +195,8 @@ def main() -> int:
     if args.child:
         print("CHILD-RESULT " + json.dumps(child(args)), flush=True)
         return 0
-    from dspec import _backend
     from common import write_json
+    from dspec import _backend
     ext = _backend.extension()
     if ext is None:
         raise SystemExit("bench_dispatch measures dspec._C: build it first")

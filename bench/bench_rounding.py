@@ -70,9 +70,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import dspec
     from dspec.bench_e2e import is_chat_model
-    from dspec.tasks import PROMPT_SETS, prompt_set
     from dspec.cpu import apply_threads
     from dspec.models.embedded import chat_prompt
+    from dspec.tasks import PROMPT_SETS, prompt_set
     apply_threads(args.threads)
     env = environment("cpu")
     rows = []

@@ -39,8 +39,8 @@ REPO_ROOT = BENCH_DIR.parent
 if str(REPO_ROOT) not in sys.path:  # run as `python bench/bench_x.py` from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
-from dspec.bench_e2e import device_name, device_slug  # noqa: E402  (one copy of the machine helpers)
 from dspec._cli import dumps  # noqa: E402  (strict JSON: non-finite floats as null)
+from dspec.bench_e2e import device_name, device_slug  # noqa: E402  (one copy of the machine helpers)
 
 ANCHOR = "chain"  # backend name of the naive multi-kernel PyTorch anchor rows
 REFERENCE = "torch"  # backend name of the dspec torch reference rows

@@ -20,9 +20,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_common import grid_texts
-
 import dspec
+from ab_common import grid_texts
 from dspec.decode import dflash
 from dspec.decode.lookup import suffix_match_drafts
 

@@ -28,14 +28,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dspec
 from ab_common import grid_texts
 from common import environment, write_json
-
-import dspec
 from dspec.models.dflash import load_drafter, resolve_drafter
 from dspec.ops import rejection_boundaries
-from dspec.train.dflash import (DrafterTrainConfig, DrafterTrainer, make_blocks, pad_sequences,
-                                rejection_prefixes, target_hidden)
+from dspec.train.dflash import (
+    DrafterTrainConfig,
+    DrafterTrainer,
+    make_blocks,
+    pad_sequences,
+    rejection_prefixes,
+    target_hidden,
+)
 
 
 def grid_sequences(model, prompts_per_set: int, max_new_tokens: int) -> tuple[list, list[str]]:

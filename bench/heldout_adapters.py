@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_json
-
 import dspec
+from common import environment, write_json
 from dspec.hub import ADAPTED, adapter_dir
 from dspec.train.data_engine import read_directories
 from dspec.train.lora import base_fingerprint

@@ -2,16 +2,30 @@
 
 Importing dspec needs neither a GPU, nvcc nor Triton; kernels load lazily.
 """
-from ._validate import config
-from .ops import (CascadeAttentionPlan, boundary_posterior, cascade_attention, expected_accept_length,
-                  mass_candidates, merge_states, pack_mask, rejection_boundaries, token_stats,
-                  topk_tokens, tree_mask, unpack_mask, verify_chain, verify_tree)
-from .types import TokenStats, TreeMask, TreeVerifyOutput, VerifyOutput
+import os as _os
+
 from . import masks  # suffix-mask builders: dspec.masks
+from ._validate import config
 from .decode import Generation, generate
 from .hub import load
+from .ops import (
+    CascadeAttentionPlan,
+    boundary_posterior,
+    cascade_attention,
+    expected_accept_length,
+    mass_candidates,
+    merge_states,
+    pack_mask,
+    rejection_boundaries,
+    token_stats,
+    topk_tokens,
+    tree_mask,
+    unpack_mask,
+    verify_chain,
+    verify_tree,
+)
+from .types import TokenStats, TreeMask, TreeVerifyOutput, VerifyOutput
 
-import os as _os
 if _os.environ.get("DSPEC_NUM_THREADS"):       # an explicit choice holds for the Python API too
     from .cpu import apply_threads as _apply_threads
     _apply_threads()

@@ -158,7 +158,7 @@ def _method_options_text() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dspec.bench_e2e import add_arguments as add_bench_arguments     # the bench command's own flags
+    from dspec.bench_e2e import add_arguments as add_bench_arguments  # the bench command's own flags
     from dspec.decode.generate import available_methods
     from dspec.hub import DEFAULT_MODEL, available_models
 

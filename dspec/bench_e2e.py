@@ -70,9 +70,9 @@ from pathlib import Path
 
 import torch
 
-from ._cli import add_threads_argument, dumps, json_safe, parse_value, run_command  # noqa: F401  (re-exported)
+from ._cli import add_threads_argument, dumps, json_safe, parse_value, run_command
 from .cpu import cpu_model, loadavg
-from .models.embedded import is_chat_model  # noqa: F401  (re-exported)
+from .models.embedded import is_chat_model
 
 NAME = "e2e"
 FAMILIES = ("target", "dllm")
@@ -565,6 +565,7 @@ def _write(path: Path, payload: dict) -> None:
 def run(args, parser: argparse.ArgumentParser) -> int:
     """Run the grid described by ``args`` (see :func:`add_arguments`); returns an exit code."""
     import dspec
+
     from .cpu import apply_threads
     from .tasks import check_arithmetic, check_math
     checkers = {"arithmetic": check_arithmetic, "math500": check_math}
@@ -836,7 +837,8 @@ def plot(payload: dict, path: Path) -> Path:
     ax.set_title("accuracy vs speed (checkable set)" if acc else "no checkable prompt set", fontsize=10)
     ax.grid(True, alpha=0.3)
     env, cfg = payload["env"], payload["config"]
-    fig.suptitle(f"dspec e2e: dllm {Path(str(cfg['dllm'])).name}, target {Path(str(cfg['target'])).name} on {env['device_name']} "
+    fig.suptitle(f"dspec e2e: dllm {Path(str(cfg['dllm'])).name}, target {Path(str(cfg['target'])).name} "
+                 f"on {env['device_name']} "
                  f"({env['torch_threads']} threads, loadavg {env.get('loadavg_start')}); "
                  f"{cfg['prompts_per_set']} prompts/set x {cfg['max_new_tokens']} tok, batch "
                  f"{cfg['batch']}, T={cfg['temperature']}, {env['date']}", fontsize=9)

@@ -26,8 +26,7 @@ from pathlib import Path
 from .cpu import default_dtype
 from .models import Model, load_checkpoint
 from .models.adapters import is_mask_adapter, load_adapted, load_mask_adapter
-
-from .models.shipped import ASSETS, SHIPPED  # noqa: F401  (re-exported: dspec.hub.SHIPPED)
+from .models.shipped import ASSETS, SHIPPED
 
 # the dtype a shipped model loads in when ``dtype=None``: the tiny models are stored in
 # bfloat16 (half the package size) but decode in float32 on CPU, where bf16 matmuls are

@@ -15,9 +15,17 @@ import torch
 import dspec
 from dspec.decode import d2sd
 from dspec.models.dflash import BlockDrafter
-
-from test_dflash import (PROMPTS, OracleDrafter, _second_token_marginal, ar_tokens, chi_square_ok,  # noqa: F401
-                         oracle_pair, peaked, restrict, target)  # fixtures shared with test_dflash
+from test_dflash import (  # noqa: F401
+    PROMPTS,
+    OracleDrafter,
+    _second_token_marginal,
+    ar_tokens,
+    chi_square_ok,
+    oracle_pair,  # fixtures shared with test_dflash
+    peaked,
+    restrict,
+    target,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 

@@ -14,8 +14,17 @@ import torch
 import dspec
 from conftest import requires_sharegpt
 from dspec import tasks
-from dspec.train.data_engine import (ENGINE_SOURCES, EngineConfig, GeneratedData, generate_shards, heldout_split,
-                                     parse_directory, prompt_stream, read_directories, _Sources)
+from dspec.train.data_engine import (
+    ENGINE_SOURCES,
+    EngineConfig,
+    GeneratedData,
+    _Sources,
+    generate_shards,
+    heldout_split,
+    parse_directory,
+    prompt_stream,
+    read_directories,
+)
 from dspec.train.dflash import DrafterTrainConfig, DrafterTrainer, main
 from dspec.train.features import FeatureCache, build_features
 

@@ -16,10 +16,8 @@ import pytest
 import torch
 
 import dspec
-from dspec.models.dflash import (MASK, BlockDrafter, DrafterConfig, block_loss_weights,
-                                 default_layer_ids, load_drafter)
-
 from conftest import needs_packed_tiles
+from dspec.models.dflash import MASK, BlockDrafter, DrafterConfig, block_loss_weights, default_layer_ids, load_drafter
 from tiny_checkpoints import write_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]

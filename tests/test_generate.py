@@ -131,6 +131,7 @@ def test_every_method_decodes_without_grad_mode(method, monkeypatch):
     attention and the per-op layers, several times slower (DiffuSpec ran so until its
     decorator was found on the wrong function)."""
     import importlib
+
     from dspec.models.transformer import Model
     model = dspec.load("tiny-bd" if method in ("diffusion", "ssd", "spiffy", "s2d2") else "tiny-ar")
     modes = []

@@ -7,8 +7,16 @@ import pytest
 import torch
 
 import dspec
-from dspec.train.lora import (LoraConfig, apply_lora, base_fingerprint, load_adapter, lora_parameters,
-                              lora_state_dict, merge_lora, save_adapter)
+from dspec.train.lora import (
+    LoraConfig,
+    apply_lora,
+    base_fingerprint,
+    load_adapter,
+    lora_parameters,
+    lora_state_dict,
+    merge_lora,
+    save_adapter,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_checkpoints import write_checkpoint

@@ -9,14 +9,19 @@ import pytest
 import torch
 
 import dspec
+from conftest import requires_sharegpt
 from dspec.models.mask_adapter import MaskAdapter, clean_causal_words
 from dspec.models.plan import AttentionPlan
 from dspec.ops.masks import pack_mask, unpack_mask
-from dspec.train.mask_adapter import (frozen_projections_bf16, mask_adapter_loss, mask_diffusion_model, noise_blocks,
-                                      noisy_mask, two_stream_logits)
+from dspec.train.mask_adapter import (
+    frozen_projections_bf16,
+    mask_adapter_loss,
+    mask_diffusion_model,
+    noise_blocks,
+    noisy_mask,
+    two_stream_logits,
+)
 from dspec.train.objectives import block_diffusion_mask
-
-from conftest import requires_sharegpt
 from tiny_checkpoints import trained_looking_mask_adapter, write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

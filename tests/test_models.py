@@ -13,8 +13,15 @@ import torch
 
 import dspec
 from dspec.models import AttentionPlan, KVCache, load_checkpoint
-from tiny_checkpoints import (FAMILIES, MASK_TOKEN, family_config, family_weights, llada_to_llama,
-                              save_weights, write_checkpoint)
+from tiny_checkpoints import (
+    FAMILIES,
+    MASK_TOKEN,
+    family_config,
+    family_weights,
+    llada_to_llama,
+    save_weights,
+    write_checkpoint,
+)
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 

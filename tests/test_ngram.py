@@ -5,7 +5,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dspec.decode.ngram import NgramLM, default_ngram, _discount
+from dspec.decode.ngram import NgramLM, _discount, default_ngram
 from dspec.decode.path_search import cpp_available, path_search
 
 

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 import dspec
 from dspec import _backend
 from dspec.models import AttentionPlan, stack
-
 from tiny_checkpoints import trained_looking_mask_adapter, write_checkpoint
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),

@@ -45,8 +45,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 def _train(qwen2: bool, vocab_size: int = 700):
     """A byte-level BPE trained on CORPUS (its merges are realistic for both regexes)."""
-    from tokenizers import Regex, models, pre_tokenizers, trainers
-    from tokenizers import Tokenizer as HF
+    from tokenizers import Regex, Tokenizer as HF, models, pre_tokenizers, trainers
     tok = HF(models.BPE())
     if qwen2:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -202,9 +201,8 @@ def test_smollm2_vocab_and_merges_equal_transformers(tmp_path):
 
 def test_load_gives_the_checkpoint_its_tokenizer(tmp_path):
     """dspec.load on a checkpoint with vocab.json + merges.txt and no tokenizer.json."""
-    from tiny_checkpoints import write_checkpoint
-
     import dspec
+    from tiny_checkpoints import write_checkpoint
     path = write_checkpoint(tmp_path / "ckpt", "qwen2", tokenizer=False, vocab=768)
     write_bpe_dir(path, qwen2=True)
     cfg = json.loads((path / "config.json").read_text())

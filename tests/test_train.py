@@ -7,9 +7,22 @@ import dspec
 from dspec import pack_mask, tasks
 from dspec.models import AttentionPlan, Model
 from dspec.models.config import parse_config
-from dspec.train import (DataSpec, PackedData, TrainConfig, Trainer, block_diffusion_batch,
-                         block_diffusion_loss, block_diffusion_mask, causal_lm_loss, lr_at, pack_rows,
-                         save_tokenizer, tiny_config, train_forward, train_tokenizer)
+from dspec.train import (
+    DataSpec,
+    PackedData,
+    TrainConfig,
+    Trainer,
+    block_diffusion_batch,
+    block_diffusion_loss,
+    block_diffusion_mask,
+    causal_lm_loss,
+    lr_at,
+    pack_rows,
+    save_tokenizer,
+    tiny_config,
+    train_forward,
+    train_tokenizer,
+)
 from dspec.train.objectives import causal_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
@@ -207,7 +220,7 @@ def test_schedule_and_config_checks():
 
 
 def test_cli_help_and_errors(tmp_path, capsys):
-    from dspec.train.__main__ import main          # what ``python -m dspec.train`` runs
+    from dspec.train.__main__ import main  # what ``python -m dspec.train`` runs
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0
@@ -242,8 +255,8 @@ def test_bd_adapt(tmp_path, source, family):
     (position-aligned); trains, exports and decodes."""
     sys_path = __import__("sys").path
     sys_path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from tiny_checkpoints import write_checkpoint
     from dspec.train import run_recipe
+    from tiny_checkpoints import write_checkpoint
     src = write_checkpoint(tmp_path / "src", source, seed=3)
     source = dspec.load(src)
     summary = run_recipe("bd-adapt", tmp_path / "run", init=src, mask_token="<unk>", max_steps=2,

@@ -11,12 +11,20 @@ import torch
 import dspec
 from dspec.decode.ar import decode_ar
 from dspec.models.dflash import MASK, block_loss_weights, load_drafter
-from dspec.train.dflash import (DrafterTrainConfig, DrafterTrainer, ban_tokens, block_loss, greedy_accepted, main,
-                                make_blocks, pad_sequences, rejection_prefixes, target_hidden)
+from dspec.train.dflash import (
+    DrafterTrainConfig,
+    DrafterTrainer,
+    ban_tokens,
+    block_loss,
+    greedy_accepted,
+    main,
+    make_blocks,
+    pad_sequences,
+    rejection_prefixes,
+    target_hidden,
+)
 from dspec.train.vp_drafter import main as vp_main, prefix_prior, prefix_sampler, sample_prefix_lengths
-
 from tiny_checkpoints import write_checkpoint
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 

@@ -196,7 +196,8 @@ def test_draft_logits_equal_the_reference(target, tmp_path, layer_ids):
         torch.testing.assert_close(got[b], ref, atol=2e-5, rtol=1e-5)
     # the training path computes the same function (context rows beyond a request's length unseen)
     with torch.no_grad():
-        lt = d.forward_train(hidden, block[:, None], pos[:, :1], context_length=torch.tensor([len(c) for c in CONTEXTS]))
+        lengths = torch.tensor([len(c) for c in CONTEXTS])
+        lt = d.forward_train(hidden, block[:, None], pos[:, :1], context_length=lengths)
     torch.testing.assert_close(lt[:, 0, 1:], got, atol=2e-5, rtol=1e-5)
 
 

@@ -65,9 +65,20 @@ from ..masks import padded_prefix_tree, ssd_copies
 from ..models.dflash import MASK, resolve_drafter
 from ..ops import rejection_boundaries, token_stats, topk_tokens, tree_mask
 from ._bounds import check_rows
-from .dflash import (TREE_TOP_K, SpeculativeRun, chain_cycle, check_cycle_rows, check_draft_len, draft_block,
-                     draft_columns, draft_tree, sync_device, tree_cycle, vocab_ids)
 from ._cpu_cost import resolve_lookup, resolve_redraft_min, resolve_row_cost, resolve_tree
+from .dflash import (
+    TREE_TOP_K,
+    SpeculativeRun,
+    chain_cycle,
+    check_cycle_rows,
+    check_draft_len,
+    draft_block,
+    draft_columns,
+    draft_tree,
+    sync_device,
+    tree_cycle,
+    vocab_ids,
+)
 from .lookup import PromptLookup, graft_chain
 from .sampling import RequestStreams, request_streams, require_finite, sample_from
 

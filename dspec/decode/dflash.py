@@ -66,8 +66,7 @@ from ._bounds import MAX_DRAFT_LEN, check_max, check_rows
 from ._cpu_cost import resolve_lookup, resolve_row_cost, resolve_tree
 from .lookup import PromptLookup, graft_chain
 from .outputs import OutputBuffer
-from .sampling import (RequestStreams, next_tokens, non_finite_error, request_streams, require_finite,
-                       sample_from)
+from .sampling import RequestStreams, next_tokens, non_finite_error, request_streams, require_finite, sample_from
 
 
 def sync_device(device: torch.device) -> None:

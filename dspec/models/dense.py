@@ -143,8 +143,8 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     n = weight.shape[0]
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
     _backend.extension().linear(x.data_ptr(), packed_weight(weight).data_ptr(),
-                                0 if bias is None else bias.data_ptr(), out.data_ptr(), DTYPE_CODES[x.dtype], rows, k, n,
-                                k, n, cpu.kernel_threads())
+                                0 if bias is None else bias.data_ptr(), out.data_ptr(), DTYPE_CODES[x.dtype],
+                                rows, k, n, k, n, cpu.kernel_threads())
     return out
 
 
@@ -161,7 +161,8 @@ def dense_many(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
         return [dense(x, w, b) for w, b in zip(weights, biases)]
     lead = x.shape[:-1]
     outs = [torch.empty(lead + (w.shape[0],), dtype=x.dtype) for w in weights]
-    ext.linear_group(x.data_ptr(), DTYPE_CODES[x.dtype], rows, x.shape[-1], [packed_weight(w).data_ptr() for w in weights],
+    ext.linear_group(x.data_ptr(), DTYPE_CODES[x.dtype], rows, x.shape[-1],
+                     [packed_weight(w).data_ptr() for w in weights],
                      [0 if b is None else b.data_ptr() for b in biases], [o.data_ptr() for o in outs],
                      [w.shape[0] for w in weights], cpu.kernel_threads())
     return outs

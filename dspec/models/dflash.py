@@ -50,8 +50,8 @@ from .. import _backend, cpu
 from ..ops.attention import cascade_attention
 from .dense import dense, dense_many
 from .kv_cache import KVCache, SuffixKV
-from .stack import run_layers
 from .layers import fused_cpu, head_norm, linear, project, rotate
+from .stack import run_layers
 from .transformer import MLP, RMSNorm, plan_attention, rope_tables
 
 #: token id meaning "this block slot is masked" in :meth:`BlockDrafter.forward` inputs.
@@ -677,6 +677,7 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
+
     from ._files import is_regular_file, read_json
     if isinstance(path_or_name, BlockDrafter):
         drafter = path_or_name

@@ -102,8 +102,8 @@ def smollm2_gguf_path() -> Path:
 
 def _import_gguf():
     try:
-        import gguf  # noqa: PLC0415
-        from gguf import quants  # noqa: F401, PLC0415
+        import gguf
+        from gguf import quants  # noqa: F401
     except ImportError as e:
         raise ImportError(
             "Converting SmolLM2's GGUF into a safetensors checkpoint needs the `gguf` package "
@@ -169,7 +169,7 @@ def smollm2_checkpoint(cache_dir=None, *, progress: bool = True, force: bool = F
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if progress:
-        import sys  # noqa: PLC0415
+        import sys
 
         print(f"dspec: SmolLM2-135M-Instruct checkpoint ready at {final}", file=sys.stderr)
     return final
@@ -192,7 +192,7 @@ def chat_prompt(messages, *, add_generation_prompt: bool = True, system: str | N
 
     >>> chat_prompt("Hi")
     '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
-    """
+    """  # noqa: E501 - the example's output is one string
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if not isinstance(messages, Sequence) or not messages:
@@ -227,7 +227,7 @@ def convert_gguf_to_hf(gguf_path, out_dir, *, progress: bool = True) -> dict:
     dict (written last, as ``dspec_conversion.json``). Not atomic by itself:
     :func:`smollm2_checkpoint` calls it on a temporary directory."""
     gguf = _import_gguf()
-    from gguf.quants import dequantize  # noqa: PLC0415
+    from gguf.quants import dequantize
 
     t0 = time.perf_counter()
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -309,7 +309,7 @@ class _Metadata:
 def _field_value(field):
     """A GGUF metadata field as Python values (what newer gguf's ReaderField.contents() gives;
     spelled out here so older gguf releases work too)."""
-    from gguf import GGUFValueType  # noqa: PLC0415
+    from gguf import GGUFValueType
 
     def one(part, vtype):
         if vtype == GGUFValueType.STRING:
@@ -611,9 +611,9 @@ def _sha256(path: Path) -> str:
 
 def _tqdm(**kwargs):
     try:
-        from tqdm.auto import tqdm  # noqa: PLC0415
+        from tqdm.auto import tqdm
     except ImportError:  # progress is a nicety, never a requirement
-        class tqdm:  # noqa: N801
+        class tqdm:
             def __init__(self, **_):
                 pass
 

@@ -44,7 +44,8 @@ from .dense import dense
 from .transformer import Model
 
 __all__ = ["LoraConfig", "LoraLinear", "RowAdaptedEmbedding", "apply_lora", "lora_parameters",
-           "lora_state_dict", "load_lora_state_dict", "mark_trainable", "is_adapted", "merge_lora", "base_fingerprint", "save_adapter",
+           "lora_state_dict", "load_lora_state_dict", "mark_trainable", "is_adapted", "merge_lora", "base_fingerprint",
+           "save_adapter",
            "load_adapter", "read_adapter_config", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "TARGETS"]
 
 ADAPTER_CONFIG = "adapter_config.json"

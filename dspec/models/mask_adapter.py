@@ -103,7 +103,8 @@ class MaskLoraLinear(nn.Linear):
             _backend.extension().mask_lora(
                 y.data_ptr(), x.data_ptr(), idx.data_ptr(), a.data_ptr(), bt.data_ptr(),
                 float(self.scale), _backend.FLOAT_CODE[y.dtype], idx.numel(), y.numel() // self.out_features,
-                self.in_features, self.out_features, self.lora_A.shape[0], cpu.kernel_threads(), _backend.FLOAT_CODE[a.dtype],
+                self.in_features, self.out_features, self.lora_A.shape[0], cpu.kernel_threads(),
+                _backend.FLOAT_CODE[a.dtype],
                 "auto", 0 if packed is None else packed.data_ptr())
             return y
         picked = x.reshape(-1, self.in_features).index_select(0, idx).to(self.lora_A.dtype)

@@ -258,8 +258,7 @@ def byte_level_bpe(root, cfg: dict | None = None):
     special_tokens_map.json's values when it has no ``added_tokens_decoder``), defaulting as
     the transformers class does (``<|endoftext|>``); added tokens keep their ids.
     ``add_bos_token`` / ``add_eos_token`` become the post-processor of ``add_special_tokens``."""
-    from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
-    from tokenizers import Tokenizer as _HFTokenizer
+    from tokenizers import Regex, Tokenizer as _HFTokenizer, decoders, normalizers, pre_tokenizers, processors
     from tokenizers.models import BPE
 
     from ._files import read_json

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _backend, _validate, cpu
-from ..ops.attention import CascadeAttentionPlan
-from ..ops.attention import resolve_backend as resolve_cascade_backend
+from ..ops.attention import CascadeAttentionPlan, resolve_backend as resolve_cascade_backend
 from .base import DecoderModel
 from .config import ModelConfig
 from .dense import dense
@@ -524,7 +523,8 @@ class Model(DecoderModel):
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise ValueError(f"plan.cache must be a KVCache or None, got {type(cache).__name__}")
-            if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+            if ((cache.num_layers, cache.num_kv_heads, cache.head_dim)
+                    != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)):
                 raise ValueError(f"plan.cache has layers/kv_heads/head_dim = {cache.num_layers}/"
                                  f"{cache.num_kv_heads}/{cache.head_dim}, the model "
                                  f"{cfg.num_layers}/{cfg.num_kv_heads}/{cfg.head_dim}")

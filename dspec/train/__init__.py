@@ -12,8 +12,14 @@ training forward equal to ``Model.forward``), ``trainer`` (the loop, checkpoints
 ``recipes`` (named recipes and :func:`run_recipe`).
 """
 from .data import SOURCES, DataSpec, PackedData, build_data, documents, is_heldout_problem, pack_rows
-from .objectives import (block_diffusion_batch, block_diffusion_loss, block_diffusion_mask, causal_lm_loss,
-                         causal_mask, train_forward)
+from .objectives import (
+                         block_diffusion_batch,
+                         block_diffusion_loss,
+                         block_diffusion_mask,
+                         causal_lm_loss,
+                         causal_mask,
+                         train_forward,
+)
 from .recipes import RECIPES, Recipe, export_checkpoint, get_recipe, run_recipe, tiny_config
 from .tokenizer import EOS_TOKEN, MASK_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, save_tokenizer, train_tokenizer
 from .trainer import TrainConfig, Trainer, lr_at

@@ -97,8 +97,9 @@ def write_card(dest: Path, *, name: str, log: dict, evals: list, samples: list, 
               f"- objective `{tcfg['objective']}`"
               + (f", block size drawn per step from {tcfg['block_sizes']} with weights {tcfg['block_weights']}, "
                  f"loss weighting `{tcfg['weighting']}`" if tcfg["objective"] == "block_diffusion" else ""),
-              f"- AdamW (betas {tcfg['beta1']}/{tcfg['beta2']}, weight decay {tcfg['weight_decay']}), lr {tcfg['lr']:g} "
-              f"-> {tcfg['min_lr']:g} cosine after {tcfg['warmup_steps']} warmup steps, batch {tcfg['batch_size']} rows, "
+              f"- AdamW (betas {tcfg['beta1']}/{tcfg['beta2']}, weight decay {tcfg['weight_decay']}), "
+              f"lr {tcfg['lr']:g} -> {tcfg['min_lr']:g} cosine after {tcfg['warmup_steps']} warmup steps, "
+              f"batch {tcfg['batch_size']} rows, "
               f"autocast {tcfg['autocast']}",
               f"- {log['step']} optimizer steps (schedule length {log['total_steps']}), "
               f"{log['tokens_seen']:,} tokens through the model"

@@ -31,9 +31,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..corpora import (ARITH_HELDOUT_SEED, ARITH_TRAIN_SEED, HELDOUT_MODULUS, SOURCES,  # noqa: F401
-                       SPLITS, documents, is_heldout_problem, is_heldout_text)
-
+from ..corpora import (  # noqa: F401
+    ARITH_HELDOUT_SEED,
+    ARITH_TRAIN_SEED,
+    HELDOUT_MODULUS,
+    SOURCES,
+    SPLITS,
+    documents,
+    is_heldout_problem,
+    is_heldout_text,
+)
 
 __all__ = ["SOURCES", "DataSpec", "PackedData", "documents", "tokenizer_corpus", "pack_rows",
            "build_data", "is_heldout_problem", "token_byte_lengths"]

@@ -66,10 +66,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .._cli import dumps, run_command
 from .. import tasks
-from ..corpora import FORMAT, MANIFEST, GeneratedData, read_manifest  # noqa: F401  (GeneratedData re-exported)
-from .data import is_heldout_text, is_heldout_problem
+from .._cli import dumps, run_command
+from ..corpora import FORMAT, MANIFEST, GeneratedData, read_manifest
+from .data import is_heldout_problem, is_heldout_text
 
 __all__ = ["EngineConfig", "prompt_stream", "write_user_turns", "generate_shards", "GeneratedData",
            "parse_directory", "read_directories", "heldout_split", "parse_source_weights", "ENGINE_SOURCES"]
@@ -253,7 +253,8 @@ class _Sources:
                 return p.prompt
 
 
-def prompt_stream(tokenizer, cfg: EngineConfig, call: int, *, sources: _Sources | None = None) -> list[tuple[list[int], int]]:
+def prompt_stream(tokenizer, cfg: EngineConfig, call: int, *,
+                  sources: _Sources | None = None) -> list[tuple[list[int], int]]:
     """The prompts of ``ar`` call ``call`` (shard s holds calls s * shard_batches ..):
     ``cfg.batch`` (token ids, source id) pairs, a pure function of (cfg.seed, call).  A Magpie
     row's ids end in its open user turn: :func:`write_user_turns` has the target fill it."""
@@ -475,6 +476,7 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", default=None, help="torch threads (default: dspec's policy)")
     args = p.parse_args(argv)
     import dspec
+
     from ..cpu import apply_threads
     apply_threads(args.threads)
     try:
@@ -484,7 +486,8 @@ def main(argv=None) -> dict:
                 sources = parse_source_weights(args.sources)
             except ValueError:
                 raise ValueError(f"--sources must look like gsm=0.6,code_def=0.4, got {args.sources!r}") from None
-        cfg = EngineConfig(tokens=args.tokens, sources=sources, response_tokens=args.response_tokens, prompt_tokens=args.prompt_tokens,
+        cfg = EngineConfig(tokens=args.tokens, sources=sources, response_tokens=args.response_tokens,
+                           prompt_tokens=args.prompt_tokens,
                            batch=args.batch, shard_batches=args.shard_batches,
                            sampled_fraction=args.sampled_fraction, seed=args.seed, method=args.method)
         target = dspec.load(args.target, dtype=args.dtype)

@@ -26,7 +26,8 @@ the VP-drafter gets i = the drafts it had accepted and learns slots > i with the
 draft's logit removed at slot i + 1 (as :func:`dspec.decode.d2sd.redraft` bans it at decode
 time); blocks the first draft gets wholly right, or that end before its rejection, weigh 0.
 
-Optimisation: AdamW, linear warmup + cosine decay, gradient clipping; bf16 autocast on CUDA and on CPUs with native bf16 matmul;
+Optimisation: AdamW, linear warmup + cosine decay, gradient clipping; bf16 autocast on CUDA
+and on CPUs with native bf16 matmul;
 a time budget (``--minutes``) fixes the total step count after a few measured steps;
 checkpoints (``checkpoint.pt``: drafter, optimizer, step, schedule, log) every
 ``checkpoint_every_s`` and at the end, and ``--resume`` continues the same schedule
@@ -238,8 +239,9 @@ def make_prompts(target, cfg: DrafterTrainConfig) -> list[list[int]]:
 def generate_sequences(target, prompts: list[list[int]], cfg: DrafterTrainConfig, *, progress: bool = True):
     """Continue every prompt with the target (``ar``): greedy, or sampled at T = 1 for a
     ``cfg.sampled_fraction`` share.  Returns a list of (token ids, prompt length)."""
-    from ..decode.ar import decode_ar
     from tqdm.auto import tqdm
+
+    from ..decode.ar import decode_ar
     out = []
     gen = torch.Generator(device=target.device).manual_seed(cfg.seed)
     n_sampled = int(round(len(prompts) * cfg.sampled_fraction))
@@ -764,7 +766,8 @@ def model_card(trainer: DrafterTrainer, result: dict, acceptance: dict | None, t
              f"{torch.get_num_threads()} threads, autocast {c.autocast}"
              f"{' (native bf16)' if trainer.device.type == 'cpu' and native_bf16() else ''})"
              + (f"; offline target features ({trainer.features.meta['tokens']:,} tokens)" if trainer.features else ""),
-             f"- held-out loss: {result['heldout_loss']:.4f} nats (weighted, {len(trainer.heldout)} held-out sequences)"]
+             f"- held-out loss: {result['heldout_loss']:.4f} nats (weighted, "
+             f"{len(trainer.heldout)} held-out sequences)"]
     last = trainer.evals[-1] if trainer.evals else {}
     if "heldout_accepted" in last and "rejected_fraction" in last:
         lines.append(f"- held-out, teacher-forced, greedy, over the blocks the DFlash drafter's first draft gets "
@@ -839,7 +842,8 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     ap.add_argument("--data", default=None,
                     help="training sequences: data-engine directories (python -m dspec.train.data_engine; "
-                         "several, comma-separated, are read back to back; DIR:N reads its first N shards, DIR:A-B shards A <= i < B) or "
+                         "several, comma-separated, are read back to back; DIR:N reads its first N shards, "
+                         "DIR:A-B shards A <= i < B) or "
                          "another run's data.pt (default: generate --num-prompts responses here)")
     ap.add_argument("--cache-features", action="store_true",
                     help="compute the target's hidden states once into OUT/features (offline mode) instead "

@@ -7,10 +7,26 @@ from __future__ import annotations
 
 import torch
 
-from ..models.lora import (ADAPTER_CONFIG, ADAPTER_FORMAT, ADAPTER_WEIGHTS, TARGETS, LoraConfig,  # noqa: F401
-                           LoraLinear, RowAdaptedEmbedding, apply_lora, base_fingerprint, is_adapted,
-                           load_adapter, load_lora_state_dict, lora_parameters, lora_state_dict,
-                           mark_trainable, merge_lora, read_adapter_config, save_adapter)
+from ..models.lora import (  # noqa: F401
+    ADAPTER_CONFIG,
+    ADAPTER_FORMAT,
+    ADAPTER_WEIGHTS,
+    TARGETS,
+    LoraConfig,
+    LoraLinear,
+    RowAdaptedEmbedding,
+    apply_lora,
+    base_fingerprint,
+    is_adapted,
+    load_adapter,
+    load_lora_state_dict,
+    lora_parameters,
+    lora_state_dict,
+    mark_trainable,
+    merge_lora,
+    read_adapter_config,
+    save_adapter,
+)
 from ..models.transformer import Model
 from .trainer import Trainer
 

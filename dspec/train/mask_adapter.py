@@ -35,9 +35,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._cli import dumps, run_command
-from ..models.adapters import MASK_ADAPTER_FORMAT as ADAPTER_FORMAT  # noqa: F401  (re-exported)
-from ..models.adapters import (init_mask_adapter, is_mask_adapter, load_mask_adapter,  # noqa: F401  (re-exported)
-                               mask_diffusion_model, save_mask_adapter)
+from ..models.adapters import (
+    MASK_ADAPTER_FORMAT as ADAPTER_FORMAT,
+    init_mask_adapter,
+    is_mask_adapter,
+    load_mask_adapter,
+    mask_diffusion_model,
+    save_mask_adapter,
+)
 from ..models.mask_adapter import MaskAdapter
 from ..models.transformer import Model, rope_tables
 from .data_engine import heldout_split
@@ -204,7 +209,8 @@ def mask_adapter_loss(model: Model, clean: torch.Tensor, valid: torch.Tensor, lo
     if not isinstance(distill, (int, float)) or isinstance(distill, bool) or not 0.0 <= distill <= 1.0:
         raise ValueError(f"distill must be a number in [0, 1], got {distill!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
-        raise ValueError(f"block_size must be an int >= 2 (a block's first slot is the base model's), got {block_size!r}")
+        raise ValueError(f"block_size must be an int >= 2 (a block's first slot is the base model's), "
+                         f"got {block_size!r}")
     adapter = model.mask_adapter
     noisy, masked = noise_blocks(clean, valid, block_size, adapter.mask_token_id, generator)
     batch, length = clean.shape
@@ -285,7 +291,8 @@ class MaskAdapterConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         self.block_sizes, self.block_weights = tuple(self.block_sizes), tuple(self.block_weights)
         self.eval_block_sizes, self.targets = tuple(self.eval_block_sizes), tuple(self.targets)
-        if not self.block_sizes or any(not isinstance(b, int) or b < 2 for b in self.block_sizes + self.eval_block_sizes):
+        sizes = self.block_sizes + self.eval_block_sizes
+        if not self.block_sizes or any(not isinstance(b, int) or b < 2 for b in sizes):
             raise ValueError(f"block_sizes and eval_block_sizes must hold ints >= 2, got {self.block_sizes}, "
                              f"{self.eval_block_sizes}")
         if len(self.block_weights) != len(self.block_sizes) or any(w < 0 for w in self.block_weights) \
@@ -399,7 +406,8 @@ class MaskAdapterTrainer(BudgetedLoop):
                 agree += float(out.agree)
             record[f"bs{bs}"] = nll / max(count, 1.0)
             record[f"agree_bs{bs}"] = agree / max(count, 1.0)
-        record["heldout_loss"] = sum(record[f"bs{b}"] for b in self.cfg.eval_block_sizes) / len(self.cfg.eval_block_sizes)
+        evals = self.cfg.eval_block_sizes
+        record["heldout_loss"] = sum(record[f"bs{b}"] for b in evals) / len(evals)
         self.evals.append(record)
         return record["heldout_loss"]
 
@@ -473,7 +481,8 @@ def main(argv=None) -> dict:
                          "uniform)" % ",".join(map(str, d.block_weights)))
     ap.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step (default %(default)s)")
     ap.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
-    ap.add_argument("--mask-token", default=d.mask_token, help="an unused token string used as [MASK] (default %(default)s)")
+    ap.add_argument("--mask-token", default=d.mask_token,
+                    help="an unused token string used as [MASK] (default %(default)s)")
     ap.add_argument("--autocast", choices=("auto", "bf16", "none"), default=d.autocast)
     ap.add_argument("--distill", type=float, default=d.distill,
                     help="weight in [0, 1] of the KL to the base model's next-token distribution (default %(default)s)")

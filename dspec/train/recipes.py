@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from .._cli import dumps
-from ..models.adapters import adapt_causal_model, load_adapted, resolve_source  # noqa: F401  (re-exported)
+from ..models.adapters import adapt_causal_model, load_adapted, resolve_source
 from ..models.config import FAMILIES, parse_config
 from ..models.loader import checkpoint_names
 from ..models.transformer import Model
