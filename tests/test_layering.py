@@ -23,7 +23,8 @@ reference  ``dspec.reference``: the torch oracles of the ops
 ops        ``dspec.ops`` and ``dspec.masks`` (the suffix-mask builders over ``ops.masks``)
 models     ``dspec.models`` (model, drafter and adapter loading included) and ``dspec.hub``
 decode     ``dspec.decode``: the methods and ``generate``; ``dspec.compat``: other libraries'
-           signatures (flashinfer's) over the ops
+           signatures (flashinfer's) over the ops; ``dspec.hf``: ``generate`` as a
+           transformers ``custom_generate`` over the HF model's own weights
 api        ``dspec`` itself (the package's ``__init__``: the public names)
 train      ``dspec.train``: nothing below it imports it
 cli        ``dspec.__main__`` and ``dspec.bench_e2e`` (the ``bench`` command)
@@ -48,7 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("reference", ("dspec.reference",)),
     ("ops", ("dspec.ops", "dspec.masks")),
     ("models", ("dspec.models", "dspec.hub")),
-    ("decode", ("dspec.decode", "dspec.compat")),
+    ("decode", ("dspec.decode", "dspec.compat", "dspec.hf")),
     ("api", ("dspec",)),
     ("train", ("dspec.train",)),
     ("cli", ("dspec.__main__", "dspec.bench_e2e")),
