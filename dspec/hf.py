@@ -17,7 +17,7 @@ in a weak-keyed cache), honours ``max_new_tokens`` / ``max_length``, the generat
 config's EOS ids, the other stopping criteria (applied to the decoded tokens: a row ends
 where a criterion first fires), ``do_sample`` / ``temperature`` (the random stream is seeded
 from torch's global generator, so ``torch.manual_seed`` reproduces a sampled call), the
-streamer (the new tokens, one step per put, then ``end()``) and left-padded batches (each
+streamer (generate puts the prompt; then the new tokens, one step per put, and ``end()``) and left-padded batches (each
 row's padding stripped with the attention mask), and returns the ids ``generate`` returns:
 the prompt rows as given followed by the new tokens, right-padded with ``pad_token_id``; or
 ``GenerateDecoderOnlyOutput(sequences=...)`` with ``return_dict_in_generate=True``.
@@ -34,6 +34,8 @@ drafter dspec ships for the model when the HF model was loaded from a shipped ch
 """
 from __future__ import annotations
 
+import inspect
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -205,6 +207,19 @@ def _truncate(seq: torch.Tensor, start: int, lengths: list[int], criteria) -> li
     return out
 
 
+def _generate_streamer(frame):
+    """The ``streamer`` that ``GenerationMixin.generate`` (the calling frame) was given.
+    transformers 5 passes a callable ``custom_generate`` only the keyword arguments its
+    signature adds to ``_sample``'s, so the streamer it has put the prompt on is not among
+    them; it is read from generate's own frame (None when the caller is anything else)."""
+    try:
+        from transformers.generation.utils import GenerationMixin
+    except ImportError:
+        return None
+    code = inspect.unwrap(GenerationMixin.generate).__code__
+    return frame.f_locals.get("streamer") if frame is not None and frame.f_code is code else None
+
+
 def custom_generate(method: str = "ar", *, drafter=None, **options):
     """A callable for ``model.generate(..., custom_generate=...)`` that decodes with dspec's
     ``method`` (``"ar"``, ``"dflash"``, ``"d2sd"``, ...; causal-target methods), ``drafter``
@@ -227,6 +242,8 @@ def custom_generate(method: str = "ar", *, drafter=None, **options):
                      synced_gpus=False, streamer=None, **model_kwargs):
         if generation_config is None:
             generation_config = model.generation_config
+        if streamer is None:
+            streamer = _generate_streamer(sys._getframe(1))
         if synced_gpus:
             raise ValueError("synced_gpus: dspec.hf decodes on one device")
         temperature = _check_generation(generation_config, logits_processor, model_kwargs)
