@@ -37,3 +37,12 @@ __all__ = ["CascadeAttentionPlan", "Generation", "TokenStats", "TreeMask", "Tree
            "generate", "load", "masks", "mass_candidates", "merge_states", "pack_mask",
            "rejection_boundaries", "token_stats", "topk_tokens", "tree_mask", "unpack_mask",
            "verify_chain", "verify_tree"]
+
+
+def __getattr__(name: str):
+    """``dspec.hf`` (transformers' ``custom_generate``) and ``dspec.compat`` (other libraries'
+    signatures) load on first use, so ``import dspec`` stays light."""
+    if name in ("hf", "compat"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'dspec' has no attribute {name!r}")
