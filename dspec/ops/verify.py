@@ -62,10 +62,10 @@ def _drafts_end_at_placeholder(draft_tokens: torch.Tensor, num_drafts):
     id 0 so no backend gathers at -1 (the slot lies past the row's count, so the id is never
     compared nor emitted).  Device ops only: no host synchronisation.
     """
-    hole = draft_tokens == -1
-    leading = (~hole).cumprod(-1).sum(-1)           # the first -1's index, L if none
+    real = draft_tokens != -1
+    leading = real.cumprod(-1).sum(-1)              # the first -1's index, L if none
     n = leading if num_drafts is None else torch.minimum(leading, num_drafts.long())
-    return draft_tokens.masked_fill(hole, 0), n
+    return draft_tokens.where(real, 0), n
 
 
 def _tree_without_placeholders(tokens: torch.Tensor, parents: torch.Tensor):
@@ -74,8 +74,8 @@ def _tree_without_placeholders(tokens: torch.Tensor, parents: torch.Tensor):
     A -1 node is no node: never accepted, so nothing below it is reached either (every
     backend walks only from accepted nodes to their children).  Device ops only.
     """
-    hole = tokens == -1
-    return tokens.masked_fill(hole, 0), parents.masked_fill(hole, -1)
+    real = tokens != -1
+    return tokens.where(real, 0), parents.where(real, -1)
 
 
 def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, draft_probs=None,
@@ -150,9 +150,10 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
                 raise ValueError(f"num_drafts must lie in [0, L] = [0, {length}], got values in [{lo}, {hi}]")
     temperature = _temperature(temperature)
     _validate.generator(generator, device)
-    draft_tokens, num_drafts = _drafts_end_at_placeholder(draft_tokens, num_drafts)
+    safe_drafts, num_drafts = _drafts_end_at_placeholder(draft_tokens, num_drafts)
     _ids_in_vocab("draft_tokens", draft_tokens, lambda: torch.arange(length, device=device)[None, :] <
                   num_drafts[:, None], vocab)
+    draft_tokens = safe_drafts
     if temperature > 0:
         coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, length),
                                              batch, device)
