@@ -202,7 +202,7 @@ def _chain_args():
     (lambda d, l: dspec.verify_chain(d, l[:, :3]), r"\[B, L \+ 1, V\]"),
     (lambda d, l: dspec.verify_chain(d, l[..., :0]), "empty vocabulary"),
     (lambda d, l: dspec.verify_chain(d + 10, l), "outside the vocabulary"),
-    (lambda d, l: dspec.verify_chain(d - 1, l), "outside the vocabulary"),
+    (lambda d, l: dspec.verify_chain(d - 2, l), "outside the vocabulary"),
     (lambda d, l: dspec.verify_chain(d, l, num_drafts=torch.tensor([1, 4])), r"num_drafts must lie in \[0, L\]"),
     (lambda d, l: dspec.verify_chain(d, l, num_drafts=torch.tensor([1])), "num_drafts must have shape"),
     (lambda d, l: dspec.verify_chain(d, l, draft_probs=torch.zeros(2, 3, 9)), "draft_probs must have shape"),

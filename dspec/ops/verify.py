@@ -54,6 +54,30 @@ def _ids_in_vocab(name: str, ids: torch.Tensor, used, vocab: int) -> None:
                              f"{int(ids[tuple(at)])} at {at}")
 
 
+def _drafts_end_at_placeholder(draft_tokens: torch.Tensor, num_drafts):
+    """(drafts, num_drafts int64 [B]) with each row's drafts ending at its first -1.
+
+    Engines pad a row's drafts with -1 placeholders; a row's count becomes the index of its
+    first -1 (L if none), combined with a given ``num_drafts`` by min, and every -1 becomes
+    id 0 so no backend gathers at -1 (the slot lies past the row's count, so the id is never
+    compared nor emitted).  Device ops only: no host synchronisation.
+    """
+    real = draft_tokens != -1
+    leading = real.cumprod(-1).sum(-1)              # the first -1's index, L if none
+    n = leading if num_drafts is None else torch.minimum(leading, num_drafts.long())
+    return draft_tokens.where(real, 0), n
+
+
+def _tree_without_placeholders(tokens: torch.Tensor, parents: torch.Tensor):
+    """(tokens, parents) with every -1 node made padding (parent -1, safe id 0).
+
+    A -1 node is no node: never accepted, so nothing below it is reached either (every
+    backend walks only from accepted nodes to their children).  Device ops only.
+    """
+    real = tokens != -1
+    return tokens.where(real, 0), parents.where(real, -1)
+
+
 def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, draft_probs=None,
                  num_drafts=None, temperature: float = 0.0, coins=None, sample_uniforms=None,
                  generator: torch.Generator | None = None,
@@ -62,7 +86,10 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
 
     Parameters
     ----------
-    draft_tokens : int32/int64 [B, L]
+    draft_tokens : int32/int64 [B, L]. -1 ends a row's drafts: row b's drafts stop at its
+        first -1 (as if ``num_drafts[b]`` were that index, combined with a given
+        ``num_drafts`` by min), so engines' -1 placeholders after a row's real drafts are
+        never accepted nor emitted; the draft probabilities there are ignored.
     target_logits : float32/float16/bfloat16 [B, L + 1, V]; row i is the target's
         distribution for the token after i accepted drafts (row L gives the bonus token).
     draft_probs : float [B, L, V], optional. The drafter's distributions; one-hot on the
@@ -123,8 +150,10 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
                 raise ValueError(f"num_drafts must lie in [0, L] = [0, {length}], got values in [{lo}, {hi}]")
     temperature = _temperature(temperature)
     _validate.generator(generator, device)
-    _ids_in_vocab("draft_tokens", draft_tokens, lambda: torch.arange(length, device=device)[None, :] < (
-        num_drafts[:, None] if num_drafts is not None else length), vocab)
+    safe_drafts, num_drafts = _drafts_end_at_placeholder(draft_tokens, num_drafts)
+    _ids_in_vocab("draft_tokens", draft_tokens, lambda: torch.arange(length, device=device)[None, :] <
+                  num_drafts[:, None], vocab)
+    draft_tokens = safe_drafts
     if temperature > 0:
         coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, length),
                                              batch, device)
@@ -168,7 +197,9 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
 
     Parameters
     ----------
-    tokens : int32/int64 [B, N]; node 0 is the root (the last committed token).
+    tokens : int32/int64 [B, N]; node 0 is the root (the last committed token). -1 ends a
+        row's drafts: a node holding -1 is no node (padding, as if its parent were -1), so
+        neither it nor anything below it is accepted.
     parents : int32/int64 [B, N]; ``parents[b, 0] = -1``; for i >= 1 a parent in [0, i), or
         -1 for an unused padding node (which may not have children).
     target_logits : float [B, N, V]; row i is the target's distribution after node i.
@@ -208,6 +239,7 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     device = target_logits.device
     _validate.same_device(device, "the logits", tokens=tokens, parents=parents)
     _check_tree(parents)
+    tokens, parents = _tree_without_placeholders(tokens, parents)
     _ids_in_vocab("tokens", tokens, lambda: parents >= 0, vocab)
     temperature = _temperature(temperature)
     _validate.generator(generator, device)
