@@ -55,6 +55,12 @@ def decode_values_trusted():
         _trusted.depth = depth
 
 
+def in_trusted_decode() -> bool:
+    """Whether this thread runs inside :func:`decode_values_trusted` (a dspec decode loop over
+    its own intermediate tensors)."""
+    return bool(getattr(_trusted, "depth", 0))
+
+
 def value_checks_enabled(t: torch.Tensor) -> bool:
     """Whether checks that read ``t``'s values (a host synchronisation) may run now."""
     if not config.validate_values or getattr(_trusted, "depth", 0) or torch.compiler.is_compiling():

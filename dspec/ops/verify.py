@@ -60,8 +60,13 @@ def _drafts_end_at_placeholder(draft_tokens: torch.Tensor, num_drafts):
     Engines pad a row's drafts with -1 placeholders; a row's count becomes the index of its
     first -1 (L if none), combined with a given ``num_drafts`` by min, and every -1 becomes
     id 0 so no backend gathers at -1 (the slot lies past the row's count, so the id is never
-    compared nor emitted).  Device ops only: no host synchronisation.
+    compared nor emitted).  Device ops only: no host synchronisation.  Inside dspec's own
+    decode loops (:func:`dspec._validate.decode_values_trusted`) the drafts are dspec's, which
+    never carry -1 (a non-finite drafter row stops the call first): the ~50 us of these ops
+    is skipped there.
     """
+    if _validate.in_trusted_decode():
+        return draft_tokens, (None if num_drafts is None else num_drafts.long())
     real = draft_tokens != -1
     leading = real.cumprod(-1).sum(-1)              # the first -1's index, L if none
     n = leading if num_drafts is None else torch.minimum(leading, num_drafts.long())
@@ -72,8 +77,11 @@ def _tree_without_placeholders(tokens: torch.Tensor, parents: torch.Tensor):
     """(tokens, parents) with every -1 node made padding (parent -1, safe id 0).
 
     A -1 node is no node: never accepted, so nothing below it is reached either (every
-    backend walks only from accepted nodes to their children).  Device ops only.
+    backend walks only from accepted nodes to their children).  Device ops only; skipped in
+    dspec's own decode loops, as :func:`_drafts_end_at_placeholder` is.
     """
+    if _validate.in_trusted_decode():
+        return tokens, parents
     real = tokens != -1
     return tokens.where(real, 0), parents.where(real, -1)
 
