@@ -248,8 +248,8 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
                 progress.update(int(pick.sum()) / batch)
             # a request whose committed run reaches an EOS or max_new_tokens stops decoding
             # its block: the later slots are never output
-            ended = outputs.block_ends(requests, tokens.cpu().numpy(), (~masked).cpu().numpy(),
-                                       block_start.cpu().numpy(), prompt_len)
+            host = torch.cat([tokens, masked.long(), block_start[:, None]], 1).cpu().numpy()   # one read
+            ended = outputs.block_ends(requests, host[:, :bs], host[:, bs:2 * bs] == 0, host[:, 2 * bs], prompt_len)
             if ended.any():
                 masked &= ~torch.from_numpy(ended).to(dev)[:, None]
         pending = (tokens, pos)                     # committed by the next block's first step

@@ -685,7 +685,8 @@ class _Batch:
             block_logits = self.shift(logits[:, :bs])
         self.draft(block_logits, self.is_draft | reuse, nxt, stale=stale)
         self.append_kv(out, spec_final)
-        self.end_early(nxt, spec_final)             # (a fallback's commits)
+        if self.opt["policy"] != "always":          # a fallback's commits (policy "always" has none)
+            self.end_early(nxt, spec_final)
         opened = self.finish_blocks(nxt, spec_final)
         if next_logits is not None:
             # a block its drafts completed: the next block's first drafting step rode along;
@@ -724,7 +725,8 @@ class _Batch:
         flags = (int(self.shifted) | 2 * int(self.share_prefix) | 4 * int(self.blocks == REDRAFT)
                  | 8 * int(self.boundary))
         return SimpleNamespace(
-            state=state, args=(state.data_ptr(), batch, bs, self.L_max, self.mask_id, flags),
+            state=state, layout=f, counter_layout=ext.s2d2_counter_layout(),
+            args=(state.data_ptr(), batch, bs, self.L_max, self.mask_id, flags),
             tokens=state[:, f["tokens"]: f["tokens"] + bs], block_start=state[:, f["block_start"]],
             finishing=state[:, f["finishing"]],
             suffix=torch.empty(batch * width, **i64), positions=torch.empty(batch * width, **i64),
@@ -781,7 +783,7 @@ class _Batch:
         """:meth:`end_early` on the compiled step's records: such a row's block is complete
         (s2d2_open then outputs it and ends the request); True when a row ends so."""
         nat, bs = self.nat, self.bs
-        f = self.native.s2d2_record_layout(bs)
+        f = nat.layout
         st = nat.state.numpy()
         live = (st[:, f["phase"]] != DONE) & (st[:, f["finishing"]] == 0)
         if not live.any():
@@ -794,7 +796,7 @@ class _Batch:
         # a row the verification ended drafting from its reused redraft block: neither the
         # reuse nor the drafting decision happen (the torch step makes neither)
         decided = int((st[ended, f["phase"]] == VERIFY).sum())
-        c = self.native.s2d2_counter_layout()
+        c = nat.counter_layout
         for name in ("decisions", "verify_decisions", "reused"):
             nat.counters[c[name]] -= decided
         for name, value in (("phase", COMMIT), ("complete", 1), ("finishing", 1), ("spec_final", 0),
