@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +40,7 @@ from torch import nn
 
 from .._cli import dumps
 from .dense import dense
+from .mask_adapter import init_low_rank
 from .transformer import Model
 
 __all__ = ["LoraConfig", "LoraLinear", "RowAdaptedEmbedding", "apply_lora", "lora_parameters",
@@ -103,18 +103,7 @@ class LoraLinear(nn.Linear):
     ``lora_B`` [out, r]; forward ``dense(x, W, b) + scale * (drop(x) A^T) B^T``."""
 
     def __init__(self, base: nn.Linear, rank: int, scale: float, dropout: float):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = base.weight
-        self.bias = base.bias
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
-        dev = base.weight.device
-        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=dev, dtype=torch.float32))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=dev, dtype=torch.float32))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))    # nn.Linear's init, as PEFT
-        self.scale = scale
+        init_low_rank(self, base, rank, scale)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -69,23 +69,32 @@ class MaskRows:
         return (MaskRows, ())
 
 
+def init_low_rank(module: nn.Linear, base: nn.Linear, rank: int, scale: float,
+                  generator: torch.Generator | None = None) -> None:
+    """``module`` takes ``base``'s ``weight`` / ``bias`` (frozen) and gains float32 ``lora_A``
+    [rank, in] (nn.Linear's init, as PEFT) and ``lora_B`` [out, rank] (zeros: the update starts
+    at 0), and ``scale``: the shared set-up of :class:`MaskLoraLinear` and
+    :class:`dspec.models.lora.LoraLinear`."""
+    nn.Module.__init__(module)
+    module.in_features, module.out_features = base.in_features, base.out_features
+    module.weight, module.bias = base.weight, base.bias
+    module.weight.requires_grad_(False)
+    if module.bias is not None:
+        module.bias.requires_grad_(False)
+    dev = base.weight.device
+    module.lora_A = nn.Parameter(torch.empty(rank, module.in_features, device=dev, dtype=torch.float32))
+    module.lora_B = nn.Parameter(torch.zeros(module.out_features, rank, device=dev, dtype=torch.float32))
+    nn.init.kaiming_uniform_(module.lora_A, a=math.sqrt(5), generator=generator)
+    module.scale = scale
+
+
 class MaskLoraLinear(nn.Linear):
     """``nn.Linear`` (frozen ``weight`` / ``bias``) plus ``lora_A`` [r, in], ``lora_B`` [out, r]
     applied at the rows of ``rows.index`` only."""
 
     def __init__(self, base: nn.Linear, rank: int, scale: float, rows: MaskRows,
                  generator: torch.Generator | None = None):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
-        dev = base.weight.device
-        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=dev, dtype=torch.float32))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=dev, dtype=torch.float32))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5), generator=generator)
-        self.scale = scale
+        init_low_rank(self, base, rank, scale, generator)
         self.rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
