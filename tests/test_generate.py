@@ -175,3 +175,18 @@ def test_decode_loops_pass_their_own_value_checks(method, temperature, monkeypat
         assert (not any(seen)) if trust else (seen and all(seen)), (method, trust, len(seen))
     assert runs[True] == runs[False]
     assert _validate.value_checks_enabled(torch.zeros(1))          # the scope was left
+
+
+@pytest.mark.parametrize("method", ["ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd"])
+def test_stats_options_are_resolved(method):
+    """``stats["options"]`` names every option the method takes, as this call used it: no
+    "auto" left, strict JSON values."""
+    import json
+
+    from dspec.decode.generate import method_module
+    model = dspec.load("tiny-bd" if method in ("diffusion", "ssd", "spiffy", "s2d2") else "tiny-ar")
+    out = dspec.generate(model, "The cat sat on", method=method, max_new_tokens=6)
+    options = out.stats["options"]
+    assert set(options) == set(method_module(method).OPTIONS)
+    assert "auto" not in options.values(), options
+    json.dumps(options, allow_nan=False)

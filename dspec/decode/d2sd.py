@@ -453,6 +453,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     if branches == "vp":
         run.nfe.setdefault("vp_drafter", 0)     # reported 0 where the gate kept it off
     return run.generated, run.stats(k=k, branches=branches, draft_len=gamma - 1, lookup=lookup, tree=tree,
+                                    row_cost=row_cost,
                                     boundary_pool=pool, prior_weight=float(prior_weight),
                                     tree_nodes=nodes_total / run.cycles if run.cycles else 0.0,
                                     redraft_min=None if redraft_min == float("inf") else redraft_min,

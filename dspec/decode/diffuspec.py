@@ -683,6 +683,7 @@ class _Batch:
             "draft_vocab": None if self.draft_ids is None else int(self.draft_ids.numel()),
             "shared_cache": self.shared,
             "lookup": self.lookup, "lookup_nodes": self.lookup_nodes / rows,
+            "options": {**{k: v for k, v in opts.items() if k in OPTIONS}, "lookup": self.lookup},
         }
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import inspect
+import math
 import operator
 import os
 import time
@@ -97,6 +99,40 @@ class Generation(NamedTuple):
 
 _PROMPT_FORMS = ("a str, a list of int token ids or a 1-D integer tensor / array (for a batch: a list of "
                  "those, or a 2-D tensor)")
+
+
+def _jsonable(value):
+    """An option's value as strict JSON takes it: numbers, strings, bools, None and lists of
+    them as they are (a non-finite float becomes None: "off" / "never"), anything else
+    (a drafter graph object, a tensor) its type's name."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return type(value).__name__
+
+
+def _resolved_options(module, given: dict, stats: dict) -> dict:
+    """Every option of ``module.OPTIONS`` as this call used it: what the method reports
+    (``stats["options"]`` first, then a top-level stat of the same name: the value its
+    "auto" resolved to), else the value given, else the decode function's default."""
+    params = inspect.signature(module.decode).parameters
+    reported = stats.get("options") or {}
+    out = {}
+    for name in module.OPTIONS:
+        if name in reported:
+            value = reported[name]
+        elif name in stats and not isinstance(stats[name], dict):
+            value = stats[name]
+        elif name in given:
+            value = given[name]
+        else:
+            default = params[name].default if name in params else None
+            value = None if default is inspect.Parameter.empty else default
+        out[name] = _jsonable(value)
+    return out
 
 
 def _is_prompt(p) -> bool:
@@ -264,6 +300,7 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
     wall = time.perf_counter() - start
     if bar is not None:
         bar.close()
+    stats = dict(stats, options=_resolved_options(module, options, stats))
     results = []
     total = sum(len(t) for t in tokens)
     for ids in tokens:
