@@ -84,7 +84,8 @@ def child(args) -> dict:
     from common import environment
     from dspec import _backend
     from dspec.models import dense as dense_mod
-    from dspec.models.transformer import RMSNorm, _rotate
+    from dspec.models.layers import rotate
+    from dspec.models.transformer import RMSNorm
     dspec.cpu.apply_threads(args.threads)
     torch.manual_seed(0)
     reps, warmup = (5, 2) if args.quick else (args.reps, 3)
@@ -131,7 +132,7 @@ def child(args) -> dict:
                              n, hq, hkv, d, dspec.cpu.kernel_threads())
                     return a, b
                 _pair(rows, "rope", f"N={n} heads={hq}+{hkv}", dtype, fused_rope,
-                      lambda: (_rotate(qr.clone(), cos, sin), _rotate(kr.clone(), cos, sin)), reps, warmup)
+                      lambda: (rotate(qr.clone(), cos, sin), rotate(kr.clone(), cos, sin)), reps, warmup)
                 logits = torch.randn(n, VOCAB).to(dtype) * 4
                 _pair(rows, "token_stats", f"N={n} V={VOCAB}", dtype, lambda: dspec.token_stats(logits),
                       lambda: dspec.token_stats(logits, backend="torch"), reps, warmup)
