@@ -105,7 +105,7 @@ def test_ragged_paged_prefix_and_no_prefix(device, backend):
     assert_same(got, exp, torch.float32)
 
 
-@device_backends(("torch", "cpp"))
+@device_backends(PROVIDED)
 def test_ragged_empty(device, backend):
     e, ek = torch.zeros(0, 2, 8), torch.zeros(0, 1, 8)
     out, lse = dspec.cascade_attention(e, ek, ek, suffix_indptr=torch.tensor([0, 0, 0]), return_lse=True,
