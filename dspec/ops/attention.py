@@ -43,7 +43,8 @@ def _check_mask(mask, batch: int, n: int, device) -> torch.Tensor | None:
 def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *,
                       prefix_k=None, prefix_v=None, prefix_indptr=None, sm_scale=None,
                       return_lse: bool = False, prefix_page_table=None, prefix_lens=None,
-                      max_prefix_len: int | None = None, backend: str | None = None):
+                      max_prefix_len: int | None = None, backend: str | None = None,
+                      suffix_indptr=None):
     """Attention of N suffix queries over a shared (ragged) prefix plus a masked suffix.
 
     Parameters
@@ -71,11 +72,20 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
         ``dspec._backend``: on CPU tensors the C++ code, except for float64 and calls that
         autograd records, which run the reference).  For many calls with the same shapes,
         mask and prefix layout (one per layer of a forward) see :class:`CascadeAttentionPlan`.
+    suffix_indptr : optional int32 / int64 [B + 1], ragged suffixes: request b owns the
+        rows ``suffix_indptr[b]:suffix_indptr[b + 1]`` (length 0 allowed) of q [T, Hq, D]
+        and k, v [T, Hkv, D], T = ``suffix_indptr[B]``.  ``mask`` is then packed int32
+        words [T, ceil(max_n / 32)] (max_n the longest suffix): bit j of row t of request
+        b lets t see b's suffix key j; bits at or past b's length are ignored.  None:
+        every query sees all of its request's suffix keys.  The prefix arguments keep
+        their meaning per request b.  The result equals B separate calls, one per
+        request; the suffixes are padded to [B, max_n] rows for one batched call and the
+        real rows gathered back.  ``suffix_indptr`` is read once on the host (for max_n).
 
     Returns
     -------
-    out [B, N, Hq, D] in q's dtype (and lse).  A query that sees no key gets out = 0 and
-    lse = -inf.
+    out [B, N, Hq, D] in q's dtype (and lse); with ``suffix_indptr``: out [T, Hq, D] (and
+    lse [T, Hq]).  A query that sees no key gets out = 0 and lse = -inf.
 
     Notes
     -----
@@ -99,7 +109,20 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
     ...                               prefix_indptr=torch.tensor([0, 10]))
     >>> out.shape
     torch.Size([1, 3, 4, 64])
+
+    Ragged suffixes: two requests with 2 and 3 suffix rows, 4 and 6 prefix rows.
+
+    >>> q = torch.randn(5, 4, 64); k = v = torch.randn(5, 2, 64)
+    >>> out, lse = dspec.cascade_attention(q, k, v, prefix_k=pk, prefix_v=pv,
+    ...     prefix_indptr=torch.tensor([0, 4, 10]), return_lse=True,
+    ...     suffix_indptr=torch.tensor([0, 2, 5], dtype=torch.int32))
+    >>> out.shape, lse.shape
+    (torch.Size([5, 4, 64]), torch.Size([5, 4]))
     """
+    if suffix_indptr is not None:
+        return _ragged_cascade_attention(q, k, v, mask, suffix_indptr, prefix_k, prefix_v, prefix_indptr,
+                                         sm_scale, return_lse, prefix_page_table, prefix_lens,
+                                         max_prefix_len, backend)
     _validate.tensor("q", q, dim=4, dtypes=_REFERENCE_DTYPES)
     _validate.tensor("k", k, dim=4, dtypes=(q.dtype,))
     _validate.tensor("v", v, dim=4, dtypes=(q.dtype,))
@@ -130,6 +153,100 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
     _check_max_prefix_len(max_prefix_len)
     return _launch(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens,
                    sm_scale, return_lse, max_prefix_len, name)
+
+
+class _RaggedLayout:
+    """Ragged suffixes [T, ...] <-> the padded batch [B, max_n, ...] of the batched kernels.
+
+    Built from a checked ``suffix_indptr`` (read once on the host for B, T and max_n); the
+    index tensors come from torch ops, so padding and gathering cost one ``index_copy`` /
+    ``index_select`` each.  Padded rows get zero queries / keys and a zero mask row (they
+    see no suffix key; their outputs are discarded), and every real row's mask is cut to
+    its request's suffix length so no padded key is ever visible.
+    """
+
+    __slots__ = ("batch", "total", "max_n", "words", "flat", "valid")
+
+    def __init__(self, suffix_indptr: torch.Tensor, device):
+        bounds = suffix_indptr.tolist()
+        self.batch, self.total = len(bounds) - 1, bounds[-1]
+        ip = suffix_indptr.to(device=device, dtype=torch.int64)
+        lens = ip[1:] - ip[:-1]
+        self.max_n = max((bounds[b + 1] - bounds[b] for b in range(self.batch)), default=0)
+        self.words = (self.max_n + 31) // 32
+        request = torch.repeat_interleave(torch.arange(self.batch, device=device), lens,
+                                          output_size=self.total)
+        row = torch.arange(self.total, device=device) - ip[request]
+        self.flat = request * self.max_n + row            # row t's place in [B * max_n]
+        # request b's visible-key words: bits j < len_b
+        count = (lens[:, None] - 32 * torch.arange(self.words, device=device)[None, :]).clamp(0, 32)
+        value = torch.where(count >= 32, torch.full_like(count, (1 << 32) - 1), (1 << count) - 1)
+        value = torch.where(value >= 2 ** 31, value - 2 ** 32, value).to(torch.int32)
+        self.valid = value[request]                       # [T, W]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [B, max_n, ...], zeros in the padded rows."""
+        full = x.new_zeros((self.batch * self.max_n,) + tuple(x.shape[1:]))
+        return full.index_copy(0, self.flat, x).view((self.batch, self.max_n) + tuple(x.shape[1:]))
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        """[B, max_n, ...] -> the real rows [T, ...]."""
+        return y.reshape((self.batch * self.max_n,) + tuple(y.shape[2:])).index_select(0, self.flat)
+
+    def mask(self, mask) -> torch.Tensor:
+        """The padded packed mask [B, max_n, W] of a checked ragged mask [T, W] (None: all of
+        a request's suffix keys)."""
+        words = self.valid if mask is None else mask & self.valid
+        return self.pad(words)
+
+
+def _check_suffix_indptr(suffix_indptr, total: int, device) -> None:
+    _validate.tensor("suffix_indptr", suffix_indptr, dim=1, dtypes=_validate.ID_DTYPES)
+    if suffix_indptr.shape[0] < 1:
+        raise ValueError("suffix_indptr must have B + 1 >= 1 entries, got 0")
+    _validate.same_device(device, "q", suffix_indptr=suffix_indptr)
+    ip = suffix_indptr.long()
+    if int(ip[0]) != 0 or bool((ip[1:] < ip[:-1]).any()) or int(ip[-1]) != total:
+        raise ValueError(f"suffix_indptr must start at 0, never decrease and end at T = {total} "
+                         f"(the rows of q); got {ip.tolist()[:16]}")
+
+
+def _check_ragged_mask(mask, layout: _RaggedLayout, device):
+    if mask is None:
+        return None
+    _validate.tensor("mask", mask, dim=2, dtypes=(torch.int32,))
+    _validate.same_device(device, "q", mask=mask)
+    if mask.shape != (layout.total, layout.words):
+        raise ValueError(f"with suffix_indptr, mask must hold packed int32 words of shape "
+                         f"[T, ceil(max_n/32)] = [{layout.total}, {layout.words}], got {list(mask.shape)}")
+    return mask
+
+
+def _ragged_cascade_attention(q, k, v, mask, suffix_indptr, prefix_k, prefix_v, prefix_indptr, sm_scale,
+                              return_lse, prefix_page_table, prefix_lens, max_prefix_len, backend):
+    """cascade_attention with ragged suffixes: check, pad to one batched call, gather back."""
+    _validate.tensor("q", q, dim=3, dtypes=_REFERENCE_DTYPES)
+    _validate.tensor("k", k, dim=3, dtypes=(q.dtype,))
+    _validate.tensor("v", v, dim=3, dtypes=(q.dtype,))
+    total, hq, head_dim = q.shape
+    if hq == 0 or head_dim == 0:
+        raise ValueError(f"q must have at least one head and a head dim D >= 1 (shape [T, Hq, D]), "
+                         f"got {list(q.shape)}")
+    if k.shape != v.shape or k.shape[0] != total or k.shape[2] != head_dim:
+        raise ValueError(f"with suffix_indptr, k and v must have shape [T, Hkv, D] = [{total}, Hkv, {head_dim}], "
+                         f"got {list(k.shape)} and {list(v.shape)}")
+    _validate.same_device(q.device, "q", k=k, v=v)
+    _check_suffix_indptr(suffix_indptr, total, q.device)
+    layout = _RaggedLayout(suffix_indptr, q.device)
+    mask = _check_ragged_mask(mask, layout, q.device)
+    return_lse = _validate.flag("return_lse", return_lse)
+    result = cascade_attention(layout.pad(q), layout.pad(k), layout.pad(v), layout.mask(mask),
+                               prefix_k=prefix_k, prefix_v=prefix_v, prefix_indptr=prefix_indptr,
+                               sm_scale=sm_scale, return_lse=return_lse, prefix_page_table=prefix_page_table,
+                               prefix_lens=prefix_lens, max_prefix_len=max_prefix_len, backend=backend)
+    if return_lse:
+        return layout.gather(result[0]), layout.gather(result[1])
+    return layout.gather(result)
 
 
 def _sm_scale(sm_scale) -> float | None:
@@ -299,7 +416,9 @@ class CascadeAttentionPlan:
 
     Parameters
     ----------
-    batch, n, hq, hkv, head_dim : the shapes of q [B, N, Hq, D] and k / v [B, N, Hkv, D].
+    batch, n, hq, hkv, head_dim : the shapes of q [B, N, Hq, D] and k / v [B, N, Hkv, D];
+        with ``suffix_indptr``, ``batch`` = B requests and ``n`` = T rows of the ragged q
+        [T, Hq, D] and k / v [T, Hkv, D].
     dtype, device : of q, k, v and the prefix.
     mask : as for :func:`cascade_attention` (packed int32 words or a dense bool mask; None:
         every suffix key visible).
@@ -307,6 +426,10 @@ class CascadeAttentionPlan:
         :func:`cascade_attention`), or prefix_indptr : a ragged one; neither: no prefix.
     sm_scale : default ``1 / sqrt(head_dim)``.
     backend : as for :func:`cascade_attention`, resolved once here.
+    suffix_indptr : optional int32 / int64 [B + 1] ending at T = ``n``: ragged suffixes as for
+        :func:`cascade_attention` (``mask`` then packed words [T, ceil(max_n / 32)]).  Read
+        once here; the padding indices and padded mask are prepared once, and each run pads,
+        calls the batched kernel and gathers the real rows back.
 
     Example
     -------
@@ -319,12 +442,19 @@ class CascadeAttentionPlan:
     >>> q = torch.randn(1, 4, 4, 64); k = v = torch.randn(1, 4, 2, 64)
     >>> plan.run(q, k, v, cache_k[0], cache_v[0]).shape
     torch.Size([1, 4, 4, 64])
+
+    Ragged: two requests with 1 and 3 suffix rows (T = 4), no prefix.
+
+    >>> plan = dspec.ops.CascadeAttentionPlan(2, 4, 4, 2, 64, torch.float32, "cpu",
+    ...     suffix_indptr=torch.tensor([0, 1, 4], dtype=torch.int32))
+    >>> plan.run(torch.randn(4, 4, 64), torch.randn(4, 2, 64), torch.randn(4, 2, 64)).shape
+    torch.Size([4, 4, 64])
     """
 
     def __init__(self, batch: int, n: int, hq: int, hkv: int, head_dim: int, dtype: torch.dtype,
                  device="cpu", mask=None, *, prefix_page_table=None, prefix_lens=None,
                  max_prefix_len: int | None = None, prefix_indptr=None, sm_scale=None,
-                 backend: str | None = None):
+                 backend: str | None = None, suffix_indptr=None):
         for name, value, low in (("batch", batch, 0), ("n", n, 0), ("hq", hq, 1), ("hkv", hkv, 1),
                                  ("head_dim", head_dim, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -336,6 +466,11 @@ class CascadeAttentionPlan:
         device = _validate.device("device", device)
         self.batch, self.n, self.hq, self.hkv, self.head_dim = batch, n, hq, hkv, head_dim
         self.dtype, self.device = dtype, device
+        self._layout = None
+        if suffix_indptr is not None:
+            self._init_ragged(mask, suffix_indptr, prefix_page_table, prefix_lens, max_prefix_len,
+                              prefix_indptr, sm_scale, backend)
+            return
         self.mask = _check_mask(mask, batch, n, device)
         self.paged = prefix_page_table is not None or prefix_lens is not None
         if self.paged:
@@ -381,12 +516,51 @@ class CascadeAttentionPlan:
             self._meta = _CppMeta(batch, n, hq, hkv, head_dim, dtype, self.mask, prefix_indptr,
                                   prefix_page_table, prefix_lens, self.sm_scale, self.has_prefix)
 
+    def _init_ragged(self, mask, suffix_indptr, prefix_page_table, prefix_lens, max_prefix_len,
+                     prefix_indptr, sm_scale, backend):
+        """The ragged form: a batched plan over the padded [B, max_n] suffixes."""
+        _validate.tensor("suffix_indptr", suffix_indptr, dim=1, dtypes=_validate.ID_DTYPES)
+        if suffix_indptr.shape[0] != self.batch + 1:
+            raise ValueError(f"suffix_indptr must have B + 1 = {self.batch + 1} entries, "
+                             f"got {suffix_indptr.shape[0]}")
+        _check_suffix_indptr(suffix_indptr, self.n, self.device)
+        layout = _RaggedLayout(suffix_indptr, self.device)
+        mask = _check_ragged_mask(mask, layout, self.device)
+        self._layout = layout
+        self._inner = CascadeAttentionPlan(
+            self.batch, layout.max_n, self.hq, self.hkv, self.head_dim, self.dtype, self.device,
+            layout.mask(mask), prefix_page_table=prefix_page_table, prefix_lens=prefix_lens,
+            max_prefix_len=max_prefix_len, prefix_indptr=prefix_indptr, sm_scale=sm_scale, backend=backend)
+        inner = self._inner
+        self.mask, self.paged, self.has_prefix, self.backend = inner.mask, inner.paged, inner.has_prefix, inner.backend
+        self.sm_scale, self.max_prefix_len = inner.sm_scale, inner.max_prefix_len
+        self.prefix_indptr, self.prefix_page_table, self.prefix_lens = (
+            inner.prefix_indptr, inner.prefix_page_table, inner.prefix_lens)
+
+    def _run_ragged(self, q, k, v, prefix_k, prefix_v, return_lse):
+        layout = self._layout
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _validate.tensor(name, t, dim=3, dtypes=(self.dtype,))
+        q_shape, kv_shape = (self.n, self.hq, self.head_dim), (self.n, self.hkv, self.head_dim)
+        if q.shape != q_shape or k.shape != kv_shape or v.shape != kv_shape:
+            raise ValueError(f"the plan takes q {list(q_shape)} and k, v {list(kv_shape)}, got "
+                             f"{list(q.shape)}, {list(k.shape)} and {list(v.shape)}")
+        _validate.same_device(self.device, "the plan", q=q, k=k, v=v)
+        result = self._inner.run(layout.pad(q), layout.pad(k), layout.pad(v), prefix_k, prefix_v,
+                                 return_lse=return_lse)
+        if return_lse:
+            return layout.gather(result[0]), layout.gather(result[1])
+        return layout.gather(result)
+
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k=None, prefix_v=None, *,
             return_lse: bool = False):
-        """Attention of this plan's queries: q [B, N, Hq, D], k / v [B, N, Hkv, D] and, when
-        the plan has a prefix, this layer's prefix_k / prefix_v (ragged [T, Hkv, D] or
-        paged [pages, page_size, Hkv, D], unit stride along D).  Returns out [B, N, Hq, D]
-        in q's dtype (and lse [B, N, Hq] float32 with ``return_lse``)."""
+        """Attention of this plan's queries: q [B, N, Hq, D], k / v [B, N, Hkv, D] (ragged
+        plan: q [T, Hq, D], k / v [T, Hkv, D]) and, when the plan has a prefix, this layer's
+        prefix_k / prefix_v (ragged [T, Hkv, D] or paged [pages, page_size, Hkv, D], unit
+        stride along D).  Returns out [B, N, Hq, D] (ragged: [T, Hq, D]) in q's dtype (and
+        lse [B, N, Hq] / [T, Hq] float32 with ``return_lse``)."""
+        if self._layout is not None:
+            return self._run_ragged(q, k, v, prefix_k, prefix_v, return_lse)
         meta = self._meta
         # the C++ code directly: plain CPU tensors, nothing traced, no autograd; every
         # other case (and every error message) goes through _run_general
@@ -514,19 +688,28 @@ def _check_paged_prefix(prefix_k, prefix_v, prefix_indptr, table, lens, batch, h
             raise ValueError(f"prefix_page_table[{b}, {i}] = {int(table[b, i])} is not a page in [0, {pages})")
 
 
-def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
-                 *, backend: str | None = None):
-    """Combine two partial attention results over disjoint key sets.
+def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor | None = None,
+                 lse_b: torch.Tensor | None = None, *, backend: str | None = None):
+    """Combine partial attention results over disjoint key sets: two (pairwise form) or S
+    at once (two-argument form).
 
     Parameters
     ----------
     o_a, o_b : [..., D] float32/float16/bfloat16, each normalised over its own keys.
     lse_a, lse_b : [...] float32, natural-log logsumexp of each part's scaled scores.
 
+    Two-argument form ``merge_states(v, lse)``: v [..., S, H, D] float32/float16/bfloat16
+    and lse [..., S, H] float32 hold S states (S >= 1) of the same H heads; they merge
+    along S.  It runs torch ops on every backend (``backend`` is still checked).
+
     Returns
     -------
     (o [..., D] in o_a's dtype, lse [...] float32): ``o = (e^{lse_a} o_a + e^{lse_b} o_b) /
     (e^{lse_a} + e^{lse_b})``; two empty states (lse = -inf) give o = 0, lse = -inf.
+    Two-argument form: (o [..., H, D] in v's dtype, lse [..., H] float32), ``o = sum_s
+    e^{lse_s} v_s / sum_s e^{lse_s}``, ``lse = log sum_s e^{lse_s}``; -inf entries are
+    states with no keys (weight 0), all -inf gives o = 0, lse = -inf; S = 1 returns the one
+    state as given.
 
     Example
     -------
@@ -534,7 +717,15 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
     >>> o, lse = dspec.merge_states(torch.ones(2, 4), torch.zeros(2), torch.zeros(2, 4), torch.zeros(2))
     >>> o[0].tolist(), round(lse[0].item(), 4)
     ([0.5, 0.5, 0.5, 0.5], 0.6931)
+    >>> v = torch.stack([torch.ones(1, 4), torch.zeros(1, 4), 2 * torch.ones(1, 4)])  # [S, H, D]
+    >>> o, lse = dspec.merge_states(v, torch.zeros(3, 1))     # S = 3 states, H = 1, D = 4
+    >>> o.shape, o[0].tolist(), round(lse[0].item(), 4)
+    (torch.Size([1, 4]), [1.0, 1.0, 1.0, 1.0], 1.0986)
     """
+    if o_b is None and lse_b is None:
+        return _merge_many(o_a, lse_a, backend)
+    if o_b is None or lse_b is None:
+        raise ValueError("merge_states takes (v, lse) or (o_a, lse_a, o_b, lse_b): give o_b and lse_b together")
     _validate.tensor("o_a", o_a, min_dim=1, dtypes=_ATTN_DTYPES)
     _validate.tensor("o_b", o_b, min_dim=1, dtypes=(o_a.dtype,))
     _validate.tensor("lse_a", lse_a, dtypes=(torch.float32,))
@@ -549,6 +740,22 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
     if _library.call_directly(o_a, lse_a, o_b, lse_b):
         return _merge_states_impl(o_a, lse_a, o_b, lse_b, name)
     return _library.merge_states(o_a, lse_a, o_b, lse_b, name)
+
+
+def _merge_many(v, lse, backend):
+    """The S-state form of merge_states: v [..., S, H, D], lse [..., S, H]."""
+    _validate.tensor("v", v, min_dim=3, dtypes=_ATTN_DTYPES)
+    _validate.tensor("lse", lse, dtypes=(torch.float32,))
+    if lse.shape != v.shape[:-1]:
+        raise ValueError(f"lse must have shape v.shape[:-1] = [..., S, H] = {list(v.shape[:-1])}, "
+                         f"got {list(lse.shape)}")
+    if v.shape[-3] == 0:
+        raise ValueError(f"v must hold S >= 1 states along dim -3 (shape [..., S, H, D]), got {list(v.shape)}")
+    _validate.same_device(v.device, "v", lse=lse)
+    _library.resolve("merge_states", backend, v.device, ("torch", "triton", "cuda", "cpp"))
+    if v.shape[-3] == 1:
+        return v.select(-3, 0), lse.select(-2, 0)
+    return _reference.merge_states_many(v, lse)
 
 
 @_library.body('merge_states')

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .pack_mask import unpack_mask
+from .pack_mask import pack_mask, unpack_mask
 
 
 def cascade_attention(q, k, v, mask=None, *, prefix_k=None, prefix_v=None, prefix_indptr=None,
@@ -49,6 +49,34 @@ def cascade_attention(q, k, v, mask=None, *, prefix_k=None, prefix_v=None, prefi
     return (out, lse) if return_lse else out
 
 
+def ragged_cascade_attention(q, k, v, mask=None, *, suffix_indptr, prefix_k=None, prefix_v=None,
+                             prefix_indptr=None, sm_scale=None, return_lse=False):
+    """Ragged suffixes: q [T, Hq, D], k, v [T, Hkv, D], request b's rows
+    ``suffix_indptr[b]:suffix_indptr[b + 1]``, mask words [T, ceil(max_n / 32)] (bit j of a
+    row of request b: b's suffix key j) -- B separate calls of :func:`cascade_attention`."""
+    bounds = [int(x) for x in suffix_indptr]
+    hq, d = q.shape[1:]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    for b in range(len(bounds) - 1):
+        lo, hi = bounds[b], bounds[b + 1]
+        n = hi - lo
+        if n == 0:
+            continue
+        words = None
+        if mask is not None:
+            words = pack_mask(unpack_mask(mask[lo:hi], n))[None]
+        kw = {}
+        if prefix_k is not None:
+            p0, p1 = int(prefix_indptr[b]), int(prefix_indptr[b + 1])
+            kw = dict(prefix_k=prefix_k[p0:p1], prefix_v=prefix_v[p0:p1],
+                      prefix_indptr=torch.tensor([0, p1 - p0], device=q.device))
+        o, s = cascade_attention(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], words, sm_scale=sm_scale,
+                                 return_lse=True, **kw)
+        out[lo:hi], lse[lo:hi] = o[0], s[0]
+    return (out, lse) if return_lse else out
+
+
 def gather_pages(prefix_k, prefix_v, page_table, lens):
     """Paged prefix [pages, page_size, Hkv, D] -> the ragged layout (rows back to back + indptr)."""
     page_size = prefix_k.shape[1]
@@ -73,3 +101,17 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     o = (wa[..., None] * o_a.float() + wb[..., None] * o_b.float()) / torch.where(empty, 1.0, total)[..., None]
     lse = torch.where(empty, m, m_safe + torch.log(total))
     return o.to(o_a.dtype), lse
+
+
+def merge_states_many(v, lse):
+    """S states at once: v [..., S, H, D], lse [..., S, H] -> (o [..., H, D], lse [..., H]),
+    the pairwise rule's log-sum-exp over S (all -inf: o = 0, lse = -inf)."""
+    ls = lse.float()
+    m = ls.amax(-2)                                             # [..., H]
+    empty = m == float("-inf")
+    m_safe = torch.where(empty, torch.zeros_like(m), m)
+    w = torch.exp(ls - m_safe.unsqueeze(-2))                    # [..., S, H]
+    total = w.sum(-2)
+    o = (w[..., None] * v.float()).sum(-3) / torch.where(empty, 1.0, total)[..., None]
+    out_lse = torch.where(empty, m, m_safe + torch.log(total))
+    return o.to(v.dtype), out_lse
