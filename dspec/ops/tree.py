@@ -82,12 +82,14 @@ def _best_first_tree_impl(slot_probs: torch.Tensor, slot_tokens: torch.Tensor, n
         return tuple(_reference.best_first_tree(slot_probs, slot_tokens, num_nodes))
     batch, slots, k = slot_probs.shape
     n = _reference.num_paths(slots, k, num_nodes)
-    out = torch.empty(3, batch, n, dtype=torch.int64)
+    # four separate tensors: a custom op's outputs may not alias each other
+    tokens_out, parents, depth = (torch.empty(batch, n, dtype=torch.int64) for _ in range(3))
     scores = torch.empty(batch, n, dtype=torch.float32)
     if batch:
         probs = slot_probs.contiguous()
         tokens = slot_tokens.contiguous()
         _backend.extension().best_first_tree(probs.data_ptr(), _backend.FLOAT_CODE[probs.dtype], tokens.data_ptr(),
-                                             _backend.ID_CODE[tokens.dtype], batch, slots, k, n, out[0].data_ptr(),
-                                             out[1].data_ptr(), scores.data_ptr(), out[2].data_ptr())
-    return out[0], out[1], scores, out[2]
+                                             _backend.ID_CODE[tokens.dtype], batch, slots, k, n,
+                                             tokens_out.data_ptr(), parents.data_ptr(), scores.data_ptr(),
+                                             depth.data_ptr())
+    return tokens_out, parents, scores, depth
