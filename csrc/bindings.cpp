@@ -23,6 +23,7 @@
 #include "linear_bindings.h"
 #include "topk_bindings.h"
 #include "masks_bindings.h"
+#include "best_first_tree_bindings.h"
 #include "verify_bindings.h"
 
 #ifndef DSPEC_VERSION
@@ -198,4 +199,5 @@ Raises ValueError for a bad argument, RuntimeError when a CUDA launch fails.)doc
   dspec::register_decoder(m);  // csrc/decoder_bindings.cpp
   dspec::register_selfspec(m);  // csrc/selfspec_bindings.cpp
   dspec::register_s2d2(m);  // csrc/s2d2_bindings.cpp
+  dspec::register_best_first_tree(m);  // csrc/best_first_tree_bindings.cpp
 }

@@ -10,6 +10,7 @@ from .decode import Generation, generate
 from .hub import load
 from .ops import (
     CascadeAttentionPlan,
+    best_first_tree,
     boundary_posterior,
     cascade_attention,
     expected_accept_length,
@@ -24,7 +25,7 @@ from .ops import (
     verify_chain,
     verify_tree,
 )
-from .types import TokenStats, TreeMask, TreeVerifyOutput, VerifyOutput
+from .types import BestFirstTree, TokenStats, TreeMask, TreeVerifyOutput, VerifyOutput
 
 if _os.environ.get("DSPEC_NUM_THREADS"):       # an explicit choice holds for the Python API too
     from .cpu import apply_threads as _apply_threads
@@ -32,8 +33,9 @@ if _os.environ.get("DSPEC_NUM_THREADS"):       # an explicit choice holds for th
 
 __version__ = "0.1.0"
 
-__all__ = ["CascadeAttentionPlan", "Generation", "TokenStats", "TreeMask", "TreeVerifyOutput", "VerifyOutput",
-           "boundary_posterior", "cascade_attention", "config", "expected_accept_length",
+__all__ = ["BestFirstTree", "CascadeAttentionPlan", "Generation", "TokenStats", "TreeMask", "TreeVerifyOutput",
+           "VerifyOutput",
+           "best_first_tree", "boundary_posterior", "cascade_attention", "config", "expected_accept_length",
            "generate", "load", "masks", "mass_candidates", "merge_states", "pack_mask",
            "rejection_boundaries", "token_stats", "topk_tokens", "tree_mask", "unpack_mask",
            "verify_chain", "verify_tree"]

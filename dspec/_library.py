@@ -211,6 +211,26 @@ def _(tokens, parents, target_logits, temperature, coins, sample_uniforms, backe
             target_logits.new_empty((batch, nodes), dtype=torch.int64))
 
 
+@_op("best_first_tree(Tensor slot_probs, Tensor slot_tokens, int num_nodes, str backend) "
+     "-> (Tensor, Tensor, Tensor, Tensor)")
+def best_first_tree(slot_probs, slot_tokens, num_nodes, backend):
+    return _fresh(*BODIES['best_first_tree'](slot_probs, slot_tokens, num_nodes, backend))
+
+
+@_fake("best_first_tree")
+def _(slot_probs, slot_tokens, num_nodes, backend):
+    batch, slots, k = slot_probs.shape
+    total, width = 0, 1                      # N = min(num_nodes, k + k^2 + ... + k^L)
+    for _ in range(slots):
+        if total >= num_nodes:
+            break
+        width = min(num_nodes, width * k)
+        total = min(num_nodes, total + width)
+    shape = (batch, total)
+    return (slot_probs.new_empty(shape, dtype=torch.int64), slot_probs.new_empty(shape, dtype=torch.int64),
+            slot_probs.new_empty(shape, dtype=torch.float32), slot_probs.new_empty(shape, dtype=torch.int64))
+
+
 # -------------------------------------------------------------------- masks, attention
 
 @_op("pack_mask(Tensor mask, str backend) -> Tensor")

@@ -53,3 +53,18 @@ class TreeMask(NamedTuple):
 
     words: torch.Tensor
     depth: torch.Tensor
+
+
+class BestFirstTree(NamedTuple):
+    """Result of best_first_tree; every field [B, N], nodes in best-first pop order.
+
+    tokens: int64, each node's candidate token; parents: int64 in [-1, i), -1 for a child
+    of the root, else the index of the parent node; scores: float32, the product of
+    probabilities along the node's path; depth: int64 in [1, L], the node's slot + 1
+    (edges to the root).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor
+    depth: torch.Tensor
