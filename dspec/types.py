@@ -56,15 +56,24 @@ class TreeMask(NamedTuple):
 
 
 class BestFirstTree(NamedTuple):
-    """Result of best_first_tree; every field [B, N], nodes in best-first pop order.
+    """Result of best_first_tree: ``(tokens, parents)``, each [B, N], nodes in best-first
+    pop order (it unpacks as a pair, as the contract states).
 
     tokens: int64, each node's candidate token; parents: int64 in [-1, i), -1 for a child
-    of the root, else the index of the parent node; scores: float32, the product of
-    probabilities along the node's path; depth: int64 in [1, L], the node's slot + 1
-    (edges to the root).
+    of the root, else the index of the parent node.  Attributes beside the pair:
+    ``scores`` float32 [B, N], the product of probabilities along the node's path, and
+    ``depth`` int64 [B, N] in [1, L], the node's slot + 1 (edges to the root).
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
-    scores: torch.Tensor
-    depth: torch.Tensor
+
+    @classmethod
+    def of(cls, tokens, parents, scores, depth) -> "BestFirstTree":
+        out = _BestFirstTreeWithScores(tokens, parents)
+        out.scores, out.depth = scores, depth
+        return out
+
+
+class _BestFirstTreeWithScores(BestFirstTree):
+    """A :class:`BestFirstTree` pair carrying ``scores`` and ``depth`` as attributes."""

@@ -108,7 +108,7 @@ def test_empty_batch():
     probs, tokens = torch.rand(0, 3, 2), torch.zeros(0, 3, 2, dtype=torch.int64)
     for backend in ("torch", "cpp") if _backend.cpp_available() else ("torch",):
         tree = dspec.best_first_tree(probs, tokens, 4, backend=backend)
-        assert [tuple(x.shape) for x in tree] == [(0, 4)] * 4
+        assert [tuple(x.shape) for x in (*tree, tree.scores, tree.depth)] == [(0, 4)] * 4
 
 
 # ------------------------------------------------------------------------ what the nodes are
@@ -286,3 +286,12 @@ def no_value_checks():
     dspec.config.validate_values = False
     yield
     dspec.config.validate_values = saved
+
+
+def test_result_unpacks_as_the_contracted_pair():
+    probs = torch.tensor([[[0.6, 0.3], [0.9, 0.1]]])
+    tokens = torch.tensor([[[5, 7], [8, 9]]])
+    tok, par = dspec.best_first_tree(probs, tokens, 3)
+    out = dspec.best_first_tree(probs, tokens, 3)
+    assert torch.equal(tok, out.tokens) and torch.equal(par, out.parents) and len(out) == 2
+    assert out.scores.shape == out.depth.shape == tok.shape

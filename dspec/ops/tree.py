@@ -40,8 +40,9 @@ def best_first_tree(slot_probs: torch.Tensor, slot_tokens: torch.Tensor, num_nod
 
     Returns
     -------
-    BestFirstTree(tokens int64 [B, N], parents int64 [B, N], scores float32 [B, N],
-    depth int64 [B, N]), node i being the i-th pop.  ``parents[b, i]`` lies in [-1, i):
+    BestFirstTree(tokens int64 [B, N], parents int64 [B, N]) -- a pair, so ``tokens,
+    parents = best_first_tree(...)`` -- with attributes ``scores`` float32 [B, N] and
+    ``depth`` int64 [B, N]; node i is the i-th pop.  ``parents[b, i]`` lies in [-1, i):
     -1 for a child of the root (a slot-0 candidate), else the index of its parent node;
     ``depth`` in [1, L] is the node's slot + 1.  Candidates of probability 0 (and paths
     whose product underflows to 0) are never emitted before a node of positive score; when
@@ -71,8 +72,8 @@ def best_first_tree(slot_probs: torch.Tensor, slot_tokens: torch.Tensor, num_nod
     _validate.probabilities("slot_probs", slot_probs)
     name = _library.resolve("best_first_tree", backend, slot_probs.device, _PROVIDED)
     if _library.call_directly(slot_probs, slot_tokens):
-        return BestFirstTree(*_best_first_tree_impl(slot_probs, slot_tokens, num_nodes, name))
-    return BestFirstTree(*_library.best_first_tree(slot_probs, slot_tokens, num_nodes, name))
+        return BestFirstTree.of(*_best_first_tree_impl(slot_probs, slot_tokens, num_nodes, name))
+    return BestFirstTree.of(*_library.best_first_tree(slot_probs, slot_tokens, num_nodes, name))
 
 
 @_library.body('best_first_tree')
