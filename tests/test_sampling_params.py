@@ -57,7 +57,7 @@ def test_filter_matches_naive(seed):
 
 def test_top_k_then_top_p_order():
     x = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.15, 0.05]]))
-    keep = lambda k, p: torch.isfinite(row_filter(x, 1.0, k, p))[0].nonzero()[:, 0].tolist()  # noqa: E731
+    keep = lambda k, p: torch.isfinite(row_filter(x, 1.0, k, p))[0].nonzero()[:, 0].tolist()
     assert keep(2, 1.0) == [0, 1, 2]          # ties with the k-th value are kept
     assert keep(0, 0.6) == [0, 1]             # tied boundary: the lower id first
     # top-p over the renormalised top-4 set: 0.42, 0.21, 0.21 reach 0.7 (0.4+0.2 alone do not
@@ -235,7 +235,8 @@ def test_token_stats_filtered():
     (lambda l, d: dspec.verify_chain(d, l, temperature=1.0, top_p=torch.tensor([0.5, 1.5, 1.0])), "top_p"),
     (lambda l, d: dspec.verify_chain(d, l, temperature=1.0, generator=[torch.Generator()]), "generator"),
     (lambda l, d: dspec.verify_chain(d, l, temperature=1.0, generator=[1, 2, 3]), "generator"),
-    (lambda l, d: dspec.verify_tree(torch.zeros(3, 2, dtype=torch.int64), torch.tensor([[-1, 0]] * 3), l, top_k=-2), "top_k"),
+    (lambda l, d: dspec.verify_tree(torch.zeros(3, 2, dtype=torch.int64), torch.tensor([[-1, 0]] * 3), l,
+                                    top_k=-2), "top_k"),
     (lambda l, d: dspec.token_stats(l, temperature=torch.ones(2)), "temperature"),
     (lambda l, d: dspec.token_stats(l[0, 0], top_k=2), "logits"),
     (lambda l, d: dspec.token_stats(l, temperature=0.0, top_k=2), "temperature"),

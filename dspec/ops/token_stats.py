@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from .. import _backend, _library, _validate, cpu
-from . import _sampling_params
 from ..reference.token_stats import token_stats as _token_stats_reference
 from ..types import TokenStats
+from . import _sampling_params
 
 
 def token_stats(logits: torch.Tensor, *, temperature: float = 1.0, top_k=0, top_p=1.0,
@@ -44,6 +44,10 @@ def token_stats(logits: torch.Tensor, *, temperature: float = 1.0, top_k=0, top_
     >>> s = dspec.token_stats(torch.tensor([[2.0, 1.0, 0.0]]))
     >>> s.token.tolist(), round(s.prob.item(), 4)
     ([0], 0.6652)
+    >>> s = dspec.token_stats(torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]]),
+    ...                       temperature=torch.tensor([0.0, 1.0]), top_k=2)
+    >>> [round(v, 4) for v in s.prob.tolist()]
+    [1.0, 0.7311]
     """
     _validate.logits("logits", logits)
     if _sampling_params.engaged(temperature, top_k, top_p, None):

@@ -6,9 +6,9 @@ import math
 import torch
 
 from .. import _library, _validate
-from . import _sampling_params
 from ..reference import verify as _reference
 from ..types import TreeVerifyOutput, VerifyOutput
+from . import _sampling_params
 
 _PROVIDED = ("torch", "triton", "cuda", "cpp")
 
@@ -133,6 +133,10 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
     >>> import torch, dspec
     >>> logits = torch.full((1, 3, 5), -10.0); logits[0, 0, 2] = logits[0, 1, 4] = logits[0, 2, 1] = 10.0
     >>> dspec.verify_chain(torch.tensor([[2, 3]]), logits).tokens.tolist()
+    [[2, 4, -1]]
+    >>> out = dspec.verify_chain(torch.tensor([[2, 3]]), logits, temperature=torch.tensor([0.8]), top_k=1,
+    ...                          generator=[torch.Generator().manual_seed(0)])
+    >>> out.tokens.tolist()
     [[2, 4, -1]]
     """
     _validate.tensor("draft_tokens", draft_tokens, dim=2, dtypes=_validate.ID_DTYPES)

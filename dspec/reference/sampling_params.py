@@ -15,7 +15,13 @@ import torch
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor) -> torch.Tensor:
     """logits [B, ..., V]; temperature float [B] (> 0); top_k int [B] (0 = off); top_p float [B]
-    (>= 1 = off).  Returns float32 [B, ..., V]."""
+    (>= 1 = off).  Returns float32 [B, ..., V].
+
+    >>> import torch
+    >>> x = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.15, 0.05]]))
+    >>> torch.isfinite(filter_logits(x, torch.ones(1), torch.tensor([4]), torch.tensor([0.7]))).tolist()
+    [[True, True, True, False, False]]
+    """
     shape = (-1,) + (1,) * (logits.dim() - 1)
     x = logits.float() / temperature.float().view(shape)
     vocab = x.shape[-1]
