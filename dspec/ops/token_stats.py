@@ -6,9 +6,10 @@ import torch
 from .. import _backend, _library, _validate, cpu
 from ..reference.token_stats import token_stats as _token_stats_reference
 from ..types import TokenStats
+from . import _sampling_params
 
 
-def token_stats(logits: torch.Tensor, *, temperature: float = 1.0,
+def token_stats(logits: torch.Tensor, *, temperature: float = 1.0, top_k=0, top_p=1.0,
                 backend: str | None = None) -> TokenStats:
     """Per-row statistics of ``softmax(logits / temperature)`` from a single pass.
 
@@ -19,6 +20,14 @@ def token_stats(logits: torch.Tensor, *, temperature: float = 1.0,
     temperature : float
         Positive and finite.  The maximum is subtracted before the division, so tiny
         temperatures do not overflow.
+    top_k : int or int tensor [B], top_p : float or float tensor [B], optional
+        Per request b = ``logits``' first index (``logits`` then [B, ..., V]); a float tensor
+        [B] ``temperature`` too, its rows <= 0 greedy.  With any of them the statistics are
+        those of the filtered distribution, softmax of ``logits / T_b`` over the top-k set
+        then the smallest top set reaching top_p (``dspec.reference.sampling_params``):
+        prob, margin and entropy renormalised over the kept tokens, lse the logsumexp of the
+        kept scaled logits; token (the argmax) is unchanged.  Greedy rows report the one-hot
+        distribution on the argmax: prob = margin = 1, entropy = 0, lse = the row maximum.
     backend : "auto" | "torch" | "triton" | "cuda" | "cpp", optional
         Defaults to ``$DSPEC_BACKEND`` or "auto".
 
@@ -35,8 +44,14 @@ def token_stats(logits: torch.Tensor, *, temperature: float = 1.0,
     >>> s = dspec.token_stats(torch.tensor([[2.0, 1.0, 0.0]]))
     >>> s.token.tolist(), round(s.prob.item(), 4)
     ([0], 0.6652)
+    >>> s = dspec.token_stats(torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]]),
+    ...                       temperature=torch.tensor([0.0, 1.0]), top_k=2)
+    >>> [round(v, 4) for v in s.prob.tolist()]
+    [1.0, 0.7311]
     """
     _validate.logits("logits", logits)
+    if _sampling_params.engaged(temperature, top_k, top_p, None):
+        return _sampling_params.token_stats(token_stats, logits, temperature, top_k, top_p, backend)
     temperature = _validate.temperature(temperature)
     name = _library.resolve("token_stats", backend, logits.device, ("torch", "triton", "cuda", "cpp"))
     if _library.call_directly(logits):

@@ -8,6 +8,7 @@ import torch
 from .. import _library, _validate
 from ..reference import verify as _reference
 from ..types import TreeVerifyOutput, VerifyOutput
+from . import _sampling_params
 
 _PROVIDED = ("torch", "triton", "cuda", "cpp")
 
@@ -88,7 +89,7 @@ def _tree_without_placeholders(tokens: torch.Tensor, parents: torch.Tensor):
 
 def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, draft_probs=None,
                  num_drafts=None, temperature: float = 0.0, coins=None, sample_uniforms=None,
-                 generator: torch.Generator | None = None,
+                 generator: torch.Generator | None = None, top_k=0, top_p=1.0,
                  backend: str | None = None) -> VerifyOutput:
     """Verify a chain of drafted tokens against the target's logits in one fused pass.
 
@@ -109,6 +110,17 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
     coins : float32 [B, L] in [0, 1), sample_uniforms : float32 [B] in [0, 1), optional.
         With both given the result is a pure function of the inputs; otherwise they are
         drawn on the device from ``generator`` (no host synchronisation).
+    temperature, top_k, top_p, generator : per request.  ``temperature`` may be a float
+        tensor [B] (rows with T_b <= 0 greedy, the others sampled, in one call); ``top_k`` an
+        int or int tensor [B] (0 = off), ``top_p`` a float or float tensor [B] in (0, 1]
+        (1.0 = off); ``generator`` a list of B generators (row b's coins [1, L] and uniform
+        [1] drawn from generator b as a one-row call draws them; greedy rows draw nothing).
+        Anything beyond a scalar temperature makes p for sampled rows the softmax of the
+        filtered scaled logits (``dspec.reference.sampling_params.filter_logits``: logits /
+        T_b, top-k first, then the smallest top set reaching top_p, -inf elsewhere): tokens
+        outside the set have p = 0 in acceptance and are never emitted.  Greedy rows ignore
+        top_k / top_p.  A float tensor temperature with one generator draws coins [B, L] and
+        uniforms [B] for the whole batch.
 
     Returns
     -------
@@ -121,6 +133,10 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
     >>> import torch, dspec
     >>> logits = torch.full((1, 3, 5), -10.0); logits[0, 0, 2] = logits[0, 1, 4] = logits[0, 2, 1] = 10.0
     >>> dspec.verify_chain(torch.tensor([[2, 3]]), logits).tokens.tolist()
+    [[2, 4, -1]]
+    >>> out = dspec.verify_chain(torch.tensor([[2, 3]]), logits, temperature=torch.tensor([0.8]), top_k=1,
+    ...                          generator=[torch.Generator().manual_seed(0)])
+    >>> out.tokens.tolist()
     [[2, 4, -1]]
     """
     _validate.tensor("draft_tokens", draft_tokens, dim=2, dtypes=_validate.ID_DTYPES)
@@ -156,6 +172,11 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
             lo, hi = int(num_drafts.min()), int(num_drafts.max())
             if lo < 0 or hi > length:
                 raise ValueError(f"num_drafts must lie in [0, L] = [0, {length}], got values in [{lo}, {hi}]")
+    if _sampling_params.engaged(temperature, top_k, top_p, generator):
+        return _sampling_params.verify(verify_chain, target_logits, temperature, top_k, top_p, generator,
+                                       coins, sample_uniforms, (batch, length), backend,
+                                       draft_tokens=draft_tokens, draft_probs=draft_probs,
+                                       num_drafts=num_drafts)
     temperature = _temperature(temperature)
     _validate.generator(generator, device)
     safe_drafts, num_drafts = _drafts_end_at_placeholder(draft_tokens, num_drafts)
@@ -199,7 +220,7 @@ def _check_tree(parents: torch.Tensor) -> None:
 
 def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor, *,
                 temperature: float = 0.0, coins=None, sample_uniforms=None,
-                generator: torch.Generator | None = None,
+                generator: torch.Generator | None = None, top_k=0, top_p=1.0,
                 backend: str | None = None) -> TreeVerifyOutput:
     """Verify a token tree (e.g. D2SD's K+1 branches) and return the accepted path.
 
@@ -216,6 +237,9 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
         sum(w)``, w starting at ``softmax(logits[u] / T)`` and losing each rejected token;
         the final token is drawn from the remaining w (from p at an accepted leaf).
     coins : float32 [B, N] (entry c is node c's coin), sample_uniforms : float32 [B].
+    temperature, top_k, top_p, generator : per request, as in :func:`verify_chain` (a list of
+        generators draws row b's coins [1, N] then uniform [1] from generator b); sampled rows
+        verify against the softmax of the filtered scaled logits.
 
     Returns
     -------
@@ -249,6 +273,10 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     _check_tree(parents)
     tokens, parents = _tree_without_placeholders(tokens, parents)
     _ids_in_vocab("tokens", tokens, lambda: parents >= 0, vocab)
+    if _sampling_params.engaged(temperature, top_k, top_p, generator):
+        return _sampling_params.verify(verify_tree, target_logits, temperature, top_k, top_p, generator,
+                                       coins, sample_uniforms, (batch, nodes), backend,
+                                       tokens=tokens, parents=parents)
     temperature = _temperature(temperature)
     _validate.generator(generator, device)
     if temperature > 0:
