@@ -332,6 +332,91 @@ def test_greedy_block_is_token(device, backend, with_q):
          dspec.verify_chain(to(drafts), to(logits), **kw))
 
 
+# ------------------------------------------- the CUDA kernels in the host simulator
+SIM_DIR = ROOT / "tests" / "cuda_sim"
+FLOAT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+ID_CODE = {torch.int32: 0, torch.int64: 1}
+
+
+@pytest.fixture(scope="module")
+def block_sim(tmp_path_factory):
+    """csrc/verify.cu (with token_stats.cu) built for the host simulator of tests/cuda_sim."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")) or cxx is None:
+        pytest.skip("the CUDA simulator needs Linux (x86-64 / aarch64) and a C++17 compiler")
+    lib_path = tmp_path_factory.mktemp("block_sim") / "libverify_block_sim.so"
+    cmd = [cxx, "-std=c++17", "-O1", "-U_FORTIFY_SOURCE", "-w", "-fPIC", "-shared", "-pthread",
+           "-ffp-contract=off", f"-I{ROOT / 'csrc'}", f"-I{SIM_DIR}", str(SIM_DIR / "verify_sim.cpp"),
+           "-o", str(lib_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    lib = ctypes.CDLL(str(lib_path))
+    i64, vp, i, d = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
+    lib.dspec_sim_block_workspace_bytes.restype = i64
+    lib.dspec_sim_block_workspace_bytes.argtypes = [i64, i64, i64, i, i, i64]
+    lib.dspec_sim_verify_chain_rule.argtypes = [vp, i, i64, i64, i64, i64, vp, i, vp, vp, i, i64, i64, vp, vp, d,
+                                                vp, vp, i64, i64, vp, i, ctypes.c_char_p, i]
+    return lib
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def sim_block_chain(lib, drafts, logits, q, n, temperature, coins, u, *, rule=1, ts_splits=1, draw_splits=1):
+    batch, length = drafts.shape
+    x = logits.reshape(-1, logits.shape[-1]).contiguous()
+    vocab = x.shape[-1]
+    num = torch.full((batch,), -9, dtype=torch.int64)
+    out = torch.full((batch, length + 1), -9, dtype=torch.int64)
+    # a workspace of garbage: every value must be written before it is read
+    ws = torch.full((lib.dspec_sim_block_workspace_bytes(batch, length + 1, vocab, FLOAT_CODE[x.dtype], 1,
+                                                         ts_splits) + 16,), 0xAB, dtype=torch.uint8)
+    err = ctypes.create_string_buffer(512)
+    nd = None if n is None else n.long().contiguous()
+    drafts = drafts.contiguous()
+    rc = lib.dspec_sim_verify_chain_rule(
+        _ptr(x), FLOAT_CODE[x.dtype], batch, length, vocab, x.stride(0), _ptr(drafts), ID_CODE[drafts.dtype],
+        _ptr(nd), _ptr(q), FLOAT_CODE[q.dtype] if q is not None else 0, q.stride(0) if q is not None else 0,
+        q.stride(1) if q is not None else 0, _ptr(coins.contiguous()), _ptr(u.contiguous()), float(temperature),
+        _ptr(num), _ptr(out), ts_splits, draw_splits, _ptr(ws), rule, err, 512)
+    assert rc == 0, err.value.decode()
+    return num, out
+
+
+@pytest.mark.parametrize("dtype", LOGIT_DTYPES, ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("vocab", [1, 7, 300, 5000])
+@pytest.mark.parametrize("with_q", [False, True], ids=["one_hot", "q"])
+def test_sim_block_matches_oracle(block_sim, dtype, vocab, with_q):
+    shapes = [(1, 0), (3, 1), (5, 7), (2, 4)] if vocab < 5000 else [(1, 0), (2, 5), (3, 3)]
+    for k, (batch, length) in enumerate(shapes):
+        temperature = (1.0, 0.7)[k % 2]
+        logits, drafts, q, n, coins, u = block_case(batch, length, vocab, dtype, 1000 * k + vocab,
+                                                    with_q=with_q)
+        exp = oracle_block(drafts, logits, q, n, temperature, coins, u)
+        ids = drafts.int() if k % 2 else drafts
+        same(sim_block_chain(block_sim, ids, logits, q, n, temperature, coins, u, ts_splits=1 + k % 2,
+                             draw_splits=1 + k), exp, f"batch={batch} L={length}")
+
+
+def test_sim_block_invalid_rows_and_token_rule(block_sim):
+    logits, drafts, _, _, coins, u = block_case(4, 4, 30, torch.float32, 3, with_q=False)
+    drafts[:] = logits.argmax(-1)[:, :4]
+    logits[0, 2, 3] = float("nan")
+    logits[1, 2, 5] = float("inf")
+    logits[2, 2] = float("-inf")
+    logits[3, 0, 1] = float("nan")
+    for c in (torch.zeros_like(coins), coins):
+        same(sim_block_chain(block_sim, drafts, logits, None, None, 1.0, c, u),
+             oracle_block(drafts, logits, None, None, 1.0, c, u))
+    # rule 0 through the same entry point is the token rule
+    from dspec.reference import verify as reference
+    logits, drafts, q, n, coins, u = block_case(5, 6, 300, torch.float32, 5, with_q=True)
+    same(sim_block_chain(block_sim, drafts, logits, q, n, 0.9, coins, u, rule=0),
+         reference.verify_chain(drafts, logits, draft_probs=q, num_drafts=n, temperature=0.9, coins=coins,
+                                sample_uniforms=u))
+
+
 # ============================================================ 3. statistics and mutations
 N_STAT = 100_000
 L_STAT = 2
