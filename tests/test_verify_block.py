@@ -562,3 +562,34 @@ def test_generator_path_and_token_rule_unchanged():
     same(dspec.verify_chain(drafts, logits, draft_probs=q, num_drafts=n, temperature=0.8,
                             generator=torch.Generator().manual_seed(7), rule="block"),
          oracle_block(drafts, logits, q, n, 0.8, coins, u))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_opcheck_block(backend):
+    """The custom op's schema (str rule="token"), fake implementation and AOT dispatch."""
+    if backend == "cpp" and not _backend.cpp_available():
+        pytest.skip("dspec._C is not built")
+    if backend == "triton" and not (_backend.triton_available() and _backend.triton_interpret()):
+        pytest.skip("no triton interpreter here")
+    logits, drafts, q, n, coins, u = block_case(2, 4, 11, torch.float32, 6, with_q=True)
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_dynamic") if backend == "torch" else ("test_faketensor",)
+    for dq in (None, q):
+        args = (drafts, logits, dq, n, 0.8, coins, u, backend, "block")
+        torch.library.opcheck(torch.ops.dspec.verify_chain.default, args, test_utils=tests)
+        same(torch.ops.dspec.verify_chain.default(*args), oracle_block(drafts, logits, dq, n, 0.8, coins, u))
+
+
+def test_extension_rule_code_checked():
+    if not _backend.cpp_available():
+        pytest.skip("dspec._C is not built")
+    ext = _backend.extension()
+    token = ext.verify_chain_workspace_bytes(4, 3, 1000, 0, True)
+    assert ext.verify_chain_workspace_bytes(4, 3, 1000, 0, True, 1, 0) == token
+    assert ext.verify_chain_workspace_bytes(4, 3, 1000, 0, True, 1, 1) > token   # w_tau and R_j
+    assert ext.verify_chain_workspace_bytes(4, 3, 1000, 0, False, 1, 1) == ext.verify_chain_workspace_bytes(
+        4, 3, 1000, 0, False)                                                     # greedy: no block sections
+    with pytest.raises(ValueError, match="rule"):
+        ext.verify_chain_workspace_bytes(4, 3, 1000, 0, True, 1, 2)
+    with pytest.raises(ValueError, match="rule"):
+        ext.verify_chain(0, 0, 1, 2, 11, 11, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1.0, 0, 0, "cpu", rule=3)

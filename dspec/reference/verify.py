@@ -9,6 +9,10 @@ Verification stops there: the draft at that position is rejected and the final t
 (greedy: the argmax is -1, which matches no draft).  NaN in ``draft_probs`` (which the
 public wrapper rejects while value checks are on) likewise rejects and gives -1.  Nothing
 crashes; the -1 is the documented signal.
+
+``verify_chain(rule="block")`` is block verification (Sun et al., arXiv 2403.10444; see
+:func:`_block_accept`): a row's first invalid target row cuts its drafts there, so a row that
+reaches it gets final token -1 as with the token rule.
 """
 from __future__ import annotations
 
