@@ -12,6 +12,10 @@
 //      excluded tokens of the current node live in the workspace's spec row (lane 0 writes,
 //      __syncwarp, every lane reads).
 //      Both write num_accepted, the tokens (and path) and, when sampling, the draw spec.
+//      chain, block rule (rule="block", sampling): chain_block_sums_kernel first writes R_j
+//      per (row, position) when there are draft_probs (grid.x = B * L), then
+//      chain_block_accept_kernel (one warp per row) runs dspec::vf::chain_block_walk and
+//      writes the spec with the residual scale w_tau.
 //   3. draw tiles (grid.x = B * splits): per-tile sums of the draw weights w and of p.  A
 //      tile is kVerifyDrawThreads x (one 16-byte load of logits) columns; thread t owns
 //      columns tile_start + t * vec ... + vec - 1 (16-byte vector load when the row is
@@ -91,6 +95,45 @@ __global__ void __launch_bounds__(kVerifyAcceptWarps * 32)
       w.spec_nex[b] = mode == kModeExclude ? 1 : 0;
       w.spec_excl[b] = rejected ? vf::load_id(a.drafts, a.draft_dtype, b * length + j) : std::int64_t(-1);
     }
+  }
+}
+
+// Block rule (chain): R_j read from the workspace (chain_block_sums_kernel wrote it); the
+// target rows are all scanned up front (stage 1), so there is nothing to ensure.
+struct BlockNoEnsure {
+  DSPEC_HD void operator()(std::int64_t) const {}
+};
+struct BlockReadR {
+  const float* r;  // row b's R_j, j = 0 .. L - 1
+  DSPEC_HD float operator()(std::int64_t j, float) const { return r[j]; }
+};
+
+// One warp per row: every lane runs the same scalar walk (dspec::vf::chain_block_walk, so
+// the state stays uniform), then the lanes write the tokens and lane 0 the draw spec.
+__global__ void __launch_bounds__(kVerifyAcceptWarps * 32)
+    chain_block_accept_kernel(const VerifyChainArgs a, const VerifyWork w) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t b = static_cast<std::int64_t>(blockIdx.x) * kVerifyAcceptWarps + (threadIdx.x >> 5);
+  if (b >= a.batch) return;  // whole warps leave together
+  const std::int64_t positions = a.positions, length = positions - 1;
+  BlockReadR read_r;
+  read_r.r = w.block_r + b * length;
+  const vf::ChainBlock r = vf::chain_block_walk(a, w.argmax, w.prob, b, BlockNoEnsure{}, read_r);
+  const std::int64_t tau = r.tau;
+  for (std::int64_t i = lane; i < positions; i += 32) {
+    a.tokens[b * positions + i] = i < tau ? vf::load_id(a.drafts, a.draft_dtype, b * length + i) : std::int64_t(-1);
+  }
+  if (lane == 0) {
+    a.num_accepted[b] = tau;
+    const bool rejected = tau < r.n_eff;
+    const int mode = rejected ? (a.q != nullptr ? kModeResidualQ : kModeExclude) : kModeP;
+    w.spec_row[b] = b * positions + tau;
+    w.spec_qrow[b] = b * a.q_stride_b + tau * a.q_stride_l;
+    w.spec_pos[b] = b * positions + tau;
+    w.spec_mode[b] = mode;
+    w.spec_nex[b] = mode == kModeExclude ? 1 : 0;
+    w.spec_excl[b] = rejected ? vf::load_id(a.drafts, a.draft_dtype, b * length + tau) : std::int64_t(-1);
+    w.spec_scale[b] = r.w_tau;
   }
 }
 
@@ -223,6 +266,31 @@ __device__ __forceinline__ float block_exclusive_scan(float v, float& total, flo
   return warp_before + before_in_warp;
 }
 
+// ---- block rule sums ----------------------------------------------------------------------
+
+// grid.x = B * L: block (b, j), 1 <= j < num_drafts[b], writes the block rule's R_j = sum_v
+// max(w_j p_j(v) - q_j(v), 0) (draft_probs given; float32 tree sum), w_j recomputed from the
+// drafts before j (dspec::vf::chain_block_w, the walk's own float32 steps).
+__global__ void __launch_bounds__(kVerifyDrawThreads)
+    chain_block_sums_kernel(const VerifyChainArgs a, const VerifyWork w) {
+  __shared__ float s_red[2][kDrawWarps];
+  const std::int64_t length = a.positions - 1;
+  const std::int64_t b = blockIdx.x / length, j = blockIdx.x - b * length;
+  if (j < 1 || j >= vf::chain_num_drafts(a, b)) return;  // uniform
+  const float wj = vf::chain_block_w(a, w.argmax, w.prob, b, j);
+  const std::int64_t row = b * a.positions + j;
+  const vf::RowDist d = vf::row_dist(a, w.argmax, w.prob, row);
+  const char* q_row =
+      static_cast<const char*>(a.q) + (b * a.q_stride_b + j * a.q_stride_l) * (a.q_dtype == kFloat32 ? 4 : 2);
+  float sum = 0.0f, unused = 0.0f;
+  for (std::int64_t col = threadIdx.x; col < a.vocab; col += kVerifyDrawThreads) {
+    const float p = vf::target_p(dt::load(a.logits, a.dtype, row * a.row_stride + col), d, a.inv_t);
+    sum += vf::residual(vf::mul_rn(wj, p), dt::load(q_row, a.q_dtype, col));
+  }
+  block_sum2(sum, unused, s_red);
+  if (threadIdx.x == 0) w.block_r[b * length + j] = sum;
+}
+
 // ---- draw -------------------------------------------------------------------------------
 
 // Logits of columns col0 .. col0 + VEC - 1 (VEC * sizeof(T) = 16 bytes); -inf past the row.
@@ -261,6 +329,7 @@ struct DrawRow {
   const std::int64_t* excl;  // nex excluded tokens (the first kExclShared also in shared memory)
   const void* q_row;         // mode 2: the draft_probs row, else null
   int q_dtype;
+  float scale;               // mode 2: w = max(scale * p - q, 0) (the block rule's w_tau; else 1)
 };
 
 template <int DT>
@@ -279,6 +348,7 @@ __device__ __forceinline__ DrawRow draw_row(const VerifyCommon& a, const void* q
   r.q_row = (r.mode == kModeResidualQ && q != nullptr)
                 ? static_cast<const char*>(q) + w.spec_qrow[b] * (q_dtype == kFloat32 ? 4 : 2)
                 : nullptr;
+  r.scale = (w.spec_scale != nullptr && r.mode == kModeResidualQ) ? w.spec_scale[b] : 1.0f;
   for (int k = threadIdx.x; k < r.nex && k < kExclShared; k += blockDim.x) s_excl[k] = r.excl[k];
   __syncthreads();
   return r;
@@ -301,7 +371,7 @@ __device__ __forceinline__ void group_weights(const DrawRow& r, const std::int64
     const bool in_row = col < vocab;
     const float q = (r.q_row != nullptr && in_row) ? dt::load(r.q_row, r.q_dtype, col) : 0.0f;
     float wk, pk;
-    vf::draw_weights(l[k], q, ((excluded >> k) & 1u) != 0u, r.mode, r.d, inv_t, wk, pk);
+    vf::draw_weights(l[k], q, ((excluded >> k) & 1u) != 0u, r.mode, r.d, inv_t, wk, pk, r.scale);
     wv[k] = in_row ? wk : 0.0f;
     pv[k] = in_row ? pk : 0.0f;
   }
@@ -471,11 +541,22 @@ unsigned accept_grid(std::int64_t batch) {
 void verify_chain_cuda(const VerifyChainArgs& a, std::int64_t stream_handle) {
   if (a.batch <= 0) return;
   const cudaStream_t stream = as_stream(stream_handle);
-  const VerifyLayout l = verify_layout(a.batch, a.positions, a.vocab, a.dtype, 1, !a.greedy, a.ts_splits);
+  const bool block = a.block && !a.greedy;
+  const VerifyLayout l = verify_layout(a.batch, a.positions, a.vocab, a.dtype, 1, !a.greedy, a.ts_splits, block);
   const VerifyWork w = verify_work(a.workspace, l);
   token_stats_cuda(verify_token_stats_args(a, w), stream_handle);
-  DSPEC_LAUNCH(chain_accept_kernel, accept_grid(a.batch), kVerifyAcceptWarps * 32, stream, a, w);
-  check_launch("verify_chain", "chain_accept_kernel");
+  if (block) {
+    const std::int64_t length = a.positions - 1;
+    if (a.q != nullptr && length > 1) {
+      DSPEC_LAUNCH(chain_block_sums_kernel, static_cast<unsigned>(a.batch * length), kVerifyDrawThreads, stream, a, w);
+      check_launch("verify_chain", "chain_block_sums_kernel");
+    }
+    DSPEC_LAUNCH(chain_block_accept_kernel, accept_grid(a.batch), kVerifyAcceptWarps * 32, stream, a, w);
+    check_launch("verify_chain", "chain_block_accept_kernel");
+  } else {
+    DSPEC_LAUNCH(chain_accept_kernel, accept_grid(a.batch), kVerifyAcceptWarps * 32, stream, a, w);
+    check_launch("verify_chain", "chain_accept_kernel");
+  }
   if (!a.greedy) draw_any(a, a.q, a.q_dtype, w, a.tokens, stream, "verify_chain");
 }
 

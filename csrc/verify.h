@@ -72,6 +72,7 @@ struct VerifyChainArgs : VerifyCommon {
   std::int64_t q_stride_l = 0;
   std::int64_t* num_accepted = nullptr;  // [B]
   std::int64_t* tokens = nullptr;        // [B, L + 1]
+  bool block = false;                    // block verification (sampling only; see chain_block_walk)
 };
 
 struct VerifyTreeArgs : VerifyCommon {
@@ -94,10 +95,14 @@ struct VerifyLayout {
   std::int64_t tile_w, tile_p;
   std::int64_t num_tiles, excl_cap;
   std::int64_t bytes;
+  // chain, block rule (sampling): the draw's residual scale w_tau per row, and R_j per
+  // (row, position) (CUDA: computed before the acceptance walk); unused sections are 0 bytes
+  std::int64_t spec_scale, block_r;
+  bool block;
 };
 
 inline VerifyLayout verify_layout(std::int64_t batch, std::int64_t positions, std::int64_t vocab, int dtype,
-                                  std::int64_t excl_cap, bool sampling, std::int64_t ts_splits) {
+                                  std::int64_t excl_cap, bool sampling, std::int64_t ts_splits, bool block = false) {
   VerifyLayout l{};
   const std::int64_t rows = batch * positions;
   std::int64_t at = 0;
@@ -123,6 +128,9 @@ inline VerifyLayout verify_layout(std::int64_t batch, std::int64_t positions, st
   l.spec_excl = take(b * excl_cap * 8);
   l.tile_w = take(b * l.num_tiles * 4);
   l.tile_p = take(b * l.num_tiles * 4);
+  l.block = block && sampling;
+  l.spec_scale = take(l.block ? batch * 4 : 0);
+  l.block_r = take(l.block ? batch * (positions - 1) * 4 : 0);
   l.bytes = at;
   return l;
 }
@@ -145,6 +153,8 @@ struct VerifyWork {
   float* tile_p;
   std::int64_t num_tiles;
   std::int64_t excl_cap;
+  float* spec_scale;  // null unless the layout is the block rule's
+  float* block_r;     // [B, L]; null unless the layout is the block rule's
 };
 
 inline VerifyWork verify_work(void* workspace, const VerifyLayout& l) {
@@ -166,6 +176,8 @@ inline VerifyWork verify_work(void* workspace, const VerifyLayout& l) {
   w.tile_p = reinterpret_cast<float*>(base + l.tile_p);
   w.num_tiles = l.num_tiles;
   w.excl_cap = l.excl_cap;
+  w.spec_scale = l.block ? reinterpret_cast<float*>(base + l.spec_scale) : nullptr;
+  w.block_r = l.block ? reinterpret_cast<float*>(base + l.block_r) : nullptr;
   return w;
 }
 
@@ -265,6 +277,107 @@ DSPEC_HD bool chain_accepts(const VerifyChainArgs& a, const std::int64_t* argmax
   return coin * q_x < p_x;
 }
 
+// ---- chain, block rule ------------------------------------------------------------------
+// Block verification (Sun et al., arXiv 2403.10444; dspec.verify_chain(rule="block")).
+// p(x) and q(x) of draft i (< n) of row b, token x (q = 1 without draft_probs); an id outside
+// [0, V) (value checks off) is never read: p = 0, q = 1, so w drops to 0 and it is never
+// accepted.
+DSPEC_HD void chain_draft_pq(const VerifyChainArgs& a, const std::int64_t* argmax, const float* prob, std::int64_t b,
+                             std::int64_t i, std::int64_t x, float& p_x, float& q_x) {
+  p_x = 0.0f;
+  q_x = 1.0f;
+  if (x < 0 || x >= a.vocab) return;
+  const std::int64_t row = b * a.positions + i;
+  const RowDist d = row_dist(a, argmax, prob, row);
+  p_x = target_p(dt::load(a.logits, a.dtype, row * a.row_stride + x), d, a.inv_t);
+  if (a.q != nullptr) q_x = dt::load(a.q, a.q_dtype, b * a.q_stride_b + i * a.q_stride_l + x);
+}
+
+// p / q, with +inf where q = 0 < p and 0 where both are 0 (NaN kept).
+DSPEC_HD float block_ratio(float p, float q) {
+  if (q == 0.0f) return p > 0.0f ? INFINITY : p * 0.0f;
+  return p / q;
+}
+
+// w_{j+1} = min(w_j * ratio, 1), 0 when w_j is 0 (even for ratio +inf), NaN kept.
+DSPEC_HD float block_w_next(float w, float ratio) {
+  if (w == 0.0f) return w;
+  const float t = mul_rn(w, ratio);
+  return t > 1.0f ? 1.0f : t;
+}
+
+// h_j = R_j / (R_j + (1 - w_j)); 1 when that denominator is <= 0 (R_j = 0 and w_j = 1).
+DSPEC_HD float block_h(float r, float w) {
+  const float den = r + (1.0f - w);
+  return den <= 0.0f ? 1.0f : r / den;
+}
+
+// One-hot drafts: R_j = sum_v max(w p(v) - [v == x], 0) = w (1 - p(x)).
+DSPEC_HD float block_r_one_hot(float w, float p_x) { return mul_rn(w, 1.0f - p_x); }
+
+// The walk's result: tau (num_accepted), the draft count cut at the first invalid target
+// row, and w_tau (the draw's residual is max(w_tau p_tau - q_tau, 0) when tau < n_eff).
+struct ChainBlock {
+  std::int64_t tau;
+  std::int64_t n_eff;
+  float w_tau;
+};
+
+// The block rule for row b.  `ensure(row)` runs before a target row is first read (the CPU's
+// lazy stage 1); `r_sum(j, w_j)` gives R_j = sum_v max(w_j p_j(v) - q_j(v), 0) for
+// 1 <= j < n_eff when there are draft_probs (one-hot drafts: block_r_one_hot).  A row's first
+// invalid target row (argmax -1) cuts its drafts there and plays the bonus row's part.
+// tau = the largest j in 1..n_eff with coins[b, j - 1] < h_j (h_{n_eff} = w_{n_eff}), else 0.
+template <class Ensure, class RSum>
+DSPEC_HD ChainBlock chain_block_walk(const VerifyChainArgs& a, const std::int64_t* argmax, const float* prob,
+                                     std::int64_t b, Ensure ensure, RSum r_sum) {
+  const std::int64_t positions = a.positions, length = positions - 1;
+  const std::int64_t n = chain_num_drafts(a, b);
+  const float* coins = a.coins + b * length;
+  ChainBlock res;
+  res.tau = 0;
+  res.n_eff = n;
+  res.w_tau = 1.0f;
+  float w = 1.0f;
+  for (std::int64_t j = 0; j < n; ++j) {
+    const std::int64_t row = b * positions + j;
+    ensure(row);
+    if (argmax[row] < 0) {
+      res.n_eff = j;
+      break;
+    }
+    const std::int64_t x = load_id(a.drafts, a.draft_dtype, b * length + j);
+    float p_x, q_x;
+    chain_draft_pq(a, argmax, prob, b, j, x, p_x, q_x);
+    if (j >= 1) {
+      const float r = a.q != nullptr ? r_sum(j, w) : block_r_one_hot(w, p_x);
+      if (coins[j - 1] < block_h(r, w)) {
+        res.tau = j;
+        res.w_tau = w;
+      }
+    }
+    w = block_w_next(w, block_ratio(p_x, q_x));
+  }
+  if (res.n_eff >= 1 && coins[res.n_eff - 1] < w) {
+    res.tau = res.n_eff;
+    res.w_tau = w;
+  }
+  return res;
+}
+
+// w_j of row b (j <= n, rows before j valid), as chain_block_walk computes it.
+DSPEC_HD float chain_block_w(const VerifyChainArgs& a, const std::int64_t* argmax, const float* prob, std::int64_t b,
+                             std::int64_t j) {
+  const std::int64_t length = a.positions - 1;
+  float w = 1.0f;
+  for (std::int64_t i = 0; i < j; ++i) {
+    float p_x, q_x;
+    chain_draft_pq(a, argmax, prob, b, i, load_id(a.drafts, a.draft_dtype, b * length + i), p_x, q_x);
+    w = block_w_next(w, block_ratio(p_x, q_x));
+  }
+  return w;
+}
+
 // ---- tree -------------------------------------------------------------------------------
 // What the walk needs to know about node c, all independent of the walk's state: its parent
 // (-1 unless in [0, c)), token, coin, p(token) under its parent's distribution (sampling),
@@ -358,12 +471,13 @@ DSPEC_HD bool tree_step(TreeWalk& s, std::int64_t c, const TreeNode& nd, bool gr
 }
 
 // ---- draw -------------------------------------------------------------------------------
-// One column's weights: p, and w = the residual max(p - q, 0) in mode 2, else p; 0 for an
-// excluded token.  (Mode 1 excludes tokens, mode 2 subtracts q; never both.)
+// One column's weights: p, and w = the residual max(scale * p - q, 0) in mode 2, else p; 0
+// for an excluded token.  (Mode 1 excludes tokens, mode 2 subtracts q; never both.)  scale
+// is 1 (exact: w = max(p - q, 0)) but for the block rule's draw (w_tau).
 DSPEC_HD void draw_weights(float logit, float q, bool excluded, int mode, const RowDist& d, float inv_t, float& w,
-                           float& p) {
+                           float& p, float scale = 1.0f) {
   p = target_p(logit, d, inv_t);
-  w = mode == kModeResidualQ ? residual(p, q) : p;
+  w = mode == kModeResidualQ ? residual(mul_rn(scale, p), q) : p;
   w = excluded ? 0.0f : w;
 }
 

@@ -29,14 +29,15 @@ std::string op_workspace_hint(const std::string& op) {
 
 // The layout's byte count, or -1 if it would not fit comfortably in an int64.
 std::int64_t checked_layout_bytes(std::int64_t batch, std::int64_t positions, std::int64_t vocab, int dtype,
-                                  std::int64_t excl_cap, bool sampling, std::int64_t ts_splits) {
+                                  std::int64_t excl_cap, bool sampling, std::int64_t ts_splits, bool block = false) {
   using u128 = unsigned __int128;
   const u128 rows = static_cast<u128>(batch) * static_cast<u128>(positions);
   const u128 tiles = static_cast<u128>(draw_num_tiles(vocab, dtype));
   u128 bound = rows * 24 + rows * static_cast<u128>(ts_splits) * 24 + 16 * 256;
   if (sampling) bound += static_cast<u128>(batch) * (32 + 8 * static_cast<u128>(excl_cap) + 8 * tiles);
+  if (sampling && block) bound += rows * 4 + static_cast<u128>(batch) * 4 + 2 * 256;
   if (bound >= (static_cast<u128>(1) << 62)) return -1;
-  return verify_layout(batch, positions, vocab, dtype, excl_cap, sampling, ts_splits).bytes;
+  return verify_layout(batch, positions, vocab, dtype, excl_cap, sampling, ts_splits, block).bytes;
 }
 
 // A number of blocks per row (CUDA): in [1, 2^31).
@@ -52,7 +53,7 @@ bool validate_common(const Checker& ck, const std::string& device, std::int64_t 
                      std::int64_t batch, std::int64_t positions, std::int64_t vocab, std::int64_t row_stride,
                      double temperature, std::int64_t coins_ptr, std::int64_t num_coins, std::int64_t uniforms_ptr,
                      std::int64_t ts_splits, std::int64_t draw_splits, std::int64_t workspace_ptr,
-                     std::int64_t workspace_bytes, std::int64_t excl_cap, VerifyCommon& c) {
+                     std::int64_t workspace_bytes, std::int64_t excl_cap, VerifyCommon& c, bool block = false) {
   const bool on_cuda = ck.device(device);
   ck.float_dtype(dtype, "dtype");
   ck.at_least(batch, 0, "batch");
@@ -79,7 +80,7 @@ bool validate_common(const Checker& ck, const std::string& device, std::int64_t 
     if (rows > kI32Max / ts_splits) ck.fail("batch * positions * ts_splits must be < 2^31 (CUDA grid size)");
     if (batch > kI32Max / std::min(draw_splits, tiles)) ck.fail("batch * draw_splits must be < 2^31 (CUDA grid size)");
   }
-  const std::int64_t need = checked_layout_bytes(batch, positions, vocab, dtype, excl_cap, !greedy, ts_splits);
+  const std::int64_t need = checked_layout_bytes(batch, positions, vocab, dtype, excl_cap, !greedy, ts_splits, block);
   if (need < 0) ck.fail("the workspace would be too large (batch, positions, vocab or ts_splits too large)");
   if (batch > 0) {
     ck.ptr(logits_ptr, "logits_ptr", element_size(dtype));
@@ -119,9 +120,10 @@ void verify_chain(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::i
                   std::int64_t coins_ptr, std::int64_t uniforms_ptr, double temperature, std::int64_t num_accepted_ptr,
                   std::int64_t tokens_ptr, const std::string& device, std::int64_t stream, std::int64_t ts_splits,
                   std::int64_t draw_splits, std::int64_t workspace_ptr, std::int64_t workspace_bytes,
-                  int num_threads) {
+                  int num_threads, int rule) {
   const Checker ck{"verify_chain"};
   // ---- validation: nothing is read or written before all of it passes ----
+  if (rule != 0 && rule != 1) ck.fail("rule must be 0 (token) or 1 (block), got " + std::to_string(rule));
   ck.at_least(length, 0, "length");
   if (length == kI64Max) ck.fail("length is too large");
   ck.id_dtype(draft_dtype, "draft_dtype");
@@ -130,7 +132,8 @@ void verify_chain(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::i
   ck.product(batch, length, "batch * length");
   const bool on_cuda =
       validate_common(ck, device, logits_ptr, dtype, batch, length + 1, vocab, row_stride, temperature, coins_ptr,
-                      batch * length, uniforms_ptr, ts_splits, draw_splits, workspace_ptr, workspace_bytes, 1, a);
+                      batch * length, uniforms_ptr, ts_splits, draw_splits, workspace_ptr, workspace_bytes, 1, a,
+                      rule == 1);
   if (q_ptr != 0) {
     if (q_stride_b < 0 || q_stride_l < 0) {
       ck.fail("q_stride_b and q_stride_l must be >= 0, got " + std::to_string(q_stride_b) + ", " +
@@ -159,6 +162,7 @@ void verify_chain(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::i
   a.q_stride_l = q_stride_l;
   a.num_accepted = as_ptr<std::int64_t>(num_accepted_ptr);
   a.tokens = as_ptr<std::int64_t>(tokens_ptr);
+  a.block = rule == 1;
   if (!on_cuda) a.num_threads = caller_threads(num_threads);
   run_op(on_cuda, a, stream, verify_chain_cpu, DSPEC_IF_CUDA(verify_chain_cuda));
 }
@@ -198,22 +202,23 @@ void verify_tree(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::in
 
 std::int64_t verify_workspace_bytes(const Checker& ck, std::int64_t batch, std::int64_t positions,
                                     std::int64_t vocab, int dtype, bool sampling, std::int64_t ts_splits,
-                                    std::int64_t excl_cap) {
+                                    std::int64_t excl_cap, bool block = false) {
   ck.at_least(batch, 0, "batch");
   if (vocab < 1 || vocab > kI32Max) ck.fail("vocab must be in [1, 2^31), got " + std::to_string(vocab));
   ck.float_dtype(dtype, "dtype");
   check_splits(ck, ts_splits, "ts_splits");
   ck.product(batch, positions, "batch * positions");
-  const std::int64_t need = checked_layout_bytes(batch, positions, vocab, dtype, excl_cap, sampling, ts_splits);
+  const std::int64_t need = checked_layout_bytes(batch, positions, vocab, dtype, excl_cap, sampling, ts_splits, block);
   if (need < 0) ck.fail("the workspace would be too large");
   return need;
 }
 
 std::int64_t verify_chain_workspace_bytes(std::int64_t batch, std::int64_t length, std::int64_t vocab, int dtype,
-                                          bool sampling, std::int64_t ts_splits) {
+                                          bool sampling, std::int64_t ts_splits, int rule) {
   const Checker ck{"verify_chain_workspace_bytes"};
   if (length < 0 || length == kI64Max) ck.fail("length must be >= 0, got " + std::to_string(length));
-  return verify_workspace_bytes(ck, batch, length + 1, vocab, dtype, sampling, ts_splits, 1);
+  if (rule != 0 && rule != 1) ck.fail("rule must be 0 (token) or 1 (block), got " + std::to_string(rule));
+  return verify_workspace_bytes(ck, batch, length + 1, vocab, dtype, sampling, ts_splits, 1, rule == 1);
 }
 
 std::int64_t verify_tree_workspace_bytes(std::int64_t batch, std::int64_t nodes, std::int64_t vocab, int dtype,
@@ -242,7 +247,7 @@ void register_verify(py::module_& m) {
         py::arg("coins_ptr"), py::arg("uniforms_ptr"), py::arg("temperature"), py::arg("num_accepted_ptr"),
         py::arg("tokens_ptr"), py::arg("device"), py::arg("stream") = 0, py::arg("ts_splits") = 1,
         py::arg("draw_splits") = 1, py::arg("workspace_ptr") = 0, py::arg("workspace_bytes") = 0,
-        py::arg("num_threads") = 0,
+        py::arg("num_threads") = 0, py::arg("rule") = 0,
         R"doc(Fused speculative verification of a chain of drafts (dspec.verify_chain).
 
 logits_ptr: the target logits as batch * (length + 1) rows of vocab (dtype 0 float32,
@@ -257,8 +262,10 @@ drafts, the final token, then -1).  device "cpu" (C++, GIL released) or "cuda" (
 `stream` on the current device; no host sync, no allocation).  ts_splits: token_stats
 vocabulary splits, draw_splits: blocks per row of the draw (CUDA; the CPU ignores both but
 the workspace layout depends on ts_splits).  workspace_ptr / workspace_bytes: at least
-verify_chain_workspace_bytes(batch, length, vocab, dtype, temperature > 0, ts_splits)
+verify_chain_workspace_bytes(batch, length, vocab, dtype, temperature > 0, ts_splits, rule)
 bytes, 16-byte aligned.  num_threads: CPU threads at most (0: dspec.cpu.kernel_threads()).
+rule: 0 token-wise acceptance, 1 block verification (dspec.verify_chain(rule="block"); only
+when sampling).
 batch == 0 is a no-op.  Ids outside [0, vocab) are never read (a
 draft holding one is rejected).  Raises ValueError for a bad argument (before any work),
 RuntimeError when a CUDA launch fails.)doc");
@@ -280,8 +287,8 @@ final token, then -1).  Workspace: verify_tree_workspace_bytes(batch, nodes, voc
 temperature > 0, ts_splits) bytes.  Other arguments as verify_chain.)doc");
 
   m.def("verify_chain_workspace_bytes", &verify_chain_workspace_bytes, py::arg("batch"), py::arg("length"),
-        py::arg("vocab"), py::arg("dtype"), py::arg("sampling"), py::arg("ts_splits") = 1,
-        "Bytes of workspace verify_chain needs (sampling: temperature > 0).");
+        py::arg("vocab"), py::arg("dtype"), py::arg("sampling"), py::arg("ts_splits") = 1, py::arg("rule") = 0,
+        "Bytes of workspace verify_chain needs (sampling: temperature > 0; rule 0 token, 1 block).");
   m.def("verify_tree_workspace_bytes", &verify_tree_workspace_bytes, py::arg("batch"), py::arg("nodes"),
         py::arg("vocab"), py::arg("dtype"), py::arg("sampling"), py::arg("ts_splits") = 1,
         "Bytes of workspace verify_tree needs (sampling: temperature > 0).");

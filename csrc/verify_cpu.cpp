@@ -40,6 +40,7 @@ struct CpuDrawSpec {
   int q_dtype = kFloat32;
   const std::int64_t* excl = nullptr;  // excluded tokens (mode 1)
   std::int32_t nex = 0;
+  float scale = 1.0f;  // mode 2: w = max(scale * p - q, 0) (the block rule's w_tau)
 };
 
 // Weights of columns [lo, hi) of the draw row; `k` walks the sorted excluded tokens.
@@ -54,7 +55,7 @@ inline void for_columns(const VerifyCommon& a, const CpuDrawSpec& sp, const vf::
     const bool excluded = k < ex.size() && ex[k] == col;
     const float q = with_q ? dt::load(sp.q_row, sp.q_dtype, col) : 0.0f;
     float w, p;
-    vf::draw_weights(dt::load<DT>(a.logits, row_off + col), q, excluded, sp.mode, d, a.inv_t, w, p);
+    vf::draw_weights(dt::load<DT>(a.logits, row_off + col), q, excluded, sp.mode, d, a.inv_t, w, p, sp.scale);
     if (!fn(col, w, p)) return;
   }
 }
@@ -104,7 +105,8 @@ DSPEC_AVX512 void tile_sums_avx512(const VerifyCommon& a, const CpuDrawSpec& sp,
 template <int DT>
 bool tile_sums_fast(const VerifyCommon& a, const CpuDrawSpec& sp, const vf::RowDist& d,
                     const std::vector<std::int64_t>& ex, std::int64_t tile, std::int64_t num_tiles, Scratch& s) {
-  if (!cpu::has_avx512()) return false;
+  // the block rule's scaled residual takes the scalar sums (the exact float32 product)
+  if (!cpu::has_avx512() || sp.scale != 1.0f) return false;
   double* tw = s.tw.data();
   double* tp = s.tp.data();
   const bool q16 = sp.mode == kModeResidualQ && sp.q_row != nullptr && sp.q_dtype != kFloat32;
@@ -224,12 +226,60 @@ struct RowStats {
   }
 };
 
+// R_j = sum_v max(w p_j(v) - q_j(v), 0) of row b's position j (float32 terms, double sum).
+template <int DT>
+float block_r_sum(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_t b, std::int64_t j, float w) {
+  const std::int64_t row = b * a.positions + j;
+  const vf::RowDist d = vf::row_dist(a, wk.argmax, wk.prob, row);
+  const auto* logits = static_cast<const dt::elem_t<DT>*>(a.logits) + row * a.row_stride;
+  const char* q_row = static_cast<const char*>(a.q) + (b * a.q_stride_b + j * a.q_stride_l) * (a.q_dtype == kFloat32 ? 4 : 2);
+  double sum = 0.0;
+  for (std::int64_t col = 0; col < a.vocab; ++col) {
+    const float p = vf::target_p(dt::to_float<DT>(logits[col]), d, a.inv_t);
+    sum += vf::residual(vf::mul_rn(w, p), dt::load(q_row, a.q_dtype, col));
+  }
+  return static_cast<float>(sum);
+}
+
+// The block rule's row b (sampling): vf::chain_block_walk, then the draw at tau.
+template <int DT>
+void chain_block_row(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_t b, Scratch& s, const RowStats& rows) {
+  const std::int64_t positions = a.positions, length = positions - 1;
+  const vf::ChainBlock r = vf::chain_block_walk(
+      a, wk.argmax, wk.prob, b,
+      [&](std::int64_t row) { rows.ensure(row, s, row == b * positions && b + 1 < a.batch ? (b + 1) * positions : -1); },
+      [&](std::int64_t j, float w) { return block_r_sum<DT>(a, wk, b, j, w); });
+  const std::int64_t tau = r.tau;
+  std::int64_t* out = a.tokens + b * positions;
+  for (std::int64_t i = 0; i < positions; ++i) out[i] = i < tau ? vf::load_id(a.drafts, a.draft_dtype, b * length + i) : -1;
+  a.num_accepted[b] = tau;
+  rows.ensure(b * positions + tau, s);
+  const bool rejected = tau < r.n_eff;
+  std::int64_t x_tau = rejected ? vf::load_id(a.drafts, a.draft_dtype, b * length + tau) : -1;
+  CpuDrawSpec sp;
+  sp.row = b * positions + tau;
+  sp.mode = rejected ? (a.q != nullptr ? kModeResidualQ : kModeExclude) : kModeP;
+  if (sp.mode == kModeResidualQ) {
+    sp.q_dtype = a.q_dtype;
+    sp.q_row = static_cast<const char*>(a.q) +
+               (b * a.q_stride_b + tau * a.q_stride_l) * (a.q_dtype == kFloat32 ? 4 : 2);
+    sp.scale = r.w_tau;
+  }
+  sp.excl = &x_tau;
+  sp.nex = sp.mode == kModeExclude ? 1 : 0;
+  out[tau] = draw_row<DT>(a, wk, sp, a.uniforms[b], s);
+}
+
 template <int DT>
 void chain_row(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_t b, Scratch& s, RowStats rows) {
   const std::int64_t positions = a.positions, length = positions - 1;
   const std::int64_t n = vf::chain_num_drafts(a, b);
   rows.base = b * positions;
   if (rows.ts != nullptr) s.have.assign(static_cast<std::size_t>(positions), 0);
+  if (a.block && !a.greedy) {
+    chain_block_row<DT>(a, wk, b, s, rows);
+    return;
+  }
   std::int64_t j = n;
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t x = vf::load_id(a.drafts, a.draft_dtype, b * length + i);
@@ -361,7 +411,7 @@ void tree_rows(const VerifyTreeArgs& a, const VerifyWork& wk, const RowStats& st
 void verify_chain_cpu(const VerifyChainArgs& a) {
   if (a.batch <= 0) return;
   const bool lazy = lazy_rows(a);
-  const VerifyWork wk = stage1(a, 1, lazy);
+  const VerifyWork wk = stage1(a, 1, lazy);  // the block rule's workspace sections: CUDA only
   const TokenStatsArgs ts = verify_token_stats_args(a, wk);
   const RowStats stats{lazy ? &ts : nullptr, 0};
   switch (a.dtype) {

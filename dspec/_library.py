@@ -181,16 +181,17 @@ def _(conf, backend):
 # ----------------------------------------------------------------------- verification
 
 @_op("verify_chain(Tensor draft_tokens, Tensor target_logits, Tensor? draft_probs, Tensor? num_drafts, "
-     "float temperature, Tensor? coins, Tensor? sample_uniforms, str backend) -> (Tensor, Tensor)")
+     "float temperature, Tensor? coins, Tensor? sample_uniforms, str backend, str rule=\"token\") "
+     "-> (Tensor, Tensor)")
 def verify_chain(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins,
-                 sample_uniforms, backend):
+                 sample_uniforms, backend, rule="token"):
     return _fresh(*BODIES['verify_chain'](draft_tokens, target_logits, draft_probs, num_drafts,
-                                      temperature, coins, sample_uniforms, backend))
+                                      temperature, coins, sample_uniforms, backend, rule))
 
 
 @_fake("verify_chain")
 def _(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins, sample_uniforms,
-      backend):
+      backend, rule="token"):
     batch, length = draft_tokens.shape
     return (target_logits.new_empty((batch,), dtype=torch.int64),
             target_logits.new_empty((batch, length + 1), dtype=torch.int64))

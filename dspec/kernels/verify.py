@@ -87,6 +87,130 @@ def _chain_accept_kernel(draft_ptr, draft_stride, ndraft_ptr, logits_ptr, vocab,
         tl.store(spec_pos_ptr + b, b * positions + j)
 
 
+@triton.jit
+def _block_draft_pq(draft_ptr, draft_stride, logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr,
+                    q_stride_b, q_stride_l, b, j, positions, inv_t, act, HAS_Q: tl.constexpr):
+    """(x_j, p_j(x_j), q_j(x_j)) of row b's draft j (q = 1 without draft_probs); an id
+    outside [0, V) gives p = 0, q = 1 (never accepted), as dspec::vf::chain_draft_pq."""
+    row = b * positions + j
+    x = tl.load(draft_ptr + b * draft_stride + j, mask=act, other=0).to(tl.int64)
+    in_vocab = act & (x >= 0) & (x < vocab)
+    xs = tl.where(in_vocab, x, 0)
+    top = tl.load(argmax_ptr + row, mask=act, other=0)
+    top_logit = tl.load(logits_ptr + row * vocab + tl.maximum(top, 0), mask=act, other=0.0).to(tl.float32)
+    prob = tl.load(prob_ptr + row, mask=act, other=0.0)
+    l_x = tl.load(logits_ptr + row * vocab + xs, mask=in_vocab, other=0.0).to(tl.float32)
+    p_x = tl.where(in_vocab, tl.exp((l_x - top_logit) * inv_t) * prob, 0.0)
+    if HAS_Q:
+        q_x = tl.load(q_ptr + b * q_stride_b + j * q_stride_l + xs, mask=in_vocab, other=1.0).to(tl.float32)
+    else:
+        q_x = p_x * 0.0 + 1.0
+    return x, p_x, q_x
+
+
+@triton.jit
+def _block_w_next(w, p_x, q_x):
+    """min(w p / q, 1): p / q is +inf where q = 0 < p, 0 where both are 0; 0 when w is 0."""
+    ratio = tl.where(q_x == 0.0, tl.where(p_x > 0.0, float("inf"), p_x * 0.0),
+                     p_x / tl.where(q_x == 0.0, 1.0, q_x))
+    t = w * tl.where(w == 0.0, 0.0, ratio)
+    return tl.where(w == 0.0, w, tl.where(t > 1.0, 1.0, t))
+
+
+# grid = (B, L).  Program (b, j), 1 <= j < num_drafts[b]: R_j = sum_v max(w_j p_j(v) - q_j(v), 0)
+# of the block rule (draft_probs given), w_j recomputed from the drafts before j.
+@triton.jit
+def _chain_block_sums_kernel(draft_ptr, draft_stride, ndraft_ptr, logits_ptr, vocab, argmax_ptr,
+                             prob_ptr, q_ptr, q_stride_b, q_stride_l, length, inv_t, r_ptr,
+                             BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)
+    positions = length + 1
+    n = tl.load(ndraft_ptr + b)
+    if (j >= 1) & (j < n):
+        w = tl.load(prob_ptr + b * positions) * 0.0 + 1.0     # float32 scalar
+        for i in range(0, j):
+            _, p_x, q_x = _block_draft_pq(draft_ptr, draft_stride, logits_ptr, vocab, argmax_ptr,
+                                          prob_ptr, q_ptr, q_stride_b, q_stride_l, b, i, positions,
+                                          inv_t, i >= 0, True)
+            w = _block_w_next(w, p_x, q_x)
+        row = b * positions + j
+        top = tl.load(argmax_ptr + row)
+        row_ptr = logits_ptr + row * vocab
+        top_logit = tl.load(row_ptr + tl.maximum(top, 0)).to(tl.float32)
+        prob = tl.where(top >= 0, tl.load(prob_ptr + row), float("nan"))
+        q_row_ptr = q_ptr + b * q_stride_b + j * q_stride_l
+        lanes = tl.arange(0, BLOCK)
+        acc = w * 0.0
+        for start in range(0, vocab, BLOCK):
+            cols = start + lanes
+            in_row = cols < vocab
+            p = _p_of(row_ptr, cols, top_logit, prob, inv_t, in_row)
+            q = tl.load(q_row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.where(in_row, tl.maximum(w * p - q, 0.0), 0.0), 0)
+        tl.store(r_ptr + b * length + j, acc)
+
+
+# grid = (B,).  Program b runs the block rule's walk over row b's positions (as
+# dspec::vf::chain_block_walk): tau = the largest j in 1..n_eff with coins[j - 1] < h_j.
+@triton.jit
+def _chain_block_accept_kernel(draft_ptr, draft_stride, ndraft_ptr, logits_ptr, vocab, argmax_ptr,
+                               prob_ptr, q_ptr, q_stride_b, q_stride_l, coins_ptr, r_ptr, length,
+                               inv_t, num_ptr, out_ptr, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr,
+                               spec_nex_ptr, spec_excl_ptr, spec_pos_ptr, scale_ptr,
+                               LP: tl.constexpr, HAS_Q: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    positions = length + 1
+    n = tl.load(ndraft_ptr + b)
+    w = tl.load(prob_ptr + b * positions) * 0.0 + 1.0     # float32 scalars
+    w_tau = w
+    tau = n * 0
+    n_eff = n
+    alive = n >= 0
+    for j in range(0, length):
+        act = alive & (j < n)
+        top = tl.load(argmax_ptr + b * positions + j)
+        invalid = act & (top < 0)
+        n_eff = tl.where(invalid, j, n_eff)
+        alive = act & (top >= 0)
+        _, p_x, q_x = _block_draft_pq(draft_ptr, draft_stride, logits_ptr, vocab, argmax_ptr,
+                                      prob_ptr, q_ptr, q_stride_b, q_stride_l, b, j, positions,
+                                      inv_t, alive, HAS_Q)
+        if HAS_Q:
+            r = tl.load(r_ptr + b * length + j, mask=alive & (j >= 1), other=0.0)
+        else:
+            r = w * (1.0 - p_x)
+        den = r + (1.0 - w)
+        h = tl.where(den <= 0.0, 1.0, r / tl.where(den <= 0.0, 1.0, den))
+        coin = tl.load(coins_ptr + b * length + j - 1, mask=alive & (j >= 1), other=1.0)
+        hit = alive & (j >= 1) & (coin < h)
+        tau = tl.where(hit, j, tau)
+        w_tau = tl.where(hit, w, w_tau)
+        w = tl.where(alive, _block_w_next(w, p_x, q_x), w)
+    last_coin = tl.load(coins_ptr + b * length + n_eff - 1, mask=n_eff >= 1, other=1.0)
+    hit = (n_eff >= 1) & (last_coin < w)
+    tau = tl.where(hit, n_eff, tau)
+    w_tau = tl.where(hit, w, w_tau)
+    tau = tau.to(tl.int64)
+    tl.store(num_ptr + b, tau)
+    i = tl.arange(0, LP)
+    x = tl.load(draft_ptr + b * draft_stride + i, mask=i < tau, other=0).to(tl.int64)
+    tl.store(out_ptr + b * positions + i, tl.where(i < tau, x, -1), mask=i < positions)
+    rejected = tau < n_eff
+    x_tau = tl.load(draft_ptr + b * draft_stride + tau, mask=rejected, other=-1).to(tl.int64)
+    tl.store(spec_row_ptr + b, b * positions + tau)
+    tl.store(spec_qrow_ptr + b, b * q_stride_b + tau * q_stride_l)
+    if HAS_Q:
+        mode = tl.where(rejected, 2, 0)
+    else:
+        mode = tl.where(rejected, 1, 0)
+    tl.store(spec_mode_ptr + b, mode)
+    tl.store(spec_nex_ptr + b, tl.where(mode == 1, 1, 0))
+    tl.store(spec_excl_ptr + b, x_tau)
+    tl.store(spec_pos_ptr + b, b * positions + tau)
+    tl.store(scale_ptr + b, w_tau)
+
+
 # grid = (B,).  Program b walks row b's tree: scanning nodes c = 1..N-1 in index order
 # visits the current node's children in order and, after a move, the new node's children
 # (they all have larger indices).
@@ -151,15 +275,19 @@ def _tree_walk_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, pr
 
 @triton.jit
 def _draw_weights(row_ptr, cols, in_row, top_logit, prob, inv_t, q_row_ptr, mode,
-                  HAS_Q: tl.constexpr):
-    """(w, p) for one tile: w is the residual max(p - q, 0) in mode 2, else p."""
+                  HAS_Q: tl.constexpr, scale=1.0, HAS_SCALE: tl.constexpr = False):
+    """(w, p) for one tile: w is the residual max(p - q, 0) in mode 2, else p
+    (``HAS_SCALE``: max(scale * p - q, 0), the block rule's draw)."""
     p = _p_of(row_ptr, cols, top_logit, prob, inv_t, in_row)
     p = tl.where(in_row, p, 0.0)
     if HAS_Q:
         # the q row exists only for a rejected position (mode 2), not for the bonus
         q_mask = in_row & ((cols * 0 + mode) == 2)
         q = tl.load(q_row_ptr + cols, mask=q_mask, other=0.0).to(tl.float32)
-        w = tl.maximum(p - q, 0.0)
+        if HAS_SCALE:
+            w = tl.maximum(scale * p - q, 0.0)
+        else:
+            w = tl.maximum(p - q, 0.0)
     else:
         w = p
     return w, p
@@ -188,7 +316,8 @@ def _spec(b, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, logits_ptr, argmax_ptr,
 def _draw_tiles_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
                        spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, spec_nex_ptr, spec_excl_ptr,
                        tile_w_ptr, tile_p_ptr, num_tiles, tiles_per_split,
-                       BLOCK: tl.constexpr, EP: tl.constexpr, HAS_Q: tl.constexpr):
+                       BLOCK: tl.constexpr, EP: tl.constexpr, HAS_Q: tl.constexpr,
+                       scale_ptr=None, HAS_SCALE: tl.constexpr = False):
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     row_ptr, mode, top_logit, prob, q_row_ptr = _spec(
@@ -199,6 +328,7 @@ def _draw_tiles_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
     excl = tl.load(spec_excl_ptr + b * EP + slots, mask=slots < nex, other=-1)
     p_excl = tl.where(excl >= 0, _p_of(row_ptr, tl.maximum(excl, 0), top_logit, prob, inv_t,
                                        excl >= 0), 0.0)
+    scale = tl.load(scale_ptr + b) if HAS_SCALE else 1.0
     lanes = tl.arange(0, BLOCK)
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, num_tiles)
@@ -206,7 +336,7 @@ def _draw_tiles_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
         start = tile * BLOCK
         cols = start + lanes
         w, p = _draw_weights(row_ptr, cols, cols < vocab, top_logit, prob, inv_t, q_row_ptr, mode,
-                              HAS_Q)
+                              HAS_Q, scale, HAS_SCALE)
         in_tile = (excl >= start) & (excl < start + BLOCK)
         w_sum = tl.sum(w, 0) - tl.sum(tl.where(in_tile, p_excl, 0.0), 0)
         tl.store(tile_w_ptr + b * num_tiles + tile, tl.maximum(w_sum, 0.0))
@@ -220,7 +350,7 @@ def _draw_pick_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
                       spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, spec_nex_ptr, spec_excl_ptr,
                       spec_pos_ptr, tile_w_ptr, tile_p_ptr, num_tiles, uniforms_ptr, out_ptr,
                       BLOCK: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr,
-                      HAS_Q: tl.constexpr):
+                      HAS_Q: tl.constexpr, scale_ptr=None, HAS_SCALE: tl.constexpr = False):
     b = tl.program_id(0).to(tl.int64)
     row_ptr, mode, top_logit, prob, q_row_ptr = _spec(
         b, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, logits_ptr, argmax_ptr, prob_ptr, q_ptr,
@@ -243,8 +373,9 @@ def _draw_pick_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
     lanes = tl.arange(0, BLOCK)
     cols = tile.to(tl.int64) * BLOCK + lanes
     in_row = (cols < vocab) & (cols >= 0)  # no tile (tile = -1) -> nothing in the row
+    scale = tl.load(scale_ptr + b) if HAS_SCALE else 1.0
     w, p = _draw_weights(row_ptr, cols, in_row, top_logit, prob, inv_t, q_row_ptr, mode,
-                              HAS_Q)
+                              HAS_Q, scale, HAS_SCALE)
     slots = tl.arange(0, EP)
     nex = tl.load(spec_nex_ptr + b)
     excl = tl.load(spec_excl_ptr + b * EP + slots, mask=slots < nex, other=-1)
@@ -259,7 +390,7 @@ def _draw_pick_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
     tl.store(out_ptr + tl.load(spec_pos_ptr + b), token)
 
 
-def _draw(logits2d, argmax, prob, q, inv_t, spec, uniforms, out, ep, block):
+def _draw(logits2d, argmax, prob, q, inv_t, spec, uniforms, out, ep, block, scale=None):
     batch = uniforms.shape[0]
     vocab = logits2d.shape[1]
     dev = logits2d.device
@@ -275,11 +406,11 @@ def _draw(logits2d, argmax, prob, q, inv_t, spec, uniforms, out, ep, block):
     _draw_tiles_kernel[(batch, splits)](
         logits2d, vocab, argmax, prob, q_arg, inv_t, row, qrow, mode, nex, excl,
         tile_w, tile_p, num_tiles, tiles_per_split, BLOCK=block, EP=ep, HAS_Q=has_q,
-        num_warps=warps)
+        scale_ptr=scale, HAS_SCALE=scale is not None, num_warps=warps)
     _draw_pick_kernel[(batch,)](
         logits2d, vocab, argmax, prob, q_arg, inv_t, row, qrow, mode, nex, excl, pos,
         tile_w, tile_p, num_tiles, uniforms, out, BLOCK=block, TP=next_pow2(num_tiles), EP=ep,
-        HAS_Q=has_q, num_warps=warps)
+        HAS_Q=has_q, scale_ptr=scale, HAS_SCALE=scale is not None, num_warps=warps)
 
 
 def _new_spec(batch, ep, dev):
@@ -292,7 +423,8 @@ def _new_spec(batch, ep, dev):
 
 
 def verify_chain_triton(draft_tokens, target_logits, draft_probs, num_drafts, temperature,
-                        coins, sample_uniforms, *, block: int | None = None) -> VerifyOutput:
+                        coins, sample_uniforms, *, block: int | None = None,
+                        rule: str = "token") -> VerifyOutput:
     batch, length = draft_tokens.shape
     vocab = target_logits.shape[-1]
     dev = target_logits.device
@@ -313,6 +445,10 @@ def verify_chain_triton(draft_tokens, target_logits, draft_probs, num_drafts, te
     spec = _new_spec(batch, 1, dev)
     inv_t = 0.0 if greedy else 1.0 / temperature
     coins_arg = coins.contiguous() if coins is not None else prob
+    if rule == "block" and not greedy:
+        _verify_chain_block(drafts, ndraft, logits2d, argmax, prob, q, coins_arg, length, inv_t,
+                            num, out, spec, sample_uniforms.contiguous(), block)
+        return VerifyOutput(num, out)
     _chain_accept_kernel[(batch,)](
         drafts, drafts.stride(0), ndraft, logits2d, vocab, argmax, prob,
         q if q is not None else prob, q.stride(0) if q is not None else 0,
@@ -321,6 +457,27 @@ def verify_chain_triton(draft_tokens, target_logits, draft_probs, num_drafts, te
     if not greedy:
         _draw(logits2d, argmax, prob, q, inv_t, spec, sample_uniforms.contiguous(), out, 1, block)
     return VerifyOutput(num, out)
+
+
+def _verify_chain_block(drafts, ndraft, logits2d, argmax, prob, q, coins, length, inv_t, num, out,
+                        spec, uniforms, block):
+    """The block rule: R_j per (row, position) (draft_probs only), the walk, then the draw
+    from max(w_tau p_tau - q_tau, 0) (one-hot: p_tau without x_tau) or p_tau."""
+    batch, vocab = drafts.shape[0], logits2d.shape[1]
+    dev = logits2d.device
+    q_args = (q if q is not None else prob, q.stride(0) if q is not None else 0,
+              q.stride(1) if q is not None else 0)
+    r = torch.empty(batch, max(length, 1), dtype=torch.float32, device=dev)
+    if q is not None and length > 1:
+        _chain_block_sums_kernel[(batch, length)](
+            drafts, drafts.stride(0), ndraft, logits2d, vocab, argmax, prob, *q_args, length, inv_t,
+            r, BLOCK=block, num_warps=4 if block >= 512 else 1)
+    scale = torch.ones(batch, dtype=torch.float32, device=dev)
+    _chain_block_accept_kernel[(batch,)](
+        drafts, drafts.stride(0), ndraft, logits2d, vocab, argmax, prob, *q_args, coins, r, length,
+        inv_t, num, out, *spec, scale, LP=next_pow2(length + 1), HAS_Q=q is not None, num_warps=1)
+    _draw(logits2d, argmax, prob, q, inv_t, spec, uniforms, out, 1, block,
+          scale=scale if q is not None else None)
 
 
 def verify_tree_triton(tokens, parents, target_logits, temperature, coins, sample_uniforms, *,

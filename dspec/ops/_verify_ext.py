@@ -32,7 +32,7 @@ def _workspace(nbytes: int, dev: torch.device) -> torch.Tensor:
 
 
 def verify_chain_ext(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins,
-                     sample_uniforms, *, cuda: bool) -> VerifyOutput:
+                     sample_uniforms, *, cuda: bool, rule: str = "token") -> VerifyOutput:
     ext = _backend.extension()
     batch, length = draft_tokens.shape
     vocab = target_logits.shape[-1]
@@ -52,7 +52,8 @@ def verify_chain_ext(draft_tokens, target_logits, draft_probs, num_drafts, tempe
     coins_t = coins.float().contiguous() if sampling else None
     uniforms_t = sample_uniforms.float().contiguous() if sampling else None
     ts_splits, draw_splits, stream = _launch_config(ext, batch * (length + 1), batch, vocab, code, dev, cuda)
-    ws = _workspace(ext.verify_chain_workspace_bytes(batch, length, vocab, code, sampling, ts_splits), dev)
+    rule_code = 1 if rule == "block" and sampling else 0
+    ws = _workspace(ext.verify_chain_workspace_bytes(batch, length, vocab, code, sampling, ts_splits, rule_code), dev)
     with _backend.launch_context(dev, cuda):  # launch on the logits' GPU
         ext.verify_chain(
             logits.data_ptr(), code, batch, length, vocab, logits.stride(0),
@@ -61,7 +62,7 @@ def verify_chain_ext(draft_tokens, target_logits, draft_probs, num_drafts, tempe
             q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
             _ptr(coins_t), _ptr(uniforms_t), float(temperature), num.data_ptr(), out.data_ptr(),
             "cuda" if cuda else "cpu", stream, ts_splits, draw_splits, ws.data_ptr(), ws.numel(),
-            cpu.kernel_threads())
+            cpu.kernel_threads(), rule_code)
     return VerifyOutput(num, out)
 
 

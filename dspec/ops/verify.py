@@ -11,6 +11,7 @@ from ..types import TreeVerifyOutput, VerifyOutput
 from . import _sampling_params
 
 _PROVIDED = ("torch", "triton", "cuda", "cpp")
+_RULES = ("token", "block")        # verify_chain's acceptance rules
 
 
 def _temperature(value) -> float:
@@ -90,7 +91,7 @@ def _tree_without_placeholders(tokens: torch.Tensor, parents: torch.Tensor):
 def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, draft_probs=None,
                  num_drafts=None, temperature: float = 0.0, coins=None, sample_uniforms=None,
                  generator: torch.Generator | None = None, top_k=0, top_p=1.0,
-                 backend: str | None = None) -> VerifyOutput:
+                 backend: str | None = None, rule: str = "token") -> VerifyOutput:
     """Verify a chain of drafted tokens against the target's logits in one fused pass.
 
     Parameters
@@ -121,6 +122,22 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
         outside the set have p = 0 in acceptance and are never emitted.  Greedy rows ignore
         top_k / top_p.  A float tensor temperature with one generator draws coins [B, L] and
         uniforms [B] for the whole batch.
+    rule : "token" (default) or "block". Both are lossless and identical when greedy.
+        "token" accepts drafts one by one (above) and stops at the first rejection.
+        "block" is block verification (Sun et al., arXiv 2403.10444), which accepts at
+        least as many drafts as "token" in expectation.  For row b with n drafts x_j,
+        ``p_j = softmax(target_logits[b, j] / T)`` and q_j the draft distribution:
+        ``w_0 = 1``, ``w_{j+1} = min(w_j p_j(x_j) / q_j(x_j), 1)`` (where ``q_j(x_j) = 0``
+        the ratio is +inf if ``p_j(x_j) > 0``, so ``w_{j+1} = 1`` unless ``w_j = 0``, and 0
+        if ``p_j(x_j) = 0``); for ``1 <= j < n``, ``R_j = sum_v max(w_j p_j(v) - q_j(v), 0)``
+        and ``h_j = R_j / (R_j + 1 - w_j)`` (1 when that denominator is <= 0);
+        ``h_n = w_n``.  ``num_accepted`` is the largest j in 1..n with
+        ``coins[b, j - 1] < h_j`` (0 if none; a later position can succeed after an
+        earlier one failed), and the final token is drawn from p_n when all n are
+        accepted, else from ``max(w_j p_j - q_j, 0)`` at the accepted count j (one-hot
+        q: p_j without x_j), or from p_j when that residual is all zero.  A row's first
+        invalid target row (NaN/+inf/only -inf) cuts its drafts there: reaching it gives
+        final token -1, as with "token".
 
     Returns
     -------
@@ -138,7 +155,17 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
     ...                          generator=[torch.Generator().manual_seed(0)])
     >>> out.tokens.tolist()
     [[2, 4, -1]]
+    >>> # block verification: draft 1 (id 3) is rejected, yet with q = the target's own
+    >>> # distributions (h_j = 1: the draft is right in distribution) both drafts are accepted
+    >>> p = torch.softmax(logits.float(), -1)
+    >>> out = dspec.verify_chain(torch.tensor([[2, 3]]), logits, draft_probs=p[:, :2],
+    ...                          temperature=1.0, coins=torch.tensor([[0.5, 0.5]]),
+    ...                          sample_uniforms=torch.tensor([0.5]), rule="block")
+    >>> out.num_accepted.tolist(), out.tokens.tolist()
+    ([2], [[2, 3, 1]])
     """
+    if not isinstance(rule, str) or rule not in _RULES:
+        raise ValueError(f"rule must be one of {list(_RULES)}, got {rule!r}")
     _validate.tensor("draft_tokens", draft_tokens, dim=2, dtypes=_validate.ID_DTYPES)
     _validate.tensor("target_logits", target_logits, dim=3, dtypes=_validate.FLOAT_DTYPES)
     batch, length = draft_tokens.shape
@@ -176,7 +203,7 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
         return _sampling_params.verify(verify_chain, target_logits, temperature, top_k, top_p, generator,
                                        coins, sample_uniforms, (batch, length), backend,
                                        draft_tokens=draft_tokens, draft_probs=draft_probs,
-                                       num_drafts=num_drafts)
+                                       num_drafts=num_drafts, rule=rule)
     temperature = _temperature(temperature)
     _validate.generator(generator, device)
     safe_drafts, num_drafts = _drafts_end_at_placeholder(draft_tokens, num_drafts)
@@ -189,8 +216,10 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
     else:
         coins = sample_uniforms = None      # greedy reads neither
     name = _library.resolve("verify_chain", backend, device, _PROVIDED)
+    if temperature <= 0:
+        rule = "token"                      # greedy: both rules are exact argmax matching
     args = (draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins,
-            sample_uniforms, name)
+            sample_uniforms, name, rule)
     if _library.call_directly(draft_tokens, target_logits, draft_probs, num_drafts, coins, sample_uniforms):
         return VerifyOutput(*_verify_chain_impl(*args))
     return VerifyOutput(*_library.verify_chain(*args))
@@ -198,19 +227,19 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
 
 @_library.body('verify_chain')
 def _verify_chain_impl(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins,
-                       sample_uniforms, name):
+                       sample_uniforms, name, rule="token"):
     """Body of the ``dspec::verify_chain`` custom op: run backend ``name`` on checked inputs."""
     if name == "torch":
         return _reference.verify_chain(draft_tokens, target_logits, draft_probs=draft_probs,
                                        num_drafts=num_drafts, temperature=temperature,
-                                       coins=coins, sample_uniforms=sample_uniforms)
+                                       coins=coins, sample_uniforms=sample_uniforms, rule=rule)
     if name in ("cuda", "cpp"):
         from ._verify_ext import verify_chain_ext
         return verify_chain_ext(draft_tokens, target_logits, draft_probs, num_drafts, temperature,
-                                coins, sample_uniforms, cuda=name == "cuda")
+                                coins, sample_uniforms, cuda=name == "cuda", rule=rule)
     from ..kernels.verify import verify_chain_triton
     return verify_chain_triton(draft_tokens, target_logits, draft_probs, num_drafts, temperature,
-                               coins, sample_uniforms)
+                               coins, sample_uniforms, rule=rule)
 
 
 def _check_tree(parents: torch.Tensor) -> None:

@@ -9,6 +9,10 @@ Verification stops there: the draft at that position is rejected and the final t
 (greedy: the argmax is -1, which matches no draft).  NaN in ``draft_probs`` (which the
 public wrapper rejects while value checks are on) likewise rejects and gives -1.  Nothing
 crashes; the -1 is the documented signal.
+
+``verify_chain(rule="block")`` is block verification (Sun et al., arXiv 2403.10444; see
+:func:`_block_accept`): a row's first invalid target row cuts its drafts there, so a row that
+reaches it gets final token -1 as with the token rule.
 """
 from __future__ import annotations
 
@@ -47,9 +51,62 @@ def _residual_or_p(w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return torch.where((total > 0) | ~torch.isfinite(total), w, p)
 
 
+def block_ratio(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """p(x) / q(x) of the block rule: +inf where q(x) = 0 < p(x), 0 where both are 0."""
+    zero_q = torch.where(p_x > 0, torch.full_like(p_x, float("inf")), p_x * 0)
+    return torch.where(q_x == 0, zero_q, p_x / torch.where(q_x == 0, 1.0, q_x))
+
+
+def block_w_next(w: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """``min(w * ratio, 1)``, 0 where w is 0 (even for an infinite ratio), NaN kept."""
+    return torch.where(w == 0, w, torch.clamp(w * ratio, max=1.0))
+
+
+def block_h(r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``r / (r + (1 - w))``, 1 where that denominator is <= 0 (NaN kept)."""
+    den = r + (1.0 - w)
+    return torch.where(den <= 0, torch.ones_like(den), r / torch.where(den <= 0, 1.0, den))
+
+
+def _block_accept(p, xg, p_x, q_x, draft_probs, n, coins):
+    """Block verification (Sun et al., arXiv 2403.10444) of every row: (tau, w_tau, n_eff).
+
+    ``n_eff`` is a row's draft count cut at its first invalid target row (that row then
+    plays the bonus row's part, whose draw gives -1).  ``w_0 = 1``, ``w_{j+1} =
+    min(w_j p_j(x_j) / q_j(x_j), 1)``; for ``1 <= j < n_eff`` ``h_j = R_j / (R_j + 1 - w_j)``
+    with ``R_j = sum_v max(w_j p_j(v) - q_j(v), 0)`` (one-hot q: ``w_j (1 - p_j(x_j))``),
+    ``h_{n_eff} = w_{n_eff}``; tau is the largest j with ``coins[:, j - 1] < h_j`` (0 if none).
+    """
+    batch, length = xg.shape
+    dev = xg.device
+    pos = torch.arange(length + 1, device=dev)
+    invalid = torch.isnan(p[:, :, 0])                      # p is all NaN on an invalid row
+    first_invalid = torch.where(invalid, pos, length + 1).amin(-1)
+    n_eff = torch.minimum(n, first_invalid)
+    ratio = block_ratio(p_x, q_x)
+    ws = [torch.ones(batch, device=dev)]
+    for j in range(length):
+        ws.append(block_w_next(ws[-1], ratio[:, j]))
+    w = torch.stack(ws, -1)                                # [B, L + 1]
+    h = w.clone()
+    for j in range(1, length):
+        if draft_probs is None:
+            r = w[:, j] * (1.0 - p_x[:, j])
+        else:
+            r = torch.clamp(w[:, j, None] * p[:, j] - draft_probs[:, j].float(), min=0.0).sum(-1)
+        h[:, j] = torch.where(j < n_eff, block_h(r, w[:, j]), w[:, j])
+    ok = torch.zeros(batch, length + 1, dtype=torch.bool, device=dev)
+    if length:
+        ok[:, 1:] = (coins.float() < h[:, 1:]) & (pos[None, 1:] <= n_eff[:, None])
+    tau = torch.where(ok, pos, 0).amax(-1)
+    return tau, w.gather(1, tau[:, None])[:, 0], n_eff
+
+
 def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, draft_probs=None,
                  num_drafts=None, temperature: float = 0.0, coins=None,
-                 sample_uniforms=None) -> VerifyOutput:
+                 sample_uniforms=None, rule: str = "token") -> VerifyOutput:
+    """``rule="token"``: token-wise acceptance; ``"block"``: block verification (see
+    :func:`_block_accept`), the final token drawn from ``max(w_tau p_tau - q_tau, 0)``."""
     batch, length = draft_tokens.shape
     dev = draft_tokens.device
     x = draft_tokens.long()
@@ -71,17 +128,21 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
         p_x = p[:, :length].gather(-1, xg[..., None])[..., 0]
         q_x = (torch.ones_like(p_x) if draft_probs is None
                else draft_probs.float().gather(-1, xg[..., None])[..., 0])
-        ok = (coins.float() * q_x < p_x) & in_draft
-        num_accepted = ok.long().cumprod(-1).sum(-1)
+        if rule == "block":
+            num_accepted, w_tau, n_eff = _block_accept(p, xg, p_x, q_x, draft_probs, n, coins)
+        else:
+            ok = (coins.float() * q_x < p_x) & in_draft
+            num_accepted = ok.long().cumprod(-1).sum(-1)
+            w_tau, n_eff = None, n
         j = num_accepted
         p_j = p[rows, j]
-        rejected = (j < n)[:, None]
+        rejected = (j < n_eff)[:, None]
         if draft_probs is None:  # one-hot q: the residual is p without the rejected token
             x_j = xg[rows, j.clamp(max=length - 1)] if length else j
             w = p_j.scatter(-1, x_j[:, None], 0.0)
         else:
             q_j = draft_probs.float()[rows, j.clamp(max=length - 1)] if length else torch.zeros_like(p_j)
-            w = torch.clamp(p_j - q_j, min=0.0)
+            w = torch.clamp((p_j if w_tau is None else w_tau[:, None] * p_j) - q_j, min=0.0)
         w = torch.where(rejected, _residual_or_p(w, p_j), p_j)
         final = draw(w, sample_uniforms)
     tokens = torch.where(pos[None, :] < num_accepted[:, None],

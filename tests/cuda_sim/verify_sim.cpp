@@ -45,12 +45,18 @@ std::int64_t dspec_sim_workspace_bytes(std::int64_t batch, std::int64_t position
   return dspec::verify_layout(batch, positions, vocab, dtype, excl_cap, sampling != 0, ts_splits).bytes;
 }
 
-int dspec_sim_verify_chain(const void* logits, int dtype, std::int64_t batch, std::int64_t length, std::int64_t vocab,
-                           std::int64_t row_stride, const void* drafts, int draft_dtype, const std::int64_t* num_drafts,
-                           const void* q, int q_dtype, std::int64_t q_stride_b, std::int64_t q_stride_l,
-                           const float* coins, const float* uniforms, double temperature, std::int64_t* num_accepted,
-                           std::int64_t* tokens, std::int64_t ts_splits, std::int64_t draw_splits, void* workspace,
-                           char* err, int errlen) {
+// The workspace of verify_chain with rule 1 (block) when sampling.
+std::int64_t dspec_sim_block_workspace_bytes(std::int64_t batch, std::int64_t positions, std::int64_t vocab, int dtype,
+                                             int sampling, std::int64_t ts_splits) {
+  return dspec::verify_layout(batch, positions, vocab, dtype, 1, sampling != 0, ts_splits, true).bytes;
+}
+
+int dspec_sim_verify_chain_rule(const void* logits, int dtype, std::int64_t batch, std::int64_t length,
+                                std::int64_t vocab, std::int64_t row_stride, const void* drafts, int draft_dtype,
+                                const std::int64_t* num_drafts, const void* q, int q_dtype, std::int64_t q_stride_b,
+                                std::int64_t q_stride_l, const float* coins, const float* uniforms, double temperature,
+                                std::int64_t* num_accepted, std::int64_t* tokens, std::int64_t ts_splits,
+                                std::int64_t draw_splits, void* workspace, int rule, char* err, int errlen) {
   try {
     dspec::VerifyChainArgs a;
     fill_common(a, logits, dtype, batch, length + 1, vocab, row_stride, coins, uniforms, temperature, ts_splits,
@@ -64,11 +70,23 @@ int dspec_sim_verify_chain(const void* logits, int dtype, std::int64_t batch, st
     a.q_stride_l = q_stride_l;
     a.num_accepted = num_accepted;
     a.tokens = tokens;
+    a.block = rule == 1;
     dspec::verify_chain_cuda(a, 0);
   } catch (const std::exception& e) {
     return report(e, err, errlen);
   }
   return 0;
+}
+
+int dspec_sim_verify_chain(const void* logits, int dtype, std::int64_t batch, std::int64_t length, std::int64_t vocab,
+                           std::int64_t row_stride, const void* drafts, int draft_dtype, const std::int64_t* num_drafts,
+                           const void* q, int q_dtype, std::int64_t q_stride_b, std::int64_t q_stride_l,
+                           const float* coins, const float* uniforms, double temperature, std::int64_t* num_accepted,
+                           std::int64_t* tokens, std::int64_t ts_splits, std::int64_t draw_splits, void* workspace,
+                           char* err, int errlen) {
+  return dspec_sim_verify_chain_rule(logits, dtype, batch, length, vocab, row_stride, drafts, draft_dtype, num_drafts,
+                                     q, q_dtype, q_stride_b, q_stride_l, coins, uniforms, temperature, num_accepted,
+                                     tokens, ts_splits, draw_splits, workspace, 0, err, errlen);
 }
 
 int dspec_sim_verify_tree(const void* logits, int dtype, std::int64_t batch, std::int64_t nodes, std::int64_t vocab,
