@@ -27,7 +27,7 @@ import torch
 
 import dspec
 from conftest import backends_for
-from dspec import _validate
+from dspec import _backend, _validate
 from dspec.reference import verify as reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -449,3 +449,41 @@ def test_bad_input_raises():
     bad[1, 2, 3] = 1.5
     with pytest.raises(ValueError, match="draft_probs"):
         dspec.verify_tree(tokens, parents, logits, draft_probs=bad, **kw)
+
+
+_C = _backend.extension()
+
+
+@pytest.mark.skipif(_C is None, reason="dspec._C is not built (pip install -e .)")
+@pytest.mark.parametrize("name,bad", [
+    ("draft_sampling", dict(draft_sampling=2)),
+    ("q_dtype", dict(q_dtype=7)),
+    ("q_stride", dict(q_stride_b=-1)),
+    ("q_ptr", dict(q_ptr="+2")),
+    ("workspace_bytes", dict(workspace_bytes="no q")),
+])
+def test_extension_rejects_bad_q_arguments_before_any_write(name, bad):
+    batch, nodes, vocab = 3, 5, 11
+    tokens, parents, logits, q, coins, u = tree_case(batch, nodes, vocab, 13, "fan")
+    logits = logits.reshape(-1, vocab).contiguous()
+    outs = [torch.full(s, -7, dtype=torch.int64) for s in ((batch,), (batch, nodes), (batch, nodes))]
+    ws = torch.empty(_C.verify_tree_workspace_bytes(batch, nodes, vocab, 0, True, 1, True), dtype=torch.uint8)
+    kwargs = dict(logits_ptr=logits.data_ptr(), dtype=0, batch=batch, nodes=nodes, vocab=vocab, row_stride=vocab,
+                  tokens_ptr=tokens.data_ptr(), token_dtype=1, parents_ptr=parents.data_ptr(), parent_dtype=1,
+                  coins_ptr=coins.data_ptr(), uniforms_ptr=u.data_ptr(), temperature=1.0,
+                  num_accepted_ptr=outs[0].data_ptr(), path_ptr=outs[1].data_ptr(), out_ptr=outs[2].data_ptr(),
+                  device="cpu", workspace_ptr=ws.data_ptr(), workspace_bytes=ws.numel(), q_ptr=q.data_ptr(),
+                  q_dtype=0, q_stride_b=q.stride(0), q_stride_n=q.stride(1), draft_sampling=1)
+    broken = dict(kwargs, **bad)
+    if name == "q_ptr":
+        broken["q_ptr"] = q.data_ptr() + 2                       # not float32-aligned
+    if name == "workspace_bytes":                                 # the size without the residual rows
+        broken["workspace_bytes"] = _C.verify_tree_workspace_bytes(batch, nodes, vocab, 0, True)
+    with pytest.raises(ValueError, match=name):
+        _C.verify_tree(**broken)
+    assert all(bool((t == -7).all()) for t in outs)
+    _C.verify_tree(**kwargs)
+    exp = reference.verify_tree(tokens, parents, logits.reshape(batch, nodes, vocab), draft_probs=q,
+                                draft_sampling="without_replacement", temperature=1.0, coins=coins,
+                                sample_uniforms=u)
+    same(outs, exp)

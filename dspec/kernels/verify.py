@@ -452,11 +452,14 @@ def verify_tree_triton(tokens, parents, target_logits, temperature, coins, sampl
     if draft_probs is not None and not greedy:
         q = draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()
         resid = torch.empty(batch, vocab, dtype=torch.float32, device=dev)
+        wor = draft_sampling == "without_replacement"
+        # without replacement a pass compares its columns with the EP removed-token slots
+        pass_block = min(block, max(64, 65536 // ep)) if wor else block
         _tree_walk_q_kernel[(batch,)](
             tokens.contiguous(), parents.contiguous(), nodes, logits2d, vocab, argmax, prob,
             q, q.stride(0), q.stride(1), resid, coins.contiguous(), inv_t, num, path, out,
-            row, qrow, mode, nex, excl, pos, EP=ep, BLOCK=block,
-            WOR=draft_sampling == "without_replacement", num_warps=4 if block >= 512 else 1)
+            row, qrow, mode, nex, excl, pos, EP=ep, BLOCK=pass_block,
+            WOR=wor, num_warps=4 if pass_block >= 512 else 1)
         _draw(logits2d, argmax, prob, None, inv_t, spec, sample_uniforms.contiguous(), out, ep,
               block, resid=resid)
         return TreeVerifyOutput(num, path, out)
