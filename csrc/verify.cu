@@ -197,6 +197,99 @@ __global__ void __launch_bounds__(kVerifyAcceptWarps * 32)
   }
 }
 
+// With draft probabilities (sampling): the walk of tree_walk_kernel with dspec::vf::tree_q_*
+// (every lane holds the same walk state).  A rejection runs the residual pass over the
+// vocabulary: lane l updates columns l, l + 32, ... of row b's residual (the workspace's
+// resid row), the two sums reduced by xor shuffles (every lane ends with the same bits),
+// then __syncwarp before any lane reads a column another lane wrote.  Without replacement
+// the removed tokens are the spec row's excluded tokens (lane 0 writes, __syncwarp).
+__global__ void __launch_bounds__(kVerifyAcceptWarps * 32)
+    tree_walk_q_kernel(const VerifyTreeArgs a, const VerifyWork w) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t b = static_cast<std::int64_t>(blockIdx.x) * kVerifyAcceptWarps + (threadIdx.x >> 5);
+  if (b >= a.batch) return;
+  const std::int64_t nodes = a.positions, base = b * nodes, vocab = a.vocab;
+  std::int64_t* excl = w.spec_excl + b * w.excl_cap;
+  float* resid = w.resid + b * vocab;
+  const std::int64_t q_size = a.q_dtype == kFloat32 ? 4 : 2;
+  vf::TreeWalk s = vf::tree_walk_start();
+  for (std::int64_t c0 = 1; c0 < nodes; c0 += 32) {
+    const std::int64_t c = c0 + lane;
+    vf::TreeNode mine;
+    if (c < nodes) {
+      mine = vf::tree_node(a, w.argmax, w.prob, b, c);
+    } else {
+      mine.parent = -1;
+      mine.token = -1;
+      mine.p = 0.0f;
+      mine.coin = 1.0f;
+      mine.match = false;
+      mine.q = 0.0f;
+    }
+    const int count = nodes - c0 < 32 ? static_cast<int>(nodes - c0) : 32;
+    for (int k = 0; k < count; ++k) {
+      vf::TreeNode nd;
+      nd.parent = __shfl_sync(kFull, static_cast<long long>(mine.parent), k);
+      if (nd.parent != s.node) continue;  // uniform
+      nd.token = __shfl_sync(kFull, static_cast<long long>(mine.token), k);
+      nd.p = __shfl_sync(kFull, mine.p, k);
+      nd.coin = __shfl_sync(kFull, mine.coin, k);
+      nd.q = __shfl_sync(kFull, mine.q, k);
+      nd.match = false;
+      const bool removed = a.without_replacement && vf::tree_seen(excl, s.nex, nd.token);
+      const bool in_vocab = nd.token >= 0 && nd.token < vocab;
+      const float r_x = s.has_resid && in_vocab ? resid[nd.token] : nd.p;
+      const int step = vf::tree_q_decide(s, nd, removed, r_x);
+      if (step == vf::kTreeQMove) {  // uniform
+        vf::tree_q_move(s, c0 + k);
+        if (lane == 0) {
+          a.path[base + s.depth - 1] = c0 + k;
+          a.out[base + s.depth - 1] = nd.token;
+        }
+      } else if (step == vf::kTreeQReject) {  // uniform
+        const std::int64_t row = base + s.node;
+        const vf::RowDist d = vf::row_dist(a, w.argmax, w.prob, row);
+        const char* q_row = static_cast<const char*>(a.q) + (b * a.q_stride_b + s.node * a.q_stride_n) * q_size;
+        float sum_r = 0.0f, sum_kept = 0.0f;
+        for (std::int64_t col = lane; col < vocab; col += 32) {
+          const bool gone = a.without_replacement && vf::tree_seen(excl, s.nex, col);
+          const float q_v = dt::load(q_row, a.q_dtype, col);
+          const float r_v = s.has_resid ? resid[col]
+                                        : vf::target_p(dt::load(a.logits, a.dtype, row * a.row_stride + col), d, a.inv_t);
+          const float r_new = vf::tree_q_residual(s, r_v, q_v, gone);
+          resid[col] = r_new;
+          sum_r += r_new;
+          if (!gone && col != nd.token) sum_kept += q_v;
+        }
+#pragma unroll
+        for (int off = 16; off >= 1; off >>= 1) {
+          sum_r += __shfl_xor_sync(kFull, sum_r, off);
+          sum_kept += __shfl_xor_sync(kFull, sum_kept, off);
+        }
+        __syncwarp();
+        vf::tree_q_rejected(s, sum_r, sum_kept, a.without_replacement);
+        if (a.without_replacement) {
+          if (lane == 0) excl[s.nex - 1] = nd.token;
+          __syncwarp();
+        }
+      }
+    }
+  }
+  const std::int64_t depth = s.depth;
+  for (std::int64_t d = depth + lane; d < nodes; d += 32) {  // slots the walk did not write
+    a.path[base + d] = -1;
+    a.out[base + d] = -1;  // the draw pick writes slot depth
+  }
+  if (lane == 0) {
+    a.num_accepted[b] = depth;
+    w.spec_row[b] = base + s.node;
+    w.spec_qrow[b] = 0;
+    w.spec_pos[b] = base + depth;
+    w.spec_mode[b] = s.has_resid ? kModeResid : kModeP;
+    w.spec_nex[b] = 0;
+  }
+}
+
 // ---- block primitives (kVerifyDrawThreads threads; each ends with __syncthreads) --------
 
 __device__ __forceinline__ void block_sum2(float& x, float& y, float (*smem)[kDrawWarps]) {
@@ -330,6 +423,7 @@ struct DrawRow {
   const void* q_row;         // mode 2: the draft_probs row, else null
   int q_dtype;
   float scale;               // mode 2: w = max(scale * p - q, 0) (the block rule's w_tau; else 1)
+  const float* resid_row;    // mode 3: the tree walk's residual row (the weights), else null
 };
 
 template <int DT>
@@ -349,6 +443,7 @@ __device__ __forceinline__ DrawRow draw_row(const VerifyCommon& a, const void* q
                 ? static_cast<const char*>(q) + w.spec_qrow[b] * (q_dtype == kFloat32 ? 4 : 2)
                 : nullptr;
   r.scale = (w.spec_scale != nullptr && r.mode == kModeResidualQ) ? w.spec_scale[b] : 1.0f;
+  r.resid_row = r.mode == kModeResid ? w.resid + b * a.vocab : nullptr;
   for (int k = threadIdx.x; k < r.nex && k < kExclShared; k += blockDim.x) s_excl[k] = r.excl[k];
   __syncthreads();
   return r;
@@ -372,6 +467,7 @@ __device__ __forceinline__ void group_weights(const DrawRow& r, const std::int64
     const float q = (r.q_row != nullptr && in_row) ? dt::load(r.q_row, r.q_dtype, col) : 0.0f;
     float wk, pk;
     vf::draw_weights(l[k], q, ((excluded >> k) & 1u) != 0u, r.mode, r.d, inv_t, wk, pk, r.scale);
+    if (r.resid_row != nullptr) wk = in_row ? r.resid_row[col] : 0.0f;
     wv[k] = in_row ? wk : 0.0f;
     pv[k] = in_row ? pk : 0.0f;
   }
@@ -563,11 +659,18 @@ void verify_chain_cuda(const VerifyChainArgs& a, std::int64_t stream_handle) {
 void verify_tree_cuda(const VerifyTreeArgs& a, std::int64_t stream_handle) {
   if (a.batch <= 0) return;
   const cudaStream_t stream = as_stream(stream_handle);
-  const VerifyLayout l = verify_layout(a.batch, a.positions, a.vocab, a.dtype, a.positions, !a.greedy, a.ts_splits);
+  const bool with_q = !a.greedy && a.q != nullptr;
+  const VerifyLayout l = verify_layout(a.batch, a.positions, a.vocab, a.dtype, a.positions, !a.greedy, a.ts_splits,
+                                       false, with_q ? a.batch : 0);
   const VerifyWork w = verify_work(a.workspace, l);
   token_stats_cuda(verify_token_stats_args(a, w), stream_handle);
-  DSPEC_LAUNCH(tree_walk_kernel, accept_grid(a.batch), kVerifyAcceptWarps * 32, stream, a, w);
-  check_launch("verify_tree", "tree_walk_kernel");
+  if (with_q) {
+    DSPEC_LAUNCH(tree_walk_q_kernel, accept_grid(a.batch), kVerifyAcceptWarps * 32, stream, a, w);
+    check_launch("verify_tree", "tree_walk_q_kernel");
+  } else {
+    DSPEC_LAUNCH(tree_walk_kernel, accept_grid(a.batch), kVerifyAcceptWarps * 32, stream, a, w);
+    check_launch("verify_tree", "tree_walk_kernel");
+  }
   if (!a.greedy) draw_any(a, nullptr, kFloat32, w, a.out, stream, "verify_tree");
 }
 

@@ -28,7 +28,8 @@
 namespace dspec {
 
 // Draw spec modes (as MODE_* in dspec/kernels/verify.py).
-enum DrawMode : int { kModeP = 0, kModeExclude = 1, kModeResidualQ = 2 };
+// kModeResid: the tree walk's residual r, materialised in the workspace's resid row.
+enum DrawMode : int { kModeP = 0, kModeExclude = 1, kModeResidualQ = 2, kModeResid = 3 };
 
 // CUDA geometry.  Accept kernels: one warp per row, kVerifyAcceptWarps rows per block.
 // Draw kernels: kVerifyDrawThreads threads; thread t of a tile owns the draw_vec(dtype)
@@ -83,6 +84,13 @@ struct VerifyTreeArgs : VerifyCommon {
   std::int64_t* num_accepted = nullptr;  // [B]
   std::int64_t* path = nullptr;          // [B, N]
   std::int64_t* out = nullptr;           // [B, N]
+  // draft_probs q [B, N, V] (sampling only; null: one-hot drafts): q[b, u] is the drafter's
+  // distribution u's children were drawn from, i.i.d. or without replacement.
+  const void* q = nullptr;
+  int q_dtype = kFloat32;
+  std::int64_t q_stride_b = 0;  // elements; unit stride along vocab
+  std::int64_t q_stride_n = 0;
+  bool without_replacement = false;
 };
 
 // ---- workspace ------------------------------------------------------------------------
@@ -94,6 +102,7 @@ struct VerifyLayout {
   std::int64_t spec_row, spec_qrow, spec_pos, spec_mode, spec_nex, spec_excl;
   std::int64_t tile_w, tile_p;
   std::int64_t num_tiles, excl_cap;
+  std::int64_t resid;  // tree with draft_probs: [resid_rows, vocab] float32 residuals (CUDA)
   std::int64_t bytes;
   // chain, block rule (sampling): the draw's residual scale w_tau per row, and R_j per
   // (row, position) (CUDA: computed before the acceptance walk); unused sections are 0 bytes
@@ -102,7 +111,8 @@ struct VerifyLayout {
 };
 
 inline VerifyLayout verify_layout(std::int64_t batch, std::int64_t positions, std::int64_t vocab, int dtype,
-                                  std::int64_t excl_cap, bool sampling, std::int64_t ts_splits, bool block = false) {
+                                  std::int64_t excl_cap, bool sampling, std::int64_t ts_splits, bool block = false,
+                                  std::int64_t resid_rows = 0) {
   VerifyLayout l{};
   const std::int64_t rows = batch * positions;
   std::int64_t at = 0;
@@ -131,6 +141,7 @@ inline VerifyLayout verify_layout(std::int64_t batch, std::int64_t positions, st
   l.block = block && sampling;
   l.spec_scale = take(l.block ? batch * 4 : 0);
   l.block_r = take(l.block ? batch * (positions - 1) * 4 : 0);
+  l.resid = take(resid_rows * vocab * 4);
   l.bytes = at;
   return l;
 }
@@ -155,6 +166,7 @@ struct VerifyWork {
   std::int64_t excl_cap;
   float* spec_scale;  // null unless the layout is the block rule's
   float* block_r;     // [B, L]; null unless the layout is the block rule's
+  float* resid;
 };
 
 inline VerifyWork verify_work(void* workspace, const VerifyLayout& l) {
@@ -178,6 +190,7 @@ inline VerifyWork verify_work(void* workspace, const VerifyLayout& l) {
   w.excl_cap = l.excl_cap;
   w.spec_scale = l.block ? reinterpret_cast<float*>(base + l.spec_scale) : nullptr;
   w.block_r = l.block ? reinterpret_cast<float*>(base + l.block_r) : nullptr;
+  w.resid = reinterpret_cast<float*>(base + l.resid);
   return w;
 }
 
@@ -388,6 +401,7 @@ struct TreeNode {
   float p;
   float coin;
   bool match;
+  float q;  // with draft_probs: q_parent(token) as given (0 for an id outside [0, V))
 };
 
 DSPEC_HD TreeNode tree_node(const VerifyTreeArgs& a, const std::int64_t* argmax, const float* prob, std::int64_t b,
@@ -399,6 +413,7 @@ DSPEC_HD TreeNode tree_node(const VerifyTreeArgs& a, const std::int64_t* argmax,
   nd.p = 0.0f;
   nd.coin = 1.0f;
   nd.match = false;
+  nd.q = 0.0f;
   if (nd.parent < 0 || nd.parent >= c) {  // padding (or malformed): never anyone's child
     nd.parent = -1;
     return nd;
@@ -412,17 +427,25 @@ DSPEC_HD TreeNode tree_node(const VerifyTreeArgs& a, const std::int64_t* argmax,
   if (nd.token >= 0 && nd.token < a.vocab) {
     const RowDist d = row_dist(a, argmax, prob, prow);
     nd.p = target_p(dt::load(a.logits, a.dtype, prow * a.row_stride + nd.token), d, a.inv_t);
+    if (a.q != nullptr) nd.q = dt::load(a.q, a.q_dtype, b * a.q_stride_b + nd.parent * a.q_stride_n + nd.token);
   }
   return nd;
 }
 
 // State of one row's walk: the current node, the accepted depth, and at the current node
 // the number of excluded (rejected, distinct) sibling tokens and their probability mass.
+// With draft_probs (tree_q_*): the residual r of the current node is P_node until a
+// rejection materialises it (has_resid: the workspace row holds r unnormalised, s_r its
+// sum); without replacement the nex excluded tokens are those removed from q_cur =
+// q_node / d_q (d_q = 1 until a removal, then the sum of q_node over the kept tokens).
 struct TreeWalk {
   std::int64_t node;
   std::int64_t depth;
   std::int32_t nex;
   float removed;
+  float s_r;
+  float d_q;
+  bool has_resid;
 };
 
 DSPEC_HD TreeWalk tree_walk_start() {
@@ -431,6 +454,9 @@ DSPEC_HD TreeWalk tree_walk_start() {
   s.depth = 0;
   s.nex = 0;
   s.removed = 0.0f;
+  s.s_r = 1.0f;
+  s.d_q = 1.0f;
+  s.has_resid = false;
   return s;
 }
 
@@ -470,6 +496,53 @@ DSPEC_HD bool tree_step(TreeWalk& s, std::int64_t c, const TreeNode& nd, bool gr
   return move;
 }
 
+// The residual is used unless its total is exactly 0 (an empty residual: draw from p); a NaN
+// total stays (token -1).
+DSPEC_HD bool draw_use_p(float total_w) { return !(total_w > 0.0f) && total_w == total_w; }
+DSPEC_HD bool draw_use_p(double total_w) { return !(total_w > 0.0) && total_w == total_w; }
+
+// ---- tree with draft probabilities ---------------------------------------------------------
+// Node c with the walk at node u: skipped unless c is a child of u whose q_cur(token) is
+// nonzero (q_cur(x) = q_u(x) / d_q, 0 for a removed token: it could not have been drawn);
+// accepted iff coin * q_cur(x) < r(x) / s_r (r_x: the residual row's value when has_resid,
+// else nd.p); else rejected: the caller runs the residual pass (tree_q_residual per column,
+// then tree_q_rejected with the pass's sums).
+enum TreeQStep : int { kTreeQSkip = 0, kTreeQMove = 1, kTreeQReject = 2 };
+
+DSPEC_HD int tree_q_decide(const TreeWalk& s, const TreeNode& nd, bool removed, float r_x) {
+  if (nd.parent != s.node) return kTreeQSkip;
+  const float q_x = removed ? 0.0f : nd.q;
+  if (q_x == 0.0f) return kTreeQSkip;
+  return mul_rn(nd.coin, q_x / s.d_q) < r_x / s.s_r ? kTreeQMove : kTreeQReject;
+}
+
+// The new residual of one column: max(r / s_r - q_cur, 0), NaN kept.  r_v: the residual
+// row's value, or p when !has_resid; removed: the column is excluded from q_cur.
+DSPEC_HD float tree_q_residual(const TreeWalk& s, float r_v, float q_v, bool removed) {
+  return residual(r_v / s.s_r, (removed ? 0.0f : q_v) / s.d_q);
+}
+
+// After a rejection's pass: sum_r = the sum of the new residual (an empty one, 0 and not NaN,
+// gives r = P_u again), sum_kept = the sum of q_u over the tokens still in q_cur (without
+// replacement: the rejected token joins the nex excluded ones, which the caller stores).
+DSPEC_HD void tree_q_rejected(TreeWalk& s, float sum_r, float sum_kept, bool without_replacement) {
+  s.has_resid = !draw_use_p(sum_r);
+  s.s_r = s.has_resid ? sum_r : 1.0f;
+  if (without_replacement) {
+    s.d_q = sum_kept;
+    s.nex += 1;
+  }
+}
+
+DSPEC_HD void tree_q_move(TreeWalk& s, std::int64_t c) {
+  s.node = c;
+  s.depth += 1;
+  s.nex = 0;
+  s.s_r = 1.0f;
+  s.d_q = 1.0f;
+  s.has_resid = false;
+}
+
 // ---- draw -------------------------------------------------------------------------------
 // One column's weights: p, and w = the residual max(scale * p - q, 0) in mode 2, else p; 0
 // for an excluded token.  (Mode 1 excludes tokens, mode 2 subtracts q; never both.)  scale
@@ -481,10 +554,6 @@ DSPEC_HD void draw_weights(float logit, float q, bool excluded, int mode, const 
   w = excluded ? 0.0f : w;
 }
 
-// The residual is used unless its total is exactly 0 (an empty residual: draw from p); a NaN
-// total stays (token -1).
-DSPEC_HD bool draw_use_p(float total_w) { return !(total_w > 0.0f) && total_w == total_w; }
-DSPEC_HD bool draw_use_p(double total_w) { return !(total_w > 0.0) && total_w == total_w; }
 
 }  // namespace vf
 }  // namespace dspec

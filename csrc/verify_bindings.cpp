@@ -29,15 +29,17 @@ std::string op_workspace_hint(const std::string& op) {
 
 // The layout's byte count, or -1 if it would not fit comfortably in an int64.
 std::int64_t checked_layout_bytes(std::int64_t batch, std::int64_t positions, std::int64_t vocab, int dtype,
-                                  std::int64_t excl_cap, bool sampling, std::int64_t ts_splits, bool block = false) {
+                                  std::int64_t excl_cap, bool sampling, std::int64_t ts_splits, bool block = false,
+                                  std::int64_t resid_rows = 0) {
   using u128 = unsigned __int128;
   const u128 rows = static_cast<u128>(batch) * static_cast<u128>(positions);
   const u128 tiles = static_cast<u128>(draw_num_tiles(vocab, dtype));
   u128 bound = rows * 24 + rows * static_cast<u128>(ts_splits) * 24 + 16 * 256;
   if (sampling) bound += static_cast<u128>(batch) * (32 + 8 * static_cast<u128>(excl_cap) + 8 * tiles);
   if (sampling && block) bound += rows * 4 + static_cast<u128>(batch) * 4 + 2 * 256;
+  bound += static_cast<u128>(resid_rows) * static_cast<u128>(vocab) * 4 + 256;
   if (bound >= (static_cast<u128>(1) << 62)) return -1;
-  return verify_layout(batch, positions, vocab, dtype, excl_cap, sampling, ts_splits, block).bytes;
+  return verify_layout(batch, positions, vocab, dtype, excl_cap, sampling, ts_splits, block, resid_rows).bytes;
 }
 
 // A number of blocks per row (CUDA): in [1, 2^31).
@@ -53,7 +55,8 @@ bool validate_common(const Checker& ck, const std::string& device, std::int64_t 
                      std::int64_t batch, std::int64_t positions, std::int64_t vocab, std::int64_t row_stride,
                      double temperature, std::int64_t coins_ptr, std::int64_t num_coins, std::int64_t uniforms_ptr,
                      std::int64_t ts_splits, std::int64_t draw_splits, std::int64_t workspace_ptr,
-                     std::int64_t workspace_bytes, std::int64_t excl_cap, VerifyCommon& c, bool block = false) {
+                     std::int64_t workspace_bytes, std::int64_t excl_cap, VerifyCommon& c, bool block = false,
+                     std::int64_t resid_rows = 0) {
   const bool on_cuda = ck.device(device);
   ck.float_dtype(dtype, "dtype");
   ck.at_least(batch, 0, "batch");
@@ -80,7 +83,8 @@ bool validate_common(const Checker& ck, const std::string& device, std::int64_t 
     if (rows > kI32Max / ts_splits) ck.fail("batch * positions * ts_splits must be < 2^31 (CUDA grid size)");
     if (batch > kI32Max / std::min(draw_splits, tiles)) ck.fail("batch * draw_splits must be < 2^31 (CUDA grid size)");
   }
-  const std::int64_t need = checked_layout_bytes(batch, positions, vocab, dtype, excl_cap, !greedy, ts_splits, block);
+  const std::int64_t need = checked_layout_bytes(batch, positions, vocab, dtype, excl_cap, !greedy, ts_splits, block,
+                                                 greedy ? 0 : resid_rows);
   if (need < 0) ck.fail("the workspace would be too large (batch, positions, vocab or ts_splits too large)");
   if (batch > 0) {
     ck.ptr(logits_ptr, "logits_ptr", element_size(dtype));
@@ -172,17 +176,37 @@ void verify_tree(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::in
                  int parent_dtype, std::int64_t coins_ptr, std::int64_t uniforms_ptr, double temperature,
                  std::int64_t num_accepted_ptr, std::int64_t path_ptr, std::int64_t out_ptr, const std::string& device,
                  std::int64_t stream, std::int64_t ts_splits, std::int64_t draw_splits, std::int64_t workspace_ptr,
-                 std::int64_t workspace_bytes, int num_threads) {
+                 std::int64_t workspace_bytes, int num_threads, std::int64_t q_ptr, int q_dtype,
+                 std::int64_t q_stride_b, std::int64_t q_stride_n, int draft_sampling) {
   const Checker ck{"verify_tree"};
   if (nodes < 1) ck.fail("nodes must be >= 1 (node 0 is the root), got " + std::to_string(nodes));
   ck.id_dtype(token_dtype, "token_dtype");
   ck.id_dtype(parent_dtype, "parent_dtype");
+  if (q_ptr != 0) ck.float_dtype(q_dtype, "q_dtype");
+  if (draft_sampling != 0 && draft_sampling != 1) {
+    ck.fail("draft_sampling must be 0 (independent) or 1 (without replacement), got " +
+            std::to_string(draft_sampling));
+  }
   VerifyTreeArgs a;
   ck.product(batch, nodes, "batch * nodes");
-  const bool on_cuda =
-      validate_common(ck, device, logits_ptr, dtype, batch, nodes, vocab, row_stride, temperature, coins_ptr,
-                      batch * nodes, uniforms_ptr, ts_splits, draw_splits, workspace_ptr, workspace_bytes, nodes, a);
+  const bool with_q = q_ptr != 0 && temperature > 0.0;
+  const bool on_cuda = validate_common(ck, device, logits_ptr, dtype, batch, nodes, vocab, row_stride, temperature,
+                                       coins_ptr, batch * nodes, uniforms_ptr, ts_splits, draw_splits, workspace_ptr,
+                                       workspace_bytes, nodes, a, false, with_q ? batch : 0);
+  if (with_q) {
+    if (q_stride_b < 0 || q_stride_n < 0) {
+      ck.fail("q_stride_b and q_stride_n must be >= 0, got " + std::to_string(q_stride_b) + ", " +
+              std::to_string(q_stride_n));
+    }
+    using u128 = unsigned __int128;
+    if (batch > 0) {
+      const u128 extent = static_cast<u128>(batch - 1) * static_cast<u128>(q_stride_b) +
+                          static_cast<u128>(nodes - 1) * static_cast<u128>(q_stride_n) + static_cast<u128>(vocab);
+      if (extent >= (static_cast<u128>(1) << 62)) ck.fail("draft_probs offsets overflow int64 (q strides too large)");
+    }
+  }
   if (batch == 0) return;
+  if (with_q) ck.ptr(q_ptr, "q_ptr", element_size(q_dtype));
   ck.ptr(tokens_ptr, "tokens_ptr", id_size(token_dtype));
   ck.ptr(parents_ptr, "parents_ptr", id_size(parent_dtype));
   ck.ptr(num_accepted_ptr, "num_accepted_ptr", 8);
@@ -196,19 +220,27 @@ void verify_tree(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::in
   a.num_accepted = as_ptr<std::int64_t>(num_accepted_ptr);
   a.path = as_ptr<std::int64_t>(path_ptr);
   a.out = as_ptr<std::int64_t>(out_ptr);
+  if (with_q) {
+    a.q = as_ptr<const void>(q_ptr);
+    a.q_dtype = q_dtype;
+    a.q_stride_b = q_stride_b;
+    a.q_stride_n = q_stride_n;
+    a.without_replacement = draft_sampling == 1;
+  }
   if (!on_cuda) a.num_threads = caller_threads(num_threads);
   run_op(on_cuda, a, stream, verify_tree_cpu, DSPEC_IF_CUDA(verify_tree_cuda));
 }
 
 std::int64_t verify_workspace_bytes(const Checker& ck, std::int64_t batch, std::int64_t positions,
                                     std::int64_t vocab, int dtype, bool sampling, std::int64_t ts_splits,
-                                    std::int64_t excl_cap, bool block = false) {
+                                    std::int64_t excl_cap, bool block = false, std::int64_t resid_rows = 0) {
   ck.at_least(batch, 0, "batch");
   if (vocab < 1 || vocab > kI32Max) ck.fail("vocab must be in [1, 2^31), got " + std::to_string(vocab));
   ck.float_dtype(dtype, "dtype");
   check_splits(ck, ts_splits, "ts_splits");
   ck.product(batch, positions, "batch * positions");
-  const std::int64_t need = checked_layout_bytes(batch, positions, vocab, dtype, excl_cap, sampling, ts_splits, block);
+  const std::int64_t need = checked_layout_bytes(batch, positions, vocab, dtype, excl_cap, sampling, ts_splits, block,
+                                                 resid_rows);
   if (need < 0) ck.fail("the workspace would be too large");
   return need;
 }
@@ -222,10 +254,11 @@ std::int64_t verify_chain_workspace_bytes(std::int64_t batch, std::int64_t lengt
 }
 
 std::int64_t verify_tree_workspace_bytes(std::int64_t batch, std::int64_t nodes, std::int64_t vocab, int dtype,
-                                         bool sampling, std::int64_t ts_splits) {
+                                         bool sampling, std::int64_t ts_splits, bool with_q) {
   const Checker ck{"verify_tree_workspace_bytes"};
   ck.at_least(nodes, 1, "nodes");
-  return verify_workspace_bytes(ck, batch, nodes, vocab, dtype, sampling, ts_splits, nodes);
+  return verify_workspace_bytes(ck, batch, nodes, vocab, dtype, sampling, ts_splits, nodes, false,
+                                sampling && with_q ? batch : 0);
 }
 
 }  // namespace
@@ -276,6 +309,8 @@ RuntimeError when a CUDA launch fails.)doc");
         py::arg("temperature"), py::arg("num_accepted_ptr"), py::arg("path_ptr"), py::arg("out_ptr"),
         py::arg("device"), py::arg("stream") = 0, py::arg("ts_splits") = 1, py::arg("draw_splits") = 1,
         py::arg("workspace_ptr") = 0, py::arg("workspace_bytes") = 0, py::arg("num_threads") = 0,
+        py::arg("q_ptr") = 0, py::arg("q_dtype") = 0, py::arg("q_stride_b") = 0, py::arg("q_stride_n") = 0,
+        py::arg("draft_sampling") = 0,
         R"doc(Fused speculative verification of a token tree (dspec.verify_tree).
 
 logits_ptr: batch * nodes rows of vocab (as verify_chain).  tokens_ptr, parents_ptr:
@@ -284,14 +319,17 @@ outside [0, c) makes node c padding.  coins_ptr [batch, nodes], uniforms_ptr [ba
 contiguous float32 (temperature > 0 only).  Outputs, all [batch] / [batch, nodes] int64:
 num_accepted_ptr, path_ptr (accepted node indices, then -1), out_ptr (their tokens, the
 final token, then -1).  Workspace: verify_tree_workspace_bytes(batch, nodes, vocab, dtype,
-temperature > 0, ts_splits) bytes.  Other arguments as verify_chain.)doc");
+temperature > 0, ts_splits, q_ptr != 0) bytes.  q_ptr: draft_probs [batch, nodes, vocab]
+(q_dtype, element strides q_stride_b, q_stride_n, unit stride along vocab) or 0 for one-hot
+drafts; read only when temperature > 0.  draft_sampling: how each node's children were drawn
+from its q row, 0 independently, 1 without replacement.  Other arguments as verify_chain.)doc");
 
   m.def("verify_chain_workspace_bytes", &verify_chain_workspace_bytes, py::arg("batch"), py::arg("length"),
         py::arg("vocab"), py::arg("dtype"), py::arg("sampling"), py::arg("ts_splits") = 1, py::arg("rule") = 0,
         "Bytes of workspace verify_chain needs (sampling: temperature > 0; rule 0 token, 1 block).");
   m.def("verify_tree_workspace_bytes", &verify_tree_workspace_bytes, py::arg("batch"), py::arg("nodes"),
-        py::arg("vocab"), py::arg("dtype"), py::arg("sampling"), py::arg("ts_splits") = 1,
-        "Bytes of workspace verify_tree needs (sampling: temperature > 0).");
+        py::arg("vocab"), py::arg("dtype"), py::arg("sampling"), py::arg("ts_splits") = 1, py::arg("with_q") = false,
+        "Bytes of workspace verify_tree needs (sampling: temperature > 0; with_q: with draft_probs).");
 }
 
 }  // namespace dspec

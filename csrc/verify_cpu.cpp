@@ -31,6 +31,7 @@ struct Scratch {
   std::vector<std::uint8_t> have;       // lazy stage 1: which of the row's positions are scanned
   std::vector<std::int64_t> excl;       // tree: excluded tokens at the current node
   std::vector<std::int64_t> excl_sorted;
+  std::vector<float> resid;             // tree with draft_probs: the current node's residual
 };
 
 struct CpuDrawSpec {
@@ -41,6 +42,7 @@ struct CpuDrawSpec {
   const std::int64_t* excl = nullptr;  // excluded tokens (mode 1)
   std::int32_t nex = 0;
   float scale = 1.0f;  // mode 2: w = max(scale * p - q, 0) (the block rule's w_tau)
+  const float* resid_row = nullptr;    // mode 3: the weights themselves
 };
 
 // Weights of columns [lo, hi) of the draw row; `k` walks the sorted excluded tokens.
@@ -56,6 +58,7 @@ inline void for_columns(const VerifyCommon& a, const CpuDrawSpec& sp, const vf::
     const float q = with_q ? dt::load(sp.q_row, sp.q_dtype, col) : 0.0f;
     float w, p;
     vf::draw_weights(dt::load<DT>(a.logits, row_off + col), q, excluded, sp.mode, d, a.inv_t, w, p, sp.scale);
+    if (sp.mode == kModeResid) w = sp.resid_row[col];
     if (!fn(col, w, p)) return;
   }
 }
@@ -146,7 +149,7 @@ std::int64_t draw_row(const VerifyCommon& a, const VerifyWork& wk, const CpuDraw
 
   s.tw.assign(static_cast<std::size_t>(num_tiles), 0.0);
   s.tp.assign(static_cast<std::size_t>(num_tiles), 0.0);
-  const bool summed = tile_sums_fast<DT>(a, sp, d, ex, tile, num_tiles, s);
+  const bool summed = sp.mode != kModeResid && tile_sums_fast<DT>(a, sp, d, ex, tile, num_tiles, s);
   for (std::int64_t t = 0; t < num_tiles && !summed; ++t) {
     double sw = 0.0, spp = 0.0;
     for_columns<DT>(a, sp, d, ex, t * tile, std::min(vocab, (t + 1) * tile), [&](std::int64_t, float w, float p) {
@@ -350,6 +353,67 @@ void tree_row(const VerifyTreeArgs& a, const VerifyWork& wk, std::int64_t b, Scr
   out[st.depth] = draw_row<DT>(a, wk, sp, a.uniforms[b], s);
 }
 
+// tree_row with draft probabilities (sampling): the walk of dspec::vf::tree_q_*, the residual
+// of the current node in s.resid (one pass over V per rejection, sums in double), the final
+// token drawn from it (or from P where no rejection left one).
+template <int DT>
+void tree_row_q(const VerifyTreeArgs& a, const VerifyWork& wk, std::int64_t b, Scratch& s, RowStats rows) {
+  const std::int64_t nodes = a.positions, base = b * nodes, vocab = a.vocab;
+  rows.base = base;
+  if (rows.ts != nullptr) s.have.assign(static_cast<std::size_t>(nodes), 0);
+  std::int64_t* path = a.path + base;
+  std::int64_t* out = a.out + base;
+  for (std::int64_t d = 0; d < nodes; ++d) path[d] = out[d] = -1;
+  s.resid.resize(static_cast<std::size_t>(vocab));
+  auto& removed = s.excl_sorted;  // without replacement: the tokens removed from q_cur, sorted
+  removed.clear();
+  const std::size_t q_size = a.q_dtype == kFloat32 ? 4 : 2;
+  vf::TreeWalk st = vf::tree_walk_start();
+  for (std::int64_t c = 1; c < nodes; ++c) {
+    if (vf::load_id(a.parents, a.parent_dtype, base + c) != st.node) continue;
+    rows.ensure(base + st.node, s, st.node == 0 && b + 1 < a.batch ? base + nodes : -1);
+    const vf::TreeNode nd = vf::tree_node(a, wk.argmax, wk.prob, b, c);
+    const bool is_removed = std::binary_search(removed.begin(), removed.end(), nd.token);
+    const float r_x = st.has_resid && nd.token >= 0 && nd.token < vocab ? s.resid[static_cast<std::size_t>(nd.token)]
+                                                                        : nd.p;
+    const int step = vf::tree_q_decide(st, nd, is_removed, r_x);
+    if (step == vf::kTreeQMove) {
+      vf::tree_q_move(st, c);
+      removed.clear();
+      path[st.depth - 1] = c;
+      out[st.depth - 1] = nd.token;
+    } else if (step == vf::kTreeQReject) {
+      const std::int64_t row = base + st.node;
+      const vf::RowDist d = vf::row_dist(a, wk.argmax, wk.prob, row);
+      const auto* logits = static_cast<const dt::elem_t<DT>*>(a.logits) + row * a.row_stride;
+      const char* q_row = static_cast<const char*>(a.q) +
+                          static_cast<std::size_t>(b * a.q_stride_b + st.node * a.q_stride_n) * q_size;
+      double sum_r = 0.0, sum_kept = 0.0;
+      std::size_t k = 0;
+      for (std::int64_t col = 0; col < vocab; ++col) {
+        while (k < removed.size() && removed[k] < col) ++k;
+        const bool gone = k < removed.size() && removed[k] == col;
+        const float q_v = dt::load(q_row, a.q_dtype, col);
+        const float r_v = st.has_resid ? s.resid[static_cast<std::size_t>(col)]
+                                       : vf::target_p(dt::to_float<DT>(logits[col]), d, a.inv_t);
+        const float r_new = vf::tree_q_residual(st, r_v, q_v, a.without_replacement && gone);
+        s.resid[static_cast<std::size_t>(col)] = r_new;
+        sum_r += r_new;
+        if (!gone && col != nd.token) sum_kept += q_v;
+      }
+      vf::tree_q_rejected(st, static_cast<float>(sum_r), static_cast<float>(sum_kept), a.without_replacement);
+      if (a.without_replacement) removed.insert(std::upper_bound(removed.begin(), removed.end(), nd.token), nd.token);
+    }
+  }
+  a.num_accepted[b] = st.depth;
+  rows.ensure(base + st.node, s);
+  CpuDrawSpec sp;
+  sp.row = base + st.node;
+  sp.mode = st.has_resid ? kModeResid : kModeP;
+  sp.resid_row = s.resid.data();
+  out[st.depth] = draw_row<DT>(a, wk, sp, a.uniforms[b], s);
+}
+
 // Runs row_fn(b, scratch) for every row, on several threads when the work is large: the
 // requests in a few chunks per thread taken in turn, since requests that accept more drafts
 // (or scan more rows, lazily) take longer.
@@ -403,7 +467,14 @@ void chain_rows(const VerifyChainArgs& a, const VerifyWork& wk, const RowStats& 
 
 template <int DT>
 void tree_rows(const VerifyTreeArgs& a, const VerifyWork& wk, const RowStats& stats) {
-  for_rows(a.batch, row_work(a, stats), a.num_threads, [&](std::int64_t b, Scratch& s) { tree_row<DT>(a, wk, b, s, stats); });
+  const bool with_q = !a.greedy && a.q != nullptr;
+  for_rows(a.batch, row_work(a, stats), a.num_threads, [&](std::int64_t b, Scratch& s) {
+    if (with_q) {
+      tree_row_q<DT>(a, wk, b, s, stats);
+    } else {
+      tree_row<DT>(a, wk, b, s, stats);
+    }
+  });
 }
 
 }  // namespace

@@ -197,15 +197,18 @@ def _(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins, 
             target_logits.new_empty((batch, length + 1), dtype=torch.int64))
 
 
-@_op("verify_tree(Tensor tokens, Tensor parents, Tensor target_logits, float temperature, "
-     "Tensor? coins, Tensor? sample_uniforms, str backend) -> (Tensor, Tensor, Tensor)")
-def verify_tree(tokens, parents, target_logits, temperature, coins, sample_uniforms, backend):
-    return _fresh(*BODIES['verify_tree'](tokens, parents, target_logits, temperature, coins,
-                                     sample_uniforms, backend))
+@_op("verify_tree(Tensor tokens, Tensor parents, Tensor target_logits, Tensor? draft_probs, "
+     "str draft_sampling, float temperature, Tensor? coins, Tensor? sample_uniforms, str backend) "
+     "-> (Tensor, Tensor, Tensor)")
+def verify_tree(tokens, parents, target_logits, draft_probs, draft_sampling, temperature, coins,
+                sample_uniforms, backend):
+    return _fresh(*BODIES['verify_tree'](tokens, parents, target_logits, draft_probs,
+                                     draft_sampling, temperature, coins, sample_uniforms, backend))
 
 
 @_fake("verify_tree")
-def _(tokens, parents, target_logits, temperature, coins, sample_uniforms, backend):
+def _(tokens, parents, target_logits, draft_probs, draft_sampling, temperature, coins,
+      sample_uniforms, backend):
     batch, nodes = tokens.shape
     return (target_logits.new_empty((batch,), dtype=torch.int64),
             target_logits.new_empty((batch, nodes), dtype=torch.int64),

@@ -65,17 +65,24 @@ def cases():
                         path_ptr=I64, out_ptr=I64, spec_row_ptr=I64, spec_mode_ptr=I32,
                         spec_nex_ptr=I32, spec_excl_ptr=I64, spec_pos_ptr=I64),
                    dict(EP=64, GREEDY=greedy), 1)
-        for has_q in (False, True):
-            draw = dict(logits_ptr=dt, vocab="i32", argmax_ptr=I64, prob_ptr=F32, q_ptr=dt,
-                        inv_t="fp32", **spec)
+        for wor in (False, True):
+            yield (verify._tree_walk_q_kernel,
+                   dict(tok_ptr=I64, par_ptr=I64, nodes="i32", logits_ptr=dt, vocab="i32",
+                        argmax_ptr=I64, prob_ptr=F32, q_ptr=dt, q_stride_b="i64",
+                        q_stride_n="i64", resid_ptr=F32, coins_ptr=F32, inv_t="fp32",
+                        num_ptr=I64, path_ptr=I64, out_ptr=I64, **spec, spec_pos_ptr=I64),
+                   dict(EP=64, BLOCK=1024, WOR=wor), 4)
+        for has_q, resid in ((False, False), (True, False), (False, True)):
+            draw = dict(logits_ptr=dt, vocab="i32", argmax_ptr=I64, prob_ptr=F32,
+                        q_ptr=F32 if resid else dt, inv_t="fp32", **spec)
             yield (verify._draw_tiles_kernel,
                    dict(draw, tile_w_ptr=F32, tile_p_ptr=F32, num_tiles="i32",
                         tiles_per_split="i32"),
-                   dict(BLOCK=1024, EP=64, HAS_Q=has_q), 4)
+                   dict(BLOCK=1024, EP=64, HAS_Q=has_q, RESID=resid), 4)
             yield (verify._draw_pick_kernel,
                    dict(draw, spec_pos_ptr=I64, tile_w_ptr=F32, tile_p_ptr=F32, num_tiles="i32",
                         uniforms_ptr=F32, out_ptr=I64),
-                   dict(BLOCK=1024, TP=256, EP=64, HAS_Q=has_q), 4)
+                   dict(BLOCK=1024, TP=256, EP=64, HAS_Q=has_q, RESID=resid), 4)
     # attention kernels are the slow ones to compile: bf16 (tensor cores) and fp32 (upcast)
     for dt in ("*bf16", "*fp32"):
         for splits, prefix, has_mask in ((1, True, True), (4, True, True)):

@@ -27,7 +27,7 @@ from ..types import TreeVerifyOutput, VerifyOutput
 from ._utils import next_pow2, vocab_splits
 from .token_stats import token_stats_triton
 
-MODE_P, MODE_EXCLUDE, MODE_RESIDUAL_Q = 0, 1, 2
+MODE_P, MODE_EXCLUDE, MODE_RESIDUAL_Q, MODE_RESID = 0, 1, 2, 3
 
 
 @triton.jit
@@ -273,11 +273,110 @@ def _tree_walk_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, pr
         tl.store(spec_pos_ptr + b, base + depth)
 
 
+# grid = (B,).  The tree walk with draft probabilities q (the rule of
+# dspec.reference.verify._verify_tree_q): the residual r of the current node is P until a
+# rejection materialises it in row b of ``resid`` [B, V] (one pass over V per rejection,
+# unnormalised, with its sum s_r); without replacement the removed tokens are ``excl`` and
+# q_cur = q_node / d_q.
+@triton.jit
+def _tree_walk_q_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, prob_ptr,
+                        q_ptr, q_stride_b, q_stride_n, resid_ptr, coins_ptr, inv_t, num_ptr,
+                        path_ptr, out_ptr, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr,
+                        spec_nex_ptr, spec_excl_ptr, spec_pos_ptr,
+                        EP: tl.constexpr, BLOCK: tl.constexpr, WOR: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, EP)
+    lanes = tl.arange(0, BLOCK)
+    base = b * nodes
+    resid_row = resid_ptr + b * vocab
+    node = b * 0
+    depth = b * 0
+    top = tl.load(argmax_ptr + base)
+    top_logit = tl.load(logits_ptr + base * vocab + tl.maximum(top, 0)).to(tl.float32)
+    prob = tl.load(prob_ptr + base)
+    excl = tl.full([EP], -1, tl.int64)
+    nex = b * 0
+    s_r = prob * 0.0 + 1.0
+    d_q = prob * 0.0 + 1.0
+    has_resid = b * 0             # 1 once the residual row holds r
+    for c in range(1, nodes):
+        parent = tl.load(par_ptr + base + c).to(tl.int64)
+        t = tl.load(tok_ptr + base + c).to(tl.int64)
+        is_child = parent == node
+        in_vocab = (t >= 0) & (t < vocab)
+        tt = tl.minimum(tl.maximum(t, 0), vocab - 1)
+        q_row = q_ptr + b * q_stride_b + node * q_stride_n
+        q_x = tl.load(q_row + tt, mask=is_child & in_vocab, other=0.0).to(tl.float32)
+        if WOR:
+            q_x = tl.where(tl.sum((excl == t).to(tl.int32), 0) > 0, 0.0, q_x)
+        q_x = tl.where(in_vocab, q_x, 0.0)
+        row_ptr = logits_ptr + (base + node) * vocab
+        l_t = tl.load(row_ptr + tt, mask=is_child & in_vocab, other=float("-inf")).to(tl.float32)
+        p_t = tl.where(top >= 0, tl.exp((l_t - top_logit) * inv_t) * prob, float("nan"))
+        r_t = tl.load(resid_row + tt, mask=is_child & in_vocab & (has_resid != 0), other=0.0)
+        r_x = tl.where(has_resid != 0, r_t, p_t)
+        coin = tl.load(coins_ptr + base + c)
+        live = is_child & (q_x != 0.0)
+        move = live & (coin * (q_x / d_q) < r_x / s_r)
+        reject = live & (~move)
+        # the rejection's pass over the vocabulary (no tile when nothing is rejected)
+        sum_r = prob * 0.0
+        sum_kept = prob * 0.0
+        n_tiles = tl.where(reject, tl.cdiv(vocab, BLOCK), 0)
+        for i in range(0, n_tiles):
+            cols = i * BLOCK + lanes
+            m = cols < vocab
+            q_v = tl.load(q_row + cols, mask=m, other=0.0).to(tl.float32)
+            r_v = tl.load(resid_row + cols, mask=m & ((cols * 0 + has_resid) != 0), other=0.0)
+            p_v = tl.where(top >= 0, _p_of(row_ptr, cols, top_logit, prob, inv_t, m), float("nan"))
+            r_v = tl.where(has_resid != 0, r_v, p_v)
+            if WOR:
+                gone = tl.sum((cols[:, None] == excl[None, :]).to(tl.int32), 1) > 0
+            else:
+                gone = cols < 0
+            diff = r_v / s_r - tl.where(gone, 0.0, q_v) / d_q
+            r_new = tl.where(m, tl.where(diff < 0.0, 0.0, diff), 0.0)    # NaN stays
+            tl.store(resid_row + cols, r_new, mask=m)
+            sum_r += tl.sum(r_new, 0)
+            sum_kept += tl.sum(tl.where(m & (~gone) & (cols != t), q_v, 0.0), 0)
+        tl.debug_barrier()
+        filled = (sum_r > 0.0) | (sum_r != sum_r)      # an empty residual: r = P again
+        has_resid = tl.where(reject, filled.to(tl.int64), has_resid)
+        s_r = tl.where(reject, tl.where(filled, sum_r, 1.0), s_r)
+        if WOR:
+            excl = tl.where(reject & (slots == nex), t, excl)
+            nex = tl.where(reject, nex + 1, nex)
+            d_q = tl.where(reject, sum_kept, d_q)
+        tl.store(path_ptr + base + depth, b * 0 + c, mask=move)
+        tl.store(out_ptr + base + depth, t, mask=move)
+        depth = tl.where(move, depth + 1, depth)
+        node = tl.where(move, c, node)
+        new_top = tl.load(argmax_ptr + base + c, mask=move, other=0)
+        top = tl.where(move, new_top, top)
+        new_logit = tl.load(logits_ptr + (base + c) * vocab + tl.maximum(new_top, 0), mask=move,
+                            other=0.0).to(tl.float32)
+        top_logit = tl.where(move, new_logit, top_logit)
+        prob = tl.where(move, tl.load(prob_ptr + base + c, mask=move, other=0.0), prob)
+        excl = tl.where(move, -1, excl)
+        nex = tl.where(move, 0, nex)
+        s_r = tl.where(move, 1.0, s_r)
+        d_q = tl.where(move, 1.0, d_q)
+        has_resid = tl.where(move, 0, has_resid)
+    tl.store(num_ptr + b, depth)
+    tl.store(spec_row_ptr + b, base + node)
+    tl.store(spec_qrow_ptr + b, b * vocab)
+    tl.store(spec_mode_ptr + b, tl.where(has_resid != 0, 3, 0))
+    tl.store(spec_nex_ptr + b, (nex * 0).to(tl.int32))
+    tl.store(spec_pos_ptr + b, base + depth)
+
+
 @triton.jit
 def _draw_weights(row_ptr, cols, in_row, top_logit, prob, inv_t, q_row_ptr, mode,
-                  HAS_Q: tl.constexpr, scale=1.0, HAS_SCALE: tl.constexpr = False):
-    """(w, p) for one tile: w is the residual max(p - q, 0) in mode 2, else p
-    (``HAS_SCALE``: max(scale * p - q, 0), the block rule's draw)."""
+                  HAS_Q: tl.constexpr, scale=1.0, HAS_SCALE: tl.constexpr = False,
+                  RESID: tl.constexpr = False):
+    """(w, p) for one tile: w is the residual max(p - q, 0) in mode 2 (``HAS_SCALE``:
+    max(scale * p - q, 0), the block rule's draw), the tree walk's residual row (at
+    q_row_ptr) in mode 3, else p."""
     p = _p_of(row_ptr, cols, top_logit, prob, inv_t, in_row)
     p = tl.where(in_row, p, 0.0)
     if HAS_Q:
@@ -290,19 +389,22 @@ def _draw_weights(row_ptr, cols, in_row, top_logit, prob, inv_t, q_row_ptr, mode
             w = tl.maximum(p - q, 0.0)
     else:
         w = p
+    if RESID:
+        r_mask = in_row & ((cols * 0 + mode) == 3)
+        w = tl.where(r_mask, tl.load(q_row_ptr + cols, mask=r_mask, other=0.0), w)
     return w, p
 
 
 @triton.jit
 def _spec(b, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, logits_ptr, argmax_ptr, prob_ptr,
-          q_ptr, vocab, HAS_Q: tl.constexpr):
+          q_ptr, vocab, HAS_Q: tl.constexpr, RESID: tl.constexpr):
     row = tl.load(spec_row_ptr + b)
     mode = tl.load(spec_mode_ptr + b)
     row_ptr = logits_ptr + row * vocab
     top = tl.load(argmax_ptr + row)
     top_logit = tl.load(row_ptr + tl.maximum(top, 0)).to(tl.float32)
     prob = tl.where(top >= 0, tl.load(prob_ptr + row), float("nan"))
-    if HAS_Q:
+    if HAS_Q or RESID:
         q_row_ptr = q_ptr + tl.load(spec_qrow_ptr + b)
     else:
         q_row_ptr = q_ptr
@@ -317,12 +419,12 @@ def _draw_tiles_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
                        spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, spec_nex_ptr, spec_excl_ptr,
                        tile_w_ptr, tile_p_ptr, num_tiles, tiles_per_split,
                        BLOCK: tl.constexpr, EP: tl.constexpr, HAS_Q: tl.constexpr,
-                       scale_ptr=None, HAS_SCALE: tl.constexpr = False):
+                       scale_ptr=None, HAS_SCALE: tl.constexpr = False, RESID: tl.constexpr = False):
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     row_ptr, mode, top_logit, prob, q_row_ptr = _spec(
         b, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, logits_ptr, argmax_ptr, prob_ptr, q_ptr,
-        vocab, HAS_Q)
+        vocab, HAS_Q, RESID)
     slots = tl.arange(0, EP)
     nex = tl.load(spec_nex_ptr + b)
     excl = tl.load(spec_excl_ptr + b * EP + slots, mask=slots < nex, other=-1)
@@ -336,10 +438,14 @@ def _draw_tiles_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
         start = tile * BLOCK
         cols = start + lanes
         w, p = _draw_weights(row_ptr, cols, cols < vocab, top_logit, prob, inv_t, q_row_ptr, mode,
-                              HAS_Q, scale, HAS_SCALE)
+                              HAS_Q, scale, HAS_SCALE, RESID)
         in_tile = (excl >= start) & (excl < start + BLOCK)
         w_sum = tl.sum(w, 0) - tl.sum(tl.where(in_tile, p_excl, 0.0), 0)
-        tl.store(tile_w_ptr + b * num_tiles + tile, tl.maximum(w_sum, 0.0))
+        if RESID:
+            w_sum = tl.where(w_sum < 0.0, 0.0, w_sum)      # a NaN residual stays: token -1
+        else:
+            w_sum = tl.maximum(w_sum, 0.0)
+        tl.store(tile_w_ptr + b * num_tiles + tile, w_sum)
         tl.store(tile_p_ptr + b * num_tiles + tile, tl.sum(p, 0))
 
 
@@ -350,11 +456,12 @@ def _draw_pick_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
                       spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, spec_nex_ptr, spec_excl_ptr,
                       spec_pos_ptr, tile_w_ptr, tile_p_ptr, num_tiles, uniforms_ptr, out_ptr,
                       BLOCK: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr,
-                      HAS_Q: tl.constexpr, scale_ptr=None, HAS_SCALE: tl.constexpr = False):
+                      HAS_Q: tl.constexpr, scale_ptr=None, HAS_SCALE: tl.constexpr = False,
+                      RESID: tl.constexpr = False):
     b = tl.program_id(0).to(tl.int64)
     row_ptr, mode, top_logit, prob, q_row_ptr = _spec(
         b, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, logits_ptr, argmax_ptr, prob_ptr, q_ptr,
-        vocab, HAS_Q)
+        vocab, HAS_Q, RESID)
     tiles = tl.arange(0, TP)
     has_tile = tiles < num_tiles
     tw = tl.load(tile_w_ptr + b * num_tiles + tiles, mask=has_tile, other=0.0)
@@ -375,7 +482,7 @@ def _draw_pick_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
     in_row = (cols < vocab) & (cols >= 0)  # no tile (tile = -1) -> nothing in the row
     scale = tl.load(scale_ptr + b) if HAS_SCALE else 1.0
     w, p = _draw_weights(row_ptr, cols, in_row, top_logit, prob, inv_t, q_row_ptr, mode,
-                              HAS_Q, scale, HAS_SCALE)
+                              HAS_Q, scale, HAS_SCALE, RESID)
     slots = tl.arange(0, EP)
     nex = tl.load(spec_nex_ptr + b)
     excl = tl.load(spec_excl_ptr + b * EP + slots, mask=slots < nex, other=-1)
@@ -390,7 +497,9 @@ def _draw_pick_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
     tl.store(out_ptr + tl.load(spec_pos_ptr + b), token)
 
 
-def _draw(logits2d, argmax, prob, q, inv_t, spec, uniforms, out, ep, block, scale=None):
+def _draw(logits2d, argmax, prob, q, inv_t, spec, uniforms, out, ep, block, scale=None, resid=None):
+    """The draw stages; ``scale``: the block rule's [B] residual scales; ``resid``: the tree
+    walk's [B, V] residuals (mode 3 rows), in q's place."""
     batch = uniforms.shape[0]
     vocab = logits2d.shape[1]
     dev = logits2d.device
@@ -400,17 +509,17 @@ def _draw(logits2d, argmax, prob, q, inv_t, spec, uniforms, out, ep, block, scal
     tile_w = torch.empty(batch, num_tiles, dtype=torch.float32, device=dev)
     tile_p = torch.empty_like(tile_w)
     has_q = q is not None
-    q_arg = q if has_q else prob
+    q_arg = q if has_q else (resid if resid is not None else prob)
     row, qrow, mode, nex, excl, pos = spec
     warps = 4 if block >= 512 else 1
     _draw_tiles_kernel[(batch, splits)](
         logits2d, vocab, argmax, prob, q_arg, inv_t, row, qrow, mode, nex, excl,
         tile_w, tile_p, num_tiles, tiles_per_split, BLOCK=block, EP=ep, HAS_Q=has_q,
-        scale_ptr=scale, HAS_SCALE=scale is not None, num_warps=warps)
+        scale_ptr=scale, HAS_SCALE=scale is not None, RESID=resid is not None, num_warps=warps)
     _draw_pick_kernel[(batch,)](
         logits2d, vocab, argmax, prob, q_arg, inv_t, row, qrow, mode, nex, excl, pos,
         tile_w, tile_p, num_tiles, uniforms, out, BLOCK=block, TP=next_pow2(num_tiles), EP=ep,
-        HAS_Q=has_q, scale_ptr=scale, HAS_SCALE=scale is not None, num_warps=warps)
+        HAS_Q=has_q, scale_ptr=scale, HAS_SCALE=scale is not None, RESID=resid is not None, num_warps=warps)
 
 
 def _new_spec(batch, ep, dev):
@@ -481,7 +590,8 @@ def _verify_chain_block(drafts, ndraft, logits2d, argmax, prob, q, coins, length
 
 
 def verify_tree_triton(tokens, parents, target_logits, temperature, coins, sample_uniforms, *,
-                       block: int | None = None) -> TreeVerifyOutput:
+                       block: int | None = None, draft_probs=None,
+                       draft_sampling: str = "independent") -> TreeVerifyOutput:
     batch, nodes = tokens.shape
     vocab = target_logits.shape[-1]
     dev = target_logits.device
@@ -497,7 +607,21 @@ def verify_tree_triton(tokens, parents, target_logits, temperature, coins, sampl
     ep = next_pow2(nodes)
     spec = _new_spec(batch, ep, dev)
     inv_t = 0.0 if greedy else 1.0 / temperature
-    row, _, mode, nex, excl, pos = spec
+    row, qrow, mode, nex, excl, pos = spec
+    if draft_probs is not None and not greedy:
+        q = draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()
+        resid = torch.empty(batch, vocab, dtype=torch.float32, device=dev)
+        wor = draft_sampling == "without_replacement"
+        # without replacement a pass compares its columns with the EP removed-token slots
+        pass_block = min(block, max(64, 65536 // ep)) if wor else block
+        _tree_walk_q_kernel[(batch,)](
+            tokens.contiguous(), parents.contiguous(), nodes, logits2d, vocab, argmax, prob,
+            q, q.stride(0), q.stride(1), resid, coins.contiguous(), inv_t, num, path, out,
+            row, qrow, mode, nex, excl, pos, EP=ep, BLOCK=pass_block,
+            WOR=wor, num_warps=4 if pass_block >= 512 else 1)
+        _draw(logits2d, argmax, prob, None, inv_t, spec, sample_uniforms.contiguous(), out, ep,
+              block, resid=resid)
+        return TreeVerifyOutput(num, path, out)
     _tree_walk_kernel[(batch,)](
         tokens.contiguous(), parents.contiguous(), nodes, logits2d, vocab, argmax, prob,
         coins.contiguous() if coins is not None else prob, inv_t, num, path, out,

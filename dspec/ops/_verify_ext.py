@@ -67,7 +67,8 @@ def verify_chain_ext(draft_tokens, target_logits, draft_probs, num_drafts, tempe
 
 
 def verify_tree_ext(tokens, parents, target_logits, temperature, coins, sample_uniforms, *,
-                    cuda: bool) -> TreeVerifyOutput:
+                    cuda: bool, draft_probs=None,
+                    draft_sampling: str = "independent") -> TreeVerifyOutput:
     ext = _backend.extension()
     batch, nodes = tokens.shape
     vocab = target_logits.shape[-1]
@@ -82,15 +83,21 @@ def verify_tree_ext(tokens, parents, target_logits, temperature, coins, sample_u
     sampling = temperature > 0
     tok = tokens.contiguous()
     par = parents.contiguous()
+    q = None
+    if draft_probs is not None and sampling:
+        q = draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()
     coins_t = coins.float().contiguous() if sampling else None
     uniforms_t = sample_uniforms.float().contiguous() if sampling else None
     ts_splits, draw_splits, stream = _launch_config(ext, batch * nodes, batch, vocab, code, dev, cuda)
-    ws = _workspace(ext.verify_tree_workspace_bytes(batch, nodes, vocab, code, sampling, ts_splits), dev)
+    ws = _workspace(ext.verify_tree_workspace_bytes(batch, nodes, vocab, code, sampling, ts_splits,
+                                                    q is not None), dev)
     with _backend.launch_context(dev, cuda):
         ext.verify_tree(
             logits.data_ptr(), code, batch, nodes, vocab, logits.stride(0),
             tok.data_ptr(), _backend.ID_CODE[tok.dtype], par.data_ptr(), _backend.ID_CODE[par.dtype],
             _ptr(coins_t), _ptr(uniforms_t), float(temperature), num.data_ptr(), path.data_ptr(),
             out.data_ptr(), "cuda" if cuda else "cpu", stream, ts_splits, draw_splits, ws.data_ptr(),
-            ws.numel(), cpu.kernel_threads())
+            ws.numel(), cpu.kernel_threads(), _ptr(q), _backend.FLOAT_CODE[q.dtype] if q is not None else 0,
+            q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
+            int(draft_sampling == "without_replacement"))
     return TreeVerifyOutput(num, path, out)

@@ -247,11 +247,33 @@ def _check_tree(parents: torch.Tensor) -> None:
     _validate.tree_parents(parents, "parents")
 
 
+_TREE_SCHEMES = ("independent", "without_replacement")
+
+
+def _tree_draft_probs(draft_probs, batch: int, nodes: int, vocab: int):
+    """Checks ``draft_probs`` [B, N, V] (values while value checks run); unit stride along V."""
+    _validate.tensor("draft_probs", draft_probs, dim=3, dtypes=_validate.FLOAT_DTYPES)
+    if tuple(draft_probs.shape) != (batch, nodes, vocab):
+        raise ValueError(f"draft_probs must have shape [B, N, V] = [{batch}, {nodes}, {vocab}], "
+                         f"got {list(draft_probs.shape)}")
+    if draft_probs.numel() and _validate.value_checks_enabled(draft_probs):
+        bad = ~((draft_probs >= 0) & (draft_probs <= 1))          # NaN fails both
+        if bool(bad.any()):
+            b, i, v = bad.nonzero()[0].tolist()
+            raise ValueError(f"draft_probs must hold probabilities in [0, 1] (finite); "
+                             f"draft_probs[{b}, {i}, {v}] = {float(draft_probs[b, i, v])}")
+    return draft_probs if draft_probs.stride(-1) == 1 or vocab == 1 else draft_probs.contiguous()
+
+
 def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor, *,
+                draft_probs=None, draft_sampling: str = "independent",
                 temperature: float = 0.0, coins=None, sample_uniforms=None,
                 generator: torch.Generator | None = None, top_k=0, top_p=1.0,
                 backend: str | None = None) -> TreeVerifyOutput:
     """Verify a token tree (e.g. D2SD's K+1 branches) and return the accepted path.
+
+    Lossless: with children drawn from the drafter as ``draft_sampling`` says (or fixed, with
+    ``draft_probs=None``), the emitted tokens follow the target's law exactly.
 
     Parameters
     ----------
@@ -261,19 +283,43 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     parents : int32/int64 [B, N]; ``parents[b, 0] = -1``; for i >= 1 a parent in [0, i), or
         -1 for an unused padding node (which may not have children).
     target_logits : float [B, N, V]; row i is the target's distribution after node i.
+    draft_probs : float32/float16/bfloat16 [B, N, V], optional; any strides with unit stride
+        along V.  ``draft_probs[b, u]`` is the drafter's distribution q_u at node u from which
+        u's children were drawn (rows of leaves are never read).  None: the drafts are taken
+        as fixed (one-hot q at each child's token; the rule below with w).  Greedy ignores it.
+    draft_sampling : "independent" or "without_replacement", how u's children were drawn
+        from q_u (with ``draft_probs`` only):
+
+        * "independent" (i.i.d. draws, SpecInfer's multi-step speculative sampling): r = P_u
+          (the target's ``softmax(logits[u] / T)``); the children c of u in index order are
+          accepted iff ``coins[b, c] * q_u(x_c) < r(x_c)``; a rejection sets
+          ``r <- normalise(max(r - q_u, 0))``.
+        * "without_replacement" (recursive rejection sampling): as above with q_cur, starting
+          at q_u: accepted iff ``coins[b, c] * q_cur(x_c) < r(x_c)``; a rejection sets
+          ``r <- normalise(max(r - q_cur, 0))``, then removes x_c from q_cur (renormalised).
+
+        A child whose q (q_u, resp. q_cur) at its token is 0 could not have been drawn: it is
+        skipped (neither accepted nor changing r or q_cur).  An accepted child moves the walk
+        to it (r = its P, q_cur = its q row); the final token is drawn from r where the walk
+        stops.  A rejection that leaves r all zero (p <= q everywhere: rounding) sets r back
+        to P_u.
     temperature : float; <= 0 greedy: follow the lowest-index child equal to the argmax.
-        > 0: at node u siblings are tried in index order with ``coins[b, c] < w(tok_c) /
-        sum(w)``, w starting at ``softmax(logits[u] / T)`` and losing each rejected token;
-        the final token is drawn from the remaining w (from p at an accepted leaf).
+        > 0 without ``draft_probs``: at node u siblings are tried in index order with
+        ``coins[b, c] < w(tok_c) / sum(w)``, w starting at ``softmax(logits[u] / T)`` and
+        losing each rejected token; the final token is drawn from the remaining w (from p at
+        an accepted leaf).
     coins : float32 [B, N] (entry c is node c's coin), sample_uniforms : float32 [B].
     temperature, top_k, top_p, generator : per request, as in :func:`verify_chain` (a list of
         generators draws row b's coins [1, N] then uniform [1] from generator b); sampled rows
         verify against the softmax of the filtered scaled logits.
+        Draws: the smallest v with ``cumsum(w)[v] > u * sum(w)``.
 
     Returns
     -------
     TreeVerifyOutput(num_accepted [B], path [B, N], tokens [B, N]), int64: accepted node
-    indices (root excluded) then -1; their tokens, the final token, then -1.
+    indices (root excluded) then -1; their tokens, the final token, then -1.  A target row
+    with NaN/+inf (or only -inf), or a NaN in a q row the walk reads (possible with value
+    checks off), gives final token -1.
 
     Example
     -------
@@ -282,6 +328,21 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     >>> out = dspec.verify_tree(torch.tensor([[0, 2, 3]]), torch.tensor([[-1, 0, 0]]), logits)
     >>> out.path.tolist(), out.tokens.tolist()
     ([[2, -1, -1]], [[3, 1, -1]])
+
+    Two children of the root drawn without replacement from q_0 = (0.5, 0.5, 0, 0), with
+    P_0 = (0.1, 0.6, 0.15, 0.15): the first (token 0) is rejected (coin 0.9 * 0.5 >= 0.1),
+    so r = max(P_0 - q_0, 0) / 0.4 = (0, 0.25, 0.375, 0.375) and q_cur = (0, 1, 0, 0); the
+    second (token 1) is accepted (0.2 * 1 < 0.25), and the final token is drawn from P_2.
+
+    >>> logits = torch.log(torch.tensor([[[.1, .6, .15, .15], [1., 1e-9, 1e-9, 1e-9],
+    ...                                    [1e-9, 1e-9, 1e-9, 1.]]]))
+    >>> q = torch.tensor([[[.5, .5, 0, 0]]]).expand(1, 3, 4)
+    >>> out = dspec.verify_tree(torch.tensor([[0, 0, 1]]), torch.tensor([[-1, 0, 0]]), logits,
+    ...                         draft_probs=q, draft_sampling="without_replacement",
+    ...                         temperature=1.0, coins=torch.tensor([[0., .9, .2]]),
+    ...                         sample_uniforms=torch.tensor([.5]))
+    >>> out.path.tolist(), out.tokens.tolist()
+    ([[2, -1, -1]], [[1, 3, -1]])
     """
     _validate.tensor("tokens", tokens, dim=2, dtypes=_validate.ID_DTYPES)
     _validate.tensor("parents", parents, dim=2, dtypes=_validate.ID_DTYPES)
@@ -298,7 +359,12 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     if vocab == 0:
         raise ValueError("target_logits has an empty vocabulary (last dimension is 0)")
     device = target_logits.device
-    _validate.same_device(device, "the logits", tokens=tokens, parents=parents)
+    if draft_sampling not in _TREE_SCHEMES:
+        raise ValueError(f"draft_sampling must be one of {_TREE_SCHEMES}, got {draft_sampling!r}")
+    _validate.same_device(device, "the logits", tokens=tokens, parents=parents,
+                          draft_probs=draft_probs)
+    if draft_probs is not None:
+        draft_probs = _tree_draft_probs(draft_probs, batch, nodes, vocab)
     _check_tree(parents)
     tokens, parents = _tree_without_placeholders(tokens, parents)
     _ids_in_vocab("tokens", tokens, lambda: parents >= 0, vocab)
@@ -312,23 +378,28 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
         coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, nodes),
                                              batch, device)
     else:
-        coins = sample_uniforms = None      # greedy reads neither
+        coins = sample_uniforms = draft_probs = None      # greedy reads none of them
     name = _library.resolve("verify_tree", backend, device, _PROVIDED)
-    args = (tokens, parents, target_logits, temperature, coins, sample_uniforms, name)
-    if _library.call_directly(tokens, parents, target_logits, coins, sample_uniforms):
+    args = (tokens, parents, target_logits, draft_probs, draft_sampling, temperature, coins,
+            sample_uniforms, name)
+    if _library.call_directly(tokens, parents, target_logits, draft_probs, coins, sample_uniforms):
         return TreeVerifyOutput(*_verify_tree_impl(*args))
     return TreeVerifyOutput(*_library.verify_tree(*args))
 
 
 @_library.body('verify_tree')
-def _verify_tree_impl(tokens, parents, target_logits, temperature, coins, sample_uniforms, name):
+def _verify_tree_impl(tokens, parents, target_logits, draft_probs, draft_sampling, temperature,
+                      coins, sample_uniforms, name):
     """Body of the ``dspec::verify_tree`` custom op: run backend ``name`` on checked inputs."""
     if name == "torch":
-        return _reference.verify_tree(tokens, parents, target_logits, temperature=temperature,
+        return _reference.verify_tree(tokens, parents, target_logits, draft_probs=draft_probs,
+                                      draft_sampling=draft_sampling, temperature=temperature,
                                       coins=coins, sample_uniforms=sample_uniforms)
     if name in ("cuda", "cpp"):
         from ._verify_ext import verify_tree_ext
         return verify_tree_ext(tokens, parents, target_logits, temperature, coins, sample_uniforms,
-                               cuda=name == "cuda")
+                               cuda=name == "cuda", draft_probs=draft_probs,
+                               draft_sampling=draft_sampling)
     from ..kernels.verify import verify_tree_triton
-    return verify_tree_triton(tokens, parents, target_logits, temperature, coins, sample_uniforms)
+    return verify_tree_triton(tokens, parents, target_logits, temperature, coins, sample_uniforms,
+                              draft_probs=draft_probs, draft_sampling=draft_sampling)

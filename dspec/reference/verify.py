@@ -152,12 +152,18 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
 
 
 def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor, *,
-                temperature: float = 0.0, coins=None, sample_uniforms=None) -> TreeVerifyOutput:
+                draft_probs=None, draft_sampling: str = "independent", temperature: float = 0.0,
+                coins=None, sample_uniforms=None) -> TreeVerifyOutput:
     """Walk every row's tree in one forward sweep over node indices.
 
     Children have larger indices than their parent, so scanning c = 1..N-1 in order visits
     the current node's children in index order and, after a move, the new node's children.
+    With ``draft_probs`` (and sampling) the walk is :func:`_verify_tree_q`'s.
     """
+    if draft_probs is not None and temperature > 0:
+        return _verify_tree_q(tokens, parents, target_logits, draft_probs,
+                              draft_sampling == "without_replacement", temperature, coins,
+                              sample_uniforms)
     batch, nodes = tokens.shape
     dev = tokens.device
     tok = tokens.long()
@@ -196,4 +202,70 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     else:
         final = draw(_residual_or_p(w, p[rows, node]), sample_uniforms)
     out[rows, depth] = final
+    return TreeVerifyOutput(depth, path, out)
+
+
+def _verify_tree_q(tokens, parents, target_logits, draft_probs, without_replacement: bool,
+                   temperature: float, coins, sample_uniforms) -> TreeVerifyOutput:
+    """The walk with draft probabilities: q = ``draft_probs[b, u]`` at the current node u.
+
+    State per row at the current node u: the residual r (unnormalised, float32 [V]) with its
+    sum ``s_r`` (r = P_u and s_r = 1 until a rejection), and for sampling without replacement
+    the tokens removed from q_u with ``d_q``, the sum of q_u over the others (1 until a
+    removal: q_cur = q_u as given).  Child c of u with token x and
+    ``q_cur(x) = q_u(x) / d_q`` (0 for a removed token):
+
+    * q_cur(x) == 0: skipped (it could not have been drawn);
+    * accepted iff ``coin * q_cur(x) < r(x) / s_r``: the walk moves to c (r = P_c, q_u = q_c);
+    * else rejected: ``r <- max(r / s_r - q_cur, 0)`` (P_u again when that is all zero), and
+      without replacement x is removed from q_cur (``d_q`` = the sum of q_u over the rest).
+    The final token is drawn from r at the node where the walk stops.
+    """
+    batch, nodes = tokens.shape
+    dev = tokens.device
+    tok = tokens.long()
+    par = parents.long()
+    rows = torch.arange(batch, device=dev)
+    p = _probs(target_logits, temperature)
+    vocab = p.shape[-1]
+    q = draft_probs.float()
+    node = torch.zeros(batch, dtype=torch.int64, device=dev)
+    depth = torch.zeros(batch, dtype=torch.int64, device=dev)
+    path = torch.full((batch, nodes), -1, dtype=torch.int64, device=dev)
+    out = torch.full((batch, nodes), -1, dtype=torch.int64, device=dev)
+    r = p[:, 0].clone()
+    s_r = torch.ones(batch, device=dev)
+    d_q = torch.ones(batch, device=dev)
+    removed = torch.zeros(batch, vocab, dtype=torch.bool, device=dev)
+    for c in range(1, nodes):
+        child = par[:, c] == node
+        t = tok[:, c]
+        tg = t.clamp(0, vocab - 1)[:, None]           # padding nodes may hold any id
+        q_u = q[rows, node]
+        q_cur = q_u.masked_fill(removed, 0.0) if without_replacement else q_u
+        q_x = q_cur.gather(-1, tg)[:, 0]
+        live = child & (t >= 0) & (t < vocab) & (q_x != 0)
+        move = live & (coins[:, c].float() * (q_x / d_q) < r.gather(-1, tg)[:, 0] / s_r)
+        reject = live & ~move
+        r_new = torch.clamp(r / s_r[:, None] - q_cur / d_q[:, None], min=0.0)   # NaN stays
+        s_new = r_new.sum(-1)
+        empty = ~(s_new > 0) & (s_new == s_new)
+        r_new = torch.where(empty[:, None], p[rows, node], r_new)
+        s_new = torch.where(empty, 1.0, s_new)
+        r = torch.where(reject[:, None], r_new, r)
+        s_r = torch.where(reject, s_new, s_r)
+        if without_replacement:
+            gone = removed.scatter(-1, tg, True)
+            removed = torch.where(reject[:, None], gone, removed)
+            d_q = torch.where(reject, q_u.masked_fill(gone, 0.0).sum(-1), d_q)
+        r = torch.where(move[:, None], p[:, c], r)
+        s_r = torch.where(move, 1.0, s_r)
+        d_q = torch.where(move, 1.0, d_q)
+        removed = removed & ~move[:, None]
+        at = depth[:, None]
+        path.scatter_(1, at, torch.where(move[:, None], c, path.gather(1, at)))
+        out.scatter_(1, at, torch.where(move[:, None], t[:, None], out.gather(1, at)))
+        node = torch.where(move, c, node)
+        depth = depth + move.long()
+    out[rows, depth] = draw(r, sample_uniforms)
     return TreeVerifyOutput(depth, path, out)

@@ -112,4 +112,40 @@ int dspec_sim_verify_tree(const void* logits, int dtype, std::int64_t batch, std
   return 0;
 }
 
+std::int64_t dspec_sim_tree_q_workspace_bytes(std::int64_t batch, std::int64_t nodes, std::int64_t vocab, int dtype,
+                                              int with_q, std::int64_t ts_splits) {
+  return dspec::verify_layout(batch, nodes, vocab, dtype, nodes, true, ts_splits, false, with_q != 0 ? batch : 0).bytes;
+}
+
+// verify_tree sampling with draft_probs q (null: one-hot drafts); draft_sampling 0
+// independent, 1 without replacement.
+int dspec_sim_verify_tree_q(const void* logits, int dtype, std::int64_t batch, std::int64_t nodes, std::int64_t vocab,
+                            std::int64_t row_stride, const void* tokens, int token_dtype, const void* parents,
+                            int parent_dtype, const void* q, int q_dtype, std::int64_t q_stride_b,
+                            std::int64_t q_stride_n, int draft_sampling, const float* coins, const float* uniforms,
+                            double temperature, std::int64_t* num_accepted, std::int64_t* path, std::int64_t* out,
+                            std::int64_t ts_splits, std::int64_t draw_splits, void* workspace, char* err, int errlen) {
+  try {
+    dspec::VerifyTreeArgs a;
+    fill_common(a, logits, dtype, batch, nodes, vocab, row_stride, coins, uniforms, temperature, ts_splits,
+                draw_splits, workspace);
+    a.tokens = tokens;
+    a.token_dtype = token_dtype;
+    a.parents = parents;
+    a.parent_dtype = parent_dtype;
+    a.num_accepted = num_accepted;
+    a.path = path;
+    a.out = out;
+    a.q = q;
+    a.q_dtype = q_dtype;
+    a.q_stride_b = q_stride_b;
+    a.q_stride_n = q_stride_n;
+    a.without_replacement = draft_sampling == 1;
+    dspec::verify_tree_cuda(a, 0);
+  } catch (const std::exception& e) {
+    return report(e, err, errlen);
+  }
+  return 0;
+}
+
 }  // extern "C"
