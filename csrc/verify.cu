@@ -200,8 +200,9 @@ __global__ void __launch_bounds__(kVerifyAcceptWarps * 32)
 // With draft probabilities (sampling): the walk of tree_walk_kernel with dspec::vf::tree_q_*
 // (every lane holds the same walk state).  A rejection runs the residual pass over the
 // vocabulary: lane l updates columns l, l + 32, ... of row b's residual (the workspace's
-// resid row), the two sums reduced by xor shuffles (every lane ends with the same bits),
-// then __syncwarp before any lane reads a column another lane wrote.  Without replacement
+// resid row), the two sums reduced by xor shuffles (every lane ends with the same bits);
+// __syncwarp before the pass (no lane overwrites r(x) before every lane has read it for the
+// accept test) and after it (before any lane reads a column another lane wrote).  Without replacement
 // the removed tokens are the spec row's excluded tokens (lane 0 writes, __syncwarp).
 __global__ void __launch_bounds__(kVerifyAcceptWarps * 32)
     tree_walk_q_kernel(const VerifyTreeArgs a, const VerifyWork w) {
@@ -247,6 +248,7 @@ __global__ void __launch_bounds__(kVerifyAcceptWarps * 32)
           a.out[base + s.depth - 1] = nd.token;
         }
       } else if (step == vf::kTreeQReject) {  // uniform
+        __syncwarp();  // every lane has read r(x) and the removed tokens before the pass writes
         const std::int64_t row = base + s.node;
         const vf::RowDist d = vf::row_dist(a, w.argmax, w.prob, row);
         const char* q_row = static_cast<const char*>(a.q) + (b * a.q_stride_b + s.node * a.q_stride_n) * q_size;

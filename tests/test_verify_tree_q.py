@@ -44,13 +44,15 @@ BACKENDS = [b for _, b in backends_for("cpu")] + ["sim"]
 def tree_case(batch, nodes, vocab, seed, shape="random"):
     """Trees with padding nodes, repeated siblings, deep chains or wide fans; q rows with
     zeros (some children hold a token q gives 0: skipped), children mostly drawn from their
-    parent's q, target logits close to log q so that children are often accepted."""
+    parent's q, target logits close to log q so that children are often accepted.
+    "distinct": a fan of distinct tokens drawn without replacement from a peaked q_0 and a
+    target farther from q (many rejections in a row)."""
     g = torch.Generator().manual_seed(seed)
     parents = torch.full((batch, nodes), -1, dtype=torch.int64)
     for i in range(1, nodes):
         if shape == "chain":
             parents[:, i] = i - 1
-        elif shape == "fan":
+        elif shape in ("fan", "distinct"):
             parents[:, i] = 0
         else:
             parents[:, i] = torch.randint(0, i, (batch,), generator=g)
@@ -72,6 +74,10 @@ def tree_case(batch, nodes, vocab, seed, shape="random"):
     if nodes > 4:
         same = parents[:, 3] == parents[:, 4]
         tokens[:, 4] = torch.where(same, tokens[:, 3], tokens[:, 4])   # repeated siblings
+    if shape == "distinct":     # peaked q: removing a tried token changes q_cur a lot
+        q = torch.softmax(torch.randn(batch, nodes, vocab, generator=g) * 3.0, -1)
+        logits = torch.randn(batch, nodes, vocab, generator=g)
+        tokens[:, 1:] = torch.multinomial(q[:, 0], nodes - 1, replacement=False, generator=g)
     tokens[:, 0] = 0
     coins = torch.rand(batch, nodes, generator=g)
     uniforms = torch.rand(batch, generator=g)
@@ -220,6 +226,8 @@ def same(out, exp):
 CASES = [  # (batch, nodes, vocab, shape)
     (3, 6, 1, "random"), (6, 9, 7, "random"), (5, 12, 7, "fan"), (5, 10, 300, "random"),
     (4, 12, 300, "chain"), (4, 9, 5000, "random"), (3, 8, 5000, "fan"),
+    (6, 40, 50, "random"), (2, 70, 40, "fan"),     # more nodes than a warp's 32 lanes
+    (8, 9, 30, "distinct"), (4, 9, 300, "distinct"),
 ]
 
 
@@ -238,6 +246,19 @@ def test_exact_against_float64_loop(request, backend, scheme, case):
     same(out, exp)
     if vocab > 1:   # the walk does something: some rejections, some acceptances
         assert 0 < int(exp[0].sum()) < batch * (nodes - 1)
+
+
+@pytest.mark.skipif(_backend.extension() is None, reason="dspec._C is not built (pip install -e .)")
+def test_cpp_threaded_rows(monkeypatch):
+    """B * V >= 2^18: rows spread over threads, each scanning its rows lazily."""
+    tokens, parents, logits, q, coins, u = tree_case(40, 9, 9000, 14)
+    logits = logits.to(torch.bfloat16)
+    for scheme in SCHEMES:
+        c, uu, exp = safe_randomness(tokens, parents, logits, q, scheme, 1.0, coins, u, 4)
+        for threads in ("1", "3"):
+            monkeypatch.setenv("DSPEC_CPU_THREADS", threads)
+            same(dspec.verify_tree(tokens, parents, logits, draft_probs=q, draft_sampling=scheme,
+                                   temperature=1.0, coins=c, sample_uniforms=uu, backend="cpp"), exp)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -323,6 +323,7 @@ def _tree_walk_q_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, 
         sum_r = prob * 0.0
         sum_kept = prob * 0.0
         n_tiles = tl.where(reject, tl.cdiv(vocab, BLOCK), 0)
+        tl.debug_barrier()        # every thread has read r(x) before the pass overwrites it
         for i in range(0, n_tiles):
             cols = i * BLOCK + lanes
             m = cols < vocab
@@ -339,7 +340,7 @@ def _tree_walk_q_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, 
             tl.store(resid_row + cols, r_new, mask=m)
             sum_r += tl.sum(r_new, 0)
             sum_kept += tl.sum(tl.where(m & (~gone) & (cols != t), q_v, 0.0), 0)
-        tl.debug_barrier()
+        tl.debug_barrier()        # the pass's stores are seen by the next r(x) load
         filled = (sum_r > 0.0) | (sum_r != sum_r)      # an empty residual: r = P again
         has_resid = tl.where(reject, filled.to(tl.int64), has_resid)
         s_r = tl.where(reject, tl.where(filled, sum_r, 1.0), s_r)
