@@ -147,6 +147,7 @@ CONFIGS: tuple[Config, ...] = (
     # chain as published, 15 nodes (+ the root: one AMX tile pass of 16 rows) pruned at the
     # CPU's row cost, and 7 nodes every one verified
     Config("dflash-chain", "dflash", "target", {"tree": None}),
+    Config("dflash-block", "dflash", "target", {"tree": None, "verify_rule": "block"}),
     Config("dflash-tree", "dflash", "target", {"tree": 15}),
     Config("dflash-tree7", "dflash", "target", {"tree": 7, "row_cost": None}),
     # without the prompt-lookup branch grafted onto the tree (on by default on a CPU, greedy)

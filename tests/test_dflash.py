@@ -506,7 +506,7 @@ def peaked(tmp_path_factory):
     return model
 
 
-@pytest.mark.parametrize("vocab", ["full", "draft", "adaptive", "tree"])
+@pytest.mark.parametrize("vocab", ["full", "draft", "adaptive", "tree", "tree_draft", "block"])
 def test_sampling_preserves_target_distribution(peaked, vocab):
     prompt = [5, 6, 7]
     temperature = 1.0
@@ -514,11 +514,13 @@ def test_sampling_preserves_target_distribution(peaked, vocab):
     d = oracle_pair(peaked, [prompt], 6, block_size=4)     # q: the greedy path, ~0.7 confident
     if vocab == "adaptive":     # verify a q-chosen prefix of the drafts
         options = {"row_cost": 0.3}
-    elif vocab == "tree":       # siblings from each slot's top candidates, verified as a tree
+    elif vocab in ("tree", "tree_draft"):   # siblings drawn without replacement, verified against q
         options = {"tree": 6, "row_cost": None}
+    elif vocab == "block":      # the chain under block verification
+        options = {"verify_rule": "block"}
     else:
         options = {}
-    if vocab == "draft":        # half the ids, the greedy path's included: q is 0 elsewhere
+    if vocab in ("draft", "tree_draft"):        # half the ids, the greedy path's included: q is 0 elsewhere
         d.set_draft_vocab(sorted(set(range(0, peaked.config.vocab_size, 2)) | set(d.refs[0].tolist())))
     rows = 1500
     out = dspec.generate(peaked, [prompt] * rows, method="dflash", max_new_tokens=3, drafter=d,
@@ -669,3 +671,31 @@ def test_bf16_greedy_equals_ar(family, tmp_path):
         assert [o.tokens for o in trees] == ref          # a tree node's row too (ancestors only)
     assert outs[0].stats["mean_accepted"] > 1.5
     assert trees[0].stats["mean_accepted"] >= outs[0].stats["mean_accepted"]
+
+
+def test_sampled_draft_tree_draws_siblings_without_replacement():
+    """The r-th child of a node is the r-th draw without replacement from its parent's slot:
+    the joint law of (first, second) child at the root matches q(a) q(b) / (1 - q(a))."""
+    from dspec.decode.dflash import sampled_draft_tree
+    rows = 60000
+    q = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    qs = q.expand(rows, 2, 4).contiguous()
+    u = torch.rand(rows, 5 * 4, generator=torch.Generator().manual_seed(3))
+    cols, parents, positions, _, slots = sampled_draft_tree(qs, 4, torch.zeros(rows, dtype=torch.int64),
+                                                            torch.zeros(rows, dtype=torch.int64), u, k=4)
+    root_children = (parents[0] == 0).nonzero()[:, 0]
+    assert len(root_children) >= 2
+    a, b = cols[:, root_children[0]], cols[:, root_children[1]]
+    assert bool((a != b).all())                     # without replacement: never the same token
+    pair = torch.bincount(a * 4 + b, minlength=16).double()
+    law = (q[:, None] * q[None, :] / (1 - q[:, None])).double()
+    law.fill_diagonal_(0.0)
+    stat, limit = chi_square_ok(pair, law.flatten())
+    assert stat < limit, (stat, limit)
+    # a node's slot is its depth (the distribution its own children are drawn from)
+    assert torch.equal(slots, (positions - positions[:, :1]).clamp(max=1))
+
+
+def test_verify_rule_is_checked(target):
+    with pytest.raises(ValueError, match="verify_rule"):
+        dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=2, verify_rule="blocks")

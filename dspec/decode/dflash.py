@@ -40,8 +40,14 @@ verifies up to N draft nodes as one token tree instead of the chain: a node is a
 ``prod_j q_j(c_j)`` (the drafter's estimate of its chance of acceptance, slots taken as
 independent), and the tree keeps the N best nodes (:func:`marginal_tree`; scores fall
 along every path, so they form a subtree).  One target forward under the tree mask,
-``dspec.verify_tree`` (greedy: equals ``ar``; T > 0: lossless for any siblings), and the
-root and accepted path are committed (``keep=[0] + path``).  With ``row_cost`` the tree
+``dspec.verify_tree`` (greedy: equals ``ar``), and the root and accepted path are
+committed (``keep=[0] + path``).  At T > 0 the tree's shape is the same function of the
+drafter's probabilities, but its tokens are *drawn*: the children of a node at depth d are
+draws without replacement from the drafter's slot-d distribution q_d
+(:func:`sampled_draft_tree`), and ``verify_tree(draft_probs=, draft_sampling=
+"without_replacement")`` verifies them against q (recursive rejection sampling: lossless,
+and the first children form a chain drawn exactly as the chain's drafts, so a tree never
+accepts less than the chain).  A lookup graft at T > 0 keeps one-hot verification.  With ``row_cost`` the tree
 keeps the n <= N best nodes maximising ``(1 + sum of their scores) / (1 + row_cost * n)``.
 Teacher-forced on 2,048 held-out blocks of the round-7 SmolLM2-135M drafter: tokens per
 cycle 2.05 (chain of 7) -> 2.37 / 2.57 / 2.72 with 7 / 15 / 31 tree nodes.  The default
@@ -74,6 +80,13 @@ def sync_device(device: torch.device) -> None:
     cycle (here and in d2sd, which runs these cycles) needs it finished."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def check_verify_rule(rule) -> str:
+    """``verify_rule`` as ``dflash`` takes it: "token" or "block"."""
+    if rule not in ("token", "block"):
+        raise ValueError(f"verify_rule must be 'token' or 'block', got {rule!r}")
+    return rule
 
 
 def check_draft_len(draft_len, drafter: BlockDrafter, name: str = "draft_len") -> int:
@@ -159,17 +172,22 @@ class SpeculativeRun:
         self.cache.append(out.suffix_kv, keep, counts=counts)
         self._commit_context(out.hidden, positions, counts=counts, keep=keep)
 
-    def verify_tree_cycle(self, tokens, parents, positions, words, temperature, generator) -> bool:
+    def verify_tree_cycle(self, tokens, parents, positions, words, temperature, generator, *,
+                          draft_probs=None) -> bool:
         """One target forward over a token tree (``tokens`` / ``parents`` [B, N], node 0 the
-        anchor; absolute ``positions`` [B, N]; ``words`` its ``tree_mask``), ``verify_tree``,
-        the root and accepted path committed (``keep=[0] + path``) and the outputs extended
-        (:meth:`finish_cycle`).  False when every request is done."""
+        anchor; absolute ``positions`` [B, N]; ``words`` its ``tree_mask``), ``verify_tree``
+        (``draft_probs`` [B, N, V]: the distributions each node's children were drawn from
+        without replacement; None: one-hot drafts), the root and accepted path committed
+        (``keep=[0] + path``) and the outputs extended (:meth:`finish_cycle`).  False when
+        every request is done."""
         out = self.model(AttentionPlan(tokens, positions, words, self.cache), hidden_states=self.layer_ids)
         self.nfe["target"] += 1
         rand = {"generator": generator}
         if temperature > 0 and isinstance(generator, RequestStreams):    # each request's own stream
             rand = generator.tree(self.rows, tokens.shape[1])
-        ver = verify_tree(tokens, parents, out.logits, temperature=temperature, **rand)
+        scheme = {} if draft_probs is None else {"draft_probs": draft_probs,
+                                                  "draft_sampling": "without_replacement"}
+        ver = verify_tree(tokens, parents, out.logits, temperature=temperature, **scheme, **rand)
         host = self.fetch(ver.num_accepted, ver.tokens)
         path = ver.path.cpu()
         self.commit(out, positions, keep=torch.cat([torch.zeros(path.shape[0], 1, dtype=torch.int64), path], 1))
@@ -355,6 +373,73 @@ def draft_tree(probs: torch.Tensor, tokens: torch.Tensor, nodes: int, root_token
     return torch.cat([root_tokens[:, None], tok[:, :n]], 1), parents, positions, tree_mask(parents).words
 
 
+def sampled_draft_tree(q: torch.Tensor, nodes: int, root_tokens: torch.Tensor, root_positions: torch.Tensor,
+                       uniforms: torch.Tensor, row_cost: float | None = None, k: int = TREE_TOP_K):
+    """A cycle's draft tree at T > 0 whose children are DRAWN from the drafter, without
+    replacement, so ``verify_tree(..., draft_probs=, draft_sampling="without_replacement")``
+    verifies it losslessly against the drafter's own distributions.
+
+    The shape (which nodes, under which parents) is :func:`draft_tree`'s over each slot's
+    ``k`` largest probabilities -- a function of q alone, fixed before any draw.  The r-th
+    child (in index order) of a parent u at depth d holds the r-th of k draws without
+    replacement from ``q[:, d]`` (the parent's slot: the distribution its children are
+    drawn from), so the verifier tries the draws in the order they were made.
+    Where q has fewer than r + 1 positive entries the node repeats the parent's first draw:
+    its q at the token is then 0 after that draw is tried, so the verifier skips it (and
+    what hangs below it) -- the rule stays exact.  A slot without a distribution (NaN)
+    gives -1 draws.
+
+    Parameters
+    ----------
+    q : float [B, L, V'], the drafter's per-slot distributions (rows sum to 1).
+    nodes, root_tokens, root_positions, row_cost : as :func:`draft_tree`.
+    uniforms : float32 [B, >= (1 + nodes) * k] in [0, 1), the draws' randomness (each
+        request's own stream).
+
+    Returns
+    -------
+    (columns, parents, positions, words, slots): ``columns`` int64 [B, 1 + n], node 0 the root
+    (``root_tokens``), the others q's column ids (map them with :func:`vocab_ids`);
+    ``parents``, ``positions``, ``words`` as :func:`draft_tree`; ``slots`` int64 [B, 1 + n],
+    the slot of q each node's children are drawn from (its depth, clamped to L - 1).
+
+    Example
+    -------
+    >>> import torch
+    >>> q = torch.tensor([[[0.7, 0.2, 0.1], [0.5, 0.5, 0.0]]])
+    >>> cols, par, pos, words, slots = sampled_draft_tree(q, 3, torch.tensor([9]), torch.tensor([4]),
+    ...                                                  torch.full((1, 16), 0.5), k=2)
+    >>> par.tolist(), pos.tolist(), slots.tolist()
+    ([[-1, 0, 1, 1]], [[4, 5, 6, 6]], [[0, 1, 1, 1]])
+    >>> cols.tolist()       # u = 0.5: q[0] draws 0; q[1] draws 1, then 0 without 1
+    [[9, 0, 1, 0]]
+    """
+    batch, slots_n, vocab = q.shape
+    k = max(1, min(k, vocab))
+    top = q.topk(k, dim=-1).values
+    ranks = torch.arange(k, device=q.device).expand(batch, slots_n, k)
+    _, parents, positions, words = draft_tree(top, ranks, nodes, root_tokens, root_positions, row_cost)
+    width = parents.shape[1]
+    depth = positions - root_positions[:, None]
+    slot = depth.clamp(max=slots_n - 1)
+    w = q.float().gather(1, slot[:, :, None].expand(batch, width, vocab)).clone()    # [B, 1 + n, V']
+    draws = torch.empty(batch, width, k, dtype=torch.int64, device=q.device)
+    u = uniforms[:, :width * k].reshape(batch, width, k)
+    for r in range(k):
+        x = sample_from(w, u[:, :, r])
+        draws[:, :, r] = torch.where(x >= 0, x, draws[:, :, 0]) if r else x       # -1: a row without a distribution
+        w.scatter_(-1, draws[:, :, r:r + 1].clamp(min=0), 0.0)
+    # a node's draw is its ordinal among its parent's children in index order -- the order
+    # the verifier tries siblings in (ties in the shape's scores can reorder ranks)
+    same = parents[:, :, None] == parents[:, None, :]                                  # [B, W, W]
+    earlier = torch.ones(width, width, dtype=torch.bool, device=q.device).tril(-1)
+    ordinal = (same & earlier).sum(-1).clamp(max=k - 1)
+    parent = parents.clamp(min=0)
+    cols = draws.gather(1, parent[:, :, None].expand(batch, width, k)).gather(2, ordinal[:, :, None])[..., 0]
+    cols[:, 0] = root_tokens
+    return cols, parents, positions, words, slot
+
+
 def _mask_words(nodes: int) -> int:
     return (nodes + 31) // 32
 
@@ -412,7 +497,8 @@ def full_vocab_probs(q: torch.Tensor, vocab: torch.Tensor | None, vocab_size: in
 def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                   generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
                   draft_len: int | None = None, row_cost: float | str | None = "auto",
-                  tree: int | str | None = "auto", lookup: int | str | None = "auto"):
+                  tree: int | str | None = "auto", lookup: int | str | None = "auto",
+                  verify_rule: str = "token"):
     """DFlash speculative decoding of a ragged batch with an AR target.
 
     Parameters
@@ -448,6 +534,9 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         at most ``CPU_LOOKUP_MAX_BATCH`` (4) requests; off otherwise.  The output is
         unchanged (the target verifies every node); the graft runs on the host (on a GPU:
         one more synchronisation a cycle).
+    verify_rule : "token" (default) or "block": how a chain cycle at T > 0 is verified
+        (``verify_chain(rule=)``: token-wise speculative sampling, or block verification,
+        which is as lossless and accepts at least as much).  Greedy cycles and trees ignore it.
 
     Returns
     -------
@@ -462,6 +551,7 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
     """
     if model.attention != "causal":
         raise ValueError(f"method 'dflash' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
+    check_verify_rule(verify_rule)
     tree = resolve_tree(model, tree, temperature)
     lookup = resolve_lookup(model, lookup, tree=tree is not None, temperature=temperature, batch=len(prompts))
     drafter = resolve_drafter(drafter, model, "dflash")
@@ -487,14 +577,16 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
                                      t0, finder)
             verified += nodes
             continue
-        live, nodes = chain_cycle(run, logits, vocab, positions, row_cost, temperature, generator, t0, chains)
+        live, nodes = chain_cycle(run, logits, vocab, positions, row_cost, temperature, generator, t0, chains,
+                                  verify_rule)
         verified += nodes
-    return run.generated, run.stats(draft_len=gamma - 1, tree=tree, lookup=lookup,
+    return run.generated, run.stats(draft_len=gamma - 1, tree=tree, lookup=lookup, row_cost=row_cost,
+                                    verify_rule=verify_rule,
                                     verified_drafts=verified / run.cycles if run.cycles else 0.0)
 
 
 def chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, temperature, generator, t0: float,
-                chains: dict) -> tuple[bool, int]:
+                chains: dict, rule: str = "token") -> tuple[bool, int]:
     """A cycle's chain verification (DFlash as published): the drafts (greedy: the drafter's
     argmax; T > 0: sampled from its q) cut to ``verify_length`` with ``row_cost``, one target
     forward over ``[anchor, drafts]`` at ``positions`` [B, gamma], ``verify_chain`` (at T > 0
@@ -526,7 +618,8 @@ def chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, tempera
     out = run.model(AttentionPlan(suffix, positions, chains[n + 1], run.cache), hidden_states=run.layer_ids)
     run.nfe["target"] += 1
     rand = generator.chain(run.rows, drafts.shape[1]) if temperature > 0 and generator is not None else {}
-    ver = verify_chain(drafts, out.logits, draft_probs=q, temperature=temperature, **rand)
+    extra = {"rule": rule} if rule != "token" and temperature > 0 else {}
+    ver = verify_chain(drafts, out.logits, draft_probs=q, temperature=temperature, **extra, **rand)
     host = run.fetch(ver.num_accepted, ver.tokens)
     run.commit(out, positions, counts=host[:, 0] + 1)
     live = run.finish_cycle(host)
@@ -545,12 +638,26 @@ def tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, r
     ``top``: the draft's (target-vocabulary ids, probabilities) top-``TREE_TOP_K`` where the
     caller has them already (D2SD's gate scored them). Returns (any request still live,
     draft nodes verified summed over the cycle's requests)."""
-    if top is None:
-        top_i, top_p = topk_tokens(logits, min(TREE_TOP_K, logits.shape[-1]),
-                                   temperature=temperature if temperature > 0 else 1.0)
-        require_finite(top_i[..., 0], "drafter")       # a row's best candidate: -1 where it is not finite
-        top = vocab_ids(top_i, vocab), top_p
-    tokens, parents, positions, words = draft_tree(top[1], top[0], nodes, run.anchor, root_positions, row_cost)
+    q = None
+    if temperature > 0 and top is None and finder is None:
+        # the children are drawn from the drafter without replacement and verified against
+        # its q (lossless and never behind the chain, whose drafts are the first children)
+        q = torch.softmax(logits / temperature, dim=-1)
+        width = (1 + nodes) * TREE_TOP_K
+        u = generator.uniforms(run.rows, width) if generator is not None else \
+            torch.rand(q.shape[0], width, device=q.device)
+        cols, parents, positions, words, slots = sampled_draft_tree(q, nodes, run.anchor, root_positions, u,
+                                                                    row_cost)
+        tokens = torch.cat([cols[:, :1], vocab_ids(require_finite(cols[:, 1:], "drafter"), vocab)], 1)
+        q = full_vocab_probs(q.gather(1, slots[:, :, None].expand(-1, -1, q.shape[-1])), vocab,
+                             run.model.config.vocab_size)
+    else:
+        if top is None:
+            top_i, top_p = topk_tokens(logits, min(TREE_TOP_K, logits.shape[-1]),
+                                       temperature=temperature if temperature > 0 else 1.0)
+            require_finite(top_i[..., 0], "drafter")       # a row's best candidate: -1 where it is not finite
+            top = vocab_ids(top_i, vocab), top_p
+        tokens, parents, positions, words = draft_tree(top[1], top[0], nodes, run.anchor, root_positions, row_cost)
     if finder is not None:
         chain, counts = finder.drafts(run.rows)
         if counts.any():
@@ -559,13 +666,13 @@ def tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, r
             words = tree_mask(parents).words
     sync_device(run.device)
     t1 = time.perf_counter()
-    live = run.verify_tree_cycle(tokens, parents, positions, words, temperature, generator)
+    live = run.verify_tree_cycle(tokens, parents, positions, words, temperature, generator, draft_probs=q)
     sync_device(run.device)
     run.time["draft_s"] += t1 - t0
     run.time["verify_s"] += time.perf_counter() - t1
     return live, (tokens.shape[1] - 1) * tokens.shape[0]
 
 
-OPTIONS = ("draft_len", "row_cost", "tree", "lookup")
+OPTIONS = ("draft_len", "row_cost", "tree", "lookup", "verify_rule")
 DRAFTER = "block"    # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_dflash
