@@ -245,3 +245,23 @@ def test_bad_inputs(call, name):
     logits, drafts, _, _ = chain_inputs(3, 1, 5, 0)
     with pytest.raises(ValueError, match=name):
         call(logits, drafts)
+
+
+def test_top_k_alone_takes_no_sort_and_keeps_ties():
+    """Without top-p the top-k set comes from the k-th largest value (topk, no sort over V):
+    every value tied with it is kept, as the sorted reference keeps it."""
+    from dspec.reference.sampling_params import filter_logits
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 3, 50, generator=g) * 2).round()          # many ties
+    k = torch.tensor([0, 1, 3, 7, 50, 60])
+    t = torch.tensor([1.0, 0.5, 2.0, 1.0, 1.0, 0.7])
+    out = filter_logits(x, t, k, torch.ones(6))
+    for b in range(6):
+        xs = x[b] / t[b]
+        kk = int(k[b])
+        if not 0 < kk < 50:
+            expected = xs
+        else:
+            kth = xs.sort(-1, descending=True).values[:, kk - 1:kk]
+            expected = torch.where(xs >= kth, xs, torch.tensor(float("-inf")))
+        assert torch.equal(out[b], expected), b

@@ -58,6 +58,15 @@ def cases():
                         q_stride_l="i64", coins_ptr=F32, length="i32", inv_t="fp32",
                         num_ptr=I64, out_ptr=I64, **spec, spec_pos_ptr=I64),
                    dict(LP=32, GREEDY=greedy, HAS_Q=has_q), 1)
+        for has_q in (False, True):         # the block rule: R_j sums, then the accept
+            chain = dict(draft_ptr=I64, draft_stride="i64", ndraft_ptr=I64, logits_ptr=dt, vocab="i32",
+                         argmax_ptr=I64, prob_ptr=F32, q_ptr=dt, q_stride_b="i64", q_stride_l="i64")
+            yield (verify._chain_block_sums_kernel,
+                   dict(chain, length="i32", inv_t="fp32", r_ptr=F32), dict(BLOCK=1024), 4)
+            yield (verify._chain_block_accept_kernel,
+                   dict(chain, coins_ptr=F32, r_ptr=F32, length="i32", inv_t="fp32", num_ptr=I64,
+                        out_ptr=I64, **spec, spec_pos_ptr=I64, scale_ptr=F32),
+                   dict(LP=32, HAS_Q=has_q), 1)
         for greedy in (True, False):
             yield (verify._tree_walk_kernel,
                    dict(tok_ptr=I64, par_ptr=I64, nodes="i32", logits_ptr=dt, vocab="i32",
@@ -72,17 +81,22 @@ def cases():
                         q_stride_n="i64", resid_ptr=F32, coins_ptr=F32, inv_t="fp32",
                         num_ptr=I64, path_ptr=I64, out_ptr=I64, **spec, spec_pos_ptr=I64),
                    dict(EP=64, BLOCK=1024, WOR=wor), 4)
-        for has_q, resid in ((False, False), (True, False), (False, True)):
+        # (HAS_Q, RESID, HAS_SCALE): p, q's residual, the tree walk's residual row, the block
+        # rule's scaled residual
+        for has_q, resid, scaled in ((False, False, False), (True, False, False), (False, True, False),
+                                     (True, False, True)):
             draw = dict(logits_ptr=dt, vocab="i32", argmax_ptr=I64, prob_ptr=F32,
                         q_ptr=F32 if resid else dt, inv_t="fp32", **spec)
+            scale = dict(scale_ptr=F32) if scaled else {}
+            flags = dict(HAS_Q=has_q, RESID=resid, HAS_SCALE=scaled, **({} if scaled else {"scale_ptr": None}))
             yield (verify._draw_tiles_kernel,
                    dict(draw, tile_w_ptr=F32, tile_p_ptr=F32, num_tiles="i32",
-                        tiles_per_split="i32"),
-                   dict(BLOCK=1024, EP=64, HAS_Q=has_q, RESID=resid), 4)
+                        tiles_per_split="i32", **scale),
+                   dict(BLOCK=1024, EP=64, **flags), 4)
             yield (verify._draw_pick_kernel,
                    dict(draw, spec_pos_ptr=I64, tile_w_ptr=F32, tile_p_ptr=F32, num_tiles="i32",
-                        uniforms_ptr=F32, out_ptr=I64),
-                   dict(BLOCK=1024, TP=256, EP=64, HAS_Q=has_q, RESID=resid), 4)
+                        uniforms_ptr=F32, out_ptr=I64, **scale),
+                   dict(BLOCK=1024, TP=256, EP=64, **flags), 4)
     # attention kernels are the slow ones to compile: bf16 (tensor cores) and fp32 (upcast)
     for dt in ("*bf16", "*fp32"):
         for splits, prefix, has_mask in ((1, True, True), (4, True, True)):

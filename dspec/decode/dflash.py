@@ -422,22 +422,47 @@ def sampled_draft_tree(q: torch.Tensor, nodes: int, root_tokens: torch.Tensor, r
     width = parents.shape[1]
     depth = positions - root_positions[:, None]
     slot = depth.clamp(max=slots_n - 1)
-    w = q.float().gather(1, slot[:, :, None].expand(batch, width, vocab)).clone()    # [B, 1 + n, V']
-    draws = torch.empty(batch, width, k, dtype=torch.int64, device=q.device)
-    u = uniforms[:, :width * k].reshape(batch, width, k)
-    for r in range(k):
-        x = sample_from(w, u[:, :, r])
-        draws[:, :, r] = torch.where(x >= 0, x, draws[:, :, 0]) if r else x       # -1: a row without a distribution
-        w.scatter_(-1, draws[:, :, r:r + 1].clamp(min=0), 0.0)
     # a node's draw is its ordinal among its parent's children in index order -- the order
     # the verifier tries siblings in (ties in the shape's scores can reorder ranks)
     same = parents[:, :, None] == parents[:, None, :]                                  # [B, W, W]
     earlier = torch.ones(width, width, dtype=torch.bool, device=q.device).tril(-1)
     ordinal = (same & earlier).sum(-1).clamp(max=k - 1)
-    parent = parents.clamp(min=0)
-    cols = draws.gather(1, parent[:, :, None].expand(batch, width, k)).gather(2, ordinal[:, :, None])[..., 0]
+    # draws only at the nodes that are some row's parent, only as many as the most children
+    is_parent = (parents[:, :, None] == torch.arange(width, device=q.device)).any(1).any(0)    # [W]
+    used = is_parent.nonzero()[:, 0]
+    if not used.numel():                                # the root alone: nothing to draw
+        return root_tokens[:, None].clone(), parents, positions, words, slot
+    rounds = int(ordinal[:, 1:].max()) + 1 if width > 1 else 1
+    at = torch.zeros(width, dtype=torch.int64, device=q.device)
+    at[used] = torch.arange(used.numel(), device=q.device)
+    pick = slot[:, used]
+    w = q.float().gather(1, pick[:, :, None].expand(batch, used.numel(), vocab)).clone()   # [B, P, V']
+    u = uniforms[:, :width * k].reshape(batch, width, k)[:, used, :rounds]
+    draws = torch.empty(batch, used.numel(), rounds, dtype=torch.int64, device=q.device)
+    for r in range(rounds):
+        x = _draw_rows(w, u[:, :, r])
+        draws[:, :, r] = torch.where(x >= 0, x, draws[:, :, 0]) if r else x       # -1: a row without a distribution
+        w.scatter_(-1, draws[:, :, r:r + 1].clamp(min=0), 0.0)
+    parent = at[parents.clamp(min=0)]
+    cols = draws.gather(1, parent[:, :, None].expand(batch, width, rounds)).gather(
+        2, ordinal.clamp(max=rounds - 1)[:, :, None])[..., 0]
     cols[:, 0] = root_tokens
     return cols, parents, positions, words, slot
+
+
+def _draw_rows(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws from weights w [..., V] with uniforms u [...]: the smallest v with
+    ``cumsum(w)[v] > u * total`` (total the cumsum's last value; the largest v with w > 0
+    where rounding leaves none), -1 where the total is 0 or not finite.  Two passes over V
+    (a cumsum and a binary search), where :func:`sample_from` takes five."""
+    c = torch.cumsum(w, -1)
+    total = c[..., -1]
+    x = torch.searchsorted(c, (u.float() * total)[..., None].contiguous(), right=True)[..., 0]
+    vocab = w.shape[-1]
+    if bool((x >= vocab).any()):
+        last = torch.where(w > 0, torch.arange(vocab, device=w.device), -1).amax(-1)
+        x = torch.where(x >= vocab, last, x)
+    return torch.where(torch.isfinite(total) & (total > 0), x, torch.full_like(x, -1))
 
 
 def _mask_words(nodes: int) -> int:
