@@ -56,6 +56,16 @@ def _ids_in_vocab(name: str, ids: torch.Tensor, used, vocab: int) -> None:
                              f"{int(ids[tuple(at)])} at {at}")
 
 
+def _probability_values(draft_probs: torch.Tensor) -> None:
+    """``draft_probs`` [B, *, V] holds probabilities in [0, 1] (checked while value checks run)."""
+    if draft_probs.numel() and _validate.value_checks_enabled(draft_probs):
+        bad = ~((draft_probs >= 0) & (draft_probs <= 1))          # NaN fails both
+        if bool(bad.any()):
+            b, i, v = bad.nonzero()[0].tolist()
+            raise ValueError(f"draft_probs must hold probabilities in [0, 1] (finite); "
+                             f"draft_probs[{b}, {i}, {v}] = {float(draft_probs[b, i, v])}")
+
+
 def _drafts_end_at_placeholder(draft_tokens: torch.Tensor, num_drafts):
     """(drafts, num_drafts int64 [B]) with each row's drafts ending at its first -1.
 
@@ -186,12 +196,7 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
         if tuple(draft_probs.shape) != (batch, length, vocab):
             raise ValueError(f"draft_probs must have shape [B, L, V] = [{batch}, {length}, {vocab}], "
                              f"got {list(draft_probs.shape)}")
-        if draft_probs.numel() and _validate.value_checks_enabled(draft_probs):
-            bad = ~((draft_probs >= 0) & (draft_probs <= 1))          # NaN fails both
-            if bool(bad.any()):
-                b, i, v = bad.nonzero()[0].tolist()
-                raise ValueError(f"draft_probs must hold probabilities in [0, 1] (finite); "
-                                 f"draft_probs[{b}, {i}, {v}] = {float(draft_probs[b, i, v])}")
+        _probability_values(draft_probs)
     if num_drafts is not None:
         if num_drafts.shape[0] != batch:
             raise ValueError(f"num_drafts must have shape [B] = [{batch}], got {list(num_drafts.shape)}")
@@ -256,12 +261,7 @@ def _tree_draft_probs(draft_probs, batch: int, nodes: int, vocab: int):
     if tuple(draft_probs.shape) != (batch, nodes, vocab):
         raise ValueError(f"draft_probs must have shape [B, N, V] = [{batch}, {nodes}, {vocab}], "
                          f"got {list(draft_probs.shape)}")
-    if draft_probs.numel() and _validate.value_checks_enabled(draft_probs):
-        bad = ~((draft_probs >= 0) & (draft_probs <= 1))          # NaN fails both
-        if bool(bad.any()):
-            b, i, v = bad.nonzero()[0].tolist()
-            raise ValueError(f"draft_probs must hold probabilities in [0, 1] (finite); "
-                             f"draft_probs[{b}, {i}, {v}] = {float(draft_probs[b, i, v])}")
+    _probability_values(draft_probs)
     return draft_probs if draft_probs.stride(-1) == 1 or vocab == 1 else draft_probs.contiguous()
 
 
