@@ -123,8 +123,10 @@ CPU_TREE_NODES = 7
 def resolve_tree(model, tree, temperature: float):
     """``tree`` as ``dflash`` takes it: "auto" (the default) is ``CPU_TREE_NODES`` for a CPU
     model of the "tiles" cost class decoding greedily and None (the chain) otherwise -- at
-    T > 0 ``verify_tree`` takes the drafts as one-hot, the chain compares against the
-    drafter's q; None or an int in [1, ``MAX_TREE_NODES``] as given."""
+    T > 0 a tree drawn from the drafter and verified against its q takes more tokens per
+    forward than the chain but has not paid for its extra rows end to end
+    (bench/results/cpu/amx/e2e_smollm2_t1_xeon_amx.json, zen5/e2e_smollm2_t1_epyc_zen5.json);
+    None or an int in [1, ``MAX_TREE_NODES``] as given."""
     if isinstance(tree, str) and tree == "auto":
         # the "avx2" class: a tree's extra rows cost more than its extra accepts (SmolLM2-135M,
         # 8 grid prompts, 2 threads, AVX2: bf16 chain 67.6 tok/s, tree 7 59.9; fp32 56.4 /
