@@ -2,7 +2,7 @@
 ar (K in {1, 2, 4}, chain or tree first draft), batch == singles, the resample control,
 lossless sampling.
 
-The oracle-ish drafters of ``test_dflash`` make acceptance non-trivial: the first drafter
+The oracle-ish drafters of ``dflash_cases`` make acceptance non-trivial: the first drafter
 is wrong (and less confident) at every ``wrong_every``-th position, the VP-drafter always
 proposes the target's greedy path, so re-drafting at the right boundary recovers what the
 first draft lost.
@@ -13,19 +13,19 @@ import pytest
 import torch
 
 import dspec
-from dspec.decode import d2sd
-from dspec.models.dflash import BlockDrafter
-from test_dflash import (  # noqa: F401
+from dflash_cases import (  # noqa: F401  (module fixtures)
     PROMPTS,
     OracleDrafter,
-    _second_token_marginal,
     ar_tokens,
     chi_square_ok,
-    oracle_pair,  # fixtures shared with test_dflash
+    oracle_pair,
     peaked,
     restrict,
+    second_token_marginal,
     target,
 )
+from dspec.decode import d2sd
+from dspec.models.dflash import BlockDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
@@ -316,7 +316,7 @@ def test_bad_options(target):
                                                       ("vp", None, 0, {"boundary_pool": 3, "prior_weight": 1.0})])
 def test_sampling_preserves_target_distribution(peaked, branches, tree, gate, shape):
     prompt = [5, 6, 7]
-    probs = _second_token_marginal(peaked, prompt, 1.0)
+    probs = second_token_marginal(peaked, prompt, 1.0)
     ds = drafters(peaked, [prompt], 6, 4, wrong_every=3)
     drafter = ds if branches == "vp" else ds["dflash"]
     out = dspec.generate(peaked, [prompt] * 1500, method="d2sd", max_new_tokens=3, drafter=drafter,
@@ -329,7 +329,7 @@ def test_sampling_preserves_target_distribution(peaked, branches, tree, gate, sh
 
 
 def test_shipped_tiny_ar_drafters():
-    from test_dflash import SHIPPED_PROMPTS, shipped_tiny_ar
+    from dflash_cases import SHIPPED_PROMPTS, shipped_tiny_ar
     model = shipped_tiny_ar()
     ref = [g.tokens for g in dspec.generate(model, SHIPPED_PROMPTS, method="ar", max_new_tokens=24)]
     out = dspec.generate(model, SHIPPED_PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=24, k=2)
@@ -414,7 +414,7 @@ def test_cpu_default_row_cost_is_measured_constant(target):
 
 def test_adaptive_tree_sampling_preserves_target_distribution(peaked):
     prompt = [5, 6, 7]
-    probs = _second_token_marginal(peaked, prompt, 1.0)
+    probs = second_token_marginal(peaked, prompt, 1.0)
     ds = drafters(peaked, [prompt], 6, 4, wrong_every=3)
     out = dspec.generate(peaked, [prompt] * 1500, method="d2sd", redraft_min=0, max_new_tokens=3, drafter=ds,
                          temperature=1.0, seed=0, k=2, row_cost=0.3)

@@ -249,3 +249,20 @@ def test_loading_and_decoding_import_no_trainer():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        cwd=ROOT.parent)
     assert r.returncode == 0, r.stderr
+
+
+def test_test_modules_import_no_other_test_module():
+    """A test module's shared cases live in a helper module of tests/ (conftest.py,
+    tiny_checkpoints.py, *_cases.py), never in another test module: importing a test module
+    collects its tests a second time and couples two files' fixtures."""
+    tests = Path(__file__).resolve().parent
+    bad = []
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            bad += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not bad, bad

@@ -342,7 +342,7 @@ def test_s2d2_redraft_blocks_share_the_chain_rows(tmp_path, monkeypatch):
     rows and read the chain's before them: their drafts (the next block's, and the boundary
     state's after a rejected last draft) are still those of plain drafting forwards of the
     states they stand for (float32)."""
-    from test_s2d2 import redraft_checks
+    from s2d2_cases import redraft_checks
     base = dspec.load(write_checkpoint(tmp_path, "llama", seed=0, hidden=256, inter=768, layers=4))
     model = trained_looking_mask_adapter(base, mask_token_id=MASK)
     done = redraft_checks(model, [_ids(3, 3), _ids(9, 9), _ids(70, 70), _ids(30, 30)], monkeypatch,

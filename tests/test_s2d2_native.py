@@ -7,7 +7,7 @@ import torch
 import dspec
 from dspec import _backend
 from dspec.decode import s2d2
-from test_ssd import tiny, weak_context
+from selfspec_cases import tiny, weak_context
 from tiny_checkpoints import trained_looking_mask_adapter, write_checkpoint
 
 ext = _backend.extension()

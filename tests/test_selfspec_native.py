@@ -6,7 +6,7 @@ import torch
 import dspec
 from dspec import _backend
 from dspec.decode._selfspec import DraftGraph, _Engine, chain_graph
-from test_ssd import tiny, weak_context
+from selfspec_cases import tiny, weak_context
 from tiny_checkpoints import write_checkpoint
 
 ext = _backend.extension()

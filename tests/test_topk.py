@@ -6,7 +6,7 @@ import torch
 import dspec
 from conftest import assert_close_nan, backends_for, device_backends
 from dspec.reference import topk as reference
-from test_token_stats import key_scan_rows, special_rows
+from logits_cases import key_scan_rows, special_rows
 
 PROVIDED = ("torch", "triton", "cpp")
 DTYPES = [(torch.float32, 1e-6, 1e-4), (torch.float16, 1e-6, 1e-4), (torch.bfloat16, 1e-6, 1e-4)]

@@ -22,7 +22,7 @@ import torch
 import dspec
 from dspec import _backend
 from dspec.reference import verify as reference
-from test_verify import chain_case, random_tree, same
+from verify_cases import chain_case, random_tree, same
 
 _C = _backend.extension()
 needs_ext = pytest.mark.skipif(_C is None, reason="dspec._C is not built (pip install -e .)")
