@@ -132,4 +132,3 @@ def shipped_tiny_ar():
 
 
 SHIPPED_PROMPTS = ["Compute: 12 + 35 =", "def fibonacci(n):\n    ", "import os\nimport sys\n\n"]
-

@@ -34,4 +34,3 @@ def key_scan_rows(vocab: int, dtype: torch.dtype) -> torch.Tensor:
     x[5, 0] = x[5, min(32, vocab - 1)] = 5.0              # tie in one lane: margin 0
     x[6, -1] = 9.0                                        # the max in the tail
     return x.to(dtype)
-

@@ -81,4 +81,3 @@ def redraft_checks(model, prompts, monkeypatch, **kw) -> dict:
     for prompt in prompts:
         dspec.generate(model, prompt, method="s2d2", policy="always", **kw)
     return done
-

@@ -70,7 +70,6 @@ def chi2_pvalue(counts, expected_probs, min_expected=5.0):
 
 def sample_first_block(model, prompt, n, temperature, **kw):
     counts = torch.zeros(model.config.vocab_size, model.config.vocab_size, dtype=torch.float64)
-    accepted = 0
     gens = dspec.generate(model, [prompt] * n, max_new_tokens=2, block_size=2,
                           temperature=temperature, seed=11, **kw)
     for g in gens:
@@ -90,4 +89,3 @@ def capture_caches(model, monkeypatch):
 
     monkeypatch.setattr(model, "new_cache", new_cache, raising=False)
     return made
-

@@ -47,4 +47,3 @@ def same(out, exp):
     for name, a, e in zip(exp._fields, out, exp):
         assert a.dtype == torch.int64, name
         assert torch.equal(a.cpu(), e.cpu()), f"{name}:\n{a}\n{e}"
-
