@@ -1,6 +1,8 @@
 # dspec developer entry points.  `make test` is the README's (and CI's) test command.
 PY ?= python3
 PIP = $(PY) -m pip
+# the clang-format of the pinned wheel (requirements-dev.txt), run through the interpreter
+CLANG_FORMAT = $(PY) -c "import clang_format, sys; sys.argv[0] = 'clang-format'; clang_format.clang_format()"
 
 .PHONY: install demo lint test test-fast bench-cpu clean
 
@@ -14,9 +16,12 @@ install:
 demo: install
 	$(PY) -m dspec generate --prompt "What is the capital of France?" --max-new-tokens 32
 
-# ruff (pyproject.toml [tool.ruff]); .ci/run runs it after the install, before the tests
+# ruff check and ruff format --check (pyproject.toml [tool.ruff]), clang-format --dry-run of
+# the C++ / CUDA sources (.clang-format); .ci/run runs it after the install, before the tests
 lint:
 	$(PY) -m ruff check dspec tests bench examples
+	$(PY) -m ruff format --check dspec tests bench examples
+	$(CLANG_FORMAT) --dry-run --Werror csrc/*.cpp csrc/*.h csrc/*.cu tests/cuda_sim/*.h tests/cuda_sim/*.cpp
 
 # the C++ kernels' tests again at each lower instruction-set level (DSPEC_CPU_ISA caps the
 # code every kernel may run; a level the CPU lacks changes nothing; the Triton cases do not

@@ -14,6 +14,7 @@ target forward, and the lossless checks (``ssd`` / ``spiffy`` = that diffusion,
     python bench/ab_adapters.py --adapters smollm2-135m-bd,runs/bd-r5/adapter --prompts 8
 Writes bench/results/cpu/<name>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,12 +51,14 @@ def main(argv=None) -> dict:
     for name in args.adapters.split(","):
         bd = load_adapted(name, args.base)
         ref = f"diffusion[{name}]"
-        arms += [Arm(ref, bd, "diffusion", {"tokens_per_step": 1}),
-                 Arm(f"ssd[{name}]", bd, "ssd", reference=ref),
-                 Arm(f"spiffy[{name}]", bd, "spiffy", reference=ref),
-                 Arm(f"s2d2-min_span[{name}]", bd, "s2d2", {"policy": "min_span"}),
-                 Arm(f"s2d2-always[{name}]", bd, "s2d2", {"policy": "always"}, reference="ar"),
-                 Arm(f"diffuspec[{name}]", base, "diffuspec", {"drafter": bd}, reference="ar")]
+        arms += [
+            Arm(ref, bd, "diffusion", {"tokens_per_step": 1}),
+            Arm(f"ssd[{name}]", bd, "ssd", reference=ref),
+            Arm(f"spiffy[{name}]", bd, "spiffy", reference=ref),
+            Arm(f"s2d2-min_span[{name}]", bd, "s2d2", {"policy": "min_span"}),
+            Arm(f"s2d2-always[{name}]", bd, "s2d2", {"policy": "always"}, reference="ar"),
+            Arm(f"diffuspec[{name}]", base, "diffuspec", {"drafter": bd}, reference="ar"),
+        ]
         vs_diffusion.update({a.name: ref for a in arms[-6:]})
     acc = run_interleaved(arms, grid_texts(base, args.prompts), args.max_new_tokens)
     rows = summary_rows(arms, acc, {"ar": "ar", "diffusion": vs_diffusion})

@@ -6,6 +6,7 @@ interleaved per prompt: every *arm* decodes prompt 1, then every arm prompt 2, .
 arm may name a reference arm whose output it must equal (a lossless method against its
 one-token-per-step reference); the rows count the prompts where it differs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,8 @@ class Arm:
     model: object
     method: str
     options: dict = field(default_factory=dict)
-    reference: str | None = None       # the arm whose tokens this one must reproduce
-    scope: Callable | None = None      # a context manager factory entered around each call
+    reference: str | None = None  # the arm whose tokens this one must reproduce
+    scope: Callable | None = None  # a context manager factory entered around each call
 
 
 def add_run_arguments(ap, *, prompts: int, name: str | None) -> None:
@@ -57,14 +58,14 @@ def grid_texts(model, prompts_per_set: int, seed: int = 0) -> dict[str, list[str
     """The e2e grid's prompt sets, chat-wrapped as the grid wraps them for ``model``."""
     prompts, _ = _prompts(list(PROMPT_SETS), prompts_per_set, seed)
     chat = is_chat_model(model)
-    return {pset: [_prompt_text(chat, pset, p) for p in problems]
-            for pset, problems in prompts.items()}
+    return {pset: [_prompt_text(chat, pset, p) for p in problems] for pset, problems in prompts.items()}
 
 
 def run_interleaved(arms: list[Arm], texts: dict[str, list[str]], max_new_tokens: int) -> dict:
     """Decode every prompt with every arm (greedy, batch 1), arms interleaved per prompt,
     after one untimed warm-up call per arm; returns {(arm name, prompt set): totals}."""
     from tqdm.auto import tqdm
+
     names = [a.name for a in arms]
     for a in arms:
         if a.reference is not None and names.index(a.reference) > names.index(a.name):
@@ -117,8 +118,13 @@ def summary_rows(arms: list[Arm], acc: dict, baselines: dict[str, str | dict]) -
             which = sets if pset == "all" else [pset]
             t = total(a.name, which)
             rate = t["tokens"] / t["s"]
-            row = {"config": a.name, "method": a.method, "prompt_set": pset, "tokens": int(t["tokens"]),
-                   "tok_s": round(rate, 2)}
+            row = {
+                "config": a.name,
+                "method": a.method,
+                "prompt_set": pset,
+                "tokens": int(t["tokens"]),
+                "tok_s": round(rate, 2),
+            }
             for suffix, base in baselines.items():
                 base = base.get(a.name) if isinstance(base, dict) else base
                 if base is not None:
@@ -126,13 +132,17 @@ def summary_rows(arms: list[Arm], acc: dict, baselines: dict[str, str | dict]) -
                     row[f"vs_{suffix}"] = round(rate / (b["tokens"] / b["s"]), 4)
             row["tokens_per_cycle"] = round(t["committed"] / t["cycles"], 4) if t["cycles"] else None
             row["mean_accepted"] = round(t["accepted_x_tokens"] / t["tokens"], 4) if t["tokens"] else None
-            row["tokens_per_target_forward"] = (round(t["tokens"] / t["target_forwards"], 4)
-                                                if t["target_forwards"] else None)
+            row["tokens_per_target_forward"] = (
+                round(t["tokens"] / t["target_forwards"], 4) if t["target_forwards"] else None
+            )
             row["reference"] = a.reference
             row["differ_from_reference"] = int(t["differ"]) if a.reference else None
             rows.append(row)
             ratios = "  ".join(f"x{row[k]:.3f} {k[3:]}" for k in row if k.startswith("vs_"))
-            print(f"{a.name:44s} {pset:10s} {rate:7.1f} tok/s  {ratios}  acc {row['mean_accepted'] or 0:.3f}  "
-                  f"per target fwd {row['tokens_per_target_forward'] or 0:.3f}  "
-                  f"differ {row['differ_from_reference'] if a.reference else '-'}", flush=True)
+            print(
+                f"{a.name:44s} {pset:10s} {rate:7.1f} tok/s  {ratios}  acc {row['mean_accepted'] or 0:.3f}  "
+                f"per target fwd {row['tokens_per_target_forward'] or 0:.3f}  "
+                f"differ {row['differ_from_reference'] if a.reference else '-'}",
+                flush=True,
+            )
     return rows

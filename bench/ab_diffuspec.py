@@ -10,6 +10,7 @@ batch 1; every arm's output must equal ``ar``'s.
     python bench/ab_diffuspec.py --prompts 8
 Writes bench/results/cpu/<name>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,11 +45,19 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = dspec.load(args.target)
-    arms = [Arm("ar", model, "ar"),
-            Arm("diffuspec[full vocab, own cache]", model, "diffuspec", {"draft_vocab": None}, reference="ar",
-                scope=own_cache),
-            Arm("diffuspec[own cache]", model, "diffuspec", reference="ar", scope=own_cache),
-            Arm("diffuspec", model, "diffuspec", reference="ar")]
+    arms = [
+        Arm("ar", model, "ar"),
+        Arm(
+            "diffuspec[full vocab, own cache]",
+            model,
+            "diffuspec",
+            {"draft_vocab": None},
+            reference="ar",
+            scope=own_cache,
+        ),
+        Arm("diffuspec[own cache]", model, "diffuspec", reference="ar", scope=own_cache),
+        Arm("diffuspec", model, "diffuspec", reference="ar"),
+    ]
     acc = run_interleaved(arms, grid_texts(model, args.prompts), args.max_new_tokens)
     rows = summary_rows(arms, acc, {"ar": "ar", "before": {a.name: arms[1].name for a in arms[2:]}})
     payload = {"bench": "ab_diffuspec", "env": environment("cpu"), "config": vars(args), "rows": rows}

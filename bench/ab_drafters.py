@@ -22,6 +22,7 @@ the given prefixes (and ``ar``).
     python bench/ab_drafters.py --drafters smollm2-135m-dflash --vp-drafters smollm2-135m-vp,runs/vp-r4/drafter
 Writes bench/results/cpu/<name>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,19 +42,36 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--drafters", required=True, help="comma-separated drafter names or directories")
-    ap.add_argument("--vp-drafters", default=None,
-                    help="comma-separated VP drafters, one per --drafters entry (or any number with one "
-                         "DFlash drafter): adds the d2sd-chain and d2sd-tree arms per pair")
+    ap.add_argument(
+        "--vp-drafters",
+        default=None,
+        help="comma-separated VP drafters, one per --drafters entry (or any number with one "
+        "DFlash drafter): adds the d2sd-chain and d2sd-tree arms per pair",
+    )
     ap.add_argument("--row-cost", type=float, default=0.06, help="dflash-adaptive's row_cost")
-    ap.add_argument("--tree", default=None,
-                    help="comma-separated node counts: a dflash arm per drafter and count verifying a draft tree")
-    ap.add_argument("--verify-all", action="store_true",
-                    help="dflash / dflash-tree / d2sd arms verify every drafted node (row_cost=None)")
-    ap.add_argument("--d2sd-variants", nargs="*", default=[], metavar="JSON",
-                    help="per DFlash / VP pair, one more d2sd-chain arm per JSON dict of d2sd options, e.g. "
-                         "'{\"boundary_pool\": 4}' '{\"prior_weight\": 1.0}'")
-    ap.add_argument("--only", default=None,
-                    help="comma-separated arm-name prefixes to run (ar always runs), e.g. 'dflash[,d2sd-chain'")
+    ap.add_argument(
+        "--tree",
+        default=None,
+        help="comma-separated node counts: a dflash arm per drafter and count verifying a draft tree",
+    )
+    ap.add_argument(
+        "--verify-all",
+        action="store_true",
+        help="dflash / dflash-tree / d2sd arms verify every drafted node (row_cost=None)",
+    )
+    ap.add_argument(
+        "--d2sd-variants",
+        nargs="*",
+        default=[],
+        metavar="JSON",
+        help="per DFlash / VP pair, one more d2sd-chain arm per JSON dict of d2sd options, e.g. "
+        "'{\"boundary_pool\": 4}' '{\"prior_weight\": 1.0}'",
+    )
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated arm-name prefixes to run (ar always runs), e.g. 'dflash[,d2sd-chain'",
+    )
     add_run_arguments(ap, prompts=32, name="ab_drafters")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -61,7 +79,7 @@ def main(argv=None) -> dict:
     paths = args.drafters.split(",")
     vp_names = args.vp_drafters.split(",") if args.vp_drafters else []
     if len(paths) == 1:
-        vps = [vp_names]                          # every VP drafter against the one DFlash drafter
+        vps = [vp_names]  # every VP drafter against the one DFlash drafter
     elif not vp_names or len(vp_names) == len(paths):
         vps = [[v] for v in vp_names] or [[] for _ in paths]
     else:
@@ -75,25 +93,49 @@ def main(argv=None) -> dict:
     arms = [Arm("ar", model, "ar")]
     for path, vp_list in zip(paths, vps):
         d = resolve_drafter(path, model, "dflash")
-        arms += [Arm(f"dflash[{path}]", model, "dflash", {"drafter": d, "tree": None, **full}, reference="ar"),
-                 Arm(f"adaptive[{path}]", model, "dflash", {"drafter": d, "row_cost": args.row_cost, "tree": None},
-                     reference="ar")]
+        arms += [
+            Arm(f"dflash[{path}]", model, "dflash", {"drafter": d, "tree": None, **full}, reference="ar"),
+            Arm(
+                f"adaptive[{path}]",
+                model,
+                "dflash",
+                {"drafter": d, "row_cost": args.row_cost, "tree": None},
+                reference="ar",
+            ),
+        ]
         for nodes in trees:
             arms.append(Arm(f"tree{nodes}[{path}]", model, "dflash", {"drafter": d, "tree": nodes}, reference="ar"))
         if vp_list:
             arms.append(Arm(f"dflash-tree[{path}]", model, "dflash", {"drafter": d, **full}, reference="ar"))
         for vp in vp_list:
             pair = {"dflash": d, "vp": resolve_drafter(vp, model, "vp")}
-            arms += [Arm(f"d2sd-chain[{path},{vp}]", model, "d2sd",
-                         {"drafter": pair, "k": 2, "tree": None, "lookup": None, "redraft_min": 0, **full},
-                         reference="ar"),
-                     Arm(f"d2sd-tree[{path},{vp}]", model, "d2sd", {"drafter": pair, "k": 2, "redraft_min": 0, **full},
-                         reference="ar")]
+            arms += [
+                Arm(
+                    f"d2sd-chain[{path},{vp}]",
+                    model,
+                    "d2sd",
+                    {"drafter": pair, "k": 2, "tree": None, "lookup": None, "redraft_min": 0, **full},
+                    reference="ar",
+                ),
+                Arm(
+                    f"d2sd-tree[{path},{vp}]",
+                    model,
+                    "d2sd",
+                    {"drafter": pair, "k": 2, "redraft_min": 0, **full},
+                    reference="ar",
+                ),
+            ]
             for extra in variants:
                 label = ",".join(f"{key}={val}" for key, val in extra.items())
-                arms.append(Arm(f"d2sd-chain{{{label}}}[{path},{vp}]", model, "d2sd",
-                                {"drafter": pair, "k": 2, "tree": None, "lookup": None, "redraft_min": 0, **full,
-                                 **extra}, reference="ar"))
+                arms.append(
+                    Arm(
+                        f"d2sd-chain{{{label}}}[{path},{vp}]",
+                        model,
+                        "d2sd",
+                        {"drafter": pair, "k": 2, "tree": None, "lookup": None, "redraft_min": 0, **full, **extra},
+                        reference="ar",
+                    )
+                )
     if args.only:
         prefixes = tuple(args.only.split(","))
         arms = [a for a in arms if a.name == "ar" or a.name.startswith(prefixes)]

@@ -13,6 +13,7 @@ must equal ``ar``'s in both arms.
     python bench/ab_glue.py --prompts 8
 Writes bench/results/cpu/<name>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,17 +37,25 @@ from dspec.models.dflash import BlockDrafter
 @contextlib.contextmanager
 def glue_off():
     """The four glue changes off (the paths they replaced)."""
-    saved = (_validate.config.trust_decode, dflash_mod._backend, kv_cache_mod._commit_rows_cpu,
-             BlockDrafter._context_kv_fused)
+    saved = (
+        _validate.config.trust_decode,
+        dflash_mod._backend,
+        kv_cache_mod._commit_rows_cpu,
+        BlockDrafter._context_kv_fused,
+    )
     _validate.config.trust_decode = False
-    dflash_mod._backend = SimpleNamespace(extension=lambda: None)         # draft_tree: the composition
-    kv_cache_mod._commit_rows_cpu = lambda *args: False                  # the index commit
-    BlockDrafter._context_kv_fused = lambda self, *args: None            # the per-op context K / V
+    dflash_mod._backend = SimpleNamespace(extension=lambda: None)  # draft_tree: the composition
+    kv_cache_mod._commit_rows_cpu = lambda *args: False  # the index commit
+    BlockDrafter._context_kv_fused = lambda self, *args: None  # the per-op context K / V
     try:
         yield
     finally:
-        (_validate.config.trust_decode, dflash_mod._backend, kv_cache_mod._commit_rows_cpu,
-         BlockDrafter._context_kv_fused) = saved
+        (
+            _validate.config.trust_decode,
+            dflash_mod._backend,
+            kv_cache_mod._commit_rows_cpu,
+            BlockDrafter._context_kv_fused,
+        ) = saved
 
 
 def main(argv=None) -> dict:
@@ -59,8 +68,10 @@ def main(argv=None) -> dict:
     model = dspec.load(args.target)
     arms = [Arm("ar", model, "ar")]
     for method in args.methods.split(","):
-        arms += [Arm(f"{method}[glue off]", model, method, reference="ar", scope=glue_off),
-                 Arm(method, model, method, reference="ar")]
+        arms += [
+            Arm(f"{method}[glue off]", model, method, reference="ar", scope=glue_off),
+            Arm(method, model, method, reference="ar"),
+        ]
     acc = run_interleaved(arms, grid_texts(model, args.prompts), args.max_new_tokens)
     glue_off_of = {a.name: f"{a.name}[glue off]" for a in arms if "[" not in a.name and a.name != "ar"}
     baselines = {"ar": "ar", "glue_off": glue_off_of}

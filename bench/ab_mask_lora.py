@@ -10,6 +10,7 @@ checked within its own model.
     python bench/ab_mask_lora.py [--prompts 4] [--max-new-tokens 128]
 Writes bench/results/cpu/ab_mask_lora.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,12 @@ import dspec
 from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows
 from common import environment, write_json
 
-CONFIGS = (("diffusion-static-1", "diffusion", {"tokens_per_step": 1}), ("ssd", "ssd", {}),
-           ("ssd-d2", "ssd", {"draft_len": 2, "mixed_order": False}), ("s2d2-always", "s2d2", {"policy": "always"}))
+CONFIGS = (
+    ("diffusion-static-1", "diffusion", {"tokens_per_step": 1}),
+    ("ssd", "ssd", {}),
+    ("ssd-d2", "ssd", {"draft_len": 2, "mixed_order": False}),
+    ("s2d2-always", "s2d2", {"policy": "always"}),
+)
 
 
 def main(argv=None) -> dict:
@@ -32,6 +37,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     from dspec.cpu import apply_threads
     from dspec.models.mask_adapter import MaskLoraLinear
+
     apply_threads(args.threads)
     amx = dspec.load(args.model)
     avx = dspec.load(args.model)
@@ -44,14 +50,24 @@ def main(argv=None) -> dict:
         for name, method, options in CONFIGS:
             ref = None if name == "diffusion-static-1" or method == "s2d2" else f"diffusion-static-1 {kind}"
             arms.append(Arm(f"{name} {kind}", model, method, options, reference=ref))
-    arms.sort(key=lambda a: a.reference is not None)            # references first
+    arms.sort(key=lambda a: a.reference is not None)  # references first
     texts = grid_texts(amx, args.prompts)
     acc = run_interleaved(arms, texts, args.max_new_tokens)
-    rows = summary_rows(arms, acc, {
-        "avx512": {f"{c[0]} amx": f"{c[0]} avx512" for c in CONFIGS},
-        "one_token_diffusion": {a.name: f"diffusion-static-1 {a.name.split()[1]}" for a in arms}})
-    payload = {"bench": "ab_mask_lora", "env": environment("cpu"), "packed_adapter": packed,
-               "configs": [list(c[:2]) + [c[2]] for c in CONFIGS], "rows": rows}
+    rows = summary_rows(
+        arms,
+        acc,
+        {
+            "avx512": {f"{c[0]} amx": f"{c[0]} avx512" for c in CONFIGS},
+            "one_token_diffusion": {a.name: f"diffusion-static-1 {a.name.split()[1]}" for a in arms},
+        },
+    )
+    payload = {
+        "bench": "ab_mask_lora",
+        "env": environment("cpu"),
+        "packed_adapter": packed,
+        "configs": [list(c[:2]) + [c[2]] for c in CONFIGS],
+        "rows": rows,
+    }
     write_json(Path(__file__).resolve().parent / "results" / "cpu" / f"{args.name}.json", payload)
     return payload
 

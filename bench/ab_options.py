@@ -11,6 +11,7 @@ batch 1.  Each option set must reproduce the first one's output where the method
     python bench/ab_options.py --method d2sd --options '{"tree": null}' '{}' --others dflash
 Writes bench/results/cpu/<name>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,11 +31,20 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="shipped name or checkpoint directory")
     ap.add_argument("--method", required=True)
-    ap.add_argument("--options", nargs="+", required=True, metavar="JSON",
-                    help="option sets as JSON objects, e.g. '{}' '{\"row_cost\": 0.02}'")
-    ap.add_argument("--others", default="", metavar="METHODS",
-                    help="comma-separated methods decoded beside, with their defaults (e.g. dflash next to d2sd)")
-    add_run_arguments(ap, prompts=8, name=None)                    # default name: ab_<method>
+    ap.add_argument(
+        "--options",
+        nargs="+",
+        required=True,
+        metavar="JSON",
+        help="option sets as JSON objects, e.g. '{}' '{\"row_cost\": 0.02}'",
+    )
+    ap.add_argument(
+        "--others",
+        default="",
+        metavar="METHODS",
+        help="comma-separated methods decoded beside, with their defaults (e.g. dflash next to d2sd)",
+    )
+    add_run_arguments(ap, prompts=8, name=None)  # default name: ab_<method>
     args = ap.parse_args(argv)
     sets = option_sets(ap, "--options", args.options)
     torch.set_num_threads(args.threads)
@@ -51,8 +61,9 @@ def main(argv=None) -> dict:
     acc = run_interleaved(arms, grid_texts(model, args.prompts), args.max_new_tokens)
     rows = summary_rows(arms, acc, {base[0]: base[0]})
     payload = {"bench": "ab_options", "env": environment("cpu"), "config": vars(args), "rows": rows}
-    write_json(Path(__file__).resolve().parent / "results" / "cpu" / f"{args.name or 'ab_' + args.method}.json",
-               payload)
+    write_json(
+        Path(__file__).resolve().parent / "results" / "cpu" / f"{args.name or 'ab_' + args.method}.json", payload
+    )
     return payload
 
 

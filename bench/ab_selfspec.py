@@ -13,6 +13,7 @@ prompt, greedy, batch 1.  Outputs must equal the reference's in both arms.
     python bench/ab_selfspec.py --methods s2d2 --prompts 8 --name ab_s2d2_native
 Writes bench/results/cpu/<name>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,7 @@ def compiled_round_off():
     def torch_round(self, *args, **kw):
         init(self, *args, **kw)
         self.native = None
+
     _selfspec._Engine.__init__ = torch_round
     s2d2.native_extension = lambda *a: None
     try:
@@ -66,9 +68,10 @@ def main(argv=None) -> dict:
         arms.append(Arm("ar", dspec.load(args.target), "ar"))
     for method in methods:
         options = {"policy": "always"} if method == "s2d2" else {}
-        arms += [Arm(f"{method}[torch round]", model, method, options, reference=refs[method],
-                     scope=compiled_round_off),
-                 Arm(method, model, method, options, reference=refs[method])]
+        arms += [
+            Arm(f"{method}[torch round]", model, method, options, reference=refs[method], scope=compiled_round_off),
+            Arm(method, model, method, options, reference=refs[method]),
+        ]
     acc = run_interleaved(arms, grid_texts(model, args.prompts), args.max_new_tokens)
     torch_of = {a.name: f"{a.name}[torch round]" for a in arms if a.name in refs}
     rows = summary_rows(arms, acc, {"reference": {m: refs[m] for m in methods}, "torch_round": torch_of})

@@ -14,6 +14,7 @@ recorded as ``equal_to_ar``), so dspec's fastest lossless decode meets llama.cpp
     python bench/bench_ar.py [--batches 1,4,16] [--tokens 64] [--dtype float32] [--methods dflash]
 Writes bench/results/cpu/ar.{json,png}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,11 +31,13 @@ from common import environment, measure_bandwidth, out_dir, write_json
 
 def _prompts(n: int) -> list[str]:
     from dspec.tasks import prompt_set
+
     return [p.prompt for p in prompt_set("humaneval", n)]
 
 
 def run_dspec(model, prompts, tokens, method="ar"):
     import dspec
+
     t0 = time.perf_counter()
     outs = dspec.generate(model, prompts, method=method, max_new_tokens=tokens)
     wall = time.perf_counter() - t0
@@ -43,7 +46,8 @@ def run_dspec(model, prompts, tokens, method="ar"):
 
 def dspec_step_ms(model, prompts, steps: int = 16) -> float:
     from dspec import cpu
-    with torch.no_grad(), cpu.torch_ops_one_thread():     # as generate runs a step
+
+    with torch.no_grad(), cpu.torch_ops_one_thread():  # as generate runs a step
         return _dspec_step_ms(model, prompts, steps)
 
 
@@ -51,6 +55,7 @@ def _dspec_step_ms(model, prompts, steps: int) -> float:
     """Median ms of one batched decode step (forward of one token per request after the
     prompts' cache + commit + the greedy choice `ar` makes), prefill excluded."""
     from dspec.decode.sampling import next_tokens
+
     ids = [model.tokenizer.encode(p) for p in prompts]
     cache = model.new_cache(len(ids))
     plan = model.plan(ids, cache)
@@ -74,7 +79,7 @@ def run_hf(hf, tok, prompts, tokens):
     with torch.no_grad():
         out = hf.generate(**enc, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     wall = time.perf_counter() - t0
-    gen = out[:, enc["input_ids"].shape[1]:].tolist()
+    gen = out[:, enc["input_ids"].shape[1] :].tolist()
     eos = hf.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     rows = []
@@ -103,9 +108,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default=None)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-llama", action="store_true")
-    p.add_argument("--methods", default="",
-                   help="comma-separated lossless dspec methods timed beside `ar` at batch 1 on the same "
-                        "prompts (e.g. dflash: the shipped drafter), each checked equal to `ar` token for token")
+    p.add_argument(
+        "--methods",
+        default="",
+        help="comma-separated lossless dspec methods timed beside `ar` at batch 1 on the same "
+        "prompts (e.g. dflash: the shipped drafter), each checked equal to `ar` token for token",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="ar")
     p.add_argument("--no-plot", action="store_true")
@@ -113,6 +121,7 @@ def main(argv=None) -> int:
     import dspec
     from dspec.cpu import apply_threads, loadavg
     from dspec.models.embedded import smollm2_gguf_path
+
     threads = apply_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     model = dspec.load("smollm2-135m", dtype=args.dtype)
@@ -121,15 +130,18 @@ def main(argv=None) -> int:
     bw = measure_bandwidth("cpu")
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     floor_ms = weight_bytes / (bw["read_GBs"] * 1e6)
-    print(f"{env['cpu']['cpu_model']} {env['cpu']['cpu_flags']}; {threads} threads; {dtype}; DRAM read "
-          f"{bw['read_GBs']:.1f} GB/s -> floor {floor_ms:.1f} ms/step ({1e3 / floor_ms:.1f} tok/s at batch 1)",
-          flush=True)
+    print(
+        f"{env['cpu']['cpu_model']} {env['cpu']['cpu_flags']}; {threads} threads; {dtype}; DRAM read "
+        f"{bw['read_GBs']:.1f} GB/s -> floor {floor_ms:.1f} ms/step ({1e3 / floor_ms:.1f} tok/s at batch 1)",
+        flush=True,
+    )
     engines = {"dspec": lambda ps: run_dspec(model, ps, args.tokens)}
     methods = [m for m in args.methods.split(",") if m and m != "ar"]
     for m in methods:
         engines[f"dspec {m}"] = lambda ps, m=m: run_dspec(model, ps, args.tokens, method=m)
     if not args.no_hf:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
         hf = AutoModelForCausalLM.from_pretrained(str(model.name_or_path), dtype=dtype).eval()
         tok = AutoTokenizer.from_pretrained(str(model.name_or_path))
         tok.padding_side = "left"
@@ -140,16 +152,24 @@ def main(argv=None) -> int:
     if not args.no_llama:
         try:
             from llama_cpp import Llama
-            llm = Llama(model_path=str(smollm2_gguf_path()), n_threads=threads, n_ctx=2048, verbose=False,
-                        seed=0)
+
+            llm = Llama(model_path=str(smollm2_gguf_path()), n_threads=threads, n_ctx=2048, verbose=False, seed=0)
             engines["llama.cpp (Q4_1)"] = lambda ps: run_llama(llm, ps, args.tokens)
         except Exception as e:  # noqa: BLE001 - optional anchor
             llama_note = f"llama.cpp not run: {type(e).__name__}: {e}"
             print(llama_note)
     rows = []
-    payload = {"bench": "ar", "dtype": str(dtype), "tokens": args.tokens, "env": env, "bandwidth": bw,
-               "floor_ms_per_step": floor_ms, "weight_bytes": weight_bytes, "results": rows,
-               "notes": [n for n in (llama_note,) if n]}
+    payload = {
+        "bench": "ar",
+        "dtype": str(dtype),
+        "tokens": args.tokens,
+        "env": env,
+        "bandwidth": bw,
+        "floor_ms_per_step": floor_ms,
+        "weight_bytes": weight_bytes,
+        "results": rows,
+        "notes": [n for n in (llama_note,) if n],
+    }
     path = out_dir(args, "cpu") / f"{args.name}.json"
     prompts_all = _prompts(max(batches))
     ar_tokens = {}
@@ -158,12 +178,18 @@ def main(argv=None) -> int:
         for engine, fn in engines.items():
             if (engine.startswith("llama") or engine.startswith("dspec ")) and batch > 1:
                 continue
-            fn(prompts[:1])                                          # warm-up
+            fn(prompts[:1])  # warm-up
             samples = [fn(prompts) for _ in range(args.calls)]
             tps = [n / w for n, w, _ in samples]
-            row = {"engine": engine, "batch": batch, "tokens_per_s": statistics.median(tps),
-                   "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
-                   "generated": samples[0][0], "loadavg": loadavg()}
+            row = {
+                "engine": engine,
+                "batch": batch,
+                "tokens_per_s": statistics.median(tps),
+                "tokens_per_s_min": min(tps),
+                "tokens_per_s_max": max(tps),
+                "generated": samples[0][0],
+                "loadavg": loadavg(),
+            }
             if engine.startswith("dspec ") and ("dspec", batch) in ar_tokens:
                 row["equal_to_ar"] = all(s[2] == ar_tokens[("dspec", batch)] for s in samples)
             if engine == "dspec":
@@ -174,8 +200,11 @@ def main(argv=None) -> int:
                 row["ms_per_token"] = 1e3 / row["tokens_per_s"]
                 row["fraction_of_floor"] = floor_ms / row["ms_per_token"]
             rows.append(row)
-            print(f"batch {batch:3d} {engine:18s} {row['tokens_per_s']:7.1f} tok/s "
-                  f"[{row['tokens_per_s_min']:.1f}, {row['tokens_per_s_max']:.1f}]", flush=True)
+            print(
+                f"batch {batch:3d} {engine:18s} {row['tokens_per_s']:7.1f} tok/s "
+                f"[{row['tokens_per_s_min']:.1f}, {row['tokens_per_s_max']:.1f}]",
+                flush=True,
+            )
             write_json(path, payload)
     by = {(r["engine"], r["batch"]): r["tokens_per_s"] for r in rows}
     ratios = {}
@@ -186,8 +215,9 @@ def main(argv=None) -> int:
             if (f"dspec {m}", batch) in by:
                 ratios[f"dspec {m}/ar batch {batch}"] = by[(f"dspec {m}", batch)] / by[("dspec", batch)]
                 if ("llama.cpp (Q4_1)", batch) in by:
-                    ratios[f"dspec {m}/llama.cpp batch {batch}"] = (by[(f"dspec {m}", batch)]
-                                                                     / by[("llama.cpp (Q4_1)", batch)])
+                    ratios[f"dspec {m}/llama.cpp batch {batch}"] = (
+                        by[(f"dspec {m}", batch)] / by[("llama.cpp (Q4_1)", batch)]
+                    )
         if ("llama.cpp (Q4_1)", batch) in by:
             ratios[f"dspec/llama.cpp batch {batch}"] = by[("dspec", batch)] / by[("llama.cpp (Q4_1)", batch)]
         if batch > 1:
@@ -201,24 +231,35 @@ def main(argv=None) -> int:
         print(f"{k}: {v:.2f}x")
     if not args.no_plot:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, ax = plt.subplots(figsize=(6.4, 3.8))
         names = list(dict.fromkeys(r["engine"] for r in rows))
         width = 0.8 / len(names)
         for i, name in enumerate(names):
             er = [r for r in rows if r["engine"] == name]
             xs = [batches.index(r["batch"]) + i * width for r in er]
-            ax.bar(xs, [r["tokens_per_s"] for r in er], width, label=name,
-                   yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in er],
-                         [r["tokens_per_s_max"] - r["tokens_per_s"] for r in er]])
+            ax.bar(
+                xs,
+                [r["tokens_per_s"] for r in er],
+                width,
+                label=name,
+                yerr=[
+                    [r["tokens_per_s"] - r["tokens_per_s_min"] for r in er],
+                    [r["tokens_per_s_max"] - r["tokens_per_s"] for r in er],
+                ],
+            )
         ax.axhline(1e3 / floor_ms, ls="--", color="k", lw=1, label="batch-1 weight-streaming floor")
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(batches))])
         ax.set_xticklabels([f"batch {b}" for b in batches])
         ax.set_yscale("log")
         ax.set_ylabel("generated tokens/s (all requests)")
-        ax.set_title(f"SmolLM2-135M ar, {str(dtype).removeprefix('torch.')}, {env['cpu']['cpu_model']}, "
-                     f"{threads} threads", fontsize=8)
+        ax.set_title(
+            f"SmolLM2-135M ar, {str(dtype).removeprefix('torch.')}, {env['cpu']['cpu_model']}, {threads} threads",
+            fontsize=8,
+        )
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(path.with_suffix(".png"), dpi=90)

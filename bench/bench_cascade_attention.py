@@ -56,6 +56,7 @@ model calls it) vs the dspec torch reference vs PyTorch SDPA with an additive fl
     python bench/bench_cascade_attention.py --device cpu --threads 1      # the full CPU grid
     python bench/bench_cascade_attention.py --device cuda --out /tmp/res
 """
+
 from __future__ import annotations
 
 import signal
@@ -74,23 +75,29 @@ import common
 BENCH = "cascade_attention"
 OP = "cascade_attention"
 AUTO, FUSED = "triton", "triton_fused"
-UNCHECKED = "triton_unchecked"   # AUTO with dspec.config.validate_values = False (no host syncs)
+UNCHECKED = "triton_unchecked"  # AUTO with dspec.config.validate_values = False (no host syncs)
 REF = "torch"
 SDPA_DENSE, SDPA_BRANCH = "sdpa_dense", "sdpa_branch"
 FI_MASK, FI_CASCADE = "flashinfer_mask", "flashinfer_cascade"
 BASELINES = (SDPA_DENSE, SDPA_BRANCH, FI_MASK, FI_CASCADE)
-BRANCHES = 4                   # K + 1 branches of N / 4 tokens
-TARGET_X_ROOFLINE = 1.3        # at prefix >= 4096
+BRANCHES = 4  # K + 1 branches of N / 4 tokens
+TARGET_X_ROOFLINE = 1.3  # at prefix >= 4096
 ROOFLINE_MIN_PREFIX = 4096
-TARGET_VS_BASELINE = 1.0       # never slower than the best baseline
-REF_MAX_WORK = 1 << 27         # dspec torch reference only when B*Hq*N*(P+N) <= this (GPU)
+TARGET_VS_BASELINE = 1.0  # never slower than the best baseline
+REF_MAX_WORK = 1 << 27  # dspec torch reference only when B*Hq*N*(P+N) <= this (GPU)
 PLOT_KWARGS = {"metric": "median_us", "panel_keys": ("heads", "prefix")}  # also summarize.py
 HEADS_GPU = ((32, 8, 128), (16, 16, 64))
 HEADS_CPU = ((4, 2, 64), (2, 2, 64))
 RAGGED_GPU = (500, 32768, 4096, 1000, 16384, 2000, 8192, 24576)  # B = 8, N = 64
-RAGGED_CPU = (200, 64, 131)                                      # B = 3, N = 16
-for _name, _color in ((FUSED, "tab:cyan"), (UNCHECKED, "tab:gray"), (SDPA_DENSE, "tab:red"),
-                      (SDPA_BRANCH, "tab:pink"), (FI_MASK, "tab:brown"), (FI_CASCADE, "tab:purple")):
+RAGGED_CPU = (200, 64, 131)  # B = 3, N = 16
+for _name, _color in (
+    (FUSED, "tab:cyan"),
+    (UNCHECKED, "tab:gray"),
+    (SDPA_DENSE, "tab:red"),
+    (SDPA_BRANCH, "tab:pink"),
+    (FI_MASK, "tab:brown"),
+    (FI_CASCADE, "tab:purple"),
+):
     common._COLORS.setdefault(_name, _color)
 
 
@@ -155,12 +162,22 @@ def make_inputs(c: dict, dtype, device, seed: int) -> dict:
         return torch.randn(*shape, generator=g, device=device, dtype=dtype)
 
     import dspec
+
     tree = tree_mask_dense(n, device)
     words = dspec.pack_mask(tree)[None].expand(b, n, -1).contiguous()  # one tree per request
-    return {"q": rnd(b, n, hq, d), "k": rnd(b, n, hkv, d), "v": rnd(b, n, hkv, d),
-            "pk": rnd(total, hkv, d), "pv": rnd(total, hkv, d),
-            "indptr": indptr.to(device), "indptr_host": indptr.tolist(), "tree": tree,
-            "words": words, "max_p": int(lens.max()), "total": total}
+    return {
+        "q": rnd(b, n, hq, d),
+        "k": rnd(b, n, hkv, d),
+        "v": rnd(b, n, hkv, d),
+        "pk": rnd(total, hkv, d),
+        "pv": rnd(total, hkv, d),
+        "indptr": indptr.to(device),
+        "indptr_host": indptr.tolist(),
+        "tree": tree,
+        "words": words,
+        "max_p": int(lens.max()),
+        "total": total,
+    }
 
 
 def work(c: dict, tree: torch.Tensor) -> tuple[float, int]:
@@ -192,9 +209,11 @@ def mem_estimates(c: dict, itemsize: int, splits: int) -> dict:
         FUSED: inputs,
         "split": inputs + b * n * hq * (splits + 1) * (d + 1) * 4,
         REF: inputs + 4 * (hq * n * (max_p + n) * 4 + 2 * (max_p + n) * hq * d * 4),
-        SDPA_DENSE: inputs + (2 * b * hkv * s_dense * d + b * g * n * s_dense) * itemsize
+        SDPA_DENSE: inputs
+        + (2 * b * hkv * s_dense * d + b * g * n * s_dense) * itemsize
         + 2 * b * n * hq * d * itemsize,
-        SDPA_BRANCH: inputs + BRANCHES * (2 * b * hkv * s_branch * d + b * g * length * s_branch) * itemsize
+        SDPA_BRANCH: inputs
+        + BRANCHES * (2 * b * hkv * s_branch * d + b * g * length * s_branch) * itemsize
         + 2 * b * n * hq * d * itemsize,
         FI_MASK: inputs + 2 * (total + b * n) * hkv * d * itemsize + 2 * b * n * (max_p + n) + (256 << 20),
         FI_CASCADE: inputs + 4 * b * n * hq * (d + 1) * 4 + (256 << 20),
@@ -225,8 +244,8 @@ def _kv_layout(x: dict, which: str, tok: torch.Tensor, s_pad: int) -> torch.Tens
     out = src.new_zeros(b, s_pad, src.shape[1], src.shape[2])
     ip = x["indptr_host"]
     for i in range(b):
-        out[i, :ip[i + 1] - ip[i]] = src[ip[i]:ip[i + 1]]
-    out[:, x["max_p"]:x["max_p"] + length] = tok
+        out[i, : ip[i + 1] - ip[i]] = src[ip[i] : ip[i + 1]]
+    out[:, x["max_p"] : x["max_p"] + length] = tok
     return out.permute(0, 2, 1, 3).contiguous()
 
 
@@ -236,8 +255,8 @@ def _additive_mask(x: dict, suffix_vis: torch.Tensor, g: int, s_pad: int, dtype)
     dev = suffix_vis.device
     vis = torch.zeros(b, length, s_pad, dtype=torch.bool, device=dev)
     lens = torch.tensor(x["indptr_host"], device=dev).diff()
-    vis[:, :, :x["max_p"]] = (torch.arange(x["max_p"], device=dev)[None, :] < lens[:, None])[:, None, :]
-    vis[:, :, x["max_p"]:x["max_p"] + length] = suffix_vis
+    vis[:, :, : x["max_p"]] = (torch.arange(x["max_p"], device=dev)[None, :] < lens[:, None])[:, None, :]
+    vis[:, :, x["max_p"] : x["max_p"] + length] = suffix_vis
     vis = vis.repeat_interleave(g, dim=1)[:, None]
     mask = torch.zeros(vis.shape, dtype=dtype, device=dev)
     return mask.masked_fill_(~vis, float("-inf"))
@@ -253,6 +272,7 @@ def build_sdpa_dense(x: dict, hkv: int, scale: float):
     def run():
         o = F.scaled_dot_product_attention(fold(q, hkv), kd, vd, attn_mask=mask, scale=scale)
         return unfold(o, n)
+
     return run
 
 
@@ -263,16 +283,24 @@ def build_sdpa_branch(x: dict, hkv: int, scale: float):
     s_pad = _ceil16(x["max_p"] + length)
     causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
     mask = _additive_mask(x, causal, g, s_pad, q.dtype)
-    kvs = [(_kv_layout(x, "k", x["k"][:, r * length:(r + 1) * length], s_pad),
-            _kv_layout(x, "v", x["v"][:, r * length:(r + 1) * length], s_pad))
-           for r in range(n // length)]
+    kvs = [
+        (
+            _kv_layout(x, "k", x["k"][:, r * length : (r + 1) * length], s_pad),
+            _kv_layout(x, "v", x["v"][:, r * length : (r + 1) * length], s_pad),
+        )
+        for r in range(n // length)
+    ]
 
     def run():
         qf = fold(q, hkv)  # branch r = folded rows [r*L*g, (r+1)*L*g)
-        outs = [F.scaled_dot_product_attention(qf[:, :, r * length * g:(r + 1) * length * g], kd, vd,
-                                               attn_mask=mask, scale=scale)
-                for r, (kd, vd) in enumerate(kvs)]
+        outs = [
+            F.scaled_dot_product_attention(
+                qf[:, :, r * length * g : (r + 1) * length * g], kd, vd, attn_mask=mask, scale=scale
+            )
+            for r, (kd, vd) in enumerate(kvs)
+        ]
         return unfold(torch.cat(outs, dim=2), n)
+
     return run
 
 
@@ -283,6 +311,7 @@ def sdpa_context(device: str, names: tuple[str, ...] = SDPA_FUSED):
     """On CUDA: the fused SDPA kernels ``names`` but never MATH (it materialises the
     [B, H, rows, S] scores).  Returns (context manager, description)."""
     import contextlib
+
     if device != "cuda":
         return contextlib.nullcontext(), "default (CPU)"
     try:
@@ -301,6 +330,7 @@ def load_flashinfer(device: str):
         import flashinfer
         import flashinfer.cascade
         import flashinfer.prefill
+
         flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper
         flashinfer.cascade.merge_state
     except Exception as exc:  # noqa: BLE001 - any import/ABI failure just disables the baseline
@@ -310,11 +340,11 @@ def load_flashinfer(device: str):
 
 def _fi_plan(fi, qo_indptr, kv_indptr, hq, hkv, d, dtype, scale, **kw):
     import inspect
+
     ws = torch.empty(128 << 20, dtype=torch.uint8, device=qo_indptr.device)
     w = fi.prefill.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
     params = inspect.signature(w.plan).parameters
-    extra = {k: v for k, v in (("q_data_type", dtype), ("kv_data_type", dtype), ("sm_scale", scale))
-             if k in params}
+    extra = {k: v for k, v in (("q_data_type", dtype), ("kv_data_type", dtype), ("sm_scale", scale)) if k in params}
     w.plan(qo_indptr, kv_indptr, hq, hkv, d, **kw, **extra)
     return w, ws
 
@@ -327,8 +357,8 @@ def build_flashinfer_mask(fi, x: dict, hkv: int, scale: float):
     ks, vs, masks = [], [], []
     for i in range(b):
         p = ip[i + 1] - ip[i]
-        ks += [x["pk"][ip[i]:ip[i + 1]], k[i]]
-        vs += [x["pv"][ip[i]:ip[i + 1]], v[i]]
+        ks += [x["pk"][ip[i] : ip[i + 1]], k[i]]
+        vs += [x["pv"][ip[i] : ip[i + 1]], v[i]]
         masks.append(torch.cat([torch.ones(n, p, dtype=torch.bool, device=dev), x["tree"]], 1).flatten())
     kc, vc = torch.cat(ks), torch.cat(vs)
     qo_indptr = torch.arange(b + 1, device=dev, dtype=torch.int32) * n
@@ -339,6 +369,7 @@ def build_flashinfer_mask(fi, x: dict, hkv: int, scale: float):
 
     def run():
         return w.run(qf, kc, vc).view(b, n, hq, d)
+
     run.keep = (w, ws, kc, vc)
     return run
 
@@ -358,6 +389,7 @@ def build_flashinfer_cascade(fi, x: dict, hkv: int, scale: float):
         o1, s1 = w_pre.run(qf, x["pk"], x["pv"], return_lse=True)
         o2, s2 = w_suf.run(qf, kf, vf, return_lse=True)
         return merge(o1, s1, o2, s2)[0].view(b, n, hq, d)
+
     run.keep = (w_pre, w_suf, ws1, ws2)
     return run
 
@@ -374,12 +406,11 @@ def check_reference(x: dict, hkv: int, scale: float) -> torch.Tensor:
     ip = x["indptr_host"]
     for i in range(b):
         p = ip[i + 1] - ip[i]
-        keys = torch.cat([x["pk"][ip[i]:ip[i + 1]], x["k"][i]]).float().permute(1, 0, 2)[None]
-        vals = torch.cat([x["pv"][ip[i]:ip[i + 1]], x["v"][i]]).float().permute(1, 0, 2)[None]
+        keys = torch.cat([x["pk"][ip[i] : ip[i + 1]], x["k"][i]]).float().permute(1, 0, 2)[None]
+        vals = torch.cat([x["pv"][ip[i] : ip[i + 1]], x["v"][i]]).float().permute(1, 0, 2)[None]
         vis = torch.cat([torch.ones(n, p, dtype=torch.bool, device=q.device), x["tree"]], 1)
         vis = vis.repeat_interleave(g, 0)[None, None]
-        o = F.scaled_dot_product_attention(fold(q[i:i + 1].float(), hkv), keys, vals, attn_mask=vis,
-                                           scale=scale)
+        o = F.scaled_dot_product_attention(fold(q[i : i + 1].float(), hkv), keys, vals, attn_mask=vis, scale=scale)
         out[i] = unfold(o, n)[0]
     return out
 
@@ -399,19 +430,27 @@ def check(got: torch.Tensor, ref: torch.Tensor) -> tuple[str, float]:
 # --------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     parser = common.base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--dtype", choices=tuple(common.DTYPES), default=None,
-                        help="default bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--dtype", choices=tuple(common.DTYPES), default=None, help="default bf16 on cuda, fp32 on cpu")
     parser.add_argument("--splits", type=int, default=8, help="num_splits of the forced-split variant")
-    parser.add_argument("--mem-limit-gib", type=float, default=40.0,
-                        help="skip a variant whose estimated GPU memory exceeds this (default 40)")
-    parser.add_argument("--match", default=None,
-                        help="only the cases whose name contains this, e.g. '32/8/128 B64'")
-    parser.add_argument("--suite", choices=("auto", "cpu", "kernel"), default="auto",
-                        help="cpu: the C++ CPU kernel vs the torch reference and SDPA (main_cpu); "
-                             "kernel: the grid of the module docstring; auto: cpu on --device cpu")
-    parser.add_argument("--threads", default=None,
-                        help="CPU suite: torch intra-op threads, which dspec's C++ kernel uses too "
-                             "(default: dspec's auto policy)")
+    parser.add_argument(
+        "--mem-limit-gib",
+        type=float,
+        default=40.0,
+        help="skip a variant whose estimated GPU memory exceeds this (default 40)",
+    )
+    parser.add_argument("--match", default=None, help="only the cases whose name contains this, e.g. '32/8/128 B64'")
+    parser.add_argument(
+        "--suite",
+        choices=("auto", "cpu", "kernel"),
+        default="auto",
+        help="cpu: the C++ CPU kernel vs the torch reference and SDPA (main_cpu); "
+        "kernel: the grid of the module docstring; auto: cpu on --device cpu",
+    )
+    parser.add_argument(
+        "--threads",
+        default=None,
+        help="CPU suite: torch intra-op threads, which dspec's C++ kernel uses too (default: dspec's auto policy)",
+    )
     args = parser.parse_args(argv)
     if args.device == "cpu" and args.suite in ("auto", "cpu"):
         return main_cpu(args)
@@ -427,10 +466,16 @@ def main(argv=None) -> int:
     has_triton = bool(common.available_backends(device, ("triton",)))
     if has_triton:
         from dspec.kernels import cascade_attention as ca_mod  # Triton imported only when used
-    fi, fi_reason = (None, "flashinfer not requested (--backends)") \
-        if wanted is not None and not ({FI_MASK, FI_CASCADE} & wanted) else load_flashinfer(device)
-    variants = ([AUTO, UNCHECKED, FUSED, split] if has_triton else []) + [REF, SDPA_DENSE, SDPA_BRANCH] + \
-        ([FI_MASK, FI_CASCADE] if fi is not None else [])
+    fi, fi_reason = (
+        (None, "flashinfer not requested (--backends)")
+        if wanted is not None and not ({FI_MASK, FI_CASCADE} & wanted)
+        else load_flashinfer(device)
+    )
+    variants = (
+        ([AUTO, UNCHECKED, FUSED, split] if has_triton else [])
+        + [REF, SDPA_DENSE, SDPA_BRANCH]
+        + ([FI_MASK, FI_CASCADE] if fi is not None else [])
+    )
     variants = common.select(variants, wanted)
     reps, warmup = common.reps_for(args, device, default_gpu=20, default_cpu=5, quick=3)
     flush = not args.no_flush
@@ -438,34 +483,48 @@ def main(argv=None) -> int:
     sdpa_kernels = sdpa_context(device)[1]
     mem_limit = int(args.mem_limit_gib * 2**30) if device == "cuda" else None
     all_cases = [c for c in cases(device, args.quick) if not args.match or args.match in case_name(c)]
-    triton_note = None if has_triton else (
-        "triton skipped: " + ("not installed" if not _backend.triton_available()
-                              else "CPU without TRITON_INTERPRET=1"))
-    rec = common.Recorder(BENCH, args, device, bw, {
-        "variants": list(variants), "dtype": dname, "reps": reps, "warmup": warmup, "flush_l2": flush,
-        "suffix_mask": f"tree: {BRANCHES} branches of N/{BRANCHES} tokens sharing only the prefix "
-                       "(block-diagonal causal); dense bool [N, N] packed with "
-                       "dspec.pack_mask outside the timing, passed to dspec "
-                       "as int32 words [B, N, ceil(N/32)] (one tree per request)",
-        "dspec_args": "max_prefix_len=P_max passed (no host sync); split variant num_splits="
-                      f"{args.splits}",
-        "flops": "4*Hq*D*(N*sum_b P_b + B*nnz(tree))",
-        "roofline_bytes": "(2*T*Hkv*D + B*N*(2*Hq + 2*Hkv)*D) * itemsize: prefix K+V once + "
-                          "suffix q, k, v, out (mask not counted)",
-        "sdpa": "GQA folded into query rows [B, Hkv, g*N, D]; additive float mask; K/V layout and "
-                f"masks built outside the timing; kernels allowed: {sdpa_kernels}",
-        "flashinfer": "mask: BatchPrefillWithRaggedKVCacheWrapper custom_mask over [prefix_b; "
-                      "suffix_b] (KV concatenated outside the timing); cascade: ragged prefix "
-                      "(no mask) + ragged suffix (custom_mask tree), return_lse, merge_state; "
-                      "plan() outside the timing",
-        "check": "vs float32 SDPA request by request; bf16/fp16 atol=rtol=2e-2, fp32 1e-3",
-        "torch_reference": f"only when B*Hq*N*(P_max+N) <= {REF_MAX_WORK} on GPU",
-        "mem_limit_GiB": args.mem_limit_gib if device == "cuda" else None,
-        "triton": triton_note})
+    triton_note = (
+        None
+        if has_triton
+        else (
+            "triton skipped: "
+            + ("not installed" if not _backend.triton_available() else "CPU without TRITON_INTERPRET=1")
+        )
+    )
+    rec = common.Recorder(
+        BENCH,
+        args,
+        device,
+        bw,
+        {
+            "variants": list(variants),
+            "dtype": dname,
+            "reps": reps,
+            "warmup": warmup,
+            "flush_l2": flush,
+            "suffix_mask": f"tree: {BRANCHES} branches of N/{BRANCHES} tokens sharing only the prefix "
+            "(block-diagonal causal); dense bool [N, N] packed with "
+            "dspec.pack_mask outside the timing, passed to dspec "
+            "as int32 words [B, N, ceil(N/32)] (one tree per request)",
+            "dspec_args": f"max_prefix_len=P_max passed (no host sync); split variant num_splits={args.splits}",
+            "flops": "4*Hq*D*(N*sum_b P_b + B*nnz(tree))",
+            "roofline_bytes": "(2*T*Hkv*D + B*N*(2*Hq + 2*Hkv)*D) * itemsize: prefix K+V once + "
+            "suffix q, k, v, out (mask not counted)",
+            "sdpa": "GQA folded into query rows [B, Hkv, g*N, D]; additive float mask; K/V layout and "
+            f"masks built outside the timing; kernels allowed: {sdpa_kernels}",
+            "flashinfer": "mask: BatchPrefillWithRaggedKVCacheWrapper custom_mask over [prefix_b; "
+            "suffix_b] (KV concatenated outside the timing); cascade: ragged prefix "
+            "(no mask) + ragged suffix (custom_mask tree), return_lse, merge_state; "
+            "plan() outside the timing",
+            "check": "vs float32 SDPA request by request; bf16/fp16 atol=rtol=2e-2, fp32 1e-3",
+            "torch_reference": f"only when B*Hq*N*(P_max+N) <= {REF_MAX_WORK} on GPU",
+            "mem_limit_GiB": args.mem_limit_gib if device == "cuda" else None,
+            "triton": triton_note,
+        },
+    )
     rec.payload["skipped"] = []
     rec.payload["env"]["flashinfer"] = fi_reason or f"flashinfer {getattr(fi, '__version__', '?')}"
-    print(f"variants: {variants}; {rec.payload['env']['flashinfer']}"
-          + (f"; {triton_note}" if triton_note else ""))
+    print(f"variants: {variants}; {rec.payload['env']['flashinfer']}" + (f"; {triton_note}" if triton_note else ""))
     print(f"{len(all_cases)} cases, {dname}; reps={reps} warmup={warmup}", flush=True)
 
     def skip(case, backend, reason):
@@ -493,11 +552,19 @@ def main(argv=None) -> int:
             flops, nbytes1 = work(c, x["tree"])
             nbytes = nbytes1 * dtype.itemsize
             roof_us = nbytes / (rec.copy_GBs * 1e3)
-            params = {"heads": f"{c['Hq']}/{c['Hkv']}/{c['D']}", "prefix": name.split()[2],
-                      "Hq": c["Hq"], "Hkv": c["Hkv"],
-                      "D": c["D"], "B": c["B"], "N": c["N"],
-                      "P": c["lens"][0] if len(set(c["lens"])) == 1 else "ragged",
-                      "P_min": min(c["lens"]), "P_max": max(c["lens"]), "P_total": sum(c["lens"])}
+            params = {
+                "heads": f"{c['Hq']}/{c['Hkv']}/{c['D']}",
+                "prefix": name.split()[2],
+                "Hq": c["Hq"],
+                "Hkv": c["Hkv"],
+                "D": c["D"],
+                "B": c["B"],
+                "N": c["N"],
+                "P": c["lens"][0] if len(set(c["lens"])) == 1 else "ragged",
+                "P_min": min(c["lens"]),
+                "P_max": max(c["lens"]),
+                "P_total": sum(c["lens"]),
+            }
             dspec_kw = dict(prefix_k=x["pk"], prefix_v=x["pv"], prefix_indptr=x["indptr"])
             case_rows: list[dict] = []
             ref_work = c["B"] * c["Hq"] * c["N"] * (x["max_p"] + c["N"])
@@ -513,9 +580,12 @@ def main(argv=None) -> int:
                 ctx = None
                 fn = None
                 try:
+
                     def public_op():
-                        return dspec.cascade_attention(x["q"], x["k"], x["v"], x["words"], **dspec_kw,
-                                                       max_prefix_len=x["max_p"], backend="triton")
+                        return dspec.cascade_attention(
+                            x["q"], x["k"], x["v"], x["words"], **dspec_kw, max_prefix_len=x["max_p"], backend="triton"
+                        )
+
                     if v == AUTO:
                         fn = public_op
                         # record the split count the op chooses (spy on choose_splits once)
@@ -528,12 +598,14 @@ def main(argv=None) -> int:
                             ca_mod.choose_splits = orig
                         extra["num_splits"] = chosen[-1] if chosen else None
                     elif v == UNCHECKED:
+
                         def fn():
                             was, dspec.config.validate_values = dspec.config.validate_values, False
                             try:
                                 return public_op()
                             finally:
                                 dspec.config.validate_values = was
+
                         got = fn()
                     elif v in (FUSED, split):
                         ns = 1 if v == FUSED else args.splits
@@ -541,13 +613,27 @@ def main(argv=None) -> int:
 
                         def fn(ns=ns):
                             return ca_mod.cascade_attention_triton(
-                                x["q"], x["k"], x["v"], x["words"], x["pk"], x["pv"], x["indptr"], None,
-                                False, max_prefix_len=x["max_p"], num_splits=ns)
+                                x["q"],
+                                x["k"],
+                                x["v"],
+                                x["words"],
+                                x["pk"],
+                                x["pv"],
+                                x["indptr"],
+                                None,
+                                False,
+                                max_prefix_len=x["max_p"],
+                                num_splits=ns,
+                            )
+
                         got = fn()
                     elif v == REF:
+
                         def fn():
-                            return dspec.cascade_attention(x["q"], x["k"], x["v"], x["words"], **dspec_kw,
-                                                           backend="torch")
+                            return dspec.cascade_attention(
+                                x["q"], x["k"], x["v"], x["words"], **dspec_kw, backend="torch"
+                            )
+
                         got = fn()
                     elif v in (SDPA_DENSE, SDPA_BRANCH):
                         fn = (build_sdpa_dense if v == SDPA_DENSE else build_sdpa_branch)(x, hkv, scale)
@@ -558,8 +644,7 @@ def main(argv=None) -> int:
                         except RuntimeError as exc:  # e.g. cuDNN picked but failing: efficient only
                             if device != "cuda" or isinstance(exc, torch.cuda.OutOfMemoryError):
                                 raise
-                            rec.payload["env"]["sdpa_fallback"] = \
-                                f"{name} {v}: {type(exc).__name__}: {str(exc)[:200]}"
+                            rec.payload["env"]["sdpa_fallback"] = f"{name} {v}: {type(exc).__name__}: {str(exc)[:200]}"
                             ctx = lambda: sdpa_context(device, ("EFFICIENT_ATTENTION",))
                             with ctx()[0]:
                                 got = fn()
@@ -593,12 +678,28 @@ def main(argv=None) -> int:
                     common.free_cuda(device)
                     continue
                 med = t["median_us"]
-                extra.update({"roofline_us": round(roof_us, 3), "x_roofline": round(med / roof_us, 2),
-                              "tflops": round(flops / (med * 1e6), 3),
-                              "max_abs_err": None if err is None else float(f"{err:.3g}"),
-                              "best_baseline": None, "speedup_vs_best_baseline": None})
-                row = common.make_row(op=OP, backend=v, case=name, params=params, dtype=dname, timing=t,
-                                      bytes_moved=nbytes, copy_GBs=rec.copy_GBs, check=chk, extra=extra)
+                extra.update(
+                    {
+                        "roofline_us": round(roof_us, 3),
+                        "x_roofline": round(med / roof_us, 2),
+                        "tflops": round(flops / (med * 1e6), 3),
+                        "max_abs_err": None if err is None else float(f"{err:.3g}"),
+                        "best_baseline": None,
+                        "speedup_vs_best_baseline": None,
+                    }
+                )
+                row = common.make_row(
+                    op=OP,
+                    backend=v,
+                    case=name,
+                    params=params,
+                    dtype=dname,
+                    timing=t,
+                    bytes_moved=nbytes,
+                    copy_GBs=rec.copy_GBs,
+                    check=chk,
+                    extra=extra,
+                )
                 case_rows.append(row)
                 base = [r for r in case_rows if r["backend"] in BASELINES]
                 if base:
@@ -617,19 +718,31 @@ def main(argv=None) -> int:
     finally:
         signal.signal(signal.SIGTERM, old_handler)
 
-    rec.finish(no_plot=args.no_plot or stopped is not None,
-               plot_kwargs=PLOT_KWARGS)
+    rec.finish(no_plot=args.no_plot or stopped is not None, plot_kwargs=PLOT_KWARGS)
     if stopped:
         rec.payload["complete"] = False
         rec.payload["stopped"] = stopped
         common.write_json(rec.path, rec.payload)
-    cols = ["case", "backend", "num_splits", "median_us", "p20_us", "p80_us", "tflops", "x_roofline",
-            "speedup_vs_best_baseline", "speedup_vs_torch", "check"]
+    cols = [
+        "case",
+        "backend",
+        "num_splits",
+        "median_us",
+        "p20_us",
+        "p80_us",
+        "tflops",
+        "x_roofline",
+        "speedup_vs_best_baseline",
+        "speedup_vs_torch",
+        "check",
+    ]
     print(common.fmt_table(rec.rows, cols))
     if rec.payload["skipped"]:
-        print(f"\n{len(rec.payload['skipped'])} skipped: " + "; ".join(
-            f"{s['case']} {s['backend']}: {s['reason']}" for s in rec.payload["skipped"][:12])
-            + (" ..." if len(rec.payload["skipped"]) > 12 else ""))
+        print(
+            f"\n{len(rec.payload['skipped'])} skipped: "
+            + "; ".join(f"{s['case']} {s['backend']}: {s['reason']}" for s in rec.payload["skipped"][:12])
+            + (" ..." if len(rec.payload["skipped"]) > 12 else "")
+        )
     print()
     print("\n".join(headline_lines(rec.payload)))
     print()
@@ -657,19 +770,33 @@ def headline_verdicts(payload: dict) -> list[dict]:
     # roofline
     rl = {c: r for c, r in auto.items() if (r.get("P_min") or 0) >= ROOFLINE_MIN_PREFIX}
     if not auto:
-        out.append({"target": f"<= {TARGET_X_ROOFLINE}x roofline at prefix >= {ROOFLINE_MIN_PREFIX}",
-                    "verdict": "not-measured (no triton rows: CPU, or the kernel failed)", "detail": ""})
+        out.append(
+            {
+                "target": f"<= {TARGET_X_ROOFLINE}x roofline at prefix >= {ROOFLINE_MIN_PREFIX}",
+                "verdict": "not-measured (no triton rows: CPU, or the kernel failed)",
+                "detail": "",
+            }
+        )
     elif not rl:
-        out.append({"target": f"<= {TARGET_X_ROOFLINE}x roofline at prefix >= {ROOFLINE_MIN_PREFIX}",
-                    "verdict": f"not-measured (no case with prefix >= {ROOFLINE_MIN_PREFIX})", "detail": ""})
+        out.append(
+            {
+                "target": f"<= {TARGET_X_ROOFLINE}x roofline at prefix >= {ROOFLINE_MIN_PREFIX}",
+                "verdict": f"not-measured (no case with prefix >= {ROOFLINE_MIN_PREFIX})",
+                "detail": "",
+            }
+        )
     else:
         bad = {c: r for c, r in rl.items() if r["x_roofline"] > TARGET_X_ROOFLINE}
         worst = max(rl.items(), key=lambda kv: kv[1]["x_roofline"])
-        out.append({"target": f"<= {TARGET_X_ROOFLINE}x roofline at prefix >= {ROOFLINE_MIN_PREFIX}",
-                    "verdict": "PASS" if not bad else "FAIL",
-                    "detail": f"{len(rl) - len(bad)}/{len(rl)} cases within; worst {worst[0]}: "
-                              f"{worst[1]['x_roofline']}x ({worst[1]['median_us']:.1f} us, "
-                              f"{worst[1]['tflops']} TFLOP/s)"})
+        out.append(
+            {
+                "target": f"<= {TARGET_X_ROOFLINE}x roofline at prefix >= {ROOFLINE_MIN_PREFIX}",
+                "verdict": "PASS" if not bad else "FAIL",
+                "detail": f"{len(rl) - len(bad)}/{len(rl)} cases within; worst {worst[0]}: "
+                f"{worst[1]['x_roofline']}x ({worst[1]['median_us']:.1f} us, "
+                f"{worst[1]['tflops']} TFLOP/s)",
+            }
+        )
     # vs the best baseline
     target = f">= {TARGET_VS_BASELINE:g}x the best baseline at every grid point"
     if not auto:
@@ -680,24 +807,35 @@ def headline_verdicts(payload: dict) -> list[dict]:
         if not with_base:
             out.append({"target": target, "verdict": "not-measured (no baseline rows)", "detail": ""})
         else:
-            bad = {c: r for c, r in with_base.items()
-                   if r["speedup_vs_best_baseline"] < TARGET_VS_BASELINE}
+            bad = {c: r for c, r in with_base.items() if r["speedup_vs_best_baseline"] < TARGET_VS_BASELINE}
             worst = min(with_base.items(), key=lambda kv: kv[1]["speedup_vs_best_baseline"])
-            out.append({"target": target, "verdict": "PASS" if not bad else "FAIL",
-                        "detail": f"{len(with_base) - len(bad)}/{len(with_base)} cases at or above; "
-                                  f"worst {worst[0]}: {worst[1]['speedup_vs_best_baseline']}x vs "
-                                  f"{worst[1]['best_baseline']}"
-                                  + (f"; {no_base} case(s) without any baseline row" if no_base else "")})
+            out.append(
+                {
+                    "target": target,
+                    "verdict": "PASS" if not bad else "FAIL",
+                    "detail": f"{len(with_base) - len(bad)}/{len(with_base)} cases at or above; "
+                    f"worst {worst[0]}: {worst[1]['speedup_vs_best_baseline']}x vs "
+                    f"{worst[1]['best_baseline']}"
+                    + (f"; {no_base} case(s) without any baseline row" if no_base else ""),
+                }
+            )
     if not on_gpu:  # Triton interpreter / CPU timings say nothing about the kernel targets
         for v in out:
             if v["verdict"] in ("PASS", "FAIL"):
                 v["detail"] = f"would be {v['verdict']}: {v['detail']}"
                 v["verdict"] = "not-measured (CPU run)"
-    mism = [f"{r['case']} {r['backend']}" for g in groups.values() for r in g.values()
-            if r.get("check") not in (None, "ok")]
-    out.append({"target": "correctness vs float32 SDPA", "verdict": "ok" if not mism else "MISMATCH",
-                "detail": ("; ".join(mism[:6]) + (" ..." if len(mism) > 6 else "")) if mism else
-                f"{sum(len(g) for g in groups.values())} rows checked"})
+    mism = [
+        f"{r['case']} {r['backend']}" for g in groups.values() for r in g.values() if r.get("check") not in (None, "ok")
+    ]
+    out.append(
+        {
+            "target": "correctness vs float32 SDPA",
+            "verdict": "ok" if not mism else "MISMATCH",
+            "detail": ("; ".join(mism[:6]) + (" ..." if len(mism) > 6 else ""))
+            if mism
+            else f"{sum(len(g) for g in groups.values())} rows checked",
+        }
+    )
     return out
 
 
@@ -706,9 +844,11 @@ def headline_lines(payload: dict, markdown: bool = False) -> list[str]:
     bw = payload["bandwidth"]["copy_GBs"]
     dev = env.get("device_name", "?")
     note = "" if "H100" in str(dev) else f" (targets are set for an H100; this device: {dev})"
-    title = (f"HEADLINE cascade_attention (tree mask, {payload.get('config', {}).get('dtype')}; copy BW "
-             f"{bw:.0f} GB/s): dspec triton (auto) <= {TARGET_X_ROOFLINE}x roofline at prefix >= "
-             f"{ROOFLINE_MIN_PREFIX}, never slower than the best baseline{note}")
+    title = (
+        f"HEADLINE cascade_attention (tree mask, {payload.get('config', {}).get('dtype')}; copy BW "
+        f"{bw:.0f} GB/s): dspec triton (auto) <= {TARGET_X_ROOFLINE}x roofline at prefix >= "
+        f"{ROOFLINE_MIN_PREFIX}, never slower than the best baseline{note}"
+    )
     verdicts = headline_verdicts(payload)
     extra = [f"flashinfer: {env.get('flashinfer')}"]
     for k in (FI_MASK, FI_CASCADE):
@@ -720,16 +860,22 @@ def headline_lines(payload: dict, markdown: bool = False) -> list[str]:
         lines = [f"## {title}", "", "| target | verdict | detail |", "|---|---|---|"]
         lines += [f"| {v['target']} | **{v['verdict']}** | {v['detail'] or '-'} |" for v in verdicts]
         return lines + [""] + [f"- {e}" for e in extra] + [""]
-    return [title] + [f"  {v['target']}: [{v['verdict']}] {v['detail']}" for v in verdicts] + \
-        [f"  {e}" for e in extra]
+    return [title] + [f"  {v['target']}: [{v['verdict']}] {v['detail']}" for v in verdicts] + [f"  {e}" for e in extra]
 
 
 def fused_split_lines(payload: dict, markdown: bool = False) -> list[str]:
     """Per case: auto (its splits), auto without value checks, fused, forced split µs; which schedule wins;
     auto / best."""
     groups = _by_case(payload.get("results", []))
-    header = ["case", "auto µs (splits)", "unchecked µs", "fused µs", "split µs (splits)", "winner",
-              "auto / best forced"]
+    header = [
+        "case",
+        "auto µs (splits)",
+        "unchecked µs",
+        "fused µs",
+        "split µs (splits)",
+        "winner",
+        "auto / best forced",
+    ]
     lines = []
     for case, g in groups.items():
         fused = g.get(FUSED)
@@ -744,12 +890,17 @@ def fused_split_lines(payload: dict, markdown: bool = False) -> list[str]:
         if fused and split:
             winner = "fused" if fused["median_us"] <= split["median_us"] else "split"
         ratio = round(auto["median_us"] / best["median_us"], 2) if auto and best else None
-        lines.append([case,
-                      f"{auto['median_us']:.1f} ({auto.get('num_splits')})" if auto else "-",
-                      f"{unchecked['median_us']:.1f}" if unchecked else "-",
-                      f"{fused['median_us']:.1f}" if fused else "-",
-                      f"{split['median_us']:.1f} ({split.get('num_splits')})" if split else "-",
-                      winner, "-" if ratio is None else f"{ratio}"])
+        lines.append(
+            [
+                case,
+                f"{auto['median_us']:.1f} ({auto.get('num_splits')})" if auto else "-",
+                f"{unchecked['median_us']:.1f}" if unchecked else "-",
+                f"{fused['median_us']:.1f}" if fused else "-",
+                f"{split['median_us']:.1f} ({split.get('num_splits')})" if split else "-",
+                winner,
+                "-" if ratio is None else f"{ratio}",
+            ]
+        )
     title = "Fused (num_splits=1) vs split prefix + merge, per case (auto = the op's own choice)"
     if not lines:
         return [f"## {title}", "", "no triton rows", ""] if markdown else [f"{title}: no triton rows"]
@@ -757,12 +908,19 @@ def fused_split_lines(payload: dict, markdown: bool = False) -> list[str]:
     n_s = sum(1 for x in lines if x[5] == "split")
     summary = f"fused wins {n_f}, split wins {n_s} of {n_f + n_s} cases with both"
     if markdown:
-        out = [f"## {title}", "", summary, "", "| " + " | ".join(header) + " |",
-               "|" + "|".join("---" for _ in header) + "|"]
+        out = [
+            f"## {title}",
+            "",
+            summary,
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join("---" for _ in header) + "|",
+        ]
         return out + ["| " + " | ".join(x) + " |" for x in lines] + [""]
     widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(header)]
-    return [f"{title}: {summary}", "  ".join(h.rjust(w) for h, w in zip(header, widths))] + \
-        ["  ".join(c.rjust(w) for c, w in zip(x, widths)) for x in lines]
+    return [f"{title}: {summary}", "  ".join(h.rjust(w) for h, w in zip(header, widths))] + [
+        "  ".join(c.rjust(w) for c, w in zip(x, widths)) for x in lines
+    ]
 
 
 # --------------------------------------------------------------------------------------
@@ -774,8 +932,7 @@ CPU_PREFIXES = (0, 512, 2048, 8192)
 CPU_NS = (1, 4, 16, 64)
 CPU_BATCHES = (1, 8)
 CPU_DTYPES = ("fp32", "bf16")
-CPU_QUICK = {"heads": ((9, 3, 64),), "prefixes": (0, 256), "ns": (1, 16), "batches": (1, 2),
-             "dtypes": ("fp32", "bf16")}
+CPU_QUICK = {"heads": ((9, 3, 64),), "prefixes": (0, 256), "ns": (1, 16), "batches": (1, 2), "dtypes": ("fp32", "bf16")}
 CPP, SDPA = "cpp", "sdpa"
 CPU_VARIANTS = (CPP, REF, SDPA)
 # targets (the lead's): at N = 16, prefix 2048 cpp >= 3x the reference and >= 1.5x SDPA;
@@ -783,16 +940,24 @@ CPU_VARIANTS = (CPP, REF, SDPA)
 CPU_TARGET_CASE = {"N": 16, "P": 2048}
 CPU_TARGET_VS_REF, CPU_TARGET_VS_SDPA = 3.0, 1.5
 CPU_PLOT_KWARGS = {"metric": "median_us", "panel_keys": ("heads", "dtype", "B")}
-CPU_TIME_BUDGET_S = 0.25      # per variant and case: reps = budget / one call, within bounds
+CPU_TIME_BUDGET_S = 0.25  # per variant and case: reps = budget / one call, within bounds
 common._COLORS.setdefault(SDPA, "tab:red")
 
 
 def cpu_cases(quick: bool) -> list[dict]:
-    g = CPU_QUICK if quick else {"heads": CPU_HEADS, "prefixes": CPU_PREFIXES, "ns": CPU_NS,
-                                 "batches": CPU_BATCHES, "dtypes": CPU_DTYPES}
-    return [{"Hq": hq, "Hkv": hkv, "D": d, "B": b, "N": n, "P": p, "dtype": dt}
-            for dt in g["dtypes"] for hq, hkv, d in g["heads"] for b in g["batches"]
-            for p in g["prefixes"] for n in g["ns"]]
+    g = (
+        CPU_QUICK
+        if quick
+        else {"heads": CPU_HEADS, "prefixes": CPU_PREFIXES, "ns": CPU_NS, "batches": CPU_BATCHES, "dtypes": CPU_DTYPES}
+    )
+    return [
+        {"Hq": hq, "Hkv": hkv, "D": d, "B": b, "N": n, "P": p, "dtype": dt}
+        for dt in g["dtypes"]
+        for hq, hkv, d in g["heads"]
+        for b in g["batches"]
+        for p in g["prefixes"]
+        for n in g["ns"]
+    ]
 
 
 def cpu_case_name(c: dict) -> str:
@@ -805,6 +970,7 @@ def cpu_inputs(c: dict, dtype, seed: int) -> dict:
     the suffix appended (SDPA); a causal suffix mask, packed [N, ceil(N/32)] (dspec) and
     additive [1, 1, N, P + N] in the inputs' dtype (SDPA)."""
     import dspec
+
     g = torch.Generator().manual_seed(seed)
     b, n, hq, hkv, d, p = c["B"], c["N"], c["Hq"], c["Hkv"], c["D"], c["P"]
 
@@ -820,26 +986,49 @@ def cpu_inputs(c: dict, dtype, seed: int) -> dict:
     vd = torch.cat([pv.view(b, p, hkv, d), v], 1).transpose(1, 2).contiguous()
     vis = torch.cat([torch.ones(n, p, dtype=torch.bool), causal], 1)
     additive = torch.zeros(vis.shape, dtype=dtype).masked_fill_(~vis, float("-inf"))[None, None]
-    return {"q": q, "k": k, "v": v, "pk": pk, "pv": pv, "indptr": indptr, "words": words,
-            "q_sdpa": q.transpose(1, 2).contiguous(), "k_sdpa": kd, "v_sdpa": vd, "mask_sdpa": additive}
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "pk": pk,
+        "pv": pv,
+        "indptr": indptr,
+        "words": words,
+        "q_sdpa": q.transpose(1, 2).contiguous(),
+        "k_sdpa": kd,
+        "v_sdpa": vd,
+        "mask_sdpa": additive,
+    }
 
 
 def cpu_variant(name: str, c: dict, x: dict, dtype):
     """fn() for variant ``name`` (everything layer-independent built here, outside the timing)."""
     import dspec
     from dspec.ops.attention import CascadeAttentionPlan
+
     has_prefix = c["P"] > 0
     pre = dict(prefix_k=x["pk"], prefix_v=x["pv"], prefix_indptr=x["indptr"]) if has_prefix else {}
     if name == CPP:
-        plan = CascadeAttentionPlan(c["B"], c["N"], c["Hq"], c["Hkv"], c["D"], dtype, "cpu", x["words"],
-                                    prefix_indptr=x["indptr"] if has_prefix else None, backend="cpp")
+        plan = CascadeAttentionPlan(
+            c["B"],
+            c["N"],
+            c["Hq"],
+            c["Hkv"],
+            c["D"],
+            dtype,
+            "cpu",
+            x["words"],
+            prefix_indptr=x["indptr"] if has_prefix else None,
+            backend="cpp",
+        )
         args = (x["q"], x["k"], x["v"]) + ((x["pk"], x["pv"]) if has_prefix else ())
         return lambda: plan.run(*args)
     if name == REF:
         return lambda: dspec.cascade_attention(x["q"], x["k"], x["v"], x["words"], backend="torch", **pre)
     scale = c["D"] ** -0.5
-    return lambda: F.scaled_dot_product_attention(x["q_sdpa"], x["k_sdpa"], x["v_sdpa"], attn_mask=x["mask_sdpa"],
-                                                  scale=scale, enable_gqa=True)
+    return lambda: F.scaled_dot_product_attention(
+        x["q_sdpa"], x["k_sdpa"], x["v_sdpa"], attn_mask=x["mask_sdpa"], scale=scale, enable_gqa=True
+    )
 
 
 CPU_SETTLE_S = 0.05
@@ -853,7 +1042,7 @@ def cpu_time(fn, quick: bool, reps: int | None = None, warmup: int | None = None
     # the next variant: the reference timed just before cpp made a 41 us cpp case read 70 us
     time.sleep(CPU_SETTLE_S)
     t0 = time.perf_counter()
-    fn()                                          # warm-up (allocations, caches)
+    fn()  # warm-up (allocations, caches)
     one = time.perf_counter() - t0
     if reps is None:
         lo, hi = (3, 20) if quick else (5, 200)
@@ -878,6 +1067,7 @@ def main_cpu(args) -> int:
     """
     import dspec
     from dspec.cpu import apply_threads
+
     threads = apply_threads(args.threads)
     device, bw = common.setup(args)
     wanted = common.parse_backends(args.backends)
@@ -885,26 +1075,43 @@ def main_cpu(args) -> int:
     if CPP in variants and not common.available_backends("cpu", ("cpp",)):
         print("dspec._C is not built: no cpp rows", file=sys.stderr)
         variants.remove(CPP)
-    all_cases = [c for c in cpu_cases(args.quick)
-                 if (not args.match or args.match in cpu_case_name(c))
-                 and (args.dtype is None or c["dtype"] == args.dtype)]
-    rec = common.Recorder(CPU_BENCH, args, device, bw, {
-        "variants": variants, "threads": threads,
-        "cpp_isa": {"fp32": dspec._backend.extension().cascade_attention_isa(0, 64),
-                    "bf16": dspec._backend.extension().cascade_attention_isa(2, 64)}
-        if dspec._backend.cpp_available() else None,
-        "suffix_mask": "causal; dspec: packed int32 words [N, ceil(N/32)] shared by the batch",
-        "cpp": "CascadeAttentionPlan(backend='cpp').run(q, k, v, prefix_k, prefix_v); plan built outside "
-               "the timing; prefix ragged rows [B*P, Hkv, D] + indptr",
-        "torch": "dspec.cascade_attention(backend='torch') (the reference), same inputs",
-        "sdpa": "F.scaled_dot_product_attention(q [B,Hq,N,D], K/V [B,Hkv,P+N,D], additive mask "
-                "[1,1,N,P+N] in the inputs' dtype, enable_gqa=True); layout and mask built outside the timing",
-        "timing": (f"median of {args.reps} calls" if args.reps else
-                   f"median of as many calls as fit {CPU_TIME_BUDGET_S}s (5..200, quick 3..20)") + "; no cache flush",
-        "flops": "4*Hq*D*N*(P + (N+1)/2) per request (causal suffix)",
-        "check": "vs the torch reference; fp32 atol=rtol=1e-4, bf16 2e-2",
-        "targets": f"N={CPU_TARGET_CASE['N']} P={CPU_TARGET_CASE['P']}: cpp >= {CPU_TARGET_VS_REF}x torch, "
-                   f">= {CPU_TARGET_VS_SDPA}x sdpa; cpp never slower than either"})
+    all_cases = [
+        c
+        for c in cpu_cases(args.quick)
+        if (not args.match or args.match in cpu_case_name(c)) and (args.dtype is None or c["dtype"] == args.dtype)
+    ]
+    rec = common.Recorder(
+        CPU_BENCH,
+        args,
+        device,
+        bw,
+        {
+            "variants": variants,
+            "threads": threads,
+            "cpp_isa": {
+                "fp32": dspec._backend.extension().cascade_attention_isa(0, 64),
+                "bf16": dspec._backend.extension().cascade_attention_isa(2, 64),
+            }
+            if dspec._backend.cpp_available()
+            else None,
+            "suffix_mask": "causal; dspec: packed int32 words [N, ceil(N/32)] shared by the batch",
+            "cpp": "CascadeAttentionPlan(backend='cpp').run(q, k, v, prefix_k, prefix_v); plan built outside "
+            "the timing; prefix ragged rows [B*P, Hkv, D] + indptr",
+            "torch": "dspec.cascade_attention(backend='torch') (the reference), same inputs",
+            "sdpa": "F.scaled_dot_product_attention(q [B,Hq,N,D], K/V [B,Hkv,P+N,D], additive mask "
+            "[1,1,N,P+N] in the inputs' dtype, enable_gqa=True); layout and mask built outside the timing",
+            "timing": (
+                f"median of {args.reps} calls"
+                if args.reps
+                else f"median of as many calls as fit {CPU_TIME_BUDGET_S}s (5..200, quick 3..20)"
+            )
+            + "; no cache flush",
+            "flops": "4*Hq*D*N*(P + (N+1)/2) per request (causal suffix)",
+            "check": "vs the torch reference; fp32 atol=rtol=1e-4, bf16 2e-2",
+            "targets": f"N={CPU_TARGET_CASE['N']} P={CPU_TARGET_CASE['P']}: cpp >= {CPU_TARGET_VS_REF}x torch, "
+            f">= {CPU_TARGET_VS_SDPA}x sdpa; cpp never slower than either",
+        },
+    )
     print(f"{len(all_cases)} cases x {variants}; threads={threads}", flush=True)
     stopped = None
     old_handler = signal.signal(signal.SIGTERM, _on_term)
@@ -914,10 +1121,18 @@ def main_cpu(args) -> int:
             name = cpu_case_name(c)
             x = cpu_inputs(c, dtype, args.seed)
             flops = 4.0 * c["Hq"] * c["D"] * c["N"] * (c["P"] + (c["N"] + 1) / 2) * c["B"]
-            nbytes = (2 * c["B"] * (c["P"] + c["N"]) * c["Hkv"] + 2 * c["B"] * c["N"] * c["Hq"]) * c["D"] \
-                * dtype.itemsize
-            params = {"heads": f"{c['Hq']}/{c['Hkv']}/{c['D']}", "Hq": c["Hq"], "Hkv": c["Hkv"], "D": c["D"],
-                      "B": c["B"], "N": c["N"], "P": c["P"]}
+            nbytes = (
+                (2 * c["B"] * (c["P"] + c["N"]) * c["Hkv"] + 2 * c["B"] * c["N"] * c["Hq"]) * c["D"] * dtype.itemsize
+            )
+            params = {
+                "heads": f"{c['Hq']}/{c['Hkv']}/{c['D']}",
+                "Hq": c["Hq"],
+                "Hkv": c["Hkv"],
+                "D": c["D"],
+                "B": c["B"],
+                "N": c["N"],
+                "P": c["P"],
+            }
             ref_out = None
             case_rows = []
             for v in (REF,) + tuple(w for w in variants if w != REF):
@@ -943,10 +1158,22 @@ def main_cpu(args) -> int:
                 except Exception as exc:  # noqa: BLE001 - one failing variant must not stop the run
                     rec.error(f"{name} {c['dtype']} {v}: {type(exc).__name__}: {exc}")
                     continue
-                row = common.make_row(op=OP, backend=v, case=name, params=params, dtype=c["dtype"], timing=t,
-                                      bytes_moved=int(nbytes), copy_GBs=rec.copy_GBs, check=chk,
-                                      extra={"gflops": round(flops / (t["median_us"] * 1e3), 2),
-                                             "max_abs_err": float(f"{err:.3g}"), "speedup_vs_sdpa": None})
+                row = common.make_row(
+                    op=OP,
+                    backend=v,
+                    case=name,
+                    params=params,
+                    dtype=c["dtype"],
+                    timing=t,
+                    bytes_moved=int(nbytes),
+                    copy_GBs=rec.copy_GBs,
+                    check=chk,
+                    extra={
+                        "gflops": round(flops / (t["median_us"] * 1e3), 2),
+                        "max_abs_err": float(f"{err:.3g}"),
+                        "speedup_vs_sdpa": None,
+                    },
+                )
                 case_rows.append(row)
             sd = next((r for r in case_rows if r["backend"] == SDPA), None)
             for r in case_rows:
@@ -965,8 +1192,18 @@ def main_cpu(args) -> int:
         rec.payload["complete"] = False
         rec.payload["stopped"] = stopped
         common.write_json(rec.path, rec.payload)
-    cols = ["case", "dtype", "backend", "median_us", "p20_us", "p80_us", "gflops", "speedup_vs_torch",
-            "speedup_vs_sdpa", "check"]
+    cols = [
+        "case",
+        "dtype",
+        "backend",
+        "median_us",
+        "p20_us",
+        "p80_us",
+        "gflops",
+        "speedup_vs_torch",
+        "speedup_vs_sdpa",
+        "check",
+    ]
     print(common.fmt_table(rec.rows, cols))
     print()
     print("\n".join(cpu_headline_lines(rec.payload)))
@@ -979,19 +1216,25 @@ def cpu_verdicts(payload: dict) -> list[dict]:
     rows = [r for r in payload.get("results", []) if r.get("op") == OP]
     cpp = {(r["case"], r["dtype"]): r for r in rows if r["backend"] == CPP}
     out = []
-    at = {k: r for k, r in cpp.items()
-          if r["N"] == CPU_TARGET_CASE["N"] and r["P"] == CPU_TARGET_CASE["P"]}
-    for field, target, base in (("speedup_vs_torch", CPU_TARGET_VS_REF, REF),
-                                ("speedup_vs_sdpa", CPU_TARGET_VS_SDPA, SDPA)):
+    at = {k: r for k, r in cpp.items() if r["N"] == CPU_TARGET_CASE["N"] and r["P"] == CPU_TARGET_CASE["P"]}
+    for field, target, base in (
+        ("speedup_vs_torch", CPU_TARGET_VS_REF, REF),
+        ("speedup_vs_sdpa", CPU_TARGET_VS_SDPA, SDPA),
+    ):
         name = f"cpp >= {target:g}x {base} at N={CPU_TARGET_CASE['N']}, P={CPU_TARGET_CASE['P']}"
         got = {k: r[field] for k, r in at.items() if r.get(field) is not None}
         if not got:
             out.append({"target": name, "verdict": "not-measured", "detail": ""})
             continue
         worst = min(got.items(), key=lambda kv: kv[1])
-        out.append({"target": name, "verdict": "PASS" if worst[1] >= target else "FAIL",
-                    "detail": f"{sum(v >= target for v in got.values())}/{len(got)} cases; worst "
-                              f"{worst[0][0]} {worst[0][1]}: {worst[1]}x"})
+        out.append(
+            {
+                "target": name,
+                "verdict": "PASS" if worst[1] >= target else "FAIL",
+                "detail": f"{sum(v >= target for v in got.values())}/{len(got)} cases; worst "
+                f"{worst[0][0]} {worst[0][1]}: {worst[1]}x",
+            }
+        )
     for field, base in (("speedup_vs_torch", REF), ("speedup_vs_sdpa", SDPA)):
         name = f"cpp never slower than {base}"
         got = {k: r[field] for k, r in cpp.items() if r.get(field) is not None}
@@ -999,22 +1242,35 @@ def cpu_verdicts(payload: dict) -> list[dict]:
             out.append({"target": name, "verdict": "not-measured", "detail": ""})
             continue
         worst = min(got.items(), key=lambda kv: kv[1])
-        out.append({"target": name, "verdict": "PASS" if worst[1] >= 1.0 else "FAIL",
-                    "detail": f"{sum(v >= 1.0 for v in got.values())}/{len(got)} cases; worst "
-                              f"{worst[0][0]} {worst[0][1]}: {worst[1]}x"})
+        out.append(
+            {
+                "target": name,
+                "verdict": "PASS" if worst[1] >= 1.0 else "FAIL",
+                "detail": f"{sum(v >= 1.0 for v in got.values())}/{len(got)} cases; worst "
+                f"{worst[0][0]} {worst[0][1]}: {worst[1]}x",
+            }
+        )
     mism = [f"{r['case']} {r['dtype']} {r['backend']}" for r in rows if r.get("check") not in (None, "ok")]
-    out.append({"target": "correctness vs the torch reference", "verdict": "ok" if not mism else "MISMATCH",
-                "detail": "; ".join(mism[:6]) if mism else f"{len(rows)} rows checked"})
+    out.append(
+        {
+            "target": "correctness vs the torch reference",
+            "verdict": "ok" if not mism else "MISMATCH",
+            "detail": "; ".join(mism[:6]) if mism else f"{len(rows)} rows checked",
+        }
+    )
     return out
 
 
 def cpu_headline_lines(payload: dict) -> list[str]:
     env = payload.get("env", {})
     cfg = payload.get("config", {})
-    title = (f"HEADLINE cascade_attention CPU ({env.get('device_name')}, {cfg.get('threads')} thread(s), "
-             f"cpp tiles: {cfg.get('cpp_isa')})")
-    return [title] + [f"  {v['target']}: [{v['verdict']}] {v['detail']}"
-                      for v in payload.get("verdicts") or cpu_verdicts(payload)]
+    title = (
+        f"HEADLINE cascade_attention CPU ({env.get('device_name')}, {cfg.get('threads')} thread(s), "
+        f"cpp tiles: {cfg.get('cpp_isa')})"
+    )
+    return [title] + [
+        f"  {v['target']}: [{v['verdict']}] {v['detail']}" for v in payload.get("verdicts") or cpu_verdicts(payload)
+    ]
 
 
 if __name__ == "__main__":

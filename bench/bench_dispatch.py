@@ -24,6 +24,7 @@ is flagged ``SLOWER`` in the report and in the JSON; the process exits 1 if any 
     python bench/bench_dispatch.py --levels avx2 --dtypes float32 --quick
 Writes bench/results/cpu/dispatch.{json,png} (``--out`` to change the folder).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,11 +70,22 @@ def _interleaved(runs: dict, reps: int, warmup: int) -> dict:
 def _pair(rows: list, op: str, case: str, dtype, dispatch_fn, torch_fn, reps: int, warmup: int, extra=None):
     t = _interleaved({"dispatch": dispatch_fn, "torch": torch_fn}, reps, warmup)
     ratio = t["dispatch"] / t["torch"]
-    row = {"op": op, "case": case, "dtype": str(dtype).removeprefix("torch."), "dispatch_ms": t["dispatch"],
-           "torch_ms": t["torch"], "dispatch_over_torch": ratio, "slower": ratio > ALLOWANCE, **(extra or {})}
+    row = {
+        "op": op,
+        "case": case,
+        "dtype": str(dtype).removeprefix("torch."),
+        "dispatch_ms": t["dispatch"],
+        "torch_ms": t["torch"],
+        "dispatch_over_torch": ratio,
+        "slower": ratio > ALLOWANCE,
+        **(extra or {}),
+    }
     rows.append(row)
-    print(f"  {op:18s} {case:24s} {row['dtype']:8s} dspec {t['dispatch']:9.3f} ms  torch {t['torch']:9.3f} ms  "
-          f"{ratio:5.2f}x{'  SLOWER' if row['slower'] else ''}", flush=True)
+    print(
+        f"  {op:18s} {case:24s} {row['dtype']:8s} dspec {t['dispatch']:9.3f} ms  torch {t['torch']:9.3f} ms  "
+        f"{ratio:5.2f}x{'  SLOWER' if row['slower'] else ''}",
+        flush=True,
+    )
 
 
 def child(args) -> dict:
@@ -86,6 +98,7 @@ def child(args) -> dict:
     from dspec.models import dense as dense_mod
     from dspec.models.layers import rotate
     from dspec.models.transformer import RMSNorm
+
     dspec.cpu.apply_threads(args.threads)
     torch.manual_seed(0)
     reps, warmup = (5, 2) if args.quick else (args.reps, 3)
@@ -94,19 +107,30 @@ def child(args) -> dict:
     ext = _backend.extension()
     out = {"level": ext.cpu_isa(), "env": environment("cpu"), "rows": []}
     rows = out["rows"]
-    print(f"level {ext.cpu_isa()} (linear fp32 {ext.linear_isa(0)}, bf16 {ext.linear_isa(2)}; attention "
-          f"{ext.cascade_attention_isa()}); torch {torch.backends.cpu.get_cpu_capability()}; "
-          f"{torch.get_num_threads()} threads", flush=True)
+    print(
+        f"level {ext.cpu_isa()} (linear fp32 {ext.linear_isa(0)}, bf16 {ext.linear_isa(2)}; attention "
+        f"{ext.cascade_attention_isa()}); torch {torch.backends.cpu.get_cpu_capability()}; "
+        f"{torch.get_num_threads()} threads",
+        flush=True,
+    )
     with dspec.cpu.torch_ops_one_thread():
         for dtype in dtypes:
-            for name, n, k in (SHAPES[:2] if args.quick else SHAPES):
-                w = (torch.randn(n, k) / k ** 0.5).to(dtype)
+            for name, n, k in SHAPES[:2] if args.quick else SHAPES:
+                w = (torch.randn(n, k) / k**0.5).to(dtype)
                 for m in rows_list:
                     x = torch.randn(m, k).to(dtype)
-                    dense_mod.dense(x, w)                      # packs once, outside the timing
-                    _pair(rows, "dense", f"{name} M={m}", dtype, lambda: dense_mod.dense(x, w),
-                          lambda: F.linear(x, w), reps, warmup,
-                          {"packed": dense_mod.packed_path(x, w), "linear_isa": dense_mod.linear_isa(dtype)})
+                    dense_mod.dense(x, w)  # packs once, outside the timing
+                    _pair(
+                        rows,
+                        "dense",
+                        f"{name} M={m}",
+                        dtype,
+                        lambda: dense_mod.dense(x, w),
+                        lambda: F.linear(x, w),
+                        reps,
+                        warmup,
+                        {"packed": dense_mod.packed_path(x, w), "linear_isa": dense_mod.linear_isa(dtype)},
+                    )
             hq, hkv, d, prefix = 9, 3, 64, 256
             pk, pv = torch.randn(prefix, hkv, d).to(dtype), torch.randn(prefix, hkv, d).to(dtype)
             indptr = torch.tensor([0, prefix], dtype=torch.int32)
@@ -115,52 +139,121 @@ def child(args) -> dict:
                 kk, vv = torch.randn(1, n, hkv, d).to(dtype), torch.randn(1, n, hkv, d).to(dtype)
                 mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
                 kw = dict(prefix_k=pk, prefix_v=pv, prefix_indptr=indptr)
-                _pair(rows, "cascade_attention", f"N={n} prefix={prefix}", dtype,
-                      lambda: dspec.cascade_attention(q, kk, vv, mask, **kw),
-                      lambda: dspec.cascade_attention(q, kk, vv, mask, backend="torch", **kw), reps, warmup)
+                _pair(
+                    rows,
+                    "cascade_attention",
+                    f"N={n} prefix={prefix}",
+                    dtype,
+                    lambda: dspec.cascade_attention(q, kk, vv, mask, **kw),
+                    lambda: dspec.cascade_attention(q, kk, vv, mask, backend="torch", **kw),
+                    reps,
+                    warmup,
+                )
                 norm = RMSNorm(576, 1e-5).to(dtype)
                 h = torch.randn(1, n, 576).to(dtype)
                 with torch.no_grad():
-                    _pair(rows, "rms_norm", f"N={n} hidden=576", dtype, lambda: norm(h), lambda: norm(h, fused=False),
-                          reps, warmup)
+                    _pair(
+                        rows,
+                        "rms_norm",
+                        f"N={n} hidden=576",
+                        dtype,
+                        lambda: norm(h),
+                        lambda: norm(h, fused=False),
+                        reps,
+                        warmup,
+                    )
                 cos, sin = torch.randn(1, n, 1, d), torch.randn(1, n, 1, d)
                 qr, kr = torch.randn(1, n, hq, d).to(dtype), torch.randn(1, n, hkv, d).to(dtype)
 
                 def fused_rope():
                     a, b = qr.clone(), kr.clone()
-                    ext.rope(a.data_ptr(), b.data_ptr(), cos.data_ptr(), sin.data_ptr(), _backend.FLOAT_CODE[dtype],
-                             n, hq, hkv, d, dspec.cpu.kernel_threads())
+                    ext.rope(
+                        a.data_ptr(),
+                        b.data_ptr(),
+                        cos.data_ptr(),
+                        sin.data_ptr(),
+                        _backend.FLOAT_CODE[dtype],
+                        n,
+                        hq,
+                        hkv,
+                        d,
+                        dspec.cpu.kernel_threads(),
+                    )
                     return a, b
-                _pair(rows, "rope", f"N={n} heads={hq}+{hkv}", dtype, fused_rope,
-                      lambda: (rotate(qr.clone(), cos, sin), rotate(kr.clone(), cos, sin)), reps, warmup)
+
+                _pair(
+                    rows,
+                    "rope",
+                    f"N={n} heads={hq}+{hkv}",
+                    dtype,
+                    fused_rope,
+                    lambda: (rotate(qr.clone(), cos, sin), rotate(kr.clone(), cos, sin)),
+                    reps,
+                    warmup,
+                )
                 logits = torch.randn(n, VOCAB).to(dtype) * 4
-                _pair(rows, "token_stats", f"N={n} V={VOCAB}", dtype, lambda: dspec.token_stats(logits),
-                      lambda: dspec.token_stats(logits, backend="torch"), reps, warmup)
-                _pair(rows, "topk_tokens", f"N={n} V={VOCAB} k=8", dtype, lambda: dspec.topk_tokens(logits, 8),
-                      lambda: dspec.topk_tokens(logits, 8, backend="torch"), reps, warmup)
+                _pair(
+                    rows,
+                    "token_stats",
+                    f"N={n} V={VOCAB}",
+                    dtype,
+                    lambda: dspec.token_stats(logits),
+                    lambda: dspec.token_stats(logits, backend="torch"),
+                    reps,
+                    warmup,
+                )
+                _pair(
+                    rows,
+                    "topk_tokens",
+                    f"N={n} V={VOCAB} k=8",
+                    dtype,
+                    lambda: dspec.topk_tokens(logits, 8),
+                    lambda: dspec.topk_tokens(logits, 8, backend="torch"),
+                    reps,
+                    warmup,
+                )
                 drafts = torch.randint(0, VOCAB, (1, max(n - 1, 1)))
                 tl = torch.randn(1, drafts.shape[1] + 1, VOCAB).to(dtype) * 4
-                _pair(rows, "verify_chain", f"N={drafts.shape[1]} greedy", dtype,
-                      lambda: dspec.verify_chain(drafts, tl), lambda: dspec.verify_chain(drafts, tl, backend="torch"),
-                      reps, warmup)
+                _pair(
+                    rows,
+                    "verify_chain",
+                    f"N={drafts.shape[1]} greedy",
+                    dtype,
+                    lambda: dspec.verify_chain(drafts, tl),
+                    lambda: dspec.verify_chain(drafts, tl, backend="torch"),
+                    reps,
+                    warmup,
+                )
         if not args.no_forward:
             from bench_forward import dspec_forward, hf_forward, load_hf
+
             gen = torch.Generator().manual_seed(0)
             for dtype in dtypes:
                 model = dspec.load("smollm2-135m", dtype=dtype)
                 hf = load_hf(str(model.name_or_path), dtype)
                 for n in rows_list:
                     mine, theirs = dspec_forward(model, 256, n, gen), hf_forward(hf, 256, n, gen)
-                    _pair(rows, "forward", f"N={n} prefix=256", dtype, mine, theirs, max(3, reps // 2), 2,
-                          {"versus": "transformers"})
+                    _pair(
+                        rows,
+                        "forward",
+                        f"N={n} prefix=256",
+                        dtype,
+                        mine,
+                        theirs,
+                        max(3, reps // 2),
+                        2,
+                        {"versus": "transformers"},
+                    )
                 del model, hf
     return out
 
 
 def plot(payload: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     levels = [lv for lv in payload["levels"] if lv.get("rows")]
     fig, axes = plt.subplots(len(levels), 1, figsize=(12, 3.2 * len(levels)), squeeze=False)
     for ax, lv in zip(axes[:, 0], levels):
@@ -198,14 +291,15 @@ def main() -> int:
         return 0
     from common import write_json
     from dspec import _backend
+
     ext = _backend.extension()
     if ext is None:
         raise SystemExit("bench_dispatch measures dspec._C: build it first")
     top = LEVELS.index(ext.cpu_isa_of_cpu())
-    levels = args.levels.split(",") if args.levels else list(LEVELS[:top + 1])
+    levels = args.levels.split(",") if args.levels else list(LEVELS[: top + 1])
     for lv in levels:
         if lv not in LEVELS or LEVELS.index(lv) > top:
-            p.error(f"--levels: {lv!r} is not a level of this CPU ({', '.join(LEVELS[:top + 1])})")
+            p.error(f"--levels: {lv!r} is not a level of this CPU ({', '.join(LEVELS[: top + 1])})")
     out = Path(args.out) if args.out else HERE / "results" / "cpu"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name}.json"
@@ -220,7 +314,7 @@ def main() -> int:
         result = None
         for line in proc.stdout.splitlines():
             if line.startswith("CHILD-RESULT "):
-                result = json.loads(line[len("CHILD-RESULT "):])
+                result = json.loads(line[len("CHILD-RESULT ") :])
             else:
                 print(line, flush=True)
         if result is None:
@@ -229,8 +323,9 @@ def main() -> int:
         result["torch_caps"] = TORCH_CAPS[lv]
         payload["levels"].append(result)
         write_json(path, payload)
-    slower = [(lv["level"], r["op"], r["case"], r["dtype"]) for lv in payload["levels"] for r in lv["rows"]
-              if r["slower"]]
+    slower = [
+        (lv["level"], r["op"], r["case"], r["dtype"]) for lv in payload["levels"] for r in lv["rows"] if r["slower"]
+    ]
     payload["slower"] = slower
     write_json(path, payload)
     if not args.no_plot:

@@ -7,12 +7,13 @@ from an installed dspec).
 
 See ``dspec/bench_e2e.py`` for what is measured and how.
 """
+
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from dspec.bench_e2e import main
 

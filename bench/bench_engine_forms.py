@@ -13,6 +13,7 @@ Rows (median and spread of interleaved reps, one process, ratios in one run):
     python bench/bench_engine_forms.py --threads 2
 Writes bench/results/<device>/engine_forms.json (``--out`` / ``--name`` to change it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,7 @@ def _time(fns: dict, reps: int, warmup: int = 3) -> dict:
             f()
     times = {k: [] for k in fns}
     for _ in range(reps):
-        for k, f in fns.items():           # interleaved round-robin
+        for k, f in fns.items():  # interleaved round-robin
             t = time.perf_counter()
             f()
             times[k].append((time.perf_counter() - t) * 1e3)
@@ -59,15 +60,18 @@ def verify_rows(device, reps):
     gens = [torch.Generator(device=device).manual_seed(i) for i in range(b)]
     common = {"draft_probs": q}
     fns = {
-        "scalar temperature": lambda: dspec.verify_chain(drafts, logits, temperature=1.0, coins=coins,
-                                                         sample_uniforms=uniforms, **common),
-        "temperature [B]": lambda: dspec.verify_chain(drafts, logits, temperature=temps, coins=coins,
-                                                      sample_uniforms=uniforms, **common),
-        "temperature [B] + top_k + top_p": lambda: dspec.verify_chain(drafts, logits, temperature=temps, top_k=top_k,
-                                                                      top_p=top_p, coins=coins,
-                                                                      sample_uniforms=uniforms, **common),
-        "mixed greedy / sampled": lambda: dspec.verify_chain(drafts, logits, temperature=mixed, coins=coins,
-                                                             sample_uniforms=uniforms, **common),
+        "scalar temperature": lambda: dspec.verify_chain(
+            drafts, logits, temperature=1.0, coins=coins, sample_uniforms=uniforms, **common
+        ),
+        "temperature [B]": lambda: dspec.verify_chain(
+            drafts, logits, temperature=temps, coins=coins, sample_uniforms=uniforms, **common
+        ),
+        "temperature [B] + top_k + top_p": lambda: dspec.verify_chain(
+            drafts, logits, temperature=temps, top_k=top_k, top_p=top_p, coins=coins, sample_uniforms=uniforms, **common
+        ),
+        "mixed greedy / sampled": lambda: dspec.verify_chain(
+            drafts, logits, temperature=mixed, coins=coins, sample_uniforms=uniforms, **common
+        ),
         "B generators": lambda: dspec.verify_chain(drafts, logits, temperature=1.0, generator=gens, **common),
     }
     return _time(fns, reps)
@@ -95,12 +99,22 @@ def attention_rows(device, reps, dtype):
     pre = {"prefix_k": pk, "prefix_v": pv, "prefix_indptr": indptr}
     fns = {
         "batched [B, N]": lambda: dspec.cascade_attention(q, k, v, uniform_mask, **pre),
-        "ragged, equal lengths": lambda: dspec.cascade_attention(q.reshape(total, hq, d), k.reshape(total, hkv, d),
-                                                                 v.reshape(total, hkv, d), flat_mask,
-                                                                 suffix_indptr=even, **pre),
-        "ragged, 1..15 rows": lambda: dspec.cascade_attention(q.reshape(total, hq, d), k.reshape(total, hkv, d),
-                                                              v.reshape(total, hkv, d), ragged_mask,
-                                                              suffix_indptr=ragged, **pre),
+        "ragged, equal lengths": lambda: dspec.cascade_attention(
+            q.reshape(total, hq, d),
+            k.reshape(total, hkv, d),
+            v.reshape(total, hkv, d),
+            flat_mask,
+            suffix_indptr=even,
+            **pre,
+        ),
+        "ragged, 1..15 rows": lambda: dspec.cascade_attention(
+            q.reshape(total, hq, d),
+            k.reshape(total, hkv, d),
+            v.reshape(total, hkv, d),
+            ragged_mask,
+            suffix_indptr=ragged,
+            **pre,
+        ),
     }
     return _time(fns, reps)
 
@@ -120,21 +134,33 @@ def main() -> int:
     threads = cpu.default_threads() if args.threads == "auto" else int(args.threads)
     torch.set_num_threads(threads)
     os.environ["DSPEC_NUM_THREADS"] = str(threads)
-    dspec.config.validate_values = False          # an engine's hot-loop setting
+    dspec.config.validate_values = False  # an engine's hot-loop setting
     with torch.no_grad():
-        result = {"verify_chain": verify_rows(args.device, reps),
-                  "cascade_attention_bf16": attention_rows(args.device, reps, torch.bfloat16)}
+        result = {
+            "verify_chain": verify_rows(args.device, reps),
+            "cascade_attention_bf16": attention_rows(args.device, reps, torch.bfloat16),
+        }
     for group, rows in result.items():
         base = next(iter(rows.values()))["median_ms"]
         print(group)
         for name, r in rows.items():
-            print(f"  {name:34s} {r['median_ms']:8.3f} ms  [{r['min_ms']:.3f}, {r['max_ms']:.3f}]  "
-                  f"{r['median_ms'] / base:5.2f}x the first row")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    meta = {"command": " ".join(["python"] + sys.argv), "device": args.device, "threads": int(threads),
-            "cpu": cpu.cpu_model() or platform.machine(), "loadavg": os.getloadavg(), "commit": commit,
-            "torch": torch.__version__, "reps": reps}
+            print(
+                f"  {name:34s} {r['median_ms']:8.3f} ms  [{r['min_ms']:.3f}, {r['max_ms']:.3f}]  "
+                f"{r['median_ms'] / base:5.2f}x the first row"
+            )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).resolve().parent
+    ).stdout.strip()
+    meta = {
+        "command": " ".join(["python"] + sys.argv),
+        "device": args.device,
+        "threads": int(threads),
+        "cpu": cpu.cpu_model() or platform.machine(),
+        "loadavg": os.getloadavg(),
+        "commit": commit,
+        "torch": torch.__version__,
+        "reps": reps,
+    }
     out = Path(args.out or Path(__file__).resolve().parent / "results" / ("cpu" if args.device == "cpu" else "gpu"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": result}, indent=1) + "\n")

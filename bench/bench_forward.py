@@ -18,6 +18,7 @@ adapter's update adds to a forward of that many rows.
         --suffixes 1,4,8,13,16,17,24,32 --masks 0.7 --no-hf --name forward_masks
 Writes bench/results/cpu/forward.{json,png}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,12 @@ PREFIX = (256, 2048)
 
 def _summary(raw: list[float]) -> dict:
     s = sorted(raw)
-    return {"median_ms": statistics.median(s), "p20_ms": s[len(s) // 5], "p80_ms": s[(4 * len(s)) // 5],
-            "raw_ms": [round(x, 3) for x in raw]}
+    return {
+        "median_ms": statistics.median(s),
+        "p20_ms": s[len(s) // 5],
+        "p80_ms": s[(4 * len(s)) // 5],
+        "raw_ms": [round(x, 3) for x in raw],
+    }
 
 
 def _time_interleaved(runs: dict, reps: int, warmup: int) -> dict:
@@ -62,7 +67,7 @@ def _time_interleaved(runs: dict, reps: int, warmup: int) -> dict:
 def dspec_forward(model, prefix: int, n: int, gen: torch.Generator, masks: int = 0):
     ids = torch.randint(0, model.config.vocab_size, (1, prefix + n), generator=gen)
     if masks:
-        ids[0, prefix + n - masks:] = model.mask_token_id
+        ids[0, prefix + n - masks :] = model.mask_token_id
     cache = model.new_cache(1, capacity=prefix + n)
     out = model(model.plan(ids[:, :prefix], cache), logits=None)
     cache.append(out.suffix_kv)
@@ -71,11 +76,13 @@ def dspec_forward(model, prefix: int, n: int, gen: torch.Generator, masks: int =
     def run():
         with torch.no_grad():
             return model(plan, logits="all")
+
     return run
 
 
 def hf_forward(hf, prefix: int, n: int, gen: torch.Generator):
     from transformers import DynamicCache
+
     ids = torch.randint(0, hf.config.vocab_size, (1, prefix + n), generator=gen)
     cache = DynamicCache(config=hf.config)
     with torch.no_grad():
@@ -85,13 +92,15 @@ def hf_forward(hf, prefix: int, n: int, gen: torch.Generator):
     def run():
         with torch.no_grad():
             out = hf(suffix, past_key_values=cache, use_cache=True)
-        cache.crop(-n)                       # this transformers takes the count to drop
+        cache.crop(-n)  # this transformers takes the count to drop
         return out
+
     return run
 
 
 def load_hf(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation="sdpa")
     return hf.eval()
 
@@ -105,8 +114,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default=None, help="torch threads (default: dspec's auto policy)")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
-    p.add_argument("--masks", type=float, default=0.0,
-                   help="also time each N with its last ceil(F N) tokens [MASK] (engine dspec+masks)")
+    p.add_argument(
+        "--masks",
+        type=float,
+        default=0.0,
+        help="also time each N with its last ceil(F N) tokens [MASK] (engine dspec+masks)",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="forward")
@@ -121,6 +134,7 @@ def main(argv=None) -> int:
 
     import dspec
     from dspec.cpu import apply_threads
+
     apply_threads(args.threads)
     dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
     prefixes = [int(x) for x in args.prefixes.split(",")]
@@ -130,8 +144,11 @@ def main(argv=None) -> int:
         prefixes, suffixes = prefixes[:1], [1, 16]
     env = environment("cpu")
     bw = measure_bandwidth("cpu", quick=args.quick)
-    print(f"{env['cpu']['cpu_model']} {env['cpu']['cpu_flags']}; {torch.get_num_threads()} threads; "
-          f"DRAM read {bw['read_GBs']:.1f} GB/s; load {env['cpu']['loadavg']}", flush=True)
+    print(
+        f"{env['cpu']['cpu_model']} {env['cpu']['cpu_flags']}; {torch.get_num_threads()} threads; "
+        f"DRAM read {bw['read_GBs']:.1f} GB/s; load {env['cpu']['loadavg']}",
+        flush=True,
+    )
     rows = []
     payload = {"bench": "forward", "env": env, "bandwidth": bw, "results": rows}
     path = out_dir(args, "cpu") / f"{args.name}.json"
@@ -155,8 +172,11 @@ def main(argv=None) -> int:
                 for engine in engines:
                     if engine == "transformers" and hf is None:
                         continue
-                    run = (hf_forward(hf, prefix, n, gen) if engine == "transformers"
-                           else dspec_forward(model, prefix, n, gen, masks_of(n, engine)))
+                    run = (
+                        hf_forward(hf, prefix, n, gen)
+                        if engine == "transformers"
+                        else dspec_forward(model, prefix, n, gen, masks_of(n, engine))
+                    )
                     # dspec's forwards as a decode loop runs them (dspec.generate's scope:
                     # torch's own ops on one thread, so no OpenMP team spins beside the pool)
                     scope = contextlib.nullcontext if engine == "transformers" else dspec.cpu.torch_ops_one_thread
@@ -169,14 +189,24 @@ def main(argv=None) -> int:
                     t = timed[(n, engine)]
                     # [MASK] rows against the mask-free forward of the smallest N
                     base.setdefault(engine.removesuffix("+masks"), t["median_ms"])
-                    row = {"engine": engine, "dtype": str(dtype).removeprefix("torch."), "prefix": prefix,
-                           "n": n, "masks": masks_of(n, engine), **t,
-                           "vs_n1": t["median_ms"] / base[engine.removesuffix("+masks")],
-                           "floor_ms": floor_ms, "vs_floor": t["median_ms"] / floor_ms,
-                           "weight_bytes": weight_bytes}
+                    row = {
+                        "engine": engine,
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "prefix": prefix,
+                        "n": n,
+                        "masks": masks_of(n, engine),
+                        **t,
+                        "vs_n1": t["median_ms"] / base[engine.removesuffix("+masks")],
+                        "floor_ms": floor_ms,
+                        "vs_floor": t["median_ms"] / floor_ms,
+                        "weight_bytes": weight_bytes,
+                    }
                     rows.append(row)
-                    print(f"{engine:12s} {row['dtype']:8s} P={prefix:5d} N={n:3d} {t['median_ms']:8.2f} ms "
-                          f"({row['vs_n1']:.2f}x N=1, {row['vs_floor']:.2f}x floor {floor_ms:.1f} ms)", flush=True)
+                    print(
+                        f"{engine:12s} {row['dtype']:8s} P={prefix:5d} N={n:3d} {t['median_ms']:8.2f} ms "
+                        f"({row['vs_n1']:.2f}x N=1, {row['vs_floor']:.2f}x floor {floor_ms:.1f} ms)",
+                        flush=True,
+                    )
                     write_json(path, payload)
         del model, hf
     payload["env"]["loadavg_end"] = dspec.cpu.loadavg()
@@ -189,8 +219,10 @@ def main(argv=None) -> int:
 
 def plot(payload: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows = payload["results"]
     panels = sorted({(r["dtype"], r["prefix"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
@@ -198,9 +230,15 @@ def plot(payload: dict, path: Path) -> None:
         sel = [r for r in rows if r["dtype"] == dtype and r["prefix"] == prefix]
         for engine in dict.fromkeys(r["engine"] for r in sel):
             er = [r for r in sel if r["engine"] == engine]
-            ax.errorbar([r["n"] for r in er], [r["median_ms"] for r in er],
-                        yerr=[[r["median_ms"] - r["p20_ms"] for r in er], [r["p80_ms"] - r["median_ms"] for r in er]],
-                        marker="o", ms=3, capsize=2, label=engine)
+            ax.errorbar(
+                [r["n"] for r in er],
+                [r["median_ms"] for r in er],
+                yerr=[[r["median_ms"] - r["p20_ms"] for r in er], [r["p80_ms"] - r["median_ms"] for r in er]],
+                marker="o",
+                ms=3,
+                capsize=2,
+                label=engine,
+            )
         ax.axhline(sel[0]["floor_ms"], ls="--", color="k", lw=1, label="weight-streaming floor")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("suffix tokens N")
@@ -209,8 +247,10 @@ def plot(payload: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     env = payload["env"]
-    fig.suptitle(f"forward vs N: {env['cpu']['cpu_model']}, {env['cpu']['torch_threads']} threads, "
-                 f"load {env['cpu']['loadavg']}", fontsize=9)
+    fig.suptitle(
+        f"forward vs N: {env['cpu']['cpu_model']}, {env['cpu']['torch_threads']} threads, load {env['cpu']['loadavg']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -7,6 +7,7 @@ count those rows (``rows_read_fraction`` of the tensor).
     python bench/bench_logits_cpu.py [--threads N] [--reps 5]
 Writes bench/results/cpu/logits_ops.{json,png}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,14 +22,18 @@ from common import environment, measure_bandwidth, out_dir, time_fn, write_json
 
 def cases(batch: int, length: int, vocab: int, dtype: torch.dtype):
     import dspec
+
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(batch, length + 1, vocab, generator=g) * 3).to(dtype)
     # drafts: the target's argmax for a random prefix of each row, random ids after, so that
     # greedy verification accepts about half the chain (the rows past a rejection are never
     # read on the CPU: see rows_read)
     keep = torch.randint(0, length + 1, (batch,), generator=g)
-    drafts = torch.where(torch.arange(length)[None, :] < keep[:, None], logits[:, :length].float().argmax(-1),
-                         torch.randint(0, vocab, (batch, length), generator=g))
+    drafts = torch.where(
+        torch.arange(length)[None, :] < keep[:, None],
+        logits[:, :length].float().argmax(-1),
+        torch.randint(0, vocab, (batch, length), generator=g),
+    )
     coins, uni = torch.rand(batch, length, generator=g), torch.rand(batch, generator=g)
     parents = torch.tensor([-1] + list(range(length))).expand(batch, -1).contiguous()
     tree_tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.int64), drafts], 1)
@@ -36,10 +41,12 @@ def cases(batch: int, length: int, vocab: int, dtype: torch.dtype):
     return {
         "token_stats": lambda b: dspec.token_stats(logits, backend=b),
         "verify_chain greedy": lambda b: dspec.verify_chain(drafts, logits, backend=b),
-        "verify_chain T=1": lambda b: dspec.verify_chain(drafts, logits, temperature=1.0, coins=coins,
-                                                         sample_uniforms=uni, backend=b),
-        "verify_tree T=1": lambda b: dspec.verify_tree(tree_tokens, parents, logits, temperature=1.0,
-                                                       coins=tcoins, sample_uniforms=uni, backend=b),
+        "verify_chain T=1": lambda b: dspec.verify_chain(
+            drafts, logits, temperature=1.0, coins=coins, sample_uniforms=uni, backend=b
+        ),
+        "verify_tree T=1": lambda b: dspec.verify_tree(
+            tree_tokens, parents, logits, temperature=1.0, coins=tcoins, sample_uniforms=uni, backend=b
+        ),
         "topk_tokens k=8": lambda b: dspec.topk_tokens(logits, 8, backend=b),
         "mass_candidates m=8": lambda b: dspec.mass_candidates(logits, 0.9, 8, backend=b),
     }, logits.numel() * logits.element_size()
@@ -53,21 +60,31 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default=None)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference rows")
-    p.add_argument("--flush-mib", type=int, default=640,
-                   help="MiB rewritten before every rep (default 640: twice a 300 MiB L3 and more)")
+    p.add_argument(
+        "--flush-mib",
+        type=int,
+        default=640,
+        help="MiB rewritten before every rep (default 640: twice a 300 MiB L3 and more)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     import dspec
     from dspec.cpu import apply_threads, loadavg
+
     threads = apply_threads(args.threads)
-    dspec.config.validate_values = False              # engine mode: no value checks
+    dspec.config.validate_values = False  # engine mode: no value checks
     env = environment("cpu")
     bw = measure_bandwidth("cpu")
     print(f"{env['cpu']['cpu_model']}; {threads} threads; DRAM read {bw['read_GBs']:.1f} GB/s", flush=True)
     rows = []
-    payload = {"bench": "logits_ops", "shape": [args.batch, args.length + 1, args.vocab], "env": env,
-               "bandwidth": bw, "results": rows}
+    payload = {
+        "bench": "logits_ops",
+        "shape": [args.batch, args.length + 1, args.vocab],
+        "env": env,
+        "bandwidth": bw,
+        "results": rows,
+    }
     path = out_dir(args, "cpu") / "logits_ops.json"
     backends = ["cpp"] + ([] if args.no_reference else ["torch"])
     # larger than the last-level cache (this project's Xeon has 300 MiB of L3, more than the
@@ -88,21 +105,34 @@ def main(argv=None) -> int:
                     out = fn(backend)
                     read = nbytes * float((out.num_accepted + 1).sum()) / (args.batch * (args.length + 1))
                 gbs = read / (t["median_us"] * 1e3)
-                row = {"op": op, "dtype": str(dtype).removeprefix("torch."), "backend": backend,
-                       "median_ms": t["median_us"] / 1e3, "p20_ms": t["p20_us"] / 1e3, "p80_ms": t["p80_us"] / 1e3,
-                       "GB_s": gbs, "fraction_of_read_bw": gbs / bw["read_GBs"], "bytes": nbytes,
-                       "bytes_read": read, "rows_read_fraction": read / nbytes}
+                row = {
+                    "op": op,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "backend": backend,
+                    "median_ms": t["median_us"] / 1e3,
+                    "p20_ms": t["p20_us"] / 1e3,
+                    "p80_ms": t["p80_us"] / 1e3,
+                    "GB_s": gbs,
+                    "fraction_of_read_bw": gbs / bw["read_GBs"],
+                    "bytes": nbytes,
+                    "bytes_read": read,
+                    "rows_read_fraction": read / nbytes,
+                }
                 rows.append(row)
-                print(f"{row['dtype']:8s} {op:22s} {backend:6s} {row['median_ms']:9.2f} ms {gbs:6.2f} GB/s "
-                      f"({row['fraction_of_read_bw']:.0%} of read bandwidth; {read / nbytes:.0%} of the rows)",
-                      flush=True)
+                print(
+                    f"{row['dtype']:8s} {op:22s} {backend:6s} {row['median_ms']:9.2f} ms {gbs:6.2f} GB/s "
+                    f"({row['fraction_of_read_bw']:.0%} of read bandwidth; {read / nbytes:.0%} of the rows)",
+                    flush=True,
+                )
                 write_json(path, payload)
     payload["env"]["loadavg_end"] = loadavg()
     write_json(path, payload)
     if not args.no_plot:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
         for ax, dtype in zip(axes, ("float32", "bfloat16")):
             sel = [r for r in rows if r["dtype"] == dtype]

@@ -15,6 +15,7 @@ pay.  GFLOP/s counts 2 * M * rank * (k + n) per projection.
     python bench/bench_mask_lora.py [--rows 1,4,16,32] [--reps 30]
 Writes bench/results/cpu/mask_lora.{json,png}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,14 +36,23 @@ LAYERS, RANK, TOTAL_ROWS = 30, 16, 64
 
 
 def _adapters(gen: torch.Generator):
-    return [[((torch.randn(RANK, k, generator=gen) / 24).bfloat16(),
-              (torch.randn(RANK, n, generator=gen) / 4).bfloat16()) for k, n in SHAPES] for _ in range(LAYERS)]
+    return [
+        [
+            (
+                (torch.randn(RANK, k, generator=gen) / 24).bfloat16(),
+                (torch.randn(RANK, n, generator=gen) / 4).bfloat16(),
+            )
+            for k, n in SHAPES
+        ]
+        for _ in range(LAYERS)
+    ]
 
 
 def _packed(adapters):
     """The adapters as mask_lora_pack lays them out for the AMX code (None without AMX-BF16):
     made once and shared by every row count, as the cpp arms share ``adapters``."""
     from dspec import _backend
+
     ext, b16 = _backend.extension(), _backend.FLOAT_CODE[torch.bfloat16]
     if not ext.mask_lora_has_amx(b16, RANK):
         return None
@@ -59,6 +69,7 @@ def _packed(adapters):
 
 def _arms(rows: int, threads: int, adapters, packed, gen: torch.Generator) -> dict:
     from dspec import _backend
+
     ext = _backend.extension()
     xs = {k: torch.randn(TOTAL_ROWS, k, generator=gen).bfloat16() for k in (576, 1536)}
     ys = {n: torch.randn(TOTAL_ROWS, n, generator=gen).bfloat16() for n in (192, 576, 1536)}
@@ -67,14 +78,34 @@ def _arms(rows: int, threads: int, adapters, packed, gen: torch.Generator) -> di
 
     def cpp(isa):
         # only the amx arm passes the packed adapter ('auto' without it runs the AVX-512 code)
-        addresses = [[p.data_ptr() if isa == "amx" else 0 for p in row] for row in packed] if packed \
+        addresses = (
+            [[p.data_ptr() if isa == "amx" else 0 for p in row] for row in packed]
+            if packed
             else [[0] * len(SHAPES) for _ in adapters]
+        )
 
         def run():
             for layer, row in zip(adapters, addresses):
                 for (k, n), (a, bt), p in zip(SHAPES, layer, row):
-                    ext.mask_lora(ys[n].data_ptr(), xs[k].data_ptr(), index.data_ptr(), a.data_ptr(), bt.data_ptr(),
-                                  2.0, b16, rows, TOTAL_ROWS, k, n, RANK, threads, b16, isa, p)
+                    ext.mask_lora(
+                        ys[n].data_ptr(),
+                        xs[k].data_ptr(),
+                        index.data_ptr(),
+                        a.data_ptr(),
+                        bt.data_ptr(),
+                        2.0,
+                        b16,
+                        rows,
+                        TOTAL_ROWS,
+                        k,
+                        n,
+                        RANK,
+                        threads,
+                        b16,
+                        isa,
+                        p,
+                    )
+
         return run
 
     float_adapters = [[(a.float(), bt.float().t().contiguous()) for a, bt in layer] for layer in adapters]
@@ -85,6 +116,7 @@ def _arms(rows: int, threads: int, adapters, packed, gen: torch.Generator) -> di
                 picked = xs[k].index_select(0, index).float()
                 delta = F.linear(F.linear(picked, a), b) * 2.0
                 ys[n].index_add(0, index, delta.to(torch.bfloat16))
+
     arms = {"cpp": cpp("auto"), "cpp-generic": cpp("generic")}
     if packed is not None:
         arms["cpp-amx"] = cpp("amx")
@@ -103,6 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     from dspec.cpu import apply_threads, loadavg
+
     many = apply_threads(args.threads)
     env = environment("cpu")
     gen = torch.Generator().manual_seed(0)
@@ -114,7 +147,7 @@ def main(argv=None) -> int:
             for name, fn in _arms(m, t, adapters, packed, gen).items():
                 runs[(m, t, name)] = fn
     raw = {key: [] for key in runs}
-    torch.set_num_threads(1)              # the torch arm on one thread, as in a decode step
+    torch.set_num_threads(1)  # the torch arm on one thread, as in a decode step
     for rep in range(args.warmup + args.reps):
         for key, fn in runs.items():
             t0 = time.perf_counter()
@@ -126,15 +159,38 @@ def main(argv=None) -> int:
         s = sorted(v)
         flops = 2.0 * m * RANK * sum(k + n for k, n in SHAPES) * LAYERS
         med = statistics.median(s)
-        rows.append({"rows": m, "threads": t, "arm": name, "median_us": med, "p20_us": s[len(s) // 5],
-                     "p80_us": s[(4 * len(s)) // 5], "us_per_row_layer": med / m / LAYERS, "GFLOP_s": flops / med / 1e3,
-                     "raw_us": [round(x, 1) for x in v]})
-        print(f"M {m:3d} threads {t} {name:12s} {med:9.1f} us per forward "
-              f"({med / m / LAYERS:6.2f} us per row and layer, "
-              f"{flops / med / 1e3:6.1f} GFLOP/s)", flush=True)
-    payload = {"bench": "mask_lora", "env": env, "loadavg_end": loadavg(),
-               "shape": {"layers": LAYERS, "rank": RANK, "projections": SHAPES, "dtype": "bfloat16",
-                         "adapter_dtype": "bfloat16"}, "rows": rows}
+        rows.append(
+            {
+                "rows": m,
+                "threads": t,
+                "arm": name,
+                "median_us": med,
+                "p20_us": s[len(s) // 5],
+                "p80_us": s[(4 * len(s)) // 5],
+                "us_per_row_layer": med / m / LAYERS,
+                "GFLOP_s": flops / med / 1e3,
+                "raw_us": [round(x, 1) for x in v],
+            }
+        )
+        print(
+            f"M {m:3d} threads {t} {name:12s} {med:9.1f} us per forward "
+            f"({med / m / LAYERS:6.2f} us per row and layer, "
+            f"{flops / med / 1e3:6.1f} GFLOP/s)",
+            flush=True,
+        )
+    payload = {
+        "bench": "mask_lora",
+        "env": env,
+        "loadavg_end": loadavg(),
+        "shape": {
+            "layers": LAYERS,
+            "rank": RANK,
+            "projections": SHAPES,
+            "dtype": "bfloat16",
+            "adapter_dtype": "bfloat16",
+        },
+        "rows": rows,
+    }
     base = out_dir(args, "cpu")
     write_json(base / "mask_lora.json", payload)
     if not args.no_plot:
@@ -144,8 +200,10 @@ def main(argv=None) -> int:
 
 def plot(payload: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series = {}
     for r in payload["rows"]:

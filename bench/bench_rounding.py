@@ -11,6 +11,7 @@ one-token step chose.  Any flip can make a speculative method's output leave `ar
     python bench/bench_rounding.py [--model smollm2-135m] [--dtypes float32,bfloat16]
 Writes bench/results/cpu/rounding.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,7 @@ from common import environment, out_dir, write_json
 def flips(model, prompt: list[int], tokens: int, window: int) -> tuple[int, int, float]:
     """(flipped positions, compared positions, max |logit difference|) for one prompt."""
     import dspec
+
     gen = dspec.generate(model, prompt, method="ar", max_new_tokens=tokens).tokens
     if len(gen) < 2:
         return 0, 0, 0.0
@@ -39,7 +41,7 @@ def flips(model, prompt: list[int], tokens: int, window: int) -> tuple[int, int,
         out = model(model.plan([[t]], cache), logits="last")
         cache.append(out.suffix_kv)
         step_logits.append(out.logits[0, -1])
-    step_logits = torch.stack(step_logits).float()            # row i predicts gen[i]
+    step_logits = torch.stack(step_logits).float()  # row i predicts gen[i]
     # verification forwards as the speculative methods run them: the same prompt prefill,
     # then windows of [last committed token] + W - 1 drafts, all W committed
     cache = model.new_cache(1)
@@ -48,11 +50,11 @@ def flips(model, prompt: list[int], tokens: int, window: int) -> tuple[int, int,
     seq = gen[:-1]
     ver = []
     for start in range(0, len(seq), window):
-        chunk = seq[start:start + window]
+        chunk = seq[start : start + window]
         out = model(model.plan([chunk], cache), logits="all")
         cache.append(out.suffix_kv)
         ver.append(out.logits[0])
-    ver = torch.cat(ver).float()                              # row i predicts gen[i + 1]
+    ver = torch.cat(ver).float()  # row i predicts gen[i + 1]
     steps = step_logits[1:]
     flipped = int((ver.argmax(-1) != steps.argmax(-1)).sum())
     return flipped, len(seq), float((ver - steps).abs().max())
@@ -73,6 +75,7 @@ def main(argv=None) -> int:
     from dspec.cpu import apply_threads
     from dspec.models.embedded import chat_prompt
     from dspec.tasks import PROMPT_SETS, prompt_set
+
     apply_threads(args.threads)
     env = environment("cpu")
     rows = []
@@ -87,11 +90,21 @@ def main(argv=None) -> int:
             for text in texts:
                 f, n, diff = flips(model, model.tokenizer.encode(text), args.tokens, args.window)
                 flipped, total, worst = flipped + f, total + n, max(worst, diff)
-            row = {"dtype": dtype_name, "prompt_set": pset, "positions": total, "flips": flipped,
-                   "flip_rate": flipped / max(total, 1), "max_abs_logit_diff": worst, "window": args.window}
+            row = {
+                "dtype": dtype_name,
+                "prompt_set": pset,
+                "positions": total,
+                "flips": flipped,
+                "flip_rate": flipped / max(total, 1),
+                "max_abs_logit_diff": worst,
+                "window": args.window,
+            }
             rows.append(row)
-            print(f"{dtype_name:9s} {pset:10s} {flipped:4d} / {total:5d} positions flip "
-                  f"({row['flip_rate']:.2%}); max |logit diff| {worst:.3g}", flush=True)
+            print(
+                f"{dtype_name:9s} {pset:10s} {flipped:4d} / {total:5d} positions flip "
+                f"({row['flip_rate']:.2%}); max |logit diff| {worst:.3g}",
+                flush=True,
+            )
     payload = {"bench": "rounding", "model": args.model, "tokens": args.tokens, "env": env, "results": rows}
     path = out_dir(args, "cpu") / "rounding.json"
     write_json(path, payload)

@@ -7,6 +7,7 @@ Each measurement runs in a fresh subprocess (torch's thread pool is fixed per pr
     python bench/bench_threads.py [--model smollm2-135m] [--tokens 32]
 Writes bench/results/cpu/threads.{json,png}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,13 @@ def measure(threads: str, model: str, tokens: int, neighbour: bool) -> dict:
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if neighbour else None
     try:
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "DSPEC_NUM_THREADS")}
-        out = subprocess.run([sys.executable, "-c", CHILD, threads, model, str(tokens)], env=env,
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, threads, model, str(tokens)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     finally:
         if spin is not None:
             spin.kill()
@@ -59,19 +65,27 @@ def main(argv=None) -> int:
             r = measure(threads, args.model, args.tokens, neighbour)
             r.update(setting=threads, neighbour=neighbour)
             rows.append(r)
-            print(f"{'busy neighbour' if neighbour else 'alone':15s} threads={threads:5s} "
-                  f"(-> {r['threads']}) {r['tokens_per_s']:6.1f} tok/s", flush=True)
+            print(
+                f"{'busy neighbour' if neighbour else 'alone':15s} threads={threads:5s} "
+                f"(-> {r['threads']}) {r['tokens_per_s']:6.1f} tok/s",
+                flush=True,
+            )
     payload = {"bench": "threads", "model": args.model, "tokens": args.tokens, "env": env, "results": rows}
     path = out_dir(args, "cpu") / "threads.json"
     write_json(path, payload)
     if not args.no_plot:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, ax = plt.subplots(figsize=(6, 3.6))
         labels = [f"{'busy' if r['neighbour'] else 'alone'}\n{r['setting']} (->{r['threads']})" for r in rows]
-        ax.bar(range(len(rows)), [r["tokens_per_s"] for r in rows],
-               color=["tab:blue" if not r["neighbour"] else "tab:orange" for r in rows])
+        ax.bar(
+            range(len(rows)),
+            [r["tokens_per_s"] for r in rows],
+            color=["tab:blue" if not r["neighbour"] else "tab:orange" for r in rows],
+        )
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_ylabel(f"ar tokens/s ({args.model})")

@@ -10,6 +10,7 @@ Headline: 1024 x 151936 bf16 on GPU, target >= 80 % of copy bandwidth and >= 3x 
     python bench/bench_token_stats.py --device cpu --quick
     python bench/bench_token_stats.py --device cuda --out /tmp/res
 """
+
 from __future__ import annotations
 
 import sys
@@ -48,8 +49,12 @@ def cases(device: str, quick: bool) -> list[tuple[int, int, str]]:
         if quick:
             out = [(r, 151936, "bf16") for r in (1, 64, 1024)]
         else:
-            out = [(r, v, d) for d in ("bf16", "fp16", "fp32") for v in (32000, 151936, 256000)
-                   for r in (1, 8, 64, 256, 1024)]
+            out = [
+                (r, v, d)
+                for d in ("bf16", "fp16", "fp32")
+                for v in (32000, 151936, 256000)
+                for r in (1, 8, 64, 256, 1024)
+            ]
     else:
         if quick:
             out = [(r, 32000, d) for d in ("fp32", "bf16") for r in (1, 8)]
@@ -87,14 +92,25 @@ def main(argv=None) -> int:
     from dspec.reference import token_stats as ref_token_stats
 
     wanted = common.parse_backends(args.backends)
-    backends = common.select(["torch", common.ANCHOR] + common.available_backends(device, PROVIDED[1:]),
-                             wanted)
+    backends = common.select(["torch", common.ANCHOR] + common.available_backends(device, PROVIDED[1:]), wanted)
     reps, warmup = common.reps_for(args, device)
     flush = not args.no_flush
     all_cases = cases(device, args.quick)
-    rec = common.Recorder(BENCH, args, device, bw, {
-        "backends": backends, "reps": reps, "warmup": warmup, "flush_l2": flush,
-        "temperature": 1.0, "logits": "randn * 4", "bytes": "rows*V*itemsize + rows*24"})
+    rec = common.Recorder(
+        BENCH,
+        args,
+        device,
+        bw,
+        {
+            "backends": backends,
+            "reps": reps,
+            "warmup": warmup,
+            "flush_l2": flush,
+            "temperature": 1.0,
+            "logits": "randn * 4",
+            "bytes": "rows*V*itemsize + rows*24",
+        },
+    )
     print(f"backends: {backends}; {len(all_cases)} cases; reps={reps} warmup={warmup}")
 
     def fn_for(name, x):
@@ -121,16 +137,35 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - one failing backend must not stop the run
                 rec.error(f"{case} {dname} {name}: {type(exc).__name__}: {exc}")
                 continue
-            out_rows.append(common.make_row(
-                op=BENCH, backend=name, case=case, params={"rows": rows, "V": vocab},
-                dtype=dname, timing=t, bytes_moved=nbytes, copy_GBs=rec.copy_GBs, check=check))
+            out_rows.append(
+                common.make_row(
+                    op=BENCH,
+                    backend=name,
+                    case=case,
+                    params={"rows": rows, "V": vocab},
+                    dtype=dname,
+                    timing=t,
+                    bytes_moved=nbytes,
+                    copy_GBs=rec.copy_GBs,
+                    check=check,
+                )
+            )
         rec.add(out_rows)
         del x, ref
         common.free_cuda(device)
 
     rec.finish(no_plot=args.no_plot)
-    cols = ["case", "dtype", "backend", "median_us", "GB_s", "pct_of_copy_bw",
-            "speedup_vs_torch", "speedup_vs_chain", "check"]
+    cols = [
+        "case",
+        "dtype",
+        "backend",
+        "median_us",
+        "GB_s",
+        "pct_of_copy_bw",
+        "speedup_vs_torch",
+        "speedup_vs_chain",
+        "check",
+    ]
     print(common.fmt_table(rec.rows, cols))
     print_headline(rec.rows, bw)
     return 1 if rec.payload["errors"] else 0
@@ -141,18 +176,21 @@ def print_headline(rows: list[dict], bw: dict) -> None:
     hits = [r for r in rows if r["rows"] == r0 and r["V"] == v0 and r["dtype"] == d0]
     if not hits:
         return
-    print(f"\nHEADLINE token_stats {r0}x{v0} {d0}  (copy BW {bw['copy_GBs']:.0f} GB/s; "
-          "targets: >= 80 % of copy BW, >= 3x the chain)")
+    print(
+        f"\nHEADLINE token_stats {r0}x{v0} {d0}  (copy BW {bw['copy_GBs']:.0f} GB/s; "
+        "targets: >= 80 % of copy BW, >= 3x the chain)"
+    )
     for r in hits:
         if r["backend"] in ("torch", common.ANCHOR):
-            print(f"  {r['backend']:>7}: {r['median_us']:9.1f} us  {r['GB_s']:7.1f} GB/s "
-                  f"{r['pct_of_copy_bw']:5.1f} %")
+            print(f"  {r['backend']:>7}: {r['median_us']:9.1f} us  {r['GB_s']:7.1f} GB/s {r['pct_of_copy_bw']:5.1f} %")
             continue
         ok_bw = r["pct_of_copy_bw"] >= 80
         ok_sp = (r["speedup_vs_chain"] or 0) >= 3
-        print(f"  {r['backend']:>7}: {r['median_us']:9.1f} us  {r['GB_s']:7.1f} GB/s "
-              f"{r['pct_of_copy_bw']:5.1f} % [{'PASS' if ok_bw else 'FAIL'}]  "
-              f"{r['speedup_vs_chain']}x vs chain [{'PASS' if ok_sp else 'FAIL'}]  check={r['check']}")
+        print(
+            f"  {r['backend']:>7}: {r['median_us']:9.1f} us  {r['GB_s']:7.1f} GB/s "
+            f"{r['pct_of_copy_bw']:5.1f} % [{'PASS' if ok_bw else 'FAIL'}]  "
+            f"{r['speedup_vs_chain']}x vs chain [{'PASS' if ok_sp else 'FAIL'}]  check={r['check']}"
+        )
 
 
 if __name__ == "__main__":

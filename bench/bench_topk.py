@@ -10,6 +10,7 @@ materialised, then torch.topk; for mass_candidates also cumsum + count + mask), 
     python bench/bench_topk.py --device cpu --quick
     python bench/bench_topk.py --device cuda --out /tmp/res
 """
+
 from __future__ import annotations
 
 import sys
@@ -50,10 +51,10 @@ def cases(device: str, quick: bool) -> list[tuple[int, int, int, str]]:
         return [(k, r, 32000, "fp32") for k in (1, 8) for r in (1, 16)]
     if device == "cuda":
         # bf16 / 151936 first: the most relevant cases survive a timeout
-        return [(k, r, v, d) for d in ("bf16", "fp32") for v in (151936, 32000)
-                for k in (1, 8, 32) for r in (1, 16, 256)]
-    return [(k, r, v, d) for d in ("fp32", "bf16") for v in (32000, 151936)
-            for k in (1, 8, 32) for r in (1, 16)]
+        return [
+            (k, r, v, d) for d in ("bf16", "fp32") for v in (151936, 32000) for k in (1, 8, 32) for r in (1, 16, 256)
+        ]
+    return [(k, r, v, d) for d in ("fp32", "bf16") for v in (32000, 151936) for k in (1, 8, 32) for r in (1, 16)]
 
 
 def _check(op: str, name: str, got, ref) -> str:
@@ -68,8 +69,9 @@ def _check(op: str, name: str, got, ref) -> str:
             problems.append(f"count x{bad}")
         a, b = got[1].float(), ref[1].float()
         fin = torch.isfinite(a) & torch.isfinite(b)
-        if not torch.equal(torch.isfinite(a), torch.isfinite(b)) or \
-                not torch.allclose(a[fin], b[fin], rtol=2e-3, atol=2e-3):
+        if not torch.equal(torch.isfinite(a), torch.isfinite(b)) or not torch.allclose(
+            a[fin], b[fin], rtol=2e-3, atol=2e-3
+        ):
             problems.append("logprobs")
     else:
         if not torch.allclose(got[1].float(), ref[1].float(), rtol=2e-3, atol=1e-5, equal_nan=True):
@@ -84,16 +86,29 @@ def main(argv=None) -> int:
     from dspec.reference import topk as ref
 
     wanted = common.parse_backends(args.backends)
-    backends = common.select(["torch", common.ANCHOR] + common.available_backends(device, PROVIDED[1:]),
-                             wanted)
+    backends = common.select(["torch", common.ANCHOR] + common.available_backends(device, PROVIDED[1:]), wanted)
     reps, warmup = common.reps_for(args, device)
     flush = not args.no_flush
     all_cases = cases(device, args.quick)
-    rec = common.Recorder(BENCH, args, device, bw, {
-        "backends": backends, "reps": reps, "warmup": warmup, "flush_l2": flush,
-        "temperature": 1.0, "tau": TAU, "logits": "randn * 4",
-        "bytes": {"topk_tokens": "rows*V*itemsize + rows*k*12",
-                  "mass_candidates": "rows*V*itemsize + rows*(12*max_m + 8)"}})
+    rec = common.Recorder(
+        BENCH,
+        args,
+        device,
+        bw,
+        {
+            "backends": backends,
+            "reps": reps,
+            "warmup": warmup,
+            "flush_l2": flush,
+            "temperature": 1.0,
+            "tau": TAU,
+            "logits": "randn * 4",
+            "bytes": {
+                "topk_tokens": "rows*V*itemsize + rows*k*12",
+                "mass_candidates": "rows*V*itemsize + rows*(12*max_m + 8)",
+            },
+        },
+    )
     print(f"backends: {backends}; {len(all_cases)} cases x 2 ops; reps={reps} warmup={warmup}")
 
     def fn_for(op, name, x, k):
@@ -112,8 +127,9 @@ def main(argv=None) -> int:
         read = rows * vocab * x.element_size()
         out_rows = []
         for op, nbytes, reference in (
-                ("topk_tokens", read + rows * k * 12, lambda: ref.topk_tokens(x, k)),
-                ("mass_candidates", read + rows * (12 * k + 8), lambda: ref.mass_candidates(x, TAU, k))):
+            ("topk_tokens", read + rows * k * 12, lambda: ref.topk_tokens(x, k)),
+            ("mass_candidates", read + rows * (12 * k + 8), lambda: ref.mass_candidates(x, TAU, k)),
+        ):
             expect = None if args.no_check else reference()
             for name in backends:
                 fn = fn_for(op, name, x, k)
@@ -123,16 +139,36 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001
                     rec.error(f"{op} {case} {dname} {name}: {type(exc).__name__}: {exc}")
                     continue
-                out_rows.append(common.make_row(
-                    op=op, backend=name, case=case, params={"k": k, "rows": rows, "V": vocab},
-                    dtype=dname, timing=t, bytes_moved=nbytes, copy_GBs=rec.copy_GBs, check=check))
+                out_rows.append(
+                    common.make_row(
+                        op=op,
+                        backend=name,
+                        case=case,
+                        params={"k": k, "rows": rows, "V": vocab},
+                        dtype=dname,
+                        timing=t,
+                        bytes_moved=nbytes,
+                        copy_GBs=rec.copy_GBs,
+                        check=check,
+                    )
+                )
         rec.add(out_rows)
         x = None  # frees the tensors; not `del`: closures above read them
         common.free_cuda(device)
 
     rec.finish(no_plot=args.no_plot)
-    cols = ["op", "case", "dtype", "backend", "median_us", "GB_s", "pct_of_copy_bw",
-            "speedup_vs_torch", "speedup_vs_chain", "check"]
+    cols = [
+        "op",
+        "case",
+        "dtype",
+        "backend",
+        "median_us",
+        "GB_s",
+        "pct_of_copy_bw",
+        "speedup_vs_torch",
+        "speedup_vs_chain",
+        "check",
+    ]
     print(common.fmt_table(rec.rows, cols))
     return 1 if rec.payload["errors"] else 0
 

@@ -31,6 +31,7 @@ of the roofline time.  Printed with PASS / FAIL / not-measured (also by summariz
     python bench/bench_verify.py --device cpu --quick
     python bench/bench_verify.py --device cuda --out /tmp/res
 """
+
 from __future__ import annotations
 
 import inspect
@@ -57,7 +58,7 @@ LOGITS_DTYPE = "bf16"
 HEADLINE = ("verify_chain", 64, 16, 151936, "t1_qfp32")
 HEADLINE_ALSO = ("verify_chain", 64, 16, 151936, "t1_qbf16")
 TARGET_VS_FLASHINFER = 1.5  # kernel >= 1.5x faster than flashinfer softmax + chain sampling
-TARGET_X_ROOFLINE = 1.5     # kernel time <= 1.5x bytes / copy bandwidth
+TARGET_X_ROOFLINE = 1.5  # kernel time <= 1.5x bytes / copy bandwidth
 # plot colours for the two anchors this bench adds (common's default cycle would give
 # torch_plain triton's blue); set here so summarize.py's plots get them too
 common._COLORS.setdefault(PLAIN, "tab:purple")
@@ -85,21 +86,22 @@ def plain_chain(draft_tokens, target_logits, draft_probs, temperature, coins, ge
     x = draft_tokens.long()
     rows = torch.arange(batch, device=dev)
     if temperature <= 0:
-        target = target_logits.argmax(-1)                                # [B, L+1]
+        target = target_logits.argmax(-1)  # [B, L+1]
         accept = x == target[:, :length]
         n = accept.long().cumprod(-1).sum(-1)
         final = target[rows, n]
     else:
         p = torch.softmax(target_logits.float() / temperature, dim=-1)  # [B, L+1, V] fp32
-        q = (draft_probs.float() if draft_probs is not None
-             else torch.nn.functional.one_hot(x, vocab).float())         # [B, L, V]
+        q = (
+            draft_probs.float() if draft_probs is not None else torch.nn.functional.one_hot(x, vocab).float()
+        )  # [B, L, V]
         p_x = p[:, :length].gather(-1, x[..., None])[..., 0]
         q_x = q.gather(-1, x[..., None])[..., 0]
         accept = coins < torch.clamp(p_x / q_x, max=1.0)
         n = accept.long().cumprod(-1).sum(-1)
-        residual = torch.clamp(p[:, :length] - q, min=0.0)               # every position
+        residual = torch.clamp(p[:, :length] - q, min=0.0)  # every position
         residual = residual / residual.sum(-1, keepdim=True)
-        dist = torch.cat([residual, p[:, length:]], dim=1)[rows, n]      # [B, V]
+        dist = torch.cat([residual, p[:, length:]], dim=1)[rows, n]  # [B, V]
         ok = torch.isfinite(dist.sum(-1, keepdim=True)) & (dist.sum(-1, keepdim=True) > 0)
         dist = torch.where(ok, dist, p[rows, n])  # empty residual (p == q): sample p
         final = torch.multinomial(dist, 1, generator=generator)[:, 0]
@@ -116,6 +118,7 @@ def load_flashinfer(device: str):
     try:
         import flashinfer
         import flashinfer.sampling
+
         fn = flashinfer.sampling.chain_speculative_sampling
         inspect.signature(fn)
     except Exception as exc:  # noqa: BLE001 - any import/ABI failure just disables the anchor
@@ -123,8 +126,7 @@ def load_flashinfer(device: str):
     return flashinfer, None
 
 
-def flashinfer_chain_fn(fi, drafts_i32, logits, draft_probs, temperature, uniforms_full,
-                        generator):
+def flashinfer_chain_fn(fi, drafts_i32, logits, draft_probs, temperature, uniforms_full, generator):
     """softmax(logits / T) -> float32 probs, draft_probs.float(), chain_speculative_sampling.
 
     flashinfer <= 0.2.x takes ``uniform_samples`` [B, L+1] (passed pre-generated); later
@@ -187,8 +189,9 @@ def chain_inputs(batch, length, vocab, device, seed):
     """bf16 logits [B, L+1, V]; drafts: the target argmax for a random prefix of each row
     (so some are accepted), random ids after; coins [B, L], uniforms [B]."""
     g = torch.Generator(device=device).manual_seed(seed + 1)
-    logits = common.random_logits(batch * (length + 1), vocab, common.DTYPES[LOGITS_DTYPE],
-                                  device, seed=seed).view(batch, length + 1, vocab)
+    logits = common.random_logits(batch * (length + 1), vocab, common.DTYPES[LOGITS_DTYPE], device, seed=seed).view(
+        batch, length + 1, vocab
+    )
     target = logits[:, :length].argmax(-1)
     keep = torch.randint(0, length + 1, (batch,), generator=g, device=device)
     rand = torch.randint(0, vocab, (batch, length), generator=g, device=device)
@@ -211,18 +214,17 @@ def tree_inputs(batch, nodes, vocab, device, seed):
     bushy tree a few levels deep); a node's token is its parent's target argmax with
     probability 0.6 (so paths get accepted), else random; coins [B, N], uniforms [B]."""
     g = torch.Generator(device=device).manual_seed(seed + 3)
-    logits = common.random_logits(batch * nodes, vocab, common.DTYPES[LOGITS_DTYPE], device,
-                                  seed=seed).view(batch, nodes, vocab)
+    logits = common.random_logits(batch * nodes, vocab, common.DTYPES[LOGITS_DTYPE], device, seed=seed).view(
+        batch, nodes, vocab
+    )
     idx = torch.arange(nodes, device=device)
-    back = (torch.rand(batch, nodes, generator=g, device=device)
-            * idx.clamp(max=4)[None, :]).long()
+    back = (torch.rand(batch, nodes, generator=g, device=device) * idx.clamp(max=4)[None, :]).long()
     parents = idx[None, :] - 1 - back
     parents[:, 0] = -1
     argmax = logits.argmax(-1)
     from_parent = argmax.gather(1, parents.clamp(min=0))
     rand = torch.randint(0, vocab, (batch, nodes), generator=g, device=device)
-    tokens = torch.where(torch.rand(batch, nodes, generator=g, device=device) < 0.6,
-                         from_parent, rand)
+    tokens = torch.where(torch.rand(batch, nodes, generator=g, device=device) < 0.6, from_parent, rand)
     coins = torch.rand(batch, nodes, generator=g, device=device)
     uniforms = torch.rand(batch, generator=g, device=device)
     return logits, tokens, parents, coins, uniforms
@@ -292,8 +294,7 @@ def _check(name: str, got, ref, greedy: bool, vocab: int, reference_at=None) -> 
 # --------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     parser = common.base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--ops", default="chain,tree",
-                        help="comma-separated subset of chain,tree (default both)")
+    parser.add_argument("--ops", default="chain,tree", help="comma-separated subset of chain,tree (default both)")
     args = parser.parse_args(argv)
     device, bw = common.setup(args)
     import dspec
@@ -301,28 +302,46 @@ def main(argv=None) -> int:
 
     ops = {("verify_" + o.strip().removeprefix("verify_")) for o in args.ops.split(",") if o.strip()}
     wanted = common.parse_backends(args.backends)
-    fi, fi_reason = (None, "flashinfer not requested (--backends)") \
-        if wanted is not None and FLASHINFER not in wanted else load_flashinfer(device)
-    backends = common.select(["torch", PLAIN] + common.available_backends(device, PROVIDED[1:]),
-                             wanted)
+    fi, fi_reason = (
+        (None, "flashinfer not requested (--backends)")
+        if wanted is not None and FLASHINFER not in wanted
+        else load_flashinfer(device)
+    )
+    backends = common.select(["torch", PLAIN] + common.available_backends(device, PROVIDED[1:]), wanted)
     if fi is not None:
         backends.append(FLASHINFER)
     reps, warmup = common.reps_for(args, device, default_gpu=20, default_cpu=5, quick=3)
     flush = not args.no_flush
     all_groups = groups(device, args.quick, ops)
-    rec = common.Recorder(BENCH, args, device, bw, {
-        "backends": list(backends), "reps": reps, "warmup": warmup, "flush_l2": flush,
-        "logits": f"randn * 4, {LOGITS_DTYPE}", "modes": {
-            "greedy": "T=0", "t1": "T=1, draft_probs=None (one-hot)",
-            "t1_qbf16": "T=1, draft_probs bf16", "t1_qfp32": "T=1, draft_probs fp32"},
-        "draft_probs": "softmax(target logits + N(0,1) noise)",
-        "drafts": "target argmax for a random prefix of each row, random ids after",
-        "tree": "parent of node i uniform among i-4..i-1; token = parent's argmax w.p. 0.6",
-        "bytes": {"verify_chain": "B*(L+1)*V*itemsize + B*L*V*itemsize(draft_probs) if given",
-                  "verify_tree": "B*N*V*itemsize"},
-        "flashinfer": "torch.softmax(logits/T, fp32) + draft_probs.float() + "
-                      "chain_speculative_sampling, timed together (T > 0 chain only; mode t1: "
-                      "one-hot fp32 draft_probs built outside the timing)"})
+    rec = common.Recorder(
+        BENCH,
+        args,
+        device,
+        bw,
+        {
+            "backends": list(backends),
+            "reps": reps,
+            "warmup": warmup,
+            "flush_l2": flush,
+            "logits": f"randn * 4, {LOGITS_DTYPE}",
+            "modes": {
+                "greedy": "T=0",
+                "t1": "T=1, draft_probs=None (one-hot)",
+                "t1_qbf16": "T=1, draft_probs bf16",
+                "t1_qfp32": "T=1, draft_probs fp32",
+            },
+            "draft_probs": "softmax(target logits + N(0,1) noise)",
+            "drafts": "target argmax for a random prefix of each row, random ids after",
+            "tree": "parent of node i uniform among i-4..i-1; token = parent's argmax w.p. 0.6",
+            "bytes": {
+                "verify_chain": "B*(L+1)*V*itemsize + B*L*V*itemsize(draft_probs) if given",
+                "verify_tree": "B*N*V*itemsize",
+            },
+            "flashinfer": "torch.softmax(logits/T, fp32) + draft_probs.float() + "
+            "chain_speculative_sampling, timed together (T > 0 chain only; mode t1: "
+            "one-hot fp32 draft_probs built outside the timing)",
+        },
+    )
     rec.payload["env"]["flashinfer"] = fi_reason or f"flashinfer {getattr(fi, '__version__', '?')}"
     print(f"backends: {backends}; {rec.payload['env']['flashinfer']}")
     print(f"{len(all_groups)} shape groups; reps={reps} warmup={warmup}", flush=True)
@@ -333,8 +352,7 @@ def main(argv=None) -> int:
             if op == "verify_chain":
                 logits, drafts, coins, uniforms = chain_inputs(batch, size, vocab, device, args.seed)
             else:
-                logits, tree_tok, parents, coins, uniforms = tree_inputs(batch, size, vocab, device,
-                                                                         args.seed)
+                logits, tree_tok, parents, coins, uniforms = tree_inputs(batch, size, vocab, device, args.seed)
         except RuntimeError as exc:
             rec.error(f"{op} {shape}: input allocation failed: {exc}")
             common.free_cuda(device)
@@ -355,17 +373,21 @@ def main(argv=None) -> int:
             c_arg = None if greedy else coins
             u_arg = None if greedy else uniforms
             if op == "verify_chain":
+
                 def reference(u=u_arg):
-                    return ref_verify.verify_chain(drafts, logits, draft_probs=q,
-                                                   temperature=temperature, coins=c_arg,
-                                                   sample_uniforms=u)
+                    return ref_verify.verify_chain(
+                        drafts, logits, draft_probs=q, temperature=temperature, coins=c_arg, sample_uniforms=u
+                    )
             else:
+
                 def reference(u=u_arg):
-                    return ref_verify.verify_tree(tree_tok, parents, logits, temperature=temperature,
-                                                  coins=c_arg, sample_uniforms=u)
+                    return ref_verify.verify_tree(
+                        tree_tok, parents, logits, temperature=temperature, coins=c_arg, sample_uniforms=u
+                    )
 
             def reference_at(delta):
-                return reference((uniforms + delta).clamp(0.0, 1.0 - 2.0 ** -24))
+                return reference((uniforms + delta).clamp(0.0, 1.0 - 2.0**-24))
+
             fns = {}
             for name in backends:
                 if name == FLASHINFER:
@@ -373,27 +395,39 @@ def main(argv=None) -> int:
                         continue  # flashinfer has no greedy chain / general tree verify here
                     try:
                         gen = torch.Generator(device=device).manual_seed(args.seed)
-                        q_fi = q if q is not None else torch.nn.functional.one_hot(
-                            drafts.long(), vocab).float()  # built outside the timing
+                        q_fi = (
+                            q if q is not None else torch.nn.functional.one_hot(drafts.long(), vocab).float()
+                        )  # built outside the timing
                         u_full = torch.rand(batch, size + 1, generator=gen, device=device)
-                        fns[name] = flashinfer_chain_fn(fi, drafts.int(), logits, q_fi, temperature,
-                                                        u_full, gen)
+                        fns[name] = flashinfer_chain_fn(fi, drafts.int(), logits, q_fi, temperature, u_full, gen)
                     except Exception as exc:  # noqa: BLE001
                         rec.payload["env"]["flashinfer_error"] = f"{type(exc).__name__}: {exc}"
                     continue
                 if op == "verify_chain":
                     if name == PLAIN:
-                        fns[name] = (lambda: plain_chain(drafts, logits, q, temperature, c_arg))
+                        fns[name] = lambda: plain_chain(drafts, logits, q, temperature, c_arg)
                     else:
-                        fns[name] = (lambda name=name: dspec.verify_chain(
-                            drafts, logits, draft_probs=q, temperature=temperature, coins=c_arg,
-                            sample_uniforms=u_arg, backend=name))
+                        fns[name] = lambda name=name: dspec.verify_chain(
+                            drafts,
+                            logits,
+                            draft_probs=q,
+                            temperature=temperature,
+                            coins=c_arg,
+                            sample_uniforms=u_arg,
+                            backend=name,
+                        )
                 else:
                     if name == PLAIN:  # the dspec reference is already the plain tree walk
                         continue
-                    fns[name] = (lambda name=name: dspec.verify_tree(
-                        tree_tok, parents, logits, temperature=temperature, coins=c_arg,
-                        sample_uniforms=u_arg, backend=name))
+                    fns[name] = lambda name=name: dspec.verify_tree(
+                        tree_tok,
+                        parents,
+                        logits,
+                        temperature=temperature,
+                        coins=c_arg,
+                        sample_uniforms=u_arg,
+                        backend=name,
+                    )
             ref = None if args.no_check else reference()
             out_rows = []
             for name, fn in fns.items():
@@ -404,8 +438,7 @@ def main(argv=None) -> int:
                         mean_acc = float(((got >= 0).sum(-1) - 1).float().mean())
                     else:
                         got = tuple(got)
-                        check = None if ref is None else _check(name, got, tuple(ref), greedy, vocab,
-                                                                  reference_at)
+                        check = None if ref is None else _check(name, got, tuple(ref), greedy, vocab, reference_at)
                         mean_acc = float(got[0].float().mean())
                     t = common.time_fn(fn, device, reps=reps, warmup=warmup, flush=flush)
                 except Exception as exc:  # noqa: BLE001 - one failing backend must not stop the run
@@ -418,21 +451,36 @@ def main(argv=None) -> int:
                     common.free_cuda(device)
                     continue
                 roof_us = nbytes / (rec.copy_GBs * 1e3)
-                params = {"B": batch, ("L" if op == "verify_chain" else "N"): size, "V": vocab,
-                          "mode": mode, "T": temperature,
-                          "q_dtype": common.DTYPE_NAMES.get(q.dtype) if q is not None else None}
+                params = {
+                    "B": batch,
+                    ("L" if op == "verify_chain" else "N"): size,
+                    "V": vocab,
+                    "mode": mode,
+                    "T": temperature,
+                    "q_dtype": common.DTYPE_NAMES.get(q.dtype) if q is not None else None,
+                }
                 row = common.make_row(
-                    op=op, backend=name, case=case, params=params, dtype=LOGITS_DTYPE, timing=t,
-                    bytes_moved=nbytes, copy_GBs=rec.copy_GBs, check=check, extra={
+                    op=op,
+                    backend=name,
+                    case=case,
+                    params=params,
+                    dtype=LOGITS_DTYPE,
+                    timing=t,
+                    bytes_moved=nbytes,
+                    copy_GBs=rec.copy_GBs,
+                    check=check,
+                    extra={
                         "roofline_us": round(roof_us, 3),
                         "x_roofline": round(t["median_us"] / roof_us, 2),
                         "mean_accepted": round(mean_acc, 3),
-                        "speedup_vs_plain": None, "speedup_vs_flashinfer": None})
+                        "speedup_vs_plain": None,
+                        "speedup_vs_flashinfer": None,
+                    },
+                )
                 out_rows.append(row)
                 by = {r["backend"]: r for r in out_rows}
                 for r in out_rows:  # the same dicts as in rec.rows: updated in place
-                    for base, field in ((PLAIN, "speedup_vs_plain"),
-                                        (FLASHINFER, "speedup_vs_flashinfer")):
+                    for base, field in ((PLAIN, "speedup_vs_plain"), (FLASHINFER, "speedup_vs_flashinfer")):
                         if base in by and r["median_us"] > 0:
                             r[field] = round(by[base]["median_us"] / r["median_us"], 2)
                 rec.add([row])  # written per backend: a hung/killed later backend loses nothing
@@ -442,9 +490,21 @@ def main(argv=None) -> int:
         common.free_cuda(device)
 
     rec.finish(plot_kwargs={"panel_keys": ("op", "mode")}, no_plot=args.no_plot)
-    cols = ["op", "case", "backend", "median_us", "p20_us", "p80_us", "GB_s", "x_roofline",
-            "speedup_vs_torch", "speedup_vs_plain", "speedup_vs_flashinfer", "mean_accepted",
-            "check"]
+    cols = [
+        "op",
+        "case",
+        "backend",
+        "median_us",
+        "p20_us",
+        "p80_us",
+        "GB_s",
+        "x_roofline",
+        "speedup_vs_torch",
+        "speedup_vs_plain",
+        "speedup_vs_flashinfer",
+        "mean_accepted",
+        "check",
+    ]
     print(common.fmt_table(rec.rows, cols))
     print()
     print("\n".join(headline_lines(rec.payload)))
@@ -456,8 +516,7 @@ def main(argv=None) -> int:
 # --------------------------------------------------------------------------------------
 def _is(r: dict, key: tuple) -> bool:
     op, b, l, v, mode = key
-    return (r.get("op") == op and r.get("B") == b and r.get("L") == l and r.get("V") == v
-            and r.get("mode") == mode)
+    return r.get("op") == op and r.get("B") == b and r.get("L") == l and r.get("V") == v and r.get("mode") == mode
 
 
 def headline_verdicts(payload: dict) -> list[dict]:
@@ -469,8 +528,8 @@ def headline_verdicts(payload: dict) -> list[dict]:
     # why a headline case has no flashinfer row: a runtime error, not installed / not
     # requested, or (flashinfer loaded fine) that case simply did not get a flashinfer row
     fi_state = env.get("flashinfer_error") or (
-        fi_env if "unavailable" in fi_env or "not requested" in fi_env
-        else "no flashinfer row for this case")
+        fi_env if "unavailable" in fi_env or "not requested" in fi_env else "no flashinfer row for this case"
+    )
     out = []
     for key in (HEADLINE, HEADLINE_ALSO):
         case = f"B{key[1]} L{key[2]} V{key[3]} {key[4]}"
@@ -479,10 +538,18 @@ def headline_verdicts(payload: dict) -> list[dict]:
         fi_row = next((r for r in hits if r["backend"] == FLASHINFER), None)
         if not kernels:
             why = "case not in this run" if not hits else "no triton/cuda row (CPU, or the kernel failed)"
-            out.append({"case": case, "backend": "-", "median_us": None, "x_roofline": None,
-                        "speedup_vs_flashinfer": None, "roofline": f"not-measured ({why})",
-                        "vs_flashinfer": f"not-measured ({why})",
-                        "flashinfer_us": fi_row["median_us"] if fi_row else None})
+            out.append(
+                {
+                    "case": case,
+                    "backend": "-",
+                    "median_us": None,
+                    "x_roofline": None,
+                    "speedup_vs_flashinfer": None,
+                    "roofline": f"not-measured ({why})",
+                    "vs_flashinfer": f"not-measured ({why})",
+                    "flashinfer_us": fi_row["median_us"] if fi_row else None,
+                }
+            )
             continue
         for r in kernels:
             roof = "PASS" if r["x_roofline"] <= TARGET_X_ROOFLINE else "FAIL"
@@ -490,29 +557,56 @@ def headline_verdicts(payload: dict) -> list[dict]:
                 vs = f"not-measured ({fi_state or 'no flashinfer row'})"
             else:
                 vs = "PASS" if (r.get("speedup_vs_flashinfer") or 0) >= TARGET_VS_FLASHINFER else "FAIL"
-            out.append({"case": case, "backend": r["backend"], "median_us": r["median_us"],
-                        "x_roofline": r["x_roofline"],
-                        "speedup_vs_flashinfer": r.get("speedup_vs_flashinfer"),
-                        "roofline": roof, "vs_flashinfer": vs,
-                        "flashinfer_us": fi_row["median_us"] if fi_row else None,
-                        "check": r.get("check")})
+            out.append(
+                {
+                    "case": case,
+                    "backend": r["backend"],
+                    "median_us": r["median_us"],
+                    "x_roofline": r["x_roofline"],
+                    "speedup_vs_flashinfer": r.get("speedup_vs_flashinfer"),
+                    "roofline": roof,
+                    "vs_flashinfer": vs,
+                    "flashinfer_us": fi_row["median_us"] if fi_row else None,
+                    "check": r.get("check"),
+                }
+            )
     return out
 
 
 def headline_lines(payload: dict, markdown: bool = False) -> list[str]:
     bw = payload["bandwidth"]["copy_GBs"]
-    title = (f"HEADLINE verify_chain B=64 L=16 V=151936 bf16 logits, T=1 with draft_probs "
-             f"(copy BW {bw:.0f} GB/s; targets: >= {TARGET_VS_FLASHINFER}x faster than flashinfer "
-             f"softmax + chain_speculative_sampling, <= {TARGET_X_ROOFLINE}x the roofline time)")
+    title = (
+        f"HEADLINE verify_chain B=64 L=16 V=151936 bf16 logits, T=1 with draft_probs "
+        f"(copy BW {bw:.0f} GB/s; targets: >= {TARGET_VS_FLASHINFER}x faster than flashinfer "
+        f"softmax + chain_speculative_sampling, <= {TARGET_X_ROOFLINE}x the roofline time)"
+    )
     verdicts = headline_verdicts(payload)
     if markdown:
-        lines = [f"## {title}", "",
-                 "| case | backend | median µs | x roofline | flashinfer µs | x vs flashinfer "
-                 "| roofline target | flashinfer target |", "|---|---|---|---|---|---|---|---|"]
+        lines = [
+            f"## {title}",
+            "",
+            "| case | backend | median µs | x roofline | flashinfer µs | x vs flashinfer "
+            "| roofline target | flashinfer target |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for v in verdicts:
-            lines.append("| " + " | ".join(str("-" if v[k] is None else v[k]) for k in (
-                "case", "backend", "median_us", "x_roofline", "flashinfer_us",
-                "speedup_vs_flashinfer", "roofline", "vs_flashinfer")) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    str("-" if v[k] is None else v[k])
+                    for k in (
+                        "case",
+                        "backend",
+                        "median_us",
+                        "x_roofline",
+                        "flashinfer_us",
+                        "speedup_vs_flashinfer",
+                        "roofline",
+                        "vs_flashinfer",
+                    )
+                )
+                + " |"
+            )
         return lines + [""]
     lines = [title]
     for v in verdicts:
@@ -520,10 +614,12 @@ def headline_lines(payload: dict, markdown: bool = False) -> list[str]:
             lines.append(f"  {v['case']}: roofline {v['roofline']}; vs flashinfer {v['vs_flashinfer']}")
         else:
             sp = v["speedup_vs_flashinfer"]
-            lines.append(f"  {v['case']} {v['backend']}: {v['median_us']:.1f} us, "
-                         f"{v['x_roofline']}x roofline [{v['roofline']}], "
-                         f"{'-' if sp is None else sp}x vs flashinfer [{v['vs_flashinfer']}]  "
-                         f"check={v.get('check')}")
+            lines.append(
+                f"  {v['case']} {v['backend']}: {v['median_us']:.1f} us, "
+                f"{v['x_roofline']}x roofline [{v['roofline']}], "
+                f"{'-' if sp is None else sp}x vs flashinfer [{v['vs_flashinfer']}]  "
+                f"check={v.get('check')}"
+            )
     return lines
 
 

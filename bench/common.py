@@ -18,6 +18,7 @@ Bytes / roofline
 ``GB_s = bytes_moved / median`` and ``pct_of_copy_bw`` compares that with the measured
 device-to-device copy bandwidth (``2 * bytes / time`` of a large ``dst.copy_(src)``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,21 +56,25 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 def base_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     default_dev = "cuda" if torch.cuda.is_available() else "cpu"
-    p.add_argument("--device", choices=("cpu", "cuda"), default=default_dev,
-                   help=f"device to benchmark on (default: {default_dev})")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny shape set and few reps (CPU smoke test, < 60 s)")
-    p.add_argument("--out", default=None,
-                   help="output directory (default: bench/results/<device-slug>/)")
-    p.add_argument("--backends", default=None,
-                   help="comma-separated backends to run, e.g. torch,triton,cuda,cpp,chain "
-                        "(default: every one available on the device)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=default_dev,
+        help=f"device to benchmark on (default: {default_dev})",
+    )
+    p.add_argument("--quick", action="store_true", help="tiny shape set and few reps (CPU smoke test, < 60 s)")
+    p.add_argument("--out", default=None, help="output directory (default: bench/results/<device-slug>/)")
+    p.add_argument(
+        "--backends",
+        default=None,
+        help="comma-separated backends to run, e.g. torch,triton,cuda,cpp,chain "
+        "(default: every one available on the device)",
+    )
     p.add_argument("--reps", type=int, default=None, help="timed reps per measurement")
     p.add_argument("--warmup", type=int, default=None, help="untimed warmup calls")
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 between reps")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--no-check", action="store_true",
-                   help="skip the per-case output check against the torch reference")
+    p.add_argument("--no-check", action="store_true", help="skip the per-case output check against the torch reference")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -144,8 +149,16 @@ def _percentile(sorted_vals: list[float], q: float) -> float:
     return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
 
 
-def time_fn(fn: Callable[[], object], device: str, *, reps: int = 20, warmup: int = 5,
-            flush: bool = True, sync_before: bool = False, flush_bytes: int | None = None) -> dict:
+def time_fn(
+    fn: Callable[[], object],
+    device: str,
+    *,
+    reps: int = 20,
+    warmup: int = 5,
+    flush: bool = True,
+    sync_before: bool = False,
+    flush_bytes: int | None = None,
+) -> dict:
     """Time ``fn()``; returns ``{"median_us", "p20_us", "p80_us", "raw_us"}``.  ``flush``
     rewrites a buffer of ``flush_bytes`` (default: :func:`_flush_buffer`'s) before each rep."""
     for _ in range(max(0, warmup)):
@@ -174,8 +187,12 @@ def time_fn(fn: Callable[[], object], device: str, *, reps: int = 20, warmup: in
             fn()
             raw.append((time.perf_counter() - t0) * 1e6)
     s = sorted(raw)
-    return {"median_us": statistics.median(s), "p20_us": _percentile(s, 20),
-            "p80_us": _percentile(s, 80), "raw_us": [round(v, 3) for v in raw]}
+    return {
+        "median_us": statistics.median(s),
+        "p20_us": _percentile(s, 20),
+        "p80_us": _percentile(s, 80),
+        "raw_us": [round(v, 3) for v in raw],
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -238,14 +255,17 @@ def environment(device: str) -> dict:
         env["git_dirty"] = bool(status)
     if not device.startswith("cuda"):
         from dspec.cpu import machine
-        env["cpu"] = machine()           # model, flags, cores, threads, load average
+
+        env["cpu"] = machine()  # model, flags, cores, threads, load average
     try:
         import triton
+
         env["triton"] = triton.__version__
     except Exception:  # noqa: BLE001 - triton missing or broken is just recorded
         env["triton"] = None
     try:
         from dspec import _backend
+
         env["dspec_cpp"] = _backend.cpp_available()
         env["dspec_cuda"] = _backend.cuda_available()
     except Exception as exc:  # noqa: BLE001
@@ -255,8 +275,9 @@ def environment(device: str) -> dict:
         env["sm_count"] = props.multi_processor_count
         env["capability"] = f"{props.major}.{props.minor}"
         env["gpu_mem_GiB"] = round(props.total_memory / 2**30, 1)
-        smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                    "--format=csv,noheader"])
+        smi = _run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"]
+        )
         env["nvidia_smi"] = smi
         if smi:
             parts = [p.strip() for p in smi.splitlines()[0].split(",")]
@@ -268,18 +289,38 @@ def environment(device: str) -> dict:
 # --------------------------------------------------------------------------------------
 # results
 # --------------------------------------------------------------------------------------
-def make_row(*, op: str, backend: str, case: str, params: dict, dtype: str, timing: dict,
-             bytes_moved: int, copy_GBs: float, check: str | None = None,
-             extra: dict | None = None) -> dict:
+def make_row(
+    *,
+    op: str,
+    backend: str,
+    case: str,
+    params: dict,
+    dtype: str,
+    timing: dict,
+    bytes_moved: int,
+    copy_GBs: float,
+    check: str | None = None,
+    extra: dict | None = None,
+) -> dict:
     med = timing["median_us"]
     gbs = bytes_moved / (med * 1e3) if med > 0 else float("nan")
     row = {
-        "op": op, "backend": backend, "case": case, **params, "dtype": dtype,
-        "median_us": round(med, 3), "p20_us": round(timing["p20_us"], 3),
-        "p80_us": round(timing["p80_us"], 3), "bytes_moved": int(bytes_moved),
-        "GB_s": round(gbs, 3), "pct_of_copy_bw": round(100.0 * gbs / copy_GBs, 1),
-        "speedup_vs_torch": None, "speedup_vs_chain": None, "check": check,
-        "reps": len(timing["raw_us"]), "raw_us": timing["raw_us"],
+        "op": op,
+        "backend": backend,
+        "case": case,
+        **params,
+        "dtype": dtype,
+        "median_us": round(med, 3),
+        "p20_us": round(timing["p20_us"], 3),
+        "p80_us": round(timing["p80_us"], 3),
+        "bytes_moved": int(bytes_moved),
+        "GB_s": round(gbs, 3),
+        "pct_of_copy_bw": round(100.0 * gbs / copy_GBs, 1),
+        "speedup_vs_torch": None,
+        "speedup_vs_chain": None,
+        "check": check,
+        "reps": len(timing["raw_us"]),
+        "raw_us": timing["raw_us"],
     }
     if extra:
         row.update(extra)
@@ -321,8 +362,15 @@ class Recorder:
         self.device = device
         self.dir = out_dir(args, device)
         self.path = self.dir / f"{bench}.json"
-        self.payload = {"bench": bench, "env": environment(device), "bandwidth": bandwidth,
-                        "config": config, "complete": False, "errors": [], "results": []}
+        self.payload = {
+            "bench": bench,
+            "env": environment(device),
+            "bandwidth": bandwidth,
+            "config": config,
+            "complete": False,
+            "errors": [],
+            "results": [],
+        }
         self.copy_GBs = bandwidth["copy_GBs"]
 
     @property
@@ -356,15 +404,16 @@ class Recorder:
 # --------------------------------------------------------------------------------------
 # plotting
 # --------------------------------------------------------------------------------------
-_COLORS = {"torch": "tab:gray", ANCHOR: "tab:red", "triton": "tab:blue", "cuda": "tab:green",
-           "cpp": "tab:orange"}
+_COLORS = {"torch": "tab:gray", ANCHOR: "tab:red", "triton": "tab:blue", "cuda": "tab:green", "cpp": "tab:orange"}
 
 
-def plot_results(payload: dict, path: Path, *, metric: str | None = None,
-                 panel_keys: tuple[str, ...] = ("op", "dtype")) -> Path:
+def plot_results(
+    payload: dict, path: Path, *, metric: str | None = None, panel_keys: tuple[str, ...] = ("op", "dtype")
+) -> Path:
     """One panel per (op, dtype); x = case, one line per backend; y = GB/s (with the copy
     bandwidth as a horizontal line) or median µs for launch-bound benches."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -383,8 +432,14 @@ def plot_results(payload: dict, path: Path, *, metric: str | None = None,
         xs = {c: i for i, c in enumerate(cases)}
         for backend in dict.fromkeys(r["backend"] for r in prs):
             br = [r for r in prs if r["backend"] == backend]
-            ax.plot([xs[r["case"]] for r in br], [r[metric] for r in br], marker="o", ms=3,
-                    label=backend, color=_COLORS.get(backend))
+            ax.plot(
+                [xs[r["case"]] for r in br],
+                [r[metric] for r in br],
+                marker="o",
+                ms=3,
+                label=backend,
+                color=_COLORS.get(backend),
+            )
         if metric == "GB_s":
             ax.axhline(copy_bw, ls="--", color="k", lw=1, label=f"copy {copy_bw:.0f} GB/s")
             ax.set_ylabel("GB/s (roofline bytes / median)")
@@ -416,6 +471,7 @@ def setup(args) -> tuple[str, dict]:
         raise SystemExit("--device cuda requested but torch.cuda.is_available() is False")
     torch.manual_seed(args.seed)
     import dspec
+
     # engine mode: no value checks that copy to the host (they would add a sync per call)
     dspec.config.validate_values = False
     print(f"device: {device_name(device)}; measuring bandwidth ...", flush=True)
@@ -424,8 +480,7 @@ def setup(args) -> tuple[str, dict]:
     return device, bw
 
 
-def reps_for(args, device: str, default_gpu: int = 30, default_cpu: int = 10,
-             quick: int = 3) -> tuple[int, int]:
+def reps_for(args, device: str, default_gpu: int = 30, default_cpu: int = 10, quick: int = 3) -> tuple[int, int]:
     if args.quick:
         reps, warmup = quick, 1
     elif device == "cuda":
@@ -435,8 +490,9 @@ def reps_for(args, device: str, default_gpu: int = 30, default_cpu: int = 10,
     return (args.reps or reps), (args.warmup if args.warmup is not None else warmup)
 
 
-def random_logits(rows: int, vocab: int, dtype: torch.dtype, device: str, *, scale: float = 4.0,
-                  seed: int = 0) -> torch.Tensor:
+def random_logits(
+    rows: int, vocab: int, dtype: torch.dtype, device: str, *, scale: float = 4.0, seed: int = 0
+) -> torch.Tensor:
     """Gaussian logits (std ``scale``: a peaked-ish softmax), made in fp32 then cast."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(rows, vocab, generator=g, device=device, dtype=torch.float32)

@@ -7,6 +7,7 @@ the lossless reference; a second JSON (the fp32 run) adds its same-as-reference 
 
     python bench/e2e_table.py bench/results/cpu/e2e_smollm2.json bench/results/cpu/e2e_smollm2_fp32.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,19 @@ def pooled(payload: dict) -> dict[str, dict]:
     for s in payload["summary"]:
         if s.get("kind") != "summary":
             continue
-        r = out.setdefault(s["config"], {"method": s["method"], "tokens": 0, "wall": 0.0, "nfe": 0, "acc": [],
-                                         "checked": 0, "correct": 0.0, "same": []})
+        r = out.setdefault(
+            s["config"],
+            {
+                "method": s["method"],
+                "tokens": 0,
+                "wall": 0.0,
+                "nfe": 0,
+                "acc": [],
+                "checked": 0,
+                "correct": 0.0,
+                "same": [],
+            },
+        )
         r["tokens"] += s["new_tokens"]
         r["wall"] += s["wall_s"]
         r["nfe"] += s["nfe_target"]
@@ -48,16 +60,40 @@ def table(main: dict, fp32: dict | None = None) -> str:
     def ratio(name, base):
         return f"{tps[name] / tps[base]:.2f}x" if base in tps and name in tps else "-"
 
-    head = ["config", "tok/s", "vs ar", "vs diffusion 1/step", "vs dynamic", "tokens / target fwd",
-            "mean accepted", "accuracy", "= reference (bf16)", "= reference (fp32)"]
+    head = [
+        "config",
+        "tok/s",
+        "vs ar",
+        "vs diffusion 1/step",
+        "vs dynamic",
+        "tokens / target fwd",
+        "mean accepted",
+        "accuracy",
+        "= reference (bf16)",
+        "= reference (fp32)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in rows.items():
         acc = f"{r['correct'] / r['checked']:.2f} ({r['checked']})" if r["checked"] else "-"
         ex = same_share(exact[name]["same"]) if name in exact else "-"
-        lines.append("| " + " | ".join([
-            f"`{name}`", f"{tps.get(name, 0):.1f}", ratio(name, "ar"), ratio(name, "diffusion-static-1"),
-            ratio(name, "diffusion-dynamic"), f"{r['tokens'] / max(r['nfe'], 1):.2f}",
-            f"{sum(r['acc']) / len(r['acc']):.2f}", acc, same_share(r["same"]), ex]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"`{name}`",
+                    f"{tps.get(name, 0):.1f}",
+                    ratio(name, "ar"),
+                    ratio(name, "diffusion-static-1"),
+                    ratio(name, "diffusion-dynamic"),
+                    f"{r['tokens'] / max(r['nfe'], 1):.2f}",
+                    f"{sum(r['acc']) / len(r['acc']):.2f}",
+                    acc,
+                    same_share(r["same"]),
+                    ex,
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ DFlash and of "the better of the two branches" on the same cycles (an estimate: 
 acceptances the cycle boundaries would move), and how often the lookup branch is longer /
 proposed at all.  Results: bench/results/cpu/lookup_estimate.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,12 +51,17 @@ def main(argv=None):
             accepted.clear()
             prompt = model.tokenizer.encode(text)
             gen = dspec.generate(model, prompt, method="dflash", max_new_tokens=128, lookup=None).tokens
-            done = 1                                     # the prefill's token
+            done = 1  # the prefill's token
             for a in accepted:
                 seq = np.array([prompt + gen[:done]])
-                drafts, count = suffix_match_drafts(seq, np.array([seq.shape[1]]), max_ngram=args.max_ngram,
-                                                    min_ngram=args.min_ngram, num_drafts=args.drafts)
-                prop, truth = drafts[0, :count[0]].tolist(), gen[done:done + args.drafts]
+                drafts, count = suffix_match_drafts(
+                    seq,
+                    np.array([seq.shape[1]]),
+                    max_ngram=args.max_ngram,
+                    min_ngram=args.min_ngram,
+                    num_drafts=args.drafts,
+                )
+                prop, truth = drafts[0, : count[0]].tolist(), gen[done : done + args.drafts]
                 m = 0
                 while m < min(len(prop), len(truth)) and prop[m] == truth[m]:
                     m += 1
@@ -65,9 +71,12 @@ def main(argv=None):
                 proposed += bool(prop)
                 cycles += 1
                 done += a + 1
-        print(f"{pset}: {cycles} cycles; dflash {base / cycles:.3f} tokens/cycle, with the lookup branch "
-              f"{best / cycles:.3f} ({best / base:.3f}x); lookup longer in {longer / cycles:.1%} of cycles, "
-              f"proposed in {proposed / cycles:.1%}", flush=True)
+        print(
+            f"{pset}: {cycles} cycles; dflash {base / cycles:.3f} tokens/cycle, with the lookup branch "
+            f"{best / cycles:.3f} ({best / base:.3f}x); lookup longer in {longer / cycles:.1%} of cycles, "
+            f"proposed in {proposed / cycles:.1%}",
+            flush=True,
+        )
     dflash.SpeculativeRun.finish_cycle = finish
 
 

@@ -16,6 +16,7 @@ forwarded once and their argmax drafts tabulated; both schedules are then replay
 on that table: tokens per forward of the current alternation and of the copies variant, and
 the rows a copies forward carries.  An estimate: it counts forwards, not their cost.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,7 @@ def draft_table(model, seq: list[int], prompt_len: int, bs: int) -> list[tuple[i
     masks = block_diffusion(bs, device=model.device)
     out_blocks = []
     for b in range(first_block, len(seq), bs):
-        true = seq[b:b + bs]
+        true = seq[b : b + bs]
         if len(true) < bs:
             break
         start = max(0, prompt_len - b)
@@ -54,13 +55,16 @@ def draft_table(model, seq: list[int], prompt_len: int, bs: int) -> list[tuple[i
         drafts = np.full((bs, bs), -1, dtype=np.int64)
         for r, j in enumerate(range(start, bs)):
             pos = torch.arange(b, b + bs)[None]
-            out = model(AttentionPlan(states[r:r + 1], pos, masks.words, cache), return_kv=False)
+            out = model(AttentionPlan(states[r : r + 1], pos, masks.words, cache), return_kv=False)
             logits = out.logits[0].float()
             if model.shifted:
                 logits = torch.cat([carry, logits[:-1]], 0)
             drafts[j, j:] = logits.argmax(-1)[j:].numpy()
-        out = model(AttentionPlan(torch.tensor([true]), torch.arange(b, b + bs)[None], masks.words, cache),
-                    return_kv=True, logits="last")
+        out = model(
+            AttentionPlan(torch.tensor([true]), torch.arange(b, b + bs)[None], masks.words, cache),
+            return_kv=True,
+            logits="last",
+        )
         cache.append(out.suffix_kv, counts=[bs])
         carry = out.logits[:, -1].float()
         out_blocks.append((start, np.array(true), drafts))
@@ -70,7 +74,7 @@ def draft_table(model, seq: list[int], prompt_len: int, bs: int) -> list[tuple[i
 def replay(blocks, bs: int) -> dict:
     """Greedy S2D2 ``always`` (alternating) and the copies variant on one draft table."""
     alt_f = alt_t = cop_f = cop_t = cop_rows = 0
-    ready = False                # copies: the next block's drafts came with the last forward
+    ready = False  # copies: the next block's drafts came with the last forward
     for start, true, drafts in blocks:
         # alternating: a drafting forward, then a verification forward, until the block is full
         j = start
@@ -92,11 +96,16 @@ def replay(blocks, bs: int) -> dict:
             while j + k < bs and drafts[src, j + k] == true[j + k]:
                 k += 1
             cop_t += min(k + 1, bs - j)
-            ready = j + k == bs                  # all accepted: the next block's copy is exact
+            ready = j + k == bs  # all accepted: the next block's copy is exact
             src = j + k
             j += k + 1
-    return {"alt_forwards": alt_f, "alt_tokens": alt_t, "copies_forwards": cop_f, "copies_tokens": cop_t,
-            "copies_rows": cop_rows}
+    return {
+        "alt_forwards": alt_f,
+        "alt_tokens": alt_t,
+        "copies_forwards": cop_f,
+        "copies_tokens": cop_t,
+        "copies_rows": cop_rows,
+    }
 
 
 def main(argv=None):
@@ -123,9 +132,12 @@ def main(argv=None):
             for prompt, gen in refs:
                 for key, v in replay(draft_table(model, prompt + gen, len(prompt), bs), bs).items():
                     tot[key] += v
-            print(f"| {pset} | {bs} | {tot['alt_tokens'] / tot['alt_forwards']:.2f} | "
-                  f"{tot['copies_tokens'] / tot['copies_forwards']:.2f} | "
-                  f"{tot['copies_rows'] / tot['copies_forwards']:.1f} |", flush=True)
+            print(
+                f"| {pset} | {bs} | {tot['alt_tokens'] / tot['alt_forwards']:.2f} | "
+                f"{tot['copies_tokens'] / tot['copies_forwards']:.2f} | "
+                f"{tot['copies_rows'] / tot['copies_forwards']:.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

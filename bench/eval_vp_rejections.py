@@ -18,6 +18,7 @@ accepted slots.
 
 Writes bench/results/cpu/<name>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,6 +47,7 @@ from dspec.train.dflash import (
 def grid_sequences(model, prompts_per_set: int, max_new_tokens: int) -> tuple[list, list[str]]:
     """[(prompt + ``ar`` continuation ids, prompt length)] and each one's prompt set."""
     from tqdm.auto import tqdm
+
     seqs, sets = [], []
     texts = grid_texts(model, prompts_per_set)
     with tqdm(total=sum(len(v) for v in texts.values()), desc="ar on the grid's prompts") as bar:
@@ -61,12 +63,19 @@ def grid_sequences(model, prompts_per_set: int, max_new_tokens: int) -> tuple[li
 
 def rejection_eval(model, first, vp, sequences, *, anchors: int, work: Path) -> dict:
     """The VP recipe's rejection-mode evaluation of drafter ``vp`` over every sequence."""
-    cfg = DrafterTrainConfig(kind="vp", num_layers=vp.config.num_layers, block_size=vp.block_size,
-                             prefix_mode="rejection", anchors_per_seq=anchors, heldout_fraction=0.5)
-    trainer = DrafterTrainer(model, cfg, work, sequences=sequences, first_drafter=first,
-                             features=work / "features", progress=False)
+    cfg = DrafterTrainConfig(
+        kind="vp",
+        num_layers=vp.config.num_layers,
+        block_size=vp.block_size,
+        prefix_mode="rejection",
+        anchors_per_seq=anchors,
+        heldout_fraction=0.5,
+    )
+    trainer = DrafterTrainer(
+        model, cfg, work, sequences=sequences, first_drafter=first, features=work / "features", progress=False
+    )
     trainer.drafter.load_state_dict(vp.state_dict())
-    if vp.draft_vocab is not None:           # the VP's own vocabulary, not one of these few sequences
+    if vp.draft_vocab is not None:  # the VP's own vocabulary, not one of these few sequences
         trainer.use_draft_vocab(vp.draft_vocab)
     trainer.held_idx = list(range(len(sequences)))
     trainer.evaluate(max_sequences=len(sequences))
@@ -80,13 +89,15 @@ def boundary_hits(model, first, sequences, *, anchors: int, ks: list[int], batch
     g = first.block_size
     hits, rejected, blocks_in = dict.fromkeys(ks, 0), 0, 0
     for i in range(0, len(sequences), batch):
-        tokens, lengths, plens = pad_sequences(sequences[i:i + batch], model.device)
+        tokens, lengths, plens = pad_sequences(sequences[i : i + batch], model.device)
         gen = torch.Generator().manual_seed(i)
-        blocks, labels, valid, starts, _ = make_blocks(tokens, lengths, plens, block_size=g, anchors=anchors,
-                                                       generator=gen)
+        blocks, labels, valid, starts, _ = make_blocks(
+            tokens, lengths, plens, block_size=g, anchors=anchors, generator=gen
+        )
         hidden = target_hidden(model, tokens, first.target_layer_ids)
-        prefix, _, has, logits = rejection_prefixes(first, hidden, lengths, blocks, labels, valid, starts,
-                                                    return_logits=True)
+        prefix, _, has, logits = rejection_prefixes(
+            first, hidden, lengths, blocks, labels, valid, starts, return_logits=True
+        )
         inside = valid[..., 1:].all(-1)
         wrong = inside & has
         conf = logits.float().softmax(-1).amax(-1)[..., 1:].reshape(-1, g - 1)
@@ -95,8 +106,11 @@ def boundary_hits(model, first, sequences, *, anchors: int, ks: list[int], batch
             hits[k] += int(((top == prefix[..., None]).any(-1) & wrong).sum())
         rejected += int(wrong.sum())
         blocks_in += int(inside.sum())
-    return {"blocks": blocks_in, "rejected": rejected,
-            **{f"hit_top{k}": round(hits[k] / max(rejected, 1), 4) for k in ks}}
+    return {
+        "blocks": blocks_in,
+        "rejected": rejected,
+        **{f"hit_top{k}": round(hits[k] / max(rejected, 1), 4) for k in ks},
+    }
 
 
 def main(argv=None) -> dict:
@@ -125,14 +139,29 @@ def main(argv=None) -> dict:
             for name in args.vp_drafters.split(","):
                 vp = load_drafter(name, model, kind="vp")
                 rec = rejection_eval(model, first, vp, part, anchors=args.anchors, work=Path(tmp) / pset)
-                rows.append({"vp_drafter": name, "prompt_set": pset, "sequences": len(part),
-                             "redraft_tokens": round(rec["heldout_accepted"], 4),
-                             "rejected_fraction": round(rec["rejected_fraction"], 4),
-                             "loss": round(rec["heldout_loss"], 4), "slot_accuracy": rec["slot_accuracy"]})
-                print(f"{name:40s} {pset:11s} re-draft commits {rows[-1]['redraft_tokens']:.3f}  "
-                      f"rejected {rows[-1]['rejected_fraction']:.3f}  loss {rows[-1]['loss']:.3f}", flush=True)
-    payload = {"bench": "eval_vp_rejections", "env": environment("cpu"), "config": vars(args), "rows": rows,
-               "boundaries": boundaries}
+                rows.append(
+                    {
+                        "vp_drafter": name,
+                        "prompt_set": pset,
+                        "sequences": len(part),
+                        "redraft_tokens": round(rec["heldout_accepted"], 4),
+                        "rejected_fraction": round(rec["rejected_fraction"], 4),
+                        "loss": round(rec["heldout_loss"], 4),
+                        "slot_accuracy": rec["slot_accuracy"],
+                    }
+                )
+                print(
+                    f"{name:40s} {pset:11s} re-draft commits {rows[-1]['redraft_tokens']:.3f}  "
+                    f"rejected {rows[-1]['rejected_fraction']:.3f}  loss {rows[-1]['loss']:.3f}",
+                    flush=True,
+                )
+    payload = {
+        "bench": "eval_vp_rejections",
+        "env": environment("cpu"),
+        "config": vars(args),
+        "rows": rows,
+        "boundaries": boundaries,
+    }
     write_json(Path(__file__).resolve().parent / "results" / "cpu" / f"{args.name}.json", payload)
     return payload
 

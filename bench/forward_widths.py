@@ -13,6 +13,7 @@ width, one line per option set -- where a row count crosses a tile boundary, it 
         --options '{"boundary": false}' '{"boundary": true}' --prompts 4 --name widths_s2d2_2026-11-29
 Writes bench/results/cpu/<name>.json and .png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,7 @@ class _Timed:
 
     def __init__(self, model):
         self.inner, self.label = model, None
-        self.times = defaultdict(list)            # (label, width) -> [(ms, mask rows)]
+        self.times = defaultdict(list)  # (label, width) -> [(ms, mask rows)]
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -55,7 +56,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="smollm2-135m-bd", help="shipped name or checkpoint directory")
     ap.add_argument("--method", required=True)
     ap.add_argument("--options", nargs="+", required=True, metavar="JSON", help="option sets as JSON objects")
-    add_run_arguments(ap, prompts=4, name=None)                   # default name: widths_<method>
+    add_run_arguments(ap, prompts=4, name=None)  # default name: widths_<method>
     args = ap.parse_args(argv)
     sets = option_sets(ap, "--options", args.options)
     torch.set_num_threads(args.threads)
@@ -63,9 +64,10 @@ def main(argv=None) -> dict:
     timed = _Timed(model)
     labels = [json.dumps(o, sort_keys=True) for o in sets]
     totals = {label: {"tokens": 0, "s": 0.0} for label in labels}
-    for opts in sets:                                              # warm-up, untimed
+    for opts in sets:  # warm-up, untimed
         dspec.generate(model, "Hello", method=args.method, max_new_tokens=16, **opts)
     from tqdm.auto import tqdm
+
     texts = [t for ps in grid_texts(model, args.prompts).values() for t in ps]
     for text in tqdm(texts, desc="prompts"):
         for opts, label in zip(sets, labels):
@@ -78,9 +80,19 @@ def main(argv=None) -> dict:
     for (label, width), samples in sorted(timed.times.items()):
         ms = sorted(s[0] for s in samples)
         q = statistics.quantiles(ms, n=10) if len(ms) >= 2 else [ms[0]] * 9
-        rows.append({"op": "forward", "backend": label, "case": f"width {width}", "width": width,
-                     "forwards": len(ms), "median_ms": statistics.median(ms), "p10_ms": q[0], "p90_ms": q[-1],
-                     "mean_mask_rows": sum(s[1] for s in samples) / len(samples)})
+        rows.append(
+            {
+                "op": "forward",
+                "backend": label,
+                "case": f"width {width}",
+                "width": width,
+                "forwards": len(ms),
+                "median_ms": statistics.median(ms),
+                "p10_ms": q[0],
+                "p90_ms": q[-1],
+                "mean_mask_rows": sum(s[1] for s in samples) / len(samples),
+            }
+        )
     for label, t in totals.items():
         t["forwards"] = sum(len(v) for (lab, _), v in timed.times.items() if lab == label)
         t["tokens_per_s"] = t["tokens"] / t["s"] if t["s"] else 0.0
@@ -88,10 +100,17 @@ def main(argv=None) -> dict:
         print(f"{args.method}{label}: {t['tokens_per_s']:.1f} tok/s, {t['tokens_per_forward']:.3f} tokens / forward")
     for r in rows:
         if r["forwards"] >= 5:
-            print(f"  {r['backend']:>28} width {r['width']:>3}: {r['forwards']:>5} forwards, "
-                  f"median {r['median_ms']:.2f} ms")
-    payload = {"bench": "forward_widths", "env": environment("cpu"), "config": vars(args), "totals": totals,
-               "rows": rows}
+            print(
+                f"  {r['backend']:>28} width {r['width']:>3}: {r['forwards']:>5} forwards, "
+                f"median {r['median_ms']:.2f} ms"
+            )
+    payload = {
+        "bench": "forward_widths",
+        "env": environment("cpu"),
+        "config": vars(args),
+        "totals": totals,
+        "rows": rows,
+    }
     path = Path(__file__).resolve().parent / "results" / "cpu" / f"{args.name or 'widths_' + args.method}.json"
     write_json(path, payload)
     plot(payload, path.with_suffix(".png"))
@@ -102,8 +121,10 @@ def plot(payload: dict, path: Path, least: int = 5) -> None:
     """Median forward milliseconds against the suffix width, one line per option set (widths
     with at least ``least`` forwards), p10-p90 as bars."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for label in dict.fromkeys(r["backend"] for r in payload["rows"]):
         rs = [r for r in payload["rows"] if r["backend"] == label and r["forwards"] >= least]

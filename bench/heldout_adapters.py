@@ -11,6 +11,7 @@ what a greedy S2D2 verification accepts token by token.
         --data data/smollm2-135m,data/smollm2-135m-math-code --heldout-start 28672
 Writes bench/results/cpu/<name>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,19 +45,25 @@ def main(argv=None) -> dict:
     cfg = MaskAdapterConfig(heldout_start=args.heldout_start, heldout_sequences=args.heldout_sequences)
     rows = []
     for name in args.adapters.split(","):
-        base = dspec.load(args.base, dtype="float32")      # fresh: training conversions change weights in place
+        base = dspec.load(args.base, dtype="float32")  # fresh: training conversions change weights in place
         fingerprint = base_fingerprint(base)
         model = load_mask_adapter(base, adapter_dir(name) if name in ADAPTED else name)
         with tempfile.TemporaryDirectory() as tmp:
-            trainer = MaskAdapterTrainer(model, sequences, cfg, tmp, base_name=args.base,
-                                         base_fingerprint=fingerprint, progress=False)
+            trainer = MaskAdapterTrainer(
+                model, sequences, cfg, tmp, base_name=args.base, base_fingerprint=fingerprint, progress=False
+            )
             trainer.evaluate()
         record = dict(trainer.evals[-1], adapter=name)
         record.pop("step")
         rows.append(record)
         print(name, {k: round(v, 4) for k, v in record.items() if isinstance(v, float)})
-    payload = {"bench": "heldout_adapters", "env": environment("cpu"), "config": vars(args),
-               "data": {k: info[k] for k in ("sequences", "tokens", "response_tokens") if k in info}, "rows": rows}
+    payload = {
+        "bench": "heldout_adapters",
+        "env": environment("cpu"),
+        "config": vars(args),
+        "data": {k: info[k] for k in ("sequences", "tokens", "response_tokens") if k in info},
+        "rows": rows,
+    }
     write_json(Path(__file__).resolve().parent / "results" / "cpu" / f"{args.name}.json", payload)
     return payload
 

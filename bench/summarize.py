@@ -19,6 +19,7 @@ skipped), then writes into OUT_DIR (default DIR):
 * ``results.json``: ``{"benches": {name: <the bench JSON without raw timings>}}``.
 * ``<bench>.png`` per bench (unless --no-plots; ``--plots a,b`` limits them to those benches).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-BACKEND_ORDER = ["torch", common.ANCHOR, "torch_plain", "sdpa_dense", "sdpa_branch", "flashinfer",
-                 "flashinfer_mask", "flashinfer_cascade", "triton", "triton_fused", "cuda", "cpp"]
+BACKEND_ORDER = [
+    "torch",
+    common.ANCHOR,
+    "torch_plain",
+    "sdpa_dense",
+    "sdpa_branch",
+    "flashinfer",
+    "flashinfer_mask",
+    "flashinfer_cascade",
+    "triton",
+    "triton_fused",
+    "cuda",
+    "cpp",
+]
 KERNEL_BACKENDS = ("triton", "cuda", "cpp")
 HEADLINE = {"op": "token_stats", "rows": 1024, "V": 151936, "dtype": "bf16"}
 
@@ -74,26 +87,37 @@ def headline(benches: dict) -> list[str]:
     data = benches.get("token_stats")
     if not data:
         return []
-    hits = [r for r in data["results"]
-            if all(r.get(k) == v for k, v in HEADLINE.items())]
+    hits = [r for r in data["results"] if all(r.get(k) == v for k, v in HEADLINE.items())]
     if not hits:
         return []
     bw = data["bandwidth"]["copy_GBs"]
-    out = [f"## Headline: token_stats 1024 x 151936 bf16 "
-           f"(copy bandwidth {bw:.0f} GB/s; targets >= 80 % of it and >= 3x the chain)", ""]
+    out = [
+        f"## Headline: token_stats 1024 x 151936 bf16 "
+        f"(copy bandwidth {bw:.0f} GB/s; targets >= 80 % of it and >= 3x the chain)",
+        "",
+    ]
     lines = []
-    for r in sorted(hits, key=lambda r: BACKEND_ORDER.index(r["backend"])
-                    if r["backend"] in BACKEND_ORDER else 99):
+    for r in sorted(hits, key=lambda r: BACKEND_ORDER.index(r["backend"]) if r["backend"] in BACKEND_ORDER else 99):
         verdict = ""
         if r["backend"] in KERNEL_BACKENDS:
             ok_bw = r["pct_of_copy_bw"] >= 80
             ok_sp = (r.get("speedup_vs_chain") or 0) >= 3
             verdict = f"BW {'PASS' if ok_bw else 'FAIL'}, speedup {'PASS' if ok_sp else 'FAIL'}"
-        lines.append([r["backend"], _f(r["median_us"]), _f(r["GB_s"]), _f(r["pct_of_copy_bw"]),
-                      _f(r.get("speedup_vs_chain"), 2), _f(r.get("speedup_vs_torch"), 2),
-                      r.get("check") or "-", verdict])
-    out.append(_md_table(["backend", "median µs", "GB/s", "% copy BW", "x vs chain",
-                          "x vs torch", "check", "verdict"], lines))
+        lines.append(
+            [
+                r["backend"],
+                _f(r["median_us"]),
+                _f(r["GB_s"]),
+                _f(r["pct_of_copy_bw"]),
+                _f(r.get("speedup_vs_chain"), 2),
+                _f(r.get("speedup_vs_torch"), 2),
+                r.get("check") or "-",
+                verdict,
+            ]
+        )
+    out.append(
+        _md_table(["backend", "median µs", "GB/s", "% copy BW", "x vs chain", "x vs torch", "check", "verdict"], lines)
+    )
     out.append("")
     return out
 
@@ -129,24 +153,34 @@ def cascade_headline(benches: dict, markdown: bool = True) -> list[str]:
     skipped = data.get("skipped") or []
     if skipped:
         if markdown:
-            lines += [f"cascade_attention skipped ({len(skipped)}):", ""] + \
-                [f"- {s['case']} {s['backend']}: {s['reason']}" for s in skipped] + [""]
+            lines += (
+                [f"cascade_attention skipped ({len(skipped)}):", ""]
+                + [f"- {s['case']} {s['backend']}: {s['reason']}" for s in skipped]
+                + [""]
+            )
         else:
             lines.append(f"cascade_attention: {len(skipped)} skipped (see summary.md)")
     return lines
 
 
 # plot_results arguments per bench (default: GB/s, one panel per (op, dtype))
-PLOT_KWARGS = {"boundary": {"metric": "median_us", "panel_keys": ("op",)},
-               "verify": {"panel_keys": ("op", "mode")},
-               "cascade_attention": {"metric": "median_us", "panel_keys": ("heads", "prefix")}}
+PLOT_KWARGS = {
+    "boundary": {"metric": "median_us", "panel_keys": ("op",)},
+    "verify": {"panel_keys": ("op", "mode")},
+    "cascade_attention": {"metric": "median_us", "panel_keys": ("heads", "prefix")},
+}
 
 
 # extra per-row columns some benches add (shown when any row of the bench has them)
-EXTRA_COLS = [("x_roofline", "x roofline", 2), ("speedup_vs_plain", "x vs plain", 2),
-              ("speedup_vs_flashinfer", "x vs flashinfer", 2), ("mean_accepted", "mean acc", 2),
-              ("tflops", "TFLOP/s", 1), ("speedup_vs_best_baseline", "x vs best baseline", 2),
-              ("num_splits", "splits", 0)]
+EXTRA_COLS = [
+    ("x_roofline", "x roofline", 2),
+    ("speedup_vs_plain", "x vs plain", 2),
+    ("speedup_vs_flashinfer", "x vs flashinfer", 2),
+    ("mean_accepted", "mean acc", 2),
+    ("tflops", "TFLOP/s", 1),
+    ("speedup_vs_best_baseline", "x vs best baseline", 2),
+    ("num_splits", "splits", 0),
+]
 
 
 def _extra_cols(rows: list[dict]) -> list[tuple]:
@@ -162,59 +196,95 @@ def compact(data: dict) -> list[str]:
     present = [b for b in BACKEND_ORDER if any(b in g for g in groups.values())]
     present += sorted({b for g in groups.values() for b in g} - set(present))
     extra = _extra_cols(rows)
-    header = ["op", "shape", "dtype"] + [f"{b} µs" for b in present] + \
-             ["best", "GB/s", "% copy BW", "x vs torch", "x vs chain"] + [c[1] for c in extra] + \
-             ["checks"]
+    header = (
+        ["op", "shape", "dtype"]
+        + [f"{b} µs" for b in present]
+        + ["best", "GB/s", "% copy BW", "x vs torch", "x vs chain"]
+        + [c[1] for c in extra]
+        + ["checks"]
+    )
     lines = []
     for (op, case, dtype), by_backend in groups.items():
         kernels = [by_backend[b] for b in KERNEL_BACKENDS if b in by_backend]
-        best = min(kernels, key=lambda r: r["median_us"]) if kernels else \
-            min(by_backend.values(), key=lambda r: r["median_us"])
-        bad = [f"{b}:{r['check']}" for b, r in by_backend.items()
-               if not _check_ok(r.get("check"))]
-        lines.append([op, case, dtype] + [_f(by_backend[b]["median_us"]) if b in by_backend else "-"
-                                          for b in present] +
-                     [best["backend"], _f(best["GB_s"]), _f(best["pct_of_copy_bw"]),
-                      _f(best.get("speedup_vs_torch"), 2), _f(best.get("speedup_vs_chain"), 2)] +
-                     [_f(best.get(c[0]), c[2]) for c in extra] +
-                     ["; ".join(bad) if bad else "ok"])
+        best = (
+            min(kernels, key=lambda r: r["median_us"])
+            if kernels
+            else min(by_backend.values(), key=lambda r: r["median_us"])
+        )
+        bad = [f"{b}:{r['check']}" for b, r in by_backend.items() if not _check_ok(r.get("check"))]
+        lines.append(
+            [op, case, dtype]
+            + [_f(by_backend[b]["median_us"]) if b in by_backend else "-" for b in present]
+            + [
+                best["backend"],
+                _f(best["GB_s"]),
+                _f(best["pct_of_copy_bw"]),
+                _f(best.get("speedup_vs_torch"), 2),
+                _f(best.get("speedup_vs_chain"), 2),
+            ]
+            + [_f(best.get(c[0]), c[2]) for c in extra]
+            + ["; ".join(bad) if bad else "ok"]
+        )
     return [_md_table(header, lines), ""]
 
 
 def long_table(data: dict) -> list[str]:
     extra = _extra_cols(data["results"])
-    header = ["op", "shape", "dtype", "backend", "median µs", "p20", "p80", "GB/s", "% copy BW",
-              "x vs torch", "x vs chain"] + [c[1] for c in extra] + ["check"]
-    lines = [[r["op"], r["case"], r["dtype"], r["backend"], _f(r["median_us"]), _f(r["p20_us"]),
-              _f(r["p80_us"]), _f(r["GB_s"]), _f(r["pct_of_copy_bw"]),
-              _f(r.get("speedup_vs_torch"), 2), _f(r.get("speedup_vs_chain"), 2)] +
-             [_f(r.get(c[0]), c[2]) for c in extra] +
-             [r.get("check") or "-"] for r in data["results"]]
+    header = (
+        ["op", "shape", "dtype", "backend", "median µs", "p20", "p80", "GB/s", "% copy BW", "x vs torch", "x vs chain"]
+        + [c[1] for c in extra]
+        + ["check"]
+    )
+    lines = [
+        [
+            r["op"],
+            r["case"],
+            r["dtype"],
+            r["backend"],
+            _f(r["median_us"]),
+            _f(r["p20_us"]),
+            _f(r["p80_us"]),
+            _f(r["GB_s"]),
+            _f(r["pct_of_copy_bw"]),
+            _f(r.get("speedup_vs_torch"), 2),
+            _f(r.get("speedup_vs_chain"), 2),
+        ]
+        + [_f(r.get(c[0]), c[2]) for c in extra]
+        + [r.get("check") or "-"]
+        for r in data["results"]
+    ]
     return [_md_table(header, lines), ""]
 
 
 def render(benches: dict) -> str:
     first = next(iter(benches.values()))
     env, bw = first["env"], first["bandwidth"]
-    out = ["# dspec benchmark summary", "",
-           f"- device: **{env.get('device_name')}** ({env.get('device')}, driver "
-           f"{env.get('driver', '-')}, SMs {env.get('sm_count', '-')})",
-           f"- measured copy bandwidth **{bw['copy_GBs']:.1f} GB/s** (2 x bytes / time of a "
-           f"{bw['copy_bytes'] >> 20} MiB copy), read-only (sum) {bw['read_GBs']:.1f} GB/s",
-           f"- torch {env.get('torch')}, triton {env.get('triton')}, python {env.get('python')}, "
-           f"dspec._C cpp={env.get('dspec_cpp')} cuda={env.get('dspec_cuda')}",
-           f"- commit {env.get('git_commit')} (dirty={env.get('git_dirty')}), "
-           f"{env.get('hostname')}, {env.get('date')}",
-           "- GB/s = roofline bytes (one read of the input + the outputs) / median time; "
-           "speedups are torch-reference (or chain) median / this median.", ""]
+    out = [
+        "# dspec benchmark summary",
+        "",
+        f"- device: **{env.get('device_name')}** ({env.get('device')}, driver "
+        f"{env.get('driver', '-')}, SMs {env.get('sm_count', '-')})",
+        f"- measured copy bandwidth **{bw['copy_GBs']:.1f} GB/s** (2 x bytes / time of a "
+        f"{bw['copy_bytes'] >> 20} MiB copy), read-only (sum) {bw['read_GBs']:.1f} GB/s",
+        f"- torch {env.get('torch')}, triton {env.get('triton')}, python {env.get('python')}, "
+        f"dspec._C cpp={env.get('dspec_cpp')} cuda={env.get('dspec_cuda')}",
+        f"- commit {env.get('git_commit')} (dirty={env.get('git_dirty')}), {env.get('hostname')}, {env.get('date')}",
+        "- GB/s = roofline bytes (one read of the input + the outputs) / median time; "
+        "speedups are torch-reference (or chain) median / this median.",
+        "",
+    ]
     out += headline(benches)
     out += verify_headline(benches)
     out += cascade_headline(benches)
     for name, data in benches.items():
         status = "" if data.get("complete") else " — INCOMPLETE (run stopped early)"
-        out += [f"## {name}{status}", "",
-                f"copy bandwidth {data['bandwidth']['copy_GBs']:.1f} GB/s; "
-                f"config: `{json.dumps(data.get('config', {}), default=str)}`", ""]
+        out += [
+            f"## {name}{status}",
+            "",
+            f"copy bandwidth {data['bandwidth']['copy_GBs']:.1f} GB/s; "
+            f"config: `{json.dumps(data.get('config', {}), default=str)}`",
+            "",
+        ]
         if data.get("errors"):
             out += ["Errors:", ""] + [f"- {e}" for e in data["errors"]] + [""]
         if data["results"]:
@@ -222,8 +292,7 @@ def render(benches: dict) -> str:
     out += ["## All rows", ""]
     for name, data in benches.items():
         if data["results"]:
-            out += ["<details><summary>" + name + "</summary>", ""] + long_table(data) + \
-                   ["</details>", ""]
+            out += ["<details><summary>" + name + "</summary>", ""] + long_table(data) + ["</details>", ""]
     return "\n".join(out)
 
 
@@ -232,8 +301,7 @@ def main(argv=None) -> int:
     p.add_argument("dir", type=Path, help="directory holding the bench_*.py JSON files")
     p.add_argument("--out", type=Path, default=None, help="where to write (default: DIR)")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--plots", default=None,
-                   help="comma-separated benches to draw a PNG for (default: every bench)")
+    p.add_argument("--plots", default=None, help="comma-separated benches to draw a PNG for (default: every bench)")
     p.add_argument("--print", action="store_true", help="print the whole summary.md")
     args = p.parse_args(argv)
     out = args.out or args.dir
@@ -245,9 +313,10 @@ def main(argv=None) -> int:
         return 1
     text = render(benches)
     (out / "summary.md").write_text(text)
-    slim = {name: {**data, "results": [{k: v for k, v in r.items() if k != "raw_us"}
-                                       for r in data["results"]]}
-            for name, data in benches.items()}
+    slim = {
+        name: {**data, "results": [{k: v for k, v in r.items() if k != "raw_us"} for r in data["results"]]}
+        for name, data in benches.items()
+    }
     common.write_json(out / "results.json", {"benches": slim})
     plots = None if args.plots is None else {b.strip() for b in args.plots.split(",") if b.strip()}
     if not args.no_plots:
@@ -269,8 +338,10 @@ def main(argv=None) -> int:
             print("\n".join(cascade_headline(benches, markdown=False)))
         for name, data in benches.items():
             n_bad = sum(1 for r in data["results"] if not _check_ok(r.get("check")))
-            print(f"{name}: {len(data['results'])} rows, complete={data.get('complete')}, "
-                  f"errors={len(data.get('errors', []))}, check mismatches={n_bad}")
+            print(
+                f"{name}: {len(data['results'])} rows, complete={data.get('complete')}, "
+                f"errors={len(data.get('errors', []))}, check mismatches={n_bad}"
+            )
     print(f"wrote {out / 'summary.md'} and {out / 'results.json'}")
     return 0
 

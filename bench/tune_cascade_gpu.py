@@ -21,6 +21,7 @@ the whole run: cases not reached are listed as such.  ``--graph`` times CUDA-gra
 the ~20 us of host work per Triton launch that set the eager numbers of small cases (the first
 sweep's B1 rows); an engine that captures its decode step sees these.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,14 @@ BLOCK_N = (32, 64, 128)
 WARPS = (4, 8)
 STAGES = (2, 3, 4)
 SPLITS = (1, 2, 4, 8, 16, 32)
-HEADS = (32, 8, 128)           # Hq, Hkv, D: the first bench's headline head config
-CASES = (                      # (B, prefix lengths, N): the bench's quick grid + decode-sized
-    (1, [4096], 64), (1, [32768], 64), (64, [4096] * 64, 64), (64, [32768] * 64, 64),
-    (8, [500, 32768, 4096, 1000, 16384, 2000, 8192, 24576], 64), (8, [4096] * 8, 64),
+HEADS = (32, 8, 128)  # Hq, Hkv, D: the first bench's headline head config
+CASES = (  # (B, prefix lengths, N): the bench's quick grid + decode-sized
+    (1, [4096], 64),
+    (1, [32768], 64),
+    (64, [4096] * 64, 64),
+    (64, [32768] * 64, 64),
+    (8, [500, 32768, 4096, 1000, 16384, 2000, 8192, 24576], 64),
+    (8, [4096] * 8, 64),
     (1, [512], 64),
 )
 
@@ -52,8 +57,10 @@ CASES = (                      # (B, prefix lengths, N): the bench's quick grid 
 def configs(smoke: bool) -> list[dict]:
     if smoke:
         return [dict(block_m=16, block_n=16, num_warps=1, num_stages=1, num_splits=s) for s in (1, 2)]
-    return [dict(block_m=m, block_n=n, num_warps=w, num_stages=st, num_splits=s)
-            for m, n, w, st, s in itertools.product(BLOCK_M, BLOCK_N, WARPS, STAGES, SPLITS)]
+    return [
+        dict(block_m=m, block_n=n, num_warps=w, num_stages=st, num_splits=s)
+        for m, n, w, st, s in itertools.product(BLOCK_M, BLOCK_N, WARPS, STAGES, SPLITS)
+    ]
 
 
 def case_name(b: int, lens: list[int], n: int) -> str:
@@ -63,15 +70,18 @@ def case_name(b: int, lens: list[int], n: int) -> str:
 
 def make_inputs(b: int, lens: list[int], n: int, device: str, dtype, seed: int = 0) -> dict:
     import bench_cascade_attention as bca
+
     c = {"Hq": HEADS[0], "Hkv": HEADS[1], "D": HEADS[2], "B": b, "N": n, "lens": lens}
     return bca.make_inputs(c, dtype, device, seed)
 
 
 def run(x: dict, cfg: dict | None):
     from dspec.kernels import cascade_attention as ca
+
     kw = cfg or {}
-    return ca.cascade_attention_triton(x["q"], x["k"], x["v"], x["words"], x["pk"], x["pv"],
-                                       x["indptr"], None, False, max_prefix_len=x["max_p"], **kw)
+    return ca.cascade_attention_triton(
+        x["q"], x["k"], x["v"], x["words"], x["pk"], x["pv"], x["indptr"], None, False, max_prefix_len=x["max_p"], **kw
+    )
 
 
 def _compile_shard(args) -> list[tuple[int, str | None]]:
@@ -95,15 +105,19 @@ def _compile_shard(args) -> list[tuple[int, str | None]]:
 def timer(device: str, graph: bool = False):
     if device == "cuda" and graph:
         from triton.testing import do_bench_cudagraph
+
         return lambda fn: do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
     if device == "cuda":
         from triton.testing import do_bench
+
         return lambda fn: do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
+
     def t(fn):
         fn()
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
+
     return t
 
 
@@ -113,6 +127,7 @@ def copy_bandwidth(device: str) -> float:
     src = torch.ones(1 << 28, device=device)
     dst = torch.empty_like(src)
     from triton.testing import do_bench
+
     ms = do_bench(lambda: dst.copy_(src), warmup=5, rep=50, return_mode="median")
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
 
@@ -148,12 +163,22 @@ def main(argv=None) -> int:
     print(f"compiled {len(cfgs)} configurations in {t_compile:.0f}s ({len(errors)} failed)", flush=True)
 
     import triton
-    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
-            "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype),
-            "heads": HEADS, "compile_s": round(t_compile, 1), "copy_gbs": copy_bandwidth(device),
-            "timer": ("triton.testing.do_bench_cudagraph(rep=20, median): graph replays" if args.graph else
-                      "triton.testing.do_bench(warmup=5, rep=20, median), L2 cleared per rep"),
-            "failed_configs": {json.dumps(cfgs[i]): e for i, e in errors.items()}}
+
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dtype": str(dtype),
+        "heads": HEADS,
+        "compile_s": round(t_compile, 1),
+        "copy_gbs": copy_bandwidth(device),
+        "timer": (
+            "triton.testing.do_bench_cudagraph(rep=20, median): graph replays"
+            if args.graph
+            else "triton.testing.do_bench(warmup=5, rep=20, median), L2 cleared per rep"
+        ),
+        "failed_configs": {json.dumps(cfgs[i]): e for i, e in errors.items()},
+    }
     measure = timer(device, args.graph)
     payload = {"meta": meta, "cases": [], "not_reached": []}
     for b, lens, n in cases:
@@ -163,6 +188,7 @@ def main(argv=None) -> int:
             continue
         x = make_inputs(b, lens, n, device, dtype)
         from dspec.kernels import cascade_attention as ca
+
         chosen = []
         orig = ca.choose_splits
         ca.choose_splits = lambda *a, **k: chosen.append(orig(*a, **k)) or chosen[-1]
@@ -193,17 +219,23 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
             rows.append(row)
-        payload["cases"].append({"name": name, "B": b, "lens": lens, "N": n, "roofline_bytes": nbytes,
-                                 "default": default, "rows": rows})
+        payload["cases"].append(
+            {"name": name, "B": b, "lens": lens, "N": n, "roofline_bytes": nbytes, "default": default, "rows": rows}
+        )
         good = [r for r in rows if "median_us" in r and "error" not in r]
         roof = nbytes / (meta["copy_gbs"] * 1e9) * 1e6 if device == "cuda" else float("nan")
         line = f"{name}: default {default['median_us']:.1f}us (splits {default['splits']}), roofline {roof:.1f}us"
-        for label, sel in (("fused", [r for r in good if r["num_splits"] == 1]),
-                           ("split", [r for r in good if r["num_splits"] > 1]), ("best", good)):
+        for label, sel in (
+            ("fused", [r for r in good if r["num_splits"] == 1]),
+            ("split", [r for r in good if r["num_splits"] > 1]),
+            ("best", good),
+        ):
             if sel:
                 r = min(sel, key=lambda r: r["median_us"])
-                line += (f" | {label} {r['median_us']:.1f}us m{r['block_m']} n{r['block_n']} "
-                         f"w{r['num_warps']} s{r['num_stages']} S{r['num_splits']}")
+                line += (
+                    f" | {label} {r['median_us']:.1f}us m{r['block_m']} n{r['block_n']} "
+                    f"w{r['num_warps']} s{r['num_stages']} S{r['num_splits']}"
+                )
         print(line, flush=True)
         Path(args.out).write_text(json.dumps(payload, indent=1))
         x = ref = None  # frees the tensors; not `del`: closures above read them

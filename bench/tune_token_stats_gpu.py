@@ -12,6 +12,7 @@ checked against the reference (tokens equal, floats rtol 1e-4 / atol 1e-6).  Tim
 ``triton.testing.do_bench`` medians (L2 cleared before each rep); the floor is one read of
 the logits at the measured copy bandwidth (``x.clone()``: read + write).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,13 @@ from dspec.reference.token_stats import token_stats as reference
 
 BLOCKS = (1024, 2048, 4096, 8192)
 WARPS = (4, 8, 16)
-CASES = [(1024, 151936, torch.bfloat16), (64, 151936, torch.bfloat16), (1, 151936, torch.bfloat16),
-         (1024, 49152, torch.bfloat16), (256, 151936, torch.float32)]
+CASES = [
+    (1024, 151936, torch.bfloat16),
+    (64, 151936, torch.bfloat16),
+    (1, 151936, torch.bfloat16),
+    (1024, 49152, torch.bfloat16),
+    (256, 151936, torch.float32),
+]
 
 
 def _agree(out, exp) -> bool:
@@ -55,6 +61,7 @@ def main(argv=None) -> dict:
     cases = [(3, 5000, torch.bfloat16), (2, 3001, torch.float32)] if args.smoke else CASES
     blocks, warps = ((1024, 2048), (4,)) if args.smoke else (BLOCKS, WARPS)
     if args.smoke:
+
         def bench(fn):
             t0 = time.perf_counter()
             fn()
@@ -66,8 +73,11 @@ def main(argv=None) -> dict:
             return do_bench(fn, warmup=100, rep=100)  # warm-up: an idle H100 clocks down
 
     t_start = time.time()
-    payload = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
-               "torch": torch.__version__, "cases": []}
+    payload = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
+        "torch": torch.__version__,
+        "cases": [],
+    }
     copy_gbs = None
     if device == "cuda":
         buf = torch.empty(1 << 28, dtype=torch.uint8, device=device)
@@ -86,8 +96,14 @@ def main(argv=None) -> dict:
         exp = reference(x.float().cpu().to(dtype), 1.0)
         nbytes = x.numel() * x.element_size()
         floor_us = nbytes / (copy_gbs * 1e3) if copy_gbs else None
-        case = {"rows": rows, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""), "bytes": nbytes,
-                "floor_us": floor_us, "results": []}
+        case = {
+            "rows": rows,
+            "vocab": vocab,
+            "dtype": str(dtype).replace("torch.", ""),
+            "bytes": nbytes,
+            "floor_us": floor_us,
+            "results": [],
+        }
 
         def record(name, fn, **cfg):
             try:
@@ -107,8 +123,13 @@ def main(argv=None) -> dict:
         for block, nw, splits in itertools.product(blocks, warps, split_options):
             if block // (16 // x.element_size()) < nw * 32 // 4:  # fewer than 1 group per 4 threads
                 continue
-            record("triton", lambda: token_stats_triton(x, block=block, num_warps=nw, num_splits=splits),
-                   block=block, num_warps=nw, num_splits=splits)
+            record(
+                "triton",
+                lambda: token_stats_triton(x, block=block, num_warps=nw, num_splits=splits),
+                block=block,
+                num_warps=nw,
+                num_splits=splits,
+            )
         good = [r for r in case["results"] if r.get("ok") and r["impl"] == "triton"]
         best = min(good, key=lambda r: r["us"]) if good else None
         case["best_triton"] = best
@@ -121,8 +142,10 @@ def main(argv=None) -> dict:
                 line += f" | {name} {by[name]['us']:.1f} us" + (f" ({pct:.0f}%)" if pct else "")
                 line += "" if by[name]["ok"] else " WRONG"
         if best:
-            line += (f" | best triton {best['us']:.1f} us (block {best['block']}, {best['num_warps']} warps, "
-                     f"splits {best['num_splits']})")
+            line += (
+                f" | best triton {best['us']:.1f} us (block {best['block']}, {best['num_warps']} warps, "
+                f"splits {best['num_splits']})"
+            )
         bad = [r for r in case["results"] if r.get("ok") is False or "error" in r]
         if bad:
             line += f" | {len(bad)} wrong/failed"

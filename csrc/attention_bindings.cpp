@@ -20,9 +20,9 @@ namespace py = pybind11;
 namespace dspec {
 namespace {
 
-void merge_states(std::int64_t o_a, std::int64_t lse_a, std::int64_t o_b, std::int64_t lse_b,
-                  std::int64_t out, std::int64_t lse_out, int dtype, std::int64_t rows,
-                  std::int64_t head_dim, const std::string& device, std::int64_t stream, int num_threads) {
+void merge_states(std::int64_t o_a, std::int64_t lse_a, std::int64_t o_b, std::int64_t lse_b, std::int64_t out,
+                  std::int64_t lse_out, int dtype, std::int64_t rows, std::int64_t head_dim, const std::string& device,
+                  std::int64_t stream, int num_threads) {
   const Checker c{"merge_states"};
   c.float_dtype(dtype, "dtype");
   c.at_least(rows, 0, "rows");
@@ -60,7 +60,6 @@ void merge_states(std::int64_t o_a, std::int64_t lse_a, std::int64_t o_b, std::i
   }
 }
 
-
 // Largest element offset of a [n0, n1, n2, d] view with element strides s0, s1, s2 (unit
 // stride along d), checked against int64 overflow; strides must be >= 0.
 std::int64_t view_extent(const Checker& c, const char* name, std::int64_t n0, std::int64_t n1, std::int64_t n2,
@@ -81,18 +80,16 @@ std::int64_t view_extent(const Checker& c, const char* name, std::int64_t n0, st
 
 }  // namespace
 
-bool cascade_args(const Checker& c, CascadeAttentionArgs& a, std::int64_t q, std::int64_t k, std::int64_t v, std::int64_t out, std::int64_t lse,
-                       std::int64_t mask, std::int64_t prefix_k, std::int64_t prefix_v, std::int64_t prefix_indptr,
-                       std::int64_t page_table, std::int64_t prefix_lens, int dtype, std::int64_t batch,
-                       std::int64_t n, std::int64_t hq, std::int64_t hkv, std::int64_t head_dim, double sm_scale,
-                       std::int64_t q_s0, std::int64_t q_s1, std::int64_t q_s2, std::int64_t k_s0,
-                       std::int64_t k_s1, std::int64_t k_s2, std::int64_t v_s0, std::int64_t v_s1,
-                       std::int64_t v_s2, std::int64_t o_s0, std::int64_t o_s1, std::int64_t o_s2,
-                       std::int64_t mask_s0, std::int64_t mask_s1, std::int64_t pk_s0, std::int64_t pk_s1,
-                       std::int64_t pk_s2, std::int64_t pv_s0, std::int64_t pv_s1, std::int64_t pv_s2,
-                       int indptr_dtype, std::int64_t prefix_rows, std::int64_t page_size,
-                       std::int64_t max_pages, std::int64_t page_table_stride, int num_threads,
-                       const std::string& isa) {
+bool cascade_args(const Checker& c, CascadeAttentionArgs& a, std::int64_t q, std::int64_t k, std::int64_t v,
+                  std::int64_t out, std::int64_t lse, std::int64_t mask, std::int64_t prefix_k, std::int64_t prefix_v,
+                  std::int64_t prefix_indptr, std::int64_t page_table, std::int64_t prefix_lens, int dtype,
+                  std::int64_t batch, std::int64_t n, std::int64_t hq, std::int64_t hkv, std::int64_t head_dim,
+                  double sm_scale, std::int64_t q_s0, std::int64_t q_s1, std::int64_t q_s2, std::int64_t k_s0,
+                  std::int64_t k_s1, std::int64_t k_s2, std::int64_t v_s0, std::int64_t v_s1, std::int64_t v_s2,
+                  std::int64_t o_s0, std::int64_t o_s1, std::int64_t o_s2, std::int64_t mask_s0, std::int64_t mask_s1,
+                  std::int64_t pk_s0, std::int64_t pk_s1, std::int64_t pk_s2, std::int64_t pv_s0, std::int64_t pv_s1,
+                  std::int64_t pv_s2, int indptr_dtype, std::int64_t prefix_rows, std::int64_t page_size,
+                  std::int64_t max_pages, std::int64_t page_table_stride, int num_threads, const std::string& isa) {
   c.float_dtype(dtype, "dtype");
   c.at_least(batch, 0, "batch");
   c.at_least(n, 0, "n");
@@ -227,22 +224,21 @@ namespace {
 
 void cascade_attention(std::int64_t q, std::int64_t k, std::int64_t v, std::int64_t out, std::int64_t lse,
                        std::int64_t mask, std::int64_t prefix_k, std::int64_t prefix_v, std::int64_t prefix_indptr,
-                       std::int64_t page_table, std::int64_t prefix_lens, int dtype, std::int64_t batch,
-                       std::int64_t n, std::int64_t hq, std::int64_t hkv, std::int64_t head_dim, double sm_scale,
-                       std::int64_t q_s0, std::int64_t q_s1, std::int64_t q_s2, std::int64_t k_s0,
-                       std::int64_t k_s1, std::int64_t k_s2, std::int64_t v_s0, std::int64_t v_s1,
-                       std::int64_t v_s2, std::int64_t o_s0, std::int64_t o_s1, std::int64_t o_s2,
-                       std::int64_t mask_s0, std::int64_t mask_s1, std::int64_t pk_s0, std::int64_t pk_s1,
-                       std::int64_t pk_s2, std::int64_t pv_s0, std::int64_t pv_s1, std::int64_t pv_s2,
-                       int indptr_dtype, std::int64_t prefix_rows, std::int64_t page_size,
+                       std::int64_t page_table, std::int64_t prefix_lens, int dtype, std::int64_t batch, std::int64_t n,
+                       std::int64_t hq, std::int64_t hkv, std::int64_t head_dim, double sm_scale, std::int64_t q_s0,
+                       std::int64_t q_s1, std::int64_t q_s2, std::int64_t k_s0, std::int64_t k_s1, std::int64_t k_s2,
+                       std::int64_t v_s0, std::int64_t v_s1, std::int64_t v_s2, std::int64_t o_s0, std::int64_t o_s1,
+                       std::int64_t o_s2, std::int64_t mask_s0, std::int64_t mask_s1, std::int64_t pk_s0,
+                       std::int64_t pk_s1, std::int64_t pk_s2, std::int64_t pv_s0, std::int64_t pv_s1,
+                       std::int64_t pv_s2, int indptr_dtype, std::int64_t prefix_rows, std::int64_t page_size,
                        std::int64_t max_pages, std::int64_t page_table_stride, int num_threads,
                        const std::string& isa) {
   const Checker c{"cascade_attention"};
   CascadeAttentionArgs a;
   if (!cascade_args(c, a, q, k, v, out, lse, mask, prefix_k, prefix_v, prefix_indptr, page_table, prefix_lens, dtype,
-                    batch, n, hq, hkv, head_dim, sm_scale, q_s0, q_s1, q_s2, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
-                    o_s0, o_s1, o_s2, mask_s0, mask_s1, pk_s0, pk_s1, pk_s2, pv_s0, pv_s1, pv_s2, indptr_dtype,
-                    prefix_rows, page_size, max_pages, page_table_stride, num_threads, isa)) {
+                    batch, n, hq, hkv, head_dim, sm_scale, q_s0, q_s1, q_s2, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, o_s0,
+                    o_s1, o_s2, mask_s0, mask_s1, pk_s0, pk_s1, pk_s2, pv_s0, pv_s1, pv_s2, indptr_dtype, prefix_rows,
+                    page_size, max_pages, page_table_stride, num_threads, isa)) {
     return;
   }
   py::gil_scoped_release release;
@@ -253,22 +249,22 @@ void cascade_attention(std::int64_t q, std::int64_t k, std::int64_t v, std::int6
 
 void register_attention(py::module_& m) {
   m.def("merge_states", &merge_states, py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"),
-        py::arg("out"), py::arg("lse_out"), py::arg("dtype"), py::arg("rows"), py::arg("head_dim"),
-        py::arg("device"), py::arg("stream") = 0, py::arg("num_threads") = 0,
+        py::arg("out"), py::arg("lse_out"), py::arg("dtype"), py::arg("rows"), py::arg("head_dim"), py::arg("device"),
+        py::arg("stream") = 0, py::arg("num_threads") = 0,
         R"doc(Merge two partial attention states: o [rows, head_dim] (dtype code 0 fp32, 1 fp16,
 2 bf16, contiguous; head_dim 0 merges only the lse) with lse [rows] float32 each, into out /
 lse_out.  num_threads: CPU threads at most (0: dspec.cpu.kernel_threads()).  Raises ValueError for a
 bad argument, RuntimeError when a CUDA launch fails.)doc");
   m.def("cascade_attention", &cascade_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
         py::arg("lse"), py::arg("mask"), py::arg("prefix_k"), py::arg("prefix_v"), py::arg("prefix_indptr"),
-        py::arg("page_table"), py::arg("prefix_lens"), py::arg("dtype"), py::arg("batch"), py::arg("n"),
-        py::arg("hq"), py::arg("hkv"), py::arg("head_dim"), py::arg("sm_scale"), py::arg("q_s0"),
-        py::arg("q_s1"), py::arg("q_s2"), py::arg("k_s0"), py::arg("k_s1"), py::arg("k_s2"), py::arg("v_s0"),
-        py::arg("v_s1"), py::arg("v_s2"), py::arg("out_s0"), py::arg("out_s1"), py::arg("out_s2"),
-        py::arg("mask_s0"), py::arg("mask_s1"), py::arg("prefix_k_s0"), py::arg("prefix_k_s1"),
-        py::arg("prefix_k_s2"), py::arg("prefix_v_s0"), py::arg("prefix_v_s1"), py::arg("prefix_v_s2"),
-        py::arg("indptr_dtype"), py::arg("prefix_rows"), py::arg("page_size"), py::arg("max_pages"),
-        py::arg("page_table_stride"), py::arg("num_threads"), py::arg("isa") = "auto",
+        py::arg("page_table"), py::arg("prefix_lens"), py::arg("dtype"), py::arg("batch"), py::arg("n"), py::arg("hq"),
+        py::arg("hkv"), py::arg("head_dim"), py::arg("sm_scale"), py::arg("q_s0"), py::arg("q_s1"), py::arg("q_s2"),
+        py::arg("k_s0"), py::arg("k_s1"), py::arg("k_s2"), py::arg("v_s0"), py::arg("v_s1"), py::arg("v_s2"),
+        py::arg("out_s0"), py::arg("out_s1"), py::arg("out_s2"), py::arg("mask_s0"), py::arg("mask_s1"),
+        py::arg("prefix_k_s0"), py::arg("prefix_k_s1"), py::arg("prefix_k_s2"), py::arg("prefix_v_s0"),
+        py::arg("prefix_v_s1"), py::arg("prefix_v_s2"), py::arg("indptr_dtype"), py::arg("prefix_rows"),
+        py::arg("page_size"), py::arg("max_pages"), py::arg("page_table_stride"), py::arg("num_threads"),
+        py::arg("isa") = "auto",
         R"doc(cascade_attention on CPU tensors (flash-style online softmax, fp32 state).
 
 Addresses (0 = absent): q [B, N, Hq, D], k / v [B, N, Hkv, D], out [B, N, Hq, D] (dtype code
@@ -286,15 +282,16 @@ run on the calling thread; the result does not depend on it.  isa: 'auto', 'gene
 the AVX-512 tiles for other inputs; 'auto' picks it where the CPU has it; its bits differ
 from the AVX-512 tiles').  The GIL is released while it runs.  Raises ValueError for a
 bad argument (including prefix indptr / lengths / page ids out of range).)doc");
-  m.def("cascade_attention_isa",
-        [](int dtype, std::int64_t head_dim) {
-          if (dtype >= 0 && cascade_attention_has_amx(dtype, head_dim)) return std::string("amx");
-          return std::string(cascade_attention_has_avx512() ? "avx512" : cpu::has_avx2() ? "avx2" : "generic");
-        },
-        py::arg("dtype") = -1, py::arg("head_dim") = 64,
-        "The tile code cascade_attention runs on this CPU with isa='auto' for inputs of this dtype code (0 fp32, "
-        "1 fp16, 2 bf16) and head_dim: 'amx', 'avx512', 'avx2' or 'generic' (within $DSPEC_CPU_ISA); without a "
-        "dtype, the code of float32 inputs.");
+  m.def(
+      "cascade_attention_isa",
+      [](int dtype, std::int64_t head_dim) {
+        if (dtype >= 0 && cascade_attention_has_amx(dtype, head_dim)) return std::string("amx");
+        return std::string(cascade_attention_has_avx512() ? "avx512" : cpu::has_avx2() ? "avx2" : "generic");
+      },
+      py::arg("dtype") = -1, py::arg("head_dim") = 64,
+      "The tile code cascade_attention runs on this CPU with isa='auto' for inputs of this dtype code (0 fp32, "
+      "1 fp16, 2 bf16) and head_dim: 'amx', 'avx512', 'avx2' or 'generic' (within $DSPEC_CPU_ISA); without a "
+      "dtype, the code of float32 inputs.");
 }
 
 }  // namespace dspec

@@ -23,9 +23,8 @@ bool cascade_args(const Checker& c, CascadeAttentionArgs& a, std::int64_t q, std
                   std::int64_t batch, std::int64_t n, std::int64_t hq, std::int64_t hkv, std::int64_t head_dim,
                   double sm_scale, std::int64_t q_s0, std::int64_t q_s1, std::int64_t q_s2, std::int64_t k_s0,
                   std::int64_t k_s1, std::int64_t k_s2, std::int64_t v_s0, std::int64_t v_s1, std::int64_t v_s2,
-                  std::int64_t o_s0, std::int64_t o_s1, std::int64_t o_s2, std::int64_t mask_s0,
-                  std::int64_t mask_s1, std::int64_t pk_s0, std::int64_t pk_s1, std::int64_t pk_s2,
-                  std::int64_t pv_s0, std::int64_t pv_s1, std::int64_t pv_s2, int indptr_dtype,
-                  std::int64_t prefix_rows, std::int64_t page_size, std::int64_t max_pages,
-                  std::int64_t page_table_stride, int num_threads, const std::string& isa);
-}
+                  std::int64_t o_s0, std::int64_t o_s1, std::int64_t o_s2, std::int64_t mask_s0, std::int64_t mask_s1,
+                  std::int64_t pk_s0, std::int64_t pk_s1, std::int64_t pk_s2, std::int64_t pv_s0, std::int64_t pv_s1,
+                  std::int64_t pv_s2, int indptr_dtype, std::int64_t prefix_rows, std::int64_t page_size,
+                  std::int64_t max_pages, std::int64_t page_table_stride, int num_threads, const std::string& isa);
+}  // namespace dspec

@@ -15,19 +15,19 @@
 namespace dspec {
 
 struct BestFirstTreeArgs {
-  const void* probs = nullptr;   // batch x slots x k, contiguous; float32 / float16 / bfloat16
+  const void* probs = nullptr;  // batch x slots x k, contiguous; float32 / float16 / bfloat16
   int probs_dtype = kFloat32;
   const void* tokens = nullptr;  // batch x slots x k, contiguous; int32 / int64
   int tokens_dtype = kInt64;
   std::int64_t batch = 0;
   std::int64_t slots = 0;
   std::int64_t k = 0;
-  std::int64_t nodes = 0;        // N <= the number of paths: nodes emitted per request
+  std::int64_t nodes = 0;  // N <= the number of paths: nodes emitted per request
   // outputs, each batch x nodes, contiguous, in pop order
   std::int64_t* out_tokens = nullptr;
   std::int64_t* out_parents = nullptr;  // -1: a child of the root, else an earlier node's index
   float* out_scores = nullptr;
-  std::int64_t* out_depth = nullptr;    // 1 .. slots
+  std::int64_t* out_depth = nullptr;  // 1 .. slots
 };
 
 void best_first_tree_cpu(const BestFirstTreeArgs& args);

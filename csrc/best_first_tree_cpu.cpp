@@ -26,9 +26,7 @@ struct Entry {
 };
 
 // std::push_heap / pop_heap keep the "largest" on top: higher score, then lower seq.
-bool below(const Entry& a, const Entry& b) {
-  return a.score < b.score || (a.score == b.score && a.seq > b.seq);
-}
+bool below(const Entry& a, const Entry& b) { return a.score < b.score || (a.score == b.score && a.seq > b.seq); }
 
 float factor(float p) {
   return p > 0.0f ? (p < 1.0f ? p : 1.0f) : 0.0f;  // NaN fails p > 0: 0
@@ -51,7 +49,8 @@ void best_first_tree_cpu(const BestFirstTreeArgs& a) {
     const std::int64_t base = b * lk;
     // each slot's factors and tokens in rank order
     for (std::int64_t d = 0; d < L; ++d) {
-      for (std::int64_t c = 0; c < k; ++c) raw[static_cast<std::size_t>(c)] = factor(dt::load(a.probs, a.probs_dtype, base + d * k + c));
+      for (std::int64_t c = 0; c < k; ++c)
+        raw[static_cast<std::size_t>(c)] = factor(dt::load(a.probs, a.probs_dtype, base + d * k + c));
       std::iota(order.begin(), order.end(), std::int64_t{0});
       std::stable_sort(order.begin(), order.end(), [&](std::int64_t x, std::int64_t y) {
         return raw[static_cast<std::size_t>(x)] > raw[static_cast<std::size_t>(y)];
@@ -83,7 +82,8 @@ void best_first_tree_cpu(const BestFirstTreeArgs& a) {
         std::push_heap(heap.begin(), heap.end(), below);
       }
       if (e.depth + 1 < L) {  // the best child: next slot's best candidate
-        heap.push_back({e.score * fs[static_cast<std::size_t>((e.depth + 1) * k)], e.score, 2 + 2 * i, e.depth + 1, 0, i});
+        heap.push_back(
+            {e.score * fs[static_cast<std::size_t>((e.depth + 1) * k)], e.score, 2 + 2 * i, e.depth + 1, 0, i});
         std::push_heap(heap.begin(), heap.end(), below);
       }
     }

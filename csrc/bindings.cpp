@@ -95,8 +95,9 @@ void token_stats(std::int64_t logits_ptr, int dtype, std::int64_t rows, std::int
   c.ptr(lse_ptr, "lse_ptr", 4);
   if (num_splits > 1) {
     if (workspace_ptr == 0) {
-      c.fail("workspace_ptr is a null pointer; num_splits > 1 needs token_stats_workspace_bytes(rows, num_splits) "
-             "bytes of workspace");
+      c.fail(
+          "workspace_ptr is a null pointer; num_splits > 1 needs token_stats_workspace_bytes(rows, num_splits) "
+          "bytes of workspace");
     }
     c.ptr(workspace_ptr, "workspace_ptr", 4);
   }
@@ -150,8 +151,8 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("token_stats", &token_stats, py::arg("logits_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("vocab"),
         py::arg("row_stride"), py::arg("inv_temperature"), py::arg("token_ptr"), py::arg("prob_ptr"),
-        py::arg("margin_ptr"), py::arg("entropy_ptr"), py::arg("lse_ptr"), py::arg("device"),
-        py::arg("stream") = 0, py::arg("num_splits") = 1, py::arg("workspace_ptr") = 0, py::arg("num_threads") = 0,
+        py::arg("margin_ptr"), py::arg("entropy_ptr"), py::arg("lse_ptr"), py::arg("device"), py::arg("stream") = 0,
+        py::arg("num_splits") = 1, py::arg("workspace_ptr") = 0, py::arg("num_threads") = 0,
         R"doc(Per-row argmax, its probability, top-1 minus top-2 probability, entropy and logsumexp.
 
 logits_ptr: rows x vocab logits, unit stride along vocab, row_stride elements between rows;
@@ -164,11 +165,13 @@ validates but otherwise ignores num_splits / workspace_ptr.  num_threads: CPU th
 (0: dspec.cpu.kernel_threads()).  rows == 0 is a no-op.
 Raises ValueError for a bad argument, RuntimeError when a CUDA launch fails.)doc");
 
-  m.def("cpu_isa", [] { return std::string(kIsaNames[dspec::cpu::isa_level()]); },
-        "The instruction-set level dspec's C++ CPU kernels run at: 'generic', 'avx2', 'avx512' or 'amx' "
-        "(the CPU's highest, capped by $DSPEC_CPU_ISA or set_cpu_isa_cap).");
-  m.def("cpu_isa_of_cpu", [] { return std::string(kIsaNames[dspec::cpu::cpu_level()]); },
-        "The highest instruction-set level of this CPU that dspec has code for, the cap aside.");
+  m.def(
+      "cpu_isa", [] { return std::string(kIsaNames[dspec::cpu::isa_level()]); },
+      "The instruction-set level dspec's C++ CPU kernels run at: 'generic', 'avx2', 'avx512' or 'amx' "
+      "(the CPU's highest, capped by $DSPEC_CPU_ISA or set_cpu_isa_cap).");
+  m.def(
+      "cpu_isa_of_cpu", [] { return std::string(kIsaNames[dspec::cpu::cpu_level()]); },
+      "The highest instruction-set level of this CPU that dspec has code for, the cap aside.");
   m.def(
       "set_cpu_isa_cap",
       [](const std::string& level) {
@@ -189,15 +192,15 @@ Raises ValueError for a bad argument, RuntimeError when a CUDA launch fails.)doc
   m.def("token_stats_workspace_bytes", &workspace_bytes, py::arg("rows"), py::arg("num_splits"),
         "Bytes of workspace token_stats needs for num_splits > 1 (rows * num_splits * 24), else 0.");
 
-  dspec::register_masks(m);  // csrc/masks_bindings.cpp
-  dspec::register_verify(m);  // csrc/verify_bindings.cpp
-  dspec::register_attention(m);  // csrc/attention_bindings.cpp
+  dspec::register_masks(m);             // csrc/masks_bindings.cpp
+  dspec::register_verify(m);            // csrc/verify_bindings.cpp
+  dspec::register_attention(m);         // csrc/attention_bindings.cpp
   dspec::register_diffuspec_search(m);  // csrc/diffuspec_search_bindings.cpp
-  dspec::register_layer_ops(m);  // csrc/layer_ops_bindings.cpp
-  dspec::register_topk(m);  // csrc/topk_bindings.cpp
-  dspec::register_linear(m);  // csrc/linear_bindings.cpp
-  dspec::register_decoder(m);  // csrc/decoder_bindings.cpp
-  dspec::register_selfspec(m);  // csrc/selfspec_bindings.cpp
-  dspec::register_s2d2(m);  // csrc/s2d2_bindings.cpp
-  dspec::register_best_first_tree(m);  // csrc/best_first_tree_bindings.cpp
+  dspec::register_layer_ops(m);         // csrc/layer_ops_bindings.cpp
+  dspec::register_topk(m);              // csrc/topk_bindings.cpp
+  dspec::register_linear(m);            // csrc/linear_bindings.cpp
+  dspec::register_decoder(m);           // csrc/decoder_bindings.cpp
+  dspec::register_selfspec(m);          // csrc/selfspec_bindings.cpp
+  dspec::register_s2d2(m);              // csrc/s2d2_bindings.cpp
+  dspec::register_best_first_tree(m);   // csrc/best_first_tree_bindings.cpp
 }

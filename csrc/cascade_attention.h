@@ -23,12 +23,12 @@ enum CascadePrefix : int { kPrefixNone = 0, kPrefixRagged = 1, kPrefixPaged = 2 
 enum CascadeIsa : int { kIsaAuto = 0, kIsaGeneric = 1, kIsaAvx512 = 2, kIsaAmx = 3, kIsaAvx2 = 4 };
 
 struct CascadeAttentionArgs {
-  int dtype = kFloat32;           // q, k, v, out, prefix_k, prefix_v
-  std::int64_t batch = 0;         // B
-  std::int64_t n = 0;             // N suffix tokens per request
-  std::int64_t hq = 0;            // query heads
-  std::int64_t hkv = 0;           // KV heads (hq % hkv == 0; query head h uses h / (hq / hkv))
-  std::int64_t head_dim = 0;      // D
+  int dtype = kFloat32;       // q, k, v, out, prefix_k, prefix_v
+  std::int64_t batch = 0;     // B
+  std::int64_t n = 0;         // N suffix tokens per request
+  std::int64_t hq = 0;        // query heads
+  std::int64_t hkv = 0;       // KV heads (hq % hkv == 0; query head h uses h / (hq / hkv))
+  std::int64_t head_dim = 0;  // D
   float sm_scale = 1.0f;
 
   // [B, N, H, D] tensors: element strides of (batch, token, head)
@@ -40,7 +40,7 @@ struct CascadeAttentionArgs {
   std::int64_t v_stride[3] = {0, 0, 0};
   void* out = nullptr;
   std::int64_t out_stride[3] = {0, 0, 0};
-  float* lse = nullptr;           // [B, N, Hq] contiguous, natural log; nullptr: not wanted
+  float* lse = nullptr;  // [B, N, Hq] contiguous, natural log; nullptr: not wanted
 
   // packed int32 words, row i bit j = suffix query i sees suffix key j; strides (batch,
   // row) in words, batch stride 0 for one mask shared by the batch; nullptr: all visible
@@ -61,7 +61,7 @@ struct CascadeAttentionArgs {
   const std::int32_t* prefix_lens = nullptr;
   std::int64_t page_size = 1;
 
-  int num_threads = 1;            // upper bound; small calls run on the calling thread
+  int num_threads = 1;  // upper bound; small calls run on the calling thread
   int isa = kIsaAuto;
 };
 

@@ -69,8 +69,8 @@
 namespace dspec {
 namespace {
 
-constexpr int kKeyTile = 64;               // keys per tile: two mask words
-constexpr int kPvChunk = 4;                // d vectors per P V register block (x 6 rows)
+constexpr int kKeyTile = 64;                // keys per tile: two mask words
+constexpr int kPvChunk = 4;                 // d vectors per P V register block (x 6 rows)
 constexpr std::int64_t kMaxTileRows = 128;  // rows (token x head) of a work unit, at most
 // Threads: below kMinParallelFlops (~50 us of work on one core) a call runs on the calling
 // thread (waking a sleeping worker costs tens of microseconds, more on a busy machine);
@@ -93,8 +93,7 @@ constexpr std::int64_t kUnitStateBytes = std::int64_t(512) << 10;
 
 // ------------------------------------------------------------------------------ kernels
 using PackFn = void (*)(const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp, float* out);
-using QkFn = void (*)(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s,
-                      float scale);
+using QkFn = void (*)(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s, float scale);
 using SoftmaxFn = void (*)(float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits, float* mrun,
                            float* lrun, float* alpha);
 using PvFn = void (*)(const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t dp,
@@ -107,7 +106,7 @@ struct Ops {
   PackFn pack_v;  // V rows -> [kt][dp]: columns d >= D zero
   QkFn qk;        // s[r][j] = sum_d qp[r][d] kt[d][j], j < 16 * nv (times scale where unscaled_q)
   SoftmaxFn softmax;
-  PvFn pv;        // o[r] = alpha[r] o[r] + sum_j p[r][j] v[j]
+  PvFn pv;  // o[r] = alpha[r] o[r] + sum_j p[r][j] v[j]
   // null, or the AMX tiles' re-layout of the scaled Q rows in place (once per unit); the
   // AMX pack_k / pack_v / qk / pv then use their own layouts of the same buffers
   PrepareQFn prepare_q = nullptr;
@@ -130,8 +129,8 @@ DSPEC_CA_INLINE void pack_k_rows(const void* const* rows, int kt, std::int64_t d
 }
 
 DSPEC_CPU_MULTI_V3(void, pack_k_generic,
-                (const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp, float* out),
-                (rows, kt, dtype, d, dp, out)) {
+                   (const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp, float* out),
+                   (rows, kt, dtype, d, dp, out)) {
   const int cols = (kt + 15) / 16 * 16;
   switch (dtype) {
     case kFloat16: pack_k_rows<kFloat16>(rows, kt, d, out); break;
@@ -158,8 +157,8 @@ DSPEC_CA_INLINE void pack_v_rows(const void* const* rows, int kt, std::int64_t d
 }
 
 DSPEC_CPU_MULTI_V3(void, pack_v_generic,
-                (const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp, float* out),
-                (rows, kt, dtype, d, dp, out)) {
+                   (const void* const* rows, int kt, int dtype, std::int64_t d, std::int64_t dp, float* out),
+                   (rows, kt, dtype, d, dp, out)) {
   switch (dtype) {
     case kFloat16: pack_v_rows<kFloat16>(rows, kt, d, dp, out); break;
     case kBFloat16: pack_v_rows<kBFloat16>(rows, kt, d, dp, out); break;
@@ -169,8 +168,8 @@ DSPEC_CPU_MULTI_V3(void, pack_v_generic,
 
 // (pre-scaled Q rows: scale is 1)
 DSPEC_CPU_MULTI_V3(void, qk_generic,
-                (const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s, float unused6),
-                (qp, m, dp, kt, nv, s, unused6)) {
+                   (const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s, float unused6),
+                   (qp, m, dp, kt, nv, s, unused6)) {
   const int cols = 16 * nv;
   for (std::int64_t r = 0; r < m; ++r) {
     alignas(64) float acc[kKeyTile] = {};
@@ -185,9 +184,9 @@ DSPEC_CPU_MULTI_V3(void, qk_generic,
 }
 
 DSPEC_CPU_MULTI_V3(void, softmax_generic,
-                (float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits, float* mrun, float* lrun,
-                 float* alpha),
-                (s, m, kt, nv, bits, mrun, lrun, alpha)) {
+                   (float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits, float* mrun, float* lrun,
+                    float* alpha),
+                   (s, m, kt, nv, bits, mrun, lrun, alpha)) {
   const int cols = 16 * nv;
   const std::uint64_t kt_bits = kt >= 64 ? ~std::uint64_t(0) : ((std::uint64_t(1) << kt) - 1);
   for (std::int64_t r = 0; r < m; ++r) {
@@ -220,9 +219,9 @@ DSPEC_CPU_MULTI_V3(void, softmax_generic,
 }
 
 DSPEC_CPU_MULTI_V3(void, pv_generic,
-                (const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t dp,
-                 const float* alpha, float* o),
-                (p, m, kt, vrows, dp, alpha, o)) {
+                   (const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t dp,
+                    const float* alpha, float* o),
+                   (p, m, kt, vrows, dp, alpha, o)) {
   for (std::int64_t r = 0; r < m; ++r) {
     float* orow = o + r * dp;
     const float al = alpha[r];
@@ -287,8 +286,7 @@ DSPEC_CA_AVX2_INLINE void qk_cols_avx2(const float* qp, std::int64_t m, std::int
 }
 
 // (pre-scaled Q rows: scale is 1); key columns in chunks of at most 32
-DSPEC_CA_AVX2 void qk_avx2(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s,
-                           float) {
+DSPEC_CA_AVX2 void qk_avx2(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s, float) {
   for (int c0 = 0; c0 < 16 * nv; c0 += 32) {
     if (16 * nv - c0 >= 32) {
       qk_cols_avx2<4>(qp, m, dp, kt + c0, s + c0);
@@ -500,8 +498,8 @@ DSPEC_AVX512_INLINE __m512 exp2_avx512(__m512 x) {
 // a row keeps its max while no score exceeds it by more than kLazyMax (P <= 2^kLazyMax,
 // far from fp32 overflow), so most tiles need no horizontal max and no rescale.  The row
 // sums stay 16-lane vectors (lrun [rows][16]), reduced once at the end.
-DSPEC_AVX512_INLINE void softmax_rows(float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits,
-                                      float* mrun, float* lrun, float* alpha) {
+DSPEC_AVX512_INLINE void softmax_rows(float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits, float* mrun,
+                                      float* lrun, float* alpha) {
   const std::uint64_t kt_bits = kt >= 64 ? ~std::uint64_t(0) : ((std::uint64_t(1) << kt) - 1);
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   for (std::int64_t r = 0; r < m; ++r) {
@@ -517,9 +515,9 @@ DSPEC_AVX512_INLINE void softmax_rows(float* s, std::int64_t m, int kt, int nv, 
     if (rb == ~std::uint64_t(0)) {  // a full tile, every key visible (nv == 4)
       __m512 x[4];
       for (int c = 0; c < 4; ++c) x[c] = _mm512_load_ps(row + 16 * c);
-      const __mmask16 over = static_cast<__mmask16>(
-          _mm512_cmp_ps_mask(x[0], thr, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x[1], thr, _CMP_GT_OQ) |
-          _mm512_cmp_ps_mask(x[2], thr, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x[3], thr, _CMP_GT_OQ));
+      const __mmask16 over =
+          static_cast<__mmask16>(_mm512_cmp_ps_mask(x[0], thr, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x[1], thr, _CMP_GT_OQ) |
+                                 _mm512_cmp_ps_mask(x[2], thr, _CMP_GT_OQ) | _mm512_cmp_ps_mask(x[3], thr, _CMP_GT_OQ));
       float nm = old, al = 1.0f;
       if (over) {
         nm = std::max(old, _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]))));
@@ -573,8 +571,8 @@ DSPEC_AVX512 void softmax_avx512(float* s, std::int64_t m, int kt, int nv, const
 
 // O rows [MR] x d vectors [DV] (one chunk of the row): alpha * O + P V.
 template <int MR, int DV>
-DSPEC_AVX512_INLINE void pv_block(const float* p, int kt, const float* const* vrows, std::int64_t d0,
-                                  std::int64_t dp, const float* alpha, float* o) {
+DSPEC_AVX512_INLINE void pv_block(const float* p, int kt, const float* const* vrows, std::int64_t d0, std::int64_t dp,
+                                  const float* alpha, float* o) {
   __m512 acc[MR][DV];
   for (int r = 0; r < MR; ++r) {
     const __m512 al = _mm512_set1_ps(alpha[r]);
@@ -595,8 +593,8 @@ DSPEC_AVX512_INLINE void pv_block(const float* p, int kt, const float* const* vr
 }
 
 template <int DV, int R>
-DSPEC_AVX512_INLINE void pv_tail(std::int64_t rem, const float* p, int kt, const float* const* vrows,
-                                 std::int64_t d0, std::int64_t dp, const float* alpha, float* o) {
+DSPEC_AVX512_INLINE void pv_tail(std::int64_t rem, const float* p, int kt, const float* const* vrows, std::int64_t d0,
+                                 std::int64_t dp, const float* alpha, float* o) {
   if constexpr (R > 0) {
     if (rem == R) {
       pv_block<R, DV>(p, kt, vrows, d0, dp, alpha, o);
@@ -607,8 +605,8 @@ DSPEC_AVX512_INLINE void pv_tail(std::int64_t rem, const float* p, int kt, const
 }
 
 template <int DV>
-DSPEC_AVX512_INLINE void pv_rows(const float* p, std::int64_t m, int kt, const float* const* vrows,
-                                 std::int64_t d0, std::int64_t dp, const float* alpha, float* o) {
+DSPEC_AVX512_INLINE void pv_rows(const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t d0,
+                                 std::int64_t dp, const float* alpha, float* o) {
   constexpr int MR = std::min(12, 24 / DV);
   std::int64_t r = 0;
   for (; r + MR <= m; r += MR) pv_block<MR, DV>(p + r * kKeyTile, kt, vrows, d0, dp, alpha + r, o + r * dp + d0);
@@ -681,7 +679,7 @@ DSPEC_CA_AMX void prepare_q_amx(float* qp, std::int64_t rows, std::int64_t dp) {
   for (std::int64_t r = 0; r < rows; ++r) {
     float* q = qp + r * dp;
     auto* out = reinterpret_cast<std::uint16_t*>(q);
-    for (std::int64_t d0 = 0; d0 < dp; d0 += 16) {   // out's 32 bytes lie below q + d0's 64
+    for (std::int64_t d0 = 0; d0 < dp; d0 += 16) {  // out's 32 bytes lie below q + d0's 64
       const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(_mm512_load_ps(q + d0)), 16);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d0), _mm512_cvtepi32_epi16(bits));
     }
@@ -706,7 +704,7 @@ DSPEC_CA_AMX void pack_k_amx(const void* const* rows, int kt, int, std::int64_t 
 
 DSPEC_CA_AMX void pack_v_amx(const void* const* rows, int kt, int, std::int64_t d, std::int64_t dp, float* out) {
   // key pairs interleaved along d: out16[((j / 2) * dp + c) * 2 + j % 2] = V[j][c]
-  alignas(64) static constexpr std::uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+  alignas(64) static constexpr std::uint16_t kLo[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                                         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static constexpr std::uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
@@ -726,11 +724,11 @@ DSPEC_CA_AMX void pack_v_amx(const void* const* rows, int kt, int, std::int64_t 
   }
 }
 
-#define DSPEC_CA_AMX_DOT(C, B, base, stride)                         \
-  do {                                                               \
-    _tile_loadd(B, base, stride);                                    \
-    _tile_dpbf16ps(C, 4, B);                                         \
-    _tile_dpbf16ps(C, 5, B);                                         \
+#define DSPEC_CA_AMX_DOT(C, B, base, stride) \
+  do {                                       \
+    _tile_loadd(B, base, stride);            \
+    _tile_dpbf16ps(C, 4, B);                 \
+    _tile_dpbf16ps(C, 5, B);                 \
   } while (0)
 
 DSPEC_CA_AMX void qk_amx(const float* qp, std::int64_t m, std::int64_t dp, const float* kt, int nv, float* s,
@@ -773,7 +771,8 @@ DSPEC_CA_AMX void qk_amx(const float* qp, std::int64_t m, std::int64_t dp, const
     std::atomic_signal_fence(std::memory_order_seq_cst);  // tile stores are asm
     const __m512 sc = _mm512_set1_ps(scale);
     for (int r = 0; r < mr; ++r) {
-      for (int c = 0; c < nv; ++c) _mm512_store_ps(sr + r * kKeyTile + 16 * c, _mm512_mul_ps(_mm512_load_ps(sr + r * kKeyTile + 16 * c), sc));
+      for (int c = 0; c < nv; ++c)
+        _mm512_store_ps(sr + r * kKeyTile + 16 * c, _mm512_mul_ps(_mm512_load_ps(sr + r * kKeyTile + 16 * c), sc));
     }
   }
 }
@@ -858,10 +857,10 @@ struct Geometry {
 // short last chunk -- share `merge`: their chunk states go to scratch slots slot0 + chunk.
 struct Unit {
   std::int64_t b = 0, h0 = 0, i0 = 0, i1 = 0;
-  std::int64_t plen = 0;          // the request's prefix length P (keys [0, P + N))
-  int c0 = 0, c1 = 1;             // chunks run here
-  int chunks = 1;                 // the request's chunks
-  std::int64_t merge = -1;        // index of the merge counter (split units)
+  std::int64_t plen = 0;    // the request's prefix length P (keys [0, P + N))
+  int c0 = 0, c1 = 1;       // chunks run here
+  int chunks = 1;           // the request's chunks
+  std::int64_t merge = -1;  // index of the merge counter (split units)
   std::int64_t slot0 = 0;
 };
 
@@ -889,17 +888,17 @@ struct Workspace {
   std::vector<float> mem;
   std::vector<std::uint64_t> bits;  // per row: the current suffix tile's mask bits
   std::int64_t rows = 0, dp = 0;    // capacity per head
-  float* qp = nullptr;     // [heads][rows][dp]
-  float* o = nullptr;      // [heads][rows][dp]
-  float* mrun = nullptr;   // [heads][up16(rows)] (log2 units)
-  float* lrun = nullptr;   // [heads][up16(rows)][16]: row sums as 16 partial lanes
+  float* qp = nullptr;              // [heads][rows][dp]
+  float* o = nullptr;               // [heads][rows][dp]
+  float* mrun = nullptr;            // [heads][up16(rows)] (log2 units)
+  float* lrun = nullptr;            // [heads][up16(rows)][16]: row sums as 16 partial lanes
   float* alpha = nullptr;
-  float* s = nullptr;      // [rows][64]
-  float* kt = nullptr;     // [dp][64]
-  float* vt = nullptr;     // [64][dp]
-  float* oacc = nullptr;   // the fold of the chunks run so far: [heads][rows][dp]
-  float* macc = nullptr;   // [heads][up16(rows)]
-  float* lacc = nullptr;   // [heads][up16(rows)][16]
+  float* s = nullptr;     // [rows][64]
+  float* kt = nullptr;    // [dp][64]
+  float* vt = nullptr;    // [64][dp]
+  float* oacc = nullptr;  // the fold of the chunks run so far: [heads][rows][dp]
+  float* macc = nullptr;  // [heads][up16(rows)]
+  float* lacc = nullptr;  // [heads][up16(rows)][16]
   // compacted tokens of a unit (see the top of the file): per token its entry in `odd`
   // (-1: a regular token); per odd token its first key in `keys` and its key count; `keys`
   // the visible suffix keys of each in order
@@ -917,9 +916,9 @@ struct Workspace {
     rows = rows_;
     dp = dp_;
     const std::int64_t r16 = up16(rows);
-    const std::int64_t sizes[11] = {heads * rows * dp, heads * rows * dp, heads * r16, heads * r16 * 16, heads * r16,
-                                    rows * kKeyTile, dp * kKeyTile, kKeyTile * dp, heads * rows * dp, heads * r16,
-                                    heads * r16 * 16};
+    const std::int64_t sizes[11] = {heads * rows * dp, heads * rows * dp, heads * r16,     heads * r16 * 16,
+                                    heads * r16,       rows * kKeyTile,   dp * kKeyTile,   kKeyTile * dp,
+                                    heads * rows * dp, heads * r16,       heads * r16 * 16};
     std::int64_t total = 16;
     for (std::int64_t x : sizes) total += up16(x);
     if (static_cast<std::int64_t>(mem.size()) < total) mem.assign(static_cast<std::size_t>(total), 0.0f);
@@ -956,8 +955,8 @@ inline std::int64_t prefix_length(const CascadeAttentionArgs& a, std::int64_t b)
 
 // Q rows (token i, head kvh * G + h) -> qp[(i - i0) * G + h][dp], scaled into log2 units.
 template <int DT>
-void load_q_rows(const CascadeAttentionArgs& a, const Geometry& g, std::int64_t b, std::int64_t kvh,
-                 std::int64_t i0, std::int64_t i1, float* qp) {
+void load_q_rows(const CascadeAttentionArgs& a, const Geometry& g, std::int64_t b, std::int64_t kvh, std::int64_t i0,
+                 std::int64_t i1, float* qp) {
   using T = dt::elem_t<DT>;
   const T* q = static_cast<const T*>(a.q);
   const std::int64_t D = a.head_dim, G = g.group;
@@ -972,8 +971,8 @@ void load_q_rows(const CascadeAttentionArgs& a, const Geometry& g, std::int64_t 
 }
 
 template <int DT>
-void store_rows(const CascadeAttentionArgs& a, const Geometry& g, const float* o, const float* mrun,
-                const float* lrun, std::int64_t b, std::int64_t kvh, std::int64_t i0, std::int64_t i1) {
+void store_rows(const CascadeAttentionArgs& a, const Geometry& g, const float* o, const float* mrun, const float* lrun,
+                std::int64_t b, std::int64_t kvh, std::int64_t i0, std::int64_t i1) {
   using T = dt::elem_t<DT>;
   T* out = static_cast<T*>(a.out);
   const std::int64_t D = a.head_dim, G = g.group;
@@ -1000,9 +999,9 @@ void store_rows(const CascadeAttentionArgs& a, const Geometry& g, const float* o
 // lane sums (16 rows at a time, transposed so that each row's sum runs down one lane in the
 // scalar order), the same float32 divide and multiply, dt::float_to_bf16's rounding.
 template <int DT>
-DSPEC_AVX512 void store_rows_avx512(const CascadeAttentionArgs& a, const Geometry& g, const float* o,
-                                    const float* mrun, const float* lrun, std::int64_t b, std::int64_t kvh,
-                                    std::int64_t i0, std::int64_t i1) {
+DSPEC_AVX512 void store_rows_avx512(const CascadeAttentionArgs& a, const Geometry& g, const float* o, const float* mrun,
+                                    const float* lrun, std::int64_t b, std::int64_t kvh, std::int64_t i0,
+                                    std::int64_t i1) {
   using T = dt::elem_t<DT>;
   T* out = static_cast<T*>(a.out);
   const std::int64_t D = a.head_dim, G = g.group, M = (i1 - i0) * G;
@@ -1011,7 +1010,7 @@ DSPEC_AVX512 void store_rows_avx512(const CascadeAttentionArgs& a, const Geometr
     const int rows = static_cast<int>(std::min<std::int64_t>(16, M - r0));
     __m512 t[16];
     for (int j = 0; j < 16; ++j) t[j] = j < rows ? _mm512_loadu_ps(lrun + (r0 + j) * 16) : _mm512_setzero_ps();
-    transpose16(t);   // t[lane] holds that lane of the 16 rows
+    transpose16(t);  // t[lane] holds that lane of the 16 rows
     __m512 l = _mm512_setzero_ps();
     for (int lane = 0; lane < 16; ++lane) l = _mm512_add_ps(l, t[lane]);
     const __mmask16 seen = _mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ);
@@ -1089,8 +1088,8 @@ void store_nan_rows(const CascadeAttentionArgs& a, const Geometry& g, const Unit
 void store_state_rows(const CascadeAttentionArgs& a, const Geometry& g, const Workspace& ws, const Unit& u,
                       std::int64_t H, bool folded);
 
-void store_state(const CascadeAttentionArgs& a, const Geometry& g, const Workspace& ws, const Unit& u,
-                 std::int64_t H, bool folded) {
+void store_state(const CascadeAttentionArgs& a, const Geometry& g, const Workspace& ws, const Unit& u, std::int64_t H,
+                 bool folded) {
   store_state_rows(a, g, ws, u, H, folded);
   store_nan_rows(a, g, u, H);
 }
@@ -1267,8 +1266,8 @@ std::int64_t find_compacted(const std::int32_t* mb, std::int64_t row_stride, std
 // One work unit: request b, KV heads [h0, h0 + H), query tokens [i0, i1), key chunks
 // [c0, c1).  Key tiles are the outer loop and the heads the inner one, so the unit reads
 // each K / V row (all its heads side by side in memory) once, in order.
-void run_unit_tiles(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, Workspace& ws,
-                    const Unit& u, const SplitState& split) {
+void run_unit_tiles(const CascadeAttentionArgs& a, const Ops& ops, const Geometry& g, Workspace& ws, const Unit& u,
+                    const SplitState& split) {
   const std::int64_t b = u.b, h0 = u.h0, i0 = u.i0, i1 = u.i1;
   const std::int64_t H = std::min(g.group_heads, a.hkv - h0);
   if (i0 >= i1 || H <= 0) return;
@@ -1534,16 +1533,15 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
     prefix_rows += plens[b];
     chunks_total += std::max<std::int64_t>(1, (plens[b] + a.n) / kSplitKeys);
   }
-  const double flops = 4.0 * static_cast<double>(a.hq) * static_cast<double>(a.head_dim) *
-                       static_cast<double>(a.n) *
+  const double flops = 4.0 * static_cast<double>(a.hq) * static_cast<double>(a.head_dim) * static_cast<double>(a.n) *
                        (static_cast<double>(prefix_rows) + static_cast<double>(a.batch) * static_cast<double>(a.n));
   const double bytes = 2.0 * static_cast<double>(prefix_rows) * static_cast<double>(a.hkv) *
                        static_cast<double>(a.head_dim) * static_cast<double>(g.item);
   std::int64_t threads = 1;
   if (a.num_threads > 1 && (flops >= kMinParallelFlops || bytes >= kMinParallelBytes)) {
     const double want = std::max(flops / kFlopsPerThread, bytes / kBytesPerThread);
-    threads = std::min<std::int64_t>({a.num_threads, static_cast<std::int64_t>(cpu::max_threads()),
-                                      static_cast<std::int64_t>(want)});
+    threads = std::min<std::int64_t>(
+        {a.num_threads, static_cast<std::int64_t>(cpu::max_threads()), static_cast<std::int64_t>(want)});
     threads = std::max<std::int64_t>(threads, 1);
   }
   // units: (request, KV head group, query tile[, key chunk]).  One group of every head and
@@ -1553,7 +1551,8 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   // as many heads per unit as keep their Q and O rows within kUnitStateBytes (L2): the unit
   // then streams whole K / V rows (every head side by side) once
   const std::int64_t head_state = (a.n + q_tiles - 1) / q_tiles * g.group * g.dp * 8;
-  const std::int64_t unit_heads = std::max<std::int64_t>(1, std::min<std::int64_t>(a.hkv, kUnitStateBytes / head_state));
+  const std::int64_t unit_heads =
+      std::max<std::int64_t>(1, std::min<std::int64_t>(a.hkv, kUnitStateBytes / head_state));
   std::int64_t head_groups = (a.hkv + unit_heads - 1) / unit_heads;
   while (threads > 1 && chunks_total * head_groups * q_tiles < 2 * threads) {
     if (head_groups < a.hkv) {
@@ -1648,7 +1647,7 @@ void cascade_attention_cpu(const CascadeAttentionArgs& a) {
   }
   // thread_local names resolve per thread: the workers get this thread's objects by address
   std::atomic<std::int64_t> next{0};
-  Workspace* const callers = &local;   // chunk 0's: any thread may run any chunk
+  Workspace* const callers = &local;  // chunk 0's: any thread may run any chunk
   Workspace* const others = extra.data();
   const Unit* const list = units.data();
   cpu::parallel_for(static_cast<int>(threads), [&](int t) {

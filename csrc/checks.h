@@ -125,8 +125,8 @@ struct Checker {
                    const char* cols_name = nullptr) const {
     // A single row never steps by row_stride (torch reports odd strides for size-1 dims).
     if (row_stride < 0 || (rows > 1 && row_stride < cols)) {
-      const std::string bound = cols_name ? std::string(cols_name) + " (" + std::to_string(cols) + ")"
-                                          : std::to_string(cols);
+      const std::string bound =
+          cols_name ? std::string(cols_name) + " (" + std::to_string(cols) + ")" : std::to_string(cols);
       fail("row_stride must be >= " + bound + ", got " + std::to_string(row_stride));
     }
     if (rows > 1 && (rows - 1) > (kI64Max - cols) / row_stride) fail("rows * row_stride overflows int64");

@@ -27,9 +27,7 @@ namespace cpu {
 constexpr int kStreamAhead = 4096;
 
 // The first min(n, 16) lanes (n >= 0).
-DSPEC_AVX512_INLINE __mmask16 lanes(std::int64_t n) {
-  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
-}
+DSPEC_AVX512_INLINE __mmask16 lanes(std::int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u); }
 
 // 16 elements of dtype DT from p (lanes outside m read as 0) as float32, exactly.
 template <int DT>
@@ -41,10 +39,9 @@ DSPEC_AVX512_INLINE __m512 load_f32(const dt::elem_t<DT>* p, __mmask16 m) {
     if constexpr (DT == kBFloat16) {
       // element i into the high half of 32-bit lane i, the low half 0: one word permute
       // (where a zero extension and a shift took two operations)
-      const __m512i to_high = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
-                                               7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
-      return _mm512_castsi512_ps(
-          _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, to_high, _mm512_castsi256_si512(h)));
+      const __m512i to_high = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0,
+                                               4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+      return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, to_high, _mm512_castsi256_si512(h)));
     } else {
       return _mm512_cvtph_ps(h);
     }
@@ -56,11 +53,12 @@ DSPEC_AVX512_INLINE __m512 load_f32(const dt::elem_t<DT>* p, __mmask16 m) {
 // would flush subnormals, so it is not used where bits must match the scalar code).
 DSPEC_AVX512_INLINE __m512i bf16_bits(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
+                        16);
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
   return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
 }
 
@@ -81,10 +79,10 @@ DSPEC_AVX512_INLINE __m512 exp2_poly16(__m512 f) {
 // subnormal reaches a sum (subnormal operands cost microcode assists).
 // `clamped` (when given) receives max(t, -126), NaN as -126: finite wherever the result is 0.
 DSPEC_AVX512_INLINE __m512 exp2_nonpos16(__m512 t, __m512* clamped = nullptr) {
-  const __m512 tc = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));   // NaN, -inf -> -126 -> 0 below
+  const __m512 tc = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));  // NaN, -inf -> -126 -> 0 below
   if (clamped != nullptr) *clamped = tc;
   const __m512 n = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 q = exp2_poly16(_mm512_sub_ps(tc, n));           // f in [-0.5, 0.5], exact
+  const __m512 q = exp2_poly16(_mm512_sub_ps(tc, n));  // f in [-0.5, 0.5], exact
   const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
   return _mm512_maskz_scalef_ps(normal, q, n);
 }
@@ -96,11 +94,11 @@ DSPEC_AVX512_INLINE __m512 exp2_nonpos16(__m512 t, __m512* clamped = nullptr) {
 // inverse.
 template <int DT>
 struct Keys {
-  static constexpr bool kWide = DT == kFloat32;                 // 32-bit lanes, else 16-bit
-  static constexpr int kPer = kWide ? 16 : 32;                  // elements per vector
+  static constexpr bool kWide = DT == kFloat32;  // 32-bit lanes, else 16-bit
+  static constexpr int kPer = kWide ? 16 : 32;   // elements per vector
   using Mask = std::conditional_t<kWide, __mmask16, __mmask32>;
   static constexpr std::int64_t kPosInf = DT == kFloat32 ? 0x7f800000 : DT == kBFloat16 ? 0x7f80 : 0x7c00;
-  static constexpr std::int64_t kNegInfKey =                    // the key of -inf, as a signed lane
+  static constexpr std::int64_t kNegInfKey =  // the key of -inf, as a signed lane
       DT == kFloat32 ? 0x807fffff - (std::int64_t(1) << 32) : (DT == kBFloat16 ? 0x807f : 0x83ff) - 0x10000;
 
   DSPEC_AVX512_INLINE static __m512i key(__m512i v) {
@@ -115,41 +113,59 @@ struct Keys {
     return n >= kPer ? (std::uint64_t(1) << kPer) - 1 : (std::uint64_t(1) << n) - 1;
   }
   DSPEC_AVX512_INLINE static __m512i set1(std::int64_t k) {
-    if constexpr (kWide) return _mm512_set1_epi32(static_cast<std::int32_t>(k));
-    else return _mm512_set1_epi16(static_cast<std::int16_t>(k));
+    if constexpr (kWide)
+      return _mm512_set1_epi32(static_cast<std::int32_t>(k));
+    else
+      return _mm512_set1_epi16(static_cast<std::int16_t>(k));
   }
   DSPEC_AVX512_INLINE static __m512i load(const void* p, std::uint64_t m) {
-    if constexpr (kWide) return _mm512_maskz_loadu_epi32(static_cast<Mask>(m), p);
-    else return _mm512_maskz_loadu_epi16(static_cast<Mask>(m), p);
+    if constexpr (kWide)
+      return _mm512_maskz_loadu_epi32(static_cast<Mask>(m), p);
+    else
+      return _mm512_maskz_loadu_epi16(static_cast<Mask>(m), p);
   }
   DSPEC_AVX512_INLINE static __m512i max(__m512i a, __m512i b) {
-    if constexpr (kWide) return _mm512_max_epi32(a, b);
-    else return _mm512_max_epi16(a, b);
+    if constexpr (kWide)
+      return _mm512_max_epi32(a, b);
+    else
+      return _mm512_max_epi16(a, b);
   }
   DSPEC_AVX512_INLINE static __m512i min(__m512i a, __m512i b) {
-    if constexpr (kWide) return _mm512_min_epi32(a, b);
-    else return _mm512_min_epi16(a, b);
+    if constexpr (kWide)
+      return _mm512_min_epi32(a, b);
+    else
+      return _mm512_min_epi16(a, b);
   }
   // lanes outside m keep s
   DSPEC_AVX512_INLINE static __m512i mask_max(__m512i s, std::uint64_t m, __m512i a, __m512i b) {
-    if constexpr (kWide) return _mm512_mask_max_epi32(s, static_cast<Mask>(m), a, b);
-    else return _mm512_mask_max_epi16(s, static_cast<Mask>(m), a, b);
+    if constexpr (kWide)
+      return _mm512_mask_max_epi32(s, static_cast<Mask>(m), a, b);
+    else
+      return _mm512_mask_max_epi16(s, static_cast<Mask>(m), a, b);
   }
   DSPEC_AVX512_INLINE static __m512i mask_min(__m512i s, std::uint64_t m, __m512i a, __m512i b) {
-    if constexpr (kWide) return _mm512_mask_min_epi32(s, static_cast<Mask>(m), a, b);
-    else return _mm512_mask_min_epi16(s, static_cast<Mask>(m), a, b);
+    if constexpr (kWide)
+      return _mm512_mask_min_epi32(s, static_cast<Mask>(m), a, b);
+    else
+      return _mm512_mask_min_epi16(s, static_cast<Mask>(m), a, b);
   }
   DSPEC_AVX512_INLINE static std::uint64_t eq(__m512i a, __m512i b) {
-    if constexpr (kWide) return _mm512_cmpeq_epi32_mask(a, b);
-    else return _mm512_cmpeq_epi16_mask(a, b);
+    if constexpr (kWide)
+      return _mm512_cmpeq_epi32_mask(a, b);
+    else
+      return _mm512_cmpeq_epi16_mask(a, b);
   }
   DSPEC_AVX512_INLINE static std::uint64_t gt(__m512i a, __m512i b) {
-    if constexpr (kWide) return _mm512_cmpgt_epi32_mask(a, b);
-    else return _mm512_cmpgt_epi16_mask(a, b);
+    if constexpr (kWide)
+      return _mm512_cmpgt_epi32_mask(a, b);
+    else
+      return _mm512_cmpgt_epi16_mask(a, b);
   }
-  DSPEC_AVX512_INLINE static std::uint64_t zero(__m512i a) {      // the lanes holding +0 or -0
-    if constexpr (kWide) return _mm512_testn_epi32_mask(a, _mm512_set1_epi32(0x7fffffff));
-    else return _mm512_testn_epi16_mask(a, _mm512_set1_epi16(0x7fff));
+  DSPEC_AVX512_INLINE static std::uint64_t zero(__m512i a) {  // the lanes holding +0 or -0
+    if constexpr (kWide)
+      return _mm512_testn_epi32_mask(a, _mm512_set1_epi32(0x7fffffff));
+    else
+      return _mm512_testn_epi16_mask(a, _mm512_set1_epi16(0x7fff));
   }
 };
 
@@ -172,7 +188,8 @@ inline std::int64_t value_key(float v) {
     const std::uint32_t b = dt::bits_from_f32(v);
     return static_cast<std::int32_t>(b ^ (b >> 31 ? 0x7fffffffu : 0u));
   } else {
-    const std::uint16_t b = DT == kBFloat16 ? static_cast<std::uint16_t>(dt::bits_from_f32(v) >> 16) : dt::float_to_half(v);
+    const std::uint16_t b =
+        DT == kBFloat16 ? static_cast<std::uint16_t>(dt::bits_from_f32(v) >> 16) : dt::float_to_half(v);
     return static_cast<std::int16_t>(b ^ (b >> 15 ? 0x7fffu : 0u));
   }
 }

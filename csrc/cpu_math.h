@@ -27,22 +27,22 @@ namespace cpu {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define DSPEC_TARGET_V4 __attribute__((target("arch=x86-64-v4")))
 #define DSPEC_TARGET_V3 __attribute__((target("arch=x86-64-v3")))
-#define DSPEC_CPU_MULTI(ret, name, params, args)                                               \
-  static inline __attribute__((always_inline)) ret name##_body params;                       \
-  DSPEC_TARGET_V4 static ret name##_v4 params { return name##_body args; }                   \
-  DSPEC_TARGET_V3 static ret name##_v3 params { return name##_body args; }                   \
-  static ret name##_v1 params { return name##_body args; }                                   \
-  ret name params {                                                                          \
-    const int level = ::dspec::cpu::isa_level();                                             \
-    if (level >= ::dspec::cpu::kLevelAvx512) return name##_v4 args;                          \
-    return level >= ::dspec::cpu::kLevelAvx2 ? name##_v3 args : name##_v1 args;              \
-  }                                                                                          \
+#define DSPEC_CPU_MULTI(ret, name, params, args)                                \
+  static inline __attribute__((always_inline)) ret name##_body params;          \
+  DSPEC_TARGET_V4 static ret name##_v4 params { return name##_body args; }      \
+  DSPEC_TARGET_V3 static ret name##_v3 params { return name##_body args; }      \
+  static ret name##_v1 params { return name##_body args; }                      \
+  ret name params {                                                             \
+    const int level = ::dspec::cpu::isa_level();                                \
+    if (level >= ::dspec::cpu::kLevelAvx512) return name##_v4 args;             \
+    return level >= ::dspec::cpu::kLevelAvx2 ? name##_v3 args : name##_v1 args; \
+  }                                                                             \
   static inline __attribute__((always_inline)) ret name##_body params
-#define DSPEC_CPU_MULTI_V3(ret, name, params, args)                                            \
-  static inline __attribute__((always_inline)) ret name##_body params;                       \
-  DSPEC_TARGET_V3 static ret name##_v3 params { return name##_body args; }                   \
-  static ret name##_v1 params { return name##_body args; }                                   \
-  ret name params { return ::dspec::cpu::has_avx2() ? name##_v3 args : name##_v1 args; }     \
+#define DSPEC_CPU_MULTI_V3(ret, name, params, args)                                      \
+  static inline __attribute__((always_inline)) ret name##_body params;                   \
+  DSPEC_TARGET_V3 static ret name##_v3 params { return name##_body args; }               \
+  static ret name##_v1 params { return name##_body args; }                               \
+  ret name params { return ::dspec::cpu::has_avx2() ? name##_v3 args : name##_v1 args; } \
   static inline __attribute__((always_inline)) ret name##_body params
 #else
 #define DSPEC_CPU_MULTI(ret, name, params, args) ret name params
@@ -67,7 +67,7 @@ DSPEC_CPU_INLINE float exp_nonpos(float x) {
   q = q * r + 1.6666665459e-1f;
   q = q * r + 5.0000001201e-1f;
   const float poly = q * r * r + r + 1.0f;
-  const std::int32_t ni = static_cast<std::int32_t>(n);  // in [-127, 0]
+  const std::int32_t ni = static_cast<std::int32_t>(n);                               // in [-127, 0]
   const float scale = dt::f32_from_bits(static_cast<std::uint32_t>(ni + 127) << 23);  // 2^n, 0 for n = -127
   return poly * scale;
 }

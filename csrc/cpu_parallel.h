@@ -167,7 +167,7 @@ class ThreadPool {
   std::mutex wake_mutex_;
   std::condition_variable wake_cv_;
   std::atomic<std::uint64_t> generation_{0};
-  std::atomic<std::uint32_t> users_{kClosed};   // workers inside a call, | kClosed between calls
+  std::atomic<std::uint32_t> users_{kClosed};  // workers inside a call, | kClosed between calls
   std::atomic<int> next_{0};
   std::atomic<int> done_{0};
   // written while closed, read by workers only after joining an open call

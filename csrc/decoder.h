@@ -22,38 +22,38 @@ namespace dspec {
 enum DecoderProjection : int { kProjQ = 0, kProjK, kProjV, kProjO, kProjGate, kProjUp, kProjDown, kProjCount };
 
 struct DecoderLayerWeights {
-  const void* input_norm = nullptr;            // [hidden]
-  const void* post_norm = nullptr;             // [hidden]
-  const void* packed[kProjCount] = {};         // linear_pack_cpu layout
-  const void* bias[kProjCount] = {};           // [out] or null
-  const void* lora_a[kProjCount] = {};         // [rank, in] (lora_dtype) or null: no adapter on it
-  const void* lora_b[kProjCount] = {};         // B transposed: [rank, out]
-  const void* lora_packed[kProjCount] = {};    // mask_lora_pack's layout of both, or null
+  const void* input_norm = nullptr;          // [hidden]
+  const void* post_norm = nullptr;           // [hidden]
+  const void* packed[kProjCount] = {};       // linear_pack_cpu layout
+  const void* bias[kProjCount] = {};         // [out] or null
+  const void* lora_a[kProjCount] = {};       // [rank, in] (lora_dtype) or null: no adapter on it
+  const void* lora_b[kProjCount] = {};       // B transposed: [rank, out]
+  const void* lora_packed[kProjCount] = {};  // mask_lora_pack's layout of both, or null
   float lora_scale[kProjCount] = {};
 };
 
 struct DecoderArgs {
-  int dtype = kFloat32;                        // x, weights, k / v outputs
-  std::int64_t batch = 0, n = 0;               // rows = batch * n
+  int dtype = kFloat32;           // x, weights, k / v outputs
+  std::int64_t batch = 0, n = 0;  // rows = batch * n
   std::int64_t hidden = 0, hq = 0, hkv = 0, head_dim = 0, intermediate = 0;
   float eps = 1e-6f;
-  void* x = nullptr;                           // [rows, hidden], updated in place
-  const float* cos = nullptr;                  // [rows, head_dim] (rope_tables)
+  void* x = nullptr;           // [rows, hidden], updated in place
+  const float* cos = nullptr;  // [rows, head_dim] (rope_tables)
   const float* sin = nullptr;
   // every layer-independent argument of the attention (mask, prefix metadata, strides of
   // the prefix); q / k / v / out and the prefix addresses are set per layer
   CascadeAttentionArgs attention;
-  const void* prefix_k = nullptr;              // layer 0's prefix keys (null: no prefix)
+  const void* prefix_k = nullptr;  // layer 0's prefix keys (null: no prefix)
   const void* prefix_v = nullptr;
-  std::int64_t prefix_layer_stride = 0;        // elements between layers' prefixes
-  void* k_out = nullptr;                       // [layers, rows, hkv, head_dim]
+  std::int64_t prefix_layer_stride = 0;  // elements between layers' prefixes
+  void* k_out = nullptr;                 // [layers, rows, hkv, head_dim]
   void* v_out = nullptr;
-  const std::int64_t* mask_rows = nullptr;     // rows at [MASK] tokens (the adapter's rows)
+  const std::int64_t* mask_rows = nullptr;  // rows at [MASK] tokens (the adapter's rows)
   std::int64_t num_mask_rows = 0;
   std::int64_t lora_rank = 0;
-  int lora_dtype = kFloat32;                   // every adapter matrix: float32 or bfloat16
-  void* hidden_out = nullptr;                  // [slots, rows, hidden]
-  std::vector<int> record;                     // per layer: slot for x after it, or -1
+  int lora_dtype = kFloat32;   // every adapter matrix: float32 or bfloat16
+  void* hidden_out = nullptr;  // [slots, rows, hidden]
+  std::vector<int> record;     // per layer: slot for x after it, or -1
   std::vector<DecoderLayerWeights> layers;
   int num_threads = 1;
 };

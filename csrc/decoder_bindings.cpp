@@ -20,7 +20,7 @@ namespace py = pybind11;
 namespace dspec {
 namespace {
 
-constexpr int kWeightsPerLayer = 2 + 2 * kProjCount;   // two norms, packed weights, biases
+constexpr int kWeightsPerLayer = 2 + 2 * kProjCount;  // two norms, packed weights, biases
 
 void silu_mul(std::int64_t gate, std::int64_t up, std::int64_t out, int dtype, std::int64_t rows, std::int64_t width,
               int num_threads) {
@@ -39,18 +39,18 @@ void silu_mul(std::int64_t gate, std::int64_t up, std::int64_t out, int dtype, s
                num_threads < 1 ? 1 : num_threads);
 }
 
-void decoder_layers(std::int64_t x, int dtype, std::int64_t batch, std::int64_t n, std::int64_t hidden,
-                    std::int64_t hq, std::int64_t hkv, std::int64_t head_dim, std::int64_t intermediate, double eps,
-                    std::int64_t cos, std::int64_t sin, std::int64_t mask, std::int64_t mask_s0, std::int64_t mask_s1,
+void decoder_layers(std::int64_t x, int dtype, std::int64_t batch, std::int64_t n, std::int64_t hidden, std::int64_t hq,
+                    std::int64_t hkv, std::int64_t head_dim, std::int64_t intermediate, double eps, std::int64_t cos,
+                    std::int64_t sin, std::int64_t mask, std::int64_t mask_s0, std::int64_t mask_s1,
                     std::int64_t prefix_k, std::int64_t prefix_v, std::int64_t prefix_indptr, int indptr_dtype,
-                    std::int64_t page_table, std::int64_t prefix_lens, std::int64_t prefix_rows,
-                    std::int64_t page_size, std::int64_t max_pages, std::int64_t page_table_stride,
-                    std::int64_t pk_s0, std::int64_t pk_s1, std::int64_t pk_s2, std::int64_t pv_s0,
-                    std::int64_t pv_s1, std::int64_t pv_s2, std::int64_t prefix_layer_stride, double sm_scale,
-                    const std::vector<std::int64_t>& weights, const std::vector<std::int64_t>& lora,
-                    const std::vector<double>& lora_scales, std::int64_t lora_rank, std::int64_t mask_rows,
-                    std::int64_t num_mask_rows, std::int64_t k_out, std::int64_t v_out, std::int64_t hidden_out,
-                    std::int64_t hidden_slots, const std::vector<int>& record, int num_threads, int lora_dtype,
+                    std::int64_t page_table, std::int64_t prefix_lens, std::int64_t prefix_rows, std::int64_t page_size,
+                    std::int64_t max_pages, std::int64_t page_table_stride, std::int64_t pk_s0, std::int64_t pk_s1,
+                    std::int64_t pk_s2, std::int64_t pv_s0, std::int64_t pv_s1, std::int64_t pv_s2,
+                    std::int64_t prefix_layer_stride, double sm_scale, const std::vector<std::int64_t>& weights,
+                    const std::vector<std::int64_t>& lora, const std::vector<double>& lora_scales,
+                    std::int64_t lora_rank, std::int64_t mask_rows, std::int64_t num_mask_rows, std::int64_t k_out,
+                    std::int64_t v_out, std::int64_t hidden_out, std::int64_t hidden_slots,
+                    const std::vector<int>& record, int num_threads, int lora_dtype,
                     const std::vector<std::int64_t>& lora_packed) {
   const Checker c{"decoder_layers"};
   c.float_dtype(dtype, "dtype");
@@ -70,8 +70,8 @@ void decoder_layers(std::int64_t x, int dtype, std::int64_t batch, std::int64_t 
   }
   const std::size_t layers = weights.size() / kWeightsPerLayer;
   if (!lora.empty() && lora.size() != layers * 2 * kProjCount) {
-    c.fail("lora must be empty or hold 2 addresses per projection per layer (" + std::to_string(layers * 2 * kProjCount) +
-           "), got " + std::to_string(lora.size()));
+    c.fail("lora must be empty or hold 2 addresses per projection per layer (" +
+           std::to_string(layers * 2 * kProjCount) + "), got " + std::to_string(lora.size()));
   }
   if (!lora_packed.empty() && (lora.empty() || lora_packed.size() != layers * kProjCount)) {
     c.fail("lora_packed must be empty or hold one address per projection per layer (" +
@@ -82,7 +82,8 @@ void decoder_layers(std::int64_t x, int dtype, std::int64_t batch, std::int64_t 
            "), got " + std::to_string(lora_scales.size()));
   }
   if (record.size() != layers) {
-    c.fail("record must hold one entry per layer (" + std::to_string(layers) + "), got " + std::to_string(record.size()));
+    c.fail("record must hold one entry per layer (" + std::to_string(layers) + "), got " +
+           std::to_string(record.size()));
   }
   c.at_least(hidden_slots, 0, "hidden_slots");
   c.at_least(num_mask_rows, 0, "num_mask_rows");
@@ -102,7 +103,7 @@ void decoder_layers(std::int64_t x, int dtype, std::int64_t batch, std::int64_t 
                     head_dim, n * kvw, kvw, head_dim, n * qw, qw, head_dim, mask_s0, mask_s1, pk_s0, pk_s1, pk_s2,
                     pv_s0, pv_s1, pv_s2, indptr_dtype, prefix_rows, page_size, max_pages, page_table_stride,
                     num_threads, "auto")) {
-    return;   // no rows
+    return;  // no rows
   }
   c.ptr(x, "x", item);
   c.ptr(cos, "cos", 4);

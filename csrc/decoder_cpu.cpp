@@ -11,7 +11,6 @@
 #include "linear.h"
 #include "mask_lora.h"
 
-
 namespace dspec {
 namespace {
 
@@ -25,7 +24,7 @@ DSPEC_CPU_INLINE float silu(float g) {
 template <int DT>
 DSPEC_CPU_INLINE void silu_mul_range(std::int64_t lo, std::int64_t hi, const void* gate, const void* up, void* out) {
   for (std::int64_t i = lo; i < hi; ++i) {
-    const float s = dt::round_to<DT>(silu(dt::load<DT>(gate, i)));   // F.silu rounds to the dtype
+    const float s = dt::round_to<DT>(silu(dt::load<DT>(gate, i)));  // F.silu rounds to the dtype
     dt::store<DT>(out, i, s * dt::load<DT>(up, i));
   }
 }
@@ -51,26 +50,32 @@ DSPEC_CPU_INLINE void add_rows(void* x, const void* y, std::int64_t count) {
   for (std::int64_t i = 0; i < count; ++i) dt::store<DT>(x, i, dt::load<DT>(x, i) + dt::load<DT>(y, i));
 }
 
-DSPEC_CPU_MULTI(void, add_f32, (void* x, const void* y, std::int64_t count),
-                (x, y, count)) { add_rows<kFloat32>(x, y, count); }
-DSPEC_CPU_MULTI(void, add_f16, (void* x, const void* y, std::int64_t count),
-                (x, y, count)) { add_rows<kFloat16>(x, y, count); }
-DSPEC_CPU_MULTI(void, add_bf16, (void* x, const void* y, std::int64_t count),
-                (x, y, count)) { add_rows<kBFloat16>(x, y, count); }
+DSPEC_CPU_MULTI(void, add_f32, (void* x, const void* y, std::int64_t count), (x, y, count)) {
+  add_rows<kFloat32>(x, y, count);
+}
+DSPEC_CPU_MULTI(void, add_f16, (void* x, const void* y, std::int64_t count), (x, y, count)) {
+  add_rows<kFloat16>(x, y, count);
+}
+DSPEC_CPU_MULTI(void, add_bf16, (void* x, const void* y, std::int64_t count), (x, y, count)) {
+  add_rows<kBFloat16>(x, y, count);
+}
 
 // x[rows, width] += y, over the pool's threads by rows
 void add_in_place(int dtype, void* x, const void* y, std::int64_t rows, std::int64_t width, int num_threads) {
   const std::int64_t item = dtype == kFloat32 ? 4 : 2;
-  cpu::parallel_rows(rows, width, num_threads, [&](std::int64_t lo, std::int64_t hi) {
-    void* xs = static_cast<char*>(x) + lo * width * item;
-    const void* ys = static_cast<const char*>(y) + lo * width * item;
-    const std::int64_t count = (hi - lo) * width;
-    switch (dtype) {
-      case kFloat16: add_f16(xs, ys, count); break;
-      case kBFloat16: add_bf16(xs, ys, count); break;
-      default: add_f32(xs, ys, count); break;
-    }
-  }, kLayerOpElementsPerThread);
+  cpu::parallel_rows(
+      rows, width, num_threads,
+      [&](std::int64_t lo, std::int64_t hi) {
+        void* xs = static_cast<char*>(x) + lo * width * item;
+        const void* ys = static_cast<const char*>(y) + lo * width * item;
+        const std::int64_t count = (hi - lo) * width;
+        switch (dtype) {
+          case kFloat16: add_f16(xs, ys, count); break;
+          case kBFloat16: add_bf16(xs, ys, count); break;
+          default: add_f32(xs, ys, count); break;
+        }
+      },
+      kLayerOpElementsPerThread);
 }
 
 constexpr std::int64_t kLoraSplitMaxRows = 64;

@@ -11,9 +11,9 @@ namespace dspec {
 
 // A 3-gram in ARPA backoff form (dspec/decode/ngram.py): sorted int64 keys, float32 tables.
 struct NgramTables {
-  std::int64_t vocab = 0;              // V
-  const float* unigram_logp = nullptr;  // [V]
-  const float* unigram_bow = nullptr;   // [V]
+  std::int64_t vocab = 0;                     // V
+  const float* unigram_logp = nullptr;        // [V]
+  const float* unigram_bow = nullptr;         // [V]
   const std::int64_t* bigram_keys = nullptr;  // [n2], v * V + w, strictly increasing
   const float* bigram_logp = nullptr;         // [n2]
   const float* bigram_bow = nullptr;          // [n2]
@@ -30,8 +30,8 @@ struct PathSearchArgs {
   const std::int64_t* history = nullptr;      // [B, 2], the two committed tokens before the path (-1 unknown)
   const std::int64_t* eos = nullptr;          // [num_eos]
   std::int64_t num_eos = 0;
-  const NgramTables* ngram = nullptr;          // null: no proxy term (lam must be 1)
-  const float* uniforms = nullptr;             // [B, L]: sample one path; null: beam search
+  const NgramTables* ngram = nullptr;            // null: no proxy term (lam must be 1)
+  const float* uniforms = nullptr;               // [B, L]: sample one path; null: beam search
   std::int64_t batch = 0, slots = 0, cands = 0;  // B, L, M
   std::int64_t beam = 1;
   double lam = 0.5;

@@ -22,13 +22,12 @@ namespace {
 
 void diffuspec_search(std::int64_t cand_tokens_ptr, std::int64_t cand_logprobs_ptr, std::int64_t lengths_ptr,
                       std::int64_t history_ptr, std::int64_t eos_ptr, std::int64_t num_eos, std::int64_t batch,
-                      std::int64_t slots, std::int64_t cands, std::int64_t beam, double lam,
-                      std::int64_t uniforms_ptr, std::int64_t vocab, std::int64_t unigram_logp_ptr,
-                      std::int64_t unigram_bow_ptr, std::int64_t bigram_keys_ptr, std::int64_t bigram_logp_ptr,
-                      std::int64_t bigram_bow_ptr, std::int64_t num_bigrams, std::int64_t trigram_keys_ptr,
-                      std::int64_t trigram_logp_ptr, std::int64_t num_trigrams, std::int64_t out_tokens_ptr,
-                      std::int64_t out_length_ptr, std::int64_t out_score_ptr, std::int64_t out_q_ptr,
-                      int num_threads) {
+                      std::int64_t slots, std::int64_t cands, std::int64_t beam, double lam, std::int64_t uniforms_ptr,
+                      std::int64_t vocab, std::int64_t unigram_logp_ptr, std::int64_t unigram_bow_ptr,
+                      std::int64_t bigram_keys_ptr, std::int64_t bigram_logp_ptr, std::int64_t bigram_bow_ptr,
+                      std::int64_t num_bigrams, std::int64_t trigram_keys_ptr, std::int64_t trigram_logp_ptr,
+                      std::int64_t num_trigrams, std::int64_t out_tokens_ptr, std::int64_t out_length_ptr,
+                      std::int64_t out_score_ptr, std::int64_t out_q_ptr, int num_threads) {
   const Checker c{"diffuspec_search"};
   c.at_least(batch, 0, "batch");
   c.at_least(slots, 0, "slots");
@@ -41,7 +40,8 @@ void diffuspec_search(std::int64_t cand_tokens_ptr, std::int64_t cand_logprobs_p
   if (vocab < 0 || vocab > 2000000) c.fail("vocab must be in [0, 2e6], got " + std::to_string(vocab));
   c.at_least(num_bigrams, 0, "num_bigrams");
   c.at_least(num_trigrams, 0, "num_trigrams");
-  if (slots > 0 && cands > kI64Max / slots / std::max<std::int64_t>(batch, 1)) c.fail("batch * slots * cands overflows");
+  if (slots > 0 && cands > kI64Max / slots / std::max<std::int64_t>(batch, 1))
+    c.fail("batch * slots * cands overflows");
   if (batch == 0) return;
   c.ptr(lengths_ptr, "lengths_ptr", 8);
   c.ptr(history_ptr, "history_ptr", 8);
@@ -100,8 +100,8 @@ void diffuspec_search(std::int64_t cand_tokens_ptr, std::int64_t cand_logprobs_p
   }
   for (std::int64_t i = 0; i < cells; ++i) {
     if (tok[i] < -1 || tok[i] >= id_limit) {
-      c.fail("cand_tokens must hold -1 or ids in [0, " + std::to_string(id_limit) + "), got " +
-             std::to_string(tok[i]) + " at flat index " + std::to_string(i));
+      c.fail("cand_tokens must hold -1 or ids in [0, " + std::to_string(id_limit) + "), got " + std::to_string(tok[i]) +
+             " at flat index " + std::to_string(i));
     }
   }
   if (uniforms_ptr != 0) {
@@ -145,12 +145,11 @@ void diffuspec_search(std::int64_t cand_tokens_ptr, std::int64_t cand_logprobs_p
 void register_diffuspec_search(py::module_& m) {
   m.def("diffuspec_search", &diffuspec_search, py::arg("cand_tokens_ptr"), py::arg("cand_logprobs_ptr"),
         py::arg("lengths_ptr"), py::arg("history_ptr"), py::arg("eos_ptr"), py::arg("num_eos"), py::arg("batch"),
-        py::arg("slots"), py::arg("cands"), py::arg("beam"), py::arg("lam"), py::arg("uniforms_ptr"),
-        py::arg("vocab"), py::arg("unigram_logp_ptr"), py::arg("unigram_bow_ptr"), py::arg("bigram_keys_ptr"),
-        py::arg("bigram_logp_ptr"), py::arg("bigram_bow_ptr"), py::arg("num_bigrams"),
-        py::arg("trigram_keys_ptr"), py::arg("trigram_logp_ptr"), py::arg("num_trigrams"),
-        py::arg("out_tokens_ptr"), py::arg("out_length_ptr"), py::arg("out_score_ptr"), py::arg("out_q_ptr"),
-        py::arg("num_threads") = 0,
+        py::arg("slots"), py::arg("cands"), py::arg("beam"), py::arg("lam"), py::arg("uniforms_ptr"), py::arg("vocab"),
+        py::arg("unigram_logp_ptr"), py::arg("unigram_bow_ptr"), py::arg("bigram_keys_ptr"), py::arg("bigram_logp_ptr"),
+        py::arg("bigram_bow_ptr"), py::arg("num_bigrams"), py::arg("trigram_keys_ptr"), py::arg("trigram_logp_ptr"),
+        py::arg("num_trigrams"), py::arg("out_tokens_ptr"), py::arg("out_length_ptr"), py::arg("out_score_ptr"),
+        py::arg("out_q_ptr"), py::arg("num_threads") = 0,
         R"doc(DiffuSpec's causal-consistency path search over a pruned token lattice (CPU).
 
 cand_tokens int64 [B, L, M] (-1 = none), cand_logprobs float32 [B, L, M], lengths int64 [B],

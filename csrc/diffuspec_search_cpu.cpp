@@ -128,12 +128,11 @@ class Searcher {
         }
       }
       const std::size_t keep = std::min<std::size_t>(cands.size(), static_cast<std::size_t>(a_.beam));
-      std::partial_sort(cands.begin(), cands.begin() + keep, cands.end(),
-                        [](const Expansion& x, const Expansion& y) {
-                          if (x.score != y.score) return x.score > y.score;
-                          if (x.parent != y.parent) return x.parent < y.parent;
-                          return x.cand < y.cand;
-                        });
+      std::partial_sort(cands.begin(), cands.begin() + keep, cands.end(), [](const Expansion& x, const Expansion& y) {
+        if (x.score != y.score) return x.score > y.score;
+        if (x.parent != y.parent) return x.parent < y.parent;
+        return x.cand < y.cand;
+      });
       std::vector<Beam> next;
       next.reserve(keep);
       bool all_done = true;
@@ -201,10 +200,12 @@ void diffuspec_search_cpu(const PathSearchArgs& a) {
   const std::int64_t work = a.slots * a.cands * std::max<std::int64_t>(a.beam, 1);
   // requests are independent: the pool splits them over the caller's threads (capped by
   // $DSPEC_CPU_THREADS), small searches stay on the calling thread
-  cpu::parallel_rows(a.batch, work, a.num_threads,
-                     [&](std::int64_t lo, std::int64_t hi) {
-                       for (std::int64_t b = lo; b < hi; ++b) s.run(b);
-                     }, 20000);
+  cpu::parallel_rows(
+      a.batch, work, a.num_threads,
+      [&](std::int64_t lo, std::int64_t hi) {
+        for (std::int64_t b = lo; b < hi; ++b) s.run(b);
+      },
+      20000);
 }
 
 }  // namespace dspec

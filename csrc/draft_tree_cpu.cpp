@@ -61,7 +61,7 @@ std::int64_t draft_tree_cpu(const DraftTreeArgs& a) {
       for (std::size_t i = 0; i < prev.size(); ++i) {
         for (std::int64_t c = 0; c < k; ++c) {
           double f = static_cast<double>(p[d * k + c]);
-          f = f < 0.0 ? 0.0 : (f > 1.0 ? 1.0 : f);   // no NaN: the binding rejects it
+          f = f < 0.0 ? 0.0 : (f > 1.0 ? 1.0 : f);  // no NaN: the binding rejects it
           cands.push_back({prev[i] * f, static_cast<std::int64_t>(i) * k + c});
         }
       }
@@ -69,8 +69,8 @@ std::int64_t draft_tree_cpu(const DraftTreeArgs& a) {
       prev.resize(cands.size());
       for (std::size_t j = 0; j < cands.size(); ++j) {
         prev[j] = cands[j].score;
-        all.push_back({cands[j].score, d, static_cast<std::int64_t>(j), t[d * k + cands[j].flat % k],
-                       cands[j].flat / k});
+        all.push_back(
+            {cands[j].score, d, static_cast<std::int64_t>(j), t[d * k + cands[j].flat % k], cands[j].flat / k});
       }
     }
     // depth-major list, stable by score descending: the first cap nodes
@@ -118,9 +118,9 @@ std::int64_t draft_tree_cpu(const DraftTreeArgs& a) {
       tok[1 + j] = x.token;
       // a kept node's parent ranks before it (its score is at least the child's, and on a
       // tie the shallower comes first), so it is kept too
-      par[1 + j] = x.level == 0 ? 0
-                                : column[static_cast<std::size_t>(x.level - 1)]
-                                        [static_cast<std::size_t>(x.parent_level_index)];
+      par[1 + j] = x.level == 0
+                       ? 0
+                       : column[static_cast<std::size_t>(x.level - 1)][static_cast<std::size_t>(x.parent_level_index)];
       pos[1 + j] = a.root_positions[b] + x.level + 1;
     }
     // ancestor words of the first 1 + n columns, [1 + n, words] per request

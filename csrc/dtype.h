@@ -81,10 +81,10 @@ DSPEC_DT_INLINE std::uint16_t float_to_half(float f) {
   const std::uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);   // NaN
   if (a >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds past 65504
-  if (a < 0x38800000u) {  // below the smallest normal half: scale into the subnormal grid
+  if (a < 0x38800000u) {                               // below the smallest normal half: scale into the subnormal grid
     const float mag = f32_from_bits(a) * 16777216.0f;  // * 2^24, exact
     // round half to even on the integer grid of 2^-24 steps
-    const float r = mag + 12582912.0f - 12582912.0f;   // 1.5 * 2^23 trick (RNE in float)
+    const float r = mag + 12582912.0f - 12582912.0f;  // 1.5 * 2^23 trick (RNE in float)
     return static_cast<std::uint16_t>(sign | static_cast<std::uint16_t>(r));
   }
   const std::uint32_t rounded = a + 0xfffu + ((a >> 13) & 1u);  // RNE on the dropped 13 bits

@@ -12,13 +12,13 @@
 namespace dspec {
 
 struct RmsNormArgs {
-  int dtype = kFloat32;            // x, weight, out
+  int dtype = kFloat32;  // x, weight, out
   std::int64_t rows = 0;
   std::int64_t hidden = 0;
   float eps = 1e-6f;
-  const void* x = nullptr;         // [rows, hidden] contiguous
-  const void* weight = nullptr;    // [hidden]
-  void* out = nullptr;             // [rows, hidden] contiguous
+  const void* x = nullptr;       // [rows, hidden] contiguous
+  const void* weight = nullptr;  // [hidden]
+  void* out = nullptr;           // [rows, hidden] contiguous
   int num_threads = 1;
 };
 
@@ -34,13 +34,13 @@ void rms_norm_cpu(const RmsNormArgs& args);
 constexpr std::int64_t kRopeMaxHeadDim = 1024;
 
 struct RopeArgs {
-  int dtype = kFloat32;            // q, k (rotated in place)
-  std::int64_t rows = 0;           // B * N token rows
+  int dtype = kFloat32;   // q, k (rotated in place)
+  std::int64_t rows = 0;  // B * N token rows
   std::int64_t hq = 0, hkv = 0, head_dim = 0;
-  void* q = nullptr;               // [rows, hq, D] contiguous
-  void* k = nullptr;               // [rows, hkv, D] contiguous
-  const float* cos = nullptr;      // [rows, D] float32
-  const float* sin = nullptr;      // [rows, D] float32, signed: (-sin, +sin) over the halves
+  void* q = nullptr;           // [rows, hq, D] contiguous
+  void* k = nullptr;           // [rows, hkv, D] contiguous
+  const float* cos = nullptr;  // [rows, D] float32
+  const float* sin = nullptr;  // [rows, D] float32, signed: (-sin, +sin) over the halves
   int num_threads = 1;
 };
 
@@ -53,13 +53,13 @@ void rope_cpu(const RopeArgs& args);
 // whose worker then spins on the cores the decoder's pool needs; this stays on the calling
 // thread up to a few MB.
 struct CopyRowsArgs {
-  const char* src = nullptr;       // group g, row r at src + g * src_group_stride + r * row_bytes
-  char* dst = nullptr;             // likewise with dst_group_stride
+  const char* src = nullptr;  // group g, row r at src + g * src_group_stride + r * row_bytes
+  char* dst = nullptr;        // likewise with dst_group_stride
   std::int64_t groups = 0;
-  std::int64_t src_group_stride = 0, dst_group_stride = 0;   // bytes
-  std::int64_t rows = 0;           // rows moved per group
-  const std::int64_t* src_rows = nullptr;   // [rows] row indices within a source group
-  const std::int64_t* dst_rows = nullptr;   // [rows] row indices within a destination group
+  std::int64_t src_group_stride = 0, dst_group_stride = 0;  // bytes
+  std::int64_t rows = 0;                                    // rows moved per group
+  const std::int64_t* src_rows = nullptr;                   // [rows] row indices within a source group
+  const std::int64_t* dst_rows = nullptr;                   // [rows] row indices within a destination group
   std::int64_t row_bytes = 0;
   int num_threads = 1;
 };

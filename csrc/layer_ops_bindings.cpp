@@ -17,8 +17,8 @@ namespace py = pybind11;
 namespace dspec {
 namespace {
 
-void rms_norm(std::int64_t x, std::int64_t weight, std::int64_t out, int dtype,
-              std::int64_t rows, std::int64_t hidden, double eps, int num_threads) {
+void rms_norm(std::int64_t x, std::int64_t weight, std::int64_t out, int dtype, std::int64_t rows, std::int64_t hidden,
+              double eps, int num_threads) {
   const Checker c{"rms_norm"};
   c.float_dtype(dtype, "dtype");
   c.at_least(rows, 0, "rows");
@@ -49,7 +49,7 @@ void rope(std::int64_t q, std::int64_t k, std::int64_t cos, std::int64_t sin, in
   c.float_dtype(dtype, "dtype");
   c.at_least(rows, 0, "rows");
   c.at_least(hq, 1, "hq");
-  c.at_least(hkv, 0, "hkv");   // 0: rotate q alone (k unused)
+  c.at_least(hkv, 0, "hkv");  // 0: rotate q alone (k unused)
   check_rope_head_dim(c, head_dim);
   c.product(rows, hq * head_dim, "rows * hq * head_dim");
   if (rows == 0) return;
@@ -97,7 +97,7 @@ void copy_rows(std::int64_t src, std::int64_t dst, std::int64_t groups, std::int
   c.ptr(dst_rows, "dst_rows", 8);
   const auto* si = as_ptr<const std::int64_t>(src_rows);
   const auto* di = as_ptr<const std::int64_t>(dst_rows);
-  for (std::int64_t i = 0; i < rows; ++i) {     // every index in range before any byte moves
+  for (std::int64_t i = 0; i < rows; ++i) {  // every index in range before any byte moves
     if (si[i] < 0 || si[i] >= src_group_rows) {
       c.fail("src_rows[" + std::to_string(i) + "] = " + std::to_string(si[i]) + " is outside [0, " +
              std::to_string(src_group_rows) + ")");
@@ -124,10 +124,10 @@ void copy_rows(std::int64_t src, std::int64_t dst, std::int64_t groups, std::int
 
 // A KV commit: slot j of request b (keep[b, j] >= 0, a row of the request's n suffix rows)
 // to row lengths[b] + j of its cache, in every layer, for K and V; slots of -1 are skipped.
-void commit_rows(std::int64_t src_k, std::int64_t src_v, std::int64_t dst_k, std::int64_t dst_v,
-                 std::int64_t groups, std::int64_t src_group_stride, std::int64_t dst_group_stride,
-                 std::int64_t batch, std::int64_t n, std::int64_t capacity, std::int64_t keep, std::int64_t slots,
-                 std::int64_t lengths, std::int64_t row_bytes, int num_threads) {
+void commit_rows(std::int64_t src_k, std::int64_t src_v, std::int64_t dst_k, std::int64_t dst_v, std::int64_t groups,
+                 std::int64_t src_group_stride, std::int64_t dst_group_stride, std::int64_t batch, std::int64_t n,
+                 std::int64_t capacity, std::int64_t keep, std::int64_t slots, std::int64_t lengths,
+                 std::int64_t row_bytes, int num_threads) {
   const Checker c{"commit_rows"};
   c.at_least(groups, 0, "groups");
   c.at_least(batch, 0, "batch");
@@ -151,11 +151,12 @@ void commit_rows(std::int64_t src_k, std::int64_t src_v, std::int64_t dst_k, std
   src_rows.reserve(static_cast<std::size_t>(batch * slots));
   dst_rows.reserve(static_cast<std::size_t>(batch * slots));
   for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t j = 0; j < slots; ++j) {     // every index in range before any byte moves
+    for (std::int64_t j = 0; j < slots; ++j) {  // every index in range before any byte moves
       const std::int64_t i = kp[b * slots + j];
       if (i < 0) continue;
-      if (i >= n) c.fail("keep[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(i) +
-                         " is outside [-1, " + std::to_string(n) + ")");
+      if (i >= n)
+        c.fail("keep[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(i) +
+               " is outside [-1, " + std::to_string(n) + ")");
       if (len[b] < 0 || len[b] + j >= capacity) {
         c.fail("lengths[" + std::to_string(b) + "] + " + std::to_string(j) + " is outside the capacity " +
                std::to_string(capacity));
@@ -189,12 +190,12 @@ void commit_rows(std::int64_t src_k, std::int64_t src_v, std::int64_t dst_k, std
 }  // namespace
 
 void register_layer_ops(py::module_& m) {
-  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("out"),
-        py::arg("dtype"), py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("num_threads") = 1,
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("dtype"), py::arg("rows"),
+        py::arg("hidden"), py::arg("eps"), py::arg("num_threads") = 1,
         R"doc(out = weight * rmsnorm(x) over rows of `hidden` contiguous elements (dtype code 0 fp32,
 1 fp16, 2 bf16), math in float32.)doc");
-  m.def("rope", &rope, py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("dtype"),
-        py::arg("rows"), py::arg("hq"), py::arg("hkv"), py::arg("head_dim"), py::arg("num_threads") = 1,
+  m.def("rope", &rope, py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("dtype"), py::arg("rows"),
+        py::arg("hq"), py::arg("hkv"), py::arg("head_dim"), py::arg("num_threads") = 1,
         R"doc(Rotate-half RoPE in place on q [rows, hq, D] and k [rows, hkv, D] (contiguous) with
 float32 tables cos / signed sin [rows, D].)doc");
   m.def("copy_rows", &copy_rows, py::arg("src"), py::arg("dst"), py::arg("groups"), py::arg("src_group_stride"),

@@ -23,4 +23,4 @@ inline void check_rope_head_dim(const Checker& c, std::int64_t head_dim) {
     c.fail("head_dim must be even and <= " + std::to_string(kRopeMaxHeadDim) + ", got " + std::to_string(head_dim));
   }
 }
-}
+}  // namespace dspec

@@ -49,7 +49,7 @@ DSPEC_CPU_INLINE void rms_rows(const RmsNormArgs& a, std::int64_t lo, std::int64
 
 template <int DT>
 DSPEC_CPU_INLINE void rope_heads(void* base, std::int64_t row, std::int64_t heads, std::int64_t d, const float* c,
-                const float* s) {
+                                 const float* s) {
   using E = dt::elem_t<DT>;
   const std::int64_t half = d / 2;
   E* x = static_cast<E*>(base) + row * heads * d;
@@ -79,52 +79,67 @@ DSPEC_CPU_INLINE void rope_rows(const RopeArgs& a, std::int64_t lo, std::int64_t
 
 // One entry point per dtype, compiled for AVX-512, AVX2 + FMA and baseline x86-64 (the
 // loops above vectorise; the baseline build alone ran a 16-row RMSNorm at ~1 ns an element).
-DSPEC_CPU_MULTI(void, rms_f32, (const RmsNormArgs& a, std::int64_t lo, std::int64_t hi),
-                (a, lo, hi)) { rms_rows<kFloat32>(a, lo, hi); }
-DSPEC_CPU_MULTI(void, rms_f16, (const RmsNormArgs& a, std::int64_t lo, std::int64_t hi),
-                (a, lo, hi)) { rms_rows<kFloat16>(a, lo, hi); }
-DSPEC_CPU_MULTI(void, rms_bf16, (const RmsNormArgs& a, std::int64_t lo, std::int64_t hi),
-                (a, lo, hi)) { rms_rows<kBFloat16>(a, lo, hi); }
-DSPEC_CPU_MULTI(void, rope_f32, (const RopeArgs& a, std::int64_t lo, std::int64_t hi),
-                (a, lo, hi)) { rope_rows<kFloat32>(a, lo, hi); }
-DSPEC_CPU_MULTI(void, rope_f16, (const RopeArgs& a, std::int64_t lo, std::int64_t hi),
-                (a, lo, hi)) { rope_rows<kFloat16>(a, lo, hi); }
-DSPEC_CPU_MULTI(void, rope_bf16, (const RopeArgs& a, std::int64_t lo, std::int64_t hi),
-                (a, lo, hi)) { rope_rows<kBFloat16>(a, lo, hi); }
+DSPEC_CPU_MULTI(void, rms_f32, (const RmsNormArgs& a, std::int64_t lo, std::int64_t hi), (a, lo, hi)) {
+  rms_rows<kFloat32>(a, lo, hi);
+}
+DSPEC_CPU_MULTI(void, rms_f16, (const RmsNormArgs& a, std::int64_t lo, std::int64_t hi), (a, lo, hi)) {
+  rms_rows<kFloat16>(a, lo, hi);
+}
+DSPEC_CPU_MULTI(void, rms_bf16, (const RmsNormArgs& a, std::int64_t lo, std::int64_t hi), (a, lo, hi)) {
+  rms_rows<kBFloat16>(a, lo, hi);
+}
+DSPEC_CPU_MULTI(void, rope_f32, (const RopeArgs& a, std::int64_t lo, std::int64_t hi), (a, lo, hi)) {
+  rope_rows<kFloat32>(a, lo, hi);
+}
+DSPEC_CPU_MULTI(void, rope_f16, (const RopeArgs& a, std::int64_t lo, std::int64_t hi), (a, lo, hi)) {
+  rope_rows<kFloat16>(a, lo, hi);
+}
+DSPEC_CPU_MULTI(void, rope_bf16, (const RopeArgs& a, std::int64_t lo, std::int64_t hi), (a, lo, hi)) {
+  rope_rows<kBFloat16>(a, lo, hi);
+}
 
 }  // namespace
 
 void rms_norm_cpu(const RmsNormArgs& args) {
-  cpu::parallel_rows(args.rows, args.hidden, args.num_threads, [&](std::int64_t lo, std::int64_t hi) {
-    switch (args.dtype) {
-      case kFloat16: rms_f16(args, lo, hi); break;
-      case kBFloat16: rms_bf16(args, lo, hi); break;
-      default: rms_f32(args, lo, hi); break;
-    }
-  }, kLayerOpElementsPerThread);
+  cpu::parallel_rows(
+      args.rows, args.hidden, args.num_threads,
+      [&](std::int64_t lo, std::int64_t hi) {
+        switch (args.dtype) {
+          case kFloat16: rms_f16(args, lo, hi); break;
+          case kBFloat16: rms_bf16(args, lo, hi); break;
+          default: rms_f32(args, lo, hi); break;
+        }
+      },
+      kLayerOpElementsPerThread);
 }
 
 void rope_cpu(const RopeArgs& args) {
-  cpu::parallel_rows(args.rows, (args.hq + args.hkv) * args.head_dim, args.num_threads,
-            [&](std::int64_t lo, std::int64_t hi) {
-    switch (args.dtype) {
-      case kFloat16: rope_f16(args, lo, hi); break;
-      case kBFloat16: rope_bf16(args, lo, hi); break;
-      default: rope_f32(args, lo, hi); break;
-    }
-  }, kLayerOpElementsPerThread);
+  cpu::parallel_rows(
+      args.rows, (args.hq + args.hkv) * args.head_dim, args.num_threads,
+      [&](std::int64_t lo, std::int64_t hi) {
+        switch (args.dtype) {
+          case kFloat16: rope_f16(args, lo, hi); break;
+          case kBFloat16: rope_bf16(args, lo, hi); break;
+          default: rope_f32(args, lo, hi); break;
+        }
+      },
+      kLayerOpElementsPerThread);
 }
 
 void copy_rows_cpu(const CopyRowsArgs& a) {
   // one item = one row of one group; a decode step's commit (~100 KB) stays on one thread
   const std::int64_t items = a.groups * a.rows;
-  cpu::parallel_rows(items, a.row_bytes, a.num_threads, [&](std::int64_t lo, std::int64_t hi) {
-    for (std::int64_t i = lo; i < hi; ++i) {
-      const std::int64_t g = i / a.rows, r = i % a.rows;
-      std::memcpy(a.dst + g * a.dst_group_stride + a.dst_rows[r] * a.row_bytes,
-                  a.src + g * a.src_group_stride + a.src_rows[r] * a.row_bytes, static_cast<std::size_t>(a.row_bytes));
-    }
-  }, std::int64_t(1) << 21);
+  cpu::parallel_rows(
+      items, a.row_bytes, a.num_threads,
+      [&](std::int64_t lo, std::int64_t hi) {
+        for (std::int64_t i = lo; i < hi; ++i) {
+          const std::int64_t g = i / a.rows, r = i % a.rows;
+          std::memcpy(a.dst + g * a.dst_group_stride + a.dst_rows[r] * a.row_bytes,
+                      a.src + g * a.src_group_stride + a.src_rows[r] * a.row_bytes,
+                      static_cast<std::size_t>(a.row_bytes));
+        }
+      },
+      std::int64_t(1) << 21);
 }
 
 }  // namespace dspec

@@ -43,19 +43,19 @@ struct LinearPackArgs {
   int dtype = kFloat32;
   std::int64_t n = 0, k = 0, ldw = 0;  // weight [n, k], row stride ldw, unit stride along k
   const void* weight = nullptr;
-  void* packed = nullptr;              // linear_packed_elements(n, k, dtype) elements
+  void* packed = nullptr;  // linear_packed_elements(n, k, dtype) elements
   int num_threads = 1;
 };
 
 void linear_pack_cpu(const LinearPackArgs& args);
 
 struct LinearArgs {
-  int dtype = kFloat32;             // x, weight, bias and out
-  std::int64_t m = 0, k = 0, n = 0; // x [m, k], weight [n, k] (packed), out [m, n]
-  std::int64_t ldx = 0, ldo = 0;    // row strides in elements (unit stride along k / n)
+  int dtype = kFloat32;              // x, weight, bias and out
+  std::int64_t m = 0, k = 0, n = 0;  // x [m, k], weight [n, k] (packed), out [m, n]
+  std::int64_t ldx = 0, ldo = 0;     // row strides in elements (unit stride along k / n)
   const void* x = nullptr;
-  const void* weight = nullptr;     // packed by linear_pack_cpu for this n, k and dtype
-  const void* bias = nullptr;       // [n] or null
+  const void* weight = nullptr;  // packed by linear_pack_cpu for this n, k and dtype
+  const void* bias = nullptr;    // [n] or null
   void* out = nullptr;
   int num_threads = 1;
   int isa = kLinearAuto;

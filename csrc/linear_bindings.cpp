@@ -82,9 +82,9 @@ void linear(std::int64_t x, std::int64_t weight, std::int64_t bias, std::int64_t
   c.product(n + kPanel, k + 1, "n * k");
   c.product(m, ldo, "m * ldo");
   const int code = c.isa(isa, linear_has_avx512(dtype),  // LinearIsa codes
-                         "float32 / bfloat16 and a CPU with AVX-512 (AVX512_BF16 for bfloat16)",
-                         linear_has_amx(dtype), "bfloat16 and a CPU with AMX-BF16 that the kernel enables",
-                         linear_has_avx2(dtype), "a CPU with AVX2, FMA and F16C");
+                         "float32 / bfloat16 and a CPU with AVX-512 (AVX512_BF16 for bfloat16)", linear_has_amx(dtype),
+                         "bfloat16 and a CPU with AMX-BF16 that the kernel enables", linear_has_avx2(dtype),
+                         "a CPU with AVX2, FMA and F16C");
   if (m == 0 || n == 0) return;
   const std::int64_t item = element_size(dtype);
   c.ptr(x, "x", item);
@@ -192,7 +192,8 @@ void mask_lora_pack(std::int64_t a, std::int64_t bt, std::int64_t packed, std::i
     c.fail("weight_dtype must be 0 (float32) or 2 (bfloat16), got " + std::to_string(weight_dtype));
   }
   c.at_least(rank, 1, "rank");
-  if (rank > kMaskLoraAmxRank) c.fail("rank must be <= " + std::to_string(kMaskLoraAmxRank) + ", got " + std::to_string(rank));
+  if (rank > kMaskLoraAmxRank)
+    c.fail("rank must be <= " + std::to_string(kMaskLoraAmxRank) + ", got " + std::to_string(rank));
   c.at_least(k, 1, "k");
   c.at_least(n, 1, "n");
   c.product(rank, k, "rank * k");
@@ -217,8 +218,8 @@ void register_linear(py::module_& m) {
 packed (linear_packed_size(n, k, dtype) elements of that dtype): panels of 16 output columns, k in pairs
 for the 16-bit dtypes, zero padded.  Done once per weight; linear and linear_group read it.)doc");
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("dtype"),
-        py::arg("m"), py::arg("k"), py::arg("n"), py::arg("ldx"), py::arg("ldo"),
-        py::arg("num_threads") = 1, py::arg("isa") = "auto",
+        py::arg("m"), py::arg("k"), py::arg("n"), py::arg("ldx"), py::arg("ldo"), py::arg("num_threads") = 1,
+        py::arg("isa") = "auto",
         R"doc(out[m, n] = x[m, k] @ W[n, k]^T (+ bias[n]) for few rows (a decode or verification step), W
 given packed by linear_pack: float32 accumulation, one rounding to dtype (0 fp32, 1 fp16, 2 bf16); row
 strides ldx / ldo in elements, unit stride along k and n; bias 0 for none.  Each output is reduced in an
@@ -227,8 +228,8 @@ the CPU has AMX-BF16, else AVX-512, with AVX512_BF16 for bf16, where the CPU has
 F16C, each within $DSPEC_CPU_ISA), 'generic', 'avx2', 'avx512' or 'amx'.  AMX and vdpbf16ps sum a k pair in
 different orders (and AVX2 as two FMAs): their bf16 bits differ, so one process keeps one isa for every
 row count.  The GIL is released while it runs.)doc");
-  m.def("linear_group", &linear_group, py::arg("x"), py::arg("dtype"), py::arg("m"), py::arg("k"),
-        py::arg("weights"), py::arg("biases"), py::arg("outs"), py::arg("ns"), py::arg("num_threads") = 1,
+  m.def("linear_group", &linear_group, py::arg("x"), py::arg("dtype"), py::arg("m"), py::arg("k"), py::arg("weights"),
+        py::arg("biases"), py::arg("outs"), py::arg("ns"), py::arg("num_threads") = 1,
         R"doc(linear for several packed weights of one x in one call: outs[p][m, ns[p]] = x[m, k] @ W_p^T
 (+ biases[p]; 0 for none), every tensor contiguous.  The parts' columns are split over the threads
 together; each output is bit-identical to a linear call on that part alone.)doc");
@@ -257,16 +258,19 @@ A as a tile operand with k in pairs, then B^T's blocks of 16 outputs with ranks 
 Done once per adapter matrix pair.)doc");
   m.def("mask_lora_has_amx", &mask_lora_has_amx, py::arg("dtype"), py::arg("rank"),
         "Whether mask_lora's AMX code runs here for this x / y dtype code and rank (given the packed adapter).");
-  m.def("linear_prefetch_steps", [](int steps) { return linear_prefetch_steps(steps); }, py::arg("steps") = -1,
-        "The linear tiles' software prefetch distance in k steps: steps >= 0 sets it (returns the old value), "
-        "-1 reads it. Results never depend on it.");
-  m.def("linear_isa",
-        [](int dtype) {
-          return std::string(linear_has_amx(dtype) ? "amx"
-                             : linear_has_avx512(dtype) ? "avx512"
-                             : linear_has_avx2(dtype) ? "avx2" : "generic");
-        },
-        py::arg("dtype"), "The code linear runs for this dtype code on this CPU with isa='auto'.");
+  m.def(
+      "linear_prefetch_steps", [](int steps) { return linear_prefetch_steps(steps); }, py::arg("steps") = -1,
+      "The linear tiles' software prefetch distance in k steps: steps >= 0 sets it (returns the old value), "
+      "-1 reads it. Results never depend on it.");
+  m.def(
+      "linear_isa",
+      [](int dtype) {
+        return std::string(linear_has_amx(dtype)      ? "amx"
+                           : linear_has_avx512(dtype) ? "avx512"
+                           : linear_has_avx2(dtype)   ? "avx2"
+                                                      : "generic");
+      },
+      py::arg("dtype"), "The code linear runs for this dtype code on this CPU with isa='auto'.");
 }
 
 }  // namespace dspec

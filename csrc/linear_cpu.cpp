@@ -64,16 +64,16 @@ constexpr std::int64_t padded_k(std::int64_t k, int dtype) {
 // One tile: rows [mr] of x times the tp panels of one group of the packed weight into
 // out, plus bias.
 struct Tile {
-  const void* x;            // first row
+  const void* x;  // first row
   std::int64_t ldx;
-  const void* w;            // the group's first element
+  const void* w;  // the group's first element
   std::int64_t k;
-  const float* bias;        // kPanel * tp floats (zeros where no bias)
-  void* out;                // first row, first column of the first panel
+  const float* bias;  // kPanel * tp floats (zeros where no bias)
+  void* out;          // first row, first column of the first panel
   std::int64_t ldo;
-  int last_cols;            // valid columns of the last panel, 1 .. 16
-  int prefetch_steps;       // software prefetch distance along the group's stream, in k steps
-  const void* stream_end;   // the end of this thread's panels: no prefetch at or past it
+  int last_cols;           // valid columns of the last panel, 1 .. 16
+  int prefetch_steps;      // software prefetch distance along the group's stream, in k steps
+  const void* stream_end;  // the end of this thread's panels: no prefetch at or past it
   // The AVX2 tiles run a call one k chunk at a time (all passes and row blocks of a chunk
   // while its weights sit in L1): k steps [s0, s1), accumulators carried between chunks in
   // acc (this row block's first row; row stride kPanel * kPanelBlock floats); first: they
@@ -145,7 +145,7 @@ struct Bf16Step {
     std::memcpy(&pair, p, sizeof(pair));
     return _mm512_set1_epi32(pair);
   }
-  DSPEC_AVX512BF16 static inline __m512i broadcast_last(const E* p) {   // k odd: (x[k-1], 0)
+  DSPEC_AVX512BF16 static inline __m512i broadcast_last(const E* p) {  // k odd: (x[k-1], 0)
     return _mm512_set1_epi32(static_cast<std::int32_t>(*p));
   }
   DSPEC_AVX512BF16 static inline __m512i load(const E* p) { return _mm512_loadu_si512(p); }
@@ -168,10 +168,10 @@ struct F32Step {
 };
 
 template <class S, int MR, int T, bool kLast>
-DSPEC_AVX512BF16 inline __attribute__((always_inline)) void micro_step(__m512 (&acc)[MR][T],
-                                                                       const typename S::E* x, std::int64_t ldx,
-                                                                       const typename S::E* w, std::int64_t s,
-                                                                       std::int64_t ahead, const typename S::E* end) {
+DSPEC_AVX512BF16 inline __attribute__((always_inline)) void micro_step(__m512 (&acc)[MR][T], const typename S::E* x,
+                                                                       std::int64_t ldx, const typename S::E* w,
+                                                                       std::int64_t s, std::int64_t ahead,
+                                                                       const typename S::E* end) {
   decltype(S::load(w)) wv[T];
   const typename S::E* ws = w + s * T * kPanel * S::kS;
   // past the group's end this touches the next group's start, which this thread reads next;
@@ -282,11 +282,12 @@ DSPEC_AVX2_INLINE __m256 avx2_broadcast(const dt::elem_t<DT>* x) {
 // dt::float_to_bf16 on 8 lanes, as 8 16-bit results
 DSPEC_AVX2_INLINE __m128i avx2_round_bf16(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
-                       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                         _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))),
+                        16);
+  const __m256i nan =
+      _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
   const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
   const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
@@ -405,7 +406,7 @@ DSPEC_AVX2_INLINE void avx2_pass(const Tile& t, int r0, bool fetch) {
 template <int DT, int MR, int T, int R0>
 DSPEC_AVX2_INLINE void avx2_rows(const Tile& t) {
   if constexpr (R0 < MR) {
-    constexpr int R = MR - R0 == 4 ? 2 : (MR - R0 < 3 ? MR - R0 : 3);   // 4 rows as 2 + 2, else blocks of 3
+    constexpr int R = MR - R0 == 4 ? 2 : (MR - R0 < 3 ? MR - R0 : 3);  // 4 rows as 2 + 2, else blocks of 3
     if constexpr (R == 1) {
       avx2_pass<DT, 1, T, 0, 2>(t, R0, false);
     } else {
@@ -472,10 +473,10 @@ DSPEC_AMX inline void amx_configure(int rows) { cpu::amx_configure(rows, 5); }
 // One step of 32 k for panel P of the group: B tile BT from the packed stream (row stride:
 // the group's T panels), accumulated into tile P.  (The tile intrinsics take literal tile
 // numbers.)
-#define DSPEC_AMX_PANEL(P, BT)                                    \
-  do {                                                            \
-    _tile_loadd(BT, block + (P) * kPanel * 2, b_stride);          \
-    _tile_dpbf16ps(P, 4, BT);                                     \
+#define DSPEC_AMX_PANEL(P, BT)                           \
+  do {                                                   \
+    _tile_loadd(BT, block + (P) * kPanel * 2, b_stride); \
+    _tile_dpbf16ps(P, 4, BT);                            \
   } while (0)
 
 // What a tile prefetches while it runs: at its k block d, the lines [from + d * per_block,
@@ -569,8 +570,8 @@ DSPEC_AMX void micro_amx_pair(const std::uint16_t* x, std::int64_t ldx, const st
 constexpr std::int64_t kPairMinRows = 128;
 constexpr std::int64_t kPairChunkRows = 256;
 
-using AmxMicro = void (*)(const std::uint16_t*, std::int64_t, const std::uint16_t*, std::int64_t,
-                          const AmxPrefetch&, float*);
+using AmxMicro = void (*)(const std::uint16_t*, std::int64_t, const std::uint16_t*, std::int64_t, const AmxPrefetch&,
+                          float*);
 constexpr AmxMicro kAmxMicro[kPanelBlock] = {&micro_amx<1>, &micro_amx<2>, &micro_amx<3>, &micro_amx<4>};
 
 // Columns [c0, c0 + cols) of the bias as float32 (zeros without a bias).
@@ -614,7 +615,7 @@ DSPEC_AMX void panels_amx(const LinearArgs& a, std::int64_t p0, std::int64_t p1)
     padded.assign(static_cast<std::size_t>(rows * kp), E(0));
     for (std::int64_t i = copy_from; i < a.m; ++i)
       std::memcpy(padded.data() + (i - copy_from) * kp, x + i * a.ldx, static_cast<std::size_t>(a.k) * sizeof(E));
-    std::atomic_signal_fence(std::memory_order_seq_cst);   // tile loads are asm the compiler cannot see through
+    std::atomic_signal_fence(std::memory_order_seq_cst);  // tile loads are asm the compiler cannot see through
   }
   alignas(64) float acc[kAmxRows][kPanel * kPanelBlock];
   const std::int64_t prefetch_bytes =
@@ -640,7 +641,7 @@ DSPEC_AMX void panels_amx(const LinearArgs& a, std::int64_t p0, std::int64_t p1)
         alignas(64) float acc2[2 * kAmxRows][2 * kPanel];
         for (int h = 0; h < kPanelBlock; h += 2) {
           AmxPrefetch pf;
-          if (i0 == 0 && h == 0) {   // the first pass streams the whole group: prefetch it all
+          if (i0 == 0 && h == 0) {  // the first pass streams the whole group: prefetch it all
             pf = {reinterpret_cast<const char*>(wg) + prefetch_bytes,
                   prefetch_bytes > 0 ? group_bytes / (kp / kTileDepth) : 0, stream_end, false};
           }
@@ -660,7 +661,7 @@ DSPEC_AMX void panels_amx(const LinearArgs& a, std::int64_t p0, std::int64_t p1)
     const E* wg = w + g * panel;
     const std::int64_t group_bytes = tp * panel * std::int64_t(sizeof(E));
     const std::int64_t blocks = kp / kTileDepth;
-    const std::int64_t paired = cols == kPanel * kPanelBlock ? paired_rows : 0;   // done above
+    const std::int64_t paired = cols == kPanel * kPanelBlock ? paired_rows : 0;  // done above
     for (std::int64_t i0 = paired, r = paired / kAmxRows; i0 < a.m; i0 += kAmxRows, ++r) {
       const int mr = static_cast<int>(std::min<std::int64_t>(tile_rows, a.m - i0));
       const bool copied = i0 >= copy_from;
@@ -795,7 +796,7 @@ void widen_rows(const LinearArgs& a, std::vector<float>& xf) {
 template <int DT>
 void widened_panels(const LinearArgs& a, const float* xf, const Tile& t, int tp, int cols, void* out) {
   using E = dt::elem_t<DT>;
-  constexpr std::int64_t kPairs = kAvx2ChunkSteps / 2;   // the float32 chunk: kAvx2ChunkSteps elements
+  constexpr std::int64_t kPairs = kAvx2ChunkSteps / 2;  // the float32 chunk: kAvx2ChunkSteps elements
   const Table& f32 = table_for(kFloat32, kLinearAvx2);
   thread_local std::vector<float> wf, partial;
   wf.resize(static_cast<std::size_t>(kAvx2ChunkSteps * kPanel * kPanelBlock));
@@ -852,7 +853,8 @@ void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64
     const std::int64_t c0 = g * kPanel;
     const int cols = static_cast<int>(std::min<std::int64_t>(kPanel * tp, a.n - c0));
     for (int c = 0; c < kPanel * tp; ++c) bias[c] = a.bias != nullptr && c < cols ? dt::load<DT>(a.bias, c0 + c) : 0.0f;
-    Tile t{nullptr, a.ldx, w + g * panel * item, a.k, bias, nullptr, a.ldo, cols - (tp - 1) * kPanel, prefetch, stream_end};
+    Tile t{nullptr, a.ldx, w + g * panel * item,     a.k,      bias,
+           nullptr, a.ldo, cols - (tp - 1) * kPanel, prefetch, stream_end};
 #if DSPEC_LINEAR_X86
     if constexpr (DT != kFloat32) {
       if (widen) {
@@ -945,8 +947,7 @@ std::int64_t linear_packed_elements(std::int64_t n, std::int64_t k, int dtype) {
 
 void linear_pack_cpu(const LinearPackArgs& a) {
   const std::int64_t count = (a.n + kPanel - 1) / kPanel;
-  cpu::parallel_rows(count, linear_panel_elements(a.k, a.dtype), a.num_threads,
-                     [&](std::int64_t lo, std::int64_t hi) {
+  cpu::parallel_rows(count, linear_panel_elements(a.k, a.dtype), a.num_threads, [&](std::int64_t lo, std::int64_t hi) {
     switch (a.dtype) {
       case kFloat16: pack_panels<kFloat16>(a, lo, hi); break;
       case kBFloat16: pack_panels<kBFloat16>(a, lo, hi); break;
@@ -1039,8 +1040,6 @@ void linear_group_cpu(const LinearArgs* parts, int count) {
 
 void linear_cpu(const LinearArgs& a) { linear_group_cpu(&a, 1); }
 
-int linear_prefetch_steps(int steps) {
-  return steps < 0 ? g_prefetch_steps.load() : g_prefetch_steps.exchange(steps);
-}
+int linear_prefetch_steps(int steps) { return steps < 0 ? g_prefetch_steps.load() : g_prefetch_steps.exchange(steps); }
 
 }  // namespace dspec

@@ -23,19 +23,19 @@
 namespace dspec {
 
 struct MaskLoraArgs {
-  int dtype = kFloat32;              // x and y
-  std::int64_t num_rows = 0;         // entries of rows
+  int dtype = kFloat32;       // x and y
+  std::int64_t num_rows = 0;  // entries of rows
   std::int64_t k = 0, n = 0, rank = 0;
   const std::int64_t* rows = nullptr;
-  const void* x = nullptr;           // [*, k] contiguous
-  int weight_dtype = kFloat32;       // a and bt: float32, or bfloat16 (widened exactly to float32)
-  const void* a = nullptr;           // [rank, k]
-  const void* bt = nullptr;          // B transposed: [rank, n]
+  const void* x = nullptr;      // [*, k] contiguous
+  int weight_dtype = kFloat32;  // a and bt: float32, or bfloat16 (widened exactly to float32)
+  const void* a = nullptr;      // [rank, k]
+  const void* bt = nullptr;     // B transposed: [rank, n]
   float scale = 1.0f;
-  void* y = nullptr;                 // [*, n] contiguous
-  int num_threads = 1;               // work split across threads (bits do not change)
-  int isa = kLinearAuto;             // auto (AMX with `packed`, else AVX-512 where the CPU has them), generic, avx512, amx
-  const void* packed = nullptr;      // bf16, mask_lora_pack's layout of a and bt, or null
+  void* y = nullptr;             // [*, n] contiguous
+  int num_threads = 1;           // work split across threads (bits do not change)
+  int isa = kLinearAuto;         // auto (AMX with `packed`, else AVX-512 where the CPU has them), generic, avx512, amx
+  const void* packed = nullptr;  // bf16, mask_lora_pack's layout of a and bt, or null
 };
 
 void mask_lora_cpu(const MaskLoraArgs& args);

@@ -108,8 +108,8 @@ DSPEC_AVX512 inline void lora_store(dt::elem_t<DT>* p, __m512 v, __mmask16 m) {
 
 // lane_dot's fold 8 / 4 / 2 / 1 of one vector of partial sums.
 DSPEC_AVX512_INLINE float lora_fold(__m512 v) {
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m256 s8 =
+      _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
@@ -182,8 +182,7 @@ DSPEC_AVX512 void lora_block(const MaskLoraArgs& a, const std::int64_t* rows, st
 #pragma GCC unroll 2
       for (int c = 0; c < 2; ++c) {
         const __m512 delta = lora_round<DT>(_mm512_mul_ps(acc[j][c], scale));
-        lora_store<DT>(yr + c * kLoraLanes,
-                       _mm512_add_ps(cpu::load_f32<DT>(yr + c * kLoraLanes, m[c]), delta), m[c]);
+        lora_store<DT>(yr + c * kLoraLanes, _mm512_add_ps(cpu::load_f32<DT>(yr + c * kLoraLanes, m[c]), delta), m[c]);
       }
     }
   }
@@ -219,7 +218,7 @@ DSPEC_AVX512 void mask_lora_rows_avx512(const MaskLoraArgs& a, std::int64_t r0, 
 // and 0 in turn from the packed B^T blocks in 6 / 7 [8 rank pairs][16 outputs][2].  (1 and 2
 // are unused.)
 constexpr int kLoraTile = 16;
-constexpr std::int64_t kLoraDepth = 32;                        // k per stage-1 tile product
+constexpr std::int64_t kLoraDepth = 32;                             // k per stage-1 tile product
 constexpr std::int64_t kLoraBBlock = kMaskLoraAmxRank * kLoraTile;  // bf16 of one packed B^T block
 
 DSPEC_AMX_TARGET inline void lora_amx_configure() {
@@ -234,12 +233,12 @@ DSPEC_AMX_TARGET inline void lora_amx_configure() {
 
 // Accumulator tile C = h (hi, tile 4, and lo, tile 5) times the packed B^T block at PB (into
 // tile B).  (The tile intrinsics take literal tile numbers.)
-#define DSPEC_LORA_AMX_BLOCK(C, B, PB)          \
-  do {                                          \
-    _tile_zero(C);                              \
-    _tile_loadd(B, (PB), cpu::kAmxRowBytes);    \
-    _tile_dpbf16ps(C, 4, B);                    \
-    _tile_dpbf16ps(C, 5, B);                    \
+#define DSPEC_LORA_AMX_BLOCK(C, B, PB)       \
+  do {                                       \
+    _tile_zero(C);                           \
+    _tile_loadd(B, (PB), cpu::kAmxRowBytes); \
+    _tile_dpbf16ps(C, 4, B);                 \
+    _tile_dpbf16ps(C, 5, B);                 \
   } while (0)
 
 // Rows [i0, i0 + mr) of the call (mr <= 16): x gathered into xg (16 x kp, each row's k tail
@@ -257,7 +256,7 @@ DSPEC_AMX_TARGET void lora_amx_rows(const MaskLoraArgs& a, std::int64_t i0, int 
   }
   alignas(64) float acc[kLoraTile][kLoraTile];
   alignas(64) std::uint16_t hi[kLoraTile][kLoraTile], lo[kLoraTile][kLoraTile];
-  std::atomic_signal_fence(std::memory_order_seq_cst);   // tile loads are asm the compiler cannot see through
+  std::atomic_signal_fence(std::memory_order_seq_cst);  // tile loads are asm the compiler cannot see through
   // h in two chains of 16-k tile products (even k halves into tile 0, odd into tile 3, the
   // operands in tiles 4 / 6 and 5 / 7), summed once: a chain of dependent products waits
   // for each one's latency
@@ -306,7 +305,7 @@ DSPEC_AMX_TARGET void lora_amx_rows(const MaskLoraArgs& a, std::int64_t i0, int 
     }
     const std::int64_t o = b * kLoraTile;
     const __mmask16 m = cpu::lanes(a.n - o);
-    for (int j = 0; j < mr; ++j) {   // delta.to(bf16), then bf16's add
+    for (int j = 0; j < mr; ++j) {  // delta.to(bf16), then bf16's add
       std::uint16_t* yr = y + a.rows[i0 + j] * a.n + o;
       const __m512 delta = lora_round<kBFloat16>(_mm512_mul_ps(_mm512_load_ps(acc[j]), scale));
       lora_store<kBFloat16>(yr, _mm512_add_ps(cpu::load_f32<kBFloat16>(yr, m), delta), m);
@@ -327,28 +326,22 @@ DSPEC_AMX_TARGET void mask_lora_rows_amx(const MaskLoraArgs& a, std::int64_t g0,
 }
 #endif
 
-DSPEC_CPU_MULTI(void, mask_lora_f32, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1),
-                (a, r0, r1)) {
+DSPEC_CPU_MULTI(void, mask_lora_f32, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1), (a, r0, r1)) {
   mask_lora_rows<kFloat32, kFloat32>(a, r0, r1);
 }
-DSPEC_CPU_MULTI(void, mask_lora_f16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1),
-                (a, r0, r1)) {
+DSPEC_CPU_MULTI(void, mask_lora_f16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1), (a, r0, r1)) {
   mask_lora_rows<kFloat16, kFloat32>(a, r0, r1);
 }
-DSPEC_CPU_MULTI(void, mask_lora_bf16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1),
-                (a, r0, r1)) {
+DSPEC_CPU_MULTI(void, mask_lora_bf16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1), (a, r0, r1)) {
   mask_lora_rows<kBFloat16, kFloat32>(a, r0, r1);
 }
-DSPEC_CPU_MULTI(void, mask_lora_f32_w16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1),
-                (a, r0, r1)) {
+DSPEC_CPU_MULTI(void, mask_lora_f32_w16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1), (a, r0, r1)) {
   mask_lora_rows<kFloat32, kBFloat16>(a, r0, r1);
 }
-DSPEC_CPU_MULTI(void, mask_lora_f16_w16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1),
-                (a, r0, r1)) {
+DSPEC_CPU_MULTI(void, mask_lora_f16_w16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1), (a, r0, r1)) {
   mask_lora_rows<kFloat16, kBFloat16>(a, r0, r1);
 }
-DSPEC_CPU_MULTI(void, mask_lora_bf16_w16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1),
-                (a, r0, r1)) {
+DSPEC_CPU_MULTI(void, mask_lora_bf16_w16, (const MaskLoraArgs& a, std::int64_t r0, std::int64_t r1), (a, r0, r1)) {
   mask_lora_rows<kBFloat16, kBFloat16>(a, r0, r1);
 }
 
@@ -395,9 +388,8 @@ void mask_lora_cpu(const MaskLoraArgs& a) {
   if (a.packed != nullptr && (a.isa == kLinearAuto || a.isa == kLinearAmx) && mask_lora_has_amx(a.dtype, a.rank)) {
     // groups of 16 rows; a second thread only from two groups (each reads all of the adapter)
     const std::int64_t groups = (a.num_rows + kLoraTile - 1) / kLoraTile;
-    cpu::parallel_rows(groups, 1, a.num_threads, [&](std::int64_t g0, std::int64_t g1) {
-      mask_lora_rows_amx(a, g0, g1);
-    }, 1);
+    cpu::parallel_rows(
+        groups, 1, a.num_threads, [&](std::int64_t g0, std::int64_t g1) { mask_lora_rows_amx(a, g0, g1); }, 1);
     return;
   }
 #endif
@@ -406,13 +398,18 @@ void mask_lora_cpu(const MaskLoraArgs& a) {
     // every thread streams all of A and B^T: a second thread pays only with two full row
     // blocks to share them (4 rows on two threads measured slower than on one)
     const std::int64_t width = (a.k + a.n) * a.rank;
-    cpu::parallel_rows(a.num_rows, width, a.num_threads, [&](std::int64_t r0, std::int64_t r1) {
-      if (a.dtype == kBFloat16) {
-        w16 ? mask_lora_rows_avx512<kBFloat16, kBFloat16>(a, r0, r1) : mask_lora_rows_avx512<kBFloat16, kFloat32>(a, r0, r1);
-      } else {
-        w16 ? mask_lora_rows_avx512<kFloat32, kBFloat16>(a, r0, r1) : mask_lora_rows_avx512<kFloat32, kFloat32>(a, r0, r1);
-      }
-    }, 2 * kLoraRows * width);
+    cpu::parallel_rows(
+        a.num_rows, width, a.num_threads,
+        [&](std::int64_t r0, std::int64_t r1) {
+          if (a.dtype == kBFloat16) {
+            w16 ? mask_lora_rows_avx512<kBFloat16, kBFloat16>(a, r0, r1)
+                : mask_lora_rows_avx512<kBFloat16, kFloat32>(a, r0, r1);
+          } else {
+            w16 ? mask_lora_rows_avx512<kFloat32, kBFloat16>(a, r0, r1)
+                : mask_lora_rows_avx512<kFloat32, kFloat32>(a, r0, r1);
+          }
+        },
+        2 * kLoraRows * width);
     return;
   }
 #endif

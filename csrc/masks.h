@@ -37,8 +37,8 @@ struct UnpackMaskArgs {
   std::int64_t rows = 0;
   std::int64_t num_words = 0;
   std::int64_t row_stride = 0;
-  std::int64_t num_keys = 0;        // <= 32 * num_words; later bits are ignored
-  std::uint8_t* out = nullptr;      // rows x num_keys bytes (0 / 1), contiguous
+  std::int64_t num_keys = 0;    // <= 32 * num_words; later bits are ignored
+  std::uint8_t* out = nullptr;  // rows x num_keys bytes (0 / 1), contiguous
 };
 
 struct TreeMaskArgs {
@@ -55,16 +55,16 @@ struct TreeMaskArgs {
 // at each request's anchor, with its positions and ancestor mask (dspec/decode/dflash.py's
 // draft_tree; the torch composition there is the reference).
 struct DraftTreeArgs {
-  const float* probs = nullptr;          // batch x slots x k, contiguous: candidate probabilities
-  const std::int64_t* tokens = nullptr;  // batch x slots x k, contiguous: candidate ids
+  const float* probs = nullptr;                  // batch x slots x k, contiguous: candidate probabilities
+  const std::int64_t* tokens = nullptr;          // batch x slots x k, contiguous: candidate ids
   const std::int64_t* root_tokens = nullptr;     // batch: the anchors
   const std::int64_t* root_positions = nullptr;  // batch: the anchors' positions
   std::int64_t batch = 0;
   std::int64_t slots = 0;
   std::int64_t k = 0;
-  std::int64_t nodes = 0;       // N >= 1: nodes kept at most (besides the root)
-  double row_cost = -1.0;       // >= 0: prune to the best count per cost (best_count); < 0: none
-  std::int64_t capacity = 0;    // N' = min(N, number of paths): the outputs' node columns
+  std::int64_t nodes = 0;     // N >= 1: nodes kept at most (besides the root)
+  double row_cost = -1.0;     // >= 0: prune to the best count per cost (best_count); < 0: none
+  std::int64_t capacity = 0;  // N' = min(N, number of paths): the outputs' node columns
   // outputs, each batch x (1 + capacity) (node 0 the root), contiguous; the first 1 + n
   // columns hold the tree, n = the returned count; words batch x (1 + n) x mask_words(1 + n)
   std::int64_t* out_tokens = nullptr;

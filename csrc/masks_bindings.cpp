@@ -19,7 +19,8 @@ namespace py = pybind11;
 namespace dspec {
 namespace {
 
-static_assert(int{kIndexInt32} == int{kInt32} && int{kIndexInt64} == int{kInt64}, "index dtype codes are id dtype codes");
+static_assert(int{kIndexInt32} == int{kInt32} && int{kIndexInt64} == int{kInt64},
+              "index dtype codes are id dtype codes");
 
 void pack_mask(std::int64_t mask_ptr, std::int64_t rows, std::int64_t num_keys, std::int64_t row_stride,
                std::int64_t words_ptr, const std::string& device, std::int64_t stream) {
@@ -67,9 +68,8 @@ void unpack_mask(std::int64_t words_ptr, std::int64_t rows, std::int64_t num_wor
   run_op(on_cuda, a, stream, unpack_mask_cpu, DSPEC_IF_CUDA(unpack_mask_cuda));
 }
 
-void tree_mask(std::int64_t parents_ptr, int dtype, std::int64_t batch, std::int64_t nodes,
-               std::int64_t row_stride, std::int64_t words_ptr, std::int64_t depth_ptr, const std::string& device,
-               std::int64_t stream) {
+void tree_mask(std::int64_t parents_ptr, int dtype, std::int64_t batch, std::int64_t nodes, std::int64_t row_stride,
+               std::int64_t words_ptr, std::int64_t depth_ptr, const std::string& device, std::int64_t stream) {
   const Checker c{"tree_mask"};
   const bool on_cuda = c.device(device);
   c.id_dtype(dtype, "dtype");
@@ -169,8 +169,8 @@ row_stride bytes between rows.  words_ptr: rows x ceil(num_keys / 32) int32, con
 bit j of word w is key 32 w + j, bits past num_keys are 0.  device "cpu" or "cuda" (launch
 on `stream` on the current device).  rows == 0 or num_keys == 0 is a no-op.)doc");
 
-  m.def("unpack_mask", &unpack_mask, py::arg("words_ptr"), py::arg("rows"), py::arg("num_words"),
-        py::arg("row_stride"), py::arg("num_keys"), py::arg("out_ptr"), py::arg("device"), py::arg("stream") = 0,
+  m.def("unpack_mask", &unpack_mask, py::arg("words_ptr"), py::arg("rows"), py::arg("num_words"), py::arg("row_stride"),
+        py::arg("num_keys"), py::arg("out_ptr"), py::arg("device"), py::arg("stream") = 0,
         R"doc(Unpack 32-bit mask words into bytes (0 / 1).
 
 words_ptr: rows x num_words int32, unit stride, row_stride elements between rows;
@@ -192,8 +192,7 @@ int64 each: tokens (column 0 root_tokens), parents (-1 for the root), positions
 (tree_mask's layout).  Returns n.)doc");
 
   m.def("tree_mask", &tree_mask, py::arg("parents_ptr"), py::arg("dtype"), py::arg("batch"), py::arg("nodes"),
-        py::arg("row_stride"), py::arg("words_ptr"), py::arg("depth_ptr"), py::arg("device"),
-        py::arg("stream") = 0,
+        py::arg("row_stride"), py::arg("words_ptr"), py::arg("depth_ptr"), py::arg("device"), py::arg("stream") = 0,
         R"doc(Ancestor masks and depths of token trees.
 
 parents_ptr: batch x nodes parents (dtype 0 int32, 1 int64), unit stride, row_stride

@@ -12,16 +12,16 @@
 namespace dspec {
 
 struct MergeStatesArgs {
-  const void* o_a = nullptr;  // [rows, head_dim], dtype
+  const void* o_a = nullptr;     // [rows, head_dim], dtype
   const float* lse_a = nullptr;  // [rows]
   const void* o_b = nullptr;
   const float* lse_b = nullptr;
-  void* out = nullptr;        // [rows, head_dim], dtype
-  float* lse_out = nullptr;   // [rows]
+  void* out = nullptr;       // [rows, head_dim], dtype
+  float* lse_out = nullptr;  // [rows]
   int dtype = kFloat32;
   std::int64_t rows = 0;
-  std::int64_t head_dim = 0;   // >= 0 (0: only the lse is merged)
-  int num_threads = 1;         // CPU: at most this many threads (the caller's count)
+  std::int64_t head_dim = 0;  // >= 0 (0: only the lse is merged)
+  int num_threads = 1;        // CPU: at most this many threads (the caller's count)
 };
 
 void merge_states_cpu(const MergeStatesArgs& args);

@@ -64,16 +64,16 @@ void pack_mask_cuda(const PackMaskArgs& a, std::int64_t stream_handle) {
   const std::int64_t num_words = mask_words(a.num_keys);
   if (a.rows <= 0 || num_words <= 0) return;
   const cudaStream_t stream = as_stream(stream_handle);
-  DSPEC_LAUNCH(pack_mask_kernel, blocks_for(a.rows * num_words, kThreads / 32), kThreads, stream, a.mask,
-               a.rows, a.num_keys, a.row_stride, num_words, a.words);
+  DSPEC_LAUNCH(pack_mask_kernel, blocks_for(a.rows * num_words, kThreads / 32), kThreads, stream, a.mask, a.rows,
+               a.num_keys, a.row_stride, num_words, a.words);
   check_launch("pack_mask");
 }
 
 void unpack_mask_cuda(const UnpackMaskArgs& a, std::int64_t stream_handle) {
   if (a.rows <= 0 || a.num_keys <= 0) return;
   const cudaStream_t stream = as_stream(stream_handle);
-  DSPEC_LAUNCH(unpack_mask_kernel, blocks_for(a.rows * a.num_keys, kThreads), kThreads, stream, a.words,
-               a.rows, a.row_stride, a.num_keys, a.out);
+  DSPEC_LAUNCH(unpack_mask_kernel, blocks_for(a.rows * a.num_keys, kThreads), kThreads, stream, a.words, a.rows,
+               a.row_stride, a.num_keys, a.out);
   check_launch("unpack_mask");
 }
 

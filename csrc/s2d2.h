@@ -20,21 +20,37 @@ enum S2D2Phase : std::int64_t { kS2D2Draft = 0, kS2D2Verify = 1, kS2D2Commit = 2
 // Field offsets of a row's record for block size bs.
 struct S2D2Record {
   enum Scalar : std::int64_t {
-    kPhase, kSpanStart, kSpanLen, kExactFirst, kPending, kBlockStart, kCarry, kPromptLen, kTailStart,
+    kPhase,
+    kSpanStart,
+    kSpanLen,
+    kExactFirst,
+    kPending,
+    kBlockStart,
+    kCarry,
+    kPromptLen,
+    kTailStart,
     // the step's layout and outcome (written by s2d2_plan / s2d2_advance)
-    kHasNext, kOffset, kRedraftRows, kLogitBlocks, kChainFinal, kSpecFinal, kFinishing, kComplete,
-    kHasBoundary, kBounded,
+    kHasNext,
+    kOffset,
+    kRedraftRows,
+    kLogitBlocks,
+    kChainFinal,
+    kSpecFinal,
+    kFinishing,
+    kComplete,
+    kHasBoundary,
+    kBounded,
     kScalars
   };
   std::int64_t bs;
-  std::int64_t tokens() const { return kScalars; }               // [bs] the block
-  std::int64_t masked() const { return kScalars + bs; }          // [bs] 0 / 1
-  std::int64_t drafts() const { return kScalars + 2 * bs; }      // [bs] span drafts, left-aligned
-  std::int64_t prev() const { return kScalars + 3 * bs; }        // [bs] the pending block's tokens
-  std::int64_t tail() const { return kScalars + 4 * bs; }        // [bs] the prompt's block at kTailStart
-  std::int64_t used() const { return kScalars + 5 * bs; }        // [bs + 1] redraft block r forwarded
-  std::int64_t first() const { return used() + bs + 1; }         // [bs + 1] its first own slot
-  std::int64_t starts() const { return first() + bs + 1; }       // [bs + 1] its suffix offset after kOffset
+  std::int64_t tokens() const { return kScalars; }                 // [bs] the block
+  std::int64_t masked() const { return kScalars + bs; }            // [bs] 0 / 1
+  std::int64_t drafts() const { return kScalars + 2 * bs; }        // [bs] span drafts, left-aligned
+  std::int64_t prev() const { return kScalars + 3 * bs; }          // [bs] the pending block's tokens
+  std::int64_t tail() const { return kScalars + 4 * bs; }          // [bs] the prompt's block at kTailStart
+  std::int64_t used() const { return kScalars + 5 * bs; }          // [bs + 1] redraft block r forwarded
+  std::int64_t first() const { return used() + bs + 1; }           // [bs + 1] its first own slot
+  std::int64_t starts() const { return first() + bs + 1; }         // [bs + 1] its suffix offset after kOffset
   std::int64_t logit_starts() const { return starts() + bs + 1; }  // [bs + 1] its first drafting logit row
   std::int64_t width() const { return logit_starts() + bs + 1; }
 };
@@ -56,9 +72,9 @@ constexpr std::int64_t kS2D2MaxWidth = s2d2_max_width(kS2D2MaxBlock);
 constexpr std::int64_t s2d2_max_logit_rows(std::int64_t bs) { return bs * bs + 4 * bs + 1; }
 
 struct S2D2Plan {
-  std::int64_t width = 0;        // suffix tokens per row (0: every row is done)
-  std::int64_t logit_rows = 0;   // logit rows per row (plain: bs)
-  bool plain = false;            // every row drafts its block alone: the shared block mask, all rows' logits
+  std::int64_t width = 0;       // suffix tokens per row (0: every row is done)
+  std::int64_t logit_rows = 0;  // logit rows per row (plain: bs)
+  bool plain = false;           // every row drafts its block alone: the shared block mask, all rows' logits
   bool any_draft = false, any_verify = false, any_pending = false;
 };
 
@@ -73,15 +89,26 @@ struct S2D2Counters {  // int64 [10 + draft_len + 1], accumulated
   // reused, blocks committed from a verification, next blocks drafted along (every draft
   // passed / the last one rejected: the boundary state), routing decisions, verify
   // decisions; then the accepted-drafts histogram
-  enum : std::int64_t { kVerifications, kCommitted, kAccepted, kDrafted, kReused, kSpecFinal, kAhead, kBoundary,
-                        kDecisions, kVerifyDecisions, kHist };
+  enum : std::int64_t {
+    kVerifications,
+    kCommitted,
+    kAccepted,
+    kDrafted,
+    kReused,
+    kSpecFinal,
+    kAhead,
+    kBoundary,
+    kDecisions,
+    kVerifyDecisions,
+    kHist
+  };
 };
 
 struct S2D2Advance {
-  std::int64_t committed = 0;   // tokens the verifications committed
-  bool append = false;          // some row's block KV is in this forward (keep [rows, 2 * bs])
-  bool two_blocks = false;      // keep's second half is in use (a verifying row has a pending block)
-  bool finishing = false;       // some row finished its block (kFinishing)
+  std::int64_t committed = 0;  // tokens the verifications committed
+  bool append = false;         // some row's block KV is in this forward (keep [rows, 2 * bs])
+  bool two_blocks = false;     // keep's second half is in use (a verifying row has a pending block)
+  bool finishing = false;      // some row finished its block (kFinishing)
 };
 
 // The transition after the forward: argmax of every logit row (argmax [rows, logit_rows],

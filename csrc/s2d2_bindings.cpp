@@ -19,17 +19,19 @@ namespace {
 
 // flags: 1 right-shifted, 2 shared prefix (clean rows attend causally), 4 redraft blocks,
 // 8 the boundary state (with all three)
-S2D2Config config_of(const Checker& c, std::int64_t rows, std::int64_t bs, std::int64_t draft_len,
-                     std::int64_t mask_id, std::int64_t flags) {
+S2D2Config config_of(const Checker& c, std::int64_t rows, std::int64_t bs, std::int64_t draft_len, std::int64_t mask_id,
+                     std::int64_t flags) {
   c.at_least(rows, 1, "rows");
   if (rows > (1 << 24)) c.fail("rows must be < 2^24, got " + std::to_string(rows));
   c.at_least(bs, 1, "block_size");
-  if (bs > kS2D2MaxBlock) c.fail("block_size must be <= " + std::to_string(kS2D2MaxBlock) + ", got " + std::to_string(bs));
+  if (bs > kS2D2MaxBlock)
+    c.fail("block_size must be <= " + std::to_string(kS2D2MaxBlock) + ", got " + std::to_string(bs));
   c.at_least(draft_len, 1, "draft_len");
   if (draft_len > bs) c.fail("draft_len must be <= block_size, got " + std::to_string(draft_len));
   c.at_least(mask_id, 0, "mask_id");
   if (flags < 0 || flags > 15) c.fail("flags must be in 0 .. 15, got " + std::to_string(flags));
-  if ((flags & 8) && (flags & 7) != 7) c.fail("flags 8 (boundary state) needs 1, 2 and 4, got " + std::to_string(flags));
+  if ((flags & 8) && (flags & 7) != 7)
+    c.fail("flags 8 (boundary state) needs 1, 2 and 4, got " + std::to_string(flags));
   S2D2Config cfg;
   cfg.rows = rows;
   cfg.bs = bs;
@@ -51,7 +53,8 @@ std::int64_t* checked_state(const Checker& c, const S2D2Config& cfg, std::int64_
     const std::int64_t* r = state + b * f.width();
     const std::string at = " at row " + std::to_string(b);
     const std::int64_t phase = r[S2D2Record::kPhase], s = r[S2D2Record::kSpanStart], n = r[S2D2Record::kSpanLen];
-    if (phase < kS2D2Draft || phase > kS2D2Done) c.fail("state phase must be 0 .. 3, got " + std::to_string(phase) + at);
+    if (phase < kS2D2Draft || phase > kS2D2Done)
+      c.fail("state phase must be 0 .. 3, got " + std::to_string(phase) + at);
     if (s < 0 || s >= cfg.bs) c.fail("state span_start must be in [0, block_size), got " + std::to_string(s) + at);
     if (n < 0 || n > cfg.draft_len || s + n > cfg.bs || (phase == kS2D2Verify && n < 1)) {
       c.fail("state span_len must be in [1, min(draft_len, block_size - span_start)] when verifying, got " +
@@ -82,8 +85,7 @@ py::tuple plan(std::int64_t state_ptr, std::int64_t rows, std::int64_t block_siz
   return py::make_tuple(p.width, p.logit_rows, p.plain, p.any_draft, p.any_verify, p.any_pending);
 }
 
-S2D2Plan plan_of(const Checker& c, const S2D2Config& cfg, std::int64_t logit_rows, bool any_verify,
-                 bool any_pending) {
+S2D2Plan plan_of(const Checker& c, const S2D2Config& cfg, std::int64_t logit_rows, bool any_verify, bool any_pending) {
   S2D2Plan p;
   p.logit_rows = logit_rows;
   p.any_verify = any_verify;
@@ -143,9 +145,10 @@ void register_s2d2(py::module_& m) {
         c.at_least(bs, 1, "block_size");
         const S2D2Record f{bs};
         py::dict d;
-        const char* scalars[] = {"phase", "span_start", "span_len", "exact_first", "pending", "block_start", "carry",
-                                 "prompt_len", "tail_start", "has_next", "offset", "redraft_rows", "logit_blocks",
-                                 "chain_final", "spec_final", "finishing", "complete", "has_boundary", "bounded"};
+        const char* scalars[] = {"phase",       "span_start",   "span_len",     "exact_first", "pending",
+                                 "block_start", "carry",        "prompt_len",   "tail_start",  "has_next",
+                                 "offset",      "redraft_rows", "logit_blocks", "chain_final", "spec_final",
+                                 "finishing",   "complete",     "has_boundary", "bounded"};
         static_assert(sizeof(scalars) / sizeof(scalars[0]) == S2D2Record::kScalars, "a name per scalar field");
         for (std::int64_t k = 0; k < S2D2Record::kScalars; ++k) d[scalars[k]] = k;
         d["tokens"] = f.tokens();
@@ -206,10 +209,10 @@ positions int64 [rows, width], mask words int32 [rows, width, ceil(width / 32)] 
 logit rows int64 [rows, logit_rows].  Returns (width, logit_rows, plain, any_draft,
 any_verify, any_pending): width 0 when every row is done; plain: every row drafts its block
 alone (nothing written: the shared block mask and every row's logits).)doc");
-  m.def("s2d2_advance", &advance, py::arg("state_ptr"), py::arg("rows"), py::arg("block_size"),
-        py::arg("draft_len"), py::arg("mask_id"), py::arg("flags"), py::arg("logit_rows"), py::arg("any_verify"),
-        py::arg("any_pending"), py::arg("logits_ptr"), py::arg("dtype"), py::arg("row_stride"), py::arg("vocab"),
-        py::arg("argmax_ptr"), py::arg("keep_ptr"), py::arg("counters_ptr"), py::arg("num_threads") = 0,
+  m.def("s2d2_advance", &advance, py::arg("state_ptr"), py::arg("rows"), py::arg("block_size"), py::arg("draft_len"),
+        py::arg("mask_id"), py::arg("flags"), py::arg("logit_rows"), py::arg("any_verify"), py::arg("any_pending"),
+        py::arg("logits_ptr"), py::arg("dtype"), py::arg("row_stride"), py::arg("vocab"), py::arg("argmax_ptr"),
+        py::arg("keep_ptr"), py::arg("counters_ptr"), py::arg("num_threads") = 0,
         R"doc(Every row's transition after the forward (CPU, greedy, policy "always").
 
 logits: [rows x logit_rows, vocab] (dtype 0 float32, 1 float16, 2 bfloat16).  Writes argmax

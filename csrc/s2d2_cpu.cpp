@@ -64,8 +64,7 @@ std::int64_t plan_row(const S2D2Config& cfg, const Row& row, std::int64_t& width
   bool any_used = false;
   for (std::int64_t r = 0; r <= bs; ++r) {
     bool used = verify && (cfg.redraft ? r <= n : r == n);
-    const bool useless = (r == n - 1 && fills) ||
-                         (cfg.shifted && cfg.share_prefix && r == 0 && row[R::kExactFirst]);
+    const bool useless = (r == n - 1 && fills) || (cfg.shifted && cfg.share_prefix && r == 0 && row[R::kExactFirst]);
     if (r != n && useless) used = false;
     const std::int64_t first = cfg.share_prefix && cfg.redraft ? std::min(s + r, bs) : 0;
     row.used()[r] = used;
@@ -93,8 +92,7 @@ std::int64_t plan_row(const S2D2Config& cfg, const Row& row, std::int64_t& width
     width = phase == kS2D2Done ? 1 : row[R::kPending] ? 2 * bs : bs;
   }
   if (!verify || !any_used) return 0;
-  return logit_blocks + (cfg.shifted ? 1 : 0) + (has_next ? (cfg.shifted ? bs - 1 : bs) : 0) +
-         (has_boundary ? bs : 0);
+  return logit_blocks + (cfg.shifted ? 1 : 0) + (has_next ? (cfg.shifted ? bs - 1 : bs) : 0) + (has_boundary ? bs : 0);
 }
 
 // _row_layout for one row: suffix tokens, positions and mask words of `width` rows.
@@ -120,12 +118,12 @@ void layout_row(const S2D2Config& cfg, const Row& row, std::int64_t width, std::
     b = std::min(b, bs);
     rb[i] = b;
     red_first[i] = first[b];
-    region[i] = i < cl                          ? kChain
-                : i < off                       ? kCopy
-                : (u >= 0 && u < total)         ? kRed
-                : (has_next && u >= total && u < total + bs) ? kNext
+    region[i] = i < cl                                                    ? kChain
+                : i < off                                                 ? kCopy
+                : (u >= 0 && u < total)                                   ? kRed
+                : (has_next && u >= total && u < total + bs)              ? kNext
                 : (has_boundary && u >= total + bs && u < total + 2 * bs) ? kBound
-                                                : kPad;
+                                                                          : kPad;
   }
   const std::int64_t nw = mask_words(width);
   const std::int64_t* tokens = row.tokens();
@@ -155,9 +153,7 @@ void layout_row(const S2D2Config& cfg, const Row& row, std::int64_t width, std::
         case kBound:  // itself, the chain before the block's last slot and redraft block L - 1
           see = rk == kBound || (rk == kChain && k < lead + bs - 1) || (rk == kRed && rb[k] == n - 1);
           break;
-        case kPad:
-          see = k == q;
-          break;
+        case kPad: see = k == q; break;
       }
       if (see) wq[k >> 5] |= static_cast<std::int32_t>(1u << (k & 31));
     }
@@ -189,9 +185,9 @@ void logit_rows_of(const S2D2Config& cfg, const Row& row, std::int64_t count, st
     std::int64_t block = std::min(j, bs - 1);
     if (pend) block = j < bs ? bs + j : bs - 1;
     if (phase == kS2D2Done) block = 0;
-    const std::int64_t ver = cfg.shifted ? std::min(std::max<std::int64_t>(lead + s - 1 + j, 0),
-                                                    std::max<std::int64_t>(chain - 1, 0))
-                                         : std::min(chain + j, chain + n);
+    const std::int64_t ver =
+        cfg.shifted ? std::min(std::max<std::int64_t>(lead + s - 1 + j, 0), std::max<std::int64_t>(chain - 1, 0))
+                    : std::min(chain + j, chain + n);
     out[j] = phase == kS2D2Verify ? ver : block;
   }
   const std::int64_t extra = count - (bs + 1);
@@ -200,8 +196,8 @@ void logit_rows_of(const S2D2Config& cfg, const Row& row, std::int64_t count, st
   const bool has_next = row[R::kHasNext], has_boundary = row[R::kHasBoundary];
   const std::int64_t* ls = row.logit_starts();
   const std::int64_t next_off = row[R::kOffset] + row[R::kRedraftRows];
-  const std::int64_t last = logit_blocks + (cfg.shifted ? 1 : 0) + (has_next ? bs - (cfg.shifted ? 1 : 0) : 0) +
-                            (has_boundary ? bs : 0);
+  const std::int64_t last =
+      logit_blocks + (cfg.shifted ? 1 : 0) + (has_next ? bs - (cfg.shifted ? 1 : 0) : 0) + (has_boundary ? bs : 0);
   for (std::int64_t k = 0; k < extra; ++k) {
     std::int64_t r = 0;  // the blocks whose logit rows end at or before k
     for (std::int64_t e = 0; e <= bs; ++e) r += k >= (e < bs ? ls[e + 1] : logit_blocks);
@@ -359,7 +355,8 @@ S2D2Advance s2d2_advance(const S2D2Config& cfg, const S2D2Plan& plan, std::int64
       stale = reuse && committed > acc;
       // _Batch.redraft_logits: the outcome's redraft block (slot-aligned) and the carry
       const std::int64_t base = bs + 1;
-      if (cfg.shifted && spec_final) row[R::kCarry] = chain_final ? a[bs] : argmax_at(a, base + row[R::kLogitBlocks], nr);
+      if (cfg.shifted && spec_final)
+        row[R::kCarry] = chain_final ? a[bs] : argmax_at(a, base + row[R::kLogitBlocks], nr);
       if (reuse) {
         for (std::int64_t t = 0; t < bs; ++t) {
           const std::int64_t idx = row.logit_starts()[acc] + std::max<std::int64_t>(t - (s + acc + 1), 0);

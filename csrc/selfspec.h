@@ -19,10 +19,10 @@ namespace dspec {
 // top_rank [M], next_node [M, I, J] (child adding step (i, j), or -1), parent_ptr [M + 1],
 // parent_idx [P] (CSR: the parents of node n are parent_idx[parent_ptr[n] .. parent_ptr[n+1])).
 struct SelfSpecGraph {
-  std::int64_t nodes = 0;      // M (node 0 the root)
-  std::int64_t max_rank = 0;   // I
-  std::int64_t cands = 0;      // J of the graph (next_node's last dimension)
-  std::int64_t depth = 0;      // longest path from the root, in edges
+  std::int64_t nodes = 0;     // M (node 0 the root)
+  std::int64_t max_rank = 0;  // I
+  std::int64_t cands = 0;     // J of the graph (next_node's last dimension)
+  std::int64_t depth = 0;     // longest path from the root, in edges
   const std::int64_t* assign = nullptr;
   const std::int64_t* size = nullptr;
   const std::int64_t* top_rank = nullptr;
@@ -39,9 +39,9 @@ inline std::int64_t selfspec_graph_elems(std::int64_t m, std::int64_t i, std::in
 // The per-round scratch the three calls share, carved from one byte workspace.
 struct SelfSpecLayout {
   std::int64_t order, rank, node_tokens, node_copy, copy_node, anchor, num_kept, anchor_copy;  // int64
-  std::int64_t choice, cand;                                                                  // int64
-  std::int64_t logp, cand_logp, score, closed;                                                // float
-  std::int64_t node_masked, kept, complete, has_anchor, copy_masked;                          // bytes
+  std::int64_t choice, cand;                                                                   // int64
+  std::int64_t logp, cand_logp, score, closed;                                                 // float
+  std::int64_t node_masked, kept, complete, has_anchor, copy_masked;                           // bytes
   std::int64_t header;  // int64 [8]: rows, copies, need_next, the call sequence, nodes, big_j, block_size
   std::int64_t bytes;
 };
@@ -49,7 +49,7 @@ struct SelfSpecLayout {
 // Byte offsets (8-byte aligned) for rows x block_size slots, M nodes, J candidates per slot.
 SelfSpecLayout selfspec_layout(std::int64_t rows, std::int64_t block_size, std::int64_t nodes, std::int64_t big_j);
 
-struct SelfSpecState {  // a row's state S: the current block and what S's logits gave
+struct SelfSpecState {                   // a row's state S: the current block and what S's logits gave
   const float* conf = nullptr;           // [A, bs]: choice's confidence, -1 where not masked
   const std::uint8_t* masked = nullptr;  // [A, bs]
   const std::uint8_t* known = nullptr;   // [A]: S's logits are known (else S forwards itself)
@@ -74,8 +74,8 @@ struct SelfSpecExpandArgs {
 };
 
 struct SelfSpecCopies {
-  std::int64_t copies;   // kept nodes forwarded per row (the most over the rows)
-  bool need_next;        // some row forwards the next block's first state
+  std::int64_t copies;  // kept nodes forwarded per row (the most over the rows)
+  bool need_next;       // some row forwards the next block's first state
 };
 
 SelfSpecCopies selfspec_expand_cpu(const SelfSpecExpandArgs& args);
@@ -86,24 +86,24 @@ struct SelfSpecScoreArgs {
   const void* logits = nullptr;  // [A * S * bs, vocab] of the forward, row_stride elements apart
   int dtype = 0;
   std::int64_t row_stride = 0;
-  const float* carry = nullptr;  // [A, vocab] float32: last logits of each row's committed block
+  const float* carry = nullptr;       // [A, vocab] float32: last logits of each row's committed block
   std::uint8_t* workspace = nullptr;  // expand's (choices and candidates are written into it)
-  float* logp = nullptr;  // [A, S, bs]: log-probability of each masked slot's choice (-inf elsewhere)
-  int num_threads = 1;    // at most this many threads (the caller's count)
+  float* logp = nullptr;              // [A, S, bs]: log-probability of each masked slot's choice (-inf elsewhere)
+  int num_threads = 1;                // at most this many threads (the caller's count)
 };
 
 void selfspec_score_cpu(const SelfSpecScoreArgs& args);
 
 struct SelfSpecAdvanceArgs {
   SelfSpecGraph graph;
-  SelfSpecState state;   // the round's S (its cand is read by the walk)
+  SelfSpecState state;  // the round's S (its cand is read by the walk)
   std::int64_t rows = 0, block_size = 0, big_j = 0, copies = 0, vocab = 0, mask_id = 0;
   bool need_next = false;
-  const float* conf = nullptr;  // [A, S, bs]: exp(logp) of selfspec_score
+  const float* conf = nullptr;   // [A, S, bs]: exp(logp) of selfspec_score
   const void* logits = nullptr;  // as SelfSpecScoreArgs (the committed copies' last rows)
   int dtype = 0;
   std::int64_t row_stride = 0;
-  float* carry = nullptr;        // [A, vocab], updated where a block is committed
+  float* carry = nullptr;  // [A, vocab], updated where a block is committed
   std::uint8_t* workspace = nullptr;
   // the next state (new buffers, not aliasing `state`)
   float* new_conf = nullptr;

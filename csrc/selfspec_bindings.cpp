@@ -50,7 +50,8 @@ SelfSpecGraph unpack_graph(const Checker& c, std::int64_t graph_ptr, std::int64_
     if (g.top_rank[n] < 0 || g.top_rank[n] >= max_rank) c.fail("graph top_rank holds " + std::to_string(g.top_rank[n]));
   }
   for (std::int64_t e = 0; e < nodes * max_rank * cands; ++e) {
-    if (g.next_node[e] < -1 || g.next_node[e] >= nodes) c.fail("graph next_node holds " + std::to_string(g.next_node[e]));
+    if (g.next_node[e] < -1 || g.next_node[e] >= nodes)
+      c.fail("graph next_node holds " + std::to_string(g.next_node[e]));
   }
   if (g.parent_ptr[0] != 0 || g.parent_ptr[nodes] != num_parents) c.fail("graph parent_ptr must run 0 .. num_parents");
   for (std::int64_t n = 0; n < nodes; ++n) {
@@ -114,9 +115,8 @@ py::tuple expand(std::int64_t graph_ptr, std::int64_t nodes, std::int64_t max_ra
                  std::int64_t depth, std::int64_t num_parents, std::int64_t conf_ptr, std::int64_t masked_ptr,
                  std::int64_t known_ptr, std::int64_t tokens_ptr, std::int64_t cand_ptr, std::int64_t cand_logp_ptr,
                  std::int64_t lengths_ptr, std::int64_t rows, std::int64_t block_size, std::int64_t big_j,
-                 std::int64_t prune_to, std::int64_t mask_id, std::int64_t workspace_ptr,
-                 std::int64_t workspace_bytes_, std::int64_t suffix_ptr, std::int64_t positions_ptr,
-                 std::int64_t words_ptr) {
+                 std::int64_t prune_to, std::int64_t mask_id, std::int64_t workspace_ptr, std::int64_t workspace_bytes_,
+                 std::int64_t suffix_ptr, std::int64_t positions_ptr, std::int64_t words_ptr) {
   const Checker c{"selfspec_expand"};
   SelfSpecExpandArgs a;
   a.graph = unpack_graph(c, graph_ptr, nodes, max_rank, graph_cands, depth, num_parents);
@@ -153,8 +153,8 @@ py::tuple expand(std::int64_t graph_ptr, std::int64_t nodes, std::int64_t max_ra
 
 // The round's shape as selfspec_expand wrote it in the workspace's header: a later call with
 // another shape would read the workspace's arrays at other offsets.
-void check_round(const Checker& c, const std::int64_t* header, std::int64_t rows, std::int64_t copies,
-                 bool need_next, std::int64_t phase, const char* before, std::int64_t nodes, std::int64_t big_j,
+void check_round(const Checker& c, const std::int64_t* header, std::int64_t rows, std::int64_t copies, bool need_next,
+                 std::int64_t phase, const char* before, std::int64_t nodes, std::int64_t big_j,
                  std::int64_t block_size) {
   if (header[3] != phase) c.fail(std::string("must follow ") + before + " on this workspace");
   if (header[0] != rows || header[1] != copies || (header[2] != 0) != need_next) {
@@ -218,8 +218,7 @@ bool advance(std::int64_t graph_ptr, std::int64_t nodes, std::int64_t max_rank, 
              std::int64_t row_stride, std::int64_t vocab, std::int64_t carry_ptr, std::int64_t workspace_ptr,
              std::int64_t workspace_bytes_, std::int64_t new_conf_ptr, std::int64_t new_masked_ptr,
              std::int64_t new_known_ptr, std::int64_t new_tokens_ptr, std::int64_t new_choice_ptr,
-             std::int64_t new_cand_ptr, std::int64_t new_cand_logp_ptr, std::int64_t host_ptr,
-             std::int64_t keep_ptr) {
+             std::int64_t new_cand_ptr, std::int64_t new_cand_logp_ptr, std::int64_t host_ptr, std::int64_t keep_ptr) {
   const Checker c{"selfspec_advance"};
   SelfSpecAdvanceArgs a;
   a.graph = unpack_graph(c, graph_ptr, nodes, max_rank, graph_cands, depth, num_parents);
@@ -277,12 +276,11 @@ void register_selfspec(py::module_& m) {
         py::arg("big_j"),
         "Bytes of the workspace the self-speculative round needs (rows x block_size slots, nodes graph nodes, "
         "big_j candidates per slot).");
-  m.def("selfspec_expand", &expand, py::arg("graph_ptr"), py::arg("nodes"), py::arg("max_rank"),
-        py::arg("graph_cands"), py::arg("depth"), py::arg("num_parents"), py::arg("conf_ptr"), py::arg("masked_ptr"),
-        py::arg("known_ptr"), py::arg("tokens_ptr"), py::arg("cand_ptr"), py::arg("cand_logp_ptr"),
-        py::arg("lengths_ptr"), py::arg("rows"), py::arg("block_size"), py::arg("big_j"), py::arg("prune_to"),
-        py::arg("mask_id"), py::arg("workspace_ptr"), py::arg("workspace_bytes"), py::arg("suffix_ptr"),
-        py::arg("positions_ptr"), py::arg("words_ptr"),
+  m.def("selfspec_expand", &expand, py::arg("graph_ptr"), py::arg("nodes"), py::arg("max_rank"), py::arg("graph_cands"),
+        py::arg("depth"), py::arg("num_parents"), py::arg("conf_ptr"), py::arg("masked_ptr"), py::arg("known_ptr"),
+        py::arg("tokens_ptr"), py::arg("cand_ptr"), py::arg("cand_logp_ptr"), py::arg("lengths_ptr"), py::arg("rows"),
+        py::arg("block_size"), py::arg("big_j"), py::arg("prune_to"), py::arg("mask_id"), py::arg("workspace_ptr"),
+        py::arg("workspace_bytes"), py::arg("suffix_ptr"), py::arg("positions_ptr"), py::arg("words_ptr"),
         R"doc(Expand the draft graph at every row's state and lay out the copies to forward (CPU).
 
 graph_ptr: the packed int64 tables (selfspec.h: assign [M, I], size [M], top_rank [M],

@@ -30,8 +30,8 @@ constexpr float kPosInf = std::numeric_limits<float>::infinity();
 std::int64_t align8(std::int64_t b) { return (b + 7) / 8 * 8; }
 
 struct Ws {  // typed views of the workspace
-  std::int64_t *order, *rank, *node_tokens, *node_copy, *copy_node, *anchor, *num_kept, *anchor_copy, *choice,
-      *cand, *header;
+  std::int64_t *order, *rank, *node_tokens, *node_copy, *copy_node, *anchor, *num_kept, *anchor_copy, *choice, *cand,
+      *header;
   float *logp, *cand_logp, *score, *closed;
   std::uint8_t *node_masked, *kept, *complete, *has_anchor, *copy_masked;
 };
@@ -39,10 +39,10 @@ struct Ws {  // typed views of the workspace
 Ws views(std::uint8_t* base, const SelfSpecLayout& l) {
   auto i64 = [&](std::int64_t off) { return reinterpret_cast<std::int64_t*>(base + off); };
   auto f32 = [&](std::int64_t off) { return reinterpret_cast<float*>(base + off); };
-  return Ws{i64(l.order),      i64(l.rank),         i64(l.node_tokens), i64(l.node_copy),   i64(l.copy_node),
-            i64(l.anchor),     i64(l.num_kept),     i64(l.anchor_copy), i64(l.choice),      i64(l.cand),
-            i64(l.header),     f32(l.logp),         f32(l.cand_logp),   f32(l.score),       f32(l.closed),
-            base + l.node_masked, base + l.kept,    base + l.complete,  base + l.has_anchor, base + l.copy_masked};
+  return Ws{i64(l.order),         i64(l.rank),     i64(l.node_tokens), i64(l.node_copy),    i64(l.copy_node),
+            i64(l.anchor),        i64(l.num_kept), i64(l.anchor_copy), i64(l.choice),       i64(l.cand),
+            i64(l.header),        f32(l.logp),     f32(l.cand_logp),   f32(l.score),        f32(l.closed),
+            base + l.node_masked, base + l.kept,   base + l.complete,  base + l.has_anchor, base + l.copy_masked};
 }
 
 // Element e of a logits row as float (bf16 / f16 widen exactly).
@@ -164,7 +164,8 @@ SelfSpecCopies selfspec_expand_cpu(const SelfSpecExpandArgs& a) {
         closed[n] = std::min(score[n], best);
       }
       for (std::int64_t n = 0; n < M; ++n) idx[n] = n;
-      std::stable_sort(idx.begin(), idx.begin() + M, [&](std::int64_t x, std::int64_t y) { return closed[x] > closed[y]; });
+      std::stable_sort(idx.begin(), idx.begin() + M,
+                       [&](std::int64_t x, std::int64_t y) { return closed[x] > closed[y]; });
       std::vector<std::uint8_t> top_set(static_cast<std::size_t>(M), 0);
       for (std::int64_t k = 0; k <= a.prune_to; ++k) top_set[idx[k]] = 1;
       for (std::int64_t n = 0; n < M; ++n) kept[n] = kept[n] && top_set[n];
@@ -312,8 +313,7 @@ void selfspec_score_cpu(const SelfSpecScoreArgs& a) {
         }
         for (; n < J; ++n) cand[n] = choice;  // V < J: unreachable through the engine (J <= V)
       }
-      for (std::int64_t j = 0; j < J; ++j)
-        cand_logp[j] = cand[j] < 0 ? nan : element(row, dtype, cand[j]) / 1.0f - lse;
+      for (std::int64_t j = 0; j < J; ++j) cand_logp[j] = cand[j] < 0 ? nan : element(row, dtype, cand[j]) / 1.0f - lse;
     }
   };
   cpu::parallel_rows(slots, V, a.num_threads, body);
@@ -387,8 +387,8 @@ bool selfspec_advance_cpu(const SelfSpecAdvanceArgs& a) {
       a.new_conf[r * bs + s] = msk ? conf_at(k) : -1.0f;
       std::memcpy(a.new_cand + (r * bs + s) * J, w.cand + k * J, static_cast<std::size_t>(J) * 8);
       std::memcpy(a.new_cand_logp + (r * bs + s) * J, w.cand_logp + k * J, static_cast<std::size_t>(J) * 4);
-      host[2 + s] = node_tok[s];                       // the block as the walk left it
-      host[bs + 4 + s] = msk ? choice : tok;           // filled by the choices (greedy last step)
+      host[2 + s] = node_tok[s];              // the block as the walk left it
+      host[bs + 4 + s] = msk ? choice : tok;  // filled by the choices (greedy last step)
       a.keep[r * bs + s] = done_block ? commit_copy * bs + s : -1;
       new_masked_count += msk;
     }

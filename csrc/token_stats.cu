@@ -232,8 +232,8 @@ __global__ void __launch_bounds__(THREADS)
   const int tid = threadIdx.x;
   std::int64_t lo, hi;
   split_range(vocab, cols_per_split, split, lo, hi);
-  State st = thread_scan<DT, THREADS, UNROLL>(static_cast<const dt::elem_t<DT>*>(logits) + row * row_stride, lo,
-                                              hi, tid, inv_t);
+  State st = thread_scan<DT, THREADS, UNROLL>(static_cast<const dt::elem_t<DT>*>(logits) + row * row_stride, lo, hi,
+                                              tid, inv_t);
 
   st = warp_reduce(st, inv_t);
   __shared__ State smem[kWarps];
@@ -262,9 +262,8 @@ __global__ void __launch_bounds__(THREADS)
 template <int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
     token_stats_merge_kernel(const float* __restrict__ part_f, const int* __restrict__ part_i, std::int64_t rows,
-                             int num_splits, float inv_t, std::int64_t* __restrict__ token,
-                             float* __restrict__ prob, float* __restrict__ margin, float* __restrict__ entropy,
-                             float* __restrict__ lse) {
+                             int num_splits, float inv_t, std::int64_t* __restrict__ token, float* __restrict__ prob,
+                             float* __restrict__ margin, float* __restrict__ entropy, float* __restrict__ lse) {
   const int lane = threadIdx.x % 32;
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * WARPS + threadIdx.x / 32;
   if (row >= rows) return;  // whole warps leave together
@@ -307,8 +306,8 @@ void launch(const TokenStatsArgs& a, cudaStream_t stream) {
   if (num_splits > 1) {
     check_launch("token_stats");
     const unsigned merge_grid = static_cast<unsigned>((a.rows + kMergeWarps - 1) / kMergeWarps);
-    DSPEC_LAUNCH(token_stats_merge_kernel<kMergeWarps>, merge_grid, kMergeWarps * 32, stream, part_f, part_i,
-                 a.rows, num_splits, a.inv_t, a.token, a.prob, a.margin, a.entropy, a.lse);
+    DSPEC_LAUNCH(token_stats_merge_kernel<kMergeWarps>, merge_grid, kMergeWarps * 32, stream, part_f, part_i, a.rows,
+                 num_splits, a.inv_t, a.token, a.prob, a.margin, a.entropy, a.lse);
   }
 }
 
@@ -318,17 +317,10 @@ void token_stats_cuda(const TokenStatsArgs& args, std::int64_t stream_handle) {
   if (args.rows <= 0) return;
   const cudaStream_t stream = as_stream(stream_handle);
   switch (args.dtype) {
-    case kFloat32:
-      launch<kFloat32>(args, stream);
-      break;
-    case kFloat16:
-      launch<kFloat16>(args, stream);
-      break;
-    case kBFloat16:
-      launch<kBFloat16>(args, stream);
-      break;
-    default:
-      throw std::invalid_argument("dspec._C.token_stats: unknown dtype code");
+    case kFloat32: launch<kFloat32>(args, stream); break;
+    case kFloat16: launch<kFloat16>(args, stream); break;
+    case kBFloat16: launch<kBFloat16>(args, stream); break;
+    default: throw std::invalid_argument("dspec._C.token_stats: unknown dtype code");
   }
   check_launch("token_stats");
 }

@@ -55,7 +55,7 @@ DSPEC_CPU_INLINE void fold_max(float raw, std::int32_t col, float& m1, float& m2
 // around the exp (so the loop vectorises): -inf and NaN give d = -inf or NaN and e = 0,
 // and d is clamped where e = 0 anyway, so that e * d never is 0 * inf.
 DSPEC_CPU_INLINE void fold_sum(float x, float top, float inv_t, float& s, float& a) {
-  const float d = (x - top) * inv_t;            // <= 0
+  const float d = (x - top) * inv_t;  // <= 0
   const float e = cpu::exp_nonpos(d);
   s += e;
   a += e * (d > -128.0f ? d : -128.0f);
@@ -89,7 +89,8 @@ DSPEC_CPU_INLINE State scan_floats(const float* p, std::int64_t n, std::int64_t 
   }
   const std::int64_t body = lo + (hi - lo) / kLanes * kLanes;
   for (std::int64_t j = lo; j < body; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) fold_max(p[j + l], static_cast<std::int32_t>(col0 + j + l), m1[l], m2[l], i1[l], nan[l]);
+    for (int l = 0; l < kLanes; ++l)
+      fold_max(p[j + l], static_cast<std::int32_t>(col0 + j + l), m1[l], m2[l], i1[l], nan[l]);
   }
   for (std::int64_t j = body; j < hi; ++j) {
     const int l = static_cast<int>(j - body);
@@ -135,10 +136,12 @@ template <int DT>
 DSPEC_CPU_INLINE void widen(const std::uint16_t* p, std::int64_t n, float* out) {
   for (std::int64_t i = 0; i < n; ++i) out[i] = dt::to_float<DT>(p[i]);
 }
-DSPEC_CPU_MULTI(void, widen_f16, (const std::uint16_t* p, std::int64_t n, float* out),
-                (p, n, out)) { widen<kFloat16>(p, n, out); }
-DSPEC_CPU_MULTI(void, widen_bf16, (const std::uint16_t* p, std::int64_t n, float* out),
-                (p, n, out)) { widen<kBFloat16>(p, n, out); }
+DSPEC_CPU_MULTI(void, widen_f16, (const std::uint16_t* p, std::int64_t n, float* out), (p, n, out)) {
+  widen<kFloat16>(p, n, out);
+}
+DSPEC_CPU_MULTI(void, widen_bf16, (const std::uint16_t* p, std::int64_t n, float* out), (p, n, out)) {
+  widen<kBFloat16>(p, n, out);
+}
 
 #if DSPEC_AVX512_CODE
 // The same two passes written for AVX-512.  Pass 1 (max, column, runner-up, NaNs) gives
@@ -190,17 +193,17 @@ DSPEC_AVX512 bool max_by_keys(const dt::elem_t<DT>* p, std::int64_t n, std::int6
   _mm512_store_si512(l2, m2);
   _mm512_store_si512(llo, lo);
   std::int64_t top = K::kNegInfKey, runner = K::kNegInfKey, least = K::kPosInf;
-  for (int l = 0; l < kPer; ++l) {          // the two largest of the lanes' m1, and their m2
+  for (int l = 0; l < kPer; ++l) {  // the two largest of the lanes' m1, and their m2
     const std::int64_t a = l1[l];
     runner = std::max(runner, std::max<std::int64_t>(l2[l], std::min(top, a)));
     top = std::max(top, a);
     least = std::min<std::int64_t>(least, llo[l]);
   }
-  if (top > K::kPosInf || least < K::kNegInfKey) return false;   // a NaN
+  if (top > K::kPosInf || least < K::kNegInfKey) return false;  // a NaN
   st = ts::identity<double>();
   st.m1 = cpu::key_value<DT>(top);
   st.m2 = cpu::key_value<DT>(runner);
-  if (!(st.m1 > -INFINITY)) return true;     // every element -inf: no column, as the float pass
+  if (!(st.m1 > -INFINITY)) return true;  // every element -inf: no column, as the float pass
   // the first column equal to the max (+0 and -0 equal)
   const bool is_zero = st.m1 == 0.0f;
   const __m512i want = K::key(K::set1(top));  // the max's bits
@@ -213,7 +216,7 @@ DSPEC_AVX512 bool max_by_keys(const dt::elem_t<DT>* p, std::int64_t n, std::int6
       return true;
     }
   }
-  return true;   // unreachable: the max is one of the elements
+  return true;  // unreachable: the max is one of the elements
 }
 
 // Pass 1 on float compares: max, column, runner-up and the NaN count.
@@ -226,7 +229,7 @@ DSPEC_AVX512 State max_by_floats(const dt::elem_t<DT>* p, std::int64_t n, std::i
   __m512i col = _mm512_add_epi32(_mm512_set1_epi32(static_cast<std::int32_t>(col0)),
                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   const __m512i step = _mm512_set1_epi32(kLanes), one = _mm512_set1_epi32(1);
-  for (std::int64_t j = 0; j < body; j += kLanes) {        // fold_max on 16 lanes
+  for (std::int64_t j = 0; j < body; j += kLanes) {  // fold_max on 16 lanes
     _mm_prefetch(reinterpret_cast<const char*>(p + j) + cpu::kStreamAhead, _MM_HINT_T0);
     const __m512 x = cpu::load_f32<DT>(p + j, 0xFFFF);
     // a NaN compares false, so it changes nothing below: fold_max's NaN -> -inf is implicit
@@ -262,7 +265,7 @@ DSPEC_AVX512 State scan_avx512(const dt::elem_t<DT>* p, std::int64_t n, std::int
   const __m512 vtop = _mm512_set1_ps(top), vscale = _mm512_set1_ps(inv_t * kLog2e);
   double s_sum = 0.0, a_sum = 0.0;
   alignas(64) float ls[kLanes], la[kLanes];
-  for (std::int64_t j = 0; j < body;) {                    // fold_sum on 16 lanes, in base 2
+  for (std::int64_t j = 0; j < body;) {  // fold_sum on 16 lanes, in base 2
     __m512 s = _mm512_setzero_ps(), a = _mm512_setzero_ps();
     const std::int64_t stop = std::min<std::int64_t>(body, j + std::int64_t(kRoundsPerFlush) * kLanes);
     for (; j < stop; j += kLanes) {
@@ -328,8 +331,9 @@ inline void write_row(const TokenStatsArgs& a, std::int64_t row, const State& st
 template <int DT>
 void scan_row(const TokenStatsArgs& a, std::int64_t r, std::int64_t next_row = -1) {
   const auto* logits = static_cast<const dt::elem_t<DT>*>(a.logits);
-  write_row(a, r, scan<DT>(logits + r * a.row_stride, 0, a.vocab, a.inv_t, !a.argmax_only,
-                           next_row >= 0 ? logits + next_row * a.row_stride : nullptr));
+  write_row(a, r,
+            scan<DT>(logits + r * a.row_stride, 0, a.vocab, a.inv_t, !a.argmax_only,
+                     next_row >= 0 ? logits + next_row * a.row_stride : nullptr));
 }
 
 using cpu::max_threads;
@@ -345,7 +349,7 @@ void run(const TokenStatsArgs& a) {
   std::int64_t threads = 1;
   if (work >= kParallelThreshold) {
     threads = std::min<std::int64_t>({static_cast<std::int64_t>(max_threads()), std::max(a.num_threads, 1),
-                                       std::max<std::int64_t>(1, work / kMinElementsPerThread)});
+                                      std::max<std::int64_t>(1, work / kMinElementsPerThread)});
   }
   if (threads <= 1) {
     for (std::int64_t r = 0; r < rows; ++r) scan_row<DT>(a, r);
@@ -380,7 +384,8 @@ void run(const TokenStatsArgs& a) {
   });
   for (std::int64_t r = 0; r < rows; ++r) {
     State st = partial[static_cast<std::size_t>(r * chunks)];
-    for (std::int64_t c = 1; c < chunks; ++c) st = ts::merge(st, partial[static_cast<std::size_t>(r * chunks + c)], inv_t);
+    for (std::int64_t c = 1; c < chunks; ++c)
+      st = ts::merge(st, partial[static_cast<std::size_t>(r * chunks + c)], inv_t);
     write_row(a, r, st);
   }
 }
@@ -399,17 +404,10 @@ void token_stats_row_cpu(const TokenStatsArgs& args, std::int64_t row, std::int6
 void token_stats_cpu(const TokenStatsArgs& args) {
   if (args.rows <= 0) return;
   switch (args.dtype) {
-    case kFloat32:
-      run<kFloat32>(args);
-      break;
-    case kFloat16:
-      run<kFloat16>(args);
-      break;
-    case kBFloat16:
-      run<kBFloat16>(args);
-      break;
-    default:
-      break;  // unreachable: validated by the bindings
+    case kFloat32: run<kFloat32>(args); break;
+    case kFloat16: run<kFloat16>(args); break;
+    case kBFloat16: run<kBFloat16>(args); break;
+    default: break;  // unreachable: validated by the bindings
   }
 }
 

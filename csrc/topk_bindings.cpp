@@ -16,8 +16,8 @@ namespace dspec {
 namespace {
 
 void topk(std::int64_t logits, int dtype, std::int64_t rows, std::int64_t vocab, std::int64_t row_stride,
-          std::int64_t k, double temperature, double tau, std::int64_t tokens, std::int64_t values,
-          std::int64_t count, int num_threads) {
+          std::int64_t k, double temperature, double tau, std::int64_t tokens, std::int64_t values, std::int64_t count,
+          int num_threads) {
   const Checker c{"topk"};
   c.float_dtype(dtype, "dtype");
   c.at_least(rows, 0, "rows");
@@ -42,7 +42,7 @@ void topk(std::int64_t logits, int dtype, std::int64_t rows, std::int64_t vocab,
   a.row_stride = row_stride;
   a.k = k;
   a.inv_t = static_cast<float>(1.0 / temperature);
-  a.mass = tau > 0.0;                     // decided in double: a tiny tau rounds to 0.0f
+  a.mass = tau > 0.0;  // decided in double: a tiny tau rounds to 0.0f
   a.tau = static_cast<float>(tau);
   a.tokens = as_ptr<std::int64_t>(tokens);
   a.values = as_ptr<float>(values);
@@ -55,9 +55,9 @@ void topk(std::int64_t logits, int dtype, std::int64_t rows, std::int64_t vocab,
 }  // namespace
 
 void register_topk(py::module_& m) {
-  m.def("topk", &topk, py::arg("logits"), py::arg("dtype"), py::arg("rows"), py::arg("vocab"),
-        py::arg("row_stride"), py::arg("k"), py::arg("temperature"), py::arg("tau"), py::arg("tokens"),
-        py::arg("values"), py::arg("count"), py::arg("num_threads") = 1,
+  m.def("topk", &topk, py::arg("logits"), py::arg("dtype"), py::arg("rows"), py::arg("vocab"), py::arg("row_stride"),
+        py::arg("k"), py::arg("temperature"), py::arg("tau"), py::arg("tokens"), py::arg("values"), py::arg("count"),
+        py::arg("num_threads") = 1,
         R"doc(topk_tokens (tau = 0: tokens [rows, k] int64, values = probs [rows, k] float32) or
 mass_candidates (tau in (0, 1]: values = logprobs, count [rows] int64) of logits [rows, vocab]
 (dtype code 0 fp32, 1 fp16, 2 bf16, unit column stride).)doc");

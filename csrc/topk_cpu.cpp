@@ -26,7 +26,7 @@ constexpr int kChunk = 16;
 // Columns per pass-1 block.  Blocks of 512 rescanned ~5x the columns on random logits
 // (topk k = 8 at B 64 x 17 x 49152 fp32, AMX Xeon, 2 threads: 76 -> 67 ms at 64; 32 the same).
 constexpr std::int64_t kBlock = 64;
-constexpr std::int64_t kLargeK = 64;   // above: partial sort instead of the insertion buffer
+constexpr std::int64_t kLargeK = 64;  // above: partial sort instead of the insertion buffer
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct RowScan {
@@ -91,7 +91,7 @@ DSPEC_CPU_INLINE RowScan select_row(const dt::elem_t<DT>* p, std::int64_t vocab,
     mx[l] = kNegInf;
     nan_lane[l] = 0;
   }
-  float thr = kNegInf;        // the k-th best so far (-inf until the buffer is full)
+  float thr = kNegInf;  // the k-th best so far (-inf until the buffer is full)
   bool full = false;
   for (std::int64_t c0 = 0; c0 < vocab; c0 += kBlock) {
     const std::int64_t c1 = std::min(vocab, c0 + kBlock);
@@ -112,7 +112,7 @@ DSPEC_CPU_INLINE RowScan select_row(const dt::elem_t<DT>* p, std::int64_t vocab,
       mx[l] = bm[l] > mx[l] ? bm[l] : mx[l];
       block_max = bm[l] > block_max ? bm[l] : block_max;
     }
-    for (; c < c1; ++c) {    // the tail of the last block
+    for (; c < c1; ++c) {  // the tail of the last block
       const float x = dt::to_float<DT>(p[c]);
       if (x != x) {
         nan_lane[0] = 1;
@@ -179,13 +179,13 @@ DSPEC_AVX512 RowScan select_row_avx512(const dt::elem_t<DT>* p, std::int64_t voc
     if (full && K::gt(bm, thr_key) == 0) continue;
     if (!full || c1 - c0 != kBlock) {
       insert_block<DT>(p, c0, c1, best, full, thr);
-    } else {        // only the columns whose keys beat the k-th value's, in column order
+    } else {  // only the columns whose keys beat the k-th value's, in column order
       for (int v = 0; v < kBlock / kPer; ++v) {
         const std::int64_t c = c0 + v * kPer;
         for (std::uint64_t hit = K::gt(K::key(_mm512_loadu_si512(p + c)), thr_key); hit != 0; hit &= hit - 1) {
           const std::int64_t i = c + __builtin_ctzll(hit);
           const float x = dt::to_float<DT>(p[i]);
-          if (x == x && x > thr) {      // thr may have risen since the mask
+          if (x == x && x > thr) {  // thr may have risen since the mask
             best.put(x, i);
             thr = best.v[best.k - 1];
           }
@@ -205,7 +205,7 @@ DSPEC_AVX512 RowScan select_row_avx512(const dt::elem_t<DT>* p, std::int64_t voc
   }
   RowScan s;
   s.nan = top > K::kPosInf || least < K::kNegInfKey;
-  s.max = s.nan ? kNegInf : cpu::key_value<DT>(top);   // a row with a NaN is invalid anyway
+  s.max = s.nan ? kNegInf : cpu::key_value<DT>(top);  // a row with a NaN is invalid anyway
   return s;
 }
 
@@ -221,13 +221,13 @@ DSPEC_AVX512 double sum_exp_row_avx512(const dt::elem_t<DT>* p, std::int64_t voc
   for (std::int64_t c = 0; c < vocab;) {
     __m512 acc = _mm512_setzero_ps();
     const std::int64_t stop = std::min(vocab, c + std::int64_t(256) * kChunk);
-    const std::int64_t body = c + (stop - c) / kChunk * kChunk;   // whole vectors, unmasked
+    const std::int64_t body = c + (stop - c) / kChunk * kChunk;  // whole vectors, unmasked
     for (; c < body; c += kChunk) {
       if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + c), _MM_HINT_T1);
       const __m512 x = cpu::load_f32<DT>(p + c, 0xFFFF);
       acc = _mm512_add_ps(acc, cpu::exp2_nonpos16(_mm512_mul_ps(_mm512_sub_ps(x, vm), scale)));
     }
-    if (c < stop) {                                                 // the row's tail
+    if (c < stop) {  // the row's tail
       const __mmask16 in = cpu::lanes(stop - c);
       const __m512 x = _mm512_mask_mov_ps(neg_inf, in, cpu::load_f32<DT>(p + c, in));
       acc = _mm512_add_ps(acc, cpu::exp2_nonpos16(_mm512_mul_ps(_mm512_sub_ps(x, vm), scale)));
@@ -244,7 +244,7 @@ DSPEC_AVX512 double sum_exp_row_avx512(const dt::elem_t<DT>* p, std::int64_t voc
 // non-NaN (value, id) into `all`, then a partial sort of the first k by (value desc, id asc)
 template <int DT>
 DSPEC_CPU_INLINE RowScan select_row_large(const dt::elem_t<DT>* p, std::int64_t vocab, std::int64_t k, Best& best,
-                         std::vector<std::pair<float, std::int64_t>>& all) {
+                                          std::vector<std::pair<float, std::int64_t>>& all) {
   RowScan s;
   all.clear();
   for (std::int64_t c = 0; c < vocab; ++c) {
@@ -320,8 +320,7 @@ DSPEC_CPU_INLINE void rows_impl(const TopkArgs& a, std::int64_t lo, std::int64_t
   for (std::int64_t r = lo; r < hi; ++r) {
     const E* p = base + r * a.row_stride;
     best.reset(k);
-    const RowScan s = k > kLargeK ? select_row_large<DT>(p, a.vocab, k, best, all)
-                                  : select_best<DT>(p, a.vocab, best);
+    const RowScan s = k > kLargeK ? select_row_large<DT>(p, a.vocab, k, best, all) : select_best<DT>(p, a.vocab, best);
     std::int64_t* tok = a.tokens + r * k;
     float* val = a.values + r * k;
     const bool valid = !s.nan && std::isfinite(s.max);
@@ -364,12 +363,15 @@ DSPEC_CPU_INLINE void rows_impl(const TopkArgs& a, std::int64_t lo, std::int64_t
   }
 }
 
-DSPEC_CPU_MULTI(void, rows_f32, (const TopkArgs& a, std::int64_t lo, std::int64_t hi),
-                (a, lo, hi)) { rows_impl<kFloat32>(a, lo, hi); }
-DSPEC_CPU_MULTI(void, rows_f16, (const TopkArgs& a, std::int64_t lo, std::int64_t hi),
-                (a, lo, hi)) { rows_impl<kFloat16>(a, lo, hi); }
-DSPEC_CPU_MULTI(void, rows_bf16, (const TopkArgs& a, std::int64_t lo, std::int64_t hi),
-                (a, lo, hi)) { rows_impl<kBFloat16>(a, lo, hi); }
+DSPEC_CPU_MULTI(void, rows_f32, (const TopkArgs& a, std::int64_t lo, std::int64_t hi), (a, lo, hi)) {
+  rows_impl<kFloat32>(a, lo, hi);
+}
+DSPEC_CPU_MULTI(void, rows_f16, (const TopkArgs& a, std::int64_t lo, std::int64_t hi), (a, lo, hi)) {
+  rows_impl<kFloat16>(a, lo, hi);
+}
+DSPEC_CPU_MULTI(void, rows_bf16, (const TopkArgs& a, std::int64_t lo, std::int64_t hi), (a, lo, hi)) {
+  rows_impl<kBFloat16>(a, lo, hi);
+}
 
 }  // namespace
 

@@ -27,10 +27,9 @@ constexpr int kMaxNodes = kTreeMaskMaxNodes;
 constexpr int kMaxWords = kTreeMaskMaxWords;
 
 template <typename IdxT>
-__global__ void __launch_bounds__(kMaxNodes) tree_mask_kernel(const IdxT* __restrict__ parents,
-                                                             std::int64_t row_stride, int nodes, int num_words,
-                                                             int rounds, std::int32_t* __restrict__ words,
-                                                             std::int64_t* __restrict__ depth) {
+__global__ void __launch_bounds__(kMaxNodes)
+    tree_mask_kernel(const IdxT* __restrict__ parents, std::int64_t row_stride, int nodes, int num_words, int rounds,
+                     std::int32_t* __restrict__ words, std::int64_t* __restrict__ depth) {
   __shared__ std::uint32_t anc[2][kMaxNodes][kMaxWords];
   __shared__ int jump[2][kMaxNodes];
   __shared__ int dep[2][kMaxNodes];
@@ -83,13 +82,11 @@ void tree_mask_cuda(const TreeMaskArgs& a, std::int64_t stream_handle) {
   const int threads = ((nodes + 31) / 32) * 32;
   const unsigned grid = static_cast<unsigned>(a.batch);
   if (a.dtype == kIndexInt32) {
-    DSPEC_LAUNCH(tree_mask_kernel<std::int32_t>, grid, threads, stream,
-                 static_cast<const std::int32_t*>(a.parents), a.row_stride, nodes, num_words, rounds, a.words,
-                 a.depth);
+    DSPEC_LAUNCH(tree_mask_kernel<std::int32_t>, grid, threads, stream, static_cast<const std::int32_t*>(a.parents),
+                 a.row_stride, nodes, num_words, rounds, a.words, a.depth);
   } else {
-    DSPEC_LAUNCH(tree_mask_kernel<std::int64_t>, grid, threads, stream,
-                 static_cast<const std::int64_t*>(a.parents), a.row_stride, nodes, num_words, rounds, a.words,
-                 a.depth);
+    DSPEC_LAUNCH(tree_mask_kernel<std::int64_t>, grid, threads, stream, static_cast<const std::int64_t*>(a.parents),
+                 a.row_stride, nodes, num_words, rounds, a.words, a.depth);
   }
   check_launch("tree_mask");
 }

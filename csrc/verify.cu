@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kVerifyAcceptWarps * 32)
           a.out[base + s.depth - 1] = nd.token;
         }
       } else if (step == vf::kTreeQReject) {  // uniform
-        __syncwarp();  // every lane has read r(x) and the removed tokens before the pass writes
+        __syncwarp();                         // every lane has read r(x) and the removed tokens before the pass writes
         const std::int64_t row = base + s.node;
         const vf::RowDist d = vf::row_dist(a, w.argmax, w.prob, row);
         const char* q_row = static_cast<const char*>(a.q) + (b * a.q_stride_b + s.node * a.q_stride_n) * q_size;
@@ -256,8 +256,9 @@ __global__ void __launch_bounds__(kVerifyAcceptWarps * 32)
         for (std::int64_t col = lane; col < vocab; col += 32) {
           const bool gone = a.without_replacement && vf::tree_seen(excl, s.nex, col);
           const float q_v = dt::load(q_row, a.q_dtype, col);
-          const float r_v = s.has_resid ? resid[col]
-                                        : vf::target_p(dt::load(a.logits, a.dtype, row * a.row_stride + col), d, a.inv_t);
+          const float r_v = s.has_resid
+                                ? resid[col]
+                                : vf::target_p(dt::load(a.logits, a.dtype, row * a.row_stride + col), d, a.inv_t);
           const float r_new = vf::tree_q_residual(s, r_v, q_v, gone);
           resid[col] = r_new;
           sum_r += r_new;
@@ -424,8 +425,8 @@ struct DrawRow {
   const std::int64_t* excl;  // nex excluded tokens (the first kExclShared also in shared memory)
   const void* q_row;         // mode 2: the draft_probs row, else null
   int q_dtype;
-  float scale;               // mode 2: w = max(scale * p - q, 0) (the block rule's w_tau; else 1)
-  const float* resid_row;    // mode 3: the tree walk's residual row (the weights), else null
+  float scale;             // mode 2: w = max(scale * p - q, 0) (the block rule's w_tau; else 1)
+  const float* resid_row;  // mode 3: the tree walk's residual row (the weights), else null
 };
 
 template <int DT>
@@ -615,8 +616,7 @@ void draw(const VerifyCommon& a, const void* q, int q_dtype, const VerifyWork& w
   DSPEC_LAUNCH(draw_tiles_kernel<DT>, static_cast<unsigned>(a.batch * splits), kVerifyDrawThreads, stream, a, q,
                q_dtype, w, static_cast<int>(splits), tiles_per_split);
   check_launch(op, "draw_tiles_kernel");
-  DSPEC_LAUNCH(draw_pick_kernel<DT>, static_cast<unsigned>(a.batch), kVerifyDrawThreads, stream, a, q, q_dtype, w,
-               out);
+  DSPEC_LAUNCH(draw_pick_kernel<DT>, static_cast<unsigned>(a.batch), kVerifyDrawThreads, stream, a, q, q_dtype, w, out);
   check_launch(op, "draw_pick_kernel");
 }
 

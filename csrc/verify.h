@@ -54,13 +54,13 @@ struct VerifyCommon {
   std::int64_t vocab = 0;
   std::int64_t row_stride = 0;
   bool greedy = true;
-  float inv_t = 1.0f;              // 1 / temperature (1 when greedy)
-  const float* coins = nullptr;    // [B, L] (chain) / [B, N] (tree), contiguous; sampling only
-  const float* uniforms = nullptr; // [B]; sampling only
-  std::int64_t ts_splits = 1;      // token_stats vocabulary splits (CUDA)
-  std::int64_t draw_splits = 1;    // blocks per row of the draw tile sums (CUDA)
-  void* workspace = nullptr;       // verify_layout(...).bytes bytes, 16-byte aligned
-  int num_threads = 1;             // CPU: at most this many threads (the caller's count)
+  float inv_t = 1.0f;               // 1 / temperature (1 when greedy)
+  const float* coins = nullptr;     // [B, L] (chain) / [B, N] (tree), contiguous; sampling only
+  const float* uniforms = nullptr;  // [B]; sampling only
+  std::int64_t ts_splits = 1;       // token_stats vocabulary splits (CUDA)
+  std::int64_t draw_splits = 1;     // blocks per row of the draw tile sums (CUDA)
+  void* workspace = nullptr;        // verify_layout(...).bytes bytes, 16-byte aligned
+  int num_threads = 1;              // CPU: at most this many threads (the caller's count)
 };
 
 struct VerifyChainArgs : VerifyCommon {
@@ -77,7 +77,7 @@ struct VerifyChainArgs : VerifyCommon {
 };
 
 struct VerifyTreeArgs : VerifyCommon {
-  const void* tokens = nullptr;   // [B, N] contiguous
+  const void* tokens = nullptr;  // [B, N] contiguous
   int token_dtype = kInt64;
   const void* parents = nullptr;  // [B, N] contiguous
   int parent_dtype = kInt64;
@@ -553,7 +553,6 @@ DSPEC_HD void draw_weights(float logit, float q, bool excluded, int mode, const 
   w = mode == kModeResidualQ ? residual(mul_rn(scale, p), q) : p;
   w = excluded ? 0.0f : w;
 }
-
 
 }  // namespace vf
 }  // namespace dspec

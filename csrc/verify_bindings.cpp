@@ -123,8 +123,8 @@ void verify_chain(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::i
                   std::int64_t q_ptr, int q_dtype, std::int64_t q_stride_b, std::int64_t q_stride_l,
                   std::int64_t coins_ptr, std::int64_t uniforms_ptr, double temperature, std::int64_t num_accepted_ptr,
                   std::int64_t tokens_ptr, const std::string& device, std::int64_t stream, std::int64_t ts_splits,
-                  std::int64_t draw_splits, std::int64_t workspace_ptr, std::int64_t workspace_bytes,
-                  int num_threads, int rule) {
+                  std::int64_t draw_splits, std::int64_t workspace_ptr, std::int64_t workspace_bytes, int num_threads,
+                  int rule) {
   const Checker ck{"verify_chain"};
   // ---- validation: nothing is read or written before all of it passes ----
   if (rule != 0 && rule != 1) ck.fail("rule must be 0 (token) or 1 (block), got " + std::to_string(rule));
@@ -134,10 +134,9 @@ void verify_chain(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::i
   if (q_ptr != 0) ck.float_dtype(q_dtype, "q_dtype");
   VerifyChainArgs a;
   ck.product(batch, length, "batch * length");
-  const bool on_cuda =
-      validate_common(ck, device, logits_ptr, dtype, batch, length + 1, vocab, row_stride, temperature, coins_ptr,
-                      batch * length, uniforms_ptr, ts_splits, draw_splits, workspace_ptr, workspace_bytes, 1, a,
-                      rule == 1);
+  const bool on_cuda = validate_common(ck, device, logits_ptr, dtype, batch, length + 1, vocab, row_stride, temperature,
+                                       coins_ptr, batch * length, uniforms_ptr, ts_splits, draw_splits, workspace_ptr,
+                                       workspace_bytes, 1, a, rule == 1);
   if (q_ptr != 0) {
     if (q_stride_b < 0 || q_stride_l < 0) {
       ck.fail("q_stride_b and q_stride_l must be >= 0, got " + std::to_string(q_stride_b) + ", " +
@@ -184,8 +183,7 @@ void verify_tree(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::in
   ck.id_dtype(parent_dtype, "parent_dtype");
   if (q_ptr != 0) ck.float_dtype(q_dtype, "q_dtype");
   if (draft_sampling != 0 && draft_sampling != 1) {
-    ck.fail("draft_sampling must be 0 (independent) or 1 (without replacement), got " +
-            std::to_string(draft_sampling));
+    ck.fail("draft_sampling must be 0 (independent) or 1 (without replacement), got " + std::to_string(draft_sampling));
   }
   VerifyTreeArgs a;
   ck.product(batch, nodes, "batch * nodes");
@@ -231,16 +229,16 @@ void verify_tree(std::int64_t logits_ptr, int dtype, std::int64_t batch, std::in
   run_op(on_cuda, a, stream, verify_tree_cpu, DSPEC_IF_CUDA(verify_tree_cuda));
 }
 
-std::int64_t verify_workspace_bytes(const Checker& ck, std::int64_t batch, std::int64_t positions,
-                                    std::int64_t vocab, int dtype, bool sampling, std::int64_t ts_splits,
-                                    std::int64_t excl_cap, bool block = false, std::int64_t resid_rows = 0) {
+std::int64_t verify_workspace_bytes(const Checker& ck, std::int64_t batch, std::int64_t positions, std::int64_t vocab,
+                                    int dtype, bool sampling, std::int64_t ts_splits, std::int64_t excl_cap,
+                                    bool block = false, std::int64_t resid_rows = 0) {
   ck.at_least(batch, 0, "batch");
   if (vocab < 1 || vocab > kI32Max) ck.fail("vocab must be in [1, 2^31), got " + std::to_string(vocab));
   ck.float_dtype(dtype, "dtype");
   check_splits(ck, ts_splits, "ts_splits");
   ck.product(batch, positions, "batch * positions");
-  const std::int64_t need = checked_layout_bytes(batch, positions, vocab, dtype, excl_cap, sampling, ts_splits, block,
-                                                 resid_rows);
+  const std::int64_t need =
+      checked_layout_bytes(batch, positions, vocab, dtype, excl_cap, sampling, ts_splits, block, resid_rows);
   if (need < 0) ck.fail("the workspace would be too large");
   return need;
 }
@@ -268,7 +266,8 @@ void register_verify(py::module_& m) {
   m.attr("ID_INT64") = py::int_(static_cast<int>(dspec::kInt64));
   m.attr("verify_draw_threads") = py::int_(dspec::kVerifyDrawThreads);
   m.def(
-      "verify_draw_tile", [](int dtype) {
+      "verify_draw_tile",
+      [](int dtype) {
         Checker{"verify_draw_tile"}.float_dtype(dtype, "dtype");
         return dspec::draw_tile(dtype);
       },
@@ -304,13 +303,12 @@ draft holding one is rejected).  Raises ValueError for a bad argument (before an
 RuntimeError when a CUDA launch fails.)doc");
 
   m.def("verify_tree", &verify_tree, py::arg("logits_ptr"), py::arg("dtype"), py::arg("batch"), py::arg("nodes"),
-        py::arg("vocab"), py::arg("row_stride"), py::arg("tokens_ptr"), py::arg("token_dtype"),
-        py::arg("parents_ptr"), py::arg("parent_dtype"), py::arg("coins_ptr"), py::arg("uniforms_ptr"),
-        py::arg("temperature"), py::arg("num_accepted_ptr"), py::arg("path_ptr"), py::arg("out_ptr"),
-        py::arg("device"), py::arg("stream") = 0, py::arg("ts_splits") = 1, py::arg("draw_splits") = 1,
-        py::arg("workspace_ptr") = 0, py::arg("workspace_bytes") = 0, py::arg("num_threads") = 0,
-        py::arg("q_ptr") = 0, py::arg("q_dtype") = 0, py::arg("q_stride_b") = 0, py::arg("q_stride_n") = 0,
-        py::arg("draft_sampling") = 0,
+        py::arg("vocab"), py::arg("row_stride"), py::arg("tokens_ptr"), py::arg("token_dtype"), py::arg("parents_ptr"),
+        py::arg("parent_dtype"), py::arg("coins_ptr"), py::arg("uniforms_ptr"), py::arg("temperature"),
+        py::arg("num_accepted_ptr"), py::arg("path_ptr"), py::arg("out_ptr"), py::arg("device"), py::arg("stream") = 0,
+        py::arg("ts_splits") = 1, py::arg("draw_splits") = 1, py::arg("workspace_ptr") = 0,
+        py::arg("workspace_bytes") = 0, py::arg("num_threads") = 0, py::arg("q_ptr") = 0, py::arg("q_dtype") = 0,
+        py::arg("q_stride_b") = 0, py::arg("q_stride_n") = 0, py::arg("draft_sampling") = 0,
         R"doc(Fused speculative verification of a token tree (dspec.verify_tree).
 
 logits_ptr: batch * nodes rows of vocab (as verify_chain).  tokens_ptr, parents_ptr:

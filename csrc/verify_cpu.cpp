@@ -27,22 +27,22 @@ constexpr std::int64_t kParallelThreshold = std::int64_t(1) << 18;
 constexpr std::int64_t kMinWorkPerThread = std::int64_t(1) << 16;
 
 struct Scratch {
-  std::vector<double> tw, tp;           // per-tile sums of w and p
-  std::vector<std::uint8_t> have;       // lazy stage 1: which of the row's positions are scanned
-  std::vector<std::int64_t> excl;       // tree: excluded tokens at the current node
+  std::vector<double> tw, tp;      // per-tile sums of w and p
+  std::vector<std::uint8_t> have;  // lazy stage 1: which of the row's positions are scanned
+  std::vector<std::int64_t> excl;  // tree: excluded tokens at the current node
   std::vector<std::int64_t> excl_sorted;
-  std::vector<float> resid;             // tree with draft_probs: the current node's residual
+  std::vector<float> resid;  // tree with draft_probs: the current node's residual
 };
 
 struct CpuDrawSpec {
-  std::int64_t row = 0;        // target row
+  std::int64_t row = 0;  // target row
   int mode = kModeP;
   const void* q_row = nullptr;  // draft_probs row (mode 2)
   int q_dtype = kFloat32;
   const std::int64_t* excl = nullptr;  // excluded tokens (mode 1)
   std::int32_t nex = 0;
-  float scale = 1.0f;  // mode 2: w = max(scale * p - q, 0) (the block rule's w_tau)
-  const float* resid_row = nullptr;    // mode 3: the weights themselves
+  float scale = 1.0f;                // mode 2: w = max(scale * p - q, 0) (the block rule's w_tau)
+  const float* resid_row = nullptr;  // mode 3: the weights themselves
 };
 
 // Weights of columns [lo, hi) of the draw row; `k` walks the sorted excluded tokens.
@@ -235,7 +235,8 @@ float block_r_sum(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_t b
   const std::int64_t row = b * a.positions + j;
   const vf::RowDist d = vf::row_dist(a, wk.argmax, wk.prob, row);
   const auto* logits = static_cast<const dt::elem_t<DT>*>(a.logits) + row * a.row_stride;
-  const char* q_row = static_cast<const char*>(a.q) + (b * a.q_stride_b + j * a.q_stride_l) * (a.q_dtype == kFloat32 ? 4 : 2);
+  const char* q_row =
+      static_cast<const char*>(a.q) + (b * a.q_stride_b + j * a.q_stride_l) * (a.q_dtype == kFloat32 ? 4 : 2);
   double sum = 0.0;
   for (std::int64_t col = 0; col < a.vocab; ++col) {
     const float p = vf::target_p(dt::to_float<DT>(logits[col]), d, a.inv_t);
@@ -250,11 +251,14 @@ void chain_block_row(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_
   const std::int64_t positions = a.positions, length = positions - 1;
   const vf::ChainBlock r = vf::chain_block_walk(
       a, wk.argmax, wk.prob, b,
-      [&](std::int64_t row) { rows.ensure(row, s, row == b * positions && b + 1 < a.batch ? (b + 1) * positions : -1); },
+      [&](std::int64_t row) {
+        rows.ensure(row, s, row == b * positions && b + 1 < a.batch ? (b + 1) * positions : -1);
+      },
       [&](std::int64_t j, float w) { return block_r_sum<DT>(a, wk, b, j, w); });
   const std::int64_t tau = r.tau;
   std::int64_t* out = a.tokens + b * positions;
-  for (std::int64_t i = 0; i < positions; ++i) out[i] = i < tau ? vf::load_id(a.drafts, a.draft_dtype, b * length + i) : -1;
+  for (std::int64_t i = 0; i < positions; ++i)
+    out[i] = i < tau ? vf::load_id(a.drafts, a.draft_dtype, b * length + i) : -1;
   a.num_accepted[b] = tau;
   rows.ensure(b * positions + tau, s);
   const bool rejected = tau < r.n_eff;
@@ -264,8 +268,8 @@ void chain_block_row(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_
   sp.mode = rejected ? (a.q != nullptr ? kModeResidualQ : kModeExclude) : kModeP;
   if (sp.mode == kModeResidualQ) {
     sp.q_dtype = a.q_dtype;
-    sp.q_row = static_cast<const char*>(a.q) +
-               (b * a.q_stride_b + tau * a.q_stride_l) * (a.q_dtype == kFloat32 ? 4 : 2);
+    sp.q_row =
+        static_cast<const char*>(a.q) + (b * a.q_stride_b + tau * a.q_stride_l) * (a.q_dtype == kFloat32 ? 4 : 2);
     sp.scale = r.w_tau;
   }
   sp.excl = &x_tau;
@@ -293,7 +297,8 @@ void chain_row(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_t b, S
     }
   }
   std::int64_t* out = a.tokens + b * positions;
-  for (std::int64_t i = 0; i < positions; ++i) out[i] = i < j ? vf::load_id(a.drafts, a.draft_dtype, b * length + i) : -1;
+  for (std::int64_t i = 0; i < positions; ++i)
+    out[i] = i < j ? vf::load_id(a.drafts, a.draft_dtype, b * length + i) : -1;
   a.num_accepted[b] = j;
   rows.ensure(b * positions + j, s);
   if (a.greedy) {
@@ -307,8 +312,7 @@ void chain_row(const VerifyChainArgs& a, const VerifyWork& wk, std::int64_t b, S
   sp.mode = rejected ? (a.q != nullptr ? kModeResidualQ : kModeExclude) : kModeP;
   if (sp.mode == kModeResidualQ) {
     sp.q_dtype = a.q_dtype;
-    sp.q_row = static_cast<const char*>(a.q) +
-               (b * a.q_stride_b + j * a.q_stride_l) * (a.q_dtype == kFloat32 ? 4 : 2);
+    sp.q_row = static_cast<const char*>(a.q) + (b * a.q_stride_b + j * a.q_stride_l) * (a.q_dtype == kFloat32 ? 4 : 2);
   }
   sp.excl = &x_j;
   sp.nex = sp.mode == kModeExclude ? 1 : 0;
@@ -374,8 +378,8 @@ void tree_row_q(const VerifyTreeArgs& a, const VerifyWork& wk, std::int64_t b, S
     rows.ensure(base + st.node, s, st.node == 0 && b + 1 < a.batch ? base + nodes : -1);
     const vf::TreeNode nd = vf::tree_node(a, wk.argmax, wk.prob, b, c);
     const bool is_removed = std::binary_search(removed.begin(), removed.end(), nd.token);
-    const float r_x = st.has_resid && nd.token >= 0 && nd.token < vocab ? s.resid[static_cast<std::size_t>(nd.token)]
-                                                                        : nd.p;
+    const float r_x =
+        st.has_resid && nd.token >= 0 && nd.token < vocab ? s.resid[static_cast<std::size_t>(nd.token)] : nd.p;
     const int step = vf::tree_q_decide(st, nd, is_removed, r_x);
     if (step == vf::kTreeQMove) {
       vf::tree_q_move(st, c);
@@ -386,8 +390,8 @@ void tree_row_q(const VerifyTreeArgs& a, const VerifyWork& wk, std::int64_t b, S
       const std::int64_t row = base + st.node;
       const vf::RowDist d = vf::row_dist(a, wk.argmax, wk.prob, row);
       const auto* logits = static_cast<const dt::elem_t<DT>*>(a.logits) + row * a.row_stride;
-      const char* q_row = static_cast<const char*>(a.q) +
-                          static_cast<std::size_t>(b * a.q_stride_b + st.node * a.q_stride_n) * q_size;
+      const char* q_row =
+          static_cast<const char*>(a.q) + static_cast<std::size_t>(b * a.q_stride_b + st.node * a.q_stride_n) * q_size;
       double sum_r = 0.0, sum_kept = 0.0;
       std::size_t k = 0;
       for (std::int64_t col = 0; col < vocab; ++col) {
@@ -423,7 +427,7 @@ void for_rows(std::int64_t batch, std::int64_t work_per_row, int num_threads, Ro
   std::int64_t threads = 1;
   if (work >= kParallelThreshold) {
     threads = std::min<std::int64_t>({static_cast<std::int64_t>(cpu::max_threads()), std::max(num_threads, 1),
-                                       std::max<std::int64_t>(1, work / kMinWorkPerThread)});
+                                      std::max<std::int64_t>(1, work / kMinWorkPerThread)});
     threads = std::min(threads, batch);
   }
   const std::int64_t chunks = threads <= 1 ? 1 : std::min<std::int64_t>(batch, 4 * threads);
@@ -462,7 +466,8 @@ std::int64_t row_work(const Args& a, const RowStats& stats) {
 
 template <int DT>
 void chain_rows(const VerifyChainArgs& a, const VerifyWork& wk, const RowStats& stats) {
-  for_rows(a.batch, row_work(a, stats), a.num_threads, [&](std::int64_t b, Scratch& s) { chain_row<DT>(a, wk, b, s, stats); });
+  for_rows(a.batch, row_work(a, stats), a.num_threads,
+           [&](std::int64_t b, Scratch& s) { chain_row<DT>(a, wk, b, s, stats); });
 }
 
 template <int DT>

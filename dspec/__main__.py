@@ -10,6 +10,7 @@
 stats as one JSON line on stderr.  ``bench`` runs the end-to-end method x prompt-set grid
 (``dspec.bench_e2e``) and writes JSON + PNG.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,12 @@ import sys
 from dspec._cli import add_threads_argument, dumps, error_line, json_safe, parse_value, run_command
 
 # the method options with a flag of their own (DESIGN.md's common names)
-OPTION_FLAGS = (("block_size", int, "block length of block diffusion"),
-                ("tokens_per_step", int, "static diffusion schedule: tokens unmasked per step"),
-                ("threshold", float, "dynamic diffusion schedule: confidence threshold in (0, 1]"),
-                ("draft_len", int, "speculative methods: tokens drafted per round"))
+OPTION_FLAGS = (
+    ("block_size", int, "block length of block diffusion"),
+    ("tokens_per_step", int, "static diffusion schedule: tokens unmasked per step"),
+    ("threshold", float, "dynamic diffusion schedule: confidence threshold in (0, 1]"),
+    ("draft_len", int, "speculative methods: tokens drafted per round"),
+)
 
 
 def parse_options(pairs, parser: argparse.ArgumentParser | None = None) -> dict:
@@ -61,8 +64,7 @@ def read_batch_file(path: str) -> list[str]:
                 if isinstance(item, dict):
                     item = item.get("prompt")
                 if not isinstance(item, str):
-                    raise ValueError(f"{path}:{n}: expected a JSON string or an object with a "
-                                     f"string 'prompt'")
+                    raise ValueError(f"{path}:{n}: expected a JSON string or an object with a string 'prompt'")
                 prompts.append(item)
             else:
                 prompts.append(line.rstrip("\n"))
@@ -101,15 +103,21 @@ def _generate(args, parser) -> int:
                 raise ValueError(f"--drafter: method {args.method!r} takes no drafter")
             # a dLLM drafter is a model; DFlash / VP drafters are resolved by the method
             # itself (a shipped drafter name, a directory, or "DFLASH_DIR,VP_DIR" for d2sd)
-            drafter = dspec.load(args.drafter, device=args.device, dtype=args.dtype) if kind == "model" \
-                else args.drafter
+            drafter = (
+                dspec.load(args.drafter, device=args.device, dtype=args.dtype) if kind == "model" else args.drafter
+            )
         chat = is_chat_model(model) if args.chat is None else args.chat
         if chat and not is_chat_model(model):
             parser.error(f"--chat: {args.model} has no chat template (ChatML tokens)")
         texts = [chat_prompt(p) if chat else p for p in prompts]
-        kw = dict(method=args.method, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, seed=args.seed, progress=not args.no_progress,
-                  **options)
+        kw = dict(
+            method=args.method,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            progress=not args.no_progress,
+            **options,
+        )
         if drafter is not None:
             kw["drafter"] = drafter
         outs = dspec.generate(model, texts if args.batch_file is not None else texts[0], **kw)
@@ -122,8 +130,7 @@ def _generate(args, parser) -> int:
     outs = outs if isinstance(outs, list) else [outs]
     if args.json:
         for p, out in zip(prompts, outs):
-            print(dumps({"prompt": p, "text": out.text, "tokens": out.tokens,
-                         "stats": json_safe(out.stats)}))
+            print(dumps({"prompt": p, "text": out.text, "tokens": out.tokens, "stats": json_safe(out.stats)}))
         return 0
     for i, out in enumerate(outs):
         if len(outs) > 1:
@@ -140,14 +147,14 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS) or \
-                not action.option_strings:
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS) or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)"
 
 
 def _method_options_text() -> str:
     from dspec.decode.generate import available_methods, method_module
+
     lines = ["method options (--option KEY=VALUE, or the flags above):"]
     for name in available_methods():
         module = method_module(name)
@@ -162,62 +169,97 @@ def build_parser() -> argparse.ArgumentParser:
     from dspec.decode.generate import available_methods
     from dspec.hub import DEFAULT_MODEL, available_models
 
-    parser = argparse.ArgumentParser(prog="python -m dspec", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m dspec",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser(
-        "generate", help="decode a prompt and print the text and the stats",
+        "generate",
+        help="decode a prompt and print the text and the stats",
         description="Decode a prompt (or a batch) with a shipped model or a checkpoint "
-                    "directory; print the text, then the stats as one JSON line on stderr.",
+        "directory; print the text, then the stats as one JSON line on stderr.",
         epilog="examples:\n"
-               "  python -m dspec generate --prompt 'What is the capital of France?'\n"
-               "  python -m dspec generate --model tiny-bd --method diffusion --threshold 0.9 "
-               "--no-chat --prompt 'Compute: 3 + 4 ='\n"
-               "  python -m dspec generate --model CKPT_DIR --method ssd --option draft_len=4\n\n"
-               + _method_options_text(),
-        formatter_class=_HelpFormatter)
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"shipped model name ({', '.join(available_models())}) or a checkpoint directory")
-    g.add_argument("--method", default="ar", choices=available_methods(),
-                   help="decoding method; ssd is Self Speculative Decoding for dLLMs (arXiv 2510.04147), "
-                        "not Speculative Speculative Decoding (arXiv 2603.03251)")
+        "  python -m dspec generate --prompt 'What is the capital of France?'\n"
+        "  python -m dspec generate --model tiny-bd --method diffusion --threshold 0.9 "
+        "--no-chat --prompt 'Compute: 3 + 4 ='\n"
+        "  python -m dspec generate --model CKPT_DIR --method ssd --option draft_len=4\n\n" + _method_options_text(),
+        formatter_class=_HelpFormatter,
+    )
+    g.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"shipped model name ({', '.join(available_models())}) or a checkpoint directory",
+    )
+    g.add_argument(
+        "--method",
+        default="ar",
+        choices=available_methods(),
+        help="decoding method; ssd is Self Speculative Decoding for dLLMs (arXiv 2510.04147), "
+        "not Speculative Speculative Decoding (arXiv 2603.03251)",
+    )
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="What is the capital of France?", help="the prompt text")
-    src.add_argument("--batch-file", default=None, metavar="FILE",
-                     help="decode these prompts as one batch: one per line, or JSON lines "
-                          "(a string or {\"prompt\": ...}) for a .jsonl file")
+    src.add_argument(
+        "--batch-file",
+        default=None,
+        metavar="FILE",
+        help="decode these prompts as one batch: one per line, or JSON lines "
+        "(a string or {\"prompt\": ...}) for a .jsonl file",
+    )
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most per prompt")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; <= 0: greedy")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (none: fresh OS entropy)")
     for name, kind, help_ in OPTION_FLAGS:
-        g.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
-                       help=f"{help_} (method option {name})")
-    g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other method option, repeatable; VALUE is parsed as bool "
-                        "(true/false), none, int, float, else a string")
-    g.add_argument("--drafter", default=None, metavar="NAME|DIR",
-                   help="drafter model for methods that take one (default: the one dspec "
-                        "ships for the target)")
+        g.add_argument(
+            f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=f"{help_} (method option {name})"
+        )
+    g.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other method option, repeatable; VALUE is parsed as bool "
+        "(true/false), none, int, float, else a string",
+    )
+    g.add_argument(
+        "--drafter",
+        default=None,
+        metavar="NAME|DIR",
+        help="drafter model for methods that take one (default: the one dspec ships for the target)",
+    )
     g.add_argument("--device", default="cpu", help="torch device of the model (cpu or cuda)")
-    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="weight dtype (default: bf16 on CPUs with native bf16 matmul, else "
-                        "float32; $DSPEC_DTYPE)")
+    g.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="weight dtype (default: bf16 on CPUs with native bf16 matmul, else float32; $DSPEC_DTYPE)",
+    )
     add_threads_argument(g)
     chat = g.add_mutually_exclusive_group()
-    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
-                      help="wrap the prompt in the chat template (default: when the model has one)")
-    chat.add_argument("--no-chat", dest="chat", action="store_false",
-                      help="send the prompt as raw text")
-    g.add_argument("--json", action="store_true",
-                   help="print one JSON object per prompt (prompt, text, tokens, stats) instead")
+    chat.add_argument(
+        "--chat",
+        dest="chat",
+        action="store_true",
+        default=None,
+        help="wrap the prompt in the chat template (default: when the model has one)",
+    )
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as raw text")
+    g.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt (prompt, text, tokens, stats) instead"
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.set_defaults(func=_generate, sub=g)
 
-    b = sub.add_parser("bench", help="end-to-end benchmark: methods x prompt sets (JSON + PNG)",
-                       description="End-to-end benchmark grid (dspec.bench_e2e): every "
-                                   "configuration x prompt set; tokens/s, forwards, acceptance, "
-                                   "accuracy; JSON + PNG.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b = sub.add_parser(
+        "bench",
+        help="end-to-end benchmark: methods x prompt sets (JSON + PNG)",
+        description="End-to-end benchmark grid (dspec.bench_e2e): every "
+        "configuration x prompt set; tokens/s, forwards, acceptance, "
+        "accuracy; JSON + PNG.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_bench_arguments(b)
     b.set_defaults(func=_bench, sub=b)
     return parser
@@ -225,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench(args, parser) -> int:
     from dspec.bench_e2e import run
+
     return run(args, parser)
 
 
@@ -239,6 +282,7 @@ def _main(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from dspec.cpu import apply_threads
+
     try:
         apply_threads(args.threads)
     except ValueError as e:

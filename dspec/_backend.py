@@ -10,6 +10,7 @@ when the op has one, else torch.  ``"triton"`` on CPU tensors needs ``TRITON_INT
 (that is how CI runs the Triton kernels).  ``"cpp"`` names the C++ CPU code in ``dspec._C``
 explicitly; it is an addition to the four names of DESIGN.md.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,7 @@ def check_cpu_isa_env() -> str | None:
     if raw is None or raw.lower() in ("", "auto"):
         return None
     if raw.lower() not in CPU_ISA_LEVELS:
-        raise ValueError(f"DSPEC_CPU_ISA must be one of {', '.join(CPU_ISA_LEVELS)} or 'auto' (any case), "
-                         f"got {raw!r}")
+        raise ValueError(f"DSPEC_CPU_ISA must be one of {', '.join(CPU_ISA_LEVELS)} or 'auto' (any case), got {raw!r}")
     return raw.lower()
 
 
@@ -108,8 +108,13 @@ def cuda_stream(device: torch.device, cuda: bool) -> int:
     return torch.cuda.current_stream(device).cuda_stream if cuda else 0
 
 
-def resolve(op: str, backend: str | None, device: torch.device, provided: tuple[str, ...],
-            unsupported: dict[str, str] | None = None) -> str:
+def resolve(
+    op: str,
+    backend: str | None,
+    device: torch.device,
+    provided: tuple[str, ...],
+    unsupported: dict[str, str] | None = None,
+) -> str:
     """Return the backend that will run ``op`` on tensors living on ``device``.
 
     ``provided`` lists the backends the op implements; ``unsupported`` maps backends that
@@ -124,8 +129,9 @@ def resolve(op: str, backend: str | None, device: torch.device, provided: tuple[
     from_env = backend is None
     requested = backend if backend is not None else os.environ.get("DSPEC_BACKEND", "auto")
     if not isinstance(requested, str):
-        raise ValueError(f"{op}: backend must be None or one of {BACKENDS}, got {type(requested).__name__} "
-                         f"{requested!r}")
+        raise ValueError(
+            f"{op}: backend must be None or one of {BACKENDS}, got {type(requested).__name__} {requested!r}"
+        )
     requested = (requested or "auto").lower()
     if requested not in BACKENDS:
         where = "$DSPEC_BACKEND" if from_env else "backend"
@@ -152,15 +158,19 @@ def _unusable(op: str, name: str, device: torch.device, provided, unsupported) -
     if name in unsupported:
         return f"{op}: {unsupported[name]}"
     if not _backend_ready(name):
-        return (f"{op}: backend {name!r} is not available in this install "
-                "(dspec._C not built, built without CUDA, or triton missing)")
+        return (
+            f"{op}: backend {name!r} is not available in this install "
+            "(dspec._C not built, built without CUDA, or triton missing)"
+        )
     if name == "cuda" and not on_cuda:
         return f"{op}: backend 'cuda' needs CUDA tensors, got device {device}"
     if name == "cpp" and device.type != "cpu":
         return f"{op}: backend 'cpp' needs CPU tensors, got device {device}"
     if name == "triton" and not on_cuda and not triton_interpret():
-        return (f"{op}: backend 'triton' on {device} tensors needs TRITON_INTERPRET=1 "
-                "set before dspec's Triton kernels are imported")
+        return (
+            f"{op}: backend 'triton' on {device} tensors needs TRITON_INTERPRET=1 "
+            "set before dspec's Triton kernels are imported"
+        )
     return None
 
 
@@ -176,8 +186,7 @@ def parallel_units(device: torch.device) -> int:
     return 4
 
 
-def vocab_splits(rows: int, vocab: int, block: int, device: torch.device,
-                 min_tiles_per_split: int = 4) -> int:
+def vocab_splits(rows: int, vocab: int, block: int, device: torch.device, min_tiles_per_split: int = 4) -> int:
     """How many programs share one row's vocabulary so that small batches fill the GPU (the
     Triton kernels' launches, and the buffers the C++ extension's launchers size by them).
 

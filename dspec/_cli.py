@@ -10,6 +10,7 @@
 * :func:`parse_value` (``--option`` values) and :func:`add_threads_argument` (``--threads``):
   flags that ``python -m dspec generate`` and ``bench`` share.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,7 @@ import sys
 # dspec: ValueError is the library's documented error for bad input, FileNotFoundError
 # dspec.load's for a missing model; the others come from the paths given (an --out that is a
 # file, a cache directory that is not writable, ...)
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
-               IsADirectoryError, PermissionError)
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
 # set to show the traceback of a user error too (debugging)
 TRACEBACK_ENV = "DSPEC_TRACEBACK"
 
@@ -63,7 +63,7 @@ def run_command(func, *args, **kwargs) -> int:
         _print_error(f"out of memory: {error_line(e)} (a smaller size, batch or length fits)")
         return 1
     except SystemExit as e:
-        if not isinstance(e.code, str):       # argparse's exits and sys.exit(n) keep their status
+        if not isinstance(e.code, str):  # argparse's exits and sys.exit(n) keep their status
             raise
         _print_error(" ".join(e.code.split()))
         return 2
@@ -134,7 +134,11 @@ def parse_value(text: str):
 
 def add_threads_argument(p) -> None:
     """``--threads`` of every CLI command (applied by ``python -m dspec`` before the command)."""
-    p.add_argument("--threads", default=None, metavar="N|auto",
-                   help="CPU threads for torch and dspec's C++ kernels (default: "
-                        "$DSPEC_NUM_THREADS, else auto = the cores idle now; on a machine "
-                        "shared with another busy job use fewer threads than cores)")
+    p.add_argument(
+        "--threads",
+        default=None,
+        metavar="N|auto",
+        help="CPU threads for torch and dspec's C++ kernels (default: "
+        "$DSPEC_NUM_THREADS, else auto = the cores idle now; on a machine "
+        "shared with another busy job use fewer threads than cores)",
+    )

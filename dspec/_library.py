@@ -27,6 +27,7 @@ Every op returns a fixed number of tensors; the wrappers rebuild the public Name
 (``TokenStats``, ``VerifyOutput``, ...).  ``cascade_attention`` always returns
 ``(out, lse)``; with ``return_lse=False`` the lse is an empty tensor of shape [0].
 """
+
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -34,6 +35,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import _backend
 
 _NS = "dspec"
+
 
 # Backend choice depends only on the device, the argument, $DSPEC_BACKEND and what is
 # installed: torch.compile evaluates it once while tracing (a constant in the graph) instead
@@ -76,8 +78,8 @@ def call_directly(*tensors) -> bool:
     return all(t is None or type(t) in _PLAIN for t in tensors)
 
 
-_lib = torch.library.Library(_NS, "DEF")     # kept alive for the life of the process
-IMPLS = {}                                   # op name -> its Python body (dspec.testing enters it)
+_lib = torch.library.Library(_NS, "DEF")  # kept alive for the life of the process
+IMPLS = {}  # op name -> its Python body (dspec.testing enters it)
 # op name -> the backend dispatch it runs, registered by its dspec.ops module (``body``):
 # this module never imports dspec.ops, so imports flow one way (ops -> _library)
 BODIES = {}
@@ -85,9 +87,11 @@ BODIES = {}
 
 def body(name: str):
     """Register the decorated function as the implementation the custom op ``name`` runs."""
+
     def register(fn):
         BODIES[name] = fn
         return fn
+
     return register
 
 
@@ -109,6 +113,7 @@ def _fake(name: str):
 
 
 # ---------------------------------------------------------------------------- scoring
+
 
 @_op("token_stats(Tensor logits, float temperature, str backend) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def token_stats(logits, temperature, backend):
@@ -133,8 +138,7 @@ def _(logits, k, temperature, backend):
     return logits.new_empty(shape, dtype=torch.int64), logits.new_empty(shape, dtype=torch.float32)
 
 
-@_op("mass_candidates(Tensor logits, float tau, int max_m, float temperature, str backend) "
-     "-> (Tensor, Tensor, Tensor)")
+@_op("mass_candidates(Tensor logits, float tau, int max_m, float temperature, str backend) -> (Tensor, Tensor, Tensor)")
 def mass_candidates(logits, tau, max_m, temperature, backend):
     return _fresh(*BODIES['mass_candidates'](logits, tau, max_m, temperature, backend))
 
@@ -142,9 +146,11 @@ def mass_candidates(logits, tau, max_m, temperature, backend):
 @_fake("mass_candidates")
 def _(logits, tau, max_m, temperature, backend):
     lead = logits.shape[:-1]
-    return (logits.new_empty((*lead, max_m), dtype=torch.int64),
-            logits.new_empty((*lead, max_m), dtype=torch.float32),
-            logits.new_empty(lead, dtype=torch.int64))
+    return (
+        logits.new_empty((*lead, max_m), dtype=torch.int64),
+        logits.new_empty((*lead, max_m), dtype=torch.float32),
+        logits.new_empty(lead, dtype=torch.int64),
+    )
 
 
 @_op("boundary_posterior(Tensor conf, str backend) -> Tensor")
@@ -180,43 +186,60 @@ def _(conf, backend):
 
 # ----------------------------------------------------------------------- verification
 
-@_op("verify_chain(Tensor draft_tokens, Tensor target_logits, Tensor? draft_probs, Tensor? num_drafts, "
-     "float temperature, Tensor? coins, Tensor? sample_uniforms, str backend, str rule=\"token\") "
-     "-> (Tensor, Tensor)")
-def verify_chain(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins,
-                 sample_uniforms, backend, rule="token"):
-    return _fresh(*BODIES['verify_chain'](draft_tokens, target_logits, draft_probs, num_drafts,
-                                      temperature, coins, sample_uniforms, backend, rule))
+
+@_op(
+    "verify_chain(Tensor draft_tokens, Tensor target_logits, Tensor? draft_probs, Tensor? num_drafts, "
+    "float temperature, Tensor? coins, Tensor? sample_uniforms, str backend, str rule=\"token\") "
+    "-> (Tensor, Tensor)"
+)
+def verify_chain(
+    draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins, sample_uniforms, backend, rule="token"
+):
+    return _fresh(
+        *BODIES['verify_chain'](
+            draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins, sample_uniforms, backend, rule
+        )
+    )
 
 
 @_fake("verify_chain")
-def _(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins, sample_uniforms,
-      backend, rule="token"):
+def _(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins, sample_uniforms, backend, rule="token"):
     batch, length = draft_tokens.shape
-    return (target_logits.new_empty((batch,), dtype=torch.int64),
-            target_logits.new_empty((batch, length + 1), dtype=torch.int64))
+    return (
+        target_logits.new_empty((batch,), dtype=torch.int64),
+        target_logits.new_empty((batch, length + 1), dtype=torch.int64),
+    )
 
 
-@_op("verify_tree(Tensor tokens, Tensor parents, Tensor target_logits, Tensor? draft_probs, "
-     "str draft_sampling, float temperature, Tensor? coins, Tensor? sample_uniforms, str backend) "
-     "-> (Tensor, Tensor, Tensor)")
-def verify_tree(tokens, parents, target_logits, draft_probs, draft_sampling, temperature, coins,
-                sample_uniforms, backend):
-    return _fresh(*BODIES['verify_tree'](tokens, parents, target_logits, draft_probs,
-                                     draft_sampling, temperature, coins, sample_uniforms, backend))
+@_op(
+    "verify_tree(Tensor tokens, Tensor parents, Tensor target_logits, Tensor? draft_probs, "
+    "str draft_sampling, float temperature, Tensor? coins, Tensor? sample_uniforms, str backend) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+def verify_tree(
+    tokens, parents, target_logits, draft_probs, draft_sampling, temperature, coins, sample_uniforms, backend
+):
+    return _fresh(
+        *BODIES['verify_tree'](
+            tokens, parents, target_logits, draft_probs, draft_sampling, temperature, coins, sample_uniforms, backend
+        )
+    )
 
 
 @_fake("verify_tree")
-def _(tokens, parents, target_logits, draft_probs, draft_sampling, temperature, coins,
-      sample_uniforms, backend):
+def _(tokens, parents, target_logits, draft_probs, draft_sampling, temperature, coins, sample_uniforms, backend):
     batch, nodes = tokens.shape
-    return (target_logits.new_empty((batch,), dtype=torch.int64),
-            target_logits.new_empty((batch, nodes), dtype=torch.int64),
-            target_logits.new_empty((batch, nodes), dtype=torch.int64))
+    return (
+        target_logits.new_empty((batch,), dtype=torch.int64),
+        target_logits.new_empty((batch, nodes), dtype=torch.int64),
+        target_logits.new_empty((batch, nodes), dtype=torch.int64),
+    )
 
 
-@_op("best_first_tree(Tensor slot_probs, Tensor slot_tokens, int num_nodes, str backend) "
-     "-> (Tensor, Tensor, Tensor, Tensor)")
+@_op(
+    "best_first_tree(Tensor slot_probs, Tensor slot_tokens, int num_nodes, str backend) "
+    "-> (Tensor, Tensor, Tensor, Tensor)"
+)
 def best_first_tree(slot_probs, slot_tokens, num_nodes, backend):
     return _fresh(*BODIES['best_first_tree'](slot_probs, slot_tokens, num_nodes, backend))
 
@@ -224,18 +247,23 @@ def best_first_tree(slot_probs, slot_tokens, num_nodes, backend):
 @_fake("best_first_tree")
 def _(slot_probs, slot_tokens, num_nodes, backend):
     batch, slots, k = slot_probs.shape
-    total, width = 0, 1                      # N = min(num_nodes, k + k^2 + ... + k^L)
+    total, width = 0, 1  # N = min(num_nodes, k + k^2 + ... + k^L)
     for _ in range(slots):
         if total >= num_nodes:
             break
         width = min(num_nodes, width * k)
         total = min(num_nodes, total + width)
     shape = (batch, total)
-    return (slot_probs.new_empty(shape, dtype=torch.int64), slot_probs.new_empty(shape, dtype=torch.int64),
-            slot_probs.new_empty(shape, dtype=torch.float32), slot_probs.new_empty(shape, dtype=torch.int64))
+    return (
+        slot_probs.new_empty(shape, dtype=torch.int64),
+        slot_probs.new_empty(shape, dtype=torch.int64),
+        slot_probs.new_empty(shape, dtype=torch.float32),
+        slot_probs.new_empty(shape, dtype=torch.int64),
+    )
 
 
 # -------------------------------------------------------------------- masks, attention
+
 
 @_op("pack_mask(Tensor mask, str backend) -> Tensor")
 def pack_mask(mask, backend):
@@ -265,29 +293,70 @@ def tree_mask(parents, backend):
 @_fake("tree_mask")
 def _(parents, backend):
     batch, nodes = parents.shape
-    return (parents.new_empty((batch, nodes, (nodes + 31) // 32), dtype=torch.int32),
-            parents.new_empty((batch, nodes), dtype=torch.int64))
+    return (
+        parents.new_empty((batch, nodes, (nodes + 31) // 32), dtype=torch.int32),
+        parents.new_empty((batch, nodes), dtype=torch.int64),
+    )
 
 
-@_op("cascade_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? prefix_k, Tensor? prefix_v, "
-     "Tensor? prefix_indptr, Tensor? prefix_page_table, Tensor? prefix_lens, float? sm_scale, "
-     "bool return_lse, int? max_prefix_len, str backend) -> (Tensor, Tensor)")
-def cascade_attention(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table,
-                      prefix_lens, sm_scale, return_lse, max_prefix_len, backend):
-    result = BODIES['cascade_attention'](q, k, v, mask, prefix_k, prefix_v, prefix_indptr,
-                                     prefix_page_table, prefix_lens, sm_scale, return_lse,
-                                     max_prefix_len, backend)
+@_op(
+    "cascade_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? prefix_k, Tensor? prefix_v, "
+    "Tensor? prefix_indptr, Tensor? prefix_page_table, Tensor? prefix_lens, float? sm_scale, "
+    "bool return_lse, int? max_prefix_len, str backend) -> (Tensor, Tensor)"
+)
+def cascade_attention(
+    q,
+    k,
+    v,
+    mask,
+    prefix_k,
+    prefix_v,
+    prefix_indptr,
+    prefix_page_table,
+    prefix_lens,
+    sm_scale,
+    return_lse,
+    max_prefix_len,
+    backend,
+):
+    result = BODIES['cascade_attention'](
+        q,
+        k,
+        v,
+        mask,
+        prefix_k,
+        prefix_v,
+        prefix_indptr,
+        prefix_page_table,
+        prefix_lens,
+        sm_scale,
+        return_lse,
+        max_prefix_len,
+        backend,
+    )
     if return_lse:
         return _fresh(*result)
     return _fresh(result, q.new_empty((0,), dtype=torch.float32))
 
 
 @_fake("cascade_attention")
-def _(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens, sm_scale,
-      return_lse, max_prefix_len, backend):
+def _(
+    q,
+    k,
+    v,
+    mask,
+    prefix_k,
+    prefix_v,
+    prefix_indptr,
+    prefix_page_table,
+    prefix_lens,
+    sm_scale,
+    return_lse,
+    max_prefix_len,
+    backend,
+):
     lse_shape = q.shape[:3] if return_lse else (0,)
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        q.new_empty(lse_shape, dtype=torch.float32)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @_op("merge_states(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b, str backend) -> (Tensor, Tensor)")
@@ -297,8 +366,10 @@ def merge_states(o_a, lse_a, o_b, lse_b, backend):
 
 @_fake("merge_states")
 def _(o_a, lse_a, o_b, lse_b, backend):
-    return (torch.empty_like(o_a, memory_format=torch.contiguous_format),
-            torch.empty_like(lse_a, dtype=torch.float32, memory_format=torch.contiguous_format))
+    return (
+        torch.empty_like(o_a, memory_format=torch.contiguous_format),
+        torch.empty_like(lse_a, dtype=torch.float32, memory_format=torch.contiguous_format),
+    )
 
 
 OPS = tuple(IMPLS)

@@ -3,6 +3,7 @@
 Types are checked here too, before any value is read: tensors (never meta tensors: they
 have no data), real numbers (bool is not a number), ``torch.Generator`` and devices.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -82,8 +83,7 @@ def not_meta(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def tensor(name: str, t, *, min_dim: int | None = None, dim: int | None = None,
-           dtypes=None) -> torch.Tensor:
+def tensor(name: str, t, *, min_dim: int | None = None, dim: int | None = None, dtypes=None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     not_meta(name, t)
@@ -120,12 +120,13 @@ def real(name: str, value, *, what: str = "a real number") -> float:
     """A real number as a float: int, float, a numpy scalar or a 0-d real tensor; never a
     bool, a string or anything else ``float()`` would happen to convert."""
     if isinstance(value, torch.Tensor):
-        if (value.dim() != 0 or value.dtype == torch.bool or value.is_complex()
-                or value.device.type == "meta"):
-            raise ValueError(f"{name} must be {what}, got a {str(value.dtype).replace('torch.', '')} "
-                             f"{value.device.type} tensor of shape {list(value.shape)}")
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex() or value.device.type == "meta":
+            raise ValueError(
+                f"{name} must be {what}, got a {str(value.dtype).replace('torch.', '')} "
+                f"{value.device.type} tensor of shape {list(value.shape)}"
+            )
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):   # numpy bools are not Real
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy bools are not Real
         raise ValueError(f"{name} must be {what}, got {_describe(value)}")
     return float(value)
 
@@ -159,8 +160,9 @@ def generator(value, device: torch.device, like: str = "the logits"):
     if not isinstance(value, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {_describe(value)}")
     gdev = value.device
-    if gdev.type != device.type or (device.type == "cuda" and gdev.index is not None
-                                    and device.index is not None and gdev.index != device.index):
+    if gdev.type != device.type or (
+        device.type == "cuda" and gdev.index is not None and device.index is not None and gdev.index != device.index
+    ):
         raise ValueError(f"generator is on {gdev}, expected a generator on {device} like {like}")
     return value
 
@@ -175,8 +177,9 @@ def device(name: str, value, *, default: str | None = None) -> torch.device:
     try:
         dev = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"{name} must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
-                         f"got {value!r}") from None
+        raise ValueError(
+            f"{name} must be a torch.device or a device string such as 'cpu' or 'cuda:0', got {value!r}"
+        ) from None
     if dev.type == "meta":
         raise ValueError(f"{name} must be a real device, got {value!r} (meta tensors hold no data)")
     return dev
@@ -197,8 +200,10 @@ def probabilities(name: str, t: torch.Tensor) -> None:
     if t.numel() and value_checks_enabled(t):
         bad = ~((t >= 0) & (t <= 1))
         if bool(bad.any()):
-            raise ValueError(f"{name} must hold probabilities in [0, 1]; found "
-                             f"{int(bad.sum())} value(s) outside, e.g. {t[bad].flatten()[0].item()}")
+            raise ValueError(
+                f"{name} must hold probabilities in [0, 1]; found "
+                f"{int(bad.sum())} value(s) outside, e.g. {t[bad].flatten()[0].item()}"
+            )
 
 
 def tree_parents(parents: torch.Tensor, name: str = "parents") -> None:
@@ -217,8 +222,10 @@ def tree_parents(parents: torch.Tensor, name: str = "parents") -> None:
     bad = (par[:, 1:] < -1) | (par[:, 1:] >= idx[None, 1:])
     if bool(bad.any()):
         b, i = bad.nonzero()[0].tolist()
-        raise ValueError(f"{name} is not a topologically ordered tree: {name}[{b}, {i + 1}] = "
-                         f"{int(par[b, i + 1])}, expected -1 or a value in [0, {i + 1})")
+        raise ValueError(
+            f"{name} is not a topologically ordered tree: {name}[{b}, {i + 1}] = "
+            f"{int(par[b, i + 1])}, expected -1 or a value in [0, {i + 1})"
+        )
     padding = par == -1
     padding[:, 0] = False
     parent_is_padding = padding.gather(1, par.clamp(min=0)) & (par >= 0)

@@ -52,6 +52,7 @@ Default out: ``bench/results/<device>/`` in a checkout, else ``./dspec-bench/<de
 CPU numbers on a shared machine move with its load: the load average is recorded at the
 start, after each configuration and at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,7 +78,7 @@ from .models.embedded import is_chat_model
 NAME = "e2e"
 FAMILIES = ("target", "dllm")
 PROMPT_SETS = ("arithmetic", "humaneval", "mtbench", "math500")
-CHAT_SETS = ("mtbench", "math500")        # wrapped in the chat template for chat models
+CHAT_SETS = ("mtbench", "math500")  # wrapped in the chat template for chat models
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -96,9 +97,9 @@ class Config:
 
     name: str
     method: str
-    family: str                                    # "target" or "dllm"
-    options: dict = field(default_factory=dict)    # name -> value, or name -> Option
-    expand: str | None = None                      # "policies": one config per POLICIES entry
+    family: str  # "target" or "dllm"
+    options: dict = field(default_factory=dict)  # name -> value, or name -> Option
+    expand: str | None = None  # "policies": one config per POLICIES entry
 
 
 def _d2sd_k(k: int) -> Option:
@@ -135,9 +136,12 @@ CONFIGS: tuple[Config, ...] = (
     Config("diffuspec-nolookup", "diffuspec", "target", {"lookup": None}),
     # ADL with the paper's bounds (the default elsewhere; a CPU model's are CPU_ADL's 4 / 12 / 2)
     Config("diffuspec-paper", "diffuspec", "target", {"k_min": 20, "k_max": 30, "delta": 10}),
-    Config("diffuspec-noCPS-noADL", "diffuspec", "target",
-           {"cps": Option(("cps", "path_search"), False),
-            "adl": Option(("adaptive", "adl", "adaptive_draft_len"), False)}),
+    Config(
+        "diffuspec-noCPS-noADL",
+        "diffuspec",
+        "target",
+        {"cps": Option(("cps", "path_search"), False), "adl": Option(("adaptive", "adl", "adaptive_draft_len"), False)},
+    ),
     Config("dflash", "dflash", "target"),
     # the adaptive verification length at a higher cost of a verified row (the default on a
     # CPU is row_cost 0.02), and every draft verified (the default elsewhere)
@@ -157,8 +161,7 @@ CONFIGS: tuple[Config, ...] = (
     Config("dflash-tree-lookup", "dflash", "target", {"tree": 7, "lookup": 7}),
     # D2SD with the VP-drafter's re-drafts in every cycle (redraft_min=0, the paper's method;
     # on a CPU the default gate never re-drafts: `d2sd-auto`, below)
-    *(Config(f"d2sd-K{k}", "d2sd", "target", {"k": _d2sd_k(k), "redraft_min": 0})
-      for k in (1, 2, 4)),
+    *(Config(f"d2sd-K{k}", "d2sd", "target", {"k": _d2sd_k(k), "redraft_min": 0}) for k in (1, 2, 4)),
     # the tree pruned at a higher cost of a verified row (the default on a CPU is 0.02), and
     # every branch verified in full (the default elsewhere)
     Config("d2sd-adaptive-K2", "d2sd", "target", {"k": _d2sd_k(2), "row_cost": 0.06, "redraft_min": 0}),
@@ -169,14 +172,14 @@ CONFIGS: tuple[Config, ...] = (
     Config("d2sd-chain-K2", "d2sd", "target", {"k": _d2sd_k(2), "tree": None, "redraft_min": 0}),
     # the paper's D2SD against the paper's DFlash (`dflash-chain`): the first draft a chain,
     # the K re-drafted branches merged onto it, no prompt-lookup branch
-    Config("d2sd-chain-nolookup-K2", "d2sd", "target",
-           {"k": _d2sd_k(2), "tree": None, "lookup": None, "redraft_min": 0}),
+    Config(
+        "d2sd-chain-nolookup-K2", "d2sd", "target", {"k": _d2sd_k(2), "tree": None, "lookup": None, "redraft_min": 0}
+    ),
     # the method's defaults: on a CPU the re-draft gate (redraft_min="auto") never re-drafts,
     # so every cycle is DFlash's (measured: no gate pays on this CPU, _cpu_cost.CPU_REDRAFT_MIN)
     Config("d2sd-auto", "d2sd", "target", {}),
     # the naive control: DFlash with K branches resampled from the first draft
-    *(Config(f"d2sd-resample-K{k}", "d2sd", "target", {"k": _d2sd_k(k), "branches": "resample"})
-      for k in (1, 2, 4)),
+    *(Config(f"d2sd-resample-K{k}", "d2sd", "target", {"k": _d2sd_k(k), "branches": "resample"}) for k in (1, 2, 4)),
 )
 BASELINE_AR = "ar"
 BASELINE_DYNAMIC = "diffusion-dynamic"
@@ -187,6 +190,7 @@ def _prompt_text(chat: bool, pset: str, problem) -> str:
     """A problem's prompt as the grid sends it: chat-wrapped on a chat model for the sets
     whose prompts are instructions (CHAT_SETS)."""
     from .models.embedded import chat_prompt
+
     return chat_prompt(problem.prompt) if chat and pset in CHAT_SETS else problem.prompt
 
 
@@ -221,26 +225,40 @@ def device_slug(device: str) -> str:
 def environment(device: str) -> dict:
     """Machine, software and checkout record of a run."""
     status = _git("status", "--porcelain", "--untracked-files=no")
-    env = {"device": device, "device_name": device_name(device), "device_slug": device_slug(device),
-           "hostname": socket.gethostname(), "platform": platform.platform(),
-           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join([Path(sys.executable).name] + sys.argv),
-           "python": platform.python_version(), "torch": torch.__version__,
-           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-           "git_commit": _git("rev-parse", "HEAD"), "git_dirty": None if status is None else bool(status),
-           "loadavg_start": loadavg()}
+    env = {
+        "device": device,
+        "device_name": device_name(device),
+        "device_slug": device_slug(device),
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "loadavg_start": loadavg(),
+    }
     if not device.startswith("cuda"):
         from .cpu import machine
+
         env["cpu"] = machine()
     try:
         import dspec
+
         env["dspec"] = dspec.__version__
     except Exception:  # noqa: BLE001 - recorded, not fatal
         pass
     if device.startswith("cuda"):
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        env.update(sm_count=props.multi_processor_count, capability=f"{props.major}.{props.minor}",
-                   gpu_mem_GiB=round(props.total_memory / 2 ** 30, 1), torch_cuda=torch.version.cuda)
+        env.update(
+            sm_count=props.multi_processor_count,
+            capability=f"{props.major}.{props.minor}",
+            gpu_mem_GiB=round(props.total_memory / 2**30, 1),
+            torch_cuda=torch.version.cuda,
+        )
     return env
 
 
@@ -265,6 +283,7 @@ def parse_config_spec(spec: str) -> Config:
     head, _, opts = rest.partition(":")
     method, _, family = head.partition("@")
     from .decode.generate import ALL_METHODS
+
     method = method.strip()
     if method not in ALL_METHODS:
         raise ValueError(f"--add-config {spec!r}: unknown method {method!r}; methods: {list(ALL_METHODS)}")
@@ -293,8 +312,10 @@ def resolve(config: Config) -> tuple[list[tuple[Config, dict]], str | None]:
         if isinstance(value, Option):
             name = next((n for n in value.names if n in declared), None)
             if name is None:
-                return [], (f"method {config.method!r} takes none of the options {list(value.names)} "
-                            f"(it takes {list(declared)})")
+                return [], (
+                    f"method {config.method!r} takes none of the options {list(value.names)} "
+                    f"(it takes {list(declared)})"
+                )
             options[name] = value.value
         else:
             options[key] = value
@@ -302,8 +323,10 @@ def resolve(config: Config) -> tuple[list[tuple[Config, dict]], str | None]:
         policies = tuple(getattr(module, "POLICIES", ()))
         key = next((n for n in ("policy", "routing", "router") if n in declared), None)
         if policies and key is not None:
-            return [(Config(f"{config.name}-{p}", config.method, config.family, dict(options)),
-                     dict(options, **{key: p})) for p in policies], None
+            return [
+                (Config(f"{config.name}-{p}", config.method, config.family, dict(options)), dict(options, **{key: p}))
+                for p in policies
+            ], None
     return [(config, options)], None
 
 
@@ -311,39 +334,65 @@ def resolve(config: Config) -> tuple[list[tuple[Config, dict]], str | None]:
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The bench's arguments (shared by ``python -m dspec bench`` and bench/bench_e2e.py)."""
     p.epilog = (p.epilog or "") + (
-        "configurations (--configs): " + ", ".join(c.name for c in CONFIGS) +
-        "\n(s2d2 expands to s2d2-<policy> for every policy its module lists in POLICIES)\n"
-        "example:\n  python -m dspec bench --dllm tiny-bd --target tiny-ar --quick")
-    p.add_argument("--dllm", default="tiny-bd", metavar="NAME|DIR",
-                   help="block-diffusion model for diffusion / ssd / spiffy / s2d2 (default tiny-bd)")
-    p.add_argument("--target", default="tiny-ar", metavar="NAME|DIR",
-                   help="autoregressive target for ar / diffuspec / dflash / d2sd (default tiny-ar)")
-    p.add_argument("--model", default=None, metavar="NAME|DIR",
-                   help="one model for both families (overrides --dllm and --target)")
-    p.add_argument("--drafter", default=None, metavar="NAME|DIR",
-                   help="drafter for the methods that take one (default: the shipped one)")
-    p.add_argument("--configs", default=None,
-                   help="comma-separated configuration names (default: all); a method name "
-                        "selects all its configurations")
-    p.add_argument("--add-config", action="append", default=[], metavar="SPEC",
-                   help="extra configuration NAME=METHOD[@target|@dllm][:key=value,...], "
-                        "e.g. 'bd-thr0.7=diffusion:threshold=0.7' (repeatable)")
+        "configurations (--configs): "
+        + ", ".join(c.name for c in CONFIGS)
+        + "\n(s2d2 expands to s2d2-<policy> for every policy its module lists in POLICIES)\n"
+        "example:\n  python -m dspec bench --dllm tiny-bd --target tiny-ar --quick"
+    )
+    p.add_argument(
+        "--dllm",
+        default="tiny-bd",
+        metavar="NAME|DIR",
+        help="block-diffusion model for diffusion / ssd / spiffy / s2d2 (default tiny-bd)",
+    )
+    p.add_argument(
+        "--target",
+        default="tiny-ar",
+        metavar="NAME|DIR",
+        help="autoregressive target for ar / diffuspec / dflash / d2sd (default tiny-ar)",
+    )
+    p.add_argument(
+        "--model", default=None, metavar="NAME|DIR", help="one model for both families (overrides --dllm and --target)"
+    )
+    p.add_argument(
+        "--drafter",
+        default=None,
+        metavar="NAME|DIR",
+        help="drafter for the methods that take one (default: the shipped one)",
+    )
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="comma-separated configuration names (default: all); a method name selects all its configurations",
+    )
+    p.add_argument(
+        "--add-config",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="extra configuration NAME=METHOD[@target|@dllm][:key=value,...], "
+        "e.g. 'bd-thr0.7=diffusion:threshold=0.7' (repeatable)",
+    )
     p.add_argument("--list-configs", action="store_true", help="print the configurations and exit")
-    p.add_argument("--prompt-sets", default=",".join(PROMPT_SETS),
-                   help=f"comma-separated prompt sets (default {','.join(PROMPT_SETS)})")
+    p.add_argument(
+        "--prompt-sets",
+        default=",".join(PROMPT_SETS),
+        help=f"comma-separated prompt sets (default {','.join(PROMPT_SETS)})",
+    )
     p.add_argument("--prompts", type=int, default=8, help="prompts per set (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1,
-                   help="prompts per generate call (default 1: one at a time)")
+    p.add_argument("--batch", type=int, default=1, help="prompts per generate call (default 1: one at a time)")
     p.add_argument("--temperature", type=float, default=0.0, help="<= 0: greedy (default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="weight dtype (default: dspec.load's, bf16 on CPUs with native bf16 "
-                        "matmul, else float32; $DSPEC_DTYPE)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="weight dtype (default: dspec.load's, bf16 on CPUs with native bf16 matmul, else float32; $DSPEC_DTYPE)",
+    )
     add_threads_argument(p)
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: 2 prompts per set, 16 new tokens")
+    p.add_argument("--quick", action="store_true", help="smoke test: 2 prompts per set, 16 new tokens")
     p.add_argument("--out", default=None, help="output directory (default bench/results/<device>/)")
     p.add_argument("--name", default=NAME, help=f"file stem of the JSON / PNG (default {NAME})")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -352,7 +401,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 # seeds: each timed call adds its prompt offset to --seed, and torch's generators take < 2**64
-MAX_SEED = 2 ** 63 - 1
+MAX_SEED = 2**63 - 1
 
 
 def _check_global_flags(args, parser) -> None:
@@ -374,14 +423,17 @@ def _check_global_flags(args, parser) -> None:
     if args.drafter is not None:
         from .hub import available_models
         from .models.dflash import ASSETS
+
         models = available_models()
         for part in args.drafter.split(","):
             if not part.strip():
                 parser.error(f"--drafter {args.drafter!r}: an empty name")
             if not (Path(part).expanduser().is_dir() or part in models or (ASSETS / part).is_dir()):
                 drafters = sorted(p.name for p in ASSETS.iterdir() if p.is_dir()) if ASSETS.is_dir() else []
-                parser.error(f"--drafter {part!r} is neither a directory, a shipped model ({models}) nor a "
-                             f"shipped drafter ({drafters})")
+                parser.error(
+                    f"--drafter {part!r} is neither a directory, a shipped model ({models}) nor a "
+                    f"shipped drafter ({drafters})"
+                )
 
 
 def _check_args(args, parser) -> tuple[list[Config], list[str]]:
@@ -407,8 +459,12 @@ def _check_args(args, parser) -> tuple[list[Config], list[str]]:
         config_names = {c.name for c in configs}
 
         def selected(c, w):
-            return w == c.name or (w not in config_names and w == c.method) or \
-                (c.expand is not None and w.startswith(c.name + "-"))
+            return (
+                w == c.name
+                or (w not in config_names and w == c.method)
+                or (c.expand is not None and w.startswith(c.name + "-"))
+            )
+
         unknown = [w for w in wanted if not any(selected(c, w) for c in configs)]
         if unknown:
             parser.error(f"--configs: unknown {unknown}; known: {[c.name for c in configs]}")
@@ -439,19 +495,22 @@ def _prompts(sets: list[str], n: int, seed: int) -> tuple[dict, dict]:
 def _wall_split(stats: dict) -> dict:
     split = {}
     for k, v in stats.items():
-        if k.endswith("_s") and k not in ("wall_s", "tokens_per_s") and isinstance(v, (int, float)) \
-                and not isinstance(v, bool):
+        if (
+            k.endswith("_s")
+            and k not in ("wall_s", "tokens_per_s")
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+        ):
             split[k] = float(v)
     return split
 
 
-def summarize(config: str, method: str, family: str, model_name: str, pset: str,
-              calls: list[dict]) -> dict:
+def summarize(config: str, method: str, family: str, model_name: str, pset: str, calls: list[dict]) -> dict:
     """One summary row of the grid from its call rows."""
     new = sum(c["new_tokens"] for c in calls)
     wall = sum(c["wall_s"] for c in calls)
     nfe: dict[str, int] = {}
-    request_forwards: dict[str, int] = {}        # forwards x requests in the call, per role
+    request_forwards: dict[str, int] = {}  # forwards x requests in the call, per role
     for c in calls:
         for k, v in c["nfe"].items():
             nfe[k] = nfe.get(k, 0) + int(v)
@@ -465,14 +524,24 @@ def summarize(config: str, method: str, family: str, model_name: str, pset: str,
     checked = [ok for c in calls for ok in c["correct"] if ok is not None]
     per_call = sorted(c["tokens_per_s"] for c in calls)
     return {
-        "kind": "summary", "config": config, "method": method, "family": family, "model": model_name,
-        "prompt_set": pset, "calls": len(calls), "requests": sum(c["requests"] for c in calls),
-        "new_tokens": new, "wall_s": round(wall, 4),
+        "kind": "summary",
+        "config": config,
+        "method": method,
+        "family": family,
+        "model": model_name,
+        "prompt_set": pset,
+        "calls": len(calls),
+        "requests": sum(c["requests"] for c in calls),
+        "new_tokens": new,
+        "wall_s": round(wall, 4),
         "tokens_per_s": round(new / wall, 3) if wall > 0 else None,
         "tokens_per_s_call_median": round(statistics.median(per_call), 3),
-        "nfe": nfe, "nfe_target": nfe.get("target", 0), "nfe_drafter": nfe.get("drafter", 0),
-        "tokens_per_target_forward": (round(new / request_forwards["target"], 4)
-                                      if request_forwards.get("target") else None),
+        "nfe": nfe,
+        "nfe_target": nfe.get("target", 0),
+        "nfe_drafter": nfe.get("drafter", 0),
+        "tokens_per_target_forward": (
+            round(new / request_forwards["target"], 4) if request_forwards.get("target") else None
+        ),
         "forwards_per_token": {k: round(v / new, 4) for k, v in request_forwards.items()} if new else None,
         "mean_accepted": round(sum(a * w for a, w in weighted) / weight, 4) if weight else None,
         "accuracy": round(sum(checked) / len(checked), 4) if checked else None,
@@ -488,16 +557,26 @@ def add_speedups(summaries: list[dict]) -> None:
     for s in summaries:
         ar = base.get((BASELINE_AR, s["prompt_set"]))
         dyn = base.get((BASELINE_DYNAMIC, s["prompt_set"]))
-        s["speedup_vs_ar"] = (round(s["tokens_per_s"] / ar["tokens_per_s"], 3)
-                              if ar and ar["tokens_per_s"] and s["tokens_per_s"] else None)
-        s["speedup_vs_dynamic"] = (round(s["tokens_per_s"] / dyn["tokens_per_s"], 3)
-                                   if s["family"] == "dllm" and dyn and dyn["tokens_per_s"]
-                                   and s["tokens_per_s"] else None)
+        s["speedup_vs_ar"] = (
+            round(s["tokens_per_s"] / ar["tokens_per_s"], 3)
+            if ar and ar["tokens_per_s"] and s["tokens_per_s"]
+            else None
+        )
+        s["speedup_vs_dynamic"] = (
+            round(s["tokens_per_s"] / dyn["tokens_per_s"], 3)
+            if s["family"] == "dllm" and dyn and dyn["tokens_per_s"] and s["tokens_per_s"]
+            else None
+        )
 
 
 # the configuration whose output a lossless method must reproduce (greedy, same prompts)
-LOSSLESS_REFERENCE = {"ssd": "diffusion-static-1", "spiffy": "diffusion-static-1", "dflash": BASELINE_AR,
-                      "d2sd": BASELINE_AR, "diffuspec": BASELINE_AR}
+LOSSLESS_REFERENCE = {
+    "ssd": "diffusion-static-1",
+    "spiffy": "diffusion-static-1",
+    "dflash": BASELINE_AR,
+    "d2sd": BASELINE_AR,
+    "diffuspec": BASELINE_AR,
+}
 
 
 # the s2d2 configurations that verify every span (policy "always"): lossless against ``ar``
@@ -521,8 +600,11 @@ def add_lossless_checks(summaries: list[dict], calls: list[dict], temperature: f
         ref = LOSSLESS_REFERENCE.get(s["method"]) or (BASELINE_AR if s["config"] in S2D2_LOSSLESS else None)
         if ref is None:
             continue
-        pairs = [(t, texts.get((ref, s["prompt_set"], k[2]))) for k, t in texts.items()
-                 if k[0] == s["config"] and k[1] == s["prompt_set"]]
+        pairs = [
+            (t, texts.get((ref, s["prompt_set"], k[2])))
+            for k, t in texts.items()
+            if k[0] == s["config"] and k[1] == s["prompt_set"]
+        ]
         pairs = [(a, b) for a, b in pairs if b is not None]
         if pairs:
             s["reference"] = ref
@@ -532,6 +614,7 @@ def add_lossless_checks(summaries: list[dict], calls: list[dict], temperature: f
 def drafter_kind(method: str):
     """What ``method`` takes as ``drafter=``: False, "model" (a dLLM) or "block" (DFlash / VP)."""
     from .decode.generate import method_module
+
     return getattr(method_module(method), "DRAFTER", False)
 
 
@@ -539,6 +622,7 @@ def _load_drafter(spec: str, method: str, model, device, dtype, loaded: dict):
     """``--drafter`` for ``method``, each drafter loaded once (outside every timed call) and
     kept in ``loaded``: a dLLM through ``dspec.load`` for ``diffuspec``, a block drafter
     (``DFLASH[,VP]`` for ``d2sd``) for ``dflash`` / ``d2sd``; ValueError when it is not one."""
+
     def once(key, make):
         if key not in loaded:
             loaded[key] = make()
@@ -546,8 +630,10 @@ def _load_drafter(spec: str, method: str, model, device, dtype, loaded: dict):
 
     if drafter_kind(method) == "model":
         from . import load
+
         return once(("model", spec), lambda: load(spec, device=device, dtype=dtype))
     from .models.dflash import resolve_drafter
+
     parts = spec.split(",")
     if len(parts) > 2 or (len(parts) == 2 and method != "d2sd"):
         raise ValueError(f"DFLASH,VP names two drafters, for d2sd only; {method} takes one")
@@ -569,6 +655,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
 
     from .cpu import apply_threads
     from .tasks import check_arithmetic, check_math
+
     checkers = {"arithmetic": check_arithmetic, "math500": check_math}
 
     configs, sets = _check_args(args, parser)
@@ -591,16 +678,34 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{args.name}.json"
 
-    payload = {"bench_e2e": 1, "env": environment(device),
-               "config": {"dllm": args.dllm, "target": args.target, "drafter": args.drafter,
-                          "prompt_sets": sets, "prompts_per_set": args.prompts,
-                          "max_new_tokens": args.max_new_tokens, "batch": args.batch,
-                          "temperature": args.temperature, "seed": args.seed, "dtype": args.dtype,
-                          "chat_wrapped_sets": list(CHAT_SETS), "warmup_calls_per_config": 1,
-                          "tokens": "completion only (prompt excluded), up to and including EOS",
-                          "wall": "whole generate() call incl. tokenisation and prefill"},
-               "models": {}, "configs": [], "skipped": {}, "skipped_prompt_sets": {},
-               "errors": [], "summary": [], "calls": [], "complete": False}
+    payload = {
+        "bench_e2e": 1,
+        "env": environment(device),
+        "config": {
+            "dllm": args.dllm,
+            "target": args.target,
+            "drafter": args.drafter,
+            "prompt_sets": sets,
+            "prompts_per_set": args.prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "batch": args.batch,
+            "temperature": args.temperature,
+            "seed": args.seed,
+            "dtype": args.dtype,
+            "chat_wrapped_sets": list(CHAT_SETS),
+            "warmup_calls_per_config": 1,
+            "tokens": "completion only (prompt excluded), up to and including EOS",
+            "wall": "whole generate() call incl. tokenisation and prefill",
+        },
+        "models": {},
+        "configs": [],
+        "skipped": {},
+        "skipped_prompt_sets": {},
+        "errors": [],
+        "summary": [],
+        "calls": [],
+        "complete": False,
+    }
     prompts, payload["skipped_prompt_sets"] = _prompts(sets, args.prompts, args.seed)
 
     # resolve configurations against the implemented methods
@@ -609,8 +714,9 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         variants, why = resolve(c)
         if why:
             payload["skipped"][c.name] = why
-        if args._wanted and c.expand is not None and c.name not in args._wanted \
-                and c.method not in args._wanted:      # only the policy variants asked for
+        if (
+            args._wanted and c.expand is not None and c.name not in args._wanted and c.method not in args._wanted
+        ):  # only the policy variants asked for
             variants = [(v, o) for v, o in variants if v.name in args._wanted]
         runnable += variants
 
@@ -634,11 +740,17 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             payload["models"][family] = {"name": name, "error": str(e)}
             continue
         m = models[family]
-        payload["models"][family] = {"name": name, "family": m.family, "attention": m.attention,
-                                     "shifted": m.shifted, "block_size": m.block_size,
-                                     "dtype": str(m.dtype).replace("torch.", ""),
-                                     "parameters": sum(p.numel() for p in m.parameters()),
-                                     "chat": is_chat_model(m), "load_s": round(time.perf_counter() - t0, 2)}
+        payload["models"][family] = {
+            "name": name,
+            "family": m.family,
+            "attention": m.attention,
+            "shifted": m.shifted,
+            "block_size": m.block_size,
+            "dtype": str(m.dtype).replace("torch.", ""),
+            "parameters": sum(p.numel() for p in m.parameters()),
+            "chat": is_chat_model(m),
+            "load_s": round(time.perf_counter() - t0, 2),
+        }
 
     todo = []
     for c, opts in runnable:
@@ -647,13 +759,16 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             payload["skipped"][c.name] = f"{c.family} model {names[c.family]!r} did not load: {model}"
             continue
         todo.append((c, opts, model))
-    payload["configs"] = [{"name": c.name, "method": c.method, "family": c.family,
-                           "model": names[c.family], "options": json_safe(o)} for c, o, _ in todo]
+    payload["configs"] = [
+        {"name": c.name, "method": c.method, "family": c.family, "model": names[c.family], "options": json_safe(o)}
+        for c, o, _ in todo
+    ]
     _write(path, payload)
 
     drafters = {}
     calls_per_config = sum(-(-len(v) // args.batch) for v in prompts.values())
     from tqdm.auto import tqdm
+
     bar = tqdm(total=len(todo) * calls_per_config, desc="bench", unit="call", disable=args.no_progress)
     summaries = payload["summary"]
     # Warm up every configuration first (excluded from every number); the timed calls then go
@@ -663,8 +778,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     active = []
     first_set = next(iter(prompts), None)
     for c, opts, model in todo:
-        kw = dict(method=c.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  **opts)
+        kw = dict(method=c.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, **opts)
         if args.drafter and drafter_kind(c.method):
             try:
                 kw["drafter"] = _load_drafter(args.drafter, c.method, model, device, args.dtype, drafters)
@@ -695,14 +809,13 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     calls_of = {(c.name, pset): [] for c, _, _, _ in active for pset in prompts}
     for pset, problems in prompts.items():
         for ci in range(0, len(problems), args.batch):
-            chunk = problems[ci:ci + args.batch]
+            chunk = problems[ci : ci + args.batch]
             for c, model, kw, chat in active:
                 texts = [_prompt_text(chat, pset, p) for p in chunk]
                 try:
                     _sync(device)
                     t0 = time.perf_counter()
-                    gens = dspec.generate(model, texts if args.batch > 1 else texts[0],
-                                          seed=args.seed + ci, **kw)
+                    gens = dspec.generate(model, texts if args.batch > 1 else texts[0], seed=args.seed + ci, **kw)
                     _sync(device)
                     wall = time.perf_counter() - t0
                 except Exception as e:  # noqa: BLE001
@@ -712,23 +825,30 @@ def run(args, parser: argparse.ArgumentParser) -> int:
                 gens = gens if isinstance(gens, list) else [gens]
                 new = sum(len(g.tokens) for g in gens)
                 stats = gens[0].stats
-                correct = [checkers[pset](p, g.text) if pset in checkers else None
-                           for p, g in zip(chunk, gens)]
-                row = {"kind": "call", "config": c.name, "prompt_set": pset, "call": ci // args.batch,
-                       "task_ids": [p.task_id for p in chunk], "requests": len(chunk),
-                       "new_tokens": new, "new_tokens_each": [len(g.tokens) for g in gens],
-                       "wall_s": round(wall, 5), "tokens_per_s": round(new / wall, 3) if wall > 0 else None,
-                       "nfe": {k: int(v) for k, v in stats.get("nfe", {}).items()},
-                       "mean_accepted": stats.get("mean_accepted"), "correct": correct,
-                       "wall_split_s": _wall_split(stats),
-                       "stats": json_safe({k: v for k, v in stats.items()
-                                            if k not in ("wall_s", "tokens_per_s", "nfe")}),
-                       "texts": [g.text for g in gens]}
+                correct = [checkers[pset](p, g.text) if pset in checkers else None for p, g in zip(chunk, gens)]
+                row = {
+                    "kind": "call",
+                    "config": c.name,
+                    "prompt_set": pset,
+                    "call": ci // args.batch,
+                    "task_ids": [p.task_id for p in chunk],
+                    "requests": len(chunk),
+                    "new_tokens": new,
+                    "new_tokens_each": [len(g.tokens) for g in gens],
+                    "wall_s": round(wall, 5),
+                    "tokens_per_s": round(new / wall, 3) if wall > 0 else None,
+                    "nfe": {k: int(v) for k, v in stats.get("nfe", {}).items()},
+                    "mean_accepted": stats.get("mean_accepted"),
+                    "correct": correct,
+                    "wall_split_s": _wall_split(stats),
+                    "stats": json_safe({k: v for k, v in stats.items() if k not in ("wall_s", "tokens_per_s", "nfe")}),
+                    "texts": [g.text for g in gens],
+                }
                 calls_of[(c.name, pset)].append(row)
                 payload["calls"].append(row)
                 bar.update(1)
                 bar.set_postfix(cfg=c.name, set=pset, tok_s=f"{row['tokens_per_s'] or 0:.1f}")
-        for c, _, _, _ in active:       # this prompt set is done for every configuration
+        for c, _, _, _ in active:  # this prompt set is done for every configuration
             calls = calls_of[(c.name, pset)]
             if calls:
                 summaries.append(summarize(c.name, c.method, c.family, names[c.family], pset, calls))
@@ -754,28 +874,46 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             print(f"plot failed: {e!r}", file=sys.stderr)
     print(report(payload))
     if not summaries:
-        print(f"error: no configuration ran ({len(payload['skipped'])} skipped, {len(payload['errors'])} "
-              f"failed; the reasons are in {path})", file=sys.stderr)
+        print(
+            f"error: no configuration ran ({len(payload['skipped'])} skipped, {len(payload['errors'])} "
+            f"failed; the reasons are in {path})",
+            file=sys.stderr,
+        )
         return 1
     return 1 if payload["errors"] else 0
 
 
 # --------------------------------------------------------------------------- output
-COLUMNS = ("config", "prompt_set", "model", "requests", "new_tokens", "tokens_per_s", "speedup_vs_ar",
-           "speedup_vs_dynamic", "nfe_target", "nfe_drafter", "tokens_per_target_forward",
-           "mean_accepted", "accuracy", "same_as_reference")
+COLUMNS = (
+    "config",
+    "prompt_set",
+    "model",
+    "requests",
+    "new_tokens",
+    "tokens_per_s",
+    "speedup_vs_ar",
+    "speedup_vs_dynamic",
+    "nfe_target",
+    "nfe_drafter",
+    "tokens_per_target_forward",
+    "mean_accepted",
+    "accuracy",
+    "same_as_reference",
+)
 
 
 def report(payload: dict) -> str:
     """The console summary: environment line, skipped configurations, one table."""
     env, cfg = payload["env"], payload["config"]
-    lines = [f"{env['device_name']} ({env['device']}, {env['torch_threads']} torch threads, "
-             f"{env['cpu_count']} CPUs, torch {env['torch']}, git {str(env['git_commit'])[:10]}"
-             f"{' dirty' if env['git_dirty'] else ''}); loadavg start {env.get('loadavg_start')} "
-             f"end {env.get('loadavg_end')}",
-             f"dllm {cfg['dllm']}, target {cfg['target']}; {cfg['prompts_per_set']} prompts/set x <= "
-             f"{cfg['max_new_tokens']} new tokens, batch {cfg['batch']}, T={cfg['temperature']}; "
-             f"1 warm-up call per configuration excluded; completion tokens only"]
+    lines = [
+        f"{env['device_name']} ({env['device']}, {env['torch_threads']} torch threads, "
+        f"{env['cpu_count']} CPUs, torch {env['torch']}, git {str(env['git_commit'])[:10]}"
+        f"{' dirty' if env['git_dirty'] else ''}); loadavg start {env.get('loadavg_start')} "
+        f"end {env.get('loadavg_end')}",
+        f"dllm {cfg['dllm']}, target {cfg['target']}; {cfg['prompts_per_set']} prompts/set x <= "
+        f"{cfg['max_new_tokens']} new tokens, batch {cfg['batch']}, T={cfg['temperature']}; "
+        f"1 warm-up call per configuration excluded; completion tokens only",
+    ]
     for name, why in payload["skipped"].items():
         lines.append(f"skipped {name}: {why}")
     for name, why in payload.get("skipped_prompt_sets", {}).items():
@@ -795,6 +933,7 @@ def plot(payload: dict, path: Path) -> Path:
     """Three panels: tokens/s per configuration and prompt set; model forwards per completion
     token (target and drafter stacked); accuracy against tokens/s on the checkable set."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -815,11 +954,13 @@ def plot(payload: dict, path: Path) -> Path:
         drf = [sum(v for k, v in f.items() if k != "target") for f in fpt]
         axes[1].bar(off, tgt, width, color=colors[j % len(colors)], label=f"{s}: target")
         if any(drf):
-            axes[1].bar(off, drf, width, bottom=tgt, color=colors[j % len(colors)], alpha=0.4,
-                        hatch="//", label=f"{s}: drafter")
-    for ax, ylabel, title in ((axes[0], "completion tokens / s", "throughput"),
-                              (axes[1], "forwards per completion token (per request)",
-                               "model forwards per token (lower is better)")):
+            axes[1].bar(
+                off, drf, width, bottom=tgt, color=colors[j % len(colors)], alpha=0.4, hatch="//", label=f"{s}: drafter"
+            )
+    for ax, ylabel, title in (
+        (axes[0], "completion tokens / s", "throughput"),
+        (axes[1], "forwards per completion token (per request)", "model forwards per token (lower is better)"),
+    ):
         ax.set_xticks(list(xs))
         ax.set_xticklabels(configs, rotation=45, ha="right", fontsize=8)
         ax.set_ylabel(ylabel)
@@ -830,19 +971,23 @@ def plot(payload: dict, path: Path) -> Path:
     ax = axes[2]
     for r in acc:
         ax.scatter(r["tokens_per_s"], r["accuracy"], s=25)
-        ax.annotate(r["config"], (r["tokens_per_s"], r["accuracy"]), fontsize=7,
-                    xytext=(3, 3), textcoords="offset points")
+        ax.annotate(
+            r["config"], (r["tokens_per_s"], r["accuracy"]), fontsize=7, xytext=(3, 3), textcoords="offset points"
+        )
     ax.set_xlabel("completion tokens / s")
     ax.set_ylabel("accuracy")
     ax.set_ylim(-0.05, 1.05)
     ax.set_title("accuracy vs speed (checkable set)" if acc else "no checkable prompt set", fontsize=10)
     ax.grid(True, alpha=0.3)
     env, cfg = payload["env"], payload["config"]
-    fig.suptitle(f"dspec e2e: dllm {Path(str(cfg['dllm'])).name}, target {Path(str(cfg['target'])).name} "
-                 f"on {env['device_name']} "
-                 f"({env['torch_threads']} threads, loadavg {env.get('loadavg_start')}); "
-                 f"{cfg['prompts_per_set']} prompts/set x {cfg['max_new_tokens']} tok, batch "
-                 f"{cfg['batch']}, T={cfg['temperature']}, {env['date']}", fontsize=9)
+    fig.suptitle(
+        f"dspec e2e: dllm {Path(str(cfg['dllm'])).name}, target {Path(str(cfg['target'])).name} "
+        f"on {env['device_name']} "
+        f"({env['torch_threads']} threads, loadavg {env.get('loadavg_start')}); "
+        f"{cfg['prompts_per_set']} prompts/set x {cfg['max_new_tokens']} tok, batch "
+        f"{cfg['batch']}, T={cfg['temperature']}, {env['date']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -850,17 +995,20 @@ def plot(payload: dict, path: Path) -> Path:
 
 
 def build_parser(prog: str | None = "python -m dspec bench") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     return add_arguments(p)
 
 
 def main(argv=None, prog: str | None = "python -m dspec bench") -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the grid; returns the exit status
     (user errors: one ``error:`` line and 2, Ctrl-C: 130; ``dspec._cli.run_command``)."""
+
     def _main():
         parser = build_parser(prog)
         return run(parser.parse_args(argv), parser)
+
     return run_command(_main)
 
 

@@ -9,6 +9,7 @@
 - :class:`GeneratedData`: a data-engine directory (``python -m dspec.train.data_engine``:
   a target's own answers to prompts), memory-mapped.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,12 +21,11 @@ import numpy as np
 
 from . import tasks
 
-__all__ = ["SOURCES", "SPLITS", "GeneratedData", "documents", "is_heldout_problem", "is_heldout_text",
-           "read_manifest"]
+__all__ = ["SOURCES", "SPLITS", "GeneratedData", "documents", "is_heldout_problem", "is_heldout_text", "read_manifest"]
 
 SOURCES = ("stdlib", "sharegpt", "arithmetic")
 SPLITS = ("train", "heldout")
-HELDOUT_MODULUS = 50            # 1 in 50 stdlib files / ShareGPT turns is held out
+HELDOUT_MODULUS = 50  # 1 in 50 stdlib files / ShareGPT turns is held out
 ARITH_TRAIN_SEED = 1000
 ARITH_HELDOUT_SEED = 2000
 
@@ -44,8 +44,9 @@ def is_heldout_text(text: str) -> bool:
     return zlib.crc32(text.encode("utf-8", "replace")) % HELDOUT_MODULUS == 0
 
 
-def documents(source: str, split: str = "train", *, max_chars: int = 6_000_000,
-              arithmetic_problems: int = 120_000) -> Iterator[str]:
+def documents(
+    source: str, split: str = "train", *, max_chars: int = 6_000_000, arithmetic_problems: int = 120_000
+) -> Iterator[str]:
     """Documents (str) of ``source`` in its ``split`` ("train" or "heldout"), in a fixed order,
     up to about ``max_chars`` characters (the held-out split reads the same range and keeps
     its own documents)."""
@@ -99,11 +100,16 @@ class GeneratedData:
         if shards is not None:
             have = len(manifest["shards"])
             if isinstance(shards, tuple):
-                ok = (len(shards) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in shards)
-                      and 0 <= shards[0] < shards[1] <= have)
+                ok = (
+                    len(shards) == 2
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in shards)
+                    and 0 <= shards[0] < shards[1] <= have
+                )
                 if not ok:
-                    raise ValueError(f"data: a shard range must be (start, stop) with 0 <= start < stop <= {have} "
-                                     f"for {self.path}, got {shards!r}")
+                    raise ValueError(
+                        f"data: a shard range must be (start, stop) with 0 <= start < stop <= {have} "
+                        f"for {self.path}, got {shards!r}"
+                    )
                 start, stop = shards
             elif isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= have:
                 raise ValueError(f"data: shards must be an int in [1, {have}] for {self.path}, got {shards!r}")
@@ -118,18 +124,22 @@ class GeneratedData:
     def info(self) -> dict:
         shards = self.manifest["shards"]
         method = self.manifest["config"].get("method", "ar")
-        return {"source": f"target-generated (dspec {method}, {self.manifest['target']}, {self.manifest['dtype']})",
-                "path": str(self.path), "shards": len(shards),
-                "sequences": sum(s["sequences"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
-                "response_tokens": sum(s["response_tokens"] for s in shards),
-                "sources": self.manifest["config"]["sources"],
-                "sampled_fraction": self.manifest["config"]["sampled_fraction"],
-                "generation_s": round(sum(s["seconds"] for s in shards), 1)}
+        return {
+            "source": f"target-generated (dspec {method}, {self.manifest['target']}, {self.manifest['dtype']})",
+            "path": str(self.path),
+            "shards": len(shards),
+            "sequences": sum(s["sequences"] for s in shards),
+            "tokens": sum(s["tokens"] for s in shards),
+            "response_tokens": sum(s["response_tokens"] for s in shards),
+            "sources": self.manifest["config"]["sources"],
+            "sampled_fraction": self.manifest["config"]["sampled_fraction"],
+            "generation_s": round(sum(s["seconds"] for s in shards), 1),
+        }
 
     def __iter__(self) -> Iterator[tuple[list[int], int]]:
         for toks, rows in zip(self.tokens, self.rows):
             for off, n, plen, _, _ in rows:
-                yield toks[off:off + n].astype(np.int64).tolist(), int(plen)
+                yield toks[off : off + n].astype(np.int64).tolist(), int(plen)
 
     def sequences(self) -> list[tuple[list[int], int]]:
         return list(self)

@@ -31,6 +31,7 @@ many threads to use.
   process stalls in ~8 ms scheduler quanta at every parallel region (20-50x slower), while
   a 1-thread process keeps its speed; alone, 2 threads are faster.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,19 @@ from pathlib import Path
 
 import torch
 
-_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-          "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 _SAMPLE_S = 0.05
 
 
@@ -120,7 +132,7 @@ def _cpu_times() -> tuple[int, int] | None:
     except (OSError, IndexError):
         return None
     ticks = [int(x) for x in fields[:8]]
-    idle = ticks[3] + ticks[4]                       # idle + iowait
+    idle = ticks[3] + ticks[4]  # idle + iowait
     return sum(ticks), idle
 
 
@@ -224,6 +236,7 @@ def set_isa_cap(level: str) -> str:
     the CPU in one process with it.  Packed weights stay valid; bits may change between
     levels, so a decode keeps one level from start to end."""
     from . import _backend
+
     if level not in _backend.CPU_ISA_LEVELS:
         raise ValueError(f"level must be one of {', '.join(_backend.CPU_ISA_LEVELS)}, got {level!r}")
     ext = _backend.extension()
@@ -239,13 +252,21 @@ def isa() -> str | None:
     ``"avx2"``, ``"avx512"`` or ``"amx"`` -- the CPU's highest that dspec has code for,
     capped by ``$DSPEC_CPU_ISA`` -- or None without the compiled extension."""
     from . import _backend
+
     ext = _backend.extension()
     return ext.cpu_isa() if ext is not None and hasattr(ext, "cpu_isa") else None
 
 
 def machine() -> dict:
     """What a benchmark records about the CPU it ran on."""
-    return {"cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "native_bf16": native_bf16(),
-            "cores": cores(), "torch_threads": kernel_threads(), "dspec_cpu_isa": isa(),
-            "dspec_cpu_isa_cap": os.environ.get("DSPEC_CPU_ISA") or None,
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "loadavg": loadavg()}
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "native_bf16": native_bf16(),
+        "cores": cores(),
+        "torch_threads": kernel_threads(),
+        "dspec_cpu_isa": isa(),
+        "dspec_cpu_isa_cap": os.environ.get("DSPEC_CPU_ISA") or None,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "loadavg": loadavg(),
+    }

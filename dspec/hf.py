@@ -32,6 +32,7 @@ Only causal Llama / Qwen2 / Qwen3-architecture models are made (the families
 drafter dspec ships for the model when the HF model was loaded from a shipped checkpoint
 (``dspec.load("smollm2-135m").name_or_path``, ``dspec/assets/tiny-ar``).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -75,8 +76,12 @@ def _shipped_name(path) -> str | None:
     except (OSError, TypeError, ValueError):
         return None
     from .models.embedded import SMOLLM2_NAME, default_cache_dir
-    candidates = {"tiny-ar": ASSETS / "tiny-ar", "tiny-bd": ASSETS / "tiny-bd",
-                  "smollm2-135m": default_cache_dir() / SMOLLM2_NAME}
+
+    candidates = {
+        "tiny-ar": ASSETS / "tiny-ar",
+        "tiny-bd": ASSETS / "tiny-bd",
+        "smollm2-135m": default_cache_dir() / SMOLLM2_NAME,
+    }
     for name, where in candidates.items():
         try:
             if where.resolve() == here:
@@ -100,18 +105,27 @@ def _build(hf_model) -> Model:
         raise ValueError(f"model: dspec.hf runs causal LMs; this is a {cfg.family!r} model ({cfg.attention} attention)")
     if family.mask_token_id is None:
         cfg = cfg.replace(mask_token_id=None)
-    state = hf_model.state_dict()          # detached tensors that share the parameters' storage
+    state = hf_model.state_dict()  # detached tensors that share the parameters' storage
     mapping, expected = checkpoint_names(cfg), expected_shapes(cfg)
     missing = [mapping[c] for c in expected if mapping[c] not in state]
     if missing:
-        raise ValueError(f"model: a {cfg.family} model as its config describes it has weights {missing[:5]} "
-                         f"that this model lacks (a different architecture?)")
+        raise ValueError(
+            f"model: a {cfg.family} model as its config describes it has weights {missing[:5]} "
+            f"that this model lacks (a different architecture?)"
+        )
     used = set(mapping.values())
-    extra = sorted(n for n in state if n not in used and not n.endswith("rotary_emb.inv_freq")
-                   and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+    extra = sorted(
+        n
+        for n in state
+        if n not in used
+        and not n.endswith("rotary_emb.inv_freq")
+        and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    )
     if extra:
-        raise ValueError(f"model: weights {extra[:5]} are not part of a {cfg.family} model as dspec runs it "
-                         f"(a different architecture?)")
+        raise ValueError(
+            f"model: weights {extra[:5]} are not part of a {cfg.family} model as dspec runs it "
+            f"(a different architecture?)"
+        )
     first = state[mapping["embed_tokens.weight"]]
     ours = {}
     for canon, shape in expected.items():
@@ -119,12 +133,15 @@ def _build(hf_model) -> Model:
         if tuple(t.shape) != shape:
             raise ValueError(f"model: weight {mapping[canon]} has shape {list(t.shape)}, expected {list(shape)}")
         if t.dtype != first.dtype or t.device != first.device:
-            raise ValueError(f"model: every weight must share one dtype and device; {mapping[canon]} is "
-                             f"{t.dtype} on {t.device}, the embedding {first.dtype} on {first.device}")
+            raise ValueError(
+                f"model: every weight must share one dtype and device; {mapping[canon]} is "
+                f"{t.dtype} on {t.device}, the embedding {first.dtype} on {first.device}"
+            )
         ours[canon] = t
     if first.dtype not in (torch.float32, torch.bfloat16, torch.float16) or first.device.type == "meta":
-        raise ValueError(f"model: weights must be float32 / bfloat16 / float16 with data, got {first.dtype} on "
-                         f"{first.device}")
+        raise ValueError(
+            f"model: weights must be float32 / bfloat16 / float16 with data, got {first.dtype} on {first.device}"
+        )
     model = Model(cfg, tokenizer=None, device=first.device, dtype=first.dtype, _meta=True)
     model.load_state_dict(ours, strict=True, assign=True)
     model.requires_grad_(False)
@@ -160,30 +177,39 @@ def _check_generation(generation_config, logits_processor, model_kwargs) -> floa
     if gc.return_dict_in_generate:
         asked = [k for k in _UNSUPPORTED_OUTPUTS if getattr(gc, k, False)]
         if asked:
-            raise ValueError(f"{asked[0]}: dspec.hf returns the sequences only (return_dict_in_generate gives "
-                             f"GenerateDecoderOnlyOutput(sequences=...)), got {', '.join(asked)}=True")
+            raise ValueError(
+                f"{asked[0]}: dspec.hf returns the sequences only (return_dict_in_generate gives "
+                f"GenerateDecoderOnlyOutput(sequences=...)), got {', '.join(asked)}=True"
+            )
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("inputs_embeds: dspec.hf decodes from input_ids; pass input_ids")
-    cache = model_kwargs.get("past_key_values")    # generate makes an empty one: that is fine
+    cache = model_kwargs.get("past_key_values")  # generate makes an empty one: that is fine
     filled = getattr(cache, "get_seq_length", None)
     if cache is not None and (filled is None or filled() > 0):
-        raise ValueError("past_key_values: dspec.hf decodes the whole prompt with its own cache; do not pass "
-                         "a filled cache")
+        raise ValueError(
+            "past_key_values: dspec.hf decodes the whole prompt with its own cache; do not pass a filled cache"
+        )
     temperature = 0.0
     if gc.do_sample:
         if gc.top_k not in (None, 0):
-            raise ValueError(f"top_k: dspec's methods sample from the full distribution; with do_sample=True "
-                             f"leave top_k unset or 0, got {gc.top_k}")
+            raise ValueError(
+                f"top_k: dspec's methods sample from the full distribution; with do_sample=True "
+                f"leave top_k unset or 0, got {gc.top_k}"
+            )
         if gc.top_p not in (None, 1.0):
-            raise ValueError(f"top_p: dspec's methods sample from the full distribution; with do_sample=True "
-                             f"leave top_p unset or 1.0, got {gc.top_p}")
+            raise ValueError(
+                f"top_p: dspec's methods sample from the full distribution; with do_sample=True "
+                f"leave top_p unset or 1.0, got {gc.top_p}"
+            )
         temperature = 1.0 if gc.temperature is None else float(gc.temperature)
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 with do_sample=True, got {gc.temperature}")
     other = [type(p).__name__ for p in (logits_processor or ()) if type(p).__name__ not in _HANDLED_PROCESSORS]
     if other:
-        raise ValueError(f"logits_processor: dspec's methods apply only the temperature to the target's "
-                         f"distribution; {other} would change it (unset the generation options that add them)")
+        raise ValueError(
+            f"logits_processor: dspec's methods apply only the temperature to the target's "
+            f"distribution; {other} would change it (unset the generation options that add them)"
+        )
     return temperature
 
 
@@ -198,7 +224,7 @@ def _truncate(seq: torch.Tensor, start: int, lengths: list[int], criteria) -> li
     for step in range(1, max(lengths) + 1):
         fired = torch.zeros_like(done)
         for c in extra:
-            fired |= torch.as_tensor(c(seq[:, :start + step], None), device=seq.device).bool()
+            fired |= torch.as_tensor(c(seq[:, : start + step], None), device=seq.device).bool()
         for b in torch.nonzero(fired & ~done).flatten().tolist():
             out[b] = min(out[b], step)
         done |= fired
@@ -238,8 +264,16 @@ def custom_generate(method: str = "ar", *, drafter=None, **options):
             raise ValueError(f"{banned}: pass it to model.generate, not to custom_generate")
     extra = {"drafter": drafter} if takes else {}
 
-    def dspec_decode(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-                     synced_gpus=False, streamer=None, **model_kwargs):
+    def dspec_decode(
+        model,
+        input_ids,
+        logits_processor=None,
+        stopping_criteria=None,
+        generation_config=None,
+        synced_gpus=False,
+        streamer=None,
+        **model_kwargs,
+    ):
         if generation_config is None:
             generation_config = model.generation_config
         if streamer is None:
@@ -253,8 +287,10 @@ def custom_generate(method: str = "ar", *, drafter=None, **options):
         start = input_ids.shape[1]
         max_new = int(generation_config.max_length) - start
         if max_new < 1:
-            raise ValueError(f"max_length: {generation_config.max_length} leaves no room after a prompt of {start} "
-                             f"tokens; set max_new_tokens")
+            raise ValueError(
+                f"max_length: {generation_config.max_length} leaves no room after a prompt of {start} "
+                f"tokens; set max_new_tokens"
+            )
         mask = model_kwargs.get("attention_mask")
         rows = input_ids.tolist()
         if mask is not None:
@@ -263,14 +299,22 @@ def custom_generate(method: str = "ar", *, drafter=None, **options):
         eos = generation_config._eos_token_tensor
         eos_ids = tuple(int(i) for i in eos.flatten().tolist()) if eos is not None else ()
         seed = None
-        if temperature > 0:    # torch.manual_seed reproduces a sampled call, as it does generate's
+        if temperature > 0:  # torch.manual_seed reproduces a sampled call, as it does generate's
             seed = int(torch.randint(0, 2**62, (1,)).item()) % (MAX_SEED + 1)
         with _LOCK:
             saved = target.config
             target.config = saved.replace(eos_token_ids=eos_ids)
             try:
-                results = dspec_generate(target, rows, method=method, max_new_tokens=max_new,
-                                         temperature=temperature, seed=seed, **extra, **options)
+                results = dspec_generate(
+                    target,
+                    rows,
+                    method=method,
+                    max_new_tokens=max_new,
+                    temperature=temperature,
+                    seed=seed,
+                    **extra,
+                    **options,
+                )
             finally:
                 target.config = saved
         new = [list(r.tokens) for r in results]
@@ -279,19 +323,20 @@ def custom_generate(method: str = "ar", *, drafter=None, **options):
         width = max(len(t) for t in new)
         tail = torch.full((len(new), width), pad_id, dtype=input_ids.dtype, device=input_ids.device)
         for b, t in enumerate(new):
-            tail[b, :len(t)] = torch.tensor(t, dtype=input_ids.dtype)
+            tail[b, : len(t)] = torch.tensor(t, dtype=input_ids.dtype)
         seq = torch.cat([input_ids, tail], dim=1)
         lengths = _truncate(seq, start, [len(t) for t in new], stopping_criteria)
         if lengths != [len(t) for t in new]:
             for b, n in enumerate(lengths):
-                seq[b, start + n:] = pad_id
-            seq = seq[:, :start + max(lengths)]
+                seq[b, start + n :] = pad_id
+            seq = seq[:, : start + max(lengths)]
         if streamer is not None:
             for step in range(seq.shape[1] - start):
                 streamer.put(seq[:, start + step].cpu())
             streamer.end()
         if generation_config.return_dict_in_generate:
             from transformers.generation.utils import GenerateDecoderOnlyOutput
+
             return GenerateDecoderOnlyOutput(sequences=seq)
         return seq
 

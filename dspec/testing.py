@@ -37,6 +37,7 @@ Example
 >>> len(syncs), syncs.events[0].op
 (1, 'aten._local_scalar_dense.default')
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,25 +55,36 @@ _aten = torch.ops.aten
 # Value read to the host: the op itself returns a Python scalar.
 # (inside a dspec custom op the mode sees operators before their decomposition, so
 # ``aten.item`` and ``aten.to`` appear there instead of ``_local_scalar_dense`` / ``_to_copy``)
-_SCALAR_READS = {_aten._local_scalar_dense.default, _aten.item.default, _aten.is_nonzero.default,
-                 _aten.equal.default, _aten.allclose.default}
+_SCALAR_READS = {
+    _aten._local_scalar_dense.default,
+    _aten.item.default,
+    _aten.is_nonzero.default,
+    _aten.equal.default,
+    _aten.allclose.default,
+}
 _TO_OPS = {getattr(_aten.to, ov) for ov in ("device", "dtype_layout", "other") if hasattr(_aten.to, ov)}
 
 # Output shape depends on the values (the host must learn the size before allocating).
 _DYNAMIC_SHAPE = set()
-for _name, _overloads in (("nonzero", ("default",)), ("masked_select", ("default",)),
-                          ("_unique", ("default",)), ("_unique2", ("default",)),
-                          ("unique_dim", ("default",)), ("unique_consecutive", ("default",)),
-                          ("unique_dim_consecutive", ("default",)), ("bincount", ("default",)),
-                          ("repeat_interleave", ("Tensor", "self_Tensor")),
-                          ("argwhere", ("default",)), ("nonzero_numpy", ("default",))):
+for _name, _overloads in (
+    ("nonzero", ("default",)),
+    ("masked_select", ("default",)),
+    ("_unique", ("default",)),
+    ("_unique2", ("default",)),
+    ("unique_dim", ("default",)),
+    ("unique_consecutive", ("default",)),
+    ("unique_dim_consecutive", ("default",)),
+    ("bincount", ("default",)),
+    ("repeat_interleave", ("Tensor", "self_Tensor")),
+    ("argwhere", ("default",)),
+    ("nonzero_numpy", ("default",)),
+):
     _packet = getattr(_aten, _name, None)
     for _ov in _overloads:
         if _packet is not None and hasattr(_packet, _ov):
             _DYNAMIC_SHAPE.add(getattr(_packet, _ov))
 
-_INDEX_OPS = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
-              _aten._index_put_impl_.default}
+_INDEX_OPS = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -84,7 +96,7 @@ class SyncEvent:
     frame outside torch that caused it (``file:line in function``)."""
 
     op: str
-    kind: str          # "scalar_read" | "dynamic_shape" | "bool_index" | "to_host"
+    kind: str  # "scalar_read" | "dynamic_shape" | "bool_index" | "to_host"
     device: str
     where: str
 
@@ -121,8 +133,7 @@ def _first_device(args) -> torch.device | None:
 
 def _has_bool_index(args) -> bool:
     indices = args[1] if len(args) > 1 else ()
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-               for i in (indices or ()))
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (indices or ()))
 
 
 def _caller() -> str:
@@ -145,8 +156,7 @@ class _SyncRecorder(TorchDispatchMode):
         self.where = where
 
     def _record(self, func, kind, device):
-        self.log.events.append(SyncEvent(str(func), kind, str(device),
-                                         _caller() if self.where else "?"))
+        self.log.events.append(SyncEvent(str(func), kind, str(device), _caller() if self.where else "?"))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -155,9 +165,13 @@ class _SyncRecorder(TorchDispatchMode):
             # (the dispatcher excludes the Python keys inside __torch_dispatch__: include
             # them again so that the body's operators reach this mode)
             from . import _library
+
             body = _library.IMPLS[func._opname]
-            with torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.Python), \
-                    torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PythonTLSSnapshot), self:
+            with (
+                torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.Python),
+                torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PythonTLSSnapshot),
+                self,
+            ):
                 return body(*args, **kwargs)
         device = _first_device(args)
         if func in _SCALAR_READS:
@@ -169,10 +183,20 @@ class _SyncRecorder(TorchDispatchMode):
         elif func is _aten._to_copy.default or func in _TO_OPS:
             target = kwargs.get("device")
             if target is None:
-                target = next((a.device if isinstance(a, torch.Tensor) else a for a in args[1:2]
-                               if isinstance(a, (torch.device, str, torch.Tensor))), None)
-            if device is not None and device.type != "cpu" and target is not None and \
-                    torch.device(target).type == "cpu":
+                target = next(
+                    (
+                        a.device if isinstance(a, torch.Tensor) else a
+                        for a in args[1:2]
+                        if isinstance(a, (torch.device, str, torch.Tensor))
+                    ),
+                    None,
+                )
+            if (
+                device is not None
+                and device.type != "cpu"
+                and target is not None
+                and torch.device(target).type == "cpu"
+            ):
                 self._record(func, "to_host", device)
         elif func is _aten.copy_.default:
             dst, src = args[0], args[1]

@@ -1,4 +1,5 @@
 """Result types returned by the public ops."""
+
 from __future__ import annotations
 
 from typing import NamedTuple

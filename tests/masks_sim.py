@@ -3,6 +3,7 @@ tests/cuda_sim (no GPU needed): a session fixture that builds them and Python ca
 
 conftest.py registers this module as a plugin: every test module can take the fixture.
 """
+
 import ctypes
 import pathlib
 import platform
@@ -23,8 +24,21 @@ def masks_sim(tmp_path_factory):
     if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")) or cxx is None:
         pytest.skip("the CUDA simulator needs Linux (x86-64 / aarch64) and a C++17 compiler")
     lib_path = tmp_path_factory.mktemp("masks_sim") / "libmasks_sim.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-U_FORTIFY_SOURCE", "-w", "-fPIC", "-shared", "-pthread",
-           f"-I{ROOT / 'csrc'}", f"-I{SIM_DIR}", str(SIM_DIR / "masks_sim.cpp"), "-o", str(lib_path)]
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-O1",
+        "-U_FORTIFY_SOURCE",
+        "-w",
+        "-fPIC",
+        "-shared",
+        "-pthread",
+        f"-I{ROOT / 'csrc'}",
+        f"-I{SIM_DIR}",
+        str(SIM_DIR / "masks_sim.cpp"),
+        "-o",
+        str(lib_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     lib = ctypes.CDLL(str(lib_path))
@@ -52,8 +66,12 @@ def sim_unpack(lib, words: torch.Tensor, num_keys: int) -> torch.Tensor:
     rows, num_words = words.shape
     out = torch.full((rows, num_keys), 7, dtype=torch.uint8)
     err = ctypes.create_string_buffer(512)
-    _check(lib.dspec_sim_unpack_mask(words.data_ptr(), rows, num_words, words.stride(0), num_keys,
-                                     out.data_ptr(), err, 512), err)
+    _check(
+        lib.dspec_sim_unpack_mask(
+            words.data_ptr(), rows, num_words, words.stride(0), num_keys, out.data_ptr(), err, 512
+        ),
+        err,
+    )
     assert bool((out <= 1).all())
     return out.bool()
 
@@ -64,6 +82,10 @@ def sim_tree(lib, parents: torch.Tensor):
     depth = torch.full((batch, nodes), -9, dtype=torch.int64)
     err = ctypes.create_string_buffer(512)
     code = {torch.int32: 0, torch.int64: 1}[parents.dtype]
-    _check(lib.dspec_sim_tree_mask(parents.data_ptr(), code, batch, nodes, parents.stride(0), words.data_ptr(),
-                                   depth.data_ptr(), err, 512), err)
+    _check(
+        lib.dspec_sim_tree_mask(
+            parents.data_ptr(), code, batch, nodes, parents.stride(0), words.data_ptr(), depth.data_ptr(), err, 512
+        ),
+        err,
+    )
     return words, depth

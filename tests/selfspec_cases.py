@@ -1,5 +1,6 @@
 """Shared cases of the self-speculative tests (ssd, spiffy, their compiled steps): tiny
 block-diffusion models, the exact law of a first block, a chi-square p-value."""
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,7 @@ def exact_first_block(model, prompt, temperature):
     """
     vocab, mask = model.config.vocab_size, model.mask_token_id
 
-    def probs(states):                       # [R, 2] block states -> [R, 2, V]
+    def probs(states):  # [R, 2] block states -> [R, 2, V]
         rows = states.shape[0]
         cache = model.new_cache(rows)
         out = model(model.plan([prompt] * rows, cache), logits="last")
@@ -47,10 +48,10 @@ def exact_first_block(model, prompt, temperature):
     first0 = p0 * ((p1[None, :] <= p0[:, None]).double() * p1[None, :]).sum(1)
     first1 = p1 * ((p0[None, :] < p1[:, None]).double() * p0[None, :]).sum(1)
     ids = torch.arange(vocab)
-    after0 = probs(torch.stack([ids, torch.full_like(ids, mask)], 1))[:, 1]     # [a, b]
-    after1 = probs(torch.stack([torch.full_like(ids, mask), ids], 1))[:, 0]     # [b, a]
+    after0 = probs(torch.stack([ids, torch.full_like(ids, mask)], 1))[:, 1]  # [a, b]
+    after1 = probs(torch.stack([torch.full_like(ids, mask), ids], 1))[:, 0]  # [b, a]
     law = first0[:, None] * after0 + (first1[:, None] * after1).T
-    for eos in model.eos_token_ids:        # the output stops at an EOS in slot 0: pool its row
+    for eos in model.eos_token_ids:  # the output stops at an EOS in slot 0: pool its row
         row = law[eos].sum()
         law[eos] = 0.0
         law[eos, 0] = row
@@ -70,8 +71,7 @@ def chi2_pvalue(counts, expected_probs, min_expected=5.0):
 
 def sample_first_block(model, prompt, n, temperature, **kw):
     counts = torch.zeros(model.config.vocab_size, model.config.vocab_size, dtype=torch.float64)
-    gens = dspec.generate(model, [prompt] * n, max_new_tokens=2, block_size=2,
-                          temperature=temperature, seed=11, **kw)
+    gens = dspec.generate(model, [prompt] * n, max_new_tokens=2, block_size=2, temperature=temperature, seed=11, **kw)
     for g in gens:
         counts[g.tokens[0], g.tokens[1] if len(g.tokens) > 1 else 0] += 1
     accepted = gens[0].stats.get("accepted_drafts", 0)

@@ -1,4 +1,5 @@
 """Backend selection: the backend= argument, $DSPEC_BACKEND, and "auto"."""
+
 import subprocess
 import sys
 
@@ -38,12 +39,12 @@ def test_environment_variable_is_a_preference(monkeypatch):
     auto (an explicit backend= stays strict)."""
     cpu = torch.device("cpu")
     auto = _backend.resolve("op", None, cpu, ("torch", "triton", "cuda", "cpp"))
-    monkeypatch.setenv("DSPEC_BACKEND", "cuda")                 # CPU tensors
+    monkeypatch.setenv("DSPEC_BACKEND", "cuda")  # CPU tensors
     assert _backend.resolve("op", None, cpu, ("torch", "triton", "cuda", "cpp")) == auto
     with pytest.raises(ValueError, match="needs CUDA tensors|not available"):
         _backend.resolve("op", "cuda", cpu, ("torch", "cuda"))
     monkeypatch.setenv("DSPEC_BACKEND", "cpp")
-    assert _backend.resolve("op", None, cpu, ("torch", "triton")) == "torch"      # op without C++ code
+    assert _backend.resolve("op", None, cpu, ("torch", "triton")) == "torch"  # op without C++ code
     monkeypatch.setenv("DSPEC_BACKEND", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert _backend.resolve("op", None, cpu, ("torch", "triton")) == "torch"
@@ -73,9 +74,11 @@ def test_errors_name_the_problem(monkeypatch):
 
 def test_import_needs_no_gpu_nor_triton():
     """`import dspec` must not import triton (kernels load lazily) nor initialise CUDA."""
-    code = ("import sys, dspec, torch; dspec.token_stats(torch.zeros(2, 3)); "
-            "assert 'triton' not in sys.modules, 'triton imported'; "
-            "assert not torch.cuda.is_initialized()")
+    code = (
+        "import sys, dspec, torch; dspec.token_stats(torch.zeros(2, 3)); "
+        "assert 'triton' not in sys.modules, 'triton imported'; "
+        "assert not torch.cuda.is_initialized()"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -90,5 +93,7 @@ def test_broadcast_rows_are_accepted(backend):
         got = dspec.verify_chain(drafts, logits, backend=backend)
         want = dspec.verify_chain(drafts, logits.contiguous(), backend="torch")
         assert torch.equal(got.tokens, want.tokens)
-        assert torch.equal(dspec.token_stats(logits, backend=backend).token,
-                           dspec.token_stats(logits.contiguous(), backend="torch").token)
+        assert torch.equal(
+            dspec.token_stats(logits, backend=backend).token,
+            dspec.token_stats(logits.contiguous(), backend="torch").token,
+        )

@@ -1,5 +1,6 @@
 """Every name the benchmark scripts and examples import from dspec exists: a refactor that
 moves or renames a function cannot leave a benchmark that fails at its first line."""
+
 from __future__ import annotations
 
 import ast

@@ -1,6 +1,7 @@
 """best_first_tree: the C++ backend equals the torch reference exactly; both equal a brute
 force over every path (the same top-N scores, the same node set without boundary ties);
 the output is a valid best-first tree; the node set is marginal_tree's; bad inputs raise."""
+
 import doctest
 import itertools
 
@@ -19,17 +20,16 @@ needs_cpp = pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C no
 PROB_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _inputs(g, batch, slots, k, *, sort=False, dtype=torch.float32, id_dtype=torch.int64, zeros=0.0,
-            ties=False):
+def _inputs(g, batch, slots, k, *, sort=False, dtype=torch.float32, id_dtype=torch.int64, zeros=0.0, ties=False):
     probs = torch.rand(batch, slots, k, generator=g)
-    if ties:                                    # few distinct values: many exact score ties
+    if ties:  # few distinct values: many exact score ties
         probs = (probs * 4).ceil() / 4
     if zeros:
         probs = torch.where(torch.rand(batch, slots, k, generator=g) < zeros, 0.0, probs)
     if sort:
         probs = probs.sort(-1, descending=True).values
     # distinct per (slot, candidate), so a token path names one node
-    tokens = torch.randperm(1000, generator=g)[:slots * k].view(1, slots, k).expand(batch, -1, -1)
+    tokens = torch.randperm(1000, generator=g)[: slots * k].view(1, slots, k).expand(batch, -1, -1)
     return probs.to(dtype), tokens.to(id_dtype).contiguous()
 
 
@@ -66,17 +66,26 @@ def _brute_force(probs, tokens, b):
 
 # ---------------------------------------------------------------------------------- backends
 
+
 @needs_cpp
 @pytest.mark.parametrize("seed", range(24))
 def test_cpp_matches_torch_exactly(seed):
     g = torch.Generator().manual_seed(seed)
     batch, slots, k, nodes = _random_case(g)
-    probs, tokens = _inputs(g, batch, slots, k, sort=seed % 2 == 1, dtype=PROB_DTYPES[seed % 3],
-                            id_dtype=(torch.int32, torch.int64)[seed // 3 % 2], zeros=0.3 * (seed % 4 == 0),
-                            ties=seed % 5 == 0)
+    probs, tokens = _inputs(
+        g,
+        batch,
+        slots,
+        k,
+        sort=seed % 2 == 1,
+        dtype=PROB_DTYPES[seed % 3],
+        id_dtype=(torch.int32, torch.int64)[seed // 3 % 2],
+        zeros=0.3 * (seed % 4 == 0),
+        ties=seed % 5 == 0,
+    )
     ref = dspec.best_first_tree(probs, tokens, nodes, backend="torch")
     got = dspec.best_first_tree(probs, tokens, nodes, backend="cpp")
-    assert ref.tokens.shape == (batch, min(nodes, sum(k ** d for d in range(1, slots + 1))))
+    assert ref.tokens.shape == (batch, min(nodes, sum(k**d for d in range(1, slots + 1))))
     for name, x, y in zip(ref._fields, ref, got):
         assert x.dtype == y.dtype, name
         assert torch.equal(x, y), name
@@ -113,14 +122,23 @@ def test_empty_batch():
 
 # ------------------------------------------------------------------------ what the nodes are
 
+
 @pytest.mark.parametrize("seed", range(16))
 def test_brute_force_top_scores_and_set(seed):
     g = torch.Generator().manual_seed(100 + seed)
     batch = int(torch.randint(1, 4, (1,), generator=g))
     slots, k = [(1, 5), (2, 4), (3, 3), (4, 2), (5, 2), (3, 4)][seed % 6]
     nodes = int(torch.randint(1, 45, (1,), generator=g))
-    probs, tokens = _inputs(g, batch, slots, k, sort=seed % 2 == 0, dtype=PROB_DTYPES[seed % 3],
-                            zeros=0.25 * (seed % 3 == 1), ties=seed % 4 == 3)
+    probs, tokens = _inputs(
+        g,
+        batch,
+        slots,
+        k,
+        sort=seed % 2 == 0,
+        dtype=PROB_DTYPES[seed % 3],
+        zeros=0.25 * (seed % 3 == 1),
+        ties=seed % 4 == 3,
+    )
     backends = ("torch", "cpp") if _backend.cpp_available() else ("torch",)
     for backend in backends:
         tree = dspec.best_first_tree(probs, tokens, nodes, backend=backend)
@@ -129,12 +147,12 @@ def test_brute_force_top_scores_and_set(seed):
             every = _brute_force(probs, tokens, b)
             ranked = sorted(every.values(), reverse=True)
             assert n == min(nodes, len(every))
-            assert tree.scores[b].tolist() == ranked[:n]          # the top-N scores, best first
+            assert tree.scores[b].tolist() == ranked[:n]  # the top-N scores, best first
             assert sum(tree.scores[b].tolist()) == sum(ranked[:n])
             paths = _paths(tree, b)
             assert len(set(paths)) == n
             assert all(every[p] == s for p, s in zip(paths, tree.scores[b].tolist()))
-            if n == len(ranked) or ranked[n - 1] > ranked[n]:     # no tie at the boundary: one top-N set
+            if n == len(ranked) or ranked[n - 1] > ranked[n]:  # no tie at the boundary: one top-N set
                 assert set(paths) == {p for p, s in every.items() if s >= ranked[n - 1]}
 
 
@@ -150,12 +168,12 @@ def test_tree_structure(backend):
         for b in range(batch):
             par, dep, sc = tree.parents[b].tolist(), tree.depth[b].tolist(), tree.scores[b].tolist()
             for i, (p, d, s) in enumerate(zip(par, dep, sc)):
-                assert -1 <= p < i                                   # a parent precedes its child
+                assert -1 <= p < i  # a parent precedes its child
                 assert d == (1 if p < 0 else dep[p] + 1)
                 cand = cand_of[(d - 1, int(tree.tokens[b, i]))]
                 parent_score = np.float32(1.0) if p < 0 else np.float32(sc[p])
                 assert s == float(np.float32(parent_score * f[b, d - 1, cand]))
-            assert all(x >= y for x, y in zip(sc, sc[1:]))           # pops never rise
+            assert all(x >= y for x, y in zip(sc, sc[1:]))  # pops never rise
             assert par[0] == -1 and dep[0] == 1
 
 
@@ -197,7 +215,7 @@ def test_same_node_set_as_marginal_tree(seed):
     checked = 0
     for b in range(batch):
         if more.tokens.shape[1] > n and more.scores[b, n] >= more.scores[b, n - 1] * (1 - 1e-5):
-            continue                            # a near tie at the boundary: float32 vs float64 may differ
+            continue  # a near tie at the boundary: float32 vs float64 may differ
         marginal = []
         for tok, par in zip(m_tok[b].tolist(), m_par[b].tolist()):
             marginal.append((marginal[par - 1] if par > 0 else ()) + (tok,))
@@ -209,30 +227,36 @@ def test_same_node_set_as_marginal_tree(seed):
 
 # --------------------------------------------------------------------------- validation, ops
 
+
 def test_num_paths():
     assert num_paths(3, 2, 100) == 14 and num_paths(3, 2, 5) == 5 and num_paths(40, 7, 31) == 31
     assert num_paths(1, 1, 9) == 1 and num_paths(5, 1, 9) == 5
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda p, t: dspec.best_first_tree(p.numpy(), t, 3), "slot_probs must be a torch.Tensor"),
-    (lambda p, t: dspec.best_first_tree(p[0], t, 3), "slot_probs must have 3 dimensions"),
-    (lambda p, t: dspec.best_first_tree(p.double(), t, 3), "slot_probs must have dtype"),
-    (lambda p, t: dspec.best_first_tree(p, t.float(), 3), "slot_tokens must have dtype"),
-    (lambda p, t: dspec.best_first_tree(p, t[:, :2], 3), "slot_tokens must have slot_probs' shape"),
-    (lambda p, t: dspec.best_first_tree(p[:, :0], t[:, :0], 3), "slot_probs must have L >= 1"),
-    (lambda p, t: dspec.best_first_tree(p[:, :, :0], t[:, :, :0], 3), "slot_probs must have L >= 1"),
-    (lambda p, t: dspec.best_first_tree(p, t, 0), "num_nodes must be >= 1"),
-    (lambda p, t: dspec.best_first_tree(p, t, 2.0), "num_nodes must be an int"),
-    (lambda p, t: dspec.best_first_tree(p, t, True), "num_nodes must be an int"),
-    (lambda p, t: dspec.best_first_tree(p * 2, t, 3), "slot_probs must hold probabilities"),
-    (lambda p, t: dspec.best_first_tree(p - 1, t, 3), "slot_probs must hold probabilities"),
-    (lambda p, t: dspec.best_first_tree(p.masked_fill(p > 0.5, float("nan")), t, 3),
-     "slot_probs must hold probabilities"),
-    (lambda p, t: dspec.best_first_tree(p, t.to("meta"), 3), "slot_tokens is a meta tensor"),
-    (lambda p, t: dspec.best_first_tree(p, t, 3, backend="triton"), "no 'triton' backend"),
-    (lambda p, t: dspec.best_first_tree(p, t, 3, backend="bogus"), "backend must be one of"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda p, t: dspec.best_first_tree(p.numpy(), t, 3), "slot_probs must be a torch.Tensor"),
+        (lambda p, t: dspec.best_first_tree(p[0], t, 3), "slot_probs must have 3 dimensions"),
+        (lambda p, t: dspec.best_first_tree(p.double(), t, 3), "slot_probs must have dtype"),
+        (lambda p, t: dspec.best_first_tree(p, t.float(), 3), "slot_tokens must have dtype"),
+        (lambda p, t: dspec.best_first_tree(p, t[:, :2], 3), "slot_tokens must have slot_probs' shape"),
+        (lambda p, t: dspec.best_first_tree(p[:, :0], t[:, :0], 3), "slot_probs must have L >= 1"),
+        (lambda p, t: dspec.best_first_tree(p[:, :, :0], t[:, :, :0], 3), "slot_probs must have L >= 1"),
+        (lambda p, t: dspec.best_first_tree(p, t, 0), "num_nodes must be >= 1"),
+        (lambda p, t: dspec.best_first_tree(p, t, 2.0), "num_nodes must be an int"),
+        (lambda p, t: dspec.best_first_tree(p, t, True), "num_nodes must be an int"),
+        (lambda p, t: dspec.best_first_tree(p * 2, t, 3), "slot_probs must hold probabilities"),
+        (lambda p, t: dspec.best_first_tree(p - 1, t, 3), "slot_probs must hold probabilities"),
+        (
+            lambda p, t: dspec.best_first_tree(p.masked_fill(p > 0.5, float("nan")), t, 3),
+            "slot_probs must hold probabilities",
+        ),
+        (lambda p, t: dspec.best_first_tree(p, t.to("meta"), 3), "slot_tokens is a meta tensor"),
+        (lambda p, t: dspec.best_first_tree(p, t, 3, backend="triton"), "no 'triton' backend"),
+        (lambda p, t: dspec.best_first_tree(p, t, 3, backend="bogus"), "backend must be one of"),
+    ],
+)
 def test_bad_inputs(call, match):
     probs, tokens = _inputs(torch.Generator().manual_seed(0), 2, 3, 4)
     with pytest.raises(ValueError, match=match):
@@ -244,12 +268,30 @@ def test_extension_checks_its_arguments():
     ext = _backend.extension()
     out = torch.empty(4, 1, 20, dtype=torch.int64)
     p, t = torch.rand(1, 2, 2), torch.zeros(1, 2, 2, dtype=torch.int64)
-    args = [p.data_ptr(), 0, t.data_ptr(), 1, 1, 2, 2, 7, out[0].data_ptr(), out[1].data_ptr(),
-            out[2].data_ptr(), out[3].data_ptr()]
+    args = [
+        p.data_ptr(),
+        0,
+        t.data_ptr(),
+        1,
+        1,
+        2,
+        2,
+        7,
+        out[0].data_ptr(),
+        out[1].data_ptr(),
+        out[2].data_ptr(),
+        out[3].data_ptr(),
+    ]
     with pytest.raises(ValueError, match="nodes must be <= the number of paths"):
         ext.best_first_tree(*args)
-    for at, value, match in ((1, 3, "probs_dtype"), (3, 2, "tokens_dtype"), (5, 0, "slots"), (6, 0, "k"),
-                             (7, 0, "nodes"), (0, 0, "probs_ptr is a null pointer")):
+    for at, value, match in (
+        (1, 3, "probs_dtype"),
+        (3, 2, "tokens_dtype"),
+        (5, 0, "slots"),
+        (6, 0, "k"),
+        (7, 0, "nodes"),
+        (0, 0, "probs_ptr is a null pointer"),
+    ):
         bad = list(args)
         bad[7] = 4
         bad[at] = value
@@ -260,8 +302,11 @@ def test_extension_checks_its_arguments():
 @pytest.mark.parametrize("backend", ["torch", pytest.param("cpp", marks=needs_cpp)])
 def test_custom_op(backend):
     probs, tokens = _inputs(torch.Generator().manual_seed(1), 2, 3, 3, dtype=torch.float16, id_dtype=torch.int32)
-    tests = ("test_schema", "test_autograd_registration", "test_faketensor",
-             "test_aot_dispatch_dynamic") if backend == "torch" else ("test_faketensor",)
+    tests = (
+        ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        if backend == "torch"
+        else ("test_faketensor",)
+    )
     torch.library.opcheck(torch.ops.dspec.best_first_tree.default, (probs, tokens, 7, backend), test_utils=tests)
     direct = dspec.best_first_tree(probs, tokens, 7, backend=backend)
     via_op = torch.ops.dspec.best_first_tree(probs, tokens, 7, backend)

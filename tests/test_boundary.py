@@ -14,8 +14,8 @@ def _conf(batch, length, dtype, device, seed):
     c = torch.rand(batch, length, generator=g)
     if batch >= 3 and length >= 3:
         c[0, :3] = torch.tensor([0.5, 1.0, 0.5])  # exact ties in r
-        c[1, 1] = 0.0                             # r is 0 past the first rejection-certain draft
-        c[2] = 1.0                                # every r_i is 0 for i < L
+        c[1, 1] = 0.0  # r is 0 past the first rejection-certain draft
+        c[2] = 1.0  # every r_i is 0 for i < L
     return c.to(dtype).to(device)
 
 
@@ -68,16 +68,19 @@ def test_from_token_stats_probabilities():
     torch.testing.assert_close(dspec.boundary_posterior(conf).sum(-1), torch.ones(4))
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda: dspec.boundary_posterior(torch.rand(5)), "2 dimensions"),
-    (lambda: dspec.boundary_posterior(torch.rand(2, 3, 4)), "2 dimensions"),
-    (lambda: dspec.boundary_posterior(torch.ones(2, 3, dtype=torch.int64)), "dtype"),
-    (lambda: dspec.boundary_posterior(torch.tensor([[0.5, 1.5]])), r"\[0, 1\]"),
-    (lambda: dspec.expected_accept_length(torch.tensor([[0.5, -0.1]])), r"\[0, 1\]"),
-    (lambda: dspec.rejection_boundaries(torch.tensor([[0.5, float("nan")]]), 1), r"\[0, 1\]"),
-    (lambda: dspec.rejection_boundaries(torch.rand(2, 3), 4), "k must be <= L"),
-    (lambda: dspec.rejection_boundaries(torch.rand(2, 3), 0), "k must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: dspec.boundary_posterior(torch.rand(5)), "2 dimensions"),
+        (lambda: dspec.boundary_posterior(torch.rand(2, 3, 4)), "2 dimensions"),
+        (lambda: dspec.boundary_posterior(torch.ones(2, 3, dtype=torch.int64)), "dtype"),
+        (lambda: dspec.boundary_posterior(torch.tensor([[0.5, 1.5]])), r"\[0, 1\]"),
+        (lambda: dspec.expected_accept_length(torch.tensor([[0.5, -0.1]])), r"\[0, 1\]"),
+        (lambda: dspec.rejection_boundaries(torch.tensor([[0.5, float("nan")]]), 1), r"\[0, 1\]"),
+        (lambda: dspec.rejection_boundaries(torch.rand(2, 3), 4), "k must be <= L"),
+        (lambda: dspec.rejection_boundaries(torch.rand(2, 3), 0), "k must be >= 1"),
+    ],
+)
 def test_bad_input_raises_value_error(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()

@@ -5,6 +5,7 @@ and (only where a GPU and a CUDA build exist) its CUDA kernels match too.
 Build it first: ``pip install --no-build-isolation -e .`` (DSPEC_SKIP_CUDA_BUILD=1 to skip
 nvcc).  Tests calling _C skip when the module was not built; the import test fails.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -54,8 +55,9 @@ def test_extension_imports():
 def _run_python(code: str) -> str:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -109,11 +111,20 @@ def run_c(x: torch.Tensor, temperature: float, *, device="cpu", num_splits=1, st
     outs = _outputs(rows, x.device)
     ws = None
     if num_splits > 1:
-        ws = torch.empty(max(1, _C.token_stats_workspace_bytes(rows, num_splits)), dtype=torch.uint8,
-                         device=x.device)
-    _C.token_stats(x.data_ptr(), DTYPE_CODES[x.dtype], rows, vocab, x.stride(0), 1.0 / temperature,
-                   *(t.data_ptr() for t in outs), device, stream, num_splits,
-                   ws.data_ptr() if ws is not None else 0)
+        ws = torch.empty(max(1, _C.token_stats_workspace_bytes(rows, num_splits)), dtype=torch.uint8, device=x.device)
+    _C.token_stats(
+        x.data_ptr(),
+        DTYPE_CODES[x.dtype],
+        rows,
+        vocab,
+        x.stride(0),
+        1.0 / temperature,
+        *(t.data_ptr() for t in outs),
+        device,
+        stream,
+        num_splits,
+        ws.data_ptr() if ws is not None else 0,
+    )
     return outs
 
 
@@ -201,10 +212,9 @@ def test_cpu_special_values(dtype):
 def test_cpu_extreme_magnitudes(dtype):
     # (x - max) / T overflows to -inf: those terms are 0, never 0 * inf = NaN
     big = 3e38
-    x = torch.tensor([[-big, big, 0.0, 1.0],
-                      [big, -big, 0.0, big],
-                      [-big, -big, -big, -big],
-                      [1.0, -big, 2.0, 3.0]]).to(dtype)
+    x = torch.tensor(
+        [[-big, big, 0.0, 1.0], [big, -big, 0.0, big], [-big, -big, -big, -big], [1.0, -big, 2.0, 3.0]]
+    ).to(dtype)
     for temperature in (1.0, 1e-3, 1e3, 1e-30):
         check(run_c(x, temperature), x, temperature)
 
@@ -274,10 +284,23 @@ def test_single_row_any_stride():
 
 def _valid_args(x, outs, ws):
     rows, vocab = x.shape
-    return dict(logits_ptr=x.data_ptr(), dtype=0, rows=rows, vocab=vocab, row_stride=x.stride(0),
-                inv_temperature=1.0, token_ptr=outs[0].data_ptr(), prob_ptr=outs[1].data_ptr(),
-                margin_ptr=outs[2].data_ptr(), entropy_ptr=outs[3].data_ptr(), lse_ptr=outs[4].data_ptr(),
-                device="cpu", stream=0, num_splits=1, workspace_ptr=ws.data_ptr())
+    return dict(
+        logits_ptr=x.data_ptr(),
+        dtype=0,
+        rows=rows,
+        vocab=vocab,
+        row_stride=x.stride(0),
+        inv_temperature=1.0,
+        token_ptr=outs[0].data_ptr(),
+        prob_ptr=outs[1].data_ptr(),
+        margin_ptr=outs[2].data_ptr(),
+        entropy_ptr=outs[3].data_ptr(),
+        lse_ptr=outs[4].data_ptr(),
+        device="cpu",
+        stream=0,
+        num_splits=1,
+        workspace_ptr=ws.data_ptr(),
+    )
 
 
 BAD_ARGS = [
@@ -379,7 +402,7 @@ def test_cuda_matches_reference(dtype, rows, vocab, temperature, num_splits):
 def test_cuda_misaligned_rows(dtype, offset, num_splits):
     # rows starting off a 16-byte boundary: scalar head, vector body, scalar tail
     wide = make_logits(5, 20011, dtype, seed=2).cuda()
-    x = wide[:, offset:offset + 19999]
+    x = wide[:, offset : offset + 19999]
     x[2, 7] = x[2, 19990] = float(x[2].float().max()) + 1  # tie in head / tail
     check(run_cuda(x, 1.0, num_splits), x, 1.0)
 

@@ -1,4 +1,5 @@
 """cascade_attention and merge_states against a float64 explicit-softmax reference."""
+
 import os
 
 import pytest
@@ -38,20 +39,30 @@ def make_case(batch, n, hq, hkv, d, prefix_lens, dtype, seed, mask_kind="random"
     if dense is not None and n > 2:
         dense[:, 1] = False  # suffix query 1 sees no suffix key (only its prefix, if any)
     words = None if dense is None else pack_reference.pack_mask(dense)
-    cast = (lambda t: t.to(dtype))
+    cast = lambda t: t.to(dtype)
     return cast(q), cast(k), cast(v), words, cast(pk), cast(pv), indptr
 
 
 def oracle(q, k, v, words, pk, pv, indptr, **kw):
-    return reference.cascade_attention(q.double(), k.double(), v.double(), words, prefix_k=pk.double(),
-                                       prefix_v=pv.double(), prefix_indptr=indptr, return_lse=True, **kw)
+    return reference.cascade_attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        words,
+        prefix_k=pk.double(),
+        prefix_v=pv.double(),
+        prefix_indptr=indptr,
+        return_lse=True,
+        **kw,
+    )
 
 
 def check_against_oracle(out, lse, case, dtype, **kw):
     """flash-attention style: the error may be at most twice the torch low-precision error."""
     ref_out, ref_lse = oracle(*case, **kw)
-    low_out, low_lse = reference.cascade_attention(*case[:4], prefix_k=case[4], prefix_v=case[5],
-                                                   prefix_indptr=case[6], return_lse=True, **kw)
+    low_out, low_lse = reference.cascade_attention(
+        *case[:4], prefix_k=case[4], prefix_v=case[5], prefix_indptr=case[6], return_lse=True, **kw
+    )
     base = (low_out.double() - ref_out).abs().max().item()
     err = (out.double().cpu() - ref_out).abs().max().item()
     slack = 1e-5
@@ -80,8 +91,9 @@ def test_matches_float64_reference(device, backend, dtype, n, prefix_lens, hq, h
     batch = len(prefix_lens)
     case = make_case(batch, n, hq, hkv, 32, prefix_lens, dtype, n * 10 + hq)
     dev = [t.to(device) if t is not None else None for t in case]
-    out, lse = dspec.cascade_attention(*dev[:4], prefix_k=dev[4], prefix_v=dev[5],
-                                       prefix_indptr=dev[6], return_lse=True, backend=backend)
+    out, lse = dspec.cascade_attention(
+        *dev[:4], prefix_k=dev[4], prefix_v=dev[5], prefix_indptr=dev[6], return_lse=True, backend=backend
+    )
     assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == (batch, n, hq, 32)
     check_against_oracle(out, lse, case, dtype)
 
@@ -91,9 +103,9 @@ def test_matches_float64_reference(device, backend, dtype, n, prefix_lens, hq, h
 def test_shapes_masks_head_dims(device, backend, n, d, mask_kind):
     case = make_case(2, n, 2, 1, d, [0, 37], torch.float32, n + d, mask_kind)
     dev = [t.to(device) if t is not None else None for t in case]
-    out, lse = dspec.cascade_attention(*dev[:4], prefix_k=dev[4], prefix_v=dev[5],
-                                       prefix_indptr=dev[6], return_lse=True, sm_scale=0.3,
-                                       backend=backend)
+    out, lse = dspec.cascade_attention(
+        *dev[:4], prefix_k=dev[4], prefix_v=dev[5], prefix_indptr=dev[6], return_lse=True, sm_scale=0.3, backend=backend
+    )
     check_against_oracle(out, lse, case, torch.float32, sm_scale=0.3)
 
 
@@ -101,15 +113,17 @@ def test_shapes_masks_head_dims(device, backend, n, d, mask_kind):
 def test_no_prefix_and_empty_queries(device, backend):
     """Without a prefix, a query whose mask row is empty gets out = 0 and lse = -inf."""
     q, k, v, words, *_ = make_case(2, 5, 2, 2, 16, [0, 0], torch.float32, 1)
-    out, lse = dspec.cascade_attention(q.to(device), k.to(device), v.to(device), words.to(device),
-                                       return_lse=True, backend=backend)
+    out, lse = dspec.cascade_attention(
+        q.to(device), k.to(device), v.to(device), words.to(device), return_lse=True, backend=backend
+    )
     assert (lse[:, 1] == float("-inf")).all() and (out[:, 1] == 0).all()
     ref = reference.cascade_attention(q.double(), k.double(), v.double(), words, return_lse=True)
     torch.testing.assert_close(out.cpu().double(), ref[0], atol=1e-5, rtol=1e-5)
     # no mask at all: full attention over the suffix
     full = dspec.cascade_attention(q.to(device), k.to(device), v.to(device), backend=backend)
     exp = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    ).transpose(1, 2)
     torch.testing.assert_close(full.cpu(), exp, atol=1e-5, rtol=1e-5)
 
 
@@ -119,6 +133,7 @@ def test_triton_split_prefix_equals_fused(splits):
     if "triton" not in [b for _, b in backends_for(device, PROVIDED)]:
         pytest.skip("no triton backend here")
     from dspec.kernels.cascade_attention import cascade_attention_triton
+
     case = make_case(3, 6, 4, 2, 32, [50, 0, 23], torch.float32, splits)
     dev = [t.to(device) if t is not None else None for t in case]
     out, lse = cascade_attention_triton(*dev, None, True, num_splits=splits, max_prefix_len=50)
@@ -131,13 +146,14 @@ def test_choose_splits_schedules(monkeypatch):
     B1 P512 -> 2, P4096 -> 4-5, P32768 -> 4-8); capture at batch 8 keeps the eager rule."""
     pytest.importorskip("triton")
     from dspec.kernels import cascade_attention as ca
+
     monkeypatch.setattr(ca, "parallel_units", lambda device: 132)
     cuda = torch.device("cuda")
     # B1 N64 32/8 heads, 64x64 tiles: 4 query blocks x 8 KV heads = 32 programs
     eager = [ca.choose_splits(1, 4, 8, p, 64, cuda) for p in (512, 4096, 32768)]
     graph = [ca.choose_splits(1, 4, 8, p, 64, cuda, capturing=True) for p in (512, 4096, 32768)]
     assert eager == [1, 1, 8] and graph == [2, 5, 5]
-    assert ca.choose_splits(1, 4, 8, 128, 64, cuda, capturing=True) == 1   # 2 tiles: no split
+    assert ca.choose_splits(1, 4, 8, 128, 64, cuda, capturing=True) == 1  # 2 tiles: no split
     for p in (4096, 32768):  # B8, 128x64 tiles: 2 query blocks x 8 heads x 8 requests
         assert ca.choose_splits(8, 2, 8, p, 64, cuda, capturing=True) == ca.choose_splits(8, 2, 8, p, 64, cuda)
 
@@ -162,9 +178,8 @@ def test_merge_states_matches_reference(device, backend, dtype, atol):
     l_a = torch.randn(7, 3, generator=g) * 3
     l_b = torch.randn(7, 3, generator=g) * 3
     l_a[0, 0] = l_b[0, 0] = float("-inf")  # two empty states
-    l_a[1, 0] = float("-inf")              # one empty state: the other passes through
-    o, lse = dspec.merge_states(o_a.to(device), l_a.to(device), o_b.to(device), l_b.to(device),
-                                backend=backend)
+    l_a[1, 0] = float("-inf")  # one empty state: the other passes through
+    o, lse = dspec.merge_states(o_a.to(device), l_a.to(device), o_b.to(device), l_b.to(device), backend=backend)
     exp_o, exp_lse = reference.merge_states(o_a, l_a, o_b, l_b)
     torch.testing.assert_close(o.cpu(), exp_o, atol=atol, rtol=atol)
     torch.testing.assert_close(lse.cpu(), exp_lse)
@@ -175,13 +190,15 @@ def test_merge_states_matches_reference(device, backend, dtype, atol):
 def test_merge_states_equals_attention_over_the_union():
     """Splitting keys into prefix / suffix and merging equals attention over both."""
     q, k, v, words, pk, pv, indptr = make_case(1, 4, 2, 2, 16, [9], torch.float64, 2, "none")
-    full, full_lse = reference.cascade_attention(q, k, v, None, prefix_k=pk, prefix_v=pv,
-                                                 prefix_indptr=indptr, return_lse=True)
+    full, full_lse = reference.cascade_attention(
+        q, k, v, None, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr, return_lse=True
+    )
     o_s, l_s = reference.cascade_attention(q, k, v, None, return_lse=True)
     # prefix-only state: the suffix fully masked
     none = torch.zeros(4, 1, dtype=torch.int32)
-    o_p, l_p = reference.cascade_attention(q, k, v, none, prefix_k=pk, prefix_v=pv,
-                                           prefix_indptr=indptr, return_lse=True)
+    o_p, l_p = reference.cascade_attention(
+        q, k, v, none, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr, return_lse=True
+    )
     o, lse = dspec.merge_states(o_p.float(), l_p, o_s.float(), l_s)
     torch.testing.assert_close(o.double(), full, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lse, full_lse, atol=1e-6, rtol=1e-6)
@@ -192,20 +209,25 @@ def _args():
     return make_case(2, 3, 4, 2, 16, [2, 3], torch.float32, 0)
 
 
-@pytest.mark.parametrize("mutate,match", [
-    (lambda a: a.update(k=a["k"][:, :, :1].expand(-1, -1, 3, -1), v=a["v"][:, :, :1].expand(-1, -1, 3, -1)),
-     "multiple of the KV heads"),
-    (lambda a: a.update(v=a["v"][:, :, :1]), "k and v must have shape"),
-    (lambda a: a.update(v=a["v"].half()), "v must have dtype"),
-    (lambda a: a.update(q=a["q"][0]), "q must have 4 dimensions"),
-    (lambda a: a.update(mask=torch.zeros(3, 2, dtype=torch.int32)), "packed words"),
-    (lambda a: a.update(mask=torch.zeros(3, 1, dtype=torch.int64)), "mask must have dtype"),
-    (lambda a: a.update(prefix_indptr=torch.tensor([0, 2])), "B \\+ 1"),
-    (lambda a: a.update(prefix_indptr=torch.tensor([0, 3, 2])), "never decrease"),
-    (lambda a: a.update(prefix_indptr=torch.tensor([0, 2, 9])), "end at most"),
-    (lambda a: a.update(prefix_v=None), "given together"),
-    (lambda a: a.update(prefix_k=a["prefix_k"][:, :1]), "prefix_k and prefix_v must have shape"),
-])
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (
+            lambda a: a.update(k=a["k"][:, :, :1].expand(-1, -1, 3, -1), v=a["v"][:, :, :1].expand(-1, -1, 3, -1)),
+            "multiple of the KV heads",
+        ),
+        (lambda a: a.update(v=a["v"][:, :, :1]), "k and v must have shape"),
+        (lambda a: a.update(v=a["v"].half()), "v must have dtype"),
+        (lambda a: a.update(q=a["q"][0]), "q must have 4 dimensions"),
+        (lambda a: a.update(mask=torch.zeros(3, 2, dtype=torch.int32)), "packed words"),
+        (lambda a: a.update(mask=torch.zeros(3, 1, dtype=torch.int64)), "mask must have dtype"),
+        (lambda a: a.update(prefix_indptr=torch.tensor([0, 2])), "B \\+ 1"),
+        (lambda a: a.update(prefix_indptr=torch.tensor([0, 3, 2])), "never decrease"),
+        (lambda a: a.update(prefix_indptr=torch.tensor([0, 2, 9])), "end at most"),
+        (lambda a: a.update(prefix_v=None), "given together"),
+        (lambda a: a.update(prefix_k=a["prefix_k"][:, :1]), "prefix_k and prefix_v must have shape"),
+    ],
+)
 def test_bad_input(mutate, match):
     q, k, v, words, pk, pv, indptr = _args()
     a = dict(q=q, k=k, v=v, mask=words, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr)
@@ -246,15 +268,24 @@ def test_paged_prefix_equals_ragged(device, backend, page_size):
     g = torch.Generator().manual_seed(1)
     cache_k = torch.randn(num_pages, page_size, 2, 32, generator=g)
     cache_v = torch.randn(num_pages, page_size, 2, 32, generator=g)
-    table = torch.randperm(num_pages, generator=g)[:3 * max_pages].reshape(3, max_pages).int()
+    table = torch.randperm(num_pages, generator=g)[: 3 * max_pages].reshape(3, max_pages).int()
     for b in range(3):  # scatter each request's rows into its (shuffled) pages
         t = torch.arange(int(lens[b]))
         cache_k[table[b].long()[t // page_size], t % page_size] = pk[int(indptr[b]) + t]
         cache_v[table[b].long()[t // page_size], t % page_size] = pv[int(indptr[b]) + t]
     dev = lambda t: t.to(device)
-    paged = dspec.cascade_attention(dev(q), dev(k), dev(v), dev(words), prefix_k=dev(cache_k),
-                                    prefix_v=dev(cache_v), prefix_page_table=dev(table),
-                                    prefix_lens=dev(lens), return_lse=True, backend=backend)
+    paged = dspec.cascade_attention(
+        dev(q),
+        dev(k),
+        dev(v),
+        dev(words),
+        prefix_k=dev(cache_k),
+        prefix_v=dev(cache_v),
+        prefix_page_table=dev(table),
+        prefix_lens=dev(lens),
+        return_lse=True,
+        backend=backend,
+    )
     check_against_oracle(*paged, (q, k, v, words, pk, pv, indptr), torch.float32)
 
 
@@ -263,15 +294,36 @@ def test_paged_bad_input():
     cache = torch.zeros(4, 8, 2, 16)
     table = torch.tensor([[0, 5]], dtype=torch.int32)
     with pytest.raises(ValueError, match="is not a page"):
-        dspec.cascade_attention(q, k, v, prefix_k=cache, prefix_v=cache, prefix_page_table=table,
-                                prefix_lens=torch.tensor([12], dtype=torch.int32))
+        dspec.cascade_attention(
+            q,
+            k,
+            v,
+            prefix_k=cache,
+            prefix_v=cache,
+            prefix_page_table=table,
+            prefix_lens=torch.tensor([12], dtype=torch.int32),
+        )
     with pytest.raises(ValueError, match="prefix_lens must lie"):
-        dspec.cascade_attention(q, k, v, prefix_k=cache, prefix_v=cache, prefix_page_table=table,
-                                prefix_lens=torch.tensor([17], dtype=torch.int32))
+        dspec.cascade_attention(
+            q,
+            k,
+            v,
+            prefix_k=cache,
+            prefix_v=cache,
+            prefix_page_table=table,
+            prefix_lens=torch.tensor([17], dtype=torch.int32),
+        )
     with pytest.raises(ValueError, match="either prefix_indptr"):
-        dspec.cascade_attention(q, k, v, prefix_k=cache, prefix_v=cache, prefix_page_table=table,
-                                prefix_lens=torch.tensor([3], dtype=torch.int32),
-                                prefix_indptr=torch.tensor([0, 3]))
+        dspec.cascade_attention(
+            q,
+            k,
+            v,
+            prefix_k=cache,
+            prefix_v=cache,
+            prefix_page_table=table,
+            prefix_lens=torch.tensor([3], dtype=torch.int32),
+            prefix_indptr=torch.tensor([0, 3]),
+        )
 
 
 # ------------------------------------------------------------------- the C++ CPU backend
@@ -281,8 +333,9 @@ HAS_CPP = _backend.cpp_available()
 needs_cpp = pytest.mark.skipif(not HAS_CPP, reason="dspec._C is not built")
 _LEVELS = ("generic", "avx2", "avx512")
 # every tile code of this CPU under the ISA cap: the portable loops, then AVX2, AVX-512, AMX
-ISAS = (list(_LEVELS[:_LEVELS.index(_backend.extension().cascade_attention_isa()) + 1]) if HAS_CPP else ["generic"]) \
-    + (["amx"] if HAS_CPP and _backend.extension().cascade_attention_isa(2, 64) == "amx" else [])
+ISAS = (
+    list(_LEVELS[: _LEVELS.index(_backend.extension().cascade_attention_isa()) + 1]) if HAS_CPP else ["generic"]
+) + (["amx"] if HAS_CPP and _backend.extension().cascade_attention_isa(2, 64) == "amx" else [])
 
 
 @pytest.fixture(params=ISAS)
@@ -295,37 +348,48 @@ def isa(request, monkeypatch):
 
 def _cpp(case, **kw):
     q, k, v, words, pk, pv, indptr = case
-    return dspec.cascade_attention(q, k, v, words, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr,
-                                   return_lse=True, backend="cpp", **kw)
+    return dspec.cascade_attention(
+        q, k, v, words, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr, return_lse=True, backend="cpp", **kw
+    )
 
 
 @needs_cpp
-@pytest.mark.parametrize("n,prefix_lens,hq,hkv,d,dtype,mask_kind", [
-    (1, [0], 8, 8, 64, torch.float32, "random"),       # no key but itself
-    (1, [300], 9, 3, 64, torch.float32, "none"),       # decode, G = 3
-    (2, [65, 0], 12, 4, 64, torch.bfloat16, "random"),
-    (17, [5, 64, 0], 8, 1, 128, torch.float16, "tree"),  # G = 8
-    (63, [129], 6, 2, 40, torch.float32, "random"),    # odd D
-    (64, [1, 2], 3, 3, 64, torch.bfloat16, "none"),
-    (65, [33], 16, 2, 128, torch.float32, "tree"),
-    (130, [0, 7], 4, 1, 64, torch.float32, "tree"),    # several query tiles, 3 key tiles
-    (37, [200], 24, 8, 48, torch.bfloat16, "random"),
-    (3, [600, 0, 257], 9, 3, 64, torch.bfloat16, "random"),  # prefix chunks of 256 keys, merged
-    (1, [1030], 9, 3, 64, torch.float32, "none"),      # decode at a long prefix: 5 chunks
-])
+@pytest.mark.parametrize(
+    "n,prefix_lens,hq,hkv,d,dtype,mask_kind",
+    [
+        (1, [0], 8, 8, 64, torch.float32, "random"),  # no key but itself
+        (1, [300], 9, 3, 64, torch.float32, "none"),  # decode, G = 3
+        (2, [65, 0], 12, 4, 64, torch.bfloat16, "random"),
+        (17, [5, 64, 0], 8, 1, 128, torch.float16, "tree"),  # G = 8
+        (63, [129], 6, 2, 40, torch.float32, "random"),  # odd D
+        (64, [1, 2], 3, 3, 64, torch.bfloat16, "none"),
+        (65, [33], 16, 2, 128, torch.float32, "tree"),
+        (130, [0, 7], 4, 1, 64, torch.float32, "tree"),  # several query tiles, 3 key tiles
+        (37, [200], 24, 8, 48, torch.bfloat16, "random"),
+        (3, [600, 0, 257], 9, 3, 64, torch.bfloat16, "random"),  # prefix chunks of 256 keys, merged
+        (1, [1030], 9, 3, 64, torch.float32, "none"),  # decode at a long prefix: 5 chunks
+    ],
+)
 def test_cpp_matches_float64_reference(isa, n, prefix_lens, hq, hkv, d, dtype, mask_kind):
     case = make_case(len(prefix_lens), n, hq, hkv, d, prefix_lens, dtype, n + hq + d, mask_kind)
-    out, lse = _cpp(case, sm_scale=0.7 / d ** 0.5)
+    out, lse = _cpp(case, sm_scale=0.7 / d**0.5)
     assert out.dtype == dtype and out.shape == case[0].shape and lse.shape == case[0].shape[:3]
-    check_against_oracle(out, lse, case, dtype, sm_scale=0.7 / d ** 0.5)
+    check_against_oracle(out, lse, case, dtype, sm_scale=0.7 / d**0.5)
 
 
 @needs_cpp
-@pytest.mark.parametrize("build", [
-    lambda: dspec.masks.causal(21), lambda: dspec.masks.ssd_copies(6, 3),
-    lambda: dspec.masks.s2d2_two_l(9), lambda: dspec.masks.spiffy_draft_graph(4, [0, 1], 2),
-    lambda: dspec.masks.block_diffusion(33), lambda: dspec.masks.tree([-1, 0, 0, 1, 1, 2, 5, 5])],
-    ids=["causal", "ssd", "s2d2", "spiffy", "block", "tree"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: dspec.masks.causal(21),
+        lambda: dspec.masks.ssd_copies(6, 3),
+        lambda: dspec.masks.s2d2_two_l(9),
+        lambda: dspec.masks.spiffy_draft_graph(4, [0, 1], 2),
+        lambda: dspec.masks.block_diffusion(33),
+        lambda: dspec.masks.tree([-1, 0, 0, 1, 1, 2, 5, 5]),
+    ],
+    ids=["causal", "ssd", "s2d2", "spiffy", "block", "tree"],
+)
 def test_cpp_method_masks(isa, build):
     """The suffix masks of every verification shape (dspec.masks), shared by the batch."""
     words = build().words
@@ -346,29 +410,48 @@ def test_cpp_paged_cache_views_and_strided_inputs(isa):
     lens = torch.tensor([70, 0, 80], dtype=torch.int32)
     store_k = torch.randn(layers, batch, hkv, cap, d, generator=g)
     store_v = torch.randn(layers, batch, hkv, cap, d, generator=g)
-    cache_k, cache_v = store_k.transpose(2, 3), store_v.transpose(2, 3)   # [L, B, cap, Hkv, D] views
+    cache_k, cache_v = store_k.transpose(2, 3), store_v.transpose(2, 3)  # [L, B, cap, Hkv, D] views
     qkv = torch.randn(batch, n, hq + 2 * hkv, d, generator=g)
-    q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
+    q, k, v = qkv[:, :, :hq], qkv[:, :, hq : hq + hkv], qkv[:, :, hq + hkv :]
     words = dspec.masks.causal(n).words
     table = torch.arange(batch, dtype=torch.int32)[:, None]
     layer = 1
-    paged = dspec.cascade_attention(q, k, v, words, prefix_k=cache_k[layer], prefix_v=cache_v[layer],
-                                    prefix_page_table=table, prefix_lens=lens, return_lse=True,
-                                    backend="cpp")
-    rows_k = torch.cat([cache_k[layer, b, :int(lens[b])] for b in range(batch)])
-    rows_v = torch.cat([cache_v[layer, b, :int(lens[b])] for b in range(batch)])
+    paged = dspec.cascade_attention(
+        q,
+        k,
+        v,
+        words,
+        prefix_k=cache_k[layer],
+        prefix_v=cache_v[layer],
+        prefix_page_table=table,
+        prefix_lens=lens,
+        return_lse=True,
+        backend="cpp",
+    )
+    rows_k = torch.cat([cache_k[layer, b, : int(lens[b])] for b in range(batch)])
+    rows_v = torch.cat([cache_v[layer, b, : int(lens[b])] for b in range(batch)])
     indptr = torch.tensor([0, 70, 70, 150])
     case = (q.contiguous(), k.contiguous(), v.contiguous(), words, rows_k, rows_v, indptr)
     ragged = _cpp(case)
     assert torch.equal(paged[0], ragged[0]) and torch.equal(paged[1], ragged[1])
     check_against_oracle(*paged, case, torch.float32)
-    plan = attention_ops.CascadeAttentionPlan(batch, n, hq, hkv, d, torch.float32, "cpu", words,
-                                              prefix_page_table=table, prefix_lens=lens, backend="cpp")
+    plan = attention_ops.CascadeAttentionPlan(
+        batch, n, hq, hkv, d, torch.float32, "cpu", words, prefix_page_table=table, prefix_lens=lens, backend="cpp"
+    )
     for i in range(layers):
         got = plan.run(q, k, v, cache_k[i], cache_v[i], return_lse=True)
-        exp = dspec.cascade_attention(q, k, v, words, prefix_k=cache_k[i].contiguous(),
-                                      prefix_v=cache_v[i].contiguous(), prefix_page_table=table,
-                                      prefix_lens=lens, return_lse=True, backend="cpp")
+        exp = dspec.cascade_attention(
+            q,
+            k,
+            v,
+            words,
+            prefix_k=cache_k[i].contiguous(),
+            prefix_v=cache_v[i].contiguous(),
+            prefix_page_table=table,
+            prefix_lens=lens,
+            return_lse=True,
+            backend="cpp",
+        )
         assert torch.equal(got[0], exp[0]) and torch.equal(got[1], exp[1])
 
 
@@ -382,14 +465,24 @@ def test_cpp_paged_prefix_chunks_equal_ragged(isa):
     pages = [-(-int(x) // page) for x in lens]
     table = torch.full((batch, max(pages)), -1, dtype=torch.int32)
     perm = torch.randperm(sum(pages), generator=g).int()
-    table[0, :pages[0]], table[1, :pages[1]] = perm[:pages[0]], perm[pages[0]:]
+    table[0, : pages[0]], table[1, : pages[1]] = perm[: pages[0]], perm[pages[0] :]
     cache_k = torch.randn(sum(pages), page, hkv, d, generator=g).bfloat16()
     cache_v = torch.randn(sum(pages), page, hkv, d, generator=g).bfloat16()
     q = torch.randn(batch, n, hq, d, generator=g).bfloat16()
     k, v = torch.randn(2, batch, n, hkv, d, generator=g).bfloat16()
     words = dspec.masks.causal(n).words
-    paged = dspec.cascade_attention(q, k, v, words, prefix_k=cache_k, prefix_v=cache_v, prefix_page_table=table,
-                                    prefix_lens=lens, return_lse=True, backend="cpp")
+    paged = dspec.cascade_attention(
+        q,
+        k,
+        v,
+        words,
+        prefix_k=cache_k,
+        prefix_v=cache_v,
+        prefix_page_table=table,
+        prefix_lens=lens,
+        return_lse=True,
+        backend="cpp",
+    )
     rows = [torch.arange(int(x)) for x in lens]
     flat = [table[b].long()[r // page] * page + r % page for b, r in enumerate(rows)]
     rows_k = torch.cat([cache_k.flatten(0, 1)[f] for f in flat])
@@ -416,11 +509,22 @@ def test_plan_run_equals_one_call(backend, layout):
             cache_v[table[b].long()[t // 16], t % 16] = pv[lo + t]
         lens = torch.tensor([11, 40], dtype=torch.int32)
         kw, run_prefix = dict(prefix_page_table=table, prefix_lens=lens), (cache_k, cache_v)
-    plan = attention_ops.CascadeAttentionPlan(2, 9, 6, 3, 32, torch.float32, "cpu", words, sm_scale=0.2,
-                                              backend=backend, **kw)
+    plan = attention_ops.CascadeAttentionPlan(
+        2, 9, 6, 3, 32, torch.float32, "cpu", words, sm_scale=0.2, backend=backend, **kw
+    )
     assert plan.backend == backend
-    one = dspec.cascade_attention(q, k, v, words, *(), sm_scale=0.2, return_lse=True, backend=backend,
-                                  **dict(zip(("prefix_k", "prefix_v"), run_prefix)), **kw)
+    one = dspec.cascade_attention(
+        q,
+        k,
+        v,
+        words,
+        *(),
+        sm_scale=0.2,
+        return_lse=True,
+        backend=backend,
+        **dict(zip(("prefix_k", "prefix_v"), run_prefix)),
+        **kw,
+    )
     got = plan.run(q, k, v, *run_prefix, return_lse=True)
     assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
     assert torch.equal(plan.run(q, k, v, *run_prefix), one[0])
@@ -445,7 +549,7 @@ def test_cpp_threads_give_identical_results(isa, monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
-    assert torch.equal(single[0], one[0][:1])   # B = 1: fewer units, split over heads and query tiles
+    assert torch.equal(single[0], one[0][:1])  # B = 1: fewer units, split over heads and query tiles
 
 
 @needs_cpp
@@ -456,13 +560,20 @@ def test_cpp_empty_inputs(isa):
     assert out.shape == (0, 5, 4, 16) and lse.shape == (0, 5, 4)
     # every prefix empty (T = 0 rows), and rows whose mask row is empty: out = 0, lse = -inf
     empty = torch.zeros(0, 2, 16)
-    out, lse = dspec.cascade_attention(q, k, v, words, prefix_k=empty, prefix_v=empty,
-                                       prefix_indptr=torch.zeros(3, dtype=torch.int64), return_lse=True,
-                                       backend="cpp")
+    out, lse = dspec.cascade_attention(
+        q,
+        k,
+        v,
+        words,
+        prefix_k=empty,
+        prefix_v=empty,
+        prefix_indptr=torch.zeros(3, dtype=torch.int64),
+        return_lse=True,
+        backend="cpp",
+    )
     assert (lse[:, 1] == float("-inf")).all() and (out[:, 1] == 0).all()
-    check_against_oracle(out, lse, (q, k, v, words, empty, empty, torch.zeros(3, dtype=torch.int64)),
-                         torch.float32)
-    none = torch.zeros(5, 1, dtype=torch.int32)   # nothing visible at all
+    check_against_oracle(out, lse, (q, k, v, words, empty, empty, torch.zeros(3, dtype=torch.int64)), torch.float32)
+    none = torch.zeros(5, 1, dtype=torch.int32)  # nothing visible at all
     out, lse = dspec.cascade_attention(q, k, v, none, return_lse=True, backend="cpp")
     assert (out == 0).all() and (lse == float("-inf")).all()
 
@@ -540,29 +651,93 @@ def test_cpp_extension_validates_arguments():
     table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
 
     def call(**kw):
-        a = dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=0, mask=0,
-                 prefix_k=pk.data_ptr(), prefix_v=pk.data_ptr(), prefix_indptr=ip32.data_ptr(), page_table=0,
-                 prefix_lens=0, dtype=0, batch=1, n=2, hq=2, hkv=1, head_dim=16, sm_scale=0.25,
-                 q_s0=64, q_s1=32, q_s2=16, k_s0=32, k_s1=16, k_s2=16, v_s0=32, v_s1=16, v_s2=16,
-                 out_s0=64, out_s1=32, out_s2=16, mask_s0=0, mask_s1=0, prefix_k_s0=0, prefix_k_s1=16,
-                 prefix_k_s2=16, prefix_v_s0=0, prefix_v_s1=16, prefix_v_s2=16, indptr_dtype=0,
-                 prefix_rows=4, page_size=1, max_pages=0, page_table_stride=0, num_threads=1)
+        a = dict(
+            q=q.data_ptr(),
+            k=k.data_ptr(),
+            v=v.data_ptr(),
+            out=out.data_ptr(),
+            lse=0,
+            mask=0,
+            prefix_k=pk.data_ptr(),
+            prefix_v=pk.data_ptr(),
+            prefix_indptr=ip32.data_ptr(),
+            page_table=0,
+            prefix_lens=0,
+            dtype=0,
+            batch=1,
+            n=2,
+            hq=2,
+            hkv=1,
+            head_dim=16,
+            sm_scale=0.25,
+            q_s0=64,
+            q_s1=32,
+            q_s2=16,
+            k_s0=32,
+            k_s1=16,
+            k_s2=16,
+            v_s0=32,
+            v_s1=16,
+            v_s2=16,
+            out_s0=64,
+            out_s1=32,
+            out_s2=16,
+            mask_s0=0,
+            mask_s1=0,
+            prefix_k_s0=0,
+            prefix_k_s1=16,
+            prefix_k_s2=16,
+            prefix_v_s0=0,
+            prefix_v_s1=16,
+            prefix_v_s2=16,
+            indptr_dtype=0,
+            prefix_rows=4,
+            page_size=1,
+            max_pages=0,
+            page_table_stride=0,
+            num_threads=1,
+        )
         a.update(kw)
         ext.cascade_attention(**a)
 
     call()
-    torch.testing.assert_close(out, dspec.cascade_attention(q, k, v, prefix_k=pk, prefix_v=pk,
-                                                            prefix_indptr=ip32, backend="torch"))
+    torch.testing.assert_close(
+        out, dspec.cascade_attention(q, k, v, prefix_k=pk, prefix_v=pk, prefix_indptr=ip32, backend="torch")
+    )
     for kw, match in [
-        (dict(q=0), "q is a null pointer"), (dict(hkv=3, hq=2), "multiple of hkv"),
-        (dict(dtype=5), "dtype must be"), (dict(q_s1=-1), "strides must be >= 0"),
-        (dict(prefix_rows=3), "prefix_indptr must"), (dict(indptr_dtype=2), "indptr_dtype must"),
-        (dict(isa="sse"), "isa must be"), (dict(sm_scale=float("nan")), "sm_scale must be finite"),
-        (dict(q_s1=2 ** 63 - 8), "overflows int64"),
-        (dict(prefix_indptr=0, page_table=table.data_ptr(), prefix_lens=lens.data_ptr(), max_pages=1,
-              page_size=2, prefix_rows=2, prefix_k_s0=32, prefix_v_s0=32), "prefix_lens\\[0\\] = 3"),
-        (dict(prefix_indptr=0, page_table=table.data_ptr(), prefix_lens=lens.data_ptr(), max_pages=1,
-              page_size=4, prefix_rows=0), "not a page"),
+        (dict(q=0), "q is a null pointer"),
+        (dict(hkv=3, hq=2), "multiple of hkv"),
+        (dict(dtype=5), "dtype must be"),
+        (dict(q_s1=-1), "strides must be >= 0"),
+        (dict(prefix_rows=3), "prefix_indptr must"),
+        (dict(indptr_dtype=2), "indptr_dtype must"),
+        (dict(isa="sse"), "isa must be"),
+        (dict(sm_scale=float("nan")), "sm_scale must be finite"),
+        (dict(q_s1=2**63 - 8), "overflows int64"),
+        (
+            dict(
+                prefix_indptr=0,
+                page_table=table.data_ptr(),
+                prefix_lens=lens.data_ptr(),
+                max_pages=1,
+                page_size=2,
+                prefix_rows=2,
+                prefix_k_s0=32,
+                prefix_v_s0=32,
+            ),
+            "prefix_lens\\[0\\] = 3",
+        ),
+        (
+            dict(
+                prefix_indptr=0,
+                page_table=table.data_ptr(),
+                prefix_lens=lens.data_ptr(),
+                max_pages=1,
+                page_size=4,
+                prefix_rows=0,
+            ),
+            "not a page",
+        ),
     ] + ([] if ext.cascade_attention_isa(2, 64) == "amx" else [(dict(isa="amx"), "isa 'amx' needs")]):
         with pytest.raises(ValueError, match=match):
             call(**kw)
@@ -587,26 +762,50 @@ def test_cpp_chain_rows_equal_one_token_calls(isa, monkeypatch, dtype, plen, n, 
     monkeypatch.setenv("DSPEC_CPU_THREADS", str(threads))
     torch.set_num_threads(threads)
     try:
-        chain = dspec.cascade_attention(q, keys[None, plen:], vals[None, plen:], words, prefix_k=keys[:plen],
-                                        prefix_v=vals[:plen], prefix_indptr=torch.tensor([0, plen]),
-                                        return_lse=True, backend="cpp")
+        chain = dspec.cascade_attention(
+            q,
+            keys[None, plen:],
+            vals[None, plen:],
+            words,
+            prefix_k=keys[:plen],
+            prefix_v=vals[:plen],
+            prefix_indptr=torch.tensor([0, plen]),
+            return_lse=True,
+            backend="cpp",
+        )
         page = 48
         for i in range(n):
             p = plen + i
-            one = dspec.cascade_attention(q[:, i:i + 1], keys[None, p:p + 1], vals[None, p:p + 1], None,
-                                          prefix_k=keys[:p], prefix_v=vals[:p], prefix_indptr=torch.tensor([0, p]),
-                                          return_lse=True, backend="cpp")
+            one = dspec.cascade_attention(
+                q[:, i : i + 1],
+                keys[None, p : p + 1],
+                vals[None, p : p + 1],
+                None,
+                prefix_k=keys[:p],
+                prefix_v=vals[:p],
+                prefix_indptr=torch.tensor([0, p]),
+                return_lse=True,
+                backend="cpp",
+            )
             assert torch.equal(one[0][0, 0], chain[0][0, i]) and torch.equal(one[1][0, 0], chain[1][0, i]), i
-            if i in (0, n - 1):                      # the same through pages that start anywhere
+            if i in (0, n - 1):  # the same through pages that start anywhere
                 pages = -(-p // page) or 1
                 cache_k = torch.zeros(pages, page, hkv, d, dtype=dtype)
                 cache_v = torch.zeros(pages, page, hkv, d, dtype=dtype)
                 cache_k.view(-1, hkv, d)[:p], cache_v.view(-1, hkv, d)[:p] = keys[:p], vals[:p]
                 table = torch.arange(pages, dtype=torch.int32)[None]
-                paged = dspec.cascade_attention(q[:, i:i + 1], keys[None, p:p + 1], vals[None, p:p + 1], None,
-                                                prefix_k=cache_k, prefix_v=cache_v, prefix_page_table=table,
-                                                prefix_lens=torch.tensor([p], dtype=torch.int32),
-                                                return_lse=True, backend="cpp")
+                paged = dspec.cascade_attention(
+                    q[:, i : i + 1],
+                    keys[None, p : p + 1],
+                    vals[None, p : p + 1],
+                    None,
+                    prefix_k=cache_k,
+                    prefix_v=cache_v,
+                    prefix_page_table=table,
+                    prefix_lens=torch.tensor([p], dtype=torch.int32),
+                    return_lse=True,
+                    backend="cpp",
+                )
                 assert torch.equal(paged[0], one[0]) and torch.equal(paged[1], one[1])
     finally:
         torch.set_num_threads(before)
@@ -647,14 +846,16 @@ def test_cpp_rows_depend_only_on_the_keys_they_see(isa, monkeypatch, dtype, plen
     try:
         for name, dense in _layouts(n, g).items():
             words = dspec.ops.pack_mask(dense)
-            out, lse = dspec.cascade_attention(q, keys[None, plen:], vals[None, plen:], words, return_lse=True,
-                                               backend="cpp", **prefix)
+            out, lse = dspec.cascade_attention(
+                q, keys[None, plen:], vals[None, plen:], words, return_lse=True, backend="cpp", **prefix
+            )
             for i in range(n):
                 seen = dense[i].nonzero()[:, 0]
                 at = int((seen == i).nonzero()[0, 0])
                 sk, sv = keys[plen:][seen][None], vals[plen:][seen][None]
-                one, one_lse = dspec.cascade_attention(q[:, seen], sk, sv, None, return_lse=True, backend="cpp",
-                                                       **prefix)
+                one, one_lse = dspec.cascade_attention(
+                    q[:, seen], sk, sv, None, return_lse=True, backend="cpp", **prefix
+                )
                 assert torch.equal(one[0, at], out[0, i]) and torch.equal(one_lse[0, at], lse[0, i]), (name, i)
     finally:
         torch.set_num_threads(before)
@@ -664,6 +865,7 @@ def test_default_backend_yields_to_torch_past_16_rows_without_simd_tiles():
     """Measured: the portable loops lose to torch's attention past 16 suffix rows, so the
     default backend runs the torch reference there; an explicit backend='cpp' does not."""
     from dspec.ops import attention as A
+
     prev = dspec.cpu.set_isa_cap("generic")
     try:
         assert A._by_rows("cpp", None, A._GENERIC_CPP_MAX_ROWS + 1) == "torch"

@@ -1,5 +1,6 @@
 """The command line: ``python -m dspec generate`` and ``python -m dspec bench`` on tiny random
 checkpoints (option parsing, batch files, errors, the benchmark grid's JSON / PNG)."""
+
 import json
 import subprocess
 import sys
@@ -25,13 +26,23 @@ def run_cli(capsys, *argv):
 
 
 def test_help_of_both_subcommands(capsys):
-    gen = subprocess.run([sys.executable, "-m", "dspec", "generate", "--help"],
-                         capture_output=True, text=True, timeout=300)
+    gen = subprocess.run(
+        [sys.executable, "-m", "dspec", "generate", "--help"], capture_output=True, text=True, timeout=300
+    )
     assert gen.returncode == 0, gen.stderr
-    for flag in ("--method", "--block-size", "--tokens-per-step", "--threshold", "--draft-len",
-                 "--option", "--drafter", "--batch-file", "diffusion"):
+    for flag in (
+        "--method",
+        "--block-size",
+        "--tokens-per-step",
+        "--threshold",
+        "--draft-len",
+        "--option",
+        "--drafter",
+        "--batch-file",
+        "diffusion",
+    ):
         assert flag in gen.stdout
-    with pytest.raises(SystemExit) as e:          # in-process: one interpreter start is enough
+    with pytest.raises(SystemExit) as e:  # in-process: one interpreter start is enough
         main(["bench", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
@@ -40,8 +51,15 @@ def test_help_of_both_subcommands(capsys):
 
 
 def test_parse_value_and_options():
-    assert [parse_value(v) for v in ("3", "0.5", "true", "False", "none", "vp", "1e-3")] == \
-        [3, 0.5, True, False, None, "vp", 1e-3]
+    assert [parse_value(v) for v in ("3", "0.5", "true", "False", "none", "vp", "1e-3")] == [
+        3,
+        0.5,
+        True,
+        False,
+        None,
+        "vp",
+        1e-3,
+    ]
     assert parse_options(["draft-len=4", "policy=ucb"]) == {"draft_len": 4, "policy": "ucb"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_options(["oops"])
@@ -50,8 +68,18 @@ def test_parse_value_and_options():
 
 
 def test_generate_on_a_tiny_checkpoint(ckpts, capsys):
-    code, out, _ = run_cli(capsys, "generate", "--model", ckpts["llama"], "--prompt", "w5 w17 w42",
-                           "--max-new-tokens", 5, "--json", "--no-progress")
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        ckpts["llama"],
+        "--prompt",
+        "w5 w17 w42",
+        "--max-new-tokens",
+        5,
+        "--json",
+        "--no-progress",
+    )
     assert code == 0
     got = json.loads(out)
     model = dspec.load(ckpts["llama"])
@@ -59,26 +87,56 @@ def test_generate_on_a_tiny_checkpoint(ckpts, capsys):
     assert got["tokens"] == ref.tokens and got["text"] == ref.text
     assert got["stats"]["nfe"]["target"] == ref.stats["nfe"]["target"]
     # plain output: the text on stdout, the stats as one JSON line on stderr
-    code, out, err = run_cli(capsys, "generate", "--model", ckpts["llama"], "--prompt", "w5 w17 w42",
-                             "--max-new-tokens", 5, "--no-progress")
+    code, out, err = run_cli(
+        capsys, "generate", "--model", ckpts["llama"], "--prompt", "w5 w17 w42", "--max-new-tokens", 5, "--no-progress"
+    )
     assert code == 0 and out.strip() == ref.text.strip()
     assert json.loads(err.strip().splitlines()[-1])["new_tokens"] == len(ref.tokens)
 
 
 def test_method_options_reach_the_method(ckpts, capsys):
     model = dspec.load(ckpts["llada"])
-    code, out, _ = run_cli(capsys, "generate", "--model", ckpts["llada"], "--method", "diffusion",
-                           "--block-size", 2, "--option", "tokens-per-step=2", "--prompt", "w5 w6",
-                           "--max-new-tokens", 4, "--json", "--no-progress")
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        ckpts["llada"],
+        "--method",
+        "diffusion",
+        "--block-size",
+        2,
+        "--option",
+        "tokens-per-step=2",
+        "--prompt",
+        "w5 w6",
+        "--max-new-tokens",
+        4,
+        "--json",
+        "--no-progress",
+    )
     assert code == 0
     got = json.loads(out)
-    ref = dspec.generate(model, "w5 w6", method="diffusion", max_new_tokens=4, block_size=2,
-                         tokens_per_step=2)
+    ref = dspec.generate(model, "w5 w6", method="diffusion", max_new_tokens=4, block_size=2, tokens_per_step=2)
     assert got["tokens"] == ref.tokens
     assert got["stats"]["block_size"] == 2 and got["stats"]["nfe"]["target"] == 2
-    code, out, _ = run_cli(capsys, "generate", "--model", ckpts["llada"], "--method", "diffusion",
-                           "--block-size", 2, "--threshold", 0.5, "--prompt", "w5 w6",
-                           "--max-new-tokens", 4, "--json", "--no-progress")
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        ckpts["llada"],
+        "--method",
+        "diffusion",
+        "--block-size",
+        2,
+        "--threshold",
+        0.5,
+        "--prompt",
+        "w5 w6",
+        "--max-new-tokens",
+        4,
+        "--json",
+        "--no-progress",
+    )
     assert code == 0 and json.loads(out)["stats"]["schedule"] == "threshold"
 
 
@@ -88,8 +146,20 @@ def test_batch_file(ckpts, capsys, tmp_path, suffix):
     path = tmp_path / f"prompts{suffix}"
     lines = [json.dumps({"prompt": p}) if suffix == ".jsonl" else p for p in prompts]
     path.write_text("\n".join(lines) + "\n\n")
-    code, out, _ = run_cli(capsys, "generate", "--model", ckpts["sdar"], "--method", "diffusion",
-                           "--batch-file", path, "--max-new-tokens", 4, "--json", "--no-progress")
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        ckpts["sdar"],
+        "--method",
+        "diffusion",
+        "--batch-file",
+        path,
+        "--max-new-tokens",
+        4,
+        "--json",
+        "--no-progress",
+    )
     assert code == 0
     rows = [json.loads(line) for line in out.splitlines()]
     ref = dspec.generate(dspec.load(ckpts["sdar"]), prompts, method="diffusion", max_new_tokens=4)
@@ -100,12 +170,14 @@ def test_batch_file(ckpts, capsys, tmp_path, suffix):
 def test_generate_errors(ckpts, capsys, tmp_path):
     base = ["generate", "--model", ckpts["sdar"], "--prompt", "w1 w2", "--max-new-tokens", 2, "--no-progress"]
     no_prompt = base[:3] + base[5:]
-    for argv, match in ((base + ["--method", "nope"], "invalid choice"),
-                        (base + ["--option", "oops"], "KEY=VALUE"),
-                        (base + ["--block-size", 2, "--option", "block_size=4"], "both given"),
-                        (base + ["--batch-file", tmp_path / "p.txt"], "not allowed with"),
-                        (no_prompt + ["--batch-file", tmp_path / "missing.txt"], "missing.txt"),
-                        (base + ["--chat"], "no chat template")):
+    for argv, match in (
+        (base + ["--method", "nope"], "invalid choice"),
+        (base + ["--option", "oops"], "KEY=VALUE"),
+        (base + ["--block-size", 2, "--option", "block_size=4"], "both given"),
+        (base + ["--batch-file", tmp_path / "p.txt"], "not allowed with"),
+        (no_prompt + ["--batch-file", tmp_path / "missing.txt"], "missing.txt"),
+        (base + ["--chat"], "no chat template"),
+    ):
         with pytest.raises(SystemExit) as e:
             main([str(a) for a in argv])
         assert e.value.code == 2
@@ -116,9 +188,11 @@ def test_generate_errors(ckpts, capsys, tmp_path):
         main([str(a) for a in no_prompt + ["--batch-file", empty]])
     assert "holds no prompt" in capsys.readouterr().err
     # errors from the method itself: exit status 2 and the ValueError's message
-    for extra, match in ((["--method", "diffusion", "--draft-len", 3], "does not take"),
-                         (["--method", "diffusion", "--threshold", 2.0], "threshold"),
-                         (["--method", "ar", "--drafter", ckpts["llama"]], "takes no drafter")):
+    for extra, match in (
+        (["--method", "diffusion", "--draft-len", 3], "does not take"),
+        (["--method", "diffusion", "--threshold", 2.0], "threshold"),
+        (["--method", "ar", "--drafter", ckpts["llama"]], "takes no drafter"),
+    ):
         code, _, err = run_cli(capsys, *(base + extra))
         assert code == 2 and match in err, err
     code, _, err = run_cli(capsys, "generate", "--model", "no-such-model", "--no-progress")
@@ -128,10 +202,29 @@ def test_generate_errors(ckpts, capsys, tmp_path):
 def test_bench_quick_on_tiny_checkpoints(ckpts, capsys, tmp_path):
     out_dir = tmp_path / "bench"
     code, out, _ = run_cli(
-        capsys, "bench", "--dllm", ckpts["llada"], "--target", ckpts["llama"], "--quick",
-        "--prompts", 1, "--prompt-sets", "arithmetic", "--configs",
-        "ar,diffusion-static-1,diffusion-dynamic", "--add-config", "bd-on-ar=diffusion@target",
-        "--add-config", "ar-bad-option=ar:foo=1", "--out", out_dir, "--name", "grid", "--no-progress")
+        capsys,
+        "bench",
+        "--dllm",
+        ckpts["llada"],
+        "--target",
+        ckpts["llama"],
+        "--quick",
+        "--prompts",
+        1,
+        "--prompt-sets",
+        "arithmetic",
+        "--configs",
+        "ar,diffusion-static-1,diffusion-dynamic",
+        "--add-config",
+        "bd-on-ar=diffusion@target",
+        "--add-config",
+        "ar-bad-option=ar:foo=1",
+        "--out",
+        out_dir,
+        "--name",
+        "grid",
+        "--no-progress",
+    )
     assert code == 0, out
     payload = json.loads((out_dir / "grid.json").read_text())
     assert (out_dir / "grid.png").stat().st_size > 0
@@ -162,22 +255,43 @@ def test_bench_lossless_column_compares_texts_with_the_reference():
     def call(config, texts):
         return {"config": config, "prompt_set": "humaneval", "task_ids": ["a", "b"], "texts": texts}
 
-    calls = [call("ar", ["x", "y"]), call("dflash", ["x", "z"]), call("diffusion-static-1", ["p", "q"]),
-             call("ssd", ["p", "q"]), call("s2d2-always", ["x", "y"])]
-    rows = [{"config": c, "method": c.split("-")[0] if c != "diffusion-static-1" else "diffusion",
-             "prompt_set": "humaneval"} for c in ("ar", "dflash", "ssd", "s2d2-always", "diffusion-static-1")]
+    calls = [
+        call("ar", ["x", "y"]),
+        call("dflash", ["x", "z"]),
+        call("diffusion-static-1", ["p", "q"]),
+        call("ssd", ["p", "q"]),
+        call("s2d2-always", ["x", "y"]),
+    ]
+    rows = [
+        {
+            "config": c,
+            "method": c.split("-")[0] if c != "diffusion-static-1" else "diffusion",
+            "prompt_set": "humaneval",
+        }
+        for c in ("ar", "dflash", "ssd", "s2d2-always", "diffusion-static-1")
+    ]
     add_lossless_checks(rows, calls, temperature=0.0)
     got = {r["config"]: (r.get("reference"), r.get("same_as_reference")) for r in rows}
-    assert got == {"ar": (None, None), "dflash": ("ar", 0.5), "ssd": ("diffusion-static-1", 1.0),
-                   "s2d2-always": ("ar", 1.0), "diffusion-static-1": (None, None)}
+    assert got == {
+        "ar": (None, None),
+        "dflash": ("ar", 0.5),
+        "ssd": ("diffusion-static-1", 1.0),
+        "s2d2-always": ("ar", 1.0),
+        "diffusion-static-1": (None, None),
+    }
     sampled = [dict(r, same_as_reference=None) for r in rows]
     add_lossless_checks(sampled, calls, temperature=1.0)
     assert all(r["same_as_reference"] is None for r in sampled)
 
 
 def test_bench_argument_errors_and_listing(capsys):
-    for argv in (["--prompt-sets", "nope"], ["--configs", "nope"], ["--add-config", "broken"],
-                 ["--add-config", "x=nomethod"], ["--prompts", "0"]):
+    for argv in (
+        ["--prompt-sets", "nope"],
+        ["--configs", "nope"],
+        ["--add-config", "broken"],
+        ["--add-config", "x=nomethod"],
+        ["--prompts", "0"],
+    ):
         with pytest.raises(SystemExit) as e:
             main(["bench", *argv, "--list-configs"])
         assert e.value.code == 2
@@ -192,23 +306,41 @@ def test_config_specs_and_resolution():
     assert parse_config_spec("t=ar").family == "target"
     assert parse_config_spec("bd=diffusion@target").family == "target"
     variants, why = resolve(Config("x", "diffusion", "dllm", {"threshold": 0.9}))
-    assert why is None and variants == [(Config("x", "diffusion", "dllm", {"threshold": 0.9}),
-                                         {"threshold": 0.9})]
+    assert why is None and variants == [(Config("x", "diffusion", "dllm", {"threshold": 0.9}), {"threshold": 0.9})]
     names = [c.name for c in CONFIGS]
     assert len(names) == len(set(names)) and "ar" in names and "diffusion-dynamic" in names
 
 
-@pytest.mark.parametrize("method, drafter", [
-    ("dflash", "tiny-ar-dflash"),                                   # a shipped drafter name
-    ("dflash", "{assets}/tiny-ar-dflash"),                          # a drafter directory
-    ("d2sd", "{assets}/tiny-ar-dflash,{assets}/tiny-ar-vp"),       # DFlash + VP directories
-    ("d2sd", "tiny-ar-dflash"),                                     # DFlash only: the shipped VP
-    ("diffuspec", "tiny-bd"),                                       # a dLLM drafter: a model name
-])
+@pytest.mark.parametrize(
+    "method, drafter",
+    [
+        ("dflash", "tiny-ar-dflash"),  # a shipped drafter name
+        ("dflash", "{assets}/tiny-ar-dflash"),  # a drafter directory
+        ("d2sd", "{assets}/tiny-ar-dflash,{assets}/tiny-ar-vp"),  # DFlash + VP directories
+        ("d2sd", "tiny-ar-dflash"),  # DFlash only: the shipped VP
+        ("diffuspec", "tiny-bd"),  # a dLLM drafter: a model name
+    ],
+)
 def test_drafter_forms(capsys, method, drafter):
     from dspec.models.dflash import ASSETS
-    argv = ["generate", "--model", "tiny-ar", "--no-chat", "--prompt", "Compute: 2 + 3 =", "--method", method,
-            "--max-new-tokens", 4, "--no-progress", "--threads", 1, "--drafter", drafter.format(assets=ASSETS)]
+
+    argv = [
+        "generate",
+        "--model",
+        "tiny-ar",
+        "--no-chat",
+        "--prompt",
+        "Compute: 2 + 3 =",
+        "--method",
+        method,
+        "--max-new-tokens",
+        4,
+        "--no-progress",
+        "--threads",
+        1,
+        "--drafter",
+        drafter.format(assets=ASSETS),
+    ]
     code, out, err = run_cli(capsys, *argv)
     assert code == 0, err
     assert json.loads(err.strip().splitlines()[-1])["nfe"]["drafter"] >= 1
@@ -223,20 +355,43 @@ def test_drafter_errors_name_the_flag(capsys):
 
 
 def test_help_shows_defaults_models_and_method_options():
-    out = subprocess.run([sys.executable, "-m", "dspec", "generate", "--help"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "dspec", "generate", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for text in ("(default: 64)", "(default: cpu)", "tiny-ar", "method options", "d2sd", "--threads"):
         assert text in out, text
 
 
 def test_bench_drafter_reaches_the_methods_that_take_it(capsys, tmp_path):
     from dspec.models.dflash import ASSETS
+
     out_dir = tmp_path / "bench"
     code, out, _ = run_cli(
-        capsys, "bench", "--dllm", "tiny-bd", "--target", "tiny-ar", "--prompts", 1, "--max-new-tokens", 8,
-        "--prompt-sets", "arithmetic", "--configs", "dflash,d2sd-K2,diffuspec", "--threads", 1,
-        "--drafter", f"{ASSETS}/tiny-ar-dflash,{ASSETS}/tiny-ar-vp", "--out", out_dir, "--name", "d",
-        "--no-progress", "--no-plot")
+        capsys,
+        "bench",
+        "--dllm",
+        "tiny-bd",
+        "--target",
+        "tiny-ar",
+        "--prompts",
+        1,
+        "--max-new-tokens",
+        8,
+        "--prompt-sets",
+        "arithmetic",
+        "--configs",
+        "dflash,d2sd-K2,diffuspec",
+        "--threads",
+        1,
+        "--drafter",
+        f"{ASSETS}/tiny-ar-dflash,{ASSETS}/tiny-ar-vp",
+        "--out",
+        out_dir,
+        "--name",
+        "d",
+        "--no-progress",
+        "--no-plot",
+    )
     assert code == 0, out
     payload = json.loads((out_dir / "d.json").read_text())
     assert not payload["errors"]

@@ -6,6 +6,7 @@ The cases, shapes and tolerances follow flashinfer's tests of ``chain_speculativ
 (tests/utils/test_triton_cascade.py, tests/trace/*merge_state*), re-expressed here; the
 statistical checks and the direct-softmax references are this project's.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,6 +24,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # chain_speculative_sampling
 # ---------------------------------------------------------------------------------------
 
+
 def _normalised(*shape, device, gen):
     x = torch.rand(*shape, generator=gen, device=device)
     return x / x.sum(-1, keepdim=True)
@@ -32,13 +34,13 @@ def _normalised(*shape, device, gen):
 @pytest.mark.parametrize("onehot_target", [False, True])
 @pytest.mark.parametrize("num_speculate_tokens", [1, 3, 5, 7])
 @pytest.mark.parametrize("batch_size,vocab_size", [(1, 111), (99, 111), (1, 32000), (99, 4096)])
-def test_chain_speculative_sampling_outputs_are_well_formed(batch_size, vocab_size,
-                                                             num_speculate_tokens, onehot_target,
-                                                             device):
+def test_chain_speculative_sampling_outputs_are_well_formed(
+    batch_size, vocab_size, num_speculate_tokens, onehot_target, device
+):
     gen = torch.Generator(device=device).manual_seed(batch_size * 1000 + vocab_size + num_speculate_tokens)
     b, n, v = batch_size, num_speculate_tokens, vocab_size
     draft_probs = _normalised(b, n, v, device=device, gen=gen)
-    draft_ids = torch.randint(v, (b, n), generator=gen, device=device)          # int64, as theirs
+    draft_ids = torch.randint(v, (b, n), generator=gen, device=device)  # int64, as theirs
     if onehot_target:
         target_ids = torch.randint(v, (b, n + 1), generator=gen, device=device)
         target_ids[:, :n] = draft_ids
@@ -50,7 +52,8 @@ def test_chain_speculative_sampling_outputs_are_well_formed(batch_size, vocab_si
         accepted = torch.zeros(b, dtype=torch.int32, device=device)
         emitted = torch.zeros(b, dtype=torch.int32, device=device)
         out, accepted, emitted = fi.chain_speculative_sampling(
-            draft_probs, draft_ids, target_probs, accepted, emitted, generator=gen)
+            draft_probs, draft_ids, target_probs, accepted, emitted, generator=gen
+        )
         assert out.dtype == torch.int32 and out.shape == (b, n + 1)
         if onehot_target:
             # every draft is the target's only token: all accepted, the bonus is the target's
@@ -64,7 +67,7 @@ def test_chain_speculative_sampling_outputs_are_well_formed(batch_size, vocab_si
                 at = mismatch[row].nonzero().flatten()
                 if len(at):
                     assert torch.equal(at, torch.arange(int(at[0]), n, device=device)), "contiguous"
-                    assert bool((out[row, int(at[0]) + 1:] == -1).all())
+                    assert bool((out[row, int(at[0]) + 1 :] == -1).all())
         assert torch.equal((emitted + 1).long(), (out != -1).sum(1))
         assert bool((accepted >= emitted).all()) and bool((accepted <= n).all())
 
@@ -72,8 +75,7 @@ def test_chain_speculative_sampling_outputs_are_well_formed(batch_size, vocab_si
 @pytest.mark.parametrize("device", DEVICES)
 def test_chain_speculative_sampling_rejects_a_draft_the_target_cannot_emit(device):
     draft = torch.tensor([[[0.1, 0.2, 0.3, 0.4], [0.2, 0.3, 0.4, 0.1]]], device=device)
-    target = torch.tensor([[[0.0, 0.1, 0.6, 0.3], [1.0, 0.0, 0.0, 0.0], [0.7, 0.1, 0.1, 0.1]]],
-                          device=device)
+    target = torch.tensor([[[0.0, 0.1, 0.6, 0.3], [1.0, 0.0, 0.0, 0.0], [0.7, 0.1, 0.1, 0.1]]], device=device)
     ids = torch.tensor([[2, 1]], dtype=torch.int32, device=device)
     for seed in range(20):
         out, accepted, emitted = fi.chain_speculative_sampling(draft, ids, target, seed=seed, offset=0)
@@ -109,10 +111,10 @@ def test_chain_speculative_sampling_is_lossless_and_accepts_at_the_expected_rate
     rows, n, v = 40000, 2, 6
     q = _normalised(n, v, device="cpu", gen=gen)
     p = _normalised(n + 1, v, device="cpu", gen=gen)
-    draft_ids = torch.stack([torch.multinomial(q[i], rows, replacement=True, generator=gen)
-                             for i in range(n)], dim=1)
+    draft_ids = torch.stack([torch.multinomial(q[i], rows, replacement=True, generator=gen) for i in range(n)], dim=1)
     out, accepted, emitted = fi.chain_speculative_sampling(
-        q.expand(rows, n, v), draft_ids, p.expand(rows, n + 1, v), generator=gen)
+        q.expand(rows, n, v), draft_ids, p.expand(rows, n + 1, v), generator=gen
+    )
     freq = torch.bincount(out[:, 0].long(), minlength=v).double() / rows
     sigma = (p[0].double() * (1 - p[0].double()) / rows).sqrt()
     assert bool(((freq - p[0].double()).abs() <= 5 * sigma + 1e-4).all()), (freq, p[0])
@@ -123,7 +125,7 @@ def test_chain_speculative_sampling_is_lossless_and_accepts_at_the_expected_rate
     b_rejected_passes = (q.double() * r * (1 - r)).sum(-1)
     expected, reach = 0.0, 1.0
     for k in range(n):
-        expected += reach * (overlap[k] + b_rejected_passes[k] + (1 - overlap[k]) * overlap[k + 1:].sum())
+        expected += reach * (overlap[k] + b_rejected_passes[k] + (1 - overlap[k]) * overlap[k + 1 :].sum())
         reach *= float(overlap[k])
     mean = accepted.double().mean()
     assert abs(mean - expected) <= 5 * math.sqrt(n * n / (4 * rows)), (mean, expected)
@@ -143,30 +145,46 @@ def test_chain_speculative_sampling_seed_and_offset_are_reproducible(device):
         assert torch.equal(x, y)
     assert not torch.equal(first[0], moved[0])
     as_tensors = fi.chain_speculative_sampling(
-        draft, ids, target, seed=torch.tensor([7], device=device), offset=torch.tensor([11], device=device))
+        draft, ids, target, seed=torch.tensor([7], device=device), offset=torch.tensor([11], device=device)
+    )
     assert torch.equal(as_tensors[0], first[0])
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda d, i, t: fi.chain_speculative_sampling(d, i[:, :2], t), "draft_token_ids"),
-    (lambda d, i, t: fi.chain_speculative_sampling(d, i, t[:, :3]), "target_probs"),
-    (lambda d, i, t: fi.chain_speculative_sampling(d, i.float(), t), "draft_token_ids"),
-    (lambda d, i, t: fi.chain_speculative_sampling(d[0], i, t), "draft_probs"),
-    (lambda d, i, t: fi.chain_speculative_sampling(d, i + 100, t), "draft_token_ids"),
-    (lambda d, i, t: fi.chain_speculative_sampling(d * 20, i, t), "draft_probs"),
-    (lambda d, i, t: fi.chain_speculative_sampling(d, i, -t), "target_probs"),
-    (lambda d, i, t: fi.chain_speculative_sampling(d, i, t, torch.zeros(3, dtype=torch.int32)),
-     "maybe_output_accepted_token_num"),
-    (lambda d, i, t: fi.chain_speculative_sampling(d, i, t, None, torch.zeros(2)),
-     "maybe_output_emitted_draft_token_num"),
-    (lambda d, i, t: fi.chain_speculative_sampling(d, i, t, generator=3), "generator"),
-    (lambda d, i, t: fi.chain_speculative_sampling(d, i, t, deterministic="yes"), "deterministic"),
-    (lambda d, i, t: fi.chain_speculative_sampling(d, i, t, seed=1, offset=torch.tensor([1])), "seed"),
-    (lambda d, i, t: fi.chain_speculative_sampling(d, i, t, seed=torch.tensor([1], dtype=torch.int32),
-                                                   offset=torch.tensor([1], dtype=torch.int32)), "seed"),
-    (lambda d, i, t: fi.chain_speculative_sampling(d, i, t, seed=torch.tensor([1, 2, 3]),
-                                                   offset=torch.tensor([1])), "seed"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda d, i, t: fi.chain_speculative_sampling(d, i[:, :2], t), "draft_token_ids"),
+        (lambda d, i, t: fi.chain_speculative_sampling(d, i, t[:, :3]), "target_probs"),
+        (lambda d, i, t: fi.chain_speculative_sampling(d, i.float(), t), "draft_token_ids"),
+        (lambda d, i, t: fi.chain_speculative_sampling(d[0], i, t), "draft_probs"),
+        (lambda d, i, t: fi.chain_speculative_sampling(d, i + 100, t), "draft_token_ids"),
+        (lambda d, i, t: fi.chain_speculative_sampling(d * 20, i, t), "draft_probs"),
+        (lambda d, i, t: fi.chain_speculative_sampling(d, i, -t), "target_probs"),
+        (
+            lambda d, i, t: fi.chain_speculative_sampling(d, i, t, torch.zeros(3, dtype=torch.int32)),
+            "maybe_output_accepted_token_num",
+        ),
+        (
+            lambda d, i, t: fi.chain_speculative_sampling(d, i, t, None, torch.zeros(2)),
+            "maybe_output_emitted_draft_token_num",
+        ),
+        (lambda d, i, t: fi.chain_speculative_sampling(d, i, t, generator=3), "generator"),
+        (lambda d, i, t: fi.chain_speculative_sampling(d, i, t, deterministic="yes"), "deterministic"),
+        (lambda d, i, t: fi.chain_speculative_sampling(d, i, t, seed=1, offset=torch.tensor([1])), "seed"),
+        (
+            lambda d, i, t: fi.chain_speculative_sampling(
+                d, i, t, seed=torch.tensor([1], dtype=torch.int32), offset=torch.tensor([1], dtype=torch.int32)
+            ),
+            "seed",
+        ),
+        (
+            lambda d, i, t: fi.chain_speculative_sampling(
+                d, i, t, seed=torch.tensor([1, 2, 3]), offset=torch.tensor([1])
+            ),
+            "seed",
+        ),
+    ],
+)
 def test_chain_speculative_sampling_rejects_bad_input_naming_it(call, match):
     d = torch.full((2, 3, 10), 0.1)
     i = torch.zeros(2, 3, dtype=torch.int32)
@@ -179,6 +197,7 @@ def test_chain_speculative_sampling_rejects_bad_input_naming_it(call, match):
 # merge_state / merge_state_in_place / merge_states (base-2 log-sum-exp)
 # ---------------------------------------------------------------------------------------
 
+
 def _attend(q, k, v):
     """Per query and head: (softmax(q.k / sqrt(D)) @ v, base-2 lse) in float64.
     q [n, H, D], k/v [m, H, D] -> out [n, H, D], lse2 [n, H]."""
@@ -189,7 +208,7 @@ def _attend(q, k, v):
 
 def _reference_merge(v, s):
     """Direct float64 merge of states v [n, S, H, D], s [n, S, H] (base 2)."""
-    total = torch.logsumexp(s.double() * math.log(2.0), dim=1)              # natural
+    total = torch.logsumexp(s.double() * math.log(2.0), dim=1)  # natural
     w = torch.exp(s.double() * math.log(2.0) - total[:, None])
     return (w[..., None] * v.double()).sum(1), total / math.log(2.0)
 
@@ -204,8 +223,9 @@ def test_merge_state_equals_attention_over_the_concatenated_keys(dtype, tol, dev
     out_a, lse_a = _attend(q, k[:ma], v[:ma])
     out_b, lse_b = _attend(q, k[ma:], v[ma:])
     to = dict(device=device)
-    merged, lse = fi.merge_state(out_a.to(dtype=dtype, **to), lse_a.float().to(**to),
-                                 out_b.to(dtype=dtype, **to), lse_b.float().to(**to))
+    merged, lse = fi.merge_state(
+        out_a.to(dtype=dtype, **to), lse_a.float().to(**to), out_b.to(dtype=dtype, **to), lse_b.float().to(**to)
+    )
     assert merged.dtype == dtype and lse.dtype == torch.float32
     assert merged.shape == (n, heads, dim) and lse.shape == (n, heads)
     torch.testing.assert_close(merged.double().cpu(), full_out, rtol=tol, atol=tol)
@@ -251,9 +271,11 @@ def test_merge_state_in_place_with_mask(device):
     want_v, want_s = fi.merge_state(va0, sa0, vb, sb)
     assert torch.equal(ref_v, want_v) and torch.equal(ref_s, want_s)
 
-    for mask, expect in ((torch.ones(seq_len, dtype=torch.bool), (ref_v, ref_s)),
-                         (torch.zeros(seq_len, dtype=torch.bool), (va0, sa0)),
-                         (torch.ones(seq_len, dtype=torch.uint8), (ref_v, ref_s))):
+    for mask, expect in (
+        (torch.ones(seq_len, dtype=torch.bool), (ref_v, ref_s)),
+        (torch.zeros(seq_len, dtype=torch.bool), (va0, sa0)),
+        (torch.ones(seq_len, dtype=torch.uint8), (ref_v, ref_s)),
+    ):
         v, s = va0.clone(), sa0.clone()
         fi.merge_state_in_place(v, s, vb, sb, mask=mask.to(device))
         torch.testing.assert_close(v, expect[0], rtol=1e-3, atol=1e-3)
@@ -270,8 +292,9 @@ def test_merge_state_in_place_with_mask(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("seq_len,num_states,num_heads,head_dim",
-                         [(16, 3, 4, 64), (7, 2, 2, 64), (64, 100, 4, 64), (5, 1, 2, 8)])
+@pytest.mark.parametrize(
+    "seq_len,num_states,num_heads,head_dim", [(16, 3, 4, 64), (7, 2, 2, 64), (64, 100, 4, 64), (5, 1, 2, 8)]
+)
 def test_merge_states_against_a_direct_merge(seq_len, num_states, num_heads, head_dim, device):
     gen = torch.Generator().manual_seed(seq_len + num_states)
     v = torch.randn(seq_len, num_states, num_heads, head_dim, generator=gen).half()
@@ -308,19 +331,22 @@ def test_merge_states_of_empty_and_no_states(device):
     assert torch.equal(out, torch.zeros(4, 2, 8, device=device)) and bool(torch.isneginf(lse).all())
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda v, s: fi.merge_state(v, s, v[:2], s[:2]), "v_b"),
-    (lambda v, s: fi.merge_state(v, s[:, :1], v, s), "s_a"),
-    (lambda v, s: fi.merge_state(v, s, v.half(), s), "v_b"),
-    (lambda v, s: fi.merge_state(v.int(), s, v, s), "v_a"),
-    (lambda v, s: fi.merge_state(v, s, v, s.int()), "s_b"),
-    (lambda v, s: fi.merge_state_in_place(v, s.half(), v, s), "s"),
-    (lambda v, s: fi.merge_state_in_place(v, s, v, s, mask=torch.ones(2, dtype=torch.bool)), "mask"),
-    (lambda v, s: fi.merge_state_in_place(v, s, v, s, mask=torch.ones(3)), "mask"),
-    (lambda v, s: fi.merge_state_in_place(v, s, v[..., :4], s), "v_other"),
-    (lambda v, s: fi.merge_states(v, s), "v"),
-    (lambda v, s: fi.merge_states(v[:, None], s), "s"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda v, s: fi.merge_state(v, s, v[:2], s[:2]), "v_b"),
+        (lambda v, s: fi.merge_state(v, s[:, :1], v, s), "s_a"),
+        (lambda v, s: fi.merge_state(v, s, v.half(), s), "v_b"),
+        (lambda v, s: fi.merge_state(v.int(), s, v, s), "v_a"),
+        (lambda v, s: fi.merge_state(v, s, v, s.int()), "s_b"),
+        (lambda v, s: fi.merge_state_in_place(v, s.half(), v, s), "s"),
+        (lambda v, s: fi.merge_state_in_place(v, s, v, s, mask=torch.ones(2, dtype=torch.bool)), "mask"),
+        (lambda v, s: fi.merge_state_in_place(v, s, v, s, mask=torch.ones(3)), "mask"),
+        (lambda v, s: fi.merge_state_in_place(v, s, v[..., :4], s), "v_other"),
+        (lambda v, s: fi.merge_states(v, s), "v"),
+        (lambda v, s: fi.merge_states(v[:, None], s), "s"),
+    ],
+)
 def test_merge_calls_reject_bad_input_naming_it(call, match):
     v, s = torch.randn(3, 2, 8), torch.randn(3, 2)
     with pytest.raises(ValueError, match=rf"\b{match}\b"):

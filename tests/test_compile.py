@@ -1,5 +1,6 @@
 """dspec's ops are torch.library custom ops: opcheck each, and torch.compile(fullgraph=True)
 traces a whole speculative step with no graph break and matches eager exactly."""
+
 import os
 
 import pytest
@@ -47,22 +48,41 @@ def _op_cases():
         ("rejection_boundaries", (conf, 2), ("torch", "triton")),
         ("expected_accept_length", (conf,), ("torch", "triton")),
         ("verify_chain", (drafts, logits, None, None, 0.0, None, None), all4),
-        ("verify_chain", (drafts, logits, torch.softmax(logits[:, :L], -1), torch.tensor([1, 3]),
-                          0.8, coins, uniforms), all4),
+        (
+            "verify_chain",
+            (drafts, logits, torch.softmax(logits[:, :L], -1), torch.tensor([1, 3]), 0.8, coins, uniforms),
+            all4,
+        ),
         ("verify_tree", (tree_tokens, PARENTS, tree_logits, None, "independent", 0.0, None, None), all4),
-        ("verify_tree", (tree_tokens, PARENTS, tree_logits, None, "independent", 0.5,
-                         torch.rand(B, N, generator=g), uniforms), all4),
-        ("verify_tree", (tree_tokens, PARENTS, tree_logits, torch.softmax(tree_logits, -1),
-                         "without_replacement", 0.5, torch.rand(B, N, generator=g), uniforms), all4),
+        (
+            "verify_tree",
+            (tree_tokens, PARENTS, tree_logits, None, "independent", 0.5, torch.rand(B, N, generator=g), uniforms),
+            all4,
+        ),
+        (
+            "verify_tree",
+            (
+                tree_tokens,
+                PARENTS,
+                tree_logits,
+                torch.softmax(tree_logits, -1),
+                "without_replacement",
+                0.5,
+                torch.rand(B, N, generator=g),
+                uniforms,
+            ),
+            all4,
+        ),
         ("pack_mask", (torch.rand(3, 5, 40, generator=g) > 0.5,), all4),
-        ("unpack_mask", (torch.randint(-2**31, 2**31 - 1, (3, 2), dtype=torch.int32, generator=g), 45), all4),
+        ("unpack_mask", (torch.randint(-(2**31), 2**31 - 1, (3, 2), dtype=torch.int32, generator=g), 45), all4),
         ("tree_mask", (PARENTS,), all4),
-        ("cascade_attention", (q, k, v, words, None, None, None, None, None, None, True, None),
-         ("torch", "triton")),
-        ("cascade_attention", (q, k, v, words, pk, pv, torch.tensor([0, 4, 9]), None, None, 0.3,
-                               False, None), ("torch", "triton")),
-        ("cascade_attention", (q, k, v, None, pages_k, pages_v, None, table, lens, None, True, 8),
-         ("torch", "triton")),
+        ("cascade_attention", (q, k, v, words, None, None, None, None, None, None, True, None), ("torch", "triton")),
+        (
+            "cascade_attention",
+            (q, k, v, words, pk, pv, torch.tensor([0, 4, 9]), None, None, 0.3, False, None),
+            ("torch", "triton"),
+        ),
+        ("cascade_attention", (q, k, v, None, pages_k, pages_v, None, table, lens, None, True, 8), ("torch", "triton")),
         ("merge_states", (q, lse, q.flip(1), lse.flip(0)), all4),
     ]
 
@@ -82,8 +102,11 @@ def test_opcheck(case, backend):
     op = getattr(torch.ops.dspec, name).default
     # schema, autograd registration and AOT dispatch do not depend on the backend: check
     # them once (torch); every backend's outputs must match the fake implementation
-    tests = ("test_schema", "test_autograd_registration", "test_faketensor",
-             "test_aot_dispatch_dynamic") if backend == "torch" else ("test_faketensor",)
+    tests = (
+        ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        if backend == "torch"
+        else ("test_faketensor",)
+    )
     torch.library.opcheck(op, (*args, backend), test_utils=tests)
 
 
@@ -93,42 +116,93 @@ def test_every_public_op_is_a_custom_op():
         assert callable(getattr(dspec, name))
 
 
-def _speculative_step(draft_tokens, target_logits, coins, uniforms, parents, q, k, v, prefix_k,
-                      prefix_v, prefix_indptr, pages_k, pages_v, table, lens):
+def _speculative_step(
+    draft_tokens,
+    target_logits,
+    coins,
+    uniforms,
+    parents,
+    q,
+    k,
+    v,
+    prefix_k,
+    prefix_v,
+    prefix_indptr,
+    pages_k,
+    pages_v,
+    table,
+    lens,
+):
     """token_stats -> verify_chain (greedy and sampled) -> verify_tree -> tree_mask ->
     cascade_attention (ragged, paged, suffix only) -> merge_states: what an engine's step does."""
     stats = dspec.token_stats(target_logits[:, :-1])
     greedy = dspec.verify_chain(draft_tokens, target_logits)
-    sampled = dspec.verify_chain(draft_tokens, target_logits, temperature=0.8, coins=coins,
-                                 sample_uniforms=uniforms)
-    tree = dspec.verify_tree(draft_tokens[:, :1].expand(-1, parents.shape[1]).contiguous(), parents,
-                             target_logits[:, :1].expand(-1, parents.shape[1], -1).contiguous())
+    sampled = dspec.verify_chain(draft_tokens, target_logits, temperature=0.8, coins=coins, sample_uniforms=uniforms)
+    tree = dspec.verify_tree(
+        draft_tokens[:, :1].expand(-1, parents.shape[1]).contiguous(),
+        parents,
+        target_logits[:, :1].expand(-1, parents.shape[1], -1).contiguous(),
+    )
     mask = dspec.tree_mask(parents)
-    ragged = dspec.cascade_attention(q, k, v, mask.words, prefix_k=prefix_k, prefix_v=prefix_v,
-                                     prefix_indptr=prefix_indptr)
-    o_prefix, lse_prefix = dspec.cascade_attention(q, k, v, mask.words, prefix_k=pages_k,
-                                                   prefix_v=pages_v, prefix_page_table=table,
-                                                   prefix_lens=lens, max_prefix_len=8,
-                                                   return_lse=True)
+    ragged = dspec.cascade_attention(
+        q, k, v, mask.words, prefix_k=prefix_k, prefix_v=prefix_v, prefix_indptr=prefix_indptr
+    )
+    o_prefix, lse_prefix = dspec.cascade_attention(
+        q,
+        k,
+        v,
+        mask.words,
+        prefix_k=pages_k,
+        prefix_v=pages_v,
+        prefix_page_table=table,
+        prefix_lens=lens,
+        max_prefix_len=8,
+        return_lse=True,
+    )
     o_suffix, lse_suffix = dspec.cascade_attention(q, k, v, mask.words, return_lse=True)
     merged = dspec.merge_states(o_prefix, lse_prefix, o_suffix, lse_suffix)
-    committed = greedy.num_accepted + 1          # engine bookkeeping stays on the device
-    return (stats.token, stats.prob, greedy.tokens, sampled.num_accepted, sampled.tokens,
-            tree.path, tree.tokens, mask.words, mask.depth, ragged, o_prefix, lse_prefix,
-            merged[0], merged[1], committed)
+    committed = greedy.num_accepted + 1  # engine bookkeeping stays on the device
+    return (
+        stats.token,
+        stats.prob,
+        greedy.tokens,
+        sampled.num_accepted,
+        sampled.tokens,
+        tree.path,
+        tree.tokens,
+        mask.words,
+        mask.depth,
+        ragged,
+        o_prefix,
+        lse_prefix,
+        merged[0],
+        merged[1],
+        committed,
+    )
 
 
 def _step_inputs():
     g = torch.Generator().manual_seed(3)
     target = torch.randn(B, L + 1, V, generator=g)
     drafts = target.argmax(-1)[:, :L].clone()
-    drafts[1, 1] = (drafts[1, 1] + 1) % V                 # row 1 rejects its second draft
-    return (drafts, target, torch.rand(B, L, generator=g), torch.rand(B, generator=g), PARENTS,
-            torch.randn(B, N, HQ, D, generator=g), torch.randn(B, N, HKV, D, generator=g),
-            torch.randn(B, N, HKV, D, generator=g), torch.randn(9, HKV, D, generator=g),
-            torch.randn(9, HKV, D, generator=g), torch.tensor([0, 4, 9]),
-            torch.randn(3, 4, HKV, D, generator=g), torch.randn(3, 4, HKV, D, generator=g),
-            torch.tensor([[2, 0], [1, 0]], dtype=torch.int32), torch.tensor([6, 3], dtype=torch.int32))
+    drafts[1, 1] = (drafts[1, 1] + 1) % V  # row 1 rejects its second draft
+    return (
+        drafts,
+        target,
+        torch.rand(B, L, generator=g),
+        torch.rand(B, generator=g),
+        PARENTS,
+        torch.randn(B, N, HQ, D, generator=g),
+        torch.randn(B, N, HKV, D, generator=g),
+        torch.randn(B, N, HKV, D, generator=g),
+        torch.randn(9, HKV, D, generator=g),
+        torch.randn(9, HKV, D, generator=g),
+        torch.tensor([0, 4, 9]),
+        torch.randn(3, 4, HKV, D, generator=g),
+        torch.randn(3, 4, HKV, D, generator=g),
+        torch.tensor([[2, 0], [1, 0]], dtype=torch.int32),
+        torch.tensor([6, 3], dtype=torch.int32),
+    )
 
 
 # inductor compiles C++ for the glue ops (about a minute on a busy 2-core CI machine): opt in
@@ -161,8 +235,7 @@ def test_compile_traces_custom_ops_not_python():
     torch.compile(_speculative_step, fullgraph=True, backend=capture)(*args)
     dspec_calls = [s for s in seen if "dspec" in s]
     assert len(dspec_calls) == 9, seen
-    assert not any(s.startswith("aten.") and ("nonzero" in s or "item" in s or "scalar" in s)
-                   for s in seen), seen
+    assert not any(s.startswith("aten.") and ("nonzero" in s or "item" in s or "scalar" in s) for s in seen), seen
 
 
 def test_public_types_survive_compile():

@@ -1,4 +1,5 @@
 """dspec.cpu: dtype choice by CPU capability, the thread policy, the machine record."""
+
 import pytest
 import torch
 
@@ -9,17 +10,21 @@ from dspec import cpu
 def flags(monkeypatch):
     def set_flags(*names):
         monkeypatch.setattr(cpu, "_cpuinfo", lambda: ("test cpu", frozenset(names)))
+
     return set_flags
 
 
-@pytest.mark.parametrize("names, level, expected", [
-    (("avx2", "avx512f"), "generic", torch.float32),
-    (("avx2", "avx512f"), "avx2", torch.bfloat16),          # dspec's AVX2 tiles widen bf16
-    (("avx2", "avx512f", "avx512_bf16"), "generic", torch.bfloat16),
-    (("avx512f", "amx_tile", "amx_bf16"), "amx", torch.bfloat16),
-    ((), "generic", torch.float32),
-    ((), None, torch.float32),                               # no extension
-])
+@pytest.mark.parametrize(
+    "names, level, expected",
+    [
+        (("avx2", "avx512f"), "generic", torch.float32),
+        (("avx2", "avx512f"), "avx2", torch.bfloat16),  # dspec's AVX2 tiles widen bf16
+        (("avx2", "avx512f", "avx512_bf16"), "generic", torch.bfloat16),
+        (("avx512f", "amx_tile", "amx_bf16"), "amx", torch.bfloat16),
+        ((), "generic", torch.float32),
+        ((), None, torch.float32),  # no extension
+    ],
+)
 def test_default_dtype_follows_native_bf16_and_dspec_tiles(flags, monkeypatch, names, level, expected):
     monkeypatch.delenv("DSPEC_DTYPE", raising=False)
     flags(*names)
@@ -48,14 +53,15 @@ def test_default_dtype_bad_device():
 def test_load_uses_default_dtype(flags, monkeypatch, tmp_path):
     import dspec
     from tiny_checkpoints import write_checkpoint
+
     path = write_checkpoint(tmp_path, "llama", seed=0)
     monkeypatch.delenv("DSPEC_DTYPE", raising=False)
     flags("avx512_bf16")
     assert dspec.load(path).dtype == torch.bfloat16
     assert dspec.load(path, dtype="float32").dtype == torch.float32
-    assert dspec.load("tiny-ar").dtype == torch.float32          # pinned: see hub.SHIPPED_DTYPES
+    assert dspec.load("tiny-ar").dtype == torch.float32  # pinned: see hub.SHIPPED_DTYPES
     flags("avx2")
-    monkeypatch.setattr(cpu, "isa", lambda: "generic")            # no dspec SIMD tiles: fp32
+    monkeypatch.setattr(cpu, "isa", lambda: "generic")  # no dspec SIMD tiles: fp32
     assert dspec.load(path).dtype == torch.float32
     monkeypatch.setattr(cpu, "isa", lambda: "avx2")
     assert dspec.load(path).dtype == torch.bfloat16
@@ -72,7 +78,7 @@ def test_threads_env_and_auto(monkeypatch):
         monkeypatch.setattr(cpu, "busy_cores", lambda sample_s=0.05: 0.0)
         assert cpu.default_threads() == cpu.cores()
         monkeypatch.setattr(cpu, "busy_cores", lambda sample_s=0.05: cpu.cores() + 3.0)
-        assert cpu.default_threads() == 1                        # never below one
+        assert cpu.default_threads() == 1  # never below one
         for bad in ("0", "two", "-1"):
             monkeypatch.setenv("DSPEC_NUM_THREADS", bad)
             with pytest.raises(ValueError, match="DSPEC_NUM_THREADS"):
@@ -104,12 +110,12 @@ def test_torch_ops_one_thread_scope_nests_and_restores():
             assert torch.get_num_threads() == 1 and cpu.kernel_threads() == 2
             with cpu.torch_ops_one_thread():
                 assert torch.get_num_threads() == 1 and cpu.kernel_threads() == 2
-            assert torch.get_num_threads() == 1                      # the outer scope still holds
+            assert torch.get_num_threads() == 1  # the outer scope still holds
         assert torch.get_num_threads() == 2 and cpu.kernel_threads() == 2
         with pytest.raises(RuntimeError, match="inside"):
             with cpu.torch_ops_one_thread():
                 raise RuntimeError("inside")
-        assert torch.get_num_threads() == 2                          # restored on an exception
+        assert torch.get_num_threads() == 2  # restored on an exception
     finally:
         torch.set_num_threads(before)
 

@@ -12,6 +12,7 @@ arithmetic (the kernels sum in float32 trees, the reference in torch's float32 s
 expf / logf are glibc's here, CUDA's on a GPU).  token_stats takes no greedy mode (the
 temperature is positive; verify's greedy calls it with temperature 1, covered here).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -46,9 +47,23 @@ def kernels_sim(tmp_path_factory):
     if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")) or cxx is None:
         pytest.skip("the CUDA simulator needs Linux (x86-64 / aarch64) and a C++17 compiler")
     lib_path = tmp_path_factory.mktemp("kernels_sim") / "libkernels_sim.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-U_FORTIFY_SOURCE", "-w", "-fPIC", "-shared", "-pthread",
-           "-ffp-contract=off", f"-I{ROOT / 'csrc'}", f"-I{SIM_DIR}", str(SIM_DIR / "token_stats_sim.cpp"),
-           str(SIM_DIR / "merge_states_sim.cpp"), "-o", str(lib_path)]
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-O1",
+        "-U_FORTIFY_SOURCE",
+        "-w",
+        "-fPIC",
+        "-shared",
+        "-pthread",
+        "-ffp-contract=off",
+        f"-I{ROOT / 'csrc'}",
+        f"-I{SIM_DIR}",
+        str(SIM_DIR / "token_stats_sim.cpp"),
+        str(SIM_DIR / "merge_states_sim.cpp"),
+        "-o",
+        str(lib_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     lib = ctypes.CDLL(str(lib_path))
@@ -70,8 +85,20 @@ def sim_token_stats(lib, x: torch.Tensor, temperature: float = 1.0, splits: int 
     # a workspace of garbage: every partial state must be written before it is read
     ws = torch.full((max(16, lib.dspec_sim_token_stats_workspace_bytes(rows, splits)),), 0xAB, dtype=torch.uint8)
     err = ctypes.create_string_buffer(512)
-    rc = lib.dspec_sim_token_stats(x.data_ptr(), FLOAT_CODE[x.dtype], rows, vocab, x.stride(0), 1.0 / temperature,
-                                   token.data_ptr(), *(f.data_ptr() for f in floats), splits, ws.data_ptr(), err, 512)
+    rc = lib.dspec_sim_token_stats(
+        x.data_ptr(),
+        FLOAT_CODE[x.dtype],
+        rows,
+        vocab,
+        x.stride(0),
+        1.0 / temperature,
+        token.data_ptr(),
+        *(f.data_ptr() for f in floats),
+        splits,
+        ws.data_ptr(),
+        err,
+        512,
+    )
     assert rc == 0, err.value.decode()
     return TokenStats(token, *floats)
 
@@ -90,13 +117,13 @@ def special_rows(x: torch.Tensor) -> torch.Tensor:
     rows, vocab = x.shape
     x = x.clone()
     if rows >= 8:
-        x[0, vocab // 2] = float("nan")        # invalid: lse NaN
-        x[1] = float("-inf")                   # invalid: lse -inf
-        x[2] = 0.5                             # all equal: token 0, margin 0
-        x[3, ::2] = float("-inf")              # valid with -inf entries
-        x[4, -1] = float("inf")                # invalid: lse +inf
-        x[5, 1] = x[5, -1] = x[5].max() + 1    # exact tie for the max: the lower id
-        x[6] = float("-inf")                   # one finite entry, the last: prob 1, entropy 0
+        x[0, vocab // 2] = float("nan")  # invalid: lse NaN
+        x[1] = float("-inf")  # invalid: lse -inf
+        x[2] = 0.5  # all equal: token 0, margin 0
+        x[3, ::2] = float("-inf")  # valid with -inf entries
+        x[4, -1] = float("inf")  # invalid: lse +inf
+        x[5, 1] = x[5, -1] = x[5].max() + 1  # exact tie for the max: the lower id
+        x[6] = float("-inf")  # one finite entry, the last: prob 1, entropy 0
         x[6, -1] = -3.0
         x[7, 0], x[7, -1] = float("inf"), float("nan")  # NaN and +inf: lse NaN
     return x
@@ -144,8 +171,8 @@ def test_token_stats_misaligned_rows_and_strides(kernels_sim, dtype, offset):
     g = torch.Generator().manual_seed(offset)
     for vocab, splits in ((1003, 1), (2 * TILE + 9, 2)):
         wide = torch.full((5, vocab + 7), float("nan"), dtype=dtype)
-        wide[:, offset:offset + vocab] = (torch.randn(5, vocab, generator=g) * 3).to(dtype)
-        x = wide[:, offset:offset + vocab]
+        wide[:, offset : offset + vocab] = (torch.randn(5, vocab, generator=g) * 3).to(dtype)
+        x = wide[:, offset : offset + vocab]
         check_ts(sim_token_stats(kernels_sim, x, 0.9, splits), x, 0.9, f"vocab={vocab}")
 
 
@@ -154,8 +181,14 @@ def test_token_stats_ties_across_threads_vectors_and_splits(kernels_sim, dtype):
     """Exact ties for the max in different threads, vectors, tiles and splits: the lowest
     column wins and the margin is exactly 0."""
     vocab = 2 * TILE + 11
-    tie_sets = [[4095, 4096], [vocab - 2, vocab - 1], [3, 5000, 8000], [TILE + 1, 9, 2 * TILE + 3],
-                [0, vocab - 1], [513 * 8, 8, 4 * 8]]
+    tie_sets = [
+        [4095, 4096],
+        [vocab - 2, vocab - 1],
+        [3, 5000, 8000],
+        [TILE + 1, 9, 2 * TILE + 3],
+        [0, vocab - 1],
+        [513 * 8, 8, 4 * 8],
+    ]
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(len(tie_sets), vocab, generator=g).clamp(-4, 4)).to(dtype)
     for r, cols in enumerate(tie_sets):
@@ -183,11 +216,22 @@ def sim_merge_states(lib, o_a, lse_a, o_b, lse_b):
     out = torch.full((rows * dim + guard,), 7.0).to(o_a.dtype)
     lse = torch.full((rows + guard,), 7.0)
     err = ctypes.create_string_buffer(512)
-    rc = lib.dspec_sim_merge_states(o_a.data_ptr(), lse_a.data_ptr(), o_b.data_ptr(), lse_b.data_ptr(),
-                                    out.data_ptr(), lse.data_ptr(), FLOAT_CODE[o_a.dtype], rows, dim, err, 512)
+    rc = lib.dspec_sim_merge_states(
+        o_a.data_ptr(),
+        lse_a.data_ptr(),
+        o_b.data_ptr(),
+        lse_b.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        FLOAT_CODE[o_a.dtype],
+        rows,
+        dim,
+        err,
+        512,
+    )
     assert rc == 0, err.value.decode()
-    assert bool((out[rows * dim:] == 7).all()) and bool((lse[rows:] == 7).all())
-    return out[:rows * dim].reshape(rows, dim), lse[:rows]
+    assert bool((out[rows * dim :] == 7).all()) and bool((lse[rows:] == 7).all())
+    return out[: rows * dim].reshape(rows, dim), lse[:rows]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -202,13 +246,13 @@ def test_merge_states_matches_reference(kernels_sim, dtype, rows, dim):
     l_b = torch.randn(rows, generator=g) * 3
     if rows >= 8:
         l_a[0] = l_b[0] = float("-inf")  # two empty states: o = 0, lse = -inf
-        l_a[1] = float("-inf")           # one empty state: the other passes through
+        l_a[1] = float("-inf")  # one empty state: the other passes through
         l_b[2] = float("-inf")
-        l_a[3] = float("nan")            # NaN propagates (as torch.maximum)
-        l_b[4] = l_a[4] + 200.0          # e^{-200}: wa underflows to 0
-        l_b[5] = l_a[5]                  # equal weights
-        l_b[6] = float("inf")            # +inf: NaN, as the reference
-        l_a[7] = l_b[7] = 80.0           # large lse: the shift by the max keeps it finite
+        l_a[3] = float("nan")  # NaN propagates (as torch.maximum)
+        l_b[4] = l_a[4] + 200.0  # e^{-200}: wa underflows to 0
+        l_b[5] = l_a[5]  # equal weights
+        l_b[6] = float("inf")  # +inf: NaN, as the reference
+        l_a[7] = l_b[7] = 80.0  # large lse: the shift by the max keeps it finite
     o, lse = sim_merge_states(kernels_sim, o_a, l_a, o_b, l_b)
     exp_o, exp_lse = merge_reference(o_a, l_a, o_b, l_b)
     assert o.dtype == exp_o.dtype
@@ -232,21 +276,21 @@ def test_token_stats_group_fast_path_cases(kernels_sim, dtype):
     vocab = TILE + 77
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(8, vocab, generator=g).clamp(-4, 4)).to(dtype)
-    x[0, 16:24] = torch.tensor([1.0, 9.0, 2.0, 8.5, 0.0, 3.0, 1.0, 2.0])   # runner-up in the group
-    x[1, 40:48] = torch.tensor([0.0, 9.0, 1.0, 9.0, 2.0, 0.0, 0.0, 0.0])   # tie inside one group
+    x[0, 16:24] = torch.tensor([1.0, 9.0, 2.0, 8.5, 0.0, 3.0, 1.0, 2.0])  # runner-up in the group
+    x[1, 40:48] = torch.tensor([0.0, 9.0, 1.0, 9.0, 2.0, 0.0, 0.0, 0.0])  # tie inside one group
     x[2, 8] = 9.0
-    x[2, 3000] = 9.0                                                        # equal, later group
+    x[2, 3000] = 9.0  # equal, later group
     x[3, 5] = float("inf")
-    x[3, 2000] = float("inf")                                               # two +inf
+    x[3, 2000] = float("inf")  # two +inf
     x[4, 100] = 12.0
-    x[4, 3001] = float("nan")                                               # NaN after the max
+    x[4, 3001] = float("nan")  # NaN after the max
     x[5, :2048] = float("-inf")
-    x[5, 700] = float("nan")                                                # NaN among -inf
+    x[5, 700] = float("nan")  # NaN among -inf
     x[6, ::16] = float("-inf")
-    x[6, 4:12] = float("-inf")                                              # -inf groups
+    x[6, 4:12] = float("-inf")  # -inf groups
     x[7] = float("-inf")
     x[7, 1234] = 1.0
-    x[7, 4000] = 1.0                                                        # two finite, tied
+    x[7, 4000] = 1.0  # two finite, tied
     for t in (1.0, 0.5):
         for splits in (1, 2):
             out = sim_token_stats(kernels_sim, x, t, splits)

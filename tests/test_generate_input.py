@@ -1,4 +1,5 @@
 """generate / load reject bad input with a ValueError naming it, before any forward."""
+
 import numpy as np
 import pytest
 import torch

@@ -1,4 +1,5 @@
 """docs/integration.md: every ```python block runs, in order, in one namespace (CPU)."""
+
 import pathlib
 import re
 import sys
@@ -18,8 +19,17 @@ def _blocks() -> list[str]:
 
 def test_doc_has_the_engine_calls():
     text = "\n".join(_blocks())
-    for call in ("verify_chain", "verify_tree", "tree_mask", "cascade_attention", "merge_states",
-                 "prefix_page_table", "prefix_indptr", "count_host_syncs", "torch.compile"):
+    for call in (
+        "verify_chain",
+        "verify_tree",
+        "tree_mask",
+        "cascade_attention",
+        "merge_states",
+        "prefix_page_table",
+        "prefix_indptr",
+        "count_host_syncs",
+        "torch.compile",
+    ):
         assert call in text, call
 
 

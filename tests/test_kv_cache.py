@@ -3,6 +3,7 @@
 No transformers here: the reference is always a fresh forward of the committed sequence
 without any cache.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,7 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("kv")
-    return {fam: load_checkpoint(write_checkpoint(root / fam, fam, seed=7))
-            for fam in ("llama", "qwen3", "sdar")}
+    return {fam: load_checkpoint(write_checkpoint(root / fam, fam, seed=7)) for fam in ("llama", "qwen3", "sdar")}
 
 
 def _ids(n, seed, vocab=160):
@@ -50,7 +50,7 @@ def test_tree_commit_equals_recomputation(models, family):
     model = models[family]
     prompt = _ids(9, 1)
     cache = model.new_cache(1)
-    cache.append(model(model.plan([prompt[:-1]], cache)).suffix_kv)   # the last token is the root
+    cache.append(model(model.plan([prompt[:-1]], cache)).suffix_kv)  # the last token is the root
     # root r; r-a-b-c, r-d-e, a-f: verify the tree in one forward
     parents = [-1, 0, 1, 2, 0, 4, 1]
     tree_tokens = [prompt[-1]] + _ids(6, 2)
@@ -62,9 +62,9 @@ def test_tree_commit_equals_recomputation(models, family):
     for path in ([0, 1, 2, 3], [0, 4, 5], [0, 1, 6]):
         seq = prompt[:-1] + [tree_tokens[i] for i in path]
         fresh, _ = _fresh(model, seq)
-        torch.testing.assert_close(out.logits[0, path], fresh[len(prompt) - 1:], **TOL)
+        torch.testing.assert_close(out.logits[0, path], fresh[len(prompt) - 1 :], **TOL)
     # commit the root and the accepted path r-a-f; the cache then holds exactly that sequence
-    accepted = torch.tensor([[1, 6, -1, -1]])                # verify_tree's path layout
+    accepted = torch.tensor([[1, 6, -1, -1]])  # verify_tree's path layout
     keep = torch.cat([torch.zeros(1, 1, dtype=torch.long), accepted], 1)
     assert cache.append(out.suffix_kv, keep).tolist() == [3]
     committed = prompt + [tree_tokens[1], tree_tokens[6]]
@@ -73,18 +73,18 @@ def test_tree_commit_equals_recomputation(models, family):
     nxt = _ids(3, 3)
     step = model(model.plan([nxt], cache))
     fresh, _ = _fresh(model, committed + nxt)
-    torch.testing.assert_close(step.logits[0], fresh[len(committed):], **TOL)
+    torch.testing.assert_close(step.logits[0], fresh[len(committed) :], **TOL)
 
 
 def test_chain_accepted_prefix_and_rollback(models):
     model = models["llama"]
     prompt, drafts = _ids(7, 4), _ids(5, 5)
-    cache = model.new_cache(1, capacity=4)                   # grows while appending
+    cache = model.new_cache(1, capacity=4)  # grows while appending
     cache.append(model(model.plan([prompt], cache)).suffix_kv)
     chain = model(model.plan([drafts], cache))
-    cache.append(chain.suffix_kv, counts=[2])                # accept 2 drafts
+    cache.append(chain.suffix_kv, counts=[2])  # accept 2 drafts
     _assert_cache_holds(model, cache, 0, prompt + drafts[:2])
-    cache.append(chain.suffix_kv, keep=[[]])                 # nothing
+    cache.append(chain.suffix_kv, keep=[[]])  # nothing
     assert cache.lengths.tolist() == [9]
     cache.rollback(0, 4)
     _assert_cache_holds(model, cache, 0, prompt[:5])
@@ -122,7 +122,7 @@ def test_batch_of_three_ragged_prompts_equals_three_single_runs(models):
         single.append(c1.suffix_kv, counts=[[3, 0, 2][b]])
         f1 = model(AttentionPlan.from_offsets(torch.tensor([[7 + b]]), [0], None, single))
         torch.testing.assert_close(final.logits[b], f1.logits[0], **TOL)
-        _assert_cache_holds(model, cache, b, prompts[b] + steps[b][:[3, 0, 2][b]])
+        _assert_cache_holds(model, cache, b, prompts[b] + steps[b][: [3, 0, 2][b]])
 
 
 def test_block_diffusion_commit_equals_recomputation(models):
@@ -137,11 +137,11 @@ def test_block_diffusion_commit_equals_recomputation(models):
     noisy = [model.mask_token_id] * bs
     model(AttentionPlan.from_offsets(torch.tensor([noisy]), step.positions, step.words, cache))
     out = model(AttentionPlan.from_offsets(torch.tensor([block1]), step.positions, step.words, cache))
-    cache.append(out.suffix_kv)                               # the whole block
+    cache.append(out.suffix_kv)  # the whole block
     nxt = model(AttentionPlan.from_offsets(torch.tensor([block2]), step.positions, step.words, cache))
     fresh = model(model.plan([prompt + block1 + block2]))
-    torch.testing.assert_close(nxt.logits[0], fresh.logits[0, 3 * bs:], **TOL)
-    torch.testing.assert_close(out.logits[0], fresh.logits[0, 2 * bs:3 * bs], **TOL)
+    torch.testing.assert_close(nxt.logits[0], fresh.logits[0, 3 * bs :], **TOL)
+    torch.testing.assert_close(out.logits[0], fresh.logits[0, 2 * bs : 3 * bs], **TOL)
 
 
 def test_ragged_and_paged_layouts_agree(models):
@@ -163,8 +163,10 @@ def test_ragged_and_paged_layouts_agree(models):
 
 
 def _kv(layers=2, batch=2, n=5, hkv=1, d=2, offset=0.0):
-    keys = [torch.arange(batch * n * hkv * d, dtype=torch.float32).view(batch, n, hkv, d) + 100 * l + offset
-            for l in range(layers)]
+    keys = [
+        torch.arange(batch * n * hkv * d, dtype=torch.float32).view(batch, n, hkv, d) + 100 * l + offset
+        for l in range(layers)
+    ]
     return SuffixKV(keys, [-k for k in keys])
 
 
@@ -173,7 +175,7 @@ def _rows(cache, layer, b):
 
 
 def test_append_keep_forms():
-    kv = _kv()                      # row b token i has key value (b * 5 + i) * 2 (+100 per layer)
+    kv = _kv()  # row b token i has key value (b * 5 + i) * 2 (+100 per layer)
     forms = {
         "index": torch.tensor([[4, 1, -1], [0, 2, 3]]),
         "bool": torch.tensor([[False, True, False, False, True], [True, False, True, True, False]]),
@@ -187,10 +189,10 @@ def test_append_keep_forms():
         assert _rows(cache, 1, 1) == [110, 114, 116]
         torch.testing.assert_close(cache.get(1, 0)[1], -cache.get(1, 0)[0])
     cache = KVCache(2, 2, 1, 2)
-    cache.append(kv, torch.tensor([3]))                       # [K] shared by every request
+    cache.append(kv, torch.tensor([3]))  # [K] shared by every request
     cache.append(kv, counts=[1, 2])
     assert _rows(cache, 0, 0) == [6, 0] and _rows(cache, 0, 1) == [16, 10, 12]
-    cache.append(kv)                                          # everything
+    cache.append(kv)  # everything
     assert cache.lengths.tolist() == [7, 8] and cache.capacity >= 8
     assert _rows(cache, 0, 1)[3:] == [10, 12, 14, 16, 18]
 
@@ -242,7 +244,7 @@ def test_cache_rejects_bad_input():
         cache.append(kv, counts=[6, 0])
     with pytest.raises(ValueError, match="float16"):
         cache.append(SuffixKV([k.half() for k in kv.keys], [v.half() for v in kv.values]))
-    assert cache.lengths.tolist() == [0, 0]                   # nothing half-done
+    assert cache.lengths.tolist() == [0, 0]  # nothing half-done
     cache.append(kv, counts=[2, 1])
     with pytest.raises(ValueError, match=r"n must be an int in \[0, 1\]"):
         cache.rollback(1, 2)
@@ -264,6 +266,7 @@ def test_triton_backend_runs_the_model(models):
     """The model's attention through the Triton kernel (the interpreter on CPU, the GPU
     when there is one), over a ragged and a paged prefix, equals the torch reference."""
     from dspec import _backend
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not _backend.triton_available() or (device == "cpu" and not _backend.triton_interpret()):
         pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
@@ -328,7 +331,7 @@ def test_one_call_commit_equals_the_index_path(dtype, checks, monkeypatch):
             kw = dict(keep=keep)
         a.append(SuffixKV(stacked=stacked), **kw)
         b.append(SuffixKV(list(stacked[0].unbind(0)), list(stacked[1].unbind(0))), **kw)
-    assert a.lengths.tolist() == b.lengths.tolist() and a.max_length > 16      # grown at least once
+    assert a.lengths.tolist() == b.lengths.tolist() and a.max_length > 16  # grown at least once
     for i in range(4):
         for x, y in zip(a.layer_rows(i), b.layer_rows(i)):
             assert torch.equal(x, y)
@@ -336,12 +339,42 @@ def test_one_call_commit_equals_the_index_path(dtype, checks, monkeypatch):
     bad = torch.tensor([[0, 5]])
     lengths = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"keep\[0, 1\] = 5"):
-        ext.commit_rows(a.k.data_ptr(), a.v.data_ptr(), a.k.data_ptr(), a.v.data_ptr(), 1, 0, 0, 1, 2, 4,
-                        bad.data_ptr(), 2, lengths.data_ptr(), 16, 1)
+        ext.commit_rows(
+            a.k.data_ptr(),
+            a.v.data_ptr(),
+            a.k.data_ptr(),
+            a.v.data_ptr(),
+            1,
+            0,
+            0,
+            1,
+            2,
+            4,
+            bad.data_ptr(),
+            2,
+            lengths.data_ptr(),
+            16,
+            1,
+        )
     good = torch.tensor([[0, 1]])
     with pytest.raises(ValueError, match="capacity"):
-        ext.commit_rows(a.k.data_ptr(), a.v.data_ptr(), a.k.data_ptr(), a.v.data_ptr(), 1, 0, 0, 1, 2, 1,
-                        good.data_ptr(), 2, lengths.data_ptr(), 16, 1)
+        ext.commit_rows(
+            a.k.data_ptr(),
+            a.v.data_ptr(),
+            a.k.data_ptr(),
+            a.v.data_ptr(),
+            1,
+            0,
+            0,
+            1,
+            2,
+            1,
+            good.data_ptr(),
+            2,
+            lengths.data_ptr(),
+            16,
+            1,
+        )
 
 
 def test_host_index_normalises_every_form():
@@ -366,23 +399,31 @@ def test_host_index_normalises_every_form():
         mask = torch.zeros(batch, n, dtype=torch.bool)
         for b, row in enumerate(lists):
             mask[b, row] = True
-        cases = [(dict(counts=counts), by_counts), (dict(counts=counts.tolist()), by_counts),
-                 (dict(counts=int(counts[0])), expect([list(range(int(counts[0])))] * batch, int(counts[0]))),
-                 (dict(keep=keep), keep.tolist()), (dict(keep=keep[0]), [keep[0].tolist()] * batch),
-                 (dict(keep=lists), expect(lists, max(len(r) for r in lists))),
-                 (dict(keep=mask), expect([sorted(r) for r in lists], n)),
-                 (dict(keep=None), [list(range(n))] * batch)]
+        cases = [
+            (dict(counts=counts), by_counts),
+            (dict(counts=counts.tolist()), by_counts),
+            (dict(counts=int(counts[0])), expect([list(range(int(counts[0])))] * batch, int(counts[0]))),
+            (dict(keep=keep), keep.tolist()),
+            (dict(keep=keep[0]), [keep[0].tolist()] * batch),
+            (dict(keep=lists), expect(lists, max(len(r) for r in lists))),
+            (dict(keep=mask), expect([sorted(r) for r in lists], n)),
+            (dict(keep=None), [list(range(n))] * batch),
+        ]
         for kw, want in cases:
             assert _host_keep_index(kw.get("keep"), kw.get("counts"), batch, n).tolist() == want, kw
-    bad = [(dict(counts=[5, 0]), "counts must lie in"), (dict(counts=[1]), "one per request"),
-           (dict(keep=torch.tensor([[0, 4], [0, 1]])), "keep indices must lie in"),
-           (dict(keep=torch.tensor([[-1, 1], [0, 1]])), "must come after the used ones"),
-           (dict(keep=torch.tensor([[1, 1], [0, 1]])), "same suffix index twice"),
-           (dict(keep=[[1, 1], [0]]), "same suffix index twice"),
-           (dict(keep=torch.tensor([[0], [1], [2]])), "keep indices must have shape"),
-           (dict(keep=torch.tensor([[0], [1]]), counts=[1, 1]), "give keep or counts"),
-           (dict(keep=torch.ones(2, 3, dtype=torch.bool)), "bool keep mask must have shape"),
-           (dict(keep=[[1]]), "one sequence of indices per request"), (dict(keep="ab"), "keep must be None")]
+    bad = [
+        (dict(counts=[5, 0]), "counts must lie in"),
+        (dict(counts=[1]), "one per request"),
+        (dict(keep=torch.tensor([[0, 4], [0, 1]])), "keep indices must lie in"),
+        (dict(keep=torch.tensor([[-1, 1], [0, 1]])), "must come after the used ones"),
+        (dict(keep=torch.tensor([[1, 1], [0, 1]])), "same suffix index twice"),
+        (dict(keep=[[1, 1], [0]]), "same suffix index twice"),
+        (dict(keep=torch.tensor([[0], [1], [2]])), "keep indices must have shape"),
+        (dict(keep=torch.tensor([[0], [1]]), counts=[1, 1]), "give keep or counts"),
+        (dict(keep=torch.ones(2, 3, dtype=torch.bool)), "bool keep mask must have shape"),
+        (dict(keep=[[1]]), "one sequence of indices per request"),
+        (dict(keep="ab"), "keep must be None"),
+    ]
     for kw, match in bad:
         with pytest.raises(ValueError, match=match):
             _host_keep_index(kw.get("keep"), kw.get("counts"), 2, 4)

@@ -1,6 +1,7 @@
 """The fused CPU layer ops of the model forward (dspec._C.rms_norm, dspec._C.rope) against
 the torch code they replace (models/transformer.py, used under autograd and on other
 devices)."""
+
 import pytest
 import torch
 
@@ -38,7 +39,7 @@ def test_rms_norm_keeps_autograd():
     norm = RMSNorm(16, 1e-6)
     x = torch.randn(2, 3, 16, requires_grad=True)
     out = norm(x)
-    assert out.grad_fn is not None                     # the torch path ran
+    assert out.grad_fn is not None  # the torch path ran
     out.sum().backward()
     assert x.grad is not None
 
@@ -55,8 +56,18 @@ def test_rope_matches_torch(dtype, batch, n, hq, hkv, d):
     want_q, want_k = rotate(q, cos, sin), rotate(k, cos, sin)
     ext = _backend.extension()
     got_q, got_k = q.clone(), k.clone()
-    ext.rope(got_q.data_ptr(), got_k.data_ptr(), cos.data_ptr(), sin.data_ptr(), _backend.FLOAT_CODE[dtype],
-             batch * n, hq, hkv, d, 2)
+    ext.rope(
+        got_q.data_ptr(),
+        got_k.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        _backend.FLOAT_CODE[dtype],
+        batch * n,
+        hq,
+        hkv,
+        d,
+        2,
+    )
     # same float32 operations in the same order: identical
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
@@ -78,13 +89,14 @@ def test_rope_tables_on_the_cpu_are_the_formula_gathered():
     """The CPU table (kept with inv_freq, grown by doubling) gives the formula's bits for
     any positions; negative positions and table=False take the formula."""
     from dspec.models.transformer import _ROPE_TABLE, _rope_formula
+
     inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
     for shape, high in (((1, 1), 10), ((2, 16), 300), ((3, 5, 7), 5000), ((1, 3), 4096)):
         positions = torch.randint(0, high, shape)
         got, want = rope_tables(positions, inv), _rope_formula(positions, inv)
         assert got[0].shape == want[0].shape == shape + (1, 64)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert getattr(inv, _ROPE_TABLE)[1].shape[0] == 8192          # grown to a power of two
+    assert getattr(inv, _ROPE_TABLE)[1].shape[0] == 8192  # grown to a power of two
     negative = torch.tensor([[-3, 0, 2]])
     assert torch.equal(rope_tables(negative, inv)[1], _rope_formula(negative, inv)[1])
     fresh = inv.clone()
@@ -94,8 +106,10 @@ def test_rope_tables_on_the_cpu_are_the_formula_gathered():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("groups, src_rows, dst_rows, width, count", [
-    (1, 5, 9, 3, 4), (30, 9, 600, 192, 9), (4, 1, 2, 1, 1), (3, 40, 40, 64, 40)])
+@pytest.mark.parametrize(
+    "groups, src_rows, dst_rows, width, count",
+    [(1, 5, 9, 3, 4), (30, 9, 600, 192, 9), (4, 1, 2, 1, 1), (3, 40, 40, 64, 40)],
+)
 def test_move_rows_matches_index_copy(dtype, groups, src_rows, dst_rows, width, count):
     from dspec.models.kv_cache import _move_rows
 
@@ -113,11 +127,11 @@ def test_move_rows_matches_index_copy(dtype, groups, src_rows, dst_rows, width, 
 def test_copy_rows_rejects_bad_indices_before_copying():
     ext = _backend.extension()
     src, dst = torch.randn(2, 4, 8), torch.zeros(2, 6, 8)
-    s_idx, d_idx = torch.tensor([0, 3]), torch.tensor([1, 6])            # 6 is past dst's 6 rows
+    s_idx, d_idx = torch.tensor([0, 3]), torch.tensor([1, 6])  # 6 is past dst's 6 rows
     args = (src.data_ptr(), dst.data_ptr(), 2, 4 * 8 * 4, 6 * 8 * 4, 4, 6, 2, s_idx.data_ptr(), d_idx.data_ptr(), 32, 1)
     with pytest.raises(ValueError, match=r"dst_rows\[1\] = 6"):
         ext.copy_rows(*args)
-    assert not dst.any()                                                 # nothing moved
+    assert not dst.any()  # nothing moved
     s_idx[1] = -1
     with pytest.raises(ValueError, match=r"src_rows\[1\] = -1"):
         ext.copy_rows(*args)
@@ -133,9 +147,10 @@ def test_every_isa_level_gives_the_same_bits(dtype):
     by the capped level at each call: every level this CPU has gives the same bits (no FMA
     contraction in any copy), and the cap really switches the copy without changing them."""
     from dspec import cpu
+
     levels = ("generic", "avx2", "avx512", "amx")
     ext = _backend.extension()
-    mine = levels[:levels.index(ext.cpu_isa_of_cpu()) + 1]
+    mine = levels[: levels.index(ext.cpu_isa_of_cpu()) + 1]
     torch.manual_seed(2)
     x = (torch.randn(37, 576) * 3).to(dtype)
     w = torch.randn(576).to(dtype)
@@ -150,8 +165,18 @@ def test_every_isa_level_gives_the_same_bits(dtype):
             out = torch.empty_like(x)
             ext.rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), _backend.FLOAT_CODE[dtype], 37, 576, 1e-5, 1)
             rq, rk = q.clone(), k.clone()
-            ext.rope(rq.data_ptr(), rk.data_ptr(), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
-                     _backend.FLOAT_CODE[dtype], 5, 9, 3, 64, 1)
+            ext.rope(
+                rq.data_ptr(),
+                rk.data_ptr(),
+                cos.contiguous().data_ptr(),
+                sin.contiguous().data_ptr(),
+                _backend.FLOAT_CODE[dtype],
+                5,
+                9,
+                3,
+                64,
+                1,
+            )
             results[level] = (out, rq, rk)
     finally:
         cpu.set_isa_cap(old)

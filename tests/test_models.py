@@ -3,6 +3,7 @@
 transformers is a test-only dependency (requirements-dev.txt); the parity tests skip without
 it.  Tiny models (hidden 64, 2 layers, vocab 160) keep the file at a few seconds.
 """
+
 from __future__ import annotations
 
 import json
@@ -142,8 +143,9 @@ def test_sharded_and_tied_and_dtype(tmp_path):
     assert out.logits.dtype == torch.bfloat16
     torch.testing.assert_close(out.logits.float(), single(plan).logits, rtol=0.1, atol=0.5)
     # stored dtype is kept by default
-    save_weights(tmp_path / "one", {k: v.half() for k, v in family_weights(
-        "qwen2", family_config("qwen2"), seed=3).items()})
+    save_weights(
+        tmp_path / "one", {k: v.half() for k, v in family_weights("qwen2", family_config("qwen2"), seed=3).items()}
+    )
     assert load_checkpoint(tmp_path / "one").dtype == torch.float16
     assert load_checkpoint(tmp_path / "one", dtype=torch.float32).dtype == torch.float32
 
@@ -153,12 +155,22 @@ def test_sharded_and_tied_and_dtype(tmp_path):
 
 def _hf_causal(transformers, family, tmp_path, **extra):
     """A transformers model with large random weights, saved with save_pretrained."""
-    cls_cfg, cls_model = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-                          "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
-    kw = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              bos_token_id=1, eos_token_id=2)
+    cls_cfg, cls_model = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    }[family]
+    kw = dict(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if family == "qwen3":
         kw["head_dim"] = 32
     kw.update(extra)
@@ -204,17 +216,21 @@ def test_parity_with_transformers(transformers, tmp_path, family, tie):
         # 3) one token at a time from a 1-token prefix (AR decoding)
         cache = model.new_cache(2)
         for t in range(13):
-            step = model(AttentionPlan.from_offsets(ids[:, t:t + 1], [0], None, cache), logits="last")
+            step = model(AttentionPlan.from_offsets(ids[:, t : t + 1], [0], None, cache), logits="last")
             torch.testing.assert_close(step.logits[:, 0], ref.logits[:, t], **TOL)
             cache.append(step.suffix_kv)
 
 
 def test_parity_llama3_and_linear_rope_scaling(transformers, tmp_path):
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     for name, rope in (("llama3", scaling), ("linear", {"rope_type": "linear", "factor": 4.0})):
-        hf, path = _hf_causal(transformers, "llama", tmp_path / name,
-                              rope_parameters={"rope_theta": 50000.0, **rope})
+        hf, path = _hf_causal(transformers, "llama", tmp_path / name, rope_parameters={"rope_theta": 50000.0, **rope})
         model = load_checkpoint(path)
         assert model.config.rope_scaling["rope_type"] == name and model.config.rope_theta == 50000.0
         ids = _ids(1, 40, seed=2)
@@ -237,11 +253,16 @@ def _hf_from_family(transformers, family, ckpt):
     weights = family_weights(family, raw)
     if family == "llada":
         cfg = transformers.LlamaConfig(
-            vocab_size=raw["embedding_size"], hidden_size=raw["d_model"],
-            intermediate_size=raw["mlp_hidden_size"], num_hidden_layers=raw["n_layers"],
-            num_attention_heads=raw["n_heads"], num_key_value_heads=raw["n_kv_heads"],
-            rms_norm_eps=raw["rms_norm_eps"], rope_theta=raw["rope_theta"],
-            tie_word_embeddings=raw["weight_tying"])
+            vocab_size=raw["embedding_size"],
+            hidden_size=raw["d_model"],
+            intermediate_size=raw["mlp_hidden_size"],
+            num_hidden_layers=raw["n_layers"],
+            num_attention_heads=raw["n_heads"],
+            num_key_value_heads=raw["n_kv_heads"],
+            rms_norm_eps=raw["rms_norm_eps"],
+            rope_theta=raw["rope_theta"],
+            tie_word_embeddings=raw["weight_tying"],
+        )
         cls, weights = transformers.LlamaForCausalLM, llada_to_llama(weights)
     else:
         keep = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "auto_map")}
@@ -263,18 +284,19 @@ def test_diffusion_families_match_transformers_under_their_mask(transformers, ck
     in which prefix tokens do not see the suffix."""
     model = load_checkpoint(ckpts[family])
     hf = _hf_from_family(transformers, family, ckpts[family])
-    n, p = 11, 8                              # 8 prefix tokens = 2 blocks of 4, then 3 more
+    n, p = 11, 8  # 8 prefix tokens = 2 blocks of 4, then 3 more
     ids = _ids(1, n, seed=4)
     if model.attention == "bidirectional":
         dense = torch.ones(n, n, dtype=torch.bool)
         cached = dense.clone()
-        cached[:p, p:] = False                # the prefix was computed without the suffix
+        cached[:p, p:] = False  # the prefix was computed without the suffix
     else:
         dense = _block_causal(n, model.block_size)
         cached = dense
     with torch.no_grad():
-        torch.testing.assert_close(model(model.plan(ids)).logits,
-                                   hf(ids, attention_mask=_additive(dense)).logits, **TOL)
+        torch.testing.assert_close(
+            model(model.plan(ids)).logits, hf(ids, attention_mask=_additive(dense)).logits, **TOL
+        )
         ref = hf(ids, attention_mask=_additive(cached)).logits
         cache = model.new_cache(1)
         first = model(model.plan(ids[:, :p], cache))
@@ -326,10 +348,12 @@ def test_plan_of_a_padded_tensor_with_lengths_equals_the_list_form(ckpts, attent
             assert (a is None and b is None) or torch.equal(a, b), field
     full = model.plan(padded, lengths=torch.tensor([5, 5, 5]))
     assert torch.equal(full.tokens, padded) and torch.equal(full.mask, model.plan(padded).mask)
-    for bad, match in ((torch.tensor([5, 0, 3]), "lengths must lie in"),
-                       (torch.tensor([5, 6, 3]), "lengths must lie in"),
-                       (torch.tensor([5, 2]), "lengths must be host ints"),
-                       (torch.tensor([5.0, 2.0, 3.0]), "lengths must be host ints")):
+    for bad, match in (
+        (torch.tensor([5, 0, 3]), "lengths must lie in"),
+        (torch.tensor([5, 6, 3]), "lengths must lie in"),
+        (torch.tensor([5, 2]), "lengths must be host ints"),
+        (torch.tensor([5.0, 2.0, 3.0]), "lengths must be host ints"),
+    ):
         with pytest.raises(ValueError, match=match):
             model.plan(padded, lengths=bad)
     with pytest.raises(ValueError, match="lengths go with a"):
@@ -460,8 +484,9 @@ def test_malformed_checkpoints(ckpts, tmp_path):
         load_checkpoint(extra)
 
     shard = _copy(ckpts, "llama", tmp_path / "shard")
-    (shard / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    (shard / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})
+    )
     with pytest.raises(ValueError, match="shards listed in model.safetensors.index.json are missing"):
         load_checkpoint(shard)
 

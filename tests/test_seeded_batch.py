@@ -2,6 +2,7 @@
 decodes exactly as its requests one by one -- request i as the single call seeded
 ``request_seed(seed, i)`` (request 0: ``seed`` itself) -- whatever the other requests are,
 how wide their steps are and when they finish; the same seed reproduces, another differs."""
+
 import pytest
 import torch
 
@@ -41,8 +42,9 @@ def model_of(name):
 def run(case, prompts, seed, n=12):
     name, options = CASES[case]
     method = case.split("-")[0]
-    out = dspec.generate(model_of(name), prompts, method=method, max_new_tokens=n, temperature=1.0,
-                         seed=seed, **options)
+    out = dspec.generate(
+        model_of(name), prompts, method=method, max_new_tokens=n, temperature=1.0, seed=seed, **options
+    )
     return [g.tokens for g in out] if isinstance(out, list) else out.tokens
 
 
@@ -67,7 +69,7 @@ def test_seeded_batch_reproduces_and_another_seed_differs(case):
     prompts = prompts_of(case)
     state = torch.get_rng_state()
     first = run(case, prompts, SEED)
-    assert torch.equal(torch.get_rng_state(), state)            # the global RNG untouched
+    assert torch.equal(torch.get_rng_state(), state)  # the global RNG untouched
     assert run(case, prompts, SEED) == first
     assert run(case, prompts, SEED + 1) != first
 
@@ -84,12 +86,20 @@ def test_rows_that_finish_early_leave_the_others_draws_unchanged(method):
 
     def decode(ps, seeds, eos_ids=()):
         with torch.no_grad():
-            return module.decode(model, ps, max_new_tokens=14, temperature=1.0,
-                                 generator=RequestStreams(seeds), eos_ids=eos_ids, progress=None,
-                                 **options)[0]
+            return module.decode(
+                model,
+                ps,
+                max_new_tokens=14,
+                temperature=1.0,
+                generator=RequestStreams(seeds),
+                eos_ids=eos_ids,
+                progress=None,
+                **options,
+            )[0]
+
     seeds = [request_seed(SEED, i) for i in range(3)]
     free = decode(prompts, seeds)
-    eos = (free[1][3],)                         # request 1 ends at its 4th token
+    eos = (free[1][3],)  # request 1 ends at its 4th token
     batch = decode(prompts, seeds, eos)
     assert len(batch[1]) <= 4 < max(len(b) for b in batch)
     assert batch == [decode([p], [s], eos)[0] for p, s in zip(prompts, seeds)]
@@ -106,8 +116,8 @@ def test_request_streams_are_counter_based():
     assert torch.equal(wide[[2, 0], :4], narrow)
     idle = b.uniforms([1, 2], 3, advance=torch.tensor([False, True]))
     assert torch.equal(idle[0], torch.zeros(3))
-    assert torch.equal(b.uniforms([1], 9)[0], wide[1])          # request 1's first draw, late
-    assert torch.equal(idle[1], a.uniforms([2], 3)[0])           # request 2's second draw
+    assert torch.equal(b.uniforms([1], 9)[0], wide[1])  # request 1's first draw, late
+    assert torch.equal(idle[1], a.uniforms([2], 3)[0])  # request 2's second draw
     assert request_seed(11, 0) == 11 and request_seed(11, 1) != 11
     first = RequestStreams([11]).uniforms([0], 5)[0]
     assert torch.equal(first, torch.rand(5, generator=torch.Generator().manual_seed(11)))

@@ -1,4 +1,5 @@
 """method "spiffy": calibrated draft graphs, lossless against one-token-per-step diffusion."""
+
 import json
 
 import pytest
@@ -31,9 +32,17 @@ def graph4(model):
     return spiffy_graph.calibrate(model, CAL_PROMPTS, 4, 10, max_new_tokens=16, progress=False)
 
 
-DIAMOND = DraftGraph((((0, 0),), ((0, 0), (1, 0)), ((0, 0), (2, 0)), ((0, 0), (1, 1)),
-                      ((0, 0), (1, 0), (2, 0)), ((0, 0), (1, 1), (2, 0)),
-                      ((0, 0), (1, 0), (2, 0), (3, 0))))
+DIAMOND = DraftGraph(
+    (
+        ((0, 0),),
+        ((0, 0), (1, 0)),
+        ((0, 0), (2, 0)),
+        ((0, 0), (1, 1)),
+        ((0, 0), (1, 0), (2, 0)),
+        ((0, 0), (1, 1), (2, 0)),
+        ((0, 0), (1, 0), (2, 0), (3, 0)),
+    )
+)
 
 
 def test_calibrated_graph_is_connected_and_round_trips(model, graph4, tmp_path):
@@ -41,8 +50,8 @@ def test_calibrated_graph_is_connected_and_round_trips(model, graph4, tmp_path):
     assert g.block_size == 4 and 1 <= g.graph_size <= 10 and g.nodes[0] == ((0, 0),)
     assert g.graph.num_nodes == g.graph_size + 1
     parents = g.graph.parents()
-    assert all(parents[n] for n in range(1, g.graph.num_nodes))     # connected to the root
-    assert g.graph.counts[0] == max(g.graph.counts)                 # every state visits the root
+    assert all(parents[n] for n in range(1, g.graph.num_nodes))  # connected to the root
+    assert g.graph.counts[0] == max(g.graph.counts)  # every state visits the root
     path = spiffy_graph.save(g, tmp_path / "g.json")
     data = json.loads(path.read_text())
     assert data["format"] == "dspec-spiffy-graph" and data["meta"]["fingerprint"]
@@ -57,10 +66,11 @@ def test_greedy_equals_one_token_per_step(model, graph4, block_size):
     for prompt in ([5, 17, 42], [5, 17, 42, 9, 11, 3, 8, 2, 7]):
         ref = dspec.generate(model, prompt, method="diffusion", max_new_tokens=9, block_size=block_size)
         for prune_to in (1, 3, graph.graph.num_nodes - 1 if block_size == 4 else 6):
-            got = dspec.generate(model, prompt, method="spiffy", max_new_tokens=9,
-                                 block_size=block_size, graph=graph, prune_to=prune_to)
+            got = dspec.generate(
+                model, prompt, method="spiffy", max_new_tokens=9, block_size=block_size, graph=graph, prune_to=prune_to
+            )
             assert got.tokens == ref.tokens, (block_size, prompt, prune_to)
-            assert got.stats["nfe"]["target"] <= ref.stats["nfe"]["target"]   # see test_ssd
+            assert got.stats["nfe"]["target"] <= ref.stats["nfe"]["target"]  # see test_ssd
 
 
 def test_batch_of_3_ragged_equals_singles_and_accepts_more_than_one(model, graph4):
@@ -78,8 +88,7 @@ def test_multi_parent_graph_reaches_shared_child(model):
     takes, the walk reaches it, and the output stays exact."""
     prompts = [[5, 17, 42], [9, 4, 4, 12, 30], [60, 2, 33, 4]]
     ref = dspec.generate(model, prompts, method="diffusion", max_new_tokens=12, block_size=4)
-    got = dspec.generate(model, prompts, method="spiffy", max_new_tokens=12, block_size=4,
-                         graph=DIAMOND, prune_to=6)
+    got = dspec.generate(model, prompts, method="spiffy", max_new_tokens=12, block_size=4, graph=DIAMOND, prune_to=6)
     assert [g.tokens for g in got] == [g.tokens for g in ref]
     assert max(got[0].stats["accepted_hist"]) >= 3
 
@@ -133,8 +142,7 @@ def test_sampling_matches_one_step_distribution(tmp_path_factory):
     prompt, temperature = [5, 17], 0.5
     exact = exact_first_block(m, prompt, temperature)
     graph = DraftGraph((((0, 0),), ((0, 0), (1, 0)), ((0, 0), (1, 1)), ((0, 0), (1, 2))))
-    counts, accepted = sample_first_block(m, prompt, 600, temperature, method="spiffy", graph=graph,
-                                          prune_to=3)
+    counts, accepted = sample_first_block(m, prompt, 600, temperature, method="spiffy", graph=graph, prune_to=3)
     assert accepted > 0
     assert chi2_pvalue(counts, exact) > 1e-3
 
@@ -193,13 +201,14 @@ def test_fingerprint_is_kept_until_a_weight_changes(tmp_path_factory):
     """The weights' hash is computed once per model (it read every weight on every generate
     call) and recomputed after an in-place change or a replaced parameter."""
     import torch
+
     m = tiny(tmp_path_factory, "sdar")
     first = spiffy_graph.fingerprint(m)
     assert spiffy_graph.fingerprint(m) == first
     p = next(iter(m.parameters()))
     saved = p.detach().clone()
     with torch.no_grad():
-        p.add_(1.0)                          # in place: its version counter moves
+        p.add_(1.0)  # in place: its version counter moves
     assert spiffy_graph.fingerprint(m) != first
     with torch.no_grad():
         p.copy_(saved)

@@ -1,4 +1,5 @@
 """method "ssd": lossless self-speculative decoding against one-token-per-step diffusion."""
+
 import pytest
 import torch
 
@@ -17,13 +18,15 @@ def model(request, tmp_path_factory):
 
 # ---------------------------------------------------------------------------------- tests
 
+
 @pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 16])
 def test_greedy_equals_one_token_per_step(model, block_size):
     for prompt in ([5, 17, 42], [5, 17, 42, 9, 11, 3, 8, 2, 7]):
         ref = dspec.generate(model, prompt, method="diffusion", max_new_tokens=9, block_size=block_size)
         for mixed in (False, True):
-            got = dspec.generate(model, prompt, method="ssd", max_new_tokens=9, block_size=block_size,
-                                 mixed_order=mixed)
+            got = dspec.generate(
+                model, prompt, method="ssd", max_new_tokens=9, block_size=block_size, mixed_order=mixed
+            )
             assert got.tokens == ref.tokens, (block_size, prompt, mixed)
             # both commit a block inside a later forward and never forward the final block
             assert got.stats["nfe"]["target"] <= ref.stats["nfe"]["target"]
@@ -50,14 +53,12 @@ def test_mixed_order_is_used_and_lossless(tmp_path_factory):
         m = tiny(tmp_path_factory, family)
         for prompt in ([5, 17, 42], [9, 4, 4, 12, 30]):
             ref = dspec.generate(m, prompt, method="diffusion", max_new_tokens=8, block_size=3)
-            a = dspec.generate(m, prompt, method="ssd", max_new_tokens=8, block_size=3, draft_len=2,
-                               mixed_order=False)
-            b = dspec.generate(m, prompt, method="ssd", max_new_tokens=8, block_size=3, draft_len=2,
-                               mixed_order=True)
+            a = dspec.generate(m, prompt, method="ssd", max_new_tokens=8, block_size=3, draft_len=2, mixed_order=False)
+            b = dspec.generate(m, prompt, method="ssd", max_new_tokens=8, block_size=3, draft_len=2, mixed_order=True)
             assert a.tokens == b.tokens == ref.tokens
             plain += a.stats["nfe"]["target"]
             mixed += b.stats["nfe"]["target"]
-    assert mixed < plain          # some rounds took a swapped pair (c_k -> s_k -> c_{k+2})
+    assert mixed < plain  # some rounds took a swapped pair (c_k -> s_k -> c_{k+2})
 
 
 def test_chain_graph_shape():
@@ -66,7 +67,7 @@ def test_chain_graph_shape():
     assert ((0, 0), (1, 0), (2, 0), (3, 0)) in g.nodes and ((0, 0), (2, 0)) in g.nodes
     parents = g.parents()
     c2 = g.nodes.index(((0, 0), (1, 0), (2, 0)))
-    assert len(parents[c2]) == 2            # from c1 and from the swapped s0
+    assert len(parents[c2]) == 2  # from c1 and from the swapped s0
     assert chain_graph(2).num_nodes == 3
 
 
@@ -94,7 +95,7 @@ def test_sampling_matches_one_step_distribution(tmp_path_factory):
     prompt, temperature = [5, 17], 0.5
     exact = exact_first_block(m, prompt, temperature)
     counts, accepted = sample_first_block(m, prompt, 600, temperature, method="ssd")
-    assert accepted > 0                                  # drafts were accepted under sampling
+    assert accepted > 0  # drafts were accepted under sampling
     assert chi2_pvalue(counts, exact) > 1e-3
 
 
@@ -107,9 +108,10 @@ def test_sampling_reproducible(model):
 
 def test_eos_mid_block_matches_diffusion(model):
     from dspec.decode import diffusion, ssd
+
     prompts = [[5, 17, 42, 9, 11], [7], [60, 2, 33, 4, 9, 9, 1]]
     free, _ = diffusion.decode(model, prompts, max_new_tokens=10, block_size=4)
-    eos = (free[0][5], free[2][2])          # tokens the greedy runs do produce, mid-block
+    eos = (free[0][5], free[2][2])  # tokens the greedy runs do produce, mid-block
     ref, _ = diffusion.decode(model, prompts, max_new_tokens=10, block_size=4, eos_ids=eos)
     got, _ = ssd.decode(model, prompts, max_new_tokens=10, block_size=4, eos_ids=eos)
     assert got == ref and any(len(r) < 10 for r in ref)
@@ -130,8 +132,9 @@ def test_bad_options(model, tmp_path):
         dspec.generate(causal, [1, 2], method="ssd", max_new_tokens=2)
 
 
-@pytest.mark.parametrize("block_size, draft_len, mixed, prune_to",
-                         [(2, 1, False, 4), (4, 3, True, 4), (8, 1, False, 2), (16, 1, False, 1)])
+@pytest.mark.parametrize(
+    "block_size, draft_len, mixed, prune_to", [(2, 1, False, 4), (4, 3, True, 4), (8, 1, False, 2), (16, 1, False, 1)]
+)
 def test_cpu_defaults_keep_a_round_within_32_rows(model, block_size, draft_len, mixed, prune_to, monkeypatch):
     """On a CPU of the "tiles" cost class the default chain / pruned graph is capped so that
     the root, the drafts (with ssd's swapped states) and the next block's state fit 32 rows
@@ -140,26 +143,28 @@ def test_cpu_defaults_keep_a_round_within_32_rows(model, block_size, draft_len, 
     explicit values are kept."""
     from dspec.decode import _cpu_cost
     from dspec.decode._cpu_cost import cpu_block_copies
+
     monkeypatch.setattr(_cpu_cost, "cost_class", lambda model: "tiles")
     assert cpu_block_copies(model, block_size) == max(3, 32 // block_size)
     got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size)
     assert (got.stats["draft_len"], got.stats["mixed_order"]) == (draft_len, mixed)
     got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size, draft_len=3)
     assert got.stats["draft_len"] == 3 and got.stats["mixed_order"] == (block_size <= 4)
-    got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size,
-                         mixed_order=False)
+    got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size, mixed_order=False)
     assert got.stats["mixed_order"] is False
     got = dspec.generate(model, [3, 4, 5], method="spiffy", max_new_tokens=4, block_size=block_size, graph_size=4)
     assert got.stats["prune_to"] == prune_to
 
 
 @pytest.mark.parametrize("block_size, draft_len, prune_to", [(2, 3, 6), (4, 1, 2), (8, 1, 1)])
-def test_cpu_defaults_in_a_batch_or_sampling_keep_16_rows_a_request(model, block_size, draft_len, prune_to,
-                                                                     monkeypatch):
+def test_cpu_defaults_in_a_batch_or_sampling_keep_16_rows_a_request(
+    model, block_size, draft_len, prune_to, monkeypatch
+):
     """A batch's forward makes every row compute, and sampling accepts too little to pay for
     a second tile pass: the per-request budget drops to 16 rows (the "tiles" cost class)."""
     from dspec.decode import _cpu_cost
     from dspec.decode._cpu_cost import cpu_block_copies
+
     monkeypatch.setattr(_cpu_cost, "cost_class", lambda model: "tiles")
     assert cpu_block_copies(model, block_size, 2) == max(3, 16 // block_size)
     prompts = [[3, 4, 5], [7, 8]]
@@ -177,11 +182,12 @@ def test_cpu_defaults_in_a_batch_or_sampling_keep_16_rows_a_request(model, block
 
 def test_default_chain_without_a_device_cap():
     from dspec.decode.ssd import chain_copies, default_chain
+
     assert default_chain(None, 4, None, None) == (3, True)
     assert default_chain(None, 16, None, None) == (4, True)
     assert default_chain(None, 16, 2, False) == (2, False)
     assert default_chain(8, 4, None, False) == (3, False) and chain_copies(3, False) == 5
-    assert default_chain(3, 16, 3, None) == (3, False)          # explicit draft_len kept, swaps dropped
+    assert default_chain(3, 16, 3, None) == (3, False)  # explicit draft_len kept, swaps dropped
     assert default_chain(None, 1, None, None) == (1, False)
 
 
@@ -190,6 +196,7 @@ def test_cpu_defaults_on_the_avx2_class_keep_12_rows(model, monkeypatch):
     round carries ``CPU_AVX2_ROW_BUDGET`` rows (at least the root, one draft and the next
     block), greedy or not, and the row cost the pruning methods take is the measured slope."""
     from dspec.decode import _cpu_cost
+
     monkeypatch.setattr(_cpu_cost, "cost_class", lambda model: "avx2")
     for block_size in (2, 4, 8):
         want = max(3, _cpu_cost.CPU_AVX2_ROW_BUDGET // block_size)

@@ -2,6 +2,7 @@
 against the per-op path of transformer.py: logits, suffix keys / values and hidden states
 bit for bit, with and without a cached prefix, masks, batches, a mask adapter; and
 dspec._C.silu_mul against torch's F.silu(gate) * up."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,11 +14,15 @@ from dspec import _backend
 from dspec.models import AttentionPlan, stack
 from tiny_checkpoints import trained_looking_mask_adapter, write_checkpoint
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C not built"),
-              # the stack runs the packed projections, which dspec takes only where it has SIMD tiles
-              pytest.mark.skipif(_backend.cpp_available() and _backend.extension().linear_isa(0) == "generic",
-                                 reason="no SIMD projection tiles on this CPU (or under DSPEC_CPU_ISA=generic)")]
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C not built"),
+    # the stack runs the packed projections, which dspec takes only where it has SIMD tiles
+    pytest.mark.skipif(
+        _backend.cpp_available() and _backend.extension().linear_isa(0) == "generic",
+        reason="no SIMD projection tiles on this CPU (or under DSPEC_CPU_ISA=generic)",
+    ),
+]
 MASK = 5
 
 
@@ -47,7 +52,7 @@ def _both(monkeypatch, fn):
         return out
 
     monkeypatch.setattr("dspec.models.transformer.run_layers", spy)
-    with torch.no_grad():                      # as every decode loop runs
+    with torch.no_grad():  # as every decode loop runs
         fused = fn()
         assert calls and all(calls), "the one-call stack did not run"
         monkeypatch.setattr(stack, "ENABLED", False)
@@ -89,8 +94,9 @@ def test_stack_equals_per_op_path(base32, tmp_path, monkeypatch, dtype):
 
 def test_stack_with_mask_adapter_and_masks(bd, monkeypatch):
     seqs = [_ids(6, 7) + [MASK, 60, MASK, MASK], _ids(6, 8) + [MASK] * 4]
-    fused, per_op = _both(monkeypatch, lambda: bd(bd.plan(seqs, attention="block_causal", block_size=4),
-                                                  logits="all").logits)
+    fused, per_op = _both(
+        monkeypatch, lambda: bd(bd.plan(seqs, attention="block_causal", block_size=4), logits="all").logits
+    )
     _equal(fused, per_op)
 
 
@@ -186,8 +192,9 @@ def test_silu_mul_matches_torch(dtype, width):
     gate[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).to(dtype)
     up = torch.randn(5, width, generator=g).to(dtype)
     out = torch.empty_like(gate)
-    _backend.extension().silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), _backend.FLOAT_CODE[dtype], 5,
-                                  width, 2)
+    _backend.extension().silu_mul(
+        gate.data_ptr(), up.data_ptr(), out.data_ptr(), _backend.FLOAT_CODE[dtype], 5, width, 2
+    )
     want = F.silu(gate.float()).to(dtype).float() * up.float()
     # one rounding of the dtype off torch's at most (a different exp polynomial)
     tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
@@ -196,20 +203,64 @@ def test_silu_mul_matches_torch(dtype, width):
 
 def test_decoder_layers_rejects_bad_arguments():
     ext = _backend.extension()
-    args = dict(x=1 << 12, dtype=0, batch=1, n=1, hidden=8, hq=2, hkv=1, head_dim=4, intermediate=16, eps=1e-5,
-                cos=1 << 12, sin=1 << 12, mask=0, mask_s0=0, mask_s1=0, prefix_k=0, prefix_v=0, prefix_indptr=0,
-                indptr_dtype=0, page_table=0, prefix_lens=0, prefix_rows=0, page_size=1, max_pages=0,
-                page_table_stride=0, prefix_k_s0=0, prefix_k_s1=0, prefix_k_s2=0, prefix_v_s0=0, prefix_v_s1=0,
-                prefix_v_s2=0, prefix_layer_stride=0, sm_scale=0.5, weights=[1 << 12] * 16, lora=[],
-                lora_scales=[], lora_rank=0, mask_rows=0, num_mask_rows=0, k_out=1 << 12, v_out=1 << 12,
-                hidden_out=0, hidden_slots=0, record=[-1], num_threads=1)
-    for key, bad, match in (("weights", [1 << 12] * 15, "weights must hold 16"), ("head_dim", 5, "head_dim"),
-                            ("record", [-1, -1], "record must hold"), ("record", [0], r"record\[0\]"),
-                            ("eps", 0.0, "eps"), ("hkv", 3, "multiple of hkv"),
-                            ("num_mask_rows", 1, "mask_rows without lora")):
+    args = dict(
+        x=1 << 12,
+        dtype=0,
+        batch=1,
+        n=1,
+        hidden=8,
+        hq=2,
+        hkv=1,
+        head_dim=4,
+        intermediate=16,
+        eps=1e-5,
+        cos=1 << 12,
+        sin=1 << 12,
+        mask=0,
+        mask_s0=0,
+        mask_s1=0,
+        prefix_k=0,
+        prefix_v=0,
+        prefix_indptr=0,
+        indptr_dtype=0,
+        page_table=0,
+        prefix_lens=0,
+        prefix_rows=0,
+        page_size=1,
+        max_pages=0,
+        page_table_stride=0,
+        prefix_k_s0=0,
+        prefix_k_s1=0,
+        prefix_k_s2=0,
+        prefix_v_s0=0,
+        prefix_v_s1=0,
+        prefix_v_s2=0,
+        prefix_layer_stride=0,
+        sm_scale=0.5,
+        weights=[1 << 12] * 16,
+        lora=[],
+        lora_scales=[],
+        lora_rank=0,
+        mask_rows=0,
+        num_mask_rows=0,
+        k_out=1 << 12,
+        v_out=1 << 12,
+        hidden_out=0,
+        hidden_slots=0,
+        record=[-1],
+        num_threads=1,
+    )
+    for key, bad, match in (
+        ("weights", [1 << 12] * 15, "weights must hold 16"),
+        ("head_dim", 5, "head_dim"),
+        ("record", [-1, -1], "record must hold"),
+        ("record", [0], r"record\[0\]"),
+        ("eps", 0.0, "eps"),
+        ("hkv", 3, "multiple of hkv"),
+        ("num_mask_rows", 1, "mask_rows without lora"),
+    ):
         with pytest.raises(ValueError, match=match):
             ext.decoder_layers(**dict(args, **{key: bad}))
-
 
 
 def test_frozen_weights_checks_the_table_once_and_nests(tmp_path, monkeypatch):
@@ -217,6 +268,7 @@ def test_frozen_weights_checks_the_table_once_and_nests(tmp_path, monkeypatch):
     a weight changed in place between decode calls is seen (the stack still equals the
     per-op path)."""
     from dspec.decode.ar import decode_ar
+
     model = dspec.load(write_checkpoint(tmp_path, "llama", seed=5), dtype="float32")
     prompts = [_ids(5, 1)]
     calls = []
@@ -233,13 +285,13 @@ def test_frozen_weights_checks_the_table_once_and_nests(tmp_path, monkeypatch):
     assert "_stack_frozen" not in model.__dict__
     assert inner == again == ref and len(calls) <= 2 < per_forward
     with torch.no_grad():
-        model.layers[0].mlp.down_proj.weight.mul_(-3.0)          # in place: the table must notice
+        model.layers[0].mlp.down_proj.weight.mul_(-3.0)  # in place: the table must notice
     with stack.frozen_weights(model):
         changed, _ = decode_ar(model, prompts, max_new_tokens=6)
     monkeypatch.setattr(stack, "ENABLED", False)
     per_op, _ = decode_ar(model, prompts, max_new_tokens=6)
     assert changed == per_op
-    with stack.frozen_weights(object()):                          # not a dspec model: no-op
+    with stack.frozen_weights(object()):  # not a dspec model: no-op
         pass
 
 

@@ -1,5 +1,6 @@
 """No host synchronisation in the speculative step: every op (value checks off, as in CUDA
 graph capture) and the 'ar' decode step's hot part, counted with dspec.testing on CPU."""
+
 import pytest
 import torch
 
@@ -46,25 +47,63 @@ def _calls(backend):
         ("boundary_posterior", lambda b: dspec.boundary_posterior(conf, backend=b), ("torch", "triton")),
         ("rejection_boundaries", lambda b: dspec.rejection_boundaries(conf, 2, backend=b), ("torch", "triton")),
         ("expected_accept_length", lambda b: dspec.expected_accept_length(conf, backend=b), ("torch", "triton")),
-        ("verify_chain greedy", lambda b: dspec.verify_chain(drafts, logits, num_drafts=torch.tensor([1, 3]),
-                                                             backend=b), all4),
-        ("verify_chain sampled", lambda b: dspec.verify_chain(
-            drafts, logits, draft_probs=torch.softmax(logits[:, :L], -1), temperature=0.7,
-            generator=rng, backend=b), all4),
+        (
+            "verify_chain greedy",
+            lambda b: dspec.verify_chain(drafts, logits, num_drafts=torch.tensor([1, 3]), backend=b),
+            all4,
+        ),
+        (
+            "verify_chain sampled",
+            lambda b: dspec.verify_chain(
+                drafts, logits, draft_probs=torch.softmax(logits[:, :L], -1), temperature=0.7, generator=rng, backend=b
+            ),
+            all4,
+        ),
         ("verify_tree greedy", lambda b: dspec.verify_tree(tree_tokens, PARENTS, tree_logits, backend=b), all4),
-        ("verify_tree sampled", lambda b: dspec.verify_tree(tree_tokens, PARENTS, tree_logits, temperature=0.7,
-                                                            generator=rng, backend=b), all4),
+        (
+            "verify_tree sampled",
+            lambda b: dspec.verify_tree(tree_tokens, PARENTS, tree_logits, temperature=0.7, generator=rng, backend=b),
+            all4,
+        ),
         ("pack_mask", lambda b: dspec.pack_mask(torch.rand(3, 40, generator=g) > 0.5, backend=b), all4),
         ("unpack_mask", lambda b: dspec.unpack_mask(words, N, backend=b), all4),
         ("tree_mask", lambda b: dspec.tree_mask(PARENTS, backend=b), all4),
-        ("cascade_attention suffix", lambda b: dspec.cascade_attention(q, k, v, words, return_lse=True,
-                                                                       backend=b), ("torch", "triton")),
-        ("cascade_attention paged", lambda b: dspec.cascade_attention(
-            q, k, v, words, prefix_k=pages, prefix_v=pages, prefix_page_table=table, prefix_lens=lens,
-            max_prefix_len=8, backend=b), ("triton",)),
-        ("cascade_attention ragged", lambda b: dspec.cascade_attention(
-            q, k, v, words, prefix_k=pages[0], prefix_v=pages[1], prefix_indptr=torch.tensor([0, 1, 4]),
-            max_prefix_len=3, backend=b), ("triton",)),
+        (
+            "cascade_attention suffix",
+            lambda b: dspec.cascade_attention(q, k, v, words, return_lse=True, backend=b),
+            ("torch", "triton"),
+        ),
+        (
+            "cascade_attention paged",
+            lambda b: dspec.cascade_attention(
+                q,
+                k,
+                v,
+                words,
+                prefix_k=pages,
+                prefix_v=pages,
+                prefix_page_table=table,
+                prefix_lens=lens,
+                max_prefix_len=8,
+                backend=b,
+            ),
+            ("triton",),
+        ),
+        (
+            "cascade_attention ragged",
+            lambda b: dspec.cascade_attention(
+                q,
+                k,
+                v,
+                words,
+                prefix_k=pages[0],
+                prefix_v=pages[1],
+                prefix_indptr=torch.tensor([0, 1, 4]),
+                max_prefix_len=3,
+                backend=b,
+            ),
+            ("triton",),
+        ),
         ("merge_states", lambda b: dspec.merge_states(q, lse, q.flip(1), lse.flip(0), backend=b), all4),
     ]
     return [(name, fn) for name, fn, provided in calls if backend in provided]
@@ -103,8 +142,15 @@ def test_known_reference_syncs_come_only_from_the_reference(no_value_checks):
     with count_host_syncs() as syncs:
         for _, name in KNOWN_REFERENCE_SYNCS:
             calls[name]("torch")
-        dspec.cascade_attention(q, k, v, prefix_k=torch.randn(3, 1, 8), prefix_v=torch.randn(3, 1, 8),
-                                prefix_indptr=torch.tensor([0, 3]), backend="torch")
+        dspec.cascade_attention(
+            q,
+            k,
+            v,
+            prefix_k=torch.randn(3, 1, 8),
+            prefix_v=torch.randn(3, 1, 8),
+            prefix_indptr=torch.tensor([0, 3]),
+            backend="torch",
+        )
     assert all(e.where.startswith("dspec/reference/") for e in syncs), syncs.summary()
 
 
@@ -134,8 +180,10 @@ def tiny_model(tmp_path_factory):
     return load_checkpoint(write_checkpoint(tmp_path_factory.mktemp("sync") / "llama", "llama", seed=5))
 
 
-@pytest.mark.skipif(not (_backend.triton_available() and _backend.triton_interpret()),
-                    reason="the sync-free attention path is the Triton kernel (TRITON_INTERPRET on CPU)")
+@pytest.mark.skipif(
+    not (_backend.triton_available() and _backend.triton_interpret()),
+    reason="the sync-free attention path is the Triton kernel (TRITON_INTERPRET on CPU)",
+)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_ar_step_hot_part_is_sync_free(tiny_model, no_value_checks, temperature):
     """forward over a prepared plan (paged KV cache) + next-token choice + cache append,
@@ -158,7 +206,7 @@ def test_ar_step_hot_part_is_sync_free(tiny_model, no_value_checks, temperature)
             token = next_tokens(out.logits[:, -1], temperature, gen)
             cache.append(out.suffix_kv, counts=one)
         history.append(token)
-    assert cache.lengths.tolist() == [6, 4]          # the host learns the lengths afterwards
+    assert cache.lengths.tolist() == [6, 4]  # the host learns the lengths afterwards
     # and the cache is exact: the same tokens as the reference path with a ragged cache
     ref_cache = model.new_cache(2, layout="ragged")
     ref_plan = model.plan(prompts, ref_cache)
@@ -176,29 +224,40 @@ def test_ar_step_hot_part_is_sync_free(tiny_model, no_value_checks, temperature)
 
 def _suffix_kv(batch=2, n=5, layers=2):
     from dspec.models import SuffixKV
-    keys = [torch.arange(batch * n, dtype=torch.float32).view(batch, n, 1, 1).expand(batch, n, 1, 2)
-            + 100 * layer for layer in range(layers)]
+
+    keys = [
+        torch.arange(batch * n, dtype=torch.float32).view(batch, n, 1, 1).expand(batch, n, 1, 2) + 100 * layer
+        for layer in range(layers)
+    ]
     return SuffixKV([k.clone() for k in keys], [-k.clone() for k in keys])
 
 
-@pytest.mark.parametrize("keep", [
-    torch.tensor([[0, 3, 4, -1], [0, 1, -1, -1]]),                       # [0] + verify_tree path
-    torch.tensor([[True, False, True, True, False], [False, True, True, False, True]]),
-    torch.tensor([2, 0]),                                                # shared by the batch
-])
+@pytest.mark.parametrize(
+    "keep",
+    [
+        torch.tensor([[0, 3, 4, -1], [0, 1, -1, -1]]),  # [0] + verify_tree path
+        torch.tensor([[True, False, True, True, False], [False, True, True, False, True]]),
+        torch.tensor([2, 0]),  # shared by the batch
+    ],
+)
 def test_kv_cache_device_append_equals_host_append(keep, no_value_checks):
     """keep / counts as device tensors with value checks off: committed on the device with no
     host read, the same rows and lengths as the validated host path."""
     from dspec.models import KVCache
+
     kv = _suffix_kv()
     device_cache, host_cache = KVCache(2, 2, 1, 2, capacity=4), KVCache(2, 2, 1, 2, capacity=4)
-    for _ in range(3):                                    # the third append outgrows capacity 16
+    for _ in range(3):  # the third append outgrows capacity 16
         with assert_no_host_syncs("KVCache.append") if _ < 2 else count_host_syncs():
             added = device_cache.append(kv, keep)
             device_cache.append(kv, counts=torch.tensor([1, 3]))
-        rows = keep.expand(2, -1).tolist()                # host path: per-request lists
-        host_cache.append(kv, [[i for i, k in enumerate(r) if k] for r in rows] if keep.dtype == torch.bool
-                          else [[i for i in r if i >= 0] for r in rows])
+        rows = keep.expand(2, -1).tolist()  # host path: per-request lists
+        host_cache.append(
+            kv,
+            [[i for i, k in enumerate(r) if k] for r in rows]
+            if keep.dtype == torch.bool
+            else [[i for i in r if i >= 0] for r in rows],
+        )
         host_cache.append(kv, counts=[1, 3])
     used = keep if keep.dtype == torch.bool else keep >= 0
     assert added.tolist() == used.expand(2, -1).sum(1).tolist()

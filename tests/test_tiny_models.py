@@ -1,5 +1,6 @@
 """The shipped tiny models: tiny-ar (causal, Qwen3) and tiny-bd (SDAR block diffusion),
 trained by dspec.train and shipped in dspec/assets."""
+
 import json
 import re
 
@@ -18,7 +19,7 @@ def test_both_load_as_shipped_models(ar, bd):
     assert bd.family == "sdar" and bd.attention == "block_causal" and not bd.shifted
     assert bd.block_size == 8
     for m in (ar, bd):
-        assert m.dtype == torch.float32            # stored bf16, decoded in float32 on CPU
+        assert m.dtype == torch.float32  # stored bf16, decoded in float32 on CPU
         assert 2e6 < sum(p.numel() for p in m.parameters()) < 8e6
         card = (hub.ASSETS / m.shipped_name / "README.md").read_text()
         assert "python -m dspec.train" in card and "plumbing" in card
@@ -45,7 +46,7 @@ def _printable(text):
 
 def test_ar_decodes_text(ar):
     out = dspec.generate(ar, "Compute: 12 + 7 =", method="ar", max_new_tokens=6)
-    assert out.tokens and re.match(r" -?\d", out.text)          # answers with a number
+    assert out.tokens and re.match(r" -?\d", out.text)  # answers with a number
     code = dspec.generate(ar, "import os\n", method="ar", max_new_tokens=12)
     assert len(code.tokens) == 12 and _printable(code.text)
 
@@ -87,8 +88,10 @@ def test_block_size_one_is_autoregressive(bd):
 def test_arithmetic_is_learned(ar, bd):
     problems = tasks.arithmetic(40, seed=0)
     prompts = [p.prompt for p in problems]
-    gens = {"ar": dspec.generate(ar, prompts, method="ar", max_new_tokens=6),
-            "bd": dspec.generate(bd, prompts, method="diffusion", max_new_tokens=6, block_size=4)}
+    gens = {
+        "ar": dspec.generate(ar, prompts, method="ar", max_new_tokens=6),
+        "bd": dspec.generate(bd, prompts, method="diffusion", max_new_tokens=6, block_size=4),
+    }
     for name, outs in gens.items():
         formatted = sum(bool(re.match(r" -?\d+", g.text)) for g in outs)
         assert formatted >= 36, (name, [g.text for g in outs])

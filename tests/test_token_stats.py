@@ -49,12 +49,13 @@ def test_cpp_reads_bf16_as_its_float32_widening(temperature, vocab):
     decoders rely on it: ``ar`` scores the model's bf16 logits while ``diffusion`` widens its
     block first, and the self-speculative engine scores the bf16 rows it picks."""
     from dspec import _backend
+
     if not _backend.cpp_available():
         pytest.skip("dspec._C not built")
     g = torch.Generator().manual_seed(vocab)
     for scale in (1.0, 5.0, 30.0):
         x = (torch.randn(24, vocab, generator=g) * scale).to(torch.bfloat16)
-        x[3, 5] = x[3, 9] = x[3].max()                   # a tie: the lower id
+        x[3, 5] = x[3, 9] = x[3].max()  # a tie: the lower id
         a = dspec.token_stats(x, temperature=temperature, backend="cpp")
         b = dspec.token_stats(x.float(), temperature=temperature, backend="cpp")
         assert torch.equal(a.token, b.token) and torch.equal(a.lse, b.lse)
@@ -64,6 +65,7 @@ def test_cpp_reads_bf16_as_its_float32_widening(temperature, vocab):
 @pytest.mark.parametrize("vocab", [37, 1000, 49157])
 def test_cpp_key_scan_edge_cases(dtype, vocab):
     from dspec import _backend
+
     if not _backend.cpp_available():
         pytest.skip("dspec._C not built")
     x = key_scan_rows(vocab, dtype)
@@ -90,10 +92,12 @@ def test_triton_vocab_split(splits):
     """The split-vocabulary path (used for small batches on a GPU) merges exactly."""
     pytest.importorskip("triton")
     from conftest import backends_for
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if ("triton" not in [b for _, b in backends_for(device)]):
+    if "triton" not in [b for _, b in backends_for(device)]:
         pytest.skip("no triton backend here")
     from dspec.kernels.token_stats import token_stats_triton
+
     g = torch.Generator().manual_seed(splits)
     x = special_rows(torch.randn(7, 2000, generator=g) * 3).to(device)
     x[6, 1999] = x[6, 0] = 100.0  # tie across splits: the lower id wins
@@ -137,17 +141,20 @@ def test_invalid_rows_documented_outcome():
     assert math.isnan(s.lse[0].item()) and s.lse[1].item() == float("-inf") and s.lse[2].item() == float("inf")
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda: dspec.token_stats(torch.zeros(3, 0)), "empty vocabulary"),
-    (lambda: dspec.token_stats(torch.zeros(())), "at least 1 dimension"),
-    (lambda: dspec.token_stats(torch.zeros(3, 4, dtype=torch.int64)), "dtype"),
-    (lambda: dspec.token_stats([[1.0, 2.0]]), "torch.Tensor"),
-    (lambda: dspec.token_stats(torch.zeros(3, 4), temperature=0.0), "temperature"),
-    (lambda: dspec.token_stats(torch.zeros(3, 4), temperature=float("inf")), "temperature"),
-    (lambda: dspec.token_stats(torch.zeros(3, 4), temperature=-1), "temperature"),
-    (lambda: dspec.token_stats(torch.zeros(3, 4), backend="cuda"), "cuda"),
-    (lambda: dspec.token_stats(torch.zeros(3, 4), backend="metal"), "backend must be one of"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: dspec.token_stats(torch.zeros(3, 0)), "empty vocabulary"),
+        (lambda: dspec.token_stats(torch.zeros(())), "at least 1 dimension"),
+        (lambda: dspec.token_stats(torch.zeros(3, 4, dtype=torch.int64)), "dtype"),
+        (lambda: dspec.token_stats([[1.0, 2.0]]), "torch.Tensor"),
+        (lambda: dspec.token_stats(torch.zeros(3, 4), temperature=0.0), "temperature"),
+        (lambda: dspec.token_stats(torch.zeros(3, 4), temperature=float("inf")), "temperature"),
+        (lambda: dspec.token_stats(torch.zeros(3, 4), temperature=-1), "temperature"),
+        (lambda: dspec.token_stats(torch.zeros(3, 4), backend="cuda"), "cuda"),
+        (lambda: dspec.token_stats(torch.zeros(3, 4), backend="metal"), "backend must be one of"),
+    ],
+)
 def test_bad_input_raises_value_error(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()

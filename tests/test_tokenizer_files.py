@@ -1,6 +1,7 @@
 """Checkpoints that ship their tokenizer as vocab.json + merges.txt (GPT-2 / Qwen2 layout, no
 tokenizer.json): dspec builds the byte-level BPE and its ids equal transformers' on the same
 files; broken files are ValueErrors naming the file."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -46,45 +47,67 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 def _train(qwen2: bool, vocab_size: int = 700):
     """A byte-level BPE trained on CORPUS (its merges are realistic for both regexes)."""
     from tokenizers import Regex, Tokenizer as HF, models, pre_tokenizers, trainers
+
     tok = HF(models.BPE())
     if qwen2:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
 
-def write_bpe_dir(path: Path, *, qwen2: bool, config: dict | None = None, tokenizer_config=None,
-                  specials_in_vocab: bool = False, added_tokens_json: bool = False,
-                  special_tokens_map: dict | None = None, model_type: str | None = None) -> Path:
+def write_bpe_dir(
+    path: Path,
+    *,
+    qwen2: bool,
+    config: dict | None = None,
+    tokenizer_config=None,
+    specials_in_vocab: bool = False,
+    added_tokens_json: bool = False,
+    special_tokens_map: dict | None = None,
+    model_type: str | None = None,
+) -> Path:
     """vocab.json + merges.txt (via the BPE model's own save) and the given side files."""
     path.mkdir(parents=True, exist_ok=True)
     tok = _train(qwen2)
-    tok.model.save(str(path))                      # vocab.json, merges.txt ("#version" header)
+    tok.model.save(str(path))  # vocab.json, merges.txt ("#version" header)
     vocab = json.loads((path / "vocab.json").read_text(encoding="utf-8"))
     n = len(vocab)
-    if specials_in_vocab:                          # GPT-2: <|endoftext|> is the last vocab entry
+    if specials_in_vocab:  # GPT-2: <|endoftext|> is the last vocab entry
         vocab["<|endoftext|>"] = n
         (path / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
         n += 1
-    if tokenizer_config is None:                   # Qwen2 layout: specials right after the vocabulary
+    if tokenizer_config is None:  # Qwen2 layout: specials right after the vocabulary
         tokenizer_config = {
             "tokenizer_class": "Qwen2Tokenizer" if qwen2 else "GPT2Tokenizer",
-            "add_prefix_space": False, "bos_token": None, "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>", "unk_token": None, "errors": "replace",
+            "add_prefix_space": False,
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": None,
+            "errors": "replace",
             "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
             "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
             "added_tokens_decoder": {
                 str(n + i - (1 if specials_in_vocab else 0)): {
-                    "content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                    "single_word": False, "special": True}
-                for i, t in enumerate(SPECIALS[1:] if specials_in_vocab else SPECIALS,
-                                      1 if specials_in_vocab else 0)},
+                    "content": t,
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                    "special": True,
+                }
+                for i, t in enumerate(SPECIALS[1:] if specials_in_vocab else SPECIALS, 1 if specials_in_vocab else 0)
+            },
         }
     if tokenizer_config is not False:
         (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1), encoding="utf-8")
@@ -119,6 +142,7 @@ def _assert_same(path: Path, texts=TEXTS):
 
 # -----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("qwen2", [False, True], ids=["gpt2", "qwen2"])
 def test_ids_equal_transformers(tmp_path, qwen2):
     ours, _ = _assert_same(write_bpe_dir(tmp_path / "tok", qwen2=qwen2))
@@ -131,7 +155,7 @@ def test_ids_equal_transformers(tmp_path, qwen2):
     chat = "<|im_start|>user\nhi<|im_end|>"
     ids = ours.encode(chat)
     assert ids[0] == ours.token_to_id("<|im_start|>") and ids[-1] == ours.eos_token_id
-    assert ours.decode(ids) == "user\nhi"          # specials dropped by default
+    assert ours.decode(ids) == "user\nhi"  # specials dropped by default
 
 
 def test_qwen2_and_gpt2_pretokenize_differently(tmp_path):
@@ -145,8 +169,12 @@ def test_qwen2_and_gpt2_pretokenize_differently(tmp_path):
 
 def test_gpt2_layout_with_endoftext_in_vocab(tmp_path):
     """GPT-2's own layout: <|endoftext|> inside vocab.json, no side files but the class."""
-    path = write_bpe_dir(tmp_path / "tok", qwen2=False, specials_in_vocab=True,
-                         tokenizer_config={"tokenizer_class": "GPT2Tokenizer", "add_bos_token": True})
+    path = write_bpe_dir(
+        tmp_path / "tok",
+        qwen2=False,
+        specials_in_vocab=True,
+        tokenizer_config={"tokenizer_class": "GPT2Tokenizer", "add_bos_token": True},
+    )
     ours, _ = _assert_same(path)
     assert ours.bos_token == ours.eos_token == "<|endoftext|>"
     assert ours.encode("hi", add_special_tokens=True)[0] == ours.bos_token_id
@@ -155,25 +183,41 @@ def test_gpt2_layout_with_endoftext_in_vocab(tmp_path):
 
 def test_legacy_added_tokens_json_and_special_tokens_map(tmp_path):
     """No added_tokens_decoder: added_tokens.json ids and special_tokens_map.json names."""
-    path = write_bpe_dir(tmp_path / "tok", qwen2=True, added_tokens_json=True,
-                         tokenizer_config={"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 512},
-                         special_tokens_map={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                                             "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    path = write_bpe_dir(
+        tmp_path / "tok",
+        qwen2=True,
+        added_tokens_json=True,
+        tokenizer_config={"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 512},
+        special_tokens_map={
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        },
+    )
     ours, _ = _assert_same(path)
     assert ours.eos_token == "<|im_end|>"
 
 
 def test_tokenizer_class_from_model_type(tmp_path):
     """Without tokenizer_class, config.json's model_type picks Qwen2's pre-tokenization."""
-    path = write_bpe_dir(tmp_path / "tok", qwen2=True, model_type="qwen2", added_tokens_json=True,
-                         tokenizer_config={"eos_token": "<|endoftext|>"})
+    path = write_bpe_dir(
+        tmp_path / "tok",
+        qwen2=True,
+        model_type="qwen2",
+        added_tokens_json=True,
+        tokenizer_config={"eos_token": "<|endoftext|>"},
+    )
     ours, _ = _assert_same(path)
     assert len(ours.encode("98765")) == 5
 
 
 def test_add_prefix_space(tmp_path):
-    path = write_bpe_dir(tmp_path / "tok", qwen2=False, specials_in_vocab=True,
-                         tokenizer_config={"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": True})
+    path = write_bpe_dir(
+        tmp_path / "tok",
+        qwen2=False,
+        specials_in_vocab=True,
+        tokenizer_config={"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": True},
+    )
     ours, _ = _assert_same(path)
     assert ours.encode("Hello") == ours.encode(" Hello")
 
@@ -182,6 +226,7 @@ def test_add_prefix_space(tmp_path):
 def test_smollm2_vocab_and_merges_equal_transformers(tmp_path):
     """SmolLM2's 49152-token byte-level BPE, exported as vocab.json + merges.txt."""
     from dspec.models.embedded import smollm2_checkpoint
+
     src = Path(smollm2_checkpoint(progress=False))
     data = json.loads((src / "tokenizer.json").read_text(encoding="utf-8"))
     dst = tmp_path / "smol"
@@ -203,6 +248,7 @@ def test_load_gives_the_checkpoint_its_tokenizer(tmp_path):
     """dspec.load on a checkpoint with vocab.json + merges.txt and no tokenizer.json."""
     import dspec
     from tiny_checkpoints import write_checkpoint
+
     path = write_checkpoint(tmp_path / "ckpt", "qwen2", tokenizer=False, vocab=768)
     write_bpe_dir(path, qwen2=True)
     cfg = json.loads((path / "config.json").read_text())
@@ -220,20 +266,23 @@ def test_only_vocab_json_is_no_tokenizer(tmp_path):
     assert Tokenizer.from_dir(tmp_path) is None
 
 
-@pytest.mark.parametrize("case, file, words", [
-    ("merges_without_vocab", "merges.txt", "vocab.json"),
-    ("vocab_not_json", "vocab.json", "not valid JSON"),
-    ("vocab_not_object", "vocab.json", "JSON object"),
-    ("vocab_bad_id", "vocab.json", "ids must be integers"),
-    ("vocab_duplicate_id", "vocab.json", "share the id"),
-    ("merges_not_utf8", "merges.txt", "not UTF-8"),
-    ("merges_three_parts", "merges.txt", "line 2"),
-    ("merges_unknown_token", "merges.txt", "not in vocab.json"),
-    ("merges_is_dir", "merges.txt", "not a regular file"),
-    ("added_id_taken", "vocab.json", "claims it"),
-    ("added_decoder_bad", "tokenizer_config.json", "added_tokens_decoder"),
-    ("added_json_bad_id", "added_tokens.json", "ids must be integers"),
-])
+@pytest.mark.parametrize(
+    "case, file, words",
+    [
+        ("merges_without_vocab", "merges.txt", "vocab.json"),
+        ("vocab_not_json", "vocab.json", "not valid JSON"),
+        ("vocab_not_object", "vocab.json", "JSON object"),
+        ("vocab_bad_id", "vocab.json", "ids must be integers"),
+        ("vocab_duplicate_id", "vocab.json", "share the id"),
+        ("merges_not_utf8", "merges.txt", "not UTF-8"),
+        ("merges_three_parts", "merges.txt", "line 2"),
+        ("merges_unknown_token", "merges.txt", "not in vocab.json"),
+        ("merges_is_dir", "merges.txt", "not a regular file"),
+        ("added_id_taken", "vocab.json", "claims it"),
+        ("added_decoder_bad", "tokenizer_config.json", "added_tokens_decoder"),
+        ("added_json_bad_id", "added_tokens.json", "ids must be integers"),
+    ],
+)
 def test_broken_files_name_the_file(tmp_path, case, file, words):
     path = write_bpe_dir(tmp_path / "tok", qwen2=True)
     vocab_file, merges_file = path / "vocab.json", path / "merges.txt"
@@ -278,6 +327,7 @@ def test_dream_tokenizer_class_is_qwen2s(tmp_path):
     """Dream ships vocab.json + merges.txt with its own copy of Qwen2Tokenizer
     (``DreamTokenizer``) and a [MASK] among the added tokens: the ids are Qwen2Tokenizer's."""
     import shutil
+
     path = write_bpe_dir(tmp_path / "dream", qwen2=True)
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     n = max(map(int, cfg["added_tokens_decoder"])) + 1
@@ -286,9 +336,15 @@ def test_dream_tokenizer_class_is_qwen2s(tmp_path):
     ref_dir = tmp_path / "qwen2"
     shutil.copytree(path, ref_dir)
     (ref_dir / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "Qwen2Tokenizer"}))
-    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "DreamTokenizer",
-                                                             "auto_map": {"AutoTokenizer": [
-                                                                 "tokenization_dream.DreamTokenizer", None]}}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                **cfg,
+                "tokenizer_class": "DreamTokenizer",
+                "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]},
+            }
+        )
+    )
     ours, ref = Tokenizer.from_dir(path), _reference(ref_dir)
     assert ours.mask_token_id == n == ref.convert_tokens_to_ids("<|mask|>")
     for text in TEXTS + ["a <|mask|><|mask|> b"]:

@@ -56,6 +56,7 @@ def test_triton_vocab_split(splits, mass):
     if "triton" not in [b for _, b in backends_for(device, PROVIDED)]:
         pytest.skip("no triton backend here")
     from dspec.kernels.topk import mass_candidates_triton, topk_tokens_triton
+
     x = _logits(7, 1500, torch.float32, device, splits)
     x[6, 1499] = x[6, 3] = 50.0  # a tie split across programs: the lower id first
     if mass:
@@ -123,18 +124,21 @@ def test_topk_sum_matches_softmax():
     torch.testing.assert_close(probs, torch.softmax(x, -1).sort(-1, descending=True).values)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda: dspec.topk_tokens(torch.zeros(2, 5), 6), "k must be <= V"),
-    (lambda: dspec.topk_tokens(torch.zeros(2, 5), 0), "k must be >= 1"),
-    (lambda: dspec.topk_tokens(torch.zeros(2, 5), 2.0), "k must be an int"),
-    (lambda: dspec.topk_tokens(torch.zeros(2, 0), 1), "empty vocabulary"),
-    (lambda: dspec.topk_tokens(torch.zeros(2, 64), 33, backend="triton"), "k <= 32"),
-    (lambda: dspec.mass_candidates(torch.zeros(2, 5), 0.0, 2), "tau"),
-    (lambda: dspec.mass_candidates(torch.zeros(2, 5), 1.5, 2), "tau"),
-    (lambda: dspec.mass_candidates(torch.zeros(2, 5), float("nan"), 2), "tau"),
-    (lambda: dspec.mass_candidates(torch.zeros(2, 5), 0.5, 9), "max_m must be <= V"),
-    (lambda: dspec.mass_candidates(torch.zeros(2, 5), 0.5, 2, temperature=0), "temperature"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: dspec.topk_tokens(torch.zeros(2, 5), 6), "k must be <= V"),
+        (lambda: dspec.topk_tokens(torch.zeros(2, 5), 0), "k must be >= 1"),
+        (lambda: dspec.topk_tokens(torch.zeros(2, 5), 2.0), "k must be an int"),
+        (lambda: dspec.topk_tokens(torch.zeros(2, 0), 1), "empty vocabulary"),
+        (lambda: dspec.topk_tokens(torch.zeros(2, 64), 33, backend="triton"), "k <= 32"),
+        (lambda: dspec.mass_candidates(torch.zeros(2, 5), 0.0, 2), "tau"),
+        (lambda: dspec.mass_candidates(torch.zeros(2, 5), 1.5, 2), "tau"),
+        (lambda: dspec.mass_candidates(torch.zeros(2, 5), float("nan"), 2), "tau"),
+        (lambda: dspec.mass_candidates(torch.zeros(2, 5), 0.5, 9), "max_m must be <= V"),
+        (lambda: dspec.mass_candidates(torch.zeros(2, 5), 0.5, 2, temperature=0), "temperature"),
+    ],
+)
 def test_bad_input_raises_value_error(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()

@@ -1,5 +1,6 @@
 """dspec.train: tokenizer, block-diffusion objective, training forward == inference forward,
 a short training run, exact resume, the CLI."""
+
 import pytest
 import torch
 
@@ -28,15 +29,27 @@ from dspec.train.objectives import causal_mask
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
 
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
-             max_position_embeddings=512, tie_word_embeddings=True)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
 
 
 def corpus():
     text = [p.prompt + p.answer for p in tasks.arithmetic(300, seed=1000)]
-    text += ["def add(a, b):\n    return a + b\n", "Hello, how are you? I am fine, thank you.",
-             "class Point:\n    def __init__(self, x, y):\n        self.x = x\n"] * 20
+    text += [
+        "def add(a, b):\n    return a + b\n",
+        "Hello, how are you? I am fine, thank you.",
+        "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+    ] * 20
     return text
 
 
@@ -48,14 +61,22 @@ def tokenizer(tmp_path_factory):
 
 
 def small_model(family, vocab, seed=0):
-    raw = tiny_config(family, SMALL, vocab_size=vocab, eos_token_id=0, pad_token_id=2,
-                      mask_token_id=1 if family == "sdar" else None, block_size=4 if family == "sdar" else None)
+    raw = tiny_config(
+        family,
+        SMALL,
+        vocab_size=vocab,
+        eos_token_id=0,
+        pad_token_id=2,
+        mask_token_id=1 if family == "sdar" else None,
+        block_size=4 if family == "sdar" else None,
+    )
     return Model(parse_config(raw)).init_random_(0.1, seed=seed)
 
 
 def small_data(tokenizer, seq_len=32, rows=64):
     docs = [tokenizer.encode(t) + [tokenizer.eos_token_id] for t in corpus()]
     import random
+
     train = pack_rows(docs, seq_len, rows, random.Random(0))
     held = pack_rows(docs, seq_len, 4, random.Random(1))
     return PackedData(train, torch.zeros(rows, dtype=torch.int8), {"arithmetic": held}, seed=0)
@@ -66,14 +87,14 @@ def small_data(tokenizer, seq_len=32, rows=64):
 
 def test_tokenizer_round_trip_and_specials(tokenizer, tmp_path):
     assert (tokenizer.eos_token_id, tokenizer.mask_token_id, tokenizer.pad_token_id) == (0, 1, 2)
-    assert 259 < tokenizer.vocab_size <= 400          # small corpus: fewer merges than asked
+    assert 259 < tokenizer.vocab_size <= 400  # small corpus: fewer merges than asked
     for text in ["Compute: 37 + 48 = 85", "def f(x):\n\treturn x  # ünïcode ✓\n", "  spaces   "]:
         ids = tokenizer.encode(text)
         assert tokenizer.decode(ids) == text
     # digits are single tokens: numbers are spelled digit by digit
     assert [tokenizer.id_to_token(i) for i in tokenizer.encode("1234")] == list("1234")
-    assert tokenizer.decode([1, 0] + tokenizer.encode("ab")) == "ab"        # specials dropped
-    again = train_tokenizer(corpus(), vocab_size=400)                      # deterministic
+    assert tokenizer.decode([1, 0] + tokenizer.encode("ab")) == "ab"  # specials dropped
+    again = train_tokenizer(corpus(), vocab_size=400)  # deterministic
     assert again.to_str() == tokenizer.inner.to_str()
     with pytest.raises(ValueError, match="vocab_size"):
         train_tokenizer(corpus(), vocab_size=10)
@@ -95,7 +116,7 @@ def test_block_diffusion_mask_is_the_definition(length, block):
             else:
                 want[i, j] = (not kj_noisy) and bj <= bi
     assert torch.equal(got, want)
-    if block == 1:   # noisy i sees clean < i and itself: a causal LM with [MASK] queries
+    if block == 1:  # noisy i sees clean < i and itself: a causal LM with [MASK] queries
         assert torch.equal(got[:length, length:], causal_mask(length) & ~torch.eye(length, dtype=torch.bool))
 
 
@@ -109,11 +130,11 @@ def test_block_diffusion_noise(block):
     assert torch.equal(b.inputs[:, :10][~b.masked], tokens[~b.masked])
     for start in range(0, 10, block):
         size = min(block, 10 - start)
-        k = b.masked[:, start:start + size].sum(1)
-        assert int(k.min()) >= 1 and int(k.max()) <= size            # never an empty block
+        k = b.masked[:, start : start + size].sum(1)
+        assert int(k.min()) >= 1 and int(k.max()) <= size  # never an empty block
         assert torch.allclose(b.ratio[:, start], k.float() / size)
         if size > 1:
-            assert int(k.max()) == size and int(k.min()) == 1         # k spans 1..size
+            assert int(k.max()) == size and int(k.min()) == 1  # k spans 1..size
     if block == 1:
         assert bool(b.masked.all())
 
@@ -130,7 +151,7 @@ def test_block_size_one_loss_is_causal_with_mask_queries():
         for j in range(9):
             seq = torch.cat([tokens[b, :j], torch.tensor([1])])[None]
             logits = train_forward(model, seq, torch.arange(j + 1), is_causal=True)[0, -1]
-            nll += float(torch.nn.functional.cross_entropy(logits[None], tokens[b, j:j + 1]).detach())
+            nll += float(torch.nn.functional.cross_entropy(logits[None], tokens[b, j : j + 1]).detach())
     assert got.count == 18
     assert abs(float(got.loss.detach()) - nll / 18) < 1e-4
 
@@ -151,8 +172,11 @@ def test_training_forward_equals_inference_forward():
         cache = model.new_cache(2)
         out = model(model.plan(tokens[:, :4], cache))
         cache.append(out.suffix_kv)
-        step = model(AttentionPlan(b.inputs[:, 4:8], torch.arange(4, 8).expand(2, -1),
-                                   dspec.masks.block_diffusion(4).words, cache)).logits
+        step = model(
+            AttentionPlan(
+                b.inputs[:, 4:8], torch.arange(4, 8).expand(2, -1), dspec.masks.block_diffusion(4).words, cache
+            )
+        ).logits
         assert torch.allclose(train[:, 4:8], step, atol=2e-5, rtol=1e-4)
     causal = small_model("qwen3", 80, seed=2)
     with torch.no_grad():
@@ -172,8 +196,18 @@ def test_twenty_steps_lower_the_loss(tokenizer, tmp_path, objective):
     data = small_data(tokenizer)
     family = "qwen3" if objective == "causal" else "sdar"
     model = small_model(family, tokenizer.vocab_size)
-    cfg = TrainConfig(objective=objective, batch_size=8, lr=1e-2, min_lr=1e-3, warmup_steps=3, max_steps=20,
-                      eval_every=0, block_sizes=(1, 4), eval_block_sizes=(1,), checkpoint_every_s=1e9)
+    cfg = TrainConfig(
+        objective=objective,
+        batch_size=8,
+        lr=1e-2,
+        min_lr=1e-3,
+        warmup_steps=3,
+        max_steps=20,
+        eval_every=0,
+        block_sizes=(1, 4),
+        eval_block_sizes=(1,),
+        checkpoint_every_s=1e9,
+    )
     trainer = Trainer(model, data, cfg, tmp_path, mask_token_id=1, plot=objective == "causal")
     before = trainer.evaluate()
     after = trainer.train(progress=False)
@@ -186,15 +220,27 @@ def test_twenty_steps_lower_the_loss(tokenizer, tmp_path, objective):
 
 def test_resume_continues_identically(tokenizer, tmp_path):
     data = small_data(tokenizer)
-    cfg = TrainConfig(objective="block_diffusion", batch_size=4, micro_batch_size=2, lr=5e-3, min_lr=5e-4,
-                      warmup_steps=2, max_steps=6, eval_every=0, block_sizes=(1, 2, 4), checkpoint_every_s=1e9)
-    straight = Trainer(small_model("sdar", tokenizer.vocab_size), data, cfg, tmp_path / "a", mask_token_id=1,
-                       plot=False)
+    cfg = TrainConfig(
+        objective="block_diffusion",
+        batch_size=4,
+        micro_batch_size=2,
+        lr=5e-3,
+        min_lr=5e-4,
+        warmup_steps=2,
+        max_steps=6,
+        eval_every=0,
+        block_sizes=(1, 2, 4),
+        checkpoint_every_s=1e9,
+    )
+    straight = Trainer(
+        small_model("sdar", tokenizer.vocab_size), data, cfg, tmp_path / "a", mask_token_id=1, plot=False
+    )
     straight.train(progress=False)
     first = Trainer(small_model("sdar", tokenizer.vocab_size), data, cfg, tmp_path / "b", mask_token_id=1, plot=False)
     first.train(max_steps=3, progress=False)
-    second = Trainer(small_model("sdar", tokenizer.vocab_size, seed=9), data, cfg, tmp_path / "b", mask_token_id=1,
-                     plot=False)
+    second = Trainer(
+        small_model("sdar", tokenizer.vocab_size, seed=9), data, cfg, tmp_path / "b", mask_token_id=1, plot=False
+    )
     assert second.resume() and second.step == 3
     second.train(progress=False)
     assert second.step == straight.step == 6
@@ -221,15 +267,17 @@ def test_schedule_and_config_checks():
 
 def test_cli_help_and_errors(tmp_path, capsys):
     from dspec.train.__main__ import main  # what ``python -m dspec.train`` runs
+
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     for name in ("tiny-ar", "tiny-bd", "bd-adapt", "--minutes", "--resume", "--device", "--init"):
         assert name in text
-    assert main(["bd-adapt", "--out", str(tmp_path / "x")]) == 2          # no --init: clear error
+    assert main(["bd-adapt", "--out", str(tmp_path / "x")]) == 2  # no --init: clear error
     assert "init" in capsys.readouterr().err
     from dspec.train import run_recipe
+
     with pytest.raises(ValueError, match="unknown recipe"):
         run_recipe("tiny-xl", tmp_path)
     with pytest.raises(ValueError, match="init"):
@@ -257,13 +305,21 @@ def test_bd_adapt(tmp_path, source, family):
     sys_path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from dspec.train import run_recipe
     from tiny_checkpoints import write_checkpoint
+
     src = write_checkpoint(tmp_path / "src", source, seed=3)
     source = dspec.load(src)
-    summary = run_recipe("bd-adapt", tmp_path / "run", init=src, mask_token="<unk>", max_steps=2,
-                         num_rows=16, progress=False, plot=False,
-                         data_overrides={"weights": {"arithmetic": 1.0}, "seq_len": 16,
-                                         "arithmetic_problems": 200, "heldout_rows": 2},
-                         train_overrides={"batch_size": 4, "eval_every": 0, "warmup_steps": 1})
+    summary = run_recipe(
+        "bd-adapt",
+        tmp_path / "run",
+        init=src,
+        mask_token="<unk>",
+        max_steps=2,
+        num_rows=16,
+        progress=False,
+        plot=False,
+        data_overrides={"weights": {"arithmetic": 1.0}, "seq_len": 16, "arithmetic_problems": 200, "heldout_rows": 2},
+        train_overrides={"batch_size": 4, "eval_every": 0, "warmup_steps": 1},
+    )
     assert summary["family"] == family and summary["steps"] == 2
     adapted = dspec.load(tmp_path / "run" / "model")
     assert adapted.family == family and adapted.shifted == (family == "fast_dllm_v2")

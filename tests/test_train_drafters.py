@@ -1,5 +1,6 @@
 """Drafter training recipes (dspec.train.dflash, dspec.train.vp_drafter): the loss goes down,
 the VP prefix prior and loss weights follow their formulas, resume is exact, the CLI runs."""
+
 from __future__ import annotations
 
 import json
@@ -44,15 +45,26 @@ def target(ckpt):
 @pytest.fixture(scope="module")
 def sequences(target):
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, 150, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(48)]
+    prompts = [
+        torch.randint(4, 150, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(48)
+    ]
     out, _ = decode_ar(target, prompts, max_new_tokens=20)
     return [(p + o, len(p)) for p, o in zip(prompts, out)]
 
 
 def small_cfg(**kw):
-    base = dict(block_size=4, batch_size=8, anchors_per_seq=4, warmup_steps=3, lr=3e-3, min_lr=3e-4,
-                eval_every=1000, max_steps=40, checkpoint_every_s=1e9)
+    base = dict(
+        block_size=4,
+        batch_size=8,
+        anchors_per_seq=4,
+        warmup_steps=3,
+        lr=3e-3,
+        min_lr=3e-4,
+        eval_every=1000,
+        max_steps=40,
+        checkpoint_every_s=1e9,
+    )
     base.update(kw)
     return DrafterTrainConfig(**base)
 
@@ -60,7 +72,7 @@ def small_cfg(**kw):
 def test_prefix_prior_formula_and_sampling():
     a, n = 0.6, 5
     p = prefix_prior(n, a)
-    expect = torch.tensor([a ** i * (1 - a) for i in range(n)], dtype=torch.float64)
+    expect = torch.tensor([a**i * (1 - a) for i in range(n)], dtype=torch.float64)
     torch.testing.assert_close(p, expect / expect.sum())
     g = torch.Generator().manual_seed(0)
     draws = sample_prefix_lengths(g, (200, 100), n, a)
@@ -76,8 +88,9 @@ def test_blocks_and_weights_follow_the_formula():
     tokens, lengths, plens = pad_sequences([(list(range(10, 22)), 4), (list(range(30, 37)), 2)], "cpu")
     prefix = torch.tensor([[0, 2, 3], [1, 0, 2]])
     g = torch.Generator().manual_seed(1)
-    blocks, labels, valid, starts, pre = make_blocks(tokens, lengths, plens, block_size=5, anchors=3,
-                                                     prefix_lengths=prefix, generator=g)
+    blocks, labels, valid, starts, pre = make_blocks(
+        tokens, lengths, plens, block_size=5, anchors=3, prefix_lengths=prefix, generator=g
+    )
     assert blocks.shape == labels.shape == valid.shape == (2, 3, 5)
     assert bool((starts >= plens[:, None]).all()) and bool((starts <= lengths[:, None] - 2).all())
     j = torch.arange(5)
@@ -87,7 +100,7 @@ def test_blocks_and_weights_follow_the_formula():
             for slot in range(5):
                 inside = s + slot < int(lengths[b])
                 if slot <= i and inside:
-                    assert blocks[b, m, slot] == tokens[b, s + slot]      # anchor + given prefix
+                    assert blocks[b, m, slot] == tokens[b, s + slot]  # anchor + given prefix
                 else:
                     assert blocks[b, m, slot] == MASK
                 assert bool(valid[b, m, slot]) == (slot > i and inside)
@@ -102,8 +115,14 @@ def test_blocks_and_weights_follow_the_formula():
 @pytest.mark.parametrize("kind", ["dflash", "vp"])
 def test_training_lowers_the_loss(target, sequences, tmp_path, kind):
     cfg = small_cfg(kind=kind)
-    trainer = DrafterTrainer(target, cfg, tmp_path, sequences=sequences, progress=False,
-                             prefix_sampler=prefix_sampler(cfg) if kind == "vp" else None)
+    trainer = DrafterTrainer(
+        target,
+        cfg,
+        tmp_path,
+        sequences=sequences,
+        progress=False,
+        prefix_sampler=prefix_sampler(cfg) if kind == "vp" else None,
+    )
     # a random target's continuations are not learnable from 48 sequences: measure the
     # loss on training sequences (the recipe's held-out loss is what the model cards report)
     trainer.held_idx = trainer.train_idx[:16]
@@ -118,15 +137,18 @@ def test_training_lowers_the_loss(target, sequences, tmp_path, kind):
 
 def test_resume_is_exact(target, sequences, tmp_path):
     cfg = small_cfg(kind="vp", max_steps=6)
-    straight = DrafterTrainer(target, cfg, tmp_path / "a", sequences=sequences, progress=False,
-                              prefix_sampler=prefix_sampler(cfg))
+    straight = DrafterTrainer(
+        target, cfg, tmp_path / "a", sequences=sequences, progress=False, prefix_sampler=prefix_sampler(cfg)
+    )
     straight.train(max_steps=6)
-    first = DrafterTrainer(target, cfg, tmp_path / "b", sequences=sequences, progress=False,
-                           prefix_sampler=prefix_sampler(cfg))
+    first = DrafterTrainer(
+        target, cfg, tmp_path / "b", sequences=sequences, progress=False, prefix_sampler=prefix_sampler(cfg)
+    )
     first.train(max_steps=6, steps=3)
     assert first.step == 3
-    second = DrafterTrainer(target, cfg, tmp_path / "b", sequences=sequences, progress=False,
-                            prefix_sampler=prefix_sampler(cfg))
+    second = DrafterTrainer(
+        target, cfg, tmp_path / "b", sequences=sequences, progress=False, prefix_sampler=prefix_sampler(cfg)
+    )
     assert second.resume() and second.step == 3
     second.train(max_steps=6)
     assert second.step == 6
@@ -136,9 +158,28 @@ def test_resume_is_exact(target, sequences, tmp_path):
 
 def test_cli_writes_a_loadable_drafter(ckpt, target, tmp_path):
     out = tmp_path / "run"
-    result = main(["--target", str(ckpt), "--out", str(out), "--max-steps", "3", "--num-prompts", "8",
-                   "--response-tokens", "6", "--sources", "arithmetic=1", "--block-size", "4",
-                   "--batch-size", "4", "--weight-decay", "0.05"])
+    result = main(
+        [
+            "--target",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--max-steps",
+            "3",
+            "--num-prompts",
+            "8",
+            "--response-tokens",
+            "6",
+            "--sources",
+            "arithmetic=1",
+            "--block-size",
+            "4",
+            "--batch-size",
+            "4",
+            "--weight-decay",
+            "0.05",
+        ]
+    )
     assert result["step"] == 3
     assert json.loads((out / "train_log.json").read_text())["config"]["weight_decay"] == 0.05
     d = load_drafter(out / "drafter", target, kind="dflash")
@@ -146,7 +187,7 @@ def test_cli_writes_a_loadable_drafter(ckpt, target, tmp_path):
     card = (out / "drafter" / "README.md").read_text()
     assert "held-out loss" in card and "acceptance" in card
     with pytest.raises(SystemExit):
-        main(["--target", str(ckpt), "--out", str(out), "--max-steps", "3"])     # exists, no --resume
+        main(["--target", str(ckpt), "--out", str(out), "--max-steps", "3"])  # exists, no --resume
     with pytest.raises(SystemExit, match="weight-decay"):
         main(["--target", str(ckpt), "--out", str(tmp_path / "wd"), "--weight-decay", "-1"])
 
@@ -158,8 +199,9 @@ def test_warm_start_from_a_saved_drafter(ckpt, target, sequences, tmp_path):
     src.train(max_steps=3)
     src.drafter.save(tmp_path / "dflash")
     vp_cfg = small_cfg(kind="vp", max_steps=3, seed=5)
-    vp = DrafterTrainer(target, vp_cfg, tmp_path / "vp", sequences=sequences, progress=False,
-                        prefix_sampler=prefix_sampler(vp_cfg))
+    vp = DrafterTrainer(
+        target, vp_cfg, tmp_path / "vp", sequences=sequences, progress=False, prefix_sampler=prefix_sampler(vp_cfg)
+    )
     vp.init_from(tmp_path / "dflash")
     for (k, v), (_, w) in zip(src.drafter.state_dict().items(), vp.drafter.state_dict().items()):
         torch.testing.assert_close(v, w, rtol=0, atol=0, msg=k)
@@ -175,8 +217,9 @@ def test_warm_start_deepens_a_shallower_drafter(target, sequences, tmp_path):
     src = DrafterTrainer(target, small_cfg(max_steps=3), tmp_path / "src", sequences=sequences, progress=False)
     src.train(max_steps=3)
     src.drafter.save(tmp_path / "one")
-    deep = DrafterTrainer(target, small_cfg(max_steps=3, num_layers=2, seed=7), tmp_path / "deep",
-                          sequences=sequences, progress=False)
+    deep = DrafterTrainer(
+        target, small_cfg(max_steps=3, num_layers=2, seed=7), tmp_path / "deep", sequences=sequences, progress=False
+    )
     deep.init_from(tmp_path / "one")
     assert deep.data_info["init_layers"] == 1
     mine = deep.drafter.state_dict()
@@ -187,12 +230,14 @@ def test_warm_start_deepens_a_shallower_drafter(target, sequences, tmp_path):
     blocks = torch.tensor([[[3, MASK, MASK, MASK], [5, MASK, MASK, MASK]]] * 2)
     starts = torch.tensor([[2, 6]] * 2)
     with torch.no_grad():
-        torch.testing.assert_close(deep.drafter.forward_train(hidden, blocks, starts),
-                                   src.drafter.forward_train(hidden, blocks, starts))
+        torch.testing.assert_close(
+            deep.drafter.forward_train(hidden, blocks, starts), src.drafter.forward_train(hidden, blocks, starts)
+        )
     deep.train(max_steps=3)
     assert deep.drafter.layers[1].o_proj.weight.any()
-    src2 = DrafterTrainer(target, small_cfg(max_steps=3, num_layers=2), tmp_path / "src2", sequences=sequences,
-                          progress=False)
+    src2 = DrafterTrainer(
+        target, small_cfg(max_steps=3, num_layers=2), tmp_path / "src2", sequences=sequences, progress=False
+    )
     src2.drafter.save(tmp_path / "two")
     with pytest.raises(ValueError, match="num_layers = 2"):
         src.init_from(tmp_path / "two")
@@ -203,8 +248,9 @@ def test_new_weight_oversamples_the_appended_sequences(target, sequences, tmp_pa
     the list a step draws from uniformly; the held-out split and the earlier sequences are
     unchanged."""
     one = DrafterTrainer(target, small_cfg(heldout_start=30), tmp_path / "one", sequences=sequences, progress=False)
-    three = DrafterTrainer(target, small_cfg(heldout_start=30, new_weight=3), tmp_path / "three",
-                           sequences=sequences, progress=False)
+    three = DrafterTrainer(
+        target, small_cfg(heldout_start=30, new_weight=3), tmp_path / "three", sequences=sequences, progress=False
+    )
     assert three.held_idx == one.held_idx and min(one.held_idx) >= 30
     counts = {i: three.train_idx.count(i) for i in set(three.train_idx)}
     assert set(counts) == set(one.train_idx)
@@ -218,9 +264,9 @@ def test_greedy_accepted_counts_the_leading_agreeing_drafts():
     labels = torch.tensor([[[7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4]]])
     preds = torch.tensor([[[0, 1, 2, 9, 4], [0, 9, 2, 3, 4], [0, 1, 2, 3, 4], [0, 0, 2, 3, 9]]])
     valid = torch.ones_like(labels, dtype=torch.bool)
-    valid[0, 2, 4] = False                                   # block 2 runs past the sequence end
-    valid[..., 0] = False                                    # the anchor is given
-    prefix = torch.tensor([[0, 0, 0, 1]])                    # block 3: slot 1 given (VP)
+    valid[0, 2, 4] = False  # block 2 runs past the sequence end
+    valid[..., 0] = False  # the anchor is given
+    prefix = torch.tensor([[0, 0, 0, 1]])  # block 3: slot 1 given (VP)
     valid[0, 3, 1] = False
     logits = torch.nn.functional.one_hot(preds, 10).float()
     acc, correct = greedy_accepted(logits, labels, valid, prefix)
@@ -242,13 +288,30 @@ def test_draft_vocab_training_reads_only_its_columns(target, sequences, tmp_path
     assert ids.numel() == 12 and set(target.eos_token_ids) <= set(ids.tolist())
     tokens, lengths, blocks, labels, valid, starts, prefix, hidden, banned = trainer.batch(0)
     assert banned is None
-    loss, total, logits = block_loss(trainer.drafter, target, tokens, lengths, blocks, labels, valid, starts,
-                                     prefix, cfg.decay, hidden, draft_index=trainer.draft_index,
-                                     return_logits=True)
+    loss, total, logits = block_loss(
+        trainer.drafter,
+        target,
+        tokens,
+        lengths,
+        blocks,
+        labels,
+        valid,
+        starts,
+        prefix,
+        cfg.decay,
+        hidden,
+        draft_index=trainer.draft_index,
+        return_logits=True,
+    )
     assert logits.shape[-1] == 12
     full = trainer.drafter.forward_train(
-        target(target.plan(tokens), logits=None, hidden_states=trainer.drafter.target_layer_ids,
-               return_kv=False).hidden, blocks, starts, context_length=lengths)
+        target(
+            target.plan(tokens), logits=None, hidden_states=trainer.drafter.target_layer_ids, return_kv=False
+        ).hidden,
+        blocks,
+        starts,
+        context_length=lengths,
+    )
     torch.testing.assert_close(logits, full[..., ids], rtol=1e-5, atol=1e-5)
     inside = torch.isin(labels, ids) & valid
     w = block_loss_weights(blocks.shape[-1], prefix, cfg.decay) * inside
@@ -259,9 +322,21 @@ def test_draft_vocab_training_reads_only_its_columns(target, sequences, tmp_path
     # banning column 0 everywhere: a weight-0 slot (label outside, clamped to column 0) must not
     # turn the loss into inf * 0 = nan; weighted slots keep their value unless banned themselves
     everywhere = torch.full(prefix.shape, int(ids[0]))
-    banned_loss, banned_total = block_loss(trainer.drafter, target, tokens, lengths, blocks, labels, valid,
-                                           starts, prefix, cfg.decay, hidden, draft_index=trainer.draft_index,
-                                           banned=everywhere)
+    banned_loss, banned_total = block_loss(
+        trainer.drafter,
+        target,
+        tokens,
+        lengths,
+        blocks,
+        labels,
+        valid,
+        starts,
+        prefix,
+        cfg.decay,
+        hidden,
+        draft_index=trainer.draft_index,
+        banned=everywhere,
+    )
     assert float(banned_total) == pytest.approx(float(w.sum()))
     at_ban = torch.arange(blocks.shape[-1]) == (prefix + 1)[..., None]
     if not bool((at_ban & (labels == ids[0]) & inside).any()):
@@ -274,6 +349,7 @@ def test_draft_vocab_training_reads_only_its_columns(target, sequences, tmp_path
 
 
 # ------------------------------------------------------------------ VP prefixes at DFlash's rejections
+
 
 def test_ban_tokens_removes_one_logit_at_the_first_redrafted_slot():
     gen = torch.Generator().manual_seed(0)
@@ -292,7 +368,7 @@ def test_ban_tokens_removes_one_logit_at_the_first_redrafted_slot():
     draft_ids = torch.tensor([11, 4, 9, 0, 13, 2, 7])
     draft_index[draft_ids] = torch.arange(7)
     banned_ids = torch.where(banned >= 0, draft_ids[banned.clamp_min(0)], -1)
-    banned_ids[1, 2] = 19                                       # outside the draft vocabulary
+    banned_ids[1, 2] = 19  # outside the draft vocabulary
     expect[1, 2, 1, 5] = logits[1, 2, 1, 5]
     assert torch.equal(ban_tokens(logits, prefix, banned_ids, draft_index), expect)
 
@@ -328,12 +404,12 @@ def test_rejection_prefixes_match_a_per_block_loop(target, sequences):
 def test_rejection_mode_trains_on_the_first_drafters_rejections(target, sequences, tmp_path):
     """prefix_mode='rejection': blocks given up to the first draft's rejection, the rejected
     draft banned, rejection-free blocks weigh 0; the loss falls; config and drafter are checked."""
-    first = DrafterTrainer(target, small_cfg(max_steps=3), tmp_path / "first", sequences=sequences,
-                           progress=False)
+    first = DrafterTrainer(target, small_cfg(max_steps=3), tmp_path / "first", sequences=sequences, progress=False)
     first.train(max_steps=3)
     cfg = small_cfg(kind="vp", prefix_mode="rejection")
-    trainer = DrafterTrainer(target, cfg, tmp_path / "vp", sequences=sequences, progress=False,
-                             first_drafter=first.drafter)
+    trainer = DrafterTrainer(
+        target, cfg, tmp_path / "vp", sequences=sequences, progress=False, first_drafter=first.drafter
+    )
     tokens, lengths, blocks, labels, valid, starts, prefix, hidden, banned = trainer.batch(0)
     j = torch.arange(cfg.block_size)
     inside = starts[..., None] + j < lengths[:, None, None]
@@ -352,8 +428,14 @@ def test_rejection_mode_trains_on_the_first_drafters_rejections(target, sequence
     with pytest.raises(ValueError, match="first_drafter"):
         DrafterTrainer(target, cfg, tmp_path / "none", sequences=sequences, progress=False)
     with pytest.raises(ValueError, match="block size"):
-        DrafterTrainer(target, small_cfg(kind="vp", prefix_mode="rejection", block_size=6), tmp_path / "bs",
-                       sequences=sequences, progress=False, first_drafter=first.drafter)
+        DrafterTrainer(
+            target,
+            small_cfg(kind="vp", prefix_mode="rejection", block_size=6),
+            tmp_path / "bs",
+            sequences=sequences,
+            progress=False,
+            first_drafter=first.drafter,
+        )
     with pytest.raises(ValueError, match="kind must be 'vp'"):
         small_cfg(prefix_mode="rejection")
     with pytest.raises(ValueError, match="prefix_mode"):
@@ -362,12 +444,47 @@ def test_rejection_mode_trains_on_the_first_drafters_rejections(target, sequence
 
 def test_vp_cli_rejection_mode(ckpt, target, tmp_path):
     first = tmp_path / "first"
-    main(["--target", str(ckpt), "--out", str(first), "--max-steps", "2", "--num-prompts", "8",
-          "--response-tokens", "6", "--sources", "arithmetic=1", "--block-size", "4", "--batch-size", "4"])
+    main(
+        [
+            "--target",
+            str(ckpt),
+            "--out",
+            str(first),
+            "--max-steps",
+            "2",
+            "--num-prompts",
+            "8",
+            "--response-tokens",
+            "6",
+            "--sources",
+            "arithmetic=1",
+            "--block-size",
+            "4",
+            "--batch-size",
+            "4",
+        ]
+    )
     out = tmp_path / "vp"
-    result = vp_main(["--target", str(ckpt), "--out", str(out), "--max-steps", "2", "--data",
-                      str(first / "data.pt"), "--block-size", "4", "--batch-size", "4", "--prefix", "rejection",
-                      "--dflash-drafter", str(first / "drafter")])
+    result = vp_main(
+        [
+            "--target",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--max-steps",
+            "2",
+            "--data",
+            str(first / "data.pt"),
+            "--block-size",
+            "4",
+            "--batch-size",
+            "4",
+            "--prefix",
+            "rejection",
+            "--dflash-drafter",
+            str(first / "drafter"),
+        ]
+    )
     assert result["step"] == 2
     log = json.loads((out / "train_log.json").read_text())
     assert log["config"]["prefix_mode"] == "rejection" and log["data"]["rejections_of"] == str(first / "drafter")

@@ -1,4 +1,5 @@
 """BudgetedLoop: the schedule's length under a time budget, on a simulated clock."""
+
 from types import SimpleNamespace
 
 import pytest

@@ -1,6 +1,7 @@
 """tree_mask: ancestor masks and depths of token trees, every backend against a node-by-node
 oracle (random trees, chains, stars, padding; N up to 256; batch 1 and 7; int32 and int64
 parents), the N limit of the kernel backends, the tree checks, and _C's argument checks."""
+
 import functools
 import random
 
@@ -95,7 +96,7 @@ def test_small_cases_by_hand(device, backend):
     words, depth = dspec.tree_mask(chain, backend=backend)
     assert words.cpu()[0, 32].tolist() == [-1, 1]
     assert words.cpu()[0, 31].tolist() == [-1, 0]
-    assert words.cpu()[0, 30].tolist() == [2 ** 31 - 1, 0]
+    assert words.cpu()[0, 30].tolist() == [2**31 - 1, 0]
     assert depth.cpu()[0, 32].item() == 32
 
 
@@ -127,7 +128,7 @@ def test_unchecked_parents_are_clamped_alike(device, backend, monkeypatch):
     dense, want_depth = oracle(clamped)
     assert torch.equal(words.cpu(), ref_pack(dense)) and torch.equal(depth.cpu(), want_depth)
     # int64 values that would look like valid parents if narrowed to int32 first
-    huge = torch.tensor([[-1, 0, 2 ** 32 + 1, 2 ** 32, -(2 ** 32) + 1]], device=device)
+    huge = torch.tensor([[-1, 0, 2**32 + 1, 2**32, -(2**32) + 1]], device=device)
     words, depth = dspec.tree_mask(huge, backend=backend)
     assert depth.cpu().tolist() == [[0, 1, 0, 0, 0]]
     assert words.cpu()[0, :, 0].tolist() == [1, 3, 4, 8, 16]
@@ -156,6 +157,7 @@ def test_auto_falls_back_to_torch_beyond_kernel_limit(monkeypatch):
     """On a GPU, auto (and a $DSPEC_BACKEND preference) would pick a kernel: past 256 nodes
     the resolver skips the kernels; an explicit backend= raises."""
     from dspec import _backend
+
     monkeypatch.setattr(_backend, "_backend_ready", lambda name: True)
     limits = {b: f"the {b!r} backend takes N <= 256 nodes" for b in ("triton", "cuda")}
     cuda = torch.device("cuda")
@@ -171,18 +173,21 @@ def test_auto_falls_back_to_torch_beyond_kernel_limit(monkeypatch):
         dspec.tree_mask(parents, backend="cuda")
 
 
-@pytest.mark.parametrize("parents,match", [
-    (torch.tensor([[0, 0, 1]]), r"parents\[0, 0\] must be -1"),
-    (torch.tensor([[-1, 0, 2]]), "not a topologically ordered tree"),
-    (torch.tensor([[-1, 0, 5]]), "not a topologically ordered tree"),
-    (torch.tensor([[-1, -2, 0]]), "not a topologically ordered tree"),
-    (torch.tensor([[-1, -1, 1]]), "points at a padding node"),
-    (torch.tensor([[-1, 0], [-1, 1]]), r"parents\[1, 1\]"),
-    (torch.tensor([-1, 0, 1]), "parents must have 2 dimensions"),
-    (torch.tensor([[-1.0, 0.0]]), "parents must have dtype"),
-    (torch.empty(2, 0, dtype=torch.int64), "at least the root"),
-    ([[-1, 0]], "parents must be a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "parents,match",
+    [
+        (torch.tensor([[0, 0, 1]]), r"parents\[0, 0\] must be -1"),
+        (torch.tensor([[-1, 0, 2]]), "not a topologically ordered tree"),
+        (torch.tensor([[-1, 0, 5]]), "not a topologically ordered tree"),
+        (torch.tensor([[-1, -2, 0]]), "not a topologically ordered tree"),
+        (torch.tensor([[-1, -1, 1]]), "points at a padding node"),
+        (torch.tensor([[-1, 0], [-1, 1]]), r"parents\[1, 1\]"),
+        (torch.tensor([-1, 0, 1]), "parents must have 2 dimensions"),
+        (torch.tensor([[-1.0, 0.0]]), "parents must have dtype"),
+        (torch.empty(2, 0, dtype=torch.int64), "at least the root"),
+        ([[-1, 0]], "parents must be a torch.Tensor"),
+    ],
+)
 def test_invalid_trees_raise(parents, match):
     with pytest.raises(ValueError, match=match):
         dspec.tree_mask(parents)
@@ -209,24 +214,36 @@ needs_ext = pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C is
 
 
 @needs_ext
-@pytest.mark.parametrize("bad,match", [
-    (dict(parents_ptr=0), "parents_ptr"),
-    (dict(words_ptr=0), "words_ptr"),
-    (dict(depth_ptr=0), "depth_ptr"),
-    (dict(depth_ptr=4), "depth_ptr"),  # misaligned, filled in below
-    (dict(dtype=2), "dtype"),
-    (dict(batch=-1), "batch"),
-    (dict(nodes=0), "nodes"),
-    (dict(row_stride=3), "row_stride"),
-    (dict(device="tpu"), "device"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(parents_ptr=0), "parents_ptr"),
+        (dict(words_ptr=0), "words_ptr"),
+        (dict(depth_ptr=0), "depth_ptr"),
+        (dict(depth_ptr=4), "depth_ptr"),  # misaligned, filled in below
+        (dict(dtype=2), "dtype"),
+        (dict(batch=-1), "batch"),
+        (dict(nodes=0), "nodes"),
+        (dict(row_stride=3), "row_stride"),
+        (dict(device="tpu"), "device"),
+    ],
+)
 def test_ext_tree_rejects_bad_arguments_before_writing(bad, match):
     ext = _backend.extension()
     parents = torch.tensor([[-1, 0, 1, 0, 3]] * 2)
     words = torch.full((2, 5, 1), 77, dtype=torch.int32)
     depth = torch.full((2, 5), 77, dtype=torch.int64)
-    kwargs = dict(parents_ptr=parents.data_ptr(), dtype=ext.INDEX_INT64, batch=2, nodes=5, row_stride=5,
-                  words_ptr=words.data_ptr(), depth_ptr=depth.data_ptr(), device="cpu", stream=0)
+    kwargs = dict(
+        parents_ptr=parents.data_ptr(),
+        dtype=ext.INDEX_INT64,
+        batch=2,
+        nodes=5,
+        row_stride=5,
+        words_ptr=words.data_ptr(),
+        depth_ptr=depth.data_ptr(),
+        device="cpu",
+        stream=0,
+    )
     kwargs.update(bad)
     if bad.get("depth_ptr") == 4:
         kwargs["depth_ptr"] = depth.data_ptr() + 4
@@ -262,7 +279,7 @@ def test_cuda_kernel_in_simulator(masks_sim, nodes, dtype):
 
 
 def test_cuda_kernel_in_simulator_unchecked_and_strided(masks_sim):
-    par = torch.tensor([[5, 0, 7, -3, 1, 4, 2, 100, 6], [-1, 0, 2 ** 32 + 1, 2 ** 32, 1, 1, 5, 6, 0]])
+    par = torch.tensor([[5, 0, 7, -3, 1, 4, 2, 100, 6], [-1, 0, 2**32 + 1, 2**32, 1, 1, 5, 6, 0]])
     words, depth = sim_tree(masks_sim, par)
     ref_words, ref_depth = ref_tree(par)
     assert torch.equal(words, ref_words) and torch.equal(depth, ref_depth)

@@ -1,4 +1,5 @@
 """verify_chain / verify_tree: exactness against the reference, invariants, losslessness."""
+
 import math
 
 import pytest
@@ -25,14 +26,21 @@ LOGIT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def test_chain_matches_reference(device, backend, dtype, batch, length, vocab, temperature, with_q):
     if with_q and temperature <= 0:
         pytest.skip("draft_probs only matter when sampling")
-    logits, drafts, q, n, coins, u = chain_case(batch, length, vocab, dtype, batch * length + vocab,
-                                                with_q=with_q)
-    exp = reference.verify_chain(drafts, logits, draft_probs=q, num_drafts=n,
-                                 temperature=temperature, coins=coins, sample_uniforms=u)
-    to = (lambda t: None if t is None else t.to(device))
-    out = dspec.verify_chain(to(drafts).int(), to(logits), draft_probs=to(q), num_drafts=to(n),
-                             temperature=temperature, coins=to(coins), sample_uniforms=to(u),
-                             backend=backend)
+    logits, drafts, q, n, coins, u = chain_case(batch, length, vocab, dtype, batch * length + vocab, with_q=with_q)
+    exp = reference.verify_chain(
+        drafts, logits, draft_probs=q, num_drafts=n, temperature=temperature, coins=coins, sample_uniforms=u
+    )
+    to = lambda t: None if t is None else t.to(device)
+    out = dspec.verify_chain(
+        to(drafts).int(),
+        to(logits),
+        draft_probs=to(q),
+        num_drafts=to(n),
+        temperature=temperature,
+        coins=to(coins),
+        sample_uniforms=to(u),
+        backend=backend,
+    )
     same(out, exp)
 
 
@@ -41,12 +49,16 @@ def test_chain_matches_reference(device, backend, dtype, batch, length, vocab, t
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6])
 def test_tree_matches_reference(device, backend, batch, nodes, vocab, temperature):
     tokens, parents, logits, coins, u = random_tree(batch, nodes, vocab, nodes * vocab)
-    exp = reference.verify_tree(tokens, parents, logits, temperature=temperature, coins=coins,
-                                sample_uniforms=u)
-    out = dspec.verify_tree(tokens.to(device), parents.int().to(device),
-                            logits.to(device),
-                            temperature=temperature, coins=coins.to(device),
-                            sample_uniforms=u.to(device), backend=backend)
+    exp = reference.verify_tree(tokens, parents, logits, temperature=temperature, coins=coins, sample_uniforms=u)
+    out = dspec.verify_tree(
+        tokens.to(device),
+        parents.int().to(device),
+        logits.to(device),
+        temperature=temperature,
+        coins=coins.to(device),
+        sample_uniforms=u.to(device),
+        backend=backend,
+    )
     same(out, exp)
     if batch > 1:
         assert int(exp.num_accepted.max()) >= 1  # the cases do exercise acceptance
@@ -58,17 +70,22 @@ def test_triton_small_tiles_and_splits():
     if "triton" not in [b for _, b in backends_for(device, PROVIDED)]:
         pytest.skip("no triton backend here")
     from dspec.kernels.verify import verify_chain_triton, verify_tree_triton
+
     logits, drafts, q, n, coins, u = chain_case(7, 6, 1000, torch.float32, 11, with_q=True)
     for qq in (None, q):
-        exp = reference.verify_chain(drafts, logits, draft_probs=qq, num_drafts=n, temperature=0.8,
-                                     coins=coins, sample_uniforms=u)
+        exp = reference.verify_chain(
+            drafts, logits, draft_probs=qq, num_drafts=n, temperature=0.8, coins=coins, sample_uniforms=u
+        )
         dev = lambda t: None if t is None else t.to(device)
-        same(verify_chain_triton(dev(drafts), dev(logits), dev(qq), dev(n), 0.8, dev(coins), dev(u),
-                                 block=64), exp)
+        same(verify_chain_triton(dev(drafts), dev(logits), dev(qq), dev(n), 0.8, dev(coins), dev(u), block=64), exp)
     tokens, parents, logits, coins, u = random_tree(7, 12, 700, 5)
     exp = reference.verify_tree(tokens, parents, logits, temperature=0.8, coins=coins, sample_uniforms=u)
-    same(verify_tree_triton(tokens.to(device), parents.to(device), logits.to(device), 0.8,
-                            coins.to(device), u.to(device), block=64), exp)
+    same(
+        verify_tree_triton(
+            tokens.to(device), parents.to(device), logits.to(device), 0.8, coins.to(device), u.to(device), block=64
+        ),
+        exp,
+    )
 
 
 # ----------------------------------------------------------------------------- invariants
@@ -76,38 +93,51 @@ def test_triton_small_tiles_and_splits():
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_chain_invariants(device, backend, temperature):
     logits, drafts, q, n, coins, u = chain_case(7, 8, 64, torch.float32, 3, with_q=True)
-    out = dspec.verify_chain(drafts.to(device), logits.to(device), draft_probs=q.to(device),
-                             num_drafts=n.to(device), temperature=temperature,
-                             coins=coins.to(device), sample_uniforms=u.to(device), backend=backend)
+    out = dspec.verify_chain(
+        drafts.to(device),
+        logits.to(device),
+        draft_probs=q.to(device),
+        num_drafts=n.to(device),
+        temperature=temperature,
+        coins=coins.to(device),
+        sample_uniforms=u.to(device),
+        backend=backend,
+    )
     num, tokens = out.num_accepted.cpu(), out.tokens.cpu()
     assert tokens.shape == (7, 9)
     for b in range(7):
         j = int(num[b])
         assert 0 <= j <= int(n[b])
         assert tokens[b, :j].tolist() == drafts[b, :j].tolist()  # contiguous acceptance
-        assert 0 <= int(tokens[b, j]) < 64                          # exactly one drawn token
-        assert (tokens[b, j + 1:] == -1).all()                      # then -1
+        assert 0 <= int(tokens[b, j]) < 64  # exactly one drawn token
+        assert (tokens[b, j + 1 :] == -1).all()  # then -1
 
 
 @device_backends(PROVIDED)
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_tree_invariants(device, backend, temperature):
     tokens, parents, logits, coins, u = random_tree(7, 16, 40, 9)
-    out = dspec.verify_tree(tokens.to(device), parents.to(device), logits.to(device),
-                            temperature=temperature, coins=coins.to(device),
-                            sample_uniforms=u.to(device), backend=backend)
+    out = dspec.verify_tree(
+        tokens.to(device),
+        parents.to(device),
+        logits.to(device),
+        temperature=temperature,
+        coins=coins.to(device),
+        sample_uniforms=u.to(device),
+        backend=backend,
+    )
     for b in range(7):
         j = int(out.num_accepted[b])
         path = out.path[b].cpu()
         prev = 0
         for d in range(j):
             node = int(path[d])
-            assert int(parents[b, node]) == prev                 # each step goes to a child
+            assert int(parents[b, node]) == prev  # each step goes to a child
             assert int(out.tokens[b, d]) == int(tokens[b, node])
             prev = node
         assert (path[j:] == -1).all()
         assert 0 <= int(out.tokens[b, j]) < 40
-        assert (out.tokens[b, j + 1:] == -1).all()
+        assert (out.tokens[b, j + 1 :] == -1).all()
 
 
 def test_greedy_semantics():
@@ -117,8 +147,7 @@ def test_greedy_semantics():
     out = dspec.verify_chain(torch.tensor([[3, 1, 4], [3, 2, 4]]), logits)
     assert out.num_accepted.tolist() == [3, 1]
     assert out.tokens.tolist() == [[3, 1, 4, 5], [3, 1, -1, -1]]
-    out = dspec.verify_chain(torch.tensor([[3, 1, 4], [3, 1, 4]]), logits,
-                             num_drafts=torch.tensor([2, 0]))
+    out = dspec.verify_chain(torch.tensor([[3, 1, 4], [3, 1, 4]]), logits, num_drafts=torch.tensor([2, 0]))
     assert out.tokens.tolist() == [[3, 1, 4, -1], [3, -1, -1, -1]]
     # tree: the lowest-index matching child wins
     tl = torch.zeros(1, 4, 6)
@@ -134,19 +163,22 @@ def test_nan_logits_documented_outcome(device, backend):
     drafts[:] = logits.argmax(-1)[:, :4]
     logits[:, 2, 7] = float("nan")
     for t in (0.0, 1.0):
-        out = dspec.verify_chain(drafts.to(device), logits.to(device), temperature=t,
-                                 coins=torch.zeros_like(coins).to(device), sample_uniforms=u.to(device),
-                                 backend=backend)
+        out = dspec.verify_chain(
+            drafts.to(device),
+            logits.to(device),
+            temperature=t,
+            coins=torch.zeros_like(coins).to(device),
+            sample_uniforms=u.to(device),
+            backend=backend,
+        )
         assert out.num_accepted.tolist() == [2, 2, 2]
         assert out.tokens[:, 2].tolist() == [-1, -1, -1]
 
 
 def test_generator_draws_on_device_and_is_reproducible():
     logits, drafts, q, n, _, _ = chain_case(4, 5, 50, torch.float32, 2, with_q=True)
-    a = dspec.verify_chain(drafts, logits, draft_probs=q, temperature=1.0,
-                           generator=torch.Generator().manual_seed(5))
-    b = dspec.verify_chain(drafts, logits, draft_probs=q, temperature=1.0,
-                           generator=torch.Generator().manual_seed(5))
+    a = dspec.verify_chain(drafts, logits, draft_probs=q, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    b = dspec.verify_chain(drafts, logits, draft_probs=q, temperature=1.0, generator=torch.Generator().manual_seed(5))
     same(a, b)
 
 
@@ -155,33 +187,41 @@ def _chain_args():
     return torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 4, 10)
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda d, l: dspec.verify_chain(d.float(), l), "draft_tokens must have dtype"),
-    (lambda d, l: dspec.verify_chain(d, l[:, :3]), r"\[B, L \+ 1, V\]"),
-    (lambda d, l: dspec.verify_chain(d, l[..., :0]), "empty vocabulary"),
-    (lambda d, l: dspec.verify_chain(d + 10, l), "outside the vocabulary"),
-    (lambda d, l: dspec.verify_chain(d - 2, l), "outside the vocabulary"),
-    (lambda d, l: dspec.verify_chain(d, l, num_drafts=torch.tensor([1, 4])), r"num_drafts must lie in \[0, L\]"),
-    (lambda d, l: dspec.verify_chain(d, l, num_drafts=torch.tensor([1])), "num_drafts must have shape"),
-    (lambda d, l: dspec.verify_chain(d, l, draft_probs=torch.zeros(2, 3, 9)), "draft_probs must have shape"),
-    (lambda d, l: dspec.verify_chain(d, l, temperature=1.0, coins=torch.zeros(2, 2)), "coins must have shape"),
-    (lambda d, l: dspec.verify_chain(d, l, temperature=1.0, coins=torch.ones(2, 3)), r"\[0, 1\)"),
-    (lambda d, l: dspec.verify_chain(d, l, temperature=1.0, sample_uniforms=torch.zeros(3)),
-     "sample_uniforms must have shape"),
-    (lambda d, l: dspec.verify_chain(d, l, temperature=float("nan")), "temperature"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda d, l: dspec.verify_chain(d.float(), l), "draft_tokens must have dtype"),
+        (lambda d, l: dspec.verify_chain(d, l[:, :3]), r"\[B, L \+ 1, V\]"),
+        (lambda d, l: dspec.verify_chain(d, l[..., :0]), "empty vocabulary"),
+        (lambda d, l: dspec.verify_chain(d + 10, l), "outside the vocabulary"),
+        (lambda d, l: dspec.verify_chain(d - 2, l), "outside the vocabulary"),
+        (lambda d, l: dspec.verify_chain(d, l, num_drafts=torch.tensor([1, 4])), r"num_drafts must lie in \[0, L\]"),
+        (lambda d, l: dspec.verify_chain(d, l, num_drafts=torch.tensor([1])), "num_drafts must have shape"),
+        (lambda d, l: dspec.verify_chain(d, l, draft_probs=torch.zeros(2, 3, 9)), "draft_probs must have shape"),
+        (lambda d, l: dspec.verify_chain(d, l, temperature=1.0, coins=torch.zeros(2, 2)), "coins must have shape"),
+        (lambda d, l: dspec.verify_chain(d, l, temperature=1.0, coins=torch.ones(2, 3)), r"\[0, 1\)"),
+        (
+            lambda d, l: dspec.verify_chain(d, l, temperature=1.0, sample_uniforms=torch.zeros(3)),
+            "sample_uniforms must have shape",
+        ),
+        (lambda d, l: dspec.verify_chain(d, l, temperature=float("nan")), "temperature"),
+    ],
+)
 def test_chain_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call(*_chain_args())
 
 
-@pytest.mark.parametrize("parents,match", [
-    ([[0, 0, 1]], "must be -1"),
-    ([[-1, 1, 0]], "not a topologically ordered tree"),
-    ([[-1, 0, 5]], "not a topologically ordered tree"),
-    ([[-1, -2, 0]], "not a topologically ordered tree"),
-    ([[-1, -1, 1]], "padding node"),
-])
+@pytest.mark.parametrize(
+    "parents,match",
+    [
+        ([[0, 0, 1]], "must be -1"),
+        ([[-1, 1, 0]], "not a topologically ordered tree"),
+        ([[-1, 0, 5]], "not a topologically ordered tree"),
+        ([[-1, -2, 0]], "not a topologically ordered tree"),
+        ([[-1, -1, 1]], "padding node"),
+    ],
+)
 def test_tree_bad_parents(parents, match):
     with pytest.raises(ValueError, match=match):
         dspec.verify_tree(torch.zeros(1, 3, dtype=torch.int64), torch.tensor(parents), torch.zeros(1, 3, 8))
@@ -218,13 +258,13 @@ def _chi_square_threshold(df, z=4.753):  # upper 1e-6 quantile, Wilson-Hilferty
 
 
 def _joint_chi_square(seqs, p, start):
-    counts = torch.zeros(VOCAB ** K_TOKENS, dtype=torch.float64)
+    counts = torch.zeros(VOCAB**K_TOKENS, dtype=torch.float64)
     index = torch.zeros(seqs.shape[0], dtype=torch.int64)
     for k in range(K_TOKENS):
         index = index * VOCAB + seqs[:, k]
-    counts += torch.bincount(index, minlength=VOCAB ** K_TOKENS).double()
-    expected = torch.ones(VOCAB ** K_TOKENS, dtype=torch.float64)
-    for cell in range(VOCAB ** K_TOKENS):
+    counts += torch.bincount(index, minlength=VOCAB**K_TOKENS).double()
+    expected = torch.ones(VOCAB**K_TOKENS, dtype=torch.float64)
+    for cell in range(VOCAB**K_TOKENS):
         prev, prob, digits = start, 1.0, []
         for k in range(K_TOKENS):
             digits.append((cell // VOCAB ** (K_TOKENS - 1 - k)) % VOCAB)
@@ -233,7 +273,7 @@ def _joint_chi_square(seqs, p, start):
             prev = t
         expected[cell] = prob * seqs.shape[0]
     chi2 = float(((counts - expected) ** 2 / expected).sum())
-    return chi2, _chi_square_threshold(VOCAB ** K_TOKENS - 1)
+    return chi2, _chi_square_threshold(VOCAB**K_TOKENS - 1)
 
 
 def _speculate_chain(p, q, verify, *, length, use_q, device, seed, bad=None):
@@ -253,14 +293,19 @@ def _speculate_chain(p, q, verify, *, length, use_q, device, seed, bad=None):
             probs.append(dist)
             prev = tok
         drafts = torch.stack(drafts, 1)
-        ctx = torch.cat([last[:, None], drafts], 1)          # token before each position
-        logits = log_p[ctx]                                  # [T, L + 1, V]
+        ctx = torch.cat([last[:, None], drafts], 1)  # token before each position
+        logits = log_p[ctx]  # [T, L + 1, V]
         coins = torch.rand(TRIALS, length, generator=g, device=device)
         if bad == "coins_zero":
             coins = torch.zeros_like(coins)
-        res = verify(drafts, logits, draft_probs=torch.stack(probs, 1) if use_q else None,
-                     temperature=1.0, coins=coins,
-                     sample_uniforms=torch.rand(TRIALS, generator=g, device=device))
+        res = verify(
+            drafts,
+            logits,
+            draft_probs=torch.stack(probs, 1) if use_q else None,
+            temperature=1.0,
+            coins=coins,
+            sample_uniforms=torch.rand(TRIALS, generator=g, device=device),
+        )
         emitted = res.num_accepted + 1
         cols = torch.arange(length + 1, device=device)
         rows = torch.arange(TRIALS, device=device)[:, None].expand(-1, length + 1)
@@ -287,8 +332,7 @@ def _frequency_pairs():
 @pytest.mark.parametrize("use_q", [False, True])
 def test_chain_is_lossless(device, backend, use_q):
     p, q = _markov(0)
-    seqs, start = _speculate_chain(p, q, _chain_verifier(backend), length=3, use_q=use_q,
-                                   device=device, seed=1)
+    seqs, start = _speculate_chain(p, q, _chain_verifier(backend), length=3, use_q=use_q, device=device, seed=1)
     chi2, limit = _joint_chi_square(seqs, p, start)
     assert chi2 < limit, f"chi2 {chi2:.1f} >= {limit:.1f}: verification is not lossless"
 
@@ -297,8 +341,9 @@ def test_known_bad_variants_fail_the_frequency_test():
     """The test has teeth: accepting every draft (coins = 0), or resampling from p instead of
     the residual, changes the output law and is caught."""
     p, q = _markov(0)
-    seqs, start = _speculate_chain(p, q, _chain_verifier("torch"), length=3, use_q=True,
-                                   device="cpu", seed=1, bad="coins_zero")
+    seqs, start = _speculate_chain(
+        p, q, _chain_verifier("torch"), length=3, use_q=True, device="cpu", seed=1, bad="coins_zero"
+    )
     chi2, limit = _joint_chi_square(seqs, p, start)
     assert chi2 > limit
 
@@ -310,9 +355,9 @@ def test_known_bad_variants_fail_the_frequency_test():
         p_j = torch.softmax(logits[rows, out.num_accepted].float(), -1)
         redraw = torch.multinomial(p_j, 1, generator=torch.Generator().manual_seed(7))[:, 0]
         rejected = out.num_accepted < drafts.shape[1]
-        out.tokens[rows, out.num_accepted] = torch.where(
-            rejected, redraw, out.tokens[rows, out.num_accepted])
+        out.tokens[rows, out.num_accepted] = torch.where(rejected, redraw, out.tokens[rows, out.num_accepted])
         return out
+
     seqs, start = _speculate_chain(p, q, resample_from_p, length=3, use_q=True, device="cpu", seed=2)
     chi2, limit = _joint_chi_square(seqs, p, start)
     assert chi2 > limit
@@ -336,10 +381,15 @@ def _speculate_tree(p, q, backend, *, distinct, device, seed):
         c1 = torch.multinomial(qd[a[:, 0]], 1, generator=g)[:, 0]
         c2 = torch.multinomial(qd[a[:, 1]], 1, generator=g)[:, 0]
         tokens = torch.stack([last, a[:, 0], a[:, 1], c1, c2], 1)
-        res = dspec.verify_tree(tokens, parents, log_p[tokens], temperature=1.0,
-                                coins=torch.rand(TRIALS, 5, generator=g, device=device),
-                                sample_uniforms=torch.rand(TRIALS, generator=g, device=device),
-                                backend=backend)
+        res = dspec.verify_tree(
+            tokens,
+            parents,
+            log_p[tokens],
+            temperature=1.0,
+            coins=torch.rand(TRIALS, 5, generator=g, device=device),
+            sample_uniforms=torch.rand(TRIALS, generator=g, device=device),
+            backend=backend,
+        )
         emitted = res.num_accepted + 1
         cols = torch.arange(3, device=device)
         rows = torch.arange(TRIALS, device=device)[:, None].expand(-1, 3)
@@ -365,6 +415,7 @@ def test_padding_at_temperature_on_every_backend(backend):
     """-1 past num_drafts (chain) and padding nodes with ids >= V (tree) at T > 0: every
     backend, the torch oracle included, takes them and agrees."""
     from dspec import _backend
+
     if backend == "cpp" and not _backend.cpp_available():
         pytest.skip("dspec._C not built")
     torch.manual_seed(0)
@@ -375,10 +426,12 @@ def test_padding_at_temperature_on_every_backend(backend):
     drafts[1, 2:] = -1
     drafts[2, :] = -1
     coins, uni = torch.rand(B, L), torch.rand(B)
-    got = dspec.verify_chain(drafts, logits, num_drafts=num, temperature=1.0, coins=coins,
-                             sample_uniforms=uni, backend=backend)
-    want = dspec.verify_chain(drafts, logits, num_drafts=num, temperature=1.0, coins=coins,
-                              sample_uniforms=uni, backend="torch")
+    got = dspec.verify_chain(
+        drafts, logits, num_drafts=num, temperature=1.0, coins=coins, sample_uniforms=uni, backend=backend
+    )
+    want = dspec.verify_chain(
+        drafts, logits, num_drafts=num, temperature=1.0, coins=coins, sample_uniforms=uni, backend="torch"
+    )
     assert torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.tokens, want.tokens)
     tokens = torch.tensor([[0, 3, 5, V + 7], [0, 2, -1, 1]])
     parents = torch.tensor([[-1, 0, 0, -1], [-1, 0, -1, -1]])

@@ -8,6 +8,7 @@
 3. A statistical test of the backends' output law (100k rows in one call), which
    deliberately broken variants of the rule fail.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -88,7 +89,7 @@ def enum_outcomes(p_tab, q_tab, xs: tuple, mutation=None):
     out, expected = {}, 0.0
     for t in range(n + 1):
         if mutation == "first_failure":
-            pt = math.prod(h[1:t + 1]) * ((1 - h[t + 1]) if t < n else 1.0)
+            pt = math.prod(h[1 : t + 1]) * ((1 - h[t + 1]) if t < n else 1.0)
         else:
             pt = h[t] * math.prod(1 - h[i] for i in range(t + 1, n + 1))
         expected += t * pt
@@ -120,7 +121,7 @@ def enum_law(p_tab, q_tab, n: int, k: int, mutation=None):
         out, e = enum_outcomes(p_tab, q_tab, xs, mutation)
         e_block += pd * e
         run = 1.0
-        for j in range(n):     # token rule: E[accepted] = sum_t prod_{i < t} min(1, p / q)
+        for j in range(n):  # token rule: E[accepted] = sum_t prod_{i < t} min(1, p / q)
             run *= min(1.0, p_tab[xs[:j]][xs[j]] / q_tab[xs[:j]][xs[j]])
             e_token += pd * run
         for seq, mass in out.items():
@@ -135,8 +136,7 @@ def enum_law(p_tab, q_tab, n: int, k: int, mutation=None):
 
 
 def target_law(p_tab, k: int) -> dict:
-    return {s: math.prod(p_tab[s[:i]][s[i]] for i in range(k))
-            for s in itertools.product(range(V_ENUM), repeat=k)}
+    return {s: math.prod(p_tab[s[:i]][s[i]] for i in range(k)) for s in itertools.product(range(V_ENUM), repeat=k)}
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -269,14 +269,21 @@ def test_block_matches_oracle(device, backend, dtype, vocab, with_q):
     shapes = [(1, 0), (3, 1), (5, 7), (2, 4)] if vocab < 5000 else [(1, 0), (2, 5), (3, 3)]
     for k, (batch, length) in enumerate(shapes):
         temperature = (1.0, 0.7)[k % 2]
-        logits, drafts, q, n, coins, u = block_case(batch, length, vocab, dtype, 1000 * k + vocab,
-                                                    with_q=with_q)
+        logits, drafts, q, n, coins, u = block_case(batch, length, vocab, dtype, 1000 * k + vocab, with_q=with_q)
         exp = oracle_block(drafts, logits, q, n, temperature, coins, u)
         ids = drafts.int() if k % 2 else drafts
-        to = (lambda t: None if t is None else t.to(device))
-        out = dspec.verify_chain(to(ids), to(logits), draft_probs=to(q), num_drafts=to(n),
-                                 temperature=temperature, coins=to(coins), sample_uniforms=to(u),
-                                 backend=backend, rule="block")
+        to = lambda t: None if t is None else t.to(device)
+        out = dspec.verify_chain(
+            to(ids),
+            to(logits),
+            draft_probs=to(q),
+            num_drafts=to(n),
+            temperature=temperature,
+            coins=to(coins),
+            sample_uniforms=to(u),
+            backend=backend,
+            rule="block",
+        )
         same(out, exp, f"batch={batch} L={length}")
 
 
@@ -284,21 +291,33 @@ def test_block_matches_oracle(device, backend, dtype, vocab, with_q):
 def test_block_accepts_past_a_failure(device, backend):
     """One-hot drafts, position 1's h small, position 2's large: tau = 2 after a failure."""
     logits = torch.full((1, 3, 4), -3.0)
-    logits[0, 0, 1] = 3.0                      # p_0(x_0 = 1) ~ 0.98: w_1 ~ 0.98
-    logits[0, 1, 2] = 0.5                      # x_1 = 2 unlikely-ish: h_1 = R / (R + 1 - w)
+    logits[0, 0, 1] = 3.0  # p_0(x_0 = 1) ~ 0.98: w_1 ~ 0.98
+    logits[0, 1, 2] = 0.5  # x_1 = 2 unlikely-ish: h_1 = R / (R + 1 - w)
     logits[0, 2, 0] = 3.0
-    coins = torch.tensor([[0.999, 0.01]])     # position 1 fails, position 2 succeeds
+    coins = torch.tensor([[0.999, 0.01]])  # position 1 fails, position 2 succeeds
     u = torch.tensor([0.3])
     drafts = torch.tensor([[1, 2]])
     exp = oracle_block(drafts, logits, None, None, 1.0, coins, u)
     assert exp[0].tolist() == [2]
-    out = dspec.verify_chain(drafts.to(device), logits.to(device), temperature=1.0,
-                             coins=coins.to(device), sample_uniforms=u.to(device), backend=backend,
-                             rule="block")
+    out = dspec.verify_chain(
+        drafts.to(device),
+        logits.to(device),
+        temperature=1.0,
+        coins=coins.to(device),
+        sample_uniforms=u.to(device),
+        backend=backend,
+        rule="block",
+    )
     same(out, exp)
-    token = dspec.verify_chain(drafts.to(device), logits.to(device), temperature=1.0,
-                               coins=coins.to(device), sample_uniforms=u.to(device), backend=backend)
-    assert token.num_accepted.tolist() == [0]          # the token rule stops at draft 0
+    token = dspec.verify_chain(
+        drafts.to(device),
+        logits.to(device),
+        temperature=1.0,
+        coins=coins.to(device),
+        sample_uniforms=u.to(device),
+        backend=backend,
+    )
+    assert token.num_accepted.tolist() == [0]  # the token rule stops at draft 0
 
 
 @device_backends(PROVIDED)
@@ -312,13 +331,20 @@ def test_block_invalid_rows(device, backend):
     logits[3, 0, 1] = float("nan")
     for c in (torch.zeros_like(coins), coins):
         exp = oracle_block(drafts, logits, None, None, 1.0, c, u)
-        out = dspec.verify_chain(drafts.to(device), logits.to(device), temperature=1.0,
-                                 coins=c.to(device), sample_uniforms=u.to(device), backend=backend,
-                                 rule="block")
+        out = dspec.verify_chain(
+            drafts.to(device),
+            logits.to(device),
+            temperature=1.0,
+            coins=c.to(device),
+            sample_uniforms=u.to(device),
+            backend=backend,
+            rule="block",
+        )
         same(out, exp)
-    assert exp[0].tolist()[3] == 0 and exp[1][3, 0] == -1          # row 0 invalid: -1
-    out = dspec.verify_chain(drafts, logits, temperature=1.0, coins=torch.zeros_like(coins),
-                             sample_uniforms=u, rule="block", backend="torch")
+    assert exp[0].tolist()[3] == 0 and exp[1][3, 0] == -1  # row 0 invalid: -1
+    out = dspec.verify_chain(
+        drafts, logits, temperature=1.0, coins=torch.zeros_like(coins), sample_uniforms=u, rule="block", backend="torch"
+    )
     assert out.num_accepted[:3].tolist() == [2, 2, 2] and out.tokens[:3, 2].tolist() == [-1] * 3
 
 
@@ -326,10 +352,11 @@ def test_block_invalid_rows(device, backend):
 @pytest.mark.parametrize("with_q", [False, True])
 def test_greedy_block_is_token(device, backend, with_q):
     logits, drafts, q, n, coins, u = block_case(5, 6, 50, torch.float32, 9, with_q=with_q)
-    to = (lambda t: None if t is None else t.to(device))
+    to = lambda t: None if t is None else t.to(device)
     kw = dict(draft_probs=to(q), num_drafts=to(n), temperature=0.0, backend=backend)
-    same(dspec.verify_chain(to(drafts), to(logits), rule="block", **kw),
-         dspec.verify_chain(to(drafts), to(logits), **kw))
+    same(
+        dspec.verify_chain(to(drafts), to(logits), rule="block", **kw), dspec.verify_chain(to(drafts), to(logits), **kw)
+    )
 
 
 # ------------------------------------------- the CUDA kernels in the host simulator
@@ -345,17 +372,54 @@ def block_sim(tmp_path_factory):
     if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")) or cxx is None:
         pytest.skip("the CUDA simulator needs Linux (x86-64 / aarch64) and a C++17 compiler")
     lib_path = tmp_path_factory.mktemp("block_sim") / "libverify_block_sim.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-U_FORTIFY_SOURCE", "-w", "-fPIC", "-shared", "-pthread",
-           "-ffp-contract=off", f"-I{ROOT / 'csrc'}", f"-I{SIM_DIR}", str(SIM_DIR / "verify_sim.cpp"),
-           "-o", str(lib_path)]
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-O1",
+        "-U_FORTIFY_SOURCE",
+        "-w",
+        "-fPIC",
+        "-shared",
+        "-pthread",
+        "-ffp-contract=off",
+        f"-I{ROOT / 'csrc'}",
+        f"-I{SIM_DIR}",
+        str(SIM_DIR / "verify_sim.cpp"),
+        "-o",
+        str(lib_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     lib = ctypes.CDLL(str(lib_path))
     i64, vp, i, d = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     lib.dspec_sim_block_workspace_bytes.restype = i64
     lib.dspec_sim_block_workspace_bytes.argtypes = [i64, i64, i64, i, i, i64]
-    lib.dspec_sim_verify_chain_rule.argtypes = [vp, i, i64, i64, i64, i64, vp, i, vp, vp, i, i64, i64, vp, vp, d,
-                                                vp, vp, i64, i64, vp, i, ctypes.c_char_p, i]
+    lib.dspec_sim_verify_chain_rule.argtypes = [
+        vp,
+        i,
+        i64,
+        i64,
+        i64,
+        i64,
+        vp,
+        i,
+        vp,
+        vp,
+        i,
+        i64,
+        i64,
+        vp,
+        vp,
+        d,
+        vp,
+        vp,
+        i64,
+        i64,
+        vp,
+        i,
+        ctypes.c_char_p,
+        i,
+    ]
     return lib
 
 
@@ -370,16 +434,40 @@ def sim_block_chain(lib, drafts, logits, q, n, temperature, coins, u, *, rule=1,
     num = torch.full((batch,), -9, dtype=torch.int64)
     out = torch.full((batch, length + 1), -9, dtype=torch.int64)
     # a workspace of garbage: every value must be written before it is read
-    ws = torch.full((lib.dspec_sim_block_workspace_bytes(batch, length + 1, vocab, FLOAT_CODE[x.dtype], 1,
-                                                         ts_splits) + 16,), 0xAB, dtype=torch.uint8)
+    ws = torch.full(
+        (lib.dspec_sim_block_workspace_bytes(batch, length + 1, vocab, FLOAT_CODE[x.dtype], 1, ts_splits) + 16,),
+        0xAB,
+        dtype=torch.uint8,
+    )
     err = ctypes.create_string_buffer(512)
     nd = None if n is None else n.long().contiguous()
     drafts = drafts.contiguous()
     rc = lib.dspec_sim_verify_chain_rule(
-        _ptr(x), FLOAT_CODE[x.dtype], batch, length, vocab, x.stride(0), _ptr(drafts), ID_CODE[drafts.dtype],
-        _ptr(nd), _ptr(q), FLOAT_CODE[q.dtype] if q is not None else 0, q.stride(0) if q is not None else 0,
-        q.stride(1) if q is not None else 0, _ptr(coins.contiguous()), _ptr(u.contiguous()), float(temperature),
-        _ptr(num), _ptr(out), ts_splits, draw_splits, _ptr(ws), rule, err, 512)
+        _ptr(x),
+        FLOAT_CODE[x.dtype],
+        batch,
+        length,
+        vocab,
+        x.stride(0),
+        _ptr(drafts),
+        ID_CODE[drafts.dtype],
+        _ptr(nd),
+        _ptr(q),
+        FLOAT_CODE[q.dtype] if q is not None else 0,
+        q.stride(0) if q is not None else 0,
+        q.stride(1) if q is not None else 0,
+        _ptr(coins.contiguous()),
+        _ptr(u.contiguous()),
+        float(temperature),
+        _ptr(num),
+        _ptr(out),
+        ts_splits,
+        draw_splits,
+        _ptr(ws),
+        rule,
+        err,
+        512,
+    )
     assert rc == 0, err.value.decode()
     return num, out
 
@@ -391,12 +479,16 @@ def test_sim_block_matches_oracle(block_sim, dtype, vocab, with_q):
     shapes = [(1, 0), (3, 1), (5, 7), (2, 4)] if vocab < 5000 else [(1, 0), (2, 5), (3, 3)]
     for k, (batch, length) in enumerate(shapes):
         temperature = (1.0, 0.7)[k % 2]
-        logits, drafts, q, n, coins, u = block_case(batch, length, vocab, dtype, 1000 * k + vocab,
-                                                    with_q=with_q)
+        logits, drafts, q, n, coins, u = block_case(batch, length, vocab, dtype, 1000 * k + vocab, with_q=with_q)
         exp = oracle_block(drafts, logits, q, n, temperature, coins, u)
         ids = drafts.int() if k % 2 else drafts
-        same(sim_block_chain(block_sim, ids, logits, q, n, temperature, coins, u, ts_splits=1 + k % 2,
-                             draw_splits=1 + k), exp, f"batch={batch} L={length}")
+        same(
+            sim_block_chain(
+                block_sim, ids, logits, q, n, temperature, coins, u, ts_splits=1 + k % 2, draw_splits=1 + k
+            ),
+            exp,
+            f"batch={batch} L={length}",
+        )
 
 
 def test_sim_block_invalid_rows_and_token_rule(block_sim):
@@ -407,14 +499,20 @@ def test_sim_block_invalid_rows_and_token_rule(block_sim):
     logits[2, 2] = float("-inf")
     logits[3, 0, 1] = float("nan")
     for c in (torch.zeros_like(coins), coins):
-        same(sim_block_chain(block_sim, drafts, logits, None, None, 1.0, c, u),
-             oracle_block(drafts, logits, None, None, 1.0, c, u))
+        same(
+            sim_block_chain(block_sim, drafts, logits, None, None, 1.0, c, u),
+            oracle_block(drafts, logits, None, None, 1.0, c, u),
+        )
     # rule 0 through the same entry point is the token rule
     from dspec.reference import verify as reference
+
     logits, drafts, q, n, coins, u = block_case(5, 6, 300, torch.float32, 5, with_q=True)
-    same(sim_block_chain(block_sim, drafts, logits, q, n, 0.9, coins, u, rule=0),
-         reference.verify_chain(drafts, logits, draft_probs=q, num_drafts=n, temperature=0.9, coins=coins,
-                                sample_uniforms=u))
+    same(
+        sim_block_chain(block_sim, drafts, logits, q, n, 0.9, coins, u, rule=0),
+        reference.verify_chain(
+            drafts, logits, draft_probs=q, num_drafts=n, temperature=0.9, coins=coins, sample_uniforms=u
+        ),
+    )
 
 
 # ============================================================ 3. statistics and mutations
@@ -431,7 +529,7 @@ def _stat_inputs(seed: int = 0):
     p_rows = torch.zeros(N_STAT, L_STAT + 1, V_ENUM, dtype=torch.float64)
     q_rows = torch.zeros(N_STAT, L_STAT, V_ENUM, dtype=torch.float64)
 
-    def gather(tab, prefix_ids):        # prefix_ids [N, j] -> [N, V] rows of the table
+    def gather(tab, prefix_ids):  # prefix_ids [N, j] -> [N, V] rows of the table
         j = prefix_ids.shape[1]
         keys = list(itertools.product(range(V_ENUM), repeat=j))
         table = torch.tensor([tab[k] for k in keys], dtype=torch.float64)
@@ -447,7 +545,7 @@ def _stat_inputs(seed: int = 0):
             x[:, j] = torch.multinomial(q_rows[:, j], 1, generator=g)[:, 0]
     coins = torch.rand(N_STAT, L_STAT, generator=g)
     uniforms = torch.rand(N_STAT, generator=g)
-    second = torch.rand(N_STAT, generator=g)    # for the target's own second token
+    second = torch.rand(N_STAT, generator=g)  # for the target's own second token
     return p_tab, x, p_rows, q_rows, coins, uniforms, second
 
 
@@ -459,8 +557,9 @@ def _law_z(p_tab, tokens, num, second_u) -> float:
     s1_target = (torch.cumsum(p_after, -1) <= second_u[:, None].double()).sum(-1).clamp(max=V_ENUM - 1)
     s1 = torch.where(num >= 1, tokens[:, 1], s1_target)
     counts = torch.bincount(s0 * V_ENUM + s1, minlength=V_ENUM * V_ENUM).double()
-    exp = torch.tensor([p_tab[()][a] * p_tab[(a,)][c] for a in range(V_ENUM) for c in range(V_ENUM)],
-                       dtype=torch.float64)
+    exp = torch.tensor(
+        [p_tab[()][a] * p_tab[(a,)][c] for a in range(V_ENUM) for c in range(V_ENUM)], dtype=torch.float64
+    )
     sigma = torch.sqrt(exp * (1 - exp) / N_STAT)
     return float(((counts / N_STAT - exp).abs() / sigma).max())
 
@@ -533,8 +632,10 @@ def test_statistical_backend_law_and_margin(stat_inputs, backend):
     diff = block.num_accepted.double() - token.num_accepted.double()
     se = float(diff.std()) / math.sqrt(N_STAT)
     _, e_block, e_token = enum_law(*enum_tables(0, L_STAT + 1, edge_cases=False), L_STAT, 1)
-    print(f"{backend}: mean accepted block {float(mb):.4f} token {float(mt):.4f} "
-          f"margin {float(mb - mt):.4f} +- {se:.4f} (exact {e_block:.4f} vs {e_token:.4f})")
+    print(
+        f"{backend}: mean accepted block {float(mb):.4f} token {float(mt):.4f} "
+        f"margin {float(mb - mt):.4f} +- {se:.4f} (exact {e_block:.4f} vs {e_token:.4f})"
+    )
     assert float(mb - mt) > -3 * se, (float(mb), float(mt), se)
     assert abs(float(mb) - e_block) < 6 * float(block.num_accepted.double().std()) / math.sqrt(N_STAT)
 
@@ -552,16 +653,40 @@ def test_bad_rule(rule):
 def test_generator_path_and_token_rule_unchanged():
     """rule="token" is the default; the generator draws the same randomness for both rules."""
     logits, drafts, q, n, _, _ = block_case(4, 5, 40, torch.float32, 4, with_q=True)
-    a = dspec.verify_chain(drafts, logits, draft_probs=q, num_drafts=n, temperature=0.8,
-                           generator=torch.Generator().manual_seed(7), backend="torch")
-    b = dspec.verify_chain(drafts, logits, draft_probs=q, num_drafts=n, temperature=0.8,
-                           generator=torch.Generator().manual_seed(7), backend="torch", rule="token")
+    a = dspec.verify_chain(
+        drafts,
+        logits,
+        draft_probs=q,
+        num_drafts=n,
+        temperature=0.8,
+        generator=torch.Generator().manual_seed(7),
+        backend="torch",
+    )
+    b = dspec.verify_chain(
+        drafts,
+        logits,
+        draft_probs=q,
+        num_drafts=n,
+        temperature=0.8,
+        generator=torch.Generator().manual_seed(7),
+        backend="torch",
+        rule="token",
+    )
     same(a, b)
     g = torch.Generator().manual_seed(7)
     coins, u = torch.rand(4, 5, generator=g), torch.rand(4, generator=g)
-    same(dspec.verify_chain(drafts, logits, draft_probs=q, num_drafts=n, temperature=0.8,
-                            generator=torch.Generator().manual_seed(7), rule="block"),
-         oracle_block(drafts, logits, q, n, 0.8, coins, u))
+    same(
+        dspec.verify_chain(
+            drafts,
+            logits,
+            draft_probs=q,
+            num_drafts=n,
+            temperature=0.8,
+            generator=torch.Generator().manual_seed(7),
+            rule="block",
+        ),
+        oracle_block(drafts, logits, q, n, 0.8, coins, u),
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
@@ -572,8 +697,11 @@ def test_opcheck_block(backend):
     if backend == "triton" and not (_backend.triton_available() and _backend.triton_interpret()):
         pytest.skip("no triton interpreter here")
     logits, drafts, q, n, coins, u = block_case(2, 4, 11, torch.float32, 6, with_q=True)
-    tests = ("test_schema", "test_autograd_registration", "test_faketensor",
-             "test_aot_dispatch_dynamic") if backend == "torch" else ("test_faketensor",)
+    tests = (
+        ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        if backend == "torch"
+        else ("test_faketensor",)
+    )
     for dq in (None, q):
         args = (drafts, logits, dq, n, 0.8, coins, u, backend, "block")
         torch.library.opcheck(torch.ops.dspec.verify_chain.default, args, test_utils=tests)
@@ -586,9 +714,10 @@ def test_extension_rule_code_checked():
     ext = _backend.extension()
     token = ext.verify_chain_workspace_bytes(4, 3, 1000, 0, True)
     assert ext.verify_chain_workspace_bytes(4, 3, 1000, 0, True, 1, 0) == token
-    assert ext.verify_chain_workspace_bytes(4, 3, 1000, 0, True, 1, 1) > token   # w_tau and R_j
+    assert ext.verify_chain_workspace_bytes(4, 3, 1000, 0, True, 1, 1) > token  # w_tau and R_j
     assert ext.verify_chain_workspace_bytes(4, 3, 1000, 0, False, 1, 1) == ext.verify_chain_workspace_bytes(
-        4, 3, 1000, 0, False)                                                     # greedy: no block sections
+        4, 3, 1000, 0, False
+    )  # greedy: no block sections
     with pytest.raises(ValueError, match="rule"):
         ext.verify_chain_workspace_bytes(4, 3, 1000, 0, True, 1, 2)
     with pytest.raises(ValueError, match="rule"):

@@ -6,6 +6,7 @@ kernel and launcher code compiled as plain C++: fibers for threads, barriers for
 __syncthreads / __syncwarp / shuffles).  On a machine with a GPU, test_verify.py runs the
 real CUDA backend against the reference as well.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -45,12 +46,20 @@ def _ptr(t) -> int:
 def test_cpp_chain_several_tiles(dtype, batch, length, vocab, temperature, with_q):
     if with_q and (temperature <= 0 or length == 0):
         pytest.skip("draft_probs matter only when sampling (and the reference needs L >= 1)")
-    logits, drafts, q, n, coins, u = chain_case(batch, length, vocab, dtype, batch + length + vocab,
-                                                with_q=with_q)
-    exp = reference.verify_chain(drafts, logits, draft_probs=q, num_drafts=n, temperature=temperature,
-                                 coins=coins, sample_uniforms=u)
-    out = dspec.verify_chain(drafts.int(), logits, draft_probs=q, num_drafts=n, temperature=temperature,
-                             coins=coins, sample_uniforms=u, backend="cpp")
+    logits, drafts, q, n, coins, u = chain_case(batch, length, vocab, dtype, batch + length + vocab, with_q=with_q)
+    exp = reference.verify_chain(
+        drafts, logits, draft_probs=q, num_drafts=n, temperature=temperature, coins=coins, sample_uniforms=u
+    )
+    out = dspec.verify_chain(
+        drafts.int(),
+        logits,
+        draft_probs=q,
+        num_drafts=n,
+        temperature=temperature,
+        coins=coins,
+        sample_uniforms=u,
+        backend="cpp",
+    )
     same(out, exp)
 
 
@@ -64,12 +73,14 @@ def test_cpp_chain_strides_and_dtypes(temperature):
     logits_view = wide[..., 1:3002]  # rows not 16-byte aligned, row stride 3003
     q_wide = torch.zeros(6, 5, 2, 3001, dtype=torch.bfloat16)
     q_wide[:, :, 1] = q.to(torch.bfloat16)
-    q_view = q_wide[:, :, 1]         # strides (30010, 6002, 1)
+    q_view = q_wide[:, :, 1]  # strides (30010, 6002, 1)
     for dq in (None, q_view):
-        exp = reference.verify_chain(drafts, logits, draft_probs=dq, temperature=temperature, coins=coins,
-                                     sample_uniforms=u)
-        out = dspec.verify_chain(drafts, logits_view, draft_probs=dq, temperature=temperature, coins=coins,
-                                 sample_uniforms=u, backend="cpp")
+        exp = reference.verify_chain(
+            drafts, logits, draft_probs=dq, temperature=temperature, coins=coins, sample_uniforms=u
+        )
+        out = dspec.verify_chain(
+            drafts, logits_view, draft_probs=dq, temperature=temperature, coins=coins, sample_uniforms=u, backend="cpp"
+        )
         same(out, exp)
 
 
@@ -78,18 +89,30 @@ def test_cpp_chain_strides_and_dtypes(temperature):
 def test_cpp_threaded_rows(temperature, monkeypatch):
     """B * V >= 2^18: rows spread over threads (any thread count gives the same result)."""
     logits, drafts, q, n, coins, u = chain_case(48, 3, 20000, torch.bfloat16, 8, with_q=True)
-    exp = reference.verify_chain(drafts, logits, draft_probs=q, num_drafts=n, temperature=temperature,
-                                 coins=coins, sample_uniforms=u)
+    exp = reference.verify_chain(
+        drafts, logits, draft_probs=q, num_drafts=n, temperature=temperature, coins=coins, sample_uniforms=u
+    )
     for threads in ("1", "3"):
         monkeypatch.setenv("DSPEC_CPU_THREADS", threads)
-        out = dspec.verify_chain(drafts, logits, draft_probs=q, num_drafts=n, temperature=temperature,
-                                 coins=coins, sample_uniforms=u, backend="cpp")
+        out = dspec.verify_chain(
+            drafts,
+            logits,
+            draft_probs=q,
+            num_drafts=n,
+            temperature=temperature,
+            coins=coins,
+            sample_uniforms=u,
+            backend="cpp",
+        )
         same(out, exp)
     tokens, parents, tlogits, tcoins, tu = random_tree(40, 9, 9000, 3)
-    exp = reference.verify_tree(tokens, parents, tlogits, temperature=temperature, coins=tcoins,
-                                sample_uniforms=tu)
-    same(dspec.verify_tree(tokens, parents, tlogits, temperature=temperature, coins=tcoins,
-                           sample_uniforms=tu, backend="cpp"), exp)
+    exp = reference.verify_tree(tokens, parents, tlogits, temperature=temperature, coins=tcoins, sample_uniforms=tu)
+    same(
+        dspec.verify_tree(
+            tokens, parents, tlogits, temperature=temperature, coins=tcoins, sample_uniforms=tu, backend="cpp"
+        ),
+        exp,
+    )
 
 
 @needs_ext
@@ -101,8 +124,9 @@ def test_cpp_tree_matches_reference(batch, nodes, vocab, temperature, ids):
     logits = logits.to(torch.bfloat16)
     exp = reference.verify_tree(tokens, parents, logits, temperature=temperature, coins=coins, sample_uniforms=u)
     cast = (lambda t: t.int()) if ids == "int32" else (lambda t: t)
-    out = dspec.verify_tree(cast(tokens), parents.int(), logits, temperature=temperature, coins=coins,
-                            sample_uniforms=u, backend="cpp")
+    out = dspec.verify_tree(
+        cast(tokens), parents.int(), logits, temperature=temperature, coins=coins, sample_uniforms=u, backend="cpp"
+    )
     same(out, exp)
 
 
@@ -117,7 +141,7 @@ def wide_root_tree(batch, nodes, vocab, seed, *, distinct=True):
     else:
         tokens = torch.randint(0, 4, (batch, nodes), generator=g)
     logits = torch.randn(batch, nodes, vocab, generator=g)
-    logits[:, 0, :nodes * 2] += 3.0  # the rejected siblings carry real mass
+    logits[:, 0, : nodes * 2] += 3.0  # the rejected siblings carry real mass
     coins = 1 - torch.rand(batch, nodes, generator=g) * 1e-3
     coins[:, -1] = torch.rand(batch, generator=g)  # the last sibling may be accepted
     uniforms = torch.rand(batch, generator=g)
@@ -137,18 +161,23 @@ def test_cpp_tree_many_rejected_siblings(distinct):
 @needs_ext
 def test_cpp_edge_cases():
     for t in (0.0, 1.0):
-        out = dspec.verify_chain(torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0, 4, 10), temperature=t,
-                                 backend="cpp")
+        out = dspec.verify_chain(
+            torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0, 4, 10), temperature=t, backend="cpp"
+        )
         assert out.num_accepted.shape == (0,) and out.tokens.shape == (0, 4)
         logits = torch.randn(3, 1, 7)
         kw = dict(temperature=t, coins=torch.zeros(3, 0), sample_uniforms=torch.tensor([0.1, 0.5, 0.9]))
-        same(dspec.verify_chain(torch.zeros(3, 0, dtype=torch.int64), logits, backend="cpp", **kw),
-             reference.verify_chain(torch.zeros(3, 0, dtype=torch.int64), logits, **kw))
+        same(
+            dspec.verify_chain(torch.zeros(3, 0, dtype=torch.int64), logits, backend="cpp", **kw),
+            reference.verify_chain(torch.zeros(3, 0, dtype=torch.int64), logits, **kw),
+        )
         logits = torch.randn(2, 1, 5)
         kw = dict(temperature=t, coins=torch.rand(2, 1), sample_uniforms=torch.rand(2))
         tok, parents = torch.zeros(2, 1, dtype=torch.int64), torch.full((2, 1), -1)
-        same(dspec.verify_tree(tok, parents, logits, backend="cpp", **kw),
-             reference.verify_tree(tok, parents, logits, **kw))
+        same(
+            dspec.verify_tree(tok, parents, logits, backend="cpp", **kw),
+            reference.verify_tree(tok, parents, logits, **kw),
+        )
     # invalid rows: NaN, +inf, all -inf -> the row stops there with final token -1
     logits, drafts, _, _, coins, u = chain_case(3, 4, 30, torch.float32, 1, with_q=False)
     drafts[:] = logits.argmax(-1)[:, :4]
@@ -156,8 +185,9 @@ def test_cpp_edge_cases():
     logits[1, 1, 5] = float("inf")
     logits[2, 1] = float("-inf")
     for t in (0.0, 1.0):
-        out = dspec.verify_chain(drafts, logits, temperature=t, coins=torch.zeros_like(coins), sample_uniforms=u,
-                                 backend="cpp")
+        out = dspec.verify_chain(
+            drafts, logits, temperature=t, coins=torch.zeros_like(coins), sample_uniforms=u, backend="cpp"
+        )
         assert out.num_accepted.tolist() == [1, 1, 1] and out.tokens[:, 1].tolist() == [-1, -1, -1]
 
 
@@ -171,8 +201,9 @@ def test_cpp_nan_draft_probs_give_minus_one():
         dspec.verify_chain(drafts, logits, draft_probs=q, temperature=1.0, backend="cpp")
     dspec.config.validate_values = False
     try:
-        out = dspec.verify_chain(drafts, logits, draft_probs=q, temperature=1.0, coins=coins,
-                                 sample_uniforms=u, backend="cpp")
+        out = dspec.verify_chain(
+            drafts, logits, draft_probs=q, temperature=1.0, coins=coins, sample_uniforms=u, backend="cpp"
+        )
     finally:
         dspec.config.validate_values = True
     exp = reference.verify_chain(drafts, logits, draft_probs=q, temperature=1.0, coins=coins, sample_uniforms=u)
@@ -188,13 +219,20 @@ def test_cpp_ids_outside_vocab_without_value_checks():
     dspec.config.validate_values = False
     try:
         for t in (0.0, 1.0):
-            out = dspec.verify_chain(drafts, logits, temperature=t, coins=torch.zeros(2, 2),
-                                     sample_uniforms=torch.rand(2), backend="cpp")
+            out = dspec.verify_chain(
+                drafts, logits, temperature=t, coins=torch.zeros(2, 2), sample_uniforms=torch.rand(2), backend="cpp"
+            )
             assert int(out.num_accepted[1]) == 0 and int(out.num_accepted[0]) <= 1
             assert ((out.tokens >= -1) & (out.tokens < 10)).all()
-        out = dspec.verify_tree(torch.tensor([[0, 77, -3]]), torch.tensor([[-1, 0, 0]]), torch.randn(1, 3, 10),
-                                temperature=1.0, coins=torch.zeros(1, 3), sample_uniforms=torch.rand(1),
-                                backend="cpp")
+        out = dspec.verify_tree(
+            torch.tensor([[0, 77, -3]]),
+            torch.tensor([[-1, 0, 0]]),
+            torch.randn(1, 3, 10),
+            temperature=1.0,
+            coins=torch.zeros(1, 3),
+            sample_uniforms=torch.rand(1),
+            backend="cpp",
+        )
         assert out.num_accepted.tolist() == [0] and 0 <= int(out.tokens[0, 0]) < 10
     finally:
         dspec.config.validate_values = True
@@ -202,6 +240,7 @@ def test_cpp_ids_outside_vocab_without_value_checks():
 
 def test_auto_on_cpu_picks_cpp_for_verify():
     from dspec.ops import verify as ops_verify
+
     expected = "cpp" if _backend.cpp_available() else "torch"
     assert _backend.resolve("verify_chain", None, torch.device("cpu"), ops_verify._PROVIDED) == expected
 
@@ -217,12 +256,32 @@ def _chain_kwargs(batch=3, length=4, vocab=11, temperature=1.0):
     tokens = torch.full((batch, length + 1), -7, dtype=torch.int64)
     ws = torch.empty(_C.verify_chain_workspace_bytes(batch, length, vocab, 0, temperature > 0), dtype=torch.uint8)
     keep = (logits, drafts, ndraft, q, coins, uniforms, ws)
-    kwargs = dict(logits_ptr=logits.data_ptr(), dtype=0, batch=batch, length=length, vocab=vocab, row_stride=vocab,
-                  drafts_ptr=drafts.data_ptr(), draft_dtype=1, num_drafts_ptr=ndraft.data_ptr(), q_ptr=q.data_ptr(),
-                  q_dtype=0, q_stride_b=q.stride(0), q_stride_l=q.stride(1), coins_ptr=coins.data_ptr(),
-                  uniforms_ptr=uniforms.data_ptr(), temperature=temperature, num_accepted_ptr=num.data_ptr(),
-                  tokens_ptr=tokens.data_ptr(), device="cpu", stream=0, ts_splits=1, draw_splits=1,
-                  workspace_ptr=ws.data_ptr(), workspace_bytes=ws.numel())
+    kwargs = dict(
+        logits_ptr=logits.data_ptr(),
+        dtype=0,
+        batch=batch,
+        length=length,
+        vocab=vocab,
+        row_stride=vocab,
+        drafts_ptr=drafts.data_ptr(),
+        draft_dtype=1,
+        num_drafts_ptr=ndraft.data_ptr(),
+        q_ptr=q.data_ptr(),
+        q_dtype=0,
+        q_stride_b=q.stride(0),
+        q_stride_l=q.stride(1),
+        coins_ptr=coins.data_ptr(),
+        uniforms_ptr=uniforms.data_ptr(),
+        temperature=temperature,
+        num_accepted_ptr=num.data_ptr(),
+        tokens_ptr=tokens.data_ptr(),
+        device="cpu",
+        stream=0,
+        ts_splits=1,
+        draw_splits=1,
+        workspace_ptr=ws.data_ptr(),
+        workspace_bytes=ws.numel(),
+    )
     return kwargs, (num, tokens), keep
 
 
@@ -301,11 +360,30 @@ def _tree_kwargs(batch=3, nodes=5, vocab=11, temperature=1.0):
     out = torch.full((batch, nodes), -7, dtype=torch.int64)
     ws = torch.empty(_C.verify_tree_workspace_bytes(batch, nodes, vocab, 0, temperature > 0), dtype=torch.uint8)
     keep = (logits, tokens, parents, coins, uniforms, ws)
-    kwargs = dict(logits_ptr=logits.data_ptr(), dtype=0, batch=batch, nodes=nodes, vocab=vocab, row_stride=vocab,
-                  tokens_ptr=tokens.data_ptr(), token_dtype=1, parents_ptr=parents.data_ptr(), parent_dtype=1,
-                  coins_ptr=coins.data_ptr(), uniforms_ptr=uniforms.data_ptr(), temperature=temperature,
-                  num_accepted_ptr=num.data_ptr(), path_ptr=path.data_ptr(), out_ptr=out.data_ptr(), device="cpu",
-                  stream=0, ts_splits=1, draw_splits=1, workspace_ptr=ws.data_ptr(), workspace_bytes=ws.numel())
+    kwargs = dict(
+        logits_ptr=logits.data_ptr(),
+        dtype=0,
+        batch=batch,
+        nodes=nodes,
+        vocab=vocab,
+        row_stride=vocab,
+        tokens_ptr=tokens.data_ptr(),
+        token_dtype=1,
+        parents_ptr=parents.data_ptr(),
+        parent_dtype=1,
+        coins_ptr=coins.data_ptr(),
+        uniforms_ptr=uniforms.data_ptr(),
+        temperature=temperature,
+        num_accepted_ptr=num.data_ptr(),
+        path_ptr=path.data_ptr(),
+        out_ptr=out.data_ptr(),
+        device="cpu",
+        stream=0,
+        ts_splits=1,
+        draw_splits=1,
+        workspace_ptr=ws.data_ptr(),
+        workspace_bytes=ws.numel(),
+    )
     return kwargs, (num, path, out), keep
 
 
@@ -385,19 +463,76 @@ def sim(tmp_path_factory):
     if not _sim_supported or cxx is None:
         pytest.skip("the CUDA simulator needs Linux (x86-64 / aarch64) and a C++17 compiler")
     lib_path = tmp_path_factory.mktemp("cuda_sim") / "libverify_sim.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-U_FORTIFY_SOURCE", "-w", "-fPIC", "-shared", "-pthread",
-           "-ffp-contract=off", f"-I{ROOT / 'csrc'}", f"-I{SIM_DIR}", str(SIM_DIR / "verify_sim.cpp"),
-           "-o", str(lib_path)]
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-O1",
+        "-U_FORTIFY_SOURCE",
+        "-w",
+        "-fPIC",
+        "-shared",
+        "-pthread",
+        "-ffp-contract=off",
+        f"-I{ROOT / 'csrc'}",
+        f"-I{SIM_DIR}",
+        str(SIM_DIR / "verify_sim.cpp"),
+        "-o",
+        str(lib_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     lib = ctypes.CDLL(str(lib_path))
     i64, vp, i, d = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     lib.dspec_sim_workspace_bytes.restype = i64
     lib.dspec_sim_workspace_bytes.argtypes = [i64, i64, i64, i, i64, i, i64]
-    lib.dspec_sim_verify_chain.argtypes = [vp, i, i64, i64, i64, i64, vp, i, vp, vp, i, i64, i64, vp, vp, d, vp, vp,
-                                           i64, i64, vp, ctypes.c_char_p, i]
-    lib.dspec_sim_verify_tree.argtypes = [vp, i, i64, i64, i64, i64, vp, i, vp, i, vp, vp, d, vp, vp, vp, i64, i64,
-                                          vp, ctypes.c_char_p, i]
+    lib.dspec_sim_verify_chain.argtypes = [
+        vp,
+        i,
+        i64,
+        i64,
+        i64,
+        i64,
+        vp,
+        i,
+        vp,
+        vp,
+        i,
+        i64,
+        i64,
+        vp,
+        vp,
+        d,
+        vp,
+        vp,
+        i64,
+        i64,
+        vp,
+        ctypes.c_char_p,
+        i,
+    ]
+    lib.dspec_sim_verify_tree.argtypes = [
+        vp,
+        i,
+        i64,
+        i64,
+        i64,
+        i64,
+        vp,
+        i,
+        vp,
+        i,
+        vp,
+        vp,
+        d,
+        vp,
+        vp,
+        vp,
+        i64,
+        i64,
+        vp,
+        ctypes.c_char_p,
+        i,
+    ]
     return lib
 
 
@@ -413,16 +548,38 @@ def sim_chain(lib, drafts, logits, q, n, temperature, coins, u, *, ts_splits=1, 
     num = torch.full((batch,), -9, dtype=torch.int64)
     out = torch.full((batch, length + 1), -9, dtype=torch.int64)
     sampling = temperature > 0
-    ws = torch.empty(lib.dspec_sim_workspace_bytes(batch, length + 1, vocab, FLOAT_CODE[x.dtype], 1, int(sampling),
-                                                   ts_splits) + 16, dtype=torch.uint8)
+    ws = torch.empty(
+        lib.dspec_sim_workspace_bytes(batch, length + 1, vocab, FLOAT_CODE[x.dtype], 1, int(sampling), ts_splits) + 16,
+        dtype=torch.uint8,
+    )
     err = ctypes.create_string_buffer(512)
     nd = None if n is None else n.long().contiguous()
     drafts = drafts.contiguous()
     rc = lib.dspec_sim_verify_chain(
-        _ptr(x), FLOAT_CODE[x.dtype], batch, length, vocab, x.stride(0), _ptr(drafts), ID_CODE[drafts.dtype], _ptr(nd),
-        _ptr(q), FLOAT_CODE[q.dtype] if q is not None else 0, q.stride(0) if q is not None else 0,
-        q.stride(1) if q is not None else 0, _ptr(coins) if sampling else None, _ptr(u) if sampling else None,
-        float(temperature), _ptr(num), _ptr(out), ts_splits, draw_splits, _ptr(ws), err, 512)
+        _ptr(x),
+        FLOAT_CODE[x.dtype],
+        batch,
+        length,
+        vocab,
+        x.stride(0),
+        _ptr(drafts),
+        ID_CODE[drafts.dtype],
+        _ptr(nd),
+        _ptr(q),
+        FLOAT_CODE[q.dtype] if q is not None else 0,
+        q.stride(0) if q is not None else 0,
+        q.stride(1) if q is not None else 0,
+        _ptr(coins) if sampling else None,
+        _ptr(u) if sampling else None,
+        float(temperature),
+        _ptr(num),
+        _ptr(out),
+        ts_splits,
+        draw_splits,
+        _ptr(ws),
+        err,
+        512,
+    )
     assert rc == 0, err.value.decode()
     return dspec.VerifyOutput(num, out)
 
@@ -435,14 +592,35 @@ def sim_tree(lib, tokens, parents, logits, temperature, coins, u, *, ts_splits=1
     path = torch.full((batch, nodes), -9, dtype=torch.int64)
     out = torch.full((batch, nodes), -9, dtype=torch.int64)
     sampling = temperature > 0
-    ws = torch.empty(lib.dspec_sim_workspace_bytes(batch, nodes, vocab, FLOAT_CODE[x.dtype], nodes, int(sampling),
-                                                   ts_splits) + 16, dtype=torch.uint8)
+    ws = torch.empty(
+        lib.dspec_sim_workspace_bytes(batch, nodes, vocab, FLOAT_CODE[x.dtype], nodes, int(sampling), ts_splits) + 16,
+        dtype=torch.uint8,
+    )
     err = ctypes.create_string_buffer(512)
     tokens, parents = tokens.contiguous(), parents.contiguous()
     rc = lib.dspec_sim_verify_tree(
-        _ptr(x), FLOAT_CODE[x.dtype], batch, nodes, vocab, x.stride(0), _ptr(tokens), ID_CODE[tokens.dtype],
-        _ptr(parents), ID_CODE[parents.dtype], _ptr(coins) if sampling else None, _ptr(u) if sampling else None,
-        float(temperature), _ptr(num), _ptr(path), _ptr(out), ts_splits, draw_splits, _ptr(ws), err, 512)
+        _ptr(x),
+        FLOAT_CODE[x.dtype],
+        batch,
+        nodes,
+        vocab,
+        x.stride(0),
+        _ptr(tokens),
+        ID_CODE[tokens.dtype],
+        _ptr(parents),
+        ID_CODE[parents.dtype],
+        _ptr(coins) if sampling else None,
+        _ptr(u) if sampling else None,
+        float(temperature),
+        _ptr(num),
+        _ptr(path),
+        _ptr(out),
+        ts_splits,
+        draw_splits,
+        _ptr(ws),
+        err,
+        512,
+    )
     assert rc == 0, err.value.decode()
     return dspec.TreeVerifyOutput(num, path, out)
 
@@ -455,12 +633,17 @@ def test_sim_chain_matches_reference(sim, dtype, batch, length, vocab, temperatu
     if with_q and temperature <= 0:
         pytest.skip("draft_probs only matter when sampling")
     logits, drafts, q, n, coins, u = chain_case(batch, length, vocab, dtype, batch * length + vocab, with_q=with_q)
-    exp = reference.verify_chain(drafts, logits, draft_probs=q, num_drafts=n, temperature=temperature, coins=coins,
-                                 sample_uniforms=u)
+    exp = reference.verify_chain(
+        drafts, logits, draft_probs=q, num_drafts=n, temperature=temperature, coins=coins, sample_uniforms=u
+    )
     # one split, and several splits of token_stats and of the draw tiles
     for ts_splits, draw_splits in ((1, 1), (3, 4)):
-        same(sim_chain(sim, drafts.int(), logits, q, n, temperature, coins, u, ts_splits=ts_splits,
-                       draw_splits=draw_splits), exp)
+        same(
+            sim_chain(
+                sim, drafts.int(), logits, q, n, temperature, coins, u, ts_splits=ts_splits, draw_splits=draw_splits
+            ),
+            exp,
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -470,15 +653,16 @@ def test_sim_chain_misaligned_rows(sim, dtype, offset):
     draft_probs in another dtype with odd strides."""
     logits, drafts, q, n, coins, u = chain_case(4, 3, 2053, dtype, 7 + offset, with_q=True)
     wide = torch.zeros(4 * 4, 2053 + 5, dtype=dtype)
-    wide[:, offset:offset + 2053] = logits.reshape(-1, 2053)
-    rows = wide[:, offset:offset + 2053]
+    wide[:, offset : offset + 2053] = logits.reshape(-1, 2053)
+    rows = wide[:, offset : offset + 2053]
     q_wide = torch.zeros(4, 3, 2053 + 1, dtype=torch.float16)
     q_wide[..., 1:] = q.half()
     qv = q_wide[..., 1:]
     for temperature in (0.0, 0.9):
         for dq in (None, qv):
-            exp = reference.verify_chain(drafts, logits, draft_probs=dq, num_drafts=n, temperature=temperature,
-                                         coins=coins, sample_uniforms=u)
+            exp = reference.verify_chain(
+                drafts, logits, draft_probs=dq, num_drafts=n, temperature=temperature, coins=coins, sample_uniforms=u
+            )
             same(sim_chain(sim, drafts, logits, dq, n, temperature, coins, u, rows=rows, draw_splits=2), exp)
 
 
@@ -520,8 +704,9 @@ def test_sim_agrees_with_cpp(sim):
     logits, drafts, q, n, coins, u = chain_case(64, 4, 3000, torch.bfloat16, 21, with_q=True)
     for qq in (None, q):
         a = sim_chain(sim, drafts, logits, qq, n, 0.7, coins, u, draw_splits=2)
-        b = dspec.verify_chain(drafts, logits, draft_probs=qq, num_drafts=n, temperature=0.7, coins=coins,
-                               sample_uniforms=u, backend="cpp")
+        b = dspec.verify_chain(
+            drafts, logits, draft_probs=qq, num_drafts=n, temperature=0.7, coins=coins, sample_uniforms=u, backend="cpp"
+        )
         assert torch.equal(a.num_accepted, b.num_accepted)
         assert int((a.tokens != b.tokens).any(-1).sum()) <= 1
     tokens, parents, tlogits, tcoins, tu = random_tree(64, 12, 2000, 5)
@@ -544,8 +729,9 @@ def close(out, exp, *, max_rows=1):
     assert torch.equal(out.tokens.cpu()[~final], exp.tokens[~final])
 
 
-needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and _backend.cuda_available()),
-                                reason="needs dspec._C built with CUDA and a GPU")
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and _backend.cuda_available()), reason="needs dspec._C built with CUDA and a GPU"
+)
 
 
 @needs_cuda
@@ -554,12 +740,21 @@ needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and _backend.cuda
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6])
 def test_cuda_chain_several_tiles_and_splits(dtype, batch, length, vocab, temperature):
     logits, drafts, q, n, coins, u = chain_case(batch, length, vocab, dtype, batch + vocab, with_q=True)
-    for qq in ((None, q) if temperature > 0 else (None,)):
-        exp = reference.verify_chain(drafts, logits, draft_probs=qq, num_drafts=n, temperature=temperature,
-                                     coins=coins, sample_uniforms=u)
-        dev = (lambda t: None if t is None else t.cuda())
-        out = dspec.verify_chain(dev(drafts), dev(logits), draft_probs=dev(qq), num_drafts=dev(n),
-                                 temperature=temperature, coins=dev(coins), sample_uniforms=dev(u), backend="cuda")
+    for qq in (None, q) if temperature > 0 else (None,):
+        exp = reference.verify_chain(
+            drafts, logits, draft_probs=qq, num_drafts=n, temperature=temperature, coins=coins, sample_uniforms=u
+        )
+        dev = lambda t: None if t is None else t.cuda()
+        out = dspec.verify_chain(
+            dev(drafts),
+            dev(logits),
+            draft_probs=dev(qq),
+            num_drafts=dev(n),
+            temperature=temperature,
+            coins=dev(coins),
+            sample_uniforms=dev(u),
+            backend="cuda",
+        )
         close(out, exp)
 
 
@@ -572,8 +767,15 @@ def test_cuda_tree_several_tiles(batch, nodes, vocab, temperature):
     else:
         tokens, parents, logits, coins, u = random_tree(batch, nodes, vocab, nodes + vocab)
     exp = reference.verify_tree(tokens, parents, logits, temperature=temperature, coins=coins, sample_uniforms=u)
-    out = dspec.verify_tree(tokens.cuda(), parents.int().cuda(), logits.cuda(), temperature=temperature,
-                            coins=coins.cuda(), sample_uniforms=u.cuda(), backend="cuda")
+    out = dspec.verify_tree(
+        tokens.cuda(),
+        parents.int().cuda(),
+        logits.cuda(),
+        temperature=temperature,
+        coins=coins.cuda(),
+        sample_uniforms=u.cuda(),
+        backend="cuda",
+    )
     close(out, exp)
 
 
@@ -584,8 +786,16 @@ def test_cuda_graph_capture():
     args = [t.cuda() for t in (drafts, logits, q, n, coins, u)]
     dspec.config.validate_values = False
     try:
-        run = lambda: dspec.verify_chain(args[0], args[1], draft_probs=args[2], num_drafts=args[3],
-                                         temperature=1.0, coins=args[4], sample_uniforms=args[5], backend="cuda")
+        run = lambda: dspec.verify_chain(
+            args[0],
+            args[1],
+            draft_probs=args[2],
+            num_drafts=args[3],
+            temperature=1.0,
+            coins=args[4],
+            sample_uniforms=args[5],
+            backend="cuda",
+        )
         run()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -595,5 +805,9 @@ def test_cuda_graph_capture():
         torch.cuda.synchronize()
     finally:
         dspec.config.validate_values = True
-    close(out, reference.verify_chain(drafts, logits, draft_probs=q, num_drafts=n, temperature=1.0, coins=coins,
-                                      sample_uniforms=u))
+    close(
+        out,
+        reference.verify_chain(
+            drafts, logits, draft_probs=q, num_drafts=n, temperature=1.0, coins=coins, sample_uniforms=u
+        ),
+    )

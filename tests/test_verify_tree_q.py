@@ -13,6 +13,7 @@
 4. the expected accepted length with q is at least that of the same trees verified one-hot.
 5. bad input raises ValueError naming the argument.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -57,9 +58,9 @@ def tree_case(batch, nodes, vocab, seed, shape="random"):
         else:
             parents[:, i] = torch.randint(0, i, (batch,), generator=g)
     if shape == "random" and nodes > 3:
-        parents[:, -1] = -1                               # padding nodes
+        parents[:, -1] = -1  # padding nodes
         parents[1::2, -2] = -1
-        parents[:, 1:][parents[:, 1:] >= nodes - 2] = 0   # no child of a padding node
+        parents[:, 1:][parents[:, 1:] >= nodes - 2] = 0  # no child of a padding node
     q = torch.softmax(torch.randn(batch, nodes, vocab, generator=g) * 1.5, -1)
     if vocab > 2:
         zero = torch.rand(batch, nodes, vocab, generator=g) < 0.3
@@ -73,8 +74,8 @@ def tree_case(batch, nodes, vocab, seed, shape="random"):
     tokens = torch.where(torch.rand(batch, nodes, generator=g) < 0.85, drawn, any_id)
     if nodes > 4:
         same = parents[:, 3] == parents[:, 4]
-        tokens[:, 4] = torch.where(same, tokens[:, 3], tokens[:, 4])   # repeated siblings
-    if shape == "distinct":     # peaked q: removing a tried token changes q_cur a lot
+        tokens[:, 4] = torch.where(same, tokens[:, 3], tokens[:, 4])  # repeated siblings
+    if shape == "distinct":  # peaked q: removing a tried token changes q_cur a lot
         q = torch.softmax(torch.randn(batch, nodes, vocab, generator=g) * 3.0, -1)
         logits = torch.randn(batch, nodes, vocab, generator=g)
         tokens[:, 1:] = torch.multinomial(q[:, 0], nodes - 1, replacement=False, generator=g)
@@ -120,7 +121,7 @@ def oracle(tokens, parents, logits, q, scheme, temperature, coins, uniforms):
                 continue
             t = int(tokens[b, c])
             q_x = float(q_cur[t])
-            if q_x == 0:                                   # could not have been drawn
+            if q_x == 0:  # could not have been drawn
                 continue
             lhs, rhs = float(coins[b, c]) * q_x, float(r[t])
             if lhs == lhs and rhs == rhs:
@@ -167,18 +168,58 @@ def sim():
     if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")) or cxx is None:
         pytest.skip("the CUDA simulator needs Linux (x86-64 / aarch64) and a C++17 compiler")
     import tempfile
+
     lib_path = Path(tempfile.mkdtemp(prefix="verify_tree_q_sim")) / "libverify_sim.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-U_FORTIFY_SOURCE", "-w", "-fPIC", "-shared", "-pthread",
-           "-ffp-contract=off", f"-I{ROOT / 'csrc'}", f"-I{SIM_DIR}", str(SIM_DIR / "verify_sim.cpp"),
-           "-o", str(lib_path)]
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-O1",
+        "-U_FORTIFY_SOURCE",
+        "-w",
+        "-fPIC",
+        "-shared",
+        "-pthread",
+        "-ffp-contract=off",
+        f"-I{ROOT / 'csrc'}",
+        f"-I{SIM_DIR}",
+        str(SIM_DIR / "verify_sim.cpp"),
+        "-o",
+        str(lib_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     lib = ctypes.CDLL(str(lib_path))
     i64, vp, i, d = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     lib.dspec_sim_tree_q_workspace_bytes.restype = i64
     lib.dspec_sim_tree_q_workspace_bytes.argtypes = [i64, i64, i64, i, i, i64]
-    lib.dspec_sim_verify_tree_q.argtypes = [vp, i, i64, i64, i64, i64, vp, i, vp, i, vp, i, i64, i64, i, vp, vp,
-                                            d, vp, vp, vp, i64, i64, vp, ctypes.c_char_p, i]
+    lib.dspec_sim_verify_tree_q.argtypes = [
+        vp,
+        i,
+        i64,
+        i64,
+        i64,
+        i64,
+        vp,
+        i,
+        vp,
+        i,
+        vp,
+        i,
+        i64,
+        i64,
+        i,
+        vp,
+        vp,
+        d,
+        vp,
+        vp,
+        vp,
+        i64,
+        i64,
+        vp,
+        ctypes.c_char_p,
+        i,
+    ]
     return lib
 
 
@@ -193,27 +234,58 @@ def sim_tree_q(lib, tokens, parents, logits, q, scheme, temperature, coins, u, *
     num = torch.full((batch,), -9, dtype=torch.int64)
     path = torch.full((batch, nodes), -9, dtype=torch.int64)
     out = torch.full((batch, nodes), -9, dtype=torch.int64)
-    nbytes = lib.dspec_sim_tree_q_workspace_bytes(batch, nodes, vocab, FLOAT_CODE[x.dtype], int(q is not None),
-                                                  ts_splits)
-    ws = torch.full((nbytes + 16,), 0xAB, dtype=torch.uint8)   # garbage: written before read
+    nbytes = lib.dspec_sim_tree_q_workspace_bytes(
+        batch, nodes, vocab, FLOAT_CODE[x.dtype], int(q is not None), ts_splits
+    )
+    ws = torch.full((nbytes + 16,), 0xAB, dtype=torch.uint8)  # garbage: written before read
     err = ctypes.create_string_buffer(512)
     tokens, parents = tokens.contiguous(), parents.contiguous()
     rc = lib.dspec_sim_verify_tree_q(
-        _ptr(x), FLOAT_CODE[x.dtype], batch, nodes, vocab, x.stride(0), _ptr(tokens), ID_CODE[tokens.dtype],
-        _ptr(parents), ID_CODE[parents.dtype], _ptr(q), FLOAT_CODE[q.dtype] if q is not None else 0,
-        q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0, SCHEMES.index(scheme),
-        _ptr(coins), _ptr(u), float(temperature), _ptr(num), _ptr(path), _ptr(out), ts_splits, draw_splits,
-        _ptr(ws), err, 512)
+        _ptr(x),
+        FLOAT_CODE[x.dtype],
+        batch,
+        nodes,
+        vocab,
+        x.stride(0),
+        _ptr(tokens),
+        ID_CODE[tokens.dtype],
+        _ptr(parents),
+        ID_CODE[parents.dtype],
+        _ptr(q),
+        FLOAT_CODE[q.dtype] if q is not None else 0,
+        q.stride(0) if q is not None else 0,
+        q.stride(1) if q is not None else 0,
+        SCHEMES.index(scheme),
+        _ptr(coins),
+        _ptr(u),
+        float(temperature),
+        _ptr(num),
+        _ptr(path),
+        _ptr(out),
+        ts_splits,
+        draw_splits,
+        _ptr(ws),
+        err,
+        512,
+    )
     assert rc == 0, err.value.decode()
     return dspec.TreeVerifyOutput(num, path, out)
 
 
 def run_backend(backend, request, tokens, parents, logits, q, scheme, temperature, coins, u):
     if backend == "sim":
-        return sim_tree_q(request.getfixturevalue("sim"), tokens, parents, logits, q, scheme, temperature,
-                          coins, u)
-    return dspec.verify_tree(tokens, parents, logits, draft_probs=q, draft_sampling=scheme,
-                             temperature=temperature, coins=coins, sample_uniforms=u, backend=backend)
+        return sim_tree_q(request.getfixturevalue("sim"), tokens, parents, logits, q, scheme, temperature, coins, u)
+    return dspec.verify_tree(
+        tokens,
+        parents,
+        logits,
+        draft_probs=q,
+        draft_sampling=scheme,
+        temperature=temperature,
+        coins=coins,
+        sample_uniforms=u,
+        backend=backend,
+    )
 
 
 def same(out, exp):
@@ -224,10 +296,17 @@ def same(out, exp):
 
 # ---------------------------------------------------------------------------- 1. exact
 CASES = [  # (batch, nodes, vocab, shape)
-    (3, 6, 1, "random"), (6, 9, 7, "random"), (5, 12, 7, "fan"), (5, 10, 300, "random"),
-    (4, 12, 300, "chain"), (4, 9, 5000, "random"), (3, 8, 5000, "fan"),
-    (6, 40, 50, "random"), (2, 70, 40, "fan"),     # more nodes than a warp's 32 lanes
-    (8, 9, 30, "distinct"), (4, 9, 300, "distinct"),
+    (3, 6, 1, "random"),
+    (6, 9, 7, "random"),
+    (5, 12, 7, "fan"),
+    (5, 10, 300, "random"),
+    (4, 12, 300, "chain"),
+    (4, 9, 5000, "random"),
+    (3, 8, 5000, "fan"),
+    (6, 40, 50, "random"),
+    (2, 70, 40, "fan"),  # more nodes than a warp's 32 lanes
+    (8, 9, 30, "distinct"),
+    (4, 9, 300, "distinct"),
 ]
 
 
@@ -244,7 +323,7 @@ def test_exact_against_float64_loop(request, backend, scheme, case):
     coins, u, exp = safe_randomness(tokens, parents, logits, q, scheme, temperature, coins, u, case)
     out = run_backend(backend, request, tokens.to(ids), parents.to(ids), logits, q, scheme, temperature, coins, u)
     same(out, exp)
-    if vocab > 1:   # the walk does something: some rejections, some acceptances
+    if vocab > 1:  # the walk does something: some rejections, some acceptances
         assert 0 < int(exp[0].sum()) < batch * (nodes - 1)
 
 
@@ -257,8 +336,20 @@ def test_cpp_threaded_rows(monkeypatch):
         c, uu, exp = safe_randomness(tokens, parents, logits, q, scheme, 1.0, coins, u, 4)
         for threads in ("1", "3"):
             monkeypatch.setenv("DSPEC_CPU_THREADS", threads)
-            same(dspec.verify_tree(tokens, parents, logits, draft_probs=q, draft_sampling=scheme,
-                                   temperature=1.0, coins=c, sample_uniforms=uu, backend="cpp"), exp)
+            same(
+                dspec.verify_tree(
+                    tokens,
+                    parents,
+                    logits,
+                    draft_probs=q,
+                    draft_sampling=scheme,
+                    temperature=1.0,
+                    coins=c,
+                    sample_uniforms=uu,
+                    backend="cpp",
+                ),
+                exp,
+            )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -268,21 +359,32 @@ def test_exact_strided_q_and_edge_rows(request, backend):
     tokens, parents, logits, q, coins, u = tree_case(4, 9, 300, 7, "fan")
     wide = torch.zeros(4, 9, 2, 301)
     wide[:, :, 1, 1:] = q
-    q = wide[:, :, 1, 1:]                     # strides (5418, 602, 1), start off 16 bytes
+    q = wide[:, :, 1, 1:]  # strides (5418, 602, 1), start off 16 bytes
     q[1, 0] = 1.0
     for scheme in SCHEMES:
         c, uu, exp = safe_randomness(tokens, parents, logits, q, scheme, 1.0, coins, u, 3)
         same(run_backend(backend, request, tokens, parents, logits, q, scheme, 1.0, c, uu), exp)
-        root = run_backend(backend, request, tokens[:, :1], parents[:, :1], logits[:, :1], q[:, :1].contiguous(),
-                           scheme, 1.0, c[:, :1], uu)
+        root = run_backend(
+            backend,
+            request,
+            tokens[:, :1],
+            parents[:, :1],
+            logits[:, :1],
+            q[:, :1].contiguous(),
+            scheme,
+            1.0,
+            c[:, :1],
+            uu,
+        )
         same(root, oracle(tokens[:, :1], parents[:, :1], logits[:, :1], q[:, :1], scheme, 1.0, c[:, :1], uu)[0])
     # a chain with q_u one-hot at u's only child's token: the rule of draft_probs=None
     tokens, parents, logits, q, coins, u = tree_case(5, 7, 50, 8, "chain")
     onehot = torch.zeros_like(q)
     onehot[:, :-1].scatter_(-1, tokens[:, 1:, None], 1.0)
     for scheme in SCHEMES:
-        exp = dspec.verify_tree(tokens, parents, logits, temperature=0.9, coins=coins, sample_uniforms=u,
-                                backend="torch")
+        exp = dspec.verify_tree(
+            tokens, parents, logits, temperature=0.9, coins=coins, sample_uniforms=u, backend="torch"
+        )
         same(run_backend(backend, request, tokens, parents, logits, onehot, scheme, 0.9, coins, u), exp)
 
 
@@ -295,19 +397,27 @@ def test_greedy_ignores_q_and_none_keeps_today(request, backend):
         exp = reference.verify_tree(tokens, parents, logits)
         same(run_backend(backend, request, tokens, parents, logits, q, scheme, 0.0, coins, u), exp)
         exp = reference.verify_tree(tokens, parents, logits, temperature=1.0, coins=coins, sample_uniforms=u)
-        out = dspec.verify_tree(tokens, parents, logits, draft_sampling=scheme, temperature=1.0, coins=coins,
-                                sample_uniforms=u, backend=backend)
+        out = dspec.verify_tree(
+            tokens,
+            parents,
+            logits,
+            draft_sampling=scheme,
+            temperature=1.0,
+            coins=coins,
+            sample_uniforms=u,
+            backend=backend,
+        )
         same(out, exp)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_invalid_rows_and_nan_q_give_minus_one(request, backend, monkeypatch):
     tokens, parents, logits, q, coins, u = tree_case(4, 5, 30, 10, "fan")
-    coins[:] = 0.999                           # the first child of the root is rejected
-    logits[0, 0, 3] = float("nan")             # invalid target rows at the root
+    coins[:] = 0.999  # the first child of the root is rejected
+    logits[0, 0, 3] = float("nan")  # invalid target rows at the root
     logits[1, 0] = float("-inf")
     q = q.clone()
-    q[2, 0, 5] = float("nan")                  # NaN in q_0 (value checks off)
+    q[2, 0, 5] = float("nan")  # NaN in q_0 (value checks off)
     q[2, 0, tokens[2, 1]] = 0.5
     monkeypatch.setattr(_validate.config, "validate_values", False)
     for scheme in SCHEMES:
@@ -324,11 +434,15 @@ ROUNDS = 200_000
 def stat_problem():
     """A target (P_0 and P_1[x] for the token after x) and a drafter (q_0, q_1[x]) on 4 tokens."""
     p0 = torch.tensor([0.45, 0.25, 0.2, 0.1], dtype=torch.float64)
-    p1 = torch.tensor([[0.6, 0.1, 0.2, 0.1], [0.1, 0.5, 0.1, 0.3], [0.25, 0.25, 0.4, 0.1],
-                       [0.05, 0.15, 0.3, 0.5]], dtype=torch.float64)
+    p1 = torch.tensor(
+        [[0.6, 0.1, 0.2, 0.1], [0.1, 0.5, 0.1, 0.3], [0.25, 0.25, 0.4, 0.1], [0.05, 0.15, 0.3, 0.5]],
+        dtype=torch.float64,
+    )
     q0 = torch.tensor([0.2, 0.4, 0.1, 0.3], dtype=torch.float64)
-    q1 = torch.tensor([[0.3, 0.3, 0.3, 0.1], [0.4, 0.2, 0.2, 0.2], [0.1, 0.1, 0.7, 0.1],
-                       [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    q1 = torch.tensor(
+        [[0.3, 0.3, 0.3, 0.1], [0.4, 0.2, 0.2, 0.2], [0.1, 0.1, 0.7, 0.1], [0.25, 0.25, 0.25, 0.25]],
+        dtype=torch.float64,
+    )
     return p0, p1, q0, q1
 
 
@@ -346,10 +460,10 @@ def stat_round(scheme, seed, fan=3, sub=2):
     parents = torch.tensor([-1] + [0] * fan + [1 + k // sub for k in range(fan * sub)]).expand(ROUNDS, -1)
     logits = torch.zeros(ROUNDS, nodes, V_STAT)
     logits[:, 0] = p0.log().float()
-    logits[:, 1:1 + fan] = p1[first].log().float()
+    logits[:, 1 : 1 + fan] = p1[first].log().float()
     q = torch.full((ROUNDS, nodes, V_STAT), 0.25)
     q[:, 0] = q0.float()
-    q[:, 1:1 + fan] = q1[first].float()
+    q[:, 1 : 1 + fan] = q1[first].float()
     coins = torch.rand(ROUNDS, nodes, generator=g)
     u = torch.rand(ROUNDS, generator=g)
     return tokens, parents.contiguous(), logits, q, coins, u, g
@@ -424,8 +538,17 @@ STAT_BACKENDS = [b for b in BACKENDS if b in ("torch", "cpp")]
 def test_lossless_and_mutations_fail(scheme):
     tokens, parents, logits, q, coins, u, g = stat_round(scheme, 11 + len(scheme))
     for backend in STAT_BACKENDS:
-        out = dspec.verify_tree(tokens, parents, logits, draft_probs=q, draft_sampling=scheme,
-                                temperature=1.0, coins=coins, sample_uniforms=u, backend=backend)
+        out = dspec.verify_tree(
+            tokens,
+            parents,
+            logits,
+            draft_probs=q,
+            draft_sampling=scheme,
+            temperature=1.0,
+            coins=coins,
+            sample_uniforms=u,
+            backend=backend,
+        )
         assert law_deviation(out, g) < 6.0, backend
     assert law_deviation(walk64(tokens, parents, logits, q, scheme, coins, u), g) < 6.0
     mutations = ["residual_from_p", "accept_without_q", "onehot_residual", "keep_r"]
@@ -439,11 +562,12 @@ def test_lossless_and_mutations_fail(scheme):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_q_accepts_more_than_one_hot(scheme):
     tokens, parents, logits, q, coins, u, _ = stat_round(scheme, 5 + len(scheme))
-    with_q = dspec.verify_tree(tokens, parents, logits, draft_probs=q, draft_sampling=scheme,
-                               temperature=1.0, coins=coins, sample_uniforms=u)
+    with_q = dspec.verify_tree(
+        tokens, parents, logits, draft_probs=q, draft_sampling=scheme, temperature=1.0, coins=coins, sample_uniforms=u
+    )
     one_hot = dspec.verify_tree(tokens, parents, logits, temperature=1.0, coins=coins, sample_uniforms=u)
     gain = float(with_q.num_accepted.double().mean() - one_hot.num_accepted.double().mean())
-    sigma = float(with_q.num_accepted.double().std()) / ROUNDS ** 0.5
+    sigma = float(with_q.num_accepted.double().std()) / ROUNDS**0.5
     assert gain > 6 * sigma, (gain, sigma)
 
 
@@ -476,35 +600,65 @@ _C = _backend.extension()
 
 
 @pytest.mark.skipif(_C is None, reason="dspec._C is not built (pip install -e .)")
-@pytest.mark.parametrize("name,bad", [
-    ("draft_sampling", dict(draft_sampling=2)),
-    ("q_dtype", dict(q_dtype=7)),
-    ("q_stride", dict(q_stride_b=-1)),
-    ("q_ptr", dict(q_ptr="+2")),
-    ("workspace_bytes", dict(workspace_bytes="no q")),
-])
+@pytest.mark.parametrize(
+    "name,bad",
+    [
+        ("draft_sampling", dict(draft_sampling=2)),
+        ("q_dtype", dict(q_dtype=7)),
+        ("q_stride", dict(q_stride_b=-1)),
+        ("q_ptr", dict(q_ptr="+2")),
+        ("workspace_bytes", dict(workspace_bytes="no q")),
+    ],
+)
 def test_extension_rejects_bad_q_arguments_before_any_write(name, bad):
     batch, nodes, vocab = 3, 5, 11
     tokens, parents, logits, q, coins, u = tree_case(batch, nodes, vocab, 13, "fan")
     logits = logits.reshape(-1, vocab).contiguous()
     outs = [torch.full(s, -7, dtype=torch.int64) for s in ((batch,), (batch, nodes), (batch, nodes))]
     ws = torch.empty(_C.verify_tree_workspace_bytes(batch, nodes, vocab, 0, True, 1, True), dtype=torch.uint8)
-    kwargs = dict(logits_ptr=logits.data_ptr(), dtype=0, batch=batch, nodes=nodes, vocab=vocab, row_stride=vocab,
-                  tokens_ptr=tokens.data_ptr(), token_dtype=1, parents_ptr=parents.data_ptr(), parent_dtype=1,
-                  coins_ptr=coins.data_ptr(), uniforms_ptr=u.data_ptr(), temperature=1.0,
-                  num_accepted_ptr=outs[0].data_ptr(), path_ptr=outs[1].data_ptr(), out_ptr=outs[2].data_ptr(),
-                  device="cpu", workspace_ptr=ws.data_ptr(), workspace_bytes=ws.numel(), q_ptr=q.data_ptr(),
-                  q_dtype=0, q_stride_b=q.stride(0), q_stride_n=q.stride(1), draft_sampling=1)
+    kwargs = dict(
+        logits_ptr=logits.data_ptr(),
+        dtype=0,
+        batch=batch,
+        nodes=nodes,
+        vocab=vocab,
+        row_stride=vocab,
+        tokens_ptr=tokens.data_ptr(),
+        token_dtype=1,
+        parents_ptr=parents.data_ptr(),
+        parent_dtype=1,
+        coins_ptr=coins.data_ptr(),
+        uniforms_ptr=u.data_ptr(),
+        temperature=1.0,
+        num_accepted_ptr=outs[0].data_ptr(),
+        path_ptr=outs[1].data_ptr(),
+        out_ptr=outs[2].data_ptr(),
+        device="cpu",
+        workspace_ptr=ws.data_ptr(),
+        workspace_bytes=ws.numel(),
+        q_ptr=q.data_ptr(),
+        q_dtype=0,
+        q_stride_b=q.stride(0),
+        q_stride_n=q.stride(1),
+        draft_sampling=1,
+    )
     broken = dict(kwargs, **bad)
     if name == "q_ptr":
-        broken["q_ptr"] = q.data_ptr() + 2                       # not float32-aligned
-    if name == "workspace_bytes":                                 # the size without the residual rows
+        broken["q_ptr"] = q.data_ptr() + 2  # not float32-aligned
+    if name == "workspace_bytes":  # the size without the residual rows
         broken["workspace_bytes"] = _C.verify_tree_workspace_bytes(batch, nodes, vocab, 0, True)
     with pytest.raises(ValueError, match=name):
         _C.verify_tree(**broken)
     assert all(bool((t == -7).all()) for t in outs)
     _C.verify_tree(**kwargs)
-    exp = reference.verify_tree(tokens, parents, logits.reshape(batch, nodes, vocab), draft_probs=q,
-                                draft_sampling="without_replacement", temperature=1.0, coins=coins,
-                                sample_uniforms=u)
+    exp = reference.verify_tree(
+        tokens,
+        parents,
+        logits.reshape(batch, nodes, vocab),
+        draft_probs=q,
+        draft_sampling="without_replacement",
+        temperature=1.0,
+        coins=coins,
+        sample_uniforms=u,
+    )
     same(outs, exp)

@@ -9,6 +9,7 @@ masked slots embed the target's ``mask_token_id``; every layer normalises its qu
 keys per head (RMSNorm) before RoPE; block slots attend to every context position and to
 the whole block; the target's head reads the final norm.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,7 +80,7 @@ def zlab_weights(cfg, seed=0):
     n_ctx = len(cfg["dflash_config"]["target_layer_ids"])
 
     def mat(rows, cols):
-        return torch.randn(rows, cols, generator=g) * cols ** -0.5
+        return torch.randn(rows, cols, generator=g) * cols**-0.5
 
     def norm(size):
         return 1.0 + 0.2 * torch.randn(size, generator=g)
@@ -87,12 +88,19 @@ def zlab_weights(cfg, seed=0):
     w = {"fc.weight": mat(h, n_ctx * h), "hidden_norm.weight": norm(h), "norm.weight": norm(h)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
-        w |= {p + "self_attn.q_proj.weight": mat(hq * d, h), p + "self_attn.k_proj.weight": mat(hkv * d, h),
-              p + "self_attn.v_proj.weight": mat(hkv * d, h), p + "self_attn.o_proj.weight": mat(h, hq * d),
-              p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d),
-              p + "mlp.gate_proj.weight": mat(inter, h), p + "mlp.up_proj.weight": mat(inter, h),
-              p + "mlp.down_proj.weight": mat(h, inter),
-              p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h)}
+        w |= {
+            p + "self_attn.q_proj.weight": mat(hq * d, h),
+            p + "self_attn.k_proj.weight": mat(hkv * d, h),
+            p + "self_attn.v_proj.weight": mat(hkv * d, h),
+            p + "self_attn.o_proj.weight": mat(h, hq * d),
+            p + "self_attn.q_norm.weight": norm(d),
+            p + "self_attn.k_norm.weight": norm(d),
+            p + "mlp.gate_proj.weight": mat(inter, h),
+            p + "mlp.up_proj.weight": mat(inter, h),
+            p + "mlp.down_proj.weight": mat(h, inter),
+            p + "input_layernorm.weight": norm(h),
+            p + "post_attention_layernorm.weight": norm(h),
+        }
     return w
 
 
@@ -116,7 +124,7 @@ def rope(x, pos, theta):
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
     ang = pos.float()[:, None] * inv[None]
     cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
@@ -131,21 +139,22 @@ def reference_drafts(target, cfg, w, context, anchor):
         # transformers' output_hidden_states: (embeddings, layer 1 .. L-1 outputs, final normed)
         hs = target(target.plan([context]), hidden_states=list(range(target.config.num_layers + 1))).hidden
         feats = torch.cat([hs[i + 1][0] for i in cfg["dflash_config"]["target_layer_ids"]], -1)
-        ctx = rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"], eps)                    # [n, H]
+        ctx = rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"], eps)  # [n, H]
         block = torch.tensor([anchor] + [cfg["dflash_config"]["mask_token_id"]] * (g - 1))
-        x = target.embed_tokens.weight[block].float()                                          # [g, H]
+        x = target.embed_tokens.weight[block].float()  # [g, H]
         pos = torch.arange(n + g)
         for i in range(cfg["num_hidden_layers"]):
             p = f"layers.{i}."
             h = rms(x, w[p + "input_layernorm.weight"], eps)
             q = rms((h @ w[p + "self_attn.q_proj.weight"].T).view(g, hq, d), w[p + "self_attn.q_norm.weight"], eps)
             both = torch.cat([ctx, h])
-            k = rms((both @ w[p + "self_attn.k_proj.weight"].T).view(n + g, hkv, d),
-                    w[p + "self_attn.k_norm.weight"], eps)
+            k = rms(
+                (both @ w[p + "self_attn.k_proj.weight"].T).view(n + g, hkv, d), w[p + "self_attn.k_norm.weight"], eps
+            )
             v = (both @ w[p + "self_attn.v_proj.weight"].T).view(n + g, hkv, d)
             q, k = rope(q, pos[n:], theta), rope(k, pos, theta)
             k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-            att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * d ** -0.5, -1)
+            att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * d**-0.5, -1)
             o = torch.einsum("hqk,khd->qhd", att, v).reshape(g, hq * d)
             x = x + o @ w[p + "self_attn.o_proj.weight"].T
             h = rms(x, w[p + "post_attention_layernorm.weight"], eps)
@@ -161,8 +170,9 @@ def dspec_drafts(drafter, target, contexts, anchors):
         out = target(target.plan(contexts), hidden_states=drafter.target_layer_ids)
         n = max(len(c) for c in contexts)
         cache = drafter.new_cache(len(contexts))
-        cache.append(drafter.context_kv(out.hidden, torch.arange(n).expand(len(contexts), n)),
-                     counts=[len(c) for c in contexts])
+        cache.append(
+            drafter.context_kv(out.hidden, torch.arange(n).expand(len(contexts), n)), counts=[len(c) for c in contexts]
+        )
         block = torch.tensor([[a] + [MASK] * (g - 1) for a in anchors])
         pos = torch.tensor([[len(c) + j for j in range(g)] for c in contexts])
         return drafter(block, pos, cache, logits_from=1), out.hidden, block, pos
@@ -228,10 +238,12 @@ def test_generate_batch_is_lossless(target, tmp_path):
 def test_dspec_drafters_keep_their_weights_and_mask_embedding(target, tmp_path):
     """q / k norm and the token mask slot are options: dspec's own drafters do not change."""
     from dspec.models.dflash import BlockDrafter, shipped_drafter_path
+
     d = load_drafter("tiny-ar-dflash", target)
     assert not d.config.qk_norm and d.config.mask_token_id is None and d.mask_embedding is not None
     assert all(layer.q_norm is None for layer in d.layers)
     from safetensors import safe_open
+
     with safe_open(str(shipped_drafter_path("tiny-ar", "dflash") / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == set(d.state_dict())
     fresh = BlockDrafter.for_target(target, block_size=4)
@@ -247,10 +259,21 @@ def test_save_round_trip(target, tmp_path, fmt):
     if fmt == "zlab":
         assert saved["architectures"] == ["DFlashDraftModel"]
         assert saved["dflash_config"] == cfg["dflash_config"]
-        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "intermediate_size", "block_size", "num_target_layers", "vocab_size", "rope_theta"):
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "block_size",
+            "num_target_layers",
+            "vocab_size",
+            "rope_theta",
+        ):
             assert saved[k] == cfg[k], k
         from safetensors import safe_open
+
         with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
             assert set(f.keys()) == set(zlab_weights(cfg))
     e = load_drafter(tmp_path / "out", target)
@@ -260,6 +283,7 @@ def test_save_round_trip(target, tmp_path, fmt):
 
 def test_zlab_save_refuses_what_the_format_cannot_hold(target, tmp_path):
     from dspec.models.dflash import BlockDrafter
+
     with pytest.raises(ValueError, match="qk_norm"):
         BlockDrafter.for_target(target, block_size=4).save(tmp_path / "x", format="zlab")
     with pytest.raises(ValueError, match="format"):
@@ -272,20 +296,23 @@ def _bad(target, tmp_path, cfg=None, weights=None, **over):
     return write_zlab(tmp_path / "bad", cfg, weights)
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda c: c.pop("hidden_size"), r"needs \['hidden_size'\]"),
-    (lambda c: c.pop("num_target_layers"), "num_target_layers"),
-    (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
-    (lambda c: c.update(dflash_config=[1, 2]), "dflash_config must be an object"),
-    (lambda c: c["dflash_config"].update(mask_token_id=5000), "mask_token_id"),
-    (lambda c: c["dflash_config"].update(target_layer_ids=[1, 4]), r"target_layer_ids .*\[0, 4\)"),
-    (lambda c: c["dflash_config"].update(target_layer_ids=[]), "target_layer_ids"),
-    (lambda c: c.update(attention_bias=True), "attention_bias"),
-    (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
-    (lambda c: c.update(use_sliding_window=True), "sliding"),
-    (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
-    (lambda c: c.update(block_size=1), "block_size"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda c: c.pop("hidden_size"), r"needs \['hidden_size'\]"),
+        (lambda c: c.pop("num_target_layers"), "num_target_layers"),
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+        (lambda c: c.update(dflash_config=[1, 2]), "dflash_config must be an object"),
+        (lambda c: c["dflash_config"].update(mask_token_id=5000), "mask_token_id"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 4]), r"target_layer_ids .*\[0, 4\)"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[]), "target_layer_ids"),
+        (lambda c: c.update(attention_bias=True), "attention_bias"),
+        (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
+        (lambda c: c.update(use_sliding_window=True), "sliding"),
+        (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
+        (lambda c: c.update(block_size=1), "block_size"),
+    ],
+)
 def test_bad_configs_raise(target, tmp_path, change, match):
     cfg = zlab_config(target)
     weights = zlab_weights(cfg)
@@ -328,15 +355,40 @@ def test_cli_trains_and_saves_a_zlab_drafter(target, tmp_path):
     """``python -m dspec.train.dflash --format zlab``: z-lab's config keys and weight names,
     loaded back (into dspec, as z-lab's format) to the same drafts, lossless."""
     from dspec.train.dflash import main
+
     out = tmp_path / "run"
-    main(["--target", "tiny-ar", "--out", str(out), "--max-steps", "2", "--num-prompts", "8",
-          "--response-tokens", "6", "--sources", "arithmetic=1", "--block-size", "4", "--batch-size", "4",
-          "--layers", "2", "--format", "zlab", "--mask-token-id", "17"])
+    main(
+        [
+            "--target",
+            "tiny-ar",
+            "--out",
+            str(out),
+            "--max-steps",
+            "2",
+            "--num-prompts",
+            "8",
+            "--response-tokens",
+            "6",
+            "--sources",
+            "arithmetic=1",
+            "--block-size",
+            "4",
+            "--batch-size",
+            "4",
+            "--layers",
+            "2",
+            "--format",
+            "zlab",
+            "--mask-token-id",
+            "17",
+        ]
+    )
     cfg = json.loads((out / "drafter" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["dflash_config"]["mask_token_id"] == 17 and cfg["block_size"] == 4
     assert cfg["num_target_layers"] == target.config.num_layers and cfg["num_hidden_layers"] == 2
     from safetensors import safe_open
+
     with safe_open(str(out / "drafter" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
         weights = {k: f.get_tensor(k).float() for k in names}
@@ -346,8 +398,10 @@ def test_cli_trains_and_saves_a_zlab_drafter(target, tmp_path):
     got = dspec_drafts(d, target, CONTEXTS[:1], [5])[0][0]
     torch.testing.assert_close(got, reference_drafts(target, cfg, weights, CONTEXTS[0], 5), atol=2e-5, rtol=1e-5)
     p = CONTEXTS[0]
-    assert dspec.generate(target, p, method="dflash", drafter=out / "drafter", max_new_tokens=10).tokens == \
-        dspec.generate(target, p, method="ar", max_new_tokens=10).tokens
+    assert (
+        dspec.generate(target, p, method="dflash", drafter=out / "drafter", max_new_tokens=10).tokens
+        == dspec.generate(target, p, method="ar", max_new_tokens=10).tokens
+    )
     with pytest.raises(SystemExit, match="draft vocabulary"):
         main(["--target", "tiny-ar", "--out", str(tmp_path / "v"), "--format", "zlab", "--draft-vocab", "100"])
     with pytest.raises(SystemExit, match="needs --format zlab"):
@@ -356,7 +410,8 @@ def test_cli_trains_and_saves_a_zlab_drafter(target, tmp_path):
 
 def test_missing_layer_ids_take_zlabs_default(target, tmp_path):
     from dspec.models.dflash import zlab_default_layer_ids
-    assert zlab_default_layer_ids(36, 5) == [1, 9, 17, 25, 33]      # z-lab's Qwen3-8B drafter's ids
+
+    assert zlab_default_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # z-lab's Qwen3-8B drafter's ids
     assert zlab_default_layer_ids(4, 1) == [2]
     cfg = zlab_config(target, num_layers=1)
     del cfg["dflash_config"]["target_layer_ids"]

@@ -1,4 +1,5 @@
 """Shared cases of the verification tests: random chains and trees, an output comparison."""
+
 from __future__ import annotations
 
 import torch
@@ -27,17 +28,17 @@ def random_tree(batch, nodes, vocab, seed, *, pad=True):
     for i in range(1, nodes):
         parents[:, i] = torch.randint(0, i, (batch,), generator=g)
     if pad and nodes > 3:
-        parents[:, -1] = -1                      # a padding node
+        parents[:, -1] = -1  # a padding node
         parents[1::2, -2] = -1
-        parents[:, 1:][parents[:, 1:] >= nodes - 2] = 0   # no child of a padding node
+        parents[:, 1:][parents[:, 1:] >= nodes - 2] = 0  # no child of a padding node
     logits = torch.randn(batch, nodes, vocab, generator=g) * 2
     tokens = torch.randint(0, vocab, (batch, nodes), generator=g)
     argmax = logits.argmax(-1)
-    follow = torch.rand(batch, nodes, generator=g) < 0.6   # many nodes hold their parent's argmax
+    follow = torch.rand(batch, nodes, generator=g) < 0.6  # many nodes hold their parent's argmax
     parent_argmax = argmax.gather(1, parents.clamp(min=0))
     tokens = torch.where(follow & (parents >= 0), parent_argmax, tokens)
     if nodes > 3:
-        tokens[:, 2] = tokens[:, 1]              # a repeated sibling when both hang off one node
+        tokens[:, 2] = tokens[:, 1]  # a repeated sibling when both hang off one node
     coins = torch.rand(batch, nodes, generator=g)
     uniforms = torch.rand(batch, generator=g)
     return tokens, parents, logits, coins, uniforms

@@ -5,6 +5,7 @@
 defaults, dtypes and return values) on CPU and CUDA tensors, so that an engine written
 against flashinfer runs where flashinfer does not (a CPU).
 """
+
 from . import flashinfer
 
 __all__ = ["flashinfer"]

@@ -17,6 +17,7 @@ conventions are converted here:
   generator seeded by ``(seed, offset)``: equal ``(seed, offset)`` give equal results, but
   not flashinfer's own random stream.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,6 +42,7 @@ _MASK64 = (1 << 64) - 1
 # chain speculative sampling
 # ---------------------------------------------------------------------------------------
 
+
 def _scalar_seed(name: str, value, device: torch.device, batch: int) -> int:
     """An int seed / offset, or element 0 of a 1-D int64 / uint64 tensor of length 1 or B
     (flashinfer's kernel reads element 0 of such a tensor)."""
@@ -48,11 +50,13 @@ def _scalar_seed(name: str, value, device: torch.device, batch: int) -> int:
         if value.device != device:
             raise ValueError(f"{name} is on {value.device}, expected {device} like draft_probs")
         if value.dtype not in _SEED_DTYPES:
-            raise ValueError(f"{name} tensor must have dtype int64 or uint64, got "
-                             f"{str(value.dtype).replace('torch.', '')}")
+            raise ValueError(
+                f"{name} tensor must have dtype int64 or uint64, got {str(value.dtype).replace('torch.', '')}"
+            )
         if value.dim() != 1 or value.shape[0] not in (1, batch):
-            raise ValueError(f"{name} tensor must be 1-D of length 1 or batch_size = {batch}, "
-                             f"got shape {list(value.shape)}")
+            raise ValueError(
+                f"{name} tensor must be 1-D of length 1 or batch_size = {batch}, got shape {list(value.shape)}"
+            )
         return int(value[0].item()) & _MASK64
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int or a 1-D int64 tensor, got {type(value).__name__}")
@@ -62,15 +66,18 @@ def _scalar_seed(name: str, value, device: torch.device, batch: int) -> int:
 def _generator_for(seed, offset, device: torch.device, batch: int) -> torch.Generator:
     """A torch generator on ``device`` keyed by ``(seed, offset)`` (splitmix64 of the pair)."""
     if isinstance(seed, torch.Tensor) != isinstance(offset, torch.Tensor):
-        raise ValueError("seed and offset must both be tensors or both be ints, got "
-                         f"{type(seed).__name__} and {type(offset).__name__}")
-    x = (_scalar_seed("seed", seed, device, batch) * 0x9E3779B97F4A7C15
-         + _scalar_seed("offset", offset, device, batch)) & _MASK64
+        raise ValueError(
+            "seed and offset must both be tensors or both be ints, got "
+            f"{type(seed).__name__} and {type(offset).__name__}"
+        )
+    x = (
+        _scalar_seed("seed", seed, device, batch) * 0x9E3779B97F4A7C15 + _scalar_seed("offset", offset, device, batch)
+    ) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     x ^= x >> 31
     gen = torch.Generator(device=device)
-    gen.manual_seed(x >> 1)              # a non-negative 63-bit seed
+    gen.manual_seed(x >> 1)  # a non-negative 63-bit seed
     return gen
 
 
@@ -87,17 +94,23 @@ def _count_output(name: str, t, batch: int, device: torch.device):
 
 def _check_probabilities(name: str, t: torch.Tensor) -> None:
     if t.numel() and _validate.value_checks_enabled(t):
-        bad = ~((t >= 0) & (t <= 1))                 # NaN fails both
+        bad = ~((t >= 0) & (t <= 1))  # NaN fails both
         if bool(bad.any()):
             at = bad.nonzero()[0].tolist()
-            raise ValueError(f"{name} must hold probabilities in [0, 1]; {name}{at} = "
-                             f"{float(t[tuple(at)])}")
+            raise ValueError(f"{name} must hold probabilities in [0, 1]; {name}{at} = {float(t[tuple(at)])}")
 
 
-def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
-                               maybe_output_accepted_token_num=None,
-                               maybe_output_emitted_draft_token_num=None,
-                               deterministic=True, generator=None, seed=None, offset=None):
+def chain_speculative_sampling(
+    draft_probs,
+    draft_token_ids,
+    target_probs,
+    maybe_output_accepted_token_num=None,
+    maybe_output_emitted_draft_token_num=None,
+    deterministic=True,
+    generator=None,
+    seed=None,
+    offset=None,
+):
     """Speculative sampling of a chain of drafts (Leviathan et al. / Chen et al.), flashinfer's call.
 
     Draft ``i`` of a row is accepted iff ``u * draft_probs[b, i, x] < target_probs[b, i, x]``
@@ -159,20 +172,23 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
     _validate.tensor("target_probs", target_probs, dim=3, dtypes=_validate.FLOAT_DTYPES)
     batch, length, vocab = draft_probs.shape
     if tuple(draft_token_ids.shape) != (batch, length):
-        raise ValueError(f"draft_token_ids must have shape [batch_size, num_speculate_tokens] = "
-                         f"[{batch}, {length}] like draft_probs, got {list(draft_token_ids.shape)}")
+        raise ValueError(
+            f"draft_token_ids must have shape [batch_size, num_speculate_tokens] = "
+            f"[{batch}, {length}] like draft_probs, got {list(draft_token_ids.shape)}"
+        )
     if tuple(target_probs.shape) != (batch, length + 1, vocab):
-        raise ValueError(f"target_probs must have shape [batch_size, num_speculate_tokens + 1, "
-                         f"vocab_size] = [{batch}, {length + 1}, {vocab}], got {list(target_probs.shape)}")
+        raise ValueError(
+            f"target_probs must have shape [batch_size, num_speculate_tokens + 1, "
+            f"vocab_size] = [{batch}, {length + 1}, {vocab}], got {list(target_probs.shape)}"
+        )
     if vocab == 0:
         raise ValueError("draft_probs has an empty vocabulary (last dimension is 0)")
     device = draft_probs.device
-    _validate.same_device(device, "draft_probs", draft_token_ids=draft_token_ids,
-                          target_probs=target_probs)
-    accepted_out = _count_output("maybe_output_accepted_token_num", maybe_output_accepted_token_num,
-                                 batch, device)
-    emitted_out = _count_output("maybe_output_emitted_draft_token_num",
-                                maybe_output_emitted_draft_token_num, batch, device)
+    _validate.same_device(device, "draft_probs", draft_token_ids=draft_token_ids, target_probs=target_probs)
+    accepted_out = _count_output("maybe_output_accepted_token_num", maybe_output_accepted_token_num, batch, device)
+    emitted_out = _count_output(
+        "maybe_output_emitted_draft_token_num", maybe_output_emitted_draft_token_num, batch, device
+    )
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     _validate.generator(generator, device, like="draft_probs")
@@ -182,8 +198,10 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
         bad = (draft_token_ids < 0) | (draft_token_ids >= vocab)
         if bool(bad.any()):
             at = bad.nonzero()[0].tolist()
-            raise ValueError(f"draft_token_ids holds ids outside the vocabulary [0, {vocab}): "
-                             f"{int(draft_token_ids[tuple(at)])} at {at}")
+            raise ValueError(
+                f"draft_token_ids holds ids outside the vocabulary [0, {vocab}): "
+                f"{int(draft_token_ids[tuple(at)])} at {at}"
+            )
     _check_probabilities("draft_probs", draft_probs)
     _check_probabilities("target_probs", target_probs)
 
@@ -191,9 +209,10 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
     coins = torch.rand((batch, length), generator=generator, device=device)
     uniforms = torch.rand((batch,), generator=generator, device=device)
     fresh = torch.rand((batch, length), generator=generator, device=device)
-    with _validate.decode_values_trusted():       # the inputs were checked above
-        out = verify_chain(draft_token_ids, target32.log(), draft_probs=draft32, temperature=1.0,
-                           coins=coins, sample_uniforms=uniforms)
+    with _validate.decode_values_trusted():  # the inputs were checked above
+        out = verify_chain(
+            draft_token_ids, target32.log(), draft_probs=draft32, temperature=1.0, coins=coins, sample_uniforms=uniforms
+        )
     emitted = out.num_accepted
     # the independent test: drafts from the first rejection on, each with a fresh uniform
     ids = draft_token_ids.long().clamp(0, vocab - 1).unsqueeze(-1)
@@ -217,13 +236,12 @@ def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs,
 # attention states (base-2 log-sum-exp)
 # ---------------------------------------------------------------------------------------
 
+
 def _state(v_name: str, v, s_name: str, s, *, v_dim: int, s_float32: bool = False):
     _validate.tensor(v_name, v, dim=v_dim, dtypes=_V_DTYPES)
-    _validate.tensor(s_name, s, dim=v_dim - 1,
-                     dtypes=(torch.float32,) if s_float32 else _validate.FLOAT_DTYPES)
+    _validate.tensor(s_name, s, dim=v_dim - 1, dtypes=(torch.float32,) if s_float32 else _validate.FLOAT_DTYPES)
     if tuple(s.shape) != tuple(v.shape[:-1]):
-        raise ValueError(f"{s_name} must have shape {v_name}.shape[:-1] = {list(v.shape[:-1])}, "
-                         f"got {list(s.shape)}")
+        raise ValueError(f"{s_name} must have shape {v_name}.shape[:-1] = {list(v.shape[:-1])}, got {list(s.shape)}")
 
 
 def _pair(a_names, a, b_names, b, *, s_float32: bool = False):
@@ -232,8 +250,10 @@ def _pair(a_names, a, b_names, b, *, s_float32: bool = False):
     _state(va_name, va, sa_name, sa, v_dim=3, s_float32=s_float32)
     _state(vb_name, vb, sb_name, sb, v_dim=3)
     if vb.dtype != va.dtype:
-        raise ValueError(f"{vb_name} must have the dtype of {va_name} "
-                         f"({str(va.dtype).replace('torch.', '')}), got {str(vb.dtype).replace('torch.', '')}")
+        raise ValueError(
+            f"{vb_name} must have the dtype of {va_name} "
+            f"({str(va.dtype).replace('torch.', '')}), got {str(vb.dtype).replace('torch.', '')}"
+        )
     if vb.shape != va.shape:
         raise ValueError(f"{vb_name} must have the shape of {va_name} {list(va.shape)}, got {list(vb.shape)}")
     _validate.same_device(va.device, va_name, **{sa_name: sa, vb_name: vb, sb_name: sb})
@@ -349,12 +369,14 @@ def merge_states(v, s):
     _validate.same_device(v.device, "v", s=s)
     seq_len, num_states, num_heads, head_dim = v.shape
     if num_states == 0:
-        return (torch.zeros(seq_len, num_heads, head_dim, dtype=v.dtype, device=v.device),
-                torch.full((seq_len, num_heads), -math.inf, dtype=torch.float32, device=v.device))
+        return (
+            torch.zeros(seq_len, num_heads, head_dim, dtype=v.dtype, device=v.device),
+            torch.full((seq_len, num_heads), -math.inf, dtype=torch.float32, device=v.device),
+        )
     # a pairwise tree of dspec merges, log2(num_states) calls, each over all pairs at once
     o, lse = v.float(), s.float() * _LN2
-    while True:                                     # one state still goes through a merge
-        if o.shape[1] % 2:                          # pad with an empty state
+    while True:  # one state still goes through a merge
+        if o.shape[1] % 2:  # pad with an empty state
             o = torch.cat([o, o.new_zeros(seq_len, 1, num_heads, head_dim)], dim=1)
             lse = torch.cat([lse, lse.new_full((seq_len, 1, num_heads), -math.inf)], dim=1)
         half = o.shape[1] // 2

@@ -15,6 +15,7 @@ node budget, a lookup chain, a beam, a draft graph -- has two bounds:
 
 A value past either bound is a ValueError naming the option and the bound.
 """
+
 from __future__ import annotations
 
 #: the most tokens one cycle drafts: ``draft_len`` (every method), ``k_max`` / ``k_min``
@@ -61,6 +62,8 @@ def check_rows(model, prompts, name: str, value, rows: int, formula: str, *, dra
     longest = prompts if isinstance(prompts, int) else max((len(p) for p in prompts), default=0)
     ctx, where = context_of(model, drafter)
     if longest + rows > ctx:
-        raise ValueError(f"{name} = {value} is too large: one forward carries up to {formula} = {rows} rows, "
-                         f"and the longest prompt ({longest} tokens) plus them is {longest + rows}, past "
-                         f"{where}; the bound is longest prompt + {formula} <= {ctx}")
+        raise ValueError(
+            f"{name} = {value} is too large: one forward carries up to {formula} = {rows} rows, "
+            f"and the longest prompt ({longest} tokens) plus them is {longest + rows}, past "
+            f"{where}; the bound is longest prompt + {formula} <= {ctx}"
+        )

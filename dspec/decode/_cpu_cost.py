@@ -8,6 +8,7 @@ explicit option always wins.  (Measured on an Intel Xeon with AMX-BF16, bf16, 2 
 docs/performance.md and bench/results/cpu/ab_*.json; the self-speculative rounds of ``ssd`` /
 ``spiffy`` take two tile passes, below.)
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,10 +26,11 @@ _BF16_FP32 = (torch.bfloat16, torch.float32)
 #: "tiles" defaults below were tuned end to end on the AMX machine; the "avx2" ones follow
 #: from this table (rows at their measured marginal cost).
 FORWARD_COST = {
-    "tiles": {"bfloat16": {1: 1.0, 8: 1.03, 16: 1.16, 32: 1.38, 64: 1.92},
-              "float32": {1: 1.0, 16: 1.57, 64: 3.45}},
-    "avx2": {"bfloat16": {1: 1.0, 4: 2.38, 8: 3.78, 16: 6.70, 32: 11.54},
-             "float32": {1: 1.0, 4: 1.53, 8: 2.14, 16: 3.28, 32: 5.84}},
+    "tiles": {"bfloat16": {1: 1.0, 8: 1.03, 16: 1.16, 32: 1.38, 64: 1.92}, "float32": {1: 1.0, 16: 1.57, 64: 3.45}},
+    "avx2": {
+        "bfloat16": {1: 1.0, 4: 2.38, 8: 3.78, 16: 6.70, 32: 11.54},
+        "float32": {1: 1.0, 4: 1.53, 8: 2.14, 16: 3.28, 32: 5.84},
+    },
 }
 
 
@@ -39,7 +41,8 @@ def cost_class(model) -> str | None:
     if model.device.type != "cpu":
         return None
     from ..models.dense import linear_isa
-    if model.dtype not in _BF16_FP32:                 # no packed tiles for other dtypes
+
+    if model.dtype not in _BF16_FP32:  # no packed tiles for other dtypes
         return "avx2"
     return "tiles" if linear_isa(model.dtype) in ("avx512", "amx") else "avx2"
 
@@ -52,6 +55,7 @@ def row_cost_of(model) -> float:
     name = str(model.dtype).removeprefix("torch.") if model.dtype in _BF16_FP32 else "float32"
     table = FORWARD_COST["avx2"][name]
     return round((table[8] - 1.0) / 7, 3)
+
 
 #: block rows a CPU self-speculative round (``ssd``, ``spiffy``) carries by default: two
 #: passes over every AMX weight tile.  Re-measured with the self-consistent round-8 adapter
@@ -107,8 +111,9 @@ def resolve_row_cost(model, row_cost, *, prunes: bool = True):
     number >= 0 as given."""
     if isinstance(row_cost, str) and row_cost == "auto":
         return row_cost_of(model) if prunes and model.device.type == "cpu" else None
-    if row_cost is not None and (isinstance(row_cost, bool) or not isinstance(row_cost, (int, float))
-                                 or not 0 <= row_cost < float("inf")):
+    if row_cost is not None and (
+        isinstance(row_cost, bool) or not isinstance(row_cost, (int, float)) or not 0 <= row_cost < float("inf")
+    ):
         raise ValueError(f"row_cost must be 'auto', None or a finite number >= 0, got {row_cost!r}")
     return row_cost
 
@@ -161,8 +166,10 @@ def resolve_lookup(model, lookup, *, tree: bool, temperature: float, batch: int)
         raise ValueError(f"lookup must be 'auto', None, 0 or an int >= 1 (lookup drafts per cycle), got {lookup!r}")
     check_max("lookup", lookup, MAX_DRAFT_LEN, "MAX_DRAFT_LEN")
     if lookup and not tree:
-        raise ValueError("lookup: prompt-lookup drafts are grafted onto a verification tree, which this "
-                         "configuration does not build (dflash: tree=None, the chain; diffuspec: T > 0)")
+        raise ValueError(
+            "lookup: prompt-lookup drafts are grafted onto a verification tree, which this "
+            "configuration does not build (dflash: tree=None, the chain; diffuspec: T > 0)"
+        )
     return lookup or None
 
 
@@ -203,8 +210,10 @@ def resolve_boundary(model, boundary, *, redraft: bool) -> bool:
     if not isinstance(boundary, bool):
         raise ValueError(f"boundary must be None or a bool, got {boundary!r}")
     if boundary and not applies:
-        raise ValueError("boundary=True needs redraft blocks (redraft=True) on a right-shifted model whose clean "
-                         "rows attend causally (config.clean_causal)")
+        raise ValueError(
+            "boundary=True needs redraft blocks (redraft=True) on a right-shifted model whose clean "
+            "rows attend causally (config.clean_causal)"
+        )
     return boundary
 
 

@@ -53,6 +53,7 @@ whether a next-block state is needed: forwarding the worst case instead would av
 the price of compute) and one after it (accepted steps and committed blocks, for the
 output lists, EOS and the cache commit, whose index lives on the host).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -130,8 +131,10 @@ class DraftGraph:
 
     def parents(self) -> list[list[int]]:
         index = {frozenset(node): n for n, node in enumerate(self.nodes)}
-        return [[index[frozenset(node) - {s}] for s in node if s != (0, 0) and frozenset(node) - {s} in index]
-                for node in self.nodes]
+        return [
+            [index[frozenset(node) - {s}] for s in node if s != (0, 0) and frozenset(node) - {s} in index]
+            for node in self.nodes
+        ]
 
     def tables(self, device) -> dict:
         """Tensors the engine needs, cached per device.
@@ -157,8 +160,7 @@ class DraftGraph:
                         nxt[parent, s[0], s[1]] = n
         size = torch.tensor([len(node) for node in self.nodes], dtype=torch.int64)
         top = torch.tensor([max(i for i, _ in node) for node in self.nodes], dtype=torch.int64)
-        out = {k: v.to(device) for k, v in
-               dict(assign=assign, size=size, top_rank=top, next_node=nxt).items()}
+        out = {k: v.to(device) for k, v in dict(assign=assign, size=size, top_rank=top, next_node=nxt).items()}
         out["parents"] = parents = self.parents()
         # the same tables packed for dspec._C.selfspec_* (parents as CSR)
         ptr = torch.tensor([0] + [len(p) for p in parents], dtype=torch.int64).cumsum(0)
@@ -177,7 +179,7 @@ def chain_graph(draft_len: int, mixed_order: bool = False) -> DraftGraph:
     nodes = [chain[0]]
     for k in range(1, draft_len + 1):
         if mixed_order and k >= 2:
-            nodes.append(chain[k - 2] + ((k, 0),))        # s_{k-2}: a parent of c_k
+            nodes.append(chain[k - 2] + ((k, 0),))  # s_{k-2}: a parent of c_k
         nodes.append(chain[k])
     return DraftGraph(tuple(nodes))
 
@@ -241,15 +243,17 @@ class SelfSpecStats:
     accepted_drafts: int = 0
     histogram: dict = field(default_factory=dict)
     nodes_forwarded: int = 0
-    free_steps: int = 0         # last steps of a request's final block, taken without a forward
+    free_steps: int = 0  # last steps of a request's final block, taken without a forward
 
 
 def check_common(model, method: str, block_size):
     if model.mask_token_id is None:
         raise ValueError(f"method {method!r} needs a masked-diffusion model; {model.family!r} has no mask token")
     if model.attention != "block_causal":
-        raise ValueError(f"method {method!r} runs block-causal models (SDAR, Fast-dLLM v2) with an exact "
-                         f"KV cache; {model.family!r} attends {model.attention!r}")
+        raise ValueError(
+            f"method {method!r} runs block-causal models (SDAR, Fast-dLLM v2) with an exact "
+            f"KV cache; {model.family!r} attends {model.attention!r}"
+        )
     bs = block_size if block_size is not None else model.block_size
     if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
         raise ValueError(f"block_size must be an int >= 1, got {bs!r}")
@@ -261,15 +265,29 @@ class _Engine:
     :meth:`round`: expand the draft graph at each row's state, forward the kept nodes, walk
     the graph along the real steps, commit, and account."""
 
-    def __init__(self, model, prompts, *, graph, prune_to, max_new_tokens, temperature, generator, eos_ids,
-                 progress, block_size, trace, num_candidates):
+    def __init__(
+        self,
+        model,
+        prompts,
+        *,
+        graph,
+        prune_to,
+        max_new_tokens,
+        temperature,
+        generator,
+        eos_ids,
+        progress,
+        block_size,
+        trace,
+        num_candidates,
+    ):
         dev = self.dev = model.device
         bs = self.bs = block_size
         self.model, self.graph, self.prune_to = model, graph, prune_to
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.progress, self.trace, self.prompts = progress, trace, prompts
         batch = self.batch = len(prompts)
-        self.streams = request_streams(generator, batch, dev)     # one random stream per request
+        self.streams = request_streams(generator, batch, dev)  # one random stream per request
         self.mask_id, self.vocab = model.mask_token_id, model.config.vocab_size
         self.tab = graph.tables(dev)
         self.num_nodes, self.big_j = graph.num_nodes, max(graph.num_candidates, num_candidates)
@@ -279,9 +297,9 @@ class _Engine:
 
         self.cache = model.new_cache(batch)
         plen = torch.tensor([len(p) for p in prompts], device=dev)
-        start = (plen // bs) * bs                  # first position of each request's first block
+        start = (plen // bs) * bs  # first position of each request's first block
         self.carry, self.forwards = prefill_prompt_blocks(model, prompts, self.cache, bs)
-        self.suffix_tokens = 0      # block tokens forwarded after the prefill (compute proxy)
+        self.suffix_tokens = 0  # block tokens forwarded after the prefill (compute proxy)
 
         self.tokens, in_prompt = PromptTails(prompts, self.mask_id, bs, dev).block(start)
         self.masked = ~in_prompt
@@ -290,7 +308,7 @@ class _Engine:
         self.conf = torch.full((batch, bs), -1.0, device=dev)
         self.cand = torch.zeros(batch, bs, self.big_j, dtype=torch.int64, device=dev)
         self.cand_logp = torch.zeros(batch, bs, self.big_j, device=dev)
-        self.rows = np.arange(batch)             # live batch row -> request index
+        self.rows = np.arange(batch)  # live batch row -> request index
         self.prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
         self.outputs = OutputBuffer(batch, max_new_tokens, eos_ids)
         self.shown = np.zeros(batch, dtype=np.int64)  # steps reported to the progress bar per request
@@ -298,11 +316,19 @@ class _Engine:
         # greedy on the CPU: the round's host-side work in three compiled calls (the torch
         # composition below is their reference, and the path for sampling and tracing)
         ext = _backend.extension()
-        self.native = (ext if dev.type == "cpu" and temperature <= 0 and trace is None and ext is not None
-                       and hasattr(ext, "selfspec_expand") and model.dtype in _backend.FLOAT_CODE else None)
+        self.native = (
+            ext
+            if dev.type == "cpu"
+            and temperature <= 0
+            and trace is None
+            and ext is not None
+            and hasattr(ext, "selfspec_expand")
+            and model.dtype in _backend.FLOAT_CODE
+            else None
+        )
         self.ws = None
         if self.native is not None:
-            self.carry = self.carry.float().contiguous().clone()      # updated in place
+            self.carry = self.carry.float().contiguous().clone()  # updated in place
 
     def _native_workspace(self) -> SimpleNamespace:
         """Buffers of the compiled round for the current rows (rebuilt when rows leave)."""
@@ -313,15 +339,26 @@ class _Engine:
         nbytes = self.native.selfspec_workspace_bytes(a_rows, bs, m, big_j)
         i64 = dict(dtype=torch.int64, device=dev)
         self.ws = SimpleNamespace(
-            rows=a_rows, nbytes=nbytes, scratch=torch.empty(nbytes, dtype=torch.uint8, device=dev),
-            suffix=torch.empty(a_rows * n_max, **i64), positions=torch.empty(a_rows * n_max, **i64),
+            rows=a_rows,
+            nbytes=nbytes,
+            scratch=torch.empty(nbytes, dtype=torch.uint8, device=dev),
+            suffix=torch.empty(a_rows * n_max, **i64),
+            positions=torch.empty(a_rows * n_max, **i64),
             words=torch.empty(a_rows * n_max * ((n_max + 31) // 32), dtype=torch.int32, device=dev),
-            logp=torch.empty(a_rows * n_max, device=dev), conf=torch.empty(a_rows * n_max, device=dev),
-            host=torch.empty(a_rows, 2 * bs + 4, **i64), keep=torch.empty(a_rows, bs, **i64),
-            spare=dict(tokens=torch.empty(a_rows, bs, **i64), masked=torch.empty(a_rows, bs, dtype=torch.bool),
-                       known=torch.empty(a_rows, dtype=torch.bool), choice=torch.empty(a_rows, bs, **i64),
-                       conf=torch.empty(a_rows, bs), cand=torch.empty(a_rows, bs, big_j, **i64),
-                       cand_logp=torch.empty(a_rows, bs, big_j)))
+            logp=torch.empty(a_rows * n_max, device=dev),
+            conf=torch.empty(a_rows * n_max, device=dev),
+            host=torch.empty(a_rows, 2 * bs + 4, **i64),
+            keep=torch.empty(a_rows, bs, **i64),
+            spare=dict(
+                tokens=torch.empty(a_rows, bs, **i64),
+                masked=torch.empty(a_rows, bs, dtype=torch.bool),
+                known=torch.empty(a_rows, dtype=torch.bool),
+                choice=torch.empty(a_rows, bs, **i64),
+                conf=torch.empty(a_rows, bs),
+                cand=torch.empty(a_rows, bs, big_j, **i64),
+                cand_logp=torch.empty(a_rows, bs, big_j),
+            ),
+        )
         return self.ws
 
     def _native_round(self) -> np.ndarray:
@@ -331,19 +368,46 @@ class _Engine:
         ext, tab, bs, a_rows, big_j = self.native, self.tab, self.bs, len(self.rows), self.big_j
         graph = self.graph
         ws = self._native_workspace()
-        g_args = (tab["packed"].data_ptr(), graph.num_nodes, graph.max_rank, graph.num_candidates, graph.depth,
-                  tab["num_parents"])
-        state = (self.conf.data_ptr(), self.masked.data_ptr(), self.known.data_ptr(), self.tokens.data_ptr(),
-                 self.cand.data_ptr(), self.cand_logp.data_ptr())
+        g_args = (
+            tab["packed"].data_ptr(),
+            graph.num_nodes,
+            graph.max_rank,
+            graph.num_candidates,
+            graph.depth,
+            tab["num_parents"],
+        )
+        state = (
+            self.conf.data_ptr(),
+            self.masked.data_ptr(),
+            self.known.data_ptr(),
+            self.tokens.data_ptr(),
+            self.cand.data_ptr(),
+            self.cand_logp.data_ptr(),
+        )
         lengths = self.cache.lengths
         copies, need_next = ext.selfspec_expand(
-            *g_args, *state, lengths.data_ptr(), a_rows, bs, big_j,
-            -1 if self.prune_to is None else self.prune_to, self.mask_id, ws.scratch.data_ptr(), ws.nbytes,
-            ws.suffix.data_ptr(), ws.positions.data_ptr(), ws.words.data_ptr())
+            *g_args,
+            *state,
+            lengths.data_ptr(),
+            a_rows,
+            bs,
+            big_j,
+            -1 if self.prune_to is None else self.prune_to,
+            self.mask_id,
+            ws.scratch.data_ptr(),
+            ws.nbytes,
+            ws.suffix.data_ptr(),
+            ws.positions.data_ptr(),
+            ws.words.data_ptr(),
+        )
         segments = copies + int(need_next)
         n = segments * bs
-        plan = AttentionPlan(ws.suffix[: a_rows * n].view(a_rows, n), ws.positions[: a_rows * n].view(a_rows, n),
-                             ws.words[: a_rows * n * ((n + 31) // 32)].view(a_rows, n, -1), self.cache)
+        plan = AttentionPlan(
+            ws.suffix[: a_rows * n].view(a_rows, n),
+            ws.positions[: a_rows * n].view(a_rows, n),
+            ws.words[: a_rows * n * ((n + 31) // 32)].view(a_rows, n, -1),
+            self.cache,
+        )
         out = self.model(plan, return_kv=True)
         self.forwards += 1
         self.suffix_tokens += a_rows * n
@@ -351,9 +415,23 @@ class _Engine:
         if logits.stride(-1) != 1 or logits.stride(0) != n * logits.stride(1):
             logits = logits.contiguous()
         vocab, dtype = logits.shape[-1], _backend.FLOAT_CODE[logits.dtype]
-        ext.selfspec_score(ws.scratch.data_ptr(), ws.nbytes, a_rows, bs, graph.num_nodes, big_j, copies, need_next,
-                           logits.data_ptr(), dtype, logits.stride(1), vocab, self.carry.data_ptr(),
-                           self.model.shifted, ws.logp.data_ptr())
+        ext.selfspec_score(
+            ws.scratch.data_ptr(),
+            ws.nbytes,
+            a_rows,
+            bs,
+            graph.num_nodes,
+            big_j,
+            copies,
+            need_next,
+            logits.data_ptr(),
+            dtype,
+            logits.stride(1),
+            vocab,
+            self.carry.data_ptr(),
+            self.model.shifted,
+            ws.logp.data_ptr(),
+        )
         # a non-finite logits row scores NaN (its choice is the ops' -1 mark): stop here, as
         # the torch path's choose does (require_finite), before the round commits anything
         if bool(torch.isnan(ws.logp[: a_rows * n]).any()):
@@ -362,19 +440,39 @@ class _Engine:
         torch.exp(ws.logp[: a_rows * n], out=ws.conf[: a_rows * n])
         new = ws.spare
         committed = ext.selfspec_advance(
-            *g_args, *state, a_rows, bs, big_j, copies, need_next, self.mask_id, ws.conf.data_ptr(),
-            logits.data_ptr(), dtype, logits.stride(1), vocab, self.carry.data_ptr(), ws.scratch.data_ptr(),
-            ws.nbytes, new["conf"].data_ptr(), new["masked"].data_ptr(), new["known"].data_ptr(),
-            new["tokens"].data_ptr(), new["choice"].data_ptr(), new["cand"].data_ptr(), new["cand_logp"].data_ptr(),
-            ws.host.data_ptr(), ws.keep.data_ptr())
+            *g_args,
+            *state,
+            a_rows,
+            bs,
+            big_j,
+            copies,
+            need_next,
+            self.mask_id,
+            ws.conf.data_ptr(),
+            logits.data_ptr(),
+            dtype,
+            logits.stride(1),
+            vocab,
+            self.carry.data_ptr(),
+            ws.scratch.data_ptr(),
+            ws.nbytes,
+            new["conf"].data_ptr(),
+            new["masked"].data_ptr(),
+            new["known"].data_ptr(),
+            new["tokens"].data_ptr(),
+            new["choice"].data_ptr(),
+            new["cand"].data_ptr(),
+            new["cand_logp"].data_ptr(),
+            ws.host.data_ptr(),
+            ws.keep.data_ptr(),
+        )
         ws.spare = {name: getattr(self, name) for name in new}
         for name, t in new.items():
             setattr(self, name, t)
-        require_finite(self.tokens)         # a row of +inf scores no NaN but steps to the -1 mark
+        require_finite(self.tokens)  # a row of +inf scores no NaN but steps to the -1 mark
         if committed:
             self.cache.append(out.suffix_kv, keep=ws.keep)
-        return self.account(SimpleNamespace(base=lengths), ws.host.numpy(),
-                            (self.tokens.numpy(), self.masked.numpy()))
+        return self.account(SimpleNamespace(base=lengths), ws.host.numpy(), (self.tokens.numpy(), self.masked.numpy()))
 
     def round(self) -> bool:
         """One forward and every row's transition; False when no row is left."""
@@ -399,9 +497,9 @@ class _Engine:
         tokens, masked, known, slots = self.tokens, self.masked, self.known, self.slots
         r = SimpleNamespace(a_rows=len(self.rows))
         a_rows = r.a_rows
-        _, r.order, r.rank = rank_masked(self.conf, masked)                                # [A, bs]
+        _, r.order, r.rank = rank_masked(self.conf, masked)  # [A, bs]
         mcount = masked.sum(1)
-        r.cand_r = self.cand.gather(1, r.order[..., None].expand(-1, -1, big_j))         # by rank
+        r.cand_r = self.cand.gather(1, r.order[..., None].expand(-1, -1, big_j))  # by rank
         logp_r = self.cand_logp.gather(1, r.order[..., None].expand(-1, -1, big_j))
         node_tokens = tokens[:, None, :].expand(a_rows, num_nodes, bs)
         filled = torch.zeros(a_rows, num_nodes, bs, dtype=torch.bool, device=dev)
@@ -438,7 +536,7 @@ class _Engine:
             r.kept = valid
         anchor_ok = r.complete & r.kept
         r.has_anchor = anchor_ok.any(1)
-        r.anchor = torch.where(anchor_ok, closed, float("-inf")).argmax(1)               # first best
+        r.anchor = torch.where(anchor_ok, closed, float("-inf")).argmax(1)  # first best
         r.num_kept = r.kept.sum(1)
         info = torch.stack([r.num_kept.max(), r.has_anchor.any().to(torch.int64)]).tolist()  # host sync 1
         r.copies, r.need_next = int(info[0]), bool(info[1])
@@ -452,25 +550,25 @@ class _Engine:
         r.node_copy = torch.full((a_rows, self.num_nodes), -1, dtype=torch.int64, device=dev)
         r.node_copy.scatter_(1, copy_node, torch.arange(copies, device=dev).expand(a_rows, -1))
         r.node_copy = torch.where(r.kept, r.node_copy, -1)
-        suffix = r.node_tokens.gather(1, copy_node[..., None].expand(-1, -1, bs))        # [A, K, bs]
+        suffix = r.node_tokens.gather(1, copy_node[..., None].expand(-1, -1, bs))  # [A, K, bs]
         cmasked = r.node_masked.gather(1, copy_node[..., None].expand(-1, -1, bs))
         segments = copies + int(r.need_next)
         dense = _copies_mask(bs, segments, dev).expand(a_rows, -1, -1).clone()
         offsets = self.slots.repeat(segments)
         anchor_copy = r.node_copy.gather(1, r.anchor[:, None])[:, 0].clamp(min=0)
         if r.need_next:
-            suffix = torch.cat([suffix, torch.full((a_rows, 1, bs), self.mask_id, dtype=torch.int64,
-                                                   device=dev)], 1)
+            suffix = torch.cat([suffix, torch.full((a_rows, 1, bs), self.mask_id, dtype=torch.int64, device=dev)], 1)
             cmasked = torch.cat([cmasked, torch.ones(a_rows, 1, bs, dtype=torch.bool, device=dev)], 1)
             offsets = offsets.clone()
-            offsets[copies * bs:] += bs
+            offsets[copies * bs :] += bs
             # the next block's state sees its anchor copy as the committed block before it
             key_copy = torch.arange(segments * bs, device=dev) // bs
-            sees = (key_copy[None] == anchor_copy[:, None]) & r.has_anchor[:, None]        # [A, N]
-            dense[:, copies * bs:, :] |= sees[:, None, :]
+            sees = (key_copy[None] == anchor_copy[:, None]) & r.has_anchor[:, None]  # [A, N]
+            dense[:, copies * bs :, :] |= sees[:, None, :]
         r.base = self.cache.lengths.to(dev)
-        plan = AttentionPlan(suffix.reshape(a_rows, segments * bs), r.base[:, None] + offsets,
-                             pack_mask(dense), self.cache)
+        plan = AttentionPlan(
+            suffix.reshape(a_rows, segments * bs), r.base[:, None] + offsets, pack_mask(dense), self.cache
+        )
         r.out = self.model(plan, return_kv=True)
         self.forwards += 1
         self.suffix_tokens += a_rows * segments * bs
@@ -487,7 +585,7 @@ class _Engine:
             u = torch.cat([drawn[:, 1:], drawn[:, :1]], 1) if r.need_next else drawn[:, 1:]
         r.c_choice, c_conf = _choose(lambda rows: self.slot_logits(r, rows), cmasked, self.temperature, u)
         r.c_conf = torch.where(cmasked, c_conf, torch.full_like(c_conf, -1.0))
-        step_slot = r.c_conf.argmax(-1)                                  # first max: lower slot
+        step_slot = r.c_conf.argmax(-1)  # first max: lower slot
         r.step_slot, r.step_tok = step_slot, r.c_choice.gather(-1, step_slot[..., None])[..., 0]
 
     def slot_logits(self, r, rows: torch.Tensor | None) -> torch.Tensor:
@@ -510,7 +608,7 @@ class _Engine:
         if first.numel():
             at = rows.index_select(0, first)
             a, s = at // (seg * bs), at // bs % seg
-            carry = self.carry.index_select(0, a).to(out.dtype)      # exact: widened model logits
+            carry = self.carry.index_select(0, a).to(out.dtype)  # exact: widened model logits
             if r.need_next:
                 last = flat.index_select(0, (a * seg + r.anchor_copy.index_select(0, a)) * bs + bs - 1)
                 carry = torch.where((s == r.copies)[:, None], last, carry)
@@ -530,8 +628,7 @@ class _Engine:
             j = torch.where(hit.any(1), hit.to(torch.int8).argmax(1), -1)
             ok = (i < graph.max_rank) & (j >= 0) & (j < graph.num_candidates) & known
             ok &= ~r.complete.gather(1, u[:, None])[:, 0]
-            nxt = tab["next_node"][u, i.clamp(max=graph.max_rank - 1),
-                                   j.clamp(min=0, max=graph.num_candidates - 1)]
+            nxt = tab["next_node"][u, i.clamp(max=graph.max_rank - 1), j.clamp(min=0, max=graph.num_candidates - 1)]
             ok &= nxt >= 0
             ok &= r.kept.gather(1, nxt.clamp(min=0)[:, None])[:, 0]
             u = torch.where(ok, nxt, u)
@@ -571,12 +668,34 @@ class _Engine:
         # step is the choice at its last masked slot, as the next forward's root would pick)
         last_step = new_known & (new_masked.sum(1) == 1) & (self.temperature == 0)
         filled = torch.where(new_masked, self.choice, new_tokens)
-        host = torch.cat([done_block[:, None].to(torch.int64), r.steps[:, None], block_tokens,
-                          r.num_kept[:, None], last_step[:, None].to(torch.int64), filled,
-                          new_tokens, new_masked.to(torch.int64)], 1).cpu().numpy()   # host sync 2
+        host = (
+            torch.cat(
+                [
+                    done_block[:, None].to(torch.int64),
+                    r.steps[:, None],
+                    block_tokens,
+                    r.num_kept[:, None],
+                    last_step[:, None].to(torch.int64),
+                    filled,
+                    new_tokens,
+                    new_masked.to(torch.int64),
+                ],
+                1,
+            )
+            .cpu()
+            .numpy()
+        )  # host sync 2
         if self.trace is not None:
-            self.trace(dict(rows=self.rows.tolist(), known=self.known.tolist(), tokens=self.tokens.tolist(),
-                            order=r.order.tolist(), cand=r.cand_r.tolist(), host=host[:, : bs + 3].tolist()))
+            self.trace(
+                dict(
+                    rows=self.rows.tolist(),
+                    known=self.known.tolist(),
+                    tokens=self.tokens.tolist(),
+                    order=r.order.tolist(),
+                    cand=r.cand_r.tolist(),
+                    host=host[:, : bs + 3].tolist(),
+                )
+            )
         keep = torch.where(done_block[:, None], commit_copy[:, None] * bs + self.slots, -1)
         if host[:, 0].any():
             self.cache.append(r.out.suffix_kv, keep=keep.cpu())
@@ -592,17 +711,17 @@ class _Engine:
         the round."""
         if state is None:
             bs = self.bs
-            state = host[:, 2 * bs + 4: 3 * bs + 4], host[:, 3 * bs + 4:] != 0
+            state = host[:, 2 * bs + 4 : 3 * bs + 4], host[:, 3 * bs + 4 :] != 0
         st, bs, req = self.st, self.bs, self.rows
-        commit, n_steps, block, kept = host[:, 0] != 0, host[:, 1], host[:, 2:2 + bs], host[:, bs + 2]
-        last_step, last_block = host[:, bs + 3] != 0, host[:, bs + 4: 2 * bs + 4]
+        commit, n_steps, block, kept = host[:, 0] != 0, host[:, 1], host[:, 2 : 2 + bs], host[:, bs + 2]
+        last_step, last_block = host[:, bs + 3] != 0, host[:, bs + 4 : 2 * bs + 4]
         st.nodes_forwarded += int(kept.sum())
-        verified = n_steps > 0                # a verification round of a state with logits
+        verified = n_steps > 0  # a verification round of a state with logits
         st.verify_rows += int(verified.sum())
         st.steps += int(n_steps.sum())
         st.drafts += int((kept[verified] - 1).sum())
         st.accepted_drafts += int((n_steps[verified] - 1).sum())
-        for n, count in zip(*np.unique(n_steps[verified], return_counts=True)):     # histogram bins
+        for n, count in zip(*np.unique(n_steps[verified], return_counts=True)):  # histogram bins
             st.histogram[int(n)] = st.histogram.get(int(n), 0) + int(count)
         self._show(req[verified], n_steps[verified])
         base, plen = r.base.cpu().numpy(), self.prompt_len[req]
@@ -613,8 +732,7 @@ class _Engine:
         # no forward for a block that ends the request: nothing would read its KV
         f = np.flatnonzero(last_step & ~finished)
         if len(f):
-            ends = self.outputs.extend_block(req[f], last_block[f], base[f] + bs * commit[f], plen[f],
-                                             only_done=True)
+            ends = self.outputs.extend_block(req[f], last_block[f], base[f] + bs * commit[f], plen[f], only_done=True)
             st.free_steps += int(ends.sum())
             self._show(req[f[ends]], np.ones(int(ends.sum()), dtype=np.int64))
             finished[f[ends]] = True
@@ -653,17 +771,35 @@ class _Engine:
 
     def stats(self) -> dict:
         st = self.st
-        return {"nfe": {"target": self.forwards},
-                "mean_accepted": st.steps / max(st.verify_rows, 1),
-                "accepted_hist": dict(sorted(st.histogram.items())),
-                "drafts": st.drafts, "accepted_drafts": st.accepted_drafts, "free_steps": st.free_steps,
-                "rounds": st.rounds, "suffix_tokens": self.suffix_tokens, "block_size": self.bs}
+        return {
+            "nfe": {"target": self.forwards},
+            "mean_accepted": st.steps / max(st.verify_rows, 1),
+            "accepted_hist": dict(sorted(st.histogram.items())),
+            "drafts": st.drafts,
+            "accepted_drafts": st.accepted_drafts,
+            "free_steps": st.free_steps,
+            "rounds": st.rounds,
+            "suffix_tokens": self.suffix_tokens,
+            "block_size": self.bs,
+        }
 
 
 @torch.no_grad()
-def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int | None,
-                            max_new_tokens: int, temperature: float, generator, eos_ids,
-                            progress, block_size: int, trace=None, num_candidates: int = 1):
+def decode_self_speculative(
+    model,
+    prompts,
+    *,
+    graph: DraftGraph,
+    prune_to: int | None,
+    max_new_tokens: int,
+    temperature: float,
+    generator,
+    eos_ids,
+    progress,
+    block_size: int,
+    trace=None,
+    num_candidates: int = 1,
+):
     """Run the engine (see the module docstring); returns (tokens per request, stats dict).
 
     Parameters
@@ -677,9 +813,20 @@ def decode_self_speculative(model, prompts, *, graph: DraftGraph, prune_to: int 
         position rank), host (per row: committed flag, steps, block tokens, nodes).
     num_candidates : candidates kept per slot (at least the graph's J), for ``trace``.
     """
-    engine = _Engine(model, prompts, graph=graph, prune_to=prune_to, max_new_tokens=max_new_tokens,
-                     temperature=temperature, generator=generator, eos_ids=eos_ids, progress=progress,
-                     block_size=block_size, trace=trace, num_candidates=num_candidates)
+    engine = _Engine(
+        model,
+        prompts,
+        graph=graph,
+        prune_to=prune_to,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        generator=generator,
+        eos_ids=eos_ids,
+        progress=progress,
+        block_size=block_size,
+        trace=trace,
+        num_candidates=num_candidates,
+    )
     while engine.round():
         pass
     return engine.generated, engine.stats()

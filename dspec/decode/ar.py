@@ -1,4 +1,5 @@
 """Autoregressive decoding with the KV cache: the baseline every method is compared with."""
+
 from __future__ import annotations
 
 import torch
@@ -7,8 +8,16 @@ from .sampling import next_tokens, non_finite_error, request_streams
 
 
 @torch.no_grad()
-def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-              generator: torch.Generator | None = None, eos_ids=(), progress=None):
+def decode_ar(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    eos_ids=(),
+    progress=None,
+):
     """Greedy or sampled decoding of a ragged batch; returns (tokens per request, stats).
 
     One prefill forward for the whole batch, then one forward per generated token.
@@ -26,11 +35,13 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     :func:`dspec.decode.sampling.require_finite`).
     """
     if model.attention != "causal":
-        raise ValueError(f"method: 'ar' needs a causal LM; {model.family!r} attends {model.attention!r}: "
-                         f"decode it with 'diffusion', 'ssd', 'spiffy' or 's2d2'")
+        raise ValueError(
+            f"method: 'ar' needs a causal LM; {model.family!r} attends {model.attention!r}: "
+            f"decode it with 'diffusion', 'ssd', 'spiffy' or 's2d2'"
+        )
     batch = len(prompts)
     device = model.device
-    streams = request_streams(generator, batch, device)     # one random stream per request
+    streams = request_streams(generator, batch, device)  # one random stream per request
     cache = model.new_cache(batch)
     plan = model.plan(prompts, cache)
     out = model(plan, logits="last")
@@ -38,14 +49,15 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     forwards = 1
     eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=device)
     produced = torch.zeros(batch, max_new_tokens, dtype=torch.int64, device=device)
-    kept = torch.zeros(batch, max_new_tokens, dtype=torch.bool, device=device)   # before EOS
-    active = torch.arange(batch, device=device)        # the requests still in the batch
-    done = torch.zeros(batch, dtype=torch.bool, device=device)   # per active row: EOS seen
+    kept = torch.zeros(batch, max_new_tokens, dtype=torch.bool, device=device)  # before EOS
+    active = torch.arange(batch, device=device)  # the requests still in the batch
+    done = torch.zeros(batch, dtype=torch.bool, device=device)  # per active row: EOS seen
     ones = [1] * batch
-    requests = list(range(batch))                       # active, on the host (the streams' rows)
+    requests = list(range(batch))  # active, on the host (the streams' rows)
 
     def uniforms():
         return None if streams is None else streams.uniforms(requests, 1)[:, 0]
+
     token = next_tokens(out.logits[:, -1], temperature, uniforms=uniforms(), check=False)
     steps = 0
     for step in range(max_new_tokens):
@@ -72,8 +84,9 @@ def decode_ar(model, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         cache.append(out.suffix_kv, counts=ones)
         forwards += 1
         token = next_tokens(out.logits[:, -1], temperature, uniforms=uniforms(), check=False)
-    generated = [[t for t, k in zip(row, keep) if k]
-                 for row, keep in zip(produced[:, :steps].tolist(), kept[:, :steps].tolist())]
+    generated = [
+        [t for t, k in zip(row, keep) if k] for row, keep in zip(produced[:, :steps].tolist(), kept[:, :steps].tolist())
+    ]
     return generated, {"nfe": {"target": forwards}, "mean_accepted": 1.0}
 
 

@@ -54,6 +54,7 @@ on the host from <= (K+1)(gamma-1) tokens per request) and one for the accepted 
 DFlash's.  ``stats`` adds ``k``, ``branches``, ``tree_nodes`` (mean nodes per request per
 cycle, root included) and ``tree_s`` (host tree construction).
 """
+
 from __future__ import annotations
 
 import time
@@ -91,8 +92,18 @@ BRANCH_MODES = ("vp", "resample")
 PRIOR_WEIGHT = 1.0
 
 
-def redraft(vp_drafter, context, anchor, first, lengths, positions, gamma, *, with_probs: bool = False,
-            prior: torch.Tensor | None = None):
+def redraft(
+    vp_drafter,
+    context,
+    anchor,
+    first,
+    lengths,
+    positions,
+    gamma,
+    *,
+    with_probs: bool = False,
+    prior: torch.Tensor | None = None,
+):
     """One VP-drafter forward re-drafting K branches per request.
 
     anchor [B], first [B, L] (the first draft), lengths [B, K] (prefix lengths in [0, L-1]),
@@ -106,21 +117,24 @@ def redraft(vp_drafter, context, anchor, first, lengths, positions, gamma, *, wi
     """
     batch, k = lengths.shape
     dev = first.device
-    slot = torch.arange(1, gamma, device=dev)                                  # draft slots 1..L
-    given = slot[None, None, :] <= lengths[..., None]                           # [B, K, L]
+    slot = torch.arange(1, gamma, device=dev)  # draft slots 1..L
+    given = slot[None, None, :] <= lengths[..., None]  # [B, K, L]
     block = torch.where(given, first[:, None, :], torch.full_like(given, MASK, dtype=torch.int64))
-    block = torch.cat([anchor[:, None, None].expand(batch, k, 1), block], 2)   # [B, K, gamma]
+    block = torch.cat([anchor[:, None, None].expand(batch, k, 1), block], 2)  # [B, K, gamma]
     sm = ssd_copies(gamma, k, device=dev)
     vocab = vp_drafter.draft_vocab
-    logits = vp_drafter(block.reshape(batch, k * gamma), positions.repeat(1, k), context, mask=sm.words,
-                        draft_vocab=True).float().view(batch, k, gamma, -1)[:, :, 1:]
+    logits = (
+        vp_drafter(block.reshape(batch, k * gamma), positions.repeat(1, k), context, mask=sm.words, draft_vocab=True)
+        .float()
+        .view(batch, k, gamma, -1)[:, :, 1:]
+    )
     # the branch exists because d_{n+1} may be rejected: never propose it again there
     first_redrafted = slot[None, None, :] == lengths[..., None] + 1
-    rejected = first.gather(1, lengths.clamp_max(first.shape[1] - 1))           # [B, K]
+    rejected = first.gather(1, lengths.clamp_max(first.shape[1] - 1))  # [B, K]
     if vocab is None:
         banned = rejected[..., None] == torch.arange(logits.shape[-1], device=dev)
     else:
-        banned = rejected[..., None] == vocab                                   # [B, K, V']
+        banned = rejected[..., None] == vocab  # [B, K, V']
     ban = banned[:, :, None, :] & first_redrafted[..., None]
     if prior is not None:
         logits = torch.where(first_redrafted[..., None], logits.log_softmax(-1) + prior[:, None], logits)
@@ -148,8 +162,9 @@ def first_prior(logits: torch.Tensor, columns: torch.Tensor, weight: float) -> t
     return weight * moved
 
 
-def prune_tree(first_probs: torch.Tensor, branch_probs: torch.Tensor, lengths: torch.Tensor,
-               row_cost: float) -> tuple[torch.Tensor, torch.Tensor]:
+def prune_tree(
+    first_probs: torch.Tensor, branch_probs: torch.Tensor, lengths: torch.Tensor, row_cost: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The D2SD tree's nodes worth verifying at ``row_cost`` per node.
 
     first_probs [B, L]: c_i, the first drafter's probability of its draft i; branch_probs
@@ -162,19 +177,19 @@ def prune_tree(first_probs: torch.Tensor, branch_probs: torch.Tensor, lengths: t
     """
     batch, k, slots = branch_probs.shape
     c = first_probs.double()
-    chain = c.cumprod(1)                                                       # [B, L]
+    chain = c.cumprod(1)  # [B, L]
     n = lengths.long()
     before = torch.where(n > 0, chain.gather(1, (n - 1).clamp_min(0)), torch.ones_like(c[:, :1]))
-    base = before * (1.0 - c.gather(1, n.clamp_max(slots - 1)))                # [B, K]
-    own = torch.arange(slots, device=c.device) >= n[..., None]                 # slot index j >= n_k
+    base = before * (1.0 - c.gather(1, n.clamp_max(slots - 1)))  # [B, K]
+    own = torch.arange(slots, device=c.device) >= n[..., None]  # slot index j >= n_k
     branch = base[..., None] * torch.where(own, branch_probs.double(), 1.0).cumprod(-1)
-    branch = torch.where(own, branch, -1.0)                                    # given slots: not nodes
-    reach = torch.cat([chain, branch.flatten(1)], 1)                           # [B, L + K L]
+    branch = torch.where(own, branch, -1.0)  # given slots: not nodes
+    reach = torch.cat([chain, branch.flatten(1)], 1)  # [B, L + K L]
     ordered = reach.sort(1, descending=True).values
     count = torch.arange(1, ordered.shape[1] + 1, device=c.device, dtype=torch.float64)
     gain = (1.0 + ordered.clamp_min(0).cumsum(1)) / (1.0 + row_cost * count)
     gain = torch.where(ordered >= 0, gain, -1.0)
-    threshold = ordered.gather(1, gain.argmax(1, keepdim=True))                # [B, 1]
+    threshold = ordered.gather(1, gain.argmax(1, keepdim=True))  # [B, 1]
     first_keep = (chain >= threshold).sum(1)
     branch_keep = ((branch >= threshold[..., None]) & own).sum(-1)
     return first_keep, branch_keep
@@ -197,12 +212,26 @@ def _union_tree(first_tree, branch_tokens: torch.Tensor, branch_len: torch.Tenso
 
 
 @torch.no_grad()
-def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
-                draft_len: int | None = None, k: int = 2, branches: str = "vp",
-                row_cost: float | str | None = "auto", lookup: int | str | None = "auto",
-                tree: int | str | None = "auto", redraft_min: float | str = "auto",
-                boundary_pool: int | None = None, prior_weight: float | None = None):
+def decode_d2sd(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    eos_ids=(),
+    progress=None,
+    drafter=None,
+    draft_len: int | None = None,
+    k: int = 2,
+    branches: str = "vp",
+    row_cost: float | str | None = "auto",
+    lookup: int | str | None = "auto",
+    tree: int | str | None = "auto",
+    redraft_min: float | str = "auto",
+    boundary_pool: int | None = None,
+    prior_weight: float | None = None,
+):
     """D2SD speculative decoding of a ragged batch with an AR target.
 
     Parameters
@@ -275,7 +304,7 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     lookup = resolve_lookup(model, lookup, tree=True, temperature=temperature, batch=len(prompts))
     if row_cost is not None and branches != "vp":
         raise ValueError("row_cost prunes the VP-drafter's branches: it needs branches='vp'")
-    if isinstance(drafter, str) and "," in drafter:            # the CLI's --drafter DFLASH,VP
+    if isinstance(drafter, str) and "," in drafter:  # the CLI's --drafter DFLASH,VP
         drafter = tuple(drafter.split(","))
     if isinstance(drafter, (tuple, list)):
         if len(drafter) != 2:
@@ -296,46 +325,63 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         raise ValueError(f"k must be an int in [1, draft_len = {gamma - 1}], got {k!r}")
     pool = k if boundary_pool is None else boundary_pool
     if isinstance(pool, bool) or not isinstance(pool, int) or not k <= pool <= gamma - 1:
-        raise ValueError(f"boundary_pool must be None or an int in [k = {k}, draft_len = {gamma - 1}], "
-                         f"got {boundary_pool!r}")
+        raise ValueError(
+            f"boundary_pool must be None or an int in [k = {k}, draft_len = {gamma - 1}], got {boundary_pool!r}"
+        )
     if prior_weight is None:
         prior_weight = PRIOR_WEIGHT if branches == "vp" else 0.0
-    if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) \
-            or not 0 <= prior_weight < float("inf"):
+    if (
+        isinstance(prior_weight, bool)
+        or not isinstance(prior_weight, (int, float))
+        or not 0 <= prior_weight < float("inf")
+    ):
         raise ValueError(f"prior_weight must be a finite float >= 0, got {prior_weight!r}")
     if branches != "vp" and (pool != k or prior_weight):
         raise ValueError("boundary_pool and prior_weight shape the VP-drafter's re-drafts: they need branches='vp'")
     # the context bound: the first draft, the re-draft forward (pool blocks) and the tree
     # (the first draft's chain or tree, K branches of up to draft_len nodes, the lookup chain)
     check_cycle_rows(model, first_drafter, prompts, draft_len, gamma, tree, lookup)
-    check_rows(model, prompts, "k", k, 1 + (tree if tree is not None else gamma - 1) + k * (gamma - 1) + (lookup or 0),
-               f"1 + {'tree' if tree is not None else 'draft_len'} + k * draft_len" + (" + lookup" if lookup else ""),
-               drafter=first_drafter)
+    check_rows(
+        model,
+        prompts,
+        "k",
+        k,
+        1 + (tree if tree is not None else gamma - 1) + k * (gamma - 1) + (lookup or 0),
+        f"1 + {'tree' if tree is not None else 'draft_len'} + k * draft_len" + (" + lookup" if lookup else ""),
+        drafter=first_drafter,
+    )
     if branches == "vp" and redraft_min != float("inf"):
-        check_rows(model, prompts, "boundary_pool" if boundary_pool is not None else "k", pool, pool * gamma,
-                   "boundary_pool * (draft_len + 1)", drafter=first_drafter)
+        check_rows(
+            model,
+            prompts,
+            "boundary_pool" if boundary_pool is not None else "k",
+            pool,
+            pool * gamma,
+            "boundary_pool * (draft_len + 1)",
+            drafter=first_drafter,
+        )
     roles = {"drafter": first_drafter}
     columns = None
     if branches == "vp":
-        vp_drafter = resolve_drafter(vp, model, "vp")          # resolved (and checked) even when gated off
+        vp_drafter = resolve_drafter(vp, model, "vp")  # resolved (and checked) even when gated off
         if prior_weight:
-            columns = vocab_map(first_drafter.draft_vocab, vp_drafter.draft_vocab,
-                                model.config.vocab_size).to(model.device)
+            columns = vocab_map(first_drafter.draft_vocab, vp_drafter.draft_vocab, model.config.vocab_size).to(
+                model.device
+            )
         if redraft_min != float("inf"):
             # (a VP-drafter that never re-drafts needs no context: its per-token commits would cost)
             roles["vp_drafter"] = vp_drafter
-    run = SpeculativeRun(model, roles, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                         progress=progress)
+    run = SpeculativeRun(model, roles, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, progress=progress)
     run.time["tree_s"] = 0.0
     dev = model.device
     offsets = torch.arange(gamma, device=dev)
-    generator = request_streams(generator, len(prompts), dev)     # one random stream per request
+    generator = request_streams(generator, len(prompts), dev)  # one random stream per request
     resample_gen = generator
     if branches == "resample" and generator is None:
         # greedy decoding still needs random branches: fixed private streams, reproducible
         resample_gen = RequestStreams.seeded(0, len(prompts), dev)
     nodes_total = redrafted = pairs = 0
-    chains = {}                 # DFlash's causal masks, for cycles that do not re-draft
+    chains = {}  # DFlash's causal masks, for cycles that do not re-draft
     finder = PromptLookup(prompts, run.outputs, num_drafts=lookup) if lookup else None
 
     def dflash_cycle(logits, vocab, positions, t0, top=None) -> bool:
@@ -343,8 +389,9 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         if tree is None:
             alive, drafts = chain_cycle(run, logits, vocab, positions, row_cost, temperature, generator, t0, chains)
         else:
-            alive, drafts = tree_cycle(run, logits, vocab, positions[:, 0], tree, row_cost, temperature, generator,
-                                       t0, finder, top)
+            alive, drafts = tree_cycle(
+                run, logits, vocab, positions[:, 0], tree, row_cost, temperature, generator, t0, finder, top
+            )
         nodes_total += drafts + len(positions)
         pairs += len(positions)
         return alive
@@ -355,13 +402,13 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         positions = run.lengths[:, None] + offsets
         logits, vocab = draft_block(first_drafter, run.contexts["drafter"], run.anchor, positions, gamma)
         run.nfe["drafter"] += 1
-        if redraft_min == float("inf"):         # never re-drafts: nothing to score
+        if redraft_min == float("inf"):  # never re-drafts: nothing to score
             live = dflash_cycle(logits, vocab, positions, t0)
             continue
         scale = temperature if temperature > 0 else 1.0
         if tree is None:
             stats = token_stats(logits, temperature=scale)
-            first, first_probs = vocab_ids(require_finite(stats.token, "drafter"), vocab), stats.prob      # [B, L]
+            first, first_probs = vocab_ids(require_finite(stats.token, "drafter"), vocab), stats.prob  # [B, L]
         else:
             top_i, top_p = topk_tokens(logits, min(TREE_TOP_K, logits.shape[-1]), temperature=scale)
             require_finite(top_i[..., 0], "drafter")
@@ -373,20 +420,29 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
             lengths, reach = rejection_boundaries(first_probs, pool)
             if redraft_min > 0:
                 wanted = reach[:, :k].sum(1) >= redraft_min
-                if not bool(wanted.any()):      # nobody re-drafts: DFlash's own cycle
+                if not bool(wanted.any()):  # nobody re-drafts: DFlash's own cycle
                     live = dflash_cycle(logits, vocab, positions, t0, None if tree is None else (top_i, top_p))
                     continue
             prior = first_prior(logits, columns, float(prior_weight)) if prior_weight else None
-            alt, alt_probs = redraft(roles["vp_drafter"], run.contexts["vp_drafter"], run.anchor, first, lengths,
-                                     positions, gamma, with_probs=True, prior=prior)
+            alt, alt_probs = redraft(
+                roles["vp_drafter"],
+                run.contexts["vp_drafter"],
+                run.anchor,
+                first,
+                lengths,
+                positions,
+                gamma,
+                with_probs=True,
+                prior=prior,
+            )
             run.nfe["vp_drafter"] += 1
-            if pool > k:    # keep the k branches most likely to be accepted past their boundary
+            if pool > k:  # keep the k branches most likely to be accepted past their boundary
                 head = alt_probs.gather(2, lengths[..., None]).squeeze(-1)
                 keep = (reach * head).topk(k, dim=1).indices
                 lengths = lengths.gather(1, keep)
                 alt = alt.gather(1, keep[..., None].expand(-1, -1, alt.shape[2]))
                 alt_probs = alt_probs.gather(1, keep[..., None].expand(-1, -1, alt_probs.shape[2]))
-            if redraft_min > 0:     # a request not re-drafted has no branch nodes to prune
+            if redraft_min > 0:  # a request not re-drafted has no branch nodes to prune
                 alt_probs = alt_probs * wanted[:, None, None]
             if row_cost is not None:
                 first_keep, branch_keep = prune_tree(first_probs, alt_probs, lengths, float(row_cost))
@@ -396,8 +452,9 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
             alt = vocab_ids(require_finite(sample_from(q[:, None].expand(-1, k, -1, -1), u), "drafter"), vocab)
             lengths = torch.zeros(q.shape[0], k, dtype=torch.int64, device=dev)
         if tree is not None:
-            first_tree = tuple(t.cpu().numpy() for t in draft_tree(top_p, top_i, tree, run.anchor, positions[:, 0],
-                                                                   row_cost)[:3])
+            first_tree = tuple(
+                t.cpu().numpy() for t in draft_tree(top_p, top_i, tree, run.anchor, positions[:, 0], row_cost)[:3]
+            )
         parts = [run.anchor[:, None], first, lengths, alt.flatten(1)]
         if row_cost is not None:
             parts += [first_keep[:, None], branch_keep]
@@ -408,13 +465,14 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         # branch 0 the first draft, branch 1 + j the j-th re-draft (its first n_j tokens the
         # first draft's), as one [B, K + 1, L] array; lengths cut them where pruning did
         big_l = gamma - 1
-        anchors, prefix = host[:, 0], host[:, gamma:gamma + k]
-        branch_tokens = torch.cat([host[:, None, 1:gamma], host[:, gamma + k:gamma + k + k * big_l].view(-1, k, big_l)],
-                                  1)
+        anchors, prefix = host[:, 0], host[:, gamma : gamma + k]
+        branch_tokens = torch.cat(
+            [host[:, None, 1:gamma], host[:, gamma + k : gamma + k + k * big_l].view(-1, k, big_l)], 1
+        )
         branch_len = torch.full((host.shape[0], k + 1), big_l, dtype=torch.int64)
         if row_cost is not None:
             # kept nodes only; a branch with no kept node shrinks to a path of the kept draft
-            keep_first, keep_branch = host[:, -k - 2], host[:, -k - 1:-1]
+            keep_first, keep_branch = host[:, -k - 2], host[:, -k - 1 : -1]
             branch_len[:, 0] = keep_first
             # (a union tree holds the first draft's kept path already: nothing to add)
             fallback = torch.minimum(prefix, keep_first[:, None]) if tree is None else torch.zeros_like(prefix)
@@ -429,18 +487,24 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         if tree is None:
             if chain is not None:
                 width = max(big_l, chain.shape[1])
-                branch_tokens = torch.cat([nn.functional.pad(branch_tokens, (0, width - big_l)),
-                                           nn.functional.pad(torch.from_numpy(chain).clamp_(min=0),
-                                                             (0, width - chain.shape[1]))[:, None]], 1)
+                branch_tokens = torch.cat(
+                    [
+                        nn.functional.pad(branch_tokens, (0, width - big_l)),
+                        nn.functional.pad(torch.from_numpy(chain).clamp_(min=0), (0, width - chain.shape[1]))[:, None],
+                    ],
+                    1,
+                )
                 branch_len = torch.cat([branch_len, torch.from_numpy(counts)[:, None]], 1)
             merged = padded_prefix_tree(branch_tokens, branch_len, anchors, device=dev)
             tree_tokens, tree_parents, tree_words = merged.tokens, merged.parents, merged.words
             tree_pos = run.lengths[:, None] + merged.positions
         else:
-            tree_tokens, tree_parents, tree_pos = _union_tree(first_tree, branch_tokens[:, 1:], branch_len[:, 1:],
-                                                              chain, counts)
-            tree_tokens, tree_parents, tree_pos = (torch.from_numpy(a).to(dev) for a in
-                                                   (tree_tokens, tree_parents, tree_pos))
+            tree_tokens, tree_parents, tree_pos = _union_tree(
+                first_tree, branch_tokens[:, 1:], branch_len[:, 1:], chain, counts
+            )
+            tree_tokens, tree_parents, tree_pos = (
+                torch.from_numpy(a).to(dev) for a in (tree_tokens, tree_parents, tree_pos)
+            )
             tree_words = tree_mask(tree_parents).words
         t2 = time.perf_counter()
         nodes_total += int((tree_parents >= 0).sum()) + len(anchors)
@@ -451,16 +515,22 @@ def decode_d2sd(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
         run.time["tree_s"] += t2 - t1
         run.time["verify_s"] += t3 - t2
     if branches == "vp":
-        run.nfe.setdefault("vp_drafter", 0)     # reported 0 where the gate kept it off
-    return run.generated, run.stats(k=k, branches=branches, draft_len=gamma - 1, lookup=lookup, tree=tree,
-                                    row_cost=row_cost,
-                                    boundary_pool=pool, prior_weight=float(prior_weight),
-                                    tree_nodes=nodes_total / run.cycles if run.cycles else 0.0,
-                                    redraft_min=None if redraft_min == float("inf") else redraft_min,
-                                    redraft_rate=redrafted / pairs if pairs else 0.0)
+        run.nfe.setdefault("vp_drafter", 0)  # reported 0 where the gate kept it off
+    return run.generated, run.stats(
+        k=k,
+        branches=branches,
+        draft_len=gamma - 1,
+        lookup=lookup,
+        tree=tree,
+        row_cost=row_cost,
+        boundary_pool=pool,
+        prior_weight=float(prior_weight),
+        tree_nodes=nodes_total / run.cycles if run.cycles else 0.0,
+        redraft_min=None if redraft_min == float("inf") else redraft_min,
+        redraft_rate=redrafted / pairs if pairs else 0.0,
+    )
 
 
-OPTIONS = ("draft_len", "k", "branches", "row_cost", "lookup", "tree", "redraft_min", "boundary_pool",
-           "prior_weight")
-DRAFTER = "block"    # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
+OPTIONS = ("draft_len", "k", "branches", "row_cost", "lookup", "tree", "redraft_min", "boundary_pool", "prior_weight")
+DRAFTER = "block"  # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_d2sd

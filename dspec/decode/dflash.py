@@ -55,6 +55,7 @@ cycle 2.05 (chain of 7) -> 2.37 / 2.57 / 2.72 with 7 / 15 / 31 tree nodes.  The 
 it measured 1.20-1.22x ``ar`` against the chain's 1.15-1.19x -- and the chain otherwise
 (``tree=None`` asks for the chain, DFlash as published).
 """
+
 from __future__ import annotations
 
 import functools
@@ -108,8 +109,15 @@ def check_cycle_rows(model, drafter, prompts, draft_len, gamma: int, tree, looku
     name, value = ("draft_len", draft_len) if draft_len is not None else ("drafter", f"a block of {gamma}")
     check_rows(model, prompts, name, value, gamma, "draft_len + 1", drafter=drafter)
     if tree is not None:
-        check_rows(model, prompts, "tree", tree, 1 + tree + (lookup or 0), "1 + tree" + (" + lookup" if lookup else ""),
-                   drafter=drafter)
+        check_rows(
+            model,
+            prompts,
+            "tree",
+            tree,
+            1 + tree + (lookup or 0),
+            "1 + tree" + (" + lookup" if lookup else ""),
+            drafter=drafter,
+        )
 
 
 class SpeculativeRun:
@@ -122,17 +130,17 @@ class SpeculativeRun:
 
     def __init__(self, model, drafters: dict, prompts, *, max_new_tokens, eos_ids, progress):
         self.model = model
-        self.drafters = drafters                        # role -> BlockDrafter
+        self.drafters = drafters  # role -> BlockDrafter
         ids = []
         for d in drafters.values():
             ids += [i for i in d.target_layer_ids if i not in ids]
         self.layer_ids = ids
         self.pick = {role: [ids.index(i) for i in d.target_layer_ids] for role, d in drafters.items()}
         self.outputs = OutputBuffer(len(prompts), max_new_tokens, eos_ids, progress)
-        self.rows = np.arange(len(prompts))          # live batch row -> request index
+        self.rows = np.arange(len(prompts))  # live batch row -> request index
         self.nfe = {"target": 0, **{role: 0 for role in drafters}}
-        self.cycles = 0                # verification forwards x live requests
-        self.committed = 0             # tokens those forwards produced (accepted + 1 each)
+        self.cycles = 0  # verification forwards x live requests
+        self.committed = 0  # tokens those forwards produced (accepted + 1 each)
         self.verify_forwards = 0
         self.time = {"draft_s": 0.0, "verify_s": 0.0}
         dev = model.device
@@ -172,8 +180,7 @@ class SpeculativeRun:
         self.cache.append(out.suffix_kv, keep, counts=counts)
         self._commit_context(out.hidden, positions, counts=counts, keep=keep)
 
-    def verify_tree_cycle(self, tokens, parents, positions, words, temperature, generator, *,
-                          draft_probs=None) -> bool:
+    def verify_tree_cycle(self, tokens, parents, positions, words, temperature, generator, *, draft_probs=None) -> bool:
         """One target forward over a token tree (``tokens`` / ``parents`` [B, N], node 0 the
         anchor; absolute ``positions`` [B, N]; ``words`` its ``tree_mask``), ``verify_tree``
         (``draft_probs`` [B, N, V]: the distributions each node's children were drawn from
@@ -183,10 +190,9 @@ class SpeculativeRun:
         out = self.model(AttentionPlan(tokens, positions, words, self.cache), hidden_states=self.layer_ids)
         self.nfe["target"] += 1
         rand = {"generator": generator}
-        if temperature > 0 and isinstance(generator, RequestStreams):    # each request's own stream
+        if temperature > 0 and isinstance(generator, RequestStreams):  # each request's own stream
             rand = generator.tree(self.rows, tokens.shape[1])
-        scheme = {} if draft_probs is None else {"draft_probs": draft_probs,
-                                                  "draft_sampling": "without_replacement"}
+        scheme = {} if draft_probs is None else {"draft_probs": draft_probs, "draft_sampling": "without_replacement"}
         ver = verify_tree(tokens, parents, out.logits, temperature=temperature, **scheme, **rand)
         host = self.fetch(ver.num_accepted, ver.tokens)
         path = ver.path.cpu()
@@ -203,7 +209,7 @@ class SpeculativeRun:
         :meth:`fetch`); the drawn token becomes the anchor.  False when all are done."""
         n = host[:, 0] + 1
         drawn = host[:, 1:].gather(1, host[:, :1])[:, 0]
-        if bool((drawn < 0).any()):             # the ops' -1 mark: a non-finite target row
+        if bool((drawn < 0).any()):  # the ops' -1 mark: a non-finite target row
             raise non_finite_error("target model")
         self.cycles += len(self.rows)
         self.verify_forwards += 1
@@ -235,9 +241,13 @@ class SpeculativeRun:
         return True
 
     def stats(self, **extra) -> dict:
-        s = {"nfe": dict(self.nfe),
-             "mean_accepted": self.committed / self.cycles if self.cycles else 0.0,
-             "verify_forwards": self.verify_forwards, "cycles": self.cycles, **self.time}
+        s = {
+            "nfe": dict(self.nfe),
+            "mean_accepted": self.committed / self.cycles if self.cycles else 0.0,
+            "verify_forwards": self.verify_forwards,
+            "cycles": self.cycles,
+            **self.time,
+        }
         s.update(extra)
         return s
 
@@ -254,7 +264,7 @@ def best_count(reach: torch.Tensor, row_cost: float) -> int:
     """reach [B, M]: each row's node probabilities of acceptance, best first -> the n in
     [1, M] maximising ``(1 + sum_{j<=n} reach_j) / (1 + row_cost * n)`` per row, the largest
     over the batch."""
-    gain = reach.double().cumsum(1) + 1.0                                  # expected tokens, n = 1..M
+    gain = reach.double().cumsum(1) + 1.0  # expected tokens, n = 1..M
     n = torch.arange(1, reach.shape[1] + 1, device=reach.device, dtype=torch.float64)
     return int((gain / (1.0 + row_cost * n)).argmax(1).max()) + 1
 
@@ -292,30 +302,37 @@ def marginal_tree(probs: torch.Tensor, tokens: torch.Tensor, nodes: int):
     ([[5, 8, 7]], [[0, 1, 0]], [[1, 2, 1]])
     """
     batch, depth_max, k = probs.shape
-    factors = probs.double().clamp(0.0, 1.0)           # <= 1: a score never rises along a path
+    factors = probs.double().clamp(0.0, 1.0)  # <= 1: a score never rises along a path
     scores, picks = [], []
     prev = factors.new_ones(batch, 1)
-    for d in range(depth_max):                          # the beam: 3 ops per depth, the rest after
+    for d in range(depth_max):  # the beam: 3 ops per depth, the rest after
         s, idx = (prev[:, :, None] * factors[:, d, None, :]).flatten(1).topk(min(nodes, prev.shape[1] * k), dim=1)
         scores.append(s)
         picks.append(idx)
         prev = s
     depth, prev_start, slot_base = _tree_columns(tuple(s.shape[1] for s in scores), k, str(probs.device))
-    flat_scores = torch.cat(scores, 1)                                     # [B, M], depth-major
+    flat_scores = torch.cat(scores, 1)  # [B, M], depth-major
     flat_idx = torch.cat(picks, 1)
-    flat_parent = flat_idx // k + prev_start                               # < 0: the root
+    flat_parent = flat_idx // k + prev_start  # < 0: the root
     flat_tokens = tokens.reshape(batch, depth_max * k).gather(1, slot_base + flat_idx % k)
     # stable: on equal scores the shallower (earlier) node ranks first, so a parent precedes its children
     order = flat_scores.sort(dim=1, descending=True, stable=True).indices[:, :nodes]
-    column = torch.empty_like(flat_idx).scatter_(1, order, torch.arange(1, order.shape[1] + 1, device=order.device)
-                                                 .expand_as(order))
+    column = torch.empty_like(flat_idx).scatter_(
+        1, order, torch.arange(1, order.shape[1] + 1, device=order.device).expand_as(order)
+    )
     parent_flat = flat_parent.gather(1, order)
     parent = torch.where(parent_flat >= 0, column.gather(1, parent_flat.clamp_min(0)), 0)
     return flat_tokens.gather(1, order), parent, depth[order], flat_scores.gather(1, order).float()
 
 
-def draft_tree(probs: torch.Tensor, tokens: torch.Tensor, nodes: int, root_tokens: torch.Tensor,
-               root_positions: torch.Tensor, row_cost: float | None = None):
+def draft_tree(
+    probs: torch.Tensor,
+    tokens: torch.Tensor,
+    nodes: int,
+    root_tokens: torch.Tensor,
+    root_positions: torch.Tensor,
+    row_cost: float | None = None,
+):
     """A cycle's draft tree: the best ``nodes`` paths (:func:`marginal_tree`), pruned with
     ``row_cost`` (:func:`best_count`), under a root per request.
 
@@ -359,12 +376,29 @@ def draft_tree(probs: torch.Tensor, tokens: torch.Tensor, nodes: int, root_token
         root_pos = root_positions.to(torch.int64).contiguous()
         out = torch.empty(3, batch, 1 + cap, dtype=torch.int64)
         words = torch.empty(batch * (1 + cap) * _mask_words(1 + cap), dtype=torch.int32)
-        n = ext.draft_tree(probs.data_ptr(), tokens.data_ptr(), roots.data_ptr(), root_pos.data_ptr(), batch, slots,
-                           k, nodes, -1.0 if row_cost is None else float(row_cost), cap, out[0].data_ptr(),
-                           out[1].data_ptr(), out[2].data_ptr(), words.data_ptr())
+        n = ext.draft_tree(
+            probs.data_ptr(),
+            tokens.data_ptr(),
+            roots.data_ptr(),
+            root_pos.data_ptr(),
+            batch,
+            slots,
+            k,
+            nodes,
+            -1.0 if row_cost is None else float(row_cost),
+            cap,
+            out[0].data_ptr(),
+            out[1].data_ptr(),
+            out[2].data_ptr(),
+            words.data_ptr(),
+        )
         cols = 1 + n
-        return (out[0, :, :cols], out[1, :, :cols], out[2, :, :cols],
-                words[:batch * cols * _mask_words(cols)].view(batch, cols, _mask_words(cols)))
+        return (
+            out[0, :, :cols],
+            out[1, :, :cols],
+            out[2, :, :cols],
+            words[: batch * cols * _mask_words(cols)].view(batch, cols, _mask_words(cols)),
+        )
     tok, par, depth, scores = marginal_tree(probs, tokens, nodes)
     n = tok.shape[1] if row_cost is None else best_count(scores, float(row_cost))
     root = torch.zeros(batch, 1, dtype=torch.int64, device=tok.device)
@@ -373,8 +407,15 @@ def draft_tree(probs: torch.Tensor, tokens: torch.Tensor, nodes: int, root_token
     return torch.cat([root_tokens[:, None], tok[:, :n]], 1), parents, positions, tree_mask(parents).words
 
 
-def sampled_draft_tree(q: torch.Tensor, nodes: int, root_tokens: torch.Tensor, root_positions: torch.Tensor,
-                       uniforms: torch.Tensor, row_cost: float | None = None, k: int = TREE_TOP_K):
+def sampled_draft_tree(
+    q: torch.Tensor,
+    nodes: int,
+    root_tokens: torch.Tensor,
+    root_positions: torch.Tensor,
+    uniforms: torch.Tensor,
+    row_cost: float | None = None,
+    k: int = TREE_TOP_K,
+):
     """A cycle's draft tree at T > 0 whose children are DRAWN from the drafter, without
     replacement, so ``verify_tree(..., draft_probs=, draft_sampling="without_replacement")``
     verifies it losslessly against the drafter's own distributions.
@@ -424,28 +465,29 @@ def sampled_draft_tree(q: torch.Tensor, nodes: int, root_tokens: torch.Tensor, r
     slot = depth.clamp(max=slots_n - 1)
     # a node's draw is its ordinal among its parent's children in index order -- the order
     # the verifier tries siblings in (ties in the shape's scores can reorder ranks)
-    same = parents[:, :, None] == parents[:, None, :]                                  # [B, W, W]
+    same = parents[:, :, None] == parents[:, None, :]  # [B, W, W]
     earlier = torch.ones(width, width, dtype=torch.bool, device=q.device).tril(-1)
     ordinal = (same & earlier).sum(-1).clamp(max=k - 1)
     # draws only at the nodes that are some row's parent, only as many as the most children
-    is_parent = (parents[:, :, None] == torch.arange(width, device=q.device)).any(1).any(0)    # [W]
+    is_parent = (parents[:, :, None] == torch.arange(width, device=q.device)).any(1).any(0)  # [W]
     used = is_parent.nonzero()[:, 0]
-    if not used.numel():                                # the root alone: nothing to draw
+    if not used.numel():  # the root alone: nothing to draw
         return root_tokens[:, None].clone(), parents, positions, words, slot
     rounds = int(ordinal[:, 1:].max()) + 1 if width > 1 else 1
     at = torch.zeros(width, dtype=torch.int64, device=q.device)
     at[used] = torch.arange(used.numel(), device=q.device)
     pick = slot[:, used]
-    w = q.float().gather(1, pick[:, :, None].expand(batch, used.numel(), vocab)).clone()   # [B, P, V']
-    u = uniforms[:, :width * k].reshape(batch, width, k)[:, used, :rounds]
+    w = q.float().gather(1, pick[:, :, None].expand(batch, used.numel(), vocab)).clone()  # [B, P, V']
+    u = uniforms[:, : width * k].reshape(batch, width, k)[:, used, :rounds]
     draws = torch.empty(batch, used.numel(), rounds, dtype=torch.int64, device=q.device)
     for r in range(rounds):
         x = _draw_rows(w, u[:, :, r])
-        draws[:, :, r] = torch.where(x >= 0, x, draws[:, :, 0]) if r else x       # -1: a row without a distribution
-        w.scatter_(-1, draws[:, :, r:r + 1].clamp(min=0), 0.0)
+        draws[:, :, r] = torch.where(x >= 0, x, draws[:, :, 0]) if r else x  # -1: a row without a distribution
+        w.scatter_(-1, draws[:, :, r : r + 1].clamp(min=0), 0.0)
     parent = at[parents.clamp(min=0)]
     cols = draws.gather(1, parent[:, :, None].expand(batch, width, rounds)).gather(
-        2, ordinal.clamp(max=rounds - 1)[:, :, None])[..., 0]
+        2, ordinal.clamp(max=rounds - 1)[:, :, None]
+    )[..., 0]
     cols[:, 0] = root_tokens
     return cols, parents, positions, words, slot
 
@@ -484,8 +526,9 @@ def _tree_columns(widths: tuple, k: int, device: str):
     return tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (depth, prev_start, slot_base))
 
 
-def draft_block(drafter: BlockDrafter, context, anchor: torch.Tensor, positions: torch.Tensor,
-                gamma: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draft_block(
+    drafter: BlockDrafter, context, anchor: torch.Tensor, positions: torch.Tensor, gamma: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One DFlash forward: ``[anchor, MASK x (gamma-1)]`` -> (drafter logits of the gamma-1
     drafted slots [B, gamma-1, V'] float32, the ids of their columns: the drafter's draft
     vocabulary, or None for the whole vocabulary)."""
@@ -519,11 +562,22 @@ def full_vocab_probs(q: torch.Tensor, vocab: torch.Tensor | None, vocab_size: in
 
 
 @torch.no_grad()
-def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                  generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
-                  draft_len: int | None = None, row_cost: float | str | None = "auto",
-                  tree: int | str | None = "auto", lookup: int | str | None = "auto",
-                  verify_rule: str = "token"):
+def decode_dflash(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    eos_ids=(),
+    progress=None,
+    drafter=None,
+    draft_len: int | None = None,
+    row_cost: float | str | None = "auto",
+    tree: int | str | None = "auto",
+    lookup: int | str | None = "auto",
+    verify_rule: str = "token",
+):
     """DFlash speculative decoding of a ragged batch with an AR target.
 
     Parameters
@@ -583,10 +637,11 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
     gamma = check_draft_len(draft_len, drafter)
     check_cycle_rows(model, drafter, prompts, draft_len, gamma, tree, lookup)
     row_cost = resolve_row_cost(model, row_cost)
-    run = SpeculativeRun(model, {"drafter": drafter}, prompts, max_new_tokens=max_new_tokens,
-                         eos_ids=eos_ids, progress=progress)
+    run = SpeculativeRun(
+        model, {"drafter": drafter}, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, progress=progress
+    )
     dev = model.device
-    generator = request_streams(generator, len(prompts), dev)     # one random stream per request
+    generator = request_streams(generator, len(prompts), dev)  # one random stream per request
     offsets = torch.arange(gamma, device=dev)
     chains = {}
     verified = 0
@@ -598,20 +653,37 @@ def decode_dflash(model, prompts: list[list[int]], *, max_new_tokens: int, tempe
         logits, vocab = draft_block(drafter, run.contexts["drafter"], run.anchor, positions, gamma)
         run.nfe["drafter"] += 1
         if tree is not None:
-            live, nodes = tree_cycle(run, logits, vocab, positions[:, 0], tree, row_cost, temperature, generator,
-                                     t0, finder)
+            live, nodes = tree_cycle(
+                run, logits, vocab, positions[:, 0], tree, row_cost, temperature, generator, t0, finder
+            )
             verified += nodes
             continue
-        live, nodes = chain_cycle(run, logits, vocab, positions, row_cost, temperature, generator, t0, chains,
-                                  verify_rule)
+        live, nodes = chain_cycle(
+            run, logits, vocab, positions, row_cost, temperature, generator, t0, chains, verify_rule
+        )
         verified += nodes
-    return run.generated, run.stats(draft_len=gamma - 1, tree=tree, lookup=lookup, row_cost=row_cost,
-                                    verify_rule=verify_rule,
-                                    verified_drafts=verified / run.cycles if run.cycles else 0.0)
+    return run.generated, run.stats(
+        draft_len=gamma - 1,
+        tree=tree,
+        lookup=lookup,
+        row_cost=row_cost,
+        verify_rule=verify_rule,
+        verified_drafts=verified / run.cycles if run.cycles else 0.0,
+    )
 
 
-def chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, temperature, generator, t0: float,
-                chains: dict, rule: str = "token") -> tuple[bool, int]:
+def chain_cycle(
+    run: SpeculativeRun,
+    logits,
+    vocab,
+    positions,
+    row_cost,
+    temperature,
+    generator,
+    t0: float,
+    chains: dict,
+    rule: str = "token",
+) -> tuple[bool, int]:
     """A cycle's chain verification (DFlash as published): the drafts (greedy: the drafter's
     argmax; T > 0: sampled from its q) cut to ``verify_length`` with ``row_cost``, one target
     forward over ``[anchor, drafts]`` at ``positions`` [B, gamma], ``verify_chain`` (at T > 0
@@ -620,8 +692,7 @@ def chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, tempera
     dev = run.device
     if temperature > 0:
         q = torch.softmax(logits / temperature, dim=-1)
-        u = generator.uniforms(run.rows, q.shape[1]) if generator is not None else \
-            torch.rand(q.shape[:-1], device=dev)
+        u = generator.uniforms(run.rows, q.shape[1]) if generator is not None else torch.rand(q.shape[:-1], device=dev)
         picked = require_finite(sample_from(q, u), "drafter")
         probs = q.gather(-1, picked[..., None])[..., 0]
         drafts = vocab_ids(picked, vocab)
@@ -631,7 +702,7 @@ def chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, tempera
         probs, drafts = stats.prob, vocab_ids(require_finite(stats.token, "drafter"), vocab)
     n = drafts.shape[1] if row_cost is None else verify_length(probs, float(row_cost))
     if n < drafts.shape[1]:
-        drafts, positions = drafts[:, :n], positions[:, :n + 1]
+        drafts, positions = drafts[:, :n], positions[:, : n + 1]
         q = None if q is None else q[:, :n]
     if q is not None:
         q = full_vocab_probs(q, vocab, run.model.config.vocab_size)
@@ -655,8 +726,19 @@ def chain_cycle(run: SpeculativeRun, logits, vocab, positions, row_cost, tempera
     return live, n * drafts.shape[0]
 
 
-def tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, row_cost, temperature, generator,
-               t0: float, finder: PromptLookup | None = None, top=None) -> tuple[bool, int]:
+def tree_cycle(
+    run: SpeculativeRun,
+    logits,
+    vocab,
+    root_positions,
+    nodes: int,
+    row_cost,
+    temperature,
+    generator,
+    t0: float,
+    finder: PromptLookup | None = None,
+    top=None,
+) -> tuple[bool, int]:
     """A cycle's tree verification (``tree``): the best nodes over each slot's candidates
     under the anchors (at ``root_positions`` [B]), with ``finder``'s lookup chains grafted
     on, one target forward under the tree mask, ``verify_tree``, commit of the accepted path.
@@ -669,25 +751,31 @@ def tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, r
         # its q (lossless and never behind the chain, whose drafts are the first children)
         q = torch.softmax(logits / temperature, dim=-1)
         width = (1 + nodes) * TREE_TOP_K
-        u = generator.uniforms(run.rows, width) if generator is not None else \
-            torch.rand(q.shape[0], width, device=q.device)
-        cols, parents, positions, words, slots = sampled_draft_tree(q, nodes, run.anchor, root_positions, u,
-                                                                    row_cost)
+        u = (
+            generator.uniforms(run.rows, width)
+            if generator is not None
+            else torch.rand(q.shape[0], width, device=q.device)
+        )
+        cols, parents, positions, words, slots = sampled_draft_tree(q, nodes, run.anchor, root_positions, u, row_cost)
         tokens = torch.cat([cols[:, :1], vocab_ids(require_finite(cols[:, 1:], "drafter"), vocab)], 1)
-        q = full_vocab_probs(q.gather(1, slots[:, :, None].expand(-1, -1, q.shape[-1])), vocab,
-                             run.model.config.vocab_size)
+        q = full_vocab_probs(
+            q.gather(1, slots[:, :, None].expand(-1, -1, q.shape[-1])), vocab, run.model.config.vocab_size
+        )
     else:
         if top is None:
-            top_i, top_p = topk_tokens(logits, min(TREE_TOP_K, logits.shape[-1]),
-                                       temperature=temperature if temperature > 0 else 1.0)
-            require_finite(top_i[..., 0], "drafter")       # a row's best candidate: -1 where it is not finite
+            top_i, top_p = topk_tokens(
+                logits, min(TREE_TOP_K, logits.shape[-1]), temperature=temperature if temperature > 0 else 1.0
+            )
+            require_finite(top_i[..., 0], "drafter")  # a row's best candidate: -1 where it is not finite
             top = vocab_ids(top_i, vocab), top_p
         tokens, parents, positions, words = draft_tree(top[1], top[0], nodes, run.anchor, root_positions, row_cost)
     if finder is not None:
         chain, counts = finder.drafts(run.rows)
         if counts.any():
-            tokens, parents, positions = (torch.from_numpy(a).to(run.device) for a in graft_chain(
-                *(t.cpu().numpy() for t in (tokens, parents, positions)), chain, counts))
+            tokens, parents, positions = (
+                torch.from_numpy(a).to(run.device)
+                for a in graft_chain(*(t.cpu().numpy() for t in (tokens, parents, positions)), chain, counts)
+            )
             words = tree_mask(parents).words
     sync_device(run.device)
     t1 = time.perf_counter()
@@ -699,5 +787,5 @@ def tree_cycle(run: SpeculativeRun, logits, vocab, root_positions, nodes: int, r
 
 
 OPTIONS = ("draft_len", "row_cost", "tree", "lookup", "verify_rule")
-DRAFTER = "block"    # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
+DRAFTER = "block"  # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_dflash

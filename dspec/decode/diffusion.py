@@ -61,6 +61,7 @@ path reads one flag per step (whether a request finished), to shrink the batch a
 plus one count when a progress bar is given -- the step itself (choice, confidence, ranking,
 unmasking, the finished test) stays on the device.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -82,12 +83,15 @@ def _schedule(block_size, tokens_per_step, threshold, default_block_size) -> tup
     """Validate the options; returns (block size, tokens per static step)."""
     bs = block_size if block_size is not None else default_block_size
     if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {bs!r}"
-                         + ("" if block_size is not None else " (the model gives no default: pass block_size)"))
+        raise ValueError(
+            f"block_size must be an int >= 1, got {bs!r}"
+            + ("" if block_size is not None else " (the model gives no default: pass block_size)")
+        )
     if threshold is not None and tokens_per_step is not None:
         raise ValueError("give tokens_per_step (static schedule) or threshold (dynamic), not both")
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
-                                  or not 0.0 < float(threshold) <= 1.0):
+    if threshold is not None and (
+        isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < float(threshold) <= 1.0
+    ):
         raise ValueError(f"threshold must be a number in (0, 1], got {threshold!r}")
     per_step = tokens_per_step if tokens_per_step is not None else 1
     if isinstance(per_step, bool) or not isinstance(per_step, int) or per_step < 1:
@@ -103,8 +107,9 @@ class PromptTails:
         self.lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
         width = int(self.lengths.max())
         buf = torch.full((len(prompts), width), mask_id, dtype=torch.int64)
-        buf[torch.arange(width)[None] < self.lengths[:, None]] = torch.tensor([t for p in prompts for t in p],
-                                                                              dtype=torch.int64)
+        buf[torch.arange(width)[None] < self.lengths[:, None]] = torch.tensor(
+            [t for p in prompts for t in p], dtype=torch.int64
+        )
         self.tokens, self.lengths = buf.to(device), self.lengths.to(device)
         self.mask_id = mask_id
         self.slots = torch.arange(block_size, device=device)
@@ -131,17 +136,25 @@ def prefill_prompt_blocks(model, prompts: list[list[int]], cache, bs: int) -> tu
     if not any(full):
         return carry, 0
     # a prompt shorter than one block commits nothing (a stand-in token, count 0)
-    out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache, block_size=bs),
-                logits="last")
+    out = model(model.plan([f or p[:1] for f, p in zip(full, prompts)], cache, block_size=bs), logits="last")
     cache.append(out.suffix_kv, counts=[len(f) for f in full])
     return out.logits[:, -1].float(), 1
 
 
 @torch.no_grad()
-def decode_diffusion(model, prompts: list[list[int]], *, max_new_tokens: int,
-                     temperature: float = 0.0, generator: torch.Generator | None = None,
-                     eos_ids=(), progress=None, block_size: int | None = None,
-                     tokens_per_step: int | None = None, threshold: float | None = None):
+def decode_diffusion(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    eos_ids=(),
+    progress=None,
+    block_size: int | None = None,
+    tokens_per_step: int | None = None,
+    threshold: float | None = None,
+):
     """Block diffusion decoding of a ragged batch; returns (tokens per request, stats).
 
     Parameters
@@ -174,32 +187,60 @@ def decode_diffusion(model, prompts: list[list[int]], *, max_new_tokens: int,
     if model.mask_token_id is None:
         raise ValueError(f"method 'diffusion' needs a masked-diffusion model; {model.family!r} has no mask token")
     if model.attention == "bidirectional":
-        bs, per_step = _schedule(block_size, tokens_per_step, threshold,
-                                 model.block_size or DEFAULT_BIDIRECTIONAL_BLOCK_SIZE)
-        check_rows(model, prompts, "block_size", bs, -(-max_new_tokens // bs) * bs,
-                   "the generation region (max_new_tokens rounded up to whole blocks)")
-        return _decode_bidirectional(model, prompts, max_new_tokens=max_new_tokens,
-                                     temperature=temperature, generator=generator, eos_ids=eos_ids,
-                                     progress=progress, bs=bs, per_step=per_step, threshold=threshold)
+        bs, per_step = _schedule(
+            block_size, tokens_per_step, threshold, model.block_size or DEFAULT_BIDIRECTIONAL_BLOCK_SIZE
+        )
+        check_rows(
+            model,
+            prompts,
+            "block_size",
+            bs,
+            -(-max_new_tokens // bs) * bs,
+            "the generation region (max_new_tokens rounded up to whole blocks)",
+        )
+        return _decode_bidirectional(
+            model,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            generator=generator,
+            eos_ids=eos_ids,
+            progress=progress,
+            bs=bs,
+            per_step=per_step,
+            threshold=threshold,
+        )
     if model.attention != "block_causal":
-        raise ValueError(f"method 'diffusion' runs block-causal (SDAR, Fast-dLLM v2) or bidirectional "
-                         f"(LLaDA, Dream) models; {model.family!r} attends {model.attention!r}")
+        raise ValueError(
+            f"method 'diffusion' runs block-causal (SDAR, Fast-dLLM v2) or bidirectional "
+            f"(LLaDA, Dream) models; {model.family!r} attends {model.attention!r}"
+        )
     bs, per_step = _schedule(block_size, tokens_per_step, threshold, model.block_size)
     check_rows(model, prompts, "block_size", bs, 2 * bs, "2 * block_size")
-    return _decode_block_causal(model, prompts, max_new_tokens=max_new_tokens,
-                                temperature=temperature, generator=generator, eos_ids=eos_ids,
-                                progress=progress, bs=bs, per_step=per_step, threshold=threshold)
+    return _decode_block_causal(
+        model,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        generator=generator,
+        eos_ids=eos_ids,
+        progress=progress,
+        bs=bs,
+        per_step=per_step,
+        threshold=threshold,
+    )
 
 
-def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generator, eos_ids,
-                         progress, bs, per_step, threshold):
+def _decode_block_causal(
+    model, prompts, *, max_new_tokens, temperature, generator, eos_ids, progress, bs, per_step, threshold
+):
     """Block-causal models with an exact KV cache (see the module docstring).  A request stops
     decoding its block once the block's committed run from its first generated slot holds an
     EOS or reaches ``max_new_tokens`` (the later slots would never be output)."""
     dev = model.device
     batch = len(prompts)
     mask_id = model.mask_token_id
-    streams = request_streams(generator, batch, dev)     # one random stream per request
+    streams = request_streams(generator, batch, dev)  # one random stream per request
     cache = model.new_cache(batch)
     carry, forwards = prefill_prompt_blocks(model, prompts, cache, bs)
 
@@ -214,7 +255,7 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
     two = torch.arange(2 * bs, device=dev) // bs
     pair_mask = pack_mask(two[:, None] >= two[None, :])
     new_rows = (bs + slots - (1 if model.shifted else 0))[None].expand(batch, -1)
-    pending = None                                  # the finished block not yet in the cache
+    pending = None  # the finished block not yet in the cache
     while not bool(finished.all()):
         # the block's slots: prompt tail where it reaches into the block, [MASK] elsewhere
         block_start = cache.lengths.to(dev) + (0 if pending is None else bs)
@@ -227,12 +268,15 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
                 logits = out.logits.float()
                 if model.shifted:
                     logits = torch.cat([carry[:, None], logits[:, :-1]], 1)
-            else:                                   # commit the finished block in this step
+            else:  # commit the finished block in this step
                 prev_tokens, prev_pos = pending
-                out = model(AttentionPlan(torch.cat([prev_tokens, tokens], 1), torch.cat([prev_pos, pos], 1),
-                                          pair_mask, cache), logits=new_rows, return_kv=True)
+                out = model(
+                    AttentionPlan(torch.cat([prev_tokens, tokens], 1), torch.cat([prev_pos, pos], 1), pair_mask, cache),
+                    logits=new_rows,
+                    return_kv=True,
+                )
                 cache.append(out.suffix_kv, counts=[bs] * batch)
-                logits = out.logits.float()         # the new block's slots (shifted: rows bs-1 ..)
+                logits = out.logits.float()  # the new block's slots (shifted: rows bs-1 ..)
                 carry = logits[:, 0] if model.shifted else carry
                 pending = None
             forwards += 1
@@ -248,63 +292,70 @@ def _decode_block_causal(model, prompts, *, max_new_tokens, temperature, generat
                 progress.update(int(pick.sum()) / batch)
             # a request whose committed run reaches an EOS or max_new_tokens stops decoding
             # its block: the later slots are never output
-            host = torch.cat([tokens, masked.long(), block_start[:, None]], 1).cpu().numpy()   # one read
-            ended = outputs.block_ends(requests, host[:, :bs], host[:, bs:2 * bs] == 0, host[:, 2 * bs], prompt_len)
+            host = torch.cat([tokens, masked.long(), block_start[:, None]], 1).cpu().numpy()  # one read
+            ended = outputs.block_ends(requests, host[:, :bs], host[:, bs : 2 * bs] == 0, host[:, 2 * bs], prompt_len)
             if ended.any():
                 masked &= ~torch.from_numpy(ended).to(dev)[:, None]
-        pending = (tokens, pos)                     # committed by the next block's first step
+        pending = (tokens, pos)  # committed by the next block's first step
         live = np.flatnonzero(~finished.cpu().numpy())
-        done = outputs.extend_block(requests[live], tokens.cpu().numpy()[live], block_start.cpu().numpy()[live],
-                                    prompt_len[live])
+        done = outputs.extend_block(
+            requests[live], tokens.cpu().numpy()[live], block_start.cpu().numpy()[live], prompt_len[live]
+        )
         finished[torch.from_numpy(live[done]).to(dev)] = True
     generated = outputs.generated
     steps = max(forwards, 1)
     # mean_accepted: new tokens per model forward (prefill and block commits included)
-    return generated, {"nfe": {"target": forwards},
-                       "mean_accepted": sum(len(g) for g in generated) / batch / steps,
-                       "block_size": bs, "schedule": "threshold" if threshold is not None else "static",
-                       "attention": "block_causal"}
+    return generated, {
+        "nfe": {"target": forwards},
+        "mean_accepted": sum(len(g) for g in generated) / batch / steps,
+        "block_size": bs,
+        "schedule": "threshold" if threshold is not None else "static",
+        "attention": "block_causal",
+    }
 
 
-def _decode_bidirectional(model, prompts, *, max_new_tokens, temperature, generator, eos_ids,
-                          progress, bs, per_step, threshold):
+def _decode_bidirectional(
+    model, prompts, *, max_new_tokens, temperature, generator, eos_ids, progress, bs, per_step, threshold
+):
     """Bidirectional models, LLaDA's semi-autoregressive sampler (see the module docstring)."""
     dev = model.device
     batch = len(prompts)
     mask_id = model.mask_token_id
-    streams = request_streams(generator, batch, dev)     # one random stream per request
+    streams = request_streams(generator, batch, dev)  # one random stream per request
     num_blocks = -(-max_new_tokens // bs)
-    region = num_blocks * bs                                   # generation region length
+    region = num_blocks * bs  # generation region length
     plen = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=dev)
     # right-padded plan of prompt + region; its mask hides the padding, positions per request
     plan = model.plan([list(p) + [mask_id] * region for p in prompts])
-    canvas = plan.tokens.clone()                               # [B, N] the sequences being denoised
-    undecided = torch.ones(batch, region, dtype=torch.bool, device=dev)   # region slot still [MASK]
-    block = torch.zeros(batch, dtype=torch.int64, device=dev)             # current block per request
+    canvas = plan.tokens.clone()  # [B, N] the sequences being denoised
+    undecided = torch.ones(batch, region, dtype=torch.bool, device=dev)  # region slot still [MASK]
+    block = torch.zeros(batch, dtype=torch.int64, device=dev)  # current block per request
     eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=dev)
     slots = torch.arange(bs, device=dev)
     region_slots = torch.arange(region, device=dev)
     shift = 1 if model.shifted else 0
     forwards = 0
     request_forwards = torch.zeros(batch, dtype=torch.int64, device=dev)
-    decided_out = torch.zeros(batch, dtype=torch.int64, device=dev)       # for the progress bar
+    decided_out = torch.zeros(batch, dtype=torch.int64, device=dev)  # for the progress bar
 
-    rows = torch.arange(batch, device=dev)                      # requests still running
+    rows = torch.arange(batch, device=dev)  # requests still running
     while rows.numel():
         tokens = canvas[rows, : plan.tokens.shape[1]]
-        first = plen[rows] + block[rows] * bs                   # current block's first position
-        pos = first[:, None] + slots                            # [A, bs] canvas columns
+        first = plen[rows] + block[rows] * bs  # current block's first position
+        pos = first[:, None] + slots  # [A, bs] canvas columns
         # only the current block's logits (a right-shifted model reads each slot's left neighbour)
-        out = model(AttentionPlan(tokens, plan.positions, plan.mask, None, plan.lengths),
-                    logits=pos - shift, return_kv=False)
+        out = model(
+            AttentionPlan(tokens, plan.positions, plan.mask, None, plan.lengths), logits=pos - shift, return_kv=False
+        )
         forwards += 1
         request_forwards[rows] += 1
         logits = out.logits.float()
-        logits[..., mask_id] = float("-inf")                    # never "unmask" to [MASK]
+        logits[..., mask_id] = float("-inf")  # never "unmask" to [MASK]
         # every running row steps: a draw per slot of its current block
-        choice, conf = choose(logits, temperature,
-                              uniforms=None if streams is None else streams.uniforms(rows.cpu(), bs))
-        region_pos = block[rows, None] * bs + slots             # [A, bs] region slots
+        choice, conf = choose(
+            logits, temperature, uniforms=None if streams is None else streams.uniforms(rows.cpu(), bs)
+        )
+        region_pos = block[rows, None] * bs + slots  # [A, bs] region slots
         masked = undecided[rows].gather(1, region_pos)
         conf_m, _, rank = rank_masked(conf, masked)
         pick = pick_slots(masked, conf_m, rank, threshold=threshold, per_step=per_step)
@@ -312,13 +363,13 @@ def _decode_bidirectional(model, prompts, *, max_new_tokens, temperature, genera
         canvas[rows[:, None], pos] = torch.where(pick, choice, current)
         still = masked & ~pick
         undecided[rows[:, None], region_pos] = still
-        block[rows] += (~still.any(1)).to(torch.int64)          # a complete block hands over
+        block[rows] += (~still.any(1)).to(torch.int64)  # a complete block hands over
 
         # a request is done once its output is decided: every slot up to its first unmasked
         # EOS (or up to max_new_tokens) unmasked
         und = undecided[rows]
         gen = canvas[rows[:, None], plen[rows, None] + region_slots]
-        leading = torch.cumprod((~und).to(torch.int64), 1).sum(1)           # unmasked prefix length
+        leading = torch.cumprod((~und).to(torch.int64), 1).sum(1)  # unmasked prefix length
         is_eos = torch.isin(gen, eos) & ~und
         first_eos = torch.where(is_eos.any(1), is_eos.to(torch.int64).argmax(1), region)
         end = torch.clamp(first_eos + 1, max=max_new_tokens)
@@ -327,14 +378,14 @@ def _decode_bidirectional(model, prompts, *, max_new_tokens, temperature, genera
             now = torch.minimum(leading, end)
             progress.update(float((now - decided_out[rows]).sum()) / batch)
             decided_out[rows] = now
-        if bool(done.any()):                                    # the one host sync per step
+        if bool(done.any()):  # the one host sync per step
             rows = rows[~done]
             if rows.numel():
                 lens = (plen[rows] + region).cpu()
                 plan = model.plan(canvas[rows, : int(lens.max())], lengths=lens)
     generated = []
     for b in range(batch):
-        gen = canvas[b, int(plen[b]): int(plen[b]) + max_new_tokens].tolist()
+        gen = canvas[b, int(plen[b]) : int(plen[b]) + max_new_tokens].tolist()
         for i, t in enumerate(gen):
             if t in eos_ids:
                 gen = gen[: i + 1]
@@ -342,11 +393,15 @@ def _decode_bidirectional(model, prompts, *, max_new_tokens, temperature, genera
         generated.append(gen)
     total_request_forwards = max(int(request_forwards.sum()), 1)
     # mean_accepted: new tokens per request forward (every forward is a full-sequence step)
-    return generated, {"nfe": {"target": forwards},
-                       "mean_accepted": sum(len(g) for g in generated) / total_request_forwards,
-                       "block_size": bs, "schedule": "threshold" if threshold is not None else "static",
-                       "attention": "bidirectional", "gen_length": region,
-                       "request_forwards": request_forwards.tolist()}
+    return generated, {
+        "nfe": {"target": forwards},
+        "mean_accepted": sum(len(g) for g in generated) / total_request_forwards,
+        "block_size": bs,
+        "schedule": "threshold" if threshold is not None else "static",
+        "attention": "bidirectional",
+        "gen_length": region,
+        "request_forwards": request_forwards.tolist(),
+    }
 
 
 OPTIONS = ("block_size", "tokens_per_step", "threshold")

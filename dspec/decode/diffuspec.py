@@ -56,6 +56,7 @@ Host synchronisation: the search runs on the CPU (the lattice is copied once per
 the accepted counts are read once per cycle (the KV caches keep their lengths on the host and
 the per-request draft lengths shape the next forward); all else stays on the device.
 """
+
 from __future__ import annotations
 
 import functools
@@ -80,12 +81,37 @@ from .outputs import OutputBuffer
 from .path_search import build_lattice, path_search
 from .sampling import next_tokens, non_finite_error, request_streams, require_finite
 
-OPTIONS = ("draft_len", "adaptive", "cps", "beam", "tau", "max_candidates", "lam", "k_min", "k_max",
-           "delta", "rho", "ngram", "draft_vocab", "lookup")
-DRAFTER = "model"    # a block-diffusion model (dspec.load: a shipped name or a checkpoint directory)
+OPTIONS = (
+    "draft_len",
+    "adaptive",
+    "cps",
+    "beam",
+    "tau",
+    "max_candidates",
+    "lam",
+    "k_min",
+    "k_max",
+    "delta",
+    "rho",
+    "ngram",
+    "draft_vocab",
+    "lookup",
+)
+DRAFTER = "model"  # a block-diffusion model (dspec.load: a shipped name or a checkpoint directory)
 # the paper's defaults (DiffuSpec, Li et al. 2025)
-DEFAULTS = dict(draft_len=20, adaptive=True, cps=True, beam=3, tau=0.8, max_candidates=15, lam=0.5,
-                k_min=20, k_max=30, delta=10, rho=0.5)
+DEFAULTS = dict(
+    draft_len=20,
+    adaptive=True,
+    cps=True,
+    beam=3,
+    tau=0.8,
+    max_candidates=15,
+    lam=0.5,
+    k_min=20,
+    k_max=30,
+    delta=10,
+    rho=0.5,
+)
 #: ADL's bounds for a CPU model when none of k_min / k_max / delta is given: a draft of k and its
 #: verification of k + 1 rows stay within the 16 rows a CPU forward carries at about one row's
 #: cost (``_cpu_cost``).  Measured on smollm2-135m (3 prompts per set, arms interleaved in one
@@ -114,8 +140,7 @@ class AdaptiveDraftLength:
     rho : float in [0, 1), k_init : int >= 1 or None.
     """
 
-    def __init__(self, batch_size: int, *, k_min: int, k_max: int, delta: int, rho: float,
-                 k_init: int | None = None):
+    def __init__(self, batch_size: int, *, k_min: int, k_max: int, delta: int, rho: float, k_init: int | None = None):
         _int_option("k_min", k_min, 1)
         _int_option("k_max", k_max, 1)
         _int_option("delta", delta, 0)
@@ -163,19 +188,24 @@ def resolve_drafter(model, drafter):
     """The drafter to use: ``drafter`` (a model, or a name / path for ``dspec.load``), or the
     one dspec ships for ``model``; checks it can draft for ``model`` (ValueError otherwise)."""
     from ..hub import ADAPTED, adapter_dir, load
+
     if drafter is None:
         name = getattr(model, "shipped_name", None)
         if SHIPPED_DRAFTERS.get(name) in ADAPTED:
             try:
                 adapter_dir(SHIPPED_DRAFTERS[name])
             except ValueError as e:
-                raise ValueError(f"no DiffuSpec drafter ships for {name!r} yet (a block-diffusion adaptation "
-                                 f"of it is not trained yet); pass drafter= a block-diffusion model "
-                                 f"that shares its tokenizer.  {e}") from None
+                raise ValueError(
+                    f"no DiffuSpec drafter ships for {name!r} yet (a block-diffusion adaptation "
+                    f"of it is not trained yet); pass drafter= a block-diffusion model "
+                    f"that shares its tokenizer.  {e}"
+                ) from None
         if name not in SHIPPED_DRAFTERS:
-            raise ValueError("method 'diffuspec' needs drafter= (a block-diffusion model sharing the target's "
-                             "tokenizer); dspec ships drafters for "
-                             f"{sorted(k for k, v in SHIPPED_DRAFTERS.items() if v)}")
+            raise ValueError(
+                "method 'diffuspec' needs drafter= (a block-diffusion model sharing the target's "
+                "tokenizer); dspec ships drafters for "
+                f"{sorted(k for k, v in SHIPPED_DRAFTERS.items() if v)}"
+            )
         drafter = SHIPPED_DRAFTERS[name]
     if isinstance(drafter, (str, Path)):
         key = (str(drafter), str(model.device), model.dtype)
@@ -211,32 +241,41 @@ def check_pair(model, drafter) -> None:
     if not hasattr(drafter, "config") or not hasattr(drafter, "plan"):
         raise ValueError(f"drafter must be a dspec model (dspec.load), got {type(drafter).__name__}")
     if model.attention != "causal":
-        raise ValueError(f"method 'diffuspec' verifies with an autoregressive target; {model.family!r} "
-                         f"attends {model.attention!r}")
+        raise ValueError(
+            f"method 'diffuspec' verifies with an autoregressive target; {model.family!r} attends {model.attention!r}"
+        )
     if drafter.mask_token_id is None or drafter.attention != "block_causal":
-        raise ValueError(f"the DiffuSpec drafter must be a block-diffusion model (SDAR, Fast-dLLM v2: "
-                         f"block-causal with a [MASK] token); got {drafter.family!r} ({drafter.attention})")
+        raise ValueError(
+            f"the DiffuSpec drafter must be a block-diffusion model (SDAR, Fast-dLLM v2: "
+            f"block-causal with a [MASK] token); got {drafter.family!r} ({drafter.attention})"
+        )
     if drafter.device != model.device or drafter.dtype != model.dtype:
-        raise ValueError(f"drafter is {drafter.dtype} on {drafter.device}, the target {model.dtype} on "
-                         f"{model.device}: load both on one device in one dtype")
+        raise ValueError(
+            f"drafter is {drafter.dtype} on {drafter.device}, the target {model.dtype} on "
+            f"{model.device}: load both on one device in one dtype"
+        )
     tt, dt = model.tokenizer, drafter.tokenizer
     if tt is not None and dt is not None:
         bad = _vocab_mismatches(tt, dt)
         if bad:
-            raise ValueError(f"the drafter's tokenizer differs from the target's ({len(bad)} of "
-                             f"{tt.inner.get_vocab_size(with_added_tokens=True)} "
-                             f"target tokens have another id or are missing, e.g. {bad[:3]}); DiffuSpec "
-                             f"needs a drafter sharing the target's tokenizer")
+            raise ValueError(
+                f"the drafter's tokenizer differs from the target's ({len(bad)} of "
+                f"{tt.inner.get_vocab_size(with_added_tokens=True)} "
+                f"target tokens have another id or are missing, e.g. {bad[:3]}); DiffuSpec "
+                f"needs a drafter sharing the target's tokenizer"
+            )
     elif drafter.config.vocab_size != model.config.vocab_size:
-        raise ValueError(f"the drafter's vocabulary ({drafter.config.vocab_size}) differs from the target's "
-                         f"({model.config.vocab_size}) and there is no tokenizer to compare")
+        raise ValueError(
+            f"the drafter's vocabulary ({drafter.config.vocab_size}) differs from the target's "
+            f"({model.config.vocab_size}) and there is no tokenizer to compare"
+        )
 
 
 def _options(draft_len, adaptive, **given) -> dict:
     """The paper's defaults overridden by the given options, checked."""
     opts = dict(DEFAULTS)
     if adaptive is None and draft_len is not None:
-        adaptive = False                      # an explicit draft_len asks for a fixed length
+        adaptive = False  # an explicit draft_len asks for a fixed length
     for k, v in dict(draft_len=draft_len, adaptive=adaptive, **given).items():
         if v is not None:
             opts[k] = v
@@ -245,7 +284,7 @@ def _options(draft_len, adaptive, **given) -> dict:
     _int_option("max_candidates", opts["max_candidates"], 1)
     check_max("draft_len", opts["draft_len"], MAX_DRAFT_LEN, "MAX_DRAFT_LEN")
     check_max("beam", opts["beam"], MAX_BEAM, "MAX_BEAM")
-    for name in ("k_min", "k_max"):                  # (their types: AdaptiveDraftLength)
+    for name in ("k_min", "k_max"):  # (their types: AdaptiveDraftLength)
         check_max(name, opts[name], MAX_DRAFT_LEN, "MAX_DRAFT_LEN")
     for flag in ("adaptive", "cps"):
         if not isinstance(opts[flag], bool):
@@ -315,9 +354,23 @@ def resolve_draft_vocab(model, drafter, draft_vocab, eos_ids) -> torch.Tensor | 
 
 
 _SHARES_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_SAME_ARCH = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-              "head_dim", "rope_theta", "rms_norm_eps", "rope_scaling", "qkv_bias", "o_bias", "mlp_bias",
-              "qk_norm", "embed_scale")
+_SAME_ARCH = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rope_theta",
+    "rms_norm_eps",
+    "rope_scaling",
+    "qkv_bias",
+    "o_bias",
+    "mlp_bias",
+    "qk_norm",
+    "embed_scale",
+)
 
 
 def shares_target_cache(model, drafter) -> bool:
@@ -329,8 +382,12 @@ def shares_target_cache(model, drafter) -> bool:
     differently), so it drafts against the target's KV cache: its forward is the last
     committed token and the [MASK] slots, with no cache of its own to keep -- fewer rows and
     no second commit a cycle (checked once per pair: the weights compared tensor by tensor)."""
-    if not drafter.config.clean_causal or getattr(drafter, "mask_adapter", None) is None or \
-            drafter.device != model.device or drafter.dtype != model.dtype:
+    if (
+        not drafter.config.clean_causal
+        or getattr(drafter, "mask_adapter", None) is None
+        or drafter.device != model.device
+        or drafter.dtype != model.dtype
+    ):
         return False
     if any(getattr(model.config, k) != getattr(drafter.config, k) for k in _SAME_ARCH):
         return False
@@ -338,14 +395,17 @@ def shares_target_cache(model, drafter) -> bool:
     if model not in known:
         ours = model.state_dict()
         theirs = drafter.state_dict()
-        known[model] = all(k in theirs and theirs[k].shape == v.shape and theirs[k].dtype == v.dtype
-                           and torch.equal(theirs[k], v) for k, v in ours.items())
+        known[model] = all(
+            k in theirs and theirs[k].shape == v.shape and theirs[k].dtype == v.dtype and torch.equal(theirs[k], v)
+            for k, v in ours.items()
+        )
     return known[model]
 
 
 @functools.lru_cache(maxsize=8)
 def _load_draft_vocab(path: str) -> torch.Tensor:
     from safetensors.torch import load_file
+
     ids = load_file(path).get("ids")
     if ids is None:
         raise ValueError(f"{path} holds no 'ids' tensor")
@@ -369,6 +429,7 @@ def _draft_head(drafter, ids: torch.Tensor) -> torch.Tensor:
 
 def _shipped_draft_vocab(drafter):
     from ..hub import assets_dir
+
     name = getattr(drafter, "shipped_name", None)
     path = assets_dir() / name / DRAFT_VOCAB_FILE if name else None
     return path if path is not None and path.is_file() else None
@@ -385,33 +446,49 @@ class _Batch:
     their concatenation.
     """
 
-    def __init__(self, model, drafter, prompts, opts, lm, controller, *, max_new_tokens, temperature,
-                 generator, eos_ids, progress, draft_ids=None, lookup=None):
+    def __init__(
+        self,
+        model,
+        drafter,
+        prompts,
+        opts,
+        lm,
+        controller,
+        *,
+        max_new_tokens,
+        temperature,
+        generator,
+        eos_ids,
+        progress,
+        draft_ids=None,
+        lookup=None,
+    ):
         self.model, self.drafter, self.opts, self.lm, self.controller = model, drafter, opts, lm, controller
         self.draft_ids = draft_ids
         self.draft_head = None
-        if draft_ids is not None:             # the head's draft-vocabulary rows
+        if draft_ids is not None:  # the head's draft-vocabulary rows
             self.draft_head = _draft_head(drafter, draft_ids)
         self.temperature = temperature
         self.sampling = temperature > 0
         self.dev = model.device
-        self.streams = request_streams(generator, len(prompts), self.dev)   # one stream per request
+        self.streams = request_streams(generator, len(prompts), self.dev)  # one stream per request
         self.V, self.Vd = model.config.vocab_size, drafter.config.vocab_size
         self.bs, self.mask_id = drafter.block_size, drafter.mask_token_id
         self.eos = sorted({int(e) for e in eos_ids if 0 <= int(e) < self.V})
-        if draft_ids is not None:             # the EOS ids' columns among the drafted logits
+        if draft_ids is not None:  # the EOS ids' columns among the drafted logits
             eos_t = torch.tensor(self.eos, dtype=torch.int64, device=draft_ids.device)
             self.eos_columns = (draft_ids[:, None] == eos_t[None]).any(1).nonzero()[:, 0].tolist()
         batch = self.batch = len(prompts)
-        self.rows = np.arange(batch)                         # live batch row -> request index
+        self.rows = np.arange(batch)  # live batch row -> request index
         self.outputs = OutputBuffer(batch, max_new_tokens, self.eos, progress)
         self.lookup = lookup
         self.prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
         width = int(self.prompt_len.max())
         self.prompt_buf = np.zeros((batch, width), dtype=np.int64)
-        self.prompt_buf[np.arange(width)[None, :] >= width - self.prompt_len[:, None]] = \
-            np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
-        self.d_start = np.zeros(batch, dtype=np.int64)       # drafter cache length (a block boundary)
+        self.prompt_buf[np.arange(width)[None, :] >= width - self.prompt_len[:, None]] = np.concatenate(
+            [np.asarray(p, dtype=np.int64) for p in prompts]
+        )
+        self.d_start = np.zeros(batch, dtype=np.int64)  # drafter cache length (a block boundary)
         self.t_fwd = self.d_fwd = 0
         self.time = {"draft": 0.0, "search": 0.0, "verify": 0.0}
         self.row_cycles = self.committed_total = self.drafted_total = self.accepted_total = 0
@@ -432,9 +509,12 @@ class _Batch:
         # cache (its forward: the last committed token and the [MASK] slots)
         self.shared = shares_target_cache(model, drafter)
         self.dcache = None if self.shared else drafter.new_cache(batch)
-        first = next_tokens(out.logits[:, -1], temperature,
-                            uniforms=self.streams.uniforms(self.rows, 1)[:, 0] if self.sampling else None,
-                            who="target model")
+        first = next_tokens(
+            out.logits[:, -1],
+            temperature,
+            uniforms=self.streams.uniforms(self.rows, 1)[:, 0] if self.sampling else None,
+            who="target model",
+        )
         first = first.cpu().numpy()
         done = self.outputs.extend(self.rows, first[:, None], np.ones(batch, dtype=np.int64))
         if done.any():
@@ -462,8 +542,11 @@ class _Batch:
         self.cycles += 1
         n_act = len(self.rows)
         remaining = self.outputs.remaining(self.rows)
-        k_req = (self.controller.k.numpy() if self.controller is not None
-                 else np.full(n_act, self.opts["draft_len"], dtype=np.int64))
+        k_req = (
+            self.controller.k.numpy()
+            if self.controller is not None
+            else np.full(n_act, self.opts["draft_len"], dtype=np.int64)
+        )
         k = np.clip(k_req, 0, remaining - 1)
         kmax = int(k.max())
         draft = torch.zeros(n_act, max(kmax, 1), dtype=torch.int64)
@@ -476,7 +559,7 @@ class _Batch:
         if self.lookup:
             acc, new_tok = self.verify_tree(text, start, length, draft, n_draft)
             # ADL sizes the dLLM's draft: its own accepted prefix, not a lookup branch's
-            w = min(draft.shape[1], new_tok.shape[1])         # the tree may be narrower than draft
+            w = min(draft.shape[1], new_tok.shape[1])  # the tree may be narrower than draft
             own = (new_tok[:, :w] == draft[:, :w]) & (torch.arange(w) < n_draft[:, None])
             own = own.to(torch.int64).cumprod(1).sum(1).minimum(acc)
         else:
@@ -526,7 +609,7 @@ class _Batch:
             self.dcache.append(out.suffix_kv, counts=torch.from_numpy(commit))
             self.d_start += commit
         logits = logits.float()
-        if self.draft_ids is not None:               # columns are draft_ids (no [MASK] among them)
+        if self.draft_ids is not None:  # columns are draft_ids (no [MASK] among them)
             self._timed("draft", t0)
             return logits
         if Vd >= V:
@@ -534,7 +617,7 @@ class _Batch:
         else:
             logits = torch.cat([logits, logits.new_full((*logits.shape[:2], V - Vd), -math.inf)], -1)
         if self.mask_id < V:
-            logits[..., self.mask_id] = -math.inf      # [MASK] is never a draft
+            logits[..., self.mask_id] = -math.inf  # [MASK] is never a draft
         self._timed("draft", t0)
         return logits
 
@@ -548,19 +631,24 @@ class _Batch:
         k_t = torch.from_numpy(k)
         draft_probs = None
         if opts["cps"]:
-            cand_tok, cand_lp = build_lattice(logits, tau=opts["tau"], max_candidates=opts["max_candidates"],
-                                              eos_ids=eos if self.draft_ids is None else self.eos_columns,
-                                              temperature=self.temperature if self.sampling else 1.0)
-            require_finite(cand_tok[..., 0], "drafter")    # every finite row keeps its best candidate
+            cand_tok, cand_lp = build_lattice(
+                logits,
+                tau=opts["tau"],
+                max_candidates=opts["max_candidates"],
+                eos_ids=eos if self.draft_ids is None else self.eos_columns,
+                temperature=self.temperature if self.sampling else 1.0,
+            )
+            require_finite(cand_tok[..., 0], "drafter")  # every finite row keeps its best candidate
             cand_tok = self._token_ids(cand_tok)
             # the last two committed tokens (-1 before the text's start)
             at = length[:, None] + np.array([-2, -1])
             hist = np.where(at >= 0, text[np.arange(n_act)[:, None], start[:, None] + np.maximum(at, 0)], -1)
             uniforms = None
-            if self.sampling:     # the rows that draft (k > 0) draw, one uniform per slot
+            if self.sampling:  # the rows that draft (k > 0) draw, one uniform per slot
                 uniforms = self.streams.uniforms(self.rows, kmax, advance=k > 0).cpu()
-            res = path_search(cand_tok, cand_lp, k_t, hist, eos, self.lm, beam=opts["beam"], lam=opts["lam"],
-                              uniforms=uniforms)
+            res = path_search(
+                cand_tok, cand_lp, k_t, hist, eos, self.lm, beam=opts["beam"], lam=opts["lam"], uniforms=uniforms
+            )
             draft[:, :kmax] = res.tokens.clamp(min=0)
             n_draft = res.length.clone()
             if self.sampling:
@@ -576,7 +664,8 @@ class _Batch:
                 draft_probs = torch.softmax(logits / self.temperature, dim=-1)
                 if self.draft_ids is not None:
                     draft_probs = torch.zeros(n_act, kmax, V, device=self.dev).scatter_(
-                        -1, self.draft_ids.expand(n_act, kmax, -1), draft_probs)
+                        -1, self.draft_ids.expand(n_act, kmax, -1), draft_probs
+                    )
             else:
                 choice = require_finite(token_stats(flat).token, "drafter").view(n_act, kmax)
             choice = self._token_ids(choice).cpu()
@@ -607,8 +696,14 @@ class _Batch:
         self.t_fwd += 1
         dp = draft_probs[:, :lmax] if draft_probs is not None else None
         rand = self.streams.chain(self.rows, lmax) if self.sampling else {}
-        ver = verify_chain(draft[:, :lmax].to(self.dev), out.logits, draft_probs=dp, num_drafts=n_draft.to(self.dev),
-                           temperature=self.temperature, **rand)
+        ver = verify_chain(
+            draft[:, :lmax].to(self.dev),
+            out.logits,
+            draft_probs=dp,
+            num_drafts=n_draft.to(self.dev),
+            temperature=self.temperature,
+            **rand,
+        )
         acc = ver.num_accepted.cpu()
         new_tok = ver.tokens.cpu()
         self.tcache.append(out.suffix_kv, counts=acc + 1)
@@ -622,12 +717,11 @@ class _Batch:
         t0 = time.perf_counter()
         n_act = len(length)
         last = text[np.arange(n_act), start + length - 1]
-        chain, counts = suffix_match_drafts(text, length, offsets=start, min_ngram=MIN_NGRAM,
-                                            num_drafts=self.lookup)
+        chain, counts = suffix_match_drafts(text, length, offsets=start, min_ngram=MIN_NGRAM, num_drafts=self.lookup)
         width = max(draft.shape[1], chain.shape[1])
         branches = np.zeros((n_act, 2, width), dtype=np.int64)
-        branches[:, 0, :draft.shape[1]] = draft.numpy()
-        branches[:, 1, :chain.shape[1]] = np.maximum(chain, 0)
+        branches[:, 0, : draft.shape[1]] = draft.numpy()
+        branches[:, 1, : chain.shape[1]] = np.maximum(chain, 0)
         tree = padded_prefix_tree(branches, np.stack([n_draft.numpy(), counts], 1), last, device=self.dev)
         positions = self.tcache.lengths.to(self.dev)[:, None] + tree.positions
         out = self.model(AttentionPlan(tree.tokens, positions, tree.words, self.tcache), logits="all")
@@ -642,8 +736,8 @@ class _Batch:
     def commit(self, acc, new_tok, n_draft) -> np.ndarray:
         """Append each request's accepted drafts and drawn token; returns which rows are done."""
         acc, n = acc.numpy(), n_draft.numpy()
-        if bool((new_tok.numpy()[np.arange(len(acc)), acc] < 0).any()):   # the drawn token: -1 marks a
-            raise non_finite_error("target model")                        # non-finite target row
+        if bool((new_tok.numpy()[np.arange(len(acc)), acc] < 0).any()):  # the drawn token: -1 marks a
+            raise non_finite_error("target model")  # non-finite target row
         self.row_cycles += len(acc)
         self.committed_total += int(acc.sum()) + len(acc)
         self.drafted_total += int(n.sum())
@@ -676,25 +770,46 @@ class _Batch:
             "mean_draft_len": self.drafted_total / rows,
             "acceptance_rate": self.accepted_total / max(self.drafted_total, 1),
             "cycles": self.cycles,
-            "time_draft_s": self.time["draft"], "time_search_s": self.time["search"],
+            "time_draft_s": self.time["draft"],
+            "time_search_s": self.time["search"],
             "time_verify_s": self.time["verify"],
-            "cps": opts["cps"], "adaptive": opts["adaptive"],
+            "cps": opts["cps"],
+            "adaptive": opts["adaptive"],
             "search_backend": _search_backend() if opts["cps"] else None,
             "draft_vocab": None if self.draft_ids is None else int(self.draft_ids.numel()),
             "shared_cache": self.shared,
-            "lookup": self.lookup, "lookup_nodes": self.lookup_nodes / rows,
+            "lookup": self.lookup,
+            "lookup_nodes": self.lookup_nodes / rows,
             "options": {**{k: v for k, v in opts.items() if k in OPTIONS}, "lookup": self.lookup},
         }
 
 
 @torch.no_grad()
-def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                     generator: torch.Generator | None = None, eos_ids=(), progress=None, drafter=None,
-                     draft_len: int | None = None, adaptive: bool | None = None, cps: bool | None = None,
-                     beam: int | None = None, tau: float | None = None, max_candidates: int | None = None,
-                     lam: float | None = None, k_min: int | None = None, k_max: int | None = None,
-                     delta: int | None = None, rho: float | None = None, ngram=None, draft_vocab="auto",
-                     lookup: int | str | None = "auto"):
+def decode_diffuspec(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    eos_ids=(),
+    progress=None,
+    drafter=None,
+    draft_len: int | None = None,
+    adaptive: bool | None = None,
+    cps: bool | None = None,
+    beam: int | None = None,
+    tau: float | None = None,
+    max_candidates: int | None = None,
+    lam: float | None = None,
+    k_min: int | None = None,
+    k_max: int | None = None,
+    delta: int | None = None,
+    rho: float | None = None,
+    ngram=None,
+    draft_vocab="auto",
+    lookup: int | str | None = "auto",
+):
     """DiffuSpec decoding of a ragged batch; returns (tokens per request, stats).
 
     Options (defaults: the paper's): ``draft_len`` (k when ``adaptive`` is False, 20; given
@@ -728,29 +843,68 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
     """
     if k_min is None and k_max is None and delta is None and model.device.type == "cpu":
         k_min, k_max, delta = CPU_ADL["k_min"], CPU_ADL["k_max"], CPU_ADL["delta"]
-    opts = _options(draft_len, adaptive, cps=cps, beam=beam, tau=tau, max_candidates=max_candidates, lam=lam,
-                    k_min=k_min, k_max=k_max, delta=delta, rho=rho)
+    opts = _options(
+        draft_len,
+        adaptive,
+        cps=cps,
+        beam=beam,
+        tau=tau,
+        max_candidates=max_candidates,
+        lam=lam,
+        k_min=k_min,
+        k_max=k_max,
+        delta=delta,
+        rho=rho,
+    )
     controller = None
     if opts["adaptive"]:
-        controller = AdaptiveDraftLength(len(prompts), k_min=opts["k_min"], k_max=opts["k_max"],
-                                         delta=opts["delta"], rho=opts["rho"], k_init=draft_len)
+        controller = AdaptiveDraftLength(
+            len(prompts),
+            k_min=opts["k_min"],
+            k_max=opts["k_max"],
+            delta=opts["delta"],
+            rho=opts["rho"],
+            k_init=draft_len,
+        )
     lookup = resolve_lookup(model, lookup, tree=temperature <= 0, temperature=temperature, batch=len(prompts))
     drafter = resolve_drafter(model, drafter)
     # the context bound: the drafter forwards its pending tokens (< its block size + the last
     # cycle's k + 1) and k [MASK] slots, the target the last token, the draft and the lookup chain
     k = max(opts["k_max"], opts["k_min"]) if opts["adaptive"] else opts["draft_len"]
-    name = ("k_max" if k_max is not None else "draft_len" if draft_len is not None else "drafter") \
-        if opts["adaptive"] else "draft_len"
-    check_rows(model, prompts, name, k, drafter.block_size + 2 * k + 1 + (lookup or 0),
-               f"the drafter's block size + 2 * {'k_max' if opts['adaptive'] else 'draft_len'} + 1"
-               + (" + lookup" if lookup else ""), drafter=drafter)
+    name = (
+        ("k_max" if k_max is not None else "draft_len" if draft_len is not None else "drafter")
+        if opts["adaptive"]
+        else "draft_len"
+    )
+    check_rows(
+        model,
+        prompts,
+        name,
+        k,
+        drafter.block_size + 2 * k + 1 + (lookup or 0),
+        f"the drafter's block size + 2 * {'k_max' if opts['adaptive'] else 'draft_len'} + 1"
+        + (" + lookup" if lookup else ""),
+        drafter=drafter,
+    )
     lm = _causal_proxy(model, opts, ngram)
     draft_ids = resolve_draft_vocab(model, drafter, draft_vocab, eos_ids)
     # the drafter's weight table checked once for the call, as generate does for the target's
     with frozen_weights(drafter):
-        run = _Batch(model, drafter, prompts, opts, lm, controller, max_new_tokens=max_new_tokens,
-                     temperature=temperature, generator=generator, eos_ids=eos_ids, progress=progress,
-                     draft_ids=draft_ids, lookup=lookup)
+        run = _Batch(
+            model,
+            drafter,
+            prompts,
+            opts,
+            lm,
+            controller,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            generator=generator,
+            eos_ids=eos_ids,
+            progress=progress,
+            draft_ids=draft_ids,
+            lookup=lookup,
+        )
         while run.active and run.cycle():
             pass
     return run.generated, run.stats()
@@ -758,6 +912,7 @@ def decode_diffuspec(model, prompts: list[list[int]], *, max_new_tokens: int, te
 
 def _search_backend() -> str:
     from .path_search import cpp_available
+
     return "cpp" if cpp_available() else "python"
 
 

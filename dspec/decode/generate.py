@@ -1,4 +1,5 @@
 """``dspec.generate``: one entry point for every decoding method."""
+
 from __future__ import annotations
 
 import contextlib
@@ -97,8 +98,9 @@ class Generation(NamedTuple):
     stats: dict
 
 
-_PROMPT_FORMS = ("a str, a list of int token ids or a 1-D integer tensor / array (for a batch: a list of "
-                 "those, or a 2-D tensor)")
+_PROMPT_FORMS = (
+    "a str, a list of int token ids or a 1-D integer tensor / array (for a batch: a list of those, or a 2-D tensor)"
+)
 
 
 def _jsonable(value):
@@ -137,27 +139,35 @@ def _resolved_options(module, given: dict, stats: dict) -> dict:
 
 def _is_prompt(p) -> bool:
     """Whether ``p`` is one prompt's form (what a batch is a list of)."""
-    return isinstance(p, (str, bytes, bytearray, memoryview, list, tuple)) or \
-        ((torch.is_tensor(p) or isinstance(p, np.ndarray)) and p.ndim == 1)
+    return isinstance(p, (str, bytes, bytearray, memoryview, list, tuple)) or (
+        (torch.is_tensor(p) or isinstance(p, np.ndarray)) and p.ndim == 1
+    )
 
 
 def _prompt_ids(model, prompt, where: str = "prompt") -> list[int]:
     """One prompt as token ids; ValueError naming ``where`` for anything else (bytes
     included: iterating them would read each byte as a token id)."""
     if isinstance(prompt, (bytes, bytearray, memoryview)):
-        raise ValueError(f"{where}: bytes are not a prompt (each byte would be read as a token id); pass "
-                         f"a str (prompt.decode()) or a list of int token ids")
+        raise ValueError(
+            f"{where}: bytes are not a prompt (each byte would be read as a token id); pass "
+            f"a str (prompt.decode()) or a list of int token ids"
+        )
     if isinstance(prompt, str):
         if model.tokenizer is None:
             raise ValueError(f"{where}: this model has no tokenizer; pass the prompt as token ids")
         ids = model.tokenizer.encode(prompt)
     else:
         if torch.is_tensor(prompt) or isinstance(prompt, np.ndarray):
-            integer = (not (prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool)
-                       if torch.is_tensor(prompt) else np.issubdtype(prompt.dtype, np.integer))
+            integer = (
+                not (prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool)
+                if torch.is_tensor(prompt)
+                else np.issubdtype(prompt.dtype, np.integer)
+            )
             if prompt.ndim != 1 or not integer:
-                raise ValueError(f"{where}: a tensor / array prompt must be 1-D integer token ids (a 2-D "
-                                 f"tensor is a batch, one row per prompt), got {prompt.dtype} {list(prompt.shape)}")
+                raise ValueError(
+                    f"{where}: a tensor / array prompt must be 1-D integer token ids (a 2-D "
+                    f"tensor is a batch, one row per prompt), got {prompt.dtype} {list(prompt.shape)}"
+                )
             prompt = prompt.tolist()
         elif not isinstance(prompt, (list, tuple)):
             raise ValueError(f"{where} must be {_PROMPT_FORMS}, got {type(prompt).__name__}")
@@ -178,14 +188,18 @@ def _prompt_ids(model, prompt, where: str = "prompt") -> list[int]:
 def _check_model(model, name: str = "model") -> None:
     """``model`` is a loaded dspec model with data (ValueError naming ``name`` otherwise)."""
     from ..models.transformer import Model
+
     if isinstance(model, (str, os.PathLike)):
-        raise ValueError(f"{name} must be a loaded model: generate takes dspec.load({os.fspath(model)!r}), "
-                         f"not a name or path")
+        raise ValueError(
+            f"{name} must be a loaded model: generate takes dspec.load({os.fspath(model)!r}), not a name or path"
+        )
     if not isinstance(model, Model):
         raise ValueError(f"{name} must be a dspec model (dspec.load(...)), got {type(model).__name__}")
     if any(t.is_meta for t in model.parameters()):
-        raise ValueError(f"{name}: its weights are on the meta device (no data to decode with); load it with "
-                         f"dspec.load(..., device='cpu') or 'cuda'")
+        raise ValueError(
+            f"{name}: its weights are on the meta device (no data to decode with); load it with "
+            f"dspec.load(..., device='cpu') or 'cuda'"
+        )
 
 
 def _check_model_drafter(method: str, drafter) -> None:
@@ -195,8 +209,11 @@ def _check_model_drafter(method: str, drafter) -> None:
     target (block diffusion, same tokenizer) is the method's check."""
     from ..models.dflash import ASSETS as DRAFTER_ASSETS, BlockDrafter
     from ..models.transformer import Model
-    takes = (f"method {method!r} drafts with a block-diffusion model (a dLLM sharing the target's tokenizer): "
-             f"a dspec model, its checkpoint directory or a shipped model name such as 'tiny-bd'")
+
+    takes = (
+        f"method {method!r} drafts with a block-diffusion model (a dLLM sharing the target's tokenizer): "
+        f"a dspec model, its checkpoint directory or a shipped model name such as 'tiny-bd'"
+    )
     block = " (a block drafter: those draft in methods 'dflash' and 'd2sd')"
     if drafter is None:
         return
@@ -205,19 +222,31 @@ def _check_model_drafter(method: str, drafter) -> None:
         return
     if isinstance(drafter, (str, os.PathLike)) and isinstance(os.fspath(drafter), str) and os.fspath(drafter):
         from ..hub import ADAPTED, SHIPPED, available_models
+
         name = os.fspath(drafter)
         if name in SHIPPED or name in ADAPTED or Path(name).expanduser().is_dir():
             return
         hint = block if "/" not in name and (DRAFTER_ASSETS / name).is_dir() else ""
-        raise ValueError(f"drafter: {takes}; {name!r} is neither a checkpoint directory nor a shipped model "
-                         f"({available_models()}){hint}")
+        raise ValueError(
+            f"drafter: {takes}; {name!r} is neither a checkpoint directory nor a shipped model "
+            f"({available_models()}){hint}"
+        )
     hint = block if isinstance(drafter, BlockDrafter) else ""
     raise ValueError(f"drafter: {takes}; got {type(drafter).__name__}{hint}")
 
 
-def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
-             temperature: float = 0.0, seed: int | None = None, progress: bool = False,
-             **options):
+def generate(
+    model,
+    prompt,
+    *,
+    method: str,
+    max_new_tokens: int,
+    drafter=None,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    progress: bool = False,
+    **options,
+):
     """Decode ``prompt`` (a string, token ids, or a list of either for one batch) with ``method``.
 
     Returns a :class:`Generation` (a list of them for a list of prompts).  ``stats['nfe']``
@@ -257,7 +286,7 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
     if drafter is not None and not takes_drafter:
         raise ValueError(f"method {method!r} takes no drafter")
     if takes_drafter == "model":
-        _check_model_drafter(method, drafter)    # block drafters: load_drafter checks what it is given
+        _check_model_drafter(method, drafter)  # block drafters: load_drafter checks what it is given
     unknown = sorted(set(options) - set(module.OPTIONS))
     if unknown:
         raise ValueError(f"method {method!r} does not take {unknown}; it takes {list(module.OPTIONS)}")
@@ -266,18 +295,23 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature != temperature:
         raise ValueError(f"temperature must be a number (<= 0: greedy), got {temperature!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
-        raise ValueError(f"seed must be None or an int in [0, 2**64 - 1] (what torch.Generator.manual_seed "
-                         f"takes), got {seed!r:.80}")
+        raise ValueError(
+            f"seed must be None or an int in [0, 2**64 - 1] (what torch.Generator.manual_seed takes), got {seed!r:.80}"
+        )
     if (torch.is_tensor(prompt) or isinstance(prompt, np.ndarray)) and prompt.ndim == 2:
-        prompt = list(prompt)                            # a batch, one row per prompt
+        prompt = list(prompt)  # a batch, one row per prompt
     batched = isinstance(prompt, (list, tuple)) and len(prompt) > 0 and _is_prompt(prompt[0])
-    prompts = [_prompt_ids(model, p, f"prompt[{i}]" if batched else "prompt")
-               for i, p in enumerate(prompt if batched else [prompt])]
+    prompts = [
+        _prompt_ids(model, p, f"prompt[{i}]" if batched else "prompt")
+        for i, p in enumerate(prompt if batched else [prompt])
+    ]
     context = model.config.max_position_embeddings
     longest = max(len(p) for p in prompts)
     if context and longest + max_new_tokens > context:
-        raise ValueError(f"max_new_tokens: a prompt of {longest} tokens plus max_new_tokens = {max_new_tokens} "
-                         f"is {longest + max_new_tokens} tokens, past the model's context of {context}")
+        raise ValueError(
+            f"max_new_tokens: a prompt of {longest} tokens plus max_new_tokens = {max_new_tokens} "
+            f"is {longest + max_new_tokens} tokens, past the model's context of {context}"
+        )
     generator = None
     if temperature > 0:
         # one stream per request (request i seeded request_seed(seed, i)): a request's draws
@@ -287,16 +321,29 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
     bar = None
     if progress:
         from tqdm.auto import tqdm
+
         bar = tqdm(total=max_new_tokens, desc=f"{method} decode", unit="tok")
     start = time.perf_counter()
     # no grad mode whatever the method module does: under grad mode a CPU forward takes the
     # torch attention and the per-op layers (the C++ kernels have no backward)
     # the prompts and options are checked: the loop's ops need not re-read their own tensors
-    with torch.no_grad(), frozen_weights(model), cpu.torch_ops_one_thread(), _gc_paused(), \
-            _validate.decode_values_trusted():
-        tokens, stats = module.decode(model, prompts, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, generator=generator,
-                                      eos_ids=model.eos_token_ids, progress=bar, **options)
+    with (
+        torch.no_grad(),
+        frozen_weights(model),
+        cpu.torch_ops_one_thread(),
+        _gc_paused(),
+        _validate.decode_values_trusted(),
+    ):
+        tokens, stats = module.decode(
+            model,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            generator=generator,
+            eos_ids=model.eos_token_ids,
+            progress=bar,
+            **options,
+        )
     wall = time.perf_counter() - start
     if bar is not None:
         bar.close()
@@ -305,7 +352,12 @@ def generate(model, prompt, *, method: str, max_new_tokens: int, drafter=None,
     total = sum(len(t) for t in tokens)
     for ids in tokens:
         text = model.tokenizer.decode(ids) if model.tokenizer is not None else ""
-        s = dict(stats, wall_s=wall, new_tokens=len(ids), batch_size=len(prompts),
-                 tokens_per_s=total / wall if wall > 0 else None)      # stats are strict JSON: no inf
+        s = dict(
+            stats,
+            wall_s=wall,
+            new_tokens=len(ids),
+            batch_size=len(prompts),
+            tokens_per_s=total / wall if wall > 0 else None,
+        )  # stats are strict JSON: no inf
         results.append(Generation(text, ids, s))
     return results if batched else results[0]

@@ -13,6 +13,7 @@ set, DFlash's own cycles with the best of (its accepted drafts, the lookup chain
 prefix) would commit 4.77 / 4.06 / 2.43 tokens per cycle on HumanEval / MATH500 / MT-Bench
 against 2.26 / 2.09 / 1.75.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,9 +29,15 @@ __all__ = ["MIN_NGRAM", "suffix_match_drafts", "PromptLookup", "graft_chain"]
 MIN_NGRAM = 2
 
 
-def suffix_match_drafts(history: np.ndarray, lengths: np.ndarray, *, offsets: np.ndarray | None = None,
-                        max_ngram: int = 3, min_ngram: int = 1,
-                        num_drafts: int = 7) -> tuple[np.ndarray, np.ndarray]:
+def suffix_match_drafts(
+    history: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    offsets: np.ndarray | None = None,
+    max_ngram: int = 3,
+    min_ngram: int = 1,
+    num_drafts: int = 7,
+) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the tokens after the latest earlier occurrence of its last n-gram.
 
     Parameters
@@ -63,18 +70,18 @@ def suffix_match_drafts(history: np.ndarray, lengths: np.ndarray, *, offsets: np
     rows, width = history.shape
     first = np.zeros(rows, dtype=np.int64) if offsets is None else np.asarray(offsets, dtype=np.int64)
     end = first + np.asarray(lengths, dtype=np.int64)  # one past each text's last column
-    begin = np.full(rows, -1, dtype=np.int64)           # where the drafts begin, -1: none yet
+    begin = np.full(rows, -1, dtype=np.int64)  # where the drafts begin, -1: none yet
     r = np.arange(rows)
     for n in range(max_ngram, min_ngram - 1, -1):
         if width < n + 1:
             continue
-        windows = width - n + 1                         # window s covers history[:, s : s + n]
+        windows = width - n + 1  # window s covers history[:, s : s + n]
         tail = history[r[:, None], np.clip(end[:, None] - n + np.arange(n), 0, width - 1)]
         equal = np.ones((rows, windows), dtype=bool)
-        for k in range(n):                              # n <= max_ngram compares of [A, L]
-            equal &= history[:, k:k + windows] == tail[:, k:k + 1]
+        for k in range(n):  # n <= max_ngram compares of [A, L]
+            equal &= history[:, k : k + windows] == tail[:, k : k + 1]
         s = np.arange(windows)
-        equal &= (s >= first[:, None]) & (s < (end - n)[:, None])   # earlier, >= 1 token after
+        equal &= (s >= first[:, None]) & (s < (end - n)[:, None])  # earlier, >= 1 token after
         found = equal.any(1) & (begin < 0)
         latest = windows - 1 - np.argmax(equal[:, ::-1], 1)
         begin = np.where(found, latest + n, begin)
@@ -94,8 +101,9 @@ class PromptLookup:
     by default (``MIN_NGRAM``).
     """
 
-    def __init__(self, prompts, outputs: OutputBuffer, *, num_drafts: int = 7, max_ngram: int = 3,
-                 min_ngram: int = MIN_NGRAM):
+    def __init__(
+        self, prompts, outputs: OutputBuffer, *, num_drafts: int = 7, max_ngram: int = 3, min_ngram: int = MIN_NGRAM
+    ):
         self.prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         width = int(self.prompt_lengths.max(initial=0)) + outputs.max_new_tokens
         self.text = np.full((len(prompts), width), -1, dtype=np.int64)
@@ -110,12 +118,14 @@ class PromptLookup:
         p = self.prompt_lengths[requests]
         r, c = np.nonzero(np.arange(self.outputs.tokens.shape[1]) < gen[:, None])
         self.text[requests[r], p[r] + c] = self.outputs.tokens[requests[r], c]
-        return suffix_match_drafts(self.text[requests], p + gen, max_ngram=self.max_ngram,
-                                   min_ngram=self.min_ngram, num_drafts=self.num_drafts)
+        return suffix_match_drafts(
+            self.text[requests], p + gen, max_ngram=self.max_ngram, min_ngram=self.min_ngram, num_drafts=self.num_drafts
+        )
 
 
-def graft_chain(tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, chain: np.ndarray,
-                counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def graft_chain(
+    tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, chain: np.ndarray, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Insert one chain per row under the root of a draft tree, sharing the tree's nodes where
     the chain's prefix is a path of the tree (a trie insert, batched).
 
@@ -141,9 +151,9 @@ def graft_chain(tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, 
     new_par = np.full((rows, k), -1, dtype=np.int64)
     new_pos = np.zeros((rows, k), dtype=np.int64)
     added = np.zeros(rows, dtype=np.int64)
-    node = np.zeros(rows, dtype=np.int64)                # the chain's current node
-    on_tree = np.ones(rows, dtype=bool)                  # its prefix so far is a tree path
-    for d in range(k):                                   # K <= a few: depth, not requests
+    node = np.zeros(rows, dtype=np.int64)  # the chain's current node
+    on_tree = np.ones(rows, dtype=bool)  # its prefix so far is a tree path
+    for d in range(k):  # K <= a few: depth, not requests
         active = d < counts
         t = chain[:, d]
         child = (parents == node[:, None]) & (tokens == t[:, None])
@@ -157,5 +167,8 @@ def graft_chain(tokens: np.ndarray, parents: np.ndarray, positions: np.ndarray, 
         on_tree &= hit
         added += make
     extra = int(added.max(initial=0))
-    return (np.concatenate([tokens, new_tok[:, :extra]], 1), np.concatenate([parents, new_par[:, :extra]], 1),
-            np.concatenate([positions, new_pos[:, :extra]], 1))
+    return (
+        np.concatenate([tokens, new_tok[:, :extra]], 1),
+        np.concatenate([parents, new_par[:, :extra]], 1),
+        np.concatenate([positions, new_pos[:, :extra]], 1),
+    )

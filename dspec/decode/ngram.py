@@ -43,6 +43,7 @@ engine), SmolLM2-135M with ``smollm2-135m-bd`` drafting: the corpora 3-gram made
 *fewer* tokens than the drafter's own argmax (2.53 against 3.66 per verification), the
 self-generated one 3.39 (``dspec/assets/ngram/README.md``).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -65,8 +66,16 @@ CORPORA = ("sharegpt", "stdlib", "arithmetic")
 # n-grams shipped for shipped targets: <shipped_name>.npz (what default_ngram would build)
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "assets" / "ngram"
 
-__all__ = ["NgramLM", "METHODS", "CORPORA", "default_ngram", "ngram_from_model", "ngram_from_data",
-           "causal_proxy", "cache_dir"]
+__all__ = [
+    "NgramLM",
+    "METHODS",
+    "CORPORA",
+    "default_ngram",
+    "ngram_from_model",
+    "ngram_from_data",
+    "causal_proxy",
+    "cache_dir",
+]
 
 
 class NgramLM:
@@ -82,8 +91,20 @@ class NgramLM:
     meta : dict of provenance (corpus, token count, tokenizer hash, ...).
     """
 
-    def __init__(self, vocab_size, unigram_logp, unigram_bow, bigram_keys, bigram_logp, bigram_bow,
-                 trigram_keys, trigram_logp, *, method="kneser_ney", meta=None):
+    def __init__(
+        self,
+        vocab_size,
+        unigram_logp,
+        unigram_bow,
+        bigram_keys,
+        bigram_logp,
+        bigram_bow,
+        trigram_keys,
+        trigram_logp,
+        *,
+        method="kneser_ney",
+        meta=None,
+    ):
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
         vocab_size = int(vocab_size)
@@ -100,8 +121,10 @@ class NgramLM:
         self.bigram_bow = _array("bigram_bow", bigram_bow, np.float32, len(self.bigram_keys))
         self.trigram_keys = _array("trigram_keys", trigram_keys, np.int64)
         self.trigram_logp = _array("trigram_logp", trigram_logp, np.float32, len(self.trigram_keys))
-        for name, keys, top in (("bigram_keys", self.bigram_keys, vocab_size ** 2),
-                                ("trigram_keys", self.trigram_keys, vocab_size ** 3)):
+        for name, keys, top in (
+            ("bigram_keys", self.bigram_keys, vocab_size**2),
+            ("trigram_keys", self.trigram_keys, vocab_size**3),
+        ):
             if len(keys) and (keys[0] < 0 or keys[-1] >= top or bool(np.any(keys[1:] <= keys[:-1]))):
                 raise ValueError(f"{name} must be strictly increasing in [0, {top})")
         if not np.all(np.isfinite(self.unigram_logp)):
@@ -111,8 +134,9 @@ class NgramLM:
     # ------------------------------------------------------------------------ building
 
     @classmethod
-    def build(cls, sequences: Iterable, vocab_size: int, *, method: str = "kneser_ney",
-              meta: dict | None = None) -> "NgramLM":
+    def build(
+        cls, sequences: Iterable, vocab_size: int, *, method: str = "kneser_ney", meta: dict | None = None
+    ) -> "NgramLM":
         """Count the 1/2/3-grams of ``sequences`` (lists or 1-D arrays of ids in [0, V); an
         n-gram never crosses two sequences) and estimate the model with ``method``."""
         if method not in METHODS:
@@ -134,7 +158,7 @@ class NgramLM:
                 tri_parts.append((a[:-2] * V + a[1:-1]) * V + a[2:])
         if total == 0:
             raise ValueError("sequences hold no token")
-        cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64))
+        cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)
         uni_count = np.bincount(cat(uni_parts), minlength=V).astype(np.float64)
         bi_keys, bi_count = np.unique(cat(bi_parts), return_counts=True)
         tri_keys, tri_count = np.unique(cat(tri_parts), return_counts=True)
@@ -153,23 +177,33 @@ class NgramLM:
         ctx = bi_keys // V
         ctx_total = np.bincount(ctx, weights=bi_count, minlength=V)
         bi_logp = np.log(bi_count / ctx_total[ctx])
-        tctx = tri_keys // V                                       # (u * V + v)
+        tctx = tri_keys // V  # (u * V + v)
         pos = np.searchsorted(bi_keys, tctx)
         tctx_total = _group_sum(tctx, tri_count)
         tri_logp = np.log(tri_count / tctx_total)
         alpha = math.log(STUPID_BACKOFF_ALPHA)
         uni_bow = np.where(ctx_total > 0, alpha, 0.0)
         bi_bow = np.zeros(len(bi_keys))
-        bi_bow[np.unique(pos)] = alpha                              # every stored (u, v) context
-        return cls(V, uni_logp, uni_bow, bi_keys, bi_logp, bi_bow, tri_keys, tri_logp,
-                   method="stupid_backoff", meta=dict(meta, method="stupid_backoff"))
+        bi_bow[np.unique(pos)] = alpha  # every stored (u, v) context
+        return cls(
+            V,
+            uni_logp,
+            uni_bow,
+            bi_keys,
+            bi_logp,
+            bi_bow,
+            tri_keys,
+            tri_logp,
+            method="stupid_backoff",
+            meta=dict(meta, method="stupid_backoff"),
+        )
 
     @classmethod
     def _kneser_ney(cls, V, uni_count, bi_keys, bi_count, tri_keys, tri_count, meta):
         # --- continuation counts for the lower orders
         # bigram (v, w): number of distinct u with (u, v, w) seen (at least 1 for a seen bigram,
         # so bigrams that only occur at a sequence start keep their mass)
-        tri_suffix = tri_keys % (V * V)                            # (v, w) of each distinct trigram
+        tri_suffix = tri_keys % (V * V)  # (v, w) of each distinct trigram
         cont_bi = np.bincount(np.searchsorted(bi_keys, tri_suffix), minlength=len(bi_keys)).astype(np.float64)
         cont_bi = np.maximum(cont_bi, 1.0)
         # unigram w: number of distinct v with (v, w) seen, add-one over the vocabulary
@@ -190,7 +224,7 @@ class NgramLM:
 
         # --- trigram level (raw counts), interpolated with the bigram distribution
         d3 = _discount(tri_count)
-        tctx = tri_keys // V                                       # (u * V + v) as a bigram key
+        tctx = tri_keys // V  # (u * V + v) as a bigram key
         tctx_total = _group_sum(tctx, tri_count)
         tctx_types = _group_sum(tctx, np.ones_like(tri_count))
         gamma3 = d3 * tctx_types / tctx_total
@@ -204,12 +238,29 @@ class NgramLM:
         # (u, v) is always a stored bigram when (u, v, w) is a stored trigram
         pos = np.searchsorted(bi_keys, tctx)
         bi_bow[pos] = np.log(gamma3)
-        return cls(V, uni_logp, uni_bow, bi_keys, bi_logp, bi_bow, tri_keys, tri_logp,
-                   method="kneser_ney", meta=dict(meta, method="kneser_ney", discounts=[d2, d3]))
+        return cls(
+            V,
+            uni_logp,
+            uni_bow,
+            bi_keys,
+            bi_logp,
+            bi_bow,
+            tri_keys,
+            tri_logp,
+            method="kneser_ney",
+            meta=dict(meta, method="kneser_ney", discounts=[d2, d3]),
+        )
 
     @classmethod
-    def from_texts(cls, tokenizer, texts: Iterable[str], *, vocab_size: int | None = None,
-                   method: str = "kneser_ney", meta: dict | None = None) -> "NgramLM":
+    def from_texts(
+        cls,
+        tokenizer,
+        texts: Iterable[str],
+        *,
+        vocab_size: int | None = None,
+        method: str = "kneser_ney",
+        meta: dict | None = None,
+    ) -> "NgramLM":
         """Tokenize ``texts`` (one sequence each) with ``tokenizer`` (a dspec Tokenizer or
         anything with ``encode_batch`` / ``encode``) and build the model."""
         texts = list(texts)
@@ -270,14 +321,21 @@ class NgramLM:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The tables, contiguous, in the dtypes the C++ search reads."""
-        return {"unigram_logp": self.unigram_logp, "unigram_bow": self.unigram_bow,
-                "bigram_keys": self.bigram_keys, "bigram_logp": self.bigram_logp,
-                "bigram_bow": self.bigram_bow, "trigram_keys": self.trigram_keys,
-                "trigram_logp": self.trigram_logp}
+        return {
+            "unigram_logp": self.unigram_logp,
+            "unigram_bow": self.unigram_bow,
+            "bigram_keys": self.bigram_keys,
+            "bigram_logp": self.bigram_logp,
+            "bigram_bow": self.bigram_bow,
+            "trigram_keys": self.trigram_keys,
+            "trigram_logp": self.trigram_logp,
+        }
 
     def __repr__(self) -> str:
-        return (f"NgramLM(method={self.method!r}, vocab_size={self.vocab_size}, bigrams={len(self.bigram_keys)}, "
-                f"trigrams={len(self.trigram_keys)}, {self.nbytes / 2**20:.1f} MiB)")
+        return (
+            f"NgramLM(method={self.method!r}, vocab_size={self.vocab_size}, bigrams={len(self.bigram_keys)}, "
+            f"trigrams={len(self.trigram_keys)}, {self.nbytes / 2**20:.1f} MiB)"
+        )
 
     # ----------------------------------------------------------------------------- I/O
 
@@ -285,8 +343,9 @@ class NgramLM:
         """Write one ``.npz`` file (compressed) and return its path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        header = json.dumps({"format": FORMAT_VERSION, "vocab_size": self.vocab_size,
-                             "method": self.method, "meta": self.meta})
+        header = json.dumps(
+            {"format": FORMAT_VERSION, "vocab_size": self.vocab_size, "method": self.method, "meta": self.meta}
+        )
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         with open(tmp, "wb") as f:
             np.savez_compressed(f, header=np.frombuffer(header.encode(), np.uint8), **self.arrays())
@@ -310,6 +369,7 @@ class NgramLM:
 
 
 # ---------------------------------------------------------------------------- helpers
+
 
 def _array(name, a, dtype, size=None) -> np.ndarray:
     a = np.ascontiguousarray(np.asarray(a), dtype=dtype).reshape(-1) if np.ndim(a) <= 1 else None
@@ -353,7 +413,7 @@ def _bigram_logp_array(bi_keys, bi_logp, uni_bow, uni_logp, v, w, V) -> np.ndarr
 
 # ------------------------------------------------------------------ defaults and caching
 
-_LOADED: dict = {}       # (path, mtime, size) -> NgramLM: the last few files read
+_LOADED: dict = {}  # (path, mtime, size) -> NgramLM: the last few files read
 _LOADED_MAX = 4
 
 
@@ -370,7 +430,7 @@ def load_cached(path) -> NgramLM:
     lm = _LOADED.pop(key, None)
     if lm is None:
         lm = NgramLM.load(path)
-    _LOADED[key] = lm                       # most recent last
+    _LOADED[key] = lm  # most recent last
     while len(_LOADED) > _LOADED_MAX:
         _LOADED.pop(next(iter(_LOADED)))
     return lm
@@ -401,7 +461,7 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     try:
         tokenizer._dspec_fingerprint = (size, digest)
     except AttributeError:
-        pass                                    # a tokenizer object without attributes: hash each time
+        pass  # a tokenizer object without attributes: hash each time
     return digest
 
 
@@ -413,8 +473,7 @@ def corpus_texts(corpus: str, max_chars: int) -> list[str]:
     if corpus not in CORPORA:
         raise ValueError(f"corpus must be one of {CORPORA}, got {corpus!r}")
     out, seen = [], 0
-    for text in documents(corpus, "train", max_chars=max_chars,
-                          arithmetic_problems=max(max_chars // 20, 1)):
+    for text in documents(corpus, "train", max_chars=max_chars, arithmetic_problems=max(max_chars // 20, 1)):
         if seen >= max_chars:
             break
         out.append(text)
@@ -422,16 +481,19 @@ def corpus_texts(corpus: str, max_chars: int) -> list[str]:
     return out
 
 
-def default_ngram(model, *, corpora=CORPORA, max_chars: int = 1_500_000, method: str = "kneser_ney",
-                  rebuild: bool = False) -> NgramLM:
+def default_ngram(
+    model, *, corpora=CORPORA, max_chars: int = 1_500_000, method: str = "kneser_ney", rebuild: bool = False
+) -> NgramLM:
     """The causal proxy for ``model``'s tokenizer: a 3-gram over ``max_chars`` characters of
     each corpus in ``corpora``, built once and cached under :func:`cache_dir` (keyed by the
     tokenizer's fingerprint, the corpora, the size and the method).  For a shipped target the
     file ``dspec/assets/ngram/<shipped_name>.npz`` is used when it was built with these same
     settings (``python -m dspec.decode.ngram tiny-ar`` writes it)."""
     if model.tokenizer is None:
-        raise ValueError("the target has no tokenizer: build the n-gram with NgramLM.build(...) or "
-                         "ngram_from_model(...) and pass ngram=")
+        raise ValueError(
+            "the target has no tokenizer: build the n-gram with NgramLM.build(...) or "
+            "ngram_from_model(...) and pass ngram="
+        )
     corpora = tuple(corpora)
     for c in corpora:
         if c not in CORPORA:
@@ -443,41 +505,68 @@ def default_ngram(model, *, corpora=CORPORA, max_chars: int = 1_500_000, method:
         if shipped.is_file():
             lm = load_cached(shipped)
             # only when it is what was asked for (same tokenizer, corpora, size and method)
-            if (lm.meta.get("tokenizer") == fingerprint and lm.meta.get("corpora") == list(corpora)
-                    and lm.meta.get("max_chars") == max_chars and lm.method == method):
+            if (
+                lm.meta.get("tokenizer") == fingerprint
+                and lm.meta.get("corpora") == list(corpora)
+                and lm.meta.get("max_chars") == max_chars
+                and lm.method == method
+            ):
                 return lm
-    key = hashlib.sha256(json.dumps([fingerprint, corpora, max_chars, method,
-                                     model.config.vocab_size, FORMAT_VERSION, "train-docs"]).encode()).hexdigest()[:20]
+    key = hashlib.sha256(
+        json.dumps(
+            [fingerprint, corpora, max_chars, method, model.config.vocab_size, FORMAT_VERSION, "train-docs"]
+        ).encode()
+    ).hexdigest()[:20]
     path = cache_dir() / f"{key}.npz"
     if path.is_file() and not rebuild:
         return load_cached(path)
     texts = []
     for c in corpora:
         texts += corpus_texts(c, max_chars)
-    lm = NgramLM.from_texts(model.tokenizer, texts, vocab_size=model.config.vocab_size, method=method,
-                            meta={"corpora": list(corpora), "max_chars": max_chars, "tokenizer": fingerprint})
+    lm = NgramLM.from_texts(
+        model.tokenizer,
+        texts,
+        vocab_size=model.config.vocab_size,
+        method=method,
+        meta={"corpora": list(corpora), "max_chars": max_chars, "tokenizer": fingerprint},
+    )
     lm.save(path)
     return lm
 
 
-def ngram_from_model(model, *, num_sequences: int = 64, length: int = 64, temperature: float = 1.0,
-                     seed: int = 0, prompts=None, method: str = "kneser_ney") -> NgramLM:
+def ngram_from_model(
+    model,
+    *,
+    num_sequences: int = 64,
+    length: int = 64,
+    temperature: float = 1.0,
+    seed: int = 0,
+    prompts=None,
+    method: str = "kneser_ney",
+) -> NgramLM:
     """A 3-gram of text the target itself samples (``ar`` decoding at ``temperature`` from
     ``prompts``, default: each vocabulary id in turn as a one-token prompt).  The proxy then
     models the target's own continuations, which is what the drafts are verified against."""
     import torch
 
     from .ar import decode_ar
+
     V = model.config.vocab_size
     if prompts is None:
         prompts = [[i % V] for i in range(num_sequences)]
     gen = torch.Generator(device=model.device).manual_seed(seed)
-    out, _ = decode_ar(model, [list(p) for p in prompts], max_new_tokens=length,
-                       temperature=temperature, generator=gen if temperature > 0 else None,
-                       eos_ids=model.eos_token_ids)
+    out, _ = decode_ar(
+        model,
+        [list(p) for p in prompts],
+        max_new_tokens=length,
+        temperature=temperature,
+        generator=gen if temperature > 0 else None,
+        eos_ids=model.eos_token_ids,
+    )
     seqs = [list(p) + list(o) for p, o in zip(prompts, out)]
-    return NgramLM.build(seqs, V, method=method, meta={"source": "target samples",
-                                                       "temperature": temperature, "seed": seed})
+    return NgramLM.build(
+        seqs, V, method=method, meta={"source": "target samples", "temperature": temperature, "seed": seed}
+    )
 
 
 SELFGEN_SUFFIX = "-selfgen"
@@ -493,13 +582,19 @@ def ngram_from_data(model, data, *, method: str = "kneser_ney") -> NgramLM:
     gen = GeneratedData(data)
     target = gen.manifest.get("target")
     name = getattr(model, "shipped_name", None)
-    if target and name and name not in (target, Path(target).name):   # a shipped name or its directory
+    if target and name and name not in (target, Path(target).name):  # a shipped name or its directory
         raise ValueError(f"data: {data} was generated by {target!r}, not by {name!r}")
     responses = (np.asarray(ids[plen:], dtype=np.int64) for ids, plen in gen)
     info = gen.info
-    meta = {"source": "target-generated responses", "data": str(Path(data)), "target": target,
-            "sequences": info["sequences"], "response_tokens": info["response_tokens"],
-            "prompt_sources": info["sources"], "sampled_fraction": info["sampled_fraction"]}
+    meta = {
+        "source": "target-generated responses",
+        "data": str(Path(data)),
+        "target": target,
+        "sequences": info["sequences"],
+        "response_tokens": info["response_tokens"],
+        "prompt_sources": info["sources"],
+        "sampled_fraction": info["sampled_fraction"],
+    }
     if model.tokenizer is not None:
         meta["tokenizer"] = _tokenizer_fingerprint(model.tokenizer)
     return NgramLM.build(responses, model.config.vocab_size, method=method, meta=meta)
@@ -513,8 +608,10 @@ def causal_proxy(model) -> NgramLM:
     path = SHIPPED_DIR / f"{name}{SELFGEN_SUFFIX}.npz" if name else None
     if path is not None and path.is_file() and model.tokenizer is not None:
         lm = load_cached(path)
-        if (lm.meta.get("tokenizer") == _tokenizer_fingerprint(model.tokenizer)
-                and lm.vocab_size >= model.config.vocab_size):
+        if (
+            lm.meta.get("tokenizer") == _tokenizer_fingerprint(model.tokenizer)
+            and lm.vocab_size >= model.config.vocab_size
+        ):
             return lm
     return default_ngram(model)
 
@@ -527,13 +624,18 @@ def _main(argv=None) -> None:
     import argparse
 
     from ..hub import load
+
     parser = argparse.ArgumentParser(prog="python -m dspec.decode.ngram", description=_main.__doc__)
     parser.add_argument("model", help="a shipped name (tiny-ar, smollm2-135m) or a checkpoint directory")
     parser.add_argument("--out", default=None, help="output .npz (default dspec/assets/ngram/NAME.npz)")
     parser.add_argument("--max-chars", type=int, default=1_500_000)
     parser.add_argument("--method", choices=METHODS, default="kneser_ney")
-    parser.add_argument("--from-data", default=None, metavar="DIR",
-                        help="a data-engine directory of the target's responses (python -m dspec.train.data_engine)")
+    parser.add_argument(
+        "--from-data",
+        default=None,
+        metavar="DIR",
+        help="a data-engine directory of the target's responses (python -m dspec.train.data_engine)",
+    )
     args = parser.parse_args(argv)
     model = load(args.model)
     stem = model.shipped_name or Path(args.model).name

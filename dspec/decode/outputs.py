@@ -1,5 +1,6 @@
 """Generated tokens of a batch as one host array: a decode cycle extends every live request
 with array ops, never a Python loop over requests or tokens."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,14 +19,15 @@ class OutputBuffer:
         self.max_new_tokens = max_new_tokens
         self.progress = progress
 
-    def extend(self, requests: np.ndarray, tokens: np.ndarray, counts: np.ndarray, *,
-               only_done: bool = False) -> np.ndarray:
+    def extend(
+        self, requests: np.ndarray, tokens: np.ndarray, counts: np.ndarray, *, only_done: bool = False
+    ) -> np.ndarray:
         """Append ``tokens[a, :counts[a]]`` to request ``requests[a]`` (host arrays [A], [A, W],
         [A]), cut after an EOS and at ``max_new_tokens``; returns which of the A requests are
         done (bool [A]).  ``only_done``: append only to the requests this would finish."""
         width = tokens.shape[1]
         col = np.arange(width)
-        is_eos = (tokens[:, :, None] == self.eos).any(2) & (col < counts[:, None])   # np.isin: ~0.2 ms
+        is_eos = (tokens[:, :, None] == self.eos).any(2) & (col < counts[:, None])  # np.isin: ~0.2 ms
         eos_end = np.where(is_eos.any(1), is_eos.argmax(1) + 1, width + 1)
         length = self.lengths[requests]
         take = np.minimum(np.minimum(counts, eos_end), self.max_new_tokens - length)
@@ -39,8 +41,15 @@ class OutputBuffer:
             self.progress.update(int(take.sum()) / self.tokens.shape[0])
         return done
 
-    def extend_block(self, requests: np.ndarray, block: np.ndarray, block_start: np.ndarray,
-                     prompt_len: np.ndarray, *, only_done: bool = False) -> np.ndarray:
+    def extend_block(
+        self,
+        requests: np.ndarray,
+        block: np.ndarray,
+        block_start: np.ndarray,
+        prompt_len: np.ndarray,
+        *,
+        only_done: bool = False,
+    ) -> np.ndarray:
         """:meth:`extend` by complete blocks of a block-diffusion decode: ``block`` [A, bs]
         holds text positions ``block_start[a] .. + bs``, of which those before
         ``prompt_len[a]`` (the prompt's tail) are not output."""
@@ -49,8 +58,14 @@ class OutputBuffer:
         at = np.minimum(skip[:, None] + np.arange(bs), bs - 1)
         return self.extend(requests, np.take_along_axis(block, at, 1), bs - skip, only_done=only_done)
 
-    def block_ends(self, requests: np.ndarray, block: np.ndarray, known: np.ndarray, block_start: np.ndarray,
-                   prompt_len: np.ndarray) -> np.ndarray:
+    def block_ends(
+        self,
+        requests: np.ndarray,
+        block: np.ndarray,
+        known: np.ndarray,
+        block_start: np.ndarray,
+        prompt_len: np.ndarray,
+    ) -> np.ndarray:
         """Which of ``requests`` (host [A]) end inside their unfinished block: ``block`` [A, bs]
         at text positions ``block_start`` [A] .., ``known`` [A, bs] bool its committed slots
         (the prompt's tail and the generated slots decoded so far).  A request ends there when
@@ -62,7 +77,7 @@ class OutputBuffer:
         skip = np.clip(prompt_len - block_start, 0, bs)
         col = np.arange(bs)
         gen = col >= skip[:, None]
-        run = np.cumprod(np.where(gen, known, True), axis=1).astype(bool) & gen      # the committed run
+        run = np.cumprod(np.where(gen, known, True), axis=1).astype(bool) & gen  # the committed run
         count = run.sum(1)
         eos = (run & (block[:, :, None] == self.eos).any(2)).any(1)
         return eos | (count >= self.max_new_tokens - self.lengths[requests])

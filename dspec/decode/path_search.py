@@ -12,6 +12,7 @@ The search runs on the CPU (it is branchy, small and latency-bound: beams x cand
 slots is a few thousand scores); lattices on a GPU are copied to the host, which is the one
 host synchronisation of a DiffuSpec cycle besides the acceptance counts.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,7 @@ class PathSearchOutput(NamedTuple):
     q: torch.Tensor
 
 
-def build_lattice(logits: torch.Tensor, *, tau: float, max_candidates: int, eos_ids=(),
-                  temperature: float = 1.0):
+def build_lattice(logits: torch.Tensor, *, tau: float, max_candidates: int, eos_ids=(), temperature: float = 1.0):
     """The pruned lattice of per-slot drafter logits.
 
     Parameters
@@ -59,8 +59,10 @@ def build_lattice(logits: torch.Tensor, *, tau: float, max_candidates: int, eos_
     already a mass candidate or has probability 0).
     """
     if not torch.is_tensor(logits) or logits.dim() != 3 or not logits.is_floating_point():
-        raise ValueError(f"logits must be a float tensor [B, L, V], got "
-                         f"{getattr(logits, 'dtype', type(logits).__name__)} {list(getattr(logits, 'shape', []))}")
+        raise ValueError(
+            f"logits must be a float tensor [B, L, V], got "
+            f"{getattr(logits, 'dtype', type(logits).__name__)} {list(getattr(logits, 'shape', []))}"
+        )
     V = logits.shape[-1]
     eos = sorted({int(e) for e in eos_ids})
     if any(not 0 <= e < V for e in eos):
@@ -72,8 +74,8 @@ def build_lattice(logits: torch.Tensor, *, tau: float, max_candidates: int, eos_
         return tokens, logprobs
     B, L = logits.shape[:2]
     eos_t = torch.tensor(eos, device=logits.device)
-    eos_lp = log_probs(logits, eos_t.expand(B, L, -1), t)                                # [B, L, E]
-    present = (tokens[..., None] == eos_t).any(-2)                                        # [B, L, E]
+    eos_lp = log_probs(logits, eos_t.expand(B, L, -1), t)  # [B, L, E]
+    present = (tokens[..., None] == eos_t).any(-2)  # [B, L, E]
     drop = present | torch.isneginf(eos_lp)
     extra_tok = torch.where(drop, torch.full_like(eos_lp, -1, dtype=torch.int64), eos_t.expand(B, L, -1))
     extra_lp = torch.where(drop, torch.full_like(eos_lp, -math.inf), eos_lp)
@@ -89,8 +91,19 @@ def cpp_available() -> bool:
     return hasattr(_C, "diffuspec_search")
 
 
-def path_search(cand_tokens, cand_logprobs, lengths, history, eos_ids, ngram: NgramLM | None, *,
-                beam: int = 3, lam: float = 0.5, uniforms=None, backend: str | None = None) -> PathSearchOutput:
+def path_search(
+    cand_tokens,
+    cand_logprobs,
+    lengths,
+    history,
+    eos_ids,
+    ngram: NgramLM | None,
+    *,
+    beam: int = 3,
+    lam: float = 0.5,
+    uniforms=None,
+    backend: str | None = None,
+) -> PathSearchOutput:
     """Beam search (or, with ``uniforms``, one sampled path) over a lattice.
 
     Parameters
@@ -164,9 +177,11 @@ def path_search(cand_tokens, cand_logprobs, lengths, history, eos_ids, ngram: Ng
         raise ValueError("backend='cpp' but dspec._C was built without diffuspec_search: rebuild the extension")
     if not use_cpp:
         from ..reference.path_search import path_search as ref
+
         out = ref(tok, lp, lengths, history, eos[:num_eos].tolist(), ngram, beam=int(beam), lam=lam, uniforms=uni)
         return PathSearchOutput(*(torch.from_numpy(np.ascontiguousarray(a)) for a in out))
     from .. import _C
+
     out_tok = np.empty((B, L), np.int64)
     out_len = np.empty(B, np.int64)
     out_score = np.empty(B, np.float64)
@@ -177,16 +192,54 @@ def path_search(cand_tokens, cand_logprobs, lengths, history, eos_ids, ngram: Ng
         ptr = {k: (a.ctypes.data if a.size else 0) for k, a in tables.items()}
         n2, n3 = len(ngram.bigram_keys), len(ngram.trigram_keys)
     else:
-        nv, ptr, n2, n3 = 0, dict.fromkeys(("unigram_logp", "unigram_bow", "bigram_keys", "bigram_logp",
-                                            "bigram_bow", "trigram_keys", "trigram_logp"), 0), 0, 0
-    _C.diffuspec_search(tok.ctypes.data, lp.ctypes.data, lengths.ctypes.data, history.ctypes.data,
-                        eos.ctypes.data, num_eos, B, L, M, int(beam), lam,
-                        uni.ctypes.data if uni is not None else 0, nv, ptr["unigram_logp"], ptr["unigram_bow"],
-                        ptr["bigram_keys"], ptr["bigram_logp"], ptr["bigram_bow"], n2, ptr["trigram_keys"],
-                        ptr["trigram_logp"], n3, out_tok.ctypes.data, out_len.ctypes.data,
-                        out_score.ctypes.data, out_q.ctypes.data)
-    return PathSearchOutput(torch.from_numpy(out_tok), torch.from_numpy(out_len), torch.from_numpy(out_score),
-                            torch.from_numpy(out_q))
+        nv, ptr, n2, n3 = (
+            0,
+            dict.fromkeys(
+                (
+                    "unigram_logp",
+                    "unigram_bow",
+                    "bigram_keys",
+                    "bigram_logp",
+                    "bigram_bow",
+                    "trigram_keys",
+                    "trigram_logp",
+                ),
+                0,
+            ),
+            0,
+            0,
+        )
+    _C.diffuspec_search(
+        tok.ctypes.data,
+        lp.ctypes.data,
+        lengths.ctypes.data,
+        history.ctypes.data,
+        eos.ctypes.data,
+        num_eos,
+        B,
+        L,
+        M,
+        int(beam),
+        lam,
+        uni.ctypes.data if uni is not None else 0,
+        nv,
+        ptr["unigram_logp"],
+        ptr["unigram_bow"],
+        ptr["bigram_keys"],
+        ptr["bigram_logp"],
+        ptr["bigram_bow"],
+        n2,
+        ptr["trigram_keys"],
+        ptr["trigram_logp"],
+        n3,
+        out_tok.ctypes.data,
+        out_len.ctypes.data,
+        out_score.ctypes.data,
+        out_q.ctypes.data,
+    )
+    return PathSearchOutput(
+        torch.from_numpy(out_tok), torch.from_numpy(out_len), torch.from_numpy(out_score), torch.from_numpy(out_q)
+    )
 
 
 def _host(name: str, x, dtype, dim: int) -> np.ndarray:
@@ -195,10 +248,10 @@ def _host(name: str, x, dtype, dim: int) -> np.ndarray:
             raise ValueError(f"{name} must be {np.dtype(dtype).name}-compatible, got {x.dtype}")
         x = x.detach().to("cpu").numpy()
     a = np.asarray(x)
-    if a.dtype == np.bool_ or (np.issubdtype(dtype, np.integer) and not np.issubdtype(a.dtype, np.integer)
-                               and a.size):
-        raise ValueError(f"{name} must hold {'integers' if np.issubdtype(dtype, np.integer) else 'numbers'}, "
-                         f"got {a.dtype}")
+    if a.dtype == np.bool_ or (np.issubdtype(dtype, np.integer) and not np.issubdtype(a.dtype, np.integer) and a.size):
+        raise ValueError(
+            f"{name} must hold {'integers' if np.issubdtype(dtype, np.integer) else 'numbers'}, got {a.dtype}"
+        )
     if a.ndim != dim:
         raise ValueError(f"{name} must have {dim} dimensions, got shape {list(a.shape)}")
     return np.ascontiguousarray(a, dtype=dtype)

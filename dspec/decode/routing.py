@@ -42,6 +42,7 @@ statistics of the drafting forward (``dspec.token_stats`` gives all of them in o
 All decisions run on the device without host synchronisation (vectorised over the batch);
 only ``stats()`` reads values back.
 """
+
 from __future__ import annotations
 
 import math
@@ -73,8 +74,9 @@ class RoutingFeatures:
     fallback_tokens: torch.Tensor
 
 
-def span_score(stats, draft_conf: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor,
-               estimator: str) -> torch.Tensor:
+def span_score(
+    stats, draft_conf: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor, estimator: str
+) -> torch.Tensor:
     """Estimated accepted length of each sequence's span: float32 [B].
 
     Parameters
@@ -131,8 +133,7 @@ class Router:
         Only the bandit learns from it."""
 
     def stats(self) -> dict:
-        return {"policy": self.name, "decisions": int(self._decisions),
-                "verify_decisions": int(self._verifies)}
+        return {"policy": self.name, "decisions": int(self._decisions), "verify_decisions": int(self._verifies)}
 
 
 class AlwaysRouter(Router):
@@ -173,7 +174,7 @@ class ScoreRouter(Router):
 
     def _decide(self, f):
         if self.dynamic:
-            verify_rate = (f.score + 1.0) / 2.0               # tokens per forward when verifying
+            verify_rate = (f.score + 1.0) / 2.0  # tokens per forward when verifying
             return verify_rate >= self.score_threshold * f.fallback_tokens.to(f.score.dtype)
         return f.score >= self.score_threshold
 
@@ -192,7 +193,7 @@ class HysteresisRouter(Router):
 
     def _decide(self, f):
         new = torch.where(self.state, f.score >= self.off, f.score >= self.on)
-        new = torch.where(f.active, new, self.state)          # inactive rows keep their mode
+        new = torch.where(f.active, new, self.state)  # inactive rows keep their mode
         self._switches += (new != self.state).sum()
         self.state = new
         return new
@@ -227,7 +228,7 @@ class UcbRouter(Router):
     def _decide(self, f):
         ctx = self.bin_of(f.score)
         self.context = torch.where(f.active, ctx, self.context)
-        n = self.counts[ctx]                                   # [B, 2]
+        n = self.counts[ctx]  # [B, 2]
         total = n.sum(1, keepdim=True)
         mean = self.sums[ctx] / n.clamp(min=1)
         bonus = self.c * torch.sqrt(torch.log(total.clamp(min=1)) / n.clamp(min=1))
@@ -244,13 +245,27 @@ class UcbRouter(Router):
 
     def stats(self):
         n = self.counts.cpu()
-        mean = (self.sums.cpu() / n.clamp(min=1))
-        return dict(super().stats(), c=self.c, bins=self.bins, arm_counts=n.to(torch.int64).tolist(),
-                    arm_mean_reward=[[round(float(x), 4) for x in row] for row in mean])
+        mean = self.sums.cpu() / n.clamp(min=1)
+        return dict(
+            super().stats(),
+            c=self.c,
+            bins=self.bins,
+            arm_counts=n.to(torch.int64).tolist(),
+            arm_mean_reward=[[round(float(x), 4) for x in row] for row in mean],
+        )
 
 
-def make_router(policy: str, batch_size: int, device, *, min_span: int, score_threshold: float,
-                hysteresis: tuple[float, float], ucb_c: float, max_score: float) -> Router:
+def make_router(
+    policy: str,
+    batch_size: int,
+    device,
+    *,
+    min_span: int,
+    score_threshold: float,
+    hysteresis: tuple[float, float],
+    ucb_c: float,
+    max_score: float,
+) -> Router:
     """The router of ``policy`` (one of :data:`POLICIES`) for a batch (options validated by
     the caller, ``dspec.decode.s2d2``)."""
     if policy == "always":

@@ -113,6 +113,7 @@ finished block's next-block drafts ride along) and, if so, the flag vector of th
 step.  The drafting, routing, verification and commit arithmetic is vectorised over the
 batch on the device.
 """
+
 from __future__ import annotations
 
 import math
@@ -135,8 +136,19 @@ from .routing import ESTIMATORS, POLICIES, RoutingFeatures, make_router, span_sc
 from .sampling import request_streams, require_finite
 from .unmask import choose, pick_slots, rank_masked
 
-OPTIONS = ("block_size", "threshold", "policy", "min_span", "score_threshold", "hysteresis",
-           "ucb_c", "estimator", "draft_len", "redraft", "boundary")
+OPTIONS = (
+    "block_size",
+    "threshold",
+    "policy",
+    "min_span",
+    "score_threshold",
+    "hysteresis",
+    "ucb_c",
+    "estimator",
+    "draft_len",
+    "redraft",
+    "boundary",
+)
 DRAFTER = False
 
 # COMMIT marks a row whose block is complete, between its transition and ``commit``: a
@@ -146,11 +158,22 @@ DRAFT, VERIFY, COMMIT, DONE = 0, 1, 2, 3
 # policy: "always" with redraft blocks (a verification costs no forward of its own) or where
 # the compiled step runs it, else "min_span" (a verification costs the forward after it;
 # :func:`decode_s2d2`)
-DEFAULTS = {"threshold": 0.9, "policy": "always", "min_span": 2, "score_threshold": 1.0,
-            "hysteresis": (1.5, 0.75), "ucb_c": 1.0, "estimator": "product"}
+DEFAULTS = {
+    "threshold": 0.9,
+    "policy": "always",
+    "min_span": 2,
+    "score_threshold": 1.0,
+    "hysteresis": (1.5, 0.75),
+    "ucb_c": 1.0,
+    "estimator": "product",
+}
 # which option tunes which policy (giving one to another policy is a mistake worth a ValueError)
-_POLICY_OPTION = {"min_span": "min_span", "score_threshold": ("score", "score_dynamic"),
-                  "hysteresis": "hysteresis", "ucb_c": "ucb"}
+_POLICY_OPTION = {
+    "min_span": "min_span",
+    "score_threshold": ("score", "score_dynamic"),
+    "hysteresis": "hysteresis",
+    "ucb_c": "ucb",
+}
 
 
 # ------------------------------------------------------------------------------- options
@@ -174,14 +197,30 @@ def verify_rows(bs: int, draft_len: int, *, shifted: bool, redraft: bool, bounda
     formula, for the context bound."""
     blocks = (draft_len + 1) * bs if redraft else bs
     rows = 2 * bs + (0 if shifted else draft_len + 1) + blocks + bs + (bs if boundary else 0)
-    formula = (f"{4 if boundary else 3} * block_size{'' if shifted else ' + draft_len + 1'}"
-               f"{' + (draft_len + 1) * block_size' if redraft else ' + block_size'}")
+    formula = (
+        f"{4 if boundary else 3} * block_size{'' if shifted else ' + draft_len + 1'}"
+        f"{' + (draft_len + 1) * block_size' if redraft else ' + block_size'}"
+    )
     return rows, formula
 
 
-def _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
-                   ucb_c, estimator, draft_len, redraft="auto", batch: int = 1, temperature: float = 0.0,
-                   boundary=None, prompt_len: int = 0) -> dict:
+def _check_options(
+    model,
+    block_size,
+    threshold,
+    policy,
+    min_span,
+    score_threshold,
+    hysteresis,
+    ucb_c,
+    estimator,
+    draft_len,
+    redraft="auto",
+    batch: int = 1,
+    temperature: float = 0.0,
+    boundary=None,
+    prompt_len: int = 0,
+) -> dict:
     bs = check_common(model, "s2d2", block_size)
     check_rows(model, prompt_len, "block_size", bs, 3 * bs, "3 * block_size")  # before anything sized by it
     redraft = resolve_redraft(model, redraft, batch=batch)
@@ -191,15 +230,13 @@ def _check_options(model, block_size, threshold, policy, min_span, score_thresho
         policy = DEFAULTS["policy"] if redraft or compiled else "min_span"
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    given = {"min_span": min_span, "score_threshold": score_threshold, "hysteresis": hysteresis,
-             "ucb_c": ucb_c}
+    given = {"min_span": min_span, "score_threshold": score_threshold, "hysteresis": hysteresis, "ucb_c": ucb_c}
     for opt, value in given.items():
         owners = _POLICY_OPTION[opt]
         owners = owners if isinstance(owners, tuple) else (owners,)
         if value is not None and policy not in owners:
             raise ValueError(f"{opt} tunes policy {' / '.join(map(repr, owners))}, not {policy!r}")
-    threshold = _real("threshold", DEFAULTS["threshold"] if threshold is None else threshold, 0.0, 1.0,
-                      lo_open=True)
+    threshold = _real("threshold", DEFAULTS["threshold"] if threshold is None else threshold, 0.0, 1.0, lo_open=True)
     if draft_len is None:
         draft_len = bs
     if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
@@ -210,10 +247,11 @@ def _check_options(model, block_size, threshold, policy, min_span, score_thresho
     min_span = DEFAULTS["min_span"] if min_span is None else min_span
     if isinstance(min_span, bool) or not isinstance(min_span, int) or min_span < 1:
         raise ValueError(f"min_span must be an int >= 1, got {min_span!r}")
-    score_threshold = _real("score_threshold", DEFAULTS["score_threshold"] if score_threshold is None
-                            else score_threshold)
+    score_threshold = _real(
+        "score_threshold", DEFAULTS["score_threshold"] if score_threshold is None else score_threshold
+    )
     hysteresis = DEFAULTS["hysteresis"] if hysteresis is None else hysteresis
-    if isinstance(hysteresis, str):              # the CLI's --option hysteresis=1.5,0.75
+    if isinstance(hysteresis, str):  # the CLI's --option hysteresis=1.5,0.75
         try:
             hysteresis = tuple(float(x) for x in hysteresis.split(","))
         except ValueError:
@@ -228,9 +266,19 @@ def _check_options(model, block_size, threshold, policy, min_span, score_thresho
     estimator = DEFAULTS["estimator"] if estimator is None else estimator
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    return dict(block_size=bs, threshold=threshold, policy=policy, min_span=min_span,
-                score_threshold=score_threshold, hysteresis=(on, off), ucb_c=ucb_c,
-                estimator=estimator, draft_len=draft_len, redraft=redraft, boundary=boundary)
+    return dict(
+        block_size=bs,
+        threshold=threshold,
+        policy=policy,
+        min_span=min_span,
+        score_threshold=score_threshold,
+        hysteresis=(on, off),
+        ucb_c=ucb_c,
+        estimator=estimator,
+        draft_len=draft_len,
+        redraft=redraft,
+        boundary=boundary,
+    )
 
 
 # ------------------------------------------------------------------------------- the plan
@@ -259,17 +307,19 @@ NO_BLOCKS, SPEC_BLOCK, REDRAFT = "none", "spec", "redraft"
 
 class _Blocks(NamedTuple):
     """The redraft blocks of each verifying row of one forward (:func:`_redraft_blocks`)."""
-    used: torch.Tensor          # [B, bs + 1] bool, block r forwarded
-    sizes: torch.Tensor         # [B, bs + 1] its own suffix rows
-    first: torch.Tensor         # [B, bs + 1] the block slot of its first own row
-    has_next: torch.Tensor      # [B] bool, the next block's all-[MASK] state rides too
-    logit_rows: torch.Tensor    # [B, bs + 1] its rows that predict a slot the outcome r leaves masked
-    logit_extra: torch.Tensor   # [B] the carry row (right-shifted) and the next block's predicting rows
+
+    used: torch.Tensor  # [B, bs + 1] bool, block r forwarded
+    sizes: torch.Tensor  # [B, bs + 1] its own suffix rows
+    first: torch.Tensor  # [B, bs + 1] the block slot of its first own row
+    has_next: torch.Tensor  # [B] bool, the next block's all-[MASK] state rides too
+    logit_rows: torch.Tensor  # [B, bs + 1] its rows that predict a slot the outcome r leaves masked
+    logit_extra: torch.Tensor  # [B] the carry row (right-shifted) and the next block's predicting rows
     has_boundary: torch.Tensor  # [B] bool, the next block's state behind redraft block L - 1 rides too
 
 
-def _redraft_blocks(verify, span_start, span_len, *, bs, shifted, blocks, share_prefix, skip=None,
-                    boundary=False) -> _Blocks:
+def _redraft_blocks(
+    verify, span_start, span_len, *, bs, shifted, blocks, share_prefix, skip=None, boundary=False
+) -> _Blocks:
     """Per verifying row (``verify`` [B]), the redraft blocks of a verification forward:
     block r is the block as it stands if the first r drafts pass and draft r is rejected
     (r = L: all pass); its first own row is at slot 0, or with ``share_prefix`` at s + r,
@@ -307,8 +357,12 @@ def _verify_width(span_start, span_len, blk: _Blocks, *, bs, shifted, pending=No
     """Suffix tokens [B] of each verifying row -- (its pending block +) chain (+ L + 1 copies)
     (+ redraft blocks (+ the next block (+ the boundary state))) -- and the redraft logit
     rows [B] it adds."""
-    width = span_start + (span_len if shifted else 2 * span_len + 1) + blk.sizes.sum(1) \
+    width = (
+        span_start
+        + (span_len if shifted else 2 * span_len + 1)
+        + blk.sizes.sum(1)
         + bs * (blk.has_next.long() + blk.has_boundary.long())
+    )
     if pending is not None:
         width = width + bs * pending.long()
     return width, blk.logit_rows.sum(1) + blk.logit_extra
@@ -316,24 +370,26 @@ def _verify_width(span_start, span_len, blk: _Blocks, *, bs, shifted, pending=No
 
 class _Layout(NamedTuple):
     """Where a forward's verifying rows keep their redraft blocks (see :func:`_row_layout`)."""
-    offset: torch.Tensor        # [B] suffix index of the first redraft block
-    starts: torch.Tensor        # [B, bs + 1] suffix offset of block r after ``offset``
-    first: torch.Tensor         # [B, bs + 1] block slot of block r's first row
-    next_off: torch.Tensor      # [B] suffix index of the next block's rows (valid where has_next)
-    has_next: torch.Tensor      # [B] bool
+
+    offset: torch.Tensor  # [B] suffix index of the first redraft block
+    starts: torch.Tensor  # [B, bs + 1] suffix offset of block r after ``offset``
+    first: torch.Tensor  # [B, bs + 1] block slot of block r's first row
+    next_off: torch.Tensor  # [B] suffix index of the next block's rows (valid where has_next)
+    has_next: torch.Tensor  # [B] bool
     logit_starts: torch.Tensor  # [B, bs + 1] block r's first drafting logit row after the base rows
     logit_blocks: torch.Tensor  # [B] drafting logit rows of all blocks
-    verify: torch.Tensor        # [B] bool, the verifying rows
-    used: torch.Tensor          # [B, bs + 1] bool, redraft block r forwarded
-    lead: torch.Tensor          # [B] chain rows before block slot 0 (a verifying row's pending block)
+    verify: torch.Tensor  # [B] bool, the verifying rows
+    used: torch.Tensor  # [B, bs + 1] bool, redraft block r forwarded
+    lead: torch.Tensor  # [B] chain rows before block slot 0 (a verifying row's pending block)
     has_boundary: torch.Tensor  # [B] bool, the boundary state rides (after the next block's rows)
 
     def row_of(self, r: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """Suffix rows [B, K] of block slots ``slot`` [B, K] in redraft blocks ``r`` [B, K]
         (shared-prefix slots: the chain's rows, which sit at their slot after the lead)."""
         first = self.first.gather(1, r)
-        return torch.where(slot < first, self.lead[:, None] + slot,
-                           self.offset[:, None] + self.starts.gather(1, r) + slot - first)
+        return torch.where(
+            slot < first, self.lead[:, None] + slot, self.offset[:, None] + self.starts.gather(1, r) + slot - first
+        )
 
     def block_rows(self, r: torch.Tensor, bs: int) -> torch.Tensor:
         """Suffix rows [B, bs] holding the slots of redraft block r [B]."""
@@ -348,8 +404,8 @@ class _Layout(NamedTuple):
         bs - 1 row and the boundary state's first bs - 1 rows; padding: row 0."""
         k = torch.arange(count, device=span_start.device)[None]
         starts = self.logit_starts
-        ends = torch.cat([starts[:, 1:], self.logit_blocks[:, None]], 1)               # [B, R]
-        r = (k[..., None] >= ends[:, None, :]).sum(-1).clamp(max=bs)                    # [B, K]
+        ends = torch.cat([starts[:, 1:], self.logit_blocks[:, None]], 1)  # [B, R]
+        r = (k[..., None] >= ends[:, None, :]).sum(-1).clamp(max=bs)  # [B, K]
         slot = span_start[:, None] + r + (k - starts.gather(1, r)) + (0 if shifted else 1)
         rows = self.row_of(r, slot)
         after = k - self.logit_blocks[:, None]
@@ -362,8 +418,12 @@ class _Layout(NamedTuple):
         last_masked = self.row_of((span_len - 1).clamp(min=0)[:, None], torch.full_like(span_len, bs - 1)[:, None])
         rows = torch.where(self.has_boundary[:, None] & (after == 0), last_masked, rows)
         rows = torch.where(self.has_boundary[:, None] & (after > 0), self.next_off[:, None] + bs + after - 1, rows)
-        total = self.logit_blocks + int(shifted) + self.has_next.long() * (bs - int(shifted)) \
+        total = (
+            self.logit_blocks
+            + int(shifted)
+            + self.has_next.long() * (bs - int(shifted))
             + self.has_boundary.long() * bs
+        )
         return torch.where(self.verify[:, None] & (k < total[:, None]), rows, 0)
 
     def drafting_index(self, span_start, outcome, *, bs: int, shifted: bool) -> torch.Tensor:
@@ -385,8 +445,23 @@ def _lead(phase, pending, bs: int) -> torch.Tensor:
     return torch.where(pending & (phase == VERIFY), bs, 0)
 
 
-def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_start, *, bs, shifted,
-                mask_id, width, blk: _Blocks, share_prefix=False, pending=None, prev_tokens=None):
+def _row_layout(
+    phase,
+    tokens,
+    drafts_in_block,
+    span_start,
+    span_len,
+    block_start,
+    *,
+    bs,
+    shifted,
+    mask_id,
+    width,
+    blk: _Blocks,
+    share_prefix=False,
+    pending=None,
+    prev_tokens=None,
+):
     """Per-row suffix tokens [B, W], positions [B, W], dense mask [B, W, W] and the
     :class:`_Layout` of the verifying rows' redraft blocks ``blk`` (see the module doc).
 
@@ -414,14 +489,15 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
         pending = torch.zeros_like(verify)
     pend = pending & (phase == DRAFT)
     lead = _lead(phase, pending, bs)
-    chain_len = torch.where(block_rows, torch.where(pend, 2 * bs, bs),
-                            torch.where(verify, lead + span_start + span_len, 0))
+    chain_len = torch.where(
+        block_rows, torch.where(pend, 2 * bs, bs), torch.where(verify, lead + span_start + span_len, 0)
+    )
     n_copies = torch.where(verify & (not shifted), span_len + 1, 0)
     offset = chain_len + n_copies
     used, sizes, first, has_next = blk.used, blk.sizes, blk.first, blk.has_next
-    ends = sizes.cumsum(1)                                              # [B, R]
+    ends = sizes.cumsum(1)  # [B, R]
     total = ends[:, -1]
-    i = torch.arange(width, device=dev)[None]                           # [1, W]
+    i = torch.arange(width, device=dev)[None]  # [1, W]
     cl, off, s, n = chain_len[:, None], offset[:, None], span_start[:, None], span_len[:, None]
     u = i - off
     in_chain = i < cl
@@ -429,33 +505,39 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     in_red = (u >= 0) & (u < total[:, None])
     in_next = has_next[:, None] & (u >= total[:, None]) & (u < total[:, None] + bs)
     in_bound = blk.has_boundary[:, None] & (u >= total[:, None] + bs) & (u < total[:, None] + 2 * bs)
-    rb = (u[..., None] >= ends[:, None, :]).sum(-1).clamp(max=bs)      # redraft block of each row
+    rb = (u[..., None] >= ends[:, None, :]).sum(-1).clamp(max=bs)  # redraft block of each row
     red_first = first.gather(1, rb)
     red_slot = red_first + u - (ends - sizes).gather(1, rb)
     q, k = i[:, :, None], i[:, None, :]
-    pair = (k // bs <= q // bs) | ~pend[:, None, None]           # a pending block, then the new one
+    pair = (k // bs <= q // bs) | ~pend[:, None, None]  # a pending block, then the new one
     chain_part = in_chain[:, :, None] & in_chain[:, None, :] & ((block_rows[:, None, None] & pair) | (k <= q))
     ld = lead[:, None, None]
     copy_part = in_copies[:, :, None] & ((k < ld + s[:, :, None] + (q - cl[:, :, None])) | (k == q))
     red_q, red_k = in_red[:, :, None], in_red[:, None, :]
     # a redraft block sees itself and (shared prefix) the chain rows before its first row;
     # block L - 1 with the boundary state behind it is one [MASK] run with it
-    red_part = red_q & ((red_k & (rb[:, :, None] == rb[:, None, :]))
-                        | (in_chain[:, None, :] & (k < ld + red_first[:, :, None]))
-                        | ((rb[:, :, None] == n[:, :, None] - 1) & in_bound[:, None, :]))
+    red_part = red_q & (
+        (red_k & (rb[:, :, None] == rb[:, None, :]))
+        | (in_chain[:, None, :] & (k < ld + red_first[:, :, None]))
+        | ((rb[:, :, None] == n[:, :, None] - 1) & in_bound[:, None, :])
+    )
     if share_prefix:
         finished = in_chain[:, None, :]
     else:
         finished = red_k & (rb[:, None, :] == n[:, :, None])
     next_part = in_next[:, :, None] & (in_next[:, None, :] | finished)
-    bound_part = in_bound[:, :, None] & (in_bound[:, None, :] | (in_chain[:, None, :] & (k < ld + bs - 1))
-                                         | (red_k & (rb[:, None, :] == n[:, :, None] - 1)))
+    bound_part = in_bound[:, :, None] & (
+        in_bound[:, None, :]
+        | (in_chain[:, None, :] & (k < ld + bs - 1))
+        | (red_k & (rb[:, None, :] == n[:, :, None] - 1))
+    )
     valid = in_chain | in_copies | in_red | in_next | in_bound
     dense = chain_part | copy_part | red_part | next_part | bound_part | ((k == q) & ~valid[:, :, None])
     in_prev = (pend | (lead > 0))[:, None] & (i < bs)
-    slot = torch.where(in_chain, i - lead[:, None],
-                       torch.where(in_copies, s + i - cl, torch.where(in_red, red_slot, 0)))
-    slot = torch.where(pend[:, None] & in_chain, slot - bs, slot)            # prev block: -bs .. -1
+    slot = torch.where(
+        in_chain, i - lead[:, None], torch.where(in_copies, s + i - cl, torch.where(in_red, red_slot, 0))
+    )
+    slot = torch.where(pend[:, None] & in_chain, slot - bs, slot)  # prev block: -bs .. -1
     source = torch.where(verify[:, None], drafts_in_block, tokens)
     suffix_tokens = source.gather(1, slot.clamp(0, bs - 1))
     if prev_tokens is not None:
@@ -467,8 +549,19 @@ def _row_layout(phase, tokens, drafts_in_block, span_start, span_len, block_star
     slot = torch.where(in_bound, u - total[:, None], slot)
     positions = block_start[:, None] + slot.clamp(-bs, 2 * bs - 1)
     per_block = blk.logit_rows
-    layout = _Layout(offset, ends - sizes, first, offset + total, has_next, per_block.cumsum(1) - per_block,
-                     per_block.sum(1), verify, used, lead, blk.has_boundary)
+    layout = _Layout(
+        offset,
+        ends - sizes,
+        first,
+        offset + total,
+        has_next,
+        per_block.cumsum(1) - per_block,
+        per_block.sum(1),
+        verify,
+        used,
+        lead,
+        blk.has_boundary,
+    )
     return suffix_tokens, positions, dense, layout
 
 
@@ -492,7 +585,7 @@ def _logit_rows(phase, span_start, span_len, *, bs, shifted, pending=None):
         ver = torch.minimum(ver, (chain - 1).clamp(min=0))
     else:
         ver = torch.minimum(chain + j, chain + span_len[:, None])
-    block = torch.where((phase == DONE)[:, None], 0, block)          # a finished row: one padding token
+    block = torch.where((phase == DONE)[:, None], 0, block)  # a finished row: one padding token
     return torch.where((phase == VERIFY)[:, None], ver, block.expand(len(phase), -1))
 
 
@@ -518,12 +611,23 @@ def ar_view_logits(model, cache, block_tokens, block_start, span_start, span_len
     dev = model.device
     batch, bs = block_tokens.shape
     phase = torch.full((batch,), VERIFY, dtype=torch.int64, device=dev)
-    blk = _redraft_blocks(phase == VERIFY, span_start, span_len, bs=bs, shifted=model.shifted, blocks=NO_BLOCKS,
-                          share_prefix=False)
+    blk = _redraft_blocks(
+        phase == VERIFY, span_start, span_len, bs=bs, shifted=model.shifted, blocks=NO_BLOCKS, share_prefix=False
+    )
     width = int(_verify_width(span_start, span_len, blk, bs=bs, shifted=model.shifted)[0].max())
     tokens, positions, dense, _ = _row_layout(
-        phase, block_tokens, block_tokens, span_start, span_len, block_start.to(dev), bs=bs,
-        shifted=model.shifted, mask_id=model.mask_token_id, width=width, blk=blk)
+        phase,
+        block_tokens,
+        block_tokens,
+        span_start,
+        span_len,
+        block_start.to(dev),
+        bs=bs,
+        shifted=model.shifted,
+        mask_id=model.mask_token_id,
+        width=width,
+        blk=blk,
+    )
     rows = _logit_rows(phase, span_start, span_len, bs=bs, shifted=model.shifted)
     out = model(AttentionPlan(tokens, positions, pack_mask(dense), cache), logits=rows, return_kv=False)
     logits = out.logits.float()
@@ -533,8 +637,20 @@ def ar_view_logits(model, cache, block_tokens, block_start, span_start, span_len
     return logits
 
 
-def accept_span(tokens, masked, drafts, target_logits, span_start, span_len, *, draft_probs=None,
-                temperature=0.0, coins=None, sample_uniforms=None, generator=None):
+def accept_span(
+    tokens,
+    masked,
+    drafts,
+    target_logits,
+    span_start,
+    span_len,
+    *,
+    draft_probs=None,
+    temperature=0.0,
+    coins=None,
+    sample_uniforms=None,
+    generator=None,
+):
     """Speculative acceptance of each row's span and its commit into the block.
 
     Parameters
@@ -555,9 +671,16 @@ def accept_span(tokens, masked, drafts, target_logits, span_start, span_len, *, 
     not the span's to fill).  committed = accepted + (1 if a token was drawn and used).
     """
     batch, slots_n = tokens.shape
-    res = verify_chain(drafts, target_logits, draft_probs=draft_probs, num_drafts=span_len,
-                       temperature=temperature, coins=coins, sample_uniforms=sample_uniforms,
-                       generator=generator)
+    res = verify_chain(
+        drafts,
+        target_logits,
+        draft_probs=draft_probs,
+        num_drafts=span_len,
+        temperature=temperature,
+        coins=coins,
+        sample_uniforms=sample_uniforms,
+        generator=generator,
+    )
     acc = res.num_accepted
     active = span_len > 0
     after = (span_start + span_len).clamp(max=slots_n - 1)
@@ -576,8 +699,14 @@ def native_extension(model, block_size: int, temperature: float):
     """dspec._C where its compiled step (csrc/s2d2.h) runs policy "always" -- greedy, a CPU
     model, a block size it takes --, else None (the torch step)."""
     ext = _backend.extension()
-    if (ext is None or not hasattr(ext, "s2d2_plan") or model.device.type != "cpu" or temperature > 0
-            or block_size > ext.s2d2_max_block or model.dtype not in _backend.FLOAT_CODE):
+    if (
+        ext is None
+        or not hasattr(ext, "s2d2_plan")
+        or model.device.type != "cpu"
+        or temperature > 0
+        or block_size > ext.s2d2_max_block
+        or model.dtype not in _backend.FLOAT_CODE
+    ):
         return None
     return ext
 
@@ -603,9 +732,16 @@ class _Batch:
         self.streams, self.requests = request_streams(generator, batch, dev), list(range(batch))
         bs = self.bs
         self.mask_id, self.vocab = model.mask_token_id, model.config.vocab_size
-        self.router = make_router(opt["policy"], batch, dev, min_span=opt["min_span"],
-                                  score_threshold=opt["score_threshold"], hysteresis=opt["hysteresis"],
-                                  ucb_c=opt["ucb_c"], max_score=float(self.L_max))
+        self.router = make_router(
+            opt["policy"],
+            batch,
+            dev,
+            min_span=opt["min_span"],
+            score_threshold=opt["score_threshold"],
+            hysteresis=opt["hysteresis"],
+            ucb_c=opt["ucb_c"],
+            max_score=float(self.L_max),
+        )
 
         # prefill: the prompts' complete blocks, as ``diffusion`` commits them
         self.cache = model.new_cache(batch)
@@ -620,11 +756,11 @@ class _Batch:
         self.block_start = self.cache.lengths.to(dev)
         self.tokens, self.masked = self.fresh_block(self.block_start)
         self.phase = torch.full((batch,), DRAFT, dtype=torch.int64, device=dev)
-        self.drafts = torch.zeros(batch, bs, dtype=torch.int64, device=dev)    # span drafts, left-aligned
-        self.draft_probs = None                                               # [B, bs, V] when sampling
+        self.drafts = torch.zeros(batch, bs, dtype=torch.int64, device=dev)  # span drafts, left-aligned
+        self.draft_probs = None  # [B, bs, V] when sampling
         self.span_start = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.span_len = torch.zeros(batch, dtype=torch.int64, device=dev)
-        self.exact_first = torch.zeros(batch, dtype=torch.bool, device=dev)   # see useless_blocks
+        self.exact_first = torch.zeros(batch, dtype=torch.bool, device=dev)  # see useless_blocks
         self.outputs = OutputBuffer(batch, max_new_tokens, eos_ids)
         # a block finished but not in the cache: it rides in front of the next block's first
         # drafting forward, which appends its KV and carries its last logits
@@ -636,7 +772,7 @@ class _Batch:
         # reused / committed, next blocks drafted in a verification forward (after every draft
         # passed / after the last one was rejected: the boundary state)
         self.stats_dev = torch.zeros(8, dtype=torch.int64, device=dev)
-        self.shown = 0.0                                 # progress shown (tokens per request)
+        self.shown = 0.0  # progress shown (tokens per request)
         # greedy "always" on the CPU: the step's host-side work in three compiled calls (the
         # torch composition below is their reference, and the path for everything else)
         self.native = native_extension(model, bs, temperature) if opt["policy"] == "always" else None
@@ -666,7 +802,7 @@ class _Batch:
             return False
         out, logits = self.forward()
         bs = self.bs
-        if self.any_pending and self.shifted:          # the pending block's last row predicts slot 0
+        if self.any_pending and self.shifted:  # the pending block's last row predicts slot 0
             self.carry = torch.where((self.pending & self.is_draft)[:, None], logits[:, bs], self.carry)
         nxt = self.phase.clone()
         reuse = spec_final = self.chain_final = self.bounded = torch.zeros_like(self.is_verify)
@@ -685,7 +821,7 @@ class _Batch:
             block_logits = self.shift(logits[:, :bs])
         self.draft(block_logits, self.is_draft | reuse, nxt, stale=stale)
         self.append_kv(out, spec_final)
-        if self.opt["policy"] != "always":          # a fallback's commits (policy "always" has none)
+        if self.opt["policy"] != "always":  # a fallback's commits (policy "always" has none)
             self.end_early(nxt, spec_final)
         opened = self.finish_blocks(nxt, spec_final)
         if next_logits is not None:
@@ -697,8 +833,12 @@ class _Batch:
             if bool((ahead | bounded).any()):
                 self.stats_dev[6] += ahead.sum()
                 self.stats_dev[7] += bounded.sum()
-                self.draft(torch.where(bounded[:, None, None], boundary_logits, next_logits), ahead | bounded, nxt,
-                           stale=bounded)
+                self.draft(
+                    torch.where(bounded[:, None, None], boundary_logits, next_logits),
+                    ahead | bounded,
+                    nxt,
+                    stale=bounded,
+                )
                 self.finish_blocks(nxt, torch.zeros_like(spec_final))
         self.phase = nxt
         return True
@@ -712,28 +852,49 @@ class _Batch:
         f = ext.s2d2_record_layout(bs)
         state = torch.zeros(batch, f["width"], dtype=torch.int64)
         carry = require_finite(token_stats(self.carry).token) if self.shifted else torch.zeros(batch, dtype=torch.int64)
-        fields = {"phase": self.phase, "span_start": self.span_start, "span_len": self.span_len,
-                  "exact_first": self.exact_first, "pending": self.pending, "block_start": self.block_start,
-                  "carry": carry, "prompt_len": self.plen, "tail_start": self.block_start}
+        fields = {
+            "phase": self.phase,
+            "span_start": self.span_start,
+            "span_len": self.span_len,
+            "exact_first": self.exact_first,
+            "pending": self.pending,
+            "block_start": self.block_start,
+            "carry": carry,
+            "prompt_len": self.plen,
+            "tail_start": self.block_start,
+        }
         for name, value in fields.items():
             state[:, f[name]] = value.cpu()
-        for name, value in (("tokens", self.tokens), ("masked", self.masked), ("drafts", self.drafts),
-                            ("prev", self.prev_tokens), ("tail", self.tokens)):
-            state[:, f[name]: f[name] + bs] = value.cpu()
+        for name, value in (
+            ("tokens", self.tokens),
+            ("masked", self.masked),
+            ("drafts", self.drafts),
+            ("prev", self.prev_tokens),
+            ("tail", self.tokens),
+        ):
+            state[:, f[name] : f[name] + bs] = value.cpu()
         width, words, rows = ext.s2d2_buffer_sizes(bs)
         i64 = dict(dtype=torch.int64)
-        flags = (int(self.shifted) | 2 * int(self.share_prefix) | 4 * int(self.blocks == REDRAFT)
-                 | 8 * int(self.boundary))
+        flags = (
+            int(self.shifted) | 2 * int(self.share_prefix) | 4 * int(self.blocks == REDRAFT) | 8 * int(self.boundary)
+        )
         return SimpleNamespace(
-            state=state, layout=f, counter_layout=ext.s2d2_counter_layout(),
+            state=state,
+            layout=f,
+            counter_layout=ext.s2d2_counter_layout(),
             args=(state.data_ptr(), batch, bs, self.L_max, self.mask_id, flags),
-            tokens=state[:, f["tokens"]: f["tokens"] + bs], block_start=state[:, f["block_start"]],
+            tokens=state[:, f["tokens"] : f["tokens"] + bs],
+            block_start=state[:, f["block_start"]],
             finishing=state[:, f["finishing"]],
-            suffix=torch.empty(batch * width, **i64), positions=torch.empty(batch * width, **i64),
-            words=torch.empty(batch * words, dtype=torch.int32), rows=torch.empty(batch * rows, **i64),
-            argmax=torch.empty(batch * rows, **i64), keep=torch.empty(batch, 2 * bs, **i64),
+            suffix=torch.empty(batch * width, **i64),
+            positions=torch.empty(batch * width, **i64),
+            words=torch.empty(batch * words, dtype=torch.int32),
+            rows=torch.empty(batch * rows, **i64),
+            argmax=torch.empty(batch * rows, **i64),
+            keep=torch.empty(batch, 2 * bs, **i64),
             done=torch.zeros(batch, dtype=torch.bool),
-            counters=torch.zeros(ext.s2d2_counter_layout()["hist"] + self.L_max + 1, **i64))
+            counters=torch.zeros(ext.s2d2_counter_layout()["hist"] + self.L_max + 1, **i64),
+        )
 
     def native_step(self) -> bool:
         """:meth:`step` through dspec._C.s2d2_plan / _advance / _open (greedy, policy "always",
@@ -743,18 +904,23 @@ class _Batch:
             self.nat = self.native_state()
         nat = self.nat
         width, nrows, plain, any_draft, any_verify, any_pending = ext.s2d2_plan(
-            *nat.args, nat.suffix.data_ptr(), nat.positions.data_ptr(), nat.words.data_ptr(), nat.rows.data_ptr())
+            *nat.args, nat.suffix.data_ptr(), nat.positions.data_ptr(), nat.words.data_ptr(), nat.rows.data_ptr()
+        )
         if width == 0:
             return False
-        if plain:               # every row forwards its plain block: diffusion's own plan
-            plan = AttentionPlan(nat.tokens.contiguous(), nat.block_start[:, None] + self.slots,
-                                 self.block_mask_words, self.cache)
+        if plain:  # every row forwards its plain block: diffusion's own plan
+            plan = AttentionPlan(
+                nat.tokens.contiguous(), nat.block_start[:, None] + self.slots, self.block_mask_words, self.cache
+            )
             rows = "all"
         else:
             nw = (width + 31) // 32
-            plan = AttentionPlan(nat.suffix[: batch * width].view(batch, width),
-                                 nat.positions[: batch * width].view(batch, width),
-                                 nat.words[: batch * width * nw].view(batch, width, nw), self.cache)
+            plan = AttentionPlan(
+                nat.suffix[: batch * width].view(batch, width),
+                nat.positions[: batch * width].view(batch, width),
+                nat.words[: batch * width * nw].view(batch, width, nw),
+                self.cache,
+            )
             rows = nat.rows[: batch * nrows].view(batch, nrows)
         out = self.model(plan, logits=rows, return_kv=any_pending or any_verify)
         self.forwards += 1
@@ -764,19 +930,36 @@ class _Batch:
         if logits.stride(-1) != 1 or logits.stride(0) != nrows * logits.stride(1):
             logits = logits.contiguous()
         committed, append, finishing, two_blocks = ext.s2d2_advance(
-            *nat.args, nrows, any_verify, any_pending, logits.data_ptr(), _backend.FLOAT_CODE[logits.dtype],
-            logits.stride(1), logits.shape[-1], nat.argmax.data_ptr(), nat.keep.data_ptr(), nat.counters.data_ptr())
-        require_finite(nat.argmax[: batch * nrows])       # every logit row's argmax: -1 marks a non-finite row
+            *nat.args,
+            nrows,
+            any_verify,
+            any_pending,
+            logits.data_ptr(),
+            _backend.FLOAT_CODE[logits.dtype],
+            logits.stride(1),
+            logits.shape[-1],
+            nat.argmax.data_ptr(),
+            nat.keep.data_ptr(),
+            nat.counters.data_ptr(),
+        )
+        require_finite(nat.argmax[: batch * nrows])  # every logit row's argmax: -1 marks a non-finite row
         if self.progress is not None:
             self.advance(committed / batch)
         if append:
-            self.cache.append(out.suffix_kv, keep=nat.keep if two_blocks else nat.keep[:, :self.bs])
+            self.cache.append(out.suffix_kv, keep=nat.keep if two_blocks else nat.keep[:, : self.bs])
         finishing = self.native_end_early() or finishing
         while finishing:
             nat.done.zero_()
             nat.done[self.emit(nat.finishing.numpy().astype(bool), nat.tokens, nat.block_start)] = True
-            finishing = ext.s2d2_open(*nat.args, nrows, any_verify, any_pending, nat.done.data_ptr(),
-                                      nat.argmax.data_ptr(), nat.counters.data_ptr())
+            finishing = ext.s2d2_open(
+                *nat.args,
+                nrows,
+                any_verify,
+                any_pending,
+                nat.done.data_ptr(),
+                nat.argmax.data_ptr(),
+                nat.counters.data_ptr(),
+            )
         return True
 
     def native_end_early(self) -> bool:
@@ -788,9 +971,16 @@ class _Batch:
         live = (st[:, f["phase"]] != DONE) & (st[:, f["finishing"]] == 0)
         if not live.any():
             return False
-        ended = self.outputs.block_ends(np.arange(self.batch), st[:, f["tokens"]: f["tokens"] + bs],
-                                        st[:, f["masked"]: f["masked"] + bs] == 0, st[:, f["block_start"]],
-                                        self.plen_host) & live
+        ended = (
+            self.outputs.block_ends(
+                np.arange(self.batch),
+                st[:, f["tokens"] : f["tokens"] + bs],
+                st[:, f["masked"] : f["masked"] + bs] == 0,
+                st[:, f["block_start"]],
+                self.plen_host,
+            )
+            & live
+        )
         if not ended.any():
             return False
         # a row the verification ended drafting from its reused redraft block: neither the
@@ -799,8 +989,7 @@ class _Batch:
         c = nat.counter_layout
         for name in ("decisions", "verify_decisions", "reused"):
             nat.counters[c[name]] -= decided
-        for name, value in (("phase", COMMIT), ("complete", 1), ("finishing", 1), ("spec_final", 0),
-                            ("bounded", 0)):
+        for name, value in (("phase", COMMIT), ("complete", 1), ("finishing", 1), ("spec_final", 0), ("bounded", 0)):
             st[ended, f[name]] = value
         return True
 
@@ -830,16 +1019,28 @@ class _Batch:
 
     def read_phases(self) -> bool:
         """The one host read per iteration: row states and the suffix width they need."""
-        self.redraft_plan = _redraft_blocks(self.phase == VERIFY, self.span_start, self.span_len, bs=self.bs,
-                                            shifted=self.shifted, blocks=self.blocks,
-                                            share_prefix=self.share_prefix, skip=self.useless_blocks(),
-                                            boundary=self.boundary)
-        verify_width, logit_rows = _verify_width(self.span_start, self.span_len, self.redraft_plan, bs=self.bs,
-                                                 shifted=self.shifted, pending=self.pending)
-        width_row = torch.where(self.phase == VERIFY, verify_width,
-                                torch.where(self.phase == DONE, 1, torch.where(self.pending, 2 * self.bs, self.bs)))
-        host = torch.stack([self.phase, width_row, self.pending.long(),
-                            torch.where(self.phase == VERIFY, logit_rows, 0)]).tolist()
+        self.redraft_plan = _redraft_blocks(
+            self.phase == VERIFY,
+            self.span_start,
+            self.span_len,
+            bs=self.bs,
+            shifted=self.shifted,
+            blocks=self.blocks,
+            share_prefix=self.share_prefix,
+            skip=self.useless_blocks(),
+            boundary=self.boundary,
+        )
+        verify_width, logit_rows = _verify_width(
+            self.span_start, self.span_len, self.redraft_plan, bs=self.bs, shifted=self.shifted, pending=self.pending
+        )
+        width_row = torch.where(
+            self.phase == VERIFY,
+            verify_width,
+            torch.where(self.phase == DONE, 1, torch.where(self.pending, 2 * self.bs, self.bs)),
+        )
+        host = torch.stack(
+            [self.phase, width_row, self.pending.long(), torch.where(self.phase == VERIFY, logit_rows, 0)]
+        ).tolist()
         self.phases, self.width, self.any_pending = host[0], max(host[1]), any(host[2])
         self.any_lead = any(p == VERIFY and pend for p, pend in zip(host[0], host[2]))
         self.drafting_rows = max(host[3])
@@ -864,21 +1065,40 @@ class _Batch:
                 in_span = (rel >= 0) & (rel < self.span_len[:, None])
                 in_block = torch.where(in_span, self.drafts.gather(1, rel.clamp(0, bs - 1)), self.tokens)
             suffix, positions, dense, self.layout = _row_layout(
-                self.phase, self.tokens, in_block, self.span_start, self.span_len, self.block_start, bs=bs,
-                shifted=self.shifted, mask_id=self.mask_id, width=self.width,
-                blk=self.redraft_plan, share_prefix=self.share_prefix, pending=self.pending,
-                prev_tokens=self.prev_tokens)
-            rows = _logit_rows(self.phase, self.span_start, self.span_len, bs=bs, shifted=self.shifted,
-                               pending=self.pending)
-            if verifying:        # the redraft blocks' drafting rows: one LM head call for all
-                rows = torch.cat([rows, self.layout.drafting_rows(self.span_start, self.span_len, self.drafting_rows,
-                                                                  bs=bs, shifted=self.shifted)], 1)
+                self.phase,
+                self.tokens,
+                in_block,
+                self.span_start,
+                self.span_len,
+                self.block_start,
+                bs=bs,
+                shifted=self.shifted,
+                mask_id=self.mask_id,
+                width=self.width,
+                blk=self.redraft_plan,
+                share_prefix=self.share_prefix,
+                pending=self.pending,
+                prev_tokens=self.prev_tokens,
+            )
+            rows = _logit_rows(
+                self.phase, self.span_start, self.span_len, bs=bs, shifted=self.shifted, pending=self.pending
+            )
+            if verifying:  # the redraft blocks' drafting rows: one LM head call for all
+                rows = torch.cat(
+                    [
+                        rows,
+                        self.layout.drafting_rows(
+                            self.span_start, self.span_len, self.drafting_rows, bs=bs, shifted=self.shifted
+                        ),
+                    ],
+                    1,
+                )
             plan = AttentionPlan(suffix, positions, pack_mask(dense), self.cache)
         out = self.model(plan, logits=rows, return_kv=self.has["commit"] or verifying)
         self.forwards += 1
         for k in self.kinds:
             self.kinds[k] += self.has[k]
-        return out, out.logits.float()                       # [B, bs (+ 1), V]
+        return out, out.logits.float()  # [B, bs (+ 1), V]
 
     def verify(self, logits, nxt):
         """Accept each verifying row's span against its block-size-1 logits; returns the rows
@@ -886,7 +1106,7 @@ class _Batch:
         committed from this forward (spec_final), the accepted drafts [B] and the reused rows
         whose block has not seen their drawn token (stale)."""
         bs, is_verify = self.bs, self.is_verify
-        target = logits[:, :bs + 1]
+        target = logits[:, : bs + 1]
         if self.shifted:
             # slot 0: the carry, or the last row of a pending block at the chain's head
             lead = self.pending & is_verify
@@ -894,13 +1114,23 @@ class _Batch:
             first = torch.where(((self.span_start == 0) & ~lead)[:, None], self.carry, target[:, 0])
             target = torch.cat([first[:, None], target[:, 1:]], 1)
         num = torch.where(is_verify, self.span_len, 0)
-        rand = {} if self.streams is None else \
-            self.streams.chain(self.requests, self.drafts.shape[1], advance=is_verify.cpu())
+        rand = (
+            {}
+            if self.streams is None
+            else self.streams.chain(self.requests, self.drafts.shape[1], advance=is_verify.cpu())
+        )
         self.tokens, self.masked, committed, acc = accept_span(
-            self.tokens, self.masked, self.drafts, target, self.span_start, num,
-            draft_probs=self.draft_probs if self.temperature > 0 else None, temperature=self.temperature,
-            **rand)
-        require_finite(self.tokens)          # a drawn token of a non-finite row is the -1 mark
+            self.tokens,
+            self.masked,
+            self.drafts,
+            target,
+            self.span_start,
+            num,
+            draft_probs=self.draft_probs if self.temperature > 0 else None,
+            temperature=self.temperature,
+            **rand,
+        )
+        require_finite(self.tokens)  # a drawn token of a non-finite row is the -1 mark
         # the redraft block of the outcome holds the block as it now stands but for the drawn
         # token (still [MASK] there), so its logits are the next drafting step; with every
         # draft passed, no bonus and nothing left masked it is the finished block
@@ -917,9 +1147,17 @@ class _Batch:
         saved = reuse | spec_final if self.blocks == SPEC_BLOCK else reuse | (spec_final & self.layout.has_next)
         self.router.observe(is_verify, True, committed, torch.where(saved, 1, 2))
         L_max = self.L_max
-        self.hist += torch.bincount(torch.where(is_verify, acc, L_max + 1), minlength=L_max + 2)[:L_max + 1]
-        self.stats_dev[:6] += torch.stack([is_verify.sum(), committed.sum(), torch.where(is_verify, acc, 0).sum(),
-                                           num.sum(), reuse.sum(), spec_final.sum()])
+        self.hist += torch.bincount(torch.where(is_verify, acc, L_max + 1), minlength=L_max + 2)[: L_max + 1]
+        self.stats_dev[:6] += torch.stack(
+            [
+                is_verify.sum(),
+                committed.sum(),
+                torch.where(is_verify, acc, 0).sum(),
+                num.sum(),
+                reuse.sum(),
+                spec_final.sum(),
+            ]
+        )
         if self.progress is not None:
             self.advance(float(committed.sum()) / self.batch)
         nxt.copy_(torch.where(is_verify, torch.where(left, DRAFT, COMMIT), nxt))
@@ -932,7 +1170,7 @@ class _Batch:
         state and of the boundary state's next block (None, None without redraft blocks);
         carries the finished blocks' last logits."""
         bs = self.bs
-        base = bs + 1                                     # the block-size-1 rows come first
+        base = bs + 1  # the block-size-1 rows come first
         r = torch.where(self.is_verify, accepted, 0)
         idx = self.layout.drafting_index(self.span_start, r, bs=bs, shifted=self.shifted) + base
         picked = logits.gather(1, idx.clamp(max=logits.shape[1] - 1)[..., None].expand(-1, -1, logits.shape[-1]))
@@ -944,7 +1182,7 @@ class _Batch:
             self.carry = torch.where(spec_final[:, None], last, self.carry)
         if self.blocks != REDRAFT:
             return picked[:, :bs], None, None
-        return picked[:, :bs], picked[:, bs:2 * bs], picked[:, 2 * bs:]
+        return picked[:, :bs], picked[:, bs : 2 * bs], picked[:, 2 * bs :]
 
     def draft(self, block_logits, drafting, nxt, stale=None):
         """Rows ``drafting`` [B] (drafting rows, verified rows whose redraft block is reused,
@@ -959,18 +1197,17 @@ class _Batch:
         # a draw per slot for the rows that draft (the others keep their streams' counters)
         u = None if self.streams is None else self.streams.uniforms(self.requests, bs, advance=active.cpu())
         choice, conf = choose(block_logits, temperature, uniforms=u)
-        if opt["policy"] == "always":                 # never falls back: nothing to rank
+        if opt["policy"] == "always":  # never falls back: nothing to rank
             pick = torch.zeros_like(masked)
-        else:                                         # diffusion's threshold rule (ties to the lower slot)
+        else:  # diffusion's threshold rule (ties to the lower slot)
             conf_m, _, rank = rank_masked(conf, masked)
             pick = pick_slots(masked, conf_m, rank, threshold=self.thr) & drafting[:, None]
         # the first contiguous masked span, capped at draft_len
         first = torch.where(masked.any(1), masked.long().argmax(1), 0)
-        run = masked.gather(1, (first[:, None] + slots[None]).clamp(max=bs - 1)) \
-            & (first[:, None] + slots[None] < bs)
+        run = masked.gather(1, (first[:, None] + slots[None]).clamp(max=bs - 1)) & (first[:, None] + slots[None] < bs)
         length = run.long().cumprod(1).sum(1).clamp(max=self.L_max)
         if opt["policy"] in ("always", "never", "min_span"):
-            score = length.float()           # not used by these policies: no scoring pass
+            score = length.float()  # not used by these policies: no scoring pass
         else:
             tstats = token_stats(block_logits, temperature=temperature if temperature > 0 else 1.0)
             score = span_score(tstats, conf, first, length, opt["estimator"])
@@ -988,13 +1225,13 @@ class _Batch:
         if temperature > 0 and opt["policy"] != "never":
             q = torch.softmax(block_logits / temperature, dim=-1)
             q = q.gather(1, src[..., None].expand(-1, -1, self.vocab))
-            self.draft_probs = q if self.draft_probs is None else torch.where(verify[:, None, None], q,
-                                                                              self.draft_probs)
+            self.draft_probs = (
+                q if self.draft_probs is None else torch.where(verify[:, None, None], q, self.draft_probs)
+            )
         self.span_start = torch.where(verify, first, self.span_start)
         self.span_len = torch.where(verify, length, self.span_len)
         self.exact_first = torch.where(verify, True if stale is None else ~stale, self.exact_first)
-        nxt.copy_(torch.where(drafting, torch.where(verify, VERIFY, torch.where(masked.any(1), DRAFT, COMMIT)),
-                              nxt))
+        nxt.copy_(torch.where(drafting, torch.where(verify, VERIFY, torch.where(masked.any(1), DRAFT, COMMIT)), nxt))
 
     def append_kv(self, out, spec_final):
         """Append the KV of the blocks committed by this forward: a pending block (the rows in
@@ -1003,13 +1240,16 @@ class _Batch:
         bs, slots = self.bs, self.slots
         appended = self.pending | spec_final
         if self.any_pending or self.has["verify"]:
-            keep = torch.where(self.pending[:, None], slots[None], -1)       # the pending block, in front
+            keep = torch.where(self.pending[:, None], slots[None], -1)  # the pending block, in front
             if self.has["verify"]:
-                final_rows = torch.where(self.chain_final[:, None], self.layout.lead[:, None] + slots[None],
-                                         self.layout.block_rows(torch.where(self.is_verify, self.span_len, 0), bs))
+                final_rows = torch.where(
+                    self.chain_final[:, None],
+                    self.layout.lead[:, None] + slots[None],
+                    self.layout.block_rows(torch.where(self.is_verify, self.span_len, 0), bs),
+                )
                 final_rows = torch.where(spec_final[:, None], final_rows, -1)
                 keep = torch.where(self.pending[:, None], keep, final_rows)
-                if self.any_lead:      # a verifying row with a pending block may finish its block too
+                if self.any_lead:  # a verifying row with a pending block may finish its block too
                     keep = torch.cat([keep, torch.where(self.pending[:, None], final_rows, -1)], 1)
             if bool(appended.any()):
                 self.cache.append(out.suffix_kv, keep=keep.cpu())
@@ -1024,7 +1264,7 @@ class _Batch:
         host = torch.cat([self.tokens, self.masked.long(), self.block_start[:, None], live.long()[:, None]], 1).cpu()
         bs, rows = self.bs, np.arange(self.batch)
         h = host.numpy()
-        ended = self.outputs.block_ends(rows, h[:, :bs], h[:, bs:2 * bs] == 0, h[:, 2 * bs], self.plen_host)
+        ended = self.outputs.block_ends(rows, h[:, :bs], h[:, bs : 2 * bs] == 0, h[:, 2 * bs], self.plen_host)
         ended = torch.from_numpy(ended & (h[:, 2 * bs + 1] == 1)).to(self.dev)
         nxt.copy_(torch.where(ended, COMMIT, nxt))
         return ended
@@ -1035,7 +1275,7 @@ class _Batch:
         front of the next block's first drafting forward; the last one is never forwarded
         again).  Returns the rows whose next block was opened [B]."""
         bs = self.bs
-        complete = (nxt == COMMIT) & ~spec_final            # finished, KV not appended above
+        complete = (nxt == COMMIT) & ~spec_final  # finished, KV not appended above
         finishing = complete | spec_final
         fin_host = finishing.cpu().numpy()
         if not fin_host.any():
@@ -1059,8 +1299,9 @@ class _Batch:
         tokens = self.tokens if tokens is None else tokens
         block_start = self.block_start if block_start is None else block_start
         rows = np.flatnonzero(fin_host)
-        done = self.outputs.extend_block(rows, tokens.cpu().numpy()[rows], block_start.cpu().numpy()[rows],
-                                         self.plen_host[rows])
+        done = self.outputs.extend_block(
+            rows, tokens.cpu().numpy()[rows], block_start.cpu().numpy()[rows], self.plen_host[rows]
+        )
         return torch.from_numpy(rows[done])
 
     @property
@@ -1068,15 +1309,16 @@ class _Batch:
         return self.outputs.generated
 
     def stats(self) -> dict:
-        if self.nat is not None:        # the compiled step's counters (csrc/s2d2.h S2D2Counters)
+        if self.nat is not None:  # the compiled step's counters (csrc/s2d2.h S2D2Counters)
             c, k = self.nat.counters, self.native.s2d2_counter_layout()
             # stats_dev's eight counters, in its order: verifications .. boundary
-            self.stats_dev = c[k["verifications"]: k["boundary"] + 1].clone()
-            self.hist = c[k["hist"]:].clone()
+            self.stats_dev = c[k["verifications"] : k["boundary"] + 1].clone()
+            self.hist = c[k["hist"] :].clone()
             self.router._decisions = c[k["decisions"]].clone()
             self.router._verifies = c[k["verify_decisions"]].clone()
-        n_verify, n_committed_by_verify, n_accepted, n_drafted, reused, from_spec, ahead, bounded = \
+        n_verify, n_committed_by_verify, n_accepted, n_drafted, reused, from_spec, ahead, bounded = (
             self.stats_dev.tolist()
+        )
         decisions = self.router.stats()["decisions"]
         total = sum(len(g) for g in self.generated)
         opt = self.opt
@@ -1089,21 +1331,43 @@ class _Batch:
             "accepted_hist": self.hist.tolist(),
             "tokens_per_forward": total / self.batch / max(self.forwards, 1),
             "forwards_with": self.kinds,
-            "spec_block_drafts": reused, "spec_block_commits": from_spec, "next_block_drafts": ahead,
+            "spec_block_drafts": reused,
+            "spec_block_commits": from_spec,
+            "next_block_drafts": ahead,
             "boundary_drafts": bounded,
             "router": self.router.stats(),
-            "block_size": self.bs, "threshold": self.thr, "draft_len": self.L_max, "policy": opt["policy"],
-            "estimator": opt["estimator"], "redraft": opt["redraft"], "boundary": opt["boundary"],
+            "block_size": self.bs,
+            "threshold": self.thr,
+            "draft_len": self.L_max,
+            "policy": opt["policy"],
+            "estimator": opt["estimator"],
+            "redraft": opt["redraft"],
+            "boundary": opt["boundary"],
         }
 
 
 @torch.no_grad()
-def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                generator: torch.Generator | None = None, eos_ids=(), progress=None,
-                block_size: int | None = None, threshold: float | None = None, policy: str | None = None,
-                min_span: int | None = None, score_threshold: float | None = None, hysteresis=None,
-                ucb_c: float | None = None, estimator: str | None = None, draft_len: int | None = None,
-                redraft: bool | str = "auto", boundary: bool | None = None):
+def decode_s2d2(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    eos_ids=(),
+    progress=None,
+    block_size: int | None = None,
+    threshold: float | None = None,
+    policy: str | None = None,
+    min_span: int | None = None,
+    score_threshold: float | None = None,
+    hysteresis=None,
+    ucb_c: float | None = None,
+    estimator: str | None = None,
+    draft_len: int | None = None,
+    redraft: bool | str = "auto",
+    boundary: bool | None = None,
+):
     """S2D2 decoding of a ragged batch; returns (tokens per request, stats).
 
     Parameters
@@ -1170,11 +1434,33 @@ def decode_s2d2(model, prompts: list[list[int]], *, max_new_tokens: int, tempera
     (verifications whose rejected last draft finished the block and whose boundary state
     drafted the next one, each a forward saved); router (per-policy counters).
     """
-    opt = _check_options(model, block_size, threshold, policy, min_span, score_threshold, hysteresis,
-                         ucb_c, estimator, draft_len, redraft, batch=len(prompts), temperature=temperature,
-                         boundary=boundary, prompt_len=max(len(p) for p in prompts))
-    run = _Batch(model, prompts, opt, max_new_tokens=max_new_tokens, temperature=temperature,
-                 generator=generator, eos_ids=eos_ids, progress=progress)
+    opt = _check_options(
+        model,
+        block_size,
+        threshold,
+        policy,
+        min_span,
+        score_threshold,
+        hysteresis,
+        ucb_c,
+        estimator,
+        draft_len,
+        redraft,
+        batch=len(prompts),
+        temperature=temperature,
+        boundary=boundary,
+        prompt_len=max(len(p) for p in prompts),
+    )
+    run = _Batch(
+        model,
+        prompts,
+        opt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        generator=generator,
+        eos_ids=eos_ids,
+        progress=progress,
+    )
     while run.step():
         pass
     return run.generated, run.stats()

@@ -12,6 +12,7 @@ A forward whose logits hold NaN or inf stops every method with one ValueError
 Seeded sampling draws its uniforms from :class:`RequestStreams`: one counter-based stream
 per request, so that a request's tokens never depend on the other requests of its batch.
 """
+
 from __future__ import annotations
 
 import operator
@@ -25,14 +26,16 @@ from ..ops import token_stats, verify_chain
 from ..reference.verify import draw
 
 _M64 = (1 << 64) - 1
-_DRAW = 0x9E3779B97F4A7C15          # odd: keeps the draw counter's mix apart from the request's
+_DRAW = 0x9E3779B97F4A7C15  # odd: keeps the draw counter's mix apart from the request's
 
 
 def non_finite_error(who: str = "model") -> ValueError:
     """The error every method raises when ``who``'s forward gave a logits row holding NaN or
     +inf (or only -inf): there is no distribution to pick a token from."""
-    return ValueError(f"the {who}'s logits hold NaN or inf (a non-finite forward: check its weights, dtype "
-                      f"and inputs); decoding stopped")
+    return ValueError(
+        f"the {who}'s logits hold NaN or inf (a non-finite forward: check its weights, dtype "
+        f"and inputs); decoding stopped"
+    )
 
 
 def require_finite(tokens: torch.Tensor, who: str = "model") -> torch.Tensor:
@@ -44,7 +47,6 @@ def require_finite(tokens: torch.Tensor, who: str = "model") -> torch.Tensor:
     if tokens.numel() and bool((tokens < 0).any()):
         raise non_finite_error(who)
     return tokens
-
 
 
 def _mix64(x: int) -> int:
@@ -106,7 +108,7 @@ class RequestStreams:
             count = draws[req]
             draws[req] = count + 1
             key = seeds[req] ^ _mix64(count * _DRAW)
-            gen.manual_seed((key ^ (key >> 32)) & 0xFFFFFFFF)    # the engine's seed is 32-bit
+            gen.manual_seed((key ^ (key >> 32)) & 0xFFFFFFFF)  # the engine's seed is 32-bit
             out[row].uniform_(generator=gen)
         return out if self.device.type == "cpu" else out.to(self.device)
 
@@ -134,12 +136,19 @@ def request_streams(generator, batch: int, device) -> RequestStreams | None:
     stay as given, and a ``torch.Generator`` seeds a batch of streams with one draw from it."""
     if generator is None or isinstance(generator, RequestStreams):
         return generator
-    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=generator.device))
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
     return RequestStreams.seeded(seed, batch, device)
 
 
-def next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
-                uniforms: torch.Tensor | None = None, *, who: str = "model", check: bool | None = None):
+def next_tokens(
+    logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+    *,
+    who: str = "model",
+    check: bool | None = None,
+):
     """logits [B, V] -> token ids [B] (int64).  At T > 0 the draw uses ``uniforms`` [B] when
     given (the rows' :class:`RequestStreams` draws), else ``generator``.  ValueError where a
     row is not finite (:func:`require_finite`, one host read; ``check=False`` leaves the -1 to
@@ -153,12 +162,15 @@ def next_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
         batch = logits.shape[0]
         empty = torch.zeros(batch, 0, dtype=torch.int64, device=logits.device)
         if uniforms is not None:
-            tokens = verify_chain(empty, logits[:, None], temperature=temperature,
-                                  coins=torch.zeros(batch, 0, device=logits.device),
-                                  sample_uniforms=uniforms.reshape(batch)).tokens[:, 0]
+            tokens = verify_chain(
+                empty,
+                logits[:, None],
+                temperature=temperature,
+                coins=torch.zeros(batch, 0, device=logits.device),
+                sample_uniforms=uniforms.reshape(batch),
+            ).tokens[:, 0]
         else:
-            tokens = verify_chain(empty, logits[:, None], temperature=temperature,
-                                  generator=generator).tokens[:, 0]
+            tokens = verify_chain(empty, logits[:, None], temperature=temperature, generator=generator).tokens[:, 0]
     return require_finite(tokens, who) if check else tokens
 
 

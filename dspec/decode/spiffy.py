@@ -25,6 +25,7 @@ distribution).  At a state S whose logits are known (from the previous forward):
 Stats as ``ssd``; ``mean_accepted``: denoising steps committed per verification round of a
 request (>= 1).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -40,9 +41,20 @@ DEFAULT_GRAPH_SIZE = 16
 DEFAULT_PRUNE_TO = 8
 
 
-def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, generator=None,
-           eos_ids=(), progress=None, block_size: int | None = None, graph_size: int | None = None,
-           prune_to: int | None = None, graph=None):
+def decode(
+    model,
+    prompts,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator=None,
+    eos_ids=(),
+    progress=None,
+    block_size: int | None = None,
+    graph_size: int | None = None,
+    prune_to: int | None = None,
+    graph=None,
+):
     """Spiffy decoding of a ragged batch; returns (tokens per request, stats).
 
     Parameters
@@ -75,16 +87,20 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         ``prune_to``.
     """
     bs = check_common(model, "spiffy", block_size)
-    if graph_size is not None and (isinstance(graph_size, bool) or not isinstance(graph_size, int)
-                                   or graph_size < 1):
+    if graph_size is not None and (isinstance(graph_size, bool) or not isinstance(graph_size, int) or graph_size < 1):
         raise ValueError(f"graph_size must be an int >= 1, got {graph_size!r}")
     check_max("graph_size", graph_size, MAX_GRAPH_NODES, "MAX_GRAPH_NODES")
     check_rows(model, prompts, "block_size", bs, 3 * bs, "3 * block_size")
     if graph is None:
         d = graph_size if graph_size is not None else DEFAULT_GRAPH_SIZE
-        check_rows(model, prompts, "graph_size" if graph_size is not None else "block_size",
-                   d if graph_size is not None else bs, (d + 2) * bs,
-                   f"(graph_size + 2) * block_size with graph_size = {d}")
+        check_rows(
+            model,
+            prompts,
+            "graph_size" if graph_size is not None else "block_size",
+            d if graph_size is not None else bs,
+            (d + 2) * bs,
+            f"(graph_size + 2) * block_size with graph_size = {d}",
+        )
         draft_graph = graphs.default_graph(model, bs, d, progress=progress is not None).graph
     else:
         if isinstance(graph, (str, Path)):
@@ -99,8 +115,14 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         if graph_size is not None and graph_size != d:
             raise ValueError(f"graph_size={graph_size} does not match the given graph's {d} draft nodes")
         check_max("graph (its draft nodes)", d, MAX_GRAPH_NODES, "MAX_GRAPH_NODES")
-        check_rows(model, prompts, "graph", f"a graph of {d} draft nodes", (d + 2) * bs,
-                   f"(draft nodes + 2) * block_size with {d} draft nodes")
+        check_rows(
+            model,
+            prompts,
+            "graph",
+            f"a graph of {d} draft nodes",
+            (d + 2) * bs,
+            f"(draft nodes + 2) * block_size with {d} draft nodes",
+        )
     if prune_to is None:
         prune_to = min(DEFAULT_PRUNE_TO, max(d, 1))
         copies = cpu_block_copies(model, bs, len(prompts), temperature)  # + the root and the next block
@@ -108,8 +130,16 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
     if isinstance(prune_to, bool) or not isinstance(prune_to, int) or not 1 <= prune_to <= max(d, 1):
         raise ValueError(f"prune_to must be an int in [1, graph_size = {d}], got {prune_to!r}")
     tokens, stats = decode_self_speculative(
-        model, prompts, graph=draft_graph, prune_to=prune_to, max_new_tokens=max_new_tokens,
-        temperature=temperature, generator=generator, eos_ids=eos_ids, progress=progress,
-        block_size=bs)
+        model,
+        prompts,
+        graph=draft_graph,
+        prune_to=prune_to,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        generator=generator,
+        eos_ids=eos_ids,
+        progress=progress,
+        block_size=bs,
+    )
     stats.update(graph_size=draft_graph.num_nodes - 1, prune_to=prune_to)
     return tokens, stats

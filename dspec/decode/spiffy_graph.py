@@ -22,6 +22,7 @@ model: a graph shipped in ``dspec/assets/spiffy/`` for a shipped model, else one
 ``$DSPEC_CACHE_DIR/spiffy/`` (default ``~/.cache/dspec/spiffy/``) under the model's weight
 fingerprint, block size and graph size, else it calibrates one (tqdm bar) and caches it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,19 +62,24 @@ class SpiffyGraph:
         return self.graph.nodes
 
     def to_json(self) -> dict:
-        return {"format": "dspec-spiffy-graph", "version": FORMAT_VERSION,
-                "block_size": self.block_size, "graph_size": self.graph_size,
-                "nodes": [[list(s) for s in node] for node in self.graph.nodes],
-                "counts": list(self.graph.counts) if self.graph.counts is not None else None,
-                "meta": self.meta}
+        return {
+            "format": "dspec-spiffy-graph",
+            "version": FORMAT_VERSION,
+            "block_size": self.block_size,
+            "graph_size": self.graph_size,
+            "nodes": [[list(s) for s in node] for node in self.graph.nodes],
+            "counts": list(self.graph.counts) if self.graph.counts is not None else None,
+            "meta": self.meta,
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> "SpiffyGraph":
         if not isinstance(data, dict) or data.get("format") != "dspec-spiffy-graph":
             raise ValueError("not a dspec Spiffy graph file (format != 'dspec-spiffy-graph')")
         if data.get("version") != FORMAT_VERSION:
-            raise ValueError(f"Spiffy graph format version {data.get('version')!r} is not supported "
-                             f"(expected {FORMAT_VERSION})")
+            raise ValueError(
+                f"Spiffy graph format version {data.get('version')!r} is not supported (expected {FORMAT_VERSION})"
+            )
         try:
             nodes = tuple(tuple((int(s[0]), int(s[1])) for s in node) for node in data["nodes"])
             counts = data.get("counts")
@@ -92,7 +98,7 @@ def save(graph: SpiffyGraph, path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(graph.to_json(), indent=1))
-    tmp.replace(path)                    # atomic: concurrent readers never see half a file
+    tmp.replace(path)  # atomic: concurrent readers never see half a file
     return path
 
 
@@ -110,11 +116,13 @@ def load(path) -> SpiffyGraph:
 
 # ------------------------------------------------------------------------------ calibration
 
+
 def default_prompts(model, n: int = 32, *, seed: int = 7) -> list[list[int]]:
     """Calibration prompts: ``dspec.tasks.arithmetic`` problems (seed apart from training's
     >= 1000) encoded by the model's tokenizer; seeded random ids without a tokenizer."""
     if model.tokenizer is not None:
         from ..tasks import arithmetic
+
         prompts = [model.tokenizer.encode(p.prompt) for p in arithmetic(n, seed=seed)]
         if all(prompts):
             return prompts
@@ -125,9 +133,18 @@ def default_prompts(model, n: int = 32, *, seed: int = 7) -> list[list[int]]:
     return [[rng.choice(ids) for _ in range(rng.randint(3, 12))] for _ in range(n)]
 
 
-def calibrate(model, prompts=None, block_size: int | None = None, graph_size: int = 16, *,
-              max_new_tokens: int = 48, num_candidates: int = 3, max_depth: int | None = None,
-              batch_size: int = 16, progress: bool = True) -> SpiffyGraph:
+def calibrate(
+    model,
+    prompts=None,
+    block_size: int | None = None,
+    graph_size: int = 16,
+    *,
+    max_new_tokens: int = 48,
+    num_candidates: int = 3,
+    max_depth: int | None = None,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> SpiffyGraph:
     """Calibrate a draft graph of ``graph_size`` draft nodes on ``prompts``.
 
     Parameters
@@ -147,8 +164,12 @@ def calibrate(model, prompts=None, block_size: int | None = None, graph_size: in
     SpiffyGraph whose nodes are the root and the D most frequent states connected to it.
     """
     bs = check_common(model, "spiffy", block_size)
-    for name, value, low in (("graph_size", graph_size, 1), ("max_new_tokens", max_new_tokens, 1),
-                             ("num_candidates", num_candidates, 1), ("batch_size", batch_size, 1)):
+    for name, value, low in (
+        ("graph_size", graph_size, 1),
+        ("max_new_tokens", max_new_tokens, 1),
+        ("num_candidates", num_candidates, 1),
+        ("batch_size", batch_size, 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     depth = max_depth if max_depth is not None else max(bs - 1, 1)
@@ -172,32 +193,49 @@ def calibrate(model, prompts=None, block_size: int | None = None, graph_size: in
     bar = None
     if progress:
         from tqdm.auto import tqdm
+
         bar = tqdm(total=len(ids), desc=f"spiffy calibration (block {bs}, D={graph_size})", unit="prompt")
     root_only = DraftGraph((((0, 0),),))
     for lo in range(0, len(ids), batch_size):
-        chunk = ids[lo: lo + batch_size]
+        chunk = ids[lo : lo + batch_size]
         states: dict[int, list] = {}
 
         def trace(ev, states=states):
             for a, b in enumerate(ev["rows"]):
                 if ev["known"][a]:
                     states.setdefault(b, []).append((ev["order"][a], ev["cand"][a]))
-                if ev["host"][a][0]:                       # the block is complete
+                if ev["host"][a][0]:  # the block is complete
                     _count_block(states.pop(b, []), counts, num_candidates, depth)
 
-        decode_self_speculative(model, chunk, graph=root_only, prune_to=None,
-                                max_new_tokens=max_new_tokens, temperature=0.0, generator=None,
-                                eos_ids=(), progress=None, block_size=bs, trace=trace,
-                                num_candidates=num_candidates)
+        decode_self_speculative(
+            model,
+            chunk,
+            graph=root_only,
+            prune_to=None,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            generator=None,
+            eos_ids=(),
+            progress=None,
+            block_size=bs,
+            trace=trace,
+            num_candidates=num_candidates,
+        )
         if bar is not None:
             bar.update(len(chunk))
     if bar is not None:
         bar.close()
     graph = select_graph(counts, graph_size)
-    meta = {"fingerprint": fingerprint(model), "family": model.family,
-            "shipped_name": getattr(model, "shipped_name", None), "prompts": len(ids),
-            "max_new_tokens": max_new_tokens, "num_candidates": num_candidates, "max_depth": depth,
-            "states_counted": int(counts[((0, 0),)])}
+    meta = {
+        "fingerprint": fingerprint(model),
+        "family": model.family,
+        "shipped_name": getattr(model, "shipped_name", None),
+        "prompts": len(ids),
+        "max_new_tokens": max_new_tokens,
+        "num_candidates": num_candidates,
+        "max_depth": depth,
+        "states_counted": int(counts[((0, 0),)]),
+    }
     return SpiffyGraph(graph, bs, graph.num_nodes - 1, meta)
 
 
@@ -212,7 +250,7 @@ def _count_block(states, counts: Counter, num_candidates: int, depth: int) -> No
         rank = {slot: i for i, slot in enumerate(order)}
         node = [(0, 0)]
         counts[((0, 0),)] += 1
-        for slot, tok in steps[t + 1: t + 1 + depth]:
+        for slot, tok in steps[t + 1 : t + 1 + depth]:
             i = rank[slot]
             row = cand[i][:num_candidates]
             if tok not in row:
@@ -247,6 +285,7 @@ def select_graph(counts: Counter, graph_size: int) -> DraftGraph:
 
 
 # ------------------------------------------------------------------------------ finding graphs
+
 
 def fingerprint(model) -> str:
     """A short hash of the model's configuration and weights (cache key).  Hashing reads
@@ -289,8 +328,9 @@ def shipped_graph_path(model, block_size: int, graph_size: int) -> Path | None:
     return path if path.is_file() else None
 
 
-def default_graph(model, block_size: int, graph_size: int = 16, *, progress: bool = True,
-                  **calibrate_options) -> SpiffyGraph:
+def default_graph(
+    model, block_size: int, graph_size: int = 16, *, progress: bool = True, **calibrate_options
+) -> SpiffyGraph:
     """A graph for ``model``: shipped, else cached, else calibrated now (and cached)."""
     key = fingerprint(model)
     shipped = shipped_graph_path(model, block_size, graph_size)
@@ -304,12 +344,12 @@ def default_graph(model, block_size: int, graph_size: int = 16, *, progress: boo
         try:
             return load(path)
         except ValueError:
-            pass                                      # a corrupt cache entry: calibrate again
+            pass  # a corrupt cache entry: calibrate again
     graph = calibrate(model, None, block_size, graph_size, progress=progress, **calibrate_options)
     try:
         save(graph, path)
     except OSError:
-        pass                                          # read-only home: use it uncached
+        pass  # read-only home: use it uncached
     return graph
 
 
@@ -322,11 +362,14 @@ def main(argv=None) -> int:
 
     from ..hub import load
 
-    p = argparse.ArgumentParser(prog="python -m dspec.decode.spiffy_graph",
-                                description="Calibrate Spiffy draft graphs for a block-diffusion model.")
+    p = argparse.ArgumentParser(
+        prog="python -m dspec.decode.spiffy_graph",
+        description="Calibrate Spiffy draft graphs for a block-diffusion model.",
+    )
     p.add_argument("model", help="shipped name (e.g. tiny-bd) or checkpoint directory")
-    p.add_argument("--block-sizes", type=int, nargs="+", default=None,
-                   help="block sizes to calibrate (default: the model's)")
+    p.add_argument(
+        "--block-sizes", type=int, nargs="+", default=None, help="block sizes to calibrate (default: the model's)"
+    )
     p.add_argument("--graph-size", type=int, default=16, help="draft nodes D (default 16)")
     p.add_argument("--prompts", type=int, default=32, help="calibration prompts (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -337,8 +380,9 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else (ASSETS if shipped else cache_dir())
     key = shipped if (shipped and out == ASSETS) else fingerprint(model)
     for bs in args.block_sizes or [model.block_size]:
-        graph = calibrate(model, default_prompts(model, args.prompts), bs, args.graph_size,
-                          max_new_tokens=args.max_new_tokens)
+        graph = calibrate(
+            model, default_prompts(model, args.prompts), bs, args.graph_size, max_new_tokens=args.max_new_tokens
+        )
         path = save(graph, out / graph_file_name(key, bs, args.graph_size))
         print(f"block {bs}: {graph.graph_size} draft nodes -> {path}")
     return 0

@@ -33,6 +33,7 @@ takes 1 prefill + per block (masked slots + 1 commit) forwards.
 Host syncs: two small reads per round (copies to forward; accepted steps / committed
 blocks), see :mod:`dspec.decode._selfspec`.
 """
+
 from __future__ import annotations
 
 from ._bounds import MAX_DRAFT_LEN, check_max, check_rows
@@ -44,9 +45,19 @@ DRAFTER = False
 DEFAULT_DRAFT_LEN = 4
 
 
-def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, generator=None,
-           eos_ids=(), progress=None, block_size: int | None = None, draft_len: int | None = None,
-           mixed_order: bool | None = None):
+def decode(
+    model,
+    prompts,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator=None,
+    eos_ids=(),
+    progress=None,
+    block_size: int | None = None,
+    draft_len: int | None = None,
+    mixed_order: bool | None = None,
+):
     """SSD decoding of a ragged batch; returns (tokens per request, stats).
 
     Parameters
@@ -90,16 +101,28 @@ def decode(model, prompts, *, max_new_tokens: int, temperature: float = 0.0, gen
         raise ValueError(f"mixed_order must be a bool or None, got {mixed_order!r}")
     check_max("draft_len", draft_len, MAX_DRAFT_LEN, "MAX_DRAFT_LEN")
     check_rows(model, prompts, "block_size", bs, chain_copies(1, False) * bs, "3 * block_size")
-    n, mixed_order = default_chain(cpu_block_copies(model, bs, len(prompts), temperature), bs, draft_len,
-                                   mixed_order)
+    n, mixed_order = default_chain(cpu_block_copies(model, bs, len(prompts), temperature), bs, draft_len, mixed_order)
     # (an explicit draft_len is the option to blame; else the block size, with the default draft_len)
-    check_rows(model, prompts, "draft_len" if draft_len is not None else "block_size",
-               n if draft_len is not None else bs, chain_copies(n, mixed_order) * bs,
-               f"(draft_len + 2{' + draft_len - 1' if mixed_order else ''}) * block_size with draft_len = {n}")
+    check_rows(
+        model,
+        prompts,
+        "draft_len" if draft_len is not None else "block_size",
+        n if draft_len is not None else bs,
+        chain_copies(n, mixed_order) * bs,
+        f"(draft_len + 2{' + draft_len - 1' if mixed_order else ''}) * block_size with draft_len = {n}",
+    )
     tokens, stats = decode_self_speculative(
-        model, prompts, graph=chain_graph(n, mixed_order), prune_to=None,
-        max_new_tokens=max_new_tokens, temperature=temperature, generator=generator,
-        eos_ids=eos_ids, progress=progress, block_size=bs)
+        model,
+        prompts,
+        graph=chain_graph(n, mixed_order),
+        prune_to=None,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        generator=generator,
+        eos_ids=eos_ids,
+        progress=progress,
+        block_size=bs,
+    )
     stats.update(draft_len=n, mixed_order=mixed_order)
     return tokens, stats
 
@@ -110,11 +133,13 @@ def chain_copies(draft_len: int, mixed_order: bool) -> int:
     return draft_len + 2 + (draft_len - 1 if mixed_order else 0)
 
 
-def default_chain(max_copies: int | None, block_size: int, draft_len: int | None,
-                  mixed_order: bool | None) -> tuple[int, bool]:
+def default_chain(
+    max_copies: int | None, block_size: int, draft_len: int | None, mixed_order: bool | None
+) -> tuple[int, bool]:
     """(draft_len, mixed_order) with the defaults resolved: ``max_copies`` None (no device
     cap) or the CPU's block-copy budget, which the defaults respect and explicit values
     override; mixed_order is reported False where the chain has no pair to swap."""
+
     def fits(n: int, mixed: bool) -> bool:
         return max_copies is None or chain_copies(n, mixed) <= max_copies
 

@@ -9,6 +9,7 @@ above ``threshold`` plus the top one (dynamic schedule).  SSD's and Spiffy's los
 against one-token-per-step `diffusion` rests on every method applying exactly this rule,
 hence one copy.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,9 @@ def confidence(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -
     return log_probs(logits, tokens[..., None], temperature)[..., 0].exp()
 
 
-def choose(logits: torch.Tensor, temperature: float, generator=None,
-           uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def choose(
+    logits: torch.Tensor, temperature: float, generator=None, uniforms: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each slot's proposal and its confidence: ``next_tokens``' choice (the argmax, or a draw
     at T > 0, with ``uniforms`` [...] one per slot when given, else from ``generator``) and
     ``confidence`` of it.  logits [..., V] (float32, or bf16 on the CPU, whose
@@ -45,8 +47,9 @@ def choose(logits: torch.Tensor, temperature: float, generator=None,
         stats = token_stats(logits)
         tokens = require_finite(stats.token)
         return tokens, (logits.gather(-1, tokens[..., None]).float()[..., 0] - stats.lse).exp()
-    tokens = next_tokens(logits.reshape(-1, logits.shape[-1]), temperature, generator,
-                         None if uniforms is None else uniforms.reshape(-1)).view(logits.shape[:-1])
+    tokens = next_tokens(
+        logits.reshape(-1, logits.shape[-1]), temperature, generator, None if uniforms is None else uniforms.reshape(-1)
+    ).view(logits.shape[:-1])
     return tokens, confidence(logits, tokens, temperature)
 
 
@@ -64,8 +67,9 @@ def rank_masked(conf: torch.Tensor, masked: torch.Tensor):
     return conf_m, order, rank
 
 
-def pick_slots(masked: torch.Tensor, conf_m: torch.Tensor, rank: torch.Tensor, *,
-               threshold: float | None = None, per_step: int = 1) -> torch.Tensor:
+def pick_slots(
+    masked: torch.Tensor, conf_m: torch.Tensor, rank: torch.Tensor, *, threshold: float | None = None, per_step: int = 1
+) -> torch.Tensor:
     """The slots one step unmasks, bool [R, S]: with ``threshold``, every masked slot at or
     above it plus the most confident one; else the ``per_step`` most confident."""
     if threshold is not None:

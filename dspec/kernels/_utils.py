@@ -1,4 +1,5 @@
 """Launch helpers shared by the Triton kernels."""
+
 from __future__ import annotations
 
 import triton

@@ -6,6 +6,7 @@ ranking exact where r underflows (L up to 64 and beyond).  One program handles R
 ``conf`` (a few hundred bytes each): the kernel is launch-bound, so all three outputs come
 from one launch and one read of ``conf``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,9 +26,22 @@ def _log1p_neg(c):
 # grid = (cdiv(B, ROWS),).  Program p reads conf rows [p*ROWS, (p+1)*ROWS) once and writes
 # whichever outputs the constexpr flags ask for.
 @triton.jit
-def _boundary_kernel(conf_ptr, conf_stride, batch, length, r_ptr, len_ptr, rtop_ptr, exp_ptr,
-                     K: tl.constexpr, ROWS: tl.constexpr, LP: tl.constexpr,
-                     WANT_R: tl.constexpr, WANT_TOP: tl.constexpr, WANT_EXP: tl.constexpr):
+def _boundary_kernel(
+    conf_ptr,
+    conf_stride,
+    batch,
+    length,
+    r_ptr,
+    len_ptr,
+    rtop_ptr,
+    exp_ptr,
+    K: tl.constexpr,
+    ROWS: tl.constexpr,
+    LP: tl.constexpr,
+    WANT_R: tl.constexpr,
+    WANT_TOP: tl.constexpr,
+    WANT_EXP: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     slots = tl.arange(0, LP)
     row_ok = rows < batch
@@ -59,8 +73,7 @@ def _boundary_kernel(conf_ptr, conf_stride, batch, length, r_ptr, len_ptr, rtop_
             tl.store(rtop_ptr + top_at, tl.exp(top), mask=row_ok)
 
 
-def boundary_triton(conf: torch.Tensor, k: int = 0, *, want_r: bool = False,
-                    want_expected: bool = False):
+def boundary_triton(conf: torch.Tensor, k: int = 0, *, want_r: bool = False, want_expected: bool = False):
     """Returns (r[B, L+1] | None, lengths[B, k] | None, r_top[B, k] | None, expected[B] | None)."""
     batch, length = conf.shape
     if conf.stride(-1) != 1:
@@ -75,9 +88,20 @@ def boundary_triton(conf: torch.Tensor, k: int = 0, *, want_r: bool = False,
         rows = max(1, min(16, 2048 // lp))
         dummy = conf
         _boundary_kernel[(triton.cdiv(batch, rows),)](
-            conf, conf.stride(0), batch, length,
-            r if r is not None else dummy, lengths if k else dummy,
-            r_top if k else dummy, expected if expected is not None else dummy,
-            K=k, ROWS=rows, LP=lp, WANT_R=want_r, WANT_TOP=k > 0, WANT_EXP=want_expected,
-            num_warps=1 if lp <= 64 else 2)
+            conf,
+            conf.stride(0),
+            batch,
+            length,
+            r if r is not None else dummy,
+            lengths if k else dummy,
+            r_top if k else dummy,
+            expected if expected is not None else dummy,
+            K=k,
+            ROWS=rows,
+            LP=lp,
+            WANT_R=want_r,
+            WANT_TOP=k > 0,
+            WANT_EXP=want_expected,
+            num_warps=1 if lp <= 64 else 2,
+        )
     return r, lengths, r_top, expected

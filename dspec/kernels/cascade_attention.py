@@ -16,6 +16,7 @@ Two schedules (``num_splits``):
 Memory traffic: q + out (B N Hq D), the suffix K/V (B N Hkv D) and each request's prefix
 K/V once per m-block (once in total when N * Hq / Hkv <= BLOCK_M), + partials when split.
 """
+
 from __future__ import annotations
 
 import torch
@@ -55,15 +56,54 @@ def _attend(q, k_tile, v_tile, visible, m_i, l_i, acc, scale_log2, UPCAST: tl.co
 # request b.  Fused (parts == 1): whole prefix, then the suffix.  Split: part < NUM_SPLITS is
 # one prefix chunk, part == NUM_SPLITS the suffix; partial (o, lse) go to the workspace.
 @triton.jit
-def _cascade_kernel(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, indptr_ptr, table_ptr, mask_ptr,
-                    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
-                    n, num_kv_heads, group, scale_log2, chunk,
-                    sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
-                    spk_page, spk_t, spk_h, spv_page, spv_t, spv_h, s_table, sm_b, sm_n,
-                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SUFFIX_PART: tl.constexpr,
-                    HAS_PREFIX: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_MASK: tl.constexpr,
-                    WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr):
+def _cascade_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pk_ptr,
+    pv_ptr,
+    indptr_ptr,
+    table_ptr,
+    mask_ptr,
+    out_ptr,
+    lse_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    n,
+    num_kv_heads,
+    group,
+    scale_log2,
+    chunk,
+    sq_b,
+    sq_n,
+    sq_h,
+    sk_b,
+    sk_n,
+    sk_h,
+    sv_b,
+    sv_n,
+    sv_h,
+    spk_page,
+    spk_t,
+    spk_h,
+    spv_page,
+    spv_t,
+    spv_h,
+    s_table,
+    sm_b,
+    sm_n,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SUFFIX_PART: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     mb = tl.program_id(0)
     kvh = tl.program_id(1) % num_kv_heads
     part = tl.program_id(1) // num_kv_heads
@@ -76,8 +116,11 @@ def _cascade_kernel(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, indptr_ptr, table_ptr, 
     head = kvh * group + rows % group
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + b * sq_b + qn[:, None].to(tl.int64) * sq_n + head[:, None] * sq_h + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * sq_b + qn[:, None].to(tl.int64) * sq_n + head[:, None] * sq_h + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -92,7 +135,7 @@ def _cascade_kernel(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, indptr_ptr, table_ptr, 
             if PAGE_SIZE > 0:  # paged: logical rows 0..len, indptr_ptr holds the lengths
                 p_lo = tl.load(indptr_ptr + b) * 0
                 p_hi = tl.load(indptr_ptr + b)
-            else:              # ragged: rows indptr[b]..indptr[b + 1] of prefix_k
+            else:  # ragged: rows indptr[b]..indptr[b + 1] of prefix_k
                 p_lo = tl.load(indptr_ptr + b)
                 p_hi = tl.load(indptr_ptr + b + 1)
             if NUM_SPLITS > 1:
@@ -118,15 +161,16 @@ def _cascade_kernel(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, indptr_ptr, table_ptr, 
             j = start + keys
             j_ok = j < n
             kv_mask = j_ok[:, None] & d_ok[None, :]
-            k_tile = tl.load(k_ptr + b * sk_b + j[:, None].to(tl.int64) * sk_n + kvh * sk_h + d[None, :],
-                             mask=kv_mask, other=0.0)
-            v_tile = tl.load(v_ptr + b * sv_b + j[:, None].to(tl.int64) * sv_n + kvh * sv_h + d[None, :],
-                             mask=kv_mask, other=0.0)
+            k_tile = tl.load(
+                k_ptr + b * sk_b + j[:, None].to(tl.int64) * sk_n + kvh * sk_h + d[None, :], mask=kv_mask, other=0.0
+            )
+            v_tile = tl.load(
+                v_ptr + b * sv_b + j[:, None].to(tl.int64) * sv_n + kvh * sv_h + d[None, :], mask=kv_mask, other=0.0
+            )
             visible = row_ok[:, None] & j_ok[None, :]
             if HAS_MASK:
                 # bit (qn, j) of the packed words: word j // 32 of row qn
-                words = tl.load(mask_ptr + b * sm_b + qn[:, None] * sm_n + (j[None, :] >> 5),
-                                mask=visible, other=0)
+                words = tl.load(mask_ptr + b * sm_b + qn[:, None] * sm_n + (j[None, :] >> 5), mask=visible, other=0)
                 visible = visible & (((words >> (j[None, :] & 31)) & 1) != 0)
             m_i, l_i, acc = _attend(q, k_tile, v_tile, visible, m_i, l_i, acc, scale_log2, UPCAST)
 
@@ -135,8 +179,11 @@ def _cascade_kernel(q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, indptr_ptr, table_ptr, 
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     flat = (b * n + qn) * num_q_heads + head  # (b, token, head) row of out / lse
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + flat[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            out_ptr + flat[:, None] * HEAD_DIM + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
         if WRITE_LSE:
             tl.store(lse_ptr + flat, lse, mask=row_ok)
     else:
@@ -161,9 +208,18 @@ def _merge_pair(o, lse, o_b, lse_b):
 # grid = (cdiv(rows, BLOCK_R),).  Each program folds the PARTS partial states of BLOCK_R
 # (token, head) rows into the final output.
 @triton.jit
-def _merge_parts_kernel(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, num_rows,
-                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PARTS: tl.constexpr,
-                        BLOCK_R: tl.constexpr, WRITE_LSE: tl.constexpr):
+def _merge_parts_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    num_rows,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PARTS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     ok = rows < num_rows
     d = tl.arange(0, D_PAD)
@@ -182,8 +238,18 @@ def _merge_parts_kernel(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, num_rows,
 
 # grid = (cdiv(rows, BLOCK_R),): merge_states on [rows, D] views.
 @triton.jit
-def _merge_states_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, out_ptr, lse_ptr, num_rows,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+def _merge_states_kernel(
+    oa_ptr,
+    la_ptr,
+    ob_ptr,
+    lb_ptr,
+    out_ptr,
+    lse_ptr,
+    num_rows,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     ok = rows < num_rows
     d = tl.arange(0, D_PAD)
@@ -198,8 +264,7 @@ def _merge_states_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, out_ptr, lse_ptr, num_r
     tl.store(lse_ptr + rows, lse, mask=ok)
 
 
-def choose_splits(batch, m_blocks, num_kv_heads, max_prefix, block_n, device, min_tiles=None,
-                  capturing=False):
+def choose_splits(batch, m_blocks, num_kv_heads, max_prefix, block_n, device, min_tiles=None, capturing=False):
     """Prefix chunks so that small batches with long prefixes still fill the GPU.
 
     A split costs a second launch (the merge) and float32 partials: on an H100 with eager
@@ -227,10 +292,26 @@ def choose_splits(batch, m_blocks, num_kv_heads, max_prefix, block_n, device, mi
     return splits if splits >= 2 else 1
 
 
-def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, sm_scale,
-                             return_lse, *, prefix_page_table=None, prefix_lens=None,
-                             max_prefix_len=None, num_splits=None, block_m=None, block_n=None,
-                             num_warps=None, num_stages=None):
+def cascade_attention_triton(
+    q,
+    k,
+    v,
+    mask,
+    prefix_k,
+    prefix_v,
+    prefix_indptr,
+    sm_scale,
+    return_lse,
+    *,
+    prefix_page_table=None,
+    prefix_lens=None,
+    max_prefix_len=None,
+    num_splits=None,
+    block_m=None,
+    block_n=None,
+    num_warps=None,
+    num_stages=None,
+):
     """Ragged prefix (prefix_k [T, Hkv, D] + prefix_indptr) or paged prefix (prefix_k
     [pages, page_size, Hkv, D] + prefix_page_table [B, max_pages] + prefix_lens [B]).
     ``num_splits`` / ``block_m`` / ``block_n`` / ``num_warps`` / ``num_stages``: None picks
@@ -268,14 +349,15 @@ def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, s
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if has_prefix and max_prefix_len is None:
         if paged:  # an upper bound without reading the lengths when capturing
-            max_prefix_len = (prefix_page_table.shape[1] * prefix_k.shape[1] if capturing
-                              else int(prefix_lens.max()) if batch else 0)
+            max_prefix_len = (
+                prefix_page_table.shape[1] * prefix_k.shape[1] if capturing else int(prefix_lens.max()) if batch else 0
+            )
         else:
-            max_prefix_len = (prefix_k.shape[0] if capturing or batch == 1
-                              else int((prefix_indptr[1:] - prefix_indptr[:-1]).max()))
+            max_prefix_len = (
+                prefix_k.shape[0] if capturing or batch == 1 else int((prefix_indptr[1:] - prefix_indptr[:-1]).max())
+            )
     if has_prefix and num_splits is None:
-        num_splits = choose_splits(batch, m_blocks, hkv, max_prefix_len, block_n, dev,
-                                   capturing=capturing)
+        num_splits = choose_splits(batch, m_blocks, hkv, max_prefix_len, block_n, dev, capturing=capturing)
     num_splits = num_splits if has_prefix else 1
     chunk = 0
     if num_splits > 1:
@@ -303,28 +385,74 @@ def cascade_attention_triton(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, s
         pk_strides = (pk.stride(0), pk.stride(1), pk.stride(2))
         pv_strides = (pv.stride(0), pv.stride(1), pv.stride(2))
         page_size, s_table = prefix_k.shape[1], table.stride(0)
-    else:      # [T, Hkv, D]
+    else:  # [T, Hkv, D]
         indptr, table = (prefix_indptr if has_prefix else lse), lse
         pk_strides = (0, pk.stride(0), pk.stride(1))
         pv_strides = (0, pv.stride(0), pv.stride(1))
         page_size, s_table = 0, 0
     grid = (m_blocks, hkv * parts, batch)
     _cascade_kernel[grid](
-        q, k, v, pk, pv, indptr, table, mask, out, lse, part_o, part_lse,
-        n, hkv, group, (sm_scale if sm_scale is not None else head_dim ** -0.5) * _LOG2E, chunk,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        *pk_strides, *pv_strides, s_table, sm_b, sm_n,
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, SUFFIX_PART=parts - 1, HAS_PREFIX=has_prefix,
-        PAGE_SIZE=page_size, HAS_MASK=mask is not lse,
-        WRITE_LSE=return_lse or parts > 1, UPCAST=upcast, num_warps=warps, num_stages=stages)
+        q,
+        k,
+        v,
+        pk,
+        pv,
+        indptr,
+        table,
+        mask,
+        out,
+        lse,
+        part_o,
+        part_lse,
+        n,
+        hkv,
+        group,
+        (sm_scale if sm_scale is not None else head_dim**-0.5) * _LOG2E,
+        chunk,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        *pk_strides,
+        *pv_strides,
+        s_table,
+        sm_b,
+        sm_n,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        SUFFIX_PART=parts - 1,
+        HAS_PREFIX=has_prefix,
+        PAGE_SIZE=page_size,
+        HAS_MASK=mask is not lse,
+        WRITE_LSE=return_lse or parts > 1,
+        UPCAST=upcast,
+        num_warps=warps,
+        num_stages=stages,
+    )
     if parts > 1:
         rows = batch * n * hq
         block_r = 16
         _merge_parts_kernel[(triton.cdiv(rows, block_r),)](
-            part_o, part_lse, out, lse, rows, HEAD_DIM=head_dim, D_PAD=d_pad, PARTS=parts,
-            BLOCK_R=block_r, WRITE_LSE=return_lse, num_warps=4 if not interp else 1)
+            part_o,
+            part_lse,
+            out,
+            lse,
+            rows,
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            PARTS=parts,
+            BLOCK_R=block_r,
+            WRITE_LSE=return_lse,
+            num_warps=4 if not interp else 1,
+        )
     return (out, lse) if return_lse else out
 
 
@@ -338,8 +466,16 @@ def merge_states_triton(o_a, lse_a, o_b, lse_b):
     if rows:
         block_r = 16
         _merge_states_kernel[(triton.cdiv(rows, block_r),)](
-            oa, lse_a.reshape(rows).contiguous(), ob, lse_b.reshape(rows).contiguous(), out, lse,
-            rows, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r,
-            num_warps=4 if not triton_interpret() else 1)
+            oa,
+            lse_a.reshape(rows).contiguous(),
+            ob,
+            lse_b.reshape(rows).contiguous(),
+            out,
+            lse,
+            rows,
+            HEAD_DIM=head_dim,
+            D_PAD=next_pow2(head_dim),
+            BLOCK_R=block_r,
+            num_warps=4 if not triton_interpret() else 1,
+        )
     return out.reshape(o_a.shape), lse.reshape(lse_a.shape)
-

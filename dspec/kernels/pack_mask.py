@@ -10,6 +10,7 @@ of its word (an arithmetic shift; only bit 0 survives the mask).
 Memory traffic: pack reads rows x K bytes and writes rows x ceil(K/32) x 4; unpack the
 reverse.  Both are bandwidth-bound elementwise passes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,14 +27,14 @@ def _bit_or(a, b):
 
 # grid = (cdiv(rows, ROWS), cdiv(num_words, WORDS)).
 @triton.jit
-def _pack_mask_kernel(mask_ptr, mask_stride, rows, num_keys, num_words, words_ptr,
-                      ROWS: tl.constexpr, WORDS: tl.constexpr):
+def _pack_mask_kernel(
+    mask_ptr, mask_stride, rows, num_keys, num_words, words_ptr, ROWS: tl.constexpr, WORDS: tl.constexpr
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     w0 = tl.program_id(1) * WORDS
     cols = w0 * 32 + tl.arange(0, WORDS * 32)
     ok = (r[:, None] < rows) & (cols[None, :] < num_keys)
-    bits = tl.load(mask_ptr + r.to(tl.int64)[:, None] * mask_stride + cols[None, :],
-                   mask=ok, other=0)
+    bits = tl.load(mask_ptr + r.to(tl.int64)[:, None] * mask_stride + cols[None, :], mask=ok, other=0)
     bits = (bits != 0).to(tl.int32)
     shift = tl.arange(0, WORDS * 32) % 32
     placed = tl.reshape(bits << shift[None, :], [ROWS, WORDS, 32])
@@ -45,8 +46,7 @@ def _pack_mask_kernel(mask_ptr, mask_stride, rows, num_keys, num_words, words_pt
 
 # grid = (cdiv(rows, ROWS), cdiv(num_keys, KEYS)).
 @triton.jit
-def _unpack_mask_kernel(words_ptr, words_stride, rows, num_keys, out_ptr,
-                        ROWS: tl.constexpr, KEYS: tl.constexpr):
+def _unpack_mask_kernel(words_ptr, words_stride, rows, num_keys, out_ptr, ROWS: tl.constexpr, KEYS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     k = tl.program_id(1) * KEYS + tl.arange(0, KEYS)
     ok = (r[:, None] < rows) & (k[None, :] < num_keys)
@@ -68,8 +68,7 @@ def pack_mask_triton(mask: torch.Tensor) -> torch.Tensor:
     words = min(next_pow2(num_words), 8)
     block_rows = max(1, min(next_pow2(rows), 4096 // (words * 32)))
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(num_words, words))
-    _pack_mask_kernel[grid](m, m.stride(0), rows, keys, num_words, out,
-                            ROWS=block_rows, WORDS=words, num_warps=4)
+    _pack_mask_kernel[grid](m, m.stride(0), rows, keys, num_words, out, ROWS=block_rows, WORDS=words, num_warps=4)
     return out
 
 
@@ -83,6 +82,7 @@ def unpack_mask_triton(words: torch.Tensor, num_keys: int) -> torch.Tensor:
     keys = min(next_pow2(num_keys), 256)
     block_rows = max(1, min(next_pow2(rows), 4096 // keys))
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(num_keys, keys))
-    _unpack_mask_kernel[grid](w, w.stride(0), rows, num_keys, out.view(torch.uint8),
-                              ROWS=block_rows, KEYS=keys, num_warps=4)
+    _unpack_mask_kernel[grid](
+        w, w.stride(0), rows, num_keys, out.view(torch.uint8), ROWS=block_rows, KEYS=keys, num_warps=4
+    )
     return out

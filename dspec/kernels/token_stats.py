@@ -13,6 +13,7 @@ Lanes (and vocabulary splits) are merged once at the end with the same algebra.
 
 Memory traffic: one read of the logits (rows x V x itemsize) + 24 bytes per row written.
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,8 +47,7 @@ def _merge_lanes(m1, i1, m2, s, a, inv_t):
 
 
 @triton.jit
-def _finalize(row, big_m, idx, runner, s, a, nan_count, inv_t,
-              token_ptr, prob_ptr, margin_ptr, entropy_ptr, lse_ptr):
+def _finalize(row, big_m, idx, runner, s, a, nan_count, inv_t, token_ptr, prob_ptr, margin_ptr, entropy_ptr, lse_ptr):
     # invalid rows: a NaN, a +inf, or nothing but -inf (see dspec.reference.token_stats)
     valid = (nan_count == 0) & (big_m < float("inf")) & (big_m > float("-inf"))
     log_s = tl.log(s)
@@ -66,10 +66,23 @@ def _finalize(row, big_m, idx, runner, s, a, nan_count, inv_t,
 # With one split it writes the final outputs; otherwise its merged state goes to the
 # partials buffer for _token_stats_merge_kernel.
 @triton.jit
-def _token_stats_kernel(logits_ptr, row_stride, vocab, cols_per_split, inv_t,
-                        part_f_ptr, part_i_ptr,
-                        token_ptr, prob_ptr, margin_ptr, entropy_ptr, lse_ptr,
-                        BLOCK: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _token_stats_kernel(
+    logits_ptr,
+    row_stride,
+    vocab,
+    cols_per_split,
+    inv_t,
+    part_f_ptr,
+    part_i_ptr,
+    token_ptr,
+    prob_ptr,
+    margin_ptr,
+    entropy_ptr,
+    lse_ptr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     groups = tl.arange(0, BLOCK // GROUP)
@@ -81,7 +94,7 @@ def _token_stats_kernel(logits_ptr, row_stride, vocab, cols_per_split, inv_t,
 
     m1 = tl.full([BLOCK // GROUP], float("-inf"), tl.float32)
     m2 = tl.full([BLOCK // GROUP], float("-inf"), tl.float32)  # max outside the winning group
-    win = tl.full([BLOCK // GROUP], -1, tl.int32)                # first column of that group
+    win = tl.full([BLOCK // GROUP], -1, tl.int32)  # first column of that group
     s = tl.zeros([BLOCK // GROUP], tl.float32)
     a = tl.zeros([BLOCK // GROUP], tl.float32)
     nan_count = tl.zeros([BLOCK // GROUP], tl.int32)
@@ -92,9 +105,9 @@ def _token_stats_kernel(logits_ptr, row_stride, vocab, cols_per_split, inv_t,
         # interpreter, which only garbles the state of a row that is invalid anyway); the
         # group's sum below is NaN exactly when the group holds one.
         g_max = tl.max(x, 1)
-        beat = g_max > m1                         # strictly: an equal later column loses
+        beat = g_max > m1  # strictly: an equal later column loses
         new_m = tl.maximum(m1, g_max)
-        d = (m1 - new_m) * inv_t                  # rescale the sums (d == 0 when m1 holds)
+        d = (m1 - new_m) * inv_t  # rescale the sums (d == 0 when m1 holds)
         c = tl.where(m1 > float("-inf"), tl.exp(d), 0.0)
         a = tl.where(c > 0.0, c * (a + d * s), 0.0)  # c == 0: d may be -inf (0 * -inf)
         s = s * c
@@ -125,8 +138,9 @@ def _token_stats_kernel(logits_ptr, row_stride, vocab, cols_per_split, inv_t,
     big_m, idx, runner, s_tot, a_tot = _merge_lanes(m1, i1, m2, s, a, inv_t)
     nan_tot = tl.sum(nan_count, 0)
     if NUM_SPLITS == 1:
-        _finalize(row, big_m, idx, runner, s_tot, a_tot, nan_tot, inv_t,
-                  token_ptr, prob_ptr, margin_ptr, entropy_ptr, lse_ptr)
+        _finalize(
+            row, big_m, idx, runner, s_tot, a_tot, nan_tot, inv_t, token_ptr, prob_ptr, margin_ptr, entropy_ptr, lse_ptr
+        )
     else:
         slot = row * NUM_SPLITS + split
         tl.store(part_f_ptr + slot * 4 + 0, big_m)
@@ -139,9 +153,18 @@ def _token_stats_kernel(logits_ptr, row_stride, vocab, cols_per_split, inv_t,
 
 # grid = (rows,).  Merges the NUM_SPLITS partial states of one row (one lane per split).
 @triton.jit
-def _token_stats_merge_kernel(part_f_ptr, part_i_ptr, inv_t,
-                              token_ptr, prob_ptr, margin_ptr, entropy_ptr, lse_ptr,
-                              NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _token_stats_merge_kernel(
+    part_f_ptr,
+    part_i_ptr,
+    inv_t,
+    token_ptr,
+    prob_ptr,
+    margin_ptr,
+    entropy_ptr,
+    lse_ptr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, SPLITS_PAD)
     ok = lanes < NUM_SPLITS
@@ -153,13 +176,31 @@ def _token_stats_merge_kernel(part_f_ptr, part_i_ptr, inv_t,
     i1 = tl.load(part_i_ptr + slot * 2 + 0, mask=ok, other=2147483647)
     nan_count = tl.load(part_i_ptr + slot * 2 + 1, mask=ok, other=0)
     big_m, idx, runner, s_tot, a_tot = _merge_lanes(m1, i1, m2, s, a, inv_t)
-    _finalize(row, big_m, idx, runner, s_tot, a_tot, tl.sum(nan_count, 0), inv_t,
-              token_ptr, prob_ptr, margin_ptr, entropy_ptr, lse_ptr)
+    _finalize(
+        row,
+        big_m,
+        idx,
+        runner,
+        s_tot,
+        a_tot,
+        tl.sum(nan_count, 0),
+        inv_t,
+        token_ptr,
+        prob_ptr,
+        margin_ptr,
+        entropy_ptr,
+        lse_ptr,
+    )
 
 
-def token_stats_triton(logits: torch.Tensor, temperature: float = 1.0, *,
-                       num_splits: int | None = None, block: int | None = None,
-                       num_warps: int | None = None):
+def token_stats_triton(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    num_splits: int | None = None,
+    block: int | None = None,
+    num_warps: int | None = None,
+):
     """Run the Triton kernel; returns (token, prob, margin, entropy, lse) shaped logits[:-1].
 
     ``num_splits``, ``block`` (columns per tile, a power of two) and ``num_warps`` override
@@ -191,11 +232,35 @@ def token_stats_triton(logits: torch.Tensor, temperature: float = 1.0, *,
         inv_t = 1.0 / temperature
         num_warps = num_warps or (8 if block >= 2048 else 4 if block >= 512 else 1)
         _token_stats_kernel[(rows, num_splits)](
-            x, x.stride(0), vocab, cols_per_split, inv_t, part_f, part_i,
-            token, prob, margin, entropy, lse,
-            BLOCK=block, GROUP=group, NUM_SPLITS=num_splits, num_warps=num_warps)
+            x,
+            x.stride(0),
+            vocab,
+            cols_per_split,
+            inv_t,
+            part_f,
+            part_i,
+            token,
+            prob,
+            margin,
+            entropy,
+            lse,
+            BLOCK=block,
+            GROUP=group,
+            NUM_SPLITS=num_splits,
+            num_warps=num_warps,
+        )
         if num_splits > 1:
             _token_stats_merge_kernel[(rows,)](
-                part_f, part_i, inv_t, token, prob, margin, entropy, lse,
-                NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), num_warps=1)
+                part_f,
+                part_i,
+                inv_t,
+                token,
+                prob,
+                margin,
+                entropy,
+                lse,
+                NUM_SPLITS=num_splits,
+                SPLITS_PAD=next_pow2(num_splits),
+                num_warps=1,
+            )
     return tuple(t.reshape(lead) for t in (token, prob, margin, entropy, lse))

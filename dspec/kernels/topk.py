@@ -10,6 +10,7 @@ In the same pass it keeps an online ``(max, sum exp)`` per lane for the softmax 
 Memory traffic: one read of the logits + k * 12 bytes per row written (+ partials when the
 vocabulary is split over several programs for small batches).
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,8 @@ import triton.language as tl
 from ._utils import as_rows, next_pow2, vocab_splits
 
 # Python-side constexprs: the literal -9223372036854775808 would parse as -(2**63 as uint64).
-_KEY_MIN: tl.constexpr = tl.constexpr(-(2 ** 63))
-_KEY_MAX: tl.constexpr = tl.constexpr(2 ** 63 - 1)
+_KEY_MIN: tl.constexpr = tl.constexpr(-(2**63))
+_KEY_MAX: tl.constexpr = tl.constexpr(2**63 - 1)
 
 
 @triton.jit
@@ -63,8 +64,21 @@ def _merge_softmax(m, s, inv_t):
 
 
 @triton.jit
-def _finalize(row, best, slots, big_m, s, nan_count, inv_t, tau,
-              token_ptr, val_ptr, count_ptr, K: tl.constexpr, MASS: tl.constexpr):
+def _finalize(
+    row,
+    best,
+    slots,
+    big_m,
+    s,
+    nan_count,
+    inv_t,
+    tau,
+    token_ptr,
+    val_ptr,
+    count_ptr,
+    K: tl.constexpr,
+    MASS: tl.constexpr,
+):
     valid = (nan_count == 0) & (big_m < float("inf")) & (big_m > float("-inf"))
     in_k = slots < K
     z = (_key_logit(best) - big_m) * inv_t
@@ -89,10 +103,24 @@ def _finalize(row, best, slots, big_m, s, nan_count, inv_t, tau,
 # keeping the top-K keys and a per-lane online softmax normaliser; one split finalises
 # directly, several write partials for _topk_merge_kernel.
 @triton.jit
-def _topk_kernel(logits_ptr, row_stride, vocab, cols_per_split, inv_t, tau,
-                 part_key_ptr, part_f_ptr, token_ptr, val_ptr, count_ptr,
-                 K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, MASS: tl.constexpr):
+def _topk_kernel(
+    logits_ptr,
+    row_stride,
+    vocab,
+    cols_per_split,
+    inv_t,
+    tau,
+    part_key_ptr,
+    part_f_ptr,
+    token_ptr,
+    val_ptr,
+    count_ptr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MASS: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     lanes = tl.arange(0, BLOCK)
@@ -130,8 +158,7 @@ def _topk_kernel(logits_ptr, row_stride, vocab, cols_per_split, inv_t, tau,
     big_m, s_tot = _merge_softmax(m, s, inv_t)
     nan_tot = tl.sum(nan_count, 0)
     if NUM_SPLITS == 1:
-        _finalize(row, best, slots, big_m, s_tot, nan_tot, inv_t, tau,
-                  token_ptr, val_ptr, count_ptr, K, MASS)
+        _finalize(row, best, slots, big_m, s_tot, nan_tot, inv_t, tau, token_ptr, val_ptr, count_ptr, K, MASS)
     else:
         slot = row * NUM_SPLITS + split
         tl.store(part_key_ptr + slot * KP + slots, best)
@@ -142,16 +169,26 @@ def _topk_kernel(logits_ptr, row_stride, vocab, cols_per_split, inv_t, tau,
 
 # grid = (rows,).  Merges NUM_SPLITS partial top-K buffers and normalisers of one row.
 @triton.jit
-def _topk_merge_kernel(part_key_ptr, part_f_ptr, inv_t, tau, token_ptr, val_ptr, count_ptr,
-                       K: tl.constexpr, KP: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       SPLITS_PAD: tl.constexpr, MASS: tl.constexpr):
+def _topk_merge_kernel(
+    part_key_ptr,
+    part_f_ptr,
+    inv_t,
+    tau,
+    token_ptr,
+    val_ptr,
+    count_ptr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    MASS: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, SPLITS_PAD)
     slots = tl.arange(0, KP)
     ok = sp < NUM_SPLITS
     slot = row * NUM_SPLITS + sp
-    keys = tl.load(part_key_ptr + slot[:, None] * KP + slots[None, :], mask=ok[:, None],
-                   other=_KEY_MIN)
+    keys = tl.load(part_key_ptr + slot[:, None] * KP + slots[None, :], mask=ok[:, None], other=_KEY_MIN)
     m = tl.load(part_f_ptr + slot * 3 + 0, mask=ok, other=float("-inf"))
     s = tl.load(part_f_ptr + slot * 3 + 1, mask=ok, other=0.0)
     nan_tot = tl.sum(tl.load(part_f_ptr + slot * 3 + 2, mask=ok, other=0.0), 0)
@@ -161,8 +198,7 @@ def _topk_merge_kernel(part_key_ptr, part_f_ptr, inv_t, tau, token_ptr, val_ptr,
         top = tl.max(tl.max(keys, 1), 0)
         keys = tl.where(keys == top, _KEY_MIN, keys)
         best = tl.where(slots == t, top, best)
-    _finalize(row, best, slots, big_m, s_tot, nan_tot, inv_t, tau,
-              token_ptr, val_ptr, count_ptr, K, MASS)
+    _finalize(row, best, slots, big_m, s_tot, nan_tot, inv_t, tau, token_ptr, val_ptr, count_ptr, K, MASS)
 
 
 def _launch(logits, k, temperature, tau, mass, num_splits, block):
@@ -187,24 +223,57 @@ def _launch(logits, k, temperature, tau, mass, num_splits, block):
             part_key, part_f = count, values  # unused
         inv_t = 1.0 / temperature
         _topk_kernel[(rows, num_splits)](
-            x, x.stride(0), vocab, cols_per_split, inv_t, tau, part_key, part_f,
-            tokens, values, count, K=k, KP=kp, BLOCK=block, NUM_SPLITS=num_splits,
-            MASS=mass, num_warps=4 if block >= 512 else 1)
+            x,
+            x.stride(0),
+            vocab,
+            cols_per_split,
+            inv_t,
+            tau,
+            part_key,
+            part_f,
+            tokens,
+            values,
+            count,
+            K=k,
+            KP=kp,
+            BLOCK=block,
+            NUM_SPLITS=num_splits,
+            MASS=mass,
+            num_warps=4 if block >= 512 else 1,
+        )
         if num_splits > 1:
             _topk_merge_kernel[(rows,)](
-                part_key, part_f, inv_t, tau, tokens, values, count, K=k, KP=kp,
-                NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), MASS=mass,
-                num_warps=1)
+                part_key,
+                part_f,
+                inv_t,
+                tau,
+                tokens,
+                values,
+                count,
+                K=k,
+                KP=kp,
+                NUM_SPLITS=num_splits,
+                SPLITS_PAD=next_pow2(num_splits),
+                MASS=mass,
+                num_warps=1,
+            )
     return tokens.reshape(*lead, k), values.reshape(*lead, k), count.reshape(lead)
 
 
-def topk_tokens_triton(logits: torch.Tensor, k: int, temperature: float = 1.0, *,
-                       num_splits: int | None = None, block: int | None = None):
+def topk_tokens_triton(
+    logits: torch.Tensor, k: int, temperature: float = 1.0, *, num_splits: int | None = None, block: int | None = None
+):
     tokens, probs, _ = _launch(logits, k, temperature, 1.0, False, num_splits, block)
     return tokens, probs
 
 
-def mass_candidates_triton(logits: torch.Tensor, tau: float, max_m: int,
-                           temperature: float = 1.0, *, num_splits: int | None = None,
-                           block: int | None = None):
+def mass_candidates_triton(
+    logits: torch.Tensor,
+    tau: float,
+    max_m: int,
+    temperature: float = 1.0,
+    *,
+    num_splits: int | None = None,
+    block: int | None = None,
+):
     return _launch(logits, max_m, temperature, tau, True, num_splits, block)

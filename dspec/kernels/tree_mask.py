@@ -7,6 +7,7 @@ One program per tree (grid = (B,)), everything in registers: ``anc`` [NP, WP] in
 ``anc[i] |= anc[jump[i]]; depth[i] += depth[jump[i]]; jump[i] = jump[jump[i]]``.
 Parents outside [0, i) count as -1 (see dspec.reference.tree_mask).
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,17 @@ MAX_NODES = 256
 
 
 @triton.jit
-def _tree_mask_kernel(par_ptr, par_stride, nodes, num_words, words_ptr, depth_ptr,
-                      NP: tl.constexpr, WP: tl.constexpr, ROUNDS: tl.constexpr):
+def _tree_mask_kernel(
+    par_ptr,
+    par_stride,
+    nodes,
+    num_words,
+    words_ptr,
+    depth_ptr,
+    NP: tl.constexpr,
+    WP: tl.constexpr,
+    ROUNDS: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
     w = tl.arange(0, WP)
@@ -40,8 +50,9 @@ def _tree_mask_kernel(par_ptr, par_stride, nodes, num_words, words_ptr, depth_pt
         depth = tl.where(live, depth + depth_j, depth)
         jump = tl.where(live, jump_j, jump)
     row = b * nodes + i
-    tl.store(words_ptr + row[:, None] * num_words + w[None, :], anc,
-             mask=(i[:, None] < nodes) & (w[None, :] < num_words))
+    tl.store(
+        words_ptr + row[:, None] * num_words + w[None, :], anc, mask=(i[:, None] < nodes) & (w[None, :] < num_words)
+    )
     tl.store(depth_ptr + row, depth.to(tl.int64), mask=i < nodes)
 
 
@@ -60,6 +71,16 @@ def tree_mask_triton(parents: torch.Tensor):
     np_ = next_pow2(nodes)
     wp = next_pow2(num_words)
     rounds = max(0, nodes - 1).bit_length()
-    _tree_mask_kernel[(batch,)](par, par.stride(0), nodes, num_words, words, depth,
-                                NP=np_, WP=wp, ROUNDS=rounds, num_warps=4 if np_ >= 128 else 1)
+    _tree_mask_kernel[(batch,)](
+        par,
+        par.stride(0),
+        nodes,
+        num_words,
+        words,
+        depth,
+        NP=np_,
+        WP=wp,
+        ROUNDS=rounds,
+        num_warps=4 if np_ >= 128 else 1,
+    )
     return words, depth

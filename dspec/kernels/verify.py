@@ -17,6 +17,7 @@ Four launches, none of which needs the host to look at a value (CUDA-graph safe)
 Memory traffic: one read of the target logits (plus the draft_probs row of the rejected
 position) + about 1.5 rows of V per sequence for the draw.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,11 +40,32 @@ def _p_of(logits_row_ptr, ids, top_logit, prob, inv_t, mask):
 
 # grid = (B,).  Program b decides every chain position of row b at once (LP lanes).
 @triton.jit
-def _chain_accept_kernel(draft_ptr, draft_stride, ndraft_ptr, logits_ptr, vocab, argmax_ptr,
-                         prob_ptr, q_ptr, q_stride_b, q_stride_l, coins_ptr, length, inv_t,
-                         num_ptr, out_ptr, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr,
-                         spec_nex_ptr, spec_excl_ptr, spec_pos_ptr,
-                         LP: tl.constexpr, GREEDY: tl.constexpr, HAS_Q: tl.constexpr):
+def _chain_accept_kernel(
+    draft_ptr,
+    draft_stride,
+    ndraft_ptr,
+    logits_ptr,
+    vocab,
+    argmax_ptr,
+    prob_ptr,
+    q_ptr,
+    q_stride_b,
+    q_stride_l,
+    coins_ptr,
+    length,
+    inv_t,
+    num_ptr,
+    out_ptr,
+    spec_row_ptr,
+    spec_qrow_ptr,
+    spec_mode_ptr,
+    spec_nex_ptr,
+    spec_excl_ptr,
+    spec_pos_ptr,
+    LP: tl.constexpr,
+    GREEDY: tl.constexpr,
+    HAS_Q: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, LP)
     positions = length + 1
@@ -88,8 +110,23 @@ def _chain_accept_kernel(draft_ptr, draft_stride, ndraft_ptr, logits_ptr, vocab,
 
 
 @triton.jit
-def _block_draft_pq(draft_ptr, draft_stride, logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr,
-                    q_stride_b, q_stride_l, b, j, positions, inv_t, act, HAS_Q: tl.constexpr):
+def _block_draft_pq(
+    draft_ptr,
+    draft_stride,
+    logits_ptr,
+    vocab,
+    argmax_ptr,
+    prob_ptr,
+    q_ptr,
+    q_stride_b,
+    q_stride_l,
+    b,
+    j,
+    positions,
+    inv_t,
+    act,
+    HAS_Q: tl.constexpr,
+):
     """(x_j, p_j(x_j), q_j(x_j)) of row b's draft j (q = 1 without draft_probs); an id
     outside [0, V) gives p = 0, q = 1 (never accepted), as dspec::vf::chain_draft_pq."""
     row = b * positions + j
@@ -111,8 +148,7 @@ def _block_draft_pq(draft_ptr, draft_stride, logits_ptr, vocab, argmax_ptr, prob
 @triton.jit
 def _block_w_next(w, p_x, q_x):
     """min(w p / q, 1): p / q is +inf where q = 0 < p, 0 where both are 0; 0 when w is 0."""
-    ratio = tl.where(q_x == 0.0, tl.where(p_x > 0.0, float("inf"), p_x * 0.0),
-                     p_x / tl.where(q_x == 0.0, 1.0, q_x))
+    ratio = tl.where(q_x == 0.0, tl.where(p_x > 0.0, float("inf"), p_x * 0.0), p_x / tl.where(q_x == 0.0, 1.0, q_x))
     t = w * tl.where(w == 0.0, 0.0, ratio)
     return tl.where(w == 0.0, w, tl.where(t > 1.0, 1.0, t))
 
@@ -120,19 +156,46 @@ def _block_w_next(w, p_x, q_x):
 # grid = (B, L).  Program (b, j), 1 <= j < num_drafts[b]: R_j = sum_v max(w_j p_j(v) - q_j(v), 0)
 # of the block rule (draft_probs given), w_j recomputed from the drafts before j.
 @triton.jit
-def _chain_block_sums_kernel(draft_ptr, draft_stride, ndraft_ptr, logits_ptr, vocab, argmax_ptr,
-                             prob_ptr, q_ptr, q_stride_b, q_stride_l, length, inv_t, r_ptr,
-                             BLOCK: tl.constexpr):
+def _chain_block_sums_kernel(
+    draft_ptr,
+    draft_stride,
+    ndraft_ptr,
+    logits_ptr,
+    vocab,
+    argmax_ptr,
+    prob_ptr,
+    q_ptr,
+    q_stride_b,
+    q_stride_l,
+    length,
+    inv_t,
+    r_ptr,
+    BLOCK: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64)
     positions = length + 1
     n = tl.load(ndraft_ptr + b)
     if (j >= 1) & (j < n):
-        w = tl.load(prob_ptr + b * positions) * 0.0 + 1.0     # float32 scalar
+        w = tl.load(prob_ptr + b * positions) * 0.0 + 1.0  # float32 scalar
         for i in range(0, j):
-            _, p_x, q_x = _block_draft_pq(draft_ptr, draft_stride, logits_ptr, vocab, argmax_ptr,
-                                          prob_ptr, q_ptr, q_stride_b, q_stride_l, b, i, positions,
-                                          inv_t, i >= 0, True)
+            _, p_x, q_x = _block_draft_pq(
+                draft_ptr,
+                draft_stride,
+                logits_ptr,
+                vocab,
+                argmax_ptr,
+                prob_ptr,
+                q_ptr,
+                q_stride_b,
+                q_stride_l,
+                b,
+                i,
+                positions,
+                inv_t,
+                i >= 0,
+                True,
+            )
             w = _block_w_next(w, p_x, q_x)
         row = b * positions + j
         top = tl.load(argmax_ptr + row)
@@ -154,15 +217,37 @@ def _chain_block_sums_kernel(draft_ptr, draft_stride, ndraft_ptr, logits_ptr, vo
 # grid = (B,).  Program b runs the block rule's walk over row b's positions (as
 # dspec::vf::chain_block_walk): tau = the largest j in 1..n_eff with coins[j - 1] < h_j.
 @triton.jit
-def _chain_block_accept_kernel(draft_ptr, draft_stride, ndraft_ptr, logits_ptr, vocab, argmax_ptr,
-                               prob_ptr, q_ptr, q_stride_b, q_stride_l, coins_ptr, r_ptr, length,
-                               inv_t, num_ptr, out_ptr, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr,
-                               spec_nex_ptr, spec_excl_ptr, spec_pos_ptr, scale_ptr,
-                               LP: tl.constexpr, HAS_Q: tl.constexpr):
+def _chain_block_accept_kernel(
+    draft_ptr,
+    draft_stride,
+    ndraft_ptr,
+    logits_ptr,
+    vocab,
+    argmax_ptr,
+    prob_ptr,
+    q_ptr,
+    q_stride_b,
+    q_stride_l,
+    coins_ptr,
+    r_ptr,
+    length,
+    inv_t,
+    num_ptr,
+    out_ptr,
+    spec_row_ptr,
+    spec_qrow_ptr,
+    spec_mode_ptr,
+    spec_nex_ptr,
+    spec_excl_ptr,
+    spec_pos_ptr,
+    scale_ptr,
+    LP: tl.constexpr,
+    HAS_Q: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     positions = length + 1
     n = tl.load(ndraft_ptr + b)
-    w = tl.load(prob_ptr + b * positions) * 0.0 + 1.0     # float32 scalars
+    w = tl.load(prob_ptr + b * positions) * 0.0 + 1.0  # float32 scalars
     w_tau = w
     tau = n * 0
     n_eff = n
@@ -173,9 +258,23 @@ def _chain_block_accept_kernel(draft_ptr, draft_stride, ndraft_ptr, logits_ptr, 
         invalid = act & (top < 0)
         n_eff = tl.where(invalid, j, n_eff)
         alive = act & (top >= 0)
-        _, p_x, q_x = _block_draft_pq(draft_ptr, draft_stride, logits_ptr, vocab, argmax_ptr,
-                                      prob_ptr, q_ptr, q_stride_b, q_stride_l, b, j, positions,
-                                      inv_t, alive, HAS_Q)
+        _, p_x, q_x = _block_draft_pq(
+            draft_ptr,
+            draft_stride,
+            logits_ptr,
+            vocab,
+            argmax_ptr,
+            prob_ptr,
+            q_ptr,
+            q_stride_b,
+            q_stride_l,
+            b,
+            j,
+            positions,
+            inv_t,
+            alive,
+            HAS_Q,
+        )
         if HAS_Q:
             r = tl.load(r_ptr + b * length + j, mask=alive & (j >= 1), other=0.0)
         else:
@@ -215,14 +314,31 @@ def _chain_block_accept_kernel(draft_ptr, draft_stride, ndraft_ptr, logits_ptr, 
 # visits the current node's children in order and, after a move, the new node's children
 # (they all have larger indices).
 @triton.jit
-def _tree_walk_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, prob_ptr,
-                      coins_ptr, inv_t, num_ptr, path_ptr, out_ptr, spec_row_ptr,
-                      spec_mode_ptr, spec_nex_ptr, spec_excl_ptr, spec_pos_ptr,
-                      EP: tl.constexpr, GREEDY: tl.constexpr):
+def _tree_walk_kernel(
+    tok_ptr,
+    par_ptr,
+    nodes,
+    logits_ptr,
+    vocab,
+    argmax_ptr,
+    prob_ptr,
+    coins_ptr,
+    inv_t,
+    num_ptr,
+    path_ptr,
+    out_ptr,
+    spec_row_ptr,
+    spec_mode_ptr,
+    spec_nex_ptr,
+    spec_excl_ptr,
+    spec_pos_ptr,
+    EP: tl.constexpr,
+    GREEDY: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, EP)
     base = b * nodes
-    node = b * 0          # int64 scalar
+    node = b * 0  # int64 scalar
     depth = b * 0
     top = tl.load(argmax_ptr + base)
     top_logit = tl.load(logits_ptr + base * vocab + tl.maximum(top, 0)).to(tl.float32)
@@ -238,8 +354,9 @@ def _tree_walk_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, pr
             move = is_child & (t == top)
         else:
             seen = tl.sum((excl == t).to(tl.int32), 0) > 0
-            l_t = tl.load(logits_ptr + (base + node) * vocab + tl.maximum(t, 0), mask=is_child,
-                          other=float("-inf")).to(tl.float32)
+            l_t = tl.load(logits_ptr + (base + node) * vocab + tl.maximum(t, 0), mask=is_child, other=float("-inf")).to(
+                tl.float32
+            )
             p_t = tl.where(top >= 0, tl.exp((l_t - top_logit) * inv_t) * prob, float("nan"))
             w_t = tl.where(seen, 0.0, p_t)
             coin = tl.load(coins_ptr + base + c)
@@ -255,8 +372,9 @@ def _tree_walk_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, pr
         new_top = tl.load(argmax_ptr + base + c, mask=move, other=0)
         top = tl.where(move, new_top, top)
         if not GREEDY:
-            new_logit = tl.load(logits_ptr + (base + c) * vocab + tl.maximum(new_top, 0), mask=move,
-                                other=0.0).to(tl.float32)
+            new_logit = tl.load(logits_ptr + (base + c) * vocab + tl.maximum(new_top, 0), mask=move, other=0.0).to(
+                tl.float32
+            )
             top_logit = tl.where(move, new_logit, top_logit)
             prob = tl.where(move, tl.load(prob_ptr + base + c, mask=move, other=0.0), prob)
             excl = tl.where(move, -1, excl)
@@ -279,11 +397,33 @@ def _tree_walk_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, pr
 # unnormalised, with its sum s_r); without replacement the removed tokens are ``excl`` and
 # q_cur = q_node / d_q.
 @triton.jit
-def _tree_walk_q_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, prob_ptr,
-                        q_ptr, q_stride_b, q_stride_n, resid_ptr, coins_ptr, inv_t, num_ptr,
-                        path_ptr, out_ptr, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr,
-                        spec_nex_ptr, spec_excl_ptr, spec_pos_ptr,
-                        EP: tl.constexpr, BLOCK: tl.constexpr, WOR: tl.constexpr):
+def _tree_walk_q_kernel(
+    tok_ptr,
+    par_ptr,
+    nodes,
+    logits_ptr,
+    vocab,
+    argmax_ptr,
+    prob_ptr,
+    q_ptr,
+    q_stride_b,
+    q_stride_n,
+    resid_ptr,
+    coins_ptr,
+    inv_t,
+    num_ptr,
+    path_ptr,
+    out_ptr,
+    spec_row_ptr,
+    spec_qrow_ptr,
+    spec_mode_ptr,
+    spec_nex_ptr,
+    spec_excl_ptr,
+    spec_pos_ptr,
+    EP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WOR: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, EP)
     lanes = tl.arange(0, BLOCK)
@@ -298,7 +438,7 @@ def _tree_walk_q_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, 
     nex = b * 0
     s_r = prob * 0.0 + 1.0
     d_q = prob * 0.0 + 1.0
-    has_resid = b * 0             # 1 once the residual row holds r
+    has_resid = b * 0  # 1 once the residual row holds r
     for c in range(1, nodes):
         parent = tl.load(par_ptr + base + c).to(tl.int64)
         t = tl.load(tok_ptr + base + c).to(tl.int64)
@@ -323,7 +463,7 @@ def _tree_walk_q_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, 
         sum_r = prob * 0.0
         sum_kept = prob * 0.0
         n_tiles = tl.where(reject, tl.cdiv(vocab, BLOCK), 0)
-        tl.debug_barrier()        # every thread has read r(x) before the pass overwrites it
+        tl.debug_barrier()  # every thread has read r(x) before the pass overwrites it
         for i in range(0, n_tiles):
             cols = i * BLOCK + lanes
             m = cols < vocab
@@ -336,12 +476,12 @@ def _tree_walk_q_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, 
             else:
                 gone = cols < 0
             diff = r_v / s_r - tl.where(gone, 0.0, q_v) / d_q
-            r_new = tl.where(m, tl.where(diff < 0.0, 0.0, diff), 0.0)    # NaN stays
+            r_new = tl.where(m, tl.where(diff < 0.0, 0.0, diff), 0.0)  # NaN stays
             tl.store(resid_row + cols, r_new, mask=m)
             sum_r += tl.sum(r_new, 0)
             sum_kept += tl.sum(tl.where(m & (~gone) & (cols != t), q_v, 0.0), 0)
-        tl.debug_barrier()        # the pass's stores are seen by the next r(x) load
-        filled = (sum_r > 0.0) | (sum_r != sum_r)      # an empty residual: r = P again
+        tl.debug_barrier()  # the pass's stores are seen by the next r(x) load
+        filled = (sum_r > 0.0) | (sum_r != sum_r)  # an empty residual: r = P again
         has_resid = tl.where(reject, filled.to(tl.int64), has_resid)
         s_r = tl.where(reject, tl.where(filled, sum_r, 1.0), s_r)
         if WOR:
@@ -354,8 +494,9 @@ def _tree_walk_q_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, 
         node = tl.where(move, c, node)
         new_top = tl.load(argmax_ptr + base + c, mask=move, other=0)
         top = tl.where(move, new_top, top)
-        new_logit = tl.load(logits_ptr + (base + c) * vocab + tl.maximum(new_top, 0), mask=move,
-                            other=0.0).to(tl.float32)
+        new_logit = tl.load(logits_ptr + (base + c) * vocab + tl.maximum(new_top, 0), mask=move, other=0.0).to(
+            tl.float32
+        )
         top_logit = tl.where(move, new_logit, top_logit)
         prob = tl.where(move, tl.load(prob_ptr + base + c, mask=move, other=0.0), prob)
         excl = tl.where(move, -1, excl)
@@ -372,9 +513,20 @@ def _tree_walk_q_kernel(tok_ptr, par_ptr, nodes, logits_ptr, vocab, argmax_ptr, 
 
 
 @triton.jit
-def _draw_weights(row_ptr, cols, in_row, top_logit, prob, inv_t, q_row_ptr, mode,
-                  HAS_Q: tl.constexpr, scale=1.0, HAS_SCALE: tl.constexpr = False,
-                  RESID: tl.constexpr = False):
+def _draw_weights(
+    row_ptr,
+    cols,
+    in_row,
+    top_logit,
+    prob,
+    inv_t,
+    q_row_ptr,
+    mode,
+    HAS_Q: tl.constexpr,
+    scale=1.0,
+    HAS_SCALE: tl.constexpr = False,
+    RESID: tl.constexpr = False,
+):
     """(w, p) for one tile: w is the residual max(p - q, 0) in mode 2 (``HAS_SCALE``:
     max(scale * p - q, 0), the block rule's draw), the tree walk's residual row (at
     q_row_ptr) in mode 3, else p."""
@@ -397,8 +549,19 @@ def _draw_weights(row_ptr, cols, in_row, top_logit, prob, inv_t, q_row_ptr, mode
 
 
 @triton.jit
-def _spec(b, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, logits_ptr, argmax_ptr, prob_ptr,
-          q_ptr, vocab, HAS_Q: tl.constexpr, RESID: tl.constexpr):
+def _spec(
+    b,
+    spec_row_ptr,
+    spec_qrow_ptr,
+    spec_mode_ptr,
+    logits_ptr,
+    argmax_ptr,
+    prob_ptr,
+    q_ptr,
+    vocab,
+    HAS_Q: tl.constexpr,
+    RESID: tl.constexpr,
+):
     row = tl.load(spec_row_ptr + b)
     mode = tl.load(spec_mode_ptr + b)
     row_ptr = logits_ptr + row * vocab
@@ -416,21 +579,38 @@ def _spec(b, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, logits_ptr, argmax_ptr,
 # row: ``tile_w`` (residual, rejected siblings excluded) and ``tile_p`` (plain p: the
 # fallback when the residual is empty).
 @triton.jit
-def _draw_tiles_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
-                       spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, spec_nex_ptr, spec_excl_ptr,
-                       tile_w_ptr, tile_p_ptr, num_tiles, tiles_per_split,
-                       BLOCK: tl.constexpr, EP: tl.constexpr, HAS_Q: tl.constexpr,
-                       scale_ptr=None, HAS_SCALE: tl.constexpr = False, RESID: tl.constexpr = False):
+def _draw_tiles_kernel(
+    logits_ptr,
+    vocab,
+    argmax_ptr,
+    prob_ptr,
+    q_ptr,
+    inv_t,
+    spec_row_ptr,
+    spec_qrow_ptr,
+    spec_mode_ptr,
+    spec_nex_ptr,
+    spec_excl_ptr,
+    tile_w_ptr,
+    tile_p_ptr,
+    num_tiles,
+    tiles_per_split,
+    BLOCK: tl.constexpr,
+    EP: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    scale_ptr=None,
+    HAS_SCALE: tl.constexpr = False,
+    RESID: tl.constexpr = False,
+):
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     row_ptr, mode, top_logit, prob, q_row_ptr = _spec(
-        b, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, logits_ptr, argmax_ptr, prob_ptr, q_ptr,
-        vocab, HAS_Q, RESID)
+        b, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, logits_ptr, argmax_ptr, prob_ptr, q_ptr, vocab, HAS_Q, RESID
+    )
     slots = tl.arange(0, EP)
     nex = tl.load(spec_nex_ptr + b)
     excl = tl.load(spec_excl_ptr + b * EP + slots, mask=slots < nex, other=-1)
-    p_excl = tl.where(excl >= 0, _p_of(row_ptr, tl.maximum(excl, 0), top_logit, prob, inv_t,
-                                       excl >= 0), 0.0)
+    p_excl = tl.where(excl >= 0, _p_of(row_ptr, tl.maximum(excl, 0), top_logit, prob, inv_t, excl >= 0), 0.0)
     scale = tl.load(scale_ptr + b) if HAS_SCALE else 1.0
     lanes = tl.arange(0, BLOCK)
     first = split * tiles_per_split
@@ -438,12 +618,13 @@ def _draw_tiles_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
     for tile in range(first, last):
         start = tile * BLOCK
         cols = start + lanes
-        w, p = _draw_weights(row_ptr, cols, cols < vocab, top_logit, prob, inv_t, q_row_ptr, mode,
-                              HAS_Q, scale, HAS_SCALE, RESID)
+        w, p = _draw_weights(
+            row_ptr, cols, cols < vocab, top_logit, prob, inv_t, q_row_ptr, mode, HAS_Q, scale, HAS_SCALE, RESID
+        )
         in_tile = (excl >= start) & (excl < start + BLOCK)
         w_sum = tl.sum(w, 0) - tl.sum(tl.where(in_tile, p_excl, 0.0), 0)
         if RESID:
-            w_sum = tl.where(w_sum < 0.0, 0.0, w_sum)      # a NaN residual stays: token -1
+            w_sum = tl.where(w_sum < 0.0, 0.0, w_sum)  # a NaN residual stays: token -1
         else:
             w_sum = tl.maximum(w_sum, 0.0)
         tl.store(tile_w_ptr + b * num_tiles + tile, w_sum)
@@ -453,16 +634,36 @@ def _draw_tiles_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
 # grid = (B,).  Program b finds the tile where the running weight passes u * total, then
 # the token inside it; writes the final token (-1 when the weights are empty or NaN).
 @triton.jit
-def _draw_pick_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
-                      spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, spec_nex_ptr, spec_excl_ptr,
-                      spec_pos_ptr, tile_w_ptr, tile_p_ptr, num_tiles, uniforms_ptr, out_ptr,
-                      BLOCK: tl.constexpr, TP: tl.constexpr, EP: tl.constexpr,
-                      HAS_Q: tl.constexpr, scale_ptr=None, HAS_SCALE: tl.constexpr = False,
-                      RESID: tl.constexpr = False):
+def _draw_pick_kernel(
+    logits_ptr,
+    vocab,
+    argmax_ptr,
+    prob_ptr,
+    q_ptr,
+    inv_t,
+    spec_row_ptr,
+    spec_qrow_ptr,
+    spec_mode_ptr,
+    spec_nex_ptr,
+    spec_excl_ptr,
+    spec_pos_ptr,
+    tile_w_ptr,
+    tile_p_ptr,
+    num_tiles,
+    uniforms_ptr,
+    out_ptr,
+    BLOCK: tl.constexpr,
+    TP: tl.constexpr,
+    EP: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    scale_ptr=None,
+    HAS_SCALE: tl.constexpr = False,
+    RESID: tl.constexpr = False,
+):
     b = tl.program_id(0).to(tl.int64)
     row_ptr, mode, top_logit, prob, q_row_ptr = _spec(
-        b, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, logits_ptr, argmax_ptr, prob_ptr, q_ptr,
-        vocab, HAS_Q, RESID)
+        b, spec_row_ptr, spec_qrow_ptr, spec_mode_ptr, logits_ptr, argmax_ptr, prob_ptr, q_ptr, vocab, HAS_Q, RESID
+    )
     tiles = tl.arange(0, TP)
     has_tile = tiles < num_tiles
     tw = tl.load(tile_w_ptr + b * num_tiles + tiles, mask=has_tile, other=0.0)
@@ -482,8 +683,7 @@ def _draw_pick_kernel(logits_ptr, vocab, argmax_ptr, prob_ptr, q_ptr, inv_t,
     cols = tile.to(tl.int64) * BLOCK + lanes
     in_row = (cols < vocab) & (cols >= 0)  # no tile (tile = -1) -> nothing in the row
     scale = tl.load(scale_ptr + b) if HAS_SCALE else 1.0
-    w, p = _draw_weights(row_ptr, cols, in_row, top_logit, prob, inv_t, q_row_ptr, mode,
-                              HAS_Q, scale, HAS_SCALE, RESID)
+    w, p = _draw_weights(row_ptr, cols, in_row, top_logit, prob, inv_t, q_row_ptr, mode, HAS_Q, scale, HAS_SCALE, RESID)
     slots = tl.arange(0, EP)
     nex = tl.load(spec_nex_ptr + b)
     excl = tl.load(spec_excl_ptr + b * EP + slots, mask=slots < nex, other=-1)
@@ -514,27 +714,81 @@ def _draw(logits2d, argmax, prob, q, inv_t, spec, uniforms, out, ep, block, scal
     row, qrow, mode, nex, excl, pos = spec
     warps = 4 if block >= 512 else 1
     _draw_tiles_kernel[(batch, splits)](
-        logits2d, vocab, argmax, prob, q_arg, inv_t, row, qrow, mode, nex, excl,
-        tile_w, tile_p, num_tiles, tiles_per_split, BLOCK=block, EP=ep, HAS_Q=has_q,
-        scale_ptr=scale, HAS_SCALE=scale is not None, RESID=resid is not None, num_warps=warps)
+        logits2d,
+        vocab,
+        argmax,
+        prob,
+        q_arg,
+        inv_t,
+        row,
+        qrow,
+        mode,
+        nex,
+        excl,
+        tile_w,
+        tile_p,
+        num_tiles,
+        tiles_per_split,
+        BLOCK=block,
+        EP=ep,
+        HAS_Q=has_q,
+        scale_ptr=scale,
+        HAS_SCALE=scale is not None,
+        RESID=resid is not None,
+        num_warps=warps,
+    )
     _draw_pick_kernel[(batch,)](
-        logits2d, vocab, argmax, prob, q_arg, inv_t, row, qrow, mode, nex, excl, pos,
-        tile_w, tile_p, num_tiles, uniforms, out, BLOCK=block, TP=next_pow2(num_tiles), EP=ep,
-        HAS_Q=has_q, scale_ptr=scale, HAS_SCALE=scale is not None, RESID=resid is not None, num_warps=warps)
+        logits2d,
+        vocab,
+        argmax,
+        prob,
+        q_arg,
+        inv_t,
+        row,
+        qrow,
+        mode,
+        nex,
+        excl,
+        pos,
+        tile_w,
+        tile_p,
+        num_tiles,
+        uniforms,
+        out,
+        BLOCK=block,
+        TP=next_pow2(num_tiles),
+        EP=ep,
+        HAS_Q=has_q,
+        scale_ptr=scale,
+        HAS_SCALE=scale is not None,
+        RESID=resid is not None,
+        num_warps=warps,
+    )
 
 
 def _new_spec(batch, ep, dev):
-    return (torch.zeros(batch, dtype=torch.int64, device=dev),   # target row to draw from
-            torch.zeros(batch, dtype=torch.int64, device=dev),   # offset of its q row
-            torch.zeros(batch, dtype=torch.int32, device=dev),   # MODE_*
-            torch.zeros(batch, dtype=torch.int32, device=dev),   # excluded count
-            torch.full((batch, ep), -1, dtype=torch.int64, device=dev),
-            torch.zeros(batch, dtype=torch.int64, device=dev))   # where the token goes
+    return (
+        torch.zeros(batch, dtype=torch.int64, device=dev),  # target row to draw from
+        torch.zeros(batch, dtype=torch.int64, device=dev),  # offset of its q row
+        torch.zeros(batch, dtype=torch.int32, device=dev),  # MODE_*
+        torch.zeros(batch, dtype=torch.int32, device=dev),  # excluded count
+        torch.full((batch, ep), -1, dtype=torch.int64, device=dev),
+        torch.zeros(batch, dtype=torch.int64, device=dev),
+    )  # where the token goes
 
 
-def verify_chain_triton(draft_tokens, target_logits, draft_probs, num_drafts, temperature,
-                        coins, sample_uniforms, *, block: int | None = None,
-                        rule: str = "token") -> VerifyOutput:
+def verify_chain_triton(
+    draft_tokens,
+    target_logits,
+    draft_probs,
+    num_drafts,
+    temperature,
+    coins,
+    sample_uniforms,
+    *,
+    block: int | None = None,
+    rule: str = "token",
+) -> VerifyOutput:
     batch, length = draft_tokens.shape
     vocab = target_logits.shape[-1]
     dev = target_logits.device
@@ -543,56 +797,127 @@ def verify_chain_triton(draft_tokens, target_logits, draft_probs, num_drafts, te
     greedy = temperature <= 0
     block = block or min(next_pow2(vocab), 1024)
     argmax, prob, _, _, _ = token_stats_triton(logits2d, 1.0 if greedy else temperature, block=block)
-    ndraft = (torch.full((batch,), length, dtype=torch.int64, device=dev) if num_drafts is None
-              else num_drafts.to(torch.int64))
+    ndraft = (
+        torch.full((batch,), length, dtype=torch.int64, device=dev)
+        if num_drafts is None
+        else num_drafts.to(torch.int64)
+    )
     num = torch.empty(batch, dtype=torch.int64, device=dev)
     out = torch.empty(batch, length + 1, dtype=torch.int64, device=dev)
     if batch == 0:
         return VerifyOutput(num, out)
     drafts = draft_tokens if draft_tokens.stride(-1) == 1 else draft_tokens.contiguous()
-    q = None if draft_probs is None else (draft_probs if draft_probs.stride(-1) == 1
-                                          else draft_probs.contiguous())
+    q = None if draft_probs is None else (draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous())
     spec = _new_spec(batch, 1, dev)
     inv_t = 0.0 if greedy else 1.0 / temperature
     coins_arg = coins.contiguous() if coins is not None else prob
     if rule == "block" and not greedy:
-        _verify_chain_block(drafts, ndraft, logits2d, argmax, prob, q, coins_arg, length, inv_t,
-                            num, out, spec, sample_uniforms.contiguous(), block)
+        _verify_chain_block(
+            drafts,
+            ndraft,
+            logits2d,
+            argmax,
+            prob,
+            q,
+            coins_arg,
+            length,
+            inv_t,
+            num,
+            out,
+            spec,
+            sample_uniforms.contiguous(),
+            block,
+        )
         return VerifyOutput(num, out)
     _chain_accept_kernel[(batch,)](
-        drafts, drafts.stride(0), ndraft, logits2d, vocab, argmax, prob,
-        q if q is not None else prob, q.stride(0) if q is not None else 0,
-        q.stride(1) if q is not None else 0, coins_arg, length, inv_t, num, out, *spec,
-        LP=next_pow2(length + 1), GREEDY=greedy, HAS_Q=q is not None, num_warps=1)
+        drafts,
+        drafts.stride(0),
+        ndraft,
+        logits2d,
+        vocab,
+        argmax,
+        prob,
+        q if q is not None else prob,
+        q.stride(0) if q is not None else 0,
+        q.stride(1) if q is not None else 0,
+        coins_arg,
+        length,
+        inv_t,
+        num,
+        out,
+        *spec,
+        LP=next_pow2(length + 1),
+        GREEDY=greedy,
+        HAS_Q=q is not None,
+        num_warps=1,
+    )
     if not greedy:
         _draw(logits2d, argmax, prob, q, inv_t, spec, sample_uniforms.contiguous(), out, 1, block)
     return VerifyOutput(num, out)
 
 
-def _verify_chain_block(drafts, ndraft, logits2d, argmax, prob, q, coins, length, inv_t, num, out,
-                        spec, uniforms, block):
+def _verify_chain_block(
+    drafts, ndraft, logits2d, argmax, prob, q, coins, length, inv_t, num, out, spec, uniforms, block
+):
     """The block rule: R_j per (row, position) (draft_probs only), the walk, then the draw
     from max(w_tau p_tau - q_tau, 0) (one-hot: p_tau without x_tau) or p_tau."""
     batch, vocab = drafts.shape[0], logits2d.shape[1]
     dev = logits2d.device
-    q_args = (q if q is not None else prob, q.stride(0) if q is not None else 0,
-              q.stride(1) if q is not None else 0)
+    q_args = (q if q is not None else prob, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0)
     r = torch.empty(batch, max(length, 1), dtype=torch.float32, device=dev)
     if q is not None and length > 1:
         _chain_block_sums_kernel[(batch, length)](
-            drafts, drafts.stride(0), ndraft, logits2d, vocab, argmax, prob, *q_args, length, inv_t,
-            r, BLOCK=block, num_warps=4 if block >= 512 else 1)
+            drafts,
+            drafts.stride(0),
+            ndraft,
+            logits2d,
+            vocab,
+            argmax,
+            prob,
+            *q_args,
+            length,
+            inv_t,
+            r,
+            BLOCK=block,
+            num_warps=4 if block >= 512 else 1,
+        )
     scale = torch.ones(batch, dtype=torch.float32, device=dev)
     _chain_block_accept_kernel[(batch,)](
-        drafts, drafts.stride(0), ndraft, logits2d, vocab, argmax, prob, *q_args, coins, r, length,
-        inv_t, num, out, *spec, scale, LP=next_pow2(length + 1), HAS_Q=q is not None, num_warps=1)
-    _draw(logits2d, argmax, prob, q, inv_t, spec, uniforms, out, 1, block,
-          scale=scale if q is not None else None)
+        drafts,
+        drafts.stride(0),
+        ndraft,
+        logits2d,
+        vocab,
+        argmax,
+        prob,
+        *q_args,
+        coins,
+        r,
+        length,
+        inv_t,
+        num,
+        out,
+        *spec,
+        scale,
+        LP=next_pow2(length + 1),
+        HAS_Q=q is not None,
+        num_warps=1,
+    )
+    _draw(logits2d, argmax, prob, q, inv_t, spec, uniforms, out, 1, block, scale=scale if q is not None else None)
 
 
-def verify_tree_triton(tokens, parents, target_logits, temperature, coins, sample_uniforms, *,
-                       block: int | None = None, draft_probs=None,
-                       draft_sampling: str = "independent") -> TreeVerifyOutput:
+def verify_tree_triton(
+    tokens,
+    parents,
+    target_logits,
+    temperature,
+    coins,
+    sample_uniforms,
+    *,
+    block: int | None = None,
+    draft_probs=None,
+    draft_sampling: str = "independent",
+) -> TreeVerifyOutput:
     batch, nodes = tokens.shape
     vocab = target_logits.shape[-1]
     dev = target_logits.device
@@ -616,17 +941,57 @@ def verify_tree_triton(tokens, parents, target_logits, temperature, coins, sampl
         # without replacement a pass compares its columns with the EP removed-token slots
         pass_block = min(block, max(64, 65536 // ep)) if wor else block
         _tree_walk_q_kernel[(batch,)](
-            tokens.contiguous(), parents.contiguous(), nodes, logits2d, vocab, argmax, prob,
-            q, q.stride(0), q.stride(1), resid, coins.contiguous(), inv_t, num, path, out,
-            row, qrow, mode, nex, excl, pos, EP=ep, BLOCK=pass_block,
-            WOR=wor, num_warps=4 if pass_block >= 512 else 1)
-        _draw(logits2d, argmax, prob, None, inv_t, spec, sample_uniforms.contiguous(), out, ep,
-              block, resid=resid)
+            tokens.contiguous(),
+            parents.contiguous(),
+            nodes,
+            logits2d,
+            vocab,
+            argmax,
+            prob,
+            q,
+            q.stride(0),
+            q.stride(1),
+            resid,
+            coins.contiguous(),
+            inv_t,
+            num,
+            path,
+            out,
+            row,
+            qrow,
+            mode,
+            nex,
+            excl,
+            pos,
+            EP=ep,
+            BLOCK=pass_block,
+            WOR=wor,
+            num_warps=4 if pass_block >= 512 else 1,
+        )
+        _draw(logits2d, argmax, prob, None, inv_t, spec, sample_uniforms.contiguous(), out, ep, block, resid=resid)
         return TreeVerifyOutput(num, path, out)
     _tree_walk_kernel[(batch,)](
-        tokens.contiguous(), parents.contiguous(), nodes, logits2d, vocab, argmax, prob,
-        coins.contiguous() if coins is not None else prob, inv_t, num, path, out,
-        row, mode, nex, excl, pos, EP=ep, GREEDY=greedy, num_warps=1)
+        tokens.contiguous(),
+        parents.contiguous(),
+        nodes,
+        logits2d,
+        vocab,
+        argmax,
+        prob,
+        coins.contiguous() if coins is not None else prob,
+        inv_t,
+        num,
+        path,
+        out,
+        row,
+        mode,
+        nex,
+        excl,
+        pos,
+        EP=ep,
+        GREEDY=greedy,
+        num_warps=1,
+    )
     if not greedy:
         _draw(logits2d, argmax, prob, None, inv_t, spec, sample_uniforms.contiguous(), out, ep, block)
     return TreeVerifyOutput(num, path, out)

@@ -12,6 +12,7 @@
 Families: Llama / Qwen2 / Qwen3 causal LMs, LLaDA, Dream, SDAR, Fast-dLLM v2 (see
 ``dspec.models.config``).  transformers is not needed at runtime.
 """
+
 from .config import ATTENTION_KINDS, FAMILIES, ModelConfig, detect_family, parse_config
 from .kv_cache import KVCache, SuffixKV
 from .loader import checkpoint_names, expected_shapes, load_checkpoint
@@ -19,6 +20,19 @@ from .plan import AttentionPlan
 from .tokenizer import Tokenizer
 from .transformer import Model, Output
 
-__all__ = ["ATTENTION_KINDS", "AttentionPlan", "FAMILIES", "KVCache", "Model", "ModelConfig",
-           "Output", "SuffixKV", "Tokenizer", "checkpoint_names", "detect_family",
-           "expected_shapes", "load_checkpoint", "parse_config"]
+__all__ = [
+    "ATTENTION_KINDS",
+    "AttentionPlan",
+    "FAMILIES",
+    "KVCache",
+    "Model",
+    "ModelConfig",
+    "Output",
+    "SuffixKV",
+    "Tokenizer",
+    "checkpoint_names",
+    "detect_family",
+    "expected_shapes",
+    "load_checkpoint",
+    "parse_config",
+]

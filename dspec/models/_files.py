@@ -2,6 +2,7 @@
 device named like a checkpoint file would block or never end), JSON of bounded size that
 must parse as UTF-8 text, and paths that stay inside the directory.  Every problem is a
 ValueError naming the file."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ def is_regular_file(file: Path) -> bool:
     except OSError as e:
         raise ValueError(f"{file}: cannot be read ({e.strerror or e})") from None
     if not stat.S_ISREG(mode):
-        raise ValueError(f"{file}: not a regular file (a directory, FIFO, socket or device); "
-                         f"checkpoint files must be regular files")
+        raise ValueError(
+            f"{file}: not a regular file (a directory, FIFO, socket or device); checkpoint files must be regular files"
+        )
     return True
 
 
@@ -47,15 +49,16 @@ def read_json(file: Path, *, required: bool, missing: str | None = None, want=No
         raise ValueError(f"{file}: not valid JSON (not UTF-8 text: {e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
-    except ValueError as e:                         # e.g. an integer of more than 4300 digits
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
         raise ValueError(f"{file}: not valid JSON ({e})") from None
     except RecursionError:
         raise ValueError(f"{file}: not valid JSON (nested too deeply)") from None
     except OSError as e:
         raise ValueError(f"{file}: cannot be read ({e.strerror or e})") from None
     if want is not None and not isinstance(data, want):
-        raise ValueError(f"{file}: must hold a JSON {'object' if want is dict else want.__name__}, "
-                         f"got {type(data).__name__}")
+        raise ValueError(
+            f"{file}: must hold a JSON {'object' if want is dict else want.__name__}, got {type(data).__name__}"
+        )
     return data
 
 

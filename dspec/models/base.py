@@ -5,6 +5,7 @@ transformer from any other object for :func:`~dspec.models.stack.frozen_weights`
 this class instead of :class:`dspec.models.transformer.Model` keeps the import one way
 (transformer -> stack -> base).
 """
+
 from __future__ import annotations
 
 from torch import nn

@@ -19,6 +19,7 @@ fast_dllm_v2   Fast_dLLM_QwenForCausalLM        Qwen2           block       yes 
 the token at position i + 1, as in an autoregressive model, also for [MASK] positions;
 an unshifted ("position-aligned") diffusion model predicts the token at position i itself.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,27 +34,38 @@ class Family:
     name: str
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
-    base: str               # weight layout: "llama", "qwen2", "qwen3" or "llada"
-    attention: str          # one of ATTENTION_KINDS
+    base: str  # weight layout: "llama", "qwen2", "qwen3" or "llada"
+    attention: str  # one of ATTENTION_KINDS
     shifted: bool
     mask_token_id: int | None
-    mask_tokens: tuple[str, ...] = ()     # tokenizer strings tried for the mask id
-    block_size: int | None = None         # default for block_causal families
+    mask_tokens: tuple[str, ...] = ()  # tokenizer strings tried for the mask id
+    block_size: int | None = None  # default for block_causal families
 
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("llama", ("LlamaForCausalLM",), ("llama",), "llama", "causal", False, None),
-    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), "qwen2", "causal", False, None),
-    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "qwen3", "causal", False, None),
-    Family("llada", ("LLaDAModelLM",), ("llada",), "llada", "bidirectional", False, 126336,
-           ("<|mdm_mask|>",)),
-    Family("dream", ("DreamModel",), ("dream",), "qwen2", "bidirectional", True, 151666,
-           ("<|mask|>",)),
-    Family("sdar", ("SDARForCausalLM",), ("sdar",), "qwen3", "block_causal", False, 151669,
-           ("<|MASK|>", "<|mask|>"), 4),
-    Family("fast_dllm_v2", ("Fast_dLLM_QwenForCausalLM",), ("fast_dllm_qwen",), "qwen2",
-           "block_causal", True, 151665, ("|<MASK>|",), 32),
-)}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama", ("LlamaForCausalLM",), ("llama",), "llama", "causal", False, None),
+        Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), "qwen2", "causal", False, None),
+        Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), "qwen3", "causal", False, None),
+        Family("llada", ("LLaDAModelLM",), ("llada",), "llada", "bidirectional", False, 126336, ("<|mdm_mask|>",)),
+        Family("dream", ("DreamModel",), ("dream",), "qwen2", "bidirectional", True, 151666, ("<|mask|>",)),
+        Family(
+            "sdar", ("SDARForCausalLM",), ("sdar",), "qwen3", "block_causal", False, 151669, ("<|MASK|>", "<|mask|>"), 4
+        ),
+        Family(
+            "fast_dllm_v2",
+            ("Fast_dLLM_QwenForCausalLM",),
+            ("fast_dllm_qwen",),
+            "qwen2",
+            "block_causal",
+            True,
+            151665,
+            ("|<MASK>|",),
+            32,
+        ),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -90,9 +102,9 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    embed_scale: float = 1.0     # LLaDA input_emb_norm: embeddings * sqrt(d_model)
-    logit_scale: float = 1.0     # LLaDA scale_logits: logits / sqrt(d_model)
-    clean_causal: bool = False   # non-[MASK] queries see keys at positions <= theirs (mask_adapter)
+    embed_scale: float = 1.0  # LLaDA input_emb_norm: embeddings * sqrt(d_model)
+    logit_scale: float = 1.0  # LLaDA scale_logits: logits / sqrt(d_model)
+    clean_causal: bool = False  # non-[MASK] queries see keys at positions <= theirs (mask_adapter)
     architecture: str = ""
     model_type: str = ""
     raw: dict = field(default_factory=dict, repr=False, compare=False)
@@ -117,8 +129,15 @@ class ModelConfig:
 # largest vocabularies ~256k; contexts up to ~10M), and small enough that a lying config
 # cannot make the loader build a huge parameter table or the decoder a huge position range.
 # The loader then checks each size against the weights' actual shapes.
-LIMITS = {"num_layers": 1024, "hidden_size": 65536, "num_heads": 1024, "head_dim": 4096,
-          "intermediate_size": 1 << 20, "vocab_size": 1 << 22, "context": 1 << 24}
+LIMITS = {
+    "num_layers": 1024,
+    "hidden_size": 65536,
+    "num_heads": 1024,
+    "head_dim": 4096,
+    "intermediate_size": 1 << 20,
+    "vocab_size": 1 << 22,
+    "context": 1 << 24,
+}
 
 
 def detect_family(raw: dict) -> Family:
@@ -137,8 +156,10 @@ def detect_family(raw: dict) -> Family:
             if model_type in fam.model_types:
                 return fam
     supported = ", ".join(f"{f.name} ({f.architectures[0]})" for f in FAMILIES.values())
-    raise ValueError(f"unknown model family: config.json has architectures={archs!r}, "
-                     f"model_type={raw.get('model_type')!r}; supported: {supported}")
+    raise ValueError(
+        f"unknown model family: config.json has architectures={archs!r}, "
+        f"model_type={raw.get('model_type')!r}; supported: {supported}"
+    )
 
 
 def _architectures(raw: dict) -> list[str]:
@@ -164,15 +185,17 @@ def _int(raw, key, family, default=None, required=True, *, lo=0, hi=None) -> int
     value = _get(raw, key, default, required=required and default is None, family=family)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            (isinstance(value, float) and not (math.isfinite(value) and value.is_integer())):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))
+    ):
         raise ValueError(f"config.json ({family}): {key} must be an integer, got {value!r:.80}")
     value = int(value)
     if value < lo:
         raise ValueError(f"config.json ({family}): {key} must be >= {lo}, got {value}")
     if hi is not None and value > hi:
-        raise ValueError(f"config.json ({family}): {key} = {value} is above the largest size dspec "
-                         f"accepts ({hi})")
+        raise ValueError(f"config.json ({family}): {key} = {value} is above the largest size dspec accepts ({hi})")
     return value
 
 
@@ -191,11 +214,17 @@ def finite(value) -> bool:
 def _float(raw, key, family, default, *, positive=True, where=None) -> float:
     """A finite number (> 0 when ``positive``) from ``raw[key]`` (ValueError naming it otherwise)."""
     value = _get(raw, key, default, family=family)
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and finite(value) \
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and finite(value)
         and (value > 0 or not positive)
+    )
     if not ok:
-        raise ValueError(f"config.json ({family}): {where or key} must be a finite "
-                         f"{'positive ' if positive else ''}number, got {value!r:.80}")
+        raise ValueError(
+            f"config.json ({family}): {where or key} must be a finite "
+            f"{'positive ' if positive else ''}number, got {value!r:.80}"
+        )
     return float(value)
 
 
@@ -218,8 +247,11 @@ def _ids(value, key: str = "token id", where: str = "config.json") -> tuple[int,
     for v in items:
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or \
-                (isinstance(v, float) and not (math.isfinite(v) and v.is_integer())):
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or (isinstance(v, float) and not (math.isfinite(v) and v.is_integer()))
+        ):
             raise ValueError(f"{where}: {key} must be an integer token id or a list of them, got {value!r:.80}")
         out.append(int(v))
     return tuple(out)
@@ -254,15 +286,21 @@ def _rope(raw: dict, family: str) -> tuple[float, dict | None]:
     if kind == "linear":
         return theta, {"rope_type": "linear", "factor": number("factor")}
     if kind == "llama3":
-        out = {"rope_type": "llama3", "factor": number("factor"),
-               "low_freq_factor": number("low_freq_factor"), "high_freq_factor": number("high_freq_factor")}
+        out = {
+            "rope_type": "llama3",
+            "factor": number("factor"),
+            "low_freq_factor": number("low_freq_factor"),
+            "high_freq_factor": number("high_freq_factor"),
+        }
         if "original_max_position_embeddings" not in scaling:
             raise ValueError(f"config.json ({family}): llama3 rope_scaling lacks 'original_max_position_embeddings'")
-        out["original_max_position_embeddings"] = _int(scaling, "original_max_position_embeddings", family,
-                                                       lo=1, hi=LIMITS["context"])
+        out["original_max_position_embeddings"] = _int(
+            scaling, "original_max_position_embeddings", family, lo=1, hi=LIMITS["context"]
+        )
         return theta, out
-    raise ValueError(f"config.json ({family}): rope_scaling type {kind!r:.80} is not supported "
-                     f"(supported: default, linear, llama3)")
+    raise ValueError(
+        f"config.json ({family}): rope_scaling type {kind!r:.80} is not supported (supported: default, linear, llama3)"
+    )
 
 
 def parse_config(raw: dict, generation_config: dict | None = None) -> ModelConfig:
@@ -276,8 +314,14 @@ def parse_config(raw: dict, generation_config: dict | None = None) -> ModelConfi
         raise ValueError(f"generation_config.json must hold a JSON object, got {type(generation_config).__name__}")
     archs = _architectures(raw) or [""]
     model_type = raw.get("model_type")
-    common = dict(family=name, attention=fam.attention, shifted=fam.shifted, architecture=archs[0],
-                  model_type=model_type if isinstance(model_type, str) else "", raw=dict(raw))
+    common = dict(
+        family=name,
+        attention=fam.attention,
+        shifted=fam.shifted,
+        architecture=archs[0],
+        model_type=model_type if isinstance(model_type, str) else "",
+        raw=dict(raw),
+    )
     if fam.base == "llada":
         cfg = _parse_llada(raw, name, common)
     else:
@@ -287,17 +331,19 @@ def parse_config(raw: dict, generation_config: dict | None = None) -> ModelConfi
     gen_where = f"generation_config.json ({name})"
     eos = _ids(raw.get("eos_token_id"), "eos_token_id", where)
     if generation_config:
-        eos = eos + tuple(i for i in _ids(generation_config.get("eos_token_id"), "eos_token_id", gen_where)
-                          if i not in eos)
+        eos = eos + tuple(
+            i for i in _ids(generation_config.get("eos_token_id"), "eos_token_id", gen_where) if i not in eos
+        )
     bos = _ids(raw.get("bos_token_id"), "bos_token_id", where)
     if not bos and generation_config:
         bos = _ids(generation_config.get("bos_token_id"), "bos_token_id", gen_where)
     for key, ids in (("eos_token_id", eos), ("bos_token_id", bos)):
         bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
         if bad:
-            raise ValueError(f"{where} / generation_config.json: {key} {bad[0]} is outside the vocabulary "
-                             f"[0, {cfg.vocab_size})")
-    pad = _ids(raw.get("pad_token_id"), "pad_token_id", where)   # out of range: no pad (plan pads with 0)
+            raise ValueError(
+                f"{where} / generation_config.json: {key} {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})"
+            )
+    pad = _ids(raw.get("pad_token_id"), "pad_token_id", where)  # out of range: no pad (plan pads with 0)
     mask = _int(raw, "mask_token_id", name, required=False)
     block = None
     if fam.attention == "block_causal":
@@ -308,10 +354,16 @@ def parse_config(raw: dict, generation_config: dict | None = None) -> ModelConfi
             raise ValueError(f"config.json ({name}): block_size must be >= 1, got {block}")
         context = cfg.max_position_embeddings or LIMITS["context"]
         if block > context:
-            raise ValueError(f"config.json ({name}): block_size = {block} is larger than the context "
-                             f"({context} tokens)")
-    cfg = cfg.replace(eos_token_ids=eos, bos_token_id=bos[0] if bos else None,
-                      pad_token_id=pad[0] if pad else None, block_size=block, mask_token_id=mask)
+            raise ValueError(
+                f"config.json ({name}): block_size = {block} is larger than the context ({context} tokens)"
+            )
+    cfg = cfg.replace(
+        eos_token_ids=eos,
+        bos_token_id=bos[0] if bos else None,
+        pad_token_id=pad[0] if pad else None,
+        block_size=block,
+        mask_token_id=mask,
+    )
     _check_consistency(cfg)
     return cfg
 
@@ -328,8 +380,10 @@ def _parse_hf(raw, fam: Family, name: str, common: dict) -> ModelConfig:
     head_dim = _int(raw, "head_dim", name, required=False, lo=1, hi=LIMITS["head_dim"])
     if head_dim is None:
         if hidden % heads:
-            raise ValueError(f"config.json ({name}): hidden_size {hidden} is not a multiple of "
-                             f"num_attention_heads {heads} and head_dim is not given")
+            raise ValueError(
+                f"config.json ({name}): hidden_size {hidden} is not a multiple of "
+                f"num_attention_heads {heads} and head_dim is not given"
+            )
         head_dim = hidden // heads
     act = _get(raw, "hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -343,15 +397,24 @@ def _parse_hf(raw, fam: Family, name: str, common: dict) -> ModelConfig:
     else:
         qkv_bias = o_bias = attn_bias
     return ModelConfig(
-        vocab_size=_positive(raw, "vocab_size", name, limit="vocab_size"), hidden_size=hidden,
+        vocab_size=_positive(raw, "vocab_size", name, limit="vocab_size"),
+        hidden_size=hidden,
         intermediate_size=_positive(raw, "intermediate_size", name, limit="intermediate_size"),
         num_layers=_positive(raw, "num_hidden_layers", name, limit="num_layers"),
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope_theta=theta, rope_scaling=scaling,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling=scaling,
         rms_norm_eps=_float(raw, "rms_norm_eps", name, 1e-6),
         tie_word_embeddings=_flag(raw, "tie_word_embeddings", name),
         max_position_embeddings=_context(raw, "max_position_embeddings", name),
-        qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=_flag(raw, "mlp_bias", name) if fam.base == "llama" else False,
-        qk_norm=fam.base == "qwen3", **common)
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=_flag(raw, "mlp_bias", name) if fam.base == "llama" else False,
+        qk_norm=fam.base == "qwen3",
+        **common,
+    )
 
 
 def _parse_llada(raw, name: str, common: dict) -> ModelConfig:
@@ -367,8 +430,10 @@ def _parse_llada(raw, name: str, common: dict) -> ModelConfig:
         ratio = _positive(raw, "mlp_ratio", name, default=4, limit="intermediate_size")
         mlp = ratio * hidden
         if mlp > LIMITS["intermediate_size"]:
-            raise ValueError(f"config.json ({name}): mlp_ratio * d_model = {mlp} is above the largest size "
-                             f"dspec accepts ({LIMITS['intermediate_size']})")
+            raise ValueError(
+                f"config.json ({name}): mlp_ratio * d_model = {mlp} is above the largest size "
+                f"dspec accepts ({LIMITS['intermediate_size']})"
+            )
     vocab = _positive(raw, "vocab_size", name, limit="vocab_size")
     emb = _int(raw, "embedding_size", name, required=False, lo=1, hi=LIMITS["vocab_size"]) or vocab
     unsupported = []
@@ -388,22 +453,32 @@ def _parse_llada(raw, name: str, common: dict) -> ModelConfig:
         raise ValueError(f"config.json ({name}): unsupported LLaDA options: {', '.join(unsupported)}")
     theta, scaling = _rope(raw, name)
     return ModelConfig(
-        vocab_size=emb, hidden_size=hidden, intermediate_size=mlp,
-        num_layers=_positive(raw, "n_layers", name, limit="num_layers"), num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=hidden // heads, rope_theta=theta, rope_scaling=scaling,
+        vocab_size=emb,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_layers=_positive(raw, "n_layers", name, limit="num_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        rope_theta=theta,
+        rope_scaling=scaling,
         rms_norm_eps=_float(raw, "rms_norm_eps", name, 1e-5),
         tie_word_embeddings=_flag(raw, "weight_tying", name),
         max_position_embeddings=_context(raw, "max_sequence_length", name),
         qkv_bias=_flag(raw, "include_qkv_bias", name),
         embed_scale=math.sqrt(hidden) if _flag(raw, "input_emb_norm", name) else 1.0,
-        logit_scale=1.0 / math.sqrt(hidden) if _flag(raw, "scale_logits", name) else 1.0, **common)
+        logit_scale=1.0 / math.sqrt(hidden) if _flag(raw, "scale_logits", name) else 1.0,
+        **common,
+    )
 
 
 def _check_consistency(cfg: ModelConfig) -> None:
     name = cfg.family
     if cfg.num_heads % cfg.num_kv_heads:
-        raise ValueError(f"config.json ({name}): the attention heads ({cfg.num_heads}) must be a "
-                         f"multiple of the key/value heads ({cfg.num_kv_heads})")
+        raise ValueError(
+            f"config.json ({name}): the attention heads ({cfg.num_heads}) must be a "
+            f"multiple of the key/value heads ({cfg.num_kv_heads})"
+        )
     if cfg.head_dim < 2 or cfg.head_dim % 2:
         raise ValueError(f"config.json ({name}): head_dim must be even for RoPE, got {cfg.head_dim}")
     if not (cfg.rms_norm_eps > 0):

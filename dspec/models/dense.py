@@ -15,6 +15,7 @@ length.  Everything else (training, float64, strided rows) goes to
 Every projection of the lean transformer, the mask adapter's base and the DFlash drafter
 goes through here, so a path taken by one is taken by all.
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,7 +57,7 @@ def linear_isa(dtype: torch.dtype) -> str:
     if got is None:
         ext = _backend.extension()
         got = ext.linear_isa(DTYPE_CODES[dtype]) if ext is not None and hasattr(ext, "linear_isa") else "generic"
-        if any(k[0] != key[0] for k in _ISA_OF):              # a new cap: the old answers go
+        if any(k[0] != key[0] for k in _ISA_OF):  # a new cap: the old answers go
             _ISA_OF.clear()
         _ISA_OF[key] = got
     return got
@@ -68,7 +69,7 @@ def _packed_rows(x: torch.Tensor) -> int:
         return 0
     cap = _max_rows(x.dtype)
     if cap == 0:
-        return 0                              # no SIMD tiles here: torch, decided first
+        return 0  # no SIMD tiles here: torch, decided first
     ext = _backend.extension()
     if ext is None or not hasattr(ext, "linear_pack") or not x.is_cpu or x.dim() == 0:
         return 0
@@ -91,8 +92,13 @@ def within_packed_rows(rows: int, dtype: torch.dtype) -> bool:
 
 
 def _weight_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if (weight.dtype is not x.dtype or not weight.is_cpu or weight.dim() != 2 or x.shape[-1] != weight.shape[-1]
-            or weight.stride(1) != 1):
+    if (
+        weight.dtype is not x.dtype
+        or not weight.is_cpu
+        or weight.dim() != 2
+        or x.shape[-1] != weight.shape[-1]
+        or weight.stride(1) != 1
+    ):
         return False
     if bias is not None and (bias.dtype is not x.dtype or not bias.is_cpu or bias.dim() != 1 or bias.stride(0) != 1):
         return False
@@ -123,8 +129,10 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     if kept is not None and kept[0] == key:
         return kept[1]
     if not weight.is_cpu or weight.dim() != 2 or weight.stride(1) != 1 or weight.dtype not in DTYPE_CODES:
-        raise ValueError(f"weight: packing takes a 2-D CPU float32 / bfloat16 tensor with unit column "
-                         f"stride, got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        raise ValueError(
+            f"weight: packing takes a 2-D CPU float32 / bfloat16 tensor with unit column "
+            f"stride, got {weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        )
     ext = _backend.extension()
     n, k = weight.shape
     code = DTYPE_CODES[weight.dtype]
@@ -142,9 +150,19 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     k = x.shape[-1]
     n = weight.shape[0]
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
-    _backend.extension().linear(x.data_ptr(), packed_weight(weight).data_ptr(),
-                                0 if bias is None else bias.data_ptr(), out.data_ptr(), DTYPE_CODES[x.dtype],
-                                rows, k, n, k, n, cpu.kernel_threads())
+    _backend.extension().linear(
+        x.data_ptr(),
+        packed_weight(weight).data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        DTYPE_CODES[x.dtype],
+        rows,
+        k,
+        n,
+        k,
+        n,
+        cpu.kernel_threads(),
+    )
     return out
 
 
@@ -155,14 +173,24 @@ def dense_many(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
     bit-identical to its own ``dense`` call."""
     rows = _packed_rows(x)
     ext = _backend.extension()
-    if (not rows or not hasattr(ext, "linear_group")
-            or not all(_weight_fits(x, w, b) for w, b in zip(weights, biases))
-            or not untracked(x, *weights, *biases)):
+    if (
+        not rows
+        or not hasattr(ext, "linear_group")
+        or not all(_weight_fits(x, w, b) for w, b in zip(weights, biases))
+        or not untracked(x, *weights, *biases)
+    ):
         return [dense(x, w, b) for w, b in zip(weights, biases)]
     lead = x.shape[:-1]
     outs = [torch.empty(lead + (w.shape[0],), dtype=x.dtype) for w in weights]
-    ext.linear_group(x.data_ptr(), DTYPE_CODES[x.dtype], rows, x.shape[-1],
-                     [packed_weight(w).data_ptr() for w in weights],
-                     [0 if b is None else b.data_ptr() for b in biases], [o.data_ptr() for o in outs],
-                     [w.shape[0] for w in weights], cpu.kernel_threads())
+    ext.linear_group(
+        x.data_ptr(),
+        DTYPE_CODES[x.dtype],
+        rows,
+        x.shape[-1],
+        [packed_weight(w).data_ptr() for w in weights],
+        [0 if b is None else b.data_ptr() for b in biases],
+        [o.data_ptr() for o in outs],
+        [w.shape[0] for w in weights],
+        cpu.kernel_threads(),
+    )
     return outs

@@ -33,6 +33,7 @@ mask slot embedding the target's ``mask_token_id`` are options of the same draft
     >>> drafter.save("my-drafter")                                           # doctest: +SKIP
     >>> drafter = load_drafter("my-drafter", target)                         # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 import json
@@ -101,12 +102,20 @@ class DrafterConfig:
 
     def validate(self) -> "DrafterConfig":
         from .config import LIMITS, finite
+
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r:.80}")
-        limits = {"hidden_size": LIMITS["hidden_size"], "vocab_size": LIMITS["vocab_size"],
-                  "target_num_layers": LIMITS["num_layers"], "block_size": 4096, "num_layers": LIMITS["num_layers"],
-                  "num_heads": LIMITS["num_heads"], "num_kv_heads": LIMITS["num_heads"],
-                  "head_dim": LIMITS["head_dim"], "intermediate_size": LIMITS["intermediate_size"]}
+        limits = {
+            "hidden_size": LIMITS["hidden_size"],
+            "vocab_size": LIMITS["vocab_size"],
+            "target_num_layers": LIMITS["num_layers"],
+            "block_size": 4096,
+            "num_layers": LIMITS["num_layers"],
+            "num_heads": LIMITS["num_heads"],
+            "num_kv_heads": LIMITS["num_heads"],
+            "head_dim": LIMITS["head_dim"],
+            "intermediate_size": LIMITS["intermediate_size"],
+        }
         for name, hi in limits.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -133,10 +142,15 @@ class DrafterConfig:
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < self.vocab_size):
             raise ValueError(f"mask_token_id must be None or a token id in [0, {self.vocab_size}), got {m!r:.80}")
         ids = self.target_layer_ids
-        if not isinstance(ids, (list, tuple)) or not ids or len(ids) > self.target_num_layers + 1 or any(
-                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= self.target_num_layers for i in ids):
-            raise ValueError(f"target_layer_ids must be a non-empty list of ints in [0, "
-                             f"{self.target_num_layers}], got {ids!r:.80}")
+        if (
+            not isinstance(ids, (list, tuple))
+            or not ids
+            or len(ids) > self.target_num_layers + 1
+            or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= self.target_num_layers for i in ids)
+        ):
+            raise ValueError(
+                f"target_layer_ids must be a non-empty list of ints in [0, {self.target_num_layers}], got {ids!r:.80}"
+            )
         self.target_layer_ids = list(ids)
         return self
 
@@ -164,8 +178,9 @@ class DrafterLayer(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
         self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=False)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(SimpleNamespace(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                                       mlp_bias=False))
+        self.mlp = MLP(
+            SimpleNamespace(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, mlp_bias=False)
+        )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -193,7 +208,7 @@ class BlockDrafter(nn.Module):
             if c.mask_token_id is None:
                 self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
             else:
-                self.mask_embedding = None      # masked slots embed the target's mask_token_id
+                self.mask_embedding = None  # masked slots embed the target's mask_token_id
             self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_layers))
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if dtype is not None:
@@ -210,25 +225,50 @@ class BlockDrafter(nn.Module):
     # ----------------------------------------------------------------------- building
 
     @classmethod
-    def for_target(cls, target, *, kind: str = "dflash", num_layers: int = 1, block_size: int = 16,
-                   target_layer_ids=None, num_heads=None, num_kv_heads=None, head_dim=None,
-                   intermediate_size=None, seed: int | None = 0, std: float = 0.02, qk_norm: bool = False,
-                   mask_token_id: int | None = None) -> "BlockDrafter":
+    def for_target(
+        cls,
+        target,
+        *,
+        kind: str = "dflash",
+        num_layers: int = 1,
+        block_size: int = 16,
+        target_layer_ids=None,
+        num_heads=None,
+        num_kv_heads=None,
+        head_dim=None,
+        intermediate_size=None,
+        seed: int | None = 0,
+        std: float = 0.02,
+        qk_norm: bool = False,
+        mask_token_id: int | None = None,
+    ) -> "BlockDrafter":
         """A randomly initialised drafter shaped for ``target`` (heads / MLP width default to
         the target's), on the target's device and dtype.  ``qk_norm`` / ``mask_token_id``:
         see :class:`DrafterConfig` (both set: a drafter z-lab's format holds)."""
         tc = target.config
         cfg = DrafterConfig(
-            kind=kind, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
-            target_layer_ids=list(target_layer_ids) if target_layer_ids is not None
+            kind=kind,
+            hidden_size=tc.hidden_size,
+            vocab_size=tc.vocab_size,
+            target_layer_ids=list(target_layer_ids)
+            if target_layer_ids is not None
             else default_layer_ids(tc.num_layers),
-            target_num_layers=tc.num_layers, block_size=block_size, num_layers=num_layers,
-            num_heads=num_heads or tc.num_heads, num_kv_heads=num_kv_heads or tc.num_kv_heads,
-            head_dim=head_dim or tc.head_dim, intermediate_size=intermediate_size or tc.intermediate_size,
-            rope_theta=float(tc.rope_theta), rms_norm_eps=float(tc.rms_norm_eps),
-            target=getattr(target, "shipped_name", None) or getattr(target, "name_or_path", None)
-            and str(target.name_or_path), extra={"target_fingerprint": target_fingerprint(target)},
-            qk_norm=qk_norm, mask_token_id=mask_token_id)
+            target_num_layers=tc.num_layers,
+            block_size=block_size,
+            num_layers=num_layers,
+            num_heads=num_heads or tc.num_heads,
+            num_kv_heads=num_kv_heads or tc.num_kv_heads,
+            head_dim=head_dim or tc.head_dim,
+            intermediate_size=intermediate_size or tc.intermediate_size,
+            rope_theta=float(tc.rope_theta),
+            rms_norm_eps=float(tc.rms_norm_eps),
+            target=getattr(target, "shipped_name", None)
+            or getattr(target, "name_or_path", None)
+            and str(target.name_or_path),
+            extra={"target_fingerprint": target_fingerprint(target)},
+            qk_norm=qk_norm,
+            mask_token_id=mask_token_id,
+        )
         drafter = cls(cfg, device=target.device)
         drafter.init_random_(std=std, seed=seed)
         drafter.to(dtype=target.dtype)
@@ -249,7 +289,7 @@ class BlockDrafter(nn.Module):
     def bind(self, target) -> "BlockDrafter":
         """Attach ``target`` (its embeddings / head are used); ValueError when it does not fit."""
         check_compatible(self.config, target)
-        object.__setattr__(self, "_target", target)     # a reference, not a submodule
+        object.__setattr__(self, "_target", target)  # a reference, not a submodule
         return self
 
     @property
@@ -288,8 +328,9 @@ class BlockDrafter(nn.Module):
             return self
         ids = torch.as_tensor(ids)
         if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"draft vocab must be a non-empty 1-D tensor of token ids, got {ids.dtype} "
-                             f"{list(ids.shape)}")
+            raise ValueError(
+                f"draft vocab must be a non-empty 1-D tensor of token ids, got {ids.dtype} {list(ids.shape)}"
+            )
         ids = ids.to(torch.int64)
         v = self.config.vocab_size
         if int(ids.min()) < 0 or int(ids.max()) >= v:
@@ -313,9 +354,11 @@ class BlockDrafter(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return (f"kind={c.kind}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}/"
-                f"{c.num_kv_heads}x{c.head_dim}, block_size={c.block_size}, "
-                f"target_layer_ids={c.target_layer_ids}, target={c.target!r}")
+        return (
+            f"kind={c.kind}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}/"
+            f"{c.num_kv_heads}x{c.head_dim}, block_size={c.block_size}, "
+            f"target_layer_ids={c.target_layer_ids}, target={c.target!r}"
+        )
 
     # ----------------------------------------------------------------------- pieces
 
@@ -329,8 +372,10 @@ class BlockDrafter(nn.Module):
         """The target's hidden states (``Output.hidden``, in ``target_layer_ids`` order,
         each [B, N, H]) -> projected, normed context features [B, N, H]."""
         if len(hidden) != len(self.config.target_layer_ids):
-            raise ValueError(f"hidden must hold {len(self.config.target_layer_ids)} tensors (one per "
-                             f"target layer id), got {len(hidden)}")
+            raise ValueError(
+                f"hidden must hold {len(self.config.target_layer_ids)} tensors (one per "
+                f"target layer id), got {len(hidden)}"
+            )
         x = torch.cat([h.to(self.dtype) for h in hidden], dim=-1)
         return self.context_norm(linear(self.context_proj, x))
 
@@ -373,20 +418,35 @@ class BlockDrafter(nn.Module):
         per-op version's ~15 ops were ~0.3 ms of a ~20 ms SmolLM2 cycle.  The same column
         dot products and the same float32 RoPE arithmetic: bit-identical (tested)."""
         layers = [m for layer in self.layers for m in (layer.k_proj, layer.v_proj)]
-        if self.config.qk_norm or not all(type(m) is nn.Linear for m in layers) or not fused_cpu(features, cos, sin) \
-                or any(m.weight.requires_grad and torch.is_grad_enabled() for m in layers) \
-                or cos.dtype != torch.float32:
+        if (
+            self.config.qk_norm
+            or not all(type(m) is nn.Linear for m in layers)
+            or not fused_cpu(features, cos, sin)
+            or any(m.weight.requires_grad and torch.is_grad_enabled() for m in layers)
+            or cos.dtype != torch.float32
+        ):
             return None
         c = self.config
         b, t, _ = features.shape
         key_w, key_b, value_w, value_b = self._stacked_context_weights()
         keys, values = dense_many(features.contiguous(), [key_w, value_w], [key_b, value_b])
         heads = c.num_layers * c.num_kv_heads
-        _backend.extension().rope(keys.data_ptr(), 0, cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
-                                  _backend.FLOAT_CODE[keys.dtype], b * t, heads, 0, c.head_dim, cpu.kernel_threads())
+        _backend.extension().rope(
+            keys.data_ptr(),
+            0,
+            cos.contiguous().data_ptr(),
+            sin.contiguous().data_ptr(),
+            _backend.FLOAT_CODE[keys.dtype],
+            b * t,
+            heads,
+            0,
+            c.head_dim,
+            cpu.kernel_threads(),
+        )
         shape = (b, t, c.num_layers, c.num_kv_heads, c.head_dim)
-        return SuffixKV(stacked=torch.stack([keys.view(shape).permute(2, 0, 1, 3, 4),
-                                             values.view(shape).permute(2, 0, 1, 3, 4)]))
+        return SuffixKV(
+            stacked=torch.stack([keys.view(shape).permute(2, 0, 1, 3, 4), values.view(shape).permute(2, 0, 1, 3, 4)])
+        )
 
     def _stacked_context_weights(self):
         """Every layer's k_proj (and v_proj) weight rows stacked, [L * Hkv * D, H], biases
@@ -407,8 +467,15 @@ class BlockDrafter(nn.Module):
     def new_cache(self, batch_size: int, *, capacity: int = 0) -> KVCache:
         """An empty drafter-side context cache (projected target features as K/V per layer)."""
         c = self.config
-        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, dtype=self.dtype,
-                       device=self.device, capacity=capacity)
+        return KVCache(
+            c.num_layers,
+            batch_size,
+            c.num_kv_heads,
+            c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            capacity=capacity,
+        )
 
     def embed_block(self, tokens: torch.Tensor) -> torch.Tensor:
         """Block ids [B, N] (``MASK`` = -1 for a masked slot) -> input embeddings [B, N, H]."""
@@ -434,9 +501,17 @@ class BlockDrafter(nn.Module):
 
     # ----------------------------------------------------------------------- forwards
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, *,
-                mask=None, backend: str | None = None, logits_from: int = 0,
-                draft_vocab: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        *,
+        mask=None,
+        backend: str | None = None,
+        logits_from: int = 0,
+        draft_vocab: bool = False,
+    ) -> torch.Tensor:
         """Draft blocks after each request's cached context (decoding path).
 
         Parameters
@@ -459,8 +534,9 @@ class BlockDrafter(nn.Module):
         prediction).
         """
         if tokens.dim() != 2 or positions.shape != tokens.shape:
-            raise ValueError(f"tokens and positions must both be [B, N], got {list(tokens.shape)} "
-                             f"and {list(positions.shape)}")
+            raise ValueError(
+                f"tokens and positions must both be [B, N], got {list(tokens.shape)} and {list(positions.shape)}"
+            )
         if not isinstance(cache, KVCache) or cache.batch_size != tokens.shape[0]:
             raise ValueError("cache must be this drafter's KVCache (new_cache) with one row per request")
         if isinstance(logits_from, bool) or not isinstance(logits_from, int) or not 0 <= logits_from < tokens.shape[1]:
@@ -498,9 +574,15 @@ class BlockDrafter(nn.Module):
         out = run_layers(self, x.contiguous(), cos.contiguous(), sin.contiguous(), plan, prefix, (), False)
         return None if out is None else out[0]
 
-    def forward_train(self, context_hidden: list[torch.Tensor], blocks: torch.Tensor,
-                      starts: torch.Tensor, *, context_length: torch.Tensor | None = None,
-                      draft_vocab: bool = False) -> torch.Tensor:
+    def forward_train(
+        self,
+        context_hidden: list[torch.Tensor],
+        blocks: torch.Tensor,
+        starts: torch.Tensor,
+        *,
+        context_length: torch.Tensor | None = None,
+        draft_vocab: bool = False,
+    ) -> torch.Tensor:
         """Many blocks per sequence against the full context, differentiable (training path).
 
         Parameters
@@ -520,7 +602,7 @@ class BlockDrafter(nn.Module):
         c = self.config
         bsz, m, g = blocks.shape
         t = context_hidden[0].shape[1]
-        features = self.target_features(context_hidden)                   # [B, T, H]
+        features = self.target_features(context_hidden)  # [B, T, H]
         ctx_pos = torch.arange(t, device=features.device).expand(bsz, t)
         cos_c, sin_c = self._rope(ctx_pos)
         pos = (starts[..., None] + torch.arange(g, device=blocks.device)).reshape(bsz, m * g)
@@ -530,20 +612,22 @@ class BlockDrafter(nn.Module):
         limit = starts if context_length is None else torch.minimum(starts, context_length[:, None])
         see_ctx = torch.arange(t, device=blocks.device)[None, None, :] < limit.repeat_interleave(g, 1)[..., None]
         see_blk = (block_of[:, None] == block_of[None, :]).expand(bsz, -1, -1)
-        allowed = torch.cat([see_ctx, see_blk], dim=-1)[:, None]          # [B, 1, Q, K]
+        allowed = torch.cat([see_ctx, see_blk], dim=-1)[:, None]  # [B, 1, Q, K]
         x = self.embed_block(blocks.reshape(bsz, m * g))
         rep = c.num_heads // c.num_kv_heads
         for layer in self.layers:
             kc, vc = self._context_kv(layer, features, cos_c, sin_c)
             h = layer.input_layernorm(x)
             q = rotate(head_norm(layer.q_norm, layer.q_proj(h).view(bsz, m * g, c.num_heads, c.head_dim)), cos_b, sin_b)
-            kb = rotate(head_norm(layer.k_norm, layer.k_proj(h).view(bsz, m * g, c.num_kv_heads, c.head_dim)),
-                        cos_b, sin_b)
+            kb = rotate(
+                head_norm(layer.k_norm, layer.k_proj(h).view(bsz, m * g, c.num_kv_heads, c.head_dim)), cos_b, sin_b
+            )
             vb = layer.v_proj(h).view(bsz, m * g, c.num_kv_heads, c.head_dim)
             k = torch.cat([kc, kb], 1).repeat_interleave(rep, 2)
             v = torch.cat([vc, vb], 1).repeat_interleave(rep, 2)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=allowed)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed
+            )
             x = x + layer.o_proj(o.transpose(1, 2).reshape(bsz, m * g, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.head(x, draft_vocab=draft_vocab).view(bsz, m, g, -1)
@@ -560,14 +644,16 @@ class BlockDrafter(nn.Module):
         DFLASH``); ValueError for a drafter that format cannot hold (see
         :func:`config_to_zlab`; a draft vocabulary neither)."""
         from safetensors.torch import save_file
+
         if format not in ("dspec", "zlab"):
             raise ValueError(f"format must be 'dspec' or 'zlab', got {format!r:.80}")
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         if format == "zlab":
             config = config_to_zlab(self.config)
             if self._draft_ids is not None:
-                raise ValueError("z-lab's format has no draft vocabulary: set_draft_vocab(None) or save in "
-                                 "format='dspec'")
+                raise ValueError(
+                    "z-lab's format has no draft vocabulary: set_draft_vocab(None) or save in format='dspec'"
+                )
             state = {weight_name_to_zlab(k): v for k, v in state.items()}
         else:
             config = asdict(self.config)
@@ -589,14 +675,16 @@ class BlockDrafter(nn.Module):
             vocab_file.unlink()
         if card is None and not (out / "README.md").exists():
             c = self.config
-            card = (f"# dspec {c.kind} block drafter\n\nTarget: {c.target}; layers {c.num_layers}; block size "
-                    f"{c.block_size}; target hidden states {c.target_layer_ids}.\n")
+            card = (
+                f"# dspec {c.kind} block drafter\n\nTarget: {c.target}; layers {c.num_layers}; block size "
+                f"{c.block_size}; target hidden states {c.target_layer_ids}.\n"
+            )
         if card is not None:
             (out / "README.md").write_text(card)
         return out
 
 
-MAX_FILE_BYTES = 15_000_000     # shipped files stay under 16 MB: larger drafters are saved in shards
+MAX_FILE_BYTES = 15_000_000  # shipped files stay under 16 MB: larger drafters are saved in shards
 
 
 def _shard(state: dict, limit: int) -> list[dict]:
@@ -617,6 +705,7 @@ def _weight_files(path: Path) -> list[Path]:
     """``model.safetensors``, or the shards ``model-XXXXX-of-NNNNN.safetensors`` when all present
     (regular files only: ValueError for a FIFO, device or directory of such a name)."""
     from ._files import is_regular_file
+
     if is_regular_file(path / "model.safetensors"):
         return [path / "model.safetensors"]
     shards = sorted(path.glob("model-*-of-*.safetensors"))
@@ -635,6 +724,7 @@ def target_fingerprint(target) -> str:
     loading one for a retrained target of the same shape warns instead of failing silently.
     The rows are rounded to bf16 first, so a target loaded in fp32 or bf16 hashes the same."""
     import hashlib
+
     rows = target.output_weight.detach()[:64].to(torch.bfloat16).float().cpu().contiguous()
     return hashlib.sha256(rows.numpy().tobytes()).hexdigest()[:16]
 
@@ -651,8 +741,9 @@ def check_compatible(config: DrafterConfig, target) -> None:
     if tc.vocab_size != config.vocab_size:
         raise ValueError(f"drafter vocab_size {config.vocab_size} does not match the target's {tc.vocab_size}")
     if tc.num_layers != config.target_num_layers:
-        raise ValueError(f"drafter was built for a {config.target_num_layers}-layer target, this target has "
-                         f"{tc.num_layers} layers")
+        raise ValueError(
+            f"drafter was built for a {config.target_num_layers}-layer target, this target has {tc.num_layers} layers"
+        )
     bad = [i for i in config.target_layer_ids if not 0 <= i <= tc.num_layers]
     if bad:
         raise ValueError(f"drafter target_layer_ids {bad} do not exist in a {tc.num_layers}-layer target")
@@ -679,22 +770,28 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
     from safetensors.torch import load_file
 
     from ._files import is_regular_file, read_json
+
     if isinstance(path_or_name, BlockDrafter):
         drafter = path_or_name
         if kind is not None and drafter.config.kind != kind:
             raise ValueError(f"drafter is a {drafter.config.kind!r} drafter, expected {kind!r}")
         if any(t.is_meta for t in drafter.parameters()):
-            raise ValueError("drafter: its weights are on the meta device (no data): load or build it on "
-                             "'cpu' or 'cuda'")
+            raise ValueError(
+                "drafter: its weights are on the meta device (no data): load or build it on 'cpu' or 'cuda'"
+            )
         return drafter.bind(target)
     names = sorted(p.name for p in ASSETS.iterdir() if p.is_dir()) if ASSETS.is_dir() else []
     if isinstance(path_or_name, (bytes, bytearray)) or not isinstance(path_or_name, (str, os.PathLike)):
         hint = ""
         if hasattr(path_or_name, "config") and hasattr(path_or_name, "plan"):
-            hint = (" (a dspec model is not a block drafter: block-diffusion models draft for an AR target in "
-                    "method 'diffuspec')")
-        raise ValueError(f"drafter must be a BlockDrafter, a drafter directory or a shipped drafter name "
-                         f"({names}), got {type(path_or_name).__name__}{hint}")
+            hint = (
+                " (a dspec model is not a block drafter: block-diffusion models draft for an AR target in "
+                "method 'diffuspec')"
+            )
+        raise ValueError(
+            f"drafter must be a BlockDrafter, a drafter directory or a shipped drafter name "
+            f"({names}), got {type(path_or_name).__name__}{hint}"
+        )
     if not os.fspath(path_or_name):
         raise ValueError(f"drafter must name a drafter directory or a shipped drafter ({names}), got ''")
     path = Path(os.fspath(path_or_name)).expanduser()
@@ -703,11 +800,13 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
         if os.fspath(path_or_name) in names:
             path = shipped
         else:
-            raise ValueError(f"drafter {os.fspath(path_or_name)!r} is neither a directory nor a shipped "
-                             f"drafter ({names})")
+            raise ValueError(
+                f"drafter {os.fspath(path_or_name)!r} is neither a directory nor a shipped drafter ({names})"
+            )
     weight_files = _weight_files(path)
-    raw = read_json(path / "config.json", required=True, missing=f"drafter directory {path} has no config.json",
-                    want=dict)
+    raw = read_json(
+        path / "config.json", required=True, missing=f"drafter directory {path} has no config.json", want=dict
+    )
     if not weight_files:
         raise ValueError(f"drafter directory {path} has no model.safetensors")
     zlab = is_zlab_config(raw)
@@ -734,19 +833,23 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
         except Exception as e:  # noqa: BLE001  (safetensors raises SafetensorError / OSError)
             raise ValueError(f"{f}: cannot read safetensors ({e})") from None
     rename = {}
-    if zlab:                    # z-lab's names -> dspec's (an unknown name is marked: reported below)
+    if zlab:  # z-lab's names -> dspec's (an unknown name is marked: reported below)
         rename = {k: weight_name_from_zlab(k) or f"?{k}" for k in got}
         got = {rename[k]: v for k, v in got.items()}
     layers = {k.split(".", 2)[1] for k in got if k.startswith("layers.") and k.count(".") >= 2}
     if cfg.num_layers > len(layers):
-        raise ValueError(f"{path / 'config.json'}: num_layers = {cfg.num_layers}, but the weights hold "
-                         f"{len(layers)} layers")
+        raise ValueError(
+            f"{path / 'config.json'}: num_layers = {cfg.num_layers}, but the weights hold {len(layers)} layers"
+        )
     recorded = cfg.extra.get("target_fingerprint")
     if recorded and recorded != target_fingerprint(target):
         import warnings
-        warnings.warn(f"drafter {path} was trained for a target with other weights (fingerprint {recorded}, this "
-                      f"target {target_fingerprint(target)}): it fits the shapes but may draft poorly; retrain it",
-                      stacklevel=2)
+
+        warnings.warn(
+            f"drafter {path} was trained for a target with other weights (fingerprint {recorded}, this "
+            f"target {target_fingerprint(target)}): it fits the shapes but may draft poorly; retrain it",
+            stacklevel=2,
+        )
     drafter = BlockDrafter(cfg, device="meta")
     expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
     if expected != got:
@@ -754,11 +857,13 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
         extra = sorted(set(got) - set(expected))
         wrong = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
         back = {v: k for k, v in rename.items()}
-        named = (lambda k: back.get(k, weight_name_to_zlab(k))) if zlab else (lambda k: k)   # as the file names them
+        named = (lambda k: back.get(k, weight_name_to_zlab(k))) if zlab else (lambda k: k)  # as the file names them
         missing, extra = [named(k) for k in missing], [named(k) for k in extra]
         wrong = [f"{named(k)} {list(got[k])} (expected {list(expected[k])})" for k in wrong]
-        raise ValueError(f"{path / 'model.safetensors'} does not match its config: missing {missing[:4]}, "
-                         f"unexpected {extra[:4]}, wrong shapes {wrong[:4]}")
+        raise ValueError(
+            f"{path / 'model.safetensors'} does not match its config: missing {missing[:4]}, "
+            f"unexpected {extra[:4]}, wrong shapes {wrong[:4]}"
+        )
     state = {}
     for f in weight_files:
         state.update(load_file(str(f)))
@@ -783,11 +888,23 @@ def load_drafter(path_or_name, target, *, kind: str | None = None, device=None, 
 #: ``architectures`` entry of z-lab's DFlash drafters (the checkpoints vLLM, SGLang and
 #: llama.cpp load with ``--speculative-algorithm DFLASH``)
 ZLAB_ARCHITECTURE = "DFlashDraftModel"
-_ZLAB_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "vocab_size", "block_size", "num_target_layers", "dflash_config")
+_ZLAB_REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "block_size",
+    "num_target_layers",
+    "dflash_config",
+)
 _ZLAB_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
-_ZLAB_TOP = {"fc.weight": "context_proj.weight", "hidden_norm.weight": "context_norm.weight",
-             "norm.weight": "norm.weight"}
+_ZLAB_TOP = {
+    "fc.weight": "context_proj.weight",
+    "hidden_norm.weight": "context_norm.weight",
+    "norm.weight": "norm.weight",
+}
 
 
 def is_zlab_config(raw: dict) -> bool:
@@ -840,8 +957,9 @@ def config_from_zlab(raw: dict, where: str = "config.json") -> DrafterConfig:
         head_dim = sizes["hidden_size"] // heads
     whole("head_dim", head_dim)
     if raw.get("attention_bias", False) is not False:
-        raise ValueError(f"{where}: attention_bias = {raw['attention_bias']!r}: dspec's drafter layers have no "
-                         f"attention biases")
+        raise ValueError(
+            f"{where}: attention_bias = {raw['attention_bias']!r}: dspec's drafter layers have no attention biases"
+        )
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act = {raw['hidden_act']!r}: dspec's drafter MLP is SiLU-gated")
     if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
@@ -860,17 +978,34 @@ def config_from_zlab(raw: dict, where: str = "config.json") -> DrafterConfig:
     if ids is None:
         ids = zlab_default_layer_ids(sizes["num_target_layers"], sizes["num_hidden_layers"])
     n = sizes["num_target_layers"]
-    if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int)
-                                                   or not 0 <= i < n for i in ids):
-        raise ValueError(f"{where}: dflash_config.target_layer_ids must be a non-empty list of decoder-layer "
-                         f"ids in [0, {n}) (num_target_layers = {n}), got {ids!r:.80}")
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in ids)
+    ):
+        raise ValueError(
+            f"{where}: dflash_config.target_layer_ids must be a non-empty list of decoder-layer "
+            f"ids in [0, {n}) (num_target_layers = {n}), got {ids!r:.80}"
+        )
     cfg = DrafterConfig(
-        kind="dflash", hidden_size=sizes["hidden_size"], vocab_size=sizes["vocab_size"],
-        target_layer_ids=[i + 1 for i in ids], target_num_layers=n, block_size=sizes["block_size"],
-        num_layers=sizes["num_hidden_layers"], num_heads=heads, num_kv_heads=sizes["num_key_value_heads"],
-        head_dim=head_dim, intermediate_size=sizes["intermediate_size"], rope_theta=theta, rms_norm_eps=eps,
+        kind="dflash",
+        hidden_size=sizes["hidden_size"],
+        vocab_size=sizes["vocab_size"],
+        target_layer_ids=[i + 1 for i in ids],
+        target_num_layers=n,
+        block_size=sizes["block_size"],
+        num_layers=sizes["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=sizes["num_key_value_heads"],
+        head_dim=head_dim,
+        intermediate_size=sizes["intermediate_size"],
+        rope_theta=theta,
+        rms_norm_eps=eps,
         target=raw.get("_name_or_path") if isinstance(raw.get("_name_or_path"), str) else None,
-        extra={"format": "zlab"}, qk_norm=True, mask_token_id=dc["mask_token_id"])
+        extra={"format": "zlab"},
+        qk_norm=True,
+        mask_token_id=dc["mask_token_id"],
+    )
     try:
         return cfg.validate()
     except ValueError as e:
@@ -881,21 +1016,37 @@ def config_to_zlab(cfg: DrafterConfig) -> dict:
     """The z-lab DFlash ``config.json`` of a drafter that z-lab's format can express (a
     "dflash" drafter with q / k norm, a ``mask_token_id`` and target layer ids >= 1)."""
     if cfg.kind != "dflash" or not cfg.qk_norm or cfg.mask_token_id is None or min(cfg.target_layer_ids) < 1:
-        raise ValueError("z-lab's format holds 'dflash' drafters with qk_norm=True, a mask_token_id and "
-                         f"target_layer_ids >= 1; this one is kind={cfg.kind!r}, qk_norm={cfg.qk_norm}, "
-                         f"mask_token_id={cfg.mask_token_id}, target_layer_ids={cfg.target_layer_ids}")
+        raise ValueError(
+            "z-lab's format holds 'dflash' drafters with qk_norm=True, a mask_token_id and "
+            f"target_layer_ids >= 1; this one is kind={cfg.kind!r}, qk_norm={cfg.qk_norm}, "
+            f"mask_token_id={cfg.mask_token_id}, target_layer_ids={cfg.target_layer_ids}"
+        )
     return {
-        "architectures": [ZLAB_ARCHITECTURE], "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": None,
-        "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu", "use_sliding_window": False,
-        "sliding_window": None, "tie_word_embeddings": False,
+        "architectures": [ZLAB_ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
         "layer_types": ["full_attention"] * cfg.num_layers,
-        "block_size": cfg.block_size, "num_target_layers": cfg.target_num_layers,
-        "dflash_config": {"target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
-                          "mask_token_id": cfg.mask_token_id},
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.target_num_layers,
+        "dflash_config": {
+            "target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
+            "mask_token_id": cfg.mask_token_id,
+        },
     }
 
 
@@ -909,8 +1060,13 @@ def weight_name_from_zlab(name: str) -> str | None:
             return f"layers.{parts[1]}.{parts[3]}.weight"
         if parts[2] == "mlp" and parts[3] in ("gate_proj", "up_proj", "down_proj"):
             return name
-    if len(parts) == 4 and parts[0] == "layers" and parts[1].isdigit() and parts[3] == "weight" \
-            and parts[2] in ("input_layernorm", "post_attention_layernorm"):
+    if (
+        len(parts) == 4
+        and parts[0] == "layers"
+        and parts[1].isdigit()
+        and parts[3] == "weight"
+        and parts[2] in ("input_layernorm", "post_attention_layernorm")
+    ):
         return name
     return None
 
@@ -933,15 +1089,19 @@ def resolve_drafter(drafter, target, kind: str) -> BlockDrafter:
         return load_drafter(drafter, target, kind=kind)
     name = getattr(target, "shipped_name", None)
     if name is None:
-        raise ValueError(f"drafter=None needs a shipped target (dspec.load('tiny-ar'), ...); this target "
-                         f"is a checkpoint directory: pass drafter= a {kind!r} drafter directory or a "
-                         f"BlockDrafter (train one with `python -m dspec.train."
-                         f"{'dflash' if kind == 'dflash' else 'vp_drafter'}`)")
+        raise ValueError(
+            f"drafter=None needs a shipped target (dspec.load('tiny-ar'), ...); this target "
+            f"is a checkpoint directory: pass drafter= a {kind!r} drafter directory or a "
+            f"BlockDrafter (train one with `python -m dspec.train."
+            f"{'dflash' if kind == 'dflash' else 'vp_drafter'}`)"
+        )
     path = shipped_drafter_path(name, kind)
     if not path.is_dir():
-        raise ValueError(f"dspec ships no {kind!r} drafter for target {name!r}; pass drafter= a "
-                         f"drafter directory (python -m dspec.train.{'dflash' if kind == 'dflash' else 'vp_drafter'} "
-                         f"--target {name} --out DIR)")
+        raise ValueError(
+            f"dspec ships no {kind!r} drafter for target {name!r}; pass drafter= a "
+            f"drafter directory (python -m dspec.train.{'dflash' if kind == 'dflash' else 'vp_drafter'} "
+            f"--target {name} --out DIR)"
+        )
     # kept on the target (not in a module-level dict, which would keep every target alive):
     # loading costs 6-15 ms, paid once per target rather than on every generate call
     cache = target.__dict__.setdefault("_dspec_shipped_drafters", {})

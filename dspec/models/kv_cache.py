@@ -28,6 +28,7 @@ host lengths are fetched (one device-to-host copy) only when something asks for 
 that may outgrow the capacity (amortised by doubling).  Lists / ints / CPU tensors take the
 validated host path.  Rows past a request's length may hold garbage from such an append.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -52,8 +53,13 @@ class SuffixKV:
 
     __slots__ = ("_keys", "_values", "stacked")
 
-    def __init__(self, keys: list[torch.Tensor] | None = None, values: list[torch.Tensor] | None = None, *,
-                 stacked: torch.Tensor | None = None):
+    def __init__(
+        self,
+        keys: list[torch.Tensor] | None = None,
+        values: list[torch.Tensor] | None = None,
+        *,
+        stacked: torch.Tensor | None = None,
+    ):
         if stacked is None and (keys is None or values is None):
             raise ValueError("SuffixKV needs keys and values, or stacked")
         if stacked is not None and (stacked.dim() != 6 or stacked.shape[0] != 2):
@@ -100,10 +106,24 @@ class KVCache:
     Use ``Model.new_cache(batch_size)`` to get one shaped for a model.
     """
 
-    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, *,
-                 dtype=torch.float32, device="cpu", capacity: int = 0, layout: str = "auto"):
-        for name, value in (("num_layers", num_layers), ("batch_size", batch_size),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype=torch.float32,
+        device="cpu",
+        capacity: int = 0,
+        layout: str = "auto",
+    ):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("batch_size", batch_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
@@ -138,7 +158,7 @@ class KVCache:
     def _lengths(self, value: torch.Tensor) -> None:
         self._host_lengths = value
         self._device_lengths = value.to(self.device)
-        self._bound = max(value.tolist(), default=0)     # host data: no device read
+        self._bound = max(value.tolist(), default=0)  # host data: no device read
 
     # ---------------------------------------------------------------------------- state
 
@@ -175,9 +195,11 @@ class KVCache:
         return self.batch_size
 
     def __repr__(self) -> str:
-        return (f"KVCache(layers={self.num_layers}, batch={self.batch_size}, lengths="
-                f"{self._lengths.tolist()}, capacity={self.capacity}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, dtype={self.dtype}, layout={self.resolved_layout})")
+        return (
+            f"KVCache(layers={self.num_layers}, batch={self.batch_size}, lengths="
+            f"{self._lengths.tolist()}, capacity={self.capacity}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, dtype={self.dtype}, layout={self.resolved_layout})"
+        )
 
     @property
     def resolved_layout(self) -> str:
@@ -196,7 +218,7 @@ class KVCache:
         shape = (self.num_layers, self.batch_size, cap, self.num_kv_heads, self.head_dim)
         k = torch.empty(shape, dtype=self.dtype, device=self.device)
         v = torch.empty_like(k)
-        used = min(self._bound, self.capacity)          # every committed row lies below
+        used = min(self._bound, self.capacity)  # every committed row lies below
         if used:
             rows = torch.arange(used, device=self.device)
             groups = self.num_layers * self.batch_size
@@ -227,28 +249,37 @@ class KVCache:
         docstring).
         """
         if not isinstance(suffix_kv, SuffixKV):
-            raise ValueError(f"suffix_kv must be a SuffixKV (a forward's output.suffix_kv), "
-                             f"got {type(suffix_kv).__name__}")
+            raise ValueError(
+                f"suffix_kv must be a SuffixKV (a forward's output.suffix_kv), got {type(suffix_kv).__name__}"
+            )
         stacked = suffix_kv.stacked
         if suffix_kv.num_layers != self.num_layers or (stacked is None and len(suffix_kv.values) != self.num_layers):
             raise ValueError(f"suffix_kv has {suffix_kv.num_layers} layers, the cache {self.num_layers}")
         batch, n, hkv, d = suffix_kv.shape
         if batch != self.batch_size or hkv != self.num_kv_heads or d != self.head_dim:
-            raise ValueError(f"suffix_kv has shape [B, N, Hkv, D] = {[batch, n, hkv, d]}, the cache "
-                             f"expects B = {self.batch_size}, Hkv = {self.num_kv_heads}, D = {self.head_dim}")
+            raise ValueError(
+                f"suffix_kv has shape [B, N, Hkv, D] = {[batch, n, hkv, d]}, the cache "
+                f"expects B = {self.batch_size}, Hkv = {self.num_kv_heads}, D = {self.head_dim}"
+            )
         for t in (suffix_kv.keys + suffix_kv.values) if stacked is None else [stacked[0, 0]]:
             if t.shape != (batch, n, hkv, d) or t.dtype != self.dtype or t.device != self.device:
-                raise ValueError(f"suffix_kv holds a {t.dtype} {list(t.shape)} tensor on {t.device}; the "
-                                 f"cache expects {self.dtype} [{batch}, {n}, {hkv}, {d}] on {self.device}")
+                raise ValueError(
+                    f"suffix_kv holds a {t.dtype} {list(t.shape)} tensor on {t.device}; the "
+                    f"cache expects {self.dtype} [{batch}, {n}, {hkv}, {d}] on {self.device}"
+                )
         given = keep if isinstance(keep, torch.Tensor) else counts
-        if self.device.type != "cpu" and isinstance(given, torch.Tensor) and given.device == self.device and \
-                not _validate.value_checks_enabled(given):
-            index = _device_keep_index(keep, counts, batch, n, self.device)   # [B, K], no reads
+        if (
+            self.device.type != "cpu"
+            and isinstance(given, torch.Tensor)
+            and given.device == self.device
+            and not _validate.value_checks_enabled(given)
+        ):
+            index = _device_keep_index(keep, counts, batch, n, self.device)  # [B, K], no reads
             return self._commit(suffix_kv, index, None)
-        index = _host_keep_index(keep, counts, batch, n)                  # [B, K] int64, values checked
+        index = _host_keep_index(keep, counts, batch, n)  # [B, K] int64, values checked
         used = (index >= 0).sum(1).astype(np.int64)
         added = torch.from_numpy(used)
-        if not used.any():                                                # host data, no tensor read
+        if not used.any():  # host data, no tensor read
             return added
         index = torch.from_numpy(np.array(index, dtype=np.int64, order="C")).to(self.device)
         self._commit(suffix_kv, index, self._lengths + added, added)
@@ -319,8 +350,10 @@ class KVCache:
         else:
             new = _int_vector("lengths", lengths, self.batch_size)
             if bool((new < 0).any()) or bool((new > self._lengths).any()):
-                raise ValueError(f"lengths must lie in [0, current length] per request; current "
-                                 f"{self._lengths.tolist()}, got {new.tolist()}")
+                raise ValueError(
+                    f"lengths must lie in [0, current length] per request; current "
+                    f"{self._lengths.tolist()}, got {new.tolist()}"
+                )
         self._lengths = new.clone()
         self._changed()
 
@@ -333,8 +366,9 @@ class KVCache:
         """A cache holding only the requests ``indices`` (in that order), e.g. the unfinished."""
         idx = _int_vector("indices", indices, None)
         if idx.numel() == 0 or bool((idx < 0).any()) or bool((idx >= self.batch_size).any()):
-            raise ValueError(f"indices must be a non-empty list of requests in [0, {self.batch_size}), "
-                             f"got {idx.tolist()}")
+            raise ValueError(
+                f"indices must be a non-empty list of requests in [0, {self.batch_size}), got {idx.tolist()}"
+            )
         out = KVCache.__new__(KVCache)
         out.__dict__.update(self.__dict__)
         # only the rows below the host's length bound hold committed tokens
@@ -346,8 +380,12 @@ class KVCache:
             src = (idx[:, None] * cap + rows).reshape(-1).to(self.device)
             dst = (torch.arange(idx.numel())[:, None] * cap + rows).reshape(-1).to(self.device)
             for old, kept in ((self.k, out.k), (self.v, out.v)):
-                _move_rows(old.view(self.num_layers, -1, self.num_kv_heads * self.head_dim),
-                           kept.view(self.num_layers, -1, self.num_kv_heads * self.head_dim), src, dst)
+                _move_rows(
+                    old.view(self.num_layers, -1, self.num_kv_heads * self.head_dim),
+                    kept.view(self.num_layers, -1, self.num_kv_heads * self.head_dim),
+                    src,
+                    dst,
+                )
         out._lengths = self._lengths[idx].clone()
         out._views = {}
         return out
@@ -373,8 +411,7 @@ class KVCache:
         if self.resolved_layout == "paged":
             table, lens = self.page_table()
             k, v = self.layer_pages(layer)
-            return dict(prefix_k=k, prefix_v=v, prefix_page_table=table, prefix_lens=lens,
-                        max_prefix_len=self._bound)
+            return dict(prefix_k=k, prefix_v=v, prefix_page_table=table, prefix_lens=lens, max_prefix_len=self._bound)
         if self.max_length == 0:
             return {}
         k, v = self.layer_rows(layer)
@@ -400,7 +437,7 @@ class KVCache:
         """Layer ``layer``'s committed rows back to back [T, Hkv, D] (a view when B = 1, else
         one gather with the row index built once)."""
         index, _ = self._view("ragged", self._ragged_meta)
-        if index is None:                                   # B = 1: a view
+        if index is None:  # B = 1: a view
             n = int(self._lengths[0])
             return self.k[layer, 0, :n], self.v[layer, 0, :n]
         flat_k = self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
@@ -421,8 +458,12 @@ class KVCache:
         indptr[1:] = self._lengths.cumsum(0)
         if self.batch_size == 1:
             return None, indptr.to(self.device)
-        rows = torch.cat([torch.arange(b * self.capacity, b * self.capacity + length)   # host data
-                          for b, length in enumerate(self._lengths.tolist())])
+        rows = torch.cat(
+            [
+                torch.arange(b * self.capacity, b * self.capacity + length)  # host data
+                for b, length in enumerate(self._lengths.tolist())
+            ]
+        )
         return rows.to(self.device), indptr.to(self.device)
 
     def _request(self, b) -> int:
@@ -431,8 +472,9 @@ class KVCache:
         return b
 
 
-def _commit_rows_cpu(suffix_kv: SuffixKV, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
-                     lengths: torch.Tensor, cap: int) -> bool:
+def _commit_rows_cpu(
+    suffix_kv: SuffixKV, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor, cap: int
+) -> bool:
     """The commit as one ``dspec._C.commit_rows`` call (the index arithmetic and both
     copies; unused slots are skipped, not written past the length); False where it does not
     apply (another device, per-layer suffix tensors, autograd).  A speculative cycle commits
@@ -440,18 +482,41 @@ def _commit_rows_cpu(suffix_kv: SuffixKV, k: torch.Tensor, v: torch.Tensor, inde
     torch ops of the index path costs ~10 us cold."""
     ext = _backend.extension()
     stacked = suffix_kv.stacked
-    if ext is None or not hasattr(ext, "commit_rows") or stacked is None or not stacked.is_cpu or \
-            not k.is_cpu or stacked.dtype != k.dtype or not stacked.is_contiguous() or \
-            not k.is_contiguous() or not v.is_contiguous() or not untracked(stacked, k, v):
+    if (
+        ext is None
+        or not hasattr(ext, "commit_rows")
+        or stacked is None
+        or not stacked.is_cpu
+        or not k.is_cpu
+        or stacked.dtype != k.dtype
+        or not stacked.is_contiguous()
+        or not k.is_contiguous()
+        or not v.is_contiguous()
+        or not untracked(stacked, k, v)
+    ):
         return False
     layers, batch, n, hkv, d = stacked.shape[1:]
     index = index.to(torch.int64).contiguous()
     lengths = lengths.to(torch.int64).contiguous()
     item = stacked.element_size()
     row = hkv * d * item
-    ext.commit_rows(stacked[0].data_ptr(), stacked[1].data_ptr(), k.data_ptr(), v.data_ptr(), layers,
-                    batch * n * row, batch * cap * row, batch, n, cap, index.data_ptr(), index.shape[1],
-                    lengths.data_ptr(), row, cpu.kernel_threads())
+    ext.commit_rows(
+        stacked[0].data_ptr(),
+        stacked[1].data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        layers,
+        batch * n * row,
+        batch * cap * row,
+        batch,
+        n,
+        cap,
+        index.data_ptr(),
+        index.shape[1],
+        lengths.data_ptr(),
+        row,
+        cpu.kernel_threads(),
+    )
     return True
 
 
@@ -462,15 +527,36 @@ def _move_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst
     index_copy_ opens an OpenMP team for a commit of ~100 KB, and its worker then spins on
     the cores the decoder's thread pool needs); elsewhere index_select + index_copy_."""
     ext = _backend.extension()
-    if (ext is not None and hasattr(ext, "copy_rows") and src.is_cpu and dst.is_cpu and src.dtype == dst.dtype
-            and src.shape[2] == dst.shape[2] and src.stride(2) == 1 and dst.stride(2) == 1
-            and src.stride(1) == src.shape[2] and dst.stride(1) == dst.shape[2] and untracked(src, dst)):
+    if (
+        ext is not None
+        and hasattr(ext, "copy_rows")
+        and src.is_cpu
+        and dst.is_cpu
+        and src.dtype == dst.dtype
+        and src.shape[2] == dst.shape[2]
+        and src.stride(2) == 1
+        and dst.stride(2) == 1
+        and src.stride(1) == src.shape[2]
+        and dst.stride(1) == dst.shape[2]
+        and untracked(src, dst)
+    ):
         s_idx = src_rows.to(torch.int64).contiguous()
         d_idx = dst_rows.to(torch.int64).contiguous()
         item = src.element_size()
-        ext.copy_rows(src.data_ptr(), dst.data_ptr(), src.shape[0], src.stride(0) * item, dst.stride(0) * item,
-                      src.shape[1], dst.shape[1], s_idx.numel(), s_idx.data_ptr(), d_idx.data_ptr(),
-                      src.shape[2] * item, cpu.kernel_threads())
+        ext.copy_rows(
+            src.data_ptr(),
+            dst.data_ptr(),
+            src.shape[0],
+            src.stride(0) * item,
+            dst.stride(0) * item,
+            src.shape[1],
+            dst.shape[1],
+            s_idx.numel(),
+            s_idx.data_ptr(),
+            d_idx.data_ptr(),
+            src.shape[2] * item,
+            cpu.kernel_threads(),
+        )
         return
     dst.index_copy_(1, dst_rows, src.index_select(1, src_rows))
 
@@ -482,12 +568,16 @@ def _round_capacity(n: int) -> int:
 def _int_vector(name: str, values, size: int | None) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         if values.dim() != 1 or values.is_floating_point() or values.dtype == torch.bool:
-            raise ValueError(f"{name} must be a 1-D integer tensor or a list of ints, got "
-                             f"{values.dtype} {list(values.shape)}")
+            raise ValueError(
+                f"{name} must be a 1-D integer tensor or a list of ints, got {values.dtype} {list(values.shape)}"
+            )
         out = values.detach().to("cpu", torch.int64)
     else:
-        if not isinstance(values, Sequence) or isinstance(values, (str, bytes)) or \
-                any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        if (
+            not isinstance(values, Sequence)
+            or isinstance(values, (str, bytes))
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in values)
+        ):
             raise ValueError(f"{name} must be a list of ints or a 1-D integer tensor, got {values!r}")
         out = torch.tensor(list(values), dtype=torch.int64)
     if size is not None and out.numel() != size:
@@ -502,10 +592,8 @@ def _device_keep_index(keep, counts, batch: int, n: int, device) -> torch.Tensor
         raise ValueError("give keep or counts, not both")
     ar = torch.arange(n, device=device)
     if counts is not None:
-        if counts.dim() != 1 or counts.shape[0] != batch or counts.is_floating_point() or \
-                counts.dtype == torch.bool:
-            raise ValueError(f"counts must be an int tensor [B] = [{batch}], got {counts.dtype} "
-                             f"{list(counts.shape)}")
+        if counts.dim() != 1 or counts.shape[0] != batch or counts.is_floating_point() or counts.dtype == torch.bool:
+            raise ValueError(f"counts must be an int tensor [B] = [{batch}], got {counts.dtype} {list(counts.shape)}")
         return torch.where(ar[None, :] < counts[:, None], ar[None, :], -1)
     return _tensor_keep_index(keep, batch, n)
 
@@ -518,8 +606,7 @@ def _tensor_keep_index(keep: torch.Tensor, batch: int, n: int) -> torch.Tensor:
         if keep.dim() == 1:
             keep = keep.expand(batch, -1)
         if keep.shape != (batch, n):
-            raise ValueError(f"a bool keep mask must have shape [N] or [B, N] = [{batch}, {n}], "
-                             f"got {list(keep.shape)}")
+            raise ValueError(f"a bool keep mask must have shape [N] or [B, N] = [{batch}, {n}], got {list(keep.shape)}")
         # stable order: True positions first, in increasing index order
         order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
         return torch.where(torch.gather(keep, 1, order), order, -1)
@@ -561,7 +648,7 @@ def _host_keep_index(keep, counts, batch: int, n: int) -> np.ndarray:
     if isinstance(keep, torch.Tensor):
         index = _tensor_keep_index(keep.detach().cpu(), batch, n).numpy()
         if keep.dtype == torch.bool:
-            return index                                   # a mask cannot hold bad indices
+            return index  # a mask cannot hold bad indices
     elif isinstance(keep, Sequence) and not isinstance(keep, (str, bytes)):
         if len(keep) != batch:
             raise ValueError(f"keep as a list needs one sequence of indices per request ({batch}), got {len(keep)}")
@@ -574,14 +661,14 @@ def _host_keep_index(keep, counts, batch: int, n: int) -> np.ndarray:
             rows.append(list(row))
         index = np.full((batch, max((len(r) for r in rows), default=0)), -1, dtype=np.int64)
         for b, row in enumerate(rows):
-            index[b, :len(row)] = row
+            index[b, : len(row)] = row
     else:
-        raise ValueError(f"keep must be None, an index/bool tensor or a list of index lists, got "
-                         f"{type(keep).__name__}")
+        raise ValueError(f"keep must be None, an index/bool tensor or a list of index lists, got {type(keep).__name__}")
     if index.size:
         if index.min() < -1 or index.max() >= n:
-            raise ValueError(f"keep indices must lie in [0, N = {n}) (or -1 for an unused slot), "
-                             f"got {index.tolist()[:4]}")
+            raise ValueError(
+                f"keep indices must lie in [0, N = {n}) (or -1 for an unused slot), got {index.tolist()[:4]}"
+            )
         valid = index >= 0
         # unused slots (-1) must come after every used one, and a row must not repeat an index
         if (valid[:, 1:] & ~valid[:, :-1]).any():

@@ -7,6 +7,7 @@
 - :func:`rotate`: rotate-half RoPE in float32 from ``rope_tables``' tables;
 - :func:`head_norm`: an optional per-head norm (Qwen3's q / k RMSNorm).
 """
+
 from __future__ import annotations
 
 import torch

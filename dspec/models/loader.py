@@ -11,6 +11,7 @@ the safetensors headers (names and shapes, no data) before any per-layer table o
 built, so a lying config.json can neither hang the loader nor exhaust memory; only regular
 files inside the directory are opened.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,9 +23,16 @@ from .config import FAMILIES, ModelConfig, parse_config
 from .tokenizer import Tokenizer
 from .transformer import Model
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
 
 
 def load_checkpoint(path, *, device="cpu", dtype=None) -> Model:
@@ -46,13 +54,13 @@ def load_checkpoint(path, *, device="cpu", dtype=None) -> Model:
         raise ValueError(f"checkpoint path {str(path)!r} is not a directory")
     raw = _read_json(root / "config.json", required=True)
     gen = _read_json(root / "generation_config.json", required=False)
-    cfg = parse_config(raw, gen)                       # types and sane bounds (config.LIMITS)
-    tensors = _index_weights(root)                     # name -> (file, shape, dtype): headers only
-    _check_sizes(root, cfg, tensors)                   # the config's sizes against the weights' shapes
+    cfg = parse_config(raw, gen)  # types and sane bounds (config.LIMITS)
+    tensors = _index_weights(root)  # name -> (file, shape, dtype): headers only
+    _check_sizes(root, cfg, tensors)  # the config's sizes against the weights' shapes
     tokenizer = Tokenizer.from_dir(root)
     cfg = _resolve_ids(cfg, tokenizer, root)
 
-    mapping = checkpoint_names(cfg)                    # canonical -> checkpoint name
+    mapping = checkpoint_names(cfg)  # canonical -> checkpoint name
     expected = expected_shapes(cfg)
     _check_weights(root, cfg, tensors, mapping, expected)
 
@@ -83,19 +91,27 @@ def checkpoint_names(cfg: ModelConfig) -> dict[str, str]:
 
 
 _LLADA_LAYER = {
-    "self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj", "self_attn.v_proj": "v_proj",
-    "self_attn.o_proj": "attn_out", "mlp.gate_proj": "ff_proj", "mlp.up_proj": "up_proj",
-    "mlp.down_proj": "ff_out", "input_layernorm": "attn_norm", "post_attention_layernorm": "ff_norm",
+    "self_attn.q_proj": "q_proj",
+    "self_attn.k_proj": "k_proj",
+    "self_attn.v_proj": "v_proj",
+    "self_attn.o_proj": "attn_out",
+    "mlp.gate_proj": "ff_proj",
+    "mlp.up_proj": "up_proj",
+    "mlp.down_proj": "ff_out",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ff_norm",
 }
 
 
 def _llada_name(canon: str) -> str:
-    top = {"embed_tokens.weight": "model.transformer.wte.weight",
-           "norm.weight": "model.transformer.ln_f.weight",
-           "lm_head.weight": "model.transformer.ff_out.weight"}
+    top = {
+        "embed_tokens.weight": "model.transformer.wte.weight",
+        "norm.weight": "model.transformer.ln_f.weight",
+        "lm_head.weight": "model.transformer.ff_out.weight",
+    }
     if canon in top:
         return top[canon]
-    _, i, rest = canon.split(".", 2)                    # layers.{i}.<module>.<weight|bias>
+    _, i, rest = canon.split(".", 2)  # layers.{i}.<module>.<weight|bias>
     module, leaf = rest.rsplit(".", 1)
     return f"model.transformer.blocks.{i}.{_LLADA_LAYER[module]}.{leaf}"
 
@@ -144,8 +160,9 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
 
 
 def _read_json(file: Path, *, required: bool):
-    return read_json(file, required=required,
-                     missing=f"{file.parent}: no {file.name} (not a Hugging Face checkpoint directory?)")
+    return read_json(
+        file, required=required, missing=f"{file.parent}: no {file.name} (not a Hugging Face checkpoint directory?)"
+    )
 
 
 def check_device(device) -> torch.device:
@@ -159,8 +176,9 @@ def check_device(device) -> torch.device:
     if dev.type == "meta":
         raise ValueError("device='meta' holds no data to decode with: load the model on 'cpu' or 'cuda'")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}: this machine has no CUDA device (torch.cuda.is_available() "
-                         f"is False); use device='cpu'")
+        raise ValueError(
+            f"device={device!r}: this machine has no CUDA device (torch.cuda.is_available() is False); use device='cpu'"
+        )
     return dev
 
 
@@ -188,13 +206,14 @@ def _weight_files(root: Path) -> list[Path]:
         hint = f" (found {other[:3]}: only safetensors are read)" if other else ""
         raise ValueError(f"{root}: no *.safetensors weights{hint}")
     for f in files:
-        is_regular_file(f)                              # ValueError for a FIFO / device / directory
+        is_regular_file(f)  # ValueError for a FIFO / device / directory
     return files
 
 
 def _index_weights(root: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
     """Every tensor's file, shape and dtype, from the safetensors headers alone (no data read)."""
     from safetensors import safe_open
+
     out = {}
     for file in _weight_files(root):
         try:
@@ -208,11 +227,24 @@ def _index_weights(root: Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
 
 
 # the config.json keys each size comes from, per weight layout
-_KEYS = {"hf": {"num_layers": "num_hidden_layers", "vocab_size": "vocab_size", "hidden_size": "hidden_size",
-                "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
-                "intermediate_size": "intermediate_size"},
-         "llada": {"num_layers": "n_layers", "vocab_size": "embedding_size / vocab_size", "hidden_size": "d_model",
-                   "num_heads": "n_heads", "num_kv_heads": "n_kv_heads", "intermediate_size": "mlp_hidden_size"}}
+_KEYS = {
+    "hf": {
+        "num_layers": "num_hidden_layers",
+        "vocab_size": "vocab_size",
+        "hidden_size": "hidden_size",
+        "num_heads": "num_attention_heads",
+        "num_kv_heads": "num_key_value_heads",
+        "intermediate_size": "intermediate_size",
+    },
+    "llada": {
+        "num_layers": "n_layers",
+        "vocab_size": "embedding_size / vocab_size",
+        "hidden_size": "d_model",
+        "num_heads": "n_heads",
+        "num_kv_heads": "n_kv_heads",
+        "intermediate_size": "mlp_hidden_size",
+    },
+}
 
 
 def _check_sizes(root: Path, cfg: ModelConfig, tensors: dict) -> None:
@@ -224,10 +256,9 @@ def _check_sizes(root: Path, cfg: ModelConfig, tensors: dict) -> None:
     keys = _KEYS["llada" if llada else "hf"]
     where = f"{root}: config.json ({cfg.family})"
     prefix = "model.transformer.blocks." if llada else "model.layers."
-    layers = {name[len(prefix):].split(".", 1)[0] for name in tensors if name.startswith(prefix)}
+    layers = {name[len(prefix) :].split(".", 1)[0] for name in tensors if name.startswith(prefix)}
     if cfg.num_layers > len(layers):
-        raise ValueError(f"{where}: {keys['num_layers']} = {cfg.num_layers}, but the weights hold "
-                         f"{len(layers)} layers")
+        raise ValueError(f"{where}: {keys['num_layers']} = {cfg.num_layers}, but the weights hold {len(layers)} layers")
 
     def shape(canon):
         name = _llada_name(canon) if llada else ("model." + canon)
@@ -242,10 +273,8 @@ def _check_sizes(root: Path, cfg: ModelConfig, tensors: dict) -> None:
     d = cfg.head_dim
     check("embed_tokens.weight", 0, cfg.vocab_size, keys["vocab_size"], "a vocabulary of")
     check("embed_tokens.weight", 1, cfg.hidden_size, keys["hidden_size"], "a hidden size of")
-    check("layers.0.self_attn.q_proj.weight", 0, cfg.num_heads * d, f"{keys['num_heads']} x head_dim",
-          "query rows")
-    check("layers.0.self_attn.k_proj.weight", 0, cfg.num_kv_heads * d, f"{keys['num_kv_heads']} x head_dim",
-          "key rows")
+    check("layers.0.self_attn.q_proj.weight", 0, cfg.num_heads * d, f"{keys['num_heads']} x head_dim", "query rows")
+    check("layers.0.self_attn.k_proj.weight", 0, cfg.num_kv_heads * d, f"{keys['num_kv_heads']} x head_dim", "key rows")
     check("layers.0.mlp.gate_proj.weight", 0, cfg.intermediate_size, keys["intermediate_size"], "an MLP width of")
 
 
@@ -261,22 +290,28 @@ def _check_weights(root, cfg, tensors, mapping, expected) -> None:
             bad.append(f"{mapping[canon]}: expected {list(shape)}, got {list(got)}")
     if bad:
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-        raise ValueError(f"{root}: weights with the wrong shape for its config.json ({cfg.family}): "
-                         f"{'; '.join(bad[:5])}{more}")
+        raise ValueError(
+            f"{root}: weights with the wrong shape for its config.json ({cfg.family}): {'; '.join(bad[:5])}{more}"
+        )
     used = set(mapping.values())
     extra = sorted(n for n in tensors if n not in used and not _ignorable(n, cfg))
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
-        raise ValueError(f"{root}: unexpected weights for a {cfg.family} model as its config.json "
-                         f"describes it: {extra[:5]}{more} (a different architecture or config?)")
+        raise ValueError(
+            f"{root}: unexpected weights for a {cfg.family} model as its config.json "
+            f"describes it: {extra[:5]}{more} (a different architecture or config?)"
+        )
     for name in used:
         if tensors[name][2] not in ("F32", "F16", "BF16", "F64"):
-            raise ValueError(f"{root}: weight {name} has dtype {tensors[name][2]}; expected a float "
-                             f"(quantized checkpoints are not supported)")
+            raise ValueError(
+                f"{root}: weight {name} has dtype {tensors[name][2]}; expected a float "
+                f"(quantized checkpoints are not supported)"
+            )
 
 
 def _read_tensors(root, tensors, mapping, device, dtype) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
+
     by_file: dict[Path, list[str]] = {}
     for canon, name in mapping.items():
         by_file.setdefault(tensors[name][0], []).append(canon)
@@ -290,8 +325,9 @@ def _read_tensors(root, tensors, mapping, device, dtype) -> dict[str, torch.Tens
 
 def _dtype(dtype, stored: str) -> torch.dtype:
     if dtype is None or dtype == "auto":
-        return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                "F64": torch.float32}.get(stored, torch.float32)
+        return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float32}.get(
+            stored, torch.float32
+        )
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
@@ -307,7 +343,7 @@ def _resolve_ids(cfg: ModelConfig, tokenizer: Tokenizer | None, root: Path) -> M
     fam = FAMILIES[cfg.family]
     changes = {}
     if fam.mask_token_id is None:
-        changes["mask_token_id"] = None                 # causal LMs have no [MASK]
+        changes["mask_token_id"] = None  # causal LMs have no [MASK]
     else:
         mask = cfg.mask_token_id
         if mask is None and tokenizer is not None:
@@ -318,16 +354,22 @@ def _resolve_ids(cfg: ModelConfig, tokenizer: Tokenizer | None, root: Path) -> M
         if mask is None:
             mask = fam.mask_token_id
         if not 0 <= mask < cfg.vocab_size:
-            raise ValueError(f"{root}: mask token id {mask} ({cfg.family}) is outside the vocabulary "
-                             f"[0, {cfg.vocab_size}); set mask_token_id in config.json")
+            raise ValueError(
+                f"{root}: mask token id {mask} ({cfg.family}) is outside the vocabulary "
+                f"[0, {cfg.vocab_size}); set mask_token_id in config.json"
+            )
         changes["mask_token_id"] = int(mask)
     if tokenizer is not None:
-        for key, field, token, tid in (("eos_token_ids", "eos_token", tokenizer.eos_token, tokenizer.eos_token_id),
-                                       ("bos_token_id", "bos_token", tokenizer.bos_token, tokenizer.bos_token_id)):
+        for key, field, token, tid in (
+            ("eos_token_ids", "eos_token", tokenizer.eos_token, tokenizer.eos_token_id),
+            ("bos_token_id", "bos_token", tokenizer.bos_token, tokenizer.bos_token_id),
+        ):
             if tid is None or getattr(cfg, key) not in ((), None):
                 continue
             if not 0 <= tid < cfg.vocab_size:
-                raise ValueError(f"{root / 'tokenizer_config.json'}: {field} {token!r} has id {tid}, outside the "
-                                 f"model's vocabulary [0, {cfg.vocab_size})")
+                raise ValueError(
+                    f"{root / 'tokenizer_config.json'}: {field} {token!r} has id {tid}, outside the "
+                    f"model's vocabulary [0, {cfg.vocab_size})"
+                )
             changes[key] = (tid,) if key == "eos_token_ids" else tid
     return cfg.replace(**changes)

@@ -26,6 +26,7 @@ Files written by :func:`save_adapter`::
     <dir>/adapter.safetensors     layers.{i}.{self_attn|mlp}.{proj}.lora_A / .lora_B,
                                   embed_tokens.rows  (float32 unless dtype= says otherwise)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,17 +44,39 @@ from .dense import dense
 from .mask_adapter import init_low_rank
 from .transformer import Model
 
-__all__ = ["LoraConfig", "LoraLinear", "RowAdaptedEmbedding", "apply_lora", "lora_parameters",
-           "lora_state_dict", "load_lora_state_dict", "mark_trainable", "is_adapted", "merge_lora", "base_fingerprint",
-           "save_adapter",
-           "load_adapter", "read_adapter_config", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "TARGETS"]
+__all__ = [
+    "LoraConfig",
+    "LoraLinear",
+    "RowAdaptedEmbedding",
+    "apply_lora",
+    "lora_parameters",
+    "lora_state_dict",
+    "load_lora_state_dict",
+    "mark_trainable",
+    "is_adapted",
+    "merge_lora",
+    "base_fingerprint",
+    "save_adapter",
+    "load_adapter",
+    "read_adapter_config",
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "TARGETS",
+]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_FORMAT = "dspec-lora-1"
 #: projection name -> its parent module attribute in a Block
-TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+TARGETS = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 @dataclass
@@ -108,7 +131,7 @@ class LoraLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = dense(x, self.weight, self.bias)
-        h = self.dropout(x).to(self.lora_A.dtype)       # autocast still runs the matmuls in bf16
+        h = self.dropout(x).to(self.lora_A.dtype)  # autocast still runs the matmuls in bf16
         return y + (F.linear(F.linear(h, self.lora_A), self.lora_B) * self.scale).to(y.dtype)
 
     def delta_weight(self) -> torch.Tensor:
@@ -116,8 +139,10 @@ class LoraLinear(nn.Linear):
         return (self.lora_B.float() @ self.lora_A.float()) * self.scale
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"rank={self.lora_A.shape[0]}, scale={self.scale:g}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"rank={self.lora_A.shape[0]}, scale={self.scale:g}"
+        )
 
 
 class RowAdaptedEmbedding(nn.Module):
@@ -131,13 +156,16 @@ class RowAdaptedEmbedding(nn.Module):
     def __init__(self, base: nn.Embedding, row_ids: tuple):
         super().__init__()
         if max(row_ids) >= base.num_embeddings:
-            raise ValueError(f"embedding_rows: id {max(row_ids)} is outside the {base.num_embeddings}-row "
-                             f"embedding (the vocabulary does not grow: reuse an unused token id)")
+            raise ValueError(
+                f"embedding_rows: id {max(row_ids)} is outside the {base.num_embeddings}-row "
+                f"embedding (the vocabulary does not grow: reuse an unused token id)"
+            )
         self.num_embeddings, self.embedding_dim = base.num_embeddings, base.embedding_dim
         self.base_weight = base.weight
         self.base_weight.requires_grad_(False)
-        self.register_buffer("row_ids", torch.tensor(row_ids, dtype=torch.long, device=base.weight.device),
-                             persistent=False)
+        self.register_buffer(
+            "row_ids", torch.tensor(row_ids, dtype=torch.long, device=base.weight.device), persistent=False
+        )
         self.rows = nn.Parameter(base.weight.detach()[self.row_ids].float().clone())
 
     @property
@@ -189,8 +217,7 @@ def apply_lora(model: Model, cfg: LoraConfig) -> Model:
 
 def lora_parameters(model: Model) -> dict[str, nn.Parameter]:
     """name -> trainable adapter parameter (``...lora_A``, ``...lora_B``, ``embed_tokens.rows``)."""
-    return {n: p for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))
-            or n == "embed_tokens.rows"}
+    return {n: p for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B")) or n == "embed_tokens.rows"}
 
 
 def mark_trainable(model: Model) -> list[nn.Parameter]:
@@ -216,8 +243,9 @@ def load_lora_state_dict(model: Model, state: dict) -> None:
     own = lora_parameters(model)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
-        raise ValueError(f"adapter tensors do not match the model's adapters: missing {missing[:4]}, "
-                         f"unexpected {unexpected[:4]}")
+        raise ValueError(
+            f"adapter tensors do not match the model's adapters: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     with torch.no_grad():
         for n, p in own.items():
             if tuple(state[n].shape) != tuple(p.shape):
@@ -232,8 +260,7 @@ def merge_lora(model: Model) -> Model:
     _check_model(model)
     for name, parent, proj, module in _linears(model):
         if isinstance(module, LoraLinear):
-            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                              device="meta")
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
             w = module.weight
             w.copy_((w.float() + module.delta_weight()).to(w.dtype))
             plain.weight, plain.bias = w, module.bias
@@ -242,7 +269,7 @@ def merge_lora(model: Model) -> Model:
     if isinstance(emb, RowAdaptedEmbedding):
         w = emb.base_weight
         w[emb.row_ids] = emb.rows.to(w.dtype)
-        plain = nn.Embedding(emb.num_embeddings, emb.embedding_dim, _weight=w)   # no init pass
+        plain = nn.Embedding(emb.num_embeddings, emb.embedding_dim, _weight=w)  # no init pass
         model.embed_tokens = plain
     if hasattr(model, "lora_config"):
         del model.lora_config
@@ -275,8 +302,9 @@ def base_fingerprint(model: Model, *, samples: int = 256) -> str:
     return h.hexdigest()[:16]
 
 
-def save_adapter(out_dir, model: Model, base_name: str, meta: dict | None = None, *,
-                 dtype: torch.dtype = torch.float32) -> Path:
+def save_adapter(
+    out_dir, model: Model, base_name: str, meta: dict | None = None, *, dtype: torch.dtype = torch.float32
+) -> Path:
     """Write ``adapter_config.json`` and ``adapter.safetensors`` to ``out_dir`` (atomic).
 
     Parameters
@@ -288,6 +316,7 @@ def save_adapter(out_dir, model: Model, base_name: str, meta: dict | None = None
     dtype : dtype of the stored tensors (float32 default; bfloat16 halves the file).
     """
     from safetensors.torch import save_file
+
     _check_model(model)
     cfg = getattr(model, "lora_config", None)
     if cfg is None:
@@ -300,9 +329,16 @@ def save_adapter(out_dir, model: Model, base_name: str, meta: dict | None = None
     state = {n: t.to("cpu", dtype).contiguous() for n, t in lora_state_dict(model).items()}
     save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt", "dspec": ADAPTER_FORMAT})
     os.chmod(tmp / ADAPTER_WEIGHTS, 0o644)
-    config = {"format": ADAPTER_FORMAT, "base_name": base_name, "base_fingerprint": base_fingerprint(model),
-              "base_family": model.family, "lora": asdict(cfg), "num_tensors": len(state),
-              "num_parameters": int(sum(t.numel() for t in state.values())), "meta": meta or {}}
+    config = {
+        "format": ADAPTER_FORMAT,
+        "base_name": base_name,
+        "base_fingerprint": base_fingerprint(model),
+        "base_family": model.family,
+        "lora": asdict(cfg),
+        "num_tensors": len(state),
+        "num_parameters": int(sum(t.numel() for t in state.values())),
+        "meta": meta or {},
+    }
     (tmp / ADAPTER_CONFIG).write_text(dumps(config, indent=2) + "\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
@@ -330,22 +366,34 @@ def load_adapter(model: Model, adapter_dir, *, merge: bool = False, check_finger
     ``merge=True`` folds it in (:func:`merge_lora`).  Returns the adapter config.
     """
     from safetensors.torch import load_file
+
     _check_model(model)
     config = read_adapter_config(adapter_dir)
     if is_adapted(model):
         raise ValueError("model already has adapters: merge_lora it first")
     if config["base_family"] != model.family:
-        raise ValueError(f"adapter {adapter_dir} was trained on a {config['base_family']!r} model, "
-                         f"got a {model.family!r} one")
+        raise ValueError(
+            f"adapter {adapter_dir} was trained on a {config['base_family']!r} model, got a {model.family!r} one"
+        )
     if check_fingerprint:
         got = base_fingerprint(model)
         if got != config["base_fingerprint"]:
-            raise ValueError(f"adapter {adapter_dir} was trained on base {config['base_name']!r} with "
-                             f"fingerprint {config['base_fingerprint']}, but this model's weights have "
-                             f"fingerprint {got}: load the adapter on the base it was trained on")
+            raise ValueError(
+                f"adapter {adapter_dir} was trained on base {config['base_name']!r} with "
+                f"fingerprint {config['base_fingerprint']}, but this model's weights have "
+                f"fingerprint {got}: load the adapter on the base it was trained on"
+            )
     lora = config["lora"]
-    apply_lora(model, LoraConfig(rank=lora["rank"], alpha=lora["alpha"], dropout=lora["dropout"],
-                                 targets=tuple(lora["targets"]), embedding_rows=tuple(lora["embedding_rows"])))
+    apply_lora(
+        model,
+        LoraConfig(
+            rank=lora["rank"],
+            alpha=lora["alpha"],
+            dropout=lora["dropout"],
+            targets=tuple(lora["targets"]),
+            embedding_rows=tuple(lora["embedding_rows"]),
+        ),
+    )
     load_lora_state_dict(model, load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS)))
     if merge:
         merge_lora(model)

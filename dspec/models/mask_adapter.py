@@ -24,6 +24,7 @@ projection over the masked rows).
 The training side (:mod:`dspec.train.mask_adapter`) needs no gradient through the clean
 stream: nothing a clean token computes depends on an adapter parameter.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,15 @@ __all__ = ["MaskRows", "MaskLoraLinear", "MaskAdapter", "clean_causal_words", "T
 _OPERANDS = "_dspec_lora_operands"
 
 #: projection name -> the Block attribute that holds it
-TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+TARGETS = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 class MaskRows:
@@ -69,8 +77,9 @@ class MaskRows:
         return (MaskRows, ())
 
 
-def init_low_rank(module: nn.Linear, base: nn.Linear, rank: int, scale: float,
-                  generator: torch.Generator | None = None) -> None:
+def init_low_rank(
+    module: nn.Linear, base: nn.Linear, rank: int, scale: float, generator: torch.Generator | None = None
+) -> None:
     """``module`` takes ``base``'s ``weight`` / ``bias`` (frozen) and gains float32 ``lora_A``
     [rank, in] (nn.Linear's init, as PEFT) and ``lora_B`` [out, rank] (zeros: the update starts
     at 0), and ``scale``: the shared set-up of :class:`MaskLoraLinear` and
@@ -92,8 +101,9 @@ class MaskLoraLinear(nn.Linear):
     """``nn.Linear`` (frozen ``weight`` / ``bias``) plus ``lora_A`` [r, in], ``lora_B`` [out, r]
     applied at the rows of ``rows.index`` only."""
 
-    def __init__(self, base: nn.Linear, rank: int, scale: float, rows: MaskRows,
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self, base: nn.Linear, rank: int, scale: float, rows: MaskRows, generator: torch.Generator | None = None
+    ):
         init_low_rank(self, base, rank, scale, generator)
         self.rows = rows
 
@@ -110,11 +120,23 @@ class MaskLoraLinear(nn.Linear):
             a, bt = self.lora_operands()
             packed = self.lora_packed()
             _backend.extension().mask_lora(
-                y.data_ptr(), x.data_ptr(), idx.data_ptr(), a.data_ptr(), bt.data_ptr(),
-                float(self.scale), _backend.FLOAT_CODE[y.dtype], idx.numel(), y.numel() // self.out_features,
-                self.in_features, self.out_features, self.lora_A.shape[0], cpu.kernel_threads(),
+                y.data_ptr(),
+                x.data_ptr(),
+                idx.data_ptr(),
+                a.data_ptr(),
+                bt.data_ptr(),
+                float(self.scale),
+                _backend.FLOAT_CODE[y.dtype],
+                idx.numel(),
+                y.numel() // self.out_features,
+                self.in_features,
+                self.out_features,
+                self.lora_A.shape[0],
+                cpu.kernel_threads(),
                 _backend.FLOAT_CODE[a.dtype],
-                "auto", 0 if packed is None else packed.data_ptr())
+                "auto",
+                0 if packed is None else packed.data_ptr(),
+            )
             return y
         picked = x.reshape(-1, self.in_features).index_select(0, idx).to(self.lora_A.dtype)
         delta = F.linear(F.linear(picked, self.lora_A), self.lora_B) * self.scale
@@ -159,8 +181,15 @@ class MaskLoraLinear(nn.Linear):
         forms = getattr(self.lora_B, _OPERANDS)[1]
         if "amx" not in forms:
             packed = torch.empty(ext.mask_lora_packed_size(self.in_features, self.out_features), dtype=torch.bfloat16)
-            ext.mask_lora_pack(a.data_ptr(), bt.data_ptr(), packed.data_ptr(), rank, self.in_features,
-                               self.out_features, _backend.FLOAT_CODE[torch.bfloat16])
+            ext.mask_lora_pack(
+                a.data_ptr(),
+                bt.data_ptr(),
+                packed.data_ptr(),
+                rank,
+                self.in_features,
+                self.out_features,
+                _backend.FLOAT_CODE[torch.bfloat16],
+            )
             forms["amx"] = packed
         return forms["amx"]
 
@@ -169,10 +198,17 @@ class MaskLoraLinear(nn.Linear):
         y fresh and contiguous, nothing for autograd or a tracer to see; the kernel reads A and
         B through :meth:`lora_operands`, contiguous copies, whatever their layout)."""
         a, b = self.lora_A, self.lora_B
-        if (not x.is_cpu or y.dtype not in _backend.FLOAT_CODE or x.dtype is not y.dtype
-                or a.dtype is not torch.float32 or b.dtype is not torch.float32 or idx.dtype is not torch.int64
-                or not (x.is_contiguous() and y.is_contiguous() and idx.is_contiguous()) or not idx.is_cpu
-                or not hasattr(_backend.extension(), "mask_lora")):
+        if (
+            not x.is_cpu
+            or y.dtype not in _backend.FLOAT_CODE
+            or x.dtype is not y.dtype
+            or a.dtype is not torch.float32
+            or b.dtype is not torch.float32
+            or idx.dtype is not torch.int64
+            or not (x.is_contiguous() and y.is_contiguous() and idx.is_contiguous())
+            or not idx.is_cpu
+            or not hasattr(_backend.extension(), "mask_lora")
+        ):
             return False
         return untracked(x, y, a, b, idx)
 
@@ -215,7 +251,7 @@ class MaskAdapter(nn.Module):
                 parent = getattr(layer, TARGETS[name])
                 setattr(parent, name, MaskLoraLinear(getattr(parent, name), adapter.rank, scale, adapter.rows, gen))
         model.mask_adapter = adapter
-        for p in model.parameters():        # inference by default; training calls trainable()
+        for p in model.parameters():  # inference by default; training calls trainable()
             p.requires_grad_(False)
         return adapter
 
@@ -246,8 +282,9 @@ class MaskAdapter(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha}, targets={list(self.targets)}, mask_token_id={self.mask_token_id}"
 
 
-def clean_causal_words(words: torch.Tensor | None, positions: torch.Tensor, is_mask: torch.Tensor,
-                       any_mask: bool) -> torch.Tensor:
+def clean_causal_words(
+    words: torch.Tensor | None, positions: torch.Tensor, is_mask: torch.Tensor, any_mask: bool
+) -> torch.Tensor:
     """The packed suffix mask with every non-[MASK] query restricted to keys at positions <=
     its own (``ModelConfig.clean_causal``).
 
@@ -257,13 +294,17 @@ def clean_causal_words(words: torch.Tensor | None, positions: torch.Tensor, is_m
     """
     batch, n = positions.shape
     rel = positions - positions[:, :1]
-    shared = (words is None or words.dim() == 2) and not any_mask and \
-        (batch == 1 or bool((rel == rel[:1]).all()))
+    shared = (words is None or words.dim() == 2) and not any_mask and (batch == 1 or bool((rel == rel[:1]).all()))
     if shared:
         rel = rel[:1]
-    visible = torch.ones(rel.shape[0], n, n, dtype=torch.bool, device=positions.device) if words is None \
-        else unpack_mask(words, n).expand(rel.shape[0], n, n) if words.dim() == 2 else unpack_mask(words, n)
-    allowed = rel[:, None, :] <= rel[:, :, None]                           # key pos <= query pos
+    visible = (
+        torch.ones(rel.shape[0], n, n, dtype=torch.bool, device=positions.device)
+        if words is None
+        else unpack_mask(words, n).expand(rel.shape[0], n, n)
+        if words.dim() == 2
+        else unpack_mask(words, n)
+    )
+    allowed = rel[:, None, :] <= rel[:, :, None]  # key pos <= query pos
     if any_mask:
         allowed = allowed | is_mask[:, :, None]
     out = pack_mask(visible & allowed)

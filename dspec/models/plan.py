@@ -16,6 +16,7 @@ plus a suffix of N new tokens under a packed mask.
 ``AttentionPlan.sequences`` builds the plan of a right-padded ragged batch under a model's
 own attention (causal, bidirectional or block-causal), padding excluded.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -45,23 +46,33 @@ class AttentionPlan:
         return self.tokens.shape[1]
 
     @classmethod
-    def from_offsets(cls, tokens, offsets, mask=None, cache: KVCache | None = None, *,
-                     lengths=None) -> "AttentionPlan":
+    def from_offsets(cls, tokens, offsets, mask=None, cache: KVCache | None = None, *, lengths=None) -> "AttentionPlan":
         """A plan whose positions are offsets from each request's prefix end
         (``dspec.masks`` builders return such offsets): position = cache length + offset."""
         tokens = _as_ids("tokens", tokens)
         offsets = torch.as_tensor(offsets, device=tokens.device)
         if offsets.dim() == 1:
             offsets = offsets.expand(tokens.shape[0], -1)
-        base = (torch.zeros(tokens.shape[0], dtype=torch.int64, device=tokens.device) if cache is None
-                else cache.device_lengths.to(tokens.device))            # no host read of the lengths
+        base = (
+            torch.zeros(tokens.shape[0], dtype=torch.int64, device=tokens.device)
+            if cache is None
+            else cache.device_lengths.to(tokens.device)
+        )  # no host read of the lengths
         positions = base[:, None] + offsets.to(torch.int64)
         return cls(tokens, positions, mask, cache, lengths)
 
     @classmethod
-    def sequences(cls, seqs, *, attention: str = "causal", block_size: int | None = None,
-                  cache: KVCache | None = None, pad_id: int = 0, device=None,
-                  lengths=None) -> "AttentionPlan":
+    def sequences(
+        cls,
+        seqs,
+        *,
+        attention: str = "causal",
+        block_size: int | None = None,
+        cache: KVCache | None = None,
+        pad_id: int = 0,
+        device=None,
+        lengths=None,
+    ) -> "AttentionPlan":
         """The plan of a batch of token sequences (ragged: right-padded with ``pad_id``)
         appended after each request's cached prefix, under ``attention``.  ``seqs``: a list of
         id lists, or a [B, N] tensor -- every row valid, or its first ``lengths[b]`` tokens
@@ -89,14 +100,13 @@ class AttentionPlan:
         if cache is not None and cache.batch_size != batch:
             raise ValueError(f"cache holds {cache.batch_size} requests, seqs {batch}")
         dev = tokens.device
-        base = (torch.zeros(batch, dtype=torch.int64, device=dev) if cache is None
-                else cache.device_lengths.to(dev))
+        base = torch.zeros(batch, dtype=torch.int64, device=dev) if cache is None else cache.device_lengths.to(dev)
         ar = torch.arange(n, device=dev)
         positions = base[:, None] + ar
-        all_valid = lengths.tolist() == [n] * batch                           # host data
+        all_valid = lengths.tolist() == [n] * batch  # host data
         if all_valid and attention == "causal":
             return cls(tokens, positions, _causal_words(n, dev), cache, lengths)
-        valid = ar[None, :] < lengths.to(dev)[:, None]                        # [B, N]
+        valid = ar[None, :] < lengths.to(dev)[:, None]  # [B, N]
         if attention == "causal":
             dense = (ar[None, :] <= ar[:, None]).expand(batch, n, n)
         elif attention == "bidirectional":
@@ -128,7 +138,7 @@ def _causal_words(n: int, device) -> torch.Tensor:
     words = _CAUSAL_WORDS.get(key)
     if words is None:
         words = causal(n, device=device).words
-        if n <= 512:                              # the sizes decoding repeats; bounded memory
+        if n <= 512:  # the sizes decoding repeats; bounded memory
             _CAUSAL_WORDS[key] = words
     return words
 
@@ -161,16 +171,25 @@ def _pad(seqs, pad_id: int, device, lengths=None) -> tuple[torch.Tensor, torch.T
         t = _as_ids("seqs", seqs)
         if lengths is not None:
             lengths = torch.as_tensor(lengths)
-            if lengths.shape != (t.shape[0],) or lengths.is_floating_point() or lengths.dtype == torch.bool \
-                    or lengths.device.type != "cpu":
-                raise ValueError(f"lengths must be host ints of shape [B = {t.shape[0]}], got "
-                                 f"{lengths.dtype} {list(lengths.shape)} on {lengths.device}")
+            if (
+                lengths.shape != (t.shape[0],)
+                or lengths.is_floating_point()
+                or lengths.dtype == torch.bool
+                or lengths.device.type != "cpu"
+            ):
+                raise ValueError(
+                    f"lengths must be host ints of shape [B = {t.shape[0]}], got "
+                    f"{lengths.dtype} {list(lengths.shape)} on {lengths.device}"
+                )
             lengths = lengths.to(torch.int64)
             if t.shape[1] and (bool((lengths < 1).any()) or bool((lengths > t.shape[1]).any())):
                 raise ValueError(f"lengths must lie in [1, N = {t.shape[1]}], got {lengths.tolist()}")
             if bool((lengths < t.shape[1]).any()):
-                t = torch.where(torch.arange(t.shape[1], device=t.device)[None] < lengths.to(t.device)[:, None],
-                                t, torch.full_like(t, int(pad_id)))
+                t = torch.where(
+                    torch.arange(t.shape[1], device=t.device)[None] < lengths.to(t.device)[:, None],
+                    t,
+                    torch.full_like(t, int(pad_id)),
+                )
         else:
             lengths = torch.full((t.shape[0],), t.shape[1], dtype=torch.int64)
         if device is not None:
@@ -194,6 +213,6 @@ def _pad(seqs, pad_id: int, device, lengths=None) -> tuple[torch.Tensor, torch.T
     n = max(len(r) for r in rows)
     tokens = torch.full((len(rows), n), int(pad_id), dtype=torch.int64)
     for b, r in enumerate(rows):
-        tokens[b, :len(r)] = torch.tensor(r, dtype=torch.int64)
+        tokens[b, : len(r)] = torch.tensor(r, dtype=torch.int64)
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
     return tokens.to(device) if device is not None else tokens, lengths

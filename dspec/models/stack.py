@@ -19,6 +19,7 @@ depth counter and the table it holds are updated under one lock (the scope ends 
 last thread's scope ends), and a table keeps a reference to every tensor whose address it
 holds, so a packed weight re-made by another thread never frees memory a forward reads.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,15 +38,21 @@ __all__ = ["frozen_weights", "run_layers"]
 #: False sends every forward through the per-op path (the tests compare the two)
 ENABLED = True
 
-_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
-                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+_PROJECTIONS = (
+    ("self_attn", "q_proj"),
+    ("self_attn", "k_proj"),
+    ("self_attn", "v_proj"),
+    ("self_attn", "o_proj"),
+    ("mlp", "gate_proj"),
+    ("mlp", "up_proj"),
+    ("mlp", "down_proj"),
+)
 
 
 class _WeightTable:
     """The addresses ``decoder_layers`` reads, for one model in one state of its weights."""
 
-    __slots__ = ("key", "params", "weights", "lora", "lora_scales", "lora_rank", "lora_dtype", "lora_packed",
-                 "keep")
+    __slots__ = ("key", "params", "weights", "lora", "lora_scales", "lora_rank", "lora_dtype", "lora_packed", "keep")
 
     def __init__(self, model):
         # every tensor whose address the table holds: a packed weight or adapter operand that
@@ -57,9 +64,16 @@ class _WeightTable:
             return t.data_ptr()
 
         modules = [_projections(layer) for layer in model.layers]
-        self.params = [p for layer, mods in zip(model.layers, modules)
-                       for p in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                 *(m.weight for m in mods), *(m.bias for m in mods if m.bias is not None))]
+        self.params = [
+            p
+            for layer, mods in zip(model.layers, modules)
+            for p in (
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                *(m.weight for m in mods),
+                *(m.bias for m in mods if m.bias is not None),
+            )
+        ]
         self.key = _state(self.params)
         self.weights = []
         for layer, mods in zip(model.layers, modules):
@@ -131,7 +145,7 @@ def _table(model) -> _WeightTable | None:
     if table is not None and _state(table.params) == table.key:
         return table
     with _LOCK:
-        table = model.__dict__.get("_stack_table")       # another thread may have built it meanwhile
+        table = model.__dict__.get("_stack_table")  # another thread may have built it meanwhile
         if table is not None and _state(table.params) == table.key:
             return table
         if not _eligible(model):
@@ -186,7 +200,7 @@ def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: boo
     rows = batch * n
     if rows == 0 or not within_packed_rows(rows, x.dtype) or not (cos.is_contiguous() and sin.is_contiguous()):
         return None
-    if meta.prefix == 1:                          # ragged rows gathered per layer: per-op path
+    if meta.prefix == 1:  # ragged rows gathered per layer: per-op path
         return None
     table = _table(model)
     if table is None:
@@ -203,8 +217,19 @@ def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: boo
             if stride * item != pk1.data_ptr() - pk.data_ptr() or pv1.data_ptr() - pv.data_ptr() != stride * item:
                 return None
         pks, pvs = pk.stride(), pv.stride()
-        prefix = (pk.data_ptr(), pv.data_ptr(), pk.shape[0], pk.shape[1], pks[0], pks[1], pks[2], pvs[0], pvs[1],
-                  pvs[2], stride)
+        prefix = (
+            pk.data_ptr(),
+            pv.data_ptr(),
+            pk.shape[0],
+            pk.shape[1],
+            pks[0],
+            pks[1],
+            pks[2],
+            pvs[0],
+            pvs[1],
+            pvs[2],
+            stride,
+        )
     else:
         prefix = (0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0)
     kv = torch.empty(2, layers, batch, n, hkv, d, dtype=x.dtype)
@@ -221,14 +246,48 @@ def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: boo
     indptr, table_ptr, lens, indptr_code, max_pages, table_stride = meta.meta_part
     dt, _, _, hq, _, _, scale = meta.head
     ext.decoder_layers(
-        x.data_ptr(), dt, batch, n, hidden, hq, hkv, d, cfg.intermediate_size, cfg.rms_norm_eps,
-        cos.data_ptr(), sin.data_ptr(), mask_ptr, mask_s0, mask_s1, prefix[0], prefix[1], indptr, indptr_code,
-        table_ptr, lens, prefix[2], prefix[3], max_pages, table_stride, *prefix[4:10], prefix[10], scale,
-        table.weights, table.lora if rows_index is not None else [],
+        x.data_ptr(),
+        dt,
+        batch,
+        n,
+        hidden,
+        hq,
+        hkv,
+        d,
+        cfg.intermediate_size,
+        cfg.rms_norm_eps,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        mask_ptr,
+        mask_s0,
+        mask_s1,
+        prefix[0],
+        prefix[1],
+        indptr,
+        indptr_code,
+        table_ptr,
+        lens,
+        prefix[2],
+        prefix[3],
+        max_pages,
+        table_stride,
+        *prefix[4:10],
+        prefix[10],
+        scale,
+        table.weights,
+        table.lora if rows_index is not None else [],
         table.lora_scales if rows_index is not None else [],
-        table.lora_rank, 0 if rows_index is None else rows_index.data_ptr(),
-        0 if rows_index is None else rows_index.numel(), kv[0].data_ptr(), kv[1].data_ptr(),
-        0 if hid is None else hid.data_ptr(), len(slots), record, cpu.kernel_threads(),
-        table.lora_dtype if rows_index is not None else 0, table.lora_packed if rows_index is not None else [])
+        table.lora_rank,
+        0 if rows_index is None else rows_index.data_ptr(),
+        0 if rows_index is None else rows_index.numel(),
+        kv[0].data_ptr(),
+        kv[1].data_ptr(),
+        0 if hid is None else hid.data_ptr(),
+        len(slots),
+        record,
+        cpu.kernel_threads(),
+        table.lora_dtype if rows_index is not None else 0,
+        table.lora_packed if rows_index is not None else [],
+    )
     recorded = {i: hid[s] for s, i in enumerate(slots)}
     return x, kv if return_kv else None, recorded

@@ -1,5 +1,6 @@
 """A thin wrapper around a ``tokenizers.Tokenizer`` read from a checkpoint's tokenizer.json, or
 built from its vocab.json + merges.txt (the byte-level BPE of GPT-2 / Qwen2-era checkpoints)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,7 @@ class Tokenizer:
     ``tokenizers.Tokenizer``; ``chat_template`` is the raw Jinja template string (or None).
     """
 
-    def __init__(self, inner, *, bos_token=None, eos_token=None, pad_token=None,
-                 mask_token=None, chat_template=None):
+    def __init__(self, inner, *, bos_token=None, eos_token=None, pad_token=None, mask_token=None, chat_template=None):
         self.inner = inner
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -34,11 +34,13 @@ class Tokenizer:
         right shape, a merges.txt line that is not two known tokens, or a merges.txt without
         vocab.json."""
         from ._files import is_regular_file, read_json
+
         path = Path(path)
         file = path / "tokenizer.json"
         cfg = read_json(path / "tokenizer_config.json", required=False, want=dict)
         if is_regular_file(file):
             from tokenizers import Tokenizer as _HFTokenizer
+
             try:
                 inner = _HFTokenizer.from_file(str(file))
             except Exception as e:  # noqa: BLE001  (tokenizers raises its own Exception type)
@@ -48,13 +50,20 @@ class Tokenizer:
             has_vocab = is_regular_file(path / "vocab.json")
             has_merges = is_regular_file(path / "merges.txt")
             if has_merges and not has_vocab:
-                raise ValueError(f"{path / 'merges.txt'}: a BPE merges file needs {path / 'vocab.json'}, "
-                                 f"which is missing")
+                raise ValueError(
+                    f"{path / 'merges.txt'}: a BPE merges file needs {path / 'vocab.json'}, which is missing"
+                )
             if not (has_vocab and has_merges):
                 return None
             inner, specials = byte_level_bpe(path, cfg)
-        return cls(inner, **{k: v for k, v in specials.items()
-                             if k in ("bos_token", "eos_token", "pad_token", "mask_token", "chat_template")})
+        return cls(
+            inner,
+            **{
+                k: v
+                for k, v in specials.items()
+                if k in ("bos_token", "eos_token", "pad_token", "mask_token", "chat_template")
+            },
+        )
 
     # -------------------------------------------------------------------------------------
 
@@ -118,8 +127,10 @@ _EXTRA_KEYS = ("additional_special_tokens", "extra_special_tokens")
 # Qwen2's pre-tokenization (transformers' Qwen2Tokenizer, tiktoken's cl100k with single
 # digits): contractions, letter runs with one leading non-letter, single digits,
 # punctuation runs, newlines, whitespace
-QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
-                           r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 # checkpoints whose tokenizer is Qwen2's (the regex above, NFC) when tokenizer_config.json
 # names no tokenizer class: config.json's model_type
@@ -148,6 +159,7 @@ def _is_qwen2_style(cfg: dict, root: Path) -> bool:
     """Qwen2's pre-tokenization or GPT-2's: the tokenizer class tokenizer_config.json names
     (Qwen2Tokenizer and its copies such as Dream's), else config.json's model_type."""
     from ._files import read_json
+
     cls_name = cfg.get("tokenizer_class")
     if isinstance(cls_name, str) and cls_name:
         low = cls_name.lower()
@@ -159,10 +171,11 @@ def _is_qwen2_style(cfg: dict, root: Path) -> bool:
 
 def _read_vocab(file: Path) -> dict:
     from ._files import read_json
+
     vocab = read_json(file, required=True, want=dict)
     seen = {}
     for token, tid in vocab.items():
-        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < 2 ** 31:
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < 2**31:
             raise ValueError(f"{file}: token {token!r:.80} has id {tid!r:.80}; ids must be integers in [0, 2**31)")
         if tid in seen:
             raise ValueError(f"{file}: tokens {seen[tid]!r:.80} and {token!r:.80} share the id {tid}")
@@ -174,6 +187,7 @@ def _read_merges(file: Path, vocab: dict) -> list[tuple[str, str]]:
     """merges.txt: an optional ``#version`` line, then one merge ``left right`` per line in
     rank order; both sides and their concatenation must be vocabulary tokens."""
     import os
+
     size = os.stat(file).st_size
     if size > MAX_MERGES_BYTES:
         raise ValueError(f"{file}: {size} bytes, larger than a merges.txt can be ({MAX_MERGES_BYTES} bytes)")
@@ -193,12 +207,15 @@ def _read_merges(file: Path, vocab: dict) -> list[tuple[str, str]]:
             continue
         parts = line.split(" ")
         if len(parts) != 2 or not parts[0] or not parts[1]:
-            raise ValueError(f"{file}: line {number} is {line!r:.80}, not a merge 'left right' "
-                             f"(two tokens separated by one space)")
+            raise ValueError(
+                f"{file}: line {number} is {line!r:.80}, not a merge 'left right' (two tokens separated by one space)"
+            )
         for token in (parts[0], parts[1], parts[0] + parts[1]):
             if token not in vocab:
-                raise ValueError(f"{file}: line {number} merges {parts[0]!r:.40} and {parts[1]!r:.40}, "
-                                 f"but {token!r:.80} is not in vocab.json")
+                raise ValueError(
+                    f"{file}: line {number} merges {parts[0]!r:.40} and {parts[1]!r:.40}, "
+                    f"but {token!r:.80} is not in vocab.json"
+                )
         merges.append((parts[0], parts[1]))
     return merges
 
@@ -211,21 +228,26 @@ def _added_tokens(root: Path, cfg: dict, specials: dict) -> list:
     from tokenizers import AddedToken
 
     from ._files import read_json
+
     file = root / "tokenizer_config.json"
     out = []
     decoder = cfg.get("added_tokens_decoder")
     if decoder is not None:
         if not isinstance(decoder, dict):
-            raise ValueError(f"{file}: added_tokens_decoder must be an object {{id: token}}, "
-                             f"got {type(decoder).__name__}")
+            raise ValueError(
+                f"{file}: added_tokens_decoder must be an object {{id: token}}, got {type(decoder).__name__}"
+            )
         for key, tok in decoder.items():
-            if not (isinstance(key, str) and key.isdigit()) or int(key) >= 2 ** 31:
+            if not (isinstance(key, str) and key.isdigit()) or int(key) >= 2**31:
                 raise ValueError(f"{file}: added_tokens_decoder key {key!r:.80} is not a token id")
             content = _token_content(tok)
             if not content:
                 raise ValueError(f"{file}: added_tokens_decoder[{key}] has no 'content' string")
-            flags = {k: tok[k] for k in ("single_word", "lstrip", "rstrip", "normalized", "special")
-                     if isinstance(tok, dict) and isinstance(tok.get(k), bool)}
+            flags = {
+                k: tok[k]
+                for k in ("single_word", "lstrip", "rstrip", "normalized", "special")
+                if isinstance(tok, dict) and isinstance(tok.get(k), bool)
+            }
             out.append((int(key), AddedToken(content, **flags)))
     else:
         names = {v for k, v in specials.items() if k in _SPECIAL_KEYS}
@@ -233,9 +255,10 @@ def _added_tokens(root: Path, cfg: dict, specials: dict) -> list:
         added_file = root / "added_tokens.json"
         added = read_json(added_file, required=False, want=dict) or {}
         for content, tid in added.items():
-            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < 2 ** 31:
-                raise ValueError(f"{added_file}: token {content!r:.80} has id {tid!r:.80}; "
-                                 f"ids must be integers in [0, 2**31)")
+            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < 2**31:
+                raise ValueError(
+                    f"{added_file}: token {content!r:.80} has id {tid!r:.80}; ids must be integers in [0, 2**31)"
+                )
             special = content in names
             out.append((tid, AddedToken(content, normalized=not special, special=special)))
     out.sort(key=lambda item: item[0])
@@ -262,6 +285,7 @@ def byte_level_bpe(root, cfg: dict | None = None):
     from tokenizers.models import BPE
 
     from ._files import read_json
+
     root = Path(root)
     if cfg is None:
         cfg = read_json(root / "tokenizer_config.json", required=False, want=dict) or {}
@@ -270,12 +294,15 @@ def byte_level_bpe(root, cfg: dict | None = None):
     merges = _read_merges(root / "merges.txt", vocab)
     qwen2 = _is_qwen2_style(cfg, root)
 
-    if "added_tokens_decoder" not in cfg:         # legacy checkpoints: special_tokens_map.json
+    if "added_tokens_decoder" not in cfg:  # legacy checkpoints: special_tokens_map.json
         smap_file = root / "special_tokens_map.json"
         smap = read_json(smap_file, required=False, want=dict) or {}
         cfg.update({k: v for k, v in smap.items() if k in _SPECIAL_KEYS + _EXTRA_KEYS})
-    defaults = ({"eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>"} if qwen2
-                else {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"})
+    defaults = (
+        {"eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+        if qwen2
+        else {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+    )
     for key, value in defaults.items():
         cfg.setdefault(key, value)
     specials = _named_specials(cfg)
@@ -293,23 +320,39 @@ def byte_level_bpe(root, cfg: dict | None = None):
         if tid is None:
             continue
         if owner.get(tid, tok.content) != tok.content:
-            raise ValueError(f"{root / 'vocab.json'}: id {tid} is {owner[tid]!r:.80}, but the added token "
-                             f"{tok.content!r:.80} claims it (tokenizer_config.json / added_tokens.json)")
+            raise ValueError(
+                f"{root / 'vocab.json'}: id {tid} is {owner[tid]!r:.80}, but the added token "
+                f"{tok.content!r:.80} claims it (tokenizer_config.json / added_tokens.json)"
+            )
         if vocab.get(tok.content, tid) != tid:
-            raise ValueError(f"{root / 'vocab.json'}: {tok.content!r:.80} has id {vocab[tok.content]}, but the "
-                             f"added tokens give it id {tid} (tokenizer_config.json / added_tokens.json)")
-        vocab[tok.content] = tid                   # the added token keeps its declared id
+            raise ValueError(
+                f"{root / 'vocab.json'}: {tok.content!r:.80} has id {vocab[tok.content]}, but the "
+                f"added tokens give it id {tid} (tokenizer_config.json / added_tokens.json)"
+            )
+        vocab[tok.content] = tid  # the added token keeps its declared id
         owner[tid] = tok.content
 
-    inner = _HFTokenizer(BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
-                             continuing_subword_prefix="", end_of_word_suffix="",
-                             fuse_unk=False, byte_fallback=False))
+    inner = _HFTokenizer(
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
     add_prefix_space = bool(cfg.get("add_prefix_space") or False)
     if qwen2:
         inner.normalizer = normalizers.NFC()
-        inner.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False)])
+        inner.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False),
+            ]
+        )
     else:
         inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
     inner.decoder = decoders.ByteLevel()
@@ -325,7 +368,9 @@ def byte_level_bpe(root, cfg: dict | None = None):
     single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
     pair = " ".join([single] + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else []))
     inner.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair,
-        special_tokens=[(t, inner.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on])
+        single=single,
+        pair=pair,
+        special_tokens=[(t, inner.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on],
+    )
     specials.pop("_extra")
     return inner, specials

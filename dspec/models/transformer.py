@@ -7,6 +7,7 @@ q/k/v bias, Qwen3's per-head q/k RMSNorm, tied or separate output embedding.  Ev
 attention is ``dspec.cascade_attention`` (planned once per forward: ``CascadeAttentionPlan``):
 the suffix under the plan's packed mask plus the request's cached prefix.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,9 +59,16 @@ class RMSNorm(nn.Module):
             fused = fused_cpu(x, self.weight)
         if fused and x.is_contiguous() and self.weight.dtype == dtype:
             out = torch.empty_like(x)
-            _backend.extension().rms_norm(x.data_ptr(), self.weight.data_ptr(), out.data_ptr(),
-                                          _backend.FLOAT_CODE[dtype], x.numel() // x.shape[-1], x.shape[-1],
-                                          self.eps, cpu.kernel_threads())
+            _backend.extension().rms_norm(
+                x.data_ptr(),
+                self.weight.data_ptr(),
+                out.data_ptr(),
+                _backend.FLOAT_CODE[dtype],
+                x.numel() // x.shape[-1],
+                x.shape[-1],
+                self.eps,
+                cpu.kernel_threads(),
+            )
             return out
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -94,13 +102,30 @@ class Attention(nn.Module):
             q, k = self.q_norm(q, fused), self.k_norm(k, fused)
         if fused is None:
             fused = fused_cpu(q, k, cos, sin)
-        if fused and q.is_contiguous() and k.is_contiguous() and \
-                cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() and \
-                k.dtype == q.dtype and cos.shape == (batch, n, 1, d) and sin.shape == cos.shape:
+        if (
+            fused
+            and q.is_contiguous()
+            and k.is_contiguous()
+            and cos.dtype == torch.float32
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+            and k.dtype == q.dtype
+            and cos.shape == (batch, n, 1, d)
+            and sin.shape == cos.shape
+        ):
             # one call rotates q and k in place (fresh tensors of this forward)
-            _backend.extension().rope(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                      _backend.FLOAT_CODE[q.dtype], batch * n, hq, hkv, d,
-                                      cpu.kernel_threads())
+            _backend.extension().rope(
+                q.data_ptr(),
+                k.data_ptr(),
+                cos.data_ptr(),
+                sin.data_ptr(),
+                _backend.FLOAT_CODE[q.dtype],
+                batch * n,
+                hq,
+                hkv,
+                d,
+                cpu.kernel_threads(),
+            )
             return q, k, v
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
@@ -120,11 +145,25 @@ class MLP(nn.Module):
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up``; on the CPU without autograd dspec._C.silu_mul (into gate, a
     fresh projection), the SiLU the one-call layer stack uses, so the two agree bit for bit."""
-    if fused_cpu(gate, up) and gate.is_contiguous() and up.is_contiguous() and gate.dtype == up.dtype \
-            and gate.shape == up.shape and hasattr(_backend.extension(), "silu_mul") and gate.numel():
+    if (
+        fused_cpu(gate, up)
+        and gate.is_contiguous()
+        and up.is_contiguous()
+        and gate.dtype == up.dtype
+        and gate.shape == up.shape
+        and hasattr(_backend.extension(), "silu_mul")
+        and gate.numel()
+    ):
         width = gate.shape[-1]
-        _backend.extension().silu_mul(gate.data_ptr(), up.data_ptr(), gate.data_ptr(), _backend.FLOAT_CODE[gate.dtype],
-                                      gate.numel() // width, width, cpu.kernel_threads())
+        _backend.extension().silu_mul(
+            gate.data_ptr(),
+            up.data_ptr(),
+            gate.data_ptr(),
+            _backend.FLOAT_CODE[gate.dtype],
+            gate.numel() // width,
+            width,
+            cpu.kernel_threads(),
+        )
         return gate
     return F.silu(gate) * up
 
@@ -163,8 +202,7 @@ def _no_prefix(layer: int) -> tuple[None, None]:
     return None, None
 
 
-def plan_attention(config, dtype: torch.dtype, device, batch: int, n: int, mask, cache: KVCache | None,
-                   backend):
+def plan_attention(config, dtype: torch.dtype, device, batch: int, n: int, mask, cache: KVCache | None, backend):
     """A forward's attention, planned once for every layer: a ``CascadeAttentionPlan`` and
     ``layer_prefix(i) -> (prefix_k, prefix_v)`` (``config``: num_heads, num_kv_heads,
     head_dim; a model's or a DFlash drafter's).  With the C++ CPU kernel (or on CUDA) the
@@ -175,11 +213,14 @@ def plan_attention(config, dtype: torch.dtype, device, batch: int, n: int, mask,
     common = (batch, n, config.num_heads, config.num_kv_heads, config.head_dim, dtype, device, mask)
     if cache is None or cache.length_bound == 0:
         return CascadeAttentionPlan(*common, backend=backend), _no_prefix
-    if cache.resolved_layout == "paged" or \
-            resolve_cascade_backend(backend, device, dtype, torch.is_grad_enabled()) == "cpp":
+    if (
+        cache.resolved_layout == "paged"
+        or resolve_cascade_backend(backend, device, dtype, torch.is_grad_enabled()) == "cpp"
+    ):
         table, lens = cache.page_table()
-        plan = CascadeAttentionPlan(*common, prefix_page_table=table, prefix_lens=lens,
-                                    max_prefix_len=cache.length_bound, backend=backend)
+        plan = CascadeAttentionPlan(
+            *common, prefix_page_table=table, prefix_lens=lens, max_prefix_len=cache.length_bound, backend=backend
+        )
         return plan, cache.layer_pages
     if cache.max_length == 0:
         return CascadeAttentionPlan(*common, backend=backend), _no_prefix
@@ -188,8 +229,9 @@ def plan_attention(config, dtype: torch.dtype, device, batch: int, n: int, mask,
     return plan, cache.layer_rows
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, *,
-                table: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, *, table: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables of positions [...] -> (cos, signed sin), each [..., 1, D] float32 (a head
     axis to broadcast over): ``signed sin = (-sin, +sin)`` over the two halves, what
     ``rotate`` takes.  Computed once per forward and shared by every layer.
@@ -252,13 +294,12 @@ class Model(DecoderModel):
     own attention.
     """
 
-    def __init__(self, config: ModelConfig, *, tokenizer=None, device="cpu", dtype=torch.float32,
-                 _meta: bool = False):
+    def __init__(self, config: ModelConfig, *, tokenizer=None, device="cpu", dtype=torch.float32, _meta: bool = False):
         super().__init__()
         self.config = config
         self.tokenizer = tokenizer
         self.name_or_path = None
-        self.shipped_name = None       # set by dspec.load for a shipped model ("tiny-ar", ...)
+        self.shipped_name = None  # set by dspec.load for a shipped model ("tiny-ar", ...)
         with torch.device("meta" if _meta else device):
             # a meta Embedding gets no init: reset_parameters' normal_ on a meta tensor runs
             # torch's Python reference, which imports torch._dynamo (seconds per dspec.load)
@@ -266,12 +307,13 @@ class Model(DecoderModel):
             self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape)) if _meta else nn.Embedding(*shape)
             self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = None if config.tie_word_embeddings else \
-                nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = (
+                None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            )
         if not _meta:
             self.to(dtype=dtype)
-        self._inv_freq = {}     # float32 RoPE frequencies per device (not a buffer: .to(bf16) must not touch them)
-        self.mask_adapter = None   # a MaskAdapter (dspec.models.mask_adapter) when attached
+        self._inv_freq = {}  # float32 RoPE frequencies per device (not a buffer: .to(bf16) must not touch them)
+        self.mask_adapter = None  # a MaskAdapter (dspec.models.mask_adapter) when attached
 
     # ------------------------------------------------------------------------ description
 
@@ -324,9 +366,11 @@ class Model(DecoderModel):
 
     def extra_repr(self) -> str:
         c = self.config
-        return (f"family={c.family}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}/"
-                f"{c.num_kv_heads}x{c.head_dim}, vocab={c.vocab_size}, attention={c.attention}, "
-                f"shifted={c.shifted}, mask_token_id={c.mask_token_id}")
+        return (
+            f"family={c.family}, layers={c.num_layers}, hidden={c.hidden_size}, heads={c.num_heads}/"
+            f"{c.num_kv_heads}x{c.head_dim}, vocab={c.vocab_size}, attention={c.attention}, "
+            f"shifted={c.shifted}, mask_token_id={c.mask_token_id}"
+        )
 
     @torch.no_grad()
     def init_random_(self, std: float = 0.02, *, seed: int | None = None) -> "Model":
@@ -348,11 +392,26 @@ class Model(DecoderModel):
     def new_cache(self, batch_size: int, *, capacity: int = 0, layout: str = "auto") -> KVCache:
         """An empty KVCache shaped for this model."""
         c = self.config
-        return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, dtype=self.dtype,
-                       device=self.device, capacity=capacity, layout=layout)
+        return KVCache(
+            c.num_layers,
+            batch_size,
+            c.num_kv_heads,
+            c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            capacity=capacity,
+            layout=layout,
+        )
 
-    def plan(self, seqs, cache: KVCache | None = None, *, attention: str | None = None,
-             block_size: int | None = None, lengths=None) -> AttentionPlan:
+    def plan(
+        self,
+        seqs,
+        cache: KVCache | None = None,
+        *,
+        attention: str | None = None,
+        block_size: int | None = None,
+        lengths=None,
+    ) -> AttentionPlan:
         """The plan of token sequences (ragged, right-padded) after ``cache``'s prefixes,
         under the model's own attention (or ``attention``); block-causal attention uses
         ``block_size`` (default: the model's), which must be the block size the caller
@@ -360,14 +419,27 @@ class Model(DecoderModel):
         with a [B, N] tensor of seqs, each row's valid tokens (``AttentionPlan.sequences``)."""
         pad = self.config.pad_token_id
         pad = pad if pad is not None and 0 <= pad < self.config.vocab_size else 0
-        return AttentionPlan.sequences(seqs, attention=attention or self.config.attention,
-                                       block_size=block_size or self.config.block_size, cache=cache,
-                                       pad_id=pad, device=self.device, lengths=lengths)
+        return AttentionPlan.sequences(
+            seqs,
+            attention=attention or self.config.attention,
+            block_size=block_size or self.config.block_size,
+            cache=cache,
+            pad_id=pad,
+            device=self.device,
+            lengths=lengths,
+        )
 
     # ------------------------------------------------------------------------- forward
 
-    def forward(self, plan: AttentionPlan, *, logits="all", hidden_states: Sequence[int] | None = None,
-                return_kv: bool = True, backend: str | None = None) -> Output:
+    def forward(
+        self,
+        plan: AttentionPlan,
+        *,
+        logits="all",
+        hidden_states: Sequence[int] | None = None,
+        return_kv: bool = True,
+        backend: str | None = None,
+    ) -> Output:
         """Run one attention plan.
 
         logits : "all" (default) for [B, N, V]; "last" for [B, 1, V] at each request's last
@@ -389,7 +461,7 @@ class Model(DecoderModel):
         adapter = self.mask_adapter
         if adapter is not None or cfg.clean_causal:
             is_mask = tokens == cfg.mask_token_id
-            any_mask = bool(is_mask.any())                  # one host read per forward
+            any_mask = bool(is_mask.any())  # one host read per forward
             if cfg.clean_causal:
                 mask = clean_causal_words(mask, positions, is_mask, any_mask)
             if adapter is not None:
@@ -406,18 +478,20 @@ class Model(DecoderModel):
         recorded = {}
         if 0 in want:
             recorded[0] = x
-        attention, layer_prefix = plan_attention(cfg, self.dtype, self.device, batch, n, mask, cache,
-                                                 backend)   # once
+        attention, layer_prefix = plan_attention(cfg, self.dtype, self.device, batch, n, mask, cache, backend)  # once
         cos, sin = rope_tables(positions, self._rope(x.device), table=attention.backend == "cpp")  # [B, N, 1, D]
 
         keys, values = [], []
         d, hq = cfg.head_dim, cfg.num_heads
         # decided once for every layer: the fused C++ element-wise ops apply (CPU, no autograd)
         fused = fused_cpu(x, self.norm.weight, cos, sin)
-        stacked = run_layers(self, x.clone() if 0 in want else x, cos, sin, attention, layer_prefix, want,
-                             return_kv) if fused else None
+        stacked = (
+            run_layers(self, x.clone() if 0 in want else x, cos, sin, attention, layer_prefix, want, return_kv)
+            if fused
+            else None
+        )
         stacked_kv = None
-        if stacked is not None:                     # every layer in one C++ call
+        if stacked is not None:  # every layer in one C++ call
             x, stacked_kv, layer_outputs = stacked
             recorded.update(layer_outputs)
         for i, layer in enumerate(self.layers if stacked is None else ()):
@@ -461,8 +535,10 @@ class Model(DecoderModel):
         out = []
         for j in hidden_states:
             if isinstance(j, bool) or not isinstance(j, int) or not -total <= j < total:
-                raise ValueError(f"hidden_states must hold ints in [-{total}, {total}) (0 = embeddings, "
-                                 f"{total - 1} = final normed output), got {j!r}")
+                raise ValueError(
+                    f"hidden_states must hold ints in [-{total}, {total}) (0 = embeddings, "
+                    f"{total - 1} = final normed output), got {j!r}"
+                )
             out.append(j % total)
         return out
 
@@ -484,8 +560,9 @@ class Model(DecoderModel):
             return x
         idx = torch.as_tensor(logits, device=x.device)
         if idx.is_floating_point() or idx.dtype == torch.bool or idx.dim() not in (1, 2):
-            raise ValueError(f"logits as indices must be an int tensor [K] or [B, K], got "
-                             f"{idx.dtype} {list(idx.shape)}")
+            raise ValueError(
+                f"logits as indices must be an int tensor [K] or [B, K], got {idx.dtype} {list(idx.shape)}"
+            )
         idx = idx.to(torch.int64)
         if idx.dim() == 1:
             idx = idx.expand(batch, -1)
@@ -504,8 +581,9 @@ class Model(DecoderModel):
         _validate.tensor("plan.tokens", tokens, dim=2, dtypes=_validate.ID_DTYPES)
         _validate.tensor("plan.positions", positions, dim=2, dtypes=_validate.ID_DTYPES)
         if positions.shape != tokens.shape:
-            raise ValueError(f"plan.positions must have the shape of plan.tokens {list(tokens.shape)}, "
-                             f"got {list(positions.shape)}")
+            raise ValueError(
+                f"plan.positions must have the shape of plan.tokens {list(tokens.shape)}, got {list(positions.shape)}"
+            )
         if tokens.shape[1] == 0:
             raise ValueError("plan.tokens has no suffix token (N = 0)")
         for name, t in (("plan.tokens", tokens), ("plan.positions", positions)):
@@ -523,11 +601,16 @@ class Model(DecoderModel):
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise ValueError(f"plan.cache must be a KVCache or None, got {type(cache).__name__}")
-            if ((cache.num_layers, cache.num_kv_heads, cache.head_dim)
-                    != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)):
-                raise ValueError(f"plan.cache has layers/kv_heads/head_dim = {cache.num_layers}/"
-                                 f"{cache.num_kv_heads}/{cache.head_dim}, the model "
-                                 f"{cfg.num_layers}/{cfg.num_kv_heads}/{cfg.head_dim}")
+            if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (
+                cfg.num_layers,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+            ):
+                raise ValueError(
+                    f"plan.cache has layers/kv_heads/head_dim = {cache.num_layers}/"
+                    f"{cache.num_kv_heads}/{cache.head_dim}, the model "
+                    f"{cfg.num_layers}/{cfg.num_kv_heads}/{cfg.head_dim}"
+                )
             if cache.batch_size != tokens.shape[0]:
                 raise ValueError(f"plan.cache holds {cache.batch_size} requests, plan.tokens {tokens.shape[0]}")
             if cache.dtype != self.dtype or cache.device != dev:

@@ -7,6 +7,7 @@ op at temperature 1.0 on :func:`dspec.reference.sampling_params.filter_logits` (
 -inf outside the row's top-k / top-p set) and greedy rows (T_b <= 0) run it greedily on the
 raw logits; results merge in row order.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,18 +56,27 @@ def params(temperature, top_k, top_p, generator, batch: int, device: torch.devic
     ``generators`` is None, one generator, or a list of B generators.  Tensor values are read
     (one host copy) while value checks are on.
     """
-    t = _per_row("temperature", temperature, batch, device, _validate.FLOAT_DTYPES,
-                 "a number or a float tensor [B] (<= 0 for greedy)")
+    t = _per_row(
+        "temperature",
+        temperature,
+        batch,
+        device,
+        _validate.FLOAT_DTYPES,
+        "a number or a float tensor [B] (<= 0 for greedy)",
+    )
     k = _per_row("top_k", top_k, batch, device, _validate.ID_DTYPES, "an int or an int tensor [B] (0 = off)")
-    p = _per_row("top_p", top_p, batch, device, _validate.FLOAT_DTYPES,
-                 "a number in (0, 1] or a float tensor [B] (1.0 = off)")
+    p = _per_row(
+        "top_p", top_p, batch, device, _validate.FLOAT_DTYPES, "a number in (0, 1] or a float tensor [B] (1.0 = off)"
+    )
     t, p = t.float(), p.float()
     scalar_checks = not isinstance(temperature, torch.Tensor) or temperature.dim() == 0
     if batch and (scalar_checks or _validate.value_checks_enabled(t)):
         bad = ~torch.isfinite(t)
         if bool(bad.any()):
-            raise ValueError(f"temperature must be finite (<= 0 for greedy); "
-                             f"temperature[{int(bad.nonzero()[0])}] = {float(t[bad][0])}")
+            raise ValueError(
+                f"temperature must be finite (<= 0 for greedy); "
+                f"temperature[{int(bad.nonzero()[0])}] = {float(t[bad][0])}"
+            )
     if batch and (not isinstance(top_k, torch.Tensor) or _validate.value_checks_enabled(k)):
         if bool((k < 0).any()):
             raise ValueError(f"top_k must be >= 0 (0 = off), got {int(k.min())}")
@@ -76,8 +86,9 @@ def params(temperature, top_k, top_p, generator, batch: int, device: torch.devic
             raise ValueError(f"top_p must lie in (0, 1] (1.0 = off), got {float(p[bad][0])}")
     if isinstance(generator, (list, tuple)):
         if len(generator) != batch:
-            raise ValueError(f"generator must be one torch.Generator or a list of B = {batch}, "
-                             f"got a list of {len(generator)}")
+            raise ValueError(
+                f"generator must be one torch.Generator or a list of B = {batch}, got a list of {len(generator)}"
+            )
         for i, g in enumerate(generator):
             if not isinstance(g, torch.Generator):
                 raise ValueError(f"generator[{i}] must be a torch.Generator, got {type(g).__name__}")
@@ -114,24 +125,39 @@ def _merge(greedy_rows: torch.Tensor, greedy_out, sampled_out):
     return type(greedy_out)(*merged)
 
 
-def verify(op, target_logits: torch.Tensor, temperature, top_k, top_p, generator, coins,
-           sample_uniforms, coin_shape: tuple, backend, **others):
+def verify(
+    op,
+    target_logits: torch.Tensor,
+    temperature,
+    top_k,
+    top_p,
+    generator,
+    coins,
+    sample_uniforms,
+    coin_shape: tuple,
+    backend,
+    **others,
+):
     """Run verify op ``op`` (verify_chain / verify_tree; ``others`` its remaining keywords)
     with per-request temperature / top_k / top_p / generators."""
     batch, device = target_logits.shape[0], target_logits.device
     t, k, p, generator = params(temperature, top_k, top_p, generator, batch, device)
-    filtering = (not (isinstance(temperature, (int, float)) or (isinstance(temperature, torch.Tensor)
-                                                               and temperature.dim() == 0))
-                 or isinstance(top_k, torch.Tensor) or isinstance(top_p, torch.Tensor)
-                 or top_k != 0 or top_p != 1.0)
-    known = (isinstance(generator, list) or t.device.type == "cpu" or not batch
-             or _validate.value_checks_enabled(t))
+    filtering = (
+        not (
+            isinstance(temperature, (int, float)) or (isinstance(temperature, torch.Tensor) and temperature.dim() == 0)
+        )
+        or isinstance(top_k, torch.Tensor)
+        or isinstance(top_p, torch.Tensor)
+        or top_k != 0
+        or top_p != 1.0
+    )
+    known = isinstance(generator, list) or t.device.type == "cpu" or not batch or _validate.value_checks_enabled(t)
     greedy = t <= 0
-    if known:                                   # which rows are greedy, read on the host
+    if known:  # which rows are greedy, read on the host
         flags = greedy.tolist()
         any_greedy, any_sampled = any(flags), not all(flags)
         sampled_rows = [b for b, f in enumerate(flags) if not f]
-    else:                                       # sync-free: run both, merge on the device
+    else:  # sync-free: run both, merge on the device
         any_greedy = any_sampled = True
         sampled_rows = list(range(batch))
     common = dict(others, backend=backend)
@@ -143,11 +169,11 @@ def verify(op, target_logits: torch.Tensor, temperature, top_k, top_p, generator
         g = None if isinstance(generator, list) else generator
         if filtering:
             logits = filter_logits(target_logits, torch.where(greedy, 1.0, t), k, p)
-            sampled_out = op(target_logits=logits, temperature=1.0, coins=c, sample_uniforms=u,
-                             generator=g, **common)
-        else:                                   # a scalar T > 0 with per-row generators
-            sampled_out = op(target_logits=target_logits, temperature=float(t[0]), coins=c,
-                             sample_uniforms=u, generator=g, **common)
+            sampled_out = op(target_logits=logits, temperature=1.0, coins=c, sample_uniforms=u, generator=g, **common)
+        else:  # a scalar T > 0 with per-row generators
+            sampled_out = op(
+                target_logits=target_logits, temperature=float(t[0]), coins=c, sample_uniforms=u, generator=g, **common
+            )
     if sampled_out is None:
         return greedy_out
     if greedy_out is None:
@@ -158,13 +184,14 @@ def verify(op, target_logits: torch.Tensor, temperature, top_k, top_p, generator
 def token_stats(op, logits: torch.Tensor, temperature, top_k, top_p, backend):
     """token_stats with per-request temperature / top_k / top_p over ``logits``' first dim."""
     if logits.dim() < 2:
-        raise ValueError(f"logits must have a leading request dimension [B, ..., V] with per-request "
-                         f"temperature / top_k / top_p, got shape {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must have a leading request dimension [B, ..., V] with per-request "
+            f"temperature / top_k / top_p, got shape {tuple(logits.shape)}"
+        )
     batch, device = logits.shape[0], logits.device
     t, k, p, _ = params(temperature, top_k, top_p, None, batch, device)
-    if isinstance(temperature, (int, float)) or (isinstance(temperature, torch.Tensor)
-                                                 and temperature.dim() == 0):
-        _validate.temperature(temperature)      # a scalar stays positive, as without filters
+    if isinstance(temperature, (int, float)) or (isinstance(temperature, torch.Tensor) and temperature.dim() == 0):
+        _validate.temperature(temperature)  # a scalar stays positive, as without filters
     greedy = t <= 0
     filtered = filter_logits(logits, torch.where(greedy, 1.0, t), k, p)
     s = op(filtered, temperature=1.0, backend=backend)

@@ -6,6 +6,7 @@ with a dtype code (no conversion); ``num_drafts`` is converted to int64 (a [B] t
 Everything the launch needs is allocated here (outputs and one workspace), so the launch
 itself allocates nothing and never synchronises with the host (CUDA-graph safe).
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,18 @@ def _workspace(nbytes: int, dev: torch.device) -> torch.Tensor:
     return torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=dev)
 
 
-def verify_chain_ext(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins,
-                     sample_uniforms, *, cuda: bool, rule: str = "token") -> VerifyOutput:
+def verify_chain_ext(
+    draft_tokens,
+    target_logits,
+    draft_probs,
+    num_drafts,
+    temperature,
+    coins,
+    sample_uniforms,
+    *,
+    cuda: bool,
+    rule: str = "token",
+) -> VerifyOutput:
     ext = _backend.extension()
     batch, length = draft_tokens.shape
     vocab = target_logits.shape[-1]
@@ -56,19 +67,48 @@ def verify_chain_ext(draft_tokens, target_logits, draft_probs, num_drafts, tempe
     ws = _workspace(ext.verify_chain_workspace_bytes(batch, length, vocab, code, sampling, ts_splits, rule_code), dev)
     with _backend.launch_context(dev, cuda):  # launch on the logits' GPU
         ext.verify_chain(
-            logits.data_ptr(), code, batch, length, vocab, logits.stride(0),
-            _ptr(drafts), _backend.ID_CODE[drafts.dtype], _ptr(ndraft),
-            _ptr(q), _backend.FLOAT_CODE[q.dtype] if q is not None else 0,
-            q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
-            _ptr(coins_t), _ptr(uniforms_t), float(temperature), num.data_ptr(), out.data_ptr(),
-            "cuda" if cuda else "cpu", stream, ts_splits, draw_splits, ws.data_ptr(), ws.numel(),
-            cpu.kernel_threads(), rule_code)
+            logits.data_ptr(),
+            code,
+            batch,
+            length,
+            vocab,
+            logits.stride(0),
+            _ptr(drafts),
+            _backend.ID_CODE[drafts.dtype],
+            _ptr(ndraft),
+            _ptr(q),
+            _backend.FLOAT_CODE[q.dtype] if q is not None else 0,
+            q.stride(0) if q is not None else 0,
+            q.stride(1) if q is not None else 0,
+            _ptr(coins_t),
+            _ptr(uniforms_t),
+            float(temperature),
+            num.data_ptr(),
+            out.data_ptr(),
+            "cuda" if cuda else "cpu",
+            stream,
+            ts_splits,
+            draw_splits,
+            ws.data_ptr(),
+            ws.numel(),
+            cpu.kernel_threads(),
+            rule_code,
+        )
     return VerifyOutput(num, out)
 
 
-def verify_tree_ext(tokens, parents, target_logits, temperature, coins, sample_uniforms, *,
-                    cuda: bool, draft_probs=None,
-                    draft_sampling: str = "independent") -> TreeVerifyOutput:
+def verify_tree_ext(
+    tokens,
+    parents,
+    target_logits,
+    temperature,
+    coins,
+    sample_uniforms,
+    *,
+    cuda: bool,
+    draft_probs=None,
+    draft_sampling: str = "independent",
+) -> TreeVerifyOutput:
     ext = _backend.extension()
     batch, nodes = tokens.shape
     vocab = target_logits.shape[-1]
@@ -89,15 +129,36 @@ def verify_tree_ext(tokens, parents, target_logits, temperature, coins, sample_u
     coins_t = coins.float().contiguous() if sampling else None
     uniforms_t = sample_uniforms.float().contiguous() if sampling else None
     ts_splits, draw_splits, stream = _launch_config(ext, batch * nodes, batch, vocab, code, dev, cuda)
-    ws = _workspace(ext.verify_tree_workspace_bytes(batch, nodes, vocab, code, sampling, ts_splits,
-                                                    q is not None), dev)
+    ws = _workspace(ext.verify_tree_workspace_bytes(batch, nodes, vocab, code, sampling, ts_splits, q is not None), dev)
     with _backend.launch_context(dev, cuda):
         ext.verify_tree(
-            logits.data_ptr(), code, batch, nodes, vocab, logits.stride(0),
-            tok.data_ptr(), _backend.ID_CODE[tok.dtype], par.data_ptr(), _backend.ID_CODE[par.dtype],
-            _ptr(coins_t), _ptr(uniforms_t), float(temperature), num.data_ptr(), path.data_ptr(),
-            out.data_ptr(), "cuda" if cuda else "cpu", stream, ts_splits, draw_splits, ws.data_ptr(),
-            ws.numel(), cpu.kernel_threads(), _ptr(q), _backend.FLOAT_CODE[q.dtype] if q is not None else 0,
-            q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
-            int(draft_sampling == "without_replacement"))
+            logits.data_ptr(),
+            code,
+            batch,
+            nodes,
+            vocab,
+            logits.stride(0),
+            tok.data_ptr(),
+            _backend.ID_CODE[tok.dtype],
+            par.data_ptr(),
+            _backend.ID_CODE[par.dtype],
+            _ptr(coins_t),
+            _ptr(uniforms_t),
+            float(temperature),
+            num.data_ptr(),
+            path.data_ptr(),
+            out.data_ptr(),
+            "cuda" if cuda else "cpu",
+            stream,
+            ts_splits,
+            draw_splits,
+            ws.data_ptr(),
+            ws.numel(),
+            cpu.kernel_threads(),
+            _ptr(q),
+            _backend.FLOAT_CODE[q.dtype] if q is not None else 0,
+            q.stride(0) if q is not None else 0,
+            q.stride(1) if q is not None else 0,
+            int(draft_sampling == "without_replacement"),
+        )
     return TreeVerifyOutput(num, path, out)

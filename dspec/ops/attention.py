@@ -1,4 +1,5 @@
 """cascade_attention and merge_states: shared-prefix attention under a packed suffix mask."""
+
 from __future__ import annotations
 
 import torch
@@ -28,23 +29,38 @@ def _check_mask(mask, batch: int, n: int, device) -> torch.Tensor | None:
     _validate.same_device(device, "q", mask=mask)
     if mask.dtype == torch.bool:
         if mask.shape[-2:] != (n, n) or mask.dim() not in (2, 3):
-            raise ValueError(f"a dense mask must have shape [N, N] or [B, N, N] = [{batch}, {n}, {n}], "
-                             f"got {list(mask.shape)}")
+            raise ValueError(
+                f"a dense mask must have shape [N, N] or [B, N, N] = [{batch}, {n}, {n}], got {list(mask.shape)}"
+            )
         mask = _pack_reference.pack_mask(mask)
     words = (n + 31) // 32
     if mask.dim() not in (2, 3) or mask.shape[-2:] != (n, words) or (mask.dim() == 3 and mask.shape[0] != batch):
-        raise ValueError(f"mask must hold packed words of shape [N, ceil(N/32)] or [B, N, ceil(N/32)] = "
-                         f"[{batch}, {n}, {words}], got {list(mask.shape)}")
+        raise ValueError(
+            f"mask must hold packed words of shape [N, ceil(N/32)] or [B, N, ceil(N/32)] = "
+            f"[{batch}, {n}, {words}], got {list(mask.shape)}"
+        )
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
     return mask
 
 
-def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *,
-                      prefix_k=None, prefix_v=None, prefix_indptr=None, sm_scale=None,
-                      return_lse: bool = False, prefix_page_table=None, prefix_lens=None,
-                      max_prefix_len: int | None = None, backend: str | None = None,
-                      suffix_indptr=None):
+def cascade_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask=None,
+    *,
+    prefix_k=None,
+    prefix_v=None,
+    prefix_indptr=None,
+    sm_scale=None,
+    return_lse: bool = False,
+    prefix_page_table=None,
+    prefix_lens=None,
+    max_prefix_len: int | None = None,
+    backend: str | None = None,
+    suffix_indptr=None,
+):
     """Attention of N suffix queries over a shared (ragged) prefix plus a masked suffix.
 
     Parameters
@@ -120,20 +136,36 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
     (torch.Size([5, 4, 64]), torch.Size([5, 4]))
     """
     if suffix_indptr is not None:
-        return _ragged_cascade_attention(q, k, v, mask, suffix_indptr, prefix_k, prefix_v, prefix_indptr,
-                                         sm_scale, return_lse, prefix_page_table, prefix_lens,
-                                         max_prefix_len, backend)
+        return _ragged_cascade_attention(
+            q,
+            k,
+            v,
+            mask,
+            suffix_indptr,
+            prefix_k,
+            prefix_v,
+            prefix_indptr,
+            sm_scale,
+            return_lse,
+            prefix_page_table,
+            prefix_lens,
+            max_prefix_len,
+            backend,
+        )
     _validate.tensor("q", q, dim=4, dtypes=_REFERENCE_DTYPES)
     _validate.tensor("k", k, dim=4, dtypes=(q.dtype,))
     _validate.tensor("v", v, dim=4, dtypes=(q.dtype,))
     batch, n, hq, head_dim = q.shape
     device = q.device
     if hq == 0 or head_dim == 0:
-        raise ValueError(f"q must have at least one head and a head dim D >= 1 (shape [B, N, Hq, D]), "
-                         f"got {list(q.shape)}")
+        raise ValueError(
+            f"q must have at least one head and a head dim D >= 1 (shape [B, N, Hq, D]), got {list(q.shape)}"
+        )
     if k.shape != v.shape or k.shape[:2] != (batch, n) or k.shape[3] != head_dim:
-        raise ValueError(f"k and v must have shape [B, N, Hkv, D] = [{batch}, {n}, Hkv, {head_dim}], "
-                         f"got {list(k.shape)} and {list(v.shape)}")
+        raise ValueError(
+            f"k and v must have shape [B, N, Hkv, D] = [{batch}, {n}, Hkv, {head_dim}], "
+            f"got {list(k.shape)} and {list(v.shape)}"
+        )
     hkv = k.shape[2]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"the query heads ({hq}) must be a multiple of the KV heads ({hkv})")
@@ -141,18 +173,32 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=No
     mask = _check_mask(mask, batch, n, device)
     paged = prefix_page_table is not None or prefix_lens is not None
     if paged:
-        _check_paged_prefix(prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens,
-                            batch, hkv, head_dim, q.dtype, device)
+        _check_paged_prefix(
+            prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens, batch, hkv, head_dim, q.dtype, device
+        )
     else:
-        prefix_k, prefix_v = _check_ragged_prefix(prefix_k, prefix_v, prefix_indptr, batch, hkv,
-                                                  head_dim, q.dtype, device)
+        prefix_k, prefix_v = _check_ragged_prefix(
+            prefix_k, prefix_v, prefix_indptr, batch, hkv, head_dim, q.dtype, device
+        )
     sm_scale = _sm_scale(sm_scale)
     return_lse = _validate.flag("return_lse", return_lse)
-    name = _by_rows(resolve_backend(backend, device, q.dtype, _needs_grad(q, k, v, prefix_k, prefix_v)),
-                    backend, n)
+    name = _by_rows(resolve_backend(backend, device, q.dtype, _needs_grad(q, k, v, prefix_k, prefix_v)), backend, n)
     _check_max_prefix_len(max_prefix_len)
-    return _launch(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens,
-                   sm_scale, return_lse, max_prefix_len, name)
+    return _launch(
+        q,
+        k,
+        v,
+        mask,
+        prefix_k,
+        prefix_v,
+        prefix_indptr,
+        prefix_page_table,
+        prefix_lens,
+        sm_scale,
+        return_lse,
+        max_prefix_len,
+        name,
+    )
 
 
 class _RaggedLayout:
@@ -174,15 +220,14 @@ class _RaggedLayout:
         lens = ip[1:] - ip[:-1]
         self.max_n = max((bounds[b + 1] - bounds[b] for b in range(self.batch)), default=0)
         self.words = (self.max_n + 31) // 32
-        request = torch.repeat_interleave(torch.arange(self.batch, device=device), lens,
-                                          output_size=self.total)
+        request = torch.repeat_interleave(torch.arange(self.batch, device=device), lens, output_size=self.total)
         row = torch.arange(self.total, device=device) - ip[request]
-        self.flat = request * self.max_n + row            # row t's place in [B * max_n]
+        self.flat = request * self.max_n + row  # row t's place in [B * max_n]
         # request b's visible-key words: bits j < len_b
         count = (lens[:, None] - 32 * torch.arange(self.words, device=device)[None, :]).clamp(0, 32)
         value = torch.where(count >= 32, torch.full_like(count, (1 << 32) - 1), (1 << count) - 1)
-        value = torch.where(value >= 2 ** 31, value - 2 ** 32, value).to(torch.int32)
-        self.valid = value[request]                       # [T, W]
+        value = torch.where(value >= 2**31, value - 2**32, value).to(torch.int32)
+        self.valid = value[request]  # [T, W]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """[T, ...] -> [B, max_n, ...], zeros in the padded rows."""
@@ -207,8 +252,10 @@ def _check_suffix_indptr(suffix_indptr, total: int, device) -> None:
     _validate.same_device(device, "q", suffix_indptr=suffix_indptr)
     ip = suffix_indptr.long()
     if int(ip[0]) != 0 or bool((ip[1:] < ip[:-1]).any()) or int(ip[-1]) != total:
-        raise ValueError(f"suffix_indptr must start at 0, never decrease and end at T = {total} "
-                         f"(the rows of q); got {ip.tolist()[:16]}")
+        raise ValueError(
+            f"suffix_indptr must start at 0, never decrease and end at T = {total} "
+            f"(the rows of q); got {ip.tolist()[:16]}"
+        )
 
 
 def _check_ragged_mask(mask, layout: _RaggedLayout, device):
@@ -217,33 +264,61 @@ def _check_ragged_mask(mask, layout: _RaggedLayout, device):
     _validate.tensor("mask", mask, dim=2, dtypes=(torch.int32,))
     _validate.same_device(device, "q", mask=mask)
     if mask.shape != (layout.total, layout.words):
-        raise ValueError(f"with suffix_indptr, mask must hold packed int32 words of shape "
-                         f"[T, ceil(max_n/32)] = [{layout.total}, {layout.words}], got {list(mask.shape)}")
+        raise ValueError(
+            f"with suffix_indptr, mask must hold packed int32 words of shape "
+            f"[T, ceil(max_n/32)] = [{layout.total}, {layout.words}], got {list(mask.shape)}"
+        )
     return mask
 
 
-def _ragged_cascade_attention(q, k, v, mask, suffix_indptr, prefix_k, prefix_v, prefix_indptr, sm_scale,
-                              return_lse, prefix_page_table, prefix_lens, max_prefix_len, backend):
+def _ragged_cascade_attention(
+    q,
+    k,
+    v,
+    mask,
+    suffix_indptr,
+    prefix_k,
+    prefix_v,
+    prefix_indptr,
+    sm_scale,
+    return_lse,
+    prefix_page_table,
+    prefix_lens,
+    max_prefix_len,
+    backend,
+):
     """cascade_attention with ragged suffixes: check, pad to one batched call, gather back."""
     _validate.tensor("q", q, dim=3, dtypes=_REFERENCE_DTYPES)
     _validate.tensor("k", k, dim=3, dtypes=(q.dtype,))
     _validate.tensor("v", v, dim=3, dtypes=(q.dtype,))
     total, hq, head_dim = q.shape
     if hq == 0 or head_dim == 0:
-        raise ValueError(f"q must have at least one head and a head dim D >= 1 (shape [T, Hq, D]), "
-                         f"got {list(q.shape)}")
+        raise ValueError(f"q must have at least one head and a head dim D >= 1 (shape [T, Hq, D]), got {list(q.shape)}")
     if k.shape != v.shape or k.shape[0] != total or k.shape[2] != head_dim:
-        raise ValueError(f"with suffix_indptr, k and v must have shape [T, Hkv, D] = [{total}, Hkv, {head_dim}], "
-                         f"got {list(k.shape)} and {list(v.shape)}")
+        raise ValueError(
+            f"with suffix_indptr, k and v must have shape [T, Hkv, D] = [{total}, Hkv, {head_dim}], "
+            f"got {list(k.shape)} and {list(v.shape)}"
+        )
     _validate.same_device(q.device, "q", k=k, v=v)
     _check_suffix_indptr(suffix_indptr, total, q.device)
     layout = _RaggedLayout(suffix_indptr, q.device)
     mask = _check_ragged_mask(mask, layout, q.device)
     return_lse = _validate.flag("return_lse", return_lse)
-    result = cascade_attention(layout.pad(q), layout.pad(k), layout.pad(v), layout.mask(mask),
-                               prefix_k=prefix_k, prefix_v=prefix_v, prefix_indptr=prefix_indptr,
-                               sm_scale=sm_scale, return_lse=return_lse, prefix_page_table=prefix_page_table,
-                               prefix_lens=prefix_lens, max_prefix_len=max_prefix_len, backend=backend)
+    result = cascade_attention(
+        layout.pad(q),
+        layout.pad(k),
+        layout.pad(v),
+        layout.mask(mask),
+        prefix_k=prefix_k,
+        prefix_v=prefix_v,
+        prefix_indptr=prefix_indptr,
+        sm_scale=sm_scale,
+        return_lse=return_lse,
+        prefix_page_table=prefix_page_table,
+        prefix_lens=prefix_lens,
+        max_prefix_len=max_prefix_len,
+        backend=backend,
+    )
     if return_lse:
         return layout.gather(result[0]), layout.gather(result[1])
     return layout.gather(result)
@@ -283,63 +358,130 @@ def _by_rows(name: str, backend, n: int) -> str:
 
 
 def _check_max_prefix_len(max_prefix_len) -> None:
-    if max_prefix_len is not None and (isinstance(max_prefix_len, bool) or not isinstance(max_prefix_len, int)
-                                       or max_prefix_len < 0):
+    if max_prefix_len is not None and (
+        isinstance(max_prefix_len, bool) or not isinstance(max_prefix_len, int) or max_prefix_len < 0
+    ):
         raise ValueError(f"max_prefix_len must be None or an int >= 0, got {max_prefix_len!r}")
 
 
-def _launch(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens, sm_scale,
-            return_lse, max_prefix_len, name):
+def _launch(
+    q,
+    k,
+    v,
+    mask,
+    prefix_k,
+    prefix_v,
+    prefix_indptr,
+    prefix_page_table,
+    prefix_lens,
+    sm_scale,
+    return_lse,
+    max_prefix_len,
+    name,
+):
     """Run checked inputs on backend ``name``: the op's body in a plain eager call, else the
     ``dspec::cascade_attention`` custom op (tracing, dispatch modes, tensor subclasses)."""
-    args = (q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens,
-            sm_scale, return_lse, max_prefix_len, name)
-    if _library.call_directly(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table,
-                              prefix_lens):
+    args = (
+        q,
+        k,
+        v,
+        mask,
+        prefix_k,
+        prefix_v,
+        prefix_indptr,
+        prefix_page_table,
+        prefix_lens,
+        sm_scale,
+        return_lse,
+        max_prefix_len,
+        name,
+    )
+    if _library.call_directly(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens):
         return _cascade_attention_impl(*args)
     out, lse = _library.cascade_attention(*args)
     return (out, lse) if return_lse else out
 
 
 @_library.body('cascade_attention')
-def _cascade_attention_impl(q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table,
-                            prefix_lens, sm_scale, return_lse, max_prefix_len, name):
+def _cascade_attention_impl(
+    q,
+    k,
+    v,
+    mask,
+    prefix_k,
+    prefix_v,
+    prefix_indptr,
+    prefix_page_table,
+    prefix_lens,
+    sm_scale,
+    return_lse,
+    max_prefix_len,
+    name,
+):
     """Body of the ``dspec::cascade_attention`` custom op: run backend ``name`` on checked
     inputs; returns ``out`` or ``(out, lse)`` as ``return_lse`` asks."""
     paged = prefix_page_table is not None
     if name == "cpp":
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        meta = _CppMeta(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, mask,
-                        prefix_indptr, prefix_page_table, prefix_lens, sm_scale,
-                        prefix_k is not None)
+        meta = _CppMeta(
+            q.shape[0],
+            q.shape[1],
+            q.shape[2],
+            k.shape[2],
+            q.shape[3],
+            q.dtype,
+            mask,
+            prefix_indptr,
+            prefix_page_table,
+            prefix_lens,
+            sm_scale,
+            prefix_k is not None,
+        )
         return _cpp_run(meta, q, k, v, prefix_k, prefix_v, return_lse)
     if name == "torch":
         if paged:
             prefix_k, prefix_v, prefix_indptr = _reference.gather_pages(
-                prefix_k, prefix_v, prefix_page_table, prefix_lens)
-        return _reference.cascade_attention(q, k, v, mask, prefix_k=prefix_k, prefix_v=prefix_v,
-                                            prefix_indptr=prefix_indptr, sm_scale=sm_scale,
-                                            return_lse=return_lse)
+                prefix_k, prefix_v, prefix_page_table, prefix_lens
+            )
+        return _reference.cascade_attention(
+            q,
+            k,
+            v,
+            mask,
+            prefix_k=prefix_k,
+            prefix_v=prefix_v,
+            prefix_indptr=prefix_indptr,
+            sm_scale=sm_scale,
+            return_lse=return_lse,
+        )
     from ..kernels.cascade_attention import cascade_attention_triton
+
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return cascade_attention_triton(
-        q, k, v, mask, prefix_k, prefix_v,
-        None if prefix_indptr is None else prefix_indptr.contiguous(), sm_scale, return_lse,
+        q,
+        k,
+        v,
+        mask,
+        prefix_k,
+        prefix_v,
+        None if prefix_indptr is None else prefix_indptr.contiguous(),
+        sm_scale,
+        return_lse,
         prefix_page_table=None if not paged else prefix_page_table.contiguous(),
-        prefix_lens=None if not paged else prefix_lens.contiguous(), max_prefix_len=max_prefix_len)
+        prefix_lens=None if not paged else prefix_lens.contiguous(),
+        max_prefix_len=max_prefix_len,
+    )
 
 
 class _CppMeta:
     """The layer-independent arguments of ``dspec._C.cascade_attention``: sizes, the mask
     and prefix metadata (contiguous, kept alive here) and their addresses / strides."""
 
-    __slots__ = ("ext", "head", "out_shape", "lse_shape", "out_strides", "mask_part", "meta_part",
-                 "prefix", "keep")
+    __slots__ = ("ext", "head", "out_shape", "lse_shape", "out_strides", "mask_part", "meta_part", "prefix", "keep")
 
-    def __init__(self, batch, n, hq, hkv, head_dim, dtype, mask, indptr, table, lens, sm_scale,
-                 has_prefix: bool):
+    def __init__(self, batch, n, hq, hkv, head_dim, dtype, mask, indptr, table, lens, sm_scale, has_prefix: bool):
         self.ext = _backend.extension()
-        scale = float(sm_scale) if sm_scale is not None else head_dim ** -0.5
+        scale = float(sm_scale) if sm_scale is not None else head_dim**-0.5
         self.head = (_backend.FLOAT_CODE[dtype], batch, n, hq, hkv, head_dim, scale)
         self.out_shape = (batch, n, hq, head_dim)
         self.lse_shape = (batch, n, hq)
@@ -352,7 +494,7 @@ class _CppMeta:
         if not has_prefix:
             self.prefix = 0
             indptr = table = lens = None
-            self.meta_part = (0, 0, 0, 0, 0, 0)          # ptrs, indptr code, max_pages, table stride
+            self.meta_part = (0, 0, 0, 0, 0, 0)  # ptrs, indptr code, max_pages, table stride
         elif table is not None:
             self.prefix = 2
             table, lens = table.contiguous(), lens.contiguous()
@@ -364,8 +506,9 @@ class _CppMeta:
         self.keep = (mask, indptr, table, lens)
 
 
-def _cpp_run(meta: _CppMeta, q, k, v, prefix_k, prefix_v, return_lse: bool, qs=None, ks=None, vs=None,
-             pks=None, pvs=None):
+def _cpp_run(
+    meta: _CppMeta, q, k, v, prefix_k, prefix_v, return_lse: bool, qs=None, ks=None, vs=None, pks=None, pvs=None
+):
     """dspec._C.cascade_attention on CPU tensors with a unit stride along D (any other
     strides; the plan passes the ones it already read); ``meta`` from the plan or built for
     a one-call."""
@@ -382,11 +525,11 @@ def _cpp_run(meta: _CppMeta, q, k, v, prefix_k, prefix_v, return_lse: bool, qs=N
         kp, vp = prefix_k.data_ptr(), prefix_v.data_ptr()
         shape = prefix_k.shape
         rows = shape[0]
-        if meta.prefix == 2:   # pages [P, S, Hkv, D]: strides page, row, head
+        if meta.prefix == 2:  # pages [P, S, Hkv, D]: strides page, row, head
             pk0, pk1, pk2, _ = pks
             pv0, pv1, pv2, _ = pvs
             page_size = shape[1]
-        else:                  # rows [T, Hkv, D]
+        else:  # rows [T, Hkv, D]
             pk1, pk2, _ = pks
             pv1, pv2, _ = pvs
             pk0 = pv0 = 0
@@ -395,10 +538,52 @@ def _cpp_run(meta: _CppMeta, q, k, v, prefix_k, prefix_v, return_lse: bool, qs=N
     dt, batch, n, hq, hkv, head_dim, scale = meta.head
     os0, os1, os2 = meta.out_strides
     meta.ext.cascade_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
-        m[0], kp, vp, mp[0], mp[1], mp[2], dt, batch, n, hq, hkv, head_dim, scale,
-        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os0, os1, os2, m[1], m[2],
-        pk0, pk1, pk2, pv0, pv1, pv2, mp[3], rows, page_size, mp[4], mp[5], cpu.kernel_threads(), _CPP_ISA)
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        0 if lse is None else lse.data_ptr(),
+        m[0],
+        kp,
+        vp,
+        mp[0],
+        mp[1],
+        mp[2],
+        dt,
+        batch,
+        n,
+        hq,
+        hkv,
+        head_dim,
+        scale,
+        qs[0],
+        qs[1],
+        qs[2],
+        ks[0],
+        ks[1],
+        ks[2],
+        vs[0],
+        vs[1],
+        vs[2],
+        os0,
+        os1,
+        os2,
+        m[1],
+        m[2],
+        pk0,
+        pk1,
+        pk2,
+        pv0,
+        pv1,
+        pv2,
+        mp[3],
+        rows,
+        page_size,
+        mp[4],
+        mp[5],
+        cpu.kernel_threads(),
+        _CPP_ISA,
+    )
     return (out, lse) if return_lse else out
 
 
@@ -451,12 +636,32 @@ class CascadeAttentionPlan:
     torch.Size([4, 4, 64])
     """
 
-    def __init__(self, batch: int, n: int, hq: int, hkv: int, head_dim: int, dtype: torch.dtype,
-                 device="cpu", mask=None, *, prefix_page_table=None, prefix_lens=None,
-                 max_prefix_len: int | None = None, prefix_indptr=None, sm_scale=None,
-                 backend: str | None = None, suffix_indptr=None):
-        for name, value, low in (("batch", batch, 0), ("n", n, 0), ("hq", hq, 1), ("hkv", hkv, 1),
-                                 ("head_dim", head_dim, 1)):
+    def __init__(
+        self,
+        batch: int,
+        n: int,
+        hq: int,
+        hkv: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device="cpu",
+        mask=None,
+        *,
+        prefix_page_table=None,
+        prefix_lens=None,
+        max_prefix_len: int | None = None,
+        prefix_indptr=None,
+        sm_scale=None,
+        backend: str | None = None,
+        suffix_indptr=None,
+    ):
+        for name, value, low in (
+            ("batch", batch, 0),
+            ("n", n, 0),
+            ("hq", hq, 1),
+            ("hkv", hkv, 1),
+            ("head_dim", head_dim, 1),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if hq % hkv:
@@ -468,8 +673,9 @@ class CascadeAttentionPlan:
         self.dtype, self.device = dtype, device
         self._layout = None
         if suffix_indptr is not None:
-            self._init_ragged(mask, suffix_indptr, prefix_page_table, prefix_lens, max_prefix_len,
-                              prefix_indptr, sm_scale, backend)
+            self._init_ragged(
+                mask, suffix_indptr, prefix_page_table, prefix_lens, max_prefix_len, prefix_indptr, sm_scale, backend
+            )
             return
         self.mask = _check_mask(mask, batch, n, device)
         self.paged = prefix_page_table is not None or prefix_lens is not None
@@ -481,18 +687,18 @@ class CascadeAttentionPlan:
             _validate.tensor("prefix_page_table", prefix_page_table, dim=2, dtypes=(torch.int32,))
             _validate.tensor("prefix_lens", prefix_lens, dim=1, dtypes=(torch.int32,))
             if prefix_page_table.shape[0] != batch or prefix_lens.shape[0] != batch:
-                raise ValueError(f"prefix_page_table [B, max_pages] and prefix_lens [B] need B = {batch}, "
-                                 f"got {list(prefix_page_table.shape)} and {list(prefix_lens.shape)}")
-            _validate.same_device(device, "the plan", prefix_page_table=prefix_page_table,
-                                  prefix_lens=prefix_lens)
+                raise ValueError(
+                    f"prefix_page_table [B, max_pages] and prefix_lens [B] need B = {batch}, "
+                    f"got {list(prefix_page_table.shape)} and {list(prefix_lens.shape)}"
+                )
+            _validate.same_device(device, "the plan", prefix_page_table=prefix_page_table, prefix_lens=prefix_lens)
             prefix_page_table, prefix_lens = prefix_page_table.contiguous(), prefix_lens.contiguous()
             if batch and _validate.value_checks_enabled(prefix_lens) and bool((prefix_lens < 0).any()):
                 raise ValueError(f"prefix_lens must be >= 0, got {prefix_lens.tolist()[:16]}")
         elif prefix_indptr is not None:
             _validate.tensor("prefix_indptr", prefix_indptr, dim=1, dtypes=_validate.ID_DTYPES)
             if prefix_indptr.shape[0] != batch + 1:
-                raise ValueError(f"prefix_indptr must have B + 1 = {batch + 1} entries, "
-                                 f"got {prefix_indptr.shape[0]}")
+                raise ValueError(f"prefix_indptr must have B + 1 = {batch + 1} entries, got {prefix_indptr.shape[0]}")
             _validate.same_device(device, "the plan", prefix_indptr=prefix_indptr)
             prefix_indptr = prefix_indptr.contiguous()
             if _validate.value_checks_enabled(prefix_indptr):
@@ -510,32 +716,59 @@ class CascadeAttentionPlan:
         self._kv_shape = (batch, n, hkv, head_dim)
         self._prefix_tail = (hkv, head_dim)
         self._prefix_dim = 4 if self.paged else 3
-        self._checked_rows = None   # prefix rows / pages whose metadata values were checked
+        self._checked_rows = None  # prefix rows / pages whose metadata values were checked
         self._meta = None
         if self.backend == "cpp":
-            self._meta = _CppMeta(batch, n, hq, hkv, head_dim, dtype, self.mask, prefix_indptr,
-                                  prefix_page_table, prefix_lens, self.sm_scale, self.has_prefix)
+            self._meta = _CppMeta(
+                batch,
+                n,
+                hq,
+                hkv,
+                head_dim,
+                dtype,
+                self.mask,
+                prefix_indptr,
+                prefix_page_table,
+                prefix_lens,
+                self.sm_scale,
+                self.has_prefix,
+            )
 
-    def _init_ragged(self, mask, suffix_indptr, prefix_page_table, prefix_lens, max_prefix_len,
-                     prefix_indptr, sm_scale, backend):
+    def _init_ragged(
+        self, mask, suffix_indptr, prefix_page_table, prefix_lens, max_prefix_len, prefix_indptr, sm_scale, backend
+    ):
         """The ragged form: a batched plan over the padded [B, max_n] suffixes."""
         _validate.tensor("suffix_indptr", suffix_indptr, dim=1, dtypes=_validate.ID_DTYPES)
         if suffix_indptr.shape[0] != self.batch + 1:
-            raise ValueError(f"suffix_indptr must have B + 1 = {self.batch + 1} entries, "
-                             f"got {suffix_indptr.shape[0]}")
+            raise ValueError(f"suffix_indptr must have B + 1 = {self.batch + 1} entries, got {suffix_indptr.shape[0]}")
         _check_suffix_indptr(suffix_indptr, self.n, self.device)
         layout = _RaggedLayout(suffix_indptr, self.device)
         mask = _check_ragged_mask(mask, layout, self.device)
         self._layout = layout
         self._inner = CascadeAttentionPlan(
-            self.batch, layout.max_n, self.hq, self.hkv, self.head_dim, self.dtype, self.device,
-            layout.mask(mask), prefix_page_table=prefix_page_table, prefix_lens=prefix_lens,
-            max_prefix_len=max_prefix_len, prefix_indptr=prefix_indptr, sm_scale=sm_scale, backend=backend)
+            self.batch,
+            layout.max_n,
+            self.hq,
+            self.hkv,
+            self.head_dim,
+            self.dtype,
+            self.device,
+            layout.mask(mask),
+            prefix_page_table=prefix_page_table,
+            prefix_lens=prefix_lens,
+            max_prefix_len=max_prefix_len,
+            prefix_indptr=prefix_indptr,
+            sm_scale=sm_scale,
+            backend=backend,
+        )
         inner = self._inner
         self.mask, self.paged, self.has_prefix, self.backend = inner.mask, inner.paged, inner.has_prefix, inner.backend
         self.sm_scale, self.max_prefix_len = inner.sm_scale, inner.max_prefix_len
         self.prefix_indptr, self.prefix_page_table, self.prefix_lens = (
-            inner.prefix_indptr, inner.prefix_page_table, inner.prefix_lens)
+            inner.prefix_indptr,
+            inner.prefix_page_table,
+            inner.prefix_lens,
+        )
 
     def _run_ragged(self, q, k, v, prefix_k, prefix_v, return_lse):
         layout = self._layout
@@ -543,17 +776,26 @@ class CascadeAttentionPlan:
             _validate.tensor(name, t, dim=3, dtypes=(self.dtype,))
         q_shape, kv_shape = (self.n, self.hq, self.head_dim), (self.n, self.hkv, self.head_dim)
         if q.shape != q_shape or k.shape != kv_shape or v.shape != kv_shape:
-            raise ValueError(f"the plan takes q {list(q_shape)} and k, v {list(kv_shape)}, got "
-                             f"{list(q.shape)}, {list(k.shape)} and {list(v.shape)}")
+            raise ValueError(
+                f"the plan takes q {list(q_shape)} and k, v {list(kv_shape)}, got "
+                f"{list(q.shape)}, {list(k.shape)} and {list(v.shape)}"
+            )
         _validate.same_device(self.device, "the plan", q=q, k=k, v=v)
-        result = self._inner.run(layout.pad(q), layout.pad(k), layout.pad(v), prefix_k, prefix_v,
-                                 return_lse=return_lse)
+        result = self._inner.run(layout.pad(q), layout.pad(k), layout.pad(v), prefix_k, prefix_v, return_lse=return_lse)
         if return_lse:
             return layout.gather(result[0]), layout.gather(result[1])
         return layout.gather(result)
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k=None, prefix_v=None, *,
-            return_lse: bool = False):
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        prefix_k=None,
+        prefix_v=None,
+        *,
+        return_lse: bool = False,
+    ):
         """Attention of this plan's queries: q [B, N, Hq, D], k / v [B, N, Hkv, D] (ragged
         plan: q [T, Hq, D], k / v [T, Hkv, D]) and, when the plan has a prefix, this layer's
         prefix_k / prefix_v (ragged [T, Hkv, D] or paged [pages, page_size, Hkv, D], unit
@@ -564,29 +806,51 @@ class CascadeAttentionPlan:
         meta = self._meta
         # the C++ code directly: plain CPU tensors, nothing traced, no autograd; every
         # other case (and every error message) goes through _run_general
-        if (meta is None or type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor
-                or not (q.is_cpu and k.is_cpu and v.is_cpu) or _get_current_dispatch_mode() is not None
-                or torch.compiler.is_compiling()
-                or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        if (
+            meta is None
+            or type(q) is not _Tensor
+            or type(k) is not _Tensor
+            or type(v) is not _Tensor
+            or not (q.is_cpu and k.is_cpu and v.is_cpu)
+            or _get_current_dispatch_mode() is not None
+            or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        ):
             return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
         dtype = self.dtype
-        if (q.shape != self._q_shape or k.shape != self._kv_shape or v.shape != self._kv_shape
-                or q.dtype != dtype or k.dtype != dtype or v.dtype != dtype):
+        if (
+            q.shape != self._q_shape
+            or k.shape != self._kv_shape
+            or v.shape != self._kv_shape
+            or q.dtype != dtype
+            or k.dtype != dtype
+            or v.dtype != dtype
+        ):
             return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
         qs, ks, vs = q.stride(), k.stride(), v.stride()
         if qs[3] != 1 or ks[3] != 1 or vs[3] != 1:
             return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
         pks = pvs = None
         if meta.prefix:
-            if (type(prefix_k) is not _Tensor or type(prefix_v) is not _Tensor
-                    or not (prefix_k.is_cpu and prefix_v.is_cpu) or prefix_k.dtype != dtype
-                    or prefix_v.dtype != dtype or (torch.is_grad_enabled()
-                                                   and (prefix_k.requires_grad or prefix_v.requires_grad))):
+            if (
+                type(prefix_k) is not _Tensor
+                or type(prefix_v) is not _Tensor
+                or not (prefix_k.is_cpu and prefix_v.is_cpu)
+                or prefix_k.dtype != dtype
+                or prefix_v.dtype != dtype
+                or (torch.is_grad_enabled() and (prefix_k.requires_grad or prefix_v.requires_grad))
+            ):
                 return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
             shape = prefix_k.shape
             pks, pvs = prefix_k.stride(), prefix_v.stride()
-            if (len(shape) != self._prefix_dim or shape != prefix_v.shape or shape[-1] != self.head_dim
-                    or shape[-2] != self.hkv or pks[-1] != 1 or pvs[-1] != 1):
+            if (
+                len(shape) != self._prefix_dim
+                or shape != prefix_v.shape
+                or shape[-1] != self.head_dim
+                or shape[-2] != self.hkv
+                or pks[-1] != 1
+                or pvs[-1] != 1
+            ):
                 return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
         elif prefix_k is not None or prefix_v is not None:
             return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
@@ -600,8 +864,10 @@ class CascadeAttentionPlan:
         for name, t in (("q", q), ("k", k), ("v", v)):
             _validate.tensor(name, t, dim=4, dtypes=(dtype,))
         if q.shape != self._q_shape or k.shape != self._kv_shape or v.shape != self._kv_shape:
-            raise ValueError(f"the plan takes q {list(self._q_shape)} and k, v {list(self._kv_shape)}, got "
-                             f"{list(q.shape)}, {list(k.shape)} and {list(v.shape)}")
+            raise ValueError(
+                f"the plan takes q {list(self._q_shape)} and k, v {list(self._kv_shape)}, got "
+                f"{list(q.shape)}, {list(k.shape)} and {list(v.shape)}"
+            )
         if self.has_prefix:
             if prefix_k is None or prefix_v is None:
                 raise ValueError("the plan has a prefix: give this layer's prefix_k and prefix_v")
@@ -609,8 +875,10 @@ class CascadeAttentionPlan:
             _validate.tensor("prefix_v", prefix_v, dim=self._prefix_dim, dtypes=(dtype,))
             if prefix_k.shape != prefix_v.shape or prefix_k.shape[-2:] != self._prefix_tail:
                 lay = "[pages, page_size, Hkv, D]" if self.paged else "[T, Hkv, D]"
-                raise ValueError(f"prefix_k and prefix_v must have shape {lay} with Hkv, D = "
-                                 f"{self._prefix_tail}, got {list(prefix_k.shape)} and {list(prefix_v.shape)}")
+                raise ValueError(
+                    f"prefix_k and prefix_v must have shape {lay} with Hkv, D = "
+                    f"{self._prefix_tail}, got {list(prefix_k.shape)} and {list(prefix_v.shape)}"
+                )
             if prefix_k.stride(-1) != 1 or prefix_v.stride(-1) != 1:
                 raise ValueError("prefix_k / prefix_v must be contiguous along D")
         elif prefix_k is not None or prefix_v is not None:
@@ -622,14 +890,38 @@ class CascadeAttentionPlan:
             name = resolve_backend(self._requested, self.device, dtype, True)
         if self.has_prefix and prefix_k.shape[0] != self._checked_rows:
             if self.paged:
-                _check_paged_prefix(prefix_k, prefix_v, None, self.prefix_page_table, self.prefix_lens,
-                                    self.batch, self.hkv, self.head_dim, dtype, self.device)
+                _check_paged_prefix(
+                    prefix_k,
+                    prefix_v,
+                    None,
+                    self.prefix_page_table,
+                    self.prefix_lens,
+                    self.batch,
+                    self.hkv,
+                    self.head_dim,
+                    dtype,
+                    self.device,
+                )
             else:
-                _check_ragged_prefix(prefix_k, prefix_v, self.prefix_indptr, self.batch, self.hkv,
-                                     self.head_dim, dtype, self.device)
+                _check_ragged_prefix(
+                    prefix_k, prefix_v, self.prefix_indptr, self.batch, self.hkv, self.head_dim, dtype, self.device
+                )
             self._checked_rows = prefix_k.shape[0]
-        return _launch(q, k, v, self.mask, prefix_k, prefix_v, self.prefix_indptr, self.prefix_page_table,
-                       self.prefix_lens, self.sm_scale, bool(return_lse), self.max_prefix_len, name)
+        return _launch(
+            q,
+            k,
+            v,
+            self.mask,
+            prefix_k,
+            prefix_v,
+            self.prefix_indptr,
+            self.prefix_page_table,
+            self.prefix_lens,
+            self.sm_scale,
+            bool(return_lse),
+            self.max_prefix_len,
+            name,
+        )
 
 
 def _check_ragged_prefix(prefix_k, prefix_v, prefix_indptr, batch, hkv, head_dim, dtype, device):
@@ -641,23 +933,26 @@ def _check_ragged_prefix(prefix_k, prefix_v, prefix_indptr, batch, hkv, head_dim
     _validate.tensor("prefix_v", prefix_v, dim=3, dtypes=(dtype,))
     _validate.tensor("prefix_indptr", prefix_indptr, dim=1, dtypes=_validate.ID_DTYPES)
     if prefix_k.shape != prefix_v.shape or prefix_k.shape[1:] != (hkv, head_dim):
-        raise ValueError(f"prefix_k and prefix_v must have shape [T, Hkv, D] = [T, {hkv}, {head_dim}], "
-                         f"got {list(prefix_k.shape)} and {list(prefix_v.shape)}")
+        raise ValueError(
+            f"prefix_k and prefix_v must have shape [T, Hkv, D] = [T, {hkv}, {head_dim}], "
+            f"got {list(prefix_k.shape)} and {list(prefix_v.shape)}"
+        )
     if prefix_indptr.shape[0] != batch + 1:
         raise ValueError(f"prefix_indptr must have B + 1 = {batch + 1} entries, got {prefix_indptr.shape[0]}")
     _validate.same_device(device, "q", prefix_k=prefix_k, prefix_v=prefix_v, prefix_indptr=prefix_indptr)
     if _validate.value_checks_enabled(prefix_indptr):
         ip = prefix_indptr.long()
         if int(ip[0]) != 0 or bool((ip[1:] < ip[:-1]).any()) or int(ip[-1]) > prefix_k.shape[0]:
-            raise ValueError(f"prefix_indptr must start at 0, never decrease and end at most at "
-                             f"T = {prefix_k.shape[0]}; got {ip.tolist()[:16]}")
+            raise ValueError(
+                f"prefix_indptr must start at 0, never decrease and end at most at "
+                f"T = {prefix_k.shape[0]}; got {ip.tolist()[:16]}"
+            )
     if prefix_k.stride(-1) != 1 or prefix_v.stride(-1) != 1:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
     return prefix_k, prefix_v
 
 
-def _check_paged_prefix(prefix_k, prefix_v, prefix_indptr, table, lens, batch, hkv, head_dim,
-                        dtype, device):
+def _check_paged_prefix(prefix_k, prefix_v, prefix_indptr, table, lens, batch, hkv, head_dim, dtype, device):
     if prefix_indptr is not None:
         raise ValueError("give either prefix_indptr (ragged) or prefix_page_table + prefix_lens (paged)")
     if prefix_k is None or prefix_v is None or table is None or lens is None:
@@ -667,20 +962,25 @@ def _check_paged_prefix(prefix_k, prefix_v, prefix_indptr, table, lens, batch, h
     _validate.tensor("prefix_page_table", table, dim=2, dtypes=(torch.int32,))
     _validate.tensor("prefix_lens", lens, dim=1, dtypes=(torch.int32,))
     if prefix_k.shape != prefix_v.shape or prefix_k.shape[2:] != (hkv, head_dim):
-        raise ValueError(f"paged prefix_k and prefix_v must have shape [pages, page_size, Hkv, D] = "
-                         f"[P, S, {hkv}, {head_dim}], got {list(prefix_k.shape)} and {list(prefix_v.shape)}")
+        raise ValueError(
+            f"paged prefix_k and prefix_v must have shape [pages, page_size, Hkv, D] = "
+            f"[P, S, {hkv}, {head_dim}], got {list(prefix_k.shape)} and {list(prefix_v.shape)}"
+        )
     if prefix_k.stride(-1) != 1 or prefix_v.stride(-1) != 1:
         raise ValueError("paged prefix_k / prefix_v must be contiguous along D")
     if table.shape[0] != batch or lens.shape[0] != batch:
-        raise ValueError(f"prefix_page_table [B, max_pages] and prefix_lens [B] need B = {batch}, "
-                         f"got {list(table.shape)} and {list(lens.shape)}")
-    _validate.same_device(device, "q", prefix_k=prefix_k, prefix_v=prefix_v, prefix_page_table=table,
-                          prefix_lens=lens)
+        raise ValueError(
+            f"prefix_page_table [B, max_pages] and prefix_lens [B] need B = {batch}, "
+            f"got {list(table.shape)} and {list(lens.shape)}"
+        )
+    _validate.same_device(device, "q", prefix_k=prefix_k, prefix_v=prefix_v, prefix_page_table=table, prefix_lens=lens)
     if batch and _validate.value_checks_enabled(lens):
         page_size, pages = prefix_k.shape[1], prefix_k.shape[0]
         if bool((lens < 0).any()) or int(lens.max()) > table.shape[1] * page_size:
-            raise ValueError(f"prefix_lens must lie in [0, max_pages * page_size] = "
-                             f"[0, {table.shape[1] * page_size}], got {lens.tolist()[:16]}")
+            raise ValueError(
+                f"prefix_lens must lie in [0, max_pages * page_size] = "
+                f"[0, {table.shape[1] * page_size}], got {lens.tolist()[:16]}"
+            )
         used = torch.arange(table.shape[1], device=device)[None, :] * page_size < lens[:, None]
         bad = used & ((table < 0) | (table >= pages))
         if bool(bad.any()):
@@ -688,8 +988,14 @@ def _check_paged_prefix(prefix_k, prefix_v, prefix_indptr, table, lens, batch, h
             raise ValueError(f"prefix_page_table[{b}, {i}] = {int(table[b, i])} is not a page in [0, {pages})")
 
 
-def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor | None = None,
-                 lse_b: torch.Tensor | None = None, *, backend: str | None = None):
+def merge_states(
+    o_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    o_b: torch.Tensor | None = None,
+    lse_b: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+):
     """Combine partial attention results over disjoint key sets: two (pairwise form) or S
     at once (two-argument form).
 
@@ -747,8 +1053,9 @@ def _merge_many(v, lse, backend):
     _validate.tensor("v", v, min_dim=3, dtypes=_ATTN_DTYPES)
     _validate.tensor("lse", lse, dtypes=(torch.float32,))
     if lse.shape != v.shape[:-1]:
-        raise ValueError(f"lse must have shape v.shape[:-1] = [..., S, H] = {list(v.shape[:-1])}, "
-                         f"got {list(lse.shape)}")
+        raise ValueError(
+            f"lse must have shape v.shape[:-1] = [..., S, H] = {list(v.shape[:-1])}, got {list(lse.shape)}"
+        )
     if v.shape[-3] == 0:
         raise ValueError(f"v must hold S >= 1 states along dim -3 (shape [..., S, H, D]), got {list(v.shape)}")
     _validate.same_device(v.device, "v", lse=lse)
@@ -765,6 +1072,7 @@ def _merge_states_impl(o_a, lse_a, o_b, lse_b, name):
         return _reference.merge_states(o_a, lse_a, o_b, lse_b)
     if name == "triton":
         from ..kernels.cascade_attention import merge_states_triton
+
         return merge_states_triton(o_a, lse_a, o_b, lse_b)
     return _merge_states_ext(o_a, lse_a, o_b, lse_b, cuda=name == "cuda")
 
@@ -779,7 +1087,17 @@ def _merge_states_ext(o_a, lse_a, o_b, lse_b, *, cuda: bool):
     stream = _backend.cuda_stream(o_a.device, cuda)
     with _backend.launch_context(o_a.device, cuda):
         _backend.extension().merge_states(
-            oa.data_ptr(), la.data_ptr(), ob.data_ptr(), lb.data_ptr(), out.data_ptr(),
-            lse.data_ptr(), _backend.FLOAT_CODE[oa.dtype], rows, head_dim, "cuda" if cuda else "cpu", stream,
-            cpu.kernel_threads())
+            oa.data_ptr(),
+            la.data_ptr(),
+            ob.data_ptr(),
+            lb.data_ptr(),
+            out.data_ptr(),
+            lse.data_ptr(),
+            _backend.FLOAT_CODE[oa.dtype],
+            rows,
+            head_dim,
+            "cuda" if cuda else "cpu",
+            stream,
+            cpu.kernel_threads(),
+        )
     return out.reshape(o_a.shape), lse.reshape(lse_a.shape)

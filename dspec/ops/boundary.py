@@ -1,4 +1,5 @@
 """Acceptance-boundary scores from per-draft confidences (D2SD re-anchoring, S2D2 routing)."""
+
 from __future__ import annotations
 
 import torch
@@ -47,6 +48,7 @@ def _boundary_posterior_impl(conf: torch.Tensor, name: str) -> torch.Tensor:
     if name == "torch":
         return _reference.boundary_posterior(conf)
     from ..kernels.boundary import boundary_triton
+
     return boundary_triton(conf, want_r=True)[0]
 
 
@@ -79,6 +81,7 @@ def _rejection_boundaries_impl(conf: torch.Tensor, k: int, name: str):
     if name == "torch":
         return tuple(_reference.rejection_boundaries(conf, k))
     from ..kernels.boundary import boundary_triton
+
     _, lengths, r, _ = boundary_triton(conf, k)
     return lengths, r
 
@@ -105,4 +108,5 @@ def _expected_accept_length_impl(conf: torch.Tensor, name: str) -> torch.Tensor:
     if name == "torch":
         return _reference.expected_accept_length(conf)
     from ..kernels.boundary import boundary_triton
+
     return boundary_triton(conf, want_expected=True)[3]

@@ -4,6 +4,7 @@ Layout (shared by every backend and by dspec.cascade_attention): ``words[..., q,
 holds keys ``32 w .. 32 w + 31`` of query q; bit j (``1 << j``; bit 31 is the sign bit) is
 key ``32 w + j``; bits past the last key are 0.
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,17 +53,23 @@ def _pack_mask_impl(mask: torch.Tensor, name: str) -> torch.Tensor:
         return _ref_pack.pack_mask(mask)
     if name == "triton":
         from ..kernels.pack_mask import pack_mask_triton
+
         return pack_mask_triton(mask)
     cuda = name == "cuda"
     keys = mask.shape[-1]
-    out = torch.empty(*mask.shape[:-1], _ref_pack.num_words(keys), dtype=torch.int32,
-                      device=mask.device)
+    out = torch.empty(*mask.shape[:-1], _ref_pack.num_words(keys), dtype=torch.int32, device=mask.device)
     if out.numel():
         m = _backend.as_rows(mask)
         with _backend.launch_context(m.device, cuda):
-            _backend.extension().pack_mask(m.data_ptr(), m.shape[0], keys, m.stride(0),
-                                           out.data_ptr(), "cuda" if cuda else "cpu",
-                                           _backend.cuda_stream(m.device, cuda))
+            _backend.extension().pack_mask(
+                m.data_ptr(),
+                m.shape[0],
+                keys,
+                m.stride(0),
+                out.data_ptr(),
+                "cuda" if cuda else "cpu",
+                _backend.cuda_stream(m.device, cuda),
+            )
     return out
 
 
@@ -89,8 +96,9 @@ def unpack_mask(words: torch.Tensor, num_keys: int, *, backend: str | None = Non
         raise ValueError(f"num_keys must be an int, got {num_keys!r}")
     capacity = 32 * words.shape[-1]
     if not 0 <= num_keys <= capacity:
-        raise ValueError(f"num_keys must lie in [0, 32 * W] = [0, {capacity}] for words with "
-                         f"W = {words.shape[-1]}, got {num_keys}")
+        raise ValueError(
+            f"num_keys must lie in [0, 32 * W] = [0, {capacity}] for words with W = {words.shape[-1]}, got {num_keys}"
+        )
     name = _library.resolve("unpack_mask", backend, words.device, _PROVIDED)
     if _library.call_directly(words):
         return _unpack_mask_impl(words, num_keys, name)
@@ -104,15 +112,23 @@ def _unpack_mask_impl(words: torch.Tensor, num_keys: int, name: str) -> torch.Te
         return _ref_pack.unpack_mask(words, num_keys)
     if name == "triton":
         from ..kernels.pack_mask import unpack_mask_triton
+
         return unpack_mask_triton(words, num_keys)
     cuda = name == "cuda"
     out = torch.empty(*words.shape[:-1], num_keys, dtype=torch.bool, device=words.device)
     if out.numel():
         w = _backend.as_rows(words)
         with _backend.launch_context(w.device, cuda):
-            _backend.extension().unpack_mask(w.data_ptr(), w.shape[0], w.shape[1], w.stride(0),
-                                             num_keys, out.data_ptr(), "cuda" if cuda else "cpu",
-                                             _backend.cuda_stream(w.device, cuda))
+            _backend.extension().unpack_mask(
+                w.data_ptr(),
+                w.shape[0],
+                w.shape[1],
+                w.stride(0),
+                num_keys,
+                out.data_ptr(),
+                "cuda" if cuda else "cpu",
+                _backend.cuda_stream(w.device, cuda),
+            )
     return out
 
 
@@ -150,8 +166,10 @@ def tree_mask(parents: torch.Tensor, *, backend: str | None = None) -> TreeMask:
     _validate.tree_parents(parents, "parents")
     limits = None
     if nodes > TREE_MASK_MAX_NODES:
-        why = (f"the {{}} backend takes N <= {TREE_MASK_MAX_NODES} nodes, got parents with N = {nodes}; "
-               "use backend='torch' (or 'cpp' on CPU tensors)")
+        why = (
+            f"the {{}} backend takes N <= {TREE_MASK_MAX_NODES} nodes, got parents with N = {nodes}; "
+            "use backend='torch' (or 'cpp' on CPU tensors)"
+        )
         limits = {b: why.format(repr(b)) for b in ("triton", "cuda")}
     name = _library.resolve("tree_mask", backend, parents.device, _PROVIDED, limits)
     if _library.call_directly(parents):
@@ -166,16 +184,24 @@ def _tree_mask_impl(parents: torch.Tensor, name: str):
         return tuple(_ref_tree.tree_mask(parents))
     if name == "triton":
         from ..kernels.tree_mask import tree_mask_triton
+
         return tuple(tree_mask_triton(parents))
     batch, nodes = parents.shape
     cuda = name == "cuda"
-    words = torch.empty(batch, nodes, _ref_pack.num_words(nodes), dtype=torch.int32,
-                        device=parents.device)
+    words = torch.empty(batch, nodes, _ref_pack.num_words(nodes), dtype=torch.int32, device=parents.device)
     depth = torch.empty(batch, nodes, dtype=torch.int64, device=parents.device)
     if batch:
-        par = _backend.as_rows(parents)     # rows apart by >= N ids (a broadcast gives stride 0)
+        par = _backend.as_rows(parents)  # rows apart by >= N ids (a broadcast gives stride 0)
         with _backend.launch_context(par.device, cuda):
-            _backend.extension().tree_mask(par.data_ptr(), _backend.ID_CODE[par.dtype], batch, nodes,
-                                           par.stride(0), words.data_ptr(), depth.data_ptr(),
-                                           "cuda" if cuda else "cpu", _backend.cuda_stream(par.device, cuda))
+            _backend.extension().tree_mask(
+                par.data_ptr(),
+                _backend.ID_CODE[par.dtype],
+                batch,
+                nodes,
+                par.stride(0),
+                words.data_ptr(),
+                depth.data_ptr(),
+                "cuda" if cuda else "cpu",
+                _backend.cuda_stream(par.device, cuda),
+            )
     return words, depth

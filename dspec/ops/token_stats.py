@@ -1,4 +1,5 @@
 """token_stats: one read of the logits gives argmax, its probability, margin, entropy, lse."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,9 @@ from ..types import TokenStats
 from . import _sampling_params
 
 
-def token_stats(logits: torch.Tensor, *, temperature: float = 1.0, top_k=0, top_p=1.0,
-                backend: str | None = None) -> TokenStats:
+def token_stats(
+    logits: torch.Tensor, *, temperature: float = 1.0, top_k=0, top_p=1.0, backend: str | None = None
+) -> TokenStats:
     """Per-row statistics of ``softmax(logits / temperature)`` from a single pass.
 
     Parameters
@@ -66,6 +68,7 @@ def _token_stats_impl(logits: torch.Tensor, temperature: float, name: str):
         return tuple(_token_stats_reference(logits, temperature))
     if name == "triton":
         from ..kernels.token_stats import token_stats_triton
+
         return tuple(token_stats_triton(logits, temperature))
     return _token_stats_ext(logits, temperature, cuda=name == "cuda")
 
@@ -87,8 +90,22 @@ def _token_stats_ext(logits: torch.Tensor, temperature: float, *, cuda: bool):
                 workspace = ws.data_ptr()
             stream = _backend.cuda_stream(dev, True)
         with _backend.launch_context(dev, cuda):  # launch on x's GPU
-            ext.token_stats(x.data_ptr(), _backend.FLOAT_CODE[x.dtype], rows, vocab, x.stride(0),
-                            1.0 / temperature, token.data_ptr(), prob.data_ptr(), margin.data_ptr(),
-                            entropy.data_ptr(), lse.data_ptr(), "cuda" if cuda else "cpu",
-                            stream, splits, workspace, cpu.kernel_threads())
+            ext.token_stats(
+                x.data_ptr(),
+                _backend.FLOAT_CODE[x.dtype],
+                rows,
+                vocab,
+                x.stride(0),
+                1.0 / temperature,
+                token.data_ptr(),
+                prob.data_ptr(),
+                margin.data_ptr(),
+                entropy.data_ptr(),
+                lse.data_ptr(),
+                "cuda" if cuda else "cpu",
+                stream,
+                splits,
+                workspace,
+                cpu.kernel_threads(),
+            )
     return tuple(t.reshape(lead) for t in (token, prob, margin, entropy, lse))

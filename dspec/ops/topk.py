@@ -1,4 +1,5 @@
 """topk_tokens and mass_candidates: the k most likely tokens per row without sorting V."""
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,10 @@ TRITON_MAX_K = 32
 def _pick(op: str, logits: torch.Tensor, k: int, backend: str | None) -> str:
     limits = None
     if k > TRITON_MAX_K:
-        limits = {"triton": f"the Triton kernel handles k <= {TRITON_MAX_K}, got {k}; "
-                            "use backend='torch' (or 'cpp' on CPU tensors) for larger k"}
+        limits = {
+            "triton": f"the Triton kernel handles k <= {TRITON_MAX_K}, got {k}; "
+            "use backend='torch' (or 'cpp' on CPU tensors) for larger k"
+        }
     return _library.resolve(op, backend, logits.device, ("torch", "triton", "cpp"), limits)
 
 
@@ -27,14 +30,24 @@ def _topk_ext(logits: torch.Tensor, k: int, temperature: float, tau: float):
     tokens = torch.empty(n, k, dtype=torch.int64)
     values = torch.empty(n, k, dtype=torch.float32)
     count = torch.empty(n, dtype=torch.int64)
-    _backend.extension().topk(rows.data_ptr(), _backend.FLOAT_CODE[rows.dtype], n, rows.shape[1],
-                              rows.stride(0) if n > 1 else rows.shape[1], k, temperature, tau,
-                              tokens.data_ptr(), values.data_ptr(), count.data_ptr(), cpu.kernel_threads())
+    _backend.extension().topk(
+        rows.data_ptr(),
+        _backend.FLOAT_CODE[rows.dtype],
+        n,
+        rows.shape[1],
+        rows.stride(0) if n > 1 else rows.shape[1],
+        k,
+        temperature,
+        tau,
+        tokens.data_ptr(),
+        values.data_ptr(),
+        count.data_ptr(),
+        cpu.kernel_threads(),
+    )
     return tokens.view(*lead, k), values.view(*lead, k), count.view(lead)
 
 
-def topk_tokens(logits: torch.Tensor, k: int, *, temperature: float = 1.0,
-                backend: str | None = None):
+def topk_tokens(logits: torch.Tensor, k: int, *, temperature: float = 1.0, backend: str | None = None):
     """The k most likely tokens of each row and their probabilities.
 
     Parameters
@@ -73,11 +86,13 @@ def _topk_tokens_impl(logits: torch.Tensor, k: int, temperature: float, name: st
     if name == "cpp":
         return _topk_ext(logits, k, temperature, 0.0)[:2]
     from ..kernels.topk import topk_tokens_triton
+
     return tuple(topk_tokens_triton(logits, k, temperature))
 
 
-def mass_candidates(logits: torch.Tensor, tau: float, max_m: int, *, temperature: float = 1.0,
-                    backend: str | None = None):
+def mass_candidates(
+    logits: torch.Tensor, tau: float, max_m: int, *, temperature: float = 1.0, backend: str | None = None
+):
     """Per row the fewest top tokens (at most ``max_m``) whose probability mass reaches ``tau``.
 
     DiffuSpec's lattice pruning.  Parameters as :func:`topk_tokens`, plus ``tau`` in (0, 1].
@@ -118,4 +133,5 @@ def _mass_candidates_impl(logits: torch.Tensor, tau: float, max_m: int, temperat
     if name == "cpp":
         return _topk_ext(logits, max_m, temperature, tau)
     from ..kernels.topk import mass_candidates_triton
+
     return tuple(mass_candidates_triton(logits, tau, max_m, temperature))

@@ -1,4 +1,5 @@
 """best_first_tree: DDTree's best-first draft tree over a block drafter's per-slot candidates."""
+
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,9 @@ from ..types import BestFirstTree
 _PROVIDED = ("torch", "cpp")
 
 
-def best_first_tree(slot_probs: torch.Tensor, slot_tokens: torch.Tensor, num_nodes: int, *,
-                    backend: str | None = None) -> BestFirstTree:
+def best_first_tree(
+    slot_probs: torch.Tensor, slot_tokens: torch.Tensor, num_nodes: int, *, backend: str | None = None
+) -> BestFirstTree:
     """The ``num_nodes`` best draft-tree nodes, in DDTree's best-first (max-heap) order.
 
     A node is a path ``(c_1 .. c_d)``, d <= L, taking candidate c_j of slot j.  Its score
@@ -62,12 +64,14 @@ def best_first_tree(slot_probs: torch.Tensor, slot_tokens: torch.Tensor, num_nod
     _validate.tensor("slot_probs", slot_probs, dim=3, dtypes=_validate.FLOAT_DTYPES)
     _validate.tensor("slot_tokens", slot_tokens, dim=3, dtypes=_validate.ID_DTYPES)
     if slot_tokens.shape != slot_probs.shape:
-        raise ValueError(f"slot_tokens must have slot_probs' shape {tuple(slot_probs.shape)}, got "
-                         f"{tuple(slot_tokens.shape)}")
+        raise ValueError(
+            f"slot_tokens must have slot_probs' shape {tuple(slot_probs.shape)}, got {tuple(slot_tokens.shape)}"
+        )
     _validate.same_device(slot_probs.device, "slot_probs", slot_tokens=slot_tokens)
     if slot_probs.shape[1] < 1 or slot_probs.shape[2] < 1:
-        raise ValueError(f"slot_probs must have L >= 1 slots and k >= 1 candidates, got shape "
-                         f"{tuple(slot_probs.shape)}")
+        raise ValueError(
+            f"slot_probs must have L >= 1 slots and k >= 1 candidates, got shape {tuple(slot_probs.shape)}"
+        )
     num_nodes = _validate.positive_int("num_nodes", num_nodes)
     _validate.probabilities("slot_probs", slot_probs)
     name = _library.resolve("best_first_tree", backend, slot_probs.device, _PROVIDED)
@@ -89,8 +93,18 @@ def _best_first_tree_impl(slot_probs: torch.Tensor, slot_tokens: torch.Tensor, n
     if batch:
         probs = slot_probs.contiguous()
         tokens = slot_tokens.contiguous()
-        _backend.extension().best_first_tree(probs.data_ptr(), _backend.FLOAT_CODE[probs.dtype], tokens.data_ptr(),
-                                             _backend.ID_CODE[tokens.dtype], batch, slots, k, n,
-                                             tokens_out.data_ptr(), parents.data_ptr(), scores.data_ptr(),
-                                             depth.data_ptr())
+        _backend.extension().best_first_tree(
+            probs.data_ptr(),
+            _backend.FLOAT_CODE[probs.dtype],
+            tokens.data_ptr(),
+            _backend.ID_CODE[tokens.dtype],
+            batch,
+            slots,
+            k,
+            n,
+            tokens_out.data_ptr(),
+            parents.data_ptr(),
+            scores.data_ptr(),
+            depth.data_ptr(),
+        )
     return tokens_out, parents, scores, depth

@@ -1,4 +1,5 @@
 """verify_chain and verify_tree: fused acceptance with residual resampling."""
+
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ from ..types import TreeVerifyOutput, VerifyOutput
 from . import _sampling_params
 
 _PROVIDED = ("torch", "triton", "cuda", "cpp")
-_RULES = ("token", "block")        # verify_chain's acceptance rules
+_RULES = ("token", "block")  # verify_chain's acceptance rules
 
 
 def _temperature(value) -> float:
@@ -52,18 +53,19 @@ def _ids_in_vocab(name: str, ids: torch.Tensor, used, vocab: int) -> None:
         bad = used() & ((ids < 0) | (ids >= vocab))
         if bool(bad.any()):
             at = bad.nonzero()[0].tolist()
-            raise ValueError(f"{name} holds ids outside the vocabulary [0, {vocab}): "
-                             f"{int(ids[tuple(at)])} at {at}")
+            raise ValueError(f"{name} holds ids outside the vocabulary [0, {vocab}): {int(ids[tuple(at)])} at {at}")
 
 
 def _probability_values(draft_probs: torch.Tensor) -> None:
     """``draft_probs`` [B, *, V] holds probabilities in [0, 1] (checked while value checks run)."""
     if draft_probs.numel() and _validate.value_checks_enabled(draft_probs):
-        bad = ~((draft_probs >= 0) & (draft_probs <= 1))          # NaN fails both
+        bad = ~((draft_probs >= 0) & (draft_probs <= 1))  # NaN fails both
         if bool(bad.any()):
             b, i, v = bad.nonzero()[0].tolist()
-            raise ValueError(f"draft_probs must hold probabilities in [0, 1] (finite); "
-                             f"draft_probs[{b}, {i}, {v}] = {float(draft_probs[b, i, v])}")
+            raise ValueError(
+                f"draft_probs must hold probabilities in [0, 1] (finite); "
+                f"draft_probs[{b}, {i}, {v}] = {float(draft_probs[b, i, v])}"
+            )
 
 
 def _drafts_end_at_placeholder(draft_tokens: torch.Tensor, num_drafts):
@@ -80,7 +82,7 @@ def _drafts_end_at_placeholder(draft_tokens: torch.Tensor, num_drafts):
     if _validate.in_trusted_decode():
         return draft_tokens, (None if num_drafts is None else num_drafts.long())
     real = draft_tokens != -1
-    leading = real.cumprod(-1).sum(-1)              # the first -1's index, L if none
+    leading = real.cumprod(-1).sum(-1)  # the first -1's index, L if none
     n = leading if num_drafts is None else torch.minimum(leading, num_drafts.long())
     return draft_tokens.where(real, 0), n
 
@@ -98,10 +100,21 @@ def _tree_without_placeholders(tokens: torch.Tensor, parents: torch.Tensor):
     return tokens.where(real, 0), parents.where(real, -1)
 
 
-def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, draft_probs=None,
-                 num_drafts=None, temperature: float = 0.0, coins=None, sample_uniforms=None,
-                 generator: torch.Generator | None = None, top_k=0, top_p=1.0,
-                 backend: str | None = None, rule: str = "token") -> VerifyOutput:
+def verify_chain(
+    draft_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    draft_probs=None,
+    num_drafts=None,
+    temperature: float = 0.0,
+    coins=None,
+    sample_uniforms=None,
+    generator: torch.Generator | None = None,
+    top_k=0,
+    top_p=1.0,
+    backend: str | None = None,
+    rule: str = "token",
+) -> VerifyOutput:
     """Verify a chain of drafted tokens against the target's logits in one fused pass.
 
     Parameters
@@ -181,8 +194,10 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
     batch, length = draft_tokens.shape
     vocab = target_logits.shape[-1]
     if tuple(target_logits.shape[:2]) != (batch, length + 1):
-        raise ValueError(f"target_logits must have shape [B, L + 1, V] = [{batch}, {length + 1}, V] "
-                         f"for draft_tokens [{batch}, {length}], got {list(target_logits.shape)}")
+        raise ValueError(
+            f"target_logits must have shape [B, L + 1, V] = [{batch}, {length + 1}, V] "
+            f"for draft_tokens [{batch}, {length}], got {list(target_logits.shape)}"
+        )
     if vocab == 0:
         raise ValueError("target_logits has an empty vocabulary (last dimension is 0)")
     device = target_logits.device
@@ -190,12 +205,14 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
         _validate.tensor("draft_probs", draft_probs, dim=3, dtypes=_validate.FLOAT_DTYPES)
     if num_drafts is not None:
         _validate.tensor("num_drafts", num_drafts, dim=1, dtypes=_validate.ID_DTYPES)
-    _validate.same_device(device, "the logits", draft_tokens=draft_tokens, draft_probs=draft_probs,
-                          num_drafts=num_drafts)
+    _validate.same_device(
+        device, "the logits", draft_tokens=draft_tokens, draft_probs=draft_probs, num_drafts=num_drafts
+    )
     if draft_probs is not None:
         if tuple(draft_probs.shape) != (batch, length, vocab):
-            raise ValueError(f"draft_probs must have shape [B, L, V] = [{batch}, {length}, {vocab}], "
-                             f"got {list(draft_probs.shape)}")
+            raise ValueError(
+                f"draft_probs must have shape [B, L, V] = [{batch}, {length}, {vocab}], got {list(draft_probs.shape)}"
+            )
         _probability_values(draft_probs)
     if num_drafts is not None:
         if num_drafts.shape[0] != batch:
@@ -205,46 +222,77 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
             if lo < 0 or hi > length:
                 raise ValueError(f"num_drafts must lie in [0, L] = [0, {length}], got values in [{lo}, {hi}]")
     if _sampling_params.engaged(temperature, top_k, top_p, generator):
-        return _sampling_params.verify(verify_chain, target_logits, temperature, top_k, top_p, generator,
-                                       coins, sample_uniforms, (batch, length), backend,
-                                       draft_tokens=draft_tokens, draft_probs=draft_probs,
-                                       num_drafts=num_drafts, rule=rule)
+        return _sampling_params.verify(
+            verify_chain,
+            target_logits,
+            temperature,
+            top_k,
+            top_p,
+            generator,
+            coins,
+            sample_uniforms,
+            (batch, length),
+            backend,
+            draft_tokens=draft_tokens,
+            draft_probs=draft_probs,
+            num_drafts=num_drafts,
+            rule=rule,
+        )
     temperature = _temperature(temperature)
     _validate.generator(generator, device)
     safe_drafts, num_drafts = _drafts_end_at_placeholder(draft_tokens, num_drafts)
-    _ids_in_vocab("draft_tokens", draft_tokens, lambda: torch.arange(length, device=device)[None, :] <
-                  num_drafts[:, None], vocab)
+    _ids_in_vocab(
+        "draft_tokens", draft_tokens, lambda: torch.arange(length, device=device)[None, :] < num_drafts[:, None], vocab
+    )
     draft_tokens = safe_drafts
     if temperature > 0:
-        coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, length),
-                                             batch, device)
+        coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, length), batch, device)
     else:
-        coins = sample_uniforms = None      # greedy reads neither
+        coins = sample_uniforms = None  # greedy reads neither
     name = _library.resolve("verify_chain", backend, device, _PROVIDED)
     if temperature <= 0:
-        rule = "token"                      # greedy: both rules are exact argmax matching
-    args = (draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins,
-            sample_uniforms, name, rule)
+        rule = "token"  # greedy: both rules are exact argmax matching
+    args = (draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins, sample_uniforms, name, rule)
     if _library.call_directly(draft_tokens, target_logits, draft_probs, num_drafts, coins, sample_uniforms):
         return VerifyOutput(*_verify_chain_impl(*args))
     return VerifyOutput(*_library.verify_chain(*args))
 
 
 @_library.body('verify_chain')
-def _verify_chain_impl(draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins,
-                       sample_uniforms, name, rule="token"):
+def _verify_chain_impl(
+    draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins, sample_uniforms, name, rule="token"
+):
     """Body of the ``dspec::verify_chain`` custom op: run backend ``name`` on checked inputs."""
     if name == "torch":
-        return _reference.verify_chain(draft_tokens, target_logits, draft_probs=draft_probs,
-                                       num_drafts=num_drafts, temperature=temperature,
-                                       coins=coins, sample_uniforms=sample_uniforms, rule=rule)
+        return _reference.verify_chain(
+            draft_tokens,
+            target_logits,
+            draft_probs=draft_probs,
+            num_drafts=num_drafts,
+            temperature=temperature,
+            coins=coins,
+            sample_uniforms=sample_uniforms,
+            rule=rule,
+        )
     if name in ("cuda", "cpp"):
         from ._verify_ext import verify_chain_ext
-        return verify_chain_ext(draft_tokens, target_logits, draft_probs, num_drafts, temperature,
-                                coins, sample_uniforms, cuda=name == "cuda", rule=rule)
+
+        return verify_chain_ext(
+            draft_tokens,
+            target_logits,
+            draft_probs,
+            num_drafts,
+            temperature,
+            coins,
+            sample_uniforms,
+            cuda=name == "cuda",
+            rule=rule,
+        )
     from ..kernels.verify import verify_chain_triton
-    return verify_chain_triton(draft_tokens, target_logits, draft_probs, num_drafts, temperature,
-                               coins, sample_uniforms, rule=rule)
+
+    return verify_chain_triton(
+        draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins, sample_uniforms, rule=rule
+    )
 
 
 def _check_tree(parents: torch.Tensor) -> None:
@@ -259,17 +307,28 @@ def _tree_draft_probs(draft_probs, batch: int, nodes: int, vocab: int):
     """Checks ``draft_probs`` [B, N, V] (values while value checks run); unit stride along V."""
     _validate.tensor("draft_probs", draft_probs, dim=3, dtypes=_validate.FLOAT_DTYPES)
     if tuple(draft_probs.shape) != (batch, nodes, vocab):
-        raise ValueError(f"draft_probs must have shape [B, N, V] = [{batch}, {nodes}, {vocab}], "
-                         f"got {list(draft_probs.shape)}")
+        raise ValueError(
+            f"draft_probs must have shape [B, N, V] = [{batch}, {nodes}, {vocab}], got {list(draft_probs.shape)}"
+        )
     _probability_values(draft_probs)
     return draft_probs if draft_probs.stride(-1) == 1 or vocab == 1 else draft_probs.contiguous()
 
 
-def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor, *,
-                draft_probs=None, draft_sampling: str = "independent",
-                temperature: float = 0.0, coins=None, sample_uniforms=None,
-                generator: torch.Generator | None = None, top_k=0, top_p=1.0,
-                backend: str | None = None) -> TreeVerifyOutput:
+def verify_tree(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    draft_probs=None,
+    draft_sampling: str = "independent",
+    temperature: float = 0.0,
+    coins=None,
+    sample_uniforms=None,
+    generator: torch.Generator | None = None,
+    top_k=0,
+    top_p=1.0,
+    backend: str | None = None,
+) -> TreeVerifyOutput:
     """Verify a token tree (e.g. D2SD's K+1 branches) and return the accepted path.
 
     Lossless: with children drawn from the drafter as ``draft_sampling`` says (or fixed, with
@@ -353,53 +412,88 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     if tuple(parents.shape) != (batch, nodes):
         raise ValueError(f"parents must have the shape of tokens [{batch}, {nodes}], got {list(parents.shape)}")
     if tuple(target_logits.shape[:2]) != (batch, nodes):
-        raise ValueError(f"target_logits must have shape [B, N, V] = [{batch}, {nodes}, V], "
-                         f"got {list(target_logits.shape)}")
+        raise ValueError(
+            f"target_logits must have shape [B, N, V] = [{batch}, {nodes}, V], got {list(target_logits.shape)}"
+        )
     vocab = target_logits.shape[-1]
     if vocab == 0:
         raise ValueError("target_logits has an empty vocabulary (last dimension is 0)")
     device = target_logits.device
     if draft_sampling not in _TREE_SCHEMES:
         raise ValueError(f"draft_sampling must be one of {_TREE_SCHEMES}, got {draft_sampling!r}")
-    _validate.same_device(device, "the logits", tokens=tokens, parents=parents,
-                          draft_probs=draft_probs)
+    _validate.same_device(device, "the logits", tokens=tokens, parents=parents, draft_probs=draft_probs)
     if draft_probs is not None:
         draft_probs = _tree_draft_probs(draft_probs, batch, nodes, vocab)
     _check_tree(parents)
     tokens, parents = _tree_without_placeholders(tokens, parents)
     _ids_in_vocab("tokens", tokens, lambda: parents >= 0, vocab)
     if _sampling_params.engaged(temperature, top_k, top_p, generator):
-        return _sampling_params.verify(verify_tree, target_logits, temperature, top_k, top_p, generator,
-                                       coins, sample_uniforms, (batch, nodes), backend,
-                                       tokens=tokens, parents=parents)
+        return _sampling_params.verify(
+            verify_tree,
+            target_logits,
+            temperature,
+            top_k,
+            top_p,
+            generator,
+            coins,
+            sample_uniforms,
+            (batch, nodes),
+            backend,
+            tokens=tokens,
+            parents=parents,
+        )
     temperature = _temperature(temperature)
     _validate.generator(generator, device)
     if temperature > 0:
-        coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, nodes),
-                                             batch, device)
+        coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, nodes), batch, device)
     else:
-        coins = sample_uniforms = draft_probs = None      # greedy reads none of them
+        coins = sample_uniforms = draft_probs = None  # greedy reads none of them
     name = _library.resolve("verify_tree", backend, device, _PROVIDED)
-    args = (tokens, parents, target_logits, draft_probs, draft_sampling, temperature, coins,
-            sample_uniforms, name)
+    args = (tokens, parents, target_logits, draft_probs, draft_sampling, temperature, coins, sample_uniforms, name)
     if _library.call_directly(tokens, parents, target_logits, draft_probs, coins, sample_uniforms):
         return TreeVerifyOutput(*_verify_tree_impl(*args))
     return TreeVerifyOutput(*_library.verify_tree(*args))
 
 
 @_library.body('verify_tree')
-def _verify_tree_impl(tokens, parents, target_logits, draft_probs, draft_sampling, temperature,
-                      coins, sample_uniforms, name):
+def _verify_tree_impl(
+    tokens, parents, target_logits, draft_probs, draft_sampling, temperature, coins, sample_uniforms, name
+):
     """Body of the ``dspec::verify_tree`` custom op: run backend ``name`` on checked inputs."""
     if name == "torch":
-        return _reference.verify_tree(tokens, parents, target_logits, draft_probs=draft_probs,
-                                      draft_sampling=draft_sampling, temperature=temperature,
-                                      coins=coins, sample_uniforms=sample_uniforms)
+        return _reference.verify_tree(
+            tokens,
+            parents,
+            target_logits,
+            draft_probs=draft_probs,
+            draft_sampling=draft_sampling,
+            temperature=temperature,
+            coins=coins,
+            sample_uniforms=sample_uniforms,
+        )
     if name in ("cuda", "cpp"):
         from ._verify_ext import verify_tree_ext
-        return verify_tree_ext(tokens, parents, target_logits, temperature, coins, sample_uniforms,
-                               cuda=name == "cuda", draft_probs=draft_probs,
-                               draft_sampling=draft_sampling)
+
+        return verify_tree_ext(
+            tokens,
+            parents,
+            target_logits,
+            temperature,
+            coins,
+            sample_uniforms,
+            cuda=name == "cuda",
+            draft_probs=draft_probs,
+            draft_sampling=draft_sampling,
+        )
     from ..kernels.verify import verify_tree_triton
-    return verify_tree_triton(tokens, parents, target_logits, temperature, coins, sample_uniforms,
-                              draft_probs=draft_probs, draft_sampling=draft_sampling)
+
+    return verify_tree_triton(
+        tokens,
+        parents,
+        target_logits,
+        temperature,
+        coins,
+        sample_uniforms,
+        draft_probs=draft_probs,
+        draft_sampling=draft_sampling,
+    )

@@ -6,6 +6,7 @@ request and the suffix keys j whose mask bit (i, j) is set.  A query that sees n
 out = 0 and lse = -inf; a NaN score (a NaN in a query or a visible key) gives a NaN out and
 lse for that query.  lse is the natural-log logsumexp of the scaled scores.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,12 +14,13 @@ import torch
 from .pack_mask import pack_mask, unpack_mask
 
 
-def cascade_attention(q, k, v, mask=None, *, prefix_k=None, prefix_v=None, prefix_indptr=None,
-                      sm_scale=None, return_lse=False):
+def cascade_attention(
+    q, k, v, mask=None, *, prefix_k=None, prefix_v=None, prefix_indptr=None, sm_scale=None, return_lse=False
+):
     batch, n, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
-    scale = sm_scale if sm_scale is not None else d ** -0.5
+    scale = sm_scale if sm_scale is not None else d**-0.5
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dense = None
     if mask is not None:
@@ -38,19 +40,30 @@ def cascade_attention(q, k, v, mask=None, *, prefix_k=None, prefix_v=None, prefi
         # GQA without copying K/V per query head: the rows of a KV head's matmul are the
         # (head-in-group, token) pairs of its query heads
         qg = q[b].to(acc).view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
-        scores = torch.matmul(qg, keys.to(acc).permute(1, 2, 0)) * scale   # [Hkv, G*N, S]
+        scores = torch.matmul(qg, keys.to(acc).permute(1, 2, 0)) * scale  # [Hkv, G*N, S]
         scores = scores.masked_fill(~visible.repeat(group, 1)[None], float("-inf"))
-        row_lse = torch.logsumexp(scores, -1)                     # [Hkv, G*N]; -inf when empty
+        row_lse = torch.logsumexp(scores, -1)  # [Hkv, G*N]; -inf when empty
         # a row that sees no key (lse = -inf) gets 0; a NaN score (a NaN query or key) stays NaN
         probs = torch.exp(scores - row_lse[..., None]).masked_fill((row_lse == float("-inf"))[..., None], 0.0)
-        o = torch.matmul(probs, values.to(acc).transpose(0, 1))   # [Hkv, G*N, D]
+        o = torch.matmul(probs, values.to(acc).transpose(0, 1))  # [Hkv, G*N, D]
         out[b] = o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
         lse[b] = row_lse.view(hkv, group, n).permute(2, 0, 1).reshape(n, hq).float()
     return (out, lse) if return_lse else out
 
 
-def ragged_cascade_attention(q, k, v, mask=None, *, suffix_indptr, prefix_k=None, prefix_v=None,
-                             prefix_indptr=None, sm_scale=None, return_lse=False):
+def ragged_cascade_attention(
+    q,
+    k,
+    v,
+    mask=None,
+    *,
+    suffix_indptr,
+    prefix_k=None,
+    prefix_v=None,
+    prefix_indptr=None,
+    sm_scale=None,
+    return_lse=False,
+):
     """Ragged suffixes: q [T, Hq, D], k, v [T, Hkv, D], request b's rows
     ``suffix_indptr[b]:suffix_indptr[b + 1]``, mask words [T, ceil(max_n / 32)] (bit j of a
     row of request b: b's suffix key j) -- B separate calls of :func:`cascade_attention`."""
@@ -69,10 +82,14 @@ def ragged_cascade_attention(q, k, v, mask=None, *, suffix_indptr, prefix_k=None
         kw = {}
         if prefix_k is not None:
             p0, p1 = int(prefix_indptr[b]), int(prefix_indptr[b + 1])
-            kw = dict(prefix_k=prefix_k[p0:p1], prefix_v=prefix_v[p0:p1],
-                      prefix_indptr=torch.tensor([0, p1 - p0], device=q.device))
-        o, s = cascade_attention(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], words, sm_scale=sm_scale,
-                                 return_lse=True, **kw)
+            kw = dict(
+                prefix_k=prefix_k[p0:p1],
+                prefix_v=prefix_v[p0:p1],
+                prefix_indptr=torch.tensor([0, p1 - p0], device=q.device),
+            )
+        o, s = cascade_attention(
+            q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], words, sm_scale=sm_scale, return_lse=True, **kw
+        )
         out[lo:hi], lse[lo:hi] = o[0], s[0]
     return (out, lse) if return_lse else out
 
@@ -87,8 +104,7 @@ def gather_pages(prefix_k, prefix_v, page_table, lens):
         rows_k.append(prefix_k[pages, t % page_size])
         rows_v.append(prefix_v[pages, t % page_size])
         indptr.append(indptr[-1] + int(lens[b]))
-    return (torch.cat(rows_k), torch.cat(rows_v),
-            torch.tensor(indptr, dtype=torch.int64, device=prefix_k.device))
+    return (torch.cat(rows_k), torch.cat(rows_v), torch.tensor(indptr, dtype=torch.int64, device=prefix_k.device))
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):
@@ -107,10 +123,10 @@ def merge_states_many(v, lse):
     """S states at once: v [..., S, H, D], lse [..., S, H] -> (o [..., H, D], lse [..., H]),
     the pairwise rule's log-sum-exp over S (all -inf: o = 0, lse = -inf)."""
     ls = lse.float()
-    m = ls.amax(-2)                                             # [..., H]
+    m = ls.amax(-2)  # [..., H]
     empty = m == float("-inf")
     m_safe = torch.where(empty, torch.zeros_like(m), m)
-    w = torch.exp(ls - m_safe.unsqueeze(-2))                    # [..., S, H]
+    w = torch.exp(ls - m_safe.unsqueeze(-2))  # [..., S, H]
     total = w.sum(-2)
     o = (w[..., None] * v.float()).sum(-3) / torch.where(empty, 1.0, total)[..., None]
     out_lse = torch.where(empty, m, m_safe + torch.log(total))

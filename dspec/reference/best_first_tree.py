@@ -18,6 +18,7 @@ column 0 is the seed, the i-th pop writes its sibling to column 1 + 2 i and its 
 column of largest score (``argmax`` returns the first maximal index), which is the heap's
 tie rule.  The C++ backend numbers its heap entries the same way.
 """
+
 from __future__ import annotations
 
 import torch
@@ -68,24 +69,24 @@ def best_first_tree(slot_probs: torch.Tensor, slot_tokens: torch.Tensor, num_nod
         par = parent.gather(1, col)
         score.scatter_(1, col, -1.0)
         depth, rank = at // k, at % k
-        out["tokens"][:, i:i + 1] = flat_t.gather(1, at)
-        out["parents"][:, i:i + 1] = par
-        out["depth"][:, i:i + 1] = depth + 1
-        out_scores[:, i:i + 1] = s
+        out["tokens"][:, i : i + 1] = flat_t.gather(1, at)
+        out["parents"][:, i : i + 1] = par
+        out["depth"][:, i : i + 1] = depth + 1
+        out_scores[:, i : i + 1] = s
         if i == n - 1:
             break
         # (a) the next-best sibling, column 1 + 2 i
         has = rank + 1 < k
         nxt = torch.where(has, at + 1, at)
-        score[:, 1 + 2 * i:2 + 2 * i] = torch.where(has, ps * flat_f.gather(1, nxt), -1.0)
-        parent_score[:, 1 + 2 * i:2 + 2 * i] = ps
-        where[:, 1 + 2 * i:2 + 2 * i] = nxt
-        parent[:, 1 + 2 * i:2 + 2 * i] = par
+        score[:, 1 + 2 * i : 2 + 2 * i] = torch.where(has, ps * flat_f.gather(1, nxt), -1.0)
+        parent_score[:, 1 + 2 * i : 2 + 2 * i] = ps
+        where[:, 1 + 2 * i : 2 + 2 * i] = nxt
+        parent[:, 1 + 2 * i : 2 + 2 * i] = par
         # (b) the best child, column 2 + 2 i
         has = depth + 1 < slots
         child = torch.where(has, (depth + 1) * k, at)
-        score[:, 2 + 2 * i:3 + 2 * i] = torch.where(has, s * flat_f.gather(1, child), -1.0)
-        parent_score[:, 2 + 2 * i:3 + 2 * i] = s
-        where[:, 2 + 2 * i:3 + 2 * i] = child
-        parent[:, 2 + 2 * i:3 + 2 * i] = i
+        score[:, 2 + 2 * i : 3 + 2 * i] = torch.where(has, s * flat_f.gather(1, child), -1.0)
+        parent_score[:, 2 + 2 * i : 3 + 2 * i] = s
+        where[:, 2 + 2 * i : 3 + 2 * i] = child
+        parent[:, 2 + 2 * i : 3 + 2 * i] = i
     return out["tokens"], out["parents"], out_scores, out["depth"]

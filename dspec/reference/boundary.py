@@ -6,6 +6,7 @@ Ranking for rejection_boundaries uses ``log r`` (no underflow: two boundaries wh
 underflow to 0 are still ordered correctly), ties to the smaller i.
 ``expected_accept_length = sum_{i=1..L} exp(C_i)`` (``exp(C_{i})`` with ``C`` inclusive).
 """
+
 from __future__ import annotations
 
 import torch

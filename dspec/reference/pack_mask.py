@@ -4,6 +4,7 @@ Layout every backend follows: ``words[..., q, w]`` (int32) holds keys ``32 w .. 
 of query row q; bit j (value ``1 << j``, two's complement, so bit 31 is the sign bit) is key
 ``32 w + j``.  Bits past the last key are 0.  A row of K keys takes ``ceil(K / 32)`` words.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,10 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
         m = torch.cat([m, m.new_zeros(*lead, pad)], -1)
     m = m.reshape(*lead, words, BITS)
     weights = torch.ones(BITS, dtype=torch.int64, device=mask.device) << torch.arange(
-        BITS, dtype=torch.int64, device=mask.device)
+        BITS, dtype=torch.int64, device=mask.device
+    )
     value = (m * weights).sum(-1)  # in [0, 2^32): the unsigned word
-    value = torch.where(value >= 2 ** 31, value - 2 ** 32, value)  # as two's complement int32
+    value = torch.where(value >= 2**31, value - 2**32, value)  # as two's complement int32
     return value.to(torch.int32)
 
 

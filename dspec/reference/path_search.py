@@ -31,6 +31,7 @@ Returns ``(tokens int64 [B, L] (-1 past the path), length int64 [B], score float
 q float32 [B, L, M])``; in beam mode ``q`` is 1 on the chosen candidate (a deterministic
 proposal).
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,9 @@ import math
 import numpy as np
 
 
-def path_search(cand_tokens, cand_logprobs, lengths, history, eos_ids, ngram, *, beam: int = 3,
-                lam: float = 0.5, uniforms=None):
+def path_search(
+    cand_tokens, cand_logprobs, lengths, history, eos_ids, ngram, *, beam: int = 3, lam: float = 0.5, uniforms=None
+):
     """See the module docstring.  Array inputs are numpy (or anything ``np.asarray`` takes):
     cand_tokens int64 [B, L, M], cand_logprobs float32 [B, L, M], lengths int64 [B] (slots
     used per request, <= L), history int64 [B, 2] (the two committed tokens before the
@@ -61,8 +63,10 @@ def path_search(cand_tokens, cand_logprobs, lengths, history, eos_ids, ngram, *,
         return 0.0 if ngram is None else ngram.logprob(u, v, w)
 
     for b in range(B):
-        usable = [[m for m in range(M) if tok[b, i, m] >= 0 and float(lp[b, i, m]) != -math.inf]
-                  for i in range(int(lengths[b]))]
+        usable = [
+            [m for m in range(M) if tok[b, i, m] >= 0 and float(lp[b, i, m]) != -math.inf]
+            for i in range(int(lengths[b]))
+        ]
         n = 0
         while n < len(usable) and usable[n]:
             n += 1
@@ -95,7 +99,7 @@ def path_search(cand_tokens, cand_logprobs, lengths, history, eos_ids, ngram, *,
                 score += s[pick]
                 if t in eos:
                     break
-            out_tok[b, :len(path)] = path
+            out_tok[b, : len(path)] = path
             out_len[b] = len(path)
             out_score[b] = score
             continue
@@ -125,7 +129,7 @@ def path_search(cand_tokens, cand_logprobs, lengths, history, eos_ids, ngram, *,
             if all(d for _, _, d in beams):
                 break
         score, path, _ = beams[0]
-        out_tok[b, :len(path)] = path
+        out_tok[b, : len(path)] = path
         out_len[b] = len(path)
         out_score[b] = score
         # q: one-hot on the chosen candidate of each slot (the first candidate holding the token)

@@ -7,13 +7,15 @@ values) are kept while the mass before them is below ``top_p``, so the kept set 
 smallest such prefix whose mass reaches ``top_p`` (the top-1 token is always kept).  A row
 with a NaN, a +inf or only -inf is returned unfiltered (scaled), so it stays invalid.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """logits [B, ..., V]; temperature float [B] (> 0); top_k int [B] (0 = off); top_p float [B]
     (>= 1 = off).  Returns float32 [B, ..., V].
 
@@ -43,11 +45,11 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     clean = torch.where(valid, x, torch.zeros_like(x))
     sorted_x, order = torch.sort(clean, dim=-1, descending=True, stable=True)
     kth = sorted_x.gather(-1, (k - 1).expand(*sorted_x.shape[:-1], 1))
-    keep = sorted_x >= kth                                   # ties with the k-th value kept
+    keep = sorted_x >= kth  # ties with the k-th value kept
     masked = torch.where(keep, sorted_x, torch.full_like(sorted_x, float("-inf")))
     probs = torch.softmax(masked, -1)
     cum = torch.cumsum(probs, -1)
-    before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], -1)   # mass before each token
+    before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], -1)  # mass before each token
     keep = keep & ((before < p) | (p >= 1.0))
     kept = torch.zeros_like(keep).scatter(-1, order, keep)
     out = torch.where(kept, x, torch.full_like(x, float("-inf")))

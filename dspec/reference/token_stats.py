@@ -13,6 +13,7 @@ Semantics every backend follows (float32 math on the upcast logits, ``x = logits
 The shift by the row maximum happens before the division by T, so a tiny temperature never
 overflows an intermediate (only ``lse`` itself may be +-inf when its true value is).
 """
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ mass_candidates' count is the smallest m <= max_m whose top-m mass (a float32 ru
 in rank order) reaches tau, never counting tokens whose probability is 0 in float32; when
 the mass never reaches tau it is max_m (or the number of nonzero tokens, if fewer).
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,7 @@ def _ranked(x_clean: torch.Tensor, k: int):
     tied = x_clean == kth
     need = k - above.sum(-1, keepdim=True)
     keep = above | (tied & (torch.cumsum(tied, -1) <= need))
-    slot = torch.cumsum(keep, -1) - 1                      # 0..k-1 on kept ids, in id order
+    slot = torch.cumsum(keep, -1) - 1  # 0..k-1 on kept ids, in id order
     vocab_ids = torch.arange(x_clean.shape[-1], device=x_clean.device).expand_as(x_clean)
     ids = _scatter_kept(keep, slot, vocab_ids, k)
     values = x_clean.gather(-1, ids)
@@ -69,8 +70,7 @@ def mass_candidates(logits: torch.Tensor, tau: float, max_m: int, temperature: f
     probs = torch.exp((values - m[..., None]) * inv_t) / s[..., None]
     reached = torch.cumsum(probs, -1) >= tau
     # first rank whose running mass reaches tau, +1; max_m when none does
-    first = torch.where(reached.any(-1), reached.int().argmax(-1) + 1,
-                        torch.full_like(m, max_m, dtype=torch.int64))
+    first = torch.where(reached.any(-1), reached.int().argmax(-1) + 1, torch.full_like(m, max_m, dtype=torch.int64))
     nonzero = (probs > 0).sum(-1)
     count = torch.minimum(first, nonzero)
     count = torch.where(valid, count, torch.zeros_like(count))

@@ -10,6 +10,7 @@ input.  Pointer jumping: ``anc[i]`` covers the path from i up to (excluding) ``j
 ``depth[i]`` is its length; each round appends ``jump[i]``'s segment and doubles the jump,
 so ``ceil(log2(N))`` rounds reach every root.
 """
+
 from __future__ import annotations
 
 import torch

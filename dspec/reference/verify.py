@@ -14,6 +14,7 @@ crashes; the -1 is the documented signal.
 :func:`_block_accept`): a row's first invalid target row cuts its drafts there, so a row that
 reaches it gets final token -1 as with the token rule.
 """
+
 from __future__ import annotations
 
 import torch
@@ -80,14 +81,14 @@ def _block_accept(p, xg, p_x, q_x, draft_probs, n, coins):
     batch, length = xg.shape
     dev = xg.device
     pos = torch.arange(length + 1, device=dev)
-    invalid = torch.isnan(p[:, :, 0])                      # p is all NaN on an invalid row
+    invalid = torch.isnan(p[:, :, 0])  # p is all NaN on an invalid row
     first_invalid = torch.where(invalid, pos, length + 1).amin(-1)
     n_eff = torch.minimum(n, first_invalid)
     ratio = block_ratio(p_x, q_x)
     ws = [torch.ones(batch, device=dev)]
     for j in range(length):
         ws.append(block_w_next(ws[-1], ratio[:, j]))
-    w = torch.stack(ws, -1)                                # [B, L + 1]
+    w = torch.stack(ws, -1)  # [B, L + 1]
     h = w.clone()
     for j in range(1, length):
         if draft_probs is None:
@@ -102,16 +103,23 @@ def _block_accept(p, xg, p_x, q_x, draft_probs, n, coins):
     return tau, w.gather(1, tau[:, None])[:, 0], n_eff
 
 
-def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, draft_probs=None,
-                 num_drafts=None, temperature: float = 0.0, coins=None,
-                 sample_uniforms=None, rule: str = "token") -> VerifyOutput:
+def verify_chain(
+    draft_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    draft_probs=None,
+    num_drafts=None,
+    temperature: float = 0.0,
+    coins=None,
+    sample_uniforms=None,
+    rule: str = "token",
+) -> VerifyOutput:
     """``rule="token"``: token-wise acceptance; ``"block"``: block verification (see
     :func:`_block_accept`), the final token drawn from ``max(w_tau p_tau - q_tau, 0)``."""
     batch, length = draft_tokens.shape
     dev = draft_tokens.device
     x = draft_tokens.long()
-    n = (torch.full((batch,), length, dtype=torch.int64, device=dev) if num_drafts is None
-         else num_drafts.long())
+    n = torch.full((batch,), length, dtype=torch.int64, device=dev) if num_drafts is None else num_drafts.long()
     pos = torch.arange(length + 1, device=dev)
     in_draft = pos[None, :length] < n[:, None]
     rows = torch.arange(batch, device=dev)
@@ -126,8 +134,7 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
         # the in_draft mask discards them
         xg = x.clamp(0, p.shape[-1] - 1)
         p_x = p[:, :length].gather(-1, xg[..., None])[..., 0]
-        q_x = (torch.ones_like(p_x) if draft_probs is None
-               else draft_probs.float().gather(-1, xg[..., None])[..., 0])
+        q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.float().gather(-1, xg[..., None])[..., 0]
         if rule == "block":
             num_accepted, w_tau, n_eff = _block_accept(p, xg, p_x, q_x, draft_probs, n, coins)
         else:
@@ -145,15 +152,22 @@ def verify_chain(draft_tokens: torch.Tensor, target_logits: torch.Tensor, *, dra
             w = torch.clamp((p_j if w_tau is None else w_tau[:, None] * p_j) - q_j, min=0.0)
         w = torch.where(rejected, _residual_or_p(w, p_j), p_j)
         final = draw(w, sample_uniforms)
-    tokens = torch.where(pos[None, :] < num_accepted[:, None],
-                         torch.cat([x, x.new_full((batch, 1), -1)], -1), -1)
+    tokens = torch.where(pos[None, :] < num_accepted[:, None], torch.cat([x, x.new_full((batch, 1), -1)], -1), -1)
     tokens[rows, num_accepted] = final
     return VerifyOutput(num_accepted, tokens)
 
 
-def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor, *,
-                draft_probs=None, draft_sampling: str = "independent", temperature: float = 0.0,
-                coins=None, sample_uniforms=None) -> TreeVerifyOutput:
+def verify_tree(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    draft_probs=None,
+    draft_sampling: str = "independent",
+    temperature: float = 0.0,
+    coins=None,
+    sample_uniforms=None,
+) -> TreeVerifyOutput:
     """Walk every row's tree in one forward sweep over node indices.
 
     Children have larger indices than their parent, so scanning c = 1..N-1 in order visits
@@ -161,9 +175,16 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     With ``draft_probs`` (and sampling) the walk is :func:`_verify_tree_q`'s.
     """
     if draft_probs is not None and temperature > 0:
-        return _verify_tree_q(tokens, parents, target_logits, draft_probs,
-                              draft_sampling == "without_replacement", temperature, coins,
-                              sample_uniforms)
+        return _verify_tree_q(
+            tokens,
+            parents,
+            target_logits,
+            draft_probs,
+            draft_sampling == "without_replacement",
+            temperature,
+            coins,
+            sample_uniforms,
+        )
     batch, nodes = tokens.shape
     dev = tokens.device
     tok = tokens.long()
@@ -185,7 +206,7 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
         if greedy:
             move = child & (t == argmax[rows, node])
         else:
-            tg = t.clamp(0, w.shape[-1] - 1)[:, None]     # padding nodes may hold any id
+            tg = t.clamp(0, w.shape[-1] - 1)[:, None]  # padding nodes may hold any id
             w_t = w.gather(-1, tg)[:, 0]
             move = child & (coins[:, c].float() < w_t / w.sum(-1))
             reject = child & ~move
@@ -205,8 +226,9 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, target_logits: torc
     return TreeVerifyOutput(depth, path, out)
 
 
-def _verify_tree_q(tokens, parents, target_logits, draft_probs, without_replacement: bool,
-                   temperature: float, coins, sample_uniforms) -> TreeVerifyOutput:
+def _verify_tree_q(
+    tokens, parents, target_logits, draft_probs, without_replacement: bool, temperature: float, coins, sample_uniforms
+) -> TreeVerifyOutput:
     """The walk with draft probabilities: q = ``draft_probs[b, u]`` at the current node u.
 
     State per row at the current node u: the residual r (unnormalised, float32 [V]) with its
@@ -240,14 +262,14 @@ def _verify_tree_q(tokens, parents, target_logits, draft_probs, without_replacem
     for c in range(1, nodes):
         child = par[:, c] == node
         t = tok[:, c]
-        tg = t.clamp(0, vocab - 1)[:, None]           # padding nodes may hold any id
+        tg = t.clamp(0, vocab - 1)[:, None]  # padding nodes may hold any id
         q_u = q[rows, node]
         q_cur = q_u.masked_fill(removed, 0.0) if without_replacement else q_u
         q_x = q_cur.gather(-1, tg)[:, 0]
         live = child & (t >= 0) & (t < vocab) & (q_x != 0)
         move = live & (coins[:, c].float() * (q_x / d_q) < r.gather(-1, tg)[:, 0] / s_r)
         reject = live & ~move
-        r_new = torch.clamp(r / s_r[:, None] - q_cur / d_q[:, None], min=0.0)   # NaN stays
+        r_new = torch.clamp(r / s_r[:, None] - q_cur / d_q[:, None], min=0.0)  # NaN stays
         s_new = r_new.sum(-1)
         empty = ~(s_new > 0) & (s_new == s_new)
         r_new = torch.where(empty[:, None], p[rows, node], r_new)

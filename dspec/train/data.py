@@ -23,6 +23,7 @@ training distribution.  :class:`PackedData` serves batch ``s`` of epoch ``e`` fr
 permutation seeded by ``(seed, e)``, so a resumed run sees exactly the batches it would
 have seen.
 """
+
 from __future__ import annotations
 
 import random
@@ -42,8 +43,17 @@ from ..corpora import (  # noqa: F401
     is_heldout_text,
 )
 
-__all__ = ["SOURCES", "DataSpec", "PackedData", "documents", "tokenizer_corpus", "pack_rows",
-           "build_data", "is_heldout_problem", "token_byte_lengths"]
+__all__ = [
+    "SOURCES",
+    "DataSpec",
+    "PackedData",
+    "documents",
+    "tokenizer_corpus",
+    "pack_rows",
+    "build_data",
+    "is_heldout_problem",
+    "token_byte_lengths",
+]
 
 
 @dataclass(frozen=True)
@@ -58,8 +68,7 @@ class DataSpec:
     seed : data order (row sources, document shuffles, epoch permutations).
     """
 
-    weights: Mapping[str, float] = field(default_factory=lambda: {"stdlib": 0.35, "sharegpt": 0.3,
-                                                                   "arithmetic": 0.35})
+    weights: Mapping[str, float] = field(default_factory=lambda: {"stdlib": 0.35, "sharegpt": 0.3, "arithmetic": 0.35})
     seq_len: int = 256
     max_chars: int = 6_000_000
     arithmetic_problems: int = 120_000
@@ -85,12 +94,11 @@ class DataSpec:
 def tokenizer_corpus(*, max_chars_per_source: int = 2_000_000) -> Iterator[str]:
     """Training documents of every source, for fitting the shared BPE tokenizer."""
     for source in SOURCES:
-        yield from documents(source, "train", max_chars=max_chars_per_source,
-                             arithmetic_problems=20_000)
+        yield from documents(source, "train", max_chars=max_chars_per_source, arithmetic_problems=20_000)
 
 
 def _encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
-    inner = getattr(tokenizer, "inner", tokenizer)          # dspec Tokenizer or tokenizers'
+    inner = getattr(tokenizer, "inner", tokenizer)  # dspec Tokenizer or tokenizers'
     return [e.ids for e in inner.encode_batch(texts, add_special_tokens=False)]
 
 
@@ -100,7 +108,7 @@ def _pieces(docs: list[list[int]], seq_len: int, eos_id: int) -> list[list[int]]
     for d in docs:
         d = d + [eos_id]
         for i in range(0, len(d), seq_len):
-            out.append(d[i:i + seq_len])
+            out.append(d[i : i + seq_len])
     return out
 
 
@@ -133,8 +141,11 @@ def token_byte_lengths(tokenizer) -> torch.Tensor:
     out = torch.ones(inner.get_vocab_size(with_added_tokens=True), dtype=torch.float32)
     for tok, i in vocab.items():
         if tok not in specials:
-            out[i] = max(len(inner.decode([i], skip_special_tokens=False).encode("utf-8")), 1) \
-                if not _is_byte_level(inner) else len(tok)
+            out[i] = (
+                max(len(inner.decode([i], skip_special_tokens=False).encode("utf-8")), 1)
+                if not _is_byte_level(inner)
+                else len(tok)
+            )
     return out
 
 
@@ -171,15 +182,15 @@ class PackedData:
         epoch, k = divmod(step, per_epoch)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         perm = torch.randperm(n, generator=gen)
-        return self.train[perm[k * batch_size:(k + 1) * batch_size]].long()
+        return self.train[perm[k * batch_size : (k + 1) * batch_size]].long()
 
     def state(self) -> dict:
-        return {"train": self.train, "train_source": self.train_source, "heldout": self.heldout,
-                "seed": self.seed}
+        return {"train": self.train, "train_source": self.train_source, "heldout": self.heldout, "seed": self.seed}
 
 
-def build_data(tokenizer, spec: DataSpec, num_rows: int, *, eos_id: int | None = None,
-               progress: bool = False) -> PackedData:
+def build_data(
+    tokenizer, spec: DataSpec, num_rows: int, *, eos_id: int | None = None, progress: bool = False
+) -> PackedData:
     """Tokenise the sources of ``spec`` and pack ``num_rows`` training rows plus
     ``spec.heldout_rows`` held-out rows per source."""
     if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
@@ -203,12 +214,14 @@ def build_data(tokenizer, spec: DataSpec, num_rows: int, *, eos_id: int | None =
     it = names
     if progress:
         from tqdm.auto import tqdm
+
         it = tqdm(names, desc="tokenising", unit="source")
     for j, source in enumerate(it):
         src_rng = random.Random(f"{spec.seed}/{source}")
         for split in SPLITS:
-            docs = list(documents(source, split, max_chars=spec.max_chars,
-                                  arithmetic_problems=spec.arithmetic_problems))
+            docs = list(
+                documents(source, split, max_chars=spec.max_chars, arithmetic_problems=spec.arithmetic_problems)
+            )
             pieces = _pieces(_encode_all(tokenizer, docs), spec.seq_len, eos_id)
             if split == "train":
                 idx = [i for i, c in enumerate(choice) if c == j]
@@ -217,6 +230,7 @@ def build_data(tokenizer, spec: DataSpec, num_rows: int, *, eos_id: int | None =
                     train_rows[idx] = rows
                     train_source[idx] = SOURCES.index(source)
             else:
-                heldout[source] = pack_rows(pieces, spec.seq_len, spec.heldout_rows,
-                                            random.Random(f"{spec.seed}/{source}/heldout"))
+                heldout[source] = pack_rows(
+                    pieces, spec.seq_len, spec.heldout_rows, random.Random(f"{spec.seed}/{source}/heldout")
+                )
     return PackedData(train_rows, train_source, heldout, spec.seed)

@@ -54,6 +54,7 @@ CLI::
     python -m dspec.train.data_engine --target smollm2-135m --out data/smollm2-135m-magpie \\
         --sources magpie=0.55,magpie_math=0.45 --tokens 1200000 --batch 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,20 +72,43 @@ from .._cli import dumps, run_command
 from ..corpora import FORMAT, MANIFEST, GeneratedData, read_manifest
 from .data import is_heldout_problem, is_heldout_text
 
-__all__ = ["EngineConfig", "prompt_stream", "write_user_turns", "generate_shards", "GeneratedData",
-           "parse_directory", "read_directories", "heldout_split", "parse_source_weights", "ENGINE_SOURCES"]
+__all__ = [
+    "EngineConfig",
+    "prompt_stream",
+    "write_user_turns",
+    "generate_shards",
+    "GeneratedData",
+    "parse_directory",
+    "read_directories",
+    "heldout_split",
+    "parse_source_weights",
+    "ENGINE_SOURCES",
+]
 
 # a shard row's source id is its index here: append new sources, never reorder
 ENGINE_SOURCES = ("sharegpt", "stdlib", "arithmetic", "gsm", "code_def", "magpie", "magpie_math")
 MAGPIE_SOURCES = ("magpie", "magpie_math")
-MAGPIE_MATH_OPENINGS = ("Let $", "Find", "Compute", "If $", "What is the", "How many", "Suppose",
-                        "Evaluate", "Solve", "Determine", "Simplify", "In triangle $", "The sum of")
+MAGPIE_MATH_OPENINGS = (
+    "Let $",
+    "Find",
+    "Compute",
+    "If $",
+    "What is the",
+    "How many",
+    "Suppose",
+    "Evaluate",
+    "Solve",
+    "Determine",
+    "Simplify",
+    "In triangle $",
+    "The sum of",
+)
 MAGPIE_MATH_CLOSE = "\nPut the final answer in \\boxed{}."
-MAGPIE_TURN_TOKENS = 96         # a sampled user turn longer than this (or than the budget) is cut
-EVAL_ARITHMETIC = 2000          # bench/eval problems drawn with seed 0: never trained on
-GSM_SIZE = 1 << 24              # gsm_symbolic items are a function of (seed, index): draw indices
+MAGPIE_TURN_TOKENS = 96  # a sampled user turn longer than this (or than the budget) is cut
+EVAL_ARITHMETIC = 2000  # bench/eval problems drawn with seed 0: never trained on
+GSM_SIZE = 1 << 24  # gsm_symbolic items are a function of (seed, index): draw indices
 GSM_SUFFIX = " Give the result as your final answer. Do not include units."
-MAX_DRAWS = 10_000              # gsm / code_def redraw prompts over budget: refuse a budget none fits
+MAX_DRAWS = 10_000  # gsm / code_def redraw prompts over budget: refuse a budget none fits
 GENERATION_METHODS = ("ar", "diffusion")
 
 
@@ -118,8 +142,7 @@ class EngineConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         bad = set(self.sources) - set(ENGINE_SOURCES)
-        if bad or not self.sources or any(w < 0 for w in self.sources.values()) \
-                or sum(self.sources.values()) <= 0:
+        if bad or not self.sources or any(w < 0 for w in self.sources.values()) or sum(self.sources.values()) <= 0:
             raise ValueError(f"sources must map some of {ENGINE_SOURCES} to weights >= 0, got {self.sources!r}")
         if not 0.0 <= self.sampled_fraction <= 1.0:
             raise ValueError(f"sampled_fraction must lie in [0, 1], got {self.sampled_fraction!r}")
@@ -129,12 +152,13 @@ class EngineConfig:
 
 # ------------------------------------------------------------------------------ prompts
 
+
 def _benchmark_texts(sets=("mtbench",)) -> set[str]:
     out = set()
     for name in sets:
         try:
             out |= {p.prompt.strip() for p in getattr(tasks, name)()}
-        except ValueError:                 # package absent: nothing to exclude from it
+        except ValueError:  # package absent: nothing to exclude from it
             pass
     return out
 
@@ -149,11 +173,17 @@ class _Sources:
         self.texts: dict[str, list] = {}
         if cfg.sources.get("sharegpt"):
             bench = _benchmark_texts()
-            self.texts["sharegpt"] = [t for t in tasks.sharegpt_texts(roles=("human",))
-                                      if t.strip() and not is_heldout_text(t) and t.strip() not in bench]
+            self.texts["sharegpt"] = [
+                t
+                for t in tasks.sharegpt_texts(roles=("human",))
+                if t.strip() and not is_heldout_text(t) and t.strip() not in bench
+            ]
         if cfg.sources.get("stdlib") or cfg.sources.get("code_def"):
-            files = [f for f in tasks.stdlib_sources()
-                     if not is_heldout_text(f.read_text(encoding="utf-8", errors="replace"))]
+            files = [
+                f
+                for f in tasks.stdlib_sources()
+                if not is_heldout_text(f.read_text(encoding="utf-8", errors="replace"))
+            ]
             self.texts["stdlib"] = files
             self._defs: dict = {}
         if cfg.sources.get("gsm"):
@@ -169,9 +199,10 @@ class _Sources:
             if not self.chat:
                 raise ValueError("sources 'magpie' / 'magpie_math' need a chat model (a tokenizer with <|im_start|>)")
             from ..models.embedded import chat_prompt
+
             head = chat_prompt([{"role": "user", "content": "\0"}], add_generation_prompt=False)
             self.magpie_head = head[: head.index("\0")]
-            self.magpie_head_text = tokenizer.decode(tokenizer.encode(self.magpie_head))   # special tokens dropped
+            self.magpie_head_text = tokenizer.decode(tokenizer.encode(self.magpie_head))  # special tokens dropped
             self.magpie_tail = tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n")
             self.magpie_close = tokenizer.encode(MAGPIE_MATH_CLOSE)
             self.magpie_end = tokenizer.token_to_id("<|im_end|>")
@@ -179,8 +210,9 @@ class _Sources:
             opened = max(len(tokenizer.encode(self.magpie_head + o)) for o in MAGPIE_MATH_OPENINGS)
             room = cfg.prompt_tokens - opened - len(self.magpie_tail) - len(self.magpie_close)
             if room < 8:
-                raise ValueError(f"prompt_tokens = {cfg.prompt_tokens} leaves a Magpie user turn {room} tokens; "
-                                 "give at least 8")
+                raise ValueError(
+                    f"prompt_tokens = {cfg.prompt_tokens} leaves a Magpie user turn {room} tokens; give at least 8"
+                )
             self.magpie_room = min(MAGPIE_TURN_TOKENS, room)
         for name, items in self.texts.items():
             if not items:
@@ -192,6 +224,7 @@ class _Sources:
         if path not in self._defs:
             import ast
             import textwrap
+
             src = path.read_text(encoding="utf-8", errors="replace")
             lines = src.splitlines(keepends=True)
             try:
@@ -200,10 +233,13 @@ class _Sources:
                 tree = None
             starts = []
             for node in ast.walk(tree) if tree is not None else ():
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node) \
-                        and len(node.body) > 1:
+                if (
+                    isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and ast.get_docstring(node)
+                    and len(node.body) > 1
+                ):
                     doc = node.body[0]
-                    starts.append(textwrap.dedent("".join(lines[node.lineno - 1:doc.end_lineno])))
+                    starts.append(textwrap.dedent("".join(lines[node.lineno - 1 : doc.end_lineno])))
             self._defs[path] = starts
         return self._defs[path]
 
@@ -214,6 +250,7 @@ class _Sources:
     def draw(self, source: str, rng: random.Random, index: int) -> str:
         if source == "sharegpt":
             from ..models.embedded import chat_prompt
+
             text = self.texts["sharegpt"][rng.randrange(len(self.texts["sharegpt"]))]
             # the template with its default system turn costs ~30 tokens: cut the user turn so it fits
             text = self._cut(text, max(8, self.cfg.prompt_tokens - 48))
@@ -222,17 +259,19 @@ class _Sources:
             f = self.texts["stdlib"][rng.randrange(len(self.texts["stdlib"]))]
             lines = f.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
             start = rng.randrange(max(1, len(lines) - 4))
-            window = "".join(lines[start:start + rng.randint(4, 16)]) or "import os\n"
+            window = "".join(lines[start : start + rng.randint(4, 16)]) or "import os\n"
             return self._cut(window, self.cfg.prompt_tokens)
         if source == "gsm":
             from ..models.embedded import chat_prompt
-            for _ in range(MAX_DRAWS):      # whole problems only: a cut one has no question
+
+            for _ in range(MAX_DRAWS):  # whole problems only: a cut one has no question
                 q = self.gsm[rng.randrange(GSM_SIZE)]["question"].removesuffix(GSM_SUFFIX)
                 text = chat_prompt(q) if self.chat else q
                 if not is_heldout_text(q) and len(self.tok.encode(text)) <= self.cfg.prompt_tokens:
                     return text
-            raise ValueError(f"source 'gsm': no problem fits prompt_tokens = {self.cfg.prompt_tokens} "
-                             f"in {MAX_DRAWS} draws")
+            raise ValueError(
+                f"source 'gsm': no problem fits prompt_tokens = {self.cfg.prompt_tokens} in {MAX_DRAWS} draws"
+            )
         if source == "magpie":
             return self.magpie_head
         if source == "magpie_math":
@@ -245,16 +284,19 @@ class _Sources:
                     text = defs[rng.randrange(len(defs))]
                     if len(self.tok.encode(text)) <= self.cfg.prompt_tokens:
                         return text
-            raise ValueError(f"source 'code_def': no documented function fits prompt_tokens = "
-                             f"{self.cfg.prompt_tokens} in {MAX_DRAWS} draws")
-        while True:                                            # arithmetic
+            raise ValueError(
+                f"source 'code_def': no documented function fits prompt_tokens = "
+                f"{self.cfg.prompt_tokens} in {MAX_DRAWS} draws"
+            )
+        while True:  # arithmetic
             p = tasks.arithmetic(1, seed=1000 + self.cfg.seed * 1_000_003 + index * 31 + rng.randrange(1 << 20))[0]
             if p.prompt not in self.arith_evals and not is_heldout_problem(p.prompt):
                 return p.prompt
 
 
-def prompt_stream(tokenizer, cfg: EngineConfig, call: int, *,
-                  sources: _Sources | None = None) -> list[tuple[list[int], int]]:
+def prompt_stream(
+    tokenizer, cfg: EngineConfig, call: int, *, sources: _Sources | None = None
+) -> list[tuple[list[int], int]]:
     """The prompts of ``ar`` call ``call`` (shard s holds calls s * shard_batches ..):
     ``cfg.batch`` (token ids, source id) pairs, a pure function of (cfg.seed, call).  A Magpie
     row's ids end in its open user turn: :func:`write_user_turns` has the target fill it."""
@@ -277,12 +319,19 @@ def write_user_turns(target, prompts, cfg: EngineConfig, call: int, sources: _So
     becomes the whole chat prompt, up to the open assistant turn.  An empty turn, or one equal
     to a benchmark prompt, drops its row.  Other rows pass unchanged."""
     from ..decode.ar import decode_ar
+
     rows = [i for i, (_, s) in enumerate(prompts) if ENGINE_SOURCES[s] in MAGPIE_SOURCES]
     if not rows:
         return prompts
     gen = torch.Generator(device=target.device).manual_seed(cfg.seed * 1_000_003 + call + (1 << 40))
-    turns, _ = decode_ar(target, [prompts[i][0] for i in rows], max_new_tokens=sources.magpie_room,
-                         temperature=1.0, generator=gen, eos_ids=[sources.magpie_end])
+    turns, _ = decode_ar(
+        target,
+        [prompts[i][0] for i in rows],
+        max_new_tokens=sources.magpie_room,
+        temperature=1.0,
+        generator=gen,
+        eos_ids=[sources.magpie_end],
+    )
     out = list(prompts)
     for i, turn in zip(rows, turns):
         ids, src = prompts[i]
@@ -296,6 +345,7 @@ def write_user_turns(target, prompts, cfg: EngineConfig, call: int, sources: _So
 
 
 # ---------------------------------------------------------------------------- generation
+
 
 def _write_json(path: Path, obj) -> None:
     tmp = path.with_suffix(".tmp")
@@ -312,6 +362,7 @@ def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", pr
     from ..cpu import machine as machine_record
     from ..decode.ar import decode_ar
     from ..decode.diffusion import decode_diffusion
+
     if target.tokenizer is None:
         raise ValueError("target: the engine needs a model with a tokenizer")
     if target.config.vocab_size > 65536:
@@ -323,19 +374,33 @@ def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", pr
     out.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(out)
     if manifest is not None:
-        manifest["config"] = {"method": "ar"} | manifest["config"]     # directories made before `method`
+        manifest["config"] = {"method": "ar"} | manifest["config"]  # directories made before `method`
         if manifest["config"] != asdict(cfg) | {"tokens": manifest["config"]["tokens"]}:
-            raise ValueError(f"out: {out} holds data of another config ({manifest['config']}); "
-                             "use another directory or the same settings")
+            raise ValueError(
+                f"out: {out} holds data of another config ({manifest['config']}); "
+                "use another directory or the same settings"
+            )
         manifest["config"]["tokens"] = cfg.tokens
     else:
-        manifest = {"format": FORMAT, "config": asdict(cfg), "target": target_name or str(target.name_or_path),
-                    "dtype": str(target.dtype).replace("torch.", ""), "sources": list(ENGINE_SOURCES),
-                    "machine": machine_record(), "shards": []}
+        manifest = {
+            "format": FORMAT,
+            "config": asdict(cfg),
+            "target": target_name or str(target.name_or_path),
+            "dtype": str(target.dtype).replace("torch.", ""),
+            "sources": list(ENGINE_SOURCES),
+            "machine": machine_record(),
+            "shards": [],
+        }
     done = sum(s["response_tokens"] for s in manifest["shards"])
     sources = _Sources(target.tokenizer, cfg) if done < cfg.tokens else None
-    bar = tqdm(total=cfg.tokens, initial=min(done, cfg.tokens), desc="response tokens", unit="tok",
-               disable=not progress, smoothing=0.1)
+    bar = tqdm(
+        total=cfg.tokens,
+        initial=min(done, cfg.tokens),
+        desc="response tokens",
+        unit="tok",
+        disable=not progress,
+        smoothing=0.1,
+    )
     shard = len(manifest["shards"])
     while done < cfg.tokens:
         flat, rows, offset, resp, seconds, sampled_calls = [], [], 0, 0, 0.0, 0
@@ -346,9 +411,14 @@ def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", pr
             # call c samples at T = 1 when the running share of sampled calls is below the target
             sampled = int((call + 1) * cfg.sampled_fraction) > int(call * cfg.sampled_fraction)
             gen = torch.Generator(device=target.device).manual_seed(cfg.seed * 1_000_003 + call)
-            responses, _ = decode(target, [p for p, _ in prompts], max_new_tokens=cfg.response_tokens,
-                                  temperature=1.0 if sampled else 0.0, generator=gen if sampled else None,
-                                  eos_ids=target.eos_token_ids)
+            responses, _ = decode(
+                target,
+                [p for p, _ in prompts],
+                max_new_tokens=cfg.response_tokens,
+                temperature=1.0 if sampled else 0.0,
+                generator=gen if sampled else None,
+                eos_ids=target.eos_token_ids,
+            )
             dt = time.perf_counter() - t0
             seconds += dt
             sampled_calls += sampled
@@ -368,9 +438,16 @@ def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", pr
             with open(tmp, "wb") as f:
                 np.save(f, arr)
             os.replace(tmp, out / name)
-        manifest["shards"].append({"index": shard, "sequences": len(rows), "tokens": offset,
-                                   "response_tokens": resp, "sampled_calls": sampled_calls,
-                                   "seconds": round(seconds, 2)})
+        manifest["shards"].append(
+            {
+                "index": shard,
+                "sequences": len(rows),
+                "tokens": offset,
+                "response_tokens": resp,
+                "sampled_calls": sampled_calls,
+                "seconds": round(seconds, 2),
+            }
+        )
         _write_json(out / MANIFEST, manifest)
         done += resp
         shard += 1
@@ -379,6 +456,7 @@ def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", pr
 
 
 # ------------------------------------------------------------------------------- reading
+
 
 def parse_source_weights(text: str) -> dict[str, float]:
     """``"name=weight,..."`` (the CLIs' ``--sources``) -> {name: weight}; ValueError on any
@@ -449,35 +527,55 @@ def heldout_split(count: int, held: int, *, seed: int, start: int = 0) -> tuple[
 
 # ----------------------------------------------------------------------------------- CLI
 
+
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m dspec.train.data_engine",
-                                description="Generate target responses for drafter / adapter training.")
+    p = argparse.ArgumentParser(
+        prog="python -m dspec.train.data_engine",
+        description="Generate target responses for drafter / adapter training.",
+    )
     p.add_argument("--target", default="smollm2-135m", help="shipped name or checkpoint directory")
     p.add_argument("--out", required=True, help="output directory (outside the package)")
     d = EngineConfig()
     p.add_argument("--tokens", type=int, default=d.tokens, help="response tokens wanted (default %(default)s)")
-    p.add_argument("--response-tokens", type=int, default=d.response_tokens,
-                   help="max new tokens per prompt (default %(default)s)")
-    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens,
-                   help="max prompt tokens (default %(default)s)")
+    p.add_argument(
+        "--response-tokens", type=int, default=d.response_tokens, help="max new tokens per prompt (default %(default)s)"
+    )
+    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="max prompt tokens (default %(default)s)")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per decoding call (default %(default)s)")
-    p.add_argument("--shard-batches", type=int, default=d.shard_batches,
-                   help="decoding calls per shard, the unit of resume (default %(default)s)")
-    p.add_argument("--sampled-fraction", type=float, default=d.sampled_fraction,
-                   help="share of decoding calls sampled at T = 1 (default %(default)s)")
-    p.add_argument("--sources", default=None,
-                   help="source=weight,... of " + ", ".join(ENGINE_SOURCES) + " (default %s)"
-                   % ",".join(f"{k}={v}" for k, v in d.sources.items()))
+    p.add_argument(
+        "--shard-batches",
+        type=int,
+        default=d.shard_batches,
+        help="decoding calls per shard, the unit of resume (default %(default)s)",
+    )
+    p.add_argument(
+        "--sampled-fraction",
+        type=float,
+        default=d.sampled_fraction,
+        help="share of decoding calls sampled at T = 1 (default %(default)s)",
+    )
+    p.add_argument(
+        "--sources",
+        default=None,
+        help="source=weight,... of "
+        + ", ".join(ENGINE_SOURCES)
+        + " (default %s)" % ",".join(f"{k}={v}" for k, v in d.sources.items()),
+    )
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--method", default=d.method, choices=GENERATION_METHODS,
-                   help="ar: the target continues each prompt; diffusion: a masked-diffusion model's own "
-                        "one-token-per-step decoding (default %(default)s)")
+    p.add_argument(
+        "--method",
+        default=d.method,
+        choices=GENERATION_METHODS,
+        help="ar: the target continues each prompt; diffusion: a masked-diffusion model's own "
+        "one-token-per-step decoding (default %(default)s)",
+    )
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the machine's)")
     p.add_argument("--threads", default=None, help="torch threads (default: dspec's policy)")
     args = p.parse_args(argv)
     import dspec
 
     from ..cpu import apply_threads
+
     apply_threads(args.threads)
     try:
         sources = d.sources
@@ -486,10 +584,17 @@ def main(argv=None) -> dict:
                 sources = parse_source_weights(args.sources)
             except ValueError:
                 raise ValueError(f"--sources must look like gsm=0.6,code_def=0.4, got {args.sources!r}") from None
-        cfg = EngineConfig(tokens=args.tokens, sources=sources, response_tokens=args.response_tokens,
-                           prompt_tokens=args.prompt_tokens,
-                           batch=args.batch, shard_batches=args.shard_batches,
-                           sampled_fraction=args.sampled_fraction, seed=args.seed, method=args.method)
+        cfg = EngineConfig(
+            tokens=args.tokens,
+            sources=sources,
+            response_tokens=args.response_tokens,
+            prompt_tokens=args.prompt_tokens,
+            batch=args.batch,
+            shard_batches=args.shard_batches,
+            sampled_fraction=args.sampled_fraction,
+            seed=args.seed,
+            method=args.method,
+        )
         target = dspec.load(args.target, dtype=args.dtype)
         manifest = generate_shards(target, args.out, cfg, target_name=args.target)
     except ValueError as e:
@@ -501,4 +606,5 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     import sys
+
     sys.exit(run_command(main))

@@ -41,6 +41,7 @@ CLI::
     python -m dspec.train.dflash --target tiny-ar --out runs/tiny-ar-dflash --minutes 12
     python -m dspec.train.vp_drafter --target tiny-ar --out runs/tiny-ar-vp --minutes 12
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,6 +75,7 @@ def read_checkpoint(path, *, map_location="cpu") -> dict:
     """A drafter run's ``checkpoint.pt``, read without running code from it
     (:func:`dspec.train.state_files.load_state`); ValueError when it is not one."""
     from .state_files import load_state
+
     return load_state(path, f"resume: {CHECKPOINT}", keys=CHECKPOINT_KEYS, map_location=map_location)
 
 
@@ -81,16 +83,22 @@ def load_data(path, what: str) -> dict:
     """A run's ``data.pt`` ({"sequences": [(token ids, prompt length), ...], "info": {...}}),
     read without running code from it; ValueError when it is not one."""
     from .state_files import load_state
+
     blob = load_state(path, what, keys=("sequences", "info"))
     seqs = blob["sequences"]
-    if not isinstance(seqs, (list, tuple)) or not isinstance(blob["info"], dict) or not all(
-            isinstance(s, (list, tuple)) and len(s) == 2 and isinstance(s[1], int) for s in seqs):
-        raise ValueError(f"{what}: {path} does not hold training sequences ([(token ids, prompt length), ...] "
-                         f"and an info dict)")
+    if (
+        not isinstance(seqs, (list, tuple))
+        or not isinstance(blob["info"], dict)
+        or not all(isinstance(s, (list, tuple)) and len(s) == 2 and isinstance(s[1], int) for s in seqs)
+    ):
+        raise ValueError(
+            f"{what}: {path} does not hold training sequences ([(token ids, prompt length), ...] and an info dict)"
+        )
     return blob
 
 
 # ------------------------------------------------------------------------------ config
+
 
 @dataclass
 class DrafterTrainConfig:
@@ -155,9 +163,19 @@ class DrafterTrainConfig:
     def __post_init__(self):
         if self.kind not in ("dflash", "vp"):
             raise ValueError(f"kind must be 'dflash' or 'vp', got {self.kind!r}")
-        for name in ("block_size", "num_layers", "batch_size", "anchors_per_seq", "max_steps",
-                     "num_prompts", "prompt_tokens", "response_tokens", "gen_batch", "eval_every",
-                     "new_weight"):
+        for name in (
+            "block_size",
+            "num_layers",
+            "batch_size",
+            "anchors_per_seq",
+            "max_steps",
+            "num_prompts",
+            "prompt_tokens",
+            "response_tokens",
+            "gen_batch",
+            "eval_every",
+            "new_weight",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -193,6 +211,7 @@ class DrafterTrainConfig:
 
 # -------------------------------------------------------------------------------- data
 
+
 def _chat(tokenizer, text: str) -> str:
     if tokenizer.token_to_id("<|im_start|>") is not None:
         return f"<|im_start|>user\n{text.strip()}<|im_end|>\n<|im_start|>assistant\n"
@@ -204,6 +223,7 @@ def make_prompts(target, cfg: DrafterTrainConfig) -> list[list[int]]:
     ``cfg.seed``); arithmetic problems use training seeds (>= 1000), text sources are cut
     at a line start and truncated to ``cfg.prompt_tokens`` tokens."""
     from .. import tasks
+
     tok = target.tokenizer
     if tok is None:
         raise ValueError("the target has no tokenizer: pass prompts as token ids (generate_sequences)")
@@ -219,13 +239,13 @@ def make_prompts(target, cfg: DrafterTrainConfig) -> list[list[int]]:
             src = files[rng.randrange(len(files))].read_text(encoding="utf-8", errors="replace")
             lines = src.splitlines(keepends=True)
             start = rng.randrange(max(1, len(lines) - 8)) if lines else 0
-            texts.append("".join(lines[start:start + 12]) or "import os\n")
+            texts.append("".join(lines[start : start + 12]) or "import os\n")
     if counts.get("sharegpt"):
         turns = []
         for t in tasks.sharegpt_texts(max_conversations=4 * counts["sharegpt"], roles=("human",)):
             turns.append(t)
         rng.shuffle(turns)
-        texts += [_chat(tok, t[:600]) for t in turns[:counts["sharegpt"]]]
+        texts += [_chat(tok, t[:600]) for t in turns[: counts["sharegpt"]]]
     rng.shuffle(texts)
     prompts = []
     for t in texts:
@@ -242,16 +262,22 @@ def generate_sequences(target, prompts: list[list[int]], cfg: DrafterTrainConfig
     from tqdm.auto import tqdm
 
     from ..decode.ar import decode_ar
+
     out = []
     gen = torch.Generator(device=target.device).manual_seed(cfg.seed)
     n_sampled = int(round(len(prompts) * cfg.sampled_fraction))
     bar = tqdm(total=len(prompts), desc="generating responses", unit="seq", disable=not progress)
     for start in range(0, len(prompts), cfg.gen_batch):
-        chunk = prompts[start:start + cfg.gen_batch]
+        chunk = prompts[start : start + cfg.gen_batch]
         sampled = start >= len(prompts) - n_sampled
-        tokens, _ = decode_ar(target, chunk, max_new_tokens=cfg.response_tokens,
-                              temperature=1.0 if sampled else 0.0, generator=gen if sampled else None,
-                              eos_ids=target.eos_token_ids)
+        tokens, _ = decode_ar(
+            target,
+            chunk,
+            max_new_tokens=cfg.response_tokens,
+            temperature=1.0 if sampled else 0.0,
+            generator=gen if sampled else None,
+            eos_ids=target.eos_token_ids,
+        )
         for p, t in zip(chunk, tokens):
             if len(t) >= 2:
                 out.append((list(p) + list(t), len(p)))
@@ -262,19 +288,28 @@ def generate_sequences(target, prompts: list[list[int]], cfg: DrafterTrainConfig
 
 # ---------------------------------------------------------------------------- batches
 
+
 def pad_sequences(seqs, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[(ids, prompt_len)] -> tokens [B, T] (right-padded with 0), lengths [B], prompt_lens [B]."""
     t = max(len(s) for s, _ in seqs)
     tokens = torch.zeros(len(seqs), t, dtype=torch.int64)
     for b, (s, _) in enumerate(seqs):
-        tokens[b, :len(s)] = torch.tensor(s)
+        tokens[b, : len(s)] = torch.tensor(s)
     lengths = torch.tensor([len(s) for s, _ in seqs])
     plens = torch.tensor([p for _, p in seqs])
     return tokens.to(device), lengths.to(device), plens.to(device)
 
 
-def make_blocks(tokens, lengths, prompt_lens, *, block_size: int, anchors: int, prefix_lengths=None,
-                generator: torch.Generator | None = None):
+def make_blocks(
+    tokens,
+    lengths,
+    prompt_lens,
+    *,
+    block_size: int,
+    anchors: int,
+    prefix_lengths=None,
+    generator: torch.Generator | None = None,
+):
     """Draw ``anchors`` anchor positions per sequence in [prompt_len, length - 2] and build
     the training blocks.
 
@@ -290,12 +325,13 @@ def make_blocks(tokens, lengths, prompt_lens, *, block_size: int, anchors: int, 
     u = torch.rand(bsz, anchors, generator=generator).to(dev)
     starts = lo[:, None] + (u * span[:, None]).long().clamp_max(span[:, None] - 1)
     j = torch.arange(block_size, device=dev)
-    pos = starts[..., None] + j                                              # [B, M, G]
+    pos = starts[..., None] + j  # [B, M, G]
     valid = pos < lengths[:, None, None]
     gathered = tokens.gather(1, pos.clamp_max(t - 1).view(bsz, -1)).view(bsz, anchors, block_size)
     labels = torch.where(valid, gathered, torch.zeros_like(gathered))
-    prefix = torch.zeros(bsz, anchors, dtype=torch.int64, device=dev) if prefix_lengths is None \
-        else prefix_lengths.to(dev)
+    prefix = (
+        torch.zeros(bsz, anchors, dtype=torch.int64, device=dev) if prefix_lengths is None else prefix_lengths.to(dev)
+    )
     given = (j <= prefix[..., None]) & valid
     blocks = torch.where(given, labels, torch.full_like(labels, MASK))
     valid = valid & (j > prefix[..., None])
@@ -310,21 +346,36 @@ def target_hidden(target, tokens: torch.Tensor, layer_ids) -> list[torch.Tensor]
         return target(plan, logits=None, hidden_states=layer_ids, return_kv=False).hidden
 
 
-def ban_tokens(logits: torch.Tensor, prefix: torch.Tensor, banned: torch.Tensor,
-               draft_index: torch.Tensor | None = None) -> torch.Tensor:
+def ban_tokens(
+    logits: torch.Tensor, prefix: torch.Tensor, banned: torch.Tensor, draft_index: torch.Tensor | None = None
+) -> torch.Tensor:
     """``logits`` [B, M, G, V] with token ``banned[b, m]`` (a target id; -1 none) removed at
     slot ``prefix[b, m] + 1``, the first re-drafted slot (-inf; a copy).  ``draft_index``: the
     logits cover a draft vocabulary (a banned id outside it has no column to remove)."""
     col = banned if draft_index is None else torch.where(banned >= 0, draft_index[banned.clamp_min(0)], -1)
     g, v = logits.shape[-2], logits.shape[-1]
-    at_slot = torch.arange(g, device=logits.device) == (prefix + 1)[..., None]               # [B, M, G]
+    at_slot = torch.arange(g, device=logits.device) == (prefix + 1)[..., None]  # [B, M, G]
     hit = (torch.arange(v, device=logits.device) == col[..., None]) & (col >= 0)[..., None]  # [B, M, V]
     return logits.masked_fill(at_slot[..., None] & hit[:, :, None, :], float("-inf"))
 
 
-def block_loss(drafter: BlockDrafter, target, tokens, lengths, blocks, labels, valid, starts, prefix,
-               decay: float, hidden: list[torch.Tensor] | None = None, *, draft_index: torch.Tensor | None = None,
-               banned: torch.Tensor | None = None, return_logits: bool = False):
+def block_loss(
+    drafter: BlockDrafter,
+    target,
+    tokens,
+    lengths,
+    blocks,
+    labels,
+    valid,
+    starts,
+    prefix,
+    decay: float,
+    hidden: list[torch.Tensor] | None = None,
+    *,
+    draft_index: torch.Tensor | None = None,
+    banned: torch.Tensor | None = None,
+    return_logits: bool = False,
+):
     """Weighted cross-entropy of a batch of blocks (the recipe's objective) -> (loss, weight sum)
     (+ the logits with ``return_logits``).  ``hidden``: the target's hidden states of
     ``tokens`` when cached (else one target forward).  ``draft_index``: int64 [V], a target
@@ -333,8 +384,7 @@ def block_loss(drafter: BlockDrafter, target, tokens, lengths, blocks, labels, v
     target id excluded at slot prefix + 1 (:func:`ban_tokens`; -1 none)."""
     if hidden is None:
         hidden = target_hidden(target, tokens, drafter.target_layer_ids)
-    logits = drafter.forward_train(hidden, blocks, starts, context_length=lengths,
-                                   draft_vocab=draft_index is not None)
+    logits = drafter.forward_train(hidden, blocks, starts, context_length=lengths, draft_vocab=draft_index is not None)
     if banned is not None:
         logits = ban_tokens(logits, prefix, banned, draft_index)
     if draft_index is not None:
@@ -349,8 +399,13 @@ def block_loss(drafter: BlockDrafter, target, tokens, lengths, blocks, labels, v
     return (loss, total, logits) if return_logits else (loss, total)
 
 
-def greedy_accepted(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, prefix: torch.Tensor,
-                    draft_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_accepted(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    prefix: torch.Tensor,
+    draft_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced greedy acceptance of a batch of blocks.
 
     Slot j's draft is the logits' argmax (a column of ``draft_ids`` [V'] when the logits
@@ -371,8 +426,9 @@ def greedy_accepted(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Ten
 
 
 @torch.no_grad()
-def rejection_prefixes(first_drafter: BlockDrafter, hidden, lengths, blocks, labels, valid, starts, *,
-                       return_logits: bool = False):
+def rejection_prefixes(
+    first_drafter: BlockDrafter, hidden, lengths, blocks, labels, valid, starts, *, return_logits: bool = False
+):
     """Where a (DFlash) first drafter's greedy draft of each block is first rejected.
 
     ``blocks``, ``labels``, ``valid``, ``starts``: :func:`make_blocks` output with prefix 0
@@ -382,8 +438,9 @@ def rejection_prefixes(first_drafter: BlockDrafter, hidden, lengths, blocks, lab
     False where every draft is right or the sequence ends first) (+ the first drafter's logits
     [B, M, G, V'] with ``return_logits``)."""
     g = blocks.shape[-1]
-    logits = first_drafter.forward_train(hidden, blocks, starts, context_length=lengths,
-                                         draft_vocab=first_drafter.draft_vocab is not None)
+    logits = first_drafter.forward_train(
+        hidden, blocks, starts, context_length=lengths, draft_vocab=first_drafter.draft_vocab is not None
+    )
     ids = first_drafter.draft_vocab
     zero = torch.zeros_like(starts)
     accepted, _ = greedy_accepted(logits, labels, valid, zero, ids)
@@ -395,6 +452,7 @@ def rejection_prefixes(first_drafter: BlockDrafter, hidden, lengths, blocks, lab
 
 
 # ---------------------------------------------------------------------------- trainer
+
 
 class DrafterTrainer(BudgetedLoop):
     """Trains one block drafter for one target (see the module docstring).
@@ -419,8 +477,18 @@ class DrafterTrainer(BudgetedLoop):
     def progress_desc(self) -> str:
         return f"train {self.cfg.kind} drafter"
 
-    def __init__(self, target, cfg: DrafterTrainConfig, out_dir, *, sequences=None, prefix_sampler=None,
-                 first_drafter=None, features=None, progress: bool = True):
+    def __init__(
+        self,
+        target,
+        cfg: DrafterTrainConfig,
+        out_dir,
+        *,
+        sequences=None,
+        prefix_sampler=None,
+        first_drafter=None,
+        features=None,
+        progress: bool = True,
+    ):
         if (cfg.prefix_mode == "rejection") != (first_drafter is not None):
             raise ValueError("first_drafter: given exactly when cfg.prefix_mode is 'rejection'")
         if first_drafter is not None:
@@ -439,37 +507,49 @@ class DrafterTrainer(BudgetedLoop):
         self.progress = progress
         self.prefix_sampler = prefix_sampler
         self.device = target.device
-        self.drafter = BlockDrafter.for_target(target, kind=cfg.kind, num_layers=cfg.num_layers,
-                                               block_size=cfg.block_size,
-                                               target_layer_ids=(cfg.target_layer_ids or
-                                                                 (first_drafter.config.target_layer_ids
-                                                                  if first_drafter is not None else None)),
-                                               seed=cfg.seed, qk_norm=cfg.qk_norm, mask_token_id=cfg.mask_token_id)
+        self.drafter = BlockDrafter.for_target(
+            target,
+            kind=cfg.kind,
+            num_layers=cfg.num_layers,
+            block_size=cfg.block_size,
+            target_layer_ids=(
+                cfg.target_layer_ids or (first_drafter.config.target_layer_ids if first_drafter is not None else None)
+            ),
+            seed=cfg.seed,
+            qk_norm=cfg.qk_norm,
+            mask_token_id=cfg.mask_token_id,
+        )
         self.drafter.float().train()
         self.data_info = {}
         self.sequences = self._data(sequences)
         n_held = max(1, int((len(self.sequences) - cfg.heldout_start) * cfg.heldout_fraction))
-        self.held_idx, self.train_idx = heldout_split(len(self.sequences), n_held, seed=cfg.seed,
-                                                      start=cfg.heldout_start)
+        self.held_idx, self.train_idx = heldout_split(
+            len(self.sequences), n_held, seed=cfg.seed, start=cfg.heldout_start
+        )
         self.train_idx = self.train_idx or self.held_idx
         # oversampling repeats the new indices: the draw stays one uniform pick over a list
-        self.train_idx = self.train_idx + [i for i in self.train_idx
-                                           if i >= cfg.heldout_start] * (cfg.new_weight - 1)
+        self.train_idx = self.train_idx + [i for i in self.train_idx if i >= cfg.heldout_start] * (cfg.new_weight - 1)
         self.heldout = [self.sequences[i] for i in self.held_idx]
         self.train_set = [self.sequences[i] for i in self.train_idx]
         self.draft_index = None
         if cfg.draft_vocab:
-            self.use_draft_vocab(draft_vocabulary(self.train_set, cfg.draft_vocab, target.config.vocab_size,
-                                                  always=target.eos_token_ids))
+            self.use_draft_vocab(
+                draft_vocabulary(self.train_set, cfg.draft_vocab, target.config.vocab_size, always=target.eos_token_ids)
+            )
         self.features = None
         if features is not None:
             from .features import build_features
-            self.features = build_features(self.target, self.sequences, self.drafter.target_layer_ids, features,
-                                           progress=progress)
+
+            self.features = build_features(
+                self.target, self.sequences, self.drafter.target_layer_ids, features, progress=progress
+            )
         decay_params = [p for n, p in self.drafter.named_parameters() if p.dim() >= 2]
         other = [p for n, p in self.drafter.named_parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay_params, "weight_decay": cfg.weight_decay},
-                                      {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        self.opt = torch.optim.AdamW(
+            [{"params": decay_params, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+        )
         self.step = 0
         self.total_steps = None
         self.log: list[dict] = []
@@ -497,12 +577,16 @@ class DrafterTrainer(BudgetedLoop):
         seqs = generate_sequences(self.target, prompts, self.cfg, progress=self.progress)
         if not seqs:
             raise ValueError("the target generated no usable responses (all shorter than 2 tokens)")
-        self.data_info = {"source": "target-generated (dspec ar)", "prompts": len(prompts),
-                          "sequences": len(seqs), "sources": dict(self.cfg.sources),
-                          "tokens": sum(len(s) for s, _ in seqs),
-                          "response_tokens": sum(len(s) - p for s, p in seqs),
-                          "sampled_fraction": self.cfg.sampled_fraction,
-                          "generation_s": round(time.perf_counter() - t0, 1)}
+        self.data_info = {
+            "source": "target-generated (dspec ar)",
+            "prompts": len(prompts),
+            "sequences": len(seqs),
+            "sources": dict(self.cfg.sources),
+            "tokens": sum(len(s) for s, _ in seqs),
+            "response_tokens": sum(len(s) - p for s, p in seqs),
+            "sampled_fraction": self.cfg.sampled_fraction,
+            "generation_s": round(time.perf_counter() - t0, 1),
+        }
         torch.save({"sequences": seqs, "info": self.data_info}, path)
         return seqs
 
@@ -524,18 +608,25 @@ class DrafterTrainer(BudgetedLoop):
         if self.prefix_sampler is not None:
             prefix = self.prefix_sampler(g, (len(rows), self.cfg.anchors_per_seq))
         hidden = None if self.features is None else self.features.gather(indices, tokens.shape[1], self.device)
-        blocks, labels, valid, starts, prefix = make_blocks(tokens, lengths, plens, block_size=self.cfg.block_size,
-                                                            anchors=self.cfg.anchors_per_seq, prefix_lengths=prefix,
-                                                            generator=g)
+        blocks, labels, valid, starts, prefix = make_blocks(
+            tokens,
+            lengths,
+            plens,
+            block_size=self.cfg.block_size,
+            anchors=self.cfg.anchors_per_seq,
+            prefix_lengths=prefix,
+            generator=g,
+        )
         banned = None
         if self.first_drafter is not None:
             if hidden is None:
                 hidden = target_hidden(self.target, tokens, self.drafter.target_layer_ids)
             with self._autocast():
-                prefix, banned, has = rejection_prefixes(self.first_drafter, hidden, lengths, blocks, labels,
-                                                         valid, starts)
+                prefix, banned, has = rejection_prefixes(
+                    self.first_drafter, hidden, lengths, blocks, labels, valid, starts
+                )
             j = torch.arange(self.cfg.block_size, device=blocks.device)
-            in_range = valid | (j == 0)                      # the anchor is always inside the sequence
+            in_range = valid | (j == 0)  # the anchor is always inside the sequence
             blocks = torch.where((j <= prefix[..., None]) & in_range, labels, torch.full_like(labels, MASK))
             valid = in_range & (j > prefix[..., None]) & has[..., None]
             banned = torch.where(has, banned, -1)
@@ -544,6 +635,7 @@ class DrafterTrainer(BudgetedLoop):
     # ------------------------------------------------------------------ steps
     def _autocast(self):
         from ..cpu import native_bf16
+
         auto = self.device.type == "cuda" or (self.device.type == "cpu" and native_bf16())
         on = self.cfg.autocast == "bf16" or (self.cfg.autocast == "auto" and auto)
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=on)
@@ -555,8 +647,21 @@ class DrafterTrainer(BudgetedLoop):
             group["lr"] = lr
         tokens, lengths, blocks, labels, valid, starts, prefix, hidden, banned = self.batch(self.step)
         with self._autocast():
-            loss, _ = block_loss(self.drafter, self.target, tokens, lengths, blocks, labels, valid, starts,
-                                 prefix, cfg.decay, hidden, draft_index=self.draft_index, banned=banned)
+            loss, _ = block_loss(
+                self.drafter,
+                self.target,
+                tokens,
+                lengths,
+                blocks,
+                labels,
+                valid,
+                starts,
+                prefix,
+                cfg.decay,
+                hidden,
+                draft_index=self.draft_index,
+                banned=banned,
+            )
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
@@ -583,15 +688,30 @@ class DrafterTrainer(BudgetedLoop):
         held = self.held_idx[:max_sequences]
         for start in range(0, len(held), self.cfg.batch_size):
             tokens, lengths, blocks, labels, valid, starts, prefix, hidden, banned = self.batch(
-                start, held[start:start + self.cfg.batch_size], salt=99991)
+                start, held[start : start + self.cfg.batch_size], salt=99991
+            )
             with self._autocast():
-                loss, w, logits = block_loss(self.drafter, self.target, tokens, lengths, blocks, labels, valid,
-                                             starts, prefix, self.cfg.decay, hidden,
-                                             draft_index=self.draft_index, banned=banned, return_logits=True)
+                loss, w, logits = block_loss(
+                    self.drafter,
+                    self.target,
+                    tokens,
+                    lengths,
+                    blocks,
+                    labels,
+                    valid,
+                    starts,
+                    prefix,
+                    self.cfg.decay,
+                    hidden,
+                    draft_index=self.draft_index,
+                    banned=banned,
+                    return_logits=True,
+                )
             total += float(loss) * float(w)
             weight += float(w)
-            acc, correct = greedy_accepted(logits, labels, valid, prefix,
-                                           self.drafter.draft_vocab if self.draft_index is not None else None)
+            acc, correct = greedy_accepted(
+                logits, labels, valid, prefix, self.drafter.draft_vocab if self.draft_index is not None else None
+            )
             accepted += int(acc.sum())
             blocks_seen += acc.numel() if banned is None else int((banned >= 0).sum())
             blocks_all += acc.numel()
@@ -599,19 +719,29 @@ class DrafterTrainer(BudgetedLoop):
             counts += valid.sum((0, 1)).cpu()
         self.drafter.train()
         value = total / max(weight, 1e-6)
-        self.evals.append({"step": self.step, "heldout_loss": value,
-                           "heldout_accepted": 1 + accepted / max(blocks_seen, 1),
-                           "slot_accuracy": [round(float(h / c), 4) if c else None
-                                             for h, c in zip(hits[1:], counts[1:])],
-                           **({"rejected_fraction": blocks_seen / max(blocks_all, 1)}
-                              if self.first_drafter is not None else {})})
+        self.evals.append(
+            {
+                "step": self.step,
+                "heldout_loss": value,
+                "heldout_accepted": 1 + accepted / max(blocks_seen, 1),
+                "slot_accuracy": [round(float(h / c), 4) if c else None for h, c in zip(hits[1:], counts[1:])],
+                **({"rejected_fraction": blocks_seen / max(blocks_all, 1)} if self.first_drafter is not None else {}),
+            }
+        )
         return value
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        return {"drafter": self.drafter.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
-                "total_steps": self.total_steps, "log": self.log, "evals": self.evals,
-                "wall_s": self.wall_s, "cfg": asdict(self.cfg)}
+        return {
+            "drafter": self.drafter.state_dict(),
+            "opt": self.opt.state_dict(),
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "log": self.log,
+            "evals": self.evals,
+            "wall_s": self.wall_s,
+            "cfg": asdict(self.cfg),
+        }
 
     def save_checkpoint(self) -> Path:
         path = self.out / CHECKPOINT
@@ -629,27 +759,42 @@ class DrafterTrainer(BudgetedLoop):
         step 0 and the new layers learn only a correction); ValueError when the shapes differ
         otherwise."""
         from ..models.dflash import load_drafter
+
         src = load_drafter(path_or_name, self.target, device=self.device, dtype=torch.float32)
         mine, theirs = self.drafter.config, src.config
-        for f in ("block_size", "target_layer_ids", "hidden_size", "num_heads", "num_kv_heads",
-                  "head_dim", "intermediate_size"):
+        for f in (
+            "block_size",
+            "target_layer_ids",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+        ):
             if getattr(mine, f) != getattr(theirs, f):
-                raise ValueError(f"init: {path_or_name} has {f} = {getattr(theirs, f)!r}, this recipe "
-                                 f"{getattr(mine, f)!r}")
+                raise ValueError(
+                    f"init: {path_or_name} has {f} = {getattr(theirs, f)!r}, this recipe {getattr(mine, f)!r}"
+                )
         if theirs.num_layers > mine.num_layers:
-            raise ValueError(f"init: {path_or_name} has num_layers = {theirs.num_layers}, more than this "
-                             f"recipe's {mine.num_layers}")
+            raise ValueError(
+                f"init: {path_or_name} has num_layers = {theirs.num_layers}, more than this recipe's {mine.num_layers}"
+            )
         missing, unexpected = self.drafter.load_state_dict(src.state_dict(), strict=False)
         added = [f"layers.{i}." for i in range(theirs.num_layers, mine.num_layers)]
         if unexpected or any(not k.startswith(tuple(added)) for k in missing):
-            raise ValueError(f"init: {path_or_name} does not match this drafter's parameters "
-                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise ValueError(
+                f"init: {path_or_name} does not match this drafter's parameters "
+                f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
         with torch.no_grad():
-            for layer in list(self.drafter.layers)[theirs.num_layers:]:
+            for layer in list(self.drafter.layers)[theirs.num_layers :]:
                 layer.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
-        self.data_info = dict(self.data_info, init=str(path_or_name),
-                              **({"init_layers": theirs.num_layers} if theirs.num_layers < mine.num_layers else {}))
+        self.data_info = dict(
+            self.data_info,
+            init=str(path_or_name),
+            **({"init_layers": theirs.num_layers} if theirs.num_layers < mine.num_layers else {}),
+        )
 
     def resume(self, state: dict | None = None) -> bool:
         """Load ``checkpoint.pt`` when present (or ``state``, read earlier by
@@ -666,15 +811,26 @@ class DrafterTrainer(BudgetedLoop):
         return True
 
     def write_log(self) -> None:
-        (self.out / LOG_JSON).write_text(dumps(
-            {"config": asdict(self.cfg), "data": self.data_info, "step": self.step,
-             "total_steps": self.total_steps, "wall_s": self.wall_s, "train": self.log,
-             "heldout": self.evals}, indent=1))
+        (self.out / LOG_JSON).write_text(
+            dumps(
+                {
+                    "config": asdict(self.cfg),
+                    "data": self.data_info,
+                    "step": self.step,
+                    "total_steps": self.total_steps,
+                    "wall_s": self.wall_s,
+                    "train": self.log,
+                    "heldout": self.evals,
+                },
+                indent=1,
+            )
+        )
         try:
             import matplotlib
+
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
-        except ImportError:                       # plots are optional
+        except ImportError:  # plots are optional
             return
         fig, ax = plt.subplots(figsize=(6, 4))
         if self.log:
@@ -688,8 +844,13 @@ class DrafterTrainer(BudgetedLoop):
         accepted = [r for r in self.evals if "heldout_accepted" in r]
         if accepted:
             right = ax.twinx()
-            line, = right.plot([r["step"] for r in accepted], [r["heldout_accepted"] for r in accepted], "s-",
-                               color="tab:green", label="held-out tokens / cycle (teacher-forced)")
+            (line,) = right.plot(
+                [r["step"] for r in accepted],
+                [r["heldout_accepted"] for r in accepted],
+                "s-",
+                color="tab:green",
+                label="held-out tokens / cycle (teacher-forced)",
+            )
             right.set_ylabel("tokens per cycle")
             handles.append(line)
             labels.append(line.get_label())
@@ -701,11 +862,13 @@ class DrafterTrainer(BudgetedLoop):
 
 # ------------------------------------------------------------------------- draft vocabulary
 
+
 def draft_vocabulary(sequences, size: int, vocab_size: int, *, always=()) -> torch.Tensor:
     """The ``size`` ids most frequent among the response tokens of ``sequences`` [(ids,
     prompt_len)] (ties: the smaller id; ``always``, e.g. the EOS ids, are included), sorted:
     a drafter's draft vocabulary (:meth:`BlockDrafter.set_draft_vocab`)."""
     import numpy as np
+
     if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= vocab_size:
         raise ValueError(f"draft vocab size must be an int in [1, {vocab_size}], got {size!r}")
     counts = np.zeros(vocab_size, dtype=np.int64)
@@ -720,77 +883,118 @@ def draft_vocabulary(sequences, size: int, vocab_size: int, *, always=()) -> tor
 
 # ------------------------------------------------------------------------- evaluation
 
+
 @torch.no_grad()
-def measure_acceptance(target, drafters: dict, prompts: list[list[int]], *, max_new_tokens: int = 48,
-                       draft_len: int | None = None, k: int = 2) -> dict:
+def measure_acceptance(
+    target,
+    drafters: dict,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int = 48,
+    draft_len: int | None = None,
+    k: int = 2,
+) -> dict:
     """Mean accepted length (greedy) of dflash and, with a "vp" drafter, d2sd (K = ``k``,
     re-drafting in every cycle: on a CPU its default gate never re-drafts, which would measure
     DFlash again) and the resample control on ``prompts``; also checks the outputs equal ``ar``."""
     from ..decode import ar, d2sd, dflash
+
     ref, _ = ar.decode(target, prompts, max_new_tokens=max_new_tokens, eos_ids=target.eos_token_ids)
     res = {"prompts": len(prompts), "max_new_tokens": max_new_tokens}
-    toks, s = dflash.decode(target, prompts, max_new_tokens=max_new_tokens, eos_ids=target.eos_token_ids,
-                            drafter=drafters["dflash"], draft_len=draft_len)
+    toks, s = dflash.decode(
+        target,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        eos_ids=target.eos_token_ids,
+        drafter=drafters["dflash"],
+        draft_len=draft_len,
+    )
     res["dflash"] = {"mean_accepted": s["mean_accepted"], "equals_ar": toks == ref}
     if "vp" in drafters:
         for mode in ("vp", "resample"):
-            toks, s = d2sd.decode(target, prompts, max_new_tokens=max_new_tokens, eos_ids=target.eos_token_ids,
-                                  drafter={"dflash": drafters["dflash"], "vp": drafters["vp"]},
-                                  draft_len=draft_len, k=k, branches=mode, redraft_min=0)
+            toks, s = d2sd.decode(
+                target,
+                prompts,
+                max_new_tokens=max_new_tokens,
+                eos_ids=target.eos_token_ids,
+                drafter={"dflash": drafters["dflash"], "vp": drafters["vp"]},
+                draft_len=draft_len,
+                k=k,
+                branches=mode,
+                redraft_min=0,
+            )
             res[f"d2sd_{mode}_k{k}"] = {"mean_accepted": s["mean_accepted"], "equals_ar": toks == ref}
     return res
 
 
-def model_card(trainer: DrafterTrainer, result: dict, acceptance: dict | None, target_name: str, *,
-               command: str | None = None) -> str:
+def model_card(
+    trainer: DrafterTrainer, result: dict, acceptance: dict | None, target_name: str, *, command: str | None = None
+) -> str:
     from ..cpu import cpu_model, native_bf16
+
     c, d = trainer.cfg, trainer.drafter.config
     params = sum(p.numel() for p in trainer.drafter.parameters())
-    lines = [f"# {target_name}-{c.kind}: dspec {'DFlash' if c.kind == 'dflash' else 'D2SD VP'} block drafter",
-             "",
-             f"- target: `{target_name}` ({trainer.target.config.num_layers} layers, hidden "
-             f"{d.hidden_size}, vocab {d.vocab_size}); conditioned on target hidden states {d.target_layer_ids}",
-             f"- drafter: {d.num_layers} layer(s), {d.num_heads}/{d.num_kv_heads} heads x {d.head_dim}, "
-             f"MLP {d.intermediate_size}; {params:,} parameters (the target's embeddings and output head "
-             f"are reused, not stored); block size {d.block_size}",
-             f"- data: {dumps(trainer.data_info)}",
-             f"- objective: exponentially decayed block cross-entropy, decay {c.decay}"
-             + (f"; prefix length ~ truncated geometric prior a = {c.prefix_accept}"
-                if c.kind == "vp" and c.prefix_mode == "prior" else "")
-             + ("; prefix = the DFlash drafter's accepted drafts before its first rejection, the rejected "
-                "draft banned at the first re-drafted slot (blocks without a rejection weigh 0)"
-                if c.prefix_mode == "rejection" else ""),
-             f"- training: {result['step']} steps of {c.batch_size} sequences x {c.anchors_per_seq} blocks, "
-             f"AdamW lr {c.lr} -> {c.min_lr}, wall time {result['wall_s'] / 60:.1f} min on "
-             f"{trainer.device.type} ({cpu_model() + ', ' if trainer.device.type == 'cpu' else ''}"
-             f"{torch.get_num_threads()} threads, autocast {c.autocast}"
-             f"{' (native bf16)' if trainer.device.type == 'cpu' and native_bf16() else ''})"
-             + (f"; offline target features ({trainer.features.meta['tokens']:,} tokens)" if trainer.features else ""),
-             f"- held-out loss: {result['heldout_loss']:.4f} nats (weighted, "
-             f"{len(trainer.heldout)} held-out sequences)"]
+    lines = [
+        f"# {target_name}-{c.kind}: dspec {'DFlash' if c.kind == 'dflash' else 'D2SD VP'} block drafter",
+        "",
+        f"- target: `{target_name}` ({trainer.target.config.num_layers} layers, hidden "
+        f"{d.hidden_size}, vocab {d.vocab_size}); conditioned on target hidden states {d.target_layer_ids}",
+        f"- drafter: {d.num_layers} layer(s), {d.num_heads}/{d.num_kv_heads} heads x {d.head_dim}, "
+        f"MLP {d.intermediate_size}; {params:,} parameters (the target's embeddings and output head "
+        f"are reused, not stored); block size {d.block_size}",
+        f"- data: {dumps(trainer.data_info)}",
+        f"- objective: exponentially decayed block cross-entropy, decay {c.decay}"
+        + (
+            f"; prefix length ~ truncated geometric prior a = {c.prefix_accept}"
+            if c.kind == "vp" and c.prefix_mode == "prior"
+            else ""
+        )
+        + (
+            "; prefix = the DFlash drafter's accepted drafts before its first rejection, the rejected "
+            "draft banned at the first re-drafted slot (blocks without a rejection weigh 0)"
+            if c.prefix_mode == "rejection"
+            else ""
+        ),
+        f"- training: {result['step']} steps of {c.batch_size} sequences x {c.anchors_per_seq} blocks, "
+        f"AdamW lr {c.lr} -> {c.min_lr}, wall time {result['wall_s'] / 60:.1f} min on "
+        f"{trainer.device.type} ({cpu_model() + ', ' if trainer.device.type == 'cpu' else ''}"
+        f"{torch.get_num_threads()} threads, autocast {c.autocast}"
+        f"{' (native bf16)' if trainer.device.type == 'cpu' and native_bf16() else ''})"
+        + (f"; offline target features ({trainer.features.meta['tokens']:,} tokens)" if trainer.features else ""),
+        f"- held-out loss: {result['heldout_loss']:.4f} nats (weighted, {len(trainer.heldout)} held-out sequences)",
+    ]
     last = trainer.evals[-1] if trainer.evals else {}
     if "heldout_accepted" in last and "rejected_fraction" in last:
-        lines.append(f"- held-out, teacher-forced, greedy, over the blocks the DFlash drafter's first draft gets "
-                     f"wrong ({last['rejected_fraction']:.1%} of them): tokens a re-draft at the true rejection "
-                     f"boundary commits (its accepted slots + the target's token) {last['heldout_accepted']:.3f}; "
-                     f"top-1 agreement of slots 1..{c.block_size - 1} past the prefix: {last['slot_accuracy']}")
+        lines.append(
+            f"- held-out, teacher-forced, greedy, over the blocks the DFlash drafter's first draft gets "
+            f"wrong ({last['rejected_fraction']:.1%} of them): tokens a re-draft at the true rejection "
+            f"boundary commits (its accepted slots + the target's token) {last['heldout_accepted']:.3f}; "
+            f"top-1 agreement of slots 1..{c.block_size - 1} past the prefix: {last['slot_accuracy']}"
+        )
     elif "heldout_accepted" in last:
-        lines.append(f"- held-out teacher-forced greedy tokens per cycle (accepted drafts + 1): "
-                     f"{last['heldout_accepted']:.3f}; top-1 agreement of drafted slots 1..{c.block_size - 1}: "
-                     f"{last['slot_accuracy']}")
+        lines.append(
+            f"- held-out teacher-forced greedy tokens per cycle (accepted drafts + 1): "
+            f"{last['heldout_accepted']:.3f}; top-1 agreement of drafted slots 1..{c.block_size - 1}: "
+            f"{last['slot_accuracy']}"
+        )
     if trainer.drafter.draft_vocab is not None:
-        lines.append(f"- draft vocabulary: the {trainer.drafter.draft_vocab.numel():,} most frequent response "
-                     f"tokens of the training sequences (`draft_vocab.safetensors`)")
+        lines.append(
+            f"- draft vocabulary: the {trainer.drafter.draft_vocab.numel():,} most frequent response "
+            f"tokens of the training sequences (`draft_vocab.safetensors`)"
+        )
     if acceptance:
-        lines.append(f"- acceptance (greedy, held-out prompts, mean tokens committed per target forward): "
-                     f"{dumps(acceptance)}")
-    made = command or ("python -m dspec.train." + ("dflash" if c.kind == "dflash" else "vp_drafter")
-                       + f" --target {target_name}")
+        lines.append(
+            f"- acceptance (greedy, held-out prompts, mean tokens committed per target forward): {dumps(acceptance)}"
+        )
+    made = command or (
+        "python -m dspec.train." + ("dflash" if c.kind == "dflash" else "vp_drafter") + f" --target {target_name}"
+    )
     lines += ["", f"Made by `{made}`; load with `dspec.models.dflash.load_drafter(path, target)`.", ""]
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------- CLI
+
 
 def tiny_defaults(cfg: DrafterTrainConfig, target) -> DrafterTrainConfig:
     """Smaller blocks and data for a tiny target on a CPU."""
@@ -810,8 +1014,9 @@ def zlab_mask_token_id(target) -> int:
 
 def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dict:
     name = "dflash" if kind == "dflash" else "vp_drafter"
-    ap = argparse.ArgumentParser(prog=f"python -m dspec.train.{name}",
-                                 description=f"Train a {kind} block drafter for an AR target.")
+    ap = argparse.ArgumentParser(
+        prog=f"python -m dspec.train.{name}", description=f"Train a {kind} block drafter for an AR target."
+    )
     ap.add_argument("--target", required=True, help="shipped target name (tiny-ar, smollm2-135m) or checkpoint dir")
     ap.add_argument("--out", required=True, help="output directory (data, checkpoints, logs, drafter/)")
     ap.add_argument("--minutes", type=float, default=None, help="time budget (fixes the schedule length)")
@@ -822,59 +1027,108 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--response-tokens", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate")
-    ap.add_argument("--min-lr", type=float, default=None,
-                    help="final learning rate of the cosine schedule (a warm start wants both low: a peak "
-                         "near a fresh run's knocks the shipped weights back for thousands of steps)")
-    ap.add_argument("--weight-decay", type=float, default=None,
-                    help="AdamW weight decay of the matrices (default 0.01; a drafter that memorises its data, "
-                         "held-out loss flat while the training loss falls, wants more)")
-    ap.add_argument("--heldout-start", type=int, default=0,
-                    help="hold out only sequences from this index on: a later round on a data directory "
-                         "resumed to more tokens passes the earlier sequence count (default %(default)s)")
-    ap.add_argument("--new-weight", type=int, default=None,
-                    help="draw training sequences from --heldout-start on (the directories this round "
-                         "appends) this many times as often as the earlier ones (default 1)")
-    ap.add_argument("--sources", default=None,
-                    help="prompt sources and weights, e.g. arithmetic=0.3,stdlib=0.4,sharegpt=0.3")
+    ap.add_argument(
+        "--min-lr",
+        type=float,
+        default=None,
+        help="final learning rate of the cosine schedule (a warm start wants both low: a peak "
+        "near a fresh run's knocks the shipped weights back for thousands of steps)",
+    )
+    ap.add_argument(
+        "--weight-decay",
+        type=float,
+        default=None,
+        help="AdamW weight decay of the matrices (default 0.01; a drafter that memorises its data, "
+        "held-out loss flat while the training loss falls, wants more)",
+    )
+    ap.add_argument(
+        "--heldout-start",
+        type=int,
+        default=0,
+        help="hold out only sequences from this index on: a later round on a data directory "
+        "resumed to more tokens passes the earlier sequence count (default %(default)s)",
+    )
+    ap.add_argument(
+        "--new-weight",
+        type=int,
+        default=None,
+        help="draw training sequences from --heldout-start on (the directories this round "
+        "appends) this many times as often as the earlier ones (default 1)",
+    )
+    ap.add_argument(
+        "--sources", default=None, help="prompt sources and weights, e.g. arithmetic=0.3,stdlib=0.4,sharegpt=0.3"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    ap.add_argument("--data", default=None,
-                    help="training sequences: data-engine directories (python -m dspec.train.data_engine; "
-                         "several, comma-separated, are read back to back; DIR:N reads its first N shards, "
-                         "DIR:A-B shards A <= i < B) or "
-                         "another run's data.pt (default: generate --num-prompts responses here)")
-    ap.add_argument("--cache-features", action="store_true",
-                    help="compute the target's hidden states once into OUT/features (offline mode) instead "
-                         "of one target forward per step")
-    ap.add_argument("--autocast", choices=("auto", "bf16", "none"), default="auto",
-                    help="bf16 autocast: auto = on CUDA and on CPUs with native bf16 matmul (default %(default)s)")
-    ap.add_argument("--dflash-drafter", default=None,
-                    help="(vp) the DFlash drafter (directory or shipped name; default the shipped one) of the "
-                         "acceptance measurement and of --prefix rejection")
+    ap.add_argument(
+        "--data",
+        default=None,
+        help="training sequences: data-engine directories (python -m dspec.train.data_engine; "
+        "several, comma-separated, are read back to back; DIR:N reads its first N shards, "
+        "DIR:A-B shards A <= i < B) or "
+        "another run's data.pt (default: generate --num-prompts responses here)",
+    )
+    ap.add_argument(
+        "--cache-features",
+        action="store_true",
+        help="compute the target's hidden states once into OUT/features (offline mode) instead "
+        "of one target forward per step",
+    )
+    ap.add_argument(
+        "--autocast",
+        choices=("auto", "bf16", "none"),
+        default="auto",
+        help="bf16 autocast: auto = on CUDA and on CPUs with native bf16 matmul (default %(default)s)",
+    )
+    ap.add_argument(
+        "--dflash-drafter",
+        default=None,
+        help="(vp) the DFlash drafter (directory or shipped name; default the shipped one) of the "
+        "acceptance measurement and of --prefix rejection",
+    )
     if kind == "vp":
-        ap.add_argument("--prefix", choices=("prior", "rejection"), default="prior",
-                        help="where the given prefix ends: drawn from the truncated geometric prior, or where the "
-                             "DFlash drafter's greedy draft is first rejected (its rejected draft banned at the "
-                             "first re-drafted slot, as D2SD does) (default %(default)s)")
-    ap.add_argument("--init", default=None,
-                    help="warm start from a drafter directory or shipped drafter name of the same shape "
-                         "(e.g. the shipped DFlash drafter for a VP run, or a previous round), or of the "
-                         "same shape with fewer layers (--layers deepens it: added layers start as the identity)")
-    ap.add_argument("--draft-vocab", type=int, default=0,
-                    help="train and draft over this many ids (the most frequent response tokens of the "
-                         "training sequences, saved as the drafter's draft vocabulary; 0 = the whole vocabulary)")
+        ap.add_argument(
+            "--prefix",
+            choices=("prior", "rejection"),
+            default="prior",
+            help="where the given prefix ends: drawn from the truncated geometric prior, or where the "
+            "DFlash drafter's greedy draft is first rejected (its rejected draft banned at the "
+            "first re-drafted slot, as D2SD does) (default %(default)s)",
+        )
+    ap.add_argument(
+        "--init",
+        default=None,
+        help="warm start from a drafter directory or shipped drafter name of the same shape "
+        "(e.g. the shipped DFlash drafter for a VP run, or a previous round), or of the "
+        "same shape with fewer layers (--layers deepens it: added layers start as the identity)",
+    )
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="train and draft over this many ids (the most frequent response tokens of the "
+        "training sequences, saved as the drafter's draft vocabulary; 0 = the whole vocabulary)",
+    )
     ap.add_argument("--ship", default=None, help="also copy the final drafter directory here")
     if kind == "dflash":
-        ap.add_argument("--format", choices=("dspec", "zlab"), default="dspec",
-                        help="zlab: train a drafter with per-head q / k norm whose masked slots embed the target's "
-                             "--mask-token-id, saved in z-lab's DFlash format (config.json with "
-                             "architectures [DFlashDraftModel], dflash_config {target_layer_ids, mask_token_id}; "
-                             "the checkpoints vLLM / SGLang load with --speculative-algorithm DFLASH)")
-        ap.add_argument("--mask-token-id", type=int, default=None,
-                        help="(--format zlab) the token masked slots embed (default: the target's mask token, "
-                             "else the last id of its vocabulary)")
+        ap.add_argument(
+            "--format",
+            choices=("dspec", "zlab"),
+            default="dspec",
+            help="zlab: train a drafter with per-head q / k norm whose masked slots embed the target's "
+            "--mask-token-id, saved in z-lab's DFlash format (config.json with "
+            "architectures [DFlashDraftModel], dflash_config {target_layer_ids, mask_token_id}; "
+            "the checkpoints vLLM / SGLang load with --speculative-algorithm DFLASH)",
+        )
+        ap.add_argument(
+            "--mask-token-id",
+            type=int,
+            default=None,
+            help="(--format zlab) the token masked slots embed (default: the target's mask token, "
+            "else the last id of its vocabulary)",
+        )
     args = ap.parse_args(argv)
     fmt = getattr(args, "format", "dspec")
     if fmt != "zlab" and getattr(args, "mask_token_id", None) is not None:
@@ -884,6 +1138,7 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     if args.weight_decay is not None and not 0 <= args.weight_decay < float("inf"):
         raise SystemExit(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
     import shutil
+
     out = Path(args.out)
     # the checkpoint to continue is read (and checked) before any work; it never runs code
     resume_state = read_checkpoint(out / CHECKPOINT) if args.resume and (out / CHECKPOINT).is_file() else None
@@ -891,6 +1146,7 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
         torch.set_num_threads(args.threads)
 
     from ..hub import load
+
     target = load(args.target, device=args.device)
     if args.draft_vocab and not 0 < args.draft_vocab <= target.config.vocab_size:
         raise SystemExit(f"--draft-vocab must lie in [1, {target.config.vocab_size}] (0: none), got {args.draft_vocab}")
@@ -900,14 +1156,27 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
         if not 0 <= mask_id < target.config.vocab_size:
             raise SystemExit(f"--mask-token-id must lie in [0, {target.config.vocab_size}), got {mask_id}")
         zlab = {"qk_norm": True, "mask_token_id": mask_id}
-    cfg = DrafterTrainConfig(kind=kind, num_layers=args.layers, seed=args.seed, autocast=args.autocast,
-                             prefix_mode=getattr(args, "prefix", "prior"), **zlab)
+    cfg = DrafterTrainConfig(
+        kind=kind,
+        num_layers=args.layers,
+        seed=args.seed,
+        autocast=args.autocast,
+        prefix_mode=getattr(args, "prefix", "prior"),
+        **zlab,
+    )
     cfg = tiny_defaults(cfg, target)
-    for attr, val in (("block_size", args.block_size), ("batch_size", args.batch_size),
-                      ("num_prompts", args.num_prompts), ("response_tokens", args.response_tokens),
-                      ("lr", args.lr), ("min_lr", args.min_lr), ("weight_decay", args.weight_decay),
-                      ("heldout_start", args.heldout_start), ("new_weight", args.new_weight),
-                      ("draft_vocab", args.draft_vocab)):
+    for attr, val in (
+        ("block_size", args.block_size),
+        ("batch_size", args.batch_size),
+        ("num_prompts", args.num_prompts),
+        ("response_tokens", args.response_tokens),
+        ("lr", args.lr),
+        ("min_lr", args.min_lr),
+        ("weight_decay", args.weight_decay),
+        ("heldout_start", args.heldout_start),
+        ("new_weight", args.new_weight),
+        ("draft_vocab", args.draft_vocab),
+    ):
         if val is not None:
             setattr(cfg, attr, val)
     if args.sources:
@@ -925,6 +1194,7 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     sequences = None
     data_dirs = args.data.split(",") if args.data else []
     from .data_engine import parse_directory
+
     try:
         missing = [p for p in data_dirs if not parse_directory(p)[0].is_dir()]
     except ValueError as e:
@@ -933,6 +1203,7 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
         raise SystemExit(f"--data: several sources must all be data-engine directories; not one: {missing}")
     if data_dirs and not missing:
         from .data_engine import read_directories
+
         try:
             sequences, info = read_directories(data_dirs)
         except ValueError as e:
@@ -940,26 +1211,34 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     elif args.data and not (out / DATA).is_file():
         blob = load_data(args.data, "--data")
         out.mkdir(parents=True, exist_ok=True)
-        torch.save(blob, out / DATA)            # the run's own copy: resume and the card see it
+        torch.save(blob, out / DATA)  # the run's own copy: resume and the card see it
     first_drafter = None
     if cfg.prefix_mode == "rejection":
         from ..models.dflash import resolve_drafter
+
         try:
             first_drafter = resolve_drafter(args.dflash_drafter, target, "dflash")
         except ValueError as e:
             raise SystemExit(f"--dflash-drafter: {e}")
         sampler = None
     try:
-        trainer = DrafterTrainer(target, cfg, out, prefix_sampler=sampler, sequences=sequences,
-                                 first_drafter=first_drafter,
-                                 features=out / "features" if args.cache_features else None)
+        trainer = DrafterTrainer(
+            target,
+            cfg,
+            out,
+            prefix_sampler=sampler,
+            sequences=sequences,
+            first_drafter=first_drafter,
+            features=out / "features" if args.cache_features else None,
+        )
     except ValueError as e:
         raise SystemExit(str(e))
     if sequences is not None:
         trainer.data_info = info
     if first_drafter is not None:
-        trainer.data_info = dict(trainer.data_info,
-                                 rejections_of=str(args.dflash_drafter or f"{target.shipped_name}-dflash"))
+        trainer.data_info = dict(
+            trainer.data_info, rejections_of=str(args.dflash_drafter or f"{target.shipped_name}-dflash")
+        )
     if args.init and resume_state is None:
         try:
             trainer.init_from(args.init)
@@ -974,6 +1253,7 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     drafters = {kind: drafter}
     if kind == "vp":
         from ..models.dflash import resolve_drafter
+
         try:
             drafters["dflash"] = resolve_drafter(args.dflash_drafter, target, "dflash")
         except ValueError:
@@ -981,11 +1261,16 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
     acceptance = None
     if drafters is not None and "dflash" in drafters:
         held_prompts = [s[:p] for s, p in trainer.heldout[:8]]
-        acceptance = measure_acceptance(target, drafters, held_prompts, max_new_tokens=cfg.response_tokens,
-                                        k=2)
-    card = model_card(trainer, result, acceptance, target_name,
-                      command=" ".join([f"python -m dspec.train.{name}"] + list(argv if argv is not None else
-                                                                              __import__("sys").argv[1:])))
+        acceptance = measure_acceptance(target, drafters, held_prompts, max_new_tokens=cfg.response_tokens, k=2)
+    card = model_card(
+        trainer,
+        result,
+        acceptance,
+        target_name,
+        command=" ".join(
+            [f"python -m dspec.train.{name}"] + list(argv if argv is not None else __import__("sys").argv[1:])
+        ),
+    )
     path = drafter.save(out / "drafter", card=card, format=fmt)
     result.update(drafter=str(path), acceptance=acceptance)
     if args.ship:
@@ -997,4 +1282,5 @@ def main(argv=None, *, kind: str = "dflash", prefix_sampler_factory=None) -> dic
 
 if __name__ == "__main__":
     import sys
+
     sys.exit(run_command(main))

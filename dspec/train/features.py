@@ -18,6 +18,7 @@ keeps every part whose sequences are still a prefix and computes only a new part
 rest.  The build checkpoints its progress every minute and resumes.  :class:`FeatureCache`
 memory-maps the parts and gathers a padded batch.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,10 +53,19 @@ def _meta(path: Path) -> dict | None:
     if not f.is_file():
         return None
     meta = json.loads(f.read_text())
-    if "parts" not in meta:                 # written before parts existed: one part
-        meta["parts"] = [{"file": ARRAY, "first": 0, "sequences": meta["sequences"], "tokens": meta["tokens"],
-                          "fingerprint": meta["fingerprint"], "batches": meta["batches"],
-                          "done_batches": meta["done_batches"], "seconds": meta.get("seconds", 0.0)}]
+    if "parts" not in meta:  # written before parts existed: one part
+        meta["parts"] = [
+            {
+                "file": ARRAY,
+                "first": 0,
+                "sequences": meta["sequences"],
+                "tokens": meta["tokens"],
+                "fingerprint": meta["fingerprint"],
+                "batches": meta["batches"],
+                "done_batches": meta["done_batches"],
+                "seconds": meta.get("seconds", 0.0),
+            }
+        ]
     return meta
 
 
@@ -82,27 +92,36 @@ def _length_batches(lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def build_features(target, sequences, layer_ids, out_dir, *, batch_tokens: int = 8192,
-                   progress: bool = True) -> "FeatureCache":
+def build_features(
+    target, sequences, layer_ids, out_dir, *, batch_tokens: int = 8192, progress: bool = True
+) -> "FeatureCache":
     """Compute (or finish, or extend) the features of ``sequences`` [(ids, prompt_len)] at
     target hidden-state indices ``layer_ids`` into ``out_dir``; returns the cache.  Parts
     built earlier for a prefix of ``sequences`` (same target, layers and batching) are kept."""
     from tqdm.auto import tqdm
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     layer_ids = [int(i) for i in layer_ids]
     hidden = target.config.hidden_size
     lengths = np.asarray([len(s) for s, _ in sequences], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    setting = {"target": str(target.name_or_path), "layer_ids": layer_ids, "hidden": hidden,
-               "batch_tokens": int(batch_tokens)}
+    setting = {
+        "target": str(target.name_or_path),
+        "layer_ids": layer_ids,
+        "hidden": hidden,
+        "batch_tokens": int(batch_tokens),
+    }
     meta = _meta(out)
     parts = []
     if meta is not None and all(meta.get(k) == v for k, v in setting.items()):
         for part in meta["parts"]:
             first, stop = part["first"], part["first"] + part["sequences"]
-            if first != (parts[-1]["first"] + parts[-1]["sequences"] if parts else 0) or stop > len(sequences) \
-                    or sequences_fingerprint(sequences[first:stop]) != part["fingerprint"]:
+            if (
+                first != (parts[-1]["first"] + parts[-1]["sequences"] if parts else 0)
+                or stop > len(sequences)
+                or sequences_fingerprint(sequences[first:stop]) != part["fingerprint"]
+            ):
                 break
             parts.append(part)
     kept = {p["file"] for p in parts}
@@ -112,24 +131,37 @@ def build_features(target, sequences, layer_ids, out_dir, *, batch_tokens: int =
     covered = parts[-1]["first"] + parts[-1]["sequences"] if parts else 0
     if covered < len(sequences):
         part_lengths = lengths[covered:]
-        parts.append({"file": ARRAY if not parts else f"features-{len(parts)}.npy", "first": covered,
-                      "sequences": len(sequences) - covered, "tokens": int(part_lengths.sum()),
-                      "fingerprint": sequences_fingerprint(sequences[covered:]),
-                      "batches": len(_length_batches(part_lengths, batch_tokens)), "done_batches": 0,
-                      "seconds": 0.0})
-        arr = np.lib.format.open_memmap(out / parts[-1]["file"], mode="w+", dtype=np.int16,
-                                        shape=(parts[-1]["tokens"], len(layer_ids) * hidden))
+        parts.append(
+            {
+                "file": ARRAY if not parts else f"features-{len(parts)}.npy",
+                "first": covered,
+                "sequences": len(sequences) - covered,
+                "tokens": int(part_lengths.sum()),
+                "fingerprint": sequences_fingerprint(sequences[covered:]),
+                "batches": len(_length_batches(part_lengths, batch_tokens)),
+                "done_batches": 0,
+                "seconds": 0.0,
+            }
+        )
+        arr = np.lib.format.open_memmap(
+            out / parts[-1]["file"], mode="w+", dtype=np.int16, shape=(parts[-1]["tokens"], len(layer_ids) * hidden)
+        )
         del arr
-    meta = dict(setting, sequences=len(sequences), tokens=int(offsets[-1]),
-                fingerprint=sequences_fingerprint(sequences), parts=parts)
+    meta = dict(
+        setting,
+        sequences=len(sequences),
+        tokens=int(offsets[-1]),
+        fingerprint=sequences_fingerprint(sequences),
+        parts=parts,
+    )
     _write_meta(out, meta)
     todo = [p for p in parts if p["done_batches"] < p["batches"]]
     bar = tqdm(total=sum(p["tokens"] for p in todo), desc="target features", unit="tok", disable=not progress)
     for part in todo:
         first = part["first"]
-        batches = _length_batches(lengths[first:first + part["sequences"]], batch_tokens)
+        batches = _length_batches(lengths[first : first + part["sequences"]], batch_tokens)
         arr = np.lib.format.open_memmap(out / part["file"], mode="r+")
-        bar.update(int(sum(lengths[first + i] for b in batches[:part["done_batches"]] for i in b)))
+        bar.update(int(sum(lengths[first + i] for b in batches[: part["done_batches"]] for i in b)))
         t0 = t_save = time.perf_counter()
         for k in range(part["done_batches"], len(batches)):
             idx = [first + i for i in batches[k]]
@@ -138,7 +170,7 @@ def build_features(target, sequences, layer_ids, out_dir, *, batch_tokens: int =
             feats = torch.cat([x.to(torch.bfloat16) for x in h], dim=-1).view(torch.int16)
             for row, i in enumerate(idx):
                 n, row0 = int(lengths[i]), int(offsets[i] - offsets[first])
-                arr[row0:row0 + n] = feats[row, :n].numpy()
+                arr[row0 : row0 + n] = feats[row, :n].numpy()
             bar.update(int(lengths[idx].sum()))
             now = time.perf_counter()
             if now - t_save > 60 or k + 1 == len(batches):
@@ -164,13 +196,17 @@ class FeatureCache:
         self.lengths = np.asarray([len(s) for s, _ in sequences], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
         if meta["sequences"] != len(sequences) or meta["tokens"] != int(self.offsets[-1]):
-            raise ValueError(f"features: {self.path} was built for other sequences "
-                             f"({meta['sequences']} sequences, {meta['tokens']} tokens)")
+            raise ValueError(
+                f"features: {self.path} was built for other sequences "
+                f"({meta['sequences']} sequences, {meta['tokens']} tokens)"
+            )
         undone = [p for p in meta["parts"] if p["done_batches"] != p["batches"]]
         if undone:
-            raise ValueError(f"features: {self.path} is incomplete ({undone[0]['file']}: "
-                             f"{undone[0]['done_batches']} of {undone[0]['batches']} batches): "
-                             f"run build_features to finish it")
+            raise ValueError(
+                f"features: {self.path} is incomplete ({undone[0]['file']}: "
+                f"{undone[0]['done_batches']} of {undone[0]['batches']} batches): "
+                f"run build_features to finish it"
+            )
         self.layer_ids = meta["layer_ids"]
         self.hidden = meta["hidden"]
         self.firsts = [p["first"] for p in meta["parts"]]
@@ -185,6 +221,6 @@ class FeatureCache:
             k = bisect_right(self.firsts, i) - 1
             start = int(self.offsets[i] - self.offsets[self.firsts[k]])
             n = min(int(self.lengths[i]), length)
-            out[row, :n] = torch.from_numpy(np.array(self.arrays[k][start:start + n]))
+            out[row, :n] = torch.from_numpy(np.array(self.arrays[k][start : start + n]))
         x = out.view(torch.bfloat16).to(device)
         return list(x.unflatten(-1, (len(self.layer_ids), self.hidden)).unbind(-2))

@@ -12,15 +12,16 @@ is checkpointed so ``--resume`` continues the same schedule.  A subclass provide
 float``, ``evaluate() -> float`` (appending ``{"step", "heldout_loss", ...}`` to ``evals``)
 and ``save_checkpoint()``.
 """
+
 from __future__ import annotations
 
 import time
 
 __all__ = ["BudgetedLoop", "REPLAN_EVERY", "REPLAN_FRACTION", "fit_length"]
 
-REPLAN_EVERY = 50         # steps between re-plans of the schedule's length
-REPLAN_FRACTION = 0.25    # re-plan only while this much of the budget has passed (the cosine
-                          # has barely left its peak there, so a new length moves the lr little)
+REPLAN_EVERY = 50  # steps between re-plans of the schedule's length
+REPLAN_FRACTION = 0.25  # re-plan only while this much of the budget has passed (the cosine
+# has barely left its peak there, so a new length moves the lr little)
 
 
 def fit_length(step: int, seconds_left: float, seconds_per_step: float, cap: int, margin: float) -> int:
@@ -33,24 +34,29 @@ def fit_length(step: int, seconds_left: float, seconds_per_step: float, cap: int
 class BudgetedLoop:
     progress_desc = "train"
 
-    def train(self, *, minutes: float | None = None, max_steps: int | None = None,
-              steps: int | None = None) -> dict:
+    def train(self, *, minutes: float | None = None, max_steps: int | None = None, steps: int | None = None) -> dict:
         """Train until ``max_steps`` (default cfg.max_steps) or the time budget; a budget
         fixes the schedule's length after 10 measured steps, re-plans it over the first
         quarter of the budget (the length is kept on resume) and stops the call past 1.1x
         the budget even if steps got slower than measured.  ``steps`` stops this call after
         that many steps (the schedule is unchanged: resume later)."""
         from tqdm.auto import tqdm
+
         cap = max_steps or self.cfg.max_steps
         if self.total_steps is None and minutes is None:
             self.total_steps = cap
         budget = None if minutes is None else minutes * 60.0
-        bar = tqdm(total=self.total_steps or cap, initial=self.step, desc=self.progress_desc,
-                   unit="step", disable=not self.progress)
+        bar = tqdm(
+            total=self.total_steps or cap,
+            initial=self.step,
+            desc=self.progress_desc,
+            unit="step",
+            disable=not self.progress,
+        )
         start = time.perf_counter()
         last_ckpt = start
         measured_from = None
-        planned_here = False      # a length from a checkpoint (resume) is kept as it is
+        planned_here = False  # a length from a checkpoint (resume) is kept as it is
         stop = None if steps is None else self.step + steps
         while self.step < (self.total_steps or cap) and (stop is None or self.step < stop):
             loss = self.train_step()
@@ -61,8 +67,9 @@ class BudgetedLoop:
                 if measured_from is None and self.step >= 3:
                     measured_from = (self.step, now)
                 elif measured_from is not None and (
-                        (self.total_steps is None and self.step >= measured_from[0] + 10)
-                        or (self.step % REPLAN_EVERY == 0 and now - start < REPLAN_FRACTION * budget)):
+                    (self.total_steps is None and self.step >= measured_from[0] + 10)
+                    or (self.step % REPLAN_EVERY == 0 and now - start < REPLAN_FRACTION * budget)
+                ):
                     per_step = (now - measured_from[1]) / (self.step - measured_from[0])
                     left = budget - (now - start)
                     self.total_steps = fit_length(self.step, left, per_step, cap, 0.97)

@@ -3,6 +3,7 @@
 The adapter layers, merging and files live in :mod:`dspec.models.lora` (loading a shipped
 adapter needs no trainer); their names are re-exported here.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,10 +31,26 @@ from ..models.lora import (  # noqa: F401
 from ..models.transformer import Model
 from .trainer import Trainer
 
-__all__ = ["LoraConfig", "LoraLinear", "RowAdaptedEmbedding", "apply_lora", "lora_parameters",
-           "lora_state_dict", "load_lora_state_dict", "mark_trainable", "is_adapted", "AdapterTrainer", "merge_lora",
-           "base_fingerprint", "save_adapter", "load_adapter", "read_adapter_config", "ADAPTER_CONFIG",
-           "ADAPTER_WEIGHTS", "TARGETS"]
+__all__ = [
+    "LoraConfig",
+    "LoraLinear",
+    "RowAdaptedEmbedding",
+    "apply_lora",
+    "lora_parameters",
+    "lora_state_dict",
+    "load_lora_state_dict",
+    "mark_trainable",
+    "is_adapted",
+    "AdapterTrainer",
+    "merge_lora",
+    "base_fingerprint",
+    "save_adapter",
+    "load_adapter",
+    "read_adapter_config",
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "TARGETS",
+]
 
 
 class AdapterTrainer(Trainer):
@@ -52,7 +69,10 @@ class AdapterTrainer(Trainer):
         no_decay = [p for p in params if not any(p is q for q in decay)]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=1e-8,
+        )
 
     def state_dict(self) -> dict:
         state = super().state_dict()

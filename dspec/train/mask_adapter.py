@@ -22,6 +22,7 @@ the target the drafts are judged by).
 forward (``Model.forward`` of the 2L layout under the clean-causal rule), so trained weights
 decode as trained.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,9 +51,21 @@ from .loop import BudgetedLoop
 from .objectives import additive_mask
 from .trainer import lr_at
 
-__all__ = ["two_stream_logits", "noisy_mask", "frozen_projections_bf16", "mask_adapter_loss", "MaskAdapterLoss",
-           "noise_blocks", "mask_diffusion_model", "save_mask_adapter", "load_mask_adapter", "is_mask_adapter",
-           "MaskAdapterConfig", "MaskAdapterTrainer", "ADAPTER_FORMAT"]
+__all__ = [
+    "two_stream_logits",
+    "noisy_mask",
+    "frozen_projections_bf16",
+    "mask_adapter_loss",
+    "MaskAdapterLoss",
+    "noise_blocks",
+    "mask_diffusion_model",
+    "save_mask_adapter",
+    "load_mask_adapter",
+    "is_mask_adapter",
+    "MaskAdapterConfig",
+    "MaskAdapterTrainer",
+    "ADAPTER_FORMAT",
+]
 
 
 CHECKPOINT_KEYS = ("adapter", "opt", "step", "total_steps", "log", "evals", "wall_s")
@@ -62,12 +75,13 @@ def read_checkpoint(path, *, map_location="cpu") -> dict:
     """A mask-adapter run's ``checkpoint.pt``, read without running code from it
     (:func:`dspec.train.state_files.load_state`); ValueError when it is not one."""
     from .state_files import load_state
+
     return load_state(path, "resume: checkpoint.pt", keys=CHECKPOINT_KEYS, map_location=map_location)
 
 
 def noisy_mask(positions: torch.Tensor, is_mask: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
     """bool [B, L, 2L]: what noisy query i sees among (clean keys, noisy keys)."""
-    blk = positions // block_size                                            # [B, L]
+    blk = positions // block_size  # [B, L]
     same = blk[:, :, None] == blk[:, None, :]
     before = blk[:, None, :] < blk[:, :, None]
     causal = positions[:, None, :] <= positions[:, :, None]
@@ -75,17 +89,26 @@ def noisy_mask(positions: torch.Tensor, is_mask: torch.Tensor, valid: torch.Tens
     see_noisy = same & (is_mask[:, :, None] | causal) & valid[:, None, :]
     see = torch.cat([see_clean, see_noisy], dim=-1)
     eye = torch.eye(see.shape[1], dtype=torch.bool, device=see.device)
-    see[:, :, see.shape[1]:] |= eye & ~valid[:, :, None]                     # padding sees itself
+    see[:, :, see.shape[1] :] |= eye & ~valid[:, :, None]  # padding sees itself
     return see
 
 
 def _sdpa(q, k, v, mask, gqa):
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          attn_mask=mask, enable_gqa=gqa).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=gqa
+    ).transpose(1, 2)
 
 
-def two_stream_logits(model: Model, clean: torch.Tensor, noisy: torch.Tensor, valid: torch.Tensor,
-                      block_size: int, logits_index: torch.Tensor, *, teacher: bool = False):
+def two_stream_logits(
+    model: Model,
+    clean: torch.Tensor,
+    noisy: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    logits_index: torch.Tensor,
+    *,
+    teacher: bool = False,
+):
     """Logits of the noisy stream at ``logits_index`` [B, K] (differentiable in the adapter).
 
     clean, noisy : int64 [B, L] (noisy = clean with some positions set to [MASK]);
@@ -113,8 +136,9 @@ def two_stream_logits(model: Model, clean: torch.Tensor, noisy: torch.Tensor, va
             attn = layer.self_attn
             q, k, v = attn.rotated_qkv(layer.input_layernorm(x), cos, sin)
             kv.append((k, v))
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, enable_gqa=gqa).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
+            ).transpose(1, 2)
             x = x + attn.o_proj(o.reshape(batch, length, hq * d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         clean_x = x
@@ -155,8 +179,11 @@ def frozen_projections_bf16(model: Model) -> int:
     count = 0
     for layer in model.layers:
         for module in layer.modules():
-            if isinstance(module, nn.Linear) and not module.weight.requires_grad \
-                    and module.weight.dtype == torch.float32:
+            if (
+                isinstance(module, nn.Linear)
+                and not module.weight.requires_grad
+                and module.weight.dtype == torch.float32
+            ):
                 module.weight.data = module.weight.data.to(torch.bfloat16)
                 if module.bias is not None and not module.bias.requires_grad:
                     module.bias.data = module.bias.data.to(torch.bfloat16)
@@ -164,15 +191,20 @@ def frozen_projections_bf16(model: Model) -> int:
     return count
 
 
-def noise_blocks(clean: torch.Tensor, valid: torch.Tensor, block_size: int, mask_token_id: int,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def noise_blocks(
+    clean: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(noisy [B, L], masked bool [B, L]): per block, k ~ U{1..b} uniformly chosen valid
     positions become [MASK] (a block with no valid position stays clean)."""
     batch, length = clean.shape
     nblocks = -(-length // block_size)
     pad = nblocks * block_size - length
     v = F.pad(valid, (0, pad)).view(batch, nblocks, block_size)
-    sizes = v.sum(-1)                                                         # [B, nb]
+    sizes = v.sum(-1)  # [B, nb]
     u = torch.rand(batch, nblocks, generator=generator, device=clean.device)
     k = (u * sizes).floor().long().minimum(sizes - 1) + 1
     scores = torch.rand(batch, nblocks, block_size, generator=generator, device=clean.device)
@@ -193,9 +225,17 @@ class MaskAdapterLoss(NamedTuple):
     agree: torch.Tensor
 
 
-def mask_adapter_loss(model: Model, clean: torch.Tensor, valid: torch.Tensor, loss_from: torch.Tensor,
-                      block_size: int, *, generator: torch.Generator | None = None, distill: float = 0.0,
-                      agreement: bool = False) -> MaskAdapterLoss:
+def mask_adapter_loss(
+    model: Model,
+    clean: torch.Tensor,
+    valid: torch.Tensor,
+    loss_from: torch.Tensor,
+    block_size: int,
+    *,
+    generator: torch.Generator | None = None,
+    distill: float = 0.0,
+    agreement: bool = False,
+) -> MaskAdapterLoss:
     """Loss over the masked tokens at positions >= ``loss_from`` [B] (e.g. the prompt length)
     that are not the first slot of their block (right-shifted prediction).
 
@@ -209,24 +249,25 @@ def mask_adapter_loss(model: Model, clean: torch.Tensor, valid: torch.Tensor, lo
     if not isinstance(distill, (int, float)) or isinstance(distill, bool) or not 0.0 <= distill <= 1.0:
         raise ValueError(f"distill must be a number in [0, 1], got {distill!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
-        raise ValueError(f"block_size must be an int >= 2 (a block's first slot is the base model's), "
-                         f"got {block_size!r}")
+        raise ValueError(
+            f"block_size must be an int >= 2 (a block's first slot is the base model's), got {block_size!r}"
+        )
     adapter = model.mask_adapter
     noisy, masked = noise_blocks(clean, valid, block_size, adapter.mask_token_id, generator)
     batch, length = clean.shape
     j = torch.arange(length, device=clean.device)
-    want = masked & (j % block_size != 0) & (j >= loss_from[:, None])          # [B, L]
+    want = masked & (j % block_size != 0) & (j >= loss_from[:, None])  # [B, L]
     # gather only the wanted rows' logits (slot j from noisy row j - 1), padded per request
     count = want.sum(1)
     k = max(int(count.max()), 1)
-    order = torch.sort((~want).to(torch.int8), dim=1, stable=True).indices[:, :k]      # wanted first
+    order = torch.sort((~want).to(torch.int8), dim=1, stable=True).indices[:, :k]  # wanted first
     have = torch.arange(k, device=clean.device)[None] < count[:, None]
     src = (order - 1).clamp_min(0)
     teacher = distill > 0 or agreement
     out = two_stream_logits(model, clean, noisy, valid, block_size, src, teacher=teacher)
     logits, teacher_logits = out if teacher else (out, None)
     targets = clean.gather(1, order)
-    log_q = F.log_softmax(logits.float(), -1)                                  # [B, k, V]
+    log_q = F.log_softmax(logits.float(), -1)  # [B, k, V]
     ce = -log_q.gather(-1, targets[..., None])[..., 0] * have
     n = have.sum().float()
     loss = ce.sum()
@@ -242,6 +283,7 @@ def mask_adapter_loss(model: Model, clean: torch.Tensor, valid: torch.Tensor, lo
 
 
 # ---------------------------------------------------------------------- training
+
 
 @dataclass
 class MaskAdapterConfig:
@@ -293,13 +335,20 @@ class MaskAdapterConfig:
         self.eval_block_sizes, self.targets = tuple(self.eval_block_sizes), tuple(self.targets)
         sizes = self.block_sizes + self.eval_block_sizes
         if not self.block_sizes or any(not isinstance(b, int) or b < 2 for b in sizes):
-            raise ValueError(f"block_sizes and eval_block_sizes must hold ints >= 2, got {self.block_sizes}, "
-                             f"{self.eval_block_sizes}")
-        if len(self.block_weights) != len(self.block_sizes) or any(w < 0 for w in self.block_weights) \
-                or sum(self.block_weights) <= 0:
+            raise ValueError(
+                f"block_sizes and eval_block_sizes must hold ints >= 2, got {self.block_sizes}, {self.eval_block_sizes}"
+            )
+        if (
+            len(self.block_weights) != len(self.block_sizes)
+            or any(w < 0 for w in self.block_weights)
+            or sum(self.block_weights) <= 0
+        ):
             raise ValueError(f"block_weights must be {len(self.block_sizes)} weights >= 0, got {self.block_weights}")
-        if isinstance(self.distill, bool) or not isinstance(self.distill, (int, float)) \
-                or not 0.0 <= self.distill <= 1.0:
+        if (
+            isinstance(self.distill, bool)
+            or not isinstance(self.distill, (int, float))
+            or not 0.0 <= self.distill <= 1.0
+        ):
             raise ValueError(f"distill must be a number in [0, 1], got {self.distill!r}")
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be 'auto', 'bf16' or 'none', got {self.autocast!r}")
@@ -314,8 +363,18 @@ class MaskAdapterTrainer(BudgetedLoop):
 
     progress_desc = "train mask adapter"
 
-    def __init__(self, model: Model, sequences, cfg: MaskAdapterConfig, out_dir, *, base_name: str,
-                 base_fingerprint: str, data_info: dict | None = None, progress: bool = True):
+    def __init__(
+        self,
+        model: Model,
+        sequences,
+        cfg: MaskAdapterConfig,
+        out_dir,
+        *,
+        base_name: str,
+        base_fingerprint: str,
+        data_info: dict | None = None,
+        progress: bool = True,
+    ):
         if model.mask_adapter is None:
             raise ValueError("model: attach a MaskAdapter first (mask_diffusion_model)")
         self.model, self.cfg, self.out = model, cfg, Path(out_dir)
@@ -351,13 +410,14 @@ class MaskAdapterTrainer(BudgetedLoop):
         clean = torch.zeros(len(rows), length, dtype=torch.int64)
         valid = torch.zeros(len(rows), length, dtype=torch.bool)
         for b, (s, _) in enumerate(rows):
-            clean[b, :len(s)] = torch.tensor(s)
-            valid[b, :len(s)] = True
+            clean[b, : len(s)] = torch.tensor(s)
+            valid[b, : len(s)] = True
         starts = torch.tensor([p for _, p in rows])
         return clean.to(self.device), valid.to(self.device), starts.to(self.device)
 
     def _autocast_on(self) -> bool:
         from ..cpu import native_bf16
+
         auto = self.device.type == "cuda" or (self.device.type == "cpu" and native_bf16())
         return self.cfg.autocast == "bf16" or (self.cfg.autocast == "auto" and auto)
 
@@ -397,10 +457,11 @@ class MaskAdapterTrainer(BudgetedLoop):
         for bs in self.cfg.eval_block_sizes:
             nll, count, agree = 0.0, 0.0, 0.0
             for start in range(0, len(self.heldout), self.cfg.batch_size):
-                clean, valid, starts = self._rows(self.heldout[start:start + self.cfg.batch_size])
+                clean, valid, starts = self._rows(self.heldout[start : start + self.cfg.batch_size])
                 with self._autocast():
-                    out = mask_adapter_loss(self.model, clean, valid, starts, bs,
-                                            generator=self._gen(start, salt=1000 + bs), agreement=True)
+                    out = mask_adapter_loss(
+                        self.model, clean, valid, starts, bs, generator=self._gen(start, salt=1000 + bs), agreement=True
+                    )
                 nll += float(out.nll_sum)
                 count += float(out.count)
                 agree += float(out.agree)
@@ -413,9 +474,17 @@ class MaskAdapterTrainer(BudgetedLoop):
 
     def state_dict(self) -> dict:
         adapter = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
-        return {"adapter": adapter, "opt": self.opt.state_dict(), "step": self.step, "total_steps": self.total_steps,
-                "log": self.log, "evals": self.evals, "wall_s": self.wall_s, "cfg": asdict(self.cfg),
-                "base_fingerprint": self.base_fingerprint}
+        return {
+            "adapter": adapter,
+            "opt": self.opt.state_dict(),
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "log": self.log,
+            "evals": self.evals,
+            "wall_s": self.wall_s,
+            "cfg": asdict(self.cfg),
+            "base_fingerprint": self.base_fingerprint,
+        }
 
     def save_checkpoint(self) -> Path:
         path = self.out / "checkpoint.pt"
@@ -447,14 +516,27 @@ class MaskAdapterTrainer(BudgetedLoop):
     def export(self) -> Path:
         """The adapter directory ``OUT/adapter`` (bf16 tensors), the JSON log and the curve."""
         from .trainer import plot_loss
-        meta = {"data": self.data_info, "step": self.step, "total_steps": self.total_steps,
-                "wall_s": round(self.wall_s, 1), "heldout": self.evals[-1] if self.evals else None,
-                "config": asdict(self.cfg)}
+
+        meta = {
+            "data": self.data_info,
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "wall_s": round(self.wall_s, 1),
+            "heldout": self.evals[-1] if self.evals else None,
+            "config": asdict(self.cfg),
+        }
         (self.out / "train_log.json").write_text(dumps(dict(meta, train=self.log, evals=self.evals), indent=1))
-        path = save_mask_adapter(self.model, self.out / "adapter", base_name=self.base_name,
-                                 base_fingerprint=self.base_fingerprint, meta=meta)
-        evals = [{"step": e["step"], **{f"bs{b}": {"nats_per_token": e[f"bs{b}"]} for b in self.cfg.eval_block_sizes}}
-                 for e in self.evals]
+        path = save_mask_adapter(
+            self.model,
+            self.out / "adapter",
+            base_name=self.base_name,
+            base_fingerprint=self.base_fingerprint,
+            meta=meta,
+        )
+        evals = [
+            {"step": e["step"], **{f"bs{b}": {"nats_per_token": e[f"bs{b}"]} for b in self.cfg.eval_block_sizes}}
+            for e in self.evals
+        ]
         try:
             plot_loss(self.log, evals, path / "loss_curve.png", title=f"mask adapter on {self.base_name}")
         except ImportError:
@@ -463,44 +545,68 @@ class MaskAdapterTrainer(BudgetedLoop):
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m dspec.train.mask_adapter",
-                                 description="Train a mask-selective block-diffusion adapter on a causal LM.")
+    ap = argparse.ArgumentParser(
+        prog="python -m dspec.train.mask_adapter",
+        description="Train a mask-selective block-diffusion adapter on a causal LM.",
+    )
     ap.add_argument("--base", default="smollm2-135m", help="shipped causal model or checkpoint dir")
-    ap.add_argument("--data", required=True,
-                    help="data-engine directories (python -m dspec.train.data_engine), comma-separated: read back "
-                         "to back; DIR:N reads its first N shards, DIR:A-B shards A <= i < B")
+    ap.add_argument(
+        "--data",
+        required=True,
+        help="data-engine directories (python -m dspec.train.data_engine), comma-separated: read back "
+        "to back; DIR:N reads its first N shards, DIR:A-B shards A <= i < B",
+    )
     ap.add_argument("--out", required=True, help="run directory (checkpoint.pt, train_log.json, adapter/)")
     ap.add_argument("--minutes", type=float, default=None, help="time budget (fixes the schedule length)")
     ap.add_argument("--max-steps", type=int, default=None)
     d = MaskAdapterConfig()
     ap.add_argument("--rank", type=int, default=d.rank, help="LoRA rank (default %(default)s)")
-    ap.add_argument("--block-sizes", default=",".join(map(str, d.block_sizes)),
-                    help="block sizes drawn per step (default %(default)s)")
-    ap.add_argument("--block-weights", default=None,
-                    help="their sampling weights, comma-separated (default %s for the default sizes, else "
-                         "uniform)" % ",".join(map(str, d.block_weights)))
+    ap.add_argument(
+        "--block-sizes",
+        default=",".join(map(str, d.block_sizes)),
+        help="block sizes drawn per step (default %(default)s)",
+    )
+    ap.add_argument(
+        "--block-weights",
+        default=None,
+        help="their sampling weights, comma-separated (default %s for the default sizes, else "
+        "uniform)" % ",".join(map(str, d.block_weights)),
+    )
     ap.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step (default %(default)s)")
     ap.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
-    ap.add_argument("--mask-token", default=d.mask_token,
-                    help="an unused token string used as [MASK] (default %(default)s)")
+    ap.add_argument(
+        "--mask-token", default=d.mask_token, help="an unused token string used as [MASK] (default %(default)s)"
+    )
     ap.add_argument("--autocast", choices=("auto", "bf16", "none"), default=d.autocast)
-    ap.add_argument("--distill", type=float, default=d.distill,
-                    help="weight in [0, 1] of the KL to the base model's next-token distribution (default %(default)s)")
+    ap.add_argument(
+        "--distill",
+        type=float,
+        default=d.distill,
+        help="weight in [0, 1] of the KL to the base model's next-token distribution (default %(default)s)",
+    )
     ap.add_argument("--threads", default=None, help="torch threads (default: dspec's policy)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--heldout-start", type=int, default=0,
-                    help="hold out only sequences from this index on: a later round on a data directory resumed "
-                         "to more tokens passes the earlier sequence count (default %(default)s)")
+    ap.add_argument(
+        "--heldout-start",
+        type=int,
+        default=0,
+        help="hold out only sequences from this index on: a later round on a data directory resumed "
+        "to more tokens passes the earlier sequence count (default %(default)s)",
+    )
     ap.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    ap.add_argument("--init", default=None,
-                    help="warm start: an adapter directory or a shipped adapted name (smollm2-135m-bd) with the same "
-                         "targets and a rank <= --rank (a lower rank fills the leading slice: the same function at "
-                         "step 0); a new schedule starts from its weights")
+    ap.add_argument(
+        "--init",
+        default=None,
+        help="warm start: an adapter directory or a shipped adapted name (smollm2-135m-bd) with the same "
+        "targets and a rank <= --rank (a lower rank fills the leading slice: the same function at "
+        "step 0); a new schedule starts from its weights",
+    )
     args = ap.parse_args(argv)
     from ..cpu import apply_threads
     from ..hub import load
     from .data_engine import read_directories
     from .lora import base_fingerprint
+
     out = Path(args.out)
     # the checkpoint to continue is read (and checked) before any work; it never runs code
     ckpt = out / "checkpoint.pt"
@@ -512,10 +618,19 @@ def main(argv=None) -> dict:
             weights = tuple(float(w) for w in args.block_weights.split(","))
         else:
             weights = d.block_weights if sizes == d.block_sizes else (1.0,) * len(sizes)
-        cfg = MaskAdapterConfig(rank=args.rank, block_sizes=sizes, block_weights=weights, batch_size=args.batch_size,
-                                lr=args.lr, mask_token=args.mask_token, autocast=args.autocast, seed=args.seed,
-                                heldout_start=args.heldout_start, distill=args.distill,
-                                eval_block_sizes=tuple(b for b in (2, 4, 8) if b <= max(sizes)) or (max(sizes),))
+        cfg = MaskAdapterConfig(
+            rank=args.rank,
+            block_sizes=sizes,
+            block_weights=weights,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            mask_token=args.mask_token,
+            autocast=args.autocast,
+            seed=args.seed,
+            heldout_start=args.heldout_start,
+            distill=args.distill,
+            eval_block_sizes=tuple(b for b in (2, 4, 8) if b <= max(sizes)) or (max(sizes),),
+        )
         sequences, data_info = read_directories(args.data.split(","))
     except ValueError as e:
         ap.error(str(e))
@@ -526,19 +641,28 @@ def main(argv=None) -> dict:
     if mask_id is None:
         ap.error(f"--mask-token: {cfg.mask_token!r} is not a token of {args.base}")
     fingerprint = base_fingerprint(base)
-    model = mask_diffusion_model(base, block_size=cfg.block_size, mask_token_id=mask_id, rank=cfg.rank,
-                                 alpha=cfg.alpha, targets=cfg.targets, seed=cfg.seed)
+    model = mask_diffusion_model(
+        base,
+        block_size=cfg.block_size,
+        mask_token_id=mask_id,
+        rank=cfg.rank,
+        alpha=cfg.alpha,
+        targets=cfg.targets,
+        seed=cfg.seed,
+    )
     del base
     if args.init and resume_state is None:
         from ..hub import ADAPTED, adapter_dir
+
         try:
             init_mask_adapter(model, adapter_dir(args.init) if args.init in ADAPTED else args.init)
         except ValueError as e:
             ap.error(f"--init: {e}")
     info = dict(data_info, init=args.init) if args.init else data_info
     try:
-        trainer = MaskAdapterTrainer(model, sequences, cfg, out, base_name=str(args.base),
-                                     base_fingerprint=fingerprint, data_info=info)
+        trainer = MaskAdapterTrainer(
+            model, sequences, cfg, out, base_name=str(args.base), base_fingerprint=fingerprint, data_info=info
+        )
     except ValueError as e:
         ap.error(str(e))
     if resume_state is not None:
@@ -552,4 +676,5 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     import sys
+
     sys.exit(run_command(main))

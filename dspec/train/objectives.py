@@ -28,6 +28,7 @@ Objectives
   Llama/Qwen2 causal LM) predicts slot j from the logits at j - 1: the first slot of noisy
   block b from the clean copy's last token of block b - 1, as decoding does.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -37,9 +38,17 @@ import torch.nn.functional as F
 
 from ..models.transformer import Model, rope_tables
 
-__all__ = ["train_forward", "causal_mask", "block_diffusion_mask", "additive_mask",
-           "causal_lm_loss", "BlockDiffusionBatch", "block_diffusion_batch",
-           "block_diffusion_loss", "LossOutput"]
+__all__ = [
+    "train_forward",
+    "causal_mask",
+    "block_diffusion_mask",
+    "additive_mask",
+    "causal_lm_loss",
+    "BlockDiffusionBatch",
+    "block_diffusion_batch",
+    "block_diffusion_loss",
+    "LossOutput",
+]
 
 
 class LossOutput(NamedTuple):
@@ -54,9 +63,15 @@ class LossOutput(NamedTuple):
 # ------------------------------------------------------------------------------- forward
 
 
-def train_forward(model: Model, tokens: torch.Tensor, positions: torch.Tensor,
-                  attn_mask: torch.Tensor | None = None, *, is_causal: bool = False,
-                  logits_index: torch.Tensor | None = None) -> torch.Tensor:
+def train_forward(
+    model: Model,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    logits_index: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Logits of ``model`` on ``tokens`` with a dense attention mask, differentiable.
 
     Parameters
@@ -90,7 +105,7 @@ def train_forward(model: Model, tokens: torch.Tensor, positions: torch.Tensor,
         if mask.dtype == torch.bool:
             mask = additive_mask(mask)
         if mask.dim() == 3:
-            mask = mask[:, None]                          # [B, 1, N, N]: broadcast over heads
+            mask = mask[:, None]  # [B, 1, N, N]: broadcast over heads
     x = model.embed_tokens(tokens)
     if cfg.embed_scale != 1.0:
         x = x * cfg.embed_scale
@@ -100,8 +115,14 @@ def train_forward(model: Model, tokens: torch.Tensor, positions: torch.Tensor,
         attn = layer.self_attn
         q, k, v = attn.rotated_qkv(layer.input_layernorm(x), cos, sin)
         m = mask.to(q.dtype) if mask is not None else None
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=m, is_causal=is_causal, enable_gqa=hq != hkv)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=m,
+            is_causal=is_causal,
+            enable_gqa=hq != hkv,
+        )
         x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, n, hq * d))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     x = model.norm(x)
@@ -147,8 +168,8 @@ def block_diffusion_mask(seq_len: int, block_size: int, device=None) -> torch.Te
     before = blk[None, :] < blk[:, None]
     upto = blk[None, :] <= blk[:, None]
     none = torch.zeros(seq_len, seq_len, dtype=torch.bool, device=device)
-    top = torch.cat([same, before], dim=1)       # noisy queries
-    bottom = torch.cat([none, upto], dim=1)      # clean queries
+    top = torch.cat([same, before], dim=1)  # noisy queries
+    bottom = torch.cat([none, upto], dim=1)  # clean queries
     return torch.cat([top, bottom], dim=0)
 
 
@@ -157,8 +178,10 @@ def block_diffusion_mask(seq_len: int, block_size: int, device=None) -> torch.Te
 
 def _check_tokens(tokens):
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
-        raise ValueError(f"tokens must be an int tensor [B, L], got "
-                         f"{getattr(tokens, 'dtype', type(tokens))} {list(getattr(tokens, 'shape', []))}")
+        raise ValueError(
+            f"tokens must be an int tensor [B, L], got "
+            f"{getattr(tokens, 'dtype', type(tokens))} {list(getattr(tokens, 'shape', []))}"
+        )
 
 
 def causal_lm_loss(model: Model, tokens: torch.Tensor) -> LossOutput:
@@ -168,8 +191,7 @@ def causal_lm_loss(model: Model, tokens: torch.Tensor) -> LossOutput:
         raise ValueError("tokens needs L >= 2 for a next-token loss")
     pos = torch.arange(tokens.shape[1], device=tokens.device)
     logits = train_forward(model, tokens, pos, is_causal=True)[:, :-1]
-    nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1),
-                          reduction="sum")
+    nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum")
     count = torch.tensor(float(tokens.shape[0] * (tokens.shape[1] - 1)), device=tokens.device)
     return LossOutput(nll / count, nll.detach(), count)
 
@@ -188,8 +210,9 @@ class BlockDiffusionBatch(NamedTuple):
     block_size: int
 
 
-def block_diffusion_batch(tokens: torch.Tensor, block_size: int, mask_token_id: int, *,
-                          generator: torch.Generator | None = None) -> BlockDiffusionBatch:
+def block_diffusion_batch(
+    tokens: torch.Tensor, block_size: int, mask_token_id: int, *, generator: torch.Generator | None = None
+) -> BlockDiffusionBatch:
     """Noise ``tokens`` [B, L] block by block and lay out the 2L training sequence.
 
     Per block of ``block_size`` tokens (the last block may be shorter: its size counts), k
@@ -209,24 +232,33 @@ def block_diffusion_batch(tokens: torch.Tensor, block_size: int, mask_token_id: 
     sizes[-1] = block_size - pad
     # k ~ U{1..size}: floor(u * size) + 1
     u = torch.rand(batch, nblocks, generator=generator, device=dev)
-    k = (u * sizes).floor().long().clamp_(max=sizes - 1) + 1                     # [B, nb]
+    k = (u * sizes).floor().long().clamp_(max=sizes - 1) + 1  # [B, nb]
     # a random rank of each position within its block (padding slots ranked last)
     scores = torch.rand(batch, nblocks * block_size, generator=generator, device=dev)
     if pad:
         scores[:, length:] = 2.0
-    rank = scores.view(batch, nblocks, block_size).argsort(-1).argsort(-1)      # [B, nb, bs]
+    rank = scores.view(batch, nblocks, block_size).argsort(-1).argsort(-1)  # [B, nb, bs]
     masked = (rank < k[..., None]).view(batch, -1)[:, :length]
     ratio = (k.float() / sizes.float())[..., None].expand(-1, -1, block_size).reshape(batch, -1)[:, :length]
     noisy = torch.where(masked, torch.full_like(tokens, mask_token_id), tokens)
     inputs = torch.cat([noisy, tokens], dim=1)
     pos = torch.arange(length, device=dev)
-    return BlockDiffusionBatch(inputs, torch.cat([pos, pos]), block_diffusion_mask(length, block_size, dev),
-                               masked, ratio, tokens, block_size)
+    return BlockDiffusionBatch(
+        inputs, torch.cat([pos, pos]), block_diffusion_mask(length, block_size, dev), masked, ratio, tokens, block_size
+    )
 
 
-def block_diffusion_loss(model: Model, tokens: torch.Tensor, block_size: int, mask_token_id: int, *,
-                         generator: torch.Generator | None = None, weighting: str = "mean",
-                         shifted: bool = False, batch: BlockDiffusionBatch | None = None) -> LossOutput:
+def block_diffusion_loss(
+    model: Model,
+    tokens: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    *,
+    generator: torch.Generator | None = None,
+    weighting: str = "mean",
+    shifted: bool = False,
+    batch: BlockDiffusionBatch | None = None,
+) -> LossOutput:
     """Masked-denoising loss of a block-diffusion model on clean ``tokens`` [B, L].
 
     weighting : "mean" (mean cross-entropy over masked tokens) or "elbo" (each masked
@@ -258,8 +290,9 @@ def block_diffusion_loss(model: Model, tokens: torch.Tensor, block_size: int, ma
         index = torch.arange(length, device=tokens.device).expand(b, -1)
         pred = train_forward(model, batch.inputs, batch.positions, batch.mask, logits_index=index)
         targets, masked, ratio = batch.targets, batch.masked, batch.ratio
-    ce = F.cross_entropy(pred.float().reshape(-1, pred.shape[-1]), targets.reshape(-1),
-                         reduction="none").view(targets.shape)
+    ce = F.cross_entropy(pred.float().reshape(-1, pred.shape[-1]), targets.reshape(-1), reduction="none").view(
+        targets.shape
+    )
     ce = ce * masked
     count = masked.sum().float()
     nll = ce.sum()

@@ -24,6 +24,7 @@ MASK 1, PAD 2) on the same corpus, so ``tiny-bd`` can draft for ``tiny-ar``.
 directory), model, training with checkpoints, and an exported Hugging Face checkpoint
 directory (``<out>/model``) that ``dspec.load`` reads.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,16 @@ from .data import DataSpec, PackedData, build_data, token_byte_lengths, tokenize
 from .tokenizer import MASK_TOKEN, save_tokenizer, train_tokenizer
 from .trainer import TrainConfig, Trainer, read_checkpoint
 
-__all__ = ["Recipe", "RECIPES", "get_recipe", "run_recipe", "tiny_config", "export_checkpoint",
-           "adapt_causal_model", "load_adapted"]
+__all__ = [
+    "Recipe",
+    "RECIPES",
+    "get_recipe",
+    "run_recipe",
+    "tiny_config",
+    "export_checkpoint",
+    "adapt_causal_model",
+    "load_adapted",
+]
 
 
 @dataclass(frozen=True)
@@ -78,33 +87,86 @@ class Recipe:
     init_required: bool = False
 
 
-TINY_MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                  rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=4096,
-                  tie_word_embeddings=True)
+TINY_MODEL = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
 TINY_MIX = {"stdlib": 0.3, "sharegpt": 0.25, "arithmetic": 0.45}
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (
-    Recipe("tiny-ar", "Qwen3-style causal LM, ~3.7M parameters, from scratch on CPU",
-           family="qwen3", model=TINY_MODEL,
-           data=DataSpec(weights=TINY_MIX, seq_len=256, max_chars=4_000_000), num_rows=12_000,
-           train=TrainConfig(objective="causal", batch_size=6, lr=3e-3, min_lr=3e-4,
-                             warmup_steps=40, max_steps=20_000, eval_every=100, autocast="bf16")),
-    Recipe("tiny-bd", "SDAR-style block-diffusion LM, ~3.7M parameters, from scratch on CPU",
-           family="sdar", model=TINY_MODEL, block_size=8,
-           data=DataSpec(weights=TINY_MIX, seq_len=128, max_chars=4_000_000), num_rows=12_000,
-           train=TrainConfig(objective="block_diffusion", batch_size=8, lr=3e-3, min_lr=3e-4,
-                             warmup_steps=40, max_steps=20_000, eval_every=100, autocast="bf16",
-                             block_sizes=(1, 2, 4, 8, 16), block_weights=(0.2, 0.1, 0.25, 0.3, 0.15),
-                             eval_block_sizes=(1, 4, 8))),
-    Recipe("bd-adapt", "adapt a causal checkpoint (--init) to block diffusion by fine-tuning",
-           family="(from --init)", model={}, block_size=4, init_required=True,
-           data=DataSpec(weights=TINY_MIX, seq_len=256),
-           train=TrainConfig(objective="block_diffusion", batch_size=16, lr=3e-4, min_lr=3e-5,
-                             warmup_steps=50, max_steps=20_000, eval_every=250,
-                             block_sizes=(1, 2, 4, 8), block_weights=(0.15, 0.2, 0.35, 0.3),
-                             eval_block_sizes=(1, 4))),
-)}
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe(
+            "tiny-ar",
+            "Qwen3-style causal LM, ~3.7M parameters, from scratch on CPU",
+            family="qwen3",
+            model=TINY_MODEL,
+            data=DataSpec(weights=TINY_MIX, seq_len=256, max_chars=4_000_000),
+            num_rows=12_000,
+            train=TrainConfig(
+                objective="causal",
+                batch_size=6,
+                lr=3e-3,
+                min_lr=3e-4,
+                warmup_steps=40,
+                max_steps=20_000,
+                eval_every=100,
+                autocast="bf16",
+            ),
+        ),
+        Recipe(
+            "tiny-bd",
+            "SDAR-style block-diffusion LM, ~3.7M parameters, from scratch on CPU",
+            family="sdar",
+            model=TINY_MODEL,
+            block_size=8,
+            data=DataSpec(weights=TINY_MIX, seq_len=128, max_chars=4_000_000),
+            num_rows=12_000,
+            train=TrainConfig(
+                objective="block_diffusion",
+                batch_size=8,
+                lr=3e-3,
+                min_lr=3e-4,
+                warmup_steps=40,
+                max_steps=20_000,
+                eval_every=100,
+                autocast="bf16",
+                block_sizes=(1, 2, 4, 8, 16),
+                block_weights=(0.2, 0.1, 0.25, 0.3, 0.15),
+                eval_block_sizes=(1, 4, 8),
+            ),
+        ),
+        Recipe(
+            "bd-adapt",
+            "adapt a causal checkpoint (--init) to block diffusion by fine-tuning",
+            family="(from --init)",
+            model={},
+            block_size=4,
+            init_required=True,
+            data=DataSpec(weights=TINY_MIX, seq_len=256),
+            train=TrainConfig(
+                objective="block_diffusion",
+                batch_size=16,
+                lr=3e-4,
+                min_lr=3e-5,
+                warmup_steps=50,
+                max_steps=20_000,
+                eval_every=250,
+                block_sizes=(1, 2, 4, 8),
+                block_weights=(0.15, 0.2, 0.35, 0.3),
+                eval_block_sizes=(1, 4),
+            ),
+        ),
+    )
+}
 
 
 def get_recipe(name: str) -> Recipe:
@@ -116,20 +178,43 @@ def get_recipe(name: str) -> Recipe:
 # --------------------------------------------------------------------------- configs
 
 
-def tiny_config(family: str, model: dict, *, vocab_size: int, eos_token_id: int, pad_token_id: int | None,
-                mask_token_id: int | None = None, block_size: int | None = None,
-                dtype: str = "bfloat16") -> dict:
+def tiny_config(
+    family: str,
+    model: dict,
+    *,
+    vocab_size: int,
+    eos_token_id: int,
+    pad_token_id: int | None,
+    mask_token_id: int | None = None,
+    block_size: int | None = None,
+    dtype: str = "bfloat16",
+) -> dict:
     """A config.json (dict) for a from-scratch model of ``family`` with plain HF keys."""
-    arch = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "llama": ("LlamaForCausalLM", "llama"),
-            "sdar": ("SDARForCausalLM", "sdar")}
+    arch = {
+        "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+        "llama": ("LlamaForCausalLM", "llama"),
+        "sdar": ("SDARForCausalLM", "sdar"),
+    }
     if family not in arch:
         raise ValueError(f"family must be one of {sorted(arch)} for a from-scratch model, got {family!r}")
-    raw = {"architectures": [arch[family][0]], "model_type": arch[family][1], "vocab_size": vocab_size,
-           "hidden_act": "silu", **model, "bos_token_id": None, "eos_token_id": eos_token_id,
-           "pad_token_id": pad_token_id, "torch_dtype": dtype}
+    raw = {
+        "architectures": [arch[family][0]],
+        "model_type": arch[family][1],
+        "vocab_size": vocab_size,
+        "hidden_act": "silu",
+        **model,
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+        "torch_dtype": dtype,
+    }
     if family in ("qwen3", "sdar"):
-        raw.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
-                   max_window_layers=model["num_hidden_layers"])
+        raw.update(
+            attention_bias=False,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=model["num_hidden_layers"],
+        )
     if family == "sdar":
         if mask_token_id is None or block_size is None:
             raise ValueError("an sdar config needs mask_token_id and block_size")
@@ -137,12 +222,14 @@ def tiny_config(family: str, model: dict, *, vocab_size: int, eos_token_id: int,
     return raw
 
 
-def export_checkpoint(model: Model, raw_config: dict, tokenizer_dir, out_dir, *, dtype: str = "bfloat16",
-                      extra_files: dict | None = None) -> Path:
+def export_checkpoint(
+    model: Model, raw_config: dict, tokenizer_dir, out_dir, *, dtype: str = "bfloat16", extra_files: dict | None = None
+) -> Path:
     """Write a Hugging Face checkpoint directory: config.json, generation_config.json,
     model.safetensors (``dtype``) and the tokenizer files; written to a temporary
     directory and renamed into place."""
     from safetensors.torch import save_file
+
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -153,7 +240,7 @@ def export_checkpoint(model: Model, raw_config: dict, tokenizer_dir, out_dir, *,
     state = {names[k]: v.detach().to("cpu", tdtype).contiguous() for k, v in model.state_dict().items()}
     raw = dict(raw_config, torch_dtype=dtype)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(tmp / "model.safetensors", 0o644)          # safetensors writes 0600
+    os.chmod(tmp / "model.safetensors", 0o644)  # safetensors writes 0600
     (tmp / "config.json").write_text(dumps(raw, indent=2) + "\n")
     gen = {"eos_token_id": raw.get("eos_token_id"), "pad_token_id": raw.get("pad_token_id")}
     (tmp / "generation_config.json").write_text(dumps(gen, indent=2) + "\n")
@@ -175,11 +262,14 @@ def export_checkpoint(model: Model, raw_config: dict, tokenizer_dir, out_dir, *,
 def load_packed_data(path) -> PackedData:
     """A run's ``data.pt`` (:meth:`PackedData.state`), read without running code from it."""
     from .state_files import load_state
+
     state = load_state(path, "data.pt", keys=("train", "train_source", "heldout"))
-    if not (torch.is_tensor(state["train"]) and torch.is_tensor(state["train_source"])
-            and isinstance(state["heldout"], dict)):
-        raise ValueError(f"data.pt: {path} does not hold packed rows (train, train_source tensors and a "
-                         f"heldout dict)")
+    if not (
+        torch.is_tensor(state["train"])
+        and torch.is_tensor(state["train_source"])
+        and isinstance(state["heldout"], dict)
+    ):
+        raise ValueError(f"data.pt: {path} does not hold packed rows (train, train_source tensors and a heldout dict)")
     return PackedData(state["train"], state["train_source"], state["heldout"], int(state.get("seed", 0)))
 
 
@@ -205,12 +295,29 @@ def _tokenizer_dir(recipe: Recipe, out: Path, tokenizer, init_dir: Path | None, 
     return save_tokenizer(tok, tdir)
 
 
-def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | None = None,
-               device: str = "cpu", resume: bool = False, init=None, tokenizer=None,
-               mask_token: str | None = None, num_rows: int | None = None, threads: int | None = None,
-               progress: bool = True, seed: int | None = None, train_overrides: dict | None = None,
-               data_overrides: dict | None = None, plot: bool = True, lora_rank: int = 0,
-               lora_alpha: float | None = None, lora_targets=None, lora_dropout: float = 0.0) -> dict:
+def run_recipe(
+    recipe,
+    out,
+    *,
+    minutes: float | None = None,
+    max_steps: int | None = None,
+    device: str = "cpu",
+    resume: bool = False,
+    init=None,
+    tokenizer=None,
+    mask_token: str | None = None,
+    num_rows: int | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+    seed: int | None = None,
+    train_overrides: dict | None = None,
+    data_overrides: dict | None = None,
+    plot: bool = True,
+    lora_rank: int = 0,
+    lora_alpha: float | None = None,
+    lora_targets=None,
+    lora_dropout: float = 0.0,
+) -> dict:
     """Train ``recipe`` (a name or a Recipe) into ``out``; returns a summary dict.
 
     Parameters
@@ -273,16 +380,20 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
     init_dir = resolve_source(init) if init is not None else None
     tdir = _tokenizer_dir(recipe, out, tokenizer, init_dir, progress)
     from ..models.tokenizer import Tokenizer
+
     tok = Tokenizer.from_dir(tdir)
 
     # ---- model and its exported config
     if init_dir is not None:
         from ..models.loader import load_checkpoint
+
         src_model = load_checkpoint(init_dir, dtype=torch.float32)
         mask_id = tok.token_to_id(mask_token or MASK_TOKEN) if tok is not None else None
         if mask_id is None:
-            raise ValueError(f"mask_token: the tokenizer of {init_dir} has no {mask_token or MASK_TOKEN!r}; "
-                             f"pass mask_token= an existing rarely used token to serve as [MASK]")
+            raise ValueError(
+                f"mask_token: the tokenizer of {init_dir} has no {mask_token or MASK_TOKEN!r}; "
+                f"pass mask_token= an existing rarely used token to serve as [MASK]"
+            )
         src_model.tokenizer = tok
         model, raw, family = adapt_causal_model(src_model, mask_token_id=mask_id, block_size=recipe.block_size)
         del src_model
@@ -290,22 +401,35 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
     else:
         family = recipe.family
         mask_id = tok.mask_token_id if family == "sdar" else None
-        raw = tiny_config(family, recipe.model, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id, mask_token_id=mask_id, block_size=recipe.block_size,
-                          dtype=recipe.export_dtype)
+        raw = tiny_config(
+            family,
+            recipe.model,
+            vocab_size=tok.vocab_size,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            mask_token_id=mask_id,
+            block_size=recipe.block_size,
+            dtype=recipe.export_dtype,
+        )
         cfg = parse_config(raw)
         cfg = cfg.replace(mask_token_id=mask_id)
         model = Model(cfg, tokenizer=tok)
         model.init_random_(0.02, seed=seed)
-        with torch.no_grad():                           # GPT-2 residual scaling
+        with torch.no_grad():  # GPT-2 residual scaling
             for layer in model.layers:
                 layer.self_attn.o_proj.weight.mul_((2 * cfg.num_layers) ** -0.5)
                 layer.mlp.down_proj.weight.mul_((2 * cfg.num_layers) ** -0.5)
     lora_cfg = None
     if lora_rank:
         from .lora import TARGETS, LoraConfig, apply_lora
-        lora_cfg = LoraConfig(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
-                              targets=tuple(lora_targets or TARGETS), embedding_rows=(mask_id,))
+
+        lora_cfg = LoraConfig(
+            rank=lora_rank,
+            alpha=lora_alpha,
+            dropout=lora_dropout,
+            targets=tuple(lora_targets or TARGETS),
+            embedding_rows=(mask_id,),
+        )
         apply_lora(model, lora_cfg)
 
     # ---- data (tokenised once per output directory)
@@ -321,41 +445,82 @@ def run_recipe(recipe, out, *, minutes: float | None = None, max_steps: int | No
     prep_s = time.perf_counter() - t_start
 
     n_params = sum(p.numel() for p in model.parameters())
-    meta = {"name": recipe.name, "family": family, "parameters": n_params, "device": str(device),
-            "threads": torch.get_num_threads(), "init": str(init) if init is not None else None,
-            "data": dataclasses.asdict(data_spec) | {"weights": dict(data_spec.weights)}}
+    meta = {
+        "name": recipe.name,
+        "family": family,
+        "parameters": n_params,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "init": str(init) if init is not None else None,
+        "data": dataclasses.asdict(data_spec) | {"weights": dict(data_spec.weights)},
+    }
     trainer_cls = Trainer
     if lora_cfg is not None:
         from .lora import AdapterTrainer, lora_parameters, save_adapter
+
         meta["lora"] = dataclasses.asdict(lora_cfg)
         meta["trainable_parameters"] = sum(p.numel() for p in lora_parameters(model).values())
         trainer_cls = AdapterTrainer
-        bd_meta = {"family": family, "block_size": recipe.block_size, "mask_token_id": mask_id,
-                   "mask_token": tok.id_to_token(mask_id), "shifted": FAMILIES[family].shifted}
+        bd_meta = {
+            "family": family,
+            "block_size": recipe.block_size,
+            "mask_token_id": mask_id,
+            "mask_token": tok.id_to_token(mask_id),
+            "shifted": FAMILIES[family].shifted,
+        }
 
         def export(m, trainer):
-            save_adapter(out / "adapter", m, str(init), {
-                "block_diffusion": bd_meta, "recipe": recipe.name, "step": trainer.step,
-                "tokens_seen": trainer.tokens_seen, "train_wall_s": round(trainer.wall_s, 1),
-                "heldout": trainer.evals[-1] if trainer.evals else None},
-                dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}.get(recipe.export_dtype, torch.float32))
+            save_adapter(
+                out / "adapter",
+                m,
+                str(init),
+                {
+                    "block_diffusion": bd_meta,
+                    "recipe": recipe.name,
+                    "step": trainer.step,
+                    "tokens_seen": trainer.tokens_seen,
+                    "train_wall_s": round(trainer.wall_s, 1),
+                    "heldout": trainer.evals[-1] if trainer.evals else None,
+                },
+                dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}.get(recipe.export_dtype, torch.float32),
+            )
     else:
+
         def export(m, trainer):
             export_checkpoint(m, raw, tdir, out / "model", dtype=recipe.export_dtype)
 
-    trainer = trainer_cls(model, data, tcfg, out, device=device, mask_token_id=mask_id,
-                          byte_lengths=token_byte_lengths(tok), export=export, meta=meta, plot=plot)
+    trainer = trainer_cls(
+        model,
+        data,
+        tcfg,
+        out,
+        device=device,
+        mask_token_id=mask_id,
+        byte_lengths=token_byte_lengths(tok),
+        export=export,
+        meta=meta,
+        plot=plot,
+    )
     if resume_state is not None:
         trainer.resume(resume_state)
         del resume_state
     final = trainer.train(minutes=minutes, max_steps=max_steps, progress=progress)
-    summary = {"recipe": recipe.name, "family": family, "parameters": n_params, "steps": trainer.step,
-               "total_steps": trainer.total_steps, "tokens_seen": trainer.tokens_seen,
-               "train_wall_s": round(trainer.wall_s, 1), "prep_s": round(prep_s, 1),
-               "heldout": final, "model_dir": str(out / "model")}
+    summary = {
+        "recipe": recipe.name,
+        "family": family,
+        "parameters": n_params,
+        "steps": trainer.step,
+        "total_steps": trainer.total_steps,
+        "tokens_seen": trainer.tokens_seen,
+        "train_wall_s": round(trainer.wall_s, 1),
+        "prep_s": round(prep_s, 1),
+        "heldout": final,
+        "model_dir": str(out / "model"),
+    }
     if lora_cfg is not None:
         summary.pop("model_dir")
-        summary.update(adapter_dir=str(out / "adapter"), lora_rank=lora_rank,
-                       trainable_parameters=meta["trainable_parameters"])
+        summary.update(
+            adapter_dir=str(out / "adapter"), lora_rank=lora_rank, trainable_parameters=meta["trainable_parameters"]
+        )
     (out / "summary.json").write_text(dumps(summary, indent=2) + "\n")
     return summary

@@ -8,6 +8,7 @@ builds exactly those types and refuses every other global before anything is con
 -- a pickle that would call a function (``os.system``, ``open``, ...) on loading is a
 ValueError, never run.  The files the earlier releases wrote read as before.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,17 +33,18 @@ def load_state(path, what: str, *, keys=(), map_location="cpu") -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{what}: {path} is not a file")
     try:
-        with warnings.catch_warnings():        # a bare pickle's protocol note is noise here
+        with warnings.catch_warnings():  # a bare pickle's protocol note is noise here
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             state = torch.load(path, map_location=map_location, weights_only=True)
     except OSError:
         raise
     except Exception as e:  # noqa: BLE001 - every unpickling failure is a bad file
-        raise ValueError(f"{what}: {path} is not a dspec training file of tensors and plain data "
-                         f"({_reason(e)}); it was not loaded and nothing in it ran") from None
+        raise ValueError(
+            f"{what}: {path} is not a dspec training file of tensors and plain data "
+            f"({_reason(e)}); it was not loaded and nothing in it ran"
+        ) from None
     if not isinstance(state, dict):
-        raise ValueError(f"{what}: {path} holds a {type(state).__name__}, not the dict dspec's training "
-                         f"commands write")
+        raise ValueError(f"{what}: {path} holds a {type(state).__name__}, not the dict dspec's training commands write")
     missing = [k for k in keys if k not in state]
     if missing:
         raise ValueError(f"{what}: {path} lacks the entries {missing} (it is not a file of this command)")

@@ -13,6 +13,7 @@ digit by digit and arithmetic stays learnable by a tiny model.
 ``special_tokens_map.json`` in the Hugging Face layout that ``dspec.models.Tokenizer`` (and
 transformers' ``PreTrainedTokenizerFast``) read.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -25,8 +26,15 @@ MASK_TOKEN = "<|MASK|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN, PAD_TOKEN)
 
-__all__ = ["EOS_TOKEN", "MASK_TOKEN", "PAD_TOKEN", "SPECIAL_TOKENS", "train_tokenizer",
-           "save_tokenizer", "load_tokenizer"]
+__all__ = [
+    "EOS_TOKEN",
+    "MASK_TOKEN",
+    "PAD_TOKEN",
+    "SPECIAL_TOKENS",
+    "train_tokenizer",
+    "save_tokenizer",
+    "load_tokenizer",
+]
 
 
 def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 4096, min_frequency: int = 2):
@@ -51,17 +59,23 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 4096, min_frequen
     if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or min_frequency < 1:
         raise ValueError(f"min_frequency must be an int >= 1, got {min_frequency!r}")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     for i, s in enumerate(SPECIAL_TOKENS):
-        if tok.token_to_id(s) != i:                       # the trainer puts specials first
+        if tok.token_to_id(s) != i:  # the trainer puts specials first
             raise RuntimeError(f"special token {s!r} got id {tok.token_to_id(s)}, expected {i}")
     return tok
 
@@ -76,13 +90,28 @@ def save_tokenizer(tok, directory) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     specials = {"eos_token": EOS_TOKEN, "mask_token": MASK_TOKEN, "pad_token": PAD_TOKEN}
-    added = {str(tok.token_to_id(s)): {"content": s, "lstrip": False, "normalized": False,
-                                       "rstrip": False, "single_word": False, "special": True}
-             for s in SPECIAL_TOKENS}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
-              "clean_up_tokenization_spaces": False, "add_bos_token": False,
-              "add_eos_token": False, "bos_token": None, "unk_token": None,
-              "added_tokens_decoder": added, **specials}
+    added = {
+        str(tok.token_to_id(s)): {
+            "content": s,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for s in SPECIAL_TOKENS
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": None,
+        "unk_token": None,
+        "added_tokens_decoder": added,
+        **specials,
+    }
     (directory / "tokenizer_config.json").write_text(dumps(config, indent=2) + "\n")
     (directory / "special_tokens_map.json").write_text(dumps(specials, indent=2) + "\n")
     return directory
@@ -91,6 +120,7 @@ def save_tokenizer(tok, directory) -> Path:
 def load_tokenizer(directory):
     """The ``dspec.models.Tokenizer`` of a directory written by :func:`save_tokenizer`."""
     from ..models.tokenizer import Tokenizer
+
     tok = Tokenizer.from_dir(directory)
     if tok is None:
         raise ValueError(f"{directory}: no tokenizer.json")

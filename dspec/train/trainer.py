@@ -14,6 +14,7 @@
 - tqdm progress, a JSON log (train loss, learning rate, tokens, held-out losses) and a
   matplotlib loss curve.
 """
+
 from __future__ import annotations
 
 import math
@@ -85,8 +86,7 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         mb = self.micro_batch_size
-        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1
-                               or self.batch_size % mb):
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1 or self.batch_size % mb):
             raise ValueError(f"micro_batch_size must divide batch_size {self.batch_size}, got {mb!r}")
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
@@ -101,8 +101,11 @@ class TrainConfig:
             raise ValueError(f"block_sizes must be ints >= 1, got {self.block_sizes!r}")
         if self.block_weights is not None:
             self.block_weights = tuple(float(w) for w in self.block_weights)
-            if len(self.block_weights) != len(self.block_sizes) or min(self.block_weights) < 0 \
-                    or sum(self.block_weights) <= 0:
+            if (
+                len(self.block_weights) != len(self.block_sizes)
+                or min(self.block_weights) < 0
+                or sum(self.block_weights) <= 0
+            ):
                 raise ValueError("block_weights must be one weight >= 0 per block size, not all 0")
         self.eval_block_sizes = tuple(int(b) for b in self.eval_block_sizes)
 
@@ -114,6 +117,7 @@ def read_checkpoint(path, *, map_location="cpu") -> dict:
     """A :class:`Trainer`'s checkpoint.pt, read without running code from it
     (:func:`dspec.train.state_files.load_state`); ValueError when it is not one."""
     from .state_files import load_state
+
     return load_state(path, "resume: checkpoint.pt", keys=CHECKPOINT_KEYS, map_location=map_location)
 
 
@@ -151,9 +155,20 @@ class Trainer:
     spinning OpenMP threads that are descheduled cost more than they give.
     """
 
-    def __init__(self, model: Model, data: PackedData, cfg: TrainConfig, out_dir, *, device="cpu",
-                 mask_token_id: int | None = None, byte_lengths: torch.Tensor | None = None,
-                 export=None, meta: dict | None = None, plot: bool = True):
+    def __init__(
+        self,
+        model: Model,
+        data: PackedData,
+        cfg: TrainConfig,
+        out_dir,
+        *,
+        device="cpu",
+        mask_token_id: int | None = None,
+        byte_lengths: torch.Tensor | None = None,
+        export=None,
+        meta: dict | None = None,
+        plot: bool = True,
+    ):
         if not isinstance(model, Model):
             raise ValueError(f"model must be a dspec Model, got {type(model).__name__}")
         if not isinstance(data, PackedData):
@@ -178,7 +193,10 @@ class Trainer:
         no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=1e-8,
+        )
         self.step = 0
         self.total_steps: int | None = None
         self.tokens_seen = 0
@@ -193,10 +211,18 @@ class Trainer:
         return self.out_dir / CHECKPOINT
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "step": self.step, "total_steps": self.total_steps, "tokens_seen": self.tokens_seen,
-                "wall_s": self.wall_s, "log": self.log, "evals": self.evals, "cfg": asdict(self.cfg),
-                "meta": self.meta}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "tokens_seen": self.tokens_seen,
+            "wall_s": self.wall_s,
+            "log": self.log,
+            "evals": self.evals,
+            "cfg": asdict(self.cfg),
+            "meta": self.meta,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -232,16 +258,22 @@ class Trainer:
 
     def write_log(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        summary = {"config": asdict(self.cfg), "meta": self.meta, "step": self.step,
-                   "total_steps": self.total_steps, "tokens_seen": self.tokens_seen,
-                   "wall_s": round(self.wall_s, 1), "train": self.log, "heldout": self.evals}
+        summary = {
+            "config": asdict(self.cfg),
+            "meta": self.meta,
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "tokens_seen": self.tokens_seen,
+            "wall_s": round(self.wall_s, 1),
+            "train": self.log,
+            "heldout": self.evals,
+        }
         (self.out_dir / LOG_JSON).write_text(dumps(summary, indent=1) + "\n")
         if not self.plot:
             return
         try:
-            plot_loss(self.log, self.evals, self.out_dir / LOSS_PNG,
-                      title=self.meta.get("name", self.cfg.objective))
-        except ImportError:                          # matplotlib is optional
+            plot_loss(self.log, self.evals, self.out_dir / LOSS_PNG, title=self.meta.get("name", self.cfg.objective))
+        except ImportError:  # matplotlib is optional
             pass
 
     # ------------------------------------------------------------------ steps
@@ -267,8 +299,15 @@ class Trainer:
     def _loss(self, rows: torch.Tensor, step: int, gen: torch.Generator):
         if self.cfg.objective == "causal":
             return causal_lm_loss(self.model, rows)
-        return block_diffusion_loss(self.model, rows, self.block_size_at(step), self.mask_token_id,
-                                    generator=gen, weighting=self.cfg.weighting, shifted=self.cfg.shifted)
+        return block_diffusion_loss(
+            self.model,
+            rows,
+            self.block_size_at(step),
+            self.mask_token_id,
+            generator=gen,
+            weighting=self.cfg.weighting,
+            shifted=self.cfg.shifted,
+        )
 
     def train_step(self) -> float:
         """One optimizer step (with accumulation); returns the step's mean loss."""
@@ -291,7 +330,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.step += 1
-        factor = 2 if cfg.objective == "block_diffusion" else 1     # the 2L layout
+        factor = 2 if cfg.objective == "block_diffusion" else 1  # the 2L layout
         self.tokens_seen += rows.numel() * factor
         return total
 
@@ -318,8 +357,9 @@ class Trainer:
                                 weights = torch.ones_like(predicted, dtype=torch.float32)
                             else:
                                 b = block_diffusion_batch(chunk, bs, self.mask_token_id, generator=gen)
-                                r = block_diffusion_loss(self.model, chunk, bs, self.mask_token_id,
-                                                         batch=b, shifted=self.cfg.shifted)
+                                r = block_diffusion_loss(
+                                    self.model, chunk, bs, self.mask_token_id, batch=b, shifted=self.cfg.shifted
+                                )
                                 predicted = chunk
                                 weights = b.masked.float()
                         nll += float(r.nll_sum)
@@ -331,14 +371,13 @@ class Trainer:
                             nbytes += float((bl * weights).sum())
                     key = source if bs is None else f"{source}/bs{bs}"
                     out[key] = {"nats_per_token": nll / max(count, 1.0)}
-                    if nbytes and (bs is None or bs == 1):     # an exact likelihood only then
+                    if nbytes and (bs is None or bs == 1):  # an exact likelihood only then
                         out[key]["bits_per_byte"] = nll / math.log(2) / nbytes
         finally:
             self.model.train()
         return out
 
-    def train(self, *, minutes: float | None = None, max_steps: int | None = None,
-              progress: bool = True) -> dict:
+    def train(self, *, minutes: float | None = None, max_steps: int | None = None, progress: bool = True) -> dict:
         """Run until ``max_steps`` (default cfg.max_steps / the fixed schedule length) or
         until ``minutes`` of wall time in this call; checkpoint and evaluate at the end.
         Returns the final held-out evaluation."""
@@ -346,16 +385,22 @@ class Trainer:
         if minutes is not None and not minutes > 0:
             raise ValueError(f"minutes must be > 0, got {minutes!r}")
         if self.total_steps is None and minutes is None:
-            self.total_steps = cfg.max_steps         # max_steps only stops this call early
+            self.total_steps = cfg.max_steps  # max_steps only stops this call early
         start = time.perf_counter()
         last_ckpt = start
         calib_from, calib_t, per_step, timed = None, None, None, False
-        window: list[float] = []            # losses since the last log record
+        window: list[float] = []  # losses since the last log record
         bar = None
         if progress:
             from tqdm.auto import tqdm
-            bar = tqdm(total=self.total_steps or cfg.max_steps, initial=self.step,
-                       desc=self.meta.get("name", "train"), unit="step", dynamic_ncols=True)
+
+            bar = tqdm(
+                total=self.total_steps or cfg.max_steps,
+                initial=self.step,
+                desc=self.meta.get("name", "train"),
+                unit="step",
+                dynamic_ncols=True,
+            )
         try:
             while True:
                 limit = self.total_steps or cfg.max_steps
@@ -373,8 +418,7 @@ class Trainer:
                 if timed or self.total_steps is None:
                     if calib_from is None:
                         calib_from, calib_t = self.step, now
-                    elif self.step - calib_from >= 5 and (self.total_steps is None
-                                                          or self.step % cfg.log_every == 0):
+                    elif self.step - calib_from >= 5 and (self.total_steps is None or self.step % cfg.log_every == 0):
                         step_s = (now - calib_t) / (self.step - calib_from)
                         per_step = step_s if per_step is None else 0.7 * per_step + 0.3 * step_s
                         calib_from, calib_t = self.step, now
@@ -386,9 +430,15 @@ class Trainer:
                             bar.refresh()
                 window.append(loss)
                 if self.step % cfg.log_every == 0 or self.step == 1:
-                    self.log.append({"step": self.step, "loss": round(sum(window) / len(window), 5),
-                                     "lr": lr_at(self.step - 1, cfg, self.total_steps),
-                                     "tokens_seen": self.tokens_seen, "wall_s": round(self.wall_s, 2)})
+                    self.log.append(
+                        {
+                            "step": self.step,
+                            "loss": round(sum(window) / len(window), 5),
+                            "lr": lr_at(self.step - 1, cfg, self.total_steps),
+                            "tokens_seen": self.tokens_seen,
+                            "wall_s": round(self.wall_s, 2),
+                        }
+                    )
                     window.clear()
                 if bar is not None:
                     bar.update(1)
@@ -413,16 +463,20 @@ class Trainer:
 def plot_loss(log: list[dict], evals: list[dict], path, *, title: str = "") -> None:
     """Training loss (and held-out losses) against optimizer steps, saved as a PNG."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     if log:
         steps, losses = [r["step"] for r in log], [r["loss"] for r in log]
         ax.plot(steps, losses, lw=0.6, alpha=0.35, color="C0", label="train loss (logged)")
-        if len(losses) >= 10:     # rows come from one source each: smooth the per-source swings
+        if len(losses) >= 10:  # rows come from one source each: smooth the per-source swings
             k = max(len(losses) // 20, 5)
-            smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1])
-                      for i in range(len(losses))]
+            smooth = [
+                sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1])
+                for i in range(len(losses))
+            ]
             ax.plot(steps, smooth, lw=1.6, color="C0", label=f"train loss ({k}-record mean)")
     keys = sorted({k for e in evals for k in e if isinstance(e[k], dict)})
     for k in keys:

@@ -19,6 +19,7 @@ CLI: ``python -m dspec.train.vp_drafter --target tiny-ar --out DIR [--minutes M]
 [--dflash-drafter DIR]`` (the DFlash drafter, default the shipped one, is used only to
 measure D2SD's acceptance for the model card).
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,7 +36,7 @@ def prefix_prior(num_drafts: int, accept: float) -> torch.Tensor:
     if not 0 < accept < 1:
         raise ValueError(f"accept must lie in (0, 1), got {accept!r}")
     i = torch.arange(num_drafts, dtype=torch.float64)
-    p = accept ** i * (1 - accept)
+    p = accept**i * (1 - accept)
     return p / p.sum()
 
 
@@ -52,6 +53,7 @@ def prefix_sampler(cfg: DrafterTrainConfig):
 
     def sample(generator, shape):
         return sample_prefix_lengths(generator, shape, num_drafts, cfg.prefix_accept)
+
     return sample
 
 
@@ -61,4 +63,5 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     import sys
+
     sys.exit(run_command(main))

@@ -55,8 +55,8 @@ int dspec_sim_unpack_mask(const void* words, std::int64_t rows, std::int64_t num
   }
 }
 
-int dspec_sim_tree_mask(const void* parents, int dtype, std::int64_t batch, std::int64_t nodes,
-                        std::int64_t row_stride, void* words, void* depth, char* err, int errlen) {
+int dspec_sim_tree_mask(const void* parents, int dtype, std::int64_t batch, std::int64_t nodes, std::int64_t row_stride,
+                        void* words, void* depth, char* err, int errlen) {
   try {
     dspec::TreeMaskArgs a;
     a.parents = parents;

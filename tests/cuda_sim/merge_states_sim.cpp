@@ -12,8 +12,7 @@ extern "C" {
 
 // Arguments as dspec._C.merge_states (not validated here: the caller passes valid ones).
 int dspec_sim_merge_states(const void* o_a, const float* lse_a, const void* o_b, const float* lse_b, void* out,
-                           float* lse_out, int dtype, std::int64_t rows, std::int64_t head_dim, char* err,
-                           int errlen) {
+                           float* lse_out, int dtype, std::int64_t rows, std::int64_t head_dim, char* err, int errlen) {
   try {
     dspec::MergeStatesArgs a;
     a.o_a = o_a;

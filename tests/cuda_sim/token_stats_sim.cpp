@@ -25,10 +25,9 @@ std::int64_t dspec_sim_token_stats_workspace_bytes(std::int64_t rows, std::int64
 }
 
 // Arguments as dspec._C.token_stats (not validated here: the caller passes valid ones).
-int dspec_sim_token_stats(const void* logits, int dtype, std::int64_t rows, std::int64_t vocab,
-                          std::int64_t row_stride, float inv_t, std::int64_t* token, float* prob, float* margin,
-                          float* entropy, float* lse, std::int64_t num_splits, void* workspace, char* err,
-                          int errlen) {
+int dspec_sim_token_stats(const void* logits, int dtype, std::int64_t rows, std::int64_t vocab, std::int64_t row_stride,
+                          float inv_t, std::int64_t* token, float* prob, float* margin, float* entropy, float* lse,
+                          std::int64_t num_splits, void* workspace, char* err, int errlen) {
   try {
     dspec::TokenStatsArgs a;
     a.logits = logits;

@@ -96,8 +96,8 @@ int dspec_sim_verify_tree(const void* logits, int dtype, std::int64_t batch, std
                           std::int64_t draw_splits, void* workspace, char* err, int errlen) {
   try {
     dspec::VerifyTreeArgs a;
-    fill_common(a, logits, dtype, batch, nodes, vocab, row_stride, coins, uniforms, temperature, ts_splits,
-                draw_splits, workspace);
+    fill_common(a, logits, dtype, batch, nodes, vocab, row_stride, coins, uniforms, temperature, ts_splits, draw_splits,
+                workspace);
     a.tokens = tokens;
     a.token_dtype = token_dtype;
     a.parents = parents;
@@ -127,8 +127,8 @@ int dspec_sim_verify_tree_q(const void* logits, int dtype, std::int64_t batch, s
                             std::int64_t ts_splits, std::int64_t draw_splits, void* workspace, char* err, int errlen) {
   try {
     dspec::VerifyTreeArgs a;
-    fill_common(a, logits, dtype, batch, nodes, vocab, row_stride, coins, uniforms, temperature, ts_splits,
-                draw_splits, workspace);
+    fill_common(a, logits, dtype, batch, nodes, vocab, row_stride, coins, uniforms, temperature, ts_splits, draw_splits,
+                workspace);
     a.tokens = tokens;
     a.token_dtype = token_dtype;
     a.parents = parents;
