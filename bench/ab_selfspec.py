@@ -27,24 +27,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dspec
 from ab_common import Arm, add_run_arguments, grid_texts, run_interleaved, summary_rows
 from common import environment, write_json
-from dspec.decode import _selfspec, s2d2
+from dspec.decode import s2d2, selfspec
 
 
 @contextlib.contextmanager
 def compiled_round_off():
     """The torch compositions instead of the compiled rounds / steps."""
-    init, native = _selfspec._Engine.__init__, s2d2.native_extension
+    init, native = selfspec.SelfSpecEngine.__init__, s2d2.native_extension
 
     def torch_round(self, *args, **kw):
         init(self, *args, **kw)
         self.native = None
 
-    _selfspec._Engine.__init__ = torch_round
+    selfspec.SelfSpecEngine.__init__ = torch_round
     s2d2.native_extension = lambda *a: None
     try:
         yield
     finally:
-        _selfspec._Engine.__init__ = init
+        selfspec.SelfSpecEngine.__init__ = init
         s2d2.native_extension = native
 
 

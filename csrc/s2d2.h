@@ -4,7 +4,7 @@
 // verification chain with its 2L copies and redraft blocks, pending block), then take the
 // argmax of every logit row once and run every row's transition (acceptance, the redraft
 // block of the outcome, the next drafts), then open the blocks that finished.  The torch
-// composition in s2d2._Batch stays the reference (tested equal, step by step) and the path
+// composition in s2d2.S2D2Run stays the reference (tested equal, step by step) and the path
 // for sampling, the other policies and other devices.
 //
 // Each row's state is one int64 record (S2D2Record): scalars, then [bs] arrays, then

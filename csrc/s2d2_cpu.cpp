@@ -1,5 +1,5 @@
 // S2D2's step on the CPU (s2d2.h): the layout, the transitions and the block openings of
-// dspec/decode/s2d2.py's _Batch, row by row on the host, for greedy decoding with policy
+// dspec/decode/s2d2.py's S2D2Run, row by row on the host, for greedy decoding with policy
 // "always".  Each function mirrors a torch function of s2d2.py (named where it starts), so
 // the two stay checkable against each other line by line.
 #include "s2d2.h"
@@ -218,7 +218,7 @@ void logit_rows_of(const S2D2Config& cfg, const Row& row, std::int64_t count, st
   }
 }
 
-// _Batch.draft for one drafting row (policy "always", greedy): the span drafts from the
+// S2D2Run.draft for one drafting row (policy "always", greedy): the span drafts from the
 // slot-aligned choices; returns the next phase.
 std::int64_t draft_row(const S2D2Config& cfg, const Row& row, const std::int64_t* choice, bool stale,
                        std::int64_t* counters) {
@@ -326,7 +326,7 @@ S2D2Advance s2d2_advance(const S2D2Config& cfg, const S2D2Plan& plan, std::int64
     if (plan.any_pending && cfg.shifted && pending) row[R::kCarry] = lead ? a[0] : a[bs];
     std::int64_t nxt = phase;
     bool reuse = false, spec_final = false, chain_final = false, stale = false, bounded = false;
-    if (plan.any_verify && phase == kS2D2Verify) {  // _Batch.verify + accept_span
+    if (plan.any_verify && phase == kS2D2Verify) {  // S2D2Run.verify + accept_span
       const auto target = [&](std::int64_t j) {
         return cfg.shifted && j == 0 && s == 0 && !lead ? row[R::kCarry] : a[j];
       };
@@ -353,7 +353,7 @@ S2D2Advance s2d2_advance(const S2D2Config& cfg, const S2D2Plan& plan, std::int64
       res.committed += committed;
       nxt = left ? kS2D2Draft : kS2D2Commit;
       stale = reuse && committed > acc;
-      // _Batch.redraft_logits: the outcome's redraft block (slot-aligned) and the carry
+      // S2D2Run.redraft_logits: the outcome's redraft block (slot-aligned) and the carry
       const std::int64_t base = bs + 1;
       if (cfg.shifted && spec_final)
         row[R::kCarry] = chain_final ? a[bs] : argmax_at(a, base + row[R::kLogitBlocks], nr);
@@ -364,13 +364,13 @@ S2D2Advance s2d2_advance(const S2D2Config& cfg, const S2D2Plan& plan, std::int64
         }
       }
     }
-    if (phase == kS2D2Draft || reuse) {  // _Batch.draft
+    if (phase == kS2D2Draft || reuse) {  // S2D2Run.draft
       if (!reuse) {
         for (std::int64_t t = 0; t < bs; ++t) choice[t] = cfg.shifted ? (t == 0 ? row[R::kCarry] : a[t - 1]) : a[t];
       }
       nxt = draft_row(cfg, row, choice, stale, counters);
     }
-    // _Batch.append_kv: a pending block (the rows in front) and / or a finished verified block
+    // S2D2Run.append_kv: a pending block (the rows in front) and / or a finished verified block
     const bool appended = keeps && (pending || spec_final);
     std::int64_t* kb = keep + b * 2 * bs;
     for (std::int64_t t = 0; t < bs; ++t) {
@@ -399,7 +399,7 @@ bool s2d2_open(const S2D2Config& cfg, const S2D2Plan& plan, std::int64_t* state,
   const std::int64_t rec = f.width(), bs = cfg.bs, nr = plan.logit_rows;
   bool again = false;
   std::int64_t choice[kS2D2MaxBlock];
-  for (std::int64_t b = 0; b < cfg.rows; ++b) {  // _Batch.finish_blocks
+  for (std::int64_t b = 0; b < cfg.rows; ++b) {  // S2D2Run.finish_blocks
     const Row row{state + b * rec, f};
     if (!row[R::kFinishing]) continue;
     const bool complete = row[R::kComplete], ended = done[b];
@@ -415,7 +415,7 @@ bool s2d2_open(const S2D2Config& cfg, const S2D2Plan& plan, std::int64_t* state,
     row[R::kSpecFinal] = 0;
     row[R::kBounded] = 0;
     if (!ahead && !bounded) continue;
-    // the next block's first drafting step rode along (_Batch.step): after every draft
+    // the next block's first drafting step rode along (S2D2Run.step): after every draft
     // passed, or (proposals, not yet seeing the drawn token) the boundary state's
     counters[ahead ? S2D2Counters::kAhead : S2D2Counters::kBoundary] += 1;
     const std::int64_t* a = argmax + b * nr;

@@ -1,9 +1,9 @@
-// The self-speculative engine's host-side round on the CPU (dspec/decode/_selfspec.py, the
+// The self-speculative engine's host-side round on the CPU (dspec/decode/selfspec.py, the
 // engine of `ssd` and `spiffy`): three calls around the verification forward replace the
 // ~200 small torch ops of a round (expand the draft graph at every row's state and lay out
 // the copies to forward; score every slot of every copy; walk the graph along the real
 // steps and advance each row's state), greedy only.  The torch composition in
-// _selfspec._Engine stays the reference (tested equal, field by field) and the path for
+// selfspec.SelfSpecEngine stays the reference (tested equal, field by field) and the path for
 // sampling, tracing and other devices.
 //
 // Rows (requests) are independent; the graph tables are shared.  Every array is contiguous,
@@ -14,7 +14,7 @@
 
 namespace dspec {
 
-// A draft graph's tables (DraftGraph.tables in _selfspec.py), packed into one int64 buffer:
+// A draft graph's tables (DraftGraph.tables in selfspec.py), packed into one int64 buffer:
 // assign [M, I] (candidate rank j of position rank i in the node, or -1), size [M],
 // top_rank [M], next_node [M, I, J] (child adding step (i, j), or -1), parent_ptr [M + 1],
 // parent_idx [P] (CSR: the parents of node n are parent_idx[parent_ptr[n] .. parent_ptr[n+1])).

@@ -1,6 +1,6 @@
 // The self-speculative engine's round on the CPU (selfspec.h): expand, score, advance.
 //
-// Each reproduces a step of _selfspec._Engine's torch composition bit for bit (the same
+// Each reproduces a step of selfspec.SelfSpecEngine's torch composition bit for bit (the same
 // comparisons, the same float operations in the same order): ranks by a stable sort on
 // confidence (ties to the lower slot), node scores as the running float sum of candidate
 // log-probabilities divided by the node's size, pruning by the path-monotone score and a

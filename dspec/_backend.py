@@ -73,7 +73,9 @@ def cuda_available() -> bool:
     return ext is not None and bool(getattr(ext, "with_cuda", False))
 
 
-def _backend_ready(name: str) -> bool:
+def backend_ready(name: str) -> bool:
+    """Whether backend ``name`` can run here (torch always; triton, cuda and cpp when their
+    package, device or extension is present)."""
     return {
         "torch": True,
         "triton": triton_available(),
@@ -145,7 +147,7 @@ def resolve(
             raise ValueError(why)
     order = ("cuda", "triton", "torch") if on_cuda else ("cpp", "torch")
     for name in order:
-        if name in provided and name not in unsupported and _backend_ready(name):
+        if name in provided and name not in unsupported and backend_ready(name):
             return name
     return "torch"
 
@@ -157,7 +159,7 @@ def _unusable(op: str, name: str, device: torch.device, provided, unsupported) -
         return f"{op}: no {name!r} backend; available: {provided}"
     if name in unsupported:
         return f"{op}: {unsupported[name]}"
-    if not _backend_ready(name):
+    if not backend_ready(name):
         return (
             f"{op}: backend {name!r} is not available in this install "
             "(dspec._C not built, built without CUDA, or triton missing)"

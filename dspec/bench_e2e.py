@@ -115,7 +115,7 @@ CONFIGS: tuple[Config, ...] = (
     Config("diffusion-dynamic", "diffusion", "dllm", {"threshold": 0.9}),
     Config("ssd", "ssd", "dllm"),
     # pinned draft rows per round: the CPU defaults at block size 4 are draft_len 3 with the
-    # swapped states / prune_to 6 (32 rows, decode/_cpu_cost.py); ssd-d2 / spiffy-p2 are the
+    # swapped states / prune_to 6 (32 rows, decode/cpu_cost.py); ssd-d2 / spiffy-p2 are the
     # earlier 16-row defaults (CPU_SMALL_ROW_BUDGET), ssd-d3 the chain without swaps, spiffy-p8 the default
     # on accelerators
     Config("ssd-d2", "ssd", "dllm", {"draft_len": 2, "mixed_order": False}),
@@ -127,7 +127,7 @@ CONFIGS: tuple[Config, ...] = (
     Config("s2d2", "s2d2", "dllm", expand="policies"),
     # S2D2 as published: the speculative block alone (no redraft blocks), its default policy
     Config("s2d2-noredraft", "s2d2", "dllm", {"redraft": False}),
-    # with the boundary state (off by default on a CPU, on elsewhere; decode/_cpu_cost.py)
+    # with the boundary state (off by default on a CPU, on elsewhere; decode/cpu_cost.py)
     Config("s2d2-boundary", "s2d2", "dllm", {"policy": "always", "boundary": True}),
     Config("diffuspec", "diffuspec", "target"),
     Config("diffuspec-d8", "diffuspec", "target", {"draft_len": 8}),
@@ -176,7 +176,7 @@ CONFIGS: tuple[Config, ...] = (
         "d2sd-chain-nolookup-K2", "d2sd", "target", {"k": _d2sd_k(2), "tree": None, "lookup": None, "redraft_min": 0}
     ),
     # the method's defaults: on a CPU the re-draft gate (redraft_min="auto") never re-drafts,
-    # so every cycle is DFlash's (measured: no gate pays on this CPU, _cpu_cost.CPU_REDRAFT_MIN)
+    # so every cycle is DFlash's (measured: no gate pays on this CPU, cpu_cost.CPU_REDRAFT_MIN)
     Config("d2sd-auto", "d2sd", "target", {}),
     # the naive control: DFlash with K branches resampled from the first draft
     *(Config(f"d2sd-resample-K{k}", "d2sd", "target", {"k": _d2sd_k(k), "branches": "resample"}) for k in (1, 2, 4)),

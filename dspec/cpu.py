@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-_FLAGS = (
+REPORTED_FLAGS = (
     "avx2",
     "fma",
     "avx512f",
@@ -61,7 +61,9 @@ _SAMPLE_S = 0.05
 
 
 @functools.lru_cache(maxsize=None)
-def _cpuinfo() -> tuple[str, frozenset[str]]:
+def cpuinfo() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and its flags, read once from /proc/cpuinfo (``platform.processor()``
+    and no flags where that file is missing)."""
     model, flags = platform.processor() or "cpu", frozenset()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -77,18 +79,18 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
 
 
 def cpu_model() -> str:
-    return _cpuinfo()[0]
+    return cpuinfo()[0]
 
 
 def cpu_flags() -> list[str]:
     """The decoding-relevant instruction-set flags this CPU reports."""
-    flags = _cpuinfo()[1]
-    return [f for f in _FLAGS if f in flags]
+    flags = cpuinfo()[1]
+    return [f for f in REPORTED_FLAGS if f in flags]
 
 
 def native_bf16() -> bool:
     """bf16 matmul runs in hardware here (AMX-BF16 or AVX512_BF16)."""
-    flags = _cpuinfo()[1]
+    flags = cpuinfo()[1]
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 

@@ -19,7 +19,7 @@ def redraft_checks(model, prompts, monkeypatch, **kw) -> dict:
     from dspec.decode import s2d2
 
     done = {"reuse": 0, "stale": 0, "next": 0, "boundary": 0}
-    verify, draft = s2d2._Batch.verify, s2d2._Batch.draft
+    verify, draft = s2d2.S2D2Run.verify, s2d2.S2D2Run.draft
 
     def spy_verify(self, logits, nxt):
         span = self.span_start.clone()
@@ -80,8 +80,8 @@ def redraft_checks(model, prompts, monkeypatch, **kw) -> dict:
             done["next"] += 1
         return draft(self, block_logits, drafting, nxt, stale)
 
-    monkeypatch.setattr(s2d2._Batch, "verify", spy_verify)
-    monkeypatch.setattr(s2d2._Batch, "draft", spy_draft)
+    monkeypatch.setattr(s2d2.S2D2Run, "verify", spy_verify)
+    monkeypatch.setattr(s2d2.S2D2Run, "draft", spy_draft)
     monkeypatch.setattr(s2d2, "native_extension", lambda *a: None)  # the spies watch the torch step
     for prompt in prompts:
         dspec.generate(model, prompt, method="s2d2", policy="always", **kw)

@@ -17,9 +17,9 @@ def test_auto_on_cpu_prefers_cpp_then_torch():
 
 
 def test_auto_on_cuda_order(monkeypatch):
-    monkeypatch.setattr(_backend, "_backend_ready", lambda name: name in ("torch", "triton"))
+    monkeypatch.setattr(_backend, "backend_ready", lambda name: name in ("torch", "triton"))
     assert _backend.resolve("op", "auto", torch.device("cuda"), ("torch", "triton", "cuda")) == "triton"
-    monkeypatch.setattr(_backend, "_backend_ready", lambda name: True)
+    monkeypatch.setattr(_backend, "backend_ready", lambda name: True)
     assert _backend.resolve("op", "auto", torch.device("cuda"), ("torch", "triton", "cuda")) == "cuda"
     assert _backend.resolve("op", "auto", torch.device("cuda"), ("torch",)) == "torch"
 
@@ -62,7 +62,7 @@ def test_errors_name_the_problem(monkeypatch):
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="no 'cuda' backend"):
         _backend.resolve("topk_tokens", "cuda", cpu, ("torch", "triton"))
-    monkeypatch.setattr(_backend, "_backend_ready", lambda name: True)
+    monkeypatch.setattr(_backend, "backend_ready", lambda name: True)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         _backend.resolve("op", "cuda", cpu, ("torch", "cuda"))
     with pytest.raises(ValueError, match="needs CPU tensors"):

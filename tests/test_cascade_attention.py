@@ -342,7 +342,7 @@ ISAS = (
 def isa(request, monkeypatch):
     """Every tile code of the cpp backend: the portable loops and, where the CPU has them,
     AVX-512 and AMX-BF16 (which takes the bf16 inputs with D % 32 == 0; the rest run AVX-512)."""
-    monkeypatch.setattr(attention_ops, "_CPP_ISA", request.param)
+    monkeypatch.setattr(attention_ops, "CPP_ISA", request.param)
     return request.param
 
 
@@ -868,12 +868,12 @@ def test_default_backend_yields_to_torch_past_16_rows_without_simd_tiles():
 
     prev = dspec.cpu.set_isa_cap("generic")
     try:
-        assert A._by_rows("cpp", None, A._GENERIC_CPP_MAX_ROWS + 1) == "torch"
-        assert A._by_rows("cpp", "auto", 64) == "torch"
-        assert A._by_rows("cpp", None, A._GENERIC_CPP_MAX_ROWS) == "cpp"
-        assert A._by_rows("cpp", "cpp", 64) == "cpp"
-        assert A._by_rows("triton", None, 64) == "triton"
+        assert A.backend_for_rows("cpp", None, A.GENERIC_CPP_MAX_ROWS + 1) == "torch"
+        assert A.backend_for_rows("cpp", "auto", 64) == "torch"
+        assert A.backend_for_rows("cpp", None, A.GENERIC_CPP_MAX_ROWS) == "cpp"
+        assert A.backend_for_rows("cpp", "cpp", 64) == "cpp"
+        assert A.backend_for_rows("triton", None, 64) == "triton"
     finally:
         dspec.cpu.set_isa_cap(prev)
     if dspec.cpu.isa() != "generic":
-        assert A._by_rows("cpp", None, 64) == "cpp"
+        assert A.backend_for_rows("cpp", None, 64) == "cpp"

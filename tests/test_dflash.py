@@ -301,13 +301,14 @@ def test_marginal_tree_keeps_the_best_paths(nodes):
 def _composed_draft_tree(probs, tokens, nodes, roots, positions, row_cost):
     """draft_tree's reference: the torch composition (the path every non-CPU device takes)."""
     import dspec.decode.dflash as dflash_mod
+    from dspec import _backend
 
-    ext = dflash_mod._backend.extension
+    ext = _backend.extension
     try:
-        dflash_mod._backend.extension = lambda: None
+        _backend.extension = lambda: None
         return dflash_mod.draft_tree(probs, tokens, nodes, roots, positions, row_cost)
     finally:
-        dflash_mod._backend.extension = ext
+        _backend.extension = ext
 
 
 @pytest.mark.parametrize(
@@ -415,7 +416,7 @@ def test_tree_batch_equals_singles_and_checks_its_option(target):
         with pytest.raises(ValueError, match="tree"):
             dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=2, drafter=d, tree=bad)
     # "auto" (the default): CPU_TREE_NODES nodes when greedy on a CPU model, the chain at T > 0
-    from dspec.decode._cpu_cost import resolve_tree
+    from dspec.decode.cpu_cost import resolve_tree
 
     assert batch[0].stats["tree"] == 6
     auto = resolve_tree(target, "auto", 0.0)  # CPU_TREE_NODES on the tiles, the chain on AVX2

@@ -141,7 +141,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, gguf_reade
     import gguf
 
     monkeypatch.setattr(gguf, "GGUFReader", lambda path: gguf_reader)
-    real_write = embedded._SafetensorsWriter.write
+    real_write = embedded.SafetensorsWriter.write
     calls = []
 
     def failing_write(self, name, array):
@@ -150,7 +150,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, gguf_reade
             raise KeyboardInterrupt("simulated interrupt")
         real_write(self, name, array)
 
-    monkeypatch.setattr(embedded._SafetensorsWriter, "write", failing_write)
+    monkeypatch.setattr(embedded.SafetensorsWriter, "write", failing_write)
     with pytest.raises(KeyboardInterrupt):
         embedded.smollm2_checkpoint(tmp_path, progress=False)
     assert list(tmp_path.iterdir()) == []  # no checkpoint, no partial directory
@@ -174,7 +174,7 @@ def test_incomplete_or_outdated_directory_is_not_trusted(tmp_path, ckpt):
 
 
 def test_install_replaces_a_stale_directory(tmp_path, ckpt):
-    """_install moves a finished conversion over an unmarked / outdated directory."""
+    """install_checkpoint moves a finished conversion over an unmarked / outdated directory."""
     final = tmp_path / "smollm2-135m"
     final.mkdir()
     (final / "junk").write_text("x")
@@ -182,7 +182,7 @@ def test_install_replaces_a_stale_directory(tmp_path, ckpt):
     new.mkdir()
     for name in embedded.CHECKPOINT_FILES + (embedded.MARKER_FILE,):
         (new / name).write_bytes((ckpt / name).read_bytes() if name.endswith(".json") else b"")
-    embedded._install(new, final, embedded.smollm2_gguf_path())
+    embedded.install_checkpoint(new, final, embedded.smollm2_gguf_path())
     assert embedded.is_converted(final) and not (final / "junk").exists() and not new.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m"]
 

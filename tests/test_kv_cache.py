@@ -381,7 +381,7 @@ def test_host_index_normalises_every_form():
     """KVCache.append's index (numpy, values checked): every keep / counts form gives the
     used suffix positions of each request in order, -1 after (no trailing all-unused column
     but keep's own), and bad ones raise the errors named in the message."""
-    from dspec.models.kv_cache import _host_keep_index
+    from dspec.models.kv_cache import host_keep_index
 
     def expect(rows, width):
         return [r + [-1] * (width - len(r)) for r in rows]
@@ -410,7 +410,7 @@ def test_host_index_normalises_every_form():
             (dict(keep=None), [list(range(n))] * batch),
         ]
         for kw, want in cases:
-            assert _host_keep_index(kw.get("keep"), kw.get("counts"), batch, n).tolist() == want, kw
+            assert host_keep_index(kw.get("keep"), kw.get("counts"), batch, n).tolist() == want, kw
     bad = [
         (dict(counts=[5, 0]), "counts must lie in"),
         (dict(counts=[1]), "one per request"),
@@ -426,4 +426,4 @@ def test_host_index_normalises_every_form():
     ]
     for kw, match in bad:
         with pytest.raises(ValueError, match=match):
-            _host_keep_index(kw.get("keep"), kw.get("counts"), 2, 4)
+            host_keep_index(kw.get("keep"), kw.get("counts"), 2, 4)

@@ -88,20 +88,20 @@ def test_layer_ops_reject_bad_arguments():
 def test_rope_tables_on_the_cpu_are_the_formula_gathered():
     """The CPU table (kept with inv_freq, grown by doubling) gives the formula's bits for
     any positions; negative positions and table=False take the formula."""
-    from dspec.models.transformer import _ROPE_TABLE, _rope_formula
+    from dspec.models.transformer import ROPE_TABLE_ATTR, rope_formula
 
     inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
     for shape, high in (((1, 1), 10), ((2, 16), 300), ((3, 5, 7), 5000), ((1, 3), 4096)):
         positions = torch.randint(0, high, shape)
-        got, want = rope_tables(positions, inv), _rope_formula(positions, inv)
+        got, want = rope_tables(positions, inv), rope_formula(positions, inv)
         assert got[0].shape == want[0].shape == shape + (1, 64)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert getattr(inv, _ROPE_TABLE)[1].shape[0] == 8192  # grown to a power of two
+    assert getattr(inv, ROPE_TABLE_ATTR)[1].shape[0] == 8192  # grown to a power of two
     negative = torch.tensor([[-3, 0, 2]])
-    assert torch.equal(rope_tables(negative, inv)[1], _rope_formula(negative, inv)[1])
+    assert torch.equal(rope_tables(negative, inv)[1], rope_formula(negative, inv)[1])
     fresh = inv.clone()
     rope_tables(torch.tensor([[1, 2]]), fresh, table=False)
-    assert not hasattr(fresh, _ROPE_TABLE)
+    assert not hasattr(fresh, ROPE_TABLE_ATTR)
     assert rope_tables(torch.zeros(0, 4, dtype=torch.int64), inv)[0].shape == (0, 4, 1, 64)
 
 
@@ -111,7 +111,7 @@ def test_rope_tables_on_the_cpu_are_the_formula_gathered():
     [(1, 5, 9, 3, 4), (30, 9, 600, 192, 9), (4, 1, 2, 1, 1), (3, 40, 40, 64, 40)],
 )
 def test_move_rows_matches_index_copy(dtype, groups, src_rows, dst_rows, width, count):
-    from dspec.models.kv_cache import _move_rows
+    from dspec.models.kv_cache import move_rows
 
     g = torch.Generator().manual_seed(groups * 100 + count)
     # group strides wider than the rows: the KV cache's views are strided by layer / request
@@ -120,7 +120,7 @@ def test_move_rows_matches_index_copy(dtype, groups, src_rows, dst_rows, width, 
     s_idx = torch.randint(0, src_rows, (count,), generator=g)
     d_idx = torch.randperm(dst_rows, generator=g)[:count]
     want = dst.clone().index_copy_(1, d_idx, src.index_select(1, s_idx))
-    _move_rows(src, dst, s_idx, d_idx)
+    move_rows(src, dst, s_idx, d_idx)
     assert torch.equal(dst, want)
 
 

@@ -287,3 +287,60 @@ def test_test_modules_import_no_other_test_module():
                 names = [node.module]
             bad += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
     assert not bad, bad
+
+
+#: dspec's base-layer private modules (the module doc's table): the seams the tests may use
+#: (the extension, the backend registry, argument checks, the command-line plumbing)
+BASE_PRIVATE = {"_C", "_backend", "_library", "_validate", "_cli"}
+
+
+def _dspec_aliases(tree: ast.Module) -> dict[str, str]:
+    """The names a test module binds to dspec modules (``import dspec.x as y``, ``from dspec.x
+    import y`` where ``dspec.x.y`` is a module): name -> dotted module."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "dspec":
+                    aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else "dspec"
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if node.module.split(".")[0] == "dspec":
+                for a in node.names:
+                    if known(f"{node.module}.{a.name}"):
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    return aliases
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and name not in BASE_PRIVATE
+
+
+def test_test_modules_use_no_private_name_of_dspec():
+    """Tests reach dspec through public names (of its modules) and the base layer's private
+    modules, never through a ``_private`` function, class or constant: what a test needs is a
+    public seam of the module it tests.  The Triton kernels' ``_..._kernel`` objects are the
+    exception: the ahead-of-time compile check takes the jit functions themselves."""
+    tests = Path(__file__).resolve().parent
+    bad = []
+    for path in sorted(tests.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = _dspec_aliases(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                if node.module.split(".")[0] == "dspec":
+                    bad += [f"{path.name}:{node.lineno} imports {a.name}" for a in node.names if _private(a.name)]
+            elif isinstance(node, ast.Attribute) and _private(node.attr):
+                chain, value = [], node.value
+                while isinstance(value, ast.Attribute):
+                    chain.append(value.attr)
+                    value = value.value
+                if isinstance(value, ast.Name) and value.id in aliases:
+                    module = ".".join([aliases[value.id], *reversed(chain)])
+                    if not (node.attr.endswith("_kernel") and module.startswith("dspec.kernels.")):
+                        bad.append(f"{path.name}:{node.lineno} uses {module}.{node.attr}")
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "setattr" and len(node.args) >= 2:
+                target, attr = node.args[0], node.args[1]
+                if isinstance(target, ast.Name) and target.id in aliases and isinstance(attr, ast.Constant):
+                    if isinstance(attr.value, str) and _private(attr.value):
+                        bad.append(f"{path.name}:{node.lineno} patches {aliases[target.id]}.{attr.value}")
+    assert not bad, "private names of dspec used by tests:\n" + "\n".join(bad)

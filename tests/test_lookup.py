@@ -171,17 +171,17 @@ def test_dflash_lookup_equals_ar_and_batch_equals_singles(target, lookup, tree):
 
 
 def test_dflash_lookup_option_checks(target, monkeypatch):
-    from dspec.decode import _cpu_cost
-    from dspec.decode._cpu_cost import CPU_LOOKUP_DRAFTS
+    from dspec.decode import cpu_cost
+    from dspec.decode.cpu_cost import CPU_LOOKUP_DRAFTS
 
-    monkeypatch.setattr(_cpu_cost, "cost_class", lambda model: "tiles")  # the tree-default class
+    monkeypatch.setattr(cpu_cost, "cost_class", lambda model: "tiles")  # the tree-default class
     p = PROMPTS[0]
     assert dspec.generate(target, p, method="dflash", max_new_tokens=4).stats["lookup"] == CPU_LOOKUP_DRAFTS
     assert dspec.generate(target, p, method="dflash", max_new_tokens=4, tree=None).stats["lookup"] is None
     assert dspec.generate(target, p, method="dflash", max_new_tokens=4, lookup=0).stats["lookup"] is None
     hot = dspec.generate(target, p, method="dflash", max_new_tokens=4, temperature=1.0, seed=0)
     assert hot.stats["lookup"] is None  # T > 0: the chain, no tree
-    from dspec.decode._cpu_cost import CPU_LOOKUP_MAX_BATCH
+    from dspec.decode.cpu_cost import CPU_LOOKUP_MAX_BATCH
 
     many = [p] * (CPU_LOOKUP_MAX_BATCH + 1)  # every verified row is compute there
     assert dspec.generate(target, many, method="dflash", max_new_tokens=4)[0].stats["lookup"] is None

@@ -449,9 +449,9 @@ def test_s2d2_caches_the_bases_kv_bit_for_bit(tmp_path, dtype, boundary):
     base = dspec.load(write_checkpoint(tmp_path, "llama", seed=0, hidden=256, inter=768, layers=4), dtype=dtype)
     model = trained_looking_mask_adapter(base, mask_token_id=MASK)
     prompts = [_ids(3, 3), _ids(9, 9), _ids(70, 70), _ids(30, 30)]
-    opt = s2d2._check_options(model, None, None, "always", None, None, None, None, None, None, boundary=boundary)
+    opt = s2d2.resolve_options(model, None, None, "always", None, None, None, None, None, None, boundary=boundary)
     with torch.no_grad():
-        run = s2d2._Batch(
+        run = s2d2.S2D2Run(
             model, prompts, opt, max_new_tokens=64, temperature=0.0, generator=None, eos_ids=(), progress=None
         )
         while run.step():

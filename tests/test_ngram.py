@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dspec.decode.ngram import NgramLM, _discount, default_ngram
+from dspec.decode.ngram import NgramLM, default_ngram, kneser_ney_discount
 from dspec.decode.path_search import cpp_available, path_search
 
 
@@ -24,9 +24,9 @@ def naive_kneser_ney(seqs, V):
         s = [int(x) for x in s]
         bi.update(zip(s, s[1:]))
         tri.update(zip(s, s[1:], s[2:]))
-    d3 = _discount(np.array(list(tri.values()), float))
+    d3 = kneser_ney_discount(np.array(list(tri.values()), float))
     cont_bi = {k: max(len({u for (u, v, w) in tri if (v, w) == k}), 1) for k in bi}
-    d2 = _discount(np.array(list(cont_bi.values()), float))
+    d2 = kneser_ney_discount(np.array(list(cont_bi.values()), float))
     cont_uni = Counter(w for (v, w) in bi)
     p1 = {w: (cont_uni[w] + 1) / (len(bi) + V) for w in range(V)}
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import dspec
-from dspec.decode import _bounds
+from dspec.decode import bounds
 from dspec.models import stack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,16 +79,16 @@ PAST_BOUNDS = [
     ("diffusion", {"block_size": 2049}, "block_size"),  # 2 * 2049 rows + the prompt > 4096
     ("diffusion", {"block_size": 10**12}, "block_size"),
     ("ssd", {"block_size": 1366}, "block_size"),  # 3 copies of 1366 rows
-    ("ssd", {"draft_len": _bounds.MAX_DRAFT_LEN + 1}, "draft_len"),
+    ("ssd", {"draft_len": bounds.MAX_DRAFT_LEN + 1}, "draft_len"),
     ("ssd", {"block_size": 16, "draft_len": 200, "mixed_order": True}, "draft_len"),  # 401 copies of 16 rows
     ("spiffy", {"block_size": 1366}, "block_size"),
-    ("spiffy", {"graph_size": _bounds.MAX_GRAPH_NODES + 1}, "graph_size"),
+    ("spiffy", {"graph_size": bounds.MAX_GRAPH_NODES + 1}, "graph_size"),
     ("spiffy", {"graph_size": 10**9}, "graph_size"),
     ("s2d2", {"block_size": 1366}, "block_size"),
     ("s2d2", {"block_size": 64}, "block_size"),  # redraft blocks: ~ (64 + 4) * 64 rows
     ("s2d2", {"block_size": 10**7, "draft_len": 1}, "block_size"),
-    ("dflash", {"draft_len": _bounds.MAX_DRAFT_LEN + 1}, "draft_len"),
-    ("dflash", {"tree": _bounds.MAX_TREE_NODES + 1}, "tree"),
+    ("dflash", {"draft_len": bounds.MAX_DRAFT_LEN + 1}, "draft_len"),
+    ("dflash", {"tree": bounds.MAX_TREE_NODES + 1}, "tree"),
     ("dflash", {"tree": 10**6}, "tree"),
     ("dflash", {"tree": 7, "lookup": 10**6}, "lookup"),
     ("d2sd", {"draft_len": 10**6}, "draft_len"),
@@ -145,7 +145,7 @@ def test_bounds_are_documented_in_the_methods():
         d2sd.decode_d2sd,
         diffuspec.decode_diffuspec,
     ):
-        assert "_bounds" in fn.__doc__ and "max_position_embeddings" in fn.__doc__, fn.__qualname__
+        assert "decode.bounds" in fn.__doc__ and "max_position_embeddings" in fn.__doc__, fn.__qualname__
 
 
 # --------------------------------------------------------------------------- threads
@@ -263,7 +263,7 @@ def test_weight_table_keeps_its_tensors_alive(tmp_path):
 
     base = dspec.load(write_checkpoint(tmp_path / "llama", "llama", seed=3), dtype="float32")
     for model in (base, trained_looking_mask_adapter(base, mask_token_id=5)):
-        table = stack._table(model)
+        table = stack.weight_table(model)
         if table is None:
             pytest.skip("no C++ layer stack here")
         ptrs = {p for p in [*table.weights, *table.lora, *table.lora_packed] if p}

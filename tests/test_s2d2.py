@@ -546,11 +546,11 @@ def test_redraft_auto(model):
     S2D2's speculative block alone for a larger batch (the rows are compute); the policy is
     "always" with redraft blocks or where the compiled step runs it (greedy on the CPU), else
     "min_span"."""
-    from dspec.decode.s2d2 import _check_options
+    from dspec.decode.s2d2 import resolve_options
 
     opts = (model, None, None, None, None, None, None, None, None, None)
-    one, two = _check_options(*opts, batch=1), _check_options(*opts, batch=2)
-    many, sampled = _check_options(*opts, batch=3), _check_options(*opts, batch=3, temperature=0.7)
+    one, two = resolve_options(*opts, batch=1), resolve_options(*opts, batch=2)
+    many, sampled = resolve_options(*opts, batch=3), resolve_options(*opts, batch=3, temperature=0.7)
     assert (one["redraft"], one["policy"]) == (True, "always")
     assert (two["redraft"], two["policy"]) == (True, "always")
     assert (many["redraft"], many["policy"]) == (False, "always")

@@ -58,7 +58,7 @@ class Recorder:
 
 
 def batches(model, prompts, *, max_new_tokens, **options):
-    opt = s2d2._check_options(
+    opt = s2d2.resolve_options(
         model,
         options.get("block_size"),
         None,
@@ -80,8 +80,8 @@ def batches(model, prompts, *, max_new_tokens, **options):
         eos_ids=options.get("eos_ids", model.eos_token_ids),
         progress=None,
     )
-    native = s2d2._Batch(Recorder(model), prompts, opt, **kw)
-    torch_path = s2d2._Batch(Recorder(model), prompts, opt, **kw)
+    native = s2d2.S2D2Run(Recorder(model), prompts, opt, **kw)
+    torch_path = s2d2.S2D2Run(Recorder(model), prompts, opt, **kw)
     torch_path.native = None
     assert native.native is not None
     return native, torch_path
@@ -180,8 +180,8 @@ def test_decode_uses_the_compiled_step_where_it_applies(model, monkeypatch):
     assert s2d2.native_extension(model, 4, 0.7) is None
     assert s2d2.native_extension(model, ext.s2d2_max_block + 1, 0.0) is None
     for policy, temperature, native in (("always", 0.0, True), ("min_span", 0.0, False), ("always", 0.7, False)):
-        opt = s2d2._check_options(model, None, None, policy, None, None, None, None, None, None)
-        run = s2d2._Batch(
+        opt = s2d2.resolve_options(model, None, None, policy, None, None, None, None, None, None)
+        run = s2d2.S2D2Run(
             model,
             prompts,
             opt,

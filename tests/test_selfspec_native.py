@@ -6,7 +6,7 @@ import torch
 
 import dspec
 from dspec import _backend
-from dspec.decode._selfspec import DraftGraph, _Engine, chain_graph
+from dspec.decode.selfspec import DraftGraph, SelfSpecEngine, chain_graph
 from selfspec_cases import tiny, weak_context
 from tiny_checkpoints import write_checkpoint
 
@@ -51,7 +51,7 @@ def engines(model, prompts, graph, prune_to, block_size, max_new_tokens=12, num_
         trace=None,
         num_candidates=num_candidates,
     )
-    native, torch_path = _Engine(model, prompts, **kw), _Engine(model, prompts, **kw)
+    native, torch_path = SelfSpecEngine(model, prompts, **kw), SelfSpecEngine(model, prompts, **kw)
     torch_path.native = None
     assert native.native is not None
     return native, torch_path

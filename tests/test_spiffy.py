@@ -7,7 +7,7 @@ import torch
 
 import dspec
 from dspec.decode import spiffy_graph
-from dspec.decode._selfspec import DraftGraph
+from dspec.decode.selfspec import DraftGraph
 from selfspec_cases import capture_caches, chi2_pvalue, exact_first_block, sample_first_block, tiny, weak_context
 from tiny_checkpoints import write_checkpoint
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dspec
-from dspec.decode._selfspec import chain_graph
+from dspec.decode.selfspec import chain_graph
 from selfspec_cases import capture_caches, chi2_pvalue, exact_first_block, sample_first_block, tiny, weak_context
 from tiny_checkpoints import write_checkpoint
 
@@ -141,10 +141,10 @@ def test_cpu_defaults_keep_a_round_within_32_rows(model, block_size, draft_len, 
     (two passes over every weight tile): ssd's draft_len the longest of min(block_size - 1, 4)
     that fits with mixed_order, spiffy's prune_to min(8, graph_size, 32 // block_size - 2);
     explicit values are kept."""
-    from dspec.decode import _cpu_cost
-    from dspec.decode._cpu_cost import cpu_block_copies
+    from dspec.decode import cpu_cost
+    from dspec.decode.cpu_cost import cpu_block_copies
 
-    monkeypatch.setattr(_cpu_cost, "cost_class", lambda model: "tiles")
+    monkeypatch.setattr(cpu_cost, "cost_class", lambda model: "tiles")
     assert cpu_block_copies(model, block_size) == max(3, 32 // block_size)
     got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size)
     assert (got.stats["draft_len"], got.stats["mixed_order"]) == (draft_len, mixed)
@@ -162,10 +162,10 @@ def test_cpu_defaults_in_a_batch_or_sampling_keep_16_rows_a_request(
 ):
     """A batch's forward makes every row compute, and sampling accepts too little to pay for
     a second tile pass: the per-request budget drops to 16 rows (the "tiles" cost class)."""
-    from dspec.decode import _cpu_cost
-    from dspec.decode._cpu_cost import cpu_block_copies
+    from dspec.decode import cpu_cost
+    from dspec.decode.cpu_cost import cpu_block_copies
 
-    monkeypatch.setattr(_cpu_cost, "cost_class", lambda model: "tiles")
+    monkeypatch.setattr(cpu_cost, "cost_class", lambda model: "tiles")
     assert cpu_block_copies(model, block_size, 2) == max(3, 16 // block_size)
     prompts = [[3, 4, 5], [7, 8]]
     got = dspec.generate(model, prompts, method="ssd", max_new_tokens=4, block_size=block_size)
@@ -192,18 +192,18 @@ def test_default_chain_without_a_device_cap():
 
 
 def test_cpu_defaults_on_the_avx2_class_keep_12_rows(model, monkeypatch):
-    """On the "avx2" cost class every verified row is FMA work (``_cpu_cost.FORWARD_COST``): a
+    """On the "avx2" cost class every verified row is FMA work (``cpu_cost.FORWARD_COST``): a
     round carries ``CPU_AVX2_ROW_BUDGET`` rows (at least the root, one draft and the next
     block), greedy or not, and the row cost the pruning methods take is the measured slope."""
-    from dspec.decode import _cpu_cost
+    from dspec.decode import cpu_cost
 
-    monkeypatch.setattr(_cpu_cost, "cost_class", lambda model: "avx2")
+    monkeypatch.setattr(cpu_cost, "cost_class", lambda model: "avx2")
     for block_size in (2, 4, 8):
-        want = max(3, _cpu_cost.CPU_AVX2_ROW_BUDGET // block_size)
-        assert _cpu_cost.cpu_block_copies(model, block_size) == want
-        assert _cpu_cost.cpu_block_copies(model, block_size, 2, 1.0) == want
-    table = _cpu_cost.FORWARD_COST["avx2"]["float32"]
-    assert _cpu_cost.row_cost_of(model) == round((table[8] - 1) / 7, 3) > _cpu_cost.CPU_ROW_COST
-    assert _cpu_cost.resolve_tree(model, "auto", 0.0) is None
+        want = max(3, cpu_cost.CPU_AVX2_ROW_BUDGET // block_size)
+        assert cpu_cost.cpu_block_copies(model, block_size) == want
+        assert cpu_cost.cpu_block_copies(model, block_size, 2, 1.0) == want
+    table = cpu_cost.FORWARD_COST["avx2"]["float32"]
+    assert cpu_cost.row_cost_of(model) == round((table[8] - 1) / 7, 3) > cpu_cost.CPU_ROW_COST
+    assert cpu_cost.resolve_tree(model, "auto", 0.0) is None
     got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=4)
     assert got.stats["draft_len"] >= 1

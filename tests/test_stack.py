@@ -115,12 +115,12 @@ def test_a_bf16_valued_adapter_is_read_in_bf16_with_the_same_bits(base32, monkey
     seqs = [_ids(6, 7) + [MASK, 60, MASK, MASK], _ids(6, 8) + [MASK] * 4]
     run = lambda: bd16(bd16.plan(seqs, attention="block_causal", block_size=4), logits="all").logits
     fused, per_op = _both(monkeypatch, run)
-    assert stack._table(bd16).lora_dtype == 2
+    assert stack.weight_table(bd16).lora_dtype == 2
     real = MaskLoraLinear.lora_operands
     monkeypatch.setattr(MaskLoraLinear, "lora_operands", lambda self, float32=False: real(self, float32=True))
     bd16.__dict__.pop("_stack_table", None)
     fused32, per_op32 = _both(monkeypatch, run)
-    assert stack._table(bd16).lora_dtype == 0
+    assert stack.weight_table(bd16).lora_dtype == 0
     _equal(fused, fused32)
     _equal(per_op, per_op32)
     _equal(fused, per_op)
@@ -147,7 +147,10 @@ def test_a_bf16_model_with_a_bf16_adapter_takes_the_packed_update(tmp_path, monk
     run = lambda: bd16(bd16.plan(seqs, attention="block_causal", block_size=4), logits="all").logits
     torch.set_num_threads(threads)
     fused, per_op = _both(monkeypatch, run)
-    assert all(p != 0 for p, a in zip(stack._table(bd16).lora_packed, stack._table(bd16).lora[::2]) if a) == amx
+    assert (
+        all(p != 0 for p, a in zip(stack.weight_table(bd16).lora_packed, stack.weight_table(bd16).lora[::2]) if a)
+        == amx
+    )
     _equal(fused, per_op)
 
 
@@ -171,9 +174,9 @@ def test_a_strided_adapter_runs_fused_with_the_same_bits(tmp_path, monkeypatch):
     adapted = next(m for m in bd.modules() if type(m) is MaskLoraLinear)
     x = torch.randn(8, adapted.in_features)
     with torch.no_grad():
-        assert adapted._fused_update(x, torch.zeros(8, adapted.out_features), torch.tensor([1, 5]))
+        assert adapted.fused_update(x, torch.zeros(8, adapted.out_features), torch.tensor([1, 5]))
     fused, per_op = _both(monkeypatch, run)
-    assert stack._table(bd) is not None
+    assert stack.weight_table(bd) is not None
     _equal(fused, want)
     _equal(per_op, want)
 
@@ -272,8 +275,8 @@ def test_frozen_weights_checks_the_table_once_and_nests(tmp_path, monkeypatch):
     model = dspec.load(write_checkpoint(tmp_path, "llama", seed=5), dtype="float32")
     prompts = [_ids(5, 1)]
     calls = []
-    real = stack._state
-    monkeypatch.setattr(stack, "_state", lambda params: calls.append(1) or real(params))
+    real = stack.params_state
+    monkeypatch.setattr(stack, "params_state", lambda params: calls.append(1) or real(params))
     ref, _ = decode_ar(model, prompts, max_new_tokens=6)
     per_forward = len(calls)
     calls.clear()

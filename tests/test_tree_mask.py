@@ -145,7 +145,7 @@ def test_large_trees_beyond_kernel_limit():
     if _backend.triton_available() and _backend.triton_interpret():
         kernel_cases.append(("cpu", "triton"))
     if torch.cuda.is_available():
-        kernel_cases += [("cuda", b) for b in ("triton", "cuda") if _backend._backend_ready(b)]
+        kernel_cases += [("cuda", b) for b in ("triton", "cuda") if _backend.backend_ready(b)]
     for dev, b in kernel_cases:
         with pytest.raises(ValueError, match="N <= 256"):
             dspec.tree_mask(parents.to(dev), backend=b)
@@ -158,7 +158,7 @@ def test_auto_falls_back_to_torch_beyond_kernel_limit(monkeypatch):
     the resolver skips the kernels; an explicit backend= raises."""
     from dspec import _backend
 
-    monkeypatch.setattr(_backend, "_backend_ready", lambda name: True)
+    monkeypatch.setattr(_backend, "backend_ready", lambda name: True)
     limits = {b: f"the {b!r} backend takes N <= 256 nodes" for b in ("triton", "cuda")}
     cuda = torch.device("cuda")
     monkeypatch.delenv("DSPEC_BACKEND", raising=False)

@@ -242,7 +242,7 @@ def test_auto_on_cpu_picks_cpp_for_verify():
     from dspec.ops import verify as ops_verify
 
     expected = "cpp" if _backend.cpp_available() else "torch"
-    assert _backend.resolve("verify_chain", None, torch.device("cpu"), ops_verify._PROVIDED) == expected
+    assert _backend.resolve("verify_chain", None, torch.device("cpu"), ops_verify.PROVIDED) == expected
 
 
 # --------------------------------------------------------------------- launcher validation

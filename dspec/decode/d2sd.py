@@ -65,8 +65,8 @@ from torch import nn
 from ..masks import padded_prefix_tree, ssd_copies
 from ..models.dflash import MASK, resolve_drafter
 from ..ops import rejection_boundaries, token_stats, topk_tokens, tree_mask
-from ._bounds import check_rows
-from ._cpu_cost import resolve_lookup, resolve_redraft_min, resolve_row_cost, resolve_tree
+from .bounds import check_rows
+from .cpu_cost import resolve_lookup, resolve_redraft_min, resolve_row_cost, resolve_tree
 from .dflash import (
     TREE_TOP_K,
     SpeculativeRun,
@@ -195,7 +195,7 @@ def prune_tree(
     return first_keep, branch_keep
 
 
-def _union_tree(first_tree, branch_tokens: torch.Tensor, branch_len: torch.Tensor, chain, counts):
+def union_tree(first_tree, branch_tokens: torch.Tensor, branch_len: torch.Tensor, chain, counts):
     """DFlash's draft tree of the first draft (``first_tree``: numpy tokens, parents,
     absolute positions [B, W]) with the re-drafted branches (``branch_tokens`` [B, K, L],
     ``branch_len`` [B, K]) and the lookup chain (``chain`` [B, K'], ``counts`` [B], or None)
@@ -244,7 +244,7 @@ def decode_d2sd(
         (the VP-drafter is then the shipped one; ``branches="resample"`` needs none).
     draft_len : tokens drafted per cycle, gamma - 1 (default: the DFlash drafter's block
         size minus the anchor), at most ``MAX_DRAFT_LEN``.  Context bound
-        (:mod:`dspec.decode._bounds`): after the longest prompt, the re-draft forward
+        (:mod:`dspec.decode.bounds`): after the longest prompt, the re-draft forward
         (``boundary_pool * (draft_len + 1)`` rows) and the verification tree (1 + the first
         draft's ``draft_len`` nodes or ``tree`` + ``k * draft_len`` + ``lookup``) must fit
         ``max_position_embeddings``.
@@ -254,23 +254,23 @@ def decode_d2sd(
         relative to a one-row forward (>= 0): keep the nodes that maximise the expected
         tokens per cost (:func:`prune_tree`; "vp" branches only); "auto" (default): the
         CPU class's measured row cost for a CPU model with "vp" branches
-        (``_cpu_cost.row_cost_of``: 0.02 on AMX / AVX-512 tiles), None otherwise.  At T > 0
+        (``cpu_cost.row_cost_of``: 0.02 on AMX / AVX-512 tiles), None otherwise.  At T > 0
         a seeded batch is sure to equal its seeded single calls with ``row_cost=None`` (a DFlash cycle
         and ``tree`` prune to one size for the whole batch).
     lookup : None / 0 (off) or K' >= 1: one more branch, the prompt-lookup chain of up to
         K' tokens (:mod:`dspec.decode.lookup`), merged into the tree like the others;
-        "auto" (default): ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding
+        "auto" (default): ``cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding
         greedily a batch of at most ``CPU_LOOKUP_MAX_BATCH`` (4) requests, off otherwise.
     tree : None (the first draft verified as a chain) or N >= 1: the first draft's N best
         paths over each slot's ``TREE_TOP_K`` candidates (``dflash``'s ``tree``, pruned with
         ``row_cost`` as there), the branches grafted on; "auto" (default): as ``dflash``'s
-        (``_cpu_cost.resolve_tree``: CPU_TREE_NODES on AMX / AVX-512 tiles decoding greedily,
+        (``cpu_cost.resolve_tree``: CPU_TREE_NODES on AMX / AVX-512 tiles decoding greedily,
         None otherwise).
     redraft_min : re-draft a request only in cycles where its K boundaries' probabilities
         ``sum_k r_{n_k}`` (the first drafter's estimate that the target stops at one of them)
         reach this value; a cycle where no request does is ``dflash``'s cycle (no
         VP-drafter forward).  0 re-drafts every cycle (the paper's D2SD), inf never;
-        "auto" (default): ``_cpu_cost.CPU_REDRAFT_MIN`` for a CPU model with "vp" branches,
+        "auto" (default): ``cpu_cost.CPU_REDRAFT_MIN`` for a CPU model with "vp" branches,
         0 otherwise.  The output is unchanged (the target decides every token).  At T > 0 a
         gate > 0 makes a cycle where no row of the batch re-drafts DFlash's own, so a seeded
         batch equals its seeded single calls with ``redraft_min`` 0 (or inf).
@@ -499,7 +499,7 @@ def decode_d2sd(
             tree_tokens, tree_parents, tree_words = merged.tokens, merged.parents, merged.words
             tree_pos = run.lengths[:, None] + merged.positions
         else:
-            tree_tokens, tree_parents, tree_pos = _union_tree(
+            tree_tokens, tree_parents, tree_pos = union_tree(
                 first_tree, branch_tokens[:, 1:], branch_len[:, 1:], chain, counts
             )
             tree_tokens, tree_parents, tree_pos = (

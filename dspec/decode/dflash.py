@@ -69,8 +69,8 @@ from ..masks import causal
 from ..models import AttentionPlan
 from ..models.dflash import MASK, BlockDrafter, resolve_drafter
 from ..ops import token_stats, topk_tokens, tree_mask, verify_chain, verify_tree
-from ._bounds import MAX_DRAFT_LEN, check_max, check_rows
-from ._cpu_cost import resolve_lookup, resolve_row_cost, resolve_tree
+from .bounds import MAX_DRAFT_LEN, check_max, check_rows
+from .cpu_cost import resolve_lookup, resolve_row_cost, resolve_tree
 from .lookup import PromptLookup, graft_chain
 from .outputs import OutputBuffer
 from .sampling import RequestStreams, next_tokens, non_finite_error, request_streams, require_finite, sample_from
@@ -102,7 +102,7 @@ def check_draft_len(draft_len, drafter: BlockDrafter, name: str = "draft_len") -
 
 
 def check_cycle_rows(model, drafter, prompts, draft_len, gamma: int, tree, lookup) -> None:
-    """The context bound of a DFlash cycle (:mod:`dspec.decode._bounds`): the drafter's block
+    """The context bound of a DFlash cycle (:mod:`dspec.decode.bounds`): the drafter's block
     (gamma rows) and the verification (the chain's gamma rows, or the tree's root, its
     ``tree`` nodes and the ``lookup`` chain) each after the longest prompt must fit the
     target's and the drafter's context."""
@@ -591,25 +591,25 @@ def decode_dflash(
         training block size minus the anchor), at most ``MAX_DRAFT_LEN``.  The drafter's block
         (draft_len + 1 rows) and the verification (the chain's draft_len + 1 rows, or 1 +
         ``tree`` + ``lookup`` tree nodes) after the longest prompt must fit the target's (and
-        the drafter's) ``max_position_embeddings`` (:mod:`dspec.decode._bounds`).
+        the drafter's) ``max_position_embeddings`` (:mod:`dspec.decode.bounds`).
     row_cost : None (verify every draft) or the cost of one more verified row relative to
         a one-row forward (>= 0): verify the drafts that maximise the expected tokens per
         cost (:func:`verify_length`; one more host read per cycle); "auto" (default): the
-        measured row cost of the CPU's class for a CPU model (``_cpu_cost.row_cost_of``: 0.02
+        measured row cost of the CPU's class for a CPU model (``cpu_cost.row_cost_of``: 0.02
         on AMX / AVX-512 tiles, the AVX2 forwards' slope there), None elsewhere.  With a
         row cost the verified length (``tree``: node count) is one for the whole batch, so
         at T > 0 a seeded batch is sure to equal its seeded single calls with ``row_cost=None``.
     tree : None (verify a chain of drafts, DFlash as published) or N >= 1: verify up to N
         draft nodes as a token tree over each slot's ``TREE_TOP_K`` best candidates
         (:func:`marginal_tree`; with ``row_cost``, the best n <= N of them); "auto"
-        (default): ``_cpu_cost.CPU_TREE_NODES`` (7, measured) for a CPU model of the AMX /
+        (default): ``cpu_cost.CPU_TREE_NODES`` (7, measured) for a CPU model of the AMX /
         AVX-512 tiles decoding greedily, the chain otherwise (on AVX2 a tree's rows cost more
-        than they win: ``_cpu_cost.resolve_tree``).
+        than they win: ``cpu_cost.resolve_tree``).
     lookup : None / 0 (off) or K >= 1: graft a prompt-lookup chain of up to K tokens
         (:mod:`dspec.decode.lookup`: what followed the latest earlier occurrence of the
         text's last 3- or 2-gram, prompt and output alike) onto each cycle's tree, sharing
         the tree's nodes where they agree; needs ``tree``.  "auto" (default):
-        ``_cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding greedily with a tree,
+        ``cpu_cost.CPU_LOOKUP_DRAFTS`` (7) for a CPU model decoding greedily with a tree,
         at most ``CPU_LOOKUP_MAX_BATCH`` (4) requests; off otherwise.  The output is
         unchanged (the target verifies every node); the graft runs on the host (on a GPU:
         one more synchronisation a cycle).

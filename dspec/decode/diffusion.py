@@ -70,7 +70,7 @@ import torch
 from ..masks import block_diffusion
 from ..models import AttentionPlan
 from ..ops import pack_mask
-from ._bounds import check_rows
+from .bounds import check_rows
 from .outputs import OutputBuffer
 from .sampling import request_streams
 from .unmask import choose, pick_slots, rank_masked
@@ -167,7 +167,7 @@ def decode_diffusion(
     eos_ids : ids that end a request (kept in its output).
     progress : a tqdm bar advanced by generated tokens per request, or None.
     block_size : denoising block length (default: the model's; 32 for bidirectional
-        models without one).  Bounded by the context (:mod:`dspec.decode._bounds`): a
+        models without one).  Bounded by the context (:mod:`dspec.decode.bounds`): a
         block-causal step forwards up to two blocks (the finished one and the next), so
         the longest prompt + 2 * block_size must fit ``max_position_embeddings``; a
         bidirectional step forwards the prompt and the generation region

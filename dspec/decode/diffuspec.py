@@ -73,8 +73,8 @@ from ..models import AttentionPlan
 from ..models.dense import dense
 from ..models.stack import frozen_weights
 from ..ops import token_stats, verify_chain, verify_tree
-from ._bounds import MAX_BEAM, MAX_DRAFT_LEN, check_max, check_rows
-from ._cpu_cost import resolve_lookup
+from .bounds import MAX_BEAM, MAX_DRAFT_LEN, check_max, check_rows
+from .cpu_cost import resolve_lookup
 from .lookup import MIN_NGRAM, suffix_match_drafts
 from .ngram import NgramLM, causal_proxy, load_cached
 from .outputs import OutputBuffer
@@ -114,7 +114,7 @@ DEFAULTS = dict(
 )
 #: ADL's bounds for a CPU model when none of k_min / k_max / delta is given: a draft of k and its
 #: verification of k + 1 rows stay within the 16 rows a CPU forward carries at about one row's
-#: cost (``_cpu_cost``).  Measured on smollm2-135m (3 prompts per set, arms interleaved in one
+#: cost (``cpu_cost``).  Measured on smollm2-135m (3 prompts per set, arms interleaved in one
 #: process): 1.06x ``ar`` against the paper's 20 / 30 / 10 at 0.84x (fixed k 6 / 8 / 11:
 #: 1.03 / 1.02 / 0.98x).
 CPU_ADL = dict(k_min=4, k_max=12, delta=2)
@@ -435,7 +435,7 @@ def _shipped_draft_vocab(drafter):
     return path if path is not None and path.is_file() else None
 
 
-class _Batch:
+class DiffuSpecRun:
     """The live requests' state (committed text, target and drafter caches) and one
     DiffuSpec cycle per :meth:`cycle`: draft, search, verify, commit -- each with array ops
     over the batch (no Python loop over requests or tokens).
@@ -827,7 +827,7 @@ def decode_diffuspec(
     decoding greedily at most 4 requests, else off; None / 0: off; ADL then sizes the draft
     by the dLLM draft's own accepted prefix).
 
-    Bounds (:mod:`dspec.decode._bounds`): ``draft_len``, ``k_min``, ``k_max`` and ``lookup`` at
+    Bounds (:mod:`dspec.decode.bounds`): ``draft_len``, ``k_min``, ``k_max`` and ``lookup`` at
     most ``MAX_DRAFT_LEN``, ``beam`` at most ``MAX_BEAM`` (``max_candidates`` is capped by the
     vocabulary); the longest prompt + the drafter's block size + 2 k + 1 (+ ``lookup``) must
     fit the target's and the drafter's ``max_position_embeddings``, k = ``k_max`` with ADL, else
@@ -890,7 +890,7 @@ def decode_diffuspec(
     draft_ids = resolve_draft_vocab(model, drafter, draft_vocab, eos_ids)
     # the drafter's weight table checked once for the call, as generate does for the target's
     with frozen_weights(drafter):
-        run = _Batch(
+        run = DiffuSpecRun(
             model,
             drafter,
             prompts,

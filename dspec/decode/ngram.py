@@ -212,7 +212,7 @@ class NgramLM:
         uni_logp = np.log(p_uni)
 
         # --- bigram level, interpolated with the unigram continuation distribution
-        d2 = _discount(cont_bi)
+        d2 = kneser_ney_discount(cont_bi)
         ctx = bi_keys // V
         w = bi_keys % V
         ctx_total = np.bincount(ctx, weights=cont_bi, minlength=V)
@@ -223,7 +223,7 @@ class NgramLM:
         uni_bow = np.where(ctx_total > 0, np.log(np.maximum(gamma2, 1e-300)), 0.0)
 
         # --- trigram level (raw counts), interpolated with the bigram distribution
-        d3 = _discount(tri_count)
+        d3 = kneser_ney_discount(tri_count)
         tctx = tri_keys // V  # (u * V + v) as a bigram key
         tctx_total = _group_sum(tctx, tri_count)
         tctx_types = _group_sum(tctx, np.ones_like(tri_count))
@@ -394,7 +394,9 @@ def _group_sum(sorted_group: np.ndarray, values: np.ndarray) -> np.ndarray:
     return np.repeat(sums, np.diff(np.r_[starts, sorted_group.size]))
 
 
-def _discount(counts: np.ndarray) -> float:
+def kneser_ney_discount(counts: np.ndarray) -> float:
+    """The absolute discount of one order of the Kneser-Ney model, from its count-of-counts:
+    ``n1 / (n1 + 2 n2)`` (Ney's estimate), clamped to [0.1, 0.9] (0.5 with neither)."""
     n1 = float(np.sum(counts == 1))
     n2 = float(np.sum(counts == 2))
     d = n1 / (n1 + 2.0 * n2) if n1 + n2 > 0 else 0.5
@@ -616,7 +618,7 @@ def causal_proxy(model) -> NgramLM:
     return default_ngram(model)
 
 
-def _main(argv=None) -> None:
+def main(argv=None) -> None:
     """``python -m dspec.decode.ngram NAME [--from-data DIR] [--out FILE]``: build the default
     n-gram of a shipped target (or checkpoint directory) from the package corpora, or with
     ``--from-data`` the 3-gram of a data-engine directory's responses, and write it (default:
@@ -625,7 +627,7 @@ def _main(argv=None) -> None:
 
     from ..hub import load
 
-    parser = argparse.ArgumentParser(prog="python -m dspec.decode.ngram", description=_main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dspec.decode.ngram", description=main.__doc__)
     parser.add_argument("model", help="a shipped name (tiny-ar, smollm2-135m) or a checkpoint directory")
     parser.add_argument("--out", default=None, help="output .npz (default dspec/assets/ngram/NAME.npz)")
     parser.add_argument("--max-chars", type=int, default=1_500_000)
@@ -650,4 +652,4 @@ def _main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    _main()
+    main()

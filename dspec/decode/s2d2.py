@@ -127,13 +127,13 @@ import torch
 from .. import _backend
 from ..models import AttentionPlan
 from ..ops import pack_mask, token_stats, verify_chain
-from ._bounds import check_rows
-from ._cpu_cost import resolve_boundary, resolve_redraft
-from ._selfspec import check_common
+from .bounds import check_rows
+from .cpu_cost import resolve_boundary, resolve_redraft
 from .diffusion import PromptTails, prefill_prompt_blocks
 from .outputs import OutputBuffer
 from .routing import ESTIMATORS, POLICIES, RoutingFeatures, make_router, span_score
 from .sampling import request_streams, require_finite
+from .selfspec import check_common
 from .unmask import choose, pick_slots, rank_masked
 
 OPTIONS = (
@@ -204,7 +204,7 @@ def verify_rows(bs: int, draft_len: int, *, shifted: bool, redraft: bool, bounda
     return rows, formula
 
 
-def _check_options(
+def resolve_options(
     model,
     block_size,
     threshold,
@@ -221,6 +221,10 @@ def _check_options(
     boundary=None,
     prompt_len: int = 0,
 ) -> dict:
+    """Every S2D2 option of one call checked (ValueError naming the option) and resolved:
+    ``None`` / "auto" to the default for this model, device, batch and temperature.  Returns
+    the dict :class:`S2D2Run` takes (block_size, threshold, policy, min_span, score_threshold,
+    hysteresis, ucb_c, estimator, draft_len, redraft, boundary)."""
     bs = check_common(model, "s2d2", block_size)
     check_rows(model, prompt_len, "block_size", bs, 3 * bs, "3 * block_size")  # before anything sized by it
     redraft = resolve_redraft(model, redraft, batch=batch)
@@ -711,7 +715,7 @@ def native_extension(model, block_size: int, temperature: float):
     return ext
 
 
-class _Batch:
+class S2D2Run:
     """The batch's S2D2 state machine: per row its phase, block, drafted span and the logits
     carried from the last committed block; one :meth:`step` = one model forward."""
 
@@ -1394,7 +1398,7 @@ def decode_s2d2(
     draft_len : int >= 1, the most drafts one verification checks (default and cap: the
         block size).
 
-    Bounds (:mod:`dspec.decode._bounds`): a verification forward carries up to
+    Bounds (:mod:`dspec.decode.bounds`): a verification forward carries up to
     :func:`verify_rows` rows -- with redraft blocks about ``(draft_len + 4) * block_size``
     --, so the longest prompt plus them must fit ``max_position_embeddings``
     (e.g. ``tiny-bd``'s 4096 positions: block sizes up to about 60 with redraft blocks).
@@ -1404,14 +1408,14 @@ def decode_s2d2(
         drafts are computed and no drafting forward follows it (the module doc); False --
         only the block with every draft in place (S2D2's speculative block), reused when
         every draft passes.  "auto": True but for a CPU model decoding more than
-        ``_cpu_cost.CPU_REDRAFT_MAX_BATCH`` (2) requests, where the rows are compute.  At
+        ``cpu_cost.CPU_REDRAFT_MAX_BATCH`` (2) requests, where the rows are compute.  At
         T > 0 the drafting logits differ between the two, so a seeded batch equals its seeded
         single calls with ``redraft`` given (True or False), not "auto", and a ``policy`` other
         than "ucb" (whose bandit learns from every row of the batch).
     boundary : bool or None (default: True wherever it applies -- redraft blocks on a
         right-shifted model whose clean rows attend causally, such as ``smollm2-135m-bd`` --
         but on a CPU, where its rows cost more than the forwards it saves:
-        ``_cpu_cost.resolve_boundary``):
+        ``cpu_cost.resolve_boundary``):
         when the span ends the block, the verification forward also forwards the block's
         last slot [MASK] again with the next block's all-[MASK] state behind it (the
         *boundary state*, bs + 1 rows).  A rejected last draft then finishes the block
@@ -1434,7 +1438,7 @@ def decode_s2d2(
     (verifications whose rejected last draft finished the block and whose boundary state
     drafted the next one, each a forward saved); router (per-policy counters).
     """
-    opt = _check_options(
+    opt = resolve_options(
         model,
         block_size,
         threshold,
@@ -1451,7 +1455,7 @@ def decode_s2d2(
         boundary=boundary,
         prompt_len=max(len(p) for p in prompts),
     )
-    run = _Batch(
+    run = S2D2Run(
         model,
         prompts,
         opt,

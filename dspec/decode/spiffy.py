@@ -31,9 +31,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import spiffy_graph as graphs
-from ._bounds import MAX_GRAPH_NODES, check_max, check_rows
-from ._cpu_cost import cpu_block_copies
-from ._selfspec import DraftGraph, check_common, decode_self_speculative
+from .bounds import MAX_GRAPH_NODES, check_max, check_rows
+from .cpu_cost import cpu_block_copies
+from .selfspec import DraftGraph, check_common, decode_self_speculative
 
 OPTIONS = ("block_size", "graph_size", "prune_to", "graph")
 DRAFTER = False
@@ -67,13 +67,13 @@ def decode(
     prune_to : D* in [1, D], draft nodes verified per request and round (default
         min(8, D); on the CPU at most what keeps a round -- the root, the drafts and the
         next block's first state -- within 32 rows for one request decoded greedily, else 16
-        per request, and 12 on AVX2 tiles (:func:`dspec.decode._cpu_cost.cpu_block_copies` -
+        per request, and 12 on AVX2 tiles (:func:`dspec.decode.cpu_cost.cpu_block_copies` -
         2: at block size 4 6 and 2 on the AMX / AVX-512 tiles).
     graph : a :class:`~dspec.decode.spiffy_graph.SpiffyGraph`, a ``DraftGraph`` or a path to
         a graph JSON file, instead of the default graph (then graph_size defaults to its
         size).
 
-    Bounds (:mod:`dspec.decode._bounds`, checked before a graph is calibrated or a round's
+    Bounds (:mod:`dspec.decode.bounds`, checked before a graph is calibrated or a round's
     buffers are made): a round's buffers hold every graph node and the next block as block
     copies, so the longest prompt + ``(D + 2) * block_size`` must fit
     ``max_position_embeddings`` (and ``3 * block_size`` for the block size alone: the root,

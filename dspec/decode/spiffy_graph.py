@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ._selfspec import DraftGraph, check_common, decode_self_speculative
+from .selfspec import DraftGraph, check_common, decode_self_speculative
 
 FORMAT_VERSION = 1
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "spiffy"

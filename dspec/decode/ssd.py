@@ -31,14 +31,14 @@ only forwards the first block's state (its logits are needed to draft).  A one-s
 takes 1 prefill + per block (masked slots + 1 commit) forwards.
 
 Host syncs: two small reads per round (copies to forward; accepted steps / committed
-blocks), see :mod:`dspec.decode._selfspec`.
+blocks), see :mod:`dspec.decode.selfspec`.
 """
 
 from __future__ import annotations
 
-from ._bounds import MAX_DRAFT_LEN, check_max, check_rows
-from ._cpu_cost import cpu_block_copies
-from ._selfspec import chain_graph, check_common, decode_self_speculative
+from .bounds import MAX_DRAFT_LEN, check_max, check_rows
+from .cpu_cost import cpu_block_copies
+from .selfspec import chain_graph, check_common, decode_self_speculative
 
 OPTIONS = ("block_size", "draft_len", "mixed_order")
 DRAFTER = False
@@ -72,13 +72,13 @@ def decode(
         chains rarely survive past 4 steps on the shipped model -- and on the CPU the longest
         whose round (with ``mixed_order``'s swapped states) fits 32 rows for one request
         decoded greedily, else 16 per request, and 12 on AVX2 tiles, where every row is FMA work
-        (:func:`dspec.decode._cpu_cost.cpu_block_copies`: at block size 4 3 and 1).
+        (:func:`dspec.decode.cpu_cost.cpu_block_copies`: at block size 4 3 and 1).
     mixed_order : bool or None, also verify the swapped-pair states (draft_len - 1 more
         copies: a node verifies its grandchild when two drafts come out of order).  None
         (default): on, except on the CPU where an explicit draft_len's round would not fit
         the row budget with them.
 
-    Bounds (:mod:`dspec.decode._bounds`, checked before anything is built): a round
+    Bounds (:mod:`dspec.decode.bounds`, checked before anything is built): a round
     forwards at most :func:`chain_copies` block copies, so the longest prompt +
     ``chain_copies(draft_len, mixed_order) * block_size`` (at least ``3 * block_size``: the
     root, one draft, the next block) must fit ``max_position_embeddings``.

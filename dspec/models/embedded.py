@@ -174,7 +174,7 @@ def smollm2_checkpoint(cache_dir=None, *, progress: bool = True, force: bool = F
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared
         convert_gguf_to_hf(src, tmp, progress=progress)
-        _install(tmp, final, src)
+        install_checkpoint(tmp, final, src)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if progress:
@@ -265,7 +265,7 @@ def convert_gguf_to_hf(gguf_path, out_dir, *, progress: bool = True) -> dict:
     bar = _tqdm(
         total=len(plan) + 1, desc="dspec: converting SmolLM2 GGUF -> safetensors", unit="tensor", disable=not progress
     )
-    with _SafetensorsWriter(out_dir / "model.safetensors", [(n, _hf_shape(t)) for n, t, _ in plan]) as writer:
+    with SafetensorsWriter(out_dir / "model.safetensors", [(n, _hf_shape(t)) for n, t, _ in plan]) as writer:
         for hf_name, t, permute in plan:
             w = dequantize(t.data, t.tensor_type)
             w = np.asarray(w, dtype=np.float32).reshape(_hf_shape(t))
@@ -595,7 +595,7 @@ def _tokenizer_files(meta: _Metadata, config: dict) -> tuple[dict, dict]:
 # --------------------------------------------------------------------------- file helpers
 
 
-class _SafetensorsWriter:
+class SafetensorsWriter:
     """Streams fp32 tensors into a .safetensors file in a fixed order (the format: an 8-byte
     little-endian header length, a JSON header of dtype/shape/byte offsets, then the raw,
     contiguous, little-endian data), so the whole model never sits in memory at once."""
@@ -675,7 +675,7 @@ def _tqdm(**kwargs):
     return tqdm(**kwargs)
 
 
-def _install(tmp: Path, final: Path, src: Path) -> None:
+def install_checkpoint(tmp: Path, final: Path, src: Path) -> None:
     """Move the finished conversion in ``tmp`` to ``final`` with directory renames (atomic on
     one file system). A stale or outdated ``final`` is moved aside first; if another process
     installed a valid one meanwhile, that one is kept."""

@@ -223,7 +223,7 @@ class KVCache:
             rows = torch.arange(used, device=self.device)
             groups = self.num_layers * self.batch_size
             for old, grown in ((self.k, k), (self.v, v)):
-                _move_rows(old.view(groups, self.capacity, -1), grown.view(groups, cap, -1), rows, rows)
+                move_rows(old.view(groups, self.capacity, -1), grown.view(groups, cap, -1), rows, rows)
         self.k, self.v = k, v
         self._changed()
 
@@ -276,7 +276,7 @@ class KVCache:
         ):
             index = _device_keep_index(keep, counts, batch, n, self.device)  # [B, K], no reads
             return self._commit(suffix_kv, index, None)
-        index = _host_keep_index(keep, counts, batch, n)  # [B, K] int64, values checked
+        index = host_keep_index(keep, counts, batch, n)  # [B, K] int64, values checked
         used = (index >= 0).sum(1).astype(np.int64)
         added = torch.from_numpy(used)
         if not used.any():  # host data, no tensor read
@@ -329,7 +329,7 @@ class KVCache:
         for i, buf in enumerate((self.k, self.v)):
             # every layer in one gather and one scatter (not two ops per layer)
             new = stacked[i] if stacked is not None else torch.stack(suffix_kv.keys if i == 0 else suffix_kv.values)
-            _move_rows(new.reshape(layers, batch * n, hkv * d), buf.view(layers, batch * cap, hkv * d), src, dst)
+            move_rows(new.reshape(layers, batch * n, hkv * d), buf.view(layers, batch * cap, hkv * d), src, dst)
 
     def rollback(self, b: int, n: int) -> None:
         """Drop the last ``n`` committed tokens of request ``b``."""
@@ -380,7 +380,7 @@ class KVCache:
             src = (idx[:, None] * cap + rows).reshape(-1).to(self.device)
             dst = (torch.arange(idx.numel())[:, None] * cap + rows).reshape(-1).to(self.device)
             for old, kept in ((self.k, out.k), (self.v, out.v)):
-                _move_rows(
+                move_rows(
                     old.view(self.num_layers, -1, self.num_kv_heads * self.head_dim),
                     kept.view(self.num_layers, -1, self.num_kv_heads * self.head_dim),
                     src,
@@ -520,7 +520,7 @@ def _commit_rows_cpu(
     return True
 
 
-def _move_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+def move_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
     """``dst[g, dst_rows[i]] = src[g, src_rows[i]]`` for every group g: src [G, Rs, W],
     dst [G, Rd, W] (rows of W contiguous elements, any group stride), index tensors int64 [R]
     on their device, dst_rows distinct.  On the CPU ``dspec._C.copy_rows`` (torch's
@@ -586,7 +586,7 @@ def _int_vector(name: str, values, size: int | None) -> torch.Tensor:
 
 
 def _device_keep_index(keep, counts, batch: int, n: int, device) -> torch.Tensor:
-    """``_host_keep_index`` for tensors on the cache's device, without reading their values
+    """``host_keep_index`` for tensors on the cache's device, without reading their values
     (value checks are off): shapes and dtypes are checked, the contents trusted."""
     if keep is not None and counts is not None:
         raise ValueError("give keep or counts, not both")
@@ -620,7 +620,7 @@ def _tensor_keep_index(keep: torch.Tensor, batch: int, n: int) -> torch.Tensor:
     return keep
 
 
-def _host_keep_index(keep, counts, batch: int, n: int) -> np.ndarray:
+def host_keep_index(keep, counts, batch: int, n: int) -> np.ndarray:
     """``keep`` / ``counts`` as suffix indices [B, K] int64 in numpy, -1 = none, their values
     checked (host data): ``counts`` an int, ints or an int tensor [B] (the first counts[b]
     positions; K = the largest count); ``keep`` None (all N), a bool mask [N] / [B, N], an

@@ -116,7 +116,7 @@ class MaskLoraLinear(nn.Linear):
         idx = self.rows.index
         if idx is None:
             return y
-        if self._fused_update(x, y, idx):
+        if self.fused_update(x, y, idx):
             a, bt = self.lora_operands()
             packed = self.lora_packed()
             _backend.extension().mask_lora(
@@ -193,7 +193,7 @@ class MaskLoraLinear(nn.Linear):
             forms["amx"] = packed
         return forms["amx"]
 
-    def _fused_update(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> bool:
+    def fused_update(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> bool:
         """Whether dspec._C.mask_lora adds the update in place (an inference call on the CPU:
         y fresh and contiguous, nothing for autograd or a tracer to see; the kernel reads A and
         B through :meth:`lora_operands`, contiguous copies, whatever their layout)."""

@@ -74,7 +74,7 @@ class _WeightTable:
                 *(m.bias for m in mods if m.bias is not None),
             )
         ]
-        self.key = _state(self.params)
+        self.key = params_state(self.params)
         self.weights = []
         for layer, mods in zip(model.layers, modules):
             self.weights += [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
@@ -84,7 +84,7 @@ class _WeightTable:
         self.lora, self.lora_scales, self.lora_rank, self.lora_dtype, self.lora_packed = [], [], 0, 0, []
         if adapted:
             self.params += [p for m in adapted for p in (m.lora_A, m.lora_B)]
-            self.key = _state(self.params)
+            self.key = params_state(self.params)
             # one storage dtype for every adapter matrix: bf16 only when all of them are
             low = all(m.lora_operands()[0].dtype is torch.bfloat16 for m in adapted)
             self.lora_dtype = _backend.FLOAT_CODE[torch.bfloat16 if low else torch.float32]
@@ -109,7 +109,7 @@ def _projections(layer) -> list[nn.Module]:
     return [getattr(getattr(layer, part, layer), name) for part, name in _PROJECTIONS]
 
 
-def _state(params) -> tuple:
+def params_state(params) -> tuple:
     """What invalidates a table: a parameter re-pointed or modified in place."""
     return tuple((p.data_ptr(), p._version) for p in params)
 
@@ -137,16 +137,19 @@ def _eligible(model) -> bool:
 _LOCK = threading.RLock()
 
 
-def _table(model) -> _WeightTable | None:
+def weight_table(model) -> _WeightTable | None:
+    """The model's table of packed layer weights for ``decoder_layers``, built on first use
+    and rebuilt when a parameter changes (:func:`params_state`); inside :func:`frozen_weights` the
+    table taken on entry.  None where the layers are not what ``decoder_layers`` computes."""
     frozen = model.__dict__.get("_stack_frozen")
     if frozen is not None:
         return frozen[1]
     table = model.__dict__.get("_stack_table")
-    if table is not None and _state(table.params) == table.key:
+    if table is not None and params_state(table.params) == table.key:
         return table
     with _LOCK:
         table = model.__dict__.get("_stack_table")  # another thread may have built it meanwhile
-        if table is not None and _state(table.params) == table.key:
+        if table is not None and params_state(table.params) == table.key:
             return table
         if not _eligible(model):
             return None
@@ -167,7 +170,7 @@ def frozen_weights(model):
         return
     with _LOCK:
         depth, table = model.__dict__.get("_stack_frozen") or (0, None)
-        model.__dict__["_stack_frozen"] = (depth + 1, table if depth else _table(model))
+        model.__dict__["_stack_frozen"] = (depth + 1, table if depth else weight_table(model))
     try:
         yield
     finally:
@@ -202,7 +205,7 @@ def run_layers(model, x, cos, sin, attention, layer_prefix, want, return_kv: boo
         return None
     if meta.prefix == 1:  # ragged rows gathered per layer: per-op path
         return None
-    table = _table(model)
+    table = weight_table(model)
     if table is None:
         return None
     layers = cfg.num_layers

@@ -252,10 +252,13 @@ def rope_tables(
             index = positions.reshape(-1).to(torch.int64)
             shape = tuple(positions.shape) + (1, cos_table.shape[-1])
             return cos_table.index_select(0, index).view(shape), sin_table.index_select(0, index).view(shape)
-    return _rope_formula(positions, inv_freq)
+    return rope_formula(positions, inv_freq)
 
 
-def _rope_formula(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_formula(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary cos / sin at ``positions`` [...] for ``inv_freq`` [D / 2], each [..., 1, D]
+    float32, the sin's first half negated: a rotation is then ``x * cos + swap(x) * sin``,
+    ``swap`` exchanging the two halves of the head dimension."""
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[..., None, :]
     sin = emb.sin()
@@ -264,20 +267,20 @@ def _rope_formula(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torc
     return emb.cos(), sin
 
 
-_ROPE_TABLE = "_dspec_rope_table"
+ROPE_TABLE_ATTR = "_dspec_rope_table"
 
 
 def _cpu_rope_table(inv_freq: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, signed sin) [P, D] float32 for positions 0 .. P-1, P >= ``positions`` (a power
     of two >= 256), kept as an attribute of ``inv_freq`` (rebuilt when it changes in place)."""
     key = (inv_freq.data_ptr(), inv_freq._version)
-    kept = getattr(inv_freq, _ROPE_TABLE, None)
+    kept = getattr(inv_freq, ROPE_TABLE_ATTR, None)
     if kept is not None and kept[0] == key and kept[1].shape[0] >= positions:
         return kept[1], kept[2]
     size = max(256, 1 << (positions - 1).bit_length())
-    cos, sin = _rope_formula(torch.arange(size, device=inv_freq.device), inv_freq)
+    cos, sin = rope_formula(torch.arange(size, device=inv_freq.device), inv_freq)
     cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
-    setattr(inv_freq, _ROPE_TABLE, (key, cos, sin))
+    setattr(inv_freq, ROPE_TABLE_ATTR, (key, cos, sin))
     return cos, sin
 
 

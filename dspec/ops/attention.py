@@ -13,12 +13,12 @@ _REFERENCE_DTYPES = _ATTN_DTYPES + (torch.float64,)
 _CASCADE_BACKENDS = ("torch", "triton", "cpp")
 # Tile code of the "cpp" backend: "auto" (AVX-512 where the CPU has it), "generic" (the
 # portable loops) or "avx512"; the tests pin "generic" to cover both.
-_CPP_ISA = "auto"
+CPP_ISA = "auto"
 # Without SIMD tiles (DSPEC_CPU_ISA=generic, or a CPU without AVX2) the portable loops lose to
 # torch's attention past ~16 suffix rows (bench/results/cpu/amx/dispatch_xeon_amx.json, level
 # generic: 1.03 / 0.98x torch's time at N = 16, 1.14 / 1.07x at N = 64, fp32 / bf16), so the
 # default backend runs the torch reference there; an explicit backend="cpp" still runs them.
-_GENERIC_CPP_MAX_ROWS = 16
+GENERIC_CPP_MAX_ROWS = 16
 _Tensor = torch.Tensor
 
 
@@ -182,7 +182,9 @@ def cascade_attention(
         )
     sm_scale = _sm_scale(sm_scale)
     return_lse = _validate.flag("return_lse", return_lse)
-    name = _by_rows(resolve_backend(backend, device, q.dtype, _needs_grad(q, k, v, prefix_k, prefix_v)), backend, n)
+    name = backend_for_rows(
+        resolve_backend(backend, device, q.dtype, _needs_grad(q, k, v, prefix_k, prefix_v)), backend, n
+    )
     _check_max_prefix_len(max_prefix_len)
     return _launch(
         q,
@@ -349,10 +351,10 @@ def resolve_backend(backend, device, dtype, needs_grad: bool) -> str:
     return name
 
 
-def _by_rows(name: str, backend, n: int) -> str:
+def backend_for_rows(name: str, backend, n: int) -> str:
     """The default backend for ``n`` suffix rows: "cpp" yields to "torch" where only the
-    portable loops would run and ``n`` exceeds :data:`_GENERIC_CPP_MAX_ROWS` (measured)."""
-    if name == "cpp" and backend in (None, "auto") and n > _GENERIC_CPP_MAX_ROWS and cpu.isa() == "generic":
+    portable loops would run and ``n`` exceeds :data:`GENERIC_CPP_MAX_ROWS` (measured)."""
+    if name == "cpp" and backend in (None, "auto") and n > GENERIC_CPP_MAX_ROWS and cpu.isa() == "generic":
         return "torch"
     return name
 
@@ -582,7 +584,7 @@ def _cpp_run(
         mp[4],
         mp[5],
         cpu.kernel_threads(),
-        _CPP_ISA,
+        CPP_ISA,
     )
     return (out, lse) if return_lse else out
 
@@ -711,7 +713,7 @@ class CascadeAttentionPlan:
         self.max_prefix_len = max_prefix_len
         self.sm_scale = _sm_scale(sm_scale)
         self._requested = backend
-        self.backend = _by_rows(resolve_backend(backend, device, dtype, False), backend, n)
+        self.backend = backend_for_rows(resolve_backend(backend, device, dtype, False), backend, n)
         self._q_shape = (batch, n, hq, head_dim)
         self._kv_shape = (batch, n, hkv, head_dim)
         self._prefix_tail = (hkv, head_dim)

@@ -7,7 +7,7 @@ import torch
 from .. import _library, _validate
 from ..reference import boundary as _reference
 
-_PROVIDED = ("torch", "triton")
+PROVIDED = ("torch", "triton")
 
 
 def _conf(conf) -> torch.Tensor:
@@ -36,7 +36,7 @@ def boundary_posterior(conf: torch.Tensor, *, backend: str | None = None) -> tor
     [[0.5, 0.25, 0.25]]
     """
     _conf(conf)
-    name = _library.resolve("boundary_posterior", backend, conf.device, _PROVIDED)
+    name = _library.resolve("boundary_posterior", backend, conf.device, PROVIDED)
     if _library.call_directly(conf):
         return _boundary_posterior_impl(conf, name)
     return _library.boundary_posterior(conf, name)
@@ -69,7 +69,7 @@ def rejection_boundaries(conf: torch.Tensor, k: int, *, backend: str | None = No
     """
     _conf(conf)
     k = _validate.positive_int("k", k, upper=conf.shape[1], upper_name="L")
-    name = _library.resolve("rejection_boundaries", backend, conf.device, _PROVIDED)
+    name = _library.resolve("rejection_boundaries", backend, conf.device, PROVIDED)
     if _library.call_directly(conf):
         return _rejection_boundaries_impl(conf, k, name)
     return _library.rejection_boundaries(conf, k, name)
@@ -96,7 +96,7 @@ def expected_accept_length(conf: torch.Tensor, *, backend: str | None = None) ->
     [0.75]
     """
     _conf(conf)
-    name = _library.resolve("expected_accept_length", backend, conf.device, _PROVIDED)
+    name = _library.resolve("expected_accept_length", backend, conf.device, PROVIDED)
     if _library.call_directly(conf):
         return _expected_accept_length_impl(conf, name)
     return _library.expected_accept_length(conf, name)

@@ -13,7 +13,7 @@ from .. import _backend, _library, _validate
 from ..reference import pack_mask as _ref_pack, tree_mask as _ref_tree
 from ..types import TreeMask
 
-_PROVIDED = ("torch", "triton", "cuda", "cpp")
+PROVIDED = ("torch", "triton", "cuda", "cpp")
 # The triton and cuda kernels keep one tree in one program / block (pointer jumping in
 # registers / shared memory); the torch and cpp backends take any N.
 TREE_MASK_MAX_NODES = 256
@@ -40,7 +40,7 @@ def pack_mask(mask: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
     [[5], [6]]
     """
     _validate.tensor("mask", mask, min_dim=1, dtypes=(torch.bool,))
-    name = _library.resolve("pack_mask", backend, mask.device, _PROVIDED)
+    name = _library.resolve("pack_mask", backend, mask.device, PROVIDED)
     if _library.call_directly(mask):
         return _pack_mask_impl(mask, name)
     return _library.pack_mask(mask, name)
@@ -99,7 +99,7 @@ def unpack_mask(words: torch.Tensor, num_keys: int, *, backend: str | None = Non
         raise ValueError(
             f"num_keys must lie in [0, 32 * W] = [0, {capacity}] for words with W = {words.shape[-1]}, got {num_keys}"
         )
-    name = _library.resolve("unpack_mask", backend, words.device, _PROVIDED)
+    name = _library.resolve("unpack_mask", backend, words.device, PROVIDED)
     if _library.call_directly(words):
         return _unpack_mask_impl(words, num_keys, name)
     return _library.unpack_mask(words, num_keys, name)
@@ -171,7 +171,7 @@ def tree_mask(parents: torch.Tensor, *, backend: str | None = None) -> TreeMask:
             "use backend='torch' (or 'cpp' on CPU tensors)"
         )
         limits = {b: why.format(repr(b)) for b in ("triton", "cuda")}
-    name = _library.resolve("tree_mask", backend, parents.device, _PROVIDED, limits)
+    name = _library.resolve("tree_mask", backend, parents.device, PROVIDED, limits)
     if _library.call_directly(parents):
         return TreeMask(*_tree_mask_impl(parents, name))
     return TreeMask(*_library.tree_mask(parents, name))

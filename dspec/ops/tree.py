@@ -8,7 +8,7 @@ from .. import _backend, _library, _validate
 from ..reference import best_first_tree as _reference
 from ..types import BestFirstTree
 
-_PROVIDED = ("torch", "cpp")
+PROVIDED = ("torch", "cpp")
 
 
 def best_first_tree(
@@ -74,7 +74,7 @@ def best_first_tree(
         )
     num_nodes = _validate.positive_int("num_nodes", num_nodes)
     _validate.probabilities("slot_probs", slot_probs)
-    name = _library.resolve("best_first_tree", backend, slot_probs.device, _PROVIDED)
+    name = _library.resolve("best_first_tree", backend, slot_probs.device, PROVIDED)
     if _library.call_directly(slot_probs, slot_tokens):
         return BestFirstTree.of(*_best_first_tree_impl(slot_probs, slot_tokens, num_nodes, name))
     return BestFirstTree.of(*_library.best_first_tree(slot_probs, slot_tokens, num_nodes, name))

@@ -11,7 +11,7 @@ from ..reference import verify as _reference
 from ..types import TreeVerifyOutput, VerifyOutput
 from . import _sampling_params
 
-_PROVIDED = ("torch", "triton", "cuda", "cpp")
+PROVIDED = ("torch", "triton", "cuda", "cpp")
 _RULES = ("token", "block")  # verify_chain's acceptance rules
 
 
@@ -249,7 +249,7 @@ def verify_chain(
         coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, length), batch, device)
     else:
         coins = sample_uniforms = None  # greedy reads neither
-    name = _library.resolve("verify_chain", backend, device, _PROVIDED)
+    name = _library.resolve("verify_chain", backend, device, PROVIDED)
     if temperature <= 0:
         rule = "token"  # greedy: both rules are exact argmax matching
     args = (draft_tokens, target_logits, draft_probs, num_drafts, temperature, coins, sample_uniforms, name, rule)
@@ -448,7 +448,7 @@ def verify_tree(
         coins, sample_uniforms = _randomness(generator, coins, sample_uniforms, (batch, nodes), batch, device)
     else:
         coins = sample_uniforms = draft_probs = None  # greedy reads none of them
-    name = _library.resolve("verify_tree", backend, device, _PROVIDED)
+    name = _library.resolve("verify_tree", backend, device, PROVIDED)
     args = (tokens, parents, target_logits, draft_probs, draft_sampling, temperature, coins, sample_uniforms, name)
     if _library.call_directly(tokens, parents, target_logits, draft_probs, coins, sample_uniforms):
         return TreeVerifyOutput(*_verify_tree_impl(*args))

@@ -163,7 +163,7 @@ def _benchmark_texts(sets=("mtbench",)) -> set[str]:
     return out
 
 
-class _Sources:
+class PromptSources:
     """Training-split prompt texts per source, loaded once (deterministic order)."""
 
     def __init__(self, tokenizer, cfg: EngineConfig):
@@ -295,12 +295,12 @@ class _Sources:
 
 
 def prompt_stream(
-    tokenizer, cfg: EngineConfig, call: int, *, sources: _Sources | None = None
+    tokenizer, cfg: EngineConfig, call: int, *, sources: PromptSources | None = None
 ) -> list[tuple[list[int], int]]:
     """The prompts of ``ar`` call ``call`` (shard s holds calls s * shard_batches ..):
     ``cfg.batch`` (token ids, source id) pairs, a pure function of (cfg.seed, call).  A Magpie
     row's ids end in its open user turn: :func:`write_user_turns` has the target fill it."""
-    src = sources or _Sources(tokenizer, cfg)
+    src = sources or PromptSources(tokenizer, cfg)
     rng = random.Random(cfg.seed * 7_919 + call)
     names = [s for s in ENGINE_SOURCES if cfg.sources.get(s)]
     weights = [cfg.sources[s] for s in names]
@@ -313,7 +313,7 @@ def prompt_stream(
 
 
 @torch.no_grad()
-def write_user_turns(target, prompts, cfg: EngineConfig, call: int, sources: _Sources):
+def write_user_turns(target, prompts, cfg: EngineConfig, call: int, sources: PromptSources):
     """Magpie rows of ``prompts``: the target samples each user turn (T = 1, up to the prompt
     budget, ended by ``<|im_end|>``), in one batched ``ar`` call seeded by (seed, call); the row
     becomes the whole chat prompt, up to the open assistant turn.  An empty turn, or one equal
@@ -392,7 +392,7 @@ def generate_shards(target, out, cfg: EngineConfig, *, target_name: str = "", pr
             "shards": [],
         }
     done = sum(s["response_tokens"] for s in manifest["shards"])
-    sources = _Sources(target.tokenizer, cfg) if done < cfg.tokens else None
+    sources = PromptSources(target.tokenizer, cfg) if done < cfg.tokens else None
     bar = tqdm(
         total=cfg.tokens,
         initial=min(done, cfg.tokens),

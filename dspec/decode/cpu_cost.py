@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ._bounds import MAX_DRAFT_LEN, MAX_TREE_NODES, check_max
+from .bounds import MAX_DRAFT_LEN, MAX_TREE_NODES, check_max
 
 _BF16_FP32 = (torch.bfloat16, torch.float32)
 

@@ -260,7 +260,7 @@ def check_common(model, method: str, block_size):
     return bs
 
 
-class _Engine:
+class SelfSpecEngine:
     """The batch's state (rows = requests still running) and one round of the engine per
     :meth:`round`: expand the draft graph at each row's state, forward the kept nodes, walk
     the graph along the real steps, commit, and account."""
@@ -813,7 +813,7 @@ def decode_self_speculative(
         position rank), host (per row: committed flag, steps, block tokens, nodes).
     num_candidates : candidates kept per slot (at least the graph's J), for ``trace``.
     """
-    engine = _Engine(
+    engine = SelfSpecEngine(
         model,
         prompts,
         graph=graph,

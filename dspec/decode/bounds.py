@@ -52,7 +52,7 @@ def context_of(*models) -> tuple[int, str]:
 def check_max(name: str, value, maximum: int, constant: str) -> None:
     """ValueError unless int ``value`` is at most ``maximum`` (``constant``: its name)."""
     if value is not None and not isinstance(value, bool) and isinstance(value, int) and value > maximum:
-        raise ValueError(f"{name} must be at most {maximum} (dspec.decode._bounds.{constant}), got {value}")
+        raise ValueError(f"{name} must be at most {maximum} (dspec.decode.bounds.{constant}), got {value}")
 
 
 def check_rows(model, prompts, name: str, value, rows: int, formula: str, *, drafter=None) -> None:
