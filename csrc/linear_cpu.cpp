@@ -770,7 +770,14 @@ int vector_isa(int dtype, int isa) {
 // 64 steps, 28.3 / 48.1 at 96, 27.5 / 49.2 at 128, 29.3 / 58.0 at 192; blocks of 6 rows
 // 35.2 / 58.8 ms at 64 steps.  A software prefetch of the next chunk by the first pass
 // measured slower (46.7 / 73.9 ms at 128 steps): the hardware prefetchers follow the passes'
-// sequential line stream better.
+// sequential line stream better.  From memory a call costs about its streaming time plus its
+// compute time: only the first pass of a chunk reads DRAM (60 up-projections 576 -> 1536 of
+// float32, one thread, Zen 4 capped: 1 row 10.3 ms, 16 rows 32.6-38.5 ms, the same 16 rows
+// 20.6 ms with the weights in L3).  Prefetching the next chunk from every row block's pass
+// (one line a k step, _MM_HINT_T0 / T1 / T2, or scalar loads that train the hardware
+// prefetchers; chunks of 32-128 steps) measured slower in every variant (1 row 12.2-17.1 ms,
+// 9 rows 27.9-42.6 ms against 17.8-24.2, 16 rows 34.1-55.7 ms): on this core every hint fills
+// L1, where the passes need the whole chunk.
 constexpr std::int64_t kAvx2ChunkSteps = 128;
 // From this many rows the 16-bit dtypes run the float32 tiles on widened chunks
 // (widened_panels).  SmolLM2-135M's bf16 projections, all 30 layers from memory, one
