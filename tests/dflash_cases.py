@@ -3,8 +3,6 @@ drafter, exact marginals and a chi-square check."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -95,20 +93,6 @@ def second_token_marginal(model, prompt, temperature):
         out2 = model(model.plan(seqs), logits="last")
         p2 = torch.softmax(out2.logits[:, -1].double() / temperature, -1)
     return p1 @ p2
-
-
-def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
-    """Pearson chi-square over bins with expected count >= 5 (the rest pooled); returns
-    (statistic, a lenient threshold df + 6 sqrt(2 df))."""
-    n = counts.sum()
-    expected = probs * n
-    big = expected >= 5
-    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    df = int(keep.sum()) - 1
-    return stat, df + 6 * math.sqrt(2 * df)
 
 
 @pytest.fixture(scope="module")

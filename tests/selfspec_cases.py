@@ -58,17 +58,6 @@ def exact_first_block(model, prompt, temperature):
     return law
 
 
-def chi2_pvalue(counts, expected_probs, min_expected=5.0):
-    """Pearson chi-square goodness of fit; cells expecting < min_expected are pooled."""
-    exp = expected_probs * counts.sum()
-    big = exp >= min_expected
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([exp[big], exp[~big].sum()[None]])
-    stat = ((obs - exp) ** 2 / exp.clamp(min=1e-12)).sum()
-    df = torch.tensor(float(big.sum()), dtype=torch.float64)
-    return float(torch.special.gammaincc(df / 2, stat / 2))
-
-
 def sample_first_block(model, prompt, n, temperature, **kw):
     counts = torch.zeros(model.config.vocab_size, model.config.vocab_size, dtype=torch.float64)
     gens = dspec.generate(model, [prompt] * n, max_new_tokens=2, block_size=2, temperature=temperature, seed=11, **kw)

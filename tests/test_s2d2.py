@@ -10,6 +10,7 @@ from dspec.decode import routing
 from dspec.decode.s2d2 import accept_span, ar_view_logits, two_l_dense
 from dspec.models import AttentionPlan
 from s2d2_cases import redraft_checks
+from stats_cases import chi_square
 from tiny_checkpoints import write_checkpoint
 
 BS = 4
@@ -332,17 +333,8 @@ def test_sampling_accept_resample_yields_block_size_one_law(tmp_path):
     q1 = torch.softmax(dif.double() / temperature, -1)
     assert (p - q1).abs().sum() / 2 > 0.05  # the test can tell p from q
 
-    def chi2(law):
-        big = law * n >= 5
-        obs = torch.cat([counts[big], counts[~big].sum()[None]])
-        exp = torch.cat([law[big] * n, law[~big].sum()[None] * n])
-        keep = exp > 0
-        return float(((obs - exp)[keep] ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
-
-    stat, dof = chi2(p)
-    assert stat < dof + 6 * math.sqrt(2 * dof), (stat, dof)
-    stat_q, dof_q = chi2(q1)
-    assert stat_q > dof_q + 6 * math.sqrt(2 * dof_q), (stat_q, dof_q)
+    assert chi_square(counts, p).fits, chi_square(counts, p)
+    assert not chi_square(counts, q1).fits, chi_square(counts, q1)
 
 
 def test_sampling_with_redraft_blocks_yields_block_size_one_law(tmp_path):
@@ -369,18 +361,10 @@ def test_sampling_with_redraft_blocks_yields_block_size_one_law(tmp_path):
     assert got[0].stats["spec_block_drafts"] > 0  # redraft blocks were reused
     x = torch.tensor([g.tokens for g in got])
 
-    def chi2(counts, law):
-        big = law * n >= 5
-        obs = torch.cat([counts[big], counts[~big].sum()[None]])
-        exp = torch.cat([law[big] * n, law[~big].sum()[None] * n])
-        return float(((obs - exp) ** 2 / exp).sum()), int(big.sum())
-
     for slot, law in ((0, law1), (1, law2)):
         counts = torch.bincount(x[:, slot], minlength=vocab).double()
-        stat, dof = chi2(counts, law)
-        assert stat < dof + 6 * math.sqrt(2 * dof), (slot, stat, dof)
-        stat, dof = chi2(counts, drafts[slot])  # the test tells the laws apart
-        assert stat > dof + 6 * math.sqrt(2 * dof), (slot, stat, dof)
+        assert chi_square(counts, law).fits, (slot, chi_square(counts, law))
+        assert not chi_square(counts, drafts[slot]).fits, slot  # the test tells the laws apart
 
 
 def _cache_of(model, tokens, copies=1):

@@ -5,7 +5,8 @@ import torch
 
 import dspec
 from dspec.decode.selfspec import chain_graph
-from selfspec_cases import capture_caches, chi2_pvalue, exact_first_block, sample_first_block, tiny, weak_context
+from selfspec_cases import capture_caches, exact_first_block, sample_first_block, tiny, weak_context
+from stats_cases import chi_square
 from tiny_checkpoints import write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models, one thread
@@ -96,7 +97,7 @@ def test_sampling_matches_one_step_distribution(tmp_path_factory):
     exact = exact_first_block(m, prompt, temperature)
     counts, accepted = sample_first_block(m, prompt, 600, temperature, method="ssd")
     assert accepted > 0  # drafts were accepted under sampling
-    assert chi2_pvalue(counts, exact) > 1e-3
+    assert chi_square(counts, exact).pvalue > 1e-3
 
 
 def test_sampling_reproducible(model):
