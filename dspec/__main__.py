@@ -116,6 +116,7 @@ def _generate(args, parser) -> int:
             temperature=args.temperature,
             seed=args.seed,
             progress=not args.no_progress,
+            preset=args.preset,
             **options,
         )
         if drafter is not None:
@@ -222,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="any other method option, repeatable; VALUE is parsed as bool "
         "(true/false), none, int, float, else a string",
+    )
+    g.add_argument(
+        "--preset",
+        choices=["paper"],
+        default=None,
+        help="paper: the method as its paper publishes it (no dspec-only trees, lookup branches or "
+        "redraft blocks; every draft verified); explicit options still win",
     )
     g.add_argument(
         "--drafter",

@@ -399,3 +399,13 @@ def test_bench_drafter_reaches_the_methods_that_take_it(capsys, tmp_path):
     assert {r["config"] for r in payload["summary"]} == {"d2sd-K2"}
     assert "DFLASH,VP" in payload["skipped"]["dflash"] and "--drafter" in payload["skipped"]["diffuspec"]
     assert all(c["nfe"]["drafter"] >= 1 for c in payload["calls"])
+
+
+def test_preset_paper_reaches_generate(capsys):
+    code, out, _ = run_cli(
+        capsys, "generate", "--model", "tiny-ar", "--method", "dflash", "--preset", "paper", "--prompt", "def f(x):",
+        "--max-new-tokens", 4, "--json", "--no-progress",
+    )  # fmt: skip
+    assert code == 0
+    stats = json.loads(out)["stats"]
+    assert stats["preset"] == "paper" and stats["options"]["tree"] is None and stats["options"]["lookup"] is None

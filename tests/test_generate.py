@@ -213,3 +213,55 @@ def test_stats_options_are_resolved(method):
     assert set(options) == set(method_module(method).OPTIONS)
     assert "auto" not in options.values(), options
     json.dumps(options, allow_nan=False)
+
+
+PAPER_SETTINGS = {  # what preset="paper" must run, per method (tiny-ar / tiny-bd at block size 8)
+    "ar": {},
+    "diffusion": {},
+    "ssd": {"draft_len": 7, "mixed_order": False},
+    "spiffy": {"prune_to": 8},
+    "s2d2": {"redraft": False},
+    "diffuspec": {"k_min": 20, "k_max": 30, "delta": 10, "draft_vocab": None, "lookup": None},
+    "dflash": {"row_cost": None, "tree": None, "lookup": None, "verify_rule": "token"},
+    "d2sd": {"branches": "vp", "row_cost": None, "tree": None, "lookup": None, "redraft_min": 0, "prior_weight": 0},
+}
+# each lossless method's reference call on the same model
+PAPER_REFERENCE = {
+    "ssd": ("diffusion", {"tokens_per_step": 1}),
+    "spiffy": ("diffusion", {"tokens_per_step": 1}),
+    "diffuspec": ("ar", {}),
+    "dflash": ("ar", {}),
+    "d2sd": ("ar", {}),
+}
+
+
+@pytest.mark.parametrize("method", list(PAPER_SETTINGS))
+def test_paper_preset_runs_the_published_settings(method):
+    """``preset="paper"`` resolves each option the paper fixes (reported in ``stats["options"]``,
+    the preset in ``stats["preset"]``), an explicit option still wins, and a lossless method
+    still equals its reference token for token."""
+    from dspec.decode.generate import method_module, preset_options
+
+    model = dspec.load("tiny-bd" if method in ("diffusion", "ssd", "spiffy", "s2d2") else "tiny-ar")
+    assert set(preset_options(method_module(method), model, "paper", {})) <= set(method_module(method).OPTIONS)
+    out = dspec.generate(model, "The cat sat on", method=method, max_new_tokens=10, preset="paper")
+    assert out.stats["preset"] == "paper"
+    assert {k: out.stats["options"][k] for k in PAPER_SETTINGS[method]} == PAPER_SETTINGS[method]
+    assert dspec.generate(model, "The cat sat on", method=method, max_new_tokens=4).stats["preset"] is None
+    if method in PAPER_REFERENCE:
+        ref_method, ref_options = PAPER_REFERENCE[method]
+        ref = dspec.generate(model, "The cat sat on", method=ref_method, max_new_tokens=10, **ref_options)
+        assert out.tokens == ref.tokens
+    if PAPER_SETTINGS[method]:
+        name, value = next(iter(PAPER_SETTINGS[method].items()))
+        mine = {"draft_len": 3, "mixed_order": True, "prune_to": 4, "redraft": True, "k_min": 4, "row_cost": 0.5}
+        given = {name: mine[name]} if name in mine else {"branches": "resample"}
+        got = dspec.generate(model, "The cat sat on", method=method, max_new_tokens=4, preset="paper", **given)
+        ((key, want),) = given.items()
+        assert got.stats["options"][key] == want
+
+
+@pytest.mark.parametrize("preset", ["fast", "", 1, ["paper"]])
+def test_unknown_preset_is_refused_before_any_forward(tiny, preset):
+    with pytest.raises(ValueError, match="preset"):
+        dspec.generate(tiny, "hi", method="ar", max_new_tokens=2, preset=preset)

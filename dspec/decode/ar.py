@@ -92,4 +92,5 @@ def decode_ar(
 
 OPTIONS = ()
 DRAFTER = False
+PAPER = {}  # preset="paper": ar has no options
 decode = decode_ar

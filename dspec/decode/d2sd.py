@@ -532,5 +532,9 @@ def decode_d2sd(
 
 
 OPTIONS = ("draft_len", "k", "branches", "row_cost", "lookup", "tree", "redraft_min", "boundary_pool", "prior_weight")
+#: ``preset="paper"``: D2SD as published -- the VP drafter re-drafts at the top-K boundaries in
+#: every cycle, the first draft a chain, every branch verified in full, no prompt-lookup branch,
+#: no first-drafter prior
+PAPER = dict(branches="vp", row_cost=None, lookup=None, tree=None, redraft_min=0, boundary_pool=None, prior_weight=0.0)
 DRAFTER = "block"  # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_d2sd

@@ -787,5 +787,8 @@ def tree_cycle(
 
 
 OPTIONS = ("draft_len", "row_cost", "tree", "lookup", "verify_rule")
+#: ``preset="paper"``: DFlash as published -- the drafter's whole block verified as a chain,
+#: token-wise, no prompt-lookup branch
+PAPER = dict(row_cost=None, tree=None, lookup=None, verify_rule="token")
 DRAFTER = "block"  # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_dflash

@@ -406,4 +406,5 @@ def _decode_bidirectional(
 
 OPTIONS = ("block_size", "tokens_per_step", "threshold")
 DRAFTER = False
+PAPER = {}  # preset="paper": the defaults are the block-diffusion decoding the dLLMs publish
 decode = decode_diffusion

@@ -118,6 +118,9 @@ DEFAULTS = dict(
 #: process): 1.06x ``ar`` against the paper's 20 / 30 / 10 at 0.84x (fixed k 6 / 8 / 11:
 #: 1.03 / 1.02 / 0.98x).
 CPU_ADL = dict(k_min=4, k_max=12, delta=2)
+#: ``preset="paper"``: DiffuSpec as published -- ADL's bounds 20 / 30 / 10 on every device, the
+#: drafter's full vocabulary, no prompt-lookup branch
+PAPER = dict(k_min=20, k_max=30, delta=10, draft_vocab=None, lookup=None)
 # target shipped name -> the drafter dspec ships for it (None: not trained yet, and why)
 # target -> its shipped drafter; smollm2-135m-bd is an adapter (trained separately),
 # present only once that run has shipped it

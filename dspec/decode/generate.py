@@ -116,6 +116,22 @@ def _jsonable(value):
     return type(value).__name__
 
 
+PRESETS = ("paper",)
+
+
+def preset_options(module, model, preset, given: dict) -> dict:
+    """The options ``preset`` sets for the method of ``module`` (given the options the caller
+    passed, which take precedence over them): {} for None; ``"paper"``: the module's
+    ``paper_options(model, given)`` or its ``PAPER`` dict."""
+    if preset is None:
+        return {}
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be None or one of {PRESETS}, got {preset!r}")
+    if hasattr(module, "paper_options"):
+        return dict(module.paper_options(model, given))
+    return dict(getattr(module, "PAPER", {}))
+
+
 def _resolved_options(module, given: dict, stats: dict) -> dict:
     """Every option of ``module.OPTIONS`` as this call used it: what the method reports
     (``stats["options"]`` first, then a top-level stat of the same name: the value its
@@ -245,6 +261,7 @@ def generate(
     temperature: float = 0.0,
     seed: int | None = None,
     progress: bool = False,
+    preset: str | None = None,
     **options,
 ):
     """Decode ``prompt`` (a string, token ids, or a list of either for one batch) with ``method``.
@@ -272,6 +289,13 @@ def generate(
     ``d2sd`` with ``redraft_min > 0`` (a cycle where no row re-drafts is DFlash's own).  ``seed=None`` draws
     fresh OS entropy; the global RNG is never read or reseeded.
 
+    ``preset="paper"`` runs the method as its paper publishes it: the method module's
+    ``PAPER`` settings (or its ``paper_options``) in place of dspec's device-dependent
+    defaults -- no draft trees, prompt-lookup branches or redraft blocks where the paper has
+    none, every draft verified -- with the options given explicitly still taking precedence;
+    ``stats["preset"]`` names it and ``stats["options"]`` lists what ran.  None (default):
+    dspec's defaults.
+
     Example
     -------
     >>> import dspec
@@ -290,6 +314,7 @@ def generate(
     unknown = sorted(set(options) - set(module.OPTIONS))
     if unknown:
         raise ValueError(f"method {method!r} does not take {unknown}; it takes {list(module.OPTIONS)}")
+    options = {**preset_options(module, model, preset, options), **options}
     if takes_drafter:
         options["drafter"] = drafter
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature != temperature:
@@ -347,7 +372,7 @@ def generate(
     wall = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    stats = dict(stats, options=_resolved_options(module, options, stats))
+    stats = dict(stats, options=_resolved_options(module, options, stats), preset=preset)
     results = []
     total = sum(len(t) for t in tokens)
     for ids in tokens:

@@ -149,6 +149,9 @@ OPTIONS = (
     "redraft",
     "boundary",
 )
+#: ``preset="paper"``: S2D2 as published -- the speculative block alone, no redraft blocks
+#: (and so no boundary state)
+PAPER = {"redraft": False}
 DRAFTER = False
 
 # COMMIT marks a row whose block is complete, between its transition and ``commit``: a

@@ -41,6 +41,16 @@ DEFAULT_GRAPH_SIZE = 16
 DEFAULT_PRUNE_TO = 8
 
 
+def paper_options(model, given: dict) -> dict:
+    """``preset="paper"``: the draft graph's settings off the CPU -- ``graph_size`` 16 nodes
+    (or the one given) of which ``min(8, graph_size)`` are verified a round -- free of the
+    CPU's row budget (with a ``graph`` and no ``graph_size``, ``prune_to`` stays the default)."""
+    if given.get("graph") is not None and given.get("graph_size") is None:
+        return {}
+    size = given.get("graph_size") or DEFAULT_GRAPH_SIZE
+    return {"prune_to": min(DEFAULT_PRUNE_TO, size) if isinstance(size, int) else DEFAULT_PRUNE_TO}
+
+
 def decode(
     model,
     prompts,

@@ -45,6 +45,14 @@ DRAFTER = False
 DEFAULT_DRAFT_LEN = 4
 
 
+def paper_options(model, given: dict) -> dict:
+    """``preset="paper"``: SSD as published -- every masked position of the block drafted
+    (``draft_len = block_size - 1``, at least 1) and the chain of states verified alone (no
+    swapped-pair states: ``mixed_order=False``), free of the CPU's row budget."""
+    bs = check_common(model, "ssd", given.get("block_size"))
+    return {"draft_len": max(bs - 1, 1), "mixed_order": False}
+
+
 def decode(
     model,
     prompts,
