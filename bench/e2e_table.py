@@ -5,7 +5,7 @@ the same run), completion tokens per target forward, mean accepted (mean over se
 accuracy (arithmetic, MATH500: checked answers pooled) and the share of outputs equal to
 the lossless reference; a second JSON (the fp32 run) adds its same-as-reference column.
 
-    python bench/e2e_table.py bench/results/cpu/e2e_smollm2.json bench/results/cpu/e2e_smollm2_fp32.json
+    python bench/e2e_table.py bench/results/cpu/amx/e2e_smollm2.json bench/results/cpu/amx/e2e_smollm2_fp32.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ batch 1), records every cycle's accepted drafts, and asks at each cycle what
 how much of it the final output (= ``ar``'s) confirms.  Prints, per set, tokens per cycle of
 DFlash and of "the better of the two branches" on the same cycles (an estimate: with longer
 acceptances the cycle boundaries would move), and how often the lookup branch is longer /
-proposed at all.  Results: bench/results/cpu/lookup_estimate.md.
+proposed at all.  Results: bench/results/cpu/amx/lookup_estimate.md.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def row_cost_of(model) -> float:
 #: block rows a CPU self-speculative round (``ssd``, ``spiffy``) carries by default: two
 #: passes over every AMX weight tile.  Re-measured with the self-consistent round-8 adapter
 #: (smollm2-135m-bd, block size 4, 32 grid prompts, one process each;
-#: bench/results/cpu/ab_ssd_draft_len_2026-11-29.json, ab_spiffy_prune_2026-11-29.json,
+#: bench/results/cpu/amx/ab_ssd_draft_len_2026-11-29.json, ab_spiffy_prune_2026-11-29.json,
 #: ab_ssd_block8_2026-11-29.json): its drafts now survive long enough that a second tile pass
 #: pays -- `ssd` draft_len 2 (12 + 4 rows) 1.61x one-token `diffusion` at 1.82 mean
 #: accepted, draft_len 3 with the swapped states (28 rows) 1.69x at 2.49; `spiffy` prune_to
@@ -130,7 +130,7 @@ def resolve_tree(model, tree, temperature: float):
     model of the "tiles" cost class decoding greedily and None (the chain) otherwise -- at
     T > 0 a tree drawn from the drafter and verified against its q takes more tokens per
     forward than the chain but has not paid for its extra rows end to end
-    (bench/results/cpu/amx/e2e_smollm2_t1_xeon_amx.json, zen5/e2e_smollm2_t1_epyc_zen5.json);
+    (bench/results/cpu/amx/e2e_smollm2_t1_xeon_amx.json, avx512/e2e_smollm2_t1_epyc_zen5.json);
     None or an int in [1, ``MAX_TREE_NODES``] as given."""
     if isinstance(tree, str) and tree == "auto":
         # the "avx2" class: a tree's extra rows cost more than its extra accepts (SmolLM2-135M,
@@ -197,8 +197,8 @@ def resolve_redraft(model, redraft, *, batch: int) -> bool:
 # forward after a rejected last draft (7 % fewer forwards, 1.69 -> 1.82 tokens per forward),
 # but it takes a verification from 13 rows to 18 (26 behind a pending block), past the
 # 16-row AMX tile, where a forward of smollm2-135m-bd costs 19.2 / 20.9 ms against 16.2 ms
-# (in-situ medians, 2 threads, bench/results/cpu/widths_s2d2_2026-11-29.json): measured on 32 grid
-# prompts, greedy, batch 1, the compiled step (bench/results/cpu/ab_s2d2_boundary_2026-11-29.json),
+# (in-situ medians, 2 threads, bench/results/cpu/amx/widths_s2d2_2026-11-29.json): measured on 32 grid
+# prompts, greedy, batch 1, the compiled step (bench/results/cpu/amx/ab_s2d2_boundary_2026-11-29.json),
 # 101.4 against 110.4 tok/s, outputs equal.  Other devices, where such rows are free: on.
 def resolve_boundary(model, boundary, *, redraft: bool) -> bool:
     """``boundary`` as ``s2d2`` takes it: None (the default) is True where it applies --
@@ -221,7 +221,7 @@ def resolve_boundary(model, boundary, *, redraft: bool) -> bool:
 # VP-drafter forward, its extra tree nodes and their pruning cost ~20 % of a cycle of
 # SmolLM2-135M, where the shipped VP-drafter's re-drafts add ~3 % tokens per cycle, and no
 # gate recovers the difference: one process, 32 grid prompts x 128 tokens, greedy, K = 2
-# (bench/results/cpu/ab_d2sd_gate_2026-11-28.json): redraft_min 0 / 0.3 / 0.5 / 0.7 / 0.85 / inf
+# (bench/results/cpu/amx/ab_d2sd_gate_2026-11-28.json): redraft_min 0 / 0.3 / 0.5 / 0.7 / 0.85 / inf
 # 107.0 / 106.9 / 107.4 / 109.0 / 113.7 / 127.3 tok/s at 3.48 / 3.48 / 3.48 / 3.43 / 3.41 /
 # 3.37 mean accepted, `dflash` 133.0 (3.37); at T = 1 and at batch 8 the re-drafts lose too
 # (e2e_smollm2_t1.json, e2e_smollm2_batch8.json).  On an accelerator the drafter forward

@@ -85,7 +85,7 @@ from .sampling import RequestStreams, request_streams, require_finite, sample_fr
 
 BRANCH_MODES = ("vp", "resample")
 # The first drafter's weight at a branch's first re-drafted slot (``prior_weight``), measured
-# (bench/results/cpu/ab_d2sd_pool_prior_full.json, ab_d2sd_prior_weight_full.json: SmolLM2-135M,
+# (bench/results/cpu/amx/ab_d2sd_pool_prior_full.json, ab_d2sd_prior_weight_full.json: SmolLM2-135M,
 # DFlash round 9b + VP round 3, 32 grid prompts, every node verified): K = 2 chain mean accepted
 # 2.653 at 0, 2.724 at 0.5, 2.745 at 1 and at 2 (DFlash's chain 2.399); on DFlash's tree with
 # the lookup branch 3.558 -> 3.570.

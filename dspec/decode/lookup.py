@@ -8,7 +8,7 @@ verification tree of ``dflash`` / ``d2sd`` / ``diffuspec`` (``lookup=K``), merge
 drafters' nodes where they agree (:func:`graft_chain`, or D2SD's ``padded_prefix_tree``), so
 the target verifies everything in one forward and the output is unchanged.
 
-Measured before building it (bench/results/cpu/lookup_estimate.md): on 8 grid prompts per
+Measured before building it (bench/results/cpu/amx/lookup_estimate.md): on 8 grid prompts per
 set, DFlash's own cycles with the best of (its accepted drafts, the lookup chain's matching
 prefix) would commit 4.77 / 4.06 / 2.43 tokens per cycle on HumanEval / MATH500 / MT-Bench
 against 2.26 / 2.09 / 1.75.
@@ -25,7 +25,7 @@ __all__ = ["MIN_NGRAM", "suffix_match_drafts", "PromptLookup", "graft_chain"]
 
 #: the shortest n-gram matched by the decode methods: unigram matches add proposals (each up
 #: to ``num_drafts`` verified rows) and almost no accepted tokens
-#: (bench/results/cpu/lookup_estimate.md)
+#: (bench/results/cpu/amx/lookup_estimate.md)
 MIN_NGRAM = 2
 
 
