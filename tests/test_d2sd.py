@@ -466,7 +466,7 @@ def test_adaptive_tree_equals_ar(target, row_cost):
 
 def test_cpu_default_row_cost_is_measured_constant(target):
     """row_cost="auto" (the default) prunes at the measured row cost of the CPU's class
-    (cpu_cost.row_cost_of: CPU_ROW_COST on the tiles) -- the tree of that explicit value --
+    (cpu_cost.row_cost_of: CPU_ROW_COST on the AMX and AVX-512 tiles) -- the tree of that explicit value --
     and falls back to the full tree for "resample" branches; dflash's default is the same
     adaptive length."""
     from dspec.decode.cpu_cost import CPU_ROW_COST, cost_class, resolve_row_cost, row_cost_of
@@ -481,7 +481,7 @@ def test_cpu_default_row_cost_is_measured_constant(target):
     assert auto[0].stats["tree_nodes"] == fixed[0].stats["tree_nodes"]
     dspec.generate(target, PROMPTS[0], method="d2sd", max_new_tokens=2, drafter=ds["dflash"], branches="resample")
     assert resolve_row_cost(target, "auto") == row_cost_of(target) and resolve_row_cost(target, None) is None
-    assert (row_cost_of(target) == CPU_ROW_COST) == (cost_class(target) == "tiles")
+    assert (row_cost_of(target) == CPU_ROW_COST) == (cost_class(target) != "avx2")
     with pytest.raises(ValueError, match="row_cost"):
         resolve_row_cost(target, "fast")
 

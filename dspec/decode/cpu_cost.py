@@ -19,14 +19,20 @@ _BF16_FP32 = (torch.bfloat16, torch.float32)
 
 #: A forward of N rows of SmolLM2-135M after 256 cached tokens relative to a one-row forward,
 #: per CPU cost class (``cost_class``) and dtype, measured in situ (weights from memory, reps
-#: interleaved): "tiles" -- AMX / AVX512_BF16 tiles, where a forward's rows are nearly free up
-#: to a tile (Intel Xeon AMX, bf16, 2 threads, docs/performance.md); "avx2" --
+#: interleaved): "tiles" -- a CPU with AMX tiles, where a forward's rows are nearly free up
+#: to a tile (Intel Xeon AMX, bf16, 2 threads, docs/performance.md); "avx512" -- the
+#: AVX-512 / AVX512_BF16 tiles of a CPU without AMX, where rows past a few are FMA work
+#: (EPYC Zen 4, one thread, level avx512 of bench/results/cpu/avx2/dispatch_zen4.json); "avx2" --
 #: dspec's AVX2 tiles, where every row is FMA work (EPYC Zen 4 under DSPEC_CPU_ISA=avx2, one
 #: thread, bench/results/cpu/avx2/forward_zen4_capped.json and dispatch_zen4.json).  The
 #: "tiles" defaults below were tuned end to end on the AMX machine; the "avx2" ones follow
 #: from this table (rows at their measured marginal cost).
 FORWARD_COST = {
     "tiles": {"bfloat16": {1: 1.0, 8: 1.03, 16: 1.16, 32: 1.38, 64: 1.92}, "float32": {1: 1.0, 16: 1.57, 64: 3.45}},
+    "avx512": {
+        "bfloat16": {1: 1.0, 4: 1.13, 16: 2.20, 64: 7.48},
+        "float32": {1: 1.0, 4: 1.07, 16: 2.26, 64: 8.11},
+    },
     "avx2": {
         "bfloat16": {1: 1.0, 4: 2.38, 8: 3.78, 16: 6.70, 32: 11.54},
         "float32": {1: 1.0, 4: 1.53, 8: 2.14, 16: 3.28, 32: 5.84},
@@ -35,21 +41,29 @@ FORWARD_COST = {
 
 
 def cost_class(model) -> str | None:
-    """The CPU cost class of ``model``'s forwards: "tiles" where its projections run AMX or
-    AVX-512 tiles, "avx2" where they run the AVX2 tiles or torch (no SIMD tiles), None off
-    the CPU."""
+    """The CPU cost class of ``model``'s forwards: "tiles" on a CPU with AMX tiles (its
+    float32 projections run AVX-512 beside them), "avx512" where they run the AVX-512 tiles
+    of a CPU without AMX (or one capped below it), "avx2" where they run the AVX2 tiles or
+    torch (no SIMD tiles), None off the CPU."""
     if model.device.type != "cpu":
         return None
+    from .. import cpu
     from ..models.dense import linear_isa
 
     if model.dtype not in _BF16_FP32:  # no packed tiles for other dtypes
         return "avx2"
-    return "tiles" if linear_isa(model.dtype) in ("avx512", "amx") else "avx2"
+    isa = linear_isa(model.dtype)
+    if isa == "amx" or (isa == "avx512" and cpu.isa() == "amx"):
+        return "tiles"
+    return "avx512" if isa == "avx512" else "avx2"
 
 
 def row_cost_of(model) -> float:
     """One more verified row relative to a one-row forward for ``model`` on its CPU class:
-    ``CPU_ROW_COST`` on the tiles, the measured slope of ``FORWARD_COST`` to 8 rows on AVX2."""
+    ``CPU_ROW_COST`` on the AMX and AVX-512 tiles ("tiles", "avx512": on an EPYC Zen 4
+    ``dflash`` at 0.02 and 0.06 both ran 1.54x ``ar``,
+    bench/results/cpu/avx512/e2e_dflash_zen4.json), the measured slope of ``FORWARD_COST`` to
+    8 rows on AVX2."""
     if cost_class(model) != "avx2":
         return CPU_ROW_COST
     name = str(model.dtype).removeprefix("torch.") if model.dtype in _BF16_FP32 else "float32"
@@ -76,6 +90,14 @@ CPU_ROW_BUDGET = 32
 #: draft_len 2 1.01x against 3 with swaps 0.90x, `spiffy` prune_to 2 1.05x against 6 0.99x)
 CPU_SMALL_ROW_BUDGET = 16
 
+#: the budget on the "avx512" cost class, greedy or not: without AMX a 32-row round costs more
+#: than its longer drafts gain (SmolLM2-135M-bd, EPYC Zen 4, bf16, 2 threads, 8 grid prompts
+#: x 64 tokens, one process each, against one-token `diffusion`: `ssd` 32 rows 1.16x,
+#: draft_len 2 without swaps (16 rows) 1.26x, 3 without 1.15x; `spiffy` prune_to 6 1.04x,
+#: 2 1.22x, 3 1.16x, bench/results/cpu/avx512/e2e_selfspec_zen4.json; with this budget,
+#: `ssd` draft_len 1 1.25x and `spiffy` prune_to 2 1.19x, e2e_selfspec_defaults_zen4.json)
+CPU_AVX512_ROW_BUDGET = CPU_SMALL_ROW_BUDGET
+
 #: the budget on the "avx2" cost class, greedy or not: every row is FMA work there (12 rows
 #: of fp32 cost ~2.8 one-row forwards, bf16 ~5.3: ``FORWARD_COST``), so a round carries the
 #: fewest copies a round can (the root, one draft, the next block at block size 4)
@@ -84,16 +106,21 @@ CPU_AVX2_ROW_BUDGET = 12
 
 def cpu_block_copies(model, block_size: int, batch: int = 1, temperature: float = 0.0) -> int | None:
     """The most block copies (root, drafts, the next block's first state) a self-speculative
-    round forwards per request by default on the CPU: ``CPU_ROW_BUDGET // block_size`` for
-    one request decoded greedily, else ``CPU_SMALL_ROW_BUDGET // block_size``, at least 3
+    round forwards per request by default on the CPU: on the "tiles" class
+    ``CPU_ROW_BUDGET // block_size`` for one request decoded greedily, else
+    ``CPU_SMALL_ROW_BUDGET // block_size``; ``CPU_AVX512_ROW_BUDGET`` / ``CPU_AVX2_ROW_BUDGET``
+    rows on the "avx512" / "avx2" classes; at least 3
     (the root, one draft and the next block); None elsewhere (extra rows are nearly free on
     an accelerator at these sizes).  The budget was 16 rows everywhere while the adapter's
     drafts died sooner (an earlier adapter, ab_ssd_draft_len_2026-11-27.json: `ssd` block 4 draft_len 2 1.26x
     one-token `diffusion`, 3 1.14x; `spiffy` prune_to 2 1.17x, 8 1.14x)."""
     if model.device.type != "cpu":
         return None
-    if cost_class(model) == "avx2":
+    cls = cost_class(model)
+    if cls == "avx2":
         return max(3, CPU_AVX2_ROW_BUDGET // block_size)
+    if cls == "avx512":
+        return max(3, CPU_AVX512_ROW_BUDGET // block_size)
     greedy_single = batch <= 1 and temperature <= 0
     return max(3, (CPU_ROW_BUDGET if greedy_single else CPU_SMALL_ROW_BUDGET) // block_size)
 
