@@ -83,7 +83,8 @@ def row_cost_of(model) -> float:
 CPU_ROW_BUDGET = 32
 
 #: the budget per request otherwise: in a batch every row is compute (batch 8, 32 prompts
-#: per set, e2e_smollm2_batch8_2026-11-29.json / _small_2026-11-29.json: against one-token `diffusion`
+#: per set, bench/results/cpu/amx/e2e_smollm2_batch8_2026-11-29.json and
+#: e2e_smollm2_batch8_small_2026-11-29.json: against one-token `diffusion`
 #: `ssd` draft_len 1 1.03x, 2 1.00x, 2 with swaps 0.88x, 3 with swaps 0.79x; `spiffy`
 #: prune_to 1 1.01x, 2 0.98x, 6 0.75x), and sampling accepts too little to pay for the
 #: second tile pass (T = 1, batch 1, 16 prompts per set, e2e_smollm2_t1_2026-11-29.json: `ssd`
