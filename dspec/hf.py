@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from .decode.generate import MAX_SEED, generate as dspec_generate, method_module
+from .decode.generate import MAX_SEED, PRESETS, generate as dspec_generate, method_module
 from .models import Model, checkpoint_names, expected_shapes, parse_config
 from .models.config import FAMILIES
 from .models.shipped import ASSETS
@@ -246,13 +246,15 @@ def _generate_streamer(frame):
     return frame.f_locals.get("streamer") if frame is not None and frame.f_code is code else None
 
 
-def custom_generate(method: str = "ar", *, drafter=None, **options):
+def custom_generate(method: str = "ar", *, drafter=None, preset: str | None = None, **options):
     """A callable for ``model.generate(..., custom_generate=...)`` that decodes with dspec's
-    ``method`` (``"ar"``, ``"dflash"``, ``"d2sd"``, ...; causal-target methods), ``drafter``
-    and ``options`` as :func:`dspec.generate` takes them.  The method, drafter and options
-    are checked here (ValueError naming them), the generation's settings when ``generate``
-    calls it."""
+    ``method`` (``"ar"``, ``"dflash"``, ``"d2sd"``, ...; causal-target methods), ``drafter``,
+    ``preset`` and ``options`` as :func:`dspec.generate` takes them.  The method, drafter,
+    preset and options are checked here (ValueError naming them), the generation's settings
+    when ``generate`` calls it."""
     module = method_module(method)
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"preset must be None or one of {PRESETS}, got {preset!r}")
     takes = getattr(module, "DRAFTER", False)
     if drafter is not None and not takes:
         raise ValueError(f"drafter: method {method!r} takes no drafter")
@@ -312,6 +314,7 @@ def custom_generate(method: str = "ar", *, drafter=None, **options):
                     max_new_tokens=max_new,
                     temperature=temperature,
                     seed=seed,
+                    preset=preset,
                     **extra,
                     **options,
                 )

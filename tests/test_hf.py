@@ -158,6 +158,14 @@ def test_bad_method_and_options():
         dspec.hf.custom_generate("ar", drafter="tiny-ar-dflash")
     with pytest.raises(ValueError, match="max_new_tokens"):
         dspec.hf.custom_generate("ar", max_new_tokens=3)
+    with pytest.raises(ValueError, match="preset"):
+        dspec.hf.custom_generate("dflash", preset="fast")
+
+
+def test_paper_preset_through_custom_generate(tiny):
+    ref = tiny.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    fn = dspec.hf.custom_generate("dflash", preset="paper")
+    assert torch.equal(tiny.generate(PROMPT, max_new_tokens=12, do_sample=False, custom_generate=fn), ref)
 
 
 @pytest.mark.parametrize(
