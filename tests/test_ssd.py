@@ -157,6 +157,24 @@ def test_cpu_defaults_keep_a_round_within_32_rows(model, block_size, draft_len, 
     assert got.stats["prune_to"] == prune_to
 
 
+@pytest.mark.parametrize("block_size, draft_len, prune_to", [(2, 4, 6), (4, 2, 2), (8, 1, 1)])
+def test_cpu_defaults_without_amx_keep_16_rows_and_drop_the_swaps(model, block_size, draft_len, prune_to, monkeypatch):
+    """On the "avx512" cost class (AVX-512 tiles, no AMX) a round carries 16 block rows per
+    request, greedy or not, and ssd's default chain is the longest that fits without the
+    swapped states; an explicit mixed_order is kept."""
+    from dspec.decode import cpu_cost
+    from dspec.decode.cpu_cost import cpu_block_copies
+
+    monkeypatch.setattr(cpu_cost, "cost_class", lambda model: "avx512")
+    assert cpu_block_copies(model, block_size) == cpu_block_copies(model, block_size, 2) == max(3, 16 // block_size)
+    got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size)
+    assert (got.stats["draft_len"], got.stats["mixed_order"]) == (min(draft_len, block_size - 1), False)
+    got = dspec.generate(model, [3, 4, 5], method="ssd", max_new_tokens=4, block_size=block_size, mixed_order=True)
+    assert got.stats["mixed_order"] == (got.stats["draft_len"] >= 2)
+    got = dspec.generate(model, [3, 4, 5], method="spiffy", max_new_tokens=4, block_size=block_size, graph_size=8)
+    assert got.stats["prune_to"] == prune_to
+
+
 @pytest.mark.parametrize("block_size, draft_len, prune_to", [(2, 3, 6), (4, 1, 2), (8, 1, 1)])
 def test_cpu_defaults_in_a_batch_or_sampling_keep_16_rows_a_request(
     model, block_size, draft_len, prune_to, monkeypatch

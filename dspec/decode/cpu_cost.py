@@ -96,8 +96,20 @@ CPU_SMALL_ROW_BUDGET = 16
 #: x 64 tokens, one process each, against one-token `diffusion`: `ssd` 32 rows 1.16x,
 #: draft_len 2 without swaps (16 rows) 1.26x, 3 without 1.15x; `spiffy` prune_to 6 1.04x,
 #: 2 1.22x, 3 1.16x, bench/results/cpu/avx512/e2e_selfspec_zen4.json; with this budget,
-#: `ssd` draft_len 1 1.25x and `spiffy` prune_to 2 1.19x, e2e_selfspec_defaults_zen4.json)
+#: `ssd` draft_len 1 1.25x and `spiffy` prune_to 2 1.19x, e2e_selfspec_defaults_zen4.json;
+#: 16 grid prompts x 128 tokens: `spiffy` prune_to 2 1.257x, 6 1.120x, ab_spiffy_budget_zen4.json)
 CPU_AVX512_ROW_BUDGET = CPU_SMALL_ROW_BUDGET
+
+
+def swapped_states_pay(model) -> bool:
+    """Whether ``ssd``'s swapped-pair states (``mixed_order``) are on by default for
+    ``model``: not on the "avx512" class, where the 16-row round takes the longer chain
+    instead (SmolLM2-135M-bd, EPYC Zen 4, bf16, 2 threads, 16 grid prompts x 128 tokens, one
+    process, against one-token `diffusion`: draft_len 2 without swaps 1.371x, draft_len 1
+    (the longest chain with swaps in 16 rows) 1.306x, draft_len 3 with swaps (28 rows)
+    1.258x; bench/results/cpu/avx512/ab_ssd_budget_zen4.json)."""
+    return cost_class(model) != "avx512"
+
 
 #: the budget on the "avx2" cost class, greedy or not: every row is FMA work there (12 rows
 #: of fp32 cost ~2.8 one-row forwards, bf16 ~5.3: ``FORWARD_COST``), so a round carries the

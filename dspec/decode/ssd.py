@@ -37,7 +37,7 @@ blocks), see :mod:`dspec.decode.selfspec`.
 from __future__ import annotations
 
 from .bounds import MAX_DRAFT_LEN, check_max, check_rows
-from .cpu_cost import cpu_block_copies
+from .cpu_cost import cpu_block_copies, swapped_states_pay
 from .selfspec import chain_graph, check_common, decode_self_speculative
 
 OPTIONS = ("block_size", "draft_len", "mixed_order")
@@ -84,7 +84,8 @@ def decode(
     mixed_order : bool or None, also verify the swapped-pair states (draft_len - 1 more
         copies: a node verifies its grandchild when two drafts come out of order).  None
         (default): on, except on the CPU where an explicit draft_len's round would not fit
-        the row budget with them.
+        the row budget with them, and on the "avx512" cost class, where the default chain
+        is the longest the budget holds without them (``cpu_cost.swapped_states_pay``).
 
     Bounds (:mod:`dspec.decode.bounds`, checked before anything is built): a round
     forwards at most :func:`chain_copies` block copies, so the longest prompt +
@@ -109,6 +110,8 @@ def decode(
         raise ValueError(f"mixed_order must be a bool or None, got {mixed_order!r}")
     check_max("draft_len", draft_len, MAX_DRAFT_LEN, "MAX_DRAFT_LEN")
     check_rows(model, prompts, "block_size", bs, chain_copies(1, False) * bs, "3 * block_size")
+    if mixed_order is None and draft_len is None and not swapped_states_pay(model):
+        mixed_order = False  # the longest chain of the round's budget instead of swaps
     n, mixed_order = default_chain(cpu_block_copies(model, bs, len(prompts), temperature), bs, draft_len, mixed_order)
     # (an explicit draft_len is the option to blame; else the block size, with the default draft_len)
     check_rows(
