@@ -5,7 +5,7 @@ up to 16 rows a forward of SmolLM2-135M costs about one row's plus ~1.6 % a row 
 ~1.25x one), and the 17th row makes every weight tile be read a second time (~1.5x).  On an
 accelerator extra rows are nearly free, so these defaults apply to CPU models only; an
 explicit option always wins.  (Measured on an Intel Xeon with AMX-BF16, bf16, 2 threads;
-docs/performance.md and bench/results/cpu/ab_*.json; the self-speculative rounds of ``ssd`` /
+docs/performance.md and bench/results/cpu/amx/ab_*.json; the self-speculative rounds of ``ssd`` /
 ``spiffy`` take two tile passes, below.)
 """
 
@@ -186,7 +186,7 @@ def resolve_tree(model, tree, temperature: float):
 
 # Prompt-lookup drafts grafted onto the verification tree of a CPU model decoding greedily
 # (dflash / d2sd / diffuspec ``lookup``), for batches of at most CPU_LOOKUP_MAX_BATCH
-# requests. Measured on SmolLM2-135M (bench/results/cpu/e2e_smollm2_*lookup*_2026-11-27.json,
+# requests. Measured on SmolLM2-135M (bench/results/cpu/amx/e2e_smollm2_*lookup*_2026-11-27.json,
 # 32 prompts): batch 1 dflash 1.55x -> 1.99x ar, diffuspec 1.24x -> 1.39x; batch 4 1.151x ->
 # 1.245x and 0.914x -> 0.962x; batch 8, where every verified row is compute, 0.905x ->
 # 0.871x and 0.714x -> 0.692x.
@@ -216,7 +216,7 @@ def resolve_lookup(model, lookup, *, tree: bool, temperature: float, batch: int)
 # S2D2's redraft blocks (``s2d2(redraft=...)``) on a CPU model, for batches of at most
 # CPU_REDRAFT_MAX_BATCH requests: their rows are nearly free while a forward is one row's
 # weight pass, and compute once a batch fills the tiles.  Measured on smollm2-135m-bd with
-# S2D2's compiled step (bench/results/cpu/e2e_s2d2_native_batch*_2026-11-28.json, greedy, policy
+# S2D2's compiled step (bench/results/cpu/amx/e2e_s2d2_native_batch*_2026-11-28.json, greedy, policy
 # always, 8 prompts per set, against S2D2's own speculative block alone): batch 2 131.3
 # against 121.1 tok/s, batch 4 163.9 against 168.9, batch 8 201.1 against 214.3 (the torch
 # step with policy min_span: 105.5 / 134.5 / 159.0; ``ar`` 120.4 / 215.9 / 366.4).
