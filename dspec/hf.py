@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from .decode.generate import MAX_SEED, PRESETS, generate as dspec_generate, method_module
+from .decode.generate import MAX_SEED, check_preset, generate as dspec_generate, method_module
 from .models import Model, checkpoint_names, expected_shapes, parse_config
 from .models.config import FAMILIES
 from .models.shipped import ASSETS
@@ -253,8 +253,7 @@ def custom_generate(method: str = "ar", *, drafter=None, preset: str | None = No
     preset and options are checked here (ValueError naming them), the generation's settings
     when ``generate`` calls it."""
     module = method_module(method)
-    if preset is not None and preset not in PRESETS:
-        raise ValueError(f"preset must be None or one of {PRESETS}, got {preset!r}")
+    check_preset(preset)
     takes = getattr(module, "DRAFTER", False)
     if drafter is not None and not takes:
         raise ValueError(f"drafter: method {method!r} takes no drafter")

@@ -119,14 +119,19 @@ def _jsonable(value):
 PRESETS = ("paper",)
 
 
+def check_preset(preset) -> None:
+    """ValueError naming ``preset`` unless it is None or one of :data:`PRESETS`."""
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"preset must be None or one of {PRESETS}, got {preset!r}")
+
+
 def preset_options(module, model, preset, given: dict) -> dict:
     """The options ``preset`` sets for the method of ``module`` (given the options the caller
     passed, which take precedence over them): {} for None; ``"paper"``: the module's
     ``paper_options(model, given)`` or its ``PAPER`` dict."""
+    check_preset(preset)
     if preset is None:
         return {}
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be None or one of {PRESETS}, got {preset!r}")
     if hasattr(module, "paper_options"):
         return dict(module.paper_options(model, given))
     return dict(getattr(module, "PAPER", {}))

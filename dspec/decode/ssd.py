@@ -79,8 +79,9 @@ def decode(
         chain completes the block); default ``min(block_size - 1, 4)`` (at least 1) -- longer
         chains rarely survive past 4 steps on the shipped model -- and on the CPU the longest
         whose round (with ``mixed_order``'s swapped states) fits 32 rows for one request
-        decoded greedily, else 16 per request, and 12 on AVX2 tiles, where every row is FMA work
-        (:func:`dspec.decode.cpu_cost.cpu_block_copies`: at block size 4 3 and 1).
+        decoded greedily, else 16 per request, 16 without the swapped states on AVX-512 tiles
+        without AMX, and 12 on AVX2 tiles, where every row is FMA work
+        (:func:`dspec.decode.cpu_cost.cpu_block_copies`: at block size 4 3, 1, 2 and 1).
     mixed_order : bool or None, also verify the swapped-pair states (draft_len - 1 more
         copies: a node verifies its grandchild when two drafts come out of order).  None
         (default): on, except on the CPU where an explicit draft_len's round would not fit
