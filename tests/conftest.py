@@ -1,7 +1,8 @@
 """Shared test setup.
 
 Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors; the variable
-must be set before any @triton.jit function is defined, hence here, at collection time.
+must be set before any @triton.jit function is defined, hence here, at collection time;
+tests/triton_interpreter.py drops the interpreter's repeated patching of triton.language.
 With a GPU every test also runs on CUDA for the triton and cuda backends.
 ``DSPEC_DTYPE=float32`` pins ``dspec.load``'s default dtype (tests/test_cpu.py covers the
 CPU-dependent choice).
@@ -22,6 +23,10 @@ import pytest
 
 import dspec
 from dspec import _backend
+from triton_interpreter import skip_nested_repatching
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    skip_nested_repatching()
 
 #: the ``masks_sim`` fixture (the CUDA mask kernels in the host simulator of tests/cuda_sim)
 pytest_plugins = ["masks_sim"]
