@@ -23,10 +23,12 @@ _BF16_FP32 = (torch.bfloat16, torch.float32)
 #: to a tile (Intel Xeon AMX, bf16, 2 threads, docs/performance.md); "avx512" -- the
 #: AVX-512 / AVX512_BF16 tiles of a CPU without AMX, where rows past a few are FMA work
 #: (EPYC Zen 4, one thread, level avx512 of bench/results/cpu/avx2/dispatch_zen4.json); "avx2" --
-#: dspec's AVX2 tiles, where every row is FMA work (EPYC Zen 4 under DSPEC_CPU_ISA=avx2, one
-#: thread, bench/results/cpu/avx2/forward_zen4_capped.json and dispatch_zen4.json).  The
-#: "tiles" defaults below were tuned end to end on the AMX machine; the "avx2" ones follow
-#: from this table (rows at their measured marginal cost).
+#: dspec's AVX2 tiles, where every row is FMA work (an AVX2-only EPYC Zen 3, one thread,
+#: bench/results/cpu/avx2/forward_zen3.json; a Zen 4 under DSPEC_CPU_ISA=avx2 measured bf16
+#: 2.38 / 3.78 / 6.70 at 4 / 8 / 16 rows, forward_zen4_capped.json: its one-row bf16
+#: forward streams at the floor, Zen 3's at ~1.5x it).  The "tiles" defaults below were
+#: tuned end to end on the AMX machine; the "avx2" ones follow from this table (rows at
+#: their measured marginal cost).
 FORWARD_COST = {
     "tiles": {"bfloat16": {1: 1.0, 8: 1.03, 16: 1.16, 32: 1.38, 64: 1.92}, "float32": {1: 1.0, 16: 1.57, 64: 3.45}},
     "avx512": {
@@ -34,8 +36,8 @@ FORWARD_COST = {
         "float32": {1: 1.0, 4: 1.07, 16: 2.26, 64: 8.11},
     },
     "avx2": {
-        "bfloat16": {1: 1.0, 4: 2.38, 8: 3.78, 16: 6.70, 32: 11.54},
-        "float32": {1: 1.0, 4: 1.53, 8: 2.14, 16: 3.28, 32: 5.84},
+        "bfloat16": {1: 1.0, 4: 1.53, 8: 2.37, 16: 3.76, 32: 6.41},
+        "float32": {1: 1.0, 4: 1.48, 8: 1.99, 16: 2.67, 32: 4.54},
     },
 }
 
@@ -112,7 +114,7 @@ def swapped_states_pay(model) -> bool:
 
 
 #: the budget on the "avx2" cost class, greedy or not: every row is FMA work there (12 rows
-#: of fp32 cost ~2.8 one-row forwards, bf16 ~5.3: ``FORWARD_COST``), so a round carries the
+#: of fp32 cost ~2.3 one-row forwards, bf16 ~3.1: ``FORWARD_COST``), so a round carries the
 #: fewest copies a round can (the root, one draft, the next block at block size 4)
 CPU_AVX2_ROW_BUDGET = 12
 
