@@ -11,7 +11,9 @@ against the plain torch path (``torch``), reps interleaved round-robin:
   at M = 1 / 4 / 16 / 64 rows, ``dspec.models.dense.dense`` vs ``F.linear``, the weight
   warm in cache (a forward streams its weights from memory: the ``forward`` rows);
 - ``cascade_attention``: 9 / 3 heads of 64, 256 cached keys, N = 1 / 4 / 16 / 64 causal
-  suffix rows, ``backend=None`` vs ``backend="torch"``;
+  suffix rows, ``backend=None`` vs ``backend="torch"``; ``attention_vs_sdpa``: the same
+  call vs ``F.scaled_dot_product_attention`` on the same keys (torch's fastest attention;
+  the public call includes its Python wrapper, which a forward's layer stack does not run);
 - ``rms_norm`` / ``rope``: the model's layer ops with and without the fused kernels;
 - ``token_stats`` / ``topk_tokens`` / ``verify_chain``: N logits rows of 49152;
 - ``forward``: the whole SmolLM2-135M forward after 256 cached tokens, N = 1 / 4 / 16 / 64,
@@ -146,6 +148,22 @@ def child(args) -> dict:
                     dtype,
                     lambda: dspec.cascade_attention(q, kk, vv, mask, **kw),
                     lambda: dspec.cascade_attention(q, kk, vv, mask, backend="torch", **kw),
+                    reps,
+                    warmup,
+                )
+                # the same attention against torch's fastest: SDPA over the prefix's and the
+                # suffix's keys with the equivalent boolean mask (GQA by enable_gqa)
+                sq = q.transpose(1, 2)
+                sk = torch.cat([pk[None], kk], 1).transpose(1, 2)
+                sv = torch.cat([pv[None], vv], 1).transpose(1, 2)
+                smask = torch.cat([torch.ones(n, prefix, dtype=torch.bool), mask[0]], 1)
+                _pair(
+                    rows,
+                    "attention_vs_sdpa",
+                    f"N={n} prefix={prefix}",
+                    dtype,
+                    lambda: dspec.cascade_attention(q, kk, vv, mask, **kw),
+                    lambda: F.scaled_dot_product_attention(sq, sk, sv, attn_mask=smask, enable_gqa=True),
                     reps,
                     warmup,
                 )
