@@ -31,8 +31,8 @@ KERNEL_TESTS = tests/test_linear.py tests/test_cascade_attention.py tests/test_l
 
 # exits 0 when the CPU's own level (no cap) is above level $(1): at or above it, the cap
 # runs the code the first pass tested
-BELOW_NATIVE = DSPEC_CPU_ISA=auto $(PY) -c "import sys, dspec.cpu as c; L = ('generic', 'avx2', \
-	'avx512', 'amx'); sys.exit(L.index(c.isa() or 'generic') <= L.index('$(1)'))"
+BELOW_NATIVE = DSPEC_CPU_ISA=auto $(PY) -c "import sys, dspec.cpu as c; from dspec._backend import \
+	CPU_ISA_LEVELS as L; sys.exit(L.index(c.isa() or 'generic') <= L.index('$(1)'))"
 
 test: install
 	$(PY) -m pytest -q tests
