@@ -25,8 +25,8 @@ _BF16_FP32 = (torch.bfloat16, torch.float32)
 #: (EPYC Zen 4, one thread, level avx512 of bench/results/cpu/avx2/dispatch_zen4.json); "avx2" --
 #: dspec's AVX2 tiles, where every row is FMA work (an AVX2-only EPYC Zen 3, one thread,
 #: bench/results/cpu/avx2/forward_zen3.json; a Zen 4 under DSPEC_CPU_ISA=avx2 measured bf16
-#: 2.38 / 3.78 / 6.70 at 4 / 8 / 16 rows, forward_zen4_capped.json: its one-row bf16
-#: forward streams at the floor, Zen 3's at ~1.5x it).  The "tiles" defaults below were
+#: 2.38 / 3.78 / 6.70 at 4 / 8 / 16 rows, forward_zen4_capped.json, where its one-row bf16
+#: forward took 15.1 ms against Zen 3's 35.8).  The "tiles" defaults below were
 #: tuned end to end on the AMX machine; the "avx2" ones follow from this table (rows at
 #: their measured marginal cost).
 FORWARD_COST = {
