@@ -240,22 +240,32 @@ DSPEC_AVX512BF16 void micro_avx512(const Tile& t) {
 
 // Columns 8h .. 8h+7 of k element e (0 or 1) of a panel step, as float32.  ws: the step's
 // 16 x S elements.
+template <int DT>
+DSPEC_AVX2_INLINE __m256i avx2_load_half(const dt::elem_t<DT>* ws, int h) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + 16 * h));
+}
+
+// Element e of the 8 pairs of a 16-bit half loaded by avx2_load_half (32-bit lane c holds
+// column c's pair: k even in the low half, k odd in the high half), as float32.
+template <int DT, int e>
+DSPEC_AVX2_INLINE __m256 avx2_widen_pairs(__m256i v) {
+  if constexpr (DT == kBFloat16) {
+    if constexpr (e == 0) return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  } else {
+    const __m256i a = e == 0 ? _mm256_and_si256(v, _mm256_set1_epi32(0xffff)) : _mm256_srli_epi32(v, 16);
+    // the 8 halves in column order, then F16C's exact widening
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, a), 0x88);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+  }
+}
+
 template <int DT, int e>
 DSPEC_AVX2_INLINE __m256 avx2_widen(const dt::elem_t<DT>* ws, int h) {
   if constexpr (DT == kFloat32) {
     return _mm256_loadu_ps(ws + 8 * h);
   } else {
-    // 32-bit lane c holds column c's pair: k even in the low half, k odd in the high half
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + 16 * h));
-    if constexpr (DT == kBFloat16) {
-      if constexpr (e == 0) return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-    } else {
-      const __m256i a = e == 0 ? _mm256_and_si256(v, _mm256_set1_epi32(0xffff)) : _mm256_srli_epi32(v, 16);
-      // the 8 halves in column order, then F16C's exact widening
-      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, a), 0x88);
-      return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
-    }
+    return avx2_widen_pairs<DT, e>(avx2_load_half<DT>(ws, h));
   }
 }
 
@@ -317,24 +327,43 @@ DSPEC_AVX2_INLINE void avx2_store(dt::elem_t<DT>* out, __m256 v, int cols) {
   }
 }
 
-// acc += x[k] * w[k] for k element e of one step: ws the step's first panel, rows[i] + at
-// row i's first element of the step, halves [H0, H0 + NH) of every panel.
-template <int DT, int MR, int T, int H0, int NH, int e, bool kPaired = true>
-DSPEC_AVX2_INLINE void avx2_elem(__m256 (&acc)[MR][T][NH], const dt::elem_t<DT>* ws,
+// acc += x[k] * w[k] for the E elements (k order) of one step: ws the step's first panel,
+// rows[i] + at row i's first element of the step, halves [H0, H0 + NH) of every panel.  Each
+// weight vector is loaded once and feeds every row before the next one loads, so a pass
+// holds its MR x E broadcasts, MR x T x NH accumulators and one or two weight vectors in
+// the 16 registers (the passes are sized for it, avx2_rows): a spilled accumulator turns
+// its FMA chain into a store-to-load chain through the stack.  Per accumulator the FMAs
+// still run in k order.
+template <int DT, int MR, int T, int H0, int NH, int E, bool kPaired = true>
+DSPEC_AVX2_INLINE void avx2_step(__m256 (&acc)[MR][T][NH], const dt::elem_t<DT>* ws,
                                  const dt::elem_t<DT>* const (&rows)[MR], std::int64_t at) {
   constexpr int S = step_of(DT);
-  __m256 wv[T][NH];
-#pragma GCC unroll 4
-  for (int p = 0; p < T; ++p)
-#pragma GCC unroll 2
-    for (int h = 0; h < NH; ++h) wv[p][h] = avx2_widen<DT, e>(ws + p * kPanel * S, H0 + h);
+  __m256 xb[E][MR];
 #pragma GCC unroll 3
   for (int i = 0; i < MR; ++i) {
-    const __m256 xb = avx2_broadcast<DT, e, kPaired>(rows[i] + at);
+    xb[0][i] = avx2_broadcast<DT, 0, kPaired>(rows[i] + at);
+    if constexpr (E == 2) xb[E - 1][i] = avx2_broadcast<DT, E - 1, kPaired>(rows[i] + at);
+  }
 #pragma GCC unroll 4
-    for (int p = 0; p < T; ++p)
+  for (int p = 0; p < T; ++p) {
 #pragma GCC unroll 2
-      for (int h = 0; h < NH; ++h) acc[i][p][h] = _mm256_fmadd_ps(xb, wv[p][h], acc[i][p][h]);
+    for (int h = 0; h < NH; ++h) {
+      if constexpr (DT == kFloat32) {
+        const __m256 w = _mm256_loadu_ps(ws + p * kPanel + 8 * (H0 + h));
+#pragma GCC unroll 3
+        for (int i = 0; i < MR; ++i) acc[i][p][h] = _mm256_fmadd_ps(xb[0][i], w, acc[i][p][h]);
+      } else {
+        const __m256i v = avx2_load_half<DT>(ws + p * kPanel * S, H0 + h);
+        const __m256 w0 = avx2_widen_pairs<DT, 0>(v);
+#pragma GCC unroll 3
+        for (int i = 0; i < MR; ++i) acc[i][p][h] = _mm256_fmadd_ps(xb[0][i], w0, acc[i][p][h]);
+        if constexpr (E == 2) {
+          const __m256 w1 = avx2_widen_pairs<DT, 1>(v);
+#pragma GCC unroll 3
+          for (int i = 0; i < MR; ++i) acc[i][p][h] = _mm256_fmadd_ps(xb[E - 1][i], w1, acc[i][p][h]);
+        }
+      }
+    }
   }
 }
 
@@ -370,10 +399,9 @@ DSPEC_AVX2_INLINE void avx2_pass(const Tile& t, int r0, bool fetch) {
         if (line + 64 * j < t.pf_end) _mm_prefetch(line + 64 * j, _MM_HINT_T0);
       }
     }
-    avx2_elem<DT, MR, T, H0, NH, 0>(acc, ws, rows, s * S);
-    if constexpr (S == 2) avx2_elem<DT, MR, T, H0, NH, 1>(acc, ws, rows, s * S);
+    avx2_step<DT, MR, T, H0, NH, S>(acc, ws, rows, s * S);
   }
-  if (whole < t.s1) avx2_elem<DT, MR, T, H0, NH, 0, false>(acc, w + whole * T * kPanel * S, rows, whole * S);
+  if (whole < t.s1) avx2_step<DT, MR, T, H0, NH, 1, false>(acc, w + whole * T * kPanel * S, rows, whole * S);
   if (!t.last) {
 #pragma GCC unroll 3
     for (int i = 0; i < MR; ++i)
@@ -402,11 +430,15 @@ DSPEC_AVX2_INLINE void avx2_pass(const Tile& t, int r0, bool fetch) {
   }
 }
 
-// Rows [R0, MR) of the tile in passes of at most 3 rows.
+// Rows [R0, MR) of the tile in passes that fit the 16 registers (avx2_step): float32 in
+// blocks of 3 (12 accumulators, 3 broadcasts, one weight vector; 4 rows as 2 + 2), the
+// 16-bit dtypes in blocks of 2 (8 accumulators, 2 x 2 broadcasts of an element pair, the
+// loaded pair vector and its widened element).
 template <int DT, int MR, int T, int R0>
 DSPEC_AVX2_INLINE void avx2_rows(const Tile& t) {
   if constexpr (R0 < MR) {
-    constexpr int R = MR - R0 == 4 ? 2 : (MR - R0 < 3 ? MR - R0 : 3);  // 4 rows as 2 + 2, else blocks of 3
+    constexpr int kLeft = MR - R0;
+    constexpr int R = DT != kFloat32 ? (kLeft < 2 ? kLeft : 2) : (kLeft == 4 ? 2 : (kLeft < 3 ? kLeft : 3));
     if constexpr (R == 1) {
       avx2_pass<DT, 1, T, 0, 2>(t, R0, false);
     } else {
