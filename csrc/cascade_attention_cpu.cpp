@@ -333,25 +333,107 @@ DSPEC_CA_AVX2_INLINE void pv_tail_avx2(std::int64_t rem, const float* p, int kt,
 template <int NC>
 DSPEC_CA_AVX2_INLINE void pv_rows_avx2(const float* p, std::int64_t m, int kt, const float* const* vrows,
                                        std::int64_t d0, std::int64_t dp, const float* alpha, float* o) {
-  constexpr int MR = 12 / NC;
+  constexpr int MR = 12 / NC;  // 6 rows of 2 vectors
   std::int64_t r = 0;
   for (; r + MR <= m; r += MR) pv_block_avx2<MR, NC>(p + r * kKeyTile, kt, vrows, d0, dp, alpha + r, o + r * dp);
   pv_tail_avx2<NC, MR - 1>(m - r, p + r * kKeyTile, kt, vrows, d0, dp, alpha + r, o + r * dp);
 }
 
-// d in chunks of 32 (dp is a multiple of 16)
+// d in chunks of 16 (dp is a multiple of 16): 6 rows x 2 vectors a block, 12 accumulators,
+// 2 V vectors and one broadcast in the 16 registers (3 x 4 blocks need 17: one accumulator
+// then lives on the stack and its chain runs through store-to-load forwarding)
 DSPEC_CA_AVX2 void pv_avx2(const float* p, std::int64_t m, int kt, const float* const* vrows, std::int64_t dp,
                            const float* alpha, float* o) {
-  for (std::int64_t d0 = 0; d0 < dp; d0 += 32) {
-    if (dp - d0 >= 32) {
-      pv_rows_avx2<4>(p, m, kt, vrows, d0, dp, alpha, o);
-    } else {
-      pv_rows_avx2<2>(p, m, kt, vrows, d0, dp, alpha, o);
+  for (std::int64_t d0 = 0; d0 < dp; d0 += 16) pv_rows_avx2<2>(p, m, kt, vrows, d0, dp, alpha, o);
+}
+
+// 2^x on 8 lanes for x <= kLazyMax: x = n + f (n = round(x)), Cephes' 2^f polynomial on
+// [-0.5, 0.5] as fused multiply-adds (exp2_nonpos' coefficients), 2^n by the exponent
+// bits; 0 at and below 2^-126 and for -inf and NaN (no subnormal reaches a sum).
+DSPEC_CA_AVX2_INLINE __m256 exp2_avx2(__m256 x) {
+  const __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));  // NaN -> -126
+  const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(xc, n);
+  __m256 q = _mm256_set1_ps(1.535336188319500e-4f);
+  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(1.339887440266574e-3f));
+  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(9.618437357674640e-3f));
+  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(5.550332471162809e-2f));
+  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(2.402264791363012e-1f));
+  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(6.931472028550421e-1f));
+  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GT_OQ);
+  return _mm256_and_ps(_mm256_mul_ps(q, _mm256_castsi256_ps(bits)), normal);
+}
+
+// The 8 mask bits of `byte` as 8 lanes (all ones where set)
+DSPEC_CA_AVX2_INLINE __m256 lane_mask_avx2(unsigned byte) {
+  const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i b = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(byte)), lanes);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, lanes));
+}
+
+DSPEC_CA_AVX2_INLINE float hmax_avx2(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// The AVX-512 softmax_rows on 8-lane halves: the lazy running max (kLazyMax), P in place
+// (0 where masked), and the row sums as the same 16 partial lanes (lrun [rows][16]: lane j
+// sums the columns j mod 16 in key order), so a row's sums are those of the AVX-512 tiles
+// wherever no probability falls below 2^-126.
+DSPEC_CA_AVX2 void softmax_avx2(float* s, std::int64_t m, int kt, int nv, const std::uint64_t* bits, float* mrun,
+                                float* lrun, float* alpha) {
+  const std::uint64_t kt_bits = kt >= 64 ? ~std::uint64_t(0) : ((std::uint64_t(1) << kt) - 1);
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  const int nh = 2 * nv;  // 8-lane vectors of the tile's columns
+  for (std::int64_t r = 0; r < m; ++r) {
+    float* row = s + r * kKeyTile;
+    const std::uint64_t rb = bits ? (bits[r] & kt_bits) : kt_bits;
+    if (rb == 0) {
+      for (int c = 0; c < nh; ++c) _mm256_store_ps(row + 8 * c, _mm256_setzero_ps());
+      alpha[r] = 1.0f;
+      continue;
     }
+    const float old = mrun[r];
+    const __m256 thr = _mm256_set1_ps(old + kLazyMax);
+    __m256 x[8], km[8];
+    __m256 over = _mm256_setzero_ps();
+    const bool full = rb == ~std::uint64_t(0);
+    for (int c = 0; c < nh; ++c) {
+      const __m256 v = _mm256_load_ps(row + 8 * c);
+      km[c] = full ? _mm256_castsi256_ps(_mm256_set1_epi32(-1)) : lane_mask_avx2(static_cast<unsigned>(rb >> (8 * c)) & 0xffu);
+      x[c] = _mm256_blendv_ps(ninf, v, km[c]);
+      over = _mm256_or_ps(over, _mm256_cmp_ps(x[c], thr, _CMP_GT_OQ));
+    }
+    float nm = old, al = 1.0f;
+    if (!_mm256_testz_ps(over, over)) {
+      __m256 mx = x[0];
+      for (int c = 1; c < nh; ++c) mx = _mm256_max_ps(mx, x[c]);
+      nm = std::max(old, hmax_avx2(mx));
+      al = exp2_nonpos(old - nm);  // 0 when old = -inf
+    }
+    const __m256 nmv = _mm256_set1_ps(nm);
+    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int c = 0; c < nh; ++c) {
+      // exp2_avx2 gives 0 for -inf and NaN (a row that has seen only -inf scores)
+      const __m256 p = _mm256_and_ps(km[c], exp2_avx2(_mm256_sub_ps(x[c], nmv)));
+      _mm256_store_ps(row + 8 * c, p);
+      sum[c & 1] = _mm256_add_ps(sum[c & 1], p);
+    }
+    const __m256 alv = _mm256_set1_ps(al);
+    for (int h = 0; h < 2; ++h) {
+      float* l = lrun + r * 16 + 8 * h;
+      _mm256_store_ps(l, _mm256_fmadd_ps(_mm256_load_ps(l), alv, sum[h]));
+    }
+    mrun[r] = nm;
+    alpha[r] = al;
   }
 }
 
-constexpr Ops kAvx2Ops = {pack_k_generic, pack_v_generic, qk_avx2, softmax_generic, pv_avx2};
+constexpr Ops kAvx2Ops = {pack_k_generic, pack_v_generic, qk_avx2, softmax_avx2, pv_avx2};
 #define DSPEC_CA_HAS_AVX2 1
 #else
 #define DSPEC_CA_HAS_AVX2 0
