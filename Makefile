@@ -27,7 +27,7 @@ lint:
 # (DSPEC_CPU_ISA caps the code every kernel may run; the Triton cases do not depend on it)
 KERNEL_TESTS = tests/test_linear.py tests/test_cascade_attention.py tests/test_layer_ops.py \
 	tests/test_token_stats.py tests/test_topk.py tests/test_verify.py tests/test_lora.py \
-	tests/test_selfspec_native.py tests/test_s2d2_native.py tests/test_stack.py
+	tests/test_selfspec_native.py tests/test_s2d2_native.py tests/test_stack.py tests/test_cpu.py
 
 # exits 0 when the CPU's own level (no cap) is above level $(1): at or above it, the cap
 # runs the code the first pass tested

@@ -404,7 +404,8 @@ DSPEC_CA_AVX2 void softmax_avx2(float* s, std::int64_t m, int kt, int nv, const 
     const bool full = rb == ~std::uint64_t(0);
     for (int c = 0; c < nh; ++c) {
       const __m256 v = _mm256_load_ps(row + 8 * c);
-      km[c] = full ? _mm256_castsi256_ps(_mm256_set1_epi32(-1)) : lane_mask_avx2(static_cast<unsigned>(rb >> (8 * c)) & 0xffu);
+      km[c] = full ? _mm256_castsi256_ps(_mm256_set1_epi32(-1))
+                   : lane_mask_avx2(static_cast<unsigned>(rb >> (8 * c)) & 0xffu);
       x[c] = _mm256_blendv_ps(ninf, v, km[c]);
       over = _mm256_or_ps(over, _mm256_cmp_ps(x[c], thr, _CMP_GT_OQ));
     }

@@ -199,17 +199,38 @@ def kernel_threads() -> int:
     return n if n is not None else torch.get_num_threads()
 
 
+_GENERIC_AT = [None, False]  # (isa epoch, whether the kernels run at the generic level then)
+
+
+def layer_threads() -> int:
+    """The threads of dspec's per-layer C++ kernels inside a forward (norms, RoPE, attention,
+    KV-cache writes): ``kernel_threads()``, or 1 at the generic level.  There torch's
+    multi-threaded GEMMs run every projection between those small kernels, and a pool worker
+    spinning after one (cpu_parallel.h) would take a core from them (SmolLM2-135M fp32
+    forwards after 256 tokens, 2 threads, AMD EPYC Zen 3 at DSPEC_CPU_ISA=generic: N = 16 / 64
+    1.11 / 1.27x transformers' time with the pool, docs/performance.md)."""
+    return 1 if _generic_level() else kernel_threads()
+
+
+def _generic_level() -> bool:
+    """Whether the C++ kernels run at the generic level (cached per ``isa_epoch()``)."""
+    if _GENERIC_AT[0] != _ISA_EPOCH[0]:
+        _GENERIC_AT[0], _GENERIC_AT[1] = _ISA_EPOCH[0], isa() == "generic"
+    return _GENERIC_AT[1]
+
+
 @contextlib.contextmanager
 def torch_ops_one_thread():
     """Run torch's own CPU ops on one thread inside the scope; dspec's kernels keep
-    ``kernel_threads()`` (see the module docstring).  Nests, and concurrent scopes from
-    several Python threads share one saved count; the count is restored when the last
-    scope closes (results never depend on it: only speed)."""
+    ``kernel_threads()`` (see the module docstring).  At the generic level, where torch's
+    GEMMs and attention run the forward (no SIMD tiles), torch keeps its threads.  Nests,
+    and concurrent scopes from several Python threads share one saved count; the count is
+    restored when the last scope closes (results never depend on it: only speed)."""
     global _scope_depth, _scope_threads
     with _scope_lock:
         if _scope_depth == 0:
             _scope_threads = torch.get_num_threads()
-            if _scope_threads > 1:
+            if _scope_threads > 1 and not _generic_level():
                 torch.set_num_threads(1)
         _scope_depth += 1
     try:

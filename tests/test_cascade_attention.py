@@ -861,19 +861,90 @@ def test_cpp_rows_depend_only_on_the_keys_they_see(isa, monkeypatch, dtype, plen
         torch.set_num_threads(before)
 
 
-def test_default_backend_yields_to_torch_past_16_rows_without_simd_tiles():
-    """Measured: the portable loops lose to torch's attention past 16 suffix rows, so the
-    default backend runs the torch reference there; an explicit backend='cpp' does not."""
+def test_default_backend_yields_to_sdpa_without_simd_tiles():
+    """Measured: the portable loops lose to torch's fused attention past
+    GENERIC_CPP_MAX_ROWS suffix rows, so the default backend runs the "sdpa" route there
+    (the torch reference when the lse is asked for); an explicit backend='cpp' does not."""
     from dspec.ops import attention as A
 
     prev = dspec.cpu.set_isa_cap("generic")
     try:
-        assert A.backend_for_rows("cpp", None, A.GENERIC_CPP_MAX_ROWS + 1) == "torch"
-        assert A.backend_for_rows("cpp", "auto", 64) == "torch"
+        assert A.backend_for_rows("cpp", None, A.GENERIC_CPP_MAX_ROWS + 1) == "sdpa"
+        assert A.backend_for_rows("cpp", "auto", 64) == "sdpa"
+        assert A.backend_for_rows("cpp", None, 64, return_lse=True) == "torch"
         assert A.backend_for_rows("cpp", None, A.GENERIC_CPP_MAX_ROWS) == "cpp"
         assert A.backend_for_rows("cpp", "cpp", 64) == "cpp"
+        assert A.backend_for_rows("torch", None, 64) == "torch"
         assert A.backend_for_rows("triton", None, 64) == "triton"
     finally:
         dspec.cpu.set_isa_cap(prev)
     if dspec.cpu.isa() != "generic":
         assert A.backend_for_rows("cpp", None, 64) == "cpp"
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("layout", ["none", "ragged", "paged"])
+def test_sdpa_route_matches_the_reference(dtype, atol, layout):
+    """The "sdpa" route (what the default backend runs at the generic level past
+    GENERIC_CPP_MAX_ROWS rows) against the float64 reference: grouped heads, a mask with
+    queries that see no suffix key (0 without a prefix), ragged and paged prefixes of
+    different lengths (one request without one), one-call and plan forms."""
+    from dspec.ops import attention as A
+
+    gen = torch.Generator().manual_seed(7)
+    batch, n, hq, hkv, d = 3, 11, 6, 2, 16
+    q = torch.randn(batch, n, hq, d, generator=gen)
+    k, v = torch.randn(batch, n, hkv, d, generator=gen), torch.randn(batch, n, hkv, d, generator=gen)
+    dense = torch.rand(batch, n, n, generator=gen) < 0.4
+    dense[:, 3] = False  # a query that sees no suffix key
+    lens = [5, 0, 9]
+    kw = {}
+    if layout == "ragged":
+        pk, pv = torch.randn(sum(lens), hkv, d, generator=gen), torch.randn(sum(lens), hkv, d, generator=gen)
+        kw = dict(prefix_k=pk, prefix_v=pv, prefix_indptr=torch.tensor([0, 5, 5, 14], dtype=torch.int32))
+    elif layout == "paged":
+        pages = torch.randn(7, 4, hkv, d, generator=gen), torch.randn(7, 4, hkv, d, generator=gen)
+        table = torch.tensor([[6, 0, 0], [0, 0, 0], [2, 5, 1]], dtype=torch.int32)
+        kw = dict(
+            prefix_k=pages[0],
+            prefix_v=pages[1],
+            prefix_page_table=table,
+            prefix_lens=torch.tensor(lens, dtype=torch.int32),
+        )
+    ref_kw = {key: (t.double() if key in ("prefix_k", "prefix_v") else t) for key, t in kw.items()}
+    want = dspec.cascade_attention(q.double(), k.double(), v.double(), dense, backend="torch", **ref_kw)
+    cast = {key: (t.to(dtype) if key in ("prefix_k", "prefix_v") else t) for key, t in kw.items()}
+    qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
+    got = A._sdpa_attention(
+        qd,
+        kd,
+        vd,
+        dense,
+        cast.get("prefix_k"),
+        cast.get("prefix_v"),
+        cast.get("prefix_indptr"),
+        cast.get("prefix_page_table"),
+        cast.get("prefix_lens"),
+        None,
+        False,
+    )
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
+    if layout == "none":
+        assert torch.equal(got[:, 3], torch.zeros_like(got[:, 3]))
+    prev = dspec.cpu.set_isa_cap("generic")
+    try:
+        plan_kw = {key: t for key, t in cast.items() if key not in ("prefix_k", "prefix_v")}
+        plan = dspec.ops.CascadeAttentionPlan(batch, n, hq, hkv, d, dtype, "cpu", dense, **plan_kw)
+        assert plan.backend == ("sdpa" if _backend.cpp_available() else plan.backend)
+        out = plan.run(qd, kd, vd, cast.get("prefix_k"), cast.get("prefix_v"))
+        torch.testing.assert_close(out.double(), want, atol=atol, rtol=atol)
+        out, lse = plan.run(qd, kd, vd, cast.get("prefix_k"), cast.get("prefix_v"), return_lse=True)
+        _, want_lse = dspec.cascade_attention(
+            q.double(), k.double(), v.double(), dense, backend="torch", return_lse=True, **ref_kw
+        )
+        torch.testing.assert_close(lse.double(), want_lse.double(), atol=atol, rtol=atol)
+        one = dspec.cascade_attention(qd, kd, vd, dense, **cast)
+        torch.testing.assert_close(one.double(), want, atol=atol, rtol=atol)
+    finally:
+        dspec.cpu.set_isa_cap(prev)

@@ -101,16 +101,23 @@ def test_machine_record():
     assert set(m["cpu_flags"]) <= set(cpu.REPORTED_FLAGS)
 
 
+def _scoped_torch_threads() -> int:
+    """torch's threads inside torch_ops_one_thread with 2 outside: 1, except at the generic
+    level, where torch's ops run the forward and keep their threads."""
+    return 2 if cpu.isa() in (None, "generic") else 1
+
+
 def test_torch_ops_one_thread_scope_nests_and_restores():
     before = torch.get_num_threads()
+    inside = _scoped_torch_threads()
     try:
         torch.set_num_threads(2)
         assert cpu.kernel_threads() == 2
         with cpu.torch_ops_one_thread():
-            assert torch.get_num_threads() == 1 and cpu.kernel_threads() == 2
+            assert torch.get_num_threads() == inside and cpu.kernel_threads() == 2
             with cpu.torch_ops_one_thread():
-                assert torch.get_num_threads() == 1 and cpu.kernel_threads() == 2
-            assert torch.get_num_threads() == 1  # the outer scope still holds
+                assert torch.get_num_threads() == inside and cpu.kernel_threads() == 2
+            assert torch.get_num_threads() == inside  # the outer scope still holds
         assert torch.get_num_threads() == 2 and cpu.kernel_threads() == 2
         with pytest.raises(RuntimeError, match="inside"):
             with cpu.torch_ops_one_thread():
@@ -118,6 +125,25 @@ def test_torch_ops_one_thread_scope_nests_and_restores():
         assert torch.get_num_threads() == 2  # restored on an exception
     finally:
         torch.set_num_threads(before)
+
+
+def test_torch_keeps_its_threads_in_the_scope_at_the_generic_level():
+    """At the generic level the scope leaves torch's threads (its GEMMs run the projections)
+    and dspec's per-layer kernels run on one thread (layer_threads)."""
+    if cpu.isa() is None:
+        pytest.skip("needs dspec._C")
+    before = torch.get_num_threads()
+    prev = cpu.set_isa_cap("generic")
+    try:
+        torch.set_num_threads(2)
+        assert cpu.layer_threads() == 1
+        with cpu.torch_ops_one_thread():
+            assert torch.get_num_threads() == 2 and cpu.kernel_threads() == 2
+    finally:
+        cpu.set_isa_cap(prev)
+        torch.set_num_threads(before)
+    if cpu.isa() != "generic":
+        assert cpu.layer_threads() == cpu.kernel_threads()
 
 
 def test_generate_decodes_in_the_scope_and_restores_threads():
@@ -140,7 +166,7 @@ def test_generate_decodes_in_the_scope_and_restores_threads():
         model = dspec.load("tiny-ar")
         ar.decode = spy
         dspec.generate(model, [1, 2, 3], method="ar", max_new_tokens=2)
-        assert seen == {"torch": 1, "kernels": 2, "gc": False}
+        assert seen == {"torch": _scoped_torch_threads(), "kernels": 2, "gc": False}
         assert torch.get_num_threads() == 2 and gc.isenabled()
     finally:
         ar.decode = real

@@ -515,7 +515,7 @@ def _commit_rows_cpu(
         index.shape[1],
         lengths.data_ptr(),
         row,
-        cpu.kernel_threads(),
+        cpu.layer_threads(),
     )
     return True
 
@@ -555,7 +555,7 @@ def move_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_
             s_idx.data_ptr(),
             d_idx.data_ptr(),
             src.shape[2] * item,
-            cpu.kernel_threads(),
+            cpu.layer_threads(),
         )
         return
     dst.index_copy_(1, dst_rows, src.index_select(1, src_rows))

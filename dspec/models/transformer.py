@@ -67,7 +67,7 @@ class RMSNorm(nn.Module):
                 x.numel() // x.shape[-1],
                 x.shape[-1],
                 self.eps,
-                cpu.kernel_threads(),
+                cpu.layer_threads(),
             )
             return out
         h = x.float()
@@ -124,7 +124,7 @@ class Attention(nn.Module):
                 hq,
                 hkv,
                 d,
-                cpu.kernel_threads(),
+                cpu.layer_threads(),
             )
             return q, k, v
         return rotate(q, cos, sin), rotate(k, cos, sin), v
@@ -162,7 +162,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             _backend.FLOAT_CODE[gate.dtype],
             gate.numel() // width,
             width,
-            cpu.kernel_threads(),
+            cpu.layer_threads(),
         )
         return gate
     return F.silu(gate) * up

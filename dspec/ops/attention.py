@@ -15,10 +15,13 @@ _CASCADE_BACKENDS = ("torch", "triton", "cpp")
 # portable loops) or "avx512"; the tests pin "generic" to cover both.
 CPP_ISA = "auto"
 # Without SIMD tiles (DSPEC_CPU_ISA=generic, or a CPU without AVX2) the portable loops lose to
-# torch's attention past ~16 suffix rows (bench/results/cpu/amx/dispatch_xeon_amx.json, level
-# generic: 1.03 / 0.98x torch's time at N = 16, 1.14 / 1.07x at N = 64, fp32 / bf16), so the
-# default backend runs the torch reference there; an explicit backend="cpp" still runs them.
-GENERIC_CPP_MAX_ROWS = 16
+# torch's fused attention (F.scaled_dot_product_attention) past GENERIC_CPP_MAX_ROWS suffix
+# rows, so an inference call with the default backend runs the "sdpa" route there
+# (_sdpa_attention); an explicit backend="cpp" still runs them, and backend="torch" the
+# reference.  Measured per layer, SmolLM2-135M's heads after 256 cached tokens, one thread,
+# AMD EPYC (Zen 3) at DSPEC_CPU_ISA=generic (docs/performance.md): the loops take 0.71 /
+# 0.25x SDPA's time at N = 1 (fp32 / bf16), 1.49 / 1.26x at N = 4, 3.0 / 2.6x at N = 16.
+GENERIC_CPP_MAX_ROWS = 2
 _Tensor = torch.Tensor
 
 
@@ -183,7 +186,7 @@ def cascade_attention(
     sm_scale = _sm_scale(sm_scale)
     return_lse = _validate.flag("return_lse", return_lse)
     name = backend_for_rows(
-        resolve_backend(backend, device, q.dtype, _needs_grad(q, k, v, prefix_k, prefix_v)), backend, n
+        resolve_backend(backend, device, q.dtype, _needs_grad(q, k, v, prefix_k, prefix_v)), backend, n, return_lse
     )
     _check_max_prefix_len(max_prefix_len)
     return _launch(
@@ -351,11 +354,13 @@ def resolve_backend(backend, device, dtype, needs_grad: bool) -> str:
     return name
 
 
-def backend_for_rows(name: str, backend, n: int) -> str:
-    """The default backend for ``n`` suffix rows: "cpp" yields to "torch" where only the
-    portable loops would run and ``n`` exceeds :data:`GENERIC_CPP_MAX_ROWS` (measured)."""
+def backend_for_rows(name: str, backend, n: int, return_lse: bool = False) -> str:
+    """The default backend for ``n`` suffix rows: "cpp" yields to the "sdpa" route (torch's
+    fused attention) where only the portable loops would run and ``n`` exceeds
+    :data:`GENERIC_CPP_MAX_ROWS` (measured); to the torch reference when the call needs the
+    lse, which SDPA does not return."""
     if name == "cpp" and backend in (None, "auto") and n > GENERIC_CPP_MAX_ROWS and cpu.isa() == "generic":
-        return "torch"
+        return "torch" if return_lse else "sdpa"
     return name
 
 
@@ -440,6 +445,10 @@ def _cascade_attention_impl(
             prefix_k is not None,
         )
         return _cpp_run(meta, q, k, v, prefix_k, prefix_v, return_lse)
+    if name == "sdpa":
+        return _sdpa_attention(
+            q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens, sm_scale, return_lse
+        )
     if name == "torch":
         if paged:
             prefix_k, prefix_v, prefix_indptr = _reference.gather_pages(
@@ -473,6 +482,104 @@ def _cascade_attention_impl(
         prefix_lens=None if not paged else prefix_lens.contiguous(),
         max_prefix_len=max_prefix_len,
     )
+
+
+class _SdpaLayout:
+    """The "sdpa" route's per-request layout, prepared once (a plan keeps it for all its
+    layers): each request's boolean mask over its [prefix | suffix] keys, its queries that
+    see no key, and where its prefix rows lie (a span of a ragged prefix, the first rows of
+    one page, or a gather over its pages).
+
+    The route runs, per request, ``F.scaled_dot_product_attention`` over the request's keys
+    (grouped-query heads by ``enable_gqa``) and gives a query that sees no key the
+    reference's 0.  The lse comes from the reference (SDPA does not return it)."""
+
+    __slots__ = ("requests",)
+
+    def __init__(self, mask, batch: int, n: int, prefix_indptr, prefix_page_table, prefix_lens, device):
+        dense = None
+        if mask is not None:
+            dense = _pack_reference.unpack_mask(mask, n) if mask.dtype != torch.bool else mask
+        if prefix_page_table is not None:
+            lens = prefix_lens.tolist()
+        elif prefix_indptr is not None:
+            bounds = prefix_indptr.tolist()
+            lens = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+        else:
+            lens = [0] * batch
+        self.requests = []
+        for b in range(batch):
+            plen = lens[b]
+            visible = None if dense is None else (dense if dense.dim() == 2 else dense[b])
+            blind = None
+            if visible is not None and plen == 0:
+                rows = ~visible.any(-1)
+                blind = rows if bool(rows.any()) else None
+            if visible is not None and plen:
+                visible = torch.cat([torch.ones(n, plen, dtype=torch.bool, device=device), visible], 1)
+            if prefix_page_table is not None and plen:
+                rows_at = (int(prefix_page_table[b, 0]), prefix_page_table[b].long())
+            elif prefix_indptr is not None and plen:
+                rows_at = slice(bounds[b], bounds[b + 1])
+            else:
+                rows_at = None
+            self.requests.append((visible, blind, rows_at, plen))
+
+    def run(self, q, k, v, prefix_k, prefix_v, sm_scale):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        gqa = q.shape[2] != k.shape[2]
+        for b, (visible, blind, rows_at, plen) in enumerate(self.requests):
+            keys, values = k[b], v[b]
+            if isinstance(rows_at, slice):
+                keys, values = torch.cat([prefix_k[rows_at], keys]), torch.cat([prefix_v[rows_at], values])
+            elif rows_at is not None:
+                first, pages = rows_at
+                page_size = prefix_k.shape[1]
+                if plen <= page_size:  # the first plen rows of one page: views
+                    pk, pv = prefix_k[first, :plen], prefix_v[first, :plen]
+                else:
+                    t = torch.arange(plen, device=q.device)
+                    at = (pages[t // page_size], t % page_size)
+                    pk, pv = prefix_k[at], prefix_v[at]
+                keys, values = torch.cat([pk, keys]), torch.cat([pv, values])
+            # [1, H, L, D]: the 4-D form takes the CPU's fused kernel (3-D inputs the math path)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[b].transpose(0, 1)[None],
+                keys.transpose(0, 1)[None],
+                values.transpose(0, 1)[None],
+                attn_mask=visible,
+                scale=sm_scale,
+                enable_gqa=gqa,
+            )[0].transpose(0, 1)
+            if blind is not None:
+                o = o.masked_fill(blind[:, None, None], 0.0)
+            out[b] = o
+        return out
+
+
+def _sdpa_attention(
+    q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens, sm_scale, return_lse
+):
+    """The "sdpa" route of one call (``_SdpaLayout``), used where dspec's C++ attention has
+    only its portable loops (``backend_for_rows``)."""
+    if return_lse:
+        return _cascade_attention_impl(
+            q,
+            k,
+            v,
+            mask,
+            prefix_k,
+            prefix_v,
+            prefix_indptr,
+            prefix_page_table,
+            prefix_lens,
+            sm_scale,
+            True,
+            None,
+            "torch",
+        )
+    layout = _SdpaLayout(mask, q.shape[0], q.shape[1], prefix_indptr, prefix_page_table, prefix_lens, q.device)
+    return layout.run(q, k, v, prefix_k, prefix_v, sm_scale)
 
 
 class _CppMeta:
@@ -583,7 +690,7 @@ def _cpp_run(
         page_size,
         mp[4],
         mp[5],
-        cpu.kernel_threads(),
+        cpu.layer_threads(),
         CPP_ISA,
     )
     return (out, lse) if return_lse else out
@@ -720,6 +827,9 @@ class CascadeAttentionPlan:
         self._prefix_dim = 4 if self.paged else 3
         self._checked_rows = None  # prefix rows / pages whose metadata values were checked
         self._meta = None
+        self._sdpa = None
+        if self.backend == "sdpa":
+            self._sdpa = _SdpaLayout(self.mask, batch, n, prefix_indptr, prefix_page_table, prefix_lens, device)
         if self.backend == "cpp":
             self._meta = _CppMeta(
                 batch,
@@ -805,6 +915,8 @@ class CascadeAttentionPlan:
         lse [B, N, Hq] / [T, Hq] float32 with ``return_lse``)."""
         if self._layout is not None:
             return self._run_ragged(q, k, v, prefix_k, prefix_v, return_lse)
+        if self._sdpa is not None and not return_lse and self._plain_call(q, k, v, prefix_k, prefix_v):
+            return self._sdpa.run(q, k, v, prefix_k, prefix_v, self.sm_scale)
         meta = self._meta
         # the C++ code directly: plain CPU tensors, nothing traced, no autograd; every
         # other case (and every error message) goes through _run_general
@@ -857,6 +969,29 @@ class CascadeAttentionPlan:
         elif prefix_k is not None or prefix_v is not None:
             return self._run_general(q, k, v, prefix_k, prefix_v, return_lse)
         return _cpp_run(meta, q, k, v, prefix_k, prefix_v, return_lse, qs, ks, vs, pks, pvs)
+
+    def _plain_call(self, q, k, v, prefix_k, prefix_v) -> bool:
+        """An eager call on plain CPU tensors of the plan's shapes and dtype with a unit
+        stride along D, nothing traced and no autograd: the "sdpa" route may run directly."""
+        tensors = (q, k, v) if not self.has_prefix else (q, k, v, prefix_k, prefix_v)
+        if (
+            any(type(t) is not _Tensor or not t.is_cpu or t.dtype != self.dtype or t.stride(-1) != 1 for t in tensors)
+            or _get_current_dispatch_mode() is not None
+            or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        ):
+            return False
+        if q.shape != self._q_shape or k.shape != self._kv_shape or v.shape != self._kv_shape:
+            return False
+        if not self.has_prefix:
+            return prefix_k is None and prefix_v is None
+        shape = prefix_k.shape
+        return (
+            len(shape) == self._prefix_dim
+            and shape == prefix_v.shape
+            and shape[-2:] == self._prefix_tail
+            and shape[0] == self._checked_rows
+        )
 
     def _run_general(self, q, k, v, prefix_k, prefix_v, return_lse):
         """Every other case: all checks (with their error messages), the prefix metadata
@@ -1100,6 +1235,6 @@ def _merge_states_ext(o_a, lse_a, o_b, lse_b, *, cuda: bool):
             head_dim,
             "cuda" if cuda else "cpu",
             stream,
-            cpu.kernel_threads(),
+            cpu.layer_threads(),
         )
     return out.reshape(o_a.shape), lse.reshape(lse_a.shape)
