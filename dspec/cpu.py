@@ -209,14 +209,19 @@ def layer_threads() -> int:
     spinning after one (cpu_parallel.h) would take a core from them (SmolLM2-135M fp32
     forwards after 256 tokens, 2 threads, AMD EPYC Zen 3 at DSPEC_CPU_ISA=generic: N = 16 / 64
     1.11 / 1.27x transformers' time with the pool, docs/performance.md)."""
-    return 1 if _generic_level() else kernel_threads()
+    return 1 if generic_level() else kernel_threads()
 
 
-def _generic_level() -> bool:
+def generic_level() -> bool:
     """Whether the C++ kernels run at the generic level (cached per ``isa_epoch()``)."""
     if _GENERIC_AT[0] != _ISA_EPOCH[0]:
         _GENERIC_AT[0], _GENERIC_AT[1] = _ISA_EPOCH[0], isa() == "generic"
     return _GENERIC_AT[1]
+
+
+# A constant to torch.compile (what ``torch.compiler.assume_constant_result`` marks, without
+# importing torch._dynamo): a traced forward reads the level once, as an eager one does.
+generic_level._dynamo_marked_constant = True
 
 
 @contextlib.contextmanager
@@ -230,7 +235,7 @@ def torch_ops_one_thread():
     with _scope_lock:
         if _scope_depth == 0:
             _scope_threads = torch.get_num_threads()
-            if _scope_threads > 1 and not _generic_level():
+            if _scope_threads > 1 and not generic_level():
                 torch.set_num_threads(1)
         _scope_depth += 1
     try:

@@ -6,6 +6,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import _backend, _library, _validate, cpu
+from . import masks as _masks
 from ..reference import attention as _reference, pack_mask as _pack_reference
 
 _ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -35,7 +36,7 @@ def _check_mask(mask, batch: int, n: int, device) -> torch.Tensor | None:
             raise ValueError(
                 f"a dense mask must have shape [N, N] or [B, N, N] = [{batch}, {n}, {n}], got {list(mask.shape)}"
             )
-        mask = _pack_reference.pack_mask(mask)
+        mask = _masks.pack_mask(mask)
     words = (n + 31) // 32
     if mask.dim() not in (2, 3) or mask.shape[-2:] != (n, words) or (mask.dim() == 3 and mask.shape[0] != batch):
         raise ValueError(
@@ -359,7 +360,7 @@ def backend_for_rows(name: str, backend, n: int, return_lse: bool = False) -> st
     fused attention) where only the portable loops would run and ``n`` exceeds
     :data:`GENERIC_CPP_MAX_ROWS` (measured); to the torch reference when the call needs the
     lse, which SDPA does not return."""
-    if name == "cpp" and backend in (None, "auto") and n > GENERIC_CPP_MAX_ROWS and cpu.isa() == "generic":
+    if name == "cpp" and backend in (None, "auto") and n > GENERIC_CPP_MAX_ROWS and cpu.generic_level():
         return "torch" if return_lse else "sdpa"
     return name
 
@@ -1061,6 +1062,16 @@ class CascadeAttentionPlan:
         )
 
 
+def _increasing_from_zero(indptr: torch.Tensor, end: int) -> bool:
+    """Whether ``indptr`` starts at 0, never decreases and ends at most at ``end``: a list
+    walk for a short one (a few microseconds where torch's reductions take tens)."""
+    if indptr.numel() <= 256:
+        ip = indptr.tolist()
+        return ip[0] == 0 and ip[-1] <= end and all(a <= b for a, b in zip(ip, ip[1:]))
+    ip = indptr.long()
+    return int(ip[0]) == 0 and not bool((ip[1:] < ip[:-1]).any()) and int(ip[-1]) <= end
+
+
 def _check_ragged_prefix(prefix_k, prefix_v, prefix_indptr, batch, hkv, head_dim, dtype, device):
     if (prefix_k is None) != (prefix_v is None) or (prefix_k is None) != (prefix_indptr is None):
         raise ValueError("prefix_k, prefix_v and prefix_indptr must be given together")
@@ -1078,11 +1089,10 @@ def _check_ragged_prefix(prefix_k, prefix_v, prefix_indptr, batch, hkv, head_dim
         raise ValueError(f"prefix_indptr must have B + 1 = {batch + 1} entries, got {prefix_indptr.shape[0]}")
     _validate.same_device(device, "q", prefix_k=prefix_k, prefix_v=prefix_v, prefix_indptr=prefix_indptr)
     if _validate.value_checks_enabled(prefix_indptr):
-        ip = prefix_indptr.long()
-        if int(ip[0]) != 0 or bool((ip[1:] < ip[:-1]).any()) or int(ip[-1]) > prefix_k.shape[0]:
+        if _increasing_from_zero(prefix_indptr, prefix_k.shape[0]) is False:
             raise ValueError(
                 f"prefix_indptr must start at 0, never decrease and end at most at "
-                f"T = {prefix_k.shape[0]}; got {ip.tolist()[:16]}"
+                f"T = {prefix_k.shape[0]}; got {prefix_indptr.tolist()[:16]}"
             )
     if prefix_k.stride(-1) != 1 or prefix_v.stride(-1) != 1:
         prefix_k, prefix_v = prefix_k.contiguous(), prefix_v.contiguous()
