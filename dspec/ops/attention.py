@@ -6,8 +6,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import _backend, _library, _validate, cpu
-from . import masks as _masks
 from ..reference import attention as _reference, pack_mask as _pack_reference
+from . import masks as _masks
 
 _ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REFERENCE_DTYPES = _ATTN_DTYPES + (torch.float64,)
