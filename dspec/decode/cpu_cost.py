@@ -23,12 +23,11 @@ _BF16_FP32 = (torch.bfloat16, torch.float32)
 #: to a tile (Intel Xeon AMX, bf16, 2 threads, docs/performance.md); "avx512" -- the
 #: AVX-512 / AVX512_BF16 tiles of a CPU without AMX, where rows past a few are FMA work
 #: (EPYC Zen 4, one thread, level avx512 of bench/results/cpu/avx2/dispatch_zen4.json); "avx2" --
-#: dspec's AVX2 tiles, where every row is FMA work (an AVX2-only EPYC Zen 3, one thread,
-#: bench/results/cpu/avx2/forward_zen3.json; a Zen 4 under DSPEC_CPU_ISA=avx2 measured bf16
-#: 2.38 / 3.78 / 6.70 at 4 / 8 / 16 rows, forward_zen4_capped.json, where its one-row bf16
-#: forward took 15.1 ms against Zen 3's 35.8).  The "tiles" defaults below were
-#: tuned end to end on the AMX machine; the "avx2" ones follow from this table (rows at
-#: their measured marginal cost).
+#: dspec's AVX2 tiles, where every row is FMA work (an AVX2-only EPYC Zen 3, 2 threads as its
+#: decodes run, bench/results/cpu/avx2/forward_zen3_2threads.json; one thread measured bf16
+#: 1.90 / 2.60 / 4.26 and fp32 1.47 / 1.78 / 2.61 at 4 / 8 / 16 rows, forward_zen3.json).
+#: The "tiles" defaults below were tuned end to end on the AMX machine; the "avx2" ones follow
+#: from this table (rows at their measured marginal cost).
 FORWARD_COST = {
     "tiles": {"bfloat16": {1: 1.0, 8: 1.03, 16: 1.16, 32: 1.38, 64: 1.92}, "float32": {1: 1.0, 16: 1.57, 64: 3.45}},
     "avx512": {
@@ -36,8 +35,8 @@ FORWARD_COST = {
         "float32": {1: 1.0, 4: 1.07, 16: 2.26, 64: 8.11},
     },
     "avx2": {
-        "bfloat16": {1: 1.0, 4: 1.53, 8: 2.37, 16: 3.76, 32: 6.41},
-        "float32": {1: 1.0, 4: 1.48, 8: 1.99, 16: 2.67, 32: 4.54},
+        "bfloat16": {1: 1.0, 4: 1.50, 8: 2.07, 16: 3.25, 32: 4.92},
+        "float32": {1: 1.0, 4: 1.30, 8: 1.79, 16: 2.46, 32: 3.74},
     },
 }
 
