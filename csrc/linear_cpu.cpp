@@ -238,8 +238,8 @@ DSPEC_AVX512BF16 void micro_avx512(const Tile& t) {
 // so the bits never depend on the rows of the call, the passes, the chunks or the threads,
 // and float32 gives the AVX-512 tiles' bits.
 
-// Columns 8h .. 8h+7 of k element e (0 or 1) of a panel step, as float32.  ws: the step's
-// 16 x S elements.
+// Half h (columns 8h .. 8h+7) of a 16-bit panel step as 8 element pairs.  ws: the step's
+// 16 x 2 elements.
 template <int DT>
 DSPEC_AVX2_INLINE __m256i avx2_load_half(const dt::elem_t<DT>* ws, int h) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + 16 * h));
@@ -260,6 +260,8 @@ DSPEC_AVX2_INLINE __m256 avx2_widen_pairs(__m256i v) {
   }
 }
 
+// Columns 8h .. 8h+7 of k element e (0 or 1) of a panel step, as float32.  ws: the step's
+// 16 x S elements.
 template <int DT, int e>
 DSPEC_AVX2_INLINE __m256 avx2_widen(const dt::elem_t<DT>* ws, int h) {
   if constexpr (DT == kFloat32) {

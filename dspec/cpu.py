@@ -206,9 +206,9 @@ def layer_threads() -> int:
     """The threads of dspec's per-layer C++ kernels inside a forward (norms, RoPE, attention,
     KV-cache writes): ``kernel_threads()``, or 1 at the generic level.  There torch's
     multi-threaded GEMMs run every projection between those small kernels, and a pool worker
-    spinning after one (cpu_parallel.h) would take a core from them (SmolLM2-135M fp32
-    forwards after 256 tokens, 2 threads, AMD EPYC Zen 3 at DSPEC_CPU_ISA=generic: N = 16 / 64
-    1.11 / 1.27x transformers' time with the pool, docs/performance.md)."""
+    spinning after one (cpu_parallel.h) takes a core from them (SmolLM2-135M fp32 forwards
+    after 256 tokens, 2 threads, AMD EPYC Zen 3 at DSPEC_CPU_ISA=generic, in-process A/B
+    against the pool's threads: N = 4 / 16 / 64 1.03 / 0.92 / 0.98x the time)."""
     return 1 if generic_level() else kernel_threads()
 
 
