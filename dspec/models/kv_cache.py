@@ -284,8 +284,6 @@ class KVCache:
         index = torch.from_numpy(np.array(index, dtype=np.int64, order="C")).to(self.device)
         self._commit(suffix_kv, index, self._lengths + added, added)
         return added
-        self._commit(suffix_kv, index.to(self.device), self._lengths + added)
-        return added
 
     def _commit(self, suffix_kv: SuffixKV, index: torch.Tensor, host_lengths, added=None) -> torch.Tensor:
         """Copy suffix rows ``index`` [B, K] (used slots first, -1 after) behind each
