@@ -18,7 +18,7 @@ CPP_ISA = "auto"
 # Without SIMD tiles (DSPEC_CPU_ISA=generic, or a CPU without AVX2) the portable loops lose to
 # torch's fused attention (F.scaled_dot_product_attention) past GENERIC_CPP_MAX_ROWS suffix
 # rows, so an inference call with the default backend runs the "sdpa" route there
-# (_sdpa_attention); an explicit backend="cpp" still runs them, and backend="torch" the
+# (_SdpaLayout); an explicit backend="cpp" still runs them, and backend="torch" the
 # reference.  Measured per layer, SmolLM2-135M's heads after 256 cached tokens, one thread,
 # AMD EPYC (Zen 3) at DSPEC_CPU_ISA=generic (docs/performance.md): the loops take 0.71 /
 # 0.25x SDPA's time at N = 1 (fp32 / bf16), 1.49 / 1.26x at N = 4, 3.0 / 2.6x at N = 16.
@@ -446,11 +446,10 @@ def _cascade_attention_impl(
             prefix_k is not None,
         )
         return _cpp_run(meta, q, k, v, prefix_k, prefix_v, return_lse)
-    if name == "sdpa":
-        return _sdpa_attention(
-            q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens, sm_scale, return_lse
-        )
-    if name == "torch":
+    if name == "sdpa" and not return_lse:
+        layout = _SdpaLayout(mask, q.shape[0], q.shape[1], prefix_indptr, prefix_page_table, prefix_lens, q.device)
+        return layout.run(q, k, v, prefix_k, prefix_v, sm_scale)
+    if name in ("torch", "sdpa"):  # the "sdpa" route's lse comes from the reference
         if paged:
             prefix_k, prefix_v, prefix_indptr = _reference.gather_pages(
                 prefix_k, prefix_v, prefix_page_table, prefix_lens
@@ -531,16 +530,15 @@ class _SdpaLayout:
         gqa = q.shape[2] != k.shape[2]
         for b, (visible, blind, rows_at, plen) in enumerate(self.requests):
             keys, values = k[b], v[b]
-            if isinstance(rows_at, slice):
-                keys, values = torch.cat([prefix_k[rows_at], keys]), torch.cat([prefix_v[rows_at], values])
-            elif rows_at is not None:
-                first, pages = rows_at
-                page_size = prefix_k.shape[1]
-                if plen <= page_size:  # the first plen rows of one page: views
-                    pk, pv = prefix_k[first, :plen], prefix_v[first, :plen]
+            if rows_at is not None:
+                if isinstance(rows_at, slice):
+                    pk, pv = prefix_k[rows_at], prefix_v[rows_at]
+                elif plen <= prefix_k.shape[1]:  # the first plen rows of one page: views
+                    pk, pv = prefix_k[rows_at[0], :plen], prefix_v[rows_at[0], :plen]
                 else:
+                    page_size = prefix_k.shape[1]
                     t = torch.arange(plen, device=q.device)
-                    at = (pages[t // page_size], t % page_size)
+                    at = (rows_at[1][t // page_size], t % page_size)
                     pk, pv = prefix_k[at], prefix_v[at]
                 keys, values = torch.cat([pk, keys]), torch.cat([pv, values])
             # [1, H, L, D]: the 4-D form takes the CPU's fused kernel (3-D inputs the math path)
@@ -556,31 +554,6 @@ class _SdpaLayout:
                 o = o.masked_fill(blind[:, None, None], 0.0)
             out[b] = o
         return out
-
-
-def _sdpa_attention(
-    q, k, v, mask, prefix_k, prefix_v, prefix_indptr, prefix_page_table, prefix_lens, sm_scale, return_lse
-):
-    """The "sdpa" route of one call (``_SdpaLayout``), used where dspec's C++ attention has
-    only its portable loops (``backend_for_rows``)."""
-    if return_lse:
-        return _cascade_attention_impl(
-            q,
-            k,
-            v,
-            mask,
-            prefix_k,
-            prefix_v,
-            prefix_indptr,
-            prefix_page_table,
-            prefix_lens,
-            sm_scale,
-            True,
-            None,
-            "torch",
-        )
-    layout = _SdpaLayout(mask, q.shape[0], q.shape[1], prefix_indptr, prefix_page_table, prefix_lens, q.device)
-    return layout.run(q, k, v, prefix_k, prefix_v, sm_scale)
 
 
 class _CppMeta:
