@@ -132,12 +132,13 @@ def test_redraft_gate(target, tree):
 
 def test_gated_off_cycles_are_dflash_cycles_when_sampling(peaked):
     """At T = 1 a cycle nobody re-drafts is DFlash's chain cycle (verified against q): with
-    the gate shut the output equals ``dflash``'s token for token, same seed."""
+    the gate shut the output equals ``dflash``'s token for token, same seed (``dflash``
+    drafting every cycle: d2sd has no ``ar_fallback``)."""
     prompt = [5, 6, 7]
     ds = drafters(peaked, [prompt], 12, 4, wrong_every=3)
     kw = dict(max_new_tokens=12, temperature=1.0, seed=3)
     d2 = dspec.generate(peaked, [prompt] * 6, method="d2sd", drafter=ds, k=2, redraft_min=float("inf"), **kw)
-    df = dspec.generate(peaked, [prompt] * 6, method="dflash", drafter=ds["dflash"], **kw)
+    df = dspec.generate(peaked, [prompt] * 6, method="dflash", drafter=ds["dflash"], ar_fallback=False, **kw)
     assert [o.tokens for o in d2] == [o.tokens for o in df]
     assert d2[0].stats["nfe"]["vp_drafter"] == 0 and d2[0].stats["mean_accepted"] == df[0].stats["mean_accepted"]
 

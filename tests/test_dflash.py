@@ -223,7 +223,7 @@ def test_greedy_oracle_equals_ar_with_acceptance(target, gamma):
     assert [o.tokens for o in outs] == ref
     s = outs[0].stats
     assert 1.0 < s["mean_accepted"] <= gamma
-    assert s["nfe"]["target"] == s["verify_forwards"] + 1 == s["nfe"]["drafter"] + 1
+    assert s["nfe"]["target"] == s["verify_forwards"] + 1 == s["nfe"]["drafter"] + s["target_steps"] + 1
     assert s["nfe"]["target"] < n + 1
     assert s["draft_s"] > 0 and s["verify_s"] > 0
     if gamma >= 4:
@@ -381,7 +381,7 @@ def test_greedy_tree_equals_ar(target, tree, row_cost):
     assert [g.tokens for g in outs] == [g.tokens for g in chain] == ref
     s = outs[0].stats
     assert 1 <= s["verified_drafts"] <= tree
-    assert s["nfe"]["target"] == s["verify_forwards"] + 1 == s["nfe"]["drafter"] + 1
+    assert s["nfe"]["target"] == s["verify_forwards"] + 1 == s["nfe"]["drafter"] + s["target_steps"] + 1
     if tree >= 15 and row_cost is None:
         # a wrong slot's runner-up is the reference token: the tree verifies it too
         assert s["mean_accepted"] > chain[0].stats["mean_accepted"] + 0.3
@@ -653,3 +653,109 @@ def test_sampled_draft_tree_draws_siblings_without_replacement():
 def test_verify_rule_is_checked(target):
     with pytest.raises(ValueError, match="verify_rule"):
         dspec.generate(target, PROMPTS[0], method="dflash", max_new_tokens=2, verify_rule="blocks")
+
+
+# ------------------------------------------------------------------------- ar_fallback
+
+
+def _gate_plan(gate, tokens_of, decisions: int) -> str:
+    """The gate's decisions as a string: "d" a drafting cycle (fed ``tokens_of(i)`` tokens
+    over 3 verified drafts), "s" a target-only step."""
+    plan = ""
+    for i in range(decisions):
+        if gate.draft():
+            plan += "d"
+            gate.update(tokens_of(i), 3)
+        else:
+            plan += "s"
+    return plan
+
+
+def test_drafter_gate_backs_off_doubling_and_recovers():
+    from dspec.decode.dflash import DrafterGate
+
+    def price(rows):
+        return 1.0 + 0.2 * (rows - 1)
+
+    # a cycle of 3 drafts costs 0.3 + 1.6 = 1.9: one token loses, three win
+    assert "s" not in _gate_plan(DrafterGate(0.3, price), lambda i: 3.0, 50)
+    bad = _gate_plan(DrafterGate(0.3, price), lambda i: 1.0, 80)
+    waits = [len(r) for r in bad.split("d") if r]
+    assert waits[:7] == [1, 2, 4, 8, 16, 16, 16]
+    # after 40 losing decisions the cycles pay again: the gate comes back to drafting every cycle
+    plan = _gate_plan(DrafterGate(0.3, price), lambda i: 1.0 if i < 40 else 4.0, 140)
+    assert plan.endswith("d" * 40) and "s" in plan
+
+
+def test_ar_fallback_is_lossless_and_counts_its_steps(target):
+    """A drafter that never agrees: the gate falls back to target-only steps, the output is
+    ``ar``'s (one request and a ragged batch), the forwards add up, the option is reported."""
+    n = 24
+    d = BlockDrafter.for_target(target, block_size=4, seed=2)
+    ref = ar_tokens(target, PROMPTS, n)
+    kw = dict(method="dflash", max_new_tokens=n, drafter=d, row_cost=0.1)
+    on = [dspec.generate(target, p, ar_fallback=True, **kw) for p in PROMPTS]
+    off = dspec.generate(target, PROMPTS[0], ar_fallback=False, **kw)
+    batch = dspec.generate(target, PROMPTS, ar_fallback=True, **kw)
+    assert [g.tokens for g in on] == [g.tokens for g in batch] == ref and off.tokens == ref[0]
+    s = on[0].stats
+    assert s["target_steps"] > n // 2 and off.stats["target_steps"] == 0
+    assert s["nfe"]["target"] == s["verify_forwards"] + 1 == s["nfe"]["drafter"] + s["target_steps"] + 1
+    assert s["nfe"]["drafter"] < off.stats["nfe"]["drafter"]
+    assert s["options"]["ar_fallback"] is True and off.stats["options"]["ar_fallback"] is False
+    assert s["cycles"] == s["nfe"]["drafter"] and 1.0 <= s["mean_accepted"] < 1.5
+
+
+def test_ar_fallback_when_sampling_is_seeded(target):
+    d = BlockDrafter.for_target(target, block_size=4, seed=2)
+    kw = dict(method="dflash", max_new_tokens=20, drafter=d, row_cost=0.1, ar_fallback=True, temperature=1.0)
+    a, b = (dspec.generate(target, PROMPTS, seed=5, **kw) for _ in range(2))
+    assert [g.tokens for g in a] == [g.tokens for g in b] and a[0].stats["target_steps"] > 0
+    assert all(len(g.tokens) == 20 for g in a)
+
+
+@torch.no_grad()
+def test_deferred_context_equals_per_step_commits(target):
+    """Target-only steps project their hidden states into the drafter context in one call at
+    the next drafting cycle: the context holds the bits of one commit a step (dspec's
+    row-invariant CPU tiles; torch's GEMMs at the generic level: to rounding)."""
+    from dspec import cpu
+    from dspec.decode.dflash import SpeculativeRun, target_step
+
+    d = BlockDrafter.for_target(target, block_size=4, seed=2)
+    contexts = []
+    for per_step in (False, True):
+        run = SpeculativeRun(target, {"drafter": d}, PROMPTS, max_new_tokens=8, eos_ids=(), progress=None)
+        run.start(0.0, None)
+        chains = {}
+        for _ in range(4):
+            target_step(run, 0.0, None, chains)
+            if per_step:
+                run.flush_context()
+        assert bool(run.pending) != per_step
+        run.flush_context()
+        contexts.append(run.contexts["drafter"])
+    deferred, stepped = contexts
+    assert torch.equal(deferred.lengths, stepped.lengths)
+    for layer in range(d.config.num_layers):
+        for b in range(len(PROMPTS)):
+            for x, y in zip(deferred.get(layer, b), stepped.get(layer, b)):
+                if cpu.generic_level():
+                    torch.testing.assert_close(x, y)
+                else:
+                    assert torch.equal(x, y)
+
+
+def test_ar_fallback_checks_its_option(target):
+    d = BlockDrafter.for_target(target, block_size=4, seed=2)
+    kw = dict(method="dflash", max_new_tokens=2, drafter=d)
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="ar_fallback"):
+            dspec.generate(target, PROMPTS[0], ar_fallback=bad, **kw)
+    with pytest.raises(ValueError, match="ar_fallback"):
+        dspec.generate(target, PROMPTS[0], ar_fallback=True, row_cost=None, **kw)
+    from dspec.decode.cpu_cost import cost_class, resolve_ar_fallback
+
+    auto = dspec.generate(target, PROMPTS[0], **kw).stats["options"]["ar_fallback"]
+    assert auto == resolve_ar_fallback(target, "auto", row_cost=0.1) == (cost_class(target) == "avx2")
+    assert dspec.generate(target, PROMPTS[0], preset="paper", **kw).stats["options"]["ar_fallback"] is False

@@ -23,9 +23,10 @@ _BF16_FP32 = (torch.bfloat16, torch.float32)
 #: to a tile (Intel Xeon AMX, bf16, 2 threads, docs/performance.md); "avx512" -- the
 #: AVX-512 / AVX512_BF16 tiles of a CPU without AMX, where rows past a few are FMA work
 #: (EPYC Zen 4, one thread, level avx512 of bench/results/cpu/avx2/dispatch_zen4.json); "avx2" --
-#: dspec's AVX2 tiles, where every row is FMA work (an AVX2-only EPYC Zen 3, 2 threads as its
-#: decodes run, bench/results/cpu/avx2/forward_zen3_2threads.json; one thread measured bf16
-#: 1.90 / 2.60 / 4.26 and fp32 1.47 / 1.78 / 2.61 at 4 / 8 / 16 rows, forward_zen3.json).
+#: dspec's AVX2 tiles, where every row is FMA work and a 16-bit second row the dearest (an
+#: AVX2-only EPYC Zen 3, 2 threads as its decodes run, bench/results/cpu/avx2/
+#: forward_zen3_2threads.json; one thread measured bf16 1.90 / 2.60 / 4.26 and fp32 1.47 /
+#: 1.78 / 2.61 at 4 / 8 / 16 rows, forward_zen3.json).
 #: The "tiles" defaults below were tuned end to end on the AMX machine; the "avx2" ones follow
 #: from this table (rows at their measured marginal cost).
 FORWARD_COST = {
@@ -35,8 +36,8 @@ FORWARD_COST = {
         "float32": {1: 1.0, 4: 1.07, 16: 2.26, 64: 8.11},
     },
     "avx2": {
-        "bfloat16": {1: 1.0, 4: 1.55, 8: 2.05, 16: 3.06, 32: 4.96},
-        "float32": {1: 1.0, 4: 1.23, 8: 1.70, 16: 2.25, 32: 3.59},
+        "bfloat16": {1: 1.0, 2: 1.34, 3: 1.52, 4: 1.67, 6: 1.96, 8: 2.17, 16: 2.85, 32: 4.95},
+        "float32": {1: 1.0, 2: 1.06, 3: 1.31, 4: 1.38, 6: 1.62, 8: 1.78, 16: 2.22, 32: 3.42},
     },
 }
 
@@ -70,6 +71,56 @@ def row_cost_of(model) -> float:
     name = str(model.dtype).removeprefix("torch.") if model.dtype in _BF16_FP32 else "float32"
     table = FORWARD_COST["avx2"][name]
     return round((table[8] - 1.0) / 7, 3)
+
+
+def forward_cost(model, rows: int) -> float | None:
+    """A forward of ``rows`` rows of ``model`` relative to a one-row forward on its CPU class
+    (``FORWARD_COST``, linear between the measured row counts and along the last slope past
+    the largest); None off the CPU."""
+    cls = cost_class(model)
+    if cls is None:
+        return None
+    name = str(model.dtype).removeprefix("torch.") if model.dtype in _BF16_FP32 else "float32"
+    table = sorted(FORWARD_COST[cls][name].items())
+    for (r0, c0), (r1, c1) in zip(table, table[1:]):
+        if rows <= r1 or (r1, c1) == table[-1]:
+            return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+    return table[0][1]
+
+
+def drafter_cost(model, drafter, rows: int) -> float | None:
+    """A block drafter's forward of ``rows`` slots (the anchor and the drafts) relative to a
+    one-row forward of ``model``, its target, on the CPU, from the weights each reads: the
+    drafter's layers at ``rows`` rows and its head (the draft vocabulary's rows of the
+    target's) at ``rows - 1``, against every weight of the target at one row, each at
+    ``forward_cost``'s price.  None off the CPU.  (SmolLM2-135M and its shipped 3-layer
+    drafter, bf16, AVX2 Zen 3, 2 threads: 0.32 estimated for a block of 8, 6.2 ms of drafting
+    per cycle against a 17.5 ms ``ar`` step measured, 0.35.)"""
+    if forward_cost(model, 1) is None:
+        return None
+    layers = sum(p.numel() for layer in drafter.layers for p in layer.parameters())
+    vocab = drafter.draft_vocab
+    head = (drafter.config.vocab_size if vocab is None else vocab.numel()) * drafter.config.hidden_size
+    target = sum(p.numel() for p in model.parameters())
+    return (layers * forward_cost(model, rows) + head * forward_cost(model, max(1, rows - 1))) / target
+
+
+def resolve_ar_fallback(model, fallback, *, row_cost) -> bool:
+    """``ar_fallback`` as ``dflash`` takes it: "auto" (the default) is True for a CPU model of
+    the "avx2" cost class whose cycles are priced (``row_cost`` not None) -- there a drafting
+    cycle of SmolLM2-135M costs ~1.5 ``ar`` steps at two verified rows, more than the shipped
+    drafter's chat drafts earn (MT-Bench: 1.42 tokens per cycle, 0.86x ``ar``,
+    bench/results/cpu/avx2/e2e_smollm2_zen3_dflash.json) -- and False elsewhere (on the AMX
+    / AVX-512 tiles a cycle costs ~1.2 steps); a bool as given, True needing a row cost."""
+    if isinstance(fallback, str) and fallback == "auto":
+        return row_cost is not None and cost_class(model) == "avx2"
+    if not isinstance(fallback, bool):
+        raise ValueError(f"ar_fallback must be 'auto' or a bool, got {fallback!r}")
+    if fallback and (row_cost is None or cost_class(model) is None):
+        raise ValueError(
+            "ar_fallback=True prices a cycle by the CPU's forward costs: it needs a CPU model and a row_cost (not None)"
+        )
+    return fallback
 
 
 #: block rows a CPU self-speculative round (``ssd``, ``spiffy``) carries by default: two

@@ -70,7 +70,7 @@ from ..models import AttentionPlan
 from ..models.dflash import MASK, BlockDrafter, resolve_drafter
 from ..ops import token_stats, topk_tokens, tree_mask, verify_chain, verify_tree
 from .bounds import MAX_DRAFT_LEN, check_max, check_rows
-from .cpu_cost import resolve_lookup, resolve_row_cost, resolve_tree
+from .cpu_cost import drafter_cost, forward_cost, resolve_ar_fallback, resolve_lookup, resolve_row_cost, resolve_tree
 from .lookup import PromptLookup, graft_chain
 from .outputs import OutputBuffer
 from .sampling import RequestStreams, next_tokens, non_finite_error, request_streams, require_finite, sample_from
@@ -139,14 +139,16 @@ class SpeculativeRun:
         self.outputs = OutputBuffer(len(prompts), max_new_tokens, eos_ids, progress)
         self.rows = np.arange(len(prompts))  # live batch row -> request index
         self.nfe = {"target": 0, **{role: 0 for role in drafters}}
-        self.cycles = 0  # verification forwards x live requests
-        self.committed = 0  # tokens those forwards produced (accepted + 1 each)
+        self.cycles = 0  # drafting cycles x live requests
+        self.committed = 0  # tokens those cycles produced (accepted + 1 each)
         self.verify_forwards = 0
+        self.target_steps = 0  # verification forwards without drafts (``ar_fallback``)
         self.time = {"draft_s": 0.0, "verify_s": 0.0}
         dev = model.device
         batch = len(prompts)
         self.cache = model.new_cache(batch)
         self.contexts = {role: d.new_cache(batch) for role, d in drafters.items()}
+        self.pending = []  # (hidden states, positions) of target-only steps not yet in the contexts
         plan = model.plan(prompts, self.cache)
         out = model(plan, logits="last", hidden_states=self.layer_ids)
         self.nfe["target"] += 1
@@ -180,6 +182,22 @@ class SpeculativeRun:
         self.cache.append(out.suffix_kv, keep, counts=counts)
         self._commit_context(out.hidden, positions, counts=counts, keep=keep)
 
+    def commit_deferred(self, out, positions) -> None:
+        """Commit a one-row forward per request (a target-only step): its target KV now, its
+        drafter context at the next :meth:`flush_context`, where the steps since the last
+        drafter forward project as one call instead of one small call a step (the same bits
+        on dspec's CPU tiles, whose projections are row-invariant)."""
+        self.cache.append(out.suffix_kv)
+        self.pending.append(([h.clone() for h in out.hidden], positions))
+
+    def flush_context(self) -> None:
+        """Project the deferred steps' hidden states into the drafter contexts."""
+        if self.pending:
+            hidden = [torch.cat([p[0][j] for p in self.pending], 1) for j in range(len(self.layer_ids))]
+            positions = torch.cat([p[1] for p in self.pending], 1)
+            self.pending = []
+            self._commit_context(hidden, positions)
+
     def verify_tree_cycle(self, tokens, parents, positions, words, temperature, generator, *, draft_probs=None) -> bool:
         """One target forward over a token tree (``tokens`` / ``parents`` [B, N], node 0 the
         anchor; absolute ``positions`` [B, N]; ``words`` its ``tree_mask``), ``verify_tree``
@@ -204,16 +222,21 @@ class SpeculativeRun:
         counts, then the verify output's tokens."""
         return torch.cat([num_accepted[:, None].to(torch.int64), tokens], 1).cpu()
 
-    def finish_cycle(self, host: torch.Tensor) -> bool:
+    def finish_cycle(self, host: torch.Tensor, *, drafted: bool = True) -> bool:
         """Extend the outputs with each row's accepted drafts + drawn token (``host`` from
-        :meth:`fetch`); the drawn token becomes the anchor.  False when all are done."""
+        :meth:`fetch`); the drawn token becomes the anchor.  ``drafted``: a drafting cycle,
+        counted in ``cycles`` / ``mean_accepted`` (False: a target-only step, counted in
+        ``target_steps``).  False when all are done."""
         n = host[:, 0] + 1
         drawn = host[:, 1:].gather(1, host[:, :1])[:, 0]
         if bool((drawn < 0).any()):  # the ops' -1 mark: a non-finite target row
             raise non_finite_error("target model")
-        self.cycles += len(self.rows)
         self.verify_forwards += 1
-        self.committed += int(n.sum())
+        if drafted:
+            self.cycles += len(self.rows)
+            self.committed += int(n.sum())
+        else:
+            self.target_steps += 1
         anchor = drawn.to(self.device)
         return self._extend(host[:, 1:], n, anchor)
 
@@ -236,6 +259,11 @@ class SpeculativeRun:
             return False
         self.cache = self.cache.select(keep.tolist())
         self.contexts = {role: c.select(keep.tolist()) for role, c in self.contexts.items()}
+        if self.pending:
+            rows = torch.from_numpy(keep).to(self.device)
+            self.pending = [
+                ([h.index_select(0, rows) for h in hid], p.index_select(0, rows)) for hid, p in self.pending
+            ]
         self.anchor = anchor.index_select(0, torch.from_numpy(keep).to(anchor.device))
         self.rows = req[keep]
         return True
@@ -245,11 +273,88 @@ class SpeculativeRun:
             "nfe": dict(self.nfe),
             "mean_accepted": self.committed / self.cycles if self.cycles else 0.0,
             "verify_forwards": self.verify_forwards,
+            "target_steps": self.target_steps,
             "cycles": self.cycles,
             **self.time,
         }
         s.update(extra)
         return s
+
+
+class DrafterGate:
+    """When a cycle runs the drafter (``ar_fallback``): a drafting cycle costs the drafter's
+    forward plus a verification forward of 1 + n rows (n drafts or tree nodes),
+    ``drafter_cost + forward_cost(1 + n)`` one-row target forwards, and earns its committed
+    tokens per request; a target-only step (an ``ar`` step) costs 1 and earns 1.  The gate
+    keeps an exponential average (weight ``ALPHA``) of each drafting cycle's earnings minus
+    its cost; while that is below 0 it runs ``wait`` target-only steps, then one drafting
+    cycle as a probe.  A probe after which the average is still below 0 doubles ``wait`` (up
+    to ``MAX_WAIT``); one after which it is not resets it to 1.  Every decision
+    follows from the tokens committed, never from timings, so a seeded call stays
+    reproducible; the output is unchanged (a target-only step is ``ar``'s, and the drafter's
+    context takes its hidden states).
+
+    Example
+    -------
+    >>> gate = DrafterGate(0.35, lambda rows: 1.0 + 0.2 * (rows - 1))
+    >>> gate.draft(), gate.update(tokens=1.0, drafts=3), gate.draft(), gate.draft()
+    (True, None, False, True)
+    """
+
+    ALPHA = 0.25
+    MAX_WAIT = 16
+
+    def __init__(self, drafter_cost: float, forward_cost):
+        self.drafter_cost = float(drafter_cost)
+        self.forward_cost = forward_cost  # rows -> one forward's cost in one-row forwards
+        self.score = 0.0
+        self.wait = 1
+        self.skip = 0  # target-only steps left before the next probe
+        self.probe = False
+
+    def draft(self) -> bool:
+        """Whether the next cycle drafts (False: one target-only step, counted)."""
+        if self.skip:
+            self.skip -= 1
+            self.probe = not self.skip
+            return False
+        return True
+
+    def update(self, tokens: float, drafts: float) -> None:
+        """A drafting cycle committed ``tokens`` per request (accepted + 1, the batch's
+        mean) verifying ``drafts`` drafts (or tree nodes) per request."""
+        gain = tokens - self.drafter_cost - self.forward_cost(1 + drafts)
+        self.score = (1.0 - self.ALPHA) * self.score + self.ALPHA * gain
+        if self.score < 0:
+            if self.probe:
+                self.wait = min(2 * self.wait, self.MAX_WAIT)
+            self.skip = self.wait
+        else:
+            self.wait = 1
+        self.probe = False
+
+
+def target_step(run: SpeculativeRun, temperature, generator, chains: dict) -> bool:
+    """One target forward over the anchors alone (an ``ar`` step, no drafter forward), its
+    hidden states kept for the drafter contexts (:meth:`SpeculativeRun.commit_deferred`), the
+    next token drawn as ``verify_chain`` draws it after no drafts (greedy: the argmax).
+    Returns whether any request is still live."""
+    dev = run.device
+    t0 = time.perf_counter()
+    if 1 not in chains:
+        chains[1] = causal(1, device=dev).words
+    positions = run.lengths[:, None]
+    out = run.model(AttentionPlan(run.anchor[:, None], positions, chains[1], run.cache), hidden_states=run.layer_ids)
+    run.nfe["target"] += 1
+    drafts = torch.empty(len(run.rows), 0, dtype=torch.int64, device=dev)
+    rand = generator.chain(run.rows, 0) if temperature > 0 and generator is not None else {}
+    ver = verify_chain(drafts, out.logits, temperature=temperature, **rand)
+    host = run.fetch(ver.num_accepted, ver.tokens)
+    run.commit_deferred(out, positions)
+    live = run.finish_cycle(host, drafted=False)
+    sync_device(dev)
+    run.time["verify_s"] += time.perf_counter() - t0
+    return live
 
 
 def verify_length(probs: torch.Tensor, row_cost: float) -> int:
@@ -577,6 +682,7 @@ def decode_dflash(
     tree: int | str | None = "auto",
     lookup: int | str | None = "auto",
     verify_rule: str = "token",
+    ar_fallback: bool | str = "auto",
 ):
     """DFlash speculative decoding of a ragged batch with an AR target.
 
@@ -616,17 +722,27 @@ def decode_dflash(
     verify_rule : "token" (default) or "block": how a chain cycle at T > 0 is verified
         (``verify_chain(rule=)``: token-wise speculative sampling, or block verification,
         which is as lossless and accepts at least as much).  Greedy cycles and trees ignore it.
+    ar_fallback : True: while the drafting cycles earn fewer tokens than they cost (the
+        drafter's forward, ``cpu_cost.drafter_cost``, plus the verification forward's
+        measured price, ``cpu_cost.forward_cost``, in one-row target forwards), decode
+        target-only steps (``ar``'s) and probe the drafter again after 1, 2, 4 .. 16 of
+        them (:class:`DrafterGate`; decided per batch, from the committed tokens only);
+        needs a CPU model and a row cost.  The output is unchanged.
+        "auto" (default): on for a CPU model of the "avx2" cost class with a row cost
+        (``cpu_cost.resolve_ar_fallback``), off elsewhere.
 
     Returns
     -------
     (tokens per request, stats) with stats ``nfe`` {"target": forwards incl. the prefill,
     "drafter": drafter forwards}, ``mean_accepted`` = tokens committed per request per
-    verification forward (accepted drafts + the drawn token, averaged over every
-    (request, cycle) pair; 1.0 = no draft ever accepted; at most gamma), ``draft_s`` /
+    drafting cycle (accepted drafts + the drawn token, averaged over every (request, cycle)
+    pair; 1.0 = no draft ever accepted; at most gamma), ``draft_s`` /
     ``verify_s`` (wall time of the drafter forwards / target forwards + verification +
     commit), ``draft_len``, ``verify_forwards``, ``cycles``, ``verified_drafts`` (drafts or
     tree nodes verified per request per cycle, lookup nodes included), ``tree`` (the node cap
-    used, None: a chain), ``lookup`` (the lookup drafts cap, None: off).
+    used, None: a chain), ``lookup`` (the lookup drafts cap, None: off), ``target_steps``
+    (verification forwards without a drafter forward, ``ar_fallback``; not in ``cycles``:
+    ``verify_forwards`` counts both).
     """
     if model.attention != "causal":
         raise ValueError(f"method 'dflash' needs an AR (causal) target; {model.family!r} attends {model.attention!r}")
@@ -637,9 +753,13 @@ def decode_dflash(
     gamma = check_draft_len(draft_len, drafter)
     check_cycle_rows(model, drafter, prompts, draft_len, gamma, tree, lookup)
     row_cost = resolve_row_cost(model, row_cost)
+    ar_fallback = resolve_ar_fallback(model, ar_fallback, row_cost=row_cost)
     run = SpeculativeRun(
         model, {"drafter": drafter}, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, progress=progress
     )
+    gate = None
+    if ar_fallback:
+        gate = DrafterGate(drafter_cost(model, drafter, gamma), functools.partial(forward_cost, model))
     dev = model.device
     generator = request_streams(generator, len(prompts), dev)  # one random stream per request
     offsets = torch.arange(gamma, device=dev)
@@ -648,7 +768,12 @@ def decode_dflash(
     finder = PromptLookup(prompts, run.outputs, num_drafts=lookup) if lookup else None
     live = run.start(temperature, generator)
     while live:
+        if gate is not None and not gate.draft():
+            live = target_step(run, temperature, generator, chains)
+            continue
         t0 = time.perf_counter()
+        run.flush_context()
+        rows, committed = len(run.rows), run.committed
         positions = run.lengths[:, None] + offsets
         logits, vocab = draft_block(drafter, run.contexts["drafter"], run.anchor, positions, gamma)
         run.nfe["drafter"] += 1
@@ -656,18 +781,20 @@ def decode_dflash(
             live, nodes = tree_cycle(
                 run, logits, vocab, positions[:, 0], tree, row_cost, temperature, generator, t0, finder
             )
-            verified += nodes
-            continue
-        live, nodes = chain_cycle(
-            run, logits, vocab, positions, row_cost, temperature, generator, t0, chains, verify_rule
-        )
+        else:
+            live, nodes = chain_cycle(
+                run, logits, vocab, positions, row_cost, temperature, generator, t0, chains, verify_rule
+            )
         verified += nodes
+        if gate is not None:
+            gate.update((run.committed - committed) / rows, nodes / rows)
     return run.generated, run.stats(
         draft_len=gamma - 1,
         tree=tree,
         lookup=lookup,
         row_cost=row_cost,
         verify_rule=verify_rule,
+        ar_fallback=ar_fallback,
         verified_drafts=verified / run.cycles if run.cycles else 0.0,
     )
 
@@ -786,9 +913,9 @@ def tree_cycle(
     return live, (tokens.shape[1] - 1) * tokens.shape[0]
 
 
-OPTIONS = ("draft_len", "row_cost", "tree", "lookup", "verify_rule")
+OPTIONS = ("draft_len", "row_cost", "tree", "lookup", "verify_rule", "ar_fallback")
 #: ``preset="paper"``: DFlash as published -- the drafter's whole block verified as a chain,
-#: token-wise, no prompt-lookup branch
-PAPER = dict(row_cost=None, tree=None, lookup=None, verify_rule="token")
+#: token-wise, no prompt-lookup branch, every cycle drafting
+PAPER = dict(row_cost=None, tree=None, lookup=None, verify_rule="token", ar_fallback=False)
 DRAFTER = "block"  # a BlockDrafter, its directory or a shipped drafter name (see resolve_drafter)
 decode = decode_dflash
