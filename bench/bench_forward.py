@@ -16,6 +16,8 @@ adapter's update adds to a forward of that many rows.
     python bench/bench_forward.py --quick --model tiny-ar
     python bench/bench_forward.py --model smollm2-135m-bd --dtypes bfloat16 --prefixes 256 \
         --suffixes 1,4,8,13,16,17,24,32 --masks 0.7 --no-hf --name forward_masks
+    python bench/bench_forward.py --dtypes bfloat16 --prefixes 256 --suffixes 1,2,4,8,16 \
+        --avx2-chunk-steps 16,128 --no-hf --name forward_avx2_chunks   # an AVX2 kernel knob A/B
 Writes bench/results/cpu/forward.{json,png}.
 """
 
@@ -120,6 +122,12 @@ def main(argv=None) -> int:
         default=0.0,
         help="also time each N with its last ceil(F N) tokens [MASK] (engine dspec+masks)",
     )
+    p.add_argument(
+        "--avx2-chunk-steps",
+        default=None,
+        help="comma-separated k chunks (steps) of the AVX2 16-bit tiles: one dspec engine per value "
+        "(dspec[chunk=S]), interleaved like the rest (dspec._C.linear_avx2_chunk_steps)",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="forward")
@@ -128,9 +136,32 @@ def main(argv=None) -> int:
     if not 0.0 <= args.masks <= 1.0:
         p.error(f"--masks must be in [0, 1], got {args.masks}")
     engines = ("dspec", "dspec+masks", "transformers") if args.masks else ("dspec", "transformers")
+    chunks = {}
+    if args.avx2_chunk_steps:
+        try:
+            chunks = {f"dspec[chunk={int(c)}]": int(c) for c in args.avx2_chunk_steps.split(",")}
+        except ValueError:
+            p.error(f"--avx2-chunk-steps takes integers, got {args.avx2_chunk_steps!r}")
+        if min(chunks.values()) < 1:
+            p.error("--avx2-chunk-steps must be >= 1")
+        engines = (*chunks, *engines[1:])
 
     def masks_of(n: int, engine: str) -> int:
         return math.ceil(args.masks * n) if engine == "dspec+masks" else 0
+
+    @contextlib.contextmanager
+    def dspec_scope(engine: str):
+        # dspec's forwards as a decode loop runs them (dspec.generate's scope: torch's own ops
+        # on one thread, so no OpenMP team spins beside the pool), at the engine's chunk if any
+        with dspec.cpu.torch_ops_one_thread():
+            if engine not in chunks:
+                yield
+                return
+            old = dspec._C.linear_avx2_chunk_steps(True, chunks[engine])
+            try:
+                yield
+            finally:
+                dspec._C.linear_avx2_chunk_steps(True, old)
 
     import dspec
     from dspec.cpu import apply_threads
@@ -177,9 +208,11 @@ def main(argv=None) -> int:
                         if engine == "transformers"
                         else dspec_forward(model, prefix, n, gen, masks_of(n, engine))
                     )
-                    # dspec's forwards as a decode loop runs them (dspec.generate's scope:
-                    # torch's own ops on one thread, so no OpenMP team spins beside the pool)
-                    scope = contextlib.nullcontext if engine == "transformers" else dspec.cpu.torch_ops_one_thread
+                    scope = (
+                        contextlib.nullcontext
+                        if engine == "transformers"
+                        else (lambda engine=engine: dspec_scope(engine))
+                    )
                     runs[(n, engine)] = (run, scope)
             timed = _time_interleaved(runs, reps, warmup)
             for n in suffixes:

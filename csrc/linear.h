@@ -69,6 +69,12 @@ void linear_cpu(const LinearArgs& args);
 // bandwidth differ from the one it was measured on; results never depend on it.
 int linear_prefetch_steps(int steps);
 
+// The AVX2 tiles' k chunk in steps for float32 weights or (sixteen_bit) the 16-bit dtypes'
+// unwidened passes: steps >= 1 sets it and returns the old value; steps < 1 only returns it.
+// A tuning knob like linear_prefetch_steps; results never depend on it (every output is
+// one FMA chain in k order whatever the chunk).
+int linear_avx2_chunk_steps(bool sixteen_bit, int steps);
+
 // Several projections of the same x in one call (q / k / v, gate / up): parts[p] differ only
 // in weight, bias, out, n and ldo; the panels of all parts are split over
 // the threads together.  Each output is bit-identical to linear_cpu on that part alone.

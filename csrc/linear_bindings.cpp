@@ -263,6 +263,12 @@ Done once per adapter matrix pair.)doc");
       "The linear tiles' software prefetch distance in k steps: steps >= 0 sets it (returns the old value), "
       "-1 reads it. Results never depend on it.");
   m.def(
+      "linear_avx2_chunk_steps",
+      [](bool sixteen_bit, int steps) { return linear_avx2_chunk_steps(sixteen_bit, steps); }, py::arg("sixteen_bit"),
+      py::arg("steps") = -1,
+      "The AVX2 tiles' k chunk in steps, for float32 weights or (sixteen_bit) the bf16 / fp16 "
+      "unwidened passes: steps >= 1 sets it (returns the old value), -1 reads it. Results never depend on it.");
+  m.def(
       "linear_isa",
       [](int dtype) {
         return std::string(linear_has_amx(dtype)      ? "amx"

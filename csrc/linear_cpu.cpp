@@ -98,6 +98,15 @@ struct Tile {
 // _MM_HINT_T1, measured slower at 32-128 steps.)
 std::atomic<int> g_prefetch_steps{32};
 
+// The AVX2 tiles' k chunk in steps, per weight width: [0] float32 (kAvx2ChunkSteps explains
+// it), [1] the 16-bit dtypes' unwidened passes, 16 steps (4 KB of a 4-panel group): from 2
+// rows a chunk's later passes re-read its weight lines from L1, and at 128 steps (32 KB, with
+// the next chunk prefetched beside it) those re-reads miss.  bench/results/cpu/avx2/
+// forward_zen3_avx2_chunks.json times both on whole forwards (bench_forward.py
+// --avx2-chunk-steps); float32 gains nothing from a shorter chunk.  linear_avx2_chunk_steps
+// sets either.
+std::atomic<int> g_avx2_chunk_steps[2] = {128, 16};
+
 using Micro = void (*)(const Tile&);
 
 // ---------------------------------------------------------------------- portable code
@@ -816,10 +825,10 @@ int vector_isa(int dtype, int isa) {
 // L1, where the passes need the whole chunk.
 constexpr std::int64_t kAvx2ChunkSteps = 128;
 // From this many rows the 16-bit dtypes run the float32 tiles on widened chunks
-// (widened_panels).  SmolLM2-135M's bf16 projections, all 30 layers from memory, one
-// thread, widened / 16-bit tiles: 4 rows 40.4 / 26.4 ms, 6 rows 35.9 / 30.6, 9 rows
-// 40.7 / 43.8, 16 rows 66.6 / 74.3 (warm in cache the widened chunks win from 4 rows).
-constexpr std::int64_t kAvx2WidenRows = 9;
+// (widened_panels): with the 16-step chunks above the unwidened passes stay faster up to
+// 12 rows and the two meet at about 16 (SmolLM2-135M bf16 forwards, both thresholds
+// interleaved in one process on AVX2 Zen 3, 1 and 2 threads).
+constexpr std::int64_t kAvx2WidenRows = 13;
 constexpr std::int64_t kAvx2RowBlock = 3;
 
 #if DSPEC_LINEAR_X86
@@ -916,9 +925,10 @@ void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64
       partial.resize(static_cast<std::size_t>(a.m * kPanel * kPanelBlock));
       t.pf_end = stream_end;
       t.pf_lines = tp;
-      for (std::int64_t s0 = 0; s0 < steps; s0 += kAvx2ChunkSteps) {
+      const std::int64_t chunk = g_avx2_chunk_steps[DT == kFloat32 ? 0 : 1].load(std::memory_order_relaxed);
+      for (std::int64_t s0 = 0; s0 < steps; s0 += chunk) {
         t.s0 = s0;
-        t.s1 = std::min(steps, s0 + kAvx2ChunkSteps);
+        t.s1 = std::min(steps, s0 + chunk);
         t.first = s0 == 0;
         t.last = t.s1 == steps;
         for (std::int64_t i0 = 0; i0 < a.m; i0 += kAvx2RowBlock) {
@@ -1088,5 +1098,10 @@ void linear_group_cpu(const LinearArgs* parts, int count) {
 void linear_cpu(const LinearArgs& a) { linear_group_cpu(&a, 1); }
 
 int linear_prefetch_steps(int steps) { return steps < 0 ? g_prefetch_steps.load() : g_prefetch_steps.exchange(steps); }
+
+int linear_avx2_chunk_steps(bool sixteen_bit, int steps) {
+  std::atomic<int>& chunk = g_avx2_chunk_steps[sixteen_bit ? 1 : 0];
+  return steps < 1 ? chunk.load() : chunk.exchange(steps);
+}
 
 }  // namespace dspec

@@ -164,6 +164,33 @@ def test_linear_prefetch_distance_changes_no_bit(dtype):
     assert ext.linear_prefetch_steps() == old
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13])
+def test_linear_avx2_chunk_changes_no_bit(dtype, rows):
+    """linear_avx2_chunk_steps sets the k chunk of the AVX2 tiles (float32, and the 16-bit
+    dtypes' unwidened passes below the widening row count); every output is one FMA chain
+    in k order at any chunk, so the bits never move -- including a chunk of 1 step and one
+    longer than k, and k (300 = 37.5 steps of 8) not a multiple of the chunk."""
+    ext = _backend.extension()
+    sixteen = dtype != torch.float32
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, 300, generator=g).to(dtype)
+    w = (torch.randn(70, 300, generator=g) / 17).to(dtype)
+    old = ext.linear_avx2_chunk_steps(sixteen)
+    assert old >= 1 and ext.linear_avx2_chunk_steps(not sixteen) >= 1
+    try:
+        want = run(x, w)
+        for steps in (1, 3, 16, 128, 1000):
+            assert ext.linear_avx2_chunk_steps(sixteen, steps) >= 1
+            assert ext.linear_avx2_chunk_steps(sixteen) == steps
+            assert torch.equal(run(x, w), want)
+            if "avx2" in isas(dtype):
+                assert torch.equal(run(x, w, isa="avx2"), run(x, w, isa="avx2", threads=1))
+    finally:
+        ext.linear_avx2_chunk_steps(sixteen, old)
+    assert ext.linear_avx2_chunk_steps(sixteen) == old
+
+
 def test_linear_strided_rows_and_output():
     g = torch.Generator().manual_seed(1)
     big = torch.randn(9, 80, generator=g)
