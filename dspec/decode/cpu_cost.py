@@ -23,10 +23,9 @@ _BF16_FP32 = (torch.bfloat16, torch.float32)
 #: to a tile (Intel Xeon AMX, bf16, 2 threads, docs/performance.md); "avx512" -- the
 #: AVX-512 / AVX512_BF16 tiles of a CPU without AMX, where rows past a few are FMA work
 #: (EPYC Zen 4, one thread, level avx512 of bench/results/cpu/avx2/dispatch_zen4.json); "avx2" --
-#: dspec's AVX2 tiles, where every row is FMA work and a 16-bit second row the dearest (an
-#: AVX2-only EPYC Zen 3, 2 threads as its decodes run, bench/results/cpu/avx2/
-#: forward_zen3_2threads.json; one thread measured bf16 1.90 / 2.60 / 4.26 and fp32 1.47 /
-#: 1.78 / 2.61 at 4 / 8 / 16 rows, forward_zen3.json).
+#: dspec's AVX2 tiles, where every row past the first few is FMA work (an AVX2-only EPYC
+#: Zen 3, 2 threads as its decodes run, bench/results/cpu/avx2/forward_zen3_2threads.json;
+#: one thread: forward_zen3.json).
 #: The "tiles" defaults below were tuned end to end on the AMX machine; the "avx2" ones follow
 #: from this table (rows at their measured marginal cost).
 FORWARD_COST = {
@@ -36,8 +35,8 @@ FORWARD_COST = {
         "float32": {1: 1.0, 4: 1.07, 16: 2.26, 64: 8.11},
     },
     "avx2": {
-        "bfloat16": {1: 1.0, 2: 1.34, 3: 1.52, 4: 1.67, 6: 1.96, 8: 2.17, 16: 2.85, 32: 4.95},
-        "float32": {1: 1.0, 2: 1.06, 3: 1.31, 4: 1.38, 6: 1.62, 8: 1.78, 16: 2.22, 32: 3.42},
+        "bfloat16": {1: 1.0, 2: 1.09, 3: 1.21, 4: 1.42, 6: 1.71, 8: 2.12, 16: 3.63, 32: 6.37},
+        "float32": {1: 1.0, 2: 1.20, 3: 1.34, 4: 1.47, 6: 1.73, 8: 1.93, 16: 2.59, 32: 4.39},
     },
 }
 
@@ -108,10 +107,11 @@ def drafter_cost(model, drafter, rows: int) -> float | None:
 def resolve_ar_fallback(model, fallback, *, row_cost) -> bool:
     """``ar_fallback`` as ``dflash`` takes it: "auto" (the default) is True for a CPU model of
     the "avx2" cost class whose cycles are priced (``row_cost`` not None) -- there a drafting
-    cycle of SmolLM2-135M costs ~1.5 ``ar`` steps at two verified rows, more than the shipped
-    drafter's chat drafts earn (MT-Bench: 1.42 tokens per cycle, 0.86x ``ar``,
-    bench/results/cpu/avx2/e2e_smollm2_zen3_dflash.json) -- and False elsewhere (on the AMX
-    / AVX-512 tiles a cycle costs ~1.2 steps); a bool as given, True needing a row cost."""
+    cycle of SmolLM2-135M costs ~1.4 ``ar`` steps at two verified rows, about what the shipped
+    drafter's chat drafts earn (MT-Bench: 1.44 tokens per cycle, 0.95x ``ar`` drafting every
+    cycle, 0.99x with the fallback, bench/results/cpu/avx2/e2e_smollm2_zen3_dflash.json) --
+    and False elsewhere (on the AMX / AVX-512 tiles a cycle costs ~1.2 steps); a bool as
+    given, True needing a row cost."""
     if isinstance(fallback, str) and fallback == "auto":
         return row_cost is not None and cost_class(model) == "avx2"
     if not isinstance(fallback, bool):
