@@ -4,8 +4,9 @@ forward, as the model calls them, against torch, at every instruction-set level 
 For each level L of this CPU (generic, avx2, avx512, amx -- as far as the CPU goes) a child
 process runs with dspec capped to L (``DSPEC_CPU_ISA=L``) and torch capped to the same
 instructions (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``), so an AVX2-only CPU is
-measured on a bigger one.  In it, per op, the path dspec's dispatch picks (``dispatch``)
-against the plain torch path (``torch``), reps interleaved round-robin:
+measured on a bigger one.  In it, per op, the path dspec's dispatch picks (``dispatch``, as a
+decode loop runs it: inside ``dspec.cpu.torch_ops_one_thread``) against the plain torch path
+(``torch``, with torch's own threads), reps interleaved round-robin:
 
 - ``dense``: SmolLM2-135M's projection shapes (q / k, gate / up, down, the tied LM head)
   at M = 1 / 4 / 16 / 64 rows, ``dspec.models.dense.dense`` vs ``F.linear``, the weight
@@ -13,7 +14,9 @@ against the plain torch path (``torch``), reps interleaved round-robin:
 - ``cascade_attention``: 9 / 3 heads of 64, 256 cached keys, N = 1 / 4 / 16 / 64 causal
   suffix rows, ``backend=None`` vs ``backend="torch"``; ``attention_vs_sdpa``: the same
   call vs ``F.scaled_dot_product_attention`` on the same keys (torch's fastest attention;
-  the public call includes its Python wrapper, which a forward's layer stack does not run);
+  the public call includes its Python wrapper and validation, which a forward's layer stack
+  does not run); ``attention_plan_vs_sdpa``: a ``CascadeAttentionPlan``'s ``run`` (what an
+  engine calls per layer, everything validated once) against the same SDPA call;
 - ``rms_norm`` / ``rope``: the model's layer ops with and without the fused kernels;
 - ``token_stats`` / ``topk_tokens`` / ``verify_chain``: N logits rows of 49152;
 - ``forward``: the whole SmolLM2-135M forward after 256 cached tokens, N = 1 / 4 / 16 / 64,
@@ -50,27 +53,48 @@ TORCH_CAPS = {
     "amx": {},
 }
 ALLOWANCE = 1.05
+BURST = 3
 SHAPES = (("q_proj", 576, 576), ("gate_proj", 1536, 576), ("down_proj", 576, 1536), ("lm_head", 49152, 576))
 ROWS = (1, 4, 16, 64)
 VOCAB = 49152
 
 
 def _interleaved(runs: dict, reps: int, warmup: int) -> dict:
-    """key -> fn; rep r of every fn before rep r + 1 of any (a VM's bandwidth drifts)."""
-    for fn in runs.values():
-        for _ in range(warmup):
-            fn()
+    """key -> (fn, scope factory); rep r of every fn before rep r + 1 of any (a VM's
+    bandwidth drifts).  A rep is a burst of ``BURST`` back-to-back calls inside the fn's
+    scope (entered and left outside the timer) whose first call is not kept: torch's OpenMP
+    workers spin for milliseconds after a parallel region and dspec's pool workers for one,
+    so on a small CPU the first call after the other side's would pay for its spinning
+    threads; the rest time each side in its steady state, as a decode loop runs it."""
+    for fn, scope in runs.values():
+        with scope():
+            for _ in range(warmup):
+                fn()
     raw = {key: [] for key in runs}
     for _ in range(reps):
-        for key, fn in runs.items():
-            t0 = time.perf_counter()
-            fn()
-            raw[key].append((time.perf_counter() - t0) * 1e3)
+        for key, (fn, scope) in runs.items():
+            with scope():
+                for call in range(BURST):
+                    t0 = time.perf_counter()
+                    fn()
+                    if call:
+                        raw[key].append((time.perf_counter() - t0) * 1e3)
     return {key: statistics.median(v) for key, v in raw.items()}
 
 
 def _pair(rows: list, op: str, case: str, dtype, dispatch_fn, torch_fn, reps: int, warmup: int, extra=None):
-    t = _interleaved({"dispatch": dispatch_fn, "torch": torch_fn}, reps, warmup)
+    """dspec's choice (``dispatch_fn``) as a decode loop runs it -- inside
+    ``dspec.cpu.torch_ops_one_thread``, dspec's kernels on its pool -- against the torch
+    path (``torch_fn``) with torch's own threads, as a torch user runs it."""
+    import contextlib
+
+    import dspec
+
+    t = _interleaved(
+        {"dispatch": (dispatch_fn, dspec.cpu.torch_ops_one_thread), "torch": (torch_fn, contextlib.nullcontext)},
+        reps,
+        warmup,
+    )
     ratio = t["dispatch"] / t["torch"]
     row = {
         "op": op,
@@ -115,154 +139,164 @@ def child(args) -> dict:
         f"{torch.get_num_threads()} threads",
         flush=True,
     )
-    with dspec.cpu.torch_ops_one_thread():
+    for dtype in dtypes:
+        for name, n, k in SHAPES[:2] if args.quick else SHAPES:
+            w = (torch.randn(n, k) / k**0.5).to(dtype)
+            for m in rows_list:
+                x = torch.randn(m, k).to(dtype)
+                dense_mod.dense(x, w)  # packs once, outside the timing
+                _pair(
+                    rows,
+                    "dense",
+                    f"{name} M={m}",
+                    dtype,
+                    lambda: dense_mod.dense(x, w),
+                    lambda: F.linear(x, w),
+                    reps,
+                    warmup,
+                    {"packed": dense_mod.packed_path(x, w), "linear_isa": dense_mod.linear_isa(dtype)},
+                )
+        hq, hkv, d, prefix = 9, 3, 64, 256
+        pk, pv = torch.randn(prefix, hkv, d).to(dtype), torch.randn(prefix, hkv, d).to(dtype)
+        indptr = torch.tensor([0, prefix], dtype=torch.int32)
+        for n in rows_list:
+            q = torch.randn(1, n, hq, d).to(dtype)
+            kk, vv = torch.randn(1, n, hkv, d).to(dtype), torch.randn(1, n, hkv, d).to(dtype)
+            mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
+            kw = dict(prefix_k=pk, prefix_v=pv, prefix_indptr=indptr)
+            _pair(
+                rows,
+                "cascade_attention",
+                f"N={n} prefix={prefix}",
+                dtype,
+                lambda: dspec.cascade_attention(q, kk, vv, mask, **kw),
+                lambda: dspec.cascade_attention(q, kk, vv, mask, backend="torch", **kw),
+                reps,
+                warmup,
+            )
+            # the same attention against torch's fastest: SDPA over the prefix's and the
+            # suffix's keys with the equivalent boolean mask (GQA by enable_gqa)
+            sq = q.transpose(1, 2)
+            sk = torch.cat([pk[None], kk], 1).transpose(1, 2)
+            sv = torch.cat([pv[None], vv], 1).transpose(1, 2)
+            smask = torch.cat([torch.ones(n, prefix, dtype=torch.bool), mask[0]], 1)
+            _pair(
+                rows,
+                "attention_vs_sdpa",
+                f"N={n} prefix={prefix}",
+                dtype,
+                lambda: dspec.cascade_attention(q, kk, vv, mask, **kw),
+                lambda: F.scaled_dot_product_attention(sq, sk, sv, attn_mask=smask, enable_gqa=True),
+                reps,
+                warmup,
+            )
+            plan = dspec.ops.CascadeAttentionPlan(1, n, hq, hkv, d, dtype, "cpu", mask, prefix_indptr=indptr)
+            _pair(
+                rows,
+                "attention_plan_vs_sdpa",
+                f"N={n} prefix={prefix}",
+                dtype,
+                lambda: plan.run(q, kk, vv, pk, pv),
+                lambda: F.scaled_dot_product_attention(sq, sk, sv, attn_mask=smask, enable_gqa=True),
+                reps,
+                warmup,
+            )
+            norm = RMSNorm(576, 1e-5).to(dtype)
+            h = torch.randn(1, n, 576).to(dtype)
+            with torch.no_grad():
+                _pair(
+                    rows,
+                    "rms_norm",
+                    f"N={n} hidden=576",
+                    dtype,
+                    lambda: norm(h),
+                    lambda: norm(h, fused=False),
+                    reps,
+                    warmup,
+                )
+            cos, sin = torch.randn(1, n, 1, d), torch.randn(1, n, 1, d)
+            qr, kr = torch.randn(1, n, hq, d).to(dtype), torch.randn(1, n, hkv, d).to(dtype)
+
+            def fused_rope():
+                a, b = qr.clone(), kr.clone()
+                ext.rope(
+                    a.data_ptr(),
+                    b.data_ptr(),
+                    cos.data_ptr(),
+                    sin.data_ptr(),
+                    _backend.FLOAT_CODE[dtype],
+                    n,
+                    hq,
+                    hkv,
+                    d,
+                    dspec.cpu.kernel_threads(),
+                )
+                return a, b
+
+            _pair(
+                rows,
+                "rope",
+                f"N={n} heads={hq}+{hkv}",
+                dtype,
+                fused_rope,
+                lambda: (rotate(qr.clone(), cos, sin), rotate(kr.clone(), cos, sin)),
+                reps,
+                warmup,
+            )
+            logits = torch.randn(n, VOCAB).to(dtype) * 4
+            _pair(
+                rows,
+                "token_stats",
+                f"N={n} V={VOCAB}",
+                dtype,
+                lambda: dspec.token_stats(logits),
+                lambda: dspec.token_stats(logits, backend="torch"),
+                reps,
+                warmup,
+            )
+            _pair(
+                rows,
+                "topk_tokens",
+                f"N={n} V={VOCAB} k=8",
+                dtype,
+                lambda: dspec.topk_tokens(logits, 8),
+                lambda: dspec.topk_tokens(logits, 8, backend="torch"),
+                reps,
+                warmup,
+            )
+            drafts = torch.randint(0, VOCAB, (1, max(n - 1, 1)))
+            tl = torch.randn(1, drafts.shape[1] + 1, VOCAB).to(dtype) * 4
+            _pair(
+                rows,
+                "verify_chain",
+                f"N={drafts.shape[1]} greedy",
+                dtype,
+                lambda: dspec.verify_chain(drafts, tl),
+                lambda: dspec.verify_chain(drafts, tl, backend="torch"),
+                reps,
+                warmup,
+            )
+    if not args.no_forward:
+        from bench_forward import dspec_forward, hf_forward, load_hf
+
+        gen = torch.Generator().manual_seed(0)
         for dtype in dtypes:
-            for name, n, k in SHAPES[:2] if args.quick else SHAPES:
-                w = (torch.randn(n, k) / k**0.5).to(dtype)
-                for m in rows_list:
-                    x = torch.randn(m, k).to(dtype)
-                    dense_mod.dense(x, w)  # packs once, outside the timing
-                    _pair(
-                        rows,
-                        "dense",
-                        f"{name} M={m}",
-                        dtype,
-                        lambda: dense_mod.dense(x, w),
-                        lambda: F.linear(x, w),
-                        reps,
-                        warmup,
-                        {"packed": dense_mod.packed_path(x, w), "linear_isa": dense_mod.linear_isa(dtype)},
-                    )
-            hq, hkv, d, prefix = 9, 3, 64, 256
-            pk, pv = torch.randn(prefix, hkv, d).to(dtype), torch.randn(prefix, hkv, d).to(dtype)
-            indptr = torch.tensor([0, prefix], dtype=torch.int32)
+            model = dspec.load("smollm2-135m", dtype=dtype)
+            hf = load_hf(str(model.name_or_path), dtype)
             for n in rows_list:
-                q = torch.randn(1, n, hq, d).to(dtype)
-                kk, vv = torch.randn(1, n, hkv, d).to(dtype), torch.randn(1, n, hkv, d).to(dtype)
-                mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
-                kw = dict(prefix_k=pk, prefix_v=pv, prefix_indptr=indptr)
+                mine, theirs = dspec_forward(model, 256, n, gen), hf_forward(hf, 256, n, gen)
                 _pair(
                     rows,
-                    "cascade_attention",
-                    f"N={n} prefix={prefix}",
+                    "forward",
+                    f"N={n} prefix=256",
                     dtype,
-                    lambda: dspec.cascade_attention(q, kk, vv, mask, **kw),
-                    lambda: dspec.cascade_attention(q, kk, vv, mask, backend="torch", **kw),
-                    reps,
-                    warmup,
+                    mine,
+                    theirs,
+                    max(3, reps // 2),
+                    2,
+                    {"versus": "transformers"},
                 )
-                # the same attention against torch's fastest: SDPA over the prefix's and the
-                # suffix's keys with the equivalent boolean mask (GQA by enable_gqa)
-                sq = q.transpose(1, 2)
-                sk = torch.cat([pk[None], kk], 1).transpose(1, 2)
-                sv = torch.cat([pv[None], vv], 1).transpose(1, 2)
-                smask = torch.cat([torch.ones(n, prefix, dtype=torch.bool), mask[0]], 1)
-                _pair(
-                    rows,
-                    "attention_vs_sdpa",
-                    f"N={n} prefix={prefix}",
-                    dtype,
-                    lambda: dspec.cascade_attention(q, kk, vv, mask, **kw),
-                    lambda: F.scaled_dot_product_attention(sq, sk, sv, attn_mask=smask, enable_gqa=True),
-                    reps,
-                    warmup,
-                )
-                norm = RMSNorm(576, 1e-5).to(dtype)
-                h = torch.randn(1, n, 576).to(dtype)
-                with torch.no_grad():
-                    _pair(
-                        rows,
-                        "rms_norm",
-                        f"N={n} hidden=576",
-                        dtype,
-                        lambda: norm(h),
-                        lambda: norm(h, fused=False),
-                        reps,
-                        warmup,
-                    )
-                cos, sin = torch.randn(1, n, 1, d), torch.randn(1, n, 1, d)
-                qr, kr = torch.randn(1, n, hq, d).to(dtype), torch.randn(1, n, hkv, d).to(dtype)
-
-                def fused_rope():
-                    a, b = qr.clone(), kr.clone()
-                    ext.rope(
-                        a.data_ptr(),
-                        b.data_ptr(),
-                        cos.data_ptr(),
-                        sin.data_ptr(),
-                        _backend.FLOAT_CODE[dtype],
-                        n,
-                        hq,
-                        hkv,
-                        d,
-                        dspec.cpu.kernel_threads(),
-                    )
-                    return a, b
-
-                _pair(
-                    rows,
-                    "rope",
-                    f"N={n} heads={hq}+{hkv}",
-                    dtype,
-                    fused_rope,
-                    lambda: (rotate(qr.clone(), cos, sin), rotate(kr.clone(), cos, sin)),
-                    reps,
-                    warmup,
-                )
-                logits = torch.randn(n, VOCAB).to(dtype) * 4
-                _pair(
-                    rows,
-                    "token_stats",
-                    f"N={n} V={VOCAB}",
-                    dtype,
-                    lambda: dspec.token_stats(logits),
-                    lambda: dspec.token_stats(logits, backend="torch"),
-                    reps,
-                    warmup,
-                )
-                _pair(
-                    rows,
-                    "topk_tokens",
-                    f"N={n} V={VOCAB} k=8",
-                    dtype,
-                    lambda: dspec.topk_tokens(logits, 8),
-                    lambda: dspec.topk_tokens(logits, 8, backend="torch"),
-                    reps,
-                    warmup,
-                )
-                drafts = torch.randint(0, VOCAB, (1, max(n - 1, 1)))
-                tl = torch.randn(1, drafts.shape[1] + 1, VOCAB).to(dtype) * 4
-                _pair(
-                    rows,
-                    "verify_chain",
-                    f"N={drafts.shape[1]} greedy",
-                    dtype,
-                    lambda: dspec.verify_chain(drafts, tl),
-                    lambda: dspec.verify_chain(drafts, tl, backend="torch"),
-                    reps,
-                    warmup,
-                )
-        if not args.no_forward:
-            from bench_forward import dspec_forward, hf_forward, load_hf
-
-            gen = torch.Generator().manual_seed(0)
-            for dtype in dtypes:
-                model = dspec.load("smollm2-135m", dtype=dtype)
-                hf = load_hf(str(model.name_or_path), dtype)
-                for n in rows_list:
-                    mine, theirs = dspec_forward(model, 256, n, gen), hf_forward(hf, 256, n, gen)
-                    _pair(
-                        rows,
-                        "forward",
-                        f"N={n} prefix=256",
-                        dtype,
-                        mine,
-                        theirs,
-                        max(3, reps // 2),
-                        2,
-                        {"versus": "transformers"},
-                    )
-                del model, hf
+            del model, hf
     return out
 
 

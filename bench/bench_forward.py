@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         "--avx2-chunk-steps",
         default=None,
         help="comma-separated k chunks (steps) of the AVX2 16-bit tiles: one dspec engine per value "
-        "(dspec[chunk=S]), interleaved like the rest (dspec._C.linear_avx2_chunk_steps)",
+        "(dspec[chunk=S]), interleaved like the rest (linear_avx2_chunk_steps of dspec._C)",
     )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
@@ -162,13 +162,15 @@ def main(argv=None) -> int:
             if engine not in chunks:
                 yield
                 return
-            old = dspec._C.linear_avx2_chunk_steps(True, chunks[engine])
+            ext = _backend.extension()
+            old = ext.linear_avx2_chunk_steps(True, chunks[engine])
             try:
                 yield
             finally:
-                dspec._C.linear_avx2_chunk_steps(True, old)
+                ext.linear_avx2_chunk_steps(True, old)
 
     import dspec
+    from dspec import _backend
     from dspec.cpu import apply_threads
 
     apply_threads(args.threads)
