@@ -124,8 +124,11 @@ def test_redraft_gate(target, tree):
     assert rates[0] == len(PROMPTS) and rates[-1] == 0 and vp_forwards[-1] == 0
     assert 0 < vp_forwards[1] and sorted(rates, reverse=True) == rates
     # never re-drafting, a cycle is DFlash's: the same verification forwards and acceptance
+    # (d2sd drafts every cycle: DFlash's target-only fallback off)
     for p, o in zip(PROMPTS, outs):
-        dfl = dspec.generate(target, p, method="dflash", max_new_tokens=n, drafter=ds["dflash"], tree=tree)
+        dfl = dspec.generate(
+            target, p, method="dflash", max_new_tokens=n, drafter=ds["dflash"], tree=tree, ar_fallback=False
+        )
         assert dfl.stats["nfe"]["target"] == o.stats["nfe"]["target"]
         assert dfl.stats["mean_accepted"] == o.stats["mean_accepted"]
 
