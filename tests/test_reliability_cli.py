@@ -388,6 +388,9 @@ def test_ctrl_c_exits_quietly_with_130():
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env=_env(),
+        # a shell without job control starts background jobs with SIGINT ignored, and a child
+        # inherits that (Python then installs no handler): the child starts from the default
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     fd = proc.stderr.fileno()
     os.set_blocking(fd, False)
