@@ -937,47 +937,41 @@ def test_sdpa_route_matches_the_reference(dtype, atol, layout):
 
 @pytest.mark.skipif(not _backend.cpp_available(), reason="dspec._C not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_repeated_one_shot_calls_take_a_cached_plan_with_the_same_bits(dtype):
-    """One-shot CPU calls repeating their packed mask and prefix_indptr (the same objects)
-    run through a cached plan from the second call on: the same bits as the full path, the
-    mask's and indptr's values read at each call (an in-place change is seen), a new mask
-    object or a dense bool mask never served from the cache, errors still raised."""
-    from dspec.ops import attention as ops_attention
-
+def test_repeated_one_shot_calls_keep_the_bits_and_see_in_place_changes(dtype):
+    """One-shot CPU calls repeating their packed mask and prefix_indptr (the same objects,
+    which take a cached plan from the second call on) give the bits of the full path, see
+    in-place changes of the mask and indptr, and still raise on bad input."""
     q, k, v, words, pk, pv, indptr = make_case(1, 5, 4, 2, 64, [70], dtype, seed=11)
-    call = lambda m=words, ip=indptr, **kw: dspec.cascade_attention(
-        q, k, v, m, prefix_k=pk, prefix_v=pv, prefix_indptr=ip, **kw
-    )
-    with torch.no_grad():
-        ops_attention._ONE_CALL_PLANS.clear()
-        ops_attention._ONE_CALL_SEEN.clear()
-        want = dspec.cascade_attention(q, k, v, words, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr, backend="cpp")
-        first, second, third = call(), call(), call()
-        assert len(ops_attention._ONE_CALL_PLANS) == 1
-        for out in (first, second, third):
-            assert torch.equal(out, want)
-        out, lse = call(return_lse=True)  # return_lse keys its own plan
-        _, want_lse = dspec.cascade_attention(
-            q, k, v, words, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr, backend="cpp", return_lse=True
+
+    def call(m=words, ip=indptr, **kw):
+        return dspec.cascade_attention(q, k, v, m, prefix_k=pk, prefix_v=pv, prefix_indptr=ip, **kw)
+
+    def full(**kw):  # a named backend always takes the full path
+        return dspec.cascade_attention(
+            q, k, v, words, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr, backend="cpp", **kw
         )
-        assert torch.equal(out, want) and torch.equal(lse, want_lse)
-        # in place: the cached plan reads the new values
-        words[0, 2].fill_(0)
+
+    with torch.no_grad():
+        want = full()
+        for _ in range(4):
+            assert torch.equal(call(), want)
+        want_out, want_lse = full(return_lse=True)
+        for _ in range(3):
+            out, lse = call(return_lse=True)
+            assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+        words[0, 2].fill_(0)  # in place: the next calls see the new values
         indptr[1] = 40
-        changed = dspec.cascade_attention(q, k, v, words, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr, backend="cpp")
-        assert not torch.equal(changed, want) and torch.equal(call(), changed) and torch.equal(call(), changed)
-        # a dense bool mask: packed by each call, never cached; its result still the same bits
-        dense = torch.ones(1, 5, 5, dtype=torch.bool).tril()
-        cached = len(ops_attention._ONE_CALL_PLANS)
+        changed = full()
+        assert not torch.equal(changed, want)
+        for _ in range(3):
+            assert torch.equal(call(), changed)
+        dense = torch.ones(1, 5, 5, dtype=torch.bool).tril()  # packed by each call
         for _ in range(3):
             assert torch.equal(call(dense), call(dspec.pack_mask(dense)))
-        assert all(key[1] is None or key[1][3] == torch.int32 for key in ops_attention._ONE_CALL_PLANS)
-        assert len(ops_attention._ONE_CALL_PLANS) >= cached
-        # a cached key still validates what the plan cannot take
-        with pytest.raises(ValueError, match="prefix_indptr"):
-            bad = indptr.clone()
-            bad[1] = 1000
-            for _ in range(3):
+        bad = indptr.clone()
+        bad[1] = 1000
+        for _ in range(3):
+            with pytest.raises(ValueError, match="prefix_indptr"):
                 call(ip=bad)
         with pytest.raises(ValueError):
             dspec.cascade_attention(q, k[:, :, :1], v, words, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr)

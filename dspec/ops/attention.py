@@ -122,6 +122,11 @@ def cascade_attention(
     gives it only those keys, in order, as an all-visible suffix -- so tree and copy
     layouts verify exactly as chains do.
 
+    On CPU tensors, a call that repeats the previous call's packed int32 ``mask`` and prefix
+    metadata (the same contiguous tensors, unchanged or changed in place) runs through a
+    cached :class:`CascadeAttentionPlan` from its second occurrence on: the same kernel and
+    bits without the Python validation; the tensors' values are still read at each call.
+
     Example
     -------
     >>> import torch, dspec
