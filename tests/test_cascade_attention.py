@@ -946,9 +946,9 @@ def test_repeated_one_shot_calls_keep_the_bits_and_see_in_place_changes(dtype):
     def call(m=words, ip=indptr, **kw):
         return dspec.cascade_attention(q, k, v, m, prefix_k=pk, prefix_v=pv, prefix_indptr=ip, **kw)
 
-    def full(**kw):  # a named backend always takes the full path
+    def full(**kw):  # new metadata objects: the full path, the default route
         return dspec.cascade_attention(
-            q, k, v, words, prefix_k=pk, prefix_v=pv, prefix_indptr=indptr, backend="cpp", **kw
+            q, k, v, words.clone(), prefix_k=pk, prefix_v=pv, prefix_indptr=indptr.clone(), **kw
         )
 
     with torch.no_grad():
