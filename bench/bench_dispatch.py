@@ -33,6 +33,7 @@ Writes bench/results/cpu/dispatch.{json,png} (``--out`` to change the folder).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -86,8 +87,6 @@ def _pair(rows: list, op: str, case: str, dtype, dispatch_fn, torch_fn, reps: in
     """dspec's choice (``dispatch_fn``) as a decode loop runs it -- inside
     ``dspec.cpu.torch_ops_one_thread``, dspec's kernels on its pool -- against the torch
     path (``torch_fn``) with torch's own threads, as a torch user runs it."""
-    import contextlib
-
     import dspec
 
     t = _interleaved(

@@ -98,15 +98,6 @@ struct Tile {
 // _MM_HINT_T1, measured slower at 32-128 steps.)
 std::atomic<int> g_prefetch_steps{32};
 
-// The AVX2 tiles' k chunk in steps, per weight width: [0] float32 (kAvx2ChunkSteps explains
-// it), [1] the 16-bit dtypes' unwidened passes, 16 steps (4 KB of a 4-panel group): from 2
-// rows a chunk's later passes re-read its weight lines from L1, and at 128 steps (32 KB, with
-// the next chunk prefetched beside it) those re-reads miss.  bench/results/cpu/avx2/
-// forward_zen3_avx2_chunks.json times both on whole forwards (bench_forward.py
-// --avx2-chunk-steps); float32 gains nothing from a shorter chunk.  linear_avx2_chunk_steps
-// sets either.
-std::atomic<int> g_avx2_chunk_steps[2] = {128, 16};
-
 using Micro = void (*)(const Tile&);
 
 // ---------------------------------------------------------------------- portable code
@@ -824,6 +815,14 @@ int vector_isa(int dtype, int isa) {
 // 9 rows 27.9-42.6 ms against 17.8-24.2, 16 rows 34.1-55.7 ms): on this core every hint fills
 // L1, where the passes need the whole chunk.
 constexpr std::int64_t kAvx2ChunkSteps = 128;
+// The AVX2 tiles' k chunk in steps, per weight width: [0] float32, kAvx2ChunkSteps
+// (above), [1] the 16-bit dtypes' unwidened passes, 16 steps (4 KB of a 4-panel group): from 2
+// rows a chunk's later passes re-read its weight lines from L1, and at 128 steps (32 KB, with
+// the next chunk prefetched beside it) those re-reads miss.  bench/results/cpu/avx2/
+// forward_zen3_avx2_chunks.json times both on whole forwards (bench_forward.py
+// --avx2-chunk-steps); float32 gains nothing from a shorter chunk.  linear_avx2_chunk_steps
+// sets either.
+std::atomic<int> g_avx2_chunk_steps[2] = {static_cast<int>(kAvx2ChunkSteps), 16};
 // From this many rows the 16-bit dtypes run the float32 tiles on widened chunks
 // (widened_panels): with the 16-step chunks above the unwidened passes stay faster up to
 // 12 rows and the two meet at about 16 (SmolLM2-135M bf16 forwards, both thresholds
