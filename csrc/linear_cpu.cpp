@@ -432,15 +432,78 @@ DSPEC_AVX2_INLINE void avx2_pass(const Tile& t, int r0, bool fetch) {
   }
 }
 
-// Rows [R0, MR) of the tile in passes that fit the 16 registers (avx2_step): float32 in
-// blocks of 3 (12 accumulators, 3 broadcasts, one weight vector; 4 rows as 2 + 2), the
+// One float32 pass of MR (4 .. 6) rows over panel P of the group's T panels, both halves
+// (2 x MR accumulators, one row's broadcast at a time): each k step reads the panel's one
+// 64-byte line, whole, where the half passes of avx2_rows read half of every panel's line.
+// A chunk's lines come from cache (an earlier pass read them in order), so the stride of
+// T lines between steps costs nothing; the FMAs still run in k order per accumulator.
+template <int MR, int T, int P>
+DSPEC_AVX2_INLINE void avx2_panel_pass(const Tile& t) {
+  constexpr std::int64_t kAccStride = kPanel * kPanelBlock;
+  const float* w = static_cast<const float*>(t.w) + P * kPanel;
+  float* carried = t.acc + P * kPanel;
+  __m256 acc[MR][2];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h)
+      acc[i][h] = t.first ? _mm256_setzero_ps() : _mm256_loadu_ps(carried + i * kAccStride + 8 * h);
+  const float* rows[MR];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) rows[i] = static_cast<const float*>(t.x) + i * t.ldx;
+#pragma GCC unroll 2
+  for (std::int64_t s = t.s0; s < t.s1; ++s) {
+    const float* ws = w + s * T * kPanel;
+    const __m256 w0 = _mm256_loadu_ps(ws), w1 = _mm256_loadu_ps(ws + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      const __m256 b = _mm256_broadcast_ss(rows[i] + s);
+      acc[i][0] = _mm256_fmadd_ps(b, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(b, w1, acc[i][1]);
+    }
+  }
+  if (!t.last) {
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(carried + i * kAccStride + 8 * h, acc[i][h]);
+    return;
+  }
+  const int cols = P == T - 1 ? t.last_cols : kPanel;
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const int c0 = 8 * h;
+    if (c0 >= cols) continue;
+    const __m256 b = _mm256_loadu_ps(t.bias + P * kPanel + c0);
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      avx2_store<kFloat32>(static_cast<float*>(t.out) + i * t.ldo + P * kPanel + c0, _mm256_add_ps(acc[i][h], b),
+                           cols - c0 < 8 ? cols - c0 : 8);
+    }
+  }
+}
+
+template <int MR, int T, int P>
+DSPEC_AVX2_INLINE void avx2_panel_passes(const Tile& t) {
+  if constexpr (P < T) {
+    avx2_panel_pass<MR, T, P>(t);
+    avx2_panel_passes<MR, T, P + 1>(t);
+  }
+}
+
+// Rows [R0, MR) of the tile in passes that fit the 16 registers (avx2_step): float32 tiles
+// of up to 3 rows in one block (12 accumulators, 3 broadcasts, one weight vector), the
 // 16-bit dtypes in blocks of 2 (8 accumulators, 2 x 2 broadcasts of an element pair, the
-// loaded pair vector and its widened element).
+// loaded pair vector and its widened element).  Float32 tiles of 4 .. 6 rows run one
+// whole-line pass per panel instead (avx2_panel_pass; the callers give them chunks already
+// in cache).
 template <int DT, int MR, int T, int R0>
 DSPEC_AVX2_INLINE void avx2_rows(const Tile& t) {
-  if constexpr (R0 < MR) {
+  if constexpr (DT == kFloat32 && R0 == 0 && MR >= 4) {
+    avx2_panel_passes<MR, T, 0>(t);
+  } else if constexpr (R0 < MR) {
     constexpr int kLeft = MR - R0;
-    constexpr int R = DT != kFloat32 ? (kLeft < 2 ? kLeft : 2) : (kLeft == 4 ? 2 : (kLeft < 3 ? kLeft : 3));
+    constexpr int R = DT != kFloat32 ? (kLeft < 2 ? kLeft : 2) : (kLeft < 3 ? kLeft : 3);
     if constexpr (R == 1) {
       // one row: its only pass fetches the next chunk (bf16 LM head, one row, in-process A/B:
       // 0.97x the time at one thread, 0.99-1.04x at two, where the stream is at its floor)
@@ -829,6 +892,13 @@ std::atomic<int> g_avx2_chunk_steps[2] = {static_cast<int>(kAvx2ChunkSteps), 16}
 // interleaved in one process on AVX2 Zen 3, 1 and 2 threads).
 constexpr std::int64_t kAvx2WidenRows = 13;
 constexpr std::int64_t kAvx2RowBlock = 3;
+// The rows of the AVX2 row block at row i0 of a chunk: float32 blocks after the first run
+// 6 rows by whole panel lines (avx2_panel_pass) from the cache the first block's half
+// passes read the chunk into in line order.
+constexpr std::int64_t kAvx2PanelRowBlock = 6;
+constexpr std::int64_t avx2_row_block(int dtype, std::int64_t i0) {
+  return dtype == kFloat32 && i0 > 0 ? kAvx2PanelRowBlock : kAvx2RowBlock;
+}
 
 #if DSPEC_LINEAR_X86
 // One group of a 16-bit projection through the float32 AVX2 tiles on widened chunks
@@ -870,8 +940,8 @@ void widened_panels(const LinearArgs& a, const float* xf, const Tile& t, int tp,
     f.s0 = 0;
     f.s1 = std::min(a.k, 2 * q1) - 2 * q0;
     f.first = q0 == 0;
-    for (std::int64_t i0 = 0; i0 < a.m; i0 += kAvx2RowBlock) {
-      const int mr = static_cast<int>(std::min<std::int64_t>(kAvx2RowBlock, a.m - i0));
+    for (std::int64_t i0 = 0; i0 < a.m; i0 += avx2_row_block(kFloat32, i0)) {
+      const int mr = static_cast<int>(std::min<std::int64_t>(avx2_row_block(kFloat32, i0), a.m - i0));
       f.x = xf + i0 * a.k + 2 * q0;
       f.acc = partial.data() + i0 * kPanel * kPanelBlock;
       // the next chunk's prefetch (bf16, 6 / 16 rows: 39.4 / 56.5 ms against 48.6 / 77.0 without it)
@@ -930,8 +1000,8 @@ void panels(const LinearArgs& a, const Table& table, std::int64_t p0, std::int64
         t.s1 = std::min(steps, s0 + chunk);
         t.first = s0 == 0;
         t.last = t.s1 == steps;
-        for (std::int64_t i0 = 0; i0 < a.m; i0 += kAvx2RowBlock) {
-          const int mr = static_cast<int>(std::min<std::int64_t>(kAvx2RowBlock, a.m - i0));
+        for (std::int64_t i0 = 0; i0 < a.m; i0 += avx2_row_block(DT, i0)) {
+          const int mr = static_cast<int>(std::min<std::int64_t>(avx2_row_block(DT, i0), a.m - i0));
           t.x = x + i0 * a.ldx * item;
           t.out = out + (i0 * a.ldo + c0) * item;
           t.acc = partial.data() + i0 * kPanel * kPanelBlock;

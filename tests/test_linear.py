@@ -165,7 +165,7 @@ def test_linear_prefetch_distance_changes_no_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 12, 13, 20])
 def test_linear_avx2_chunk_changes_no_bit(dtype, rows):
     """linear_avx2_chunk_steps sets the k chunk of the AVX2 tiles (float32, and the 16-bit
     dtypes' unwidened passes below the widening row count); every output is one FMA chain
