@@ -175,11 +175,20 @@ def main(argv=None) -> int:
     ar_tokens = {}
     for batch in batches:
         prompts = prompts_all[:batch]
-        for engine, fn in engines.items():
-            if (engine.startswith("llama") or engine.startswith("dspec ")) and batch > 1:
-                continue
+        here = {
+            engine: fn
+            for engine, fn in engines.items()
+            if not ((engine.startswith("llama") or engine.startswith("dspec ")) and batch > 1)
+        }
+        for fn in here.values():
             fn(prompts[:1])  # warm-up
-            samples = [fn(prompts) for _ in range(args.calls)]
+        # call c of every engine before call c + 1 of any: the VMs' memory bandwidth drifts
+        # within a minute, and the ratios compare engines at the same moments
+        by_engine = {engine: [] for engine in here}
+        for _ in range(args.calls):
+            for engine, fn in here.items():
+                by_engine[engine].append(fn(prompts))
+        for engine, samples in by_engine.items():
             tps = [n / w for n, w, _ in samples]
             row = {
                 "engine": engine,
