@@ -3,8 +3,9 @@
 // A decode step calls ~200 kernels of 10-100 us each; starting a std::thread per call costs
 // ~10-20 us, so the workers persist.  Between calls a worker spins briefly (yielding its
 // core to any other runnable thread: torch's own OpenMP workers share these cores), then
-// sleeps on a condition variable; woken onto the caller's core, it moves off it.  One call at a time: a call that finds the pool busy (a
-// second Python thread with the GIL released) runs on fresh threads instead.
+// sleeps on a condition variable; woken onto the caller's core, it moves off it.  One call
+// at a time: a call that finds the pool busy (a second Python thread with the GIL released)
+// runs on fresh threads instead.
 //
 // fork: a child has none of the parent's workers, and the pool's mutexes and condition
 // variable hold the state of threads that do not exist there (a worker asleep in
