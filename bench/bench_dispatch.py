@@ -17,8 +17,10 @@ decode loop runs it: inside ``dspec.cpu.torch_ops_one_thread``) against the plai
   suffix rows, ``backend=None`` vs ``backend="torch"``; ``attention_vs_sdpa``: the same
   call vs ``F.scaled_dot_product_attention`` on the same keys (torch's fastest attention;
   the public call includes its Python wrapper and validation, which a forward's layer stack
-  does not run); ``attention_plan_vs_sdpa``: a ``CascadeAttentionPlan``'s ``run`` (what an
-  engine calls per layer, everything validated once) against the same SDPA call;
+  does not run); ``attention_words_vs_sdpa``: the call given packed mask words (engines'
+  form: repeated, it runs a cached plan); ``attention_plan_vs_sdpa``: a
+  ``CascadeAttentionPlan``'s ``run`` (what an engine calls per layer, everything validated
+  once) against the same SDPA call;
 - ``rms_norm`` / ``rope``: the model's layer ops with and without the fused kernels;
 - ``token_stats`` / ``topk_tokens`` / ``verify_chain``: N logits rows of 49152;
 - ``forward``: the whole SmolLM2-135M forward after 256 cached tokens, N = 1 / 4 / 16 / 64,
@@ -232,6 +234,19 @@ def child(args) -> dict:
                 f"N={n} prefix={prefix}",
                 dtype,
                 lambda: dspec.cascade_attention(q, kk, vv, mask, **kw),
+                lambda: F.scaled_dot_product_attention(sq, sk, sv, attn_mask=smask, enable_gqa=True),
+                reps,
+                warmup,
+            )
+            # the same one-shot call given packed mask words, as engines keep them (the call
+            # repeating its mask and prefix metadata runs a cached plan)
+            words = dspec.pack_mask(mask)
+            _pair(
+                rows,
+                "attention_words_vs_sdpa",
+                f"N={n} prefix={prefix}",
+                dtype,
+                lambda: dspec.cascade_attention(q, kk, vv, words, **kw),
                 lambda: F.scaled_dot_product_attention(sq, sk, sv, attn_mask=smask, enable_gqa=True),
                 reps,
                 warmup,

@@ -237,6 +237,17 @@ _ONE_CALL_SEEN: dict = {}
 _ONE_CALL_PLANS_MAX = 16
 
 
+def _eager_cpu(tensors) -> bool:
+    """An eager call on plain CPU tensors: no subclass, no dispatch mode, nothing traced and
+    nothing for autograd to record (the checks the one-shot plan cache and a plan's "sdpa"
+    route share; ``CascadeAttentionPlan.run`` spells them out for its hot path)."""
+    if any(type(t) is not _Tensor or not t.is_cpu for t in tensors):
+        return False
+    if _get_current_dispatch_mode() is not None or torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def _one_call_key(q, k, v, metadata, prefix_k, prefix_v, sm_scale, return_lse, max_prefix_len, backend):
     """The plan cache's key of a one-shot call, or None where the call must take the full path:
     a backend named, anything not a plain CPU tensor, tracing, autograd, a CUDA-graph bound."""
@@ -246,11 +257,7 @@ def _one_call_key(q, k, v, metadata, prefix_k, prefix_v, sm_scale, return_lse, m
     if backend is not None or max_prefix_len is not None or not isinstance(return_lse, bool):
         return None
     tensors = (q, k, v) if prefix_k is None and prefix_v is None else (q, k, v, prefix_k, prefix_v)
-    if any(type(t) is not _Tensor or not t.is_cpu for t in tensors):
-        return None
-    if _get_current_dispatch_mode() is not None:
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if not _eager_cpu(tensors):
         return None
     if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))):
         return None
@@ -1056,12 +1063,7 @@ class CascadeAttentionPlan:
         """An eager call on plain CPU tensors of the plan's shapes and dtype with a unit
         stride along D, nothing traced and no autograd: the "sdpa" route may run directly."""
         tensors = (q, k, v) if not self.has_prefix else (q, k, v, prefix_k, prefix_v)
-        if (
-            any(type(t) is not _Tensor or not t.is_cpu or t.dtype != self.dtype or t.stride(-1) != 1 for t in tensors)
-            or _get_current_dispatch_mode() is not None
-            or torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-        ):
+        if not _eager_cpu(tensors) or any(t.dtype != self.dtype or t.stride(-1) != 1 for t in tensors):
             return False
         if q.shape != self._q_shape or k.shape != self._kv_shape or v.shape != self._kv_shape:
             return False
