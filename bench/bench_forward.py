@@ -39,6 +39,7 @@ from common import environment, measure_bandwidth, out_dir, write_json
 SUFFIX = (1, 2, 4, 8, 16, 32, 64)
 PREFIX = (256, 2048)
 SETTLE_S = 0.02
+BURST = 3
 
 
 def _summary(raw: list[float]) -> dict:
@@ -55,19 +56,22 @@ def _time_interleaved(runs: dict, reps: int, warmup: int) -> dict:
     """Times every fn of ``runs`` (key -> (fn, scope factory)) round-robin: rep r of each
     before rep r + 1 of any, so all of them see the same phases of a VM whose memory
     bandwidth drifts by tens of percent within minutes (the N / N=1 ratios are the result).
-    A pause of ``SETTLE_S`` after each call, untimed, lets the previous call's OpenMP
-    workers stop spinning before the next starts (a dspec forward right after a transformers
-    one measured up to 20 % slower without it on 2 cores)."""
+    A rep is a burst of ``BURST`` back-to-back calls after an untimed pause of ``SETTLE_S``,
+    which lets the other side's OpenMP workers stop spinning (a dspec forward right after a
+    transformers one measured up to 20 % slower without it on 2 cores); the burst's first
+    call, which wakes the sleeping workers after the pause, is not kept, so each side is
+    timed as a decode loop runs it, forward after forward."""
     raw = {key: [] for key in runs}
     for rep in range(warmup + reps):
         for key, (fn, scope) in runs.items():
-            with scope():
-                t0 = time.perf_counter()
-                fn()
-                dt = (time.perf_counter() - t0) * 1e3
             time.sleep(SETTLE_S)
-            if rep >= warmup:
-                raw[key].append(dt)
+            with scope():
+                for call in range(BURST):
+                    t0 = time.perf_counter()
+                    fn()
+                    dt = (time.perf_counter() - t0) * 1e3
+                    if rep >= warmup and call:
+                        raw[key].append(dt)
     return {key: _summary(v) for key, v in raw.items()}
 
 
