@@ -61,10 +61,10 @@ TORCH_CAPS = {
 ALLOWANCE = 1.05
 # A rep is a burst of back-to-back calls spanning at least BURST_S (at least BURST_MIN
 # calls) after an untimed pause of SETTLE_S; only its second half is kept.  Measured on a
-# 2-core VM: after one 2-thread F.linear torch's OpenMP worker spins ~10 ms, and after any
-# idle pause the second core joins a call late for the next ~2 ms, each halving a 2-thread
-# 0.3 ms projection (dspec's pool or oneDNN alike); a burst's second half is each side's
-# steady state, as a decode loop runs it.
+# 2-core VM: after one 2-thread F.linear torch's OpenMP worker spins ~7 ms (its CPU time in
+# /proc), and after a pause a sleeping worker (dspec's pool or OpenMP's) joins the first
+# calls late; either halves a 2-thread 0.3 ms projection.  A burst's second half is each
+# side's steady state, as a decode loop runs it.
 SETTLE_S = 0.02
 BURST_S = 0.008
 BURST_MIN = 4
@@ -228,40 +228,26 @@ def child(args) -> dict:
             sk = torch.cat([pk[None], kk], 1).transpose(1, 2)
             sv = torch.cat([pv[None], vv], 1).transpose(1, 2)
             smask = torch.cat([torch.ones(n, prefix, dtype=torch.bool), mask[0]], 1)
-            _pair(
-                rows,
-                "attention_vs_sdpa",
-                f"N={n} prefix={prefix}",
-                dtype,
-                lambda: dspec.cascade_attention(q, kk, vv, mask, **kw),
-                lambda: F.scaled_dot_product_attention(sq, sk, sv, attn_mask=smask, enable_gqa=True),
-                reps,
-                warmup,
-            )
-            # the same one-shot call given packed mask words, as engines keep them (the call
-            # repeating its mask and prefix metadata runs a cached plan)
+            # against SDPA: the one-shot call (validating and packing its dense mask), the
+            # same call given packed mask words as engines keep them (repeated, it runs a
+            # cached plan), and a plan's run (what an engine calls per layer)
             words = dspec.pack_mask(mask)
-            _pair(
-                rows,
-                "attention_words_vs_sdpa",
-                f"N={n} prefix={prefix}",
-                dtype,
-                lambda: dspec.cascade_attention(q, kk, vv, words, **kw),
-                lambda: F.scaled_dot_product_attention(sq, sk, sv, attn_mask=smask, enable_gqa=True),
-                reps,
-                warmup,
-            )
             plan = dspec.ops.CascadeAttentionPlan(1, n, hq, hkv, d, dtype, "cpu", mask, prefix_indptr=indptr)
-            _pair(
-                rows,
-                "attention_plan_vs_sdpa",
-                f"N={n} prefix={prefix}",
-                dtype,
-                lambda: plan.run(q, kk, vv, pk, pv),
-                lambda: F.scaled_dot_product_attention(sq, sk, sv, attn_mask=smask, enable_gqa=True),
-                reps,
-                warmup,
-            )
+            for op, mine in (
+                ("attention_vs_sdpa", lambda: dspec.cascade_attention(q, kk, vv, mask, **kw)),
+                ("attention_words_vs_sdpa", lambda: dspec.cascade_attention(q, kk, vv, words, **kw)),
+                ("attention_plan_vs_sdpa", lambda: plan.run(q, kk, vv, pk, pv)),
+            ):
+                _pair(
+                    rows,
+                    op,
+                    f"N={n} prefix={prefix}",
+                    dtype,
+                    mine,
+                    lambda: F.scaled_dot_product_attention(sq, sk, sv, attn_mask=smask, enable_gqa=True),
+                    reps,
+                    warmup,
+                )
             norm = RMSNorm(576, 1e-5).to(dtype)
             h = torch.randn(1, n, 576).to(dtype)
             with torch.no_grad():
